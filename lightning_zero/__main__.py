@@ -1,0 +1,5 @@
+import sys
+
+from lightning_zero.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Lightning callbacks: checkpoint consolidation, throughput logging, collective diagnostics."""

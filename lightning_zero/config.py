@@ -1,0 +1,108 @@
+"""Validated configuration for the ZeRO engines.
+
+Every knob a user can pass lands in one of these frozen dataclasses, and each one is checked in
+``__post_init__`` so that a wrong value fails in the constructor, before any process group starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+STAGES = (0, 1, 2, 3)
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+
+# The NVMe swapper is tracked by its own issue; until it lands, asking for it fails loudly.
+NVME_NOT_AVAILABLE = (
+    "offload='nvme' (ZeRO-Infinity NVMe swapping) is not implemented yet: it is tracked by the NVMe offload issue. "
+    "Use offload='cpu' or offload=None for now."
+)
+
+ModuleClassSpec = Union[str, type]
+
+
+def _normalise_offload(offload: Optional[str]) -> str:
+    if offload is None or offload is False:
+        return "none"
+    if not isinstance(offload, str):
+        raise TypeError(f"offload must be one of {OFFLOAD_DEVICES} or None, got {offload!r}")
+    value = offload.lower()
+    if value not in OFFLOAD_DEVICES:
+        raise ValueError(f"offload must be one of {OFFLOAD_DEVICES} or None, got {offload!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """What to shard and where to keep it.
+
+    Args:
+        stage: ZeRO stage. 0 replicates everything (DDP); 1 shards optimizer states; 2 also shards gradients;
+            3 also shards parameters. See ``docs/stages.md`` for the memory formula of each stage.
+        offload: ``None``/``"none"``, ``"cpu"`` (optimizer states and fp32 master weights live and step in CPU
+            memory; at stage 3 parameters and gradients too) or ``"nvme"`` (not implemented yet: raises).
+        pin_memory: pin the CPU copies used by offload. ``None`` pins when the compute device is CUDA; pinning
+            needs a CUDA device, so ``True`` on a CPU-only run is an error at setup.
+        sharded_module_classes: module classes (classes or class names) that become their own FSDP unit at
+            stages 2-3. ``None`` detects repeated blocks automatically (see :func:`find_repeated_blocks`).
+        reshard_after_forward: stage-3 override of FSDP2's ``reshard_after_forward`` (an ``int`` reshards to a
+            smaller group, as FSDP2 allows). ``None`` keeps the stage's meaning.
+    """
+
+    stage: int = 2
+    offload: Optional[str] = None
+    pin_memory: Optional[bool] = None
+    sharded_module_classes: Optional[frozenset] = None
+    reshard_after_forward: Optional[Union[bool, int]] = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stage, bool) or not isinstance(self.stage, int) or self.stage not in STAGES:
+            raise ValueError(f"stage must be one of {STAGES} (0: DDP, 1: +optimizer states sharded, "
+                             f"2: +gradients sharded, 3: +parameters sharded), got {self.stage!r}")
+        offload = _normalise_offload(self.offload)
+        object.__setattr__(self, "offload", offload)
+        if offload == "nvme":
+            raise NotImplementedError(NVME_NOT_AVAILABLE)
+        if offload != "none" and self.stage == 0:
+            raise ValueError(
+                f"offload={offload!r} needs a ZeRO stage of 1, 2 or 3: stage 0 keeps every state replicated on "
+                "the device, so there is nothing partitioned to offload. Use stage=1/2/3 or offload=None."
+            )
+        if self.pin_memory is not None and not isinstance(self.pin_memory, bool):
+            raise TypeError(f"pin_memory must be True, False or None, got {self.pin_memory!r}")
+        if self.pin_memory and offload == "none":
+            raise ValueError("pin_memory=True only applies with offload='cpu'; set offload='cpu' or drop pin_memory")
+        if self.sharded_module_classes is not None:
+            classes = self.sharded_module_classes
+            if isinstance(classes, (str, type)):
+                classes = (classes,)
+            try:
+                classes = frozenset(classes)
+            except TypeError:
+                raise TypeError(f"sharded_module_classes must be a set of classes or class names, got {classes!r}")
+            for item in classes:
+                if not (isinstance(item, str) or (isinstance(item, type) and issubclass(item, torch.nn.Module))):
+                    raise TypeError(f"sharded_module_classes entries must be nn.Module subclasses or class names,"
+                                    f" got {item!r}")
+            if self.stage < 2:
+                raise ValueError("sharded_module_classes only applies to stages 2 and 3 (FSDP2 units); "
+                                 f"stage {self.stage} does not shard parameters into units")
+            object.__setattr__(self, "sharded_module_classes", classes)
+        if self.reshard_after_forward is not None:
+            if self.stage != 3:
+                raise ValueError("reshard_after_forward only applies to stage 3 (stage 2 never reshards after "
+                                 f"forward by definition); got stage={self.stage}")
+            value = self.reshard_after_forward
+            if not isinstance(value, (bool, int)) or (not isinstance(value, bool) and value < 1):
+                raise ValueError(f"reshard_after_forward must be a bool or a positive int, got {value!r}")
+
+    @property
+    def offloads(self) -> bool:
+        return self.offload != "none"
+
+    @property
+    def shards_parameters_at_rest(self) -> bool:
+        """Stages 2-3 use FSDP2, whose parameters are sharded between steps."""
+        return self.stage >= 2

@@ -1,0 +1,1 @@
+"""Lightning adapters over :mod:`lightning_zero.distributed`."""
