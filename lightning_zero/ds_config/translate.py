@@ -1,0 +1,484 @@
+"""Translate a DeepSpeed ``ds_config`` into ``ZeroStrategy`` keyword arguments and Trainer-level settings.
+
+The translation is a pure function of the config dict: no process group, no Trainer. ``"auto"`` values are kept
+as ``"auto"`` (listed in :attr:`DeepSpeedTranslation.unresolved_auto`); resolve them with
+:func:`lightning_zero.ds_config.auto.resolve_auto` once the Trainer is known and translate again.
+
+[Note: nothing is silently dropped. Every key present in the config ends in exactly one of: a strategy kwarg, a
+Trainer-level field, a returned section (optimizer/scheduler/activation checkpointing), a note saying why it has no
+effect with FSDP2/DDP (warned when set to a non-default value), or an error (warning with ``strict=False``).]
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from lightning_zero.ds_config import schema
+from lightning_zero.ds_config.loading import DeepSpeedConfigError, DeepSpeedConfigWarning
+from lightning_zero.ds_config.schema import KeySpec
+
+AUTO = "auto"
+COMMUNICATION_DATA_TYPES = ("fp32", "bf16", "fp16")
+_LOSS_SCALE_KWARGS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+                      "consecutive_hysteresis", "min_loss_scale")
+
+
+@dataclass(frozen=True)
+class DeepSpeedTranslation:
+    """What a ``ds_config`` asks for, split by who has to act on it.
+
+    Attributes:
+        strategy_kwargs: keyword arguments for ``ZeroStrategy`` (``stage``, ``offload``, ``pin_memory``,
+            ``reshard_after_forward``, ``communication_data_type``, the fp16 loss-scale knobs,
+            ``pipeline_parallel_size``, ``micro_batches``); only keys the config determines are present.
+        precision: ``"16-mixed"``, ``"bf16-mixed"``, ``"32-true"`` or ``None`` when the config has no precision
+            section (DeepSpeed would train in fp32) or its ``enabled`` is still ``"auto"``.
+        gradient_clipping: Trainer ``gradient_clip_val`` (``0.0`` = off), ``None`` if absent, or ``"auto"``.
+        gradient_accumulation_steps, train_batch_size, train_micro_batch_size_per_gpu: batch settings as written
+            (``None`` if absent, or ``"auto"``); :func:`resolve_auto` applies DeepSpeed's arithmetic.
+        steps_per_print: Trainer ``log_every_n_steps`` or ``None``.
+        wall_clock_breakdown: the config asks for per-phase timings.
+        activation_checkpointing: the section with DeepSpeed's defaults filled in (empty when absent).
+        optimizer: ``{"type": ..., "params": {...}}`` or ``None``.
+        scheduler: ``{"type": ..., "params": {...}}`` or ``None``.
+        gather_16bit_weights_on_model_save: ``stage3_gather_16bit_weights_on_model_save``.
+        notes: ``(key, what happened to it)`` for every key present in the config.
+        effective: the fully-resolved config (DeepSpeed defaults filled in, deprecated keys renamed) to print and
+            save next to checkpoints.
+        unresolved_auto: dotted paths whose value is still ``"auto"``.
+    """
+
+    strategy_kwargs: dict
+    precision: Optional[str]
+    gradient_clipping: Any
+    gradient_accumulation_steps: Any
+    train_batch_size: Any
+    train_micro_batch_size_per_gpu: Any
+    steps_per_print: Optional[int]
+    wall_clock_breakdown: bool
+    activation_checkpointing: dict
+    optimizer: Optional[dict]
+    scheduler: Optional[dict]
+    gather_16bit_weights_on_model_save: bool
+    notes: tuple = field(default_factory=tuple)
+    effective: dict = field(default_factory=dict)
+    unresolved_auto: tuple = field(default_factory=tuple)
+
+    def trainer_settings(self) -> dict:
+        """The Trainer-level settings the config fixes, under the Trainer's argument names (absent = not fixed)."""
+        settings = {
+            "precision": self.precision,
+            "gradient_clip_val": self.gradient_clipping,
+            "accumulate_grad_batches": self.gradient_accumulation_steps,
+            "log_every_n_steps": self.steps_per_print,
+        }
+        return {key: value for key, value in settings.items() if value is not None and value != AUTO}
+
+
+class _Collector:
+    """Gathers notes, non-default no-effect keys, and problems, so one translation reports everything at once."""
+
+    def __init__(self, strict: bool) -> None:
+        self.strict = strict
+        self.notes: list[tuple[str, str]] = []
+        self.problems: list[str] = []
+        self.no_effect_non_default: list[str] = []
+
+    def note(self, path: str, text: str) -> None:
+        self.notes.append((path, text))
+
+    def problem(self, path: str, text: str) -> None:
+        """A key we cannot honour: an error in strict mode, else a warning (the key is then ignored)."""
+        self.problems.append(f"{path}: {text}")
+        self.note(path, ("IGNORED (strict=False): " if not self.strict else "ERROR: ") + text)
+
+    def finish(self) -> None:
+        if self.problems:
+            message = "DeepSpeed config cannot be used as written:\n  - " + "\n  - ".join(self.problems)
+            if self.strict:
+                raise DeepSpeedConfigError(message + "\n(pass strict=False to turn these into warnings)")
+            warnings.warn(message, DeepSpeedConfigWarning, stacklevel=3)
+        if self.no_effect_non_default:
+            warnings.warn(
+                "These DeepSpeed config keys are set to non-default values but have no effect with lightning-zero's "
+                "FSDP2/DDP engines (see the translation notes or docs/ds_config.md for why): "
+                + ", ".join(self.no_effect_non_default), DeepSpeedConfigWarning, stacklevel=3)
+
+
+def _suggest(key: str, candidates: list[str], section: str) -> str:
+    """A ' did you mean' hint: the closest key of this section, or the section where this key really lives."""
+    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
+    if close:
+        return f"did you mean {close[0]!r}?"
+    elsewhere = [path for path in schema.all_known_paths() if path.rsplit(".", 1)[-1] == key]
+    elsewhere = [path for path in elsewhere if path.rsplit(".", 1)[0] != section]
+    if elsewhere:
+        return f"this key belongs under {elsewhere[0]!r}"
+    close = difflib.get_close_matches(key, [p.rsplit(".", 1)[-1] for p in schema.all_known_paths()], n=1, cutoff=0.75)
+    if close:
+        return f"did you mean {close[0]!r} (in another section)?"
+    return "no similar key is known"
+
+
+def _is_disabled(value: Any) -> bool:
+    """A section of another feature that asks for nothing: false/null/0/1 or ``{"enabled": false}``."""
+    if value is None or value is False or (isinstance(value, (int, float)) and value in (0, 1)):
+        return True
+    return isinstance(value, dict) and value.get("enabled", True) is False
+
+
+def _merge_section(user: dict, keys: dict[str, KeySpec], section: str, out: _Collector) -> dict:
+    """Defaults of ``keys`` overlaid with the known user keys; unknown keys become problems, no-effect keys notes."""
+    merged = {key: spec.default for key, spec in keys.items() if spec.default is not schema.DERIVED}
+    for key, value in user.items():
+        path = f"{section}.{key}"
+        spec = keys.get(key)
+        if spec is None:
+            out.problem(path, f"unknown key; {_suggest(key, list(keys), section)}")
+            continue
+        merged[key] = value
+        if spec.role == schema.NO_EFFECT:
+            out.note(path, "no effect: " + spec.note)
+            if value != spec.default and spec.default is not schema.DERIVED and value != AUTO:
+                out.no_effect_non_default.append(f"{path}={value!r}")
+        elif spec.role == schema.UNSUPPORTED:
+            if value in (spec.default, None, False):
+                out.note(path, f"accepted at its default; other values are not supported ({spec.note})")
+            else:
+                out.problem(path, f"{value!r} is not supported: {spec.note}")
+                merged[key] = spec.default
+        else:
+            out.note(path, spec.note)
+    return merged
+
+
+def _section(config: dict, name: str, out: _Collector) -> Optional[dict]:
+    value = config.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise DeepSpeedConfigError(f"{name!r} must be a JSON object, got {value!r}")
+    return value
+
+
+def _check_number(path: str, value: Any, *, integer: bool = False, minimum: float = 0, allow_auto: bool = True,
+                  strictly_positive: bool = False) -> Any:
+    """Validate a numeric value; integral floats (DeepSpeed configs write ``1e9``) become ints for integer keys."""
+    if value is None or (allow_auto and value == AUTO):
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        allowed = "a number" + (' or "auto"' if allow_auto else "")
+        raise DeepSpeedConfigError(f"{path} must be {allowed}, got {value!r}")
+    if integer:
+        if isinstance(value, float) and not value.is_integer():
+            raise DeepSpeedConfigError(f"{path} must be an integer, got {value!r}")
+        value = int(value)
+    if value < minimum or (strictly_positive and value <= 0):
+        bound = "> 0" if strictly_positive else f">= {minimum}"
+        raise DeepSpeedConfigError(f"{path} must be {bound}, got {value!r}")
+    return value
+
+
+def _check_flag(path: str, value: Any, allow_auto: bool = False) -> Any:
+    if isinstance(value, bool) or (allow_auto and value == AUTO):
+        return value
+    allowed = 'true, false or "auto"' if allow_auto else "true or false"
+    raise DeepSpeedConfigError(f"{path} must be {allowed}, got {value!r}")
+
+
+def _normalise_deprecated(config: dict, out: _Collector) -> dict:
+    """Rewrite the spellings DeepSpeed still reads into current ones, warning once per key."""
+    config = copy.deepcopy(config)
+    zero = config.get("zero_optimization")
+    if isinstance(zero, bool):
+        warnings.warn('"zero_optimization": true/false is deprecated in DeepSpeed; write "zero_optimization": '
+                      '{"stage": 1} (or 0) instead', FutureWarning, stacklevel=3)
+        new_zero: dict = {"stage": 1 if zero else 0}
+        if zero and "allgather_size" in config:
+            new_zero["allgather_bucket_size"] = config.pop("allgather_size")
+        config["zero_optimization"] = new_zero
+        out.note("zero_optimization", f"deprecated boolean form -> stage {new_zero['stage']}")
+    if "bfloat16" in config:
+        if "bf16" in config:
+            raise DeepSpeedConfigError('both "bf16" and its deprecated spelling "bfloat16" are set: keep only "bf16"')
+        warnings.warn('"bfloat16" is deprecated in DeepSpeed; rename the section to "bf16"', FutureWarning,
+                      stacklevel=3)
+        config["bf16"] = config.pop("bfloat16")
+        out.note("bfloat16", 'deprecated spelling -> "bf16"')
+    zero = config.get("zero_optimization")
+    if isinstance(zero, dict):
+        for old, new in schema.DEPRECATED_ZERO_KEYS.items():
+            if old not in zero:
+                continue
+            value = zero.pop(old)
+            warnings.warn(f'"zero_optimization.{old}" is deprecated in DeepSpeed; use "{new}" instead', FutureWarning,
+                          stacklevel=3)
+            out.note(f"zero_optimization.{old}", f"deprecated -> {new}")
+            if old == "cpu_offload" and value:
+                zero.setdefault("offload_optimizer", {"device": "cpu"})
+            elif old == "cpu_offload_param" and value:
+                zero.setdefault("offload_param", {"device": "cpu"})
+            elif old == "cpu_offload_use_pin_memory" and value is not None:
+                for sub in ("offload_optimizer", "offload_param"):
+                    if isinstance(zero.get(sub), dict):
+                        zero[sub].setdefault("pin_memory", bool(value))
+            elif old == "stage3_gather_fp16_weights_on_model_save":
+                zero.setdefault("stage3_gather_16bit_weights_on_model_save", value)
+    return config
+
+
+def _translate_offload(zero: dict, stage: int, out: _Collector, kwargs: dict) -> dict:
+    """Both DeepSpeed offload sections collapse onto the strategy's single ``offload`` knob (see docs)."""
+    devices: dict[str, str] = {}
+    pins: list[bool] = []
+    effective: dict = {}
+    for sub, keys in (("offload_optimizer", schema.OFFLOAD_OPTIMIZER_KEYS), ("offload_param", schema.OFFLOAD_PARAM_KEYS)):
+        user = zero.get(sub)
+        if user is None:
+            continue
+        if not isinstance(user, dict):
+            raise DeepSpeedConfigError(f"zero_optimization.{sub} must be a JSON object, got {user!r}")
+        merged = _merge_section(user, keys, f"zero_optimization.{sub}", out)
+        device = str(merged["device"]).lower()
+        if device not in ("none", "cpu", "nvme"):
+            raise DeepSpeedConfigError(f"zero_optimization.{sub}.device must be 'none', 'cpu' or 'nvme', got "
+                                       f"{merged['device']!r}")
+        merged["device"] = device
+        pin = _check_flag(f"zero_optimization.{sub}.pin_memory", merged["pin_memory"])
+        effective[sub] = merged
+        if device == "none":
+            continue
+        if sub == "offload_param" and stage < 3:
+            out.note("zero_optimization.offload_param", f"no effect at stage {stage}: parameters are only offloaded "
+                     "at stage 3 (DeepSpeed ignores it too)")
+            warnings.warn(f"zero_optimization.offload_param has no effect at stage {stage} (only stage 3 offloads "
+                          "parameters); it is ignored, as DeepSpeed does", DeepSpeedConfigWarning, stacklevel=4)
+            continue
+        devices[sub] = device
+        pins.append(pin)
+    if not devices:
+        kwargs["offload"] = None
+        return effective
+    if stage == 0:
+        raise DeepSpeedConfigError(
+            f"zero_optimization.{next(iter(devices))} asks for offload but stage is 0: offload needs ZeRO stage 1, 2 "
+            "or 3 (stage 0 keeps everything replicated on the device). Set zero_optimization.stage or remove it.")
+    kwargs["offload"] = "nvme" if "nvme" in devices.values() else "cpu"
+    if len(devices) == 1 and stage == 3:
+        only = next(iter(devices))
+        other = "parameters and gradients" if only == "offload_optimizer" else "optimizer states"
+        out.note(f"zero_optimization.{only}", f"-> offload={kwargs['offload']!r}; at stage 3 the strategy's offload "
+                 f"also moves {other} to CPU (DeepSpeed would offload only {only[len('offload_'):]}): more host memory "
+                 "traffic, same numerics")
+    if not all(pins):
+        kwargs["pin_memory"] = False
+    return effective
+
+
+def _translate_zero(config: dict, out: _Collector, kwargs: dict) -> tuple[dict, bool]:
+    zero = _section(config, "zero_optimization", out) or {}
+    stage = zero.get("stage", 0)
+    if stage == AUTO or isinstance(stage, bool) or not isinstance(stage, int) or stage not in (0, 1, 2, 3):
+        raise DeepSpeedConfigError(f"zero_optimization.stage must be 0, 1, 2 or 3 (\"auto\" is not allowed), got "
+                                   f"{stage!r}")
+    kwargs["stage"] = stage
+    scalar_user = {k: v for k, v in zero.items() if k not in ("offload_optimizer", "offload_param")}
+    merged = _merge_section(scalar_user, schema.ZERO_KEYS, "zero_optimization", out)
+    merged.update(_translate_offload(zero, stage, out, kwargs))
+    merged["overlap_comm"] = zero.get("overlap_comm", stage == 3)  # DeepSpeed: on by default only at stage 3
+    for key in ("reduce_bucket_size", "allgather_bucket_size", "sub_group_size", "stage3_prefetch_bucket_size",
+                "stage3_param_persistence_threshold", "stage3_model_persistence_threshold",
+                "stage3_max_live_parameters", "stage3_max_reuse_distance"):
+        merged[key] = _check_number(f"zero_optimization.{key}", merged[key], integer=True)
+    hpz = _check_number("zero_optimization.zero_hpz_partition_size", merged["zero_hpz_partition_size"], integer=True,
+                        allow_auto=False)
+    if hpz > 1:
+        if stage != 3:
+            raise DeepSpeedConfigError(f"zero_optimization.zero_hpz_partition_size={hpz} (ZeRO++ hpZ) needs stage 3, "
+                                       f"got stage {stage}")
+        kwargs["reshard_after_forward"] = hpz
+    gather = _check_flag("zero_optimization.stage3_gather_16bit_weights_on_model_save",
+                         merged["stage3_gather_16bit_weights_on_model_save"])
+    return merged, gather
+
+
+def _translate_precision(config: dict, out: _Collector, kwargs: dict) -> tuple[Optional[str], dict]:
+    effective: dict = {}
+    enabled: dict[str, Any] = {}
+    for name, keys in (("fp16", schema.FP16_KEYS), ("bf16", schema.BF16_KEYS), ("torch_autocast",
+                                                                                  schema.TORCH_AUTOCAST_KEYS)):
+        user = _section(config, name, out)
+        if user is None:
+            continue
+        merged = _merge_section(user, keys, name, out)
+        enabled[name] = _check_flag(f"{name}.enabled", merged["enabled"], allow_auto=name != "torch_autocast")
+        effective[name] = merged
+    if "torch_autocast" in effective and enabled["torch_autocast"]:
+        dtype = str(effective["torch_autocast"]["dtype"]).replace("torch.", "").lower()
+        target = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16", "half": "fp16"}.get(dtype)
+        if target is None:
+            raise DeepSpeedConfigError(f"torch_autocast.dtype must be bfloat16 or float16, got {dtype!r}")
+        if enabled.get(target) is False or any(enabled.get(o) is True for o in ("fp16", "bf16") if o != target):
+            raise DeepSpeedConfigError(f"torch_autocast asks for {dtype} but the fp16/bf16 sections say otherwise: "
+                                       "enable only one precision")
+        enabled[target] = True
+    if enabled.get("fp16") is True and enabled.get("bf16") is True:
+        raise DeepSpeedConfigError('both "fp16.enabled" and "bf16.enabled" are true: DeepSpeed trains in one '
+                                   "precision; set one of them to false")
+    if "fp16" in effective and enabled.get("fp16") is True:
+        fp16 = effective["fp16"]
+        fp16["loss_scale"] = _check_number("fp16.loss_scale", fp16["loss_scale"], allow_auto=False)
+        fp16["initial_scale_power"] = _check_number("fp16.initial_scale_power", fp16["initial_scale_power"],
+                                                    integer=True, allow_auto=False)
+        fp16["loss_scale_window"] = _check_number("fp16.loss_scale_window", fp16["loss_scale_window"], integer=True,
+                                                  allow_auto=False, strictly_positive=True)
+        fp16["hysteresis"] = _check_number("fp16.hysteresis", fp16["hysteresis"], integer=True, minimum=1,
+                                           allow_auto=False)
+        fp16["min_loss_scale"] = _check_number("fp16.min_loss_scale", fp16["min_loss_scale"], allow_auto=False,
+                                               strictly_positive=True)
+        _check_flag("fp16.consecutive_hysteresis", fp16["consecutive_hysteresis"])
+        kwargs.update({key: fp16[key] for key in _LOSS_SCALE_KWARGS})
+    elif "fp16" in effective and any(key in config["fp16"] for key in _LOSS_SCALE_KWARGS):
+        out.note("fp16", "fp16 is not enabled: its loss-scale keys have no effect")
+    if AUTO in (enabled.get("fp16"), enabled.get("bf16")):
+        return None, effective
+    if enabled.get("fp16"):
+        return "16-mixed", effective
+    if enabled.get("bf16"):
+        return "bf16-mixed", effective
+    return ("32-true" if effective else None), effective
+
+
+def _translate_named_spec(config: dict, name: str, out: _Collector) -> Optional[dict]:
+    spec = config.get(name)
+    if spec is None:
+        return None
+    if not isinstance(spec, dict) or not isinstance(spec.get("type"), str):
+        raise DeepSpeedConfigError(f'{name!r} must be an object like {{"type": "...", "params": {{...}}}}, got {spec!r}')
+    params = spec.get("params", {}) or {}
+    if not isinstance(params, dict):
+        raise DeepSpeedConfigError(f"{name}.params must be a JSON object, got {params!r}")
+    allowed = {"type", "params"} | ({"legacy_fusion"} if name == "optimizer" else set())
+    for key in spec:
+        if key not in allowed:
+            out.problem(f"{name}.{key}", f"unknown key; {_suggest(key, sorted(allowed), name)}")
+    if "legacy_fusion" in spec:
+        out.note("optimizer.legacy_fusion", "no effect: a FusedAdam-specific switch of DeepSpeed")
+    if name == "optimizer" and params.get("max_grad_norm"):
+        raise DeepSpeedConfigError("optimizer.params.max_grad_norm is not an optimizer parameter (DeepSpeed rejects "
+                                   "it too): use the top-level \"gradient_clipping\" instead")
+    out.note(name, schema.TOP_LEVEL_KEYS[name].note)
+    return {"type": spec["type"], "params": copy.deepcopy(params)}
+
+
+def _find_auto(value: Any, path: str) -> list[str]:
+    if value == AUTO and path != "pipeline.stages":  # DeepSpeed's own default: stages come from the model
+        return [path]
+    if isinstance(value, dict):
+        return [p for key, item in value.items() for p in _find_auto(item, f"{path}.{key}" if path else key)]
+    return []
+
+
+def translate_ds_config(config: dict, *, strict: bool = True) -> DeepSpeedTranslation:
+    """Translate a DeepSpeed config dict (see :func:`load_ds_config`) for ``ZeroStrategy``.
+
+    Args:
+        config: the ds_config as a dict (unchanged by this call).
+        strict: unknown keys and features we do not implement raise :class:`DeepSpeedConfigError` (all of them
+            listed in one message, each with the closest valid key); ``False`` warns and ignores them instead.
+
+    Raises:
+        DeepSpeedConfigError: unknown/unsupported keys (strict), conflicts (fp16 and bf16 both on, offload at
+            stage 0, hpZ below stage 3, ...), or values of the wrong type.
+    """
+    if not isinstance(config, dict):
+        raise TypeError(f"config must be a dict (use load_ds_config for files), got {type(config).__name__}")
+    out = _Collector(strict)
+    config = _normalise_deprecated(config, out)
+    effective: dict = {}
+    for key, value in config.items():
+        if key in schema.TOP_LEVEL_KEYS:
+            continue
+        if key in schema.UNSUPPORTED_SECTIONS:
+            if _is_disabled(value):
+                out.note(key, f"disabled, so accepted ({schema.UNSUPPORTED_SECTIONS[key]} is not supported)")
+            else:
+                out.problem(key, f"not supported: {schema.UNSUPPORTED_SECTIONS[key]} is not part of lightning-zero")
+            continue
+        out.problem(key, f"unknown top-level key; {_suggest(key, list(schema.TOP_LEVEL_KEYS), '')}")
+
+    kwargs: dict = {}
+    effective["zero_optimization"], gather = _translate_zero(config, out, kwargs)
+    precision, precision_effective = _translate_precision(config, out, kwargs)
+    effective.update(precision_effective)
+
+    for name in ("activation_checkpointing", "pipeline", "checkpoint"):
+        user = _section(config, name, out)
+        if user is not None:
+            effective[name] = _merge_section(user, schema.SECTION_KEYS[name], name, out)
+    pipeline_stages = effective.get("pipeline", {}).get("stages", AUTO)
+    if pipeline_stages != AUTO:
+        kwargs["pipeline_parallel_size"] = _check_number("pipeline.stages", pipeline_stages, integer=True,
+                                                         allow_auto=False, strictly_positive=True)
+
+    batch = {key: _check_number(key, config.get(key), integer=True, strictly_positive=True)
+             for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")}
+    if isinstance(batch["gradient_accumulation_steps"], int) and "pipeline_parallel_size" in kwargs:
+        # DeepSpeed's pipeline engine runs gradient_accumulation_steps micro-batches per optimizer step.
+        kwargs["micro_batches"] = batch["gradient_accumulation_steps"]
+    clipping = _check_number("gradient_clipping", config.get("gradient_clipping"))
+    steps_per_print = _check_number("steps_per_print", config.get("steps_per_print"), integer=True,
+                                    allow_auto=False, strictly_positive=True)
+    wall_clock = _check_flag("wall_clock_breakdown", config.get("wall_clock_breakdown", False))
+
+    comm = config.get("communication_data_type")
+    if comm is not None:
+        if not isinstance(comm, str) or comm.lower() not in COMMUNICATION_DATA_TYPES:
+            raise DeepSpeedConfigError(f"communication_data_type must be one of {COMMUNICATION_DATA_TYPES}, got "
+                                       f"{comm!r}")
+        kwargs["communication_data_type"] = comm.lower()
+
+    optimizer = _translate_named_spec(config, "optimizer", out)
+    scheduler = _translate_named_spec(config, "scheduler", out)
+
+    for key, spec in schema.TOP_LEVEL_KEYS.items():
+        if key not in config or key in schema.SECTION_KEYS or key in ("zero_optimization", "optimizer", "scheduler",
+                                                                       "fp16", "bf16", "torch_autocast"):
+            continue
+        value = config[key]
+        if spec.role == schema.NO_EFFECT:
+            out.note(key, "no effect: " + spec.note)
+            if value != spec.default:
+                out.no_effect_non_default.append(f"{key}={value!r}")
+        elif spec.role == schema.UNSUPPORTED and str(value).lower() != spec.default:
+            out.problem(key, f"{value!r} is not supported: {spec.note}")
+        else:
+            out.note(key, spec.note)
+        effective[key] = value
+    effective.update({key: value for key, value in batch.items() if value is not None})
+    if optimizer is not None:
+        effective["optimizer"] = optimizer
+    if scheduler is not None:
+        effective["scheduler"] = scheduler
+    out.finish()
+    return DeepSpeedTranslation(
+        strategy_kwargs=kwargs,
+        precision=precision,
+        gradient_clipping=clipping,
+        gradient_accumulation_steps=batch["gradient_accumulation_steps"],
+        train_batch_size=batch["train_batch_size"],
+        train_micro_batch_size_per_gpu=batch["train_micro_batch_size_per_gpu"],
+        steps_per_print=steps_per_print,
+        wall_clock_breakdown=wall_clock,
+        activation_checkpointing=dict(effective.get("activation_checkpointing", {})),
+        optimizer=optimizer,
+        scheduler=scheduler,
+        gather_16bit_weights_on_model_save=gather,
+        notes=tuple(out.notes),
+        effective=effective,
+        unresolved_auto=tuple(_find_auto(effective, "")),
+    )
