@@ -1,6 +1,32 @@
-"""lightning-zero: DeepSpeed's ZeRO toolbox for PyTorch Lightning on torch-native engines."""
+"""lightning-zero: DeepSpeed's ZeRO toolbox for PyTorch Lightning on torch-native engines.
+
+Importing the package registers the strategy names ``zero``, ``zero_stage_1``, ``zero_stage_2``,
+``zero_stage_2_offload``, ``zero_stage_3`` and ``zero_stage_3_offload`` with Lightning.
+"""
 
 from lightning_zero.config import ZeroConfig
+from lightning_zero.distributed.memory import (
+    MemoryEstimate,
+    MemoryReport,
+    StateBytes,
+    estimate_model_states_memory,
+    model_state_memory,
+    zero_formula,
+)
+from lightning_zero.distributed.zero import apply_zero, find_repeated_blocks
+from lightning_zero.strategies import ZeroStrategy
 
 __version__ = "0.1.0"
-__all__ = ["ZeroConfig", "__version__"]
+__all__ = [
+    "MemoryEstimate",
+    "MemoryReport",
+    "StateBytes",
+    "ZeroConfig",
+    "ZeroStrategy",
+    "__version__",
+    "apply_zero",
+    "estimate_model_states_memory",
+    "find_repeated_blocks",
+    "model_state_memory",
+    "zero_formula",
+]

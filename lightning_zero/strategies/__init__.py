@@ -1,1 +1,9 @@
 """Lightning adapters over :mod:`lightning_zero.distributed`."""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_zero.strategies.zero import ZeroStrategy
+
+ZeroStrategy.register_strategies(StrategyRegistry)
+
+__all__ = ["ZeroStrategy"]

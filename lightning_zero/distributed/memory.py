@@ -1,0 +1,229 @@
+"""Model-state memory: what each rank actually holds, and what the ZeRO formulas say it should hold.
+
+Notation (as in the ZeRO paper): ``P`` parameters, ``N`` data-parallel ranks, ``bp``/``bg`` bytes per parameter
+and gradient element, ``K`` bytes of optimizer state per parameter (Adam in fp32: m and v, ``K = 8``; with mixed
+precision the fp32 master copy joins them, ``K = 12``, DeepSpeed's "2 + 2 + 12").
+
+Formulas at rest, i.e. between backward and the optimizer step, gradients allocated (``docs/stages.md``):
+
+=======  ================================  ==================================================================
+stage    held per rank                     peak during forward/backward
+=======  ================================  ==================================================================
+0        ``P (bp + bg + K)``               same
+1        ``P (bp + bg) + P K / N``         same
+2        ``P (bp + bg + K) / N``           ``+ P bp``: FSDP2 keeps the gathered parameters from forward to
+                                           backward (the ZeRO-2 paper's ``bp P + (bg + K) P / N`` plus the shard)
+3        ``P (bp + bg + K) / N``           ``+ ~2 P_unit bp``: one gathered unit and the prefetched next one
+=======  ================================  ==================================================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Optional, Union
+
+import torch
+from torch import Tensor, nn
+
+_MIXED = ("16-mixed", "bf16-mixed", "16-true", "bf16-true", "16", "bf16")
+PRECISIONS = ("32-true", "32") + _MIXED
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes of parameters, gradients and optimizer states (optimizer states include offloaded fp32 masters)."""
+
+    params: int = 0
+    grads: int = 0
+    optimizer_states: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer_states
+
+    def __add__(self, other: "StateBytes") -> "StateBytes":
+        return StateBytes(self.params + other.params, self.grads + other.grads,
+                          self.optimizer_states + other.optimizer_states)
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Per-device model-state bytes held by this rank (``by_device`` keys: ``"cpu"``, ``"cuda"``, ...)."""
+
+    by_device: dict = field(default_factory=dict)
+
+    @property
+    def total(self) -> StateBytes:
+        out = StateBytes()
+        for value in self.by_device.values():
+            out = out + value
+        return out
+
+
+def _local(tensor: Tensor) -> Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class _StorageCounter:
+    """Counts each storage once, so views and tied weights are not double counted."""
+
+    def __init__(self) -> None:
+        self.seen: set[tuple[str, int]] = set()
+        self.bytes: dict[str, dict[str, int]] = {}
+
+    def add(self, tensor: Optional[Tensor], kind: str) -> None:
+        if tensor is None:
+            return
+        tensor = _local(tensor)
+        if tensor.is_meta:
+            return
+        storage = tensor.untyped_storage()
+        nbytes = storage.nbytes()
+        if nbytes == 0:  # FSDP2 frees unsharded storage by resizing it to zero
+            return
+        key = (str(tensor.device), storage.data_ptr())
+        if key in self.seen:
+            return
+        self.seen.add(key)
+        per_kind = self.bytes.setdefault(tensor.device.type, {"params": 0, "grads": 0, "optimizer_states": 0})
+        per_kind[kind] += nbytes
+
+
+def _fsdp_params(module: nn.Module) -> Iterable[Tensor]:
+    """Every parameter storage FSDP2 holds: the shards, and any gathered copies (stage 2 keeps them from forward
+    to backward). While gathered, the module exposes the gathered tensors, so the shards must be asked for."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for sub in module.modules():
+        if not isinstance(sub, FSDPModule):
+            continue
+        group = sub._get_fsdp_state()._fsdp_param_group
+        if group is None:
+            continue
+        for fsdp_param in group.fsdp_params:
+            yield fsdp_param.sharded_param
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if unsharded is not None:
+                yield unsharded
+
+
+def model_state_memory(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()) -> MemoryReport:
+    """Measure the bytes this rank holds for parameters, gradients and optimizer states, from tensor storages.
+
+    Counts the module's parameters (local shards for DTensors, plus any parameters FSDP2 currently holds gathered),
+    their gradients, every tensor in the optimizers' state, and offloaded fp32 masters (as optimizer states).
+    """
+    from lightning_zero.distributed.optimizer import get_sharding
+
+    counter = _StorageCounter()
+    for param in module.parameters():
+        counter.add(param, "params")
+    for held in _fsdp_params(module):
+        counter.add(held, "params")
+        counter.add(held.grad, "grads")
+    for param in module.parameters():
+        counter.add(param.grad, "grads")
+    for optimizer in optimizers:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap LightningOptimizer
+        sharding = get_sharding(optimizer)
+        masters = sharding.masters.values() if sharding is not None else ()
+        for master in masters:
+            counter.add(master, "optimizer_states")
+            counter.add(master.grad, "grads")
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, Tensor) and value.numel() > 1:  # scalar step counters are not model states
+                    counter.add(value, "optimizer_states")
+    return MemoryReport({device: StateBytes(**kinds) for device, kinds in counter.bytes.items()})
+
+
+def precision_bytes(precision: str, optimizer_bytes_fp32: int = 8) -> tuple[int, int, int]:
+    """``(bp, bg, K)`` for a Trainer precision string; low precision adds the fp32 master copy to ``K``."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if precision in _MIXED:
+        return 2, 2, optimizer_bytes_fp32 + 4
+    return 4, 4, optimizer_bytes_fp32
+
+
+def zero_formula(num_params: int, stage: int, world_size: int, *, precision: str = "32-true",
+                 optimizer_bytes_fp32: int = 8) -> StateBytes:
+    """Bytes per rank at rest (between backward and step) for ``stage``; see the module table."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    bp, bg, k = precision_bytes(precision, optimizer_bytes_fp32)
+    p, n = num_params, world_size
+    if stage == 0:
+        return StateBytes(p * bp, p * bg, p * k)
+    if stage == 1:
+        return StateBytes(p * bp, p * bg, p * k // n)
+    return StateBytes(p * bp // n, p * bg // n, p * k // n)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Estimated per-rank bytes on the accelerator and in CPU memory, at rest and at the forward/backward peak."""
+
+    accelerator: StateBytes
+    cpu: StateBytes
+    accelerator_peak: int
+    cpu_peak: int
+
+    def as_table(self) -> list[tuple[str, str]]:
+        gib = 1024 ** 3
+        return [("accelerator at rest (GiB)", f"{self.accelerator.total / gib:.2f}"),
+                ("accelerator peak (GiB)", f"{self.accelerator_peak / gib:.2f}"),
+                ("cpu at rest (GiB)", f"{self.cpu.total / gib:.2f}"),
+                ("cpu peak (GiB)", f"{self.cpu_peak / gib:.2f}")]
+
+
+def estimate_model_states_memory(model_or_num_params: Union[nn.Module, int], stage: int, world_size: int,
+                                 offload: Optional[str] = None, precision: str = "32-true", *,
+                                 largest_unit_params: Optional[int] = None,
+                                 optimizer_bytes_fp32: int = 8) -> MemoryEstimate:
+    """Estimate per-rank model-state memory, like DeepSpeed's ``estimate_zero{2,3}_model_states_mem_needs``.
+
+    Args:
+        model_or_num_params: a module (its parameters are counted; the largest repeated block sizes the stage-3
+            peak) or a parameter count.
+        stage: 0-3. world_size: data-parallel ranks. offload: ``None`` or ``"cpu"``.
+        precision: a Trainer precision string; low precision means ``bp = bg = 2`` and fp32 masters (``K += 4``).
+        largest_unit_params: parameters of the largest FSDP unit (stage-3 peak); inferred from a module.
+        optimizer_bytes_fp32: fp32 optimizer-state bytes per parameter (Adam: 8, SGD with momentum: 4).
+    """
+    from lightning_zero.config import ZeroConfig
+
+    ZeroConfig(stage=stage, offload=offload)  # same validation and messages as the strategy
+    offloads = offload not in (None, "none")
+    if isinstance(model_or_num_params, nn.Module):
+        num_params = sum(p.numel() for p in model_or_num_params.parameters())
+        if largest_unit_params is None:
+            from lightning_zero.distributed.zero import find_repeated_blocks
+
+            blocks = find_repeated_blocks(model_or_num_params)
+            sizes = [sum(p.numel() for p in m.parameters()) for m in model_or_num_params.modules()
+                     if type(m) in blocks]
+            largest_unit_params = max(sizes, default=num_params)
+    else:
+        num_params = int(model_or_num_params)
+    largest_unit_params = largest_unit_params or num_params
+    bp, bg, k = precision_bytes(precision, optimizer_bytes_fp32)
+    rest = zero_formula(num_params, stage, world_size, precision=precision, optimizer_bytes_fp32=optimizer_bytes_fp32)
+    n, p = world_size, num_params
+    zero = StateBytes()
+    if not offloads:
+        accel, cpu = rest, zero
+    elif stage == 1:
+        # Device keeps replicated parameters and gradients; CPU holds fp32 masters, their gradients and states.
+        accel = StateBytes(p * bp, p * bg, 0)
+        cpu = StateBytes(0, p * 4 // n, p * (k + (4 if bp == 4 else 0)) // n)
+    else:
+        # FSDP2 CPUOffloadPolicy: the sharded fp32 parameters, gradients and states all live in CPU memory.
+        accel = zero
+        cpu = StateBytes(p * 4 // n, p * 4 // n, p * k // n)
+    gathered = {2: p * bp, 3: 2 * largest_unit_params * bp}.get(stage, 0)
+    return MemoryEstimate(accel, cpu, accel.total + gathered, cpu.total)

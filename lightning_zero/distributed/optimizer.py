@@ -1,0 +1,189 @@
+"""Stage-1 optimizer partitioning and CPU offload of optimizer states, applied to the user's optimizer in place.
+
+Why in place rather than ``torch.distributed.optim.ZeroRedundancyOptimizer``: ZeroRedundancyOptimizer wraps the
+user's optimizer in a new object, so an LR scheduler built on the original (as every ``configure_optimizers``
+does) would keep stepping param groups nobody reads, and its local optimizer cannot keep fp32 masters in CPU
+memory. Here the user's optimizer object, its ``param_groups`` dicts and its class stay; only each group's
+``params`` list is narrowed to what this rank steps. The algorithm is ZeroRedundancyOptimizer's: a greedy
+size-balanced partition of each group, a local step, then the updated parameters broadcast from their owners.
+
+[Note: what the optimizer holds]
+After :func:`shard_optimizer`, ``param_groups[i]["params"]`` holds exactly the tensors this rank steps:
+  - stages 0, 2, 3 without offload: the module's parameters (plain tensors or FSDP2 DTensor shards);
+  - stage 1: only the parameters this rank owns;
+  - stage 1 with ``offload="cpu"``: fp32 CPU *masters* of the owned parameters.
+The module's parameters of every group are kept in :attr:`OptimizerSharding.model_params` (clipping and
+checkpoints need them). Gradient flow is: backward fills the module's ``.grad``; the step pre-hook copies owned
+gradients into the masters; the optimizer steps; the post-hook copies masters back, broadcasts from owners, and
+drops the module's gradients (``zero_grad`` on the optimizer only reaches the tensors it holds).
+At stages 2-3 offload is FSDP2's ``CPUOffloadPolicy``: the sharded parameters themselves are the CPU fp32 masters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_zero.config import ZeroConfig
+
+_ATTR = "_lightning_zero_sharding"
+BROADCAST_BUCKET_BYTES = 64 * 1024 * 1024
+
+
+def partition_by_size(sizes: list[int], world_size: int) -> list[int]:
+    """Assign items to ranks, largest first, each to the currently lightest rank. Returns the owner of each item.
+
+    Deterministic, so every rank computes the same assignment without communicating.
+    """
+    loads = [0] * world_size
+    owners = [0] * len(sizes)
+    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        rank = min(range(world_size), key=lambda r: (loads[r], r))
+        owners[index] = rank
+        loads[rank] += sizes[index]
+    return owners
+
+
+@dataclass
+class OptimizerSharding:
+    """What :func:`shard_optimizer` did to an optimizer; reachable as :func:`get_sharding` (optimizer)."""
+
+    config: ZeroConfig
+    model_params: list[list[Tensor]]            # per group, every module parameter, in the user's order
+    owners: list[list[int]]                     # per group, the rank that steps each parameter (-1: every rank)
+    masters: dict[int, Tensor] = field(default_factory=dict)  # id(model param) -> CPU master (stage-1 offload)
+    rank: int = 0
+    group: Optional[object] = None
+    hooks: list = field(default_factory=list)
+
+    def all_model_params(self) -> list[Tensor]:
+        return [p for params in self.model_params for p in params]
+
+    def owned_model_params(self) -> list[Tensor]:
+        return [p for params, owners in zip(self.model_params, self.owners)
+                for p, owner in zip(params, owners) if owner in (-1, self.rank)]
+
+    def remove(self) -> None:
+        for handle in self.hooks:
+            handle.remove()
+        self.hooks.clear()
+
+
+def get_sharding(optimizer: torch.optim.Optimizer) -> Optional[OptimizerSharding]:
+    return getattr(optimizer, _ATTR, None)
+
+
+def shard_optimizer(optimizer: torch.optim.Optimizer, config: ZeroConfig, *, group=None,
+                    device: Optional[torch.device] = None) -> OptimizerSharding:
+    """Partition (stage 1) and/or offload (stage 1 ``offload="cpu"``) ``optimizer`` in place; see the module note.
+
+    Must be called on a fresh optimizer (no state yet), after the model was wrapped by
+    :func:`~lightning_zero.distributed.zero.apply_zero`. Calling it twice is an error.
+    """
+    if get_sharding(optimizer) is not None:
+        raise RuntimeError("shard_optimizer was already applied to this optimizer")
+    if len(optimizer.state) > 0:
+        raise RuntimeError("shard_optimizer needs a fresh optimizer: this one already has state. Create the "
+                           "optimizer after the model is wrapped, and load its state after sharding.")
+    rank = dist.get_rank(group) if dist.is_initialized() else 0
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    model_params = [list(g["params"]) for g in optimizer.param_groups]
+    if config.stage == 1:
+        owners = [partition_by_size([p.numel() for p in params], world) for params in model_params]
+    else:
+        owners = [[-1] * len(params) for params in model_params]
+    sharding = OptimizerSharding(config, model_params, owners, rank=rank, group=group)
+    offload_here = config.stage == 1 and config.offloads
+    pin = bool(config.pin_memory if config.pin_memory is not None else (device is not None and device.type == "cuda"))
+    if pin and not torch.cuda.is_available():
+        raise ValueError("pin_memory=True needs CUDA; this run has no CUDA device")
+    for group_dict, params, group_owners in zip(optimizer.param_groups, model_params, owners):
+        kept = []
+        for param, owner in zip(params, group_owners):
+            if owner not in (-1, rank):
+                continue
+            if offload_here:
+                master = torch.empty(param.shape, dtype=torch.float32, device="cpu", pin_memory=pin)
+                master.copy_(param.detach())
+                master.requires_grad_(param.requires_grad)
+                sharding.masters[id(param)] = master
+                kept.append(master)
+            else:
+                kept.append(param)
+        group_dict["params"] = kept
+    if config.stage == 1:
+        sharding.hooks.append(optimizer.register_step_pre_hook(_pre_step))
+        sharding.hooks.append(optimizer.register_step_post_hook(_post_step))
+    setattr(optimizer, _ATTR, sharding)
+    return sharding
+
+
+def _pre_step(optimizer, args, kwargs) -> None:
+    sharding = get_sharding(optimizer)
+    if not sharding.masters:
+        return
+    # torch passes the optimizer itself as args[0]; anything after it is a positional closure.
+    if len(args) > 1 or kwargs.get("closure") is not None:
+        raise RuntimeError("With offload the optimizer steps CPU masters, so gradients must exist before step(): "
+                           "run the closure first and call step() without one.")
+    for param in sharding.owned_model_params():
+        master = sharding.masters[id(param)]
+        if param.grad is None:
+            master.grad = None
+            continue
+        if master.grad is None:
+            master.grad = torch.empty_like(master)
+        master.grad.copy_(param.grad, non_blocking=master.is_pinned())
+
+
+def _post_step(optimizer, args, kwargs) -> None:
+    sharding = get_sharding(optimizer)
+    with torch.no_grad():
+        if sharding.masters:
+            for param in sharding.owned_model_params():
+                param.copy_(sharding.masters[id(param)], non_blocking=True)
+            if any(m.is_pinned() for m in sharding.masters.values()):
+                torch.cuda.current_stream().synchronize()
+        broadcast_from_owners(sharding)
+    # The optimizer's zero_grad only reaches what it holds; the module's other gradients are dead after the step.
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    for param in sharding.all_model_params():
+        if id(param) not in held:
+            param.grad = None
+
+
+def broadcast_from_owners(sharding: OptimizerSharding, bucket_bytes: int = BROADCAST_BUCKET_BYTES) -> None:
+    """Send each parameter from the rank that stepped it to every other rank, in flat buckets per (owner, dtype)."""
+    if not dist.is_initialized() or dist.get_world_size(sharding.group) == 1:
+        return
+    per_owner: dict[tuple[int, torch.dtype], list[Tensor]] = {}
+    for params, owners in zip(sharding.model_params, sharding.owners):
+        for param, owner in zip(params, owners):
+            if owner >= 0:
+                per_owner.setdefault((owner, param.dtype), []).append(param)
+    for (owner, _), params in sorted(per_owner.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+        src = dist.get_global_rank(sharding.group, owner) if sharding.group is not None else owner
+        bucket: list[Tensor] = []
+        size = 0
+        for param in params:
+            bucket.append(param)
+            size += param.numel() * param.element_size()
+            if size >= bucket_bytes:
+                _broadcast_bucket(bucket, src, sharding.group)
+                bucket, size = [], 0
+        if bucket:
+            _broadcast_bucket(bucket, src, sharding.group)
+
+
+def _broadcast_bucket(params: list[Tensor], src: int, group) -> None:
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    dist.broadcast(flat, src=src, group=group)
+    offset = 0
+    for param in params:
+        n = param.numel()
+        param.detach().copy_(flat[offset:offset + n].view_as(param))
+        offset += n

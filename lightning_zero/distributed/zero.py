@@ -1,0 +1,207 @@
+"""ZeRO stages 0-3 as one plain function over a module: :func:`apply_zero`.
+
+The stages map onto engines torch maintains:
+
+==========  ==========================================  ===============================================
+stage       engine                                      what each rank holds between steps
+==========  ==========================================  ===============================================
+0           ``DistributedDataParallel``                 all parameters, gradients, optimizer states
+1           ``DistributedDataParallel`` + an optimizer  all parameters and gradients; the optimizer
+            partitioned in place (:mod:`.optimizer`)    states of its own 1/N of the parameters
+2           FSDP2 ``fully_shard(reshard_after_forward   1/N of parameters, gradients and optimizer
+            =False)``                                   states; parameters are gathered once per step
+3           FSDP2 ``fully_shard(reshard_after_forward   1/N of everything; parameters are gathered per
+            =True)``                                    unit in forward and again in backward
+==========  ==========================================  ===============================================
+
+``docs/stages.md`` derives the memory formula of each stage; :mod:`.memory` measures and estimates it.
+
+[Note: the root unit]
+At stages 2-3 the module passed in (for Lightning, the LightningModule) becomes the FSDP2 root, so every
+parameter belongs to exactly one unit: repeated blocks get their own unit and the root holds the rest
+(embeddings, heads, norms). The root's hooks fire only when the root's ``__call__`` runs, so callers that invoke
+another method (``training_step``) must route it through ``__call__``; the strategy does so with Lightning's
+forward redirection.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+
+from lightning_zero.config import ZeroConfig
+
+log = logging.getLogger(__name__)
+
+# Containers whose repeated children are the natural FSDP units ("the blocks").
+_CONTAINERS = (nn.ModuleList, nn.Sequential)
+
+
+def find_repeated_blocks(module: nn.Module) -> set[type]:
+    """Module classes that occur at least twice as children of a ``ModuleList``/``Sequential`` and own parameters.
+
+    These are the transformer blocks, residual stages and so on that FSDP wants as units. Only the outermost
+    such classes are returned: a class nested inside another detected block is left to that block's unit.
+    """
+    counts: Counter[type] = Counter()
+    for container in module.modules():
+        if isinstance(container, _CONTAINERS):
+            for child in container.children():
+                if any(True for _ in child.parameters()):
+                    counts[type(child)] += 1
+    candidates = {cls for cls, count in counts.items() if count >= 2}
+    # Drop classes that only appear nested inside another candidate: the outer block is the better unit.
+    outer: set[type] = set()
+    for name, sub in module.named_modules():
+        if type(sub) in candidates and not _has_ancestor_of(module, name, candidates):
+            outer.add(type(sub))
+    return outer
+
+
+def _has_ancestor_of(root: nn.Module, name: str, classes: set[type]) -> bool:
+    parts = name.split(".")
+    current = root
+    for part in parts[:-1]:
+        current = getattr(current, part)
+        if type(current) in classes:
+            return True
+    return False
+
+
+def _resolve_classes(module: nn.Module, spec: Optional[Iterable]) -> set[type]:
+    if spec is None:
+        return find_repeated_blocks(module)
+    by_name = {type(m).__name__: type(m) for m in module.modules()}
+    resolved: set[type] = set()
+    for item in spec:
+        if isinstance(item, str):
+            if item not in by_name:
+                raise ValueError(
+                    f"sharded_module_classes names {item!r}, but the model has no module of that class. "
+                    f"Classes present: {sorted(by_name)}"
+                )
+            resolved.add(by_name[item])
+        else:
+            resolved.add(item)
+    return resolved
+
+
+def sharded_units(module: nn.Module, config: ZeroConfig) -> list[nn.Module]:
+    """The submodules that get their own FSDP unit, outermost first is not required (post-order is used)."""
+    classes = _resolve_classes(module, config.sharded_module_classes)
+    units = [sub for sub in module.modules() if type(sub) in classes and sub is not module]
+    log.info("ZeRO-%d: %d sharded units of classes %s", config.stage, len(units),
+             sorted(c.__name__ for c in classes))
+    return units
+
+
+def _fsdp_kwargs(mesh, config: ZeroConfig, device: torch.device, mp_policy=None) -> dict:
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    reshard = config.stage == 3 if config.reshard_after_forward is None else config.reshard_after_forward
+    kwargs = {"mesh": mesh, "reshard_after_forward": reshard}
+    if config.offloads:
+        pin = config.pin_memory if config.pin_memory is not None else device.type == "cuda"
+        if pin and device.type != "cuda":
+            raise ValueError("pin_memory=True needs a CUDA device; this run computes on "
+                             f"{device.type!r}. Use pin_memory=None or False.")
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=pin)
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    return kwargs
+
+
+def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[torch.device] = None,
+               mp_policy=None, ddp_kwargs: Optional[dict] = None) -> nn.Module:
+    """Apply ZeRO ``config.stage`` to ``module`` over the 1-D data-parallel ``mesh`` and return the module to run.
+
+    Stages 0-1 return a ``DistributedDataParallel`` wrapper (stage 1's partitioning lives in the optimizer: see
+    :func:`lightning_zero.distributed.optimizer.shard_optimizer`). Stages 2-3 shard ``module`` in place with FSDP2
+    and return it. Parameters still on the meta device are materialised sharded (see :func:`materialize_module`).
+
+    Args:
+        module: the model; at stages 2-3 it may live on the meta device.
+        mesh: a 1-D ``DeviceMesh`` over the data-parallel ranks.
+        config: the validated :class:`~lightning_zero.config.ZeroConfig`.
+        device: the compute device (defaults to the mesh's device type, current index).
+        mp_policy: an FSDP2 ``MixedPrecisionPolicy`` (stages 2-3 only).
+        ddp_kwargs: extra keyword arguments for ``DistributedDataParallel`` (stages 0-1 only).
+    """
+    device = device or _default_device(mesh)
+    if config.stage <= 1:
+        if mp_policy is not None:
+            raise ValueError("mp_policy is an FSDP2 policy and applies to stages 2-3 only")
+        if any(p.is_meta for p in module.parameters()):
+            raise ValueError(
+                f"stage {config.stage} replicates parameters, so the model cannot stay on the meta device: build it "
+                "on a real device, or use stage 2/3 to materialise it sharded"
+            )
+        from torch.nn.parallel import DistributedDataParallel
+
+        module.to(device)
+        device_ids = [device.index] if device.type == "cuda" else None
+        return DistributedDataParallel(module, device_ids=device_ids, process_group=mesh.get_group(),
+                                       **(ddp_kwargs or {}))
+    if ddp_kwargs:
+        raise ValueError(f"ddp_kwargs apply to stages 0-1 only; stage {config.stage} uses FSDP2")
+    from torch.distributed.fsdp import fully_shard
+
+    kwargs = _fsdp_kwargs(mesh, config, device, mp_policy)
+    # Children before parents: fully_shard on a parent excludes parameters already owned by a child unit.
+    for unit in reversed(sharded_units(module, config)):
+        fully_shard(unit, **kwargs)
+    fully_shard(module, **kwargs)
+    if any(p.is_meta for p in module.parameters()):
+        materialize_module(module, device if not config.offloads else torch.device("cpu"))
+    elif not config.offloads:
+        module.to(device)
+    return module
+
+
+def _default_device(mesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def materialize_module(module: nn.Module, device: torch.device) -> None:
+    """Allocate the (already sharded) meta parameters on ``device`` and initialise them.
+
+    Each rank allocates only its shards (``to_empty``), then every submodule's ``reset_parameters()`` runs on the
+    sharded tensors. Buffers without a ``reset_parameters`` owner cannot be recovered from meta tensors, so a model
+    with such buffers must re-create them itself (e.g. in ``configure_model`` after a real-device build).
+    """
+    module.to_empty(device=device)
+    initialised = 0
+    # DTensor's RNG tracker only exists for CUDA-like meshes. Elsewhere every rank would draw the same numbers for
+    # its shard, giving a weight made of N identical blocks, so each rank draws from its own offset seed.
+    import torch.distributed as dist
+
+    offset = dist.get_rank() if dist.is_initialized() and device.type == "cpu" else 0
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(torch.initial_seed() + offset)
+        for sub in module.modules():
+            reset = getattr(sub, "reset_parameters", None)
+            if callable(reset):
+                reset()
+                initialised += 1
+    if initialised == 0:
+        raise RuntimeError(
+            "The model was created on the meta device, but none of its modules defines reset_parameters(), so its "
+            "weights cannot be initialised after sharding. Define reset_parameters() on your modules."
+        )
+
+
+def set_gradient_sync(module: nn.Module, enabled: bool) -> None:
+    """Turn gradient communication on or off for the next backward (gradient accumulation)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(module, DistributedDataParallel):
+        module.require_backward_grad_sync = enabled
+    elif isinstance(module, FSDPModule):
+        module.set_requires_gradient_sync(enabled)

@@ -1,0 +1,150 @@
+"""Sharded checkpoints for ZeroStrategy: every rank writes only what it holds, keyed by parameter name.
+
+A checkpoint is a directory. Its tensors (module weights, optimizer states) are a ``torch.distributed.checkpoint``
+(DCP) checkpoint of ``{"state_dict": {<LightningModule key>: tensor}, "optimizer_states": {"<i>": {"state":
+{<parameter name>: {<state key>: tensor}}}}}``; everything else Lightning saves (loops, callbacks, hyper-parameters,
+param-group hyper-parameters, LR schedulers) is ``meta.pt``, read back with ``weights_only=True``.
+
+[Note: one layout for every stage]
+Optimizer states are keyed by the parameter's name, never by its position in a (possibly partitioned) param group,
+and hold DTensors at stages 2-3 and plain tensors at stages 0-1. DCP reshards on load, so a checkpoint written at
+any stage and world size loads at any other.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_zero.distributed.optimizer import get_sharding
+
+META_FILE = "meta.pt"
+
+
+def module_state_dict(module: torch.nn.Module) -> dict[str, Tensor]:
+    """The module's state dict: sharded DTensors at stages 2-3, plain tensors at stages 0-1."""
+    return module.state_dict()
+
+
+def _param_names(module: torch.nn.Module) -> dict[int, str]:
+    names: dict[int, str] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), name)
+    return names
+
+
+def _held_tensor(sharding, param):
+    """The tensor the optimizer steps for a module parameter (itself, or its offloaded master)."""
+    if sharding is not None and id(param) in sharding.masters:
+        return sharding.masters[id(param)]
+    return param
+
+
+def _model_params_per_group(optimizer) -> list[list[Tensor]]:
+    sharding = get_sharding(optimizer)
+    if sharding is not None:
+        return sharding.model_params
+    return [list(g["params"]) for g in optimizer.param_groups]
+
+
+def optimizer_state_dict(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Optimizer state keyed by parameter name; param groups list names instead of positions."""
+    names = _param_names(module)
+    sharding = get_sharding(optimizer)
+    state: dict[str, dict[str, Any]] = {}
+    groups = []
+    for group, params in zip(optimizer.param_groups, _model_params_per_group(optimizer)):
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": [names[id(p)] for p in params]})
+        for param in params:
+            held = _held_tensor(sharding, param)
+            if held in optimizer.state:
+                state[names[id(param)]] = dict(optimizer.state[held])
+    return {"state": state, "param_groups": groups}
+
+
+def _initialise_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create state tensors (zeros) so DCP has something to load into: one step with lr 0 on zero gradients.
+
+    The partition/offload step hooks are bypassed: the step touches only what the optimizer holds.
+    """
+    pre, post = optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks
+    optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks = type(pre)(), type(post)()
+    saved_lr = [g["lr"] for g in optimizer.param_groups]
+    try:
+        for group in optimizer.param_groups:
+            group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], Tensor) else 0.0
+            for p in group["params"]:
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
+        optimizer.step()
+    finally:
+        for group, lr in zip(optimizer.param_groups, saved_lr):
+            group["lr"] = lr
+            for p in group["params"]:
+                p.grad = None
+        optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks = pre, post
+
+
+def save(strategy, checkpoint: dict[str, Any], filepath: str) -> None:
+    """Write ``checkpoint`` (Lightning's dict) as a sharded directory; see the module docstring."""
+    import torch.distributed.checkpoint as dcp
+
+    path = Path(filepath)
+    tensors = {"state_dict": checkpoint.pop("state_dict")}
+    optimizer_states = checkpoint.pop("optimizer_states", [])
+    tensors["optimizer_states"] = {str(i): {"state": osd["state"]} for i, osd in enumerate(optimizer_states)}
+    checkpoint["optimizer_param_groups"] = [osd["param_groups"] for osd in optimizer_states]
+    if strategy.is_global_zero:
+        if path.is_file():
+            path.unlink()
+        path.mkdir(parents=True, exist_ok=True)
+    strategy.barrier()
+    dcp.save(tensors, checkpoint_id=str(path))
+    if strategy.is_global_zero:
+        torch.save(checkpoint, path / META_FILE)
+    strategy.barrier()
+
+
+def load(strategy, filepath: str) -> dict[str, Any]:
+    """Load a sharded directory into the strategy's module and optimizers; return the rest of the checkpoint."""
+    import torch.distributed.checkpoint as dcp
+
+    path = Path(filepath)
+    if not (path / META_FILE).is_file():
+        raise FileNotFoundError(f"{path} is not a ZeroStrategy checkpoint directory (no {META_FILE})")
+    meta = torch.load(path / META_FILE, weights_only=True, map_location="cpu")
+    module = strategy.lightning_module
+    target: dict[str, Any] = {"state_dict": module_state_dict(module)}
+    optimizers = [getattr(o, "_optimizer", o) for o in strategy.optimizers]
+    saved_groups = meta.pop("optimizer_param_groups", [])
+    if optimizers and saved_groups:
+        target["optimizer_states"] = {}
+        for i, optimizer in enumerate(optimizers):
+            if not optimizer.state:
+                _initialise_optimizer_state(optimizer)
+            target["optimizer_states"][str(i)] = {"state": optimizer_state_dict(module, optimizer)["state"]}
+    dcp.load(target, checkpoint_id=str(path))
+    module.load_state_dict(target["state_dict"], strict=module.strict_loading)
+    for optimizer, groups in zip(optimizers, saved_groups):
+        for group, saved in zip(optimizer.param_groups, groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        if not get_sharding(optimizer) or not get_sharding(optimizer).masters:
+            continue
+        # The module's parameters were loaded; offloaded masters must follow them.
+        sharding = get_sharding(optimizer)
+        with torch.no_grad():
+            for param in sharding.owned_model_params():
+                sharding.masters[id(param)].copy_(param.detach())
+    return meta
+
+
+def remove(filepath) -> None:
+    path = Path(filepath)
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()

@@ -1,0 +1,376 @@
+"""``ZeroStrategy``: the Lightning adapter over :mod:`lightning_zero.distributed`.
+
+All parallelism lives in plain functions (:func:`~lightning_zero.distributed.zero.apply_zero`,
+:func:`~lightning_zero.distributed.optimizer.shard_optimizer`); this class only maps Lightning's hooks onto them:
+process-group set-up, wrapping the LightningModule, partitioning the optimizers, gradient-accumulation sync,
+clipping, and checkpoints.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from typing import Any, Callable, Generator, Literal, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.ddp import _DDPForwardRedirection
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import _ForwardRedirection
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_zero.config import ZeroConfig
+from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
+from lightning_zero.distributed.zero import apply_zero, set_gradient_sync
+from lightning_zero.strategies import checkpointing
+from lightning_zero.strategies.precision import ZeroPrecision, adapt_precision_plugin
+
+log = logging.getLogger(__name__)
+
+StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+
+
+class ZeroStrategy(ParallelStrategy):
+    """DeepSpeed's ZeRO stages 0-3 with CPU offload for Lightning, on DDP and FSDP2.
+
+    ==========  ==========================================================  ======================================
+    ``stage``   engine                                                      model-state bytes per rank at rest
+    ==========  ==========================================================  ======================================
+    0           DDP                                                         ``P (bp + bg + K)``
+    1           DDP + the optimizer partitioned in place (each rank steps   ``P (bp + bg) + P K / N``
+                1/N of the parameters, then broadcasts them)
+    2           FSDP2 ``fully_shard(reshard_after_forward=False)``          ``P (bp + bg + K) / N``, plus ``P bp``
+                                                                            gathered from forward to backward
+    3           FSDP2 ``fully_shard(reshard_after_forward=True)``           ``P (bp + bg + K) / N``, plus one or two
+                                                                            gathered units
+    ==========  ==========================================================  ======================================
+
+    ``P`` parameters, ``N`` ranks, ``bp``/``bg`` bytes per parameter/gradient, ``K`` optimizer-state bytes per
+    parameter (8 for fp32 Adam). ``docs/stages.md`` derives these; :func:`lightning_zero.model_state_memory`
+    measures them and :func:`lightning_zero.estimate_model_states_memory` predicts them.
+
+    Args:
+        stage: ZeRO stage, 0-3.
+        offload: ``None`` or ``"cpu"``: optimizer states and fp32 master weights live and step in CPU memory
+            (stage 1: a CPU master per owned parameter; stages 2-3: FSDP2's ``CPUOffloadPolicy``, which also puts
+            the sharded parameters and gradients there). ``"nvme"`` is not implemented yet and raises.
+        pin_memory: pin offloaded CPU tensors (default: when computing on CUDA).
+        sharded_module_classes: classes or class names that become FSDP units at stages 2-3; by default
+            repeated blocks are detected (:func:`lightning_zero.distributed.zero.find_repeated_blocks`).
+        reshard_after_forward: stage-3 override of FSDP2's ``reshard_after_forward``.
+        process_group_backend: ``"gloo"``, ``"nccl"``, ...; by default chosen from the accelerator.
+        timeout: process-group timeout.
+        start_method: ``"popen"`` (re-run the script per rank, like ``DDPStrategy``), ``"spawn"``, ``"fork"``.
+    """
+
+    strategy_name = "zero"
+
+    def __init__(
+        self,
+        stage: int = 2,
+        offload: Optional[str] = None,
+        pin_memory: Optional[bool] = None,
+        sharded_module_classes: Optional[Union[set, list, tuple]] = None,
+        reshard_after_forward: Optional[Union[bool, int]] = None,
+        accelerator: Optional[Any] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[Any] = None,
+        checkpoint_io: Optional[Any] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: StartMethod = "popen",
+    ) -> None:
+        # Validate everything before Lightning (or anyone) starts a process group.
+        self.zero_config = ZeroConfig(
+            stage=stage, offload=offload, pin_memory=pin_memory,
+            sharded_module_classes=frozenset(sharded_module_classes) if sharded_module_classes else None,
+            reshard_after_forward=reshard_after_forward,
+        )
+        if start_method not in ("popen", "spawn", "fork", "forkserver"):
+            raise ValueError(f"start_method must be 'popen', 'spawn', 'fork' or 'forkserver', got {start_method!r}")
+        if checkpoint_io is not None:
+            raise ValueError("ZeroStrategy writes sharded checkpoints with torch.distributed.checkpoint itself, so a "
+                             "custom checkpoint_io would be ignored; remove it")
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, precision_plugin=precision_plugin)
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._start_method = start_method
+        self._num_nodes = 1
+        self._mesh = None
+        self._forward_redirection = _DDPForwardRedirection() if stage <= 1 else _ForwardRedirection()
+
+    # ------------------------------------------------------------------ properties Lightning reads
+    @property
+    def stage(self) -> int:
+        return self.zero_config.stage
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        """True once the process group exists; torchmetrics and ``sync_dist`` use it to decide to reduce."""
+        return _distributed_is_initialized()
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    @property
+    def device_mesh(self):
+        if self._mesh is None:
+            raise RuntimeError("The device mesh exists only after the process group was set up")
+        return self._mesh
+
+    @property
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else ZeroPrecision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        self._precision_plugin = adapt_precision_plugin(plugin) if plugin is not None else None
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # optimizer states can only be loaded into the sharded optimizers
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # load_checkpoint restores them, sharded
+
+    # ------------------------------------------------------------------ launch and process group
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            if not self.cluster_environment.creates_processes_externally:
+                self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes,
+                                                           self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._process_group_backend or \
+            _get_default_process_group_backend_for_device(self.root_device)
+        assert self.cluster_environment is not None
+        device_id = self.root_device if self.root_device.type == "cuda" else None
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
+                              device_id=device_id)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self._mesh = init_device_mesh(self.root_device.type, (self.world_size,), mesh_dim_names=("data_parallel",))
+        if self.lightning_module is not None:
+            self.lightning_module._device_mesh = self._mesh
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    # ------------------------------------------------------------------ model and optimizers
+    @contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """At stages 2-3 ``configure_model`` builds on the meta device; ``setup`` materialises the shards."""
+        with torch.device("meta") if self.stage >= 2 else nullcontext():
+            yield
+
+    def setup(self, trainer) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        self.precision_plugin.convert_module(self.model)
+        if self.stage >= 2:
+            if not isinstance(self.model, FSDPModule):  # evaluation after fit reuses the sharded module
+                apply_zero(self.model, self._mesh, self.zero_config, device=self.root_device,
+                           mp_policy=self.precision_plugin.fsdp_mp_policy())
+        elif fitting:
+            self.model = apply_zero(self.model, self._mesh, self.zero_config, device=self.root_device)
+        else:
+            self.model.to(self.root_device)
+            _broadcast_module_states(self.model)
+        self.barrier()
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    def setup_optimizers(self, trainer) -> None:
+        self._reset_optimizers_and_schedulers()
+        super().setup_optimizers(trainer)
+        group = self._mesh.get_group() if self._mesh is not None else None
+        for optimizer in self.optimizers:
+            if get_sharding(optimizer) is None:
+                shard_optimizer(optimizer, self.zero_config, group=group, device=self.root_device)
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        if self.stage <= 1:
+            self.model.to(self.root_device)
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """No gradient communication on the micro-steps of gradient accumulation."""
+        assert self.model is not None
+        set_gradient_sync(self.model, False)
+        try:
+            yield
+        finally:
+            set_gradient_sync(self.model, True)
+
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        if isinstance(self.model, DistributedDataParallel) and not self.lightning_module.automatic_optimization:
+            from torch.nn.parallel.distributed import _find_tensors
+
+            if self.model.require_backward_grad_sync:
+                self.model.reducer.prepare_for_backward(list(_find_tensors(closure_loss)))
+
+    def _redirect(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Route a step through the root module's ``__call__`` so its DDP/FSDP2 hooks run (see zero.py's note)."""
+        assert self.lightning_module is not None
+        if self.model is self.lightning_module and self.stage <= 1:
+            return getattr(self.lightning_module, method)(*args, **kwargs)
+        return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = self.precision_plugin.convert_input((args, kwargs))
+        with self.precision_plugin.train_step_context():
+            return self._redirect("training_step", *args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = self.precision_plugin.convert_input((args, kwargs))
+        with self.precision_plugin.val_step_context():
+            return self._redirect("validation_step", *args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = self.precision_plugin.convert_input((args, kwargs))
+        with self.precision_plugin.test_step_context():
+            return self._redirect("test_step", *args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = self.precision_plugin.convert_input((args, kwargs))
+        with self.precision_plugin.predict_step_context():
+            return self._redirect("predict_step", *args, **kwargs)
+
+    # ------------------------------------------------------------------ collectives
+    def barrier(self, name: Optional[str] = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src, group=_group.WORLD)
+        return box[0]
+
+    def reduce(self, tensor: Any, group: Optional[Any] = None,
+               reduce_op: Optional[Union[dist.ReduceOp, str]] = "mean") -> Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # ------------------------------------------------------------------ checkpoints
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return checkpointing.module_state_dict(self.lightning_module)
+
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        return checkpointing.optimizer_state_dict(self.lightning_module, getattr(optimizer, "_optimizer", optimizer))
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None:
+            raise TypeError("ZeroStrategy.save_checkpoint does not take storage_options: it writes with "
+                            "torch.distributed.checkpoint")
+        checkpointing.save(self, checkpoint, self.broadcast(str(filepath)))
+
+    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        return checkpointing.load(self, self.broadcast(str(checkpoint_path)))
+
+    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+        pass  # load_checkpoint already loaded the (sharded) weights in place
+
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        pass  # likewise for optimizer states
+
+    def remove_checkpoint(self, filepath) -> None:
+        if self.is_global_zero:
+            checkpointing.remove(filepath)
+
+    # ------------------------------------------------------------------ teardown and registry
+    def teardown(self) -> None:
+        lightning_module = self.lightning_module
+        if isinstance(self.model, DistributedDataParallel):
+            self.model = lightning_module
+        for optimizer in self.optimizers:
+            sharding = get_sharding(optimizer)
+            if sharding is not None:
+                sharding.remove()
+        assert self.cluster_environment is not None
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        entries = {
+            "zero": dict(description="ZeRO stage 2 (FSDP2, gradients and optimizer states sharded)", stage=2),
+            "zero_stage_1": dict(description="ZeRO stage 1: optimizer states sharded", stage=1),
+            "zero_stage_2": dict(description="ZeRO stage 2: gradients and optimizer states sharded", stage=2),
+            "zero_stage_2_offload": dict(description="ZeRO stage 2 with CPU offload", stage=2, offload="cpu"),
+            "zero_stage_3": dict(description="ZeRO stage 3: parameters, gradients, optimizer states sharded",
+                                 stage=3),
+            "zero_stage_3_offload": dict(description="ZeRO stage 3 with CPU offload", stage=3, offload="cpu"),
+        }
+        for name, kwargs in entries.items():
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, **kwargs)
+
+
+def _broadcast_module_states(module: torch.nn.Module) -> None:
+    """Evaluation without DDP at stages 0-1: start every rank from rank 0's weights, as DDP would."""
+    if not _distributed_is_initialized():
+        return
+    with torch.no_grad():
+        for tensor in list(module.parameters()) + list(module.buffers()):
+            dist.broadcast(tensor.data, src=0)
