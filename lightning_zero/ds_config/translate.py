@@ -368,7 +368,7 @@ def _translate_named_spec(config: dict, name: str, out: _Collector) -> Optional[
             out.problem(f"{name}.{key}", f"unknown key; {_suggest(key, sorted(allowed), name)}")
     if "legacy_fusion" in spec:
         out.note("optimizer.legacy_fusion", "no effect: a FusedAdam-specific switch of DeepSpeed")
-    if name == "optimizer" and params.get("max_grad_norm"):
+    if name == "optimizer" and "max_grad_norm" in params:
         raise DeepSpeedConfigError("optimizer.params.max_grad_norm is not an optimizer parameter (DeepSpeed rejects "
                                    "it too): use the top-level \"gradient_clipping\" instead")
     out.note(name, schema.TOP_LEVEL_KEYS[name].note)
