@@ -225,5 +225,6 @@ def estimate_model_states_memory(model_or_num_params: Union[nn.Module, int], sta
         # FSDP2 CPUOffloadPolicy: the sharded fp32 parameters, gradients and states all live in CPU memory.
         accel = zero
         cpu = StateBytes(p * 4 // n, p * 4 // n, p * k // n)
-    gathered = {2: p * bp, 3: 2 * largest_unit_params * bp}.get(stage, 0)
+    # Stage 3 gathers one unit and prefetches the next; never more than the whole model.
+    gathered = {2: p * bp, 3: min(2 * largest_unit_params, p) * bp}.get(stage, 0)
     return MemoryEstimate(accel, cpu, accel.total + gathered, cpu.total)

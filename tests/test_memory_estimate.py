@@ -1,0 +1,51 @@
+import pytest
+from torch import nn
+
+from lightning_zero import estimate_model_states_memory, zero_formula
+from lightning_zero.cli import main
+
+P = 1_000_000
+
+
+@pytest.mark.parametrize("stage, params, grads, states", [
+    (0, 4 * P, 4 * P, 8 * P), (1, 4 * P, 4 * P, 2 * P), (2, P, P, 2 * P), (3, P, P, 2 * P)])
+def test_fp32_adam_formulas_at_four_ranks(stage, params, grads, states):
+    got = zero_formula(P, stage, 4)
+    assert (got.params, got.grads, got.optimizer_states) == (params, grads, states)
+
+
+def test_mixed_precision_is_deepspeeds_2_2_12():
+    assert zero_formula(P, 0, 8, precision="bf16-mixed").total == 16 * P
+    assert zero_formula(P, 1, 8, precision="16-mixed").total == 4 * P + 12 * P // 8  # ZeRO paper: 4P + 12P/N
+    assert zero_formula(P, 3, 8, precision="bf16-mixed").total == 16 * P // 8
+
+
+def test_estimate_places_offloaded_states_on_cpu_and_peaks():
+    est = estimate_model_states_memory(P, 2, 4, offload="cpu")
+    assert est.accelerator.total == 0 and est.cpu.total == 4 * P  # (4 + 4 + 8) P / 4
+    assert est.accelerator_peak == 4 * P  # the gathered fp32 parameters
+    est1 = estimate_model_states_memory(P, 1, 4, offload="cpu")
+    assert est1.accelerator.total == 8 * P and est1.cpu.optimizer_states == 12 * P // 4  # master + m + v
+    est3 = estimate_model_states_memory(P, 3, 4, largest_unit_params=P // 10)
+    assert est3.accelerator_peak == est3.accelerator.total + 2 * (P // 10) * 4
+
+
+def test_estimate_from_module_uses_largest_block():
+    model = nn.Sequential(nn.Linear(10, 10), nn.Sequential(nn.Linear(100, 100), nn.Linear(100, 100)))
+    est = estimate_model_states_memory(model, 3, 2)
+    total = sum(p.numel() for p in model.parameters())
+    assert est.accelerator.total == zero_formula(total, 3, 2).total
+    assert est.accelerator_peak - est.accelerator.total == min(2 * 10100, total) * 4
+
+
+def test_estimate_validates_like_the_strategy():
+    with pytest.raises(ValueError, match="needs a ZeRO stage"):
+        estimate_model_states_memory(P, 0, 4, offload="cpu")
+    with pytest.raises(ValueError, match="precision must be one of"):
+        estimate_model_states_memory(P, 2, 4, precision="fp8")
+
+
+def test_estimate_cli_prints_every_stage(capsys):
+    assert main(["estimate", "--params", "1e6", "--world-size", "4", "--precision", "32-true"]) == 0
+    out = capsys.readouterr().out
+    assert "stage" in out and out.count("GiB") == 12
