@@ -481,3 +481,15 @@ def test_auto_context_validation_and_hidden_size_inference():
     assert infer_hidden_size(Wrapper()) == 48
     assert infer_hidden_size(torch.nn.Linear(2, 2), {"n_embd": 32}) == 32
     assert infer_hidden_size(torch.nn.Linear(2, 2)) is None
+
+
+def test_docs_mapping_table_covers_every_known_key():
+    from pathlib import Path
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "ds_config.md").read_text()
+    tables = {"": schema.TOP_LEVEL_KEYS, "zero_optimization.": schema.ZERO_KEYS,
+              "offload_optimizer.": schema.OFFLOAD_OPTIMIZER_KEYS, "offload_param.": schema.OFFLOAD_PARAM_KEYS}
+    tables.update({f"{section}.": keys for section, keys in schema.SECTION_KEYS.items() if "." not in section})
+    missing = [prefix + key for prefix, keys in tables.items() for key in keys if f"`{prefix}{key}`" not in docs]
+    missing += [section for section in schema.UNSUPPORTED_SECTIONS if f"`{section}`" not in docs]
+    assert missing == []
