@@ -334,3 +334,22 @@ def test_build_scheduler_from_config_spec():
         build_scheduler({"type": "WarmupLinear"}, opt)
     with pytest.raises(DeepSpeedConfigError, match="it accepts"):
         build_scheduler({"type": "WarmupLR", "params": {"warmup_steps": 3}}, opt)
+
+
+def test_optimizer_defined_twice_fails_saying_which_to_remove():
+    import lightning.pytorch as pl
+
+    from lightning_zero.optim_factory import check_single_optimizer_source, defines_configure_optimizers
+
+    class WithOptimizers(pl.LightningModule):
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    class WithoutOptimizers(pl.LightningModule):
+        pass
+
+    assert defines_configure_optimizers(WithOptimizers()) and not defines_configure_optimizers(WithoutOptimizers())
+    check_single_optimizer_source({"type": "Adam"}, WithoutOptimizers())
+    check_single_optimizer_source(None, WithOptimizers())
+    with pytest.raises(DeepSpeedConfigError, match="remove the \"optimizer\".*or delete configure_optimizers"):
+        check_single_optimizer_source({"type": "Adam"}, WithOptimizers())
