@@ -409,7 +409,8 @@ def translate_ds_config(config: dict, *, strict: bool = True) -> DeepSpeedTransl
             else:
                 out.problem(key, f"not supported: {schema.UNSUPPORTED_SECTIONS[key]} is not part of lightning-zero")
             continue
-        out.problem(key, f"unknown top-level key; {_suggest(key, list(schema.TOP_LEVEL_KEYS), '')}")
+        candidates = list(schema.TOP_LEVEL_KEYS) + list(schema.UNSUPPORTED_SECTIONS)
+        out.problem(key, f"unknown top-level key; {_suggest(key, candidates, '')}")
 
     kwargs: dict = {}
     effective["zero_optimization"], gather = _translate_zero(config, out, kwargs)
