@@ -1,0 +1,20 @@
+"""Sharded checkpoints: atomic/async DCP save and load, streaming consolidation, DeepSpeed checkpoint reading."""
+
+from lightning_zero.checkpoint.consolidate import consolidate_checkpoint, iter_consolidated
+from lightning_zero.checkpoint.deepspeed_reader import is_deepspeed_checkpoint
+from lightning_zero.checkpoint.io import (
+    PendingSave,
+    is_sharded_checkpoint,
+    load_sharded_checkpoint,
+    read_checkpoint_info,
+    remove_sharded_checkpoint,
+    save_sharded_checkpoint,
+    wait_for_pending_saves,
+)
+from lightning_zero.checkpoint.safe_load import UnsafeCheckpointError, load_meta
+
+__all__ = [
+    "PendingSave", "UnsafeCheckpointError", "consolidate_checkpoint", "is_deepspeed_checkpoint",
+    "is_sharded_checkpoint", "iter_consolidated", "load_meta", "load_sharded_checkpoint", "read_checkpoint_info",
+    "remove_sharded_checkpoint", "save_sharded_checkpoint", "wait_for_pending_saves",
+]

@@ -1,0 +1,197 @@
+"""Consolidate a sharded (or DeepSpeed ZeRO) checkpoint into one file, streaming tensor by tensor.
+
+Lightning's ``consolidate_checkpoint`` and DeepSpeed's ``zero_to_fp32`` materialise the whole model in memory.
+Here a *source* enumerates ``TensorEntry`` (key, dtype, shape) from metadata alone, and loads one full tensor at a
+time; the writers of :mod:`lightning_zero.checkpoint.streaming` put it on disk and drop it. Peak memory is about
+three times the largest tensor (the assembled tensor, one chunk being read, a dtype-converted copy).
+
+The DCP chunk reader is hand-written: DCP's own loader needs a pre-allocated target ``state_dict`` per call and
+re-reads the metadata each time; reading the storage records directly is simpler and keeps every read
+``weights_only``.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections import OrderedDict
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+
+import torch
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
+
+from lightning_zero.checkpoint.io import resolve_checkpoint_dir
+from lightning_zero.checkpoint.safe_load import load_meta, read_dcp_metadata, safe_torch_load
+from lightning_zero.checkpoint.streaming import TensorEntry, tensor_slot, write_safetensors, write_torch_checkpoint
+
+PathLike = Union[str, os.PathLike]
+
+DTYPES = {
+    "fp32": torch.float32, "float32": torch.float32, "32": torch.float32,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16, "16": torch.float16,
+}
+
+
+def parse_dtype(dtype: Union[None, str, torch.dtype]) -> Optional[torch.dtype]:
+    """``None`` keeps stored dtypes; otherwise one of ``fp32``/``bf16``/``fp16`` (or the torch dtype)."""
+    if dtype is None or isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype.lower() in DTYPES:
+        return DTYPES[dtype.lower()]
+    raise ValueError(f"dtype must be None, 'fp32', 'bf16' or 'fp16' (or the torch dtype), got {dtype!r}")
+
+
+class DCPTensorSource:
+    """Reads full tensors of one top-level entry (default ``state_dict``) of a DCP checkpoint, one at a time."""
+
+    def __init__(self, path: PathLike, top_key: str = "state_dict") -> None:
+        self.path = resolve_checkpoint_dir(path)
+        metadata = read_dcp_metadata(self.path)
+        self._storage = metadata.storage_data
+        mappings = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+        self.entries: List[TensorEntry] = []
+        self._fqns: Dict[str, str] = {}
+        self._tensor_md: Dict[str, TensorStorageMetadata] = {}
+        self._bytes_fqns: Dict[str, str] = {}
+        # planner_data keeps the order of the saved dict (the module's state_dict order); fall back to metadata.
+        order = list(mappings) + [fqn for fqn in metadata.state_dict_metadata if fqn not in mappings]
+        for fqn in order:
+            item = metadata.state_dict_metadata.get(fqn)
+            path_parts = mappings.get(fqn)
+            if path_parts is not None:
+                if len(path_parts) < 2 or path_parts[0] != top_key:
+                    continue
+                key = ".".join(str(part) for part in path_parts[1:])
+            elif fqn.startswith(top_key + "."):
+                key = fqn[len(top_key) + 1:]
+            else:
+                continue
+            if isinstance(item, TensorStorageMetadata):
+                self.entries.append(TensorEntry(key, item.properties.dtype, tuple(item.size)))
+                self._fqns[key] = fqn
+                self._tensor_md[key] = item
+            elif isinstance(item, BytesStorageMetadata):
+                self._bytes_fqns[key] = fqn
+        self._files: Dict[str, Any] = {}
+
+    def _read_record(self, index: MetadataIndex) -> bytes:
+        info = self._storage[index]
+        if getattr(info, "transform_descriptors", None):
+            raise NotImplementedError(
+                f"{self.path}: storage transforms {info.transform_descriptors} (DCP extensions such as compression) "
+                "are not supported by the streaming reader"
+            )
+        file = self._files.get(info.relative_path)
+        if file is None:
+            file = self._files[info.relative_path] = open(os.path.join(self.path, info.relative_path), "rb")
+        file.seek(info.offset)
+        return file.read(info.length)
+
+    def load(self, entry: TensorEntry) -> torch.Tensor:
+        """The full tensor for ``entry``, assembled from its chunks."""
+        md, fqn = self._tensor_md[entry.key], self._fqns[entry.key]
+        what = f"{self.path} tensor {fqn!r}"
+        if len(md.chunks) == 1 and tuple(md.chunks[0].sizes) == tuple(md.size):
+            return safe_torch_load(io.BytesIO(self._read_record(MetadataIndex(fqn, md.chunks[0].offsets))), what=what)
+        full = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        for chunk in md.chunks:
+            part = safe_torch_load(io.BytesIO(self._read_record(MetadataIndex(fqn, chunk.offsets))), what=what)
+            target = full
+            for dim, (start, length) in enumerate(zip(chunk.offsets, chunk.sizes)):
+                target = target.narrow(dim, start, length)
+            target.copy_(part.reshape(target.shape))
+            del part
+        return full
+
+    def extras(self) -> Dict[str, Any]:
+        """Non-tensor entries under the top key (e.g. a module's ``_extra_state``), read with ``weights_only``."""
+        return {key: safe_torch_load(io.BytesIO(self._read_record(MetadataIndex(fqn))), what=f"{self.path} {fqn!r}")
+                for key, fqn in self._bytes_fqns.items()}
+
+    def meta(self) -> Dict[str, Any]:
+        return load_meta(self.path)
+
+    def close(self) -> None:
+        for file in self._files.values():
+            file.close()
+        self._files.clear()
+
+
+def open_source(path: PathLike):
+    """A tensor source for a lightning-zero sharded checkpoint or a DeepSpeed ZeRO checkpoint directory."""
+    from lightning_zero.checkpoint.deepspeed_reader import DeepSpeedTensorSource, is_deepspeed_checkpoint
+
+    if is_deepspeed_checkpoint(path):
+        return DeepSpeedTensorSource(path)
+    return DCPTensorSource(path)
+
+
+def _converted(entry: TensorEntry, dtype: Optional[torch.dtype]) -> TensorEntry:
+    if dtype is None or not entry.dtype.is_floating_point:
+        return entry
+    return TensorEntry(entry.key, dtype, entry.shape)
+
+
+def iter_consolidated(path: PathLike, dtype: Union[None, str, torch.dtype] = None
+                      ) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Yield ``(key, full tensor)`` of the model state of the checkpoint at ``path`` one at a time."""
+    dtype = parse_dtype(dtype)
+    source = open_source(path)
+    try:
+        for entry in source.entries:
+            yield entry.key, _cast(source.load(entry), dtype)
+    finally:
+        source.close()
+
+
+def _cast(tensor: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
+    return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+
+
+def consolidate_checkpoint(
+    path: PathLike, output: Optional[PathLike] = None, dtype: Union[None, str, torch.dtype] = None,
+) -> Optional[Dict[str, Any]]:
+    """Consolidate the checkpoint at ``path`` (lightning-zero sharded or DeepSpeed ZeRO directory).
+
+    * ``output=None``: return the full model state dict (this holds the whole model in memory, by definition).
+    * ``output`` ending in ``.safetensors``: write the model tensors as safetensors; returns ``None``.
+    * any other ``output``: write a Lightning checkpoint ``{"state_dict": ..., **meta}`` readable by
+      ``LightningModule.load_from_checkpoint`` and ``torch.load(output, weights_only=True)``; returns ``None``.
+
+    Files are written tensor by tensor (peak memory ~3x the largest tensor), to ``output + ".partial"`` first and
+    renamed when complete. ``dtype`` (``"fp32"``, ``"bf16"``, ``"fp16"``) converts floating-point tensors.
+    """
+    dtype = parse_dtype(dtype)
+    source = open_source(path)
+    try:
+        if output is None:
+            state: Dict[str, Any] = OrderedDict((e.key, _cast(source.load(e), dtype)) for e in source.entries)
+            state.update(source.extras())
+            return state
+        output = os.fspath(output)
+        os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+        entries = [_converted(entry, dtype) for entry in source.entries]
+        originals = {entry.key: entry for entry in source.entries}
+
+        def load(entry: TensorEntry) -> torch.Tensor:
+            return _cast(source.load(originals[entry.key]), dtype)
+
+        if output.endswith(".safetensors"):
+            extras = source.extras()
+            if extras:
+                raise ValueError(
+                    f"the checkpoint's state_dict holds non-tensor entries {sorted(extras)}, which safetensors "
+                    "cannot store; write a .ckpt/.pt output instead"
+                )
+            write_safetensors(output, entries, load, metadata={"format": "pt"})
+            return None
+        state_dict: Dict[str, Any] = OrderedDict((entry.key, tensor_slot(entry)) for entry in entries)
+        state_dict.update(source.extras())
+        checkpoint = dict(source.meta())
+        checkpoint.pop("state_dict", None)
+        checkpoint["state_dict"] = state_dict
+        write_torch_checkpoint(output, checkpoint, load)
+        return None
+    finally:
+        source.close()

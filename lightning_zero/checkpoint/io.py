@@ -1,0 +1,312 @@
+"""Sharded checkpoint save/load on ``torch.distributed.checkpoint`` (DCP), atomic and optionally asynchronous.
+
+A lightning-zero checkpoint is a directory (``X.ckpt/``) holding
+
+* a DCP checkpoint (``.metadata`` + ``__<rank>_<n>.distcp``) of the tensor state: ``{"state_dict": {...},
+  "optimizer_states": {...}, ...}``. Every rank writes only its own shards; loading reshards to whatever DTensor
+  layout or world size the receiving ``state`` has;
+* ``meta.pt``: everything else of Lightning's checkpoint dict, written by rank 0 with ``torch.save`` and read back
+  only with ``weights_only=True``;
+* ``zero.json``: the format marker, written last. A directory without it is not a checkpoint.
+
+[Note: atomic saves]
+All ranks write into the hidden sibling ``.X.ckpt.partial``. DCP's save ends with a gather of every rank's write
+results on rank 0, so when rank 0 returns from it all data files exist; only then does rank 0 write ``zero.json`` and
+swap the directory into place: ``X.ckpt -> .X.ckpt.old``, ``.X.ckpt.partial -> X.ckpt``, delete the old one. A crash
+before the swap leaves ``X.ckpt`` untouched; a crash between the two renames leaves ``.X.ckpt.old`` complete, and
+:func:`load_sharded_checkpoint` falls back to it. A ``.partial`` directory is never a checkpoint: it is hidden, has
+no ``zero.json``, and the next save to that path deletes it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+from concurrent.futures import Future
+from typing import Any, Dict, List, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+
+from lightning_zero.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, load_meta
+
+PathLike = Union[str, os.PathLike]
+
+FORMAT_NAME = "lightning-zero-sharded"
+FORMAT_VERSION = 1
+INFO_FILE = "zero.json"
+META_FILE = "meta.pt"
+
+
+def _partial_dir(path: str) -> str:
+    return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.partial")
+
+
+def _old_dir(path: str) -> str:
+    return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.old")
+
+
+def _norm(path: PathLike) -> str:
+    return os.path.abspath(os.fspath(path)).rstrip(os.sep)
+
+
+def is_sharded_checkpoint(path: PathLike) -> bool:
+    """True when ``path`` is a complete lightning-zero sharded checkpoint directory."""
+    path = os.fspath(path)
+    return (
+        os.path.isdir(path)
+        and os.path.isfile(os.path.join(path, INFO_FILE))
+        and os.path.isfile(os.path.join(path, ".metadata"))
+    )
+
+
+def resolve_checkpoint_dir(path: PathLike) -> str:
+    """The directory to read for ``path``: itself, or its ``.old`` sibling left by a save interrupted mid-swap."""
+    path = _norm(path)
+    if is_sharded_checkpoint(path):
+        return path
+    if not os.path.exists(path) and is_sharded_checkpoint(_old_dir(path)):
+        return _old_dir(path)
+    if os.path.isdir(path):
+        raise FileNotFoundError(
+            f"{path} is a directory but not a complete lightning-zero checkpoint (missing {INFO_FILE} or .metadata)"
+        )
+    raise FileNotFoundError(f"no sharded checkpoint at {path}")
+
+
+def read_checkpoint_info(path: PathLike) -> dict:
+    """The ``zero.json`` of a sharded checkpoint (format version, world size, stage, top-level keys, ...)."""
+    with open(os.path.join(resolve_checkpoint_dir(path), INFO_FILE)) as file:
+        info = json.load(file)
+    if info.get("format") != FORMAT_NAME or info.get("version", 0) > FORMAT_VERSION:
+        raise ValueError(f"{path}: unsupported checkpoint format {info.get('format')!r} v{info.get('version')}")
+    return info
+
+
+def _rank(group: Optional[dist.ProcessGroup]) -> int:
+    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+
+
+def _world(group: Optional[dist.ProcessGroup]) -> int:
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def _barrier(group: Optional[dist.ProcessGroup]) -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier(group=group)
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems do not support fsync on directories; the renames are still atomic
+    finally:
+        os.close(fd)
+
+
+def _swap_into_place(partial: str, path: str) -> None:
+    old = _old_dir(path)
+    if os.path.lexists(old):
+        shutil.rmtree(old) if os.path.isdir(old) and not os.path.islink(old) else os.remove(old)
+    if os.path.lexists(path):
+        os.rename(path, old)
+    os.rename(partial, path)
+    _fsync_dir(os.path.dirname(path))
+    if os.path.lexists(old):
+        shutil.rmtree(old) if os.path.isdir(old) and not os.path.islink(old) else os.remove(old)
+
+
+def _write_info(partial: str, state: dict, world_size: int, info: Optional[dict]) -> None:
+    record = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "world_size": world_size,
+        "keys": sorted(str(k) for k in state),
+        "model_keys": len(state.get("state_dict", {})) if isinstance(state.get("state_dict"), dict) else 0,
+        "torch_version": torch.__version__,
+    }
+    overlap = set(record) & set(info or {})
+    if overlap:
+        raise ValueError(f"info must not override the reserved zero.json fields {sorted(overlap)}")
+    record.update(info or {})
+    tmp = os.path.join(partial, INFO_FILE + ".tmp")
+    with open(tmp, "w") as file:
+        json.dump(record, file, indent=1, sort_keys=True)
+        file.flush()
+        os.fsync(file.fileno())
+    os.rename(tmp, os.path.join(partial, INFO_FILE))
+
+
+class PendingSave:
+    """Handle of an asynchronous save. The directory appears at its path once the save is finalized.
+
+    Rank 0 finalizes (``zero.json`` + atomic swap) as soon as the DCP write completes, in the background.
+    :meth:`wait` blocks until then and re-raises any failure.
+    """
+
+    def __init__(self, future: Future, path: str, finalize, group: Optional[dist.ProcessGroup]) -> None:
+        self.path = path
+        self._future = future
+        self._finalize = finalize
+        self._group = group
+        self._lock = threading.Lock()
+        self._finalized = False
+        self._error: Optional[BaseException] = None
+        future.add_done_callback(lambda _: self._run_finalize())
+
+    def _run_finalize(self) -> None:
+        with self._lock:
+            if self._finalized:
+                return
+            self._finalized = True
+            try:
+                self._future.result()
+                self._finalize()
+            except BaseException as err:  # kept and re-raised on the training thread by wait()
+                self._error = err
+
+    def done(self) -> bool:
+        return self._future.done() and self._finalized
+
+    def wait(self, barrier: bool = True) -> None:
+        """Block until the save is complete on disk. ``barrier=True`` (collective: every rank must call it) also
+        guarantees every rank sees the finished directory when it returns."""
+        self._future.result()
+        self._run_finalize()
+        with _PENDING_LOCK:
+            if self in _PENDING:
+                _PENDING.remove(self)
+        if self._error is not None:
+            raise RuntimeError(f"asynchronous checkpoint save to {self.path} failed") from self._error
+        if barrier:
+            _barrier(self._group)
+
+
+_PENDING: List[PendingSave] = []
+_PENDING_LOCK = threading.Lock()
+_ASYNC_GROUPS: Dict[Any, dist.ProcessGroup] = {}
+
+
+def wait_for_pending_saves(barrier: bool = True) -> None:
+    """Wait for every asynchronous save this process started. Collective when ``barrier=True``."""
+    with _PENDING_LOCK:
+        pending = list(_PENDING)
+    for handle in pending:
+        handle.wait(barrier=barrier)
+
+
+def _async_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
+    # Why a separate group: DCP's async save runs its planning collectives on a background thread. Sharing the
+    # training process group with it would interleave two streams of collectives on one communicator.
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    key = id(group) if group is not None else "default"
+    if key not in _ASYNC_GROUPS:
+        ranks = dist.get_process_group_ranks(group) if group is not None else None
+        _ASYNC_GROUPS[key] = dist.new_group(ranks=ranks, backend="gloo")
+    return _ASYNC_GROUPS[key]
+
+
+def save_sharded_checkpoint(
+    path: PathLike,
+    state: Dict[str, Any],
+    metadata: Dict[str, Any],
+    *,
+    process_group: Optional[dist.ProcessGroup] = None,
+    async_save: bool = False,
+    info: Optional[Dict[str, Any]] = None,
+) -> Optional[PendingSave]:
+    """Save ``state`` (tensors/DTensors, nested dicts) with DCP and ``metadata`` as ``meta.pt``, atomically.
+
+    Collective: every rank of ``process_group`` (default: the world) calls it with its local shards. Works without a
+    process group too (single process). ``info`` adds JSON-serialisable fields to ``zero.json`` (e.g. ``stage``).
+
+    Returns ``None`` for a synchronous save (the checkpoint is complete on every rank on return) or a
+    :class:`PendingSave` when ``async_save=True``: the state is staged to CPU before returning, so training may
+    modify parameters right away; call :func:`wait_for_pending_saves` before exit. A new save first waits for
+    earlier pending ones.
+    """
+    if not isinstance(state, dict) or not isinstance(metadata, dict):
+        raise TypeError("state and metadata must be dicts")
+    clash = set(state) & set(metadata)
+    if clash:
+        raise ValueError(f"keys {sorted(clash)} are in both the tensor state and the metadata; each key goes in one")
+    wait_for_pending_saves(barrier=False)
+    path = _norm(path)
+    partial = _partial_dir(path)
+    rank, world = _rank(process_group), _world(process_group)
+    json.dumps(info or {})  # fail on every rank before writing anything if info is not JSON
+    if rank == 0:
+        if os.path.lexists(partial):
+            shutil.rmtree(partial)  # left by a crashed save
+        os.makedirs(partial)
+        torch.save(metadata, os.path.join(partial, META_FILE))
+    _barrier(process_group)
+    writer = FileSystemWriter(partial)
+
+    def finalize() -> None:
+        if rank == 0:
+            _write_info(partial, state, world, info)
+            _swap_into_place(partial, path)
+
+    if async_save:
+        group = _async_group(process_group)
+        result = dcp.async_save(state, storage_writer=writer, planner=None, process_group=group)
+        future = getattr(result, "upload_completion", result)
+        handle = PendingSave(future, path, finalize, group)
+        with _PENDING_LOCK:
+            _PENDING.append(handle)
+        return handle
+    dcp.save(state, storage_writer=writer, process_group=process_group)
+    finalize()
+    _barrier(process_group)
+    return None
+
+
+def load_sharded_checkpoint(
+    path: PathLike,
+    state: Dict[str, Any],
+    *,
+    process_group: Optional[dist.ProcessGroup] = None,
+    strict: bool = True,
+) -> Dict[str, Any]:
+    """Fill the tensors of ``state`` in place from the checkpoint at ``path`` and return its ``meta.pt`` dict.
+
+    Collective over ``process_group``. ``state`` has the receiving layout (DTensors of any mesh, plain tensors, any
+    world size); DCP reads the overlapping chunks, which is how a checkpoint saved by 4 ranks at stage 3 resumes on
+    1 rank at stage 0. ``strict=False`` allows keys of ``state`` that the checkpoint lacks (they keep their values).
+    Non-tensor leaves of ``state`` are replaced with the stored values (read with ``weights_only=True``).
+    """
+    wait_for_pending_saves(barrier=False)
+    directory = resolve_checkpoint_dir(path)
+    read_checkpoint_info(directory)
+    dcp.load(
+        state,
+        storage_reader=SafeFileSystemReader(directory),
+        planner=SafeLoadPlanner(allow_partial_load=not strict),
+        process_group=process_group,
+    )
+    return load_meta(directory)
+
+
+def remove_sharded_checkpoint(path: PathLike) -> None:
+    """Delete a checkpoint directory (and leftovers of interrupted saves). Not collective: call it on one rank."""
+    path = _norm(path)
+    with _PENDING_LOCK:
+        pending = [handle for handle in _PENDING if handle.path == path]
+    for handle in pending:
+        handle.wait(barrier=False)
+    for candidate in (path, _partial_dir(path), _old_dir(path)):
+        if os.path.isdir(candidate) and not os.path.islink(candidate):
+            shutil.rmtree(candidate)
+        elif os.path.lexists(candidate):
+            os.remove(candidate)

@@ -1,0 +1,38 @@
+"""``lightning-zero consolidate CHECKPOINT OUTPUT [--dtype fp32|bf16|fp16]``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "consolidate",
+        help="merge a sharded lightning-zero or DeepSpeed ZeRO checkpoint into one file (streaming)",
+        description=(
+            "Write CHECKPOINT (a lightning-zero sharded .ckpt directory, or a DeepSpeed ZeRO checkpoint directory "
+            "with a 'latest' tag file) as one file: safetensors if OUTPUT ends in .safetensors, otherwise a "
+            "Lightning checkpoint readable by LightningModule.load_from_checkpoint and "
+            "torch.load(..., weights_only=True). Tensors are read and written one at a time."
+        ),
+    )
+    parser.add_argument("checkpoint", help="sharded checkpoint directory or DeepSpeed checkpoint directory")
+    parser.add_argument("output", help="output file (.safetensors or a Lightning .ckpt/.pt)")
+    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
+                        help="convert floating-point tensors (default: keep stored dtypes)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from lightning_zero.checkpoint.consolidate import consolidate_checkpoint
+
+    start = time.perf_counter()
+    try:
+        consolidate_checkpoint(args.checkpoint, args.output, dtype=args.dtype)
+    except (FileNotFoundError, ValueError, TypeError) as err:
+        print(f"lightning-zero consolidate: error: {err}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.output} in {time.perf_counter() - start:.1f} s")
+    return 0
