@@ -70,6 +70,7 @@ CASES_DP2 = [
     ("zero_bubble", 2, "allreduce", "sgd", 0),
     ("zero_bubble", 2, "fully_shard", "sgd", 0),
     ("zbv", 2, "allreduce", "adam", 0),
+    ("1f1b", 1, "fully_shard-reshard", "adam", 0),  # ZeRO-3 flavour: parameters resharded after forward
 ]
 
 
@@ -85,8 +86,11 @@ def _parity_worker(rank: int, world_size: int, cases: list) -> None:
         label = f"{schedule} v={virtual} {data_parallel} {opt_kind} ckpt={interval} dp={dp}"
         model = make_model(interval)
         assert len(model.layers) == 0, "specs must not be built before the stage assignment in a multi-rank run"
-        runner = build_pipeline(model, mesh["pp"], schedule=schedule, micro_batches=4, virtual_stages=virtual,
-                                dp_mesh=mesh["dp"], data_parallel=data_parallel)
+        mode, reshard = data_parallel.split("-")[0], data_parallel.endswith("-reshard")
+        build_pipeline(model, mesh["pp"], schedule=schedule, micro_batches=4, virtual_stages=virtual,
+                       dp_mesh=mesh["dp"], data_parallel=mode, reshard_after_forward=reshard)
+        owned = sorted(int(k) for k in model.layers)
+        assert owned != list(range(8)), f"{label}: a stage must build only its own layers, built {owned}"
         reference = make_model(interval)
         reference.materialize()
         opt, ref_opt = _optimizer(opt_kind, model.parameters()), _optimizer(opt_kind, reference.parameters())
@@ -124,3 +128,15 @@ def _parity_worker(rank: int, world_size: int, cases: list) -> None:
 @pytest.mark.parametrize("world_size, cases", [(2, CASES_DP1), (4, CASES_DP2)], ids=["pp2xdp1", "pp2xdp2"])
 def test_every_schedule_matches_unsplit_reference(world_size: int, cases: list) -> None:
     run_distributed(_parity_worker, world_size, cases)
+
+
+def _fsdp_tied_same_rank_worker(rank: int, world_size: int) -> None:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    # ZBV puts stage 0 (embedding) and stage 3 (tied head) on pipeline rank 0: FSDP2 cannot shard it under two roots.
+    with pytest.raises(NotImplementedError, match="tied module used by two stages"):
+        build_pipeline(make_model(), mesh["pp"], schedule="zbv", micro_batches=2, virtual_stages=2,
+                       dp_mesh=mesh["dp"], data_parallel="fully_shard")
+
+
+def test_fully_shard_rejects_tied_module_in_two_local_stages() -> None:
+    run_distributed(_fsdp_tied_same_rank_worker, 4)

@@ -108,6 +108,8 @@ class PipelineRunner:
         self.boundaries = module.partition(self.num_stages)
         self.stage_ranks = stage_to_rank(self.num_stages, self.pp_size, config.schedule)
         self.local_stages = [s for s in range(self.num_stages) if self.stage_ranks[s] == self.pp_rank]
+        if config.data_parallel == "fully_shard" and dp_mesh is not None:
+            self._check_fully_shard_placement()  # on every rank, before any collective, so all ranks raise
         owned = [i for s in self.local_stages for i in range(self.boundaries[s], self.boundaries[s + 1])]
         if set(module.built_indices) - set(owned):
             module.drop_layers_except(owned)
@@ -173,18 +175,25 @@ class PipelineRunner:
             for tensor in list(self.module.parameters()) + list(self.module.buffers()):
                 dist.broadcast(tensor.data, src=src, group=self.dp_group)
 
+    def _check_fully_shard_placement(self) -> None:
+        for rank in range(self.pp_size):
+            stages_of_key: dict = {}
+            for s in (s for s in range(self.num_stages) if self.stage_ranks[s] == rank):
+                for i in range(self.boundaries[s], self.boundaries[s + 1]):
+                    layer = self.module.specs[i]
+                    if isinstance(layer, TiedLayerSpec):
+                        stages_of_key.setdefault(layer.key, set()).add(s)
+            for key, stages in stages_of_key.items():
+                if len(stages) > 1:
+                    raise NotImplementedError(
+                        f"data_parallel='fully_shard' with a tied module used by two stages of the same rank (key "
+                        f"{key!r} in stages {sorted(stages)} on pipeline rank {rank}, e.g. embedding and head under "
+                        "'zbv') is not supported: FSDP2 cannot shard one module under two stage roots. Use "
+                        "data_parallel='allreduce', another schedule, or a partition that keeps them apart.")
+
     def _apply_fully_shard(self, dp_mesh: DeviceMesh) -> None:
         from torch.distributed.fsdp import fully_shard
 
-        seen: set = set()
-        for sm in self.stage_modules:
-            for child in sm.layers.values():
-                if id(child) in seen:
-                    raise NotImplementedError(
-                        "data_parallel='fully_shard' with a tied module used by two stages of the same rank (e.g. "
-                        "embedding and head under 'zbv') is not supported: FSDP2 cannot shard one module under "
-                        "two stage roots. Use data_parallel='allreduce' or a placement that keeps them apart.")
-                seen.add(id(child))
         for sm in self.stage_modules:
             for child in sm.layers.values():
                 if any(p.requires_grad for p in child.parameters()):
