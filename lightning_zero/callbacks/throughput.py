@@ -35,6 +35,7 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.utils.flop_counter import FlopCounterMode
 
+from lightning_zero.distributed.probes import rich_console
 from lightning_zero.distributed.timing import CollectiveRecord, collective_timer, total_seconds
 from lightning_zero.flops import compute_dtype_for_precision, mfu, peak_flops_for
 
@@ -419,9 +420,7 @@ class ThroughputLogger(Callback):
         self._warned_stragglers = report.stragglers
         every = self.settings.table_every_n_steps
         if every and trainer.global_step % every == 0:
-            from rich.console import Console
-
-            Console().print(report_table(report, trainer.global_step, self._peak))
+            rich_console().print(report_table(report, trainer.global_step, self._peak))
 
 
 def report_table(report: ThroughputReport, step: int, peak_flops: Optional[float] = None):

@@ -1,0 +1,192 @@
+"""``NCCLDiagnostics``: environment audit, collective bandwidth probe and hang watchdog for a Lightning run.
+
+Works with any process-group backend (on gloo it measures gloo). The pieces are framework-free and live in
+``lightning_zero.distributed``: ``env_audit`` (versions, variables, topology, InfiniBand, warnings), ``probes``
+(nccl-tests algbw/busbw) and ``watchdog`` (cross-rank hang detection); this callback only wires them to hooks.
+
+[Note: NCCL reads ``TORCH_NCCL_TRACE_BUFFER_SIZE`` / ``TORCH_NCCL_DUMP_ON_TIMEOUT`` (the flight recorder) when a
+process group is *created* (newer torch names the first ``TORCH_FR_BUFFER_SIZE``; ``enable_flight_recorder`` picks
+the name the installed torch reads). The callback sets them in ``__init__``, which runs before ``Trainer.fit`` creates the
+group; if a group already exists (the user called ``init_process_group`` first) it warns that they come too late
+instead of pretending they apply.]
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch.distributed as dist
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from lightning_zero.distributed.env_audit import EnvAudit, audit_environment, audit_text
+from lightning_zero.distributed.probes import (
+    COLLECTIVES, ProbeResult, probe_collectives, probe_table, rich_console, slow_outliers,
+)
+from lightning_zero.distributed.watchdog import HangWatchdog, enable_flight_recorder, store_for_watchdog
+
+
+@dataclass(frozen=True)
+class DiagnosticsSettings:
+    """Validated options of ``NCCLDiagnostics`` (see its docstring)."""
+
+    audit: bool = True
+    probe: bool = True
+    probe_collectives: tuple = COLLECTIVES
+    probe_sizes: tuple = (1 << 10, 1 << 20)
+    probe_iters: int = 5
+    probe_warmup: int = 1
+    hang_timeout: Optional[float] = 600.0
+    watchdog_poll_interval: Optional[float] = None
+    watchdog_grace: float = 5.0
+    dump_dir: Optional[str] = None
+    flight_recorder: bool = True
+    flight_recorder_buffer: int = 2000
+    slow_rank_tolerance: float = 0.5
+
+    def __post_init__(self) -> None:
+        unknown = [c for c in self.probe_collectives if c not in COLLECTIVES]
+        if unknown:
+            raise ValueError(f"probe_collectives: unknown {unknown}; allowed: {COLLECTIVES}")
+        if not self.probe_sizes or any(int(s) <= 0 for s in self.probe_sizes):
+            raise ValueError(f"probe_sizes must be positive byte counts, got {self.probe_sizes}")
+        if self.probe_iters < 1 or self.probe_warmup < 0:
+            raise ValueError(f"probe_iters must be >= 1 and probe_warmup >= 0, got {self.probe_iters}, "
+                             f"{self.probe_warmup}")
+        if self.hang_timeout is not None and self.hang_timeout <= 0:
+            raise ValueError(f"hang_timeout must be positive seconds or None (watchdog off), got {self.hang_timeout}")
+        if self.watchdog_grace < 0 or self.flight_recorder_buffer < 1 or self.slow_rank_tolerance < 0:
+            raise ValueError("watchdog_grace and slow_rank_tolerance must be >= 0 and flight_recorder_buffer >= 1")
+
+
+class NCCLDiagnostics(Callback):
+    """Audit the environment, probe collective bandwidth and guard against hangs.
+
+    Args:
+        audit: at setup, rank 0 reports versions, backend, sizes, NCCL/TORCH_NCCL/GLOO variables, GPU topology
+            and InfiniBand devices, and warns for settings known to hurt (P2P/SHM/IB disabled, NCCL_DEBUG=INFO).
+        probe: at fit setup, every rank times ``probe_collectives`` x ``probe_sizes`` (bytes, nccl-tests size)
+            and rank 0 prints time/algbw/busbw, flags slow ranks and logs ``diagnostics/<op>_<bytes>_busbw_gbps``.
+        hang_timeout: seconds a training/validation batch may take before the watchdog dumps every rank's stack
+            and ends the job naming the ranks that never arrived (None: no watchdog).
+        watchdog_poll_interval / watchdog_grace: see ``HangWatchdog``.
+        dump_dir: where stacks (and NCCL flight-recorder dumps) are written besides stderr.
+        flight_recorder: set the flight-recorder buffer size and ``TORCH_NCCL_DUMP_ON_TIMEOUT=1`` now, for the
+            NCCL groups created after this constructor (``enable_flight_recorder``).
+        slow_rank_tolerance: a probe rank slower than the median by this fraction is flagged.
+
+    Results are kept in ``audit`` (rank 0) and ``probe_results`` (every rank).
+    """
+
+    def __init__(self, audit: bool = True, probe: bool = True, probe_collectives: Sequence[str] = COLLECTIVES,
+                 probe_sizes: Sequence[int] = (1 << 10, 1 << 20), probe_iters: int = 5, probe_warmup: int = 1,
+                 hang_timeout: Optional[float] = 600.0, watchdog_poll_interval: Optional[float] = None,
+                 watchdog_grace: float = 5.0, dump_dir: Optional[str] = None, flight_recorder: bool = True,
+                 flight_recorder_buffer: int = 2000, slow_rank_tolerance: float = 0.5) -> None:
+        self.settings = DiagnosticsSettings(
+            audit, probe, tuple(probe_collectives), tuple(int(s) for s in probe_sizes), probe_iters, probe_warmup,
+            hang_timeout, watchdog_poll_interval, watchdog_grace, dump_dir, flight_recorder, flight_recorder_buffer,
+            slow_rank_tolerance,
+        )
+        self.audit: Optional[EnvAudit] = None
+        self.probe_results: list[ProbeResult] = []
+        self.watchdog: Optional[HangWatchdog] = None
+        if flight_recorder:
+            enable_flight_recorder(flight_recorder_buffer, dump_dir)
+            if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+                warnings.warn("NCCLDiagnostics: the NCCL process group already exists, so the flight recorder "
+                              "variables set now do not apply to it; create the callback before "
+                              "init_process_group (or export TORCH_NCCL_TRACE_BUFFER_SIZE yourself)")
+
+    # ----- audit and probe -----
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        distributed = dist.is_available() and dist.is_initialized()
+        backend = dist.get_backend() if distributed else None
+        if self.settings.audit and trainer.is_global_zero:
+            self.audit = audit_environment(backend=backend, world_size=trainer.world_size,
+                                           local_world_size=trainer.num_devices)
+            print(audit_text(self.audit), flush=True)
+            for warning in self.audit.warnings:
+                warnings.warn(f"NCCLDiagnostics: {warning}")
+        if self.settings.probe and stage == "fit":
+            if not distributed:
+                if trainer.is_global_zero:
+                    warnings.warn("NCCLDiagnostics: no torch.distributed process group, collective probe skipped")
+                return
+            self.probe_results = probe_collectives(
+                self.settings.probe_collectives, self.settings.probe_sizes, self.settings.probe_iters,
+                self.settings.probe_warmup, device=trainer.strategy.root_device,
+            )
+            if trainer.is_global_zero:
+                self._report_probe(trainer)
+
+    def _report_probe(self, trainer: Trainer) -> None:
+        rich_console().print(probe_table(self.probe_results, title=f"collective bandwidth ({dist.get_backend()})"))
+        for flag in slow_outliers(self.probe_results, self.settings.slow_rank_tolerance):
+            warnings.warn(f"NCCLDiagnostics: slow rank in probe: {flag}")
+        metrics = {
+            f"diagnostics/{r.collective}_{r.size_bytes}_busbw_gbps": r.busbw / 1e9
+            for r in self.probe_results if r.busbw is not None
+        }
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=0)
+
+    # ----- watchdog -----
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.settings.hang_timeout is None:
+            return
+        if dist.is_available() and dist.is_initialized():
+            store = store_for_watchdog()
+        else:
+            store = dist.HashStore()  # single process: still dumps the stack of a stuck step
+        self.watchdog = HangWatchdog(
+            store, trainer.global_rank, trainer.world_size, self.settings.hang_timeout,
+            poll_interval=self.settings.watchdog_poll_interval, grace=self.settings.watchdog_grace,
+            dump_dir=Path(self.settings.dump_dir) if self.settings.dump_dir else None,
+        )
+        self.watchdog.start()
+
+    def _stop_watchdog(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
+            self.watchdog = None
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._stop_watchdog()
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._stop_watchdog()
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._stop_watchdog()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.watchdog:
+            self.watchdog.arm(f"epoch {trainer.current_epoch} train batch {batch_idx}: forward")
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        if self.watchdog:
+            self.watchdog.beat(f"epoch {trainer.current_epoch} step {trainer.global_step}: backward")
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        if self.watchdog:
+            self.watchdog.beat(f"epoch {trainer.current_epoch} step {trainer.global_step}: after backward")
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if self.watchdog:
+            self.watchdog.beat(f"epoch {trainer.current_epoch} step {trainer.global_step}: optimizer step")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.watchdog:
+            self.watchdog.disarm(f"epoch {trainer.current_epoch} train batch {batch_idx}: done")
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        if self.watchdog:
+            self.watchdog.arm(f"epoch {trainer.current_epoch} validation batch {batch_idx}")
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        if self.watchdog:
+            self.watchdog.disarm(f"epoch {trainer.current_epoch} validation batch {batch_idx}: done")

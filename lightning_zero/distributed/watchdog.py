@@ -1,0 +1,227 @@
+"""Hang watchdog: turn a stuck step or collective into a clean failure that names the ranks that never arrived.
+
+Each rank runs a daemon thread. The training thread only updates in-memory progress (``arm``/``beat``/``disarm``
+are an integer increment and a string assignment, no I/O); the thread publishes that progress into the job's
+c10d store and checks two things every ``poll_interval``:
+
+* has *this* rank been inside an armed region (a training step) longer than ``timeout``? Then it reads every
+  rank's published progress, names the ranks that are behind the furthest rank (they never reached the point the
+  others wait at), and raises the job-wide abort flag with that message;
+* has any rank raised the abort flag? Then it dumps every Python thread's stack (``faulthandler``), acknowledges,
+  waits until all ranks acknowledged (or ``grace`` expires) so the store's host (rank 0) stays up for the others,
+  and exits the process with ``HANG_EXIT_CODE``.
+
+[Note: progress is comparable across ranks only because every rank makes the same sequence of ``arm``/``beat``/
+``disarm`` calls (the Lightning hooks fire identically on every rank of a data-parallel job). A rank stuck in a
+Python ``sleep``, a dataloader or a collective still runs this thread: the GIL is released while it blocks.]
+
+The thread talks to the store over its own client connection (``store_for_watchdog``) so its blocking calls never
+interleave with the training thread's use of the default store. Hand-written: torch's NCCL watchdog only covers
+NCCL collectives (not gloo, not Python-side hangs) and reports no cross-rank progress.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import itertools
+import os
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch.distributed as dist
+
+HANG_EXIT_CODE = 124
+_ABORT_KEY = "abort"
+_DETECTED_KEY = "detected"
+_ACK_KEY = "acks"
+_generation = itertools.count()
+
+
+def _flight_recorder_names() -> tuple[str, str]:
+    """(buffer-size variable, dump-file variable) for the installed torch.
+
+    Newer torch renamed TORCH_NCCL_TRACE_BUFFER_SIZE / TORCH_NCCL_DEBUG_INFO_TEMP_FILE to TORCH_FR_BUFFER_SIZE /
+    TORCH_FR_DUMP_TEMP_FILE and warns on the old names; the Python side of c10d names the new one when it exists.
+    """
+    import torch.distributed.distributed_c10d as c10d
+
+    try:
+        renamed = "TORCH_FR_BUFFER_SIZE" in Path(c10d.__file__).read_text()
+    except OSError:
+        renamed = False
+    if renamed:
+        return "TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE"
+    return "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"
+
+
+def enable_flight_recorder(buffer_size: int = 2000, dump_dir: Optional[str] = None) -> list[str]:
+    """Set the NCCL flight-recorder variables (keeping values the user set); returns the names it set.
+
+    Must run before the NCCL process group is created; afterwards it has no effect on that group.
+    """
+    buffer_var, file_var = _flight_recorder_names()
+    wanted = {buffer_var: str(buffer_size), "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    if dump_dir is not None:
+        Path(dump_dir).mkdir(parents=True, exist_ok=True)
+        wanted[file_var] = str(Path(dump_dir) / "nccl_trace_rank_")
+    set_now = [name for name in wanted if name not in os.environ]
+    for name in set_now:
+        os.environ[name] = wanted[name]
+    return set_now
+
+
+def store_for_watchdog() -> dist.Store:
+    """A store namespace private to one watchdog run, on a fresh client connection to the default group's store.
+
+    Must be called by every rank in the same order (namespaces are numbered per process, so they match).
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("the hang watchdog needs an initialised torch.distributed process group (for its store)")
+    base = dist.distributed_c10d._get_default_store()
+    inner = base
+    while isinstance(inner, dist.PrefixStore):
+        inner = inner.underlying_store
+    if isinstance(inner, dist.TCPStore):
+        client = dist.TCPStore(inner.host, inner.port, is_master=False, wait_for_workers=False,
+                               timeout=timedelta(seconds=60))
+    else:  # FileStore / HashStore: already safe to share
+        client = base
+    return dist.PrefixStore(f"lightning_zero/watchdog/{next(_generation)}/", client)
+
+
+def _exit_process(code: int) -> None:
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(code)
+
+
+class HangWatchdog:
+    """Per-rank watchdog thread; see the module docstring for the protocol.
+
+    Args:
+        store: a c10d store shared by all ranks (use ``store_for_watchdog()``).
+        rank / world_size: this rank and the job size.
+        timeout: seconds an armed region may last before the job is declared hung.
+        poll_interval: how often the thread publishes progress and checks (default ``min(1, timeout / 4)``).
+        grace: seconds to wait for every rank to dump its stack before exiting.
+        dump_dir: if set, each rank also writes its stack to ``dump_dir/hang_rank{rank}.txt``.
+        on_exit: called with ``HANG_EXIT_CODE`` instead of ``os._exit`` (tests).
+    """
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, timeout: float,
+                 poll_interval: Optional[float] = None, grace: float = 5.0, dump_dir: Optional[Path] = None,
+                 on_exit: Callable[[int], None] = _exit_process) -> None:
+        if timeout <= 0:
+            raise ValueError(f"timeout must be positive seconds, got {timeout}")
+        if poll_interval is not None and poll_interval <= 0:
+            raise ValueError(f"poll_interval must be positive seconds, got {poll_interval}")
+        self.store, self.rank, self.world_size, self.timeout = store, rank, world_size, float(timeout)
+        self.poll_interval = poll_interval if poll_interval is not None else min(1.0, self.timeout / 4)
+        self.grace, self.dump_dir, self.on_exit = grace, dump_dir, on_exit
+        self._progress = 0
+        self._label = "not started"
+        self._armed_since: Optional[float] = None
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self.hang_message: Optional[str] = None
+
+    # ----- training-thread side: no I/O -----
+    def arm(self, label: str) -> None:
+        """Enter a monitored region (a step): the timeout clock starts now."""
+        self._progress += 1
+        self._label = label
+        self._armed_since = time.monotonic()
+
+    def beat(self, label: str) -> None:
+        """Record progress inside the region without restarting the clock (names where a rank is stuck)."""
+        self._progress += 1
+        self._label = label
+
+    def disarm(self, label: str) -> None:
+        """Leave the monitored region (time outside it, e.g. validation or checkpointing, is not limited)."""
+        self._progress += 1
+        self._label = label
+        self._armed_since = None
+
+    # ----- thread side -----
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=f"lightning-zero-watchdog-{self.rank}", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.poll_interval * 4 + 1)
+            self._thread = None
+
+    def _run(self) -> None:
+        published = None
+        while not self._stop.wait(self.poll_interval):
+            try:
+                state = (self._progress, self._label)
+                if state != published:
+                    self.store.set(f"hb/{self.rank}", f"{state[0]}|{state[1]}")
+                    published = state
+                if self.store.check([_ABORT_KEY]):
+                    self._abort(self.store.get(_ABORT_KEY).decode())
+                    return
+                armed_since = self._armed_since
+                if armed_since is not None and time.monotonic() - armed_since > self.timeout:
+                    message = self._diagnose()
+                    if self.store.add(_DETECTED_KEY, 1) == 1:  # the first detector writes the verdict
+                        self.store.set(_ABORT_KEY, message)
+            except Exception as err:  # noqa: BLE001 - the store's host may be gone; never die silently
+                if self._armed_since is not None and time.monotonic() - self._armed_since > self.timeout:
+                    self._abort(f"rank {self.rank} timed out after {self.timeout:g}s and the store is unreachable "
+                                f"({type(err).__name__}: {err}); rank 0 (the store host) may have died")
+                    return
+
+    def _peer_progress(self) -> dict[int, tuple[int, str]]:
+        progress = {}
+        for rank in range(self.world_size):
+            key = f"hb/{rank}"
+            if self.store.check([key]):
+                count, _, label = self.store.get(key).decode().partition("|")
+                progress[rank] = (int(count), label)
+        return progress
+
+    def _diagnose(self) -> str:
+        progress = self._peer_progress()
+        progress[self.rank] = (self._progress, self._label)  # own state is fresher than the published one
+        silent = [r for r in range(self.world_size) if r not in progress]
+        furthest = max(count for count, _ in progress.values())
+        behind = sorted(r for r, (count, _) in progress.items() if count < furthest)
+        where = "; ".join(f"rank {r}: {label}" for r, (_, label) in sorted(progress.items()))
+        head = f"lightning-zero hang watchdog: rank {self.rank} made no progress for {self.timeout:g}s."
+        if silent or behind:
+            named = sorted(set(silent) | set(behind))
+            return (f"{head} Ranks that never arrived: {named} (never reported: {silent}; behind the others: "
+                    f"{behind}). Progress: {where}")
+        return (f"{head} All ranks are at the same point, so they are stuck together (a collective that never "
+                f"completes: network, mismatched collective order or a dead peer). Progress: {where}")
+
+    def _abort(self, message: str) -> None:
+        self.hang_message = message
+        header = f"\n[lightning-zero watchdog] rank {self.rank} aborting: {message}\n" \
+                 f"[lightning-zero watchdog] rank {self.rank} Python stacks:\n"
+        sys.stderr.write(header)
+        sys.stderr.flush()
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        if self.dump_dir is not None:
+            self.dump_dir.mkdir(parents=True, exist_ok=True)
+            with open(self.dump_dir / f"hang_rank{self.rank}.txt", "w") as handle:
+                handle.write(header)
+                handle.flush()
+                faulthandler.dump_traceback(file=handle, all_threads=True)
+        deadline = time.monotonic() + self.grace
+        try:
+            self.store.add(_ACK_KEY, 1)
+            while time.monotonic() < deadline and self.store.add(_ACK_KEY, 0) < self.world_size:
+                time.sleep(0.05)
+        except Exception:  # noqa: BLE001 - peers exiting first may take the store down; exit anyway
+            pass
+        self.on_exit(HANG_EXIT_CODE)
