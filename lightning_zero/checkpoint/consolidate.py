@@ -118,12 +118,40 @@ class DCPTensorSource:
         self._files.clear()
 
 
+class TorchFileSource:
+    """A regular (single-file) Lightning checkpoint, memory-mapped and read with ``weights_only=True``."""
+
+    def __init__(self, path: PathLike) -> None:
+        self.path = os.fspath(path)
+        self._checkpoint = safe_torch_load(self.path, what=self.path, mmap=True)
+        state = self._checkpoint.get("state_dict") if isinstance(self._checkpoint, dict) else None
+        if not isinstance(state, dict):
+            raise ValueError(f"{self.path} is not a Lightning checkpoint (no 'state_dict' dict)")
+        self._state = state
+        self.entries = [TensorEntry(k, v.dtype, tuple(v.shape)) for k, v in state.items() if torch.is_tensor(v)]
+
+    def load(self, entry: TensorEntry) -> torch.Tensor:
+        return self._state[entry.key].detach().clone()
+
+    def extras(self) -> Dict[str, Any]:
+        return {k: v for k, v in self._state.items() if not torch.is_tensor(v)}
+
+    def meta(self) -> Dict[str, Any]:
+        return {k: v for k, v in self._checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+
+    def close(self) -> None:
+        self._checkpoint = self._state = None
+
+
 def open_source(path: PathLike):
-    """A tensor source for a lightning-zero sharded checkpoint or a DeepSpeed ZeRO checkpoint directory."""
+    """A tensor source for a lightning-zero sharded checkpoint, a DeepSpeed ZeRO checkpoint directory, or a
+    regular single-file Lightning checkpoint."""
     from lightning_zero.checkpoint.deepspeed_reader import DeepSpeedTensorSource, is_deepspeed_checkpoint
 
     if is_deepspeed_checkpoint(path):
         return DeepSpeedTensorSource(path)
+    if os.path.isfile(path):
+        return TorchFileSource(path)
     return DCPTensorSource(path)
 
 
@@ -152,7 +180,8 @@ def _cast(tensor: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
 def consolidate_checkpoint(
     path: PathLike, output: Optional[PathLike] = None, dtype: Union[None, str, torch.dtype] = None,
 ) -> Optional[Dict[str, Any]]:
-    """Consolidate the checkpoint at ``path`` (lightning-zero sharded or DeepSpeed ZeRO directory).
+    """Consolidate the checkpoint at ``path`` (lightning-zero sharded or DeepSpeed ZeRO directory; a regular
+    Lightning checkpoint file is accepted too, e.g. to convert it to safetensors or another dtype).
 
     * ``output=None``: return the full model state dict (this holds the whole model in memory, by definition).
     * ``output`` ending in ``.safetensors``: write the model tensors as safetensors; returns ``None``.

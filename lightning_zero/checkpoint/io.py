@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
-from lightning_zero.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, load_meta
+from lightning_zero.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, load_meta, read_dcp_metadata
 
 PathLike = Union[str, os.PathLike]
 
@@ -289,6 +289,7 @@ def load_sharded_checkpoint(
     wait_for_pending_saves(barrier=False)
     directory = resolve_checkpoint_dir(path)
     read_checkpoint_info(directory)
+    read_dcp_metadata(directory)  # refuses a tampered .metadata with a clear error before DCP's collectives
     dcp.load(
         state,
         storage_reader=SafeFileSystemReader(directory),
