@@ -31,8 +31,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 
-from lightning_zero.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, load_meta, read_dcp_metadata
+from lightning_zero.checkpoint.safe_load import (
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    UnsafeCheckpointError,
+    load_meta,
+    read_dcp_metadata,
+)
 
 PathLike = Union[str, os.PathLike]
 
@@ -290,12 +297,20 @@ def load_sharded_checkpoint(
     directory = resolve_checkpoint_dir(path)
     read_checkpoint_info(directory)
     read_dcp_metadata(directory)  # refuses a tampered .metadata with a clear error before DCP's collectives
-    dcp.load(
-        state,
-        storage_reader=SafeFileSystemReader(directory),
-        planner=SafeLoadPlanner(allow_partial_load=not strict),
-        process_group=process_group,
-    )
+    try:
+        dcp.load(
+            state,
+            storage_reader=SafeFileSystemReader(directory),
+            planner=SafeLoadPlanner(allow_partial_load=not strict),
+            process_group=process_group,
+        )
+    except CheckpointException as wrapped:
+        # DCP gathers every rank's exception into one CheckpointException; a refused pickle is the user's answer,
+        # so it is raised as itself rather than buried in DCP's traceback dump.
+        for failure, _trace in wrapped.failures.values():
+            if isinstance(failure, UnsafeCheckpointError):
+                raise failure from wrapped
+        raise
     return load_meta(directory)
 
 
