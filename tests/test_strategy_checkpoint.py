@@ -2,6 +2,7 @@
 
 import os
 
+import pytest
 import torch
 from lightning.pytorch import Trainer
 from torch import nn
@@ -59,8 +60,55 @@ def _resume_worker(rank, world_size, path, stage, saved_world_size):
     assert abs(lrs[0] - 1e-2 * 0.5 ** (2 * STEPS_PER_EPOCH)) < 1e-12, "the LR scheduler state was not restored"
 
 
-def test_save_at_stage3_resume_at_other_stages_and_world_sizes(tmp_path):
-    path = str(tmp_path / "stage3.ckpt")
-    run_distributed(_save_worker, 2, path, 3)
-    run_distributed(_resume_worker, 2, path, 1, 2)  # stage 3 -> stage 1, same global batch
-    run_distributed(_resume_worker, 1, path, 0, 2)  # 2 ranks -> 1 rank at stage 0, global batch kept
+# (saved stage, saved world size) -> (resumed stage, resumed world size): every stage is saved at 2 and 4 ranks and
+# resumed at another stage and world size; the global batch (BATCH x saved world size) is kept.
+RESHARD_CASES = [
+    ((0, 2), (3, 1)), ((1, 2), (2, 4)), ((2, 2), (0, 1)), ((3, 2), (1, 2)),
+    ((0, 4), (2, 2)), ((1, 4), (3, 1)), ((2, 4), (1, 2)), ((3, 4), (0, 1)),
+]
+
+
+@pytest.mark.parametrize("saved,resumed", RESHARD_CASES, ids=[f"s{a}x{b}-to-s{c}x{d}" for (a, b), (c, d) in RESHARD_CASES])
+def test_save_and_resume_at_another_stage_and_world_size(tmp_path, saved, resumed):
+    (save_stage, save_world), (resume_stage, resume_world) = saved, resumed
+    path = str(tmp_path / f"stage{save_stage}.ckpt")
+    run_distributed(_save_worker, save_world, path, save_stage)
+    run_distributed(_resume_worker, resume_world, path, resume_stage, save_world)
+
+
+def _model_checkpoint_worker(rank, world_size, root):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    torch.manual_seed(0)
+    callback = ModelCheckpoint(dirpath=root, monitor="train_loss", mode="min", save_top_k=2, save_last=True,
+                               every_n_train_steps=1, filename="step{step}")
+    trainer = Trainer(strategy=ZeroStrategy(stage=3), accelerator="cpu", devices=world_size, max_steps=4,
+                      callbacks=[callback], logger=False, enable_progress_bar=False, enable_model_summary=False,
+                      limit_val_batches=0, default_root_dir=root)
+    trainer.fit(RegressionModule(batch_size=BATCH))
+    trainer.strategy.barrier()
+    saved = sorted(name for name in os.listdir(root) if name.endswith(".ckpt"))
+    # top-2 by train_loss plus last: the other step checkpoints were removed through the strategy
+    assert len(saved) == 3 and "last.ckpt" in saved, saved
+    for name in saved:
+        assert os.path.isdir(os.path.join(root, name)), f"{name} is not a sharded checkpoint directory"
+    assert os.path.basename(callback.best_model_path) in saved
+    assert callback.best_model_score is not None
+
+
+def _resume_from_last_worker(rank, world_size, root):
+    torch.manual_seed(123)
+    module = RegressionModule(batch_size=BATCH)
+    trainer = Trainer(strategy=ZeroStrategy(stage=2), accelerator="cpu", devices=world_size, max_steps=6,
+                      logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                      enable_checkpointing=False, default_root_dir=root)
+    trainer.fit(module, ckpt_path=os.path.join(root, "last.ckpt"))
+    assert trainer.global_step == 6
+    lrs = [g["lr"] for g in trainer.optimizers[0].param_groups]
+    assert abs(lrs[0] - 1e-2 * 0.5 ** 6) < 1e-12
+
+
+def test_model_checkpoint_top_k_last_and_resume(tmp_path):
+    root = str(tmp_path / "ckpts")
+    run_distributed(_model_checkpoint_worker, 2, root)
+    run_distributed(_resume_from_last_worker, 2, root)
