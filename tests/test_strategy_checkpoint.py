@@ -8,6 +8,7 @@ from lightning.pytorch import Trainer
 from torch import nn
 
 from lightning_zero import ZeroStrategy
+from lightning_zero.checkpoint import wait_for_pending_saves
 from tests.distributed import run_distributed
 from tests.lightning_models import RegressionModule, dataset, full_state, make_optimizer_and_scheduler
 
@@ -15,8 +16,8 @@ BATCH = 4
 STEPS_PER_EPOCH = 2
 
 
-def _trainer(stage, world_size, epochs, root):
-    return Trainer(strategy=ZeroStrategy(stage=stage), accelerator="cpu", devices=world_size, max_epochs=epochs,
+def _trainer(stage, world_size, epochs, root, async_save=False):
+    return Trainer(strategy=ZeroStrategy(stage=stage, async_save=async_save), accelerator="cpu", devices=world_size, max_epochs=epochs,
                    limit_train_batches=STEPS_PER_EPOCH, limit_val_batches=0, logger=False, enable_progress_bar=False,
                    enable_model_summary=False, enable_checkpointing=False, default_root_dir=root)
 
@@ -38,12 +39,46 @@ def _reference(epochs, global_batch):
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
-def _save_worker(rank, world_size, path, stage):
+def _save_worker(rank, world_size, path, stage, async_save=False, then_crash=False):
     torch.manual_seed(0)
-    trainer = _trainer(stage, world_size, 1, os.path.dirname(path))
-    trainer.fit(RegressionModule(batch_size=BATCH))
+    trainer = _trainer(stage, world_size, 1, os.path.dirname(path), async_save=async_save)
+    module = RegressionModule(batch_size=BATCH)
+    trainer.fit(module)
     trainer.save_checkpoint(path)
+    if async_save:
+        from lightning_zero.checkpoint import io as ckpt_io
+
+        assert ckpt_io._PENDING, "async_save=True but the save completed synchronously"
+        # the save returned before the files landed; weights changed now must not reach the checkpoint
+        with torch.no_grad():
+            for param in module.parameters():
+                param.mul_(-3.0)
+        wait_for_pending_saves()
     assert os.path.isdir(path) and os.path.isfile(os.path.join(path, "meta.pt"))
+    if then_crash:
+        _die_in_the_middle_of_the_next_save(trainer, module, path)
+
+
+def _die_in_the_middle_of_the_next_save(trainer, module, path):
+    import torch.distributed as dist
+
+    from lightning_zero.checkpoint import io as ckpt_io
+
+    with torch.no_grad():
+        for param in module.parameters():
+            param.mul_(-3.0)
+
+    class DyingWriter(ckpt_io.FileSystemWriter):
+        def write_data(self, plan, planner):
+            future = super().write_data(plan, planner)
+            if dist.get_rank() == 1:
+                future.wait()
+                os._exit(17)  # rank 1 dies after writing its part of the new checkpoint
+            return future
+
+    ckpt_io.FileSystemWriter = DyingWriter
+    trainer.save_checkpoint(path)
+    raise AssertionError("the save should not complete when a rank died in the middle of it")
 
 
 def _resume_worker(rank, world_size, path, stage, saved_world_size):
@@ -112,3 +147,51 @@ def test_model_checkpoint_top_k_last_and_resume(tmp_path):
     root = str(tmp_path / "ckpts")
     run_distributed(_model_checkpoint_worker, 2, root)
     run_distributed(_resume_from_last_worker, 2, root)
+
+
+def test_async_save_through_the_trainer_resumes_exactly(tmp_path):
+    path = str(tmp_path / "async.ckpt")
+    run_distributed(_save_worker, 2, path, 3, True)
+    run_distributed(_resume_worker, 2, path, 2, 2)
+
+
+def test_rank_killed_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path):
+    path = str(tmp_path / "crash.ckpt")
+    with pytest.raises(Exception):
+        run_distributed(_save_worker, 2, path, 2, False, True)
+    assert not os.path.exists(os.path.join(path, "zero.json.tmp"))
+    run_distributed(_resume_worker, 2, path, 3, 2)  # the epoch-1 checkpoint, untouched by the failed save
+
+
+def test_consolidated_strategy_checkpoint_loads_into_the_plain_module(tmp_path):
+    from lightning_zero.cli import main as cli_main
+
+    path = str(tmp_path / "s3.ckpt")
+    run_distributed(_save_worker, 2, path, 3)
+    expected = {}
+    torch.manual_seed(0)
+    reference = RegressionModule()
+    opt, sched = make_optimizer_and_scheduler(reference.named_parameters())
+    x_all, y_all = dataset().tensors
+    order = torch.randperm(len(x_all), generator=torch.Generator().manual_seed(0))
+    for step in range(STEPS_PER_EPOCH):
+        idx = order[step * BATCH * 2:(step + 1) * BATCH * 2]
+        nn.functional.mse_loss(reference(x_all[idx]), y_all[idx]).backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    expected = reference.state_dict()
+    out = str(tmp_path / "model.ckpt")
+    assert cli_main(["consolidate", path, out]) in (0, None)
+    loaded = RegressionModule.load_from_checkpoint(out)
+    for key, value in expected.items():
+        torch.testing.assert_close(loaded.state_dict()[key], value, atol=1e-6, rtol=0)
+    plain = torch.load(out, weights_only=True)
+    assert set(plain["state_dict"]) == set(expected)
+    out16 = str(tmp_path / "model.safetensors")
+    assert cli_main(["consolidate", path, out16, "--dtype", "bf16"]) in (0, None)
+    from safetensors.torch import load_file
+
+    half = load_file(out16)
+    assert all(t.dtype == torch.bfloat16 for t in half.values())
+    torch.testing.assert_close(half["net.out.weight"].float(), expected["net.out.weight"], atol=1e-2, rtol=1e-2)

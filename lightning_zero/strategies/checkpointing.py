@@ -13,16 +13,20 @@ any stage and world size loads at any other.
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from lightning_zero.checkpoint.io import (
+    load_sharded_checkpoint,
+    remove_sharded_checkpoint,
+    resolve_checkpoint_dir,
+    save_sharded_checkpoint,
+    wait_for_pending_saves,
+)
+from lightning_zero.checkpoint.safe_load import load_meta
 from lightning_zero.distributed.optimizer import get_sharding
-
-META_FILE = "meta.pt"
 
 
 def module_state_dict(module: torch.nn.Module) -> dict[str, Tensor]:
@@ -90,33 +94,23 @@ def _initialise_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 def save(strategy, checkpoint: dict[str, Any], filepath: str) -> None:
-    """Write ``checkpoint`` (Lightning's dict) as a sharded directory; see the module docstring."""
-    import torch.distributed.checkpoint as dcp
+    """Write ``checkpoint`` (Lightning's dict) as a sharded directory; see the module docstring.
 
-    path = Path(filepath)
+    Goes through :func:`lightning_zero.checkpoint.save_sharded_checkpoint`, so the save is atomic (a crash leaves the
+    previous checkpoint at ``filepath`` loadable) and asynchronous when the strategy has ``async_save=True``.
+    """
     tensors = {"state_dict": checkpoint.pop("state_dict")}
     optimizer_states = checkpoint.pop("optimizer_states", [])
     tensors["optimizer_states"] = {str(i): {"state": osd["state"]} for i, osd in enumerate(optimizer_states)}
     checkpoint["optimizer_param_groups"] = [osd["param_groups"] for osd in optimizer_states]
-    if strategy.is_global_zero:
-        if path.is_file():
-            path.unlink()
-        path.mkdir(parents=True, exist_ok=True)
-    strategy.barrier()
-    dcp.save(tensors, checkpoint_id=str(path))
-    if strategy.is_global_zero:
-        torch.save(checkpoint, path / META_FILE)
-    strategy.barrier()
+    save_sharded_checkpoint(filepath, tensors, checkpoint, async_save=strategy.async_save,
+                            info={"stage": strategy.stage, "offload": strategy.zero_config.offload})
 
 
 def load(strategy, filepath: str) -> dict[str, Any]:
     """Load a sharded directory into the strategy's module and optimizers; return the rest of the checkpoint."""
-    import torch.distributed.checkpoint as dcp
-
-    path = Path(filepath)
-    if not (path / META_FILE).is_file():
-        raise FileNotFoundError(f"{path} is not a ZeroStrategy checkpoint directory (no {META_FILE})")
-    meta = torch.load(path / META_FILE, weights_only=True, map_location="cpu")
+    wait_for_pending_saves(barrier=False)
+    meta = load_meta(resolve_checkpoint_dir(filepath))  # weights_only; raises a clear error if not a checkpoint
     module = strategy.lightning_module
     target: dict[str, Any] = {"state_dict": module_state_dict(module)}
     optimizers = [getattr(o, "_optimizer", o) for o in strategy.optimizers]
@@ -127,7 +121,7 @@ def load(strategy, filepath: str) -> dict[str, Any]:
             if not optimizer.state:
                 _initialise_optimizer_state(optimizer)
             target["optimizer_states"][str(i)] = {"state": optimizer_state_dict(module, optimizer)["state"]}
-    dcp.load(target, checkpoint_id=str(path))
+    load_sharded_checkpoint(filepath, target)
     module.load_state_dict(target["state_dict"], strict=module.strict_loading)
     for optimizer, groups in zip(optimizers, saved_groups):
         for group, saved in zip(optimizer.param_groups, groups):
@@ -143,8 +137,4 @@ def load(strategy, filepath: str) -> dict[str, Any]:
 
 
 def remove(filepath) -> None:
-    path = Path(filepath)
-    if path.is_dir():
-        shutil.rmtree(path)
-    elif path.exists():
-        path.unlink()
+    remove_sharded_checkpoint(filepath)

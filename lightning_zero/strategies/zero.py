@@ -35,6 +35,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_zero.checkpoint.io import wait_for_pending_saves
 from lightning_zero.config import ZeroConfig
 from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
 from lightning_zero.distributed.zero import apply_zero, set_gradient_sync
@@ -77,6 +78,9 @@ class ZeroStrategy(ParallelStrategy):
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; by default chosen from the accelerator.
         timeout: process-group timeout.
         start_method: ``"popen"`` (re-run the script per rank, like ``DDPStrategy``), ``"spawn"``, ``"fork"``.
+        async_save: write checkpoints in the background (DCP async save; the state is staged to CPU first, so
+            training continues at once). The next save, a load and the end of training wait for it. Every save is
+            atomic either way: a crash mid-save leaves the previous checkpoint at that path loadable.
     """
 
     strategy_name = "zero"
@@ -96,6 +100,7 @@ class ZeroStrategy(ParallelStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: StartMethod = "popen",
+        async_save: bool = False,
     ) -> None:
         # Validate everything before Lightning (or anyone) starts a process group.
         self.zero_config = ZeroConfig(
@@ -105,6 +110,8 @@ class ZeroStrategy(ParallelStrategy):
         )
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"start_method must be 'popen', 'spawn', 'fork' or 'forkserver', got {start_method!r}")
+        if not isinstance(async_save, bool):
+            raise TypeError(f"async_save must be True or False, got {async_save!r}")
         if checkpoint_io is not None:
             raise ValueError("ZeroStrategy writes sharded checkpoints with torch.distributed.checkpoint itself, so a "
                              "custom checkpoint_io would be ignored; remove it")
@@ -113,6 +120,7 @@ class ZeroStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._start_method = start_method
+        self.async_save = async_save
         self._num_nodes = 1
         self._mesh = None
         self._forward_redirection = _DDPForwardRedirection() if stage <= 1 else _ForwardRedirection()
@@ -341,6 +349,7 @@ class ZeroStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ teardown and registry
     def teardown(self) -> None:
+        wait_for_pending_saves(barrier=_distributed_is_initialized())  # an async save must land before exit
         lightning_module = self.lightning_module
         if isinstance(self.model, DistributedDataParallel):
             self.model = lightning_module
