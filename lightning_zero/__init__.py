@@ -14,14 +14,16 @@ from lightning_zero.distributed.memory import (
     zero_formula,
 )
 from lightning_zero.distributed.zero import apply_zero, find_repeated_blocks
-from lightning_zero.strategies import ZeroStrategy
+from lightning_zero.strategies import LossScaleConfig, ZeroPrecision, ZeroStrategy
 
 __version__ = "0.1.0"
 __all__ = [
+    "LossScaleConfig",
     "MemoryEstimate",
     "MemoryReport",
     "StateBytes",
     "ZeroConfig",
+    "ZeroPrecision",
     "ZeroStrategy",
     "__version__",
     "apply_zero",

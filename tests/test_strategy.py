@@ -164,8 +164,8 @@ def test_invalid_arguments_fail_in_the_constructor(kwargs, message):
 
 
 def test_unsupported_precision_is_refused_not_ignored():
-    with pytest.raises(NotImplementedError, match="mixed-precision issue"):
-        Trainer(strategy=ZeroStrategy(stage=2), accelerator="cpu", devices=1, precision="bf16-mixed")
+    with pytest.raises(NotImplementedError, match="'64-true' is not implemented"):
+        Trainer(strategy=ZeroStrategy(stage=2), accelerator="cpu", devices=1, precision="64-true")
 
 
 def test_single_process_fit_and_lightning_cli_yaml(tmp_path, monkeypatch):

@@ -2,8 +2,9 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_zero.strategies.precision import LossScaleConfig, ZeroPrecision
 from lightning_zero.strategies.zero import ZeroStrategy
 
 ZeroStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["ZeroStrategy"]
+__all__ = ["LossScaleConfig", "ZeroPrecision", "ZeroStrategy"]

@@ -40,7 +40,13 @@ from lightning_zero.config import ZeroConfig
 from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
 from lightning_zero.distributed.zero import apply_zero, set_gradient_sync
 from lightning_zero.strategies import checkpointing
-from lightning_zero.strategies.precision import ZeroPrecision, adapt_precision_plugin
+from lightning_zero.strategies.precision import (
+    LossScaleConfig,
+    adapt_precision_plugin,
+    guard_schedulers,
+    low_precision_allreduce_hook,
+    parse_communication_data_type,
+)
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +87,15 @@ class ZeroStrategy(ParallelStrategy):
         async_save: write checkpoints in the background (DCP async save; the state is staged to CPU first, so
             training continues at once). The next save, a load and the end of training wait for it. Every save is
             atomic either way: a crash mid-save leaves the previous checkpoint at that path loadable.
+        communication_data_type: ``"fp32"``, ``"bf16"`` or ``"fp16"``: the dtype gradients are reduced in
+            (DeepSpeed's key of the same name). Default ``None``: fp32.
+        loss_scale, initial_scale_power, loss_scale_window, hysteresis, consecutive_hysteresis, min_loss_scale:
+            DeepSpeed's fp16 loss-scale knobs, same names, meanings and defaults (``loss_scale=0``: dynamic). Only
+            valid with an fp16 Trainer precision (``16-mixed``/``16-true``); see ``docs/precision.md``.
+
+    Precision comes from the Trainer's ``precision`` flag (``32-true``, ``bf16-mixed``, ``16-mixed``, ``bf16-true``,
+    ``16-true``): fp32 master weights and optimizer states, low-precision compute, DeepSpeed's dynamic loss scaling
+    for fp16 (:mod:`lightning_zero.strategies.precision`).
     """
 
     strategy_name = "zero"
@@ -101,6 +116,13 @@ class ZeroStrategy(ParallelStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: StartMethod = "popen",
         async_save: bool = False,
+        communication_data_type: Optional[str] = None,
+        loss_scale: Optional[float] = None,
+        initial_scale_power: Optional[int] = None,
+        loss_scale_window: Optional[int] = None,
+        hysteresis: Optional[int] = None,
+        consecutive_hysteresis: Optional[bool] = None,
+        min_loss_scale: Optional[float] = None,
     ) -> None:
         # Validate everything before Lightning (or anyone) starts a process group.
         self.zero_config = ZeroConfig(
@@ -110,6 +132,13 @@ class ZeroStrategy(ParallelStrategy):
         )
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"start_method must be 'popen', 'spawn', 'fork' or 'forkserver', got {start_method!r}")
+        given_scaling = dict(loss_scale=loss_scale, initial_scale_power=initial_scale_power,
+                             loss_scale_window=loss_scale_window, hysteresis=hysteresis,
+                             consecutive_hysteresis=consecutive_hysteresis, min_loss_scale=min_loss_scale)
+        given_scaling = {key: value for key, value in given_scaling.items() if value is not None}
+        self._loss_scale_config = LossScaleConfig(**given_scaling) if given_scaling else None
+        parse_communication_data_type(communication_data_type)
+        self._communication_data_type = communication_data_type
         if not isinstance(async_save, bool):
             raise TypeError(f"async_save must be True or False, got {async_save!r}")
         if checkpoint_io is not None:
@@ -168,11 +197,17 @@ class ZeroStrategy(ParallelStrategy):
 
     @property
     def precision_plugin(self) -> Precision:
-        return self._precision_plugin if self._precision_plugin is not None else ZeroPrecision()
+        if self._precision_plugin is None:
+            self._precision_plugin = self._adapt(Precision())
+        return self._precision_plugin
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Optional[Precision]) -> None:
-        self._precision_plugin = adapt_precision_plugin(plugin) if plugin is not None else None
+        self._precision_plugin = self._adapt(plugin) if plugin is not None else None
+
+    def _adapt(self, plugin: Precision) -> Precision:
+        return adapt_precision_plugin(plugin, stage=self.stage, loss_scale_config=self._loss_scale_config,
+                                      communication_data_type=self._communication_data_type)
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -226,6 +261,7 @@ class ZeroStrategy(ParallelStrategy):
 
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
+        self.precision_plugin.device_type = self.root_device.type
         fitting = trainer.state.fn == TrainerFn.FITTING
         self.precision_plugin.convert_module(self.model)
         if self.stage >= 2:
@@ -234,6 +270,9 @@ class ZeroStrategy(ParallelStrategy):
                            mp_policy=self.precision_plugin.fsdp_mp_policy())
         elif fitting:
             self.model = apply_zero(self.model, self._mesh, self.zero_config, device=self.root_device)
+            reduce_dtype = self.precision_plugin.ddp_reduce_dtype()
+            if reduce_dtype is not None:
+                self.model.register_comm_hook(self._mesh.get_group(), low_precision_allreduce_hook(reduce_dtype))
         else:
             self.model.to(self.root_device)
             _broadcast_module_states(self.model)
@@ -249,6 +288,7 @@ class ZeroStrategy(ParallelStrategy):
         for optimizer in self.optimizers:
             if get_sharding(optimizer) is None:
                 shard_optimizer(optimizer, self.zero_config, group=group, device=self.root_device)
+        guard_schedulers(self.lr_scheduler_configs, self.precision_plugin)
 
     def model_to_device(self) -> None:
         assert self.model is not None
