@@ -103,8 +103,10 @@ def save(strategy, checkpoint: dict[str, Any], filepath: str) -> None:
     optimizer_states = checkpoint.pop("optimizer_states", [])
     tensors["optimizer_states"] = {str(i): {"state": osd["state"]} for i, osd in enumerate(optimizer_states)}
     checkpoint["optimizer_param_groups"] = [osd["param_groups"] for osd in optimizer_states]
-    save_sharded_checkpoint(filepath, tensors, checkpoint, async_save=strategy.async_save,
-                            info={"stage": strategy.stage, "offload": strategy.zero_config.offload})
+    info = {"stage": strategy.stage, "offload": strategy.zero_config.offload}
+    if strategy.ds_config is not None:
+        info["ds_config"] = strategy.ds_config.report()  # the effective DeepSpeed config, next to the weights
+    save_sharded_checkpoint(filepath, tensors, checkpoint, async_save=strategy.async_save, info=info)
 
 
 def load(strategy, filepath: str) -> dict[str, Any]:

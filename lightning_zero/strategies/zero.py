@@ -40,8 +40,16 @@ from lightning_zero.config import ZeroConfig
 from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
 from lightning_zero.distributed.zero import apply_zero, set_gradient_sync
 from lightning_zero.strategies import checkpointing
+from lightning_zero.strategies.ds_config_binding import (
+    DeepSpeedConfigBinding,
+    install_config_optimizers,
+    precision_from_config,
+    scheduler_from_config,
+    uninstall_config_optimizers,
+)
 from lightning_zero.strategies.precision import (
     LossScaleConfig,
+    ZeroPrecision,
     adapt_precision_plugin,
     guard_schedulers,
     low_precision_allreduce_hook,
@@ -73,7 +81,7 @@ class ZeroStrategy(ParallelStrategy):
     measures them and :func:`lightning_zero.estimate_model_states_memory` predicts them.
 
     Args:
-        stage: ZeRO stage, 0-3.
+        stage: ZeRO stage, 0-3 (default 2, or the config's).
         offload: ``None`` or ``"cpu"``: optimizer states and fp32 master weights live and step in CPU memory
             (stage 1: a CPU master per owned parameter; stages 2-3: FSDP2's ``CPUOffloadPolicy``, which also puts
             the sharded parameters and gradients there). ``"nvme"`` is not implemented yet and raises.
@@ -92,6 +100,10 @@ class ZeroStrategy(ParallelStrategy):
         loss_scale, initial_scale_power, loss_scale_window, hysteresis, consecutive_hysteresis, min_loss_scale:
             DeepSpeed's fp16 loss-scale knobs, same names, meanings and defaults (``loss_scale=0``: dynamic). Only
             valid with an fp16 Trainer precision (``16-mixed``/``16-true``); see ``docs/precision.md``.
+        config: a DeepSpeed ``ds_config`` (dict, ``.json``/``.yaml`` path or JSON string). Its settings fill every
+            argument left at ``None``; explicit arguments win. ``"auto"`` values are resolved at setup from the
+            Trainer, DataLoader and LightningModule; see ``docs/ds_config.md``.
+        strict: with ``config``, unknown keys and unsupported features are errors (``False``: warnings).
 
     Precision comes from the Trainer's ``precision`` flag (``32-true``, ``bf16-mixed``, ``16-mixed``, ``bf16-true``,
     ``16-true``): fp32 master weights and optimizer states, low-precision compute, DeepSpeed's dynamic loss scaling
@@ -102,7 +114,7 @@ class ZeroStrategy(ParallelStrategy):
 
     def __init__(
         self,
-        stage: int = 2,
+        stage: Optional[int] = None,
         offload: Optional[str] = None,
         pin_memory: Optional[bool] = None,
         sharded_module_classes: Optional[Union[set, list, tuple]] = None,
@@ -123,8 +135,19 @@ class ZeroStrategy(ParallelStrategy):
         hysteresis: Optional[int] = None,
         consecutive_hysteresis: Optional[bool] = None,
         min_loss_scale: Optional[float] = None,
+        config: Optional[Union[str, dict]] = None,
+        strict: bool = True,
     ) -> None:
         # Validate everything before Lightning (or anyone) starts a process group.
+        self._ds_config = DeepSpeedConfigBinding(config, strict) if config is not None else None
+        from_config = self._ds_config.strategy_kwargs() if self._ds_config is not None else {}
+        stage = stage if stage is not None else from_config.get("stage", 2)
+        offload = offload if offload is not None else from_config.get("offload")
+        pin_memory = pin_memory if pin_memory is not None else from_config.get("pin_memory")
+        if reshard_after_forward is None:
+            reshard_after_forward = from_config.get("reshard_after_forward")
+        if communication_data_type is None:
+            communication_data_type = from_config.get("communication_data_type")
         self.zero_config = ZeroConfig(
             stage=stage, offload=offload, pin_memory=pin_memory,
             sharded_module_classes=frozenset(sharded_module_classes) if sharded_module_classes else None,
@@ -137,6 +160,10 @@ class ZeroStrategy(ParallelStrategy):
                              consecutive_hysteresis=consecutive_hysteresis, min_loss_scale=min_loss_scale)
         given_scaling = {key: value for key, value in given_scaling.items() if value is not None}
         self._loss_scale_config = LossScaleConfig(**given_scaling) if given_scaling else None
+        # The config's fp16 knobs apply once the precision is fp16 (the config may switch it on at setup).
+        config_scaling = self._ds_config.loss_scale_kwargs() if self._ds_config is not None else {}
+        self._fp16_loss_scale_config = LossScaleConfig(**{**config_scaling, **given_scaling}) \
+            if (config_scaling or given_scaling) else None
         parse_communication_data_type(communication_data_type)
         self._communication_data_type = communication_data_type
         if not isinstance(async_save, bool):
@@ -158,6 +185,11 @@ class ZeroStrategy(ParallelStrategy):
     @property
     def stage(self) -> int:
         return self.zero_config.stage
+
+    @property
+    def ds_config(self) -> Optional[DeepSpeedConfigBinding]:
+        """The DeepSpeed config this strategy was built from (``None`` without ``config=``)."""
+        return self._ds_config
 
     @property
     def root_device(self) -> torch.device:
@@ -206,8 +238,23 @@ class ZeroStrategy(ParallelStrategy):
         self._precision_plugin = self._adapt(plugin) if plugin is not None else None
 
     def _adapt(self, plugin: Precision) -> Precision:
-        return adapt_precision_plugin(plugin, stage=self.stage, loss_scale_config=self._loss_scale_config,
+        fp16 = str(getattr(plugin, "precision", "")).startswith("16-")
+        scaling = self._fp16_loss_scale_config if fp16 else self._loss_scale_config
+        if isinstance(plugin, ZeroPrecision):
+            scaling = self._loss_scale_config
+        return adapt_precision_plugin(plugin, stage=self.stage, loss_scale_config=scaling,
                                       communication_data_type=self._communication_data_type)
+
+    def _bind_ds_config(self, trainer) -> None:
+        """Resolve the ds_config against the Trainer, adopt its precision, print it (see ds_config_binding)."""
+        binding = self._ds_config
+        if trainer.training:
+            binding.resolve(trainer, data_parallel_size=self.world_size)
+        adopted = precision_from_config(binding.precision, self.precision_plugin.precision)
+        if adopted is not None:
+            self.precision_plugin = _FlagOnly(adopted)  # adapted like Lightning's own choice would be
+        if self.is_global_zero:
+            binding.print_table()
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -216,6 +263,11 @@ class ZeroStrategy(ParallelStrategy):
     @property
     def lightning_restore_optimizer(self) -> bool:
         return False  # load_checkpoint restores them, sharded
+
+    def connect(self, model) -> None:
+        super().connect(model)
+        if self._ds_config is not None and self._ds_config.translation.optimizer is not None:
+            install_config_optimizers(model, self._ds_config)
 
     # ------------------------------------------------------------------ launch and process group
     def _configure_launcher(self) -> None:
@@ -261,6 +313,8 @@ class ZeroStrategy(ParallelStrategy):
 
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
+        if self._ds_config is not None:
+            self._bind_ds_config(trainer)
         self.precision_plugin.device_type = self.root_device.type
         fitting = trainer.state.fn == TrainerFn.FITTING
         self.precision_plugin.convert_module(self.model)
@@ -284,6 +338,10 @@ class ZeroStrategy(ParallelStrategy):
     def setup_optimizers(self, trainer) -> None:
         self._reset_optimizers_and_schedulers()
         super().setup_optimizers(trainer)
+        binding = self._ds_config
+        if binding is not None and binding.translation.optimizer is None and binding.translation.scheduler:
+            self.lr_scheduler_configs = scheduler_from_config(binding.translation, trainer, self.optimizers,
+                                                              self.lr_scheduler_configs)
         group = self._mesh.get_group() if self._mesh is not None else None
         for optimizer in self.optimizers:
             if get_sharding(optimizer) is None:
@@ -391,6 +449,8 @@ class ZeroStrategy(ParallelStrategy):
     def teardown(self) -> None:
         wait_for_pending_saves(barrier=_distributed_is_initialized())  # an async save must land before exit
         lightning_module = self.lightning_module
+        if lightning_module is not None:
+            uninstall_config_optimizers(lightning_module)
         if isinstance(self.model, DistributedDataParallel):
             self.model = lightning_module
         for optimizer in self.optimizers:
@@ -423,3 +483,10 @@ def _broadcast_module_states(module: torch.nn.Module) -> None:
     with torch.no_grad():
         for tensor in list(module.parameters()) + list(module.buffers()):
             dist.broadcast(tensor.data, src=0)
+
+
+class _FlagOnly(Precision):
+    """A stand-in for the plugin Lightning would have chosen for ``precision`` (adapted into ZeroPrecision)."""
+
+    def __init__(self, precision: str) -> None:
+        self.precision = precision

@@ -1,0 +1,234 @@
+"""What ``ZeroStrategy(config=...)`` does with a DeepSpeed ``ds_config``: the Lightning side of :mod:`lightning_zero.ds_config`.
+
+At construction the config is loaded and translated (errors before any process group); its strategy arguments are
+merged under the explicit ones. At setup, when the Trainer, DataLoader and LightningModule are known, every ``"auto"``
+is resolved, the config is translated again, and its Trainer-level settings are applied or checked:
+
+===========================  =========================================================================================
+config key                   what happens at setup
+===========================  =========================================================================================
+``fp16`` / ``bf16``          the Trainer left precision at ``32-true``: the config's precision is adopted
+                             (``16-mixed``/``bf16-mixed``); otherwise the Trainer's precision must agree (error)
+``gradient_clipping``        applied when the Trainer does not clip; must equal ``gradient_clip_val`` otherwise
+``gradient_accumulation``    applied when the Trainer keeps ``accumulate_grad_batches=1``; must agree otherwise
+``train_*batch_size``        DeepSpeed's arithmetic against the DataLoader's batch size and the data-parallel size
+``steps_per_print``          applied as ``log_every_n_steps`` when the Trainer keeps its default (50)
+``optimizer`` / ``scheduler``  built when the LightningModule has no ``configure_optimizers`` (both: error)
+===========================  =========================================================================================
+
+The effective configuration is printed on rank 0 (rich table) and saved in every checkpoint's ``zero.json``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from lightning_zero.ds_config import (
+    AutoContext,
+    DeepSpeedConfigError,
+    DeepSpeedTranslation,
+    effective_config_dict,
+    effective_config_table,
+    infer_hidden_size,
+    load_ds_config,
+    resolve_auto,
+    translate_ds_config,
+)
+
+LOSS_SCALE_KEYS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "consecutive_hysteresis",
+                   "min_loss_scale")
+# Strategy arguments a config may set; every key a translation produces must be one of these or refused.
+CONFIG_STRATEGY_KEYS = ("stage", "offload", "pin_memory", "reshard_after_forward", "communication_data_type",
+                        *LOSS_SCALE_KEYS)
+_TRAINER_DEFAULTS = {"accumulate_grad_batches": 1, "gradient_clip_val": None, "log_every_n_steps": 50}
+
+
+class DeepSpeedConfigBinding:
+    """A ds_config bound to one ZeroStrategy.
+
+    Args:
+        source: a dict, a path to a ``.json``/``.yaml`` file, or a JSON string (see :func:`load_ds_config`).
+        strict: unknown keys and unsupported features are errors (``False``: warnings).
+    """
+
+    def __init__(self, source: Any, strict: bool = True) -> None:
+        if not isinstance(strict, bool):
+            raise TypeError(f"strict must be True or False, got {strict!r}")
+        self.raw = load_ds_config(source)
+        self.strict = strict
+        self.translation: DeepSpeedTranslation = translate_ds_config(self.raw, strict=strict)
+        self._refuse_unwired(self.translation)
+
+    @staticmethod
+    def _refuse_unwired(translation: DeepSpeedTranslation) -> None:
+        kwargs = dict(translation.strategy_kwargs)
+        if kwargs.get("pipeline_parallel_size", 1) > 1:
+            raise DeepSpeedConfigError(
+                f'"pipeline": {{"stages": {kwargs["pipeline_parallel_size"]}}} asks for pipeline parallelism, which '
+                "ZeroStrategy does not run yet (the pipeline issue wires lightning_zero.pipeline into the strategy). "
+                "Remove the pipeline section or set stages to 1."
+            )
+        kwargs.pop("pipeline_parallel_size", None)
+        kwargs.pop("micro_batches", None)
+        unknown = sorted(set(kwargs) - set(CONFIG_STRATEGY_KEYS))
+        if unknown:
+            raise DeepSpeedConfigError(f"the DeepSpeed config sets {unknown}, which ZeroStrategy cannot apply yet")
+
+    def strategy_kwargs(self) -> dict:
+        """The ZeroStrategy arguments the config determines (explicit arguments are merged over these)."""
+        return {k: v for k, v in self.translation.strategy_kwargs.items() if k in CONFIG_STRATEGY_KEYS}
+
+    def loss_scale_kwargs(self) -> dict:
+        return {k: v for k, v in self.strategy_kwargs().items() if k in LOSS_SCALE_KEYS}
+
+    @property
+    def precision(self) -> Optional[str]:
+        """``"16-mixed"``/``"bf16-mixed"``/``"32-true"`` as the config asks, or ``None`` (no precision section)."""
+        return self.translation.precision
+
+    # ------------------------------------------------------------------ setup
+    def resolve(self, trainer, data_parallel_size: int) -> DeepSpeedTranslation:
+        """Resolve ``"auto"`` from the Trainer and apply/check its settings (fitting only); see the module table."""
+        module = trainer.lightning_module
+        hparams = dict(getattr(module, "hparams", {}) or {})
+        explicit = {name: getattr(trainer, name) for name in _TRAINER_DEFAULTS
+                    if getattr(trainer, name) != _TRAINER_DEFAULTS[name]}
+        accumulation = self.raw.get("gradient_accumulation_steps")
+        if isinstance(accumulation, int) and "accumulate_grad_batches" not in explicit:
+            # before estimated_stepping_batches reads it: the schedule's "auto" step counts depend on it
+            trainer.accumulate_grad_batches = accumulation
+            explicit["accumulate_grad_batches"] = accumulation
+        context = AutoContext(
+            world_size=data_parallel_size,
+            micro_batch_size=_train_batch_size(trainer),
+            accumulate_grad_batches=explicit.get("accumulate_grad_batches"),
+            gradient_clip_val=explicit.get("gradient_clip_val"),
+            precision=trainer.precision,
+            hyperparameters=hparams,
+            estimated_stepping_batches=_estimated_steps(trainer),
+            hidden_size=infer_hidden_size(module, hparams),
+        )
+        resolved = resolve_auto(self.raw, context)
+        translation = translate_ds_config(resolved, strict=self.strict)
+        self._refuse_unwired(translation)
+        changed = {k: (self.translation.strategy_kwargs.get(k), v) for k, v in translation.strategy_kwargs.items()
+                   if k in CONFIG_STRATEGY_KEYS and self.translation.strategy_kwargs.get(k) != v}
+        if changed:
+            raise DeepSpeedConfigError(f'strategy settings may not be "auto" (resolved at setup, after the engines '
+                                       f"were chosen): {changed}")
+        self.translation = translation
+        self._apply_trainer_settings(trainer, translation, explicit)
+        return translation
+
+    @staticmethod
+    def _apply_trainer_settings(trainer, translation: DeepSpeedTranslation, explicit: dict) -> None:
+        settings = translation.trainer_settings()
+        if "accumulate_grad_batches" not in explicit and settings.get("accumulate_grad_batches", 1) != 1:
+            trainer.accumulate_grad_batches = settings["accumulate_grad_batches"]
+        clip = settings.get("gradient_clip_val")
+        if "gradient_clip_val" not in explicit and clip:
+            trainer.gradient_clip_val = float(clip)
+            trainer.gradient_clip_algorithm = "norm"
+        every = settings.get("log_every_n_steps")
+        if every is not None:
+            if "log_every_n_steps" in explicit and explicit["log_every_n_steps"] != every:
+                raise DeepSpeedConfigError(
+                    f"steps_per_print={every} in the DeepSpeed config does not match the Trainer's "
+                    f"log_every_n_steps={explicit['log_every_n_steps']}: make them equal or drop one")
+            trainer.log_every_n_steps = every
+
+    def report(self) -> dict:
+        """JSON record of the effective configuration (saved in checkpoints)."""
+        return effective_config_dict(self.translation)
+
+    def print_table(self) -> None:
+        from rich.console import Console
+
+        Console().print(effective_config_table(self.translation))
+
+
+def precision_from_config(config_precision: Optional[str], trainer_precision: str) -> Optional[str]:
+    """The precision flag to adopt (``None``: keep the Trainer's); error when the two disagree.
+
+    The Trainer's ``32-true`` is its default, so a config asking for fp16/bf16 wins over it. On CPU Lightning turns
+    ``16-mixed`` into ``bf16-mixed`` before the strategy sees it, so fp16 there needs ``precision="16-true"``.
+    """
+    if config_precision is None or config_precision == trainer_precision:
+        return None
+    if trainer_precision == "32-true":
+        return config_precision
+    family = {"16-mixed": ("16-mixed", "16-true"), "bf16-mixed": ("bf16-mixed", "bf16-true"), "32-true": ()}
+    if trainer_precision in family.get(config_precision, ()):
+        return None
+    raise DeepSpeedConfigError(
+        f"the DeepSpeed config asks for {config_precision!r} (its fp16/bf16 sections) but the Trainer runs "
+        f"precision={trainer_precision!r}: make them agree (set Trainer(precision={config_precision!r}), or leave "
+        "the Trainer's precision at its default and let the config decide, or change the config)")
+
+
+def _train_batch_size(trainer) -> Optional[int]:
+    trainer.fit_loop.setup_data()
+    loader = trainer.train_dataloader
+    if isinstance(loader, dict):
+        loader = next(iter(loader.values()), None)
+    elif isinstance(loader, (list, tuple)):
+        loader = loader[0] if loader else None
+    batch_size = getattr(loader, "batch_size", None)
+    if batch_size is None:
+        sampler = getattr(loader, "batch_sampler", None)
+        batch_size = getattr(sampler, "batch_size", None)
+    return batch_size
+
+
+def _estimated_steps(trainer) -> Optional[float]:
+    steps = trainer.estimated_stepping_batches
+    return None if steps == float("inf") else steps
+
+
+def _scheduler_for(translation: DeepSpeedTranslation, trainer, optimizer) -> dict:
+    from lightning_zero.optim_factory import build_scheduler, lightning_scheduler_config
+
+    scheduler = build_scheduler(translation.scheduler, optimizer, total_steps=_estimated_steps(trainer))
+    return lightning_scheduler_config(scheduler)
+
+
+def install_config_optimizers(module, binding: DeepSpeedConfigBinding) -> None:
+    """Give ``module`` a ``configure_optimizers`` that builds the config's optimizer (and scheduler).
+
+    [Note: why an instance attribute] Lightning refuses to fit a module whose class does not override
+    ``configure_optimizers`` before the strategy is set up, so the config's optimizer has to be reachable through
+    that hook. It is bound on the instance (the class stays untouched) and removed again at teardown
+    (:func:`uninstall_config_optimizers`). The optimizer is built when Lightning calls the hook, after setup
+    resolved the config's ``"auto"`` values, over every trainable parameter as DeepSpeed does, and stepped with
+    its scheduler after every optimizer step.
+    """
+    import types
+
+    from lightning_zero.optim_factory import build_optimizer, check_single_optimizer_source
+
+    check_single_optimizer_source(binding.translation.optimizer, module)
+
+    def configure_optimizers(self):
+        translation = binding.translation
+        optimizer = build_optimizer(translation.optimizer, [p for p in self.parameters() if p.requires_grad])
+        if translation.scheduler is None:
+            return optimizer
+        return {"optimizer": optimizer, "lr_scheduler": _scheduler_for(translation, self.trainer, optimizer)}
+
+    module.configure_optimizers = types.MethodType(configure_optimizers, module)
+
+
+def uninstall_config_optimizers(module) -> None:
+    module.__dict__.pop("configure_optimizers", None)
+
+
+def scheduler_from_config(translation: DeepSpeedTranslation, trainer, optimizers: list, configs: list) -> list:
+    """A config ``scheduler`` over the LightningModule's own optimizer (DeepSpeed accepts this pairing too)."""
+    from lightning.pytorch.core.optimizer import _configure_schedulers_automatic_opt
+
+    if len(optimizers) != 1 or configs:
+        raise DeepSpeedConfigError(
+            'the DeepSpeed config has a "scheduler" section, but configure_optimizers returned '
+            f"{len(optimizers)} optimizer(s) and {len(configs)} scheduler(s): a config scheduler needs exactly one "
+            "optimizer and no scheduler from configure_optimizers; remove one of the two")
+    return _configure_schedulers_automatic_opt([_scheduler_for(translation, trainer, optimizers[0])], None)
