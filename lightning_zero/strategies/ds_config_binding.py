@@ -101,7 +101,9 @@ class DeepSpeedConfigBinding:
         context = AutoContext(
             world_size=data_parallel_size,
             micro_batch_size=_train_batch_size(trainer),
-            accumulate_grad_batches=explicit.get("accumulate_grad_batches"),
+            # "auto" takes the Trainer's value even at its default; a number in the config was applied above
+            accumulate_grad_batches=trainer.accumulate_grad_batches if accumulation == "auto"
+            else explicit.get("accumulate_grad_batches"),
             gradient_clip_val=explicit.get("gradient_clip_val"),
             precision=trainer.precision,
             hyperparameters=hparams,
