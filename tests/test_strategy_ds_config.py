@@ -189,3 +189,15 @@ def test_non_strict_config_warns_instead():
     with pytest.warns(DeepSpeedConfigWarning, match="zero_optimizatoin"):
         strategy = ZeroStrategy(config={"zero_optimizatoin": {"stage": 3}}, strict=False)
     assert strategy.stage == 0  # the misspelt section is ignored, so DeepSpeed's default (no ZeRO) applies
+
+
+def _wall_clock_worker(rank, world_size):
+    from lightning_zero.ds_config import DeepSpeedConfigWarning
+
+    config = {"train_micro_batch_size_per_gpu": BATCH, "wall_clock_breakdown": True}
+    with pytest.warns(DeepSpeedConfigWarning, match="ThroughputLogger"):
+        _trainer(ZeroStrategy(config=config), world_size, max_steps=1).fit(RegressionModule(batch_size=BATCH))
+
+
+def test_wall_clock_breakdown_points_at_the_throughput_logger():
+    run_distributed(_wall_clock_worker, 2)

@@ -120,7 +120,25 @@ class DeepSpeedConfigBinding:
                                        f"were chosen): {changed}")
         self.translation = translation
         self._apply_trainer_settings(trainer, translation, explicit)
+        self._point_at_replacements(trainer, translation)
         return translation
+
+    @staticmethod
+    def _point_at_replacements(trainer, translation: DeepSpeedTranslation) -> None:
+        """Keys that ask for something the Trainer's own tools do: say which tool, rather than drop them."""
+        import warnings
+
+        from lightning_zero.ds_config import DeepSpeedConfigWarning
+
+        if translation.wall_clock_breakdown and not any(type(c).__name__ == "ThroughputLogger"
+                                                        for c in trainer.callbacks):
+            warnings.warn("wall_clock_breakdown: true asks for per-phase step timings; add "
+                          "lightning_zero.callbacks.ThroughputLogger() to the Trainer's callbacks for the forward/"
+                          "backward/optimizer/collective breakdown", DeepSpeedConfigWarning)
+        if translation.activation_checkpointing.get("cpu_checkpointing"):
+            warnings.warn("activation_checkpointing.cpu_checkpointing: true configures DeepSpeed's own checkpointing "
+                          "API, which a Lightning model does not call; use torch.utils.checkpoint with "
+                          "torch.autograd.graph.save_on_cpu in the model instead", DeepSpeedConfigWarning)
 
     @staticmethod
     def _apply_trainer_settings(trainer, translation: DeepSpeedTranslation, explicit: dict) -> None:
