@@ -173,7 +173,6 @@ def test_explicit_arguments_override_the_config(tmp_path):
 
 
 @pytest.mark.parametrize("config,message", [
-    ({"pipeline": {"stages": 2}}, "pipeline parallelism"),
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}}, "nvme"),
     ({"zero_optimizatoin": {"stage": 2}}, "zero_optimization"),
     ({"sparse_attention": {"mode": "fixed"}}, "sparse_attention"),
@@ -181,6 +180,14 @@ def test_explicit_arguments_override_the_config(tmp_path):
 def test_config_errors_happen_in_the_constructor(config, message):
     with pytest.raises((DeepSpeedConfigError, NotImplementedError), match=message):
         ZeroStrategy(config=config)
+
+
+def test_pipeline_section_sets_the_pipeline():
+    strategy = ZeroStrategy(config={"pipeline": {"stages": 2}, "gradient_accumulation_steps": 4,
+                                    "zero_optimization": {"stage": 1}})
+    settings = strategy._pipeline
+    assert (settings.pipeline_parallel_size, settings.micro_batches, strategy.stage) == (2, 4, 1)
+    assert ZeroStrategy(config={"pipeline": {"stages": 1}})._pipeline.enabled is False
 
 
 def test_non_strict_config_warns_instead():

@@ -214,7 +214,7 @@ class PipelineModule(nn.Module):
                 raise ValueError("a pipelined PipelineModule needs targets: the last stage computes the loss, "
                                  "call module(inputs, targets)")
             if self.training and torch.is_grad_enabled():
-                return self._runner.step(inputs, targets)
+                return self._runner.step(inputs, targets, sync_grads=self._runner.sync_grads)
             return self._runner.eval_step(inputs, targets)
         if len(self.built_indices) != len(self.specs):
             raise RuntimeError("this PipelineModule holds only some layers (it was built for a pipeline stage); "

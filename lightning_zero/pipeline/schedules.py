@@ -125,7 +125,10 @@ class PipelineRunner:
         stages = [PipelineStage(sm, s, self.num_stages, device, group=self.pp_group)
                   for sm, s in zip(self.stage_modules, self.local_stages)]
         m, loss_fn = config.micro_batches, module.loss_fn
-        scaled_loss = lambda out, tgt: loss_fn(out, tgt) / m  # noqa: E731  (see the gradient scale note)
+        # grad_scale: a strategy's extra factor (Lightning's 1 / accumulate_grad_batches); sync_grads: whether the
+        # next step() reduces gradients (False on the micro-steps of gradient accumulation).
+        self.grad_scale, self.sync_grads = 1.0, True
+        scaled_loss = lambda out, tgt: loss_fn(out, tgt) * (self.grad_scale / m)  # noqa: E731  (gradient scale note)
         cls = SCHEDULES[config.schedule]
         arg = stages[0] if config.schedule in SINGLE_STAGE_SCHEDULES else stages
         self.schedule = cls(arg, n_microbatches=m, loss_fn=scaled_loss, scale_grads=False)

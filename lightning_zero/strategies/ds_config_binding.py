@@ -14,6 +14,7 @@ config key                   what happens at setup
 ``train_*batch_size``        DeepSpeed's arithmetic against the DataLoader's batch size and the data-parallel size
 ``steps_per_print``          applied as ``log_every_n_steps`` when the Trainer keeps its default (50)
 ``optimizer`` / ``scheduler``  built when the LightningModule has no ``configure_optimizers`` (both: error)
+``pipeline.stages``          ``pipeline_parallel_size`` (and accumulation steps as ``micro_batches``), at construction
 ===========================  =========================================================================================
 
 The effective configuration is printed on rank 0 (rich table) and saved in every checkpoint's ``zero.json``.
@@ -39,7 +40,7 @@ LOSS_SCALE_KEYS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hy
                    "min_loss_scale")
 # Strategy arguments a config may set; every key a translation produces must be one of these or refused.
 CONFIG_STRATEGY_KEYS = ("stage", "offload", "pin_memory", "reshard_after_forward", "communication_data_type",
-                        *LOSS_SCALE_KEYS)
+                        "pipeline_parallel_size", "micro_batches", *LOSS_SCALE_KEYS)
 _TRAINER_DEFAULTS = {"accumulate_grad_batches": 1, "gradient_clip_val": None, "log_every_n_steps": 50}
 
 
@@ -61,16 +62,7 @@ class DeepSpeedConfigBinding:
 
     @staticmethod
     def _refuse_unwired(translation: DeepSpeedTranslation) -> None:
-        kwargs = dict(translation.strategy_kwargs)
-        if kwargs.get("pipeline_parallel_size", 1) > 1:
-            raise DeepSpeedConfigError(
-                f'"pipeline": {{"stages": {kwargs["pipeline_parallel_size"]}}} asks for pipeline parallelism, which '
-                "ZeroStrategy does not run yet (the pipeline issue wires lightning_zero.pipeline into the strategy). "
-                "Remove the pipeline section or set stages to 1."
-            )
-        kwargs.pop("pipeline_parallel_size", None)
-        kwargs.pop("micro_batches", None)
-        unknown = sorted(set(kwargs) - set(CONFIG_STRATEGY_KEYS))
+        unknown = sorted(set(translation.strategy_kwargs) - set(CONFIG_STRATEGY_KEYS))
         if unknown:
             raise DeepSpeedConfigError(f"the DeepSpeed config sets {unknown}, which ZeroStrategy cannot apply yet")
 

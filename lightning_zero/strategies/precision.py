@@ -132,6 +132,7 @@ class ZeroPrecision(Precision):
         self.reduce_dtype = parse_communication_data_type(communication_data_type)
         self.stage = stage
         self.device_type = "cpu"  # the strategy sets the compute device's type at setup
+        self.grad_norm_clipper = None  # the strategy's global-norm clipping for pipelines (params, max_norm)
         self.last_step_skipped = False
 
     # ------------------------------------------------------------------ what the engines are given
@@ -166,6 +167,11 @@ class ZeroPrecision(Precision):
         if self.scaler is not None:
             tensor = tensor * self.scaler.scale
         return super().pre_backward(tensor, module)
+
+    def clip_grad_by_norm(self, optimizer, clip_val) -> None:
+        if self.grad_norm_clipper is None:
+            return super().clip_grad_by_norm(optimizer, clip_val)
+        self.grad_norm_clipper(self.main_params(optimizer), clip_val)
 
     def main_params(self, optimizer):
         sharding = get_sharding(optimizer)

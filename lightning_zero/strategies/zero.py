@@ -47,6 +47,11 @@ from lightning_zero.strategies.ds_config_binding import (
     scheduler_from_config,
     uninstall_config_optimizers,
 )
+from lightning_zero.strategies.pipeline_binding import (
+    build_for_strategy,
+    clip_by_global_norm,
+    make_pipeline_settings,
+)
 from lightning_zero.strategies.precision import (
     LossScaleConfig,
     ZeroPrecision,
@@ -104,6 +109,9 @@ class ZeroStrategy(ParallelStrategy):
             argument left at ``None``; explicit arguments win. ``"auto"`` values are resolved at setup from the
             Trainer, DataLoader and LightningModule; see ``docs/ds_config.md``.
         strict: with ``config``, unknown keys and unsupported features are errors (``False``: warnings).
+        pipeline_parallel_size, micro_batches, pipeline_schedule, virtual_stages: pipeline parallelism over a
+            ``PipelineModule`` held by the LightningModule, with the ZeRO stage on the data-parallel dimension
+            (:mod:`lightning_zero.strategies.pipeline_binding`, ``docs/pipeline.md``).
 
     Precision comes from the Trainer's ``precision`` flag (``32-true``, ``bf16-mixed``, ``16-mixed``, ``bf16-true``,
     ``16-true``): fp32 master weights and optimizer states, low-precision compute, DeepSpeed's dynamic loss scaling
@@ -137,6 +145,10 @@ class ZeroStrategy(ParallelStrategy):
         min_loss_scale: Optional[float] = None,
         config: Optional[Union[str, dict]] = None,
         strict: bool = True,
+        pipeline_parallel_size: Optional[int] = None,
+        micro_batches: Optional[int] = None,
+        pipeline_schedule: Optional[str] = None,
+        virtual_stages: Optional[int] = None,
     ) -> None:
         # Validate everything before Lightning (or anyone) starts a process group.
         self._ds_config = DeepSpeedConfigBinding(config, strict) if config is not None else None
@@ -148,6 +160,9 @@ class ZeroStrategy(ParallelStrategy):
             reshard_after_forward = from_config.get("reshard_after_forward")
         if communication_data_type is None:
             communication_data_type = from_config.get("communication_data_type")
+        if pipeline_parallel_size is None and from_config.get("pipeline_parallel_size", 1) > 1:
+            pipeline_parallel_size = from_config["pipeline_parallel_size"]
+            micro_batches = micro_batches if micro_batches is not None else from_config.get("micro_batches")
         self.zero_config = ZeroConfig(
             stage=stage, offload=offload, pin_memory=pin_memory,
             sharded_module_classes=frozenset(sharded_module_classes) if sharded_module_classes else None,
@@ -166,6 +181,12 @@ class ZeroStrategy(ParallelStrategy):
             if (config_scaling or given_scaling) else None
         parse_communication_data_type(communication_data_type)
         self._communication_data_type = communication_data_type
+        self._pipeline = make_pipeline_settings(pipeline_parallel_size, micro_batches, pipeline_schedule,
+                                                virtual_stages, stage=self.zero_config.stage,
+                                                offload=self.zero_config.offload)
+        self._pp_mesh = None
+        self._runner = None
+        self._pipeline_grads = None
         if not isinstance(async_save, bool):
             raise TypeError(f"async_save must be True or False, got {async_save!r}")
         if checkpoint_io is not None:
@@ -215,6 +236,8 @@ class ZeroStrategy(ParallelStrategy):
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        if self._pipeline.enabled and self._mesh is not None:  # data-parallel replicas, not pipeline ranks
+            return {"num_replicas": self._mesh.size(), "rank": self._mesh.get_local_rank()}
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
     @property
@@ -291,9 +314,17 @@ class ZeroStrategy(ParallelStrategy):
                               device_id=device_id)
         from torch.distributed.device_mesh import init_device_mesh
 
-        self._mesh = init_device_mesh(self.root_device.type, (self.world_size,), mesh_dim_names=("data_parallel",))
+        if self._pipeline.enabled:
+            pp = self._pipeline.pipeline_parallel_size
+            if self.world_size % pp:
+                raise ValueError(f"pipeline_parallel_size={pp} must divide the world size {self.world_size}")
+            mesh = init_device_mesh(self.root_device.type, (pp, self.world_size // pp), mesh_dim_names=("pp", "dp"))
+            self._pp_mesh, self._mesh = mesh["pp"], mesh["dp"]
+        else:
+            mesh = self._mesh = init_device_mesh(self.root_device.type, (self.world_size,),
+                                                 mesh_dim_names=("data_parallel",))
         if self.lightning_module is not None:
-            self.lightning_module._device_mesh = self._mesh
+            self.lightning_module._device_mesh = mesh
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -318,7 +349,9 @@ class ZeroStrategy(ParallelStrategy):
         self.precision_plugin.device_type = self.root_device.type
         fitting = trainer.state.fn == TrainerFn.FITTING
         self.precision_plugin.convert_module(self.model)
-        if self.stage >= 2:
+        if self._pipeline.enabled:
+            self._setup_pipeline(trainer)
+        elif self.stage >= 2:
             if not isinstance(self.model, FSDPModule):  # evaluation after fit reuses the sharded module
                 apply_zero(self.model, self._mesh, self.zero_config, device=self.root_device,
                            mp_policy=self.precision_plugin.fsdp_mp_policy())
@@ -335,6 +368,16 @@ class ZeroStrategy(ParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
 
+    def _setup_pipeline(self, trainer) -> None:
+        if self.precision_plugin.low_dtype is not None:
+            raise NotImplementedError(
+                f"pipeline_parallel_size > 1 with precision={self.precision_plugin.precision!r} is not supported: the "
+                "pipeline schedule runs backward itself, outside the precision plugin. Use precision='32-true'.")
+        self._runner = build_for_strategy(self.lightning_module, self._pipeline, self._pp_mesh, self._mesh,
+                                          self.stage, self.root_device, trainer.accumulate_grad_batches)
+        self.precision_plugin.grad_norm_clipper = lambda params, max_norm: clip_by_global_norm(
+            self._runner, params, max_norm)
+
     def setup_optimizers(self, trainer) -> None:
         self._reset_optimizers_and_schedulers()
         super().setup_optimizers(trainer)
@@ -350,7 +393,7 @@ class ZeroStrategy(ParallelStrategy):
 
     def model_to_device(self) -> None:
         assert self.model is not None
-        if self.stage <= 1:
+        if self.stage <= 1 and not self._pipeline.enabled:  # a pipeline moves only its stages (at setup)
             self.model.to(self.root_device)
 
     @contextmanager
@@ -358,10 +401,27 @@ class ZeroStrategy(ParallelStrategy):
         """No gradient communication on the micro-steps of gradient accumulation."""
         assert self.model is not None
         set_gradient_sync(self.model, False)
+        if self._runner is not None:
+            self._runner.sync_grads = False
         try:
             yield
         finally:
             set_gradient_sync(self.model, True)
+            if self._runner is not None:
+                self._runner.sync_grads = True
+
+    def backward(self, closure_loss: Tensor, optimizer, *args: Any, **kwargs: Any) -> Tensor:
+        if self._runner is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        # The schedule already ran backward inside training_step (see pipeline_binding's note): restore its
+        # gradients (see _pipelined_training_step) and run the hooks.
+        module = self.lightning_module
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        for param, grad in self._pipeline_grads or ():
+            if grad is not None:
+                param.grad = grad if param.grad is None else param.grad + grad
+        self._pipeline_grads = None
+        return self.precision_plugin.post_backward(closure_loss, module)
 
     def pre_backward(self, closure_loss: Tensor) -> None:
         if isinstance(self.model, DistributedDataParallel) and not self.lightning_module.automatic_optimization:
@@ -373,14 +433,35 @@ class ZeroStrategy(ParallelStrategy):
     def _redirect(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Route a step through the root module's ``__call__`` so its DDP/FSDP2 hooks run (see zero.py's note)."""
         assert self.lightning_module is not None
-        if self.model is self.lightning_module and self.stage <= 1:
+        if self.model is self.lightning_module and (self.stage <= 1 or self._pipeline.enabled):
             return getattr(self.lightning_module, method)(*args, **kwargs)
         return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = self.precision_plugin.convert_input((args, kwargs))
+        if self._runner is not None:
+            return self._pipelined_training_step(*args, **kwargs)
         with self.precision_plugin.train_step_context():
             return self._redirect("training_step", *args, **kwargs)
+
+    def _pipelined_training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """[Note: pipeline gradients and Lightning's zero_grad]
+        The schedule back-propagates inside ``training_step``, but Lightning zeroes gradients *after*
+        ``training_step`` (before its backward) on the first batch of an accumulation window. So gradients are
+        zeroed here before that first batch, moved aside after the schedule, and put back by :meth:`backward`."""
+        module = self.lightning_module
+        params = list(module.parameters())
+        trainer = module.trainer
+        if module.automatic_optimization and trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches \
+                == 0:
+            for param in params:
+                param.grad = None
+        with self.precision_plugin.train_step_context():
+            output = self._redirect("training_step", *args, **kwargs)
+        self._pipeline_grads = [(param, param.grad) for param in params]
+        for param in params:
+            param.grad = None
+        return output
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = self.precision_plugin.convert_input((args, kwargs))

@@ -1,0 +1,169 @@
+"""Pipeline parallelism inside ZeroStrategy: the Lightning side of :mod:`lightning_zero.pipeline`.
+
+With ``pipeline_parallel_size = p > 1`` the world is a 2-D mesh ``("pp", "dp")`` of shape ``(p, world / p)``. The
+LightningModule holds one :class:`~lightning_zero.pipeline.PipelineModule`; at setup :func:`build_pipeline` keeps on
+each rank only the layers of its stages and attaches the schedule, so ``self.model(inputs, targets)`` in
+``training_step`` runs forward *and* backward of every micro-batch and returns the mean loss on every rank. The
+ZeRO stage applies on the ``dp`` dimension:
+
+=======  ==========================================================================================================
+stage    data-parallel engine under the pipeline
+=======  ==========================================================================================================
+0        gradients all-reduced over ``dp`` after the schedule
+1        as 0, and the optimizer partitioned over ``dp`` (each rank steps 1/dp, then broadcasts)
+2        FSDP2 over ``dp`` on every layer and stage module, ``reshard_after_forward=False``
+3        as 2 with ``reshard_after_forward=True``
+=======  ==========================================================================================================
+
+DeepSpeed allows only stages 0-1 with pipelines. Not supported here (each raises with this list): CPU offload at
+stages 2-3 (FSDP2's offload policy is not applied to stage modules), fp16/bf16 (the schedule runs backward itself,
+outside the precision plugin's loss scaling), FSDP2 with a tied module used by two stages of one rank (see
+:class:`~lightning_zero.pipeline.schedules.PipelineRunner`), and parameters of the LightningModule outside its
+PipelineModule.
+
+[Note: the strategy's backward is skipped]
+Lightning calls ``backward`` on what ``training_step`` returns. Under a pipeline that loss is already
+back-propagated (detached), so :meth:`ZeroStrategy.backward` runs only the ``on_before_backward`` /
+``on_after_backward`` hooks. Lightning divides the loss by ``accumulate_grad_batches`` before that backward; the
+runner's ``grad_scale`` applies the same factor inside the schedule, so accumulation stays exact.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from lightning_zero.pipeline.schedules import SCHEDULES, SINGLE_STAGE_SCHEDULES, PipelineConfig
+
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
+
+
+@dataclass(frozen=True)
+class PipelineSettings:
+    """ZeroStrategy's pipeline arguments, validated.
+
+    Args:
+        pipeline_parallel_size: pipeline stages across ranks (1: no pipeline).
+        micro_batches: micro-batches each rank's batch is split into per step. Default: ``pipeline_parallel_size``
+            (DeepSpeed runs ``gradient_accumulation_steps`` micro-batches, 1 by default, which leaves a full bubble;
+            the smallest count that keeps every stage busy is the better default).
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"zero_bubble"`` or ``"zbv"``.
+        virtual_stages: stages per rank (default 1, or 2 for the interleaved, zero-bubble and ZBV schedules).
+    """
+
+    pipeline_parallel_size: int = 1
+    micro_batches: Optional[int] = None
+    schedule: str = "1f1b"
+    virtual_stages: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        size = self.pipeline_parallel_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"pipeline_parallel_size must be a positive int, got {size!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"pipeline_schedule must be one of {SCHEDULE_NAMES}, got {self.schedule!r}")
+        if self.virtual_stages is None:
+            object.__setattr__(self, "virtual_stages", 1 if self.schedule in SINGLE_STAGE_SCHEDULES else 2)
+        if self.micro_batches is None:
+            object.__setattr__(self, "micro_batches", size)
+        self.runner_config("allreduce", False)  # validates micro_batches / virtual_stages against the schedule
+
+    @property
+    def enabled(self) -> bool:
+        return self.pipeline_parallel_size > 1
+
+    def runner_config(self, data_parallel: str, reshard_after_forward: bool) -> PipelineConfig:
+        return PipelineConfig(schedule=self.schedule, micro_batches=self.micro_batches,
+                              virtual_stages=self.virtual_stages, data_parallel=data_parallel,
+                              reshard_after_forward=reshard_after_forward)
+
+
+def make_pipeline_settings(pipeline_parallel_size, micro_batches, schedule, virtual_stages, *, stage: int,
+                           offload: str) -> PipelineSettings:
+    """Validate the strategy's pipeline arguments together with the ZeRO settings (constructor time)."""
+    if pipeline_parallel_size is None or (pipeline_parallel_size == 1 and not isinstance(pipeline_parallel_size, bool)):
+        given = {k: v for k, v in dict(micro_batches=micro_batches, pipeline_schedule=schedule,
+                                        virtual_stages=virtual_stages).items() if v is not None}
+        if given:
+            raise ValueError(f"{sorted(given)} only apply with pipeline_parallel_size > 1")
+        return PipelineSettings()
+    settings = PipelineSettings(pipeline_parallel_size, micro_batches, schedule or "1f1b", virtual_stages)
+    if stage >= 2 and offload != "none":
+        raise NotImplementedError(
+            f"pipeline_parallel_size > 1 with offload={offload!r} at stage {stage} is not supported: FSDP2's "
+            "CPUOffloadPolicy is not applied to pipeline stage modules. Use stage 1 with offload='cpu', or no offload."
+        )
+    return settings
+
+
+def find_pipeline_module(lightning_module):
+    """The one PipelineModule of the LightningModule; everything trainable must live in it."""
+    from lightning_zero.pipeline import PipelineModule
+
+    found = [m for m in lightning_module.modules() if isinstance(m, PipelineModule)]
+    if len(found) != 1:
+        raise ValueError(f"pipeline_parallel_size > 1 needs exactly one PipelineModule in the LightningModule, "
+                         f"found {len(found)}")
+    inside = {id(p) for p in found[0].parameters()}
+    outside = [n for n, p in lightning_module.named_parameters() if id(p) not in inside]
+    if outside:
+        raise ValueError(f"parameters outside the PipelineModule are not synchronised by the pipeline: {outside[:5]}"
+                         "; move them into the PipelineModule's layers")
+    return found[0]
+
+
+def build_for_strategy(lightning_module, settings: PipelineSettings, pp_mesh, dp_mesh, stage: int, device,
+                       accumulate_grad_batches: int):
+    """Split the LightningModule's PipelineModule over ``pp_mesh`` with ZeRO ``stage`` on ``dp_mesh``."""
+    from lightning_zero.pipeline import build_pipeline
+
+    module = find_pipeline_module(lightning_module)
+    if module._runner is not None:
+        return module._runner  # evaluation after fit reuses the split model
+    dp = dp_mesh if dp_mesh is not None and dp_mesh.size() > 1 else None
+    runner = build_pipeline(
+        module, pp_mesh, schedule=settings.schedule, micro_batches=settings.micro_batches,
+        virtual_stages=settings.virtual_stages, dp_mesh=dp,
+        data_parallel="fully_shard" if stage >= 2 else "allreduce", reshard_after_forward=stage == 3, device=device,
+    )
+    runner.grad_scale = 1.0 / accumulate_grad_batches
+    return runner
+
+
+def global_grad_norm(runner, params) -> torch.Tensor:
+    """L2 norm of the gradients of the whole pipelined model: every stage, every data shard, tied weights once."""
+    duplicates = set()
+    pp_rank = dist.get_rank(runner.pp_group)
+    pp_ranks = dist.get_process_group_ranks(runner.pp_group)
+    for _, owner, attrs, _, src in runner._tied_groups:
+        if pp_ranks[pp_rank] != src:  # the first stage holding the tie counts it
+            from lightning_zero.pipeline.specs import get_parameter
+
+            duplicates.update(id(get_parameter(owner, attr)) for attr in attrs)
+    total = torch.zeros((), dtype=torch.float64)
+    for param in params:
+        if param.grad is None or id(param) in duplicates:
+            continue
+        grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
+        total += grad.detach().double().pow(2).sum().cpu()
+    total = total.to(runner.device)
+    dist.all_reduce(total, group=runner.pp_group)
+    if runner.fully_sharded and runner.dp_group is not None:
+        dist.all_reduce(total, group=runner.dp_group)  # disjoint shards; replicated gradients are not summed
+    return total.sqrt()
+
+
+def clip_by_global_norm(runner, params, max_norm: float) -> float:
+    """``torch.nn.utils.clip_grad_norm_`` over the whole pipelined model (same coefficient formula)."""
+    params = list(params)
+    norm = global_grad_norm(runner, params)
+    coefficient = float(max_norm) / (float(norm) + 1e-6)
+    if coefficient < 1.0:
+        for param in params:
+            if param.grad is not None:
+                param.grad.mul_(coefficient)
+    return float(norm) if math.isfinite(float(norm)) else float("nan")
