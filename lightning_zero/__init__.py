@@ -14,19 +14,24 @@ from lightning_zero.distributed.memory import (
     zero_formula,
 )
 from lightning_zero.distributed.zero import apply_zero, find_repeated_blocks
+from lightning_zero.pipeline import LayerSpec, PipelineModule, TiedLayerSpec, build_pipeline
 from lightning_zero.strategies import LossScaleConfig, ZeroPrecision, ZeroStrategy
 
 __version__ = "0.1.0"
 __all__ = [
+    "LayerSpec",
     "LossScaleConfig",
     "MemoryEstimate",
     "MemoryReport",
+    "PipelineModule",
     "StateBytes",
+    "TiedLayerSpec",
     "ZeroConfig",
     "ZeroPrecision",
     "ZeroStrategy",
     "__version__",
     "apply_zero",
+    "build_pipeline",
     "estimate_model_states_memory",
     "find_repeated_blocks",
     "model_state_memory",
