@@ -87,6 +87,8 @@ def _worker(rank: int, world: int, port: int, micro_batches: list, ms: float, st
     t_fwd, t_bwd = ms / 1000, 2 * ms / 1000
     for m in micro_batches:
         for schedule, v in SCHEDULES:
+            if m < world:
+                continue  # torch's schedules (1F1B and the multi-stage ones) need m >= pipeline ranks
             model = PipelineModule([LayerSpec(SleepLayer, t_fwd, t_bwd) for _ in range(2 * world)],
                                    loss_fn=lambda out, y: ((out - y) ** 2).mean(), partition_method="uniform")
             build_pipeline(model, mesh["pp"], schedule=schedule, micro_batches=m, virtual_stages=v)
