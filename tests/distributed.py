@@ -48,3 +48,19 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, env: di
         _entry, args=(world_size, free_port(), fn, args, dict(env or {})), nprocs=world_size, join=True,
         start_method=method,
     )
+
+
+def kill_rank_in_the_middle_of_the_next_save(rank_to_die: int = 1) -> None:
+    """Fault injection for atomic-save tests: the next sharded save makes ``rank_to_die`` exit (code 17) right after
+    writing its part of the checkpoint, before the save is finalised. Call it inside a worker."""
+    from lightning_zero.checkpoint import io as ckpt_io
+
+    class DyingWriter(ckpt_io.FileSystemWriter):
+        def write_data(self, plan, planner):
+            future = super().write_data(plan, planner)
+            if dist.get_rank() == rank_to_die:
+                future.wait()
+                os._exit(17)
+            return future
+
+    ckpt_io.FileSystemWriter = DyingWriter

@@ -20,7 +20,7 @@ from lightning_zero.checkpoint import (
     save_sharded_checkpoint,
     wait_for_pending_saves,
 )
-from tests.distributed import run_distributed
+from tests.distributed import kill_rank_in_the_middle_of_the_next_save, run_distributed
 
 
 def make_model(seed: int) -> torch.nn.Module:
@@ -112,15 +112,7 @@ def crash_worker(rank: int, world_size: int, directory: str) -> None:
         for parameter in model.parameters():
             parameter.mul_(-3.0)
 
-    class DyingWriter(ckpt_io.FileSystemWriter):
-        def write_data(self, plan, planner):
-            future = super().write_data(plan, planner)
-            if dist.get_rank() == 1:
-                future.wait()
-                os._exit(17)  # the process dies after writing part of the checkpoint
-            return future
-
-    ckpt_io.FileSystemWriter = DyingWriter
+    kill_rank_in_the_middle_of_the_next_save(1)
     save_sharded_checkpoint(path, state_of(model, 7.0), META)
     raise AssertionError("the save should not complete when a rank died in the middle")
 

@@ -9,7 +9,7 @@ from torch import nn
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.checkpoint import wait_for_pending_saves
-from tests.distributed import run_distributed
+from tests.distributed import kill_rank_in_the_middle_of_the_next_save, run_distributed
 from tests.lightning_models import RegressionModule, dataset, full_state, make_optimizer_and_scheduler
 
 BATCH = 4
@@ -60,23 +60,10 @@ def _save_worker(rank, world_size, path, stage, async_save=False, then_crash=Fal
 
 
 def _die_in_the_middle_of_the_next_save(trainer, module, path):
-    import torch.distributed as dist
-
-    from lightning_zero.checkpoint import io as ckpt_io
-
     with torch.no_grad():
         for param in module.parameters():
             param.mul_(-3.0)
-
-    class DyingWriter(ckpt_io.FileSystemWriter):
-        def write_data(self, plan, planner):
-            future = super().write_data(plan, planner)
-            if dist.get_rank() == 1:
-                future.wait()
-                os._exit(17)  # rank 1 dies after writing its part of the new checkpoint
-            return future
-
-    ckpt_io.FileSystemWriter = DyingWriter
+    kill_rank_in_the_middle_of_the_next_save(1)
     trainer.save_checkpoint(path)
     raise AssertionError("the save should not complete when a rank died in the middle of it")
 
