@@ -195,3 +195,23 @@ def _throughput_worker(rank, world_size, tmp_dir):
 
 def test_throughput_logger_two_rank_ddp(tmp_path):
     run_distributed(_throughput_worker, 2, str(tmp_path))
+
+
+def _zero_strategy_worker(rank, world_size):
+    from lightning_zero import ZeroStrategy
+    from tests.lightning_models import RegressionModule
+
+    callback = ThroughputLogger(log_every_n_steps=1, peak_flops=1e9)
+    trainer = Trainer(accelerator="cpu", devices=world_size, strategy=ZeroStrategy(stage=1), max_steps=3,
+                      logger=False, callbacks=[callback], enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
+    trainer.fit(RegressionModule(batch_size=4))
+    assert len(callback.reports) == 3
+    for report in callback.reports:
+        assert report.samples_per_sec > 0 and report.flops_per_sec_per_device > 0
+        # ZeroStrategy reports the stage-1 parameter broadcast it issues after each optimizer step
+        assert report.phase_time["collective"] > 0
+
+
+def test_throughput_logger_reads_zero_strategy_collectives():
+    run_distributed(_zero_strategy_worker, 2)

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_zero.config import ZeroConfig
+from lightning_zero.distributed.timing import collective_timer
 
 _ATTR = "_lightning_zero_sharding"
 BROADCAST_BUCKET_BYTES = 64 * 1024 * 1024
@@ -148,7 +149,8 @@ def _post_step(optimizer, args, kwargs) -> None:
                 param.copy_(sharding.masters[id(param)], non_blocking=True)
             if any(m.is_pinned() for m in sharding.masters.values()):
                 torch.cuda.current_stream().synchronize()
-        broadcast_from_owners(sharding)
+        with collective_timer().record("zero1_parameter_broadcast"):
+            broadcast_from_owners(sharding)
     # The optimizer's zero_grad only reaches what it holds; the module's other gradients are dead after the step.
     held = {id(p) for g in optimizer.param_groups for p in g["params"]}
     for param in sharding.all_model_params():

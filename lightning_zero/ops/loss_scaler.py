@@ -263,5 +263,8 @@ def has_overflow(tensors: Iterable[Optional[torch.Tensor]], group: Optional[dist
         bad = (~torch.isfinite(norms)).any().float()
         flag = torch.maximum(flag, bad.to(device))
     if distributed:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        from lightning_zero.distributed.timing import collective_timer
+
+        with collective_timer().record("overflow_check"):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return bool(flag.item() > 0)

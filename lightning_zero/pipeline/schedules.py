@@ -28,6 +28,7 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
+from lightning_zero.distributed.timing import collective_timer
 from lightning_zero.pipeline.module import PipelineModule
 from lightning_zero.pipeline.specs import TiedLayerSpec, get_parameter
 
@@ -244,6 +245,10 @@ class PipelineRunner:
     @torch.no_grad()
     def sync_gradients(self) -> None:
         """Average gradients over data-parallel ranks (``allreduce`` mode) and sum tied gradients over stages."""
+        with collective_timer().record("pipeline_gradient_sync"):
+            self._sync_gradients()
+
+    def _sync_gradients(self) -> None:
         if self.dp_group is not None and not self.fully_sharded:
             grads = [p.grad for p in self.module.parameters() if p.grad is not None]
             if grads:
