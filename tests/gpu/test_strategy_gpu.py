@@ -49,3 +49,29 @@ def test_offload_pins_cpu_masters_on_cuda():
     opt.step()
     assert not torch.equal(before, model.weight.detach())
     assert model.weight.device.type == "cuda"
+
+
+@pytest.mark.parametrize("stage, precision", [(0, "bf16-mixed"), (1, "16-mixed"), (2, "bf16-true"), (3, "16-mixed"),
+                                              (3, "bf16-mixed")])
+def test_single_gpu_low_precision_stays_close_to_fp32(stage, precision, monkeypatch, tmp_path):
+    """On CUDA, 16-mixed is fp16 (Lightning only rewrites it on CPU): DeepSpeed loss scaling on a real device."""
+    from lightning.pytorch import Trainer
+
+    from lightning_zero import ZeroStrategy
+
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    torch.manual_seed(0)
+    module = RegressionModule(batch_size=8)
+    scaling = dict(initial_scale_power=8) if precision.startswith("16") else {}
+    strategy = ZeroStrategy(stage=stage, **scaling)
+    trainer = Trainer(accelerator="gpu", devices=1, strategy=strategy, max_steps=4, logger=False, precision=precision,
+                      enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path)
+    trainer.fit(module)
+    assert trainer.precision == precision
+    got = {k: v.float().cpu() for k, v in full_state(module).items()}
+    expected = reference_weights(4, 8)
+    worst = max((got[k] - expected[k]).abs().max().item() for k in expected)
+    assert worst <= 5e-2, worst  # same tolerance as the CPU precision tests
+    if precision.startswith("16"):
+        assert strategy.precision_plugin.scaler.skipped_steps == 0
+    torch.distributed.destroy_process_group()
