@@ -190,9 +190,12 @@ def main(argv=None):
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed peer")
     parser.add_argument("--json", default=None, help="also write the raw results here")
+    parser.add_argument("--stages", nargs="+", default=["0", "1", "2", "3", "1+cpu", "2+cpu", "3+cpu"],
+                        help="which ZeRO configurations to run (default: all)")
+    parser.add_argument("--no-lightning", action="store_true", help="skip Lightning's own strategies")
     args = parser.parse_args(argv)
 
-    stages = ["0", "1", "2", "3", "1+cpu", "2+cpu", "3+cpu"]
+    stages = args.stages
     have_ds = not args.no_deepspeed and _has_deepspeed()
     rows, raw = [], {}
     for stage in stages:
@@ -207,9 +210,10 @@ def main(argv=None):
         raw[f"zero:{stage}"], raw[f"deepspeed:{stage}"] = ours, peer
         rows.append((f"ZeroStrategy stage {stage}", ours, peer))
         print(f"measured stage {stage}: ours {ours}, deepspeed {peer}", file=sys.stderr, flush=True)
-    for kind, label, compare in (("ddp", "Lightning DDPStrategy", "0"), ("fsdp:SHARD_GRAD_OP",
-                                 "Lightning FSDPStrategy SHARD_GRAD_OP", "2"), ("fsdp:FULL_SHARD",
-                                 "Lightning FSDPStrategy FULL_SHARD", "3")):
+    peers = () if args.no_lightning else (("ddp", "Lightning DDPStrategy", "0"), ("fsdp:SHARD_GRAD_OP",
+                                          "Lightning FSDPStrategy SHARD_GRAD_OP", "2"), ("fsdp:FULL_SHARD",
+                                          "Lightning FSDPStrategy FULL_SHARD", "3"))
+    for kind, label, compare in peers:
         try:
             raw[kind] = measure(kind, args)
         except Exception as err:  # report, do not hide: e.g. a Lightning strategy that refuses CPU
