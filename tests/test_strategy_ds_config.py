@@ -5,7 +5,7 @@ import os
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 
 from lightning_zero import ZeroStrategy
@@ -23,10 +23,7 @@ class ConfigOptimizedModule(RegressionModule):
         super().__init__(batch_size=batch_size)
         self.save_hyperparameters()
 
-    configure_optimizers = None  # set below to the LightningModule default (returns None)
-
-
-ConfigOptimizedModule.configure_optimizers = RegressionModule.__mro__[1].configure_optimizers
+    configure_optimizers = LightningModule.configure_optimizers  # not overridden: the config's optimizer is used
 
 
 def _trainer(strategy, world_size, **kwargs):
@@ -154,7 +151,7 @@ def _scheduler_and_precision_worker(rank, world_size):
 
 
 class _NoHparams(RegressionModule):
-    configure_optimizers = RegressionModule.__mro__[1].configure_optimizers
+    configure_optimizers = LightningModule.configure_optimizers
 
 
 def test_config_scheduler_precision_adoption_and_setup_errors():
