@@ -46,7 +46,7 @@ import torch.distributed as dist
 from lightning.pytorch.plugins.precision import Precision
 
 from lightning_zero.distributed.optimizer import get_sharding
-from lightning_zero.ops.loss_scaler import DynamicLossScaler, StaticLossScaler, has_overflow
+from lightning_zero.ops.loss_scaler import DynamicLossScaler, StaticLossScaler, _local, has_overflow
 
 SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 COMMUNICATION_DATA_TYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -195,7 +195,7 @@ class ZeroPrecision(Precision):
 
     def _skip_on_overflow(self, model, optimizer) -> bool:
         """Steps 2-4 of the fp16 note: True when the step must be skipped (gradients already dropped)."""
-        params = _params_of(model, optimizer)
+        params = list(self.main_params(optimizer))  # the module's parameters, not a stage-1 partition
         grads = [p.grad for p in params if p.grad is not None]
         scale = self.scaler.scale  # what backward multiplied by; update() may change it
         overflow = has_overflow(grads)
@@ -229,19 +229,6 @@ class ZeroPrecision(Precision):
             self.scaler.load_state_dict(saved)
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if to_local is not None else tensor
-
-
-def _params_of(model, optimizer) -> list[torch.Tensor]:
-    """Every module parameter the optimizer's gradients live on (the module's, not a stage-1 partition's)."""
-    sharding = get_sharding(optimizer)
-    if sharding is not None:
-        return sharding.all_model_params()
-    return [p for group in optimizer.param_groups for p in group["params"]]
-
-
 def guard_schedulers(scheduler_configs, precision: ZeroPrecision) -> None:
     """Make the step-interval LR schedulers skip the ``step()`` that follows a skipped fp16 optimizer step.
 
@@ -270,11 +257,11 @@ def adapt_precision_plugin(plugin: Precision, *, stage: int, loss_scale_config: 
                            communication_data_type: Optional[str]) -> Precision:
     """Turn the plugin Lightning chose for the Trainer's ``precision`` into a :class:`ZeroPrecision`."""
     if isinstance(plugin, ZeroPrecision):
-        if loss_scale_config is not None or communication_data_type is not None:
-            if (plugin.loss_scale_config, plugin.communication_data_type) != (
-                    loss_scale_config or plugin.loss_scale_config, communication_data_type):
-                raise ValueError("both the ZeroPrecision plugin and ZeroStrategy set loss scaling or "
-                                 "communication_data_type: set them in one place")
+        clash = (loss_scale_config is not None and loss_scale_config != plugin.loss_scale_config) or (
+            communication_data_type is not None and communication_data_type != plugin.communication_data_type)
+        if clash:
+            raise ValueError("both the ZeroPrecision plugin and ZeroStrategy set loss scaling or "
+                             "communication_data_type: set them in one place")
         plugin.stage = stage
         return plugin
     flag = str(getattr(plugin, "precision", ""))
