@@ -9,13 +9,14 @@ Time is the median wall time of a full training step (forward, backward, optimiz
 the growth of the process's peak resident set (``VmHWM``, reset after imports) on CPU, and the CUDA allocator's
 peak on GPU, maximum over ranks. Everything is printed as ratios to DeepSpeed measured in the same run.
 
-[Note: CPU peak RSS at stages 2-3 is mostly glibc fragmentation]
-FSDP2 allocates and frees its per-unit all-gather and reduce-scatter buffers every step. With glibc's dynamic mmap
-threshold those buffers end up on the heap and fragment it: peak RSS of a stage-2 run climbs for ~7 steps and settles
-~2.6x above what the tensors need (measured: 706 MiB vs 268 MiB). ``MALLOC_MMAP_THRESHOLD_=1048576`` (a fixed
-threshold: large buffers are mmapped and returned) shows the allocator-neutral figure, at the price of page faults
-on every step (stages 2-3 then run 10-30% slower). Run both to separate model-state memory from allocator
-behaviour; on CUDA the caching allocator makes the question moot.
+[Note: CPU peak RSS at stages 2-3 and glibc]
+FSDP2 allocates and frees per-unit all-gather and reduce-scatter buffers every step; with glibc's dynamic mmap
+threshold those end up on the heap and fragment it (a stage-2 run's RSS used to climb for ~7 steps and settle
+~2.6x above what the tensors need). ``apply_zero`` now pools those buffers on CPU
+(``lightning_zero.distributed.buffers``), which removes part of the climb; the gathered parameters and autograd's
+unsharded gradients still go through glibc. ``MALLOC_MMAP_THRESHOLD_=1048576`` (a fixed threshold: large blocks are
+mmapped and returned) shows the allocator-neutral figure for both sides, at the price of page faults on every step.
+On CUDA the caching allocator makes the question moot.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
+from lightning_zero.distributed.buffers import comm_buffer_pool
 from lightning_zero.pipeline import LayerSpec, PipelineModule, TiedLayerSpec, build_pipeline
 from tests.distributed import run_distributed
 
@@ -87,8 +88,10 @@ def _parity_worker(rank: int, world_size: int, cases: list) -> None:
         model = make_model(interval)
         assert len(model.layers) == 0, "specs must not be built before the stage assignment in a multi-rank run"
         mode, reshard = data_parallel.split("-")[0], data_parallel.endswith("-reshard")
-        build_pipeline(model, mesh["pp"], schedule=schedule, micro_batches=4, virtual_stages=virtual,
-                       dp_mesh=mesh["dp"], data_parallel=mode, reshard_after_forward=reshard)
+        runner = build_pipeline(model, mesh["pp"], schedule=schedule, micro_batches=4, virtual_stages=virtual,
+                                dp_mesh=mesh["dp"], data_parallel=mode, reshard_after_forward=reshard)
+        pools = {id(comm_buffer_pool(sm)) for sm in runner.stage_modules if comm_buffer_pool(sm) is not None}
+        assert len(pools) == (1 if runner.fully_sharded else 0), f"{label}: one CPU buffer pool per sharded pipeline"
         owned = sorted(int(k) for k in model.layers)
         assert owned != list(range(8)), f"{label}: a stage must build only its own layers, built {owned}"
         reference = make_model(interval)

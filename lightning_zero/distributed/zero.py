@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from lightning_zero.config import ZeroConfig
+from lightning_zero.distributed.buffers import install_comm_buffer_pool
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +156,8 @@ def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[
     for unit in reversed(sharded_units(module, config)):
         fully_shard(unit, **kwargs)
     fully_shard(module, **kwargs)
+    if device.type == "cpu":
+        install_comm_buffer_pool(module)  # see lightning_zero.distributed.buffers: CPU has no caching allocator
     if any(p.is_meta for p in module.parameters()):
         materialize_module(module, device if not config.offloads else torch.device("cpu"))
     elif not config.offloads:

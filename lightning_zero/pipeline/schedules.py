@@ -28,6 +28,7 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
+from lightning_zero.distributed.buffers import CommBufferPool, install_comm_buffer_pool
 from lightning_zero.distributed.timing import collective_timer
 from lightning_zero.pipeline.module import PipelineModule
 from lightning_zero.pipeline.specs import TiedLayerSpec, get_parameter
@@ -203,6 +204,10 @@ class PipelineRunner:
                 if any(p.requires_grad for p in child.parameters()):
                     fully_shard(child, mesh=dp_mesh, reshard_after_forward=self.config.reshard_after_forward)
             fully_shard(sm, mesh=dp_mesh, reshard_after_forward=self.config.reshard_after_forward)
+        if torch.device(self.device).type == "cpu":  # CPU has no caching allocator: see lightning_zero.distributed.buffers
+            pool = CommBufferPool()
+            for sm in self.stage_modules:
+                install_comm_buffer_pool(sm, pool)
 
     # --------------------------------------------------------------------------------------------------- run
     def _run(self, inputs: Any, targets: Any, train: bool) -> torch.Tensor:

@@ -1,0 +1,141 @@
+"""Reusable CPU buffers for FSDP2's all-gathers and reduce-scatters (stages 2-3 computing on CPU).
+
+FSDP2 allocates, per unit and per step, an all-gather output, a reduce-scatter input and a reduce-scatter output
+(the new sharded gradient), and lets them go once the collective is done. On CUDA the caching allocator recycles
+those blocks. On CPU every one of them is a ``malloc``/``free`` of a multi-megabyte block, and glibc's dynamic mmap
+threshold moves such blocks onto the heap after the first free, where the mix with long-lived allocations
+fragments it: a stage-2 run's resident set climbs for several steps and settles at 2-3x what its tensors need.
+
+:class:`CommBufferPool` is the missing caching allocator for these three buffers, written here because torch has
+none for CPU. It is plugged in through FSDP2's own hook (``FSDPModule.set_custom_all_gather`` /
+``set_custom_reduce_scatter``, whose ``allocate`` exists for exactly this), so the collectives themselves are still
+torch's ``all_gather_single`` / ``reduce_scatter_single``.
+
+[Note: when a pooled buffer is free]
+A buffer is handed out again only when nothing but the pool references its storage: the storage's use count is
+read, not guessed from FSDP's call order. A gradient that still lives in a buffer (accumulation without
+``zero_grad``), an asynchronous collective's work handle or any view keeps the buffer out of circulation, and the
+pool allocates another. So reuse can never alias a live tensor; the worst case is one extra buffer per live one.
+
+[Note: reduce-scatter in place on gloo]
+gloo's ``reduce_scatter_tensor`` clones its whole input, all-reduces the clone and copies this rank's chunk out: one
+more full-size allocation per unit per step, the very churn the pool removes. FSDP2 hands the reduce-scatter a
+scratch input it never reads again (it is pooled here), so all-reducing that input in place and copying the own
+chunk out moves the same bytes without the clone. Ops other than SUM/AVG (``PREMUL_SUM`` from a custom gradient
+divide factor) and asynchronous calls go to ``reduce_scatter_tensor`` unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import defaultdict
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+
+class CommBufferPool:
+    """Buffers keyed by (numel, dtype, device), each reused once nothing but the pool holds its storage.
+
+    Every FSDP unit of one model shares a pool, so identical blocks share a handful of buffers: as many of one size
+    as are alive at once (about two: the collective in flight and the prefetched one), not one per unit.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        numel = math.prod(int(s) for s in size)
+        candidates = self._buffers[(numel, dtype, torch.device(device))]
+        for buffer in candidates:
+            if _only_pool_holds(buffer):
+                return buffer.view(*size)
+        buffer = torch.empty(numel, dtype=dtype, device=device)
+        candidates.append(buffer)
+        return buffer.view(*size)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the pool keeps allocated (handed out or free)."""
+        return sum(b.numel() * b.element_size() for group in self._buffers.values() for b in group)
+
+    def clear(self) -> None:
+        """Let go of every buffer (those still in use stay alive through their holders)."""
+        self._buffers.clear()
+
+
+def _only_pool_holds(buffer: torch.Tensor) -> bool:
+    # The pool's tensor holds one reference to the storage and the temporary Python storage object a second one;
+    # any view, gradient or in-flight collective adds more.
+    return torch._C._storage_Use_Count(buffer.untyped_storage()._cdata) <= 2
+
+
+def _comm_classes():
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+    class PooledAllGather(AllGather):
+        def __init__(self, pool: CommBufferPool):
+            self.pool = pool
+
+        def allocate(self, size, *, dtype, device):
+            return self.pool.allocate(size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+    class PooledReduceScatter(ReduceScatter):
+        def __init__(self, pool: CommBufferPool):
+            self.pool = pool
+
+        def allocate(self, size, *, dtype, device):
+            return self.pool.allocate(size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            if async_op or op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+                return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+            # See [Note: reduce-scatter in place on gloo].
+            world_size = dist.get_world_size(group)
+            dist.all_reduce(input_tensor, op=dist.ReduceOp.SUM, group=group)
+            own_chunk = input_tensor.view(world_size, -1)[dist.get_rank(group)]
+            if op == dist.ReduceOp.AVG:
+                torch.div(own_chunk, world_size, out=output_tensor)
+            else:
+                output_tensor.copy_(own_chunk)
+            return None
+
+    return PooledAllGather, PooledReduceScatter
+
+
+def install_comm_buffer_pool(module: nn.Module, pool: Optional[CommBufferPool] = None) -> Optional[CommBufferPool]:
+    """Route the communication buffers of every FSDP2 unit in ``module`` through one :class:`CommBufferPool`.
+
+    Meant for CPU compute only: on CUDA the caching allocator already recycles these blocks and knows about streams,
+    which this pool does not. Returns the pool (also reachable as :func:`comm_buffer_pool`), or ``None`` on a torch
+    whose FSDP2 has no custom-collective hook, where FSDP2's own allocation stays in place.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    if not units:
+        raise ValueError("install_comm_buffer_pool needs a module sharded with fully_shard (ZeRO stage 2 or 3)")
+    if not hasattr(FSDPModule, "set_custom_reduce_scatter"):
+        log.debug("this torch's FSDP2 has no set_custom_all_gather/reduce_scatter: CPU buffers are not pooled")
+        return None
+    pool = pool or CommBufferPool()
+    all_gather_cls, reduce_scatter_cls = _comm_classes()
+    all_gather, reduce_scatter = all_gather_cls(pool), reduce_scatter_cls(pool)
+    for unit in units:
+        unit.set_custom_all_gather(all_gather)
+        unit.set_custom_reduce_scatter(reduce_scatter)
+    module._lightning_zero_comm_buffer_pool = pool
+    return pool
+
+
+def comm_buffer_pool(module: nn.Module) -> Optional[CommBufferPool]:
+    """The pool :func:`install_comm_buffer_pool` put on ``module``, or ``None`` (CUDA, stages 0-1, old torch)."""
+    return getattr(module, "_lightning_zero_comm_buffer_pool", None)

@@ -1,0 +1,112 @@
+"""The CPU buffer pool behind FSDP2's collectives (lightning_zero.distributed.buffers).
+
+Reuse must never alias a live tensor: a buffer comes back only once nothing but the pool holds it. The in-place
+reduce-scatter must equal gloo's own. And at stages 2-3 on CPU, steps after the first allocate no new buffer.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_zero import ZeroConfig, apply_zero
+from lightning_zero.distributed.buffers import CommBufferPool, _comm_classes, comm_buffer_pool
+from tests.distributed import run_distributed
+from tests.test_zero_parity import LOCAL_BATCH, TinyNet
+
+
+def test_pool_hands_a_buffer_out_again_only_once_released():
+    pool = CommBufferPool()
+    first = pool.allocate((4, 6), dtype=torch.float32, device=torch.device("cpu"))
+    assert first.shape == (4, 6)
+    address = first.data_ptr()
+    second = pool.allocate((24,), dtype=torch.float32, device="cpu")
+    assert second.data_ptr() != address, "a buffer still referenced was handed out twice"
+    view_of_first = first[1]
+    del first
+    third = pool.allocate((24,), dtype=torch.float32, device="cpu")
+    assert third.data_ptr() not in (address, second.data_ptr()), "a buffer kept alive by a view was reused"
+    del view_of_first
+    fourth = pool.allocate((2, 12), dtype=torch.float32, device="cpu")
+    assert fourth.data_ptr() == address, "a released buffer was not reused"
+    other_dtype = pool.allocate((24,), dtype=torch.bfloat16, device="cpu")
+    assert other_dtype.dtype == torch.bfloat16
+    assert pool.nbytes == 3 * 24 * 4 + 24 * 2
+    pool.clear()
+    assert pool.nbytes == 0
+
+
+def _reduce_scatter_worker(rank, world_size):
+    _, reduce_scatter_cls = _comm_classes()
+    reduce_scatter = reduce_scatter_cls(CommBufferPool())
+    group = dist.group.WORLD
+    for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+        data = torch.arange(world_size * 6, dtype=torch.float32) * (rank + 1)
+        expected = torch.empty(6)
+        dist.reduce_scatter_tensor(expected, data.clone(), op=op, group=group)
+        got = torch.empty(6)
+        assert reduce_scatter(got, data.clone(), group, op) is None
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    # An op the in-place path does not cover goes to torch's reduce-scatter unchanged.
+    data = torch.ones(world_size * 3) * (rank + 1)
+    got = torch.empty(3)
+    reduce_scatter(got, data, group, dist.ReduceOp.MAX)
+    torch.testing.assert_close(got, torch.full((3,), float(world_size)))
+
+
+def test_in_place_reduce_scatter_equals_gloos():
+    run_distributed(_reduce_scatter_worker, 2)
+
+
+def _steady_state_worker(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    for stage, offload in ((2, None), (3, None), (3, "cpu")):
+        torch.manual_seed(0)
+        module = TinyNet(depth=4)
+        apply_zero(module, mesh, ZeroConfig(stage=stage, offload=offload))
+        pool = comm_buffer_pool(module)
+        assert pool is not None, "apply_zero did not pool the CPU communication buffers"
+        opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
+        sizes = []
+        for _ in range(4):
+            module(torch.randn(LOCAL_BATCH, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            sizes.append(pool.nbytes)
+        assert sizes[1:] == [sizes[0]] * 3, f"stage {stage}: the pool kept allocating: {sizes}"
+        # Six units (4 blocks, the input/output layers in the root) share fewer buffers than a pool per unit would.
+        buffers = sum(len(group) for group in pool._buffers.values())
+        assert buffers < 3 * 5, buffers
+
+
+def test_stages_2_3_on_cpu_reuse_their_buffers_after_the_first_step():
+    run_distributed(_steady_state_worker, 2)
+
+
+def _accumulate_without_zero_grad_worker(rank, world_size):
+    """Gradients left in place across synced backwards: a reused buffer would alias the gradient it adds to."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    gen = torch.Generator().manual_seed(7)
+    batches = [torch.randn(world_size * LOCAL_BATCH, 8, generator=gen) for _ in range(3)]
+    torch.manual_seed(0)
+    reference = TinyNet()
+    for x in batches:
+        (reference(x) ** 2).mean().backward()
+    for stage in (2, 3):
+        torch.manual_seed(0)
+        module = TinyNet()
+        apply_zero(module, mesh, ZeroConfig(stage=stage))
+        for x in batches:
+            (module(x[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]) ** 2).mean().backward()
+        for (name, expected), param in zip(reference.named_parameters(), module.parameters()):
+            torch.testing.assert_close(param.grad.full_tensor(), expected.grad, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, n=name: f"stage {stage} {n}: {m}")
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_gradients_accumulated_across_synced_backwards_stay_exact(world_size):
+    run_distributed(_accumulate_without_zero_grad_worker, world_size)
+
