@@ -1,4 +1,4 @@
-"""Step time and per-rank peak memory: ZeroStrategy stages 0-3 vs Lightning's DDP/FSDP vs DeepSpeed, on CPU + gloo.
+"""Step time and per-rank peak memory: ZeroStrategy stages 0-3 vs Lightning's strategies vs DeepSpeed, on CPU + gloo.
 
     python benchmarks/bench_stages.py                 # 2 ranks, ~50M-parameter MLP, fp32 AdamW
     python benchmarks/bench_stages.py --width 512 --depth 4 --steps 5   # quick
@@ -104,6 +104,17 @@ def run_lightning(rank, world, args, kind, out):
         def training_step(self, batch, batch_idx):
             return nn.functional.mse_loss(self.net(batch[0]), batch[1])
 
+        def configure_model(self):
+            if name != "modelparallel":
+                return
+            # Lightning's FSDP2 path: the user shards the model themselves, here the way apply_zero would.
+            from torch.distributed.fsdp import fully_shard
+
+            mesh, reshard = self.device_mesh["data_parallel"], option == "3"
+            for block in self.net.blocks:
+                fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+            fully_shard(self.net, mesh=mesh, reshard_after_forward=reshard)
+
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
@@ -122,6 +133,8 @@ def run_lightning(rank, world, args, kind, out):
         strategy = pl.strategies.DDPStrategy()
     elif name == "fsdp":
         strategy = pl.strategies.FSDPStrategy(sharding_strategy=option or "FULL_SHARD")
+    elif name == "modelparallel":
+        strategy = pl.strategies.ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
     else:
         raise ValueError(kind)
     data = _batches(args, rank, world)
@@ -221,7 +234,10 @@ def main(argv=None):
         print(f"measured stage {stage}: ours {ours}, deepspeed {peer}", file=sys.stderr, flush=True)
     peers = () if args.no_lightning else (("ddp", "Lightning DDPStrategy", "0"), ("fsdp:SHARD_GRAD_OP",
                                           "Lightning FSDPStrategy SHARD_GRAD_OP", "2"), ("fsdp:FULL_SHARD",
-                                          "Lightning FSDPStrategy FULL_SHARD", "3"))
+                                          "Lightning FSDPStrategy FULL_SHARD", "3"),
+                                          ("modelparallel:2", "Lightning ModelParallelStrategy, FSDP2 no reshard", "2"),
+                                          ("modelparallel:3", "Lightning ModelParallelStrategy, FSDP2 reshard", "3"))
+    lightning_rows = []
     for kind, label, compare in peers:
         try:
             raw[kind] = measure(kind, args)
@@ -229,6 +245,8 @@ def main(argv=None):
             print(f"{label}: failed ({type(err).__name__}: {str(err).splitlines()[-1][:120]})", file=sys.stderr)
             continue
         rows.append((f"{label} (vs stage {compare})", raw[kind], raw.get(f"deepspeed:{compare}")))
+        if raw.get(f"zero:{compare}"):
+            lightning_rows.append((f"ZeroStrategy stage {compare} vs {label}", raw[f"zero:{compare}"], raw[kind]))
     print(f"\n{args.nproc} ranks, {args.device}, MLP width {args.width} depth {args.depth} "
           f"({sum(p.numel() for p in build_model(args.width, args.depth).parameters()) / 1e6:.1f}M params), "
           f"batch {args.batch}/rank, fp32 AdamW, median of {args.steps} steps")
@@ -242,6 +260,10 @@ def main(argv=None):
         else:
             print(f"| {label} | {t:.3f} | failed | - | {m / 2**20:.0f} | failed | - |" if have_ds else
                   f"| {label} | {t:.3f} | - | - | {m / 2**20:.0f} | - | - |")
+    if lightning_rows:
+        print("\n| ZeroStrategy vs Lightning | time ratio | memory ratio |\n|---|---|---|")
+        for label, (t, m), (peer_t, peer_m) in lightning_rows:
+            print(f"| {label} | {t / peer_t:.2f} | {m / peer_m:.2f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(raw, f, indent=1)
