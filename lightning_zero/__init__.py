@@ -5,6 +5,7 @@ Importing the package registers the strategy names ``zero``, ``zero_stage_1``, `
 """
 
 from lightning_zero.config import ZeroConfig
+from lightning_zero.distributed.buffers import CommBufferPool, comm_buffer_pool
 from lightning_zero.distributed.memory import (
     MemoryEstimate,
     MemoryReport,
@@ -19,6 +20,7 @@ from lightning_zero.strategies import LossScaleConfig, ZeroPrecision, ZeroStrate
 
 __version__ = "0.1.0"
 __all__ = [
+    "CommBufferPool",
     "LayerSpec",
     "LossScaleConfig",
     "MemoryEstimate",
@@ -32,6 +34,7 @@ __all__ = [
     "__version__",
     "apply_zero",
     "build_pipeline",
+    "comm_buffer_pool",
     "estimate_model_states_memory",
     "find_repeated_blocks",
     "model_state_memory",

@@ -9,6 +9,7 @@ from lightning.pytorch.callbacks import Callback
 
 import lightning_zero  # noqa: F401  (registers the strategy names)
 from lightning_zero import ZeroStrategy
+from lightning_zero.distributed.buffers import comm_buffer_pool
 from tests.distributed import run_distributed
 from tests.lightning_models import (
     ManualModule,
@@ -46,6 +47,9 @@ def _fit_parity_worker(rank, world_size):
             trainer.fit(module)
             expected = reference_weights(STEPS, BATCH * world_size * accumulate, accumulate, clip)
             assert_close_to_reference(module, expected, f"stage={stage} offload={offload} acc={accumulate} clip={clip}")
+            pool = comm_buffer_pool(module)
+            assert (pool is not None) == (stage >= 2), "stages 2-3 on CPU pool FSDP2's communication buffers"
+            assert pool is None or pool.nbytes == 0, "teardown must let the pooled buffers go"
             # The scheduler stepped the optimizer the strategy steps (StepLR halves every step).
             lrs = [g["lr"] for g in trainer.optimizers[0].param_groups]
             assert lrs == pytest.approx([1e-2 * 0.5 ** STEPS, 5e-3 * 0.5 ** STEPS])

@@ -18,15 +18,16 @@ read, not guessed from FSDP's call order. A gradient that still lives in a buffe
 pool allocates another. So reuse can never alias a live tensor; the worst case is one extra buffer per live one.
 
 [Note: reduce-scatter in place on gloo]
-gloo's ``reduce_scatter_tensor`` clones its whole input, all-reduces the clone and copies this rank's chunk out: one
-more full-size allocation per unit per step, the very churn the pool removes. FSDP2 hands the reduce-scatter a
-scratch input it never reads again (it is pooled here), so all-reducing that input in place and copying the own
-chunk out moves the same bytes without the clone. Ops other than SUM/AVG (``PREMUL_SUM`` from a custom gradient
-divide factor) and asynchronous calls go to ``reduce_scatter_tensor`` unchanged.
+gloo's ``reduce_scatter_tensor`` clones its whole input (a full-size ``aten::clone`` inside every call, in the
+profiler): one more full-size allocation per unit per step, the very churn the pool removes. FSDP2 hands the
+reduce-scatter a scratch input it never reads again (it is pooled here), so all-reducing that input in place and copying
+the own chunk out gives the same result without the clone. Ops other than SUM/AVG (``PREMUL_SUM`` from a custom
+gradient divide factor) and asynchronous calls go to ``reduce_scatter_tensor`` unchanged.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections import defaultdict
@@ -75,6 +76,7 @@ def _only_pool_holds(buffer: torch.Tensor) -> bool:
     return torch._C._storage_Use_Count(buffer.untyped_storage()._cdata) <= 2
 
 
+@functools.cache
 def _comm_classes():
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 

@@ -37,6 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_zero.checkpoint.io import wait_for_pending_saves
 from lightning_zero.config import ZeroConfig
+from lightning_zero.distributed.buffers import comm_buffer_pool
 from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
 from lightning_zero.distributed.zero import apply_zero, set_gradient_sync
 from lightning_zero.strategies import checkpointing
@@ -532,6 +533,8 @@ class ZeroStrategy(ParallelStrategy):
         lightning_module = self.lightning_module
         if lightning_module is not None:
             uninstall_config_optimizers(lightning_module)
+            if (pool := comm_buffer_pool(lightning_module)) is not None:
+                pool.clear()  # the CPU communication buffers go with the run; refilled if the module trains again
         if isinstance(self.model, DistributedDataParallel):
             self.model = lightning_module
         for optimizer in self.optimizers:
