@@ -90,7 +90,7 @@ def _parity_worker(rank: int, world_size: int, cases: list) -> None:
         mode, reshard = data_parallel.split("-")[0], data_parallel.endswith("-reshard")
         runner = build_pipeline(model, mesh["pp"], schedule=schedule, micro_batches=4, virtual_stages=virtual,
                                 dp_mesh=mesh["dp"], data_parallel=mode, reshard_after_forward=reshard)
-        pools = {id(comm_buffer_pool(sm)) for sm in runner.stage_modules if comm_buffer_pool(sm) is not None}
+        pools = {id(pool) for sm in runner.stage_modules if (pool := comm_buffer_pool(sm)) is not None}
         assert len(pools) == (1 if runner.fully_sharded else 0), f"{label}: one CPU buffer pool per sharded pipeline"
         owned = sorted(int(k) for k in model.layers)
         assert owned != list(range(8)), f"{label}: a stage must build only its own layers, built {owned}"

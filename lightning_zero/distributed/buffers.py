@@ -9,7 +9,7 @@ fragments it: a stage-2 run's resident set climbs for several steps and settles 
 :class:`CommBufferPool` is the missing caching allocator for these three buffers, written here because torch has
 none for CPU. It is plugged in through FSDP2's own hook (``FSDPModule.set_custom_all_gather`` /
 ``set_custom_reduce_scatter``, whose ``allocate`` exists for exactly this), so the collectives themselves are still
-torch's ``all_gather_single`` / ``reduce_scatter_single``.
+torch's: ``all_gather_into_tensor``, and ``all_reduce`` for the reduce-scatter (see the second note).
 
 [Note: when a pooled buffer is free]
 A buffer is handed out again only when nothing but the pool references its storage: the storage's use count is
@@ -20,8 +20,8 @@ pool allocates another. So reuse can never alias a live tensor; the worst case i
 [Note: reduce-scatter in place on gloo]
 gloo's ``reduce_scatter_tensor`` clones its whole input (a full-size ``aten::clone`` inside every call, in the
 profiler): one more full-size allocation per unit per step, the very churn the pool removes. FSDP2 hands the
-reduce-scatter a scratch input it never reads again (it is pooled here), so all-reducing that input in place and copying
-the own chunk out gives the same result without the clone. Ops other than SUM/AVG (``PREMUL_SUM`` from a custom
+reduce-scatter a scratch input it never reads again (it is pooled here), so all-reducing that input in place and
+copying the own chunk out gives the same result without the clone. Ops other than SUM/AVG (``PREMUL_SUM`` from a custom
 gradient divide factor) and asynchronous calls go to ``reduce_scatter_tensor`` unchanged.
 """
 
@@ -80,23 +80,18 @@ def _only_pool_holds(buffer: torch.Tensor) -> bool:
 def _comm_classes():
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
-    class PooledAllGather(AllGather):
+    class PooledAlloc:
         def __init__(self, pool: CommBufferPool):
             self.pool = pool
 
         def allocate(self, size, *, dtype, device):
             return self.pool.allocate(size, dtype=dtype, device=device)
 
+    class PooledAllGather(PooledAlloc, AllGather):
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
             return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
 
-    class PooledReduceScatter(ReduceScatter):
-        def __init__(self, pool: CommBufferPool):
-            self.pool = pool
-
-        def allocate(self, size, *, dtype, device):
-            return self.pool.allocate(size, dtype=dtype, device=device)
-
+    class PooledReduceScatter(PooledAlloc, ReduceScatter):
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
             if async_op or op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
                 return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)

@@ -204,8 +204,8 @@ class PipelineRunner:
                 if any(p.requires_grad for p in child.parameters()):
                     fully_shard(child, mesh=dp_mesh, reshard_after_forward=self.config.reshard_after_forward)
             fully_shard(sm, mesh=dp_mesh, reshard_after_forward=self.config.reshard_after_forward)
-        if torch.device(self.device).type == "cpu":  # CPU has no caching allocator: see lightning_zero.distributed.buffers
-            pool = CommBufferPool()
+        if torch.device(self.device).type == "cpu":
+            pool = CommBufferPool()  # CPU has no caching allocator: see lightning_zero.distributed.buffers
             for sm in self.stage_modules:
                 install_comm_buffer_pool(sm, pool)
 

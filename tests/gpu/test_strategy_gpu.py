@@ -31,7 +31,7 @@ def test_single_gpu_fit_matches_reference(stage, offload, monkeypatch, tmp_path)
         assert all(p.device.type == "cpu" for p in module.parameters()), "FSDP2 offload keeps shards on the CPU"
     from lightning_zero.distributed.buffers import comm_buffer_pool
 
-    assert comm_buffer_pool(module) is None, "the CPU buffer pool must stay off on CUDA (the caching allocator is there)"
+    assert comm_buffer_pool(module) is None, "the CPU buffer pool stays off on CUDA (its caching allocator is there)"
     got = {k: v.cpu() for k, v in full_state(module).items()}
     expected = reference_weights(4, 8)
     worst = max((got[k] - expected[k]).abs().max().item() for k in expected)
