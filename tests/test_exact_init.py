@@ -204,3 +204,20 @@ def test_exact_init_guard_names_the_module_before_exceeding_the_budget():
 def test_init_config_rejects_invalid_values(kwargs):
     with pytest.raises(ValueError):
         InitConfig(**kwargs)
+
+
+def test_strategy_builds_under_the_guard_with_the_budget_from_the_environment(monkeypatch):
+    trainer = Trainer(strategy=ZeroStrategy(stage=3), accelerator="cpu", devices=1, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False)
+    monkeypatch.setenv("LIGHTNING_ZERO_INIT_MEMORY_BUDGET", "10000")
+    with pytest.raises(InitMemoryError, match=r"at Linear\.weight.*LIGHTNING_ZERO_INIT_MEMORY_BUDGET"):
+        with trainer.init_module():
+            nn.Linear(64, 64)
+    monkeypatch.setenv("LIGHTNING_ZERO_INIT_MEMORY_BUDGET", "ten kilobytes")
+    with pytest.raises(ValueError, match="LIGHTNING_ZERO_INIT_MEMORY_BUDGET must be a number of bytes"):
+        with trainer.init_module():
+            pass
+    monkeypatch.setenv("LIGHTNING_ZERO_INIT_MEMORY_BUDGET", "0")
+    with torch.device("meta"), trainer.init_module(empty_init=True):
+        built = nn.Linear(64, 64)
+    assert built.weight.device.type == "cpu" and torch.isfinite(built.weight).all()

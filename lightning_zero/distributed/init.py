@@ -38,6 +38,7 @@ This module is framework-free: it never imports Lightning.
 from __future__ import annotations
 
 import logging
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Generator, Iterator, Optional
@@ -49,6 +50,7 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 _GIB = 1024 ** 3
+BUDGET_ENV = "LIGHTNING_ZERO_INIT_MEMORY_BUDGET"
 
 
 class InitMemoryError(MemoryError):
@@ -77,6 +79,19 @@ class InitConfig:
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
             raise ValueError(f"host_memory_budget must be None, 0 (no guard) or a positive number of bytes, "
                              f"got {budget!r}")
+
+    @classmethod
+    def from_env(cls, local_world_size: int = 1) -> "InitConfig":
+        """The config for ``local_world_size`` ranks, with the budget from ``$LIGHTNING_ZERO_INIT_MEMORY_BUDGET``
+        (bytes; ``0`` turns the guard off) when set: the knob for runs whose model is built by a strategy."""
+        raw = os.environ.get(BUDGET_ENV)
+        if raw is None or not raw.strip():
+            return cls(local_world_size=local_world_size)
+        try:
+            budget = int(raw)
+        except ValueError:
+            raise ValueError(f"${BUDGET_ENV} must be a number of bytes (0: no guard), got {raw!r}") from None
+        return cls(local_world_size=local_world_size, host_memory_budget=budget)
 
 
 def available_host_memory() -> Optional[int]:
@@ -139,8 +154,9 @@ class _BuildGuard:
                 f"{self.counted / _GIB:.2f} GiB of parameters and buffers so far, at {type(module).__name__}.{name}, "
                 f"over the budget of {self.budget / _GIB:.2f} GiB ({where}). Every rank builds the full model on "
                 "CPU so that its own init code runs exactly, then shards it (see lightning_zero.distributed.init). "
-                "Use fewer processes per host (Trainer devices=), a host with more memory, or raise "
-                "InitConfig.host_memory_budget if you know the memory is there.")
+                "Use fewer processes per host (Trainer devices=) or a host with more memory; if you know the "
+                f"memory is there, raise the budget (InitConfig.host_memory_budget, or ${BUDGET_ENV} in bytes for "
+                "ZeroStrategy; 0 turns the guard off).")
 
 
 @contextmanager

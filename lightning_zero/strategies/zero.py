@@ -340,7 +340,7 @@ class ZeroStrategy(ParallelStrategy):
         """``configure_model`` and ``Trainer.init_module`` build on real CPU memory at every stage, running the
         model's own init (``empty_init`` never skips it); ``setup`` shards rank 0's values. See
         :mod:`lightning_zero.distributed.init`."""
-        with exact_init(InitConfig(local_world_size=max(1, self.num_processes)), empty_init), \
+        with exact_init(InitConfig.from_env(max(1, self.num_processes)), empty_init), \
                 self.precision_plugin.tensor_init_context():
             yield
 
