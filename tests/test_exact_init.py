@@ -84,11 +84,13 @@ class InitModule(LightningModule):
         if build_now:
             self.llama, self.metric, self.custom = build_parts()
         self.initial = None
+        self.rng_after_build = None
         self.losses = []
 
     def configure_model(self):
         if self.llama is None:
             self.llama, self.metric, self.custom = build_parts()
+            self.rng_after_build = torch.random.get_rng_state()
 
     def on_fit_start(self):
         self.initial = snapshot(llama=self.llama, metric=self.metric, custom=self.custom)
@@ -115,16 +117,18 @@ def make_trainer(strategy, world_size):
 
 def expected_values():
     llama, metric, custom = build_parts()
-    return snapshot(llama=llama, metric=metric, custom=custom)
+    return snapshot(llama=llama, metric=metric, custom=custom), torch.random.get_rng_state()
 
 
 def _configure_model_worker(rank, world_size):
-    expected = expected_values()
-    for stage, offload in ((0, None), (1, None), (2, None), (3, None), (3, "cpu")):
+    expected, rng_after_build = expected_values()
+    for stage, offload in ((0, None), (1, None), (2, None), (2, "cpu"), (3, None), (3, "cpu")):
         module = InitModule()
         make_trainer(ZeroStrategy(stage=stage, offload=offload), world_size).fit(module)
         label = f"configure_model stage={stage} offload={offload}"
         assert_bitwise_equal(module.initial, expected, label)
+        # The build consumed the RNG stream exactly as the plain build did (dropout etc. then match stage 0's).
+        assert torch.equal(module.rng_after_build, rng_after_build), label
         assert len(module.losses) == STEPS and all(math.isfinite(loss) for loss in module.losses), \
             f"{label}: {module.losses}"
 
@@ -134,7 +138,7 @@ def test_configure_model_initial_weights_are_exact_at_every_stage():
 
 
 def _init_module_worker(rank, world_size):
-    expected = expected_values()
+    expected, _ = expected_values()
     trainer = make_trainer(ZeroStrategy(stage=3), world_size)
     with trainer.init_module(empty_init=True):
         module = InitModule(build_now=True)

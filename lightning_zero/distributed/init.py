@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Generator, Iterator, Optional
@@ -132,16 +133,19 @@ class _BuildGuard:
         else:
             self.budget = config.host_memory_budget or None
         self.counted = 0
-        self._storages: set[int] = set()
+        # Allocation address -> a tensor counted there: tied weights and views share one allocation and count once;
+        # once that tensor is gone the address may be reused by a new allocation, which then counts again.
+        self._counted_at: dict[int, weakref.ref] = {}
 
     def __call__(self, module: nn.Module, name: str, tensor: Optional[torch.Tensor]) -> None:
         if tensor is None or tensor.is_meta or tensor.device.type != "cpu":
             return
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
-        if key in self._storages or storage.nbytes() == 0:  # tied weights and views share one allocation
+        seen = self._counted_at.get(key)
+        if (seen is not None and seen() is not None) or storage.nbytes() == 0:
             return
-        self._storages.add(key)
+        self._counted_at[key] = weakref.ref(tensor)
         self.counted += storage.nbytes()
         if self.budget is not None and self.counted > self.budget:
             if self.available is not None:
