@@ -17,8 +17,9 @@ So, at every stage:
    that a checkpoint fails to cover would train on garbage. A guard counts the bytes of every parameter and buffer
    as it is registered and raises :class:`InitMemoryError`, naming the module, before the build exceeds this rank's
    share of the host memory (every local rank builds the full model at the same time).
-2. :func:`broadcast_module_states` makes every rank hold rank 0's values, as DDP does at stage 0: ranks need not
-   have drawn the same numbers (different seeds, rank-dependent code).
+2. :func:`broadcast_module_states` makes every parameter and buffer hold rank 0's values, as DDP does at stage 0:
+   ranks need not have drawn the same numbers (different seeds, rank-dependent code). torchmetrics states are not
+   module buffers; like DDP, this leaves them as each rank built them (their defaults are deterministic).
 3. FSDP2's ``fully_shard`` (children first) keeps each rank's chunk and drops the full tensors unit by unit.
 
 A model that reaches :func:`~lightning_zero.distributed.zero.apply_zero` with tensors on the meta device is refused
@@ -214,8 +215,9 @@ def refuse_meta_tensors(module: nn.Module, stage: int) -> None:
 def broadcast_module_states(module: nn.Module, group, device: torch.device) -> None:
     """Give every parameter and buffer of ``module`` the values of the group's rank 0, in place.
 
-    DDP does the same at stage 0; FSDP2's ``fully_shard`` does not, and would otherwise keep each rank's chunk of
-    its own build. Tensors already sharded (DTensors) are skipped. CPU tensors travel through ``device`` when the
+    DDP does the same at stage 0; FSDP2's ``fully_shard`` does not (it has no ``sync_module_states`` like FSDP1,
+    and torch's helper for it is private), and would otherwise keep each rank's chunk of its own build. Tensors
+    already sharded (DTensors) are skipped. CPU tensors travel through ``device`` when the
     group's backend cannot send CPU tensors (NCCL), one tensor at a time.
     """
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
