@@ -35,6 +35,7 @@ from torch import nn
 
 from lightning_zero.config import ZeroConfig
 from lightning_zero.distributed.buffers import install_comm_buffer_pool
+from lightning_zero.distributed.init import broadcast_module_states, refuse_meta_tensors
 
 log = logging.getLogger(__name__)
 
@@ -122,10 +123,12 @@ def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[
 
     Stages 0-1 return a ``DistributedDataParallel`` wrapper (stage 1's partitioning lives in the optimizer: see
     :func:`lightning_zero.distributed.optimizer.shard_optimizer`). Stages 2-3 shard ``module`` in place with FSDP2
-    and return it. Parameters still on the meta device are materialised sharded (see :func:`materialize_module`).
+    and return it. Every rank starts from rank 0's parameters and buffers (DDP broadcasts them; at stages 2-3 they
+    are broadcast before sharding). Tensors on the meta device are refused: build the model on real memory, e.g.
+    under :func:`lightning_zero.distributed.init.exact_init` (see its note).
 
     Args:
-        module: the model; at stages 2-3 it may live on the meta device.
+        module: the model, built on real memory (CPU or the compute device).
         mesh: a 1-D ``DeviceMesh`` over the data-parallel ranks.
         config: the validated :class:`~lightning_zero.config.ZeroConfig`.
         device: the compute device (defaults to the mesh's device type, current index).
@@ -133,14 +136,10 @@ def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[
         ddp_kwargs: extra keyword arguments for ``DistributedDataParallel`` (stages 0-1 only).
     """
     device = device or _default_device(mesh)
+    refuse_meta_tensors(module, config.stage)
     if config.stage <= 1:
         if mp_policy is not None:
             raise ValueError("mp_policy is an FSDP2 policy and applies to stages 2-3 only")
-        if any(p.is_meta for p in module.parameters()):
-            raise ValueError(
-                f"stage {config.stage} replicates parameters, so the model cannot stay on the meta device: build it "
-                "on a real device, or use stage 2/3 to materialise it sharded"
-            )
         from torch.nn.parallel import DistributedDataParallel
 
         module.to(device)
@@ -152,15 +151,14 @@ def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[
     from torch.distributed.fsdp import fully_shard
 
     kwargs = _fsdp_kwargs(mesh, config, device, mp_policy)
+    broadcast_module_states(module, mesh.get_group(), device)  # rank 0's values, as DDP at stages 0-1
     # Children before parents: fully_shard on a parent excludes parameters already owned by a child unit.
     for unit in reversed(sharded_units(module, config)):
         fully_shard(unit, **kwargs)
     fully_shard(module, **kwargs)
     if device.type == "cpu":
         install_comm_buffer_pool(module)  # see lightning_zero.distributed.buffers: CPU has no caching allocator
-    if any(p.is_meta for p in module.parameters()):
-        materialize_module(module, device if not config.offloads else torch.device("cpu"))
-    elif not config.offloads:
+    if not config.offloads:
         module.to(device)
     return module
 
@@ -169,34 +167,6 @@ def _default_device(mesh) -> torch.device:
     if mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(mesh.device_type)
-
-
-def materialize_module(module: nn.Module, device: torch.device) -> None:
-    """Allocate the (already sharded) meta parameters on ``device`` and initialise them.
-
-    Each rank allocates only its shards (``to_empty``), then every submodule's ``reset_parameters()`` runs on the
-    sharded tensors. Buffers without a ``reset_parameters`` owner cannot be recovered from meta tensors, so a model
-    with such buffers must re-create them itself (e.g. in ``configure_model`` after a real-device build).
-    """
-    module.to_empty(device=device)
-    initialised = 0
-    # DTensor's RNG tracker only exists for CUDA-like meshes. Elsewhere every rank would draw the same numbers for
-    # its shard, giving a weight made of N identical blocks, so each rank draws from its own offset seed.
-    import torch.distributed as dist
-
-    offset = dist.get_rank() if dist.is_initialized() and device.type == "cpu" else 0
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        torch.manual_seed(torch.initial_seed() + offset)
-        for sub in module.modules():
-            reset = getattr(sub, "reset_parameters", None)
-            if callable(reset):
-                reset()
-                initialised += 1
-    if initialised == 0:
-        raise RuntimeError(
-            "The model was created on the meta device, but none of its modules defines reset_parameters(), so its "
-            "weights cannot be initialised after sharding. Define reset_parameters() on your modules."
-        )
 
 
 def set_gradient_sync(module: nn.Module, enabled: bool) -> None:

@@ -9,7 +9,7 @@ clipping, and checkpoints.
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Callable, Generator, Literal, Optional, Union
 
@@ -38,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_zero.checkpoint.io import wait_for_pending_saves
 from lightning_zero.config import ZeroConfig
 from lightning_zero.distributed.buffers import comm_buffer_pool
+from lightning_zero.distributed.init import InitConfig, exact_init
 from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
 from lightning_zero.distributed.zero import apply_zero, set_gradient_sync
 from lightning_zero.strategies import checkpointing
@@ -335,9 +336,12 @@ class ZeroStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ model and optimizers
     @contextmanager
-    def model_sharded_context(self) -> Generator[None, None, None]:
-        """At stages 2-3 ``configure_model`` builds on the meta device; ``setup`` materialises the shards."""
-        with torch.device("meta") if self.stage >= 2 else nullcontext():
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        """``configure_model`` and ``Trainer.init_module`` build on real CPU memory at every stage, running the
+        model's own init (``empty_init`` never skips it); ``setup`` shards rank 0's values. See
+        :mod:`lightning_zero.distributed.init`."""
+        with exact_init(InitConfig.from_env(max(1, self.num_processes)), empty_init), \
+                self.precision_plugin.tensor_init_context():
             yield
 
     def setup(self, trainer) -> None:

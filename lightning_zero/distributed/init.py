@@ -1,0 +1,238 @@
+"""Exact model initialisation for every ZeRO stage: build on real CPU memory, take rank 0's values, then shard.
+
+[Note: exact initialisation]
+For the same seed, the initial weights and buffers of a model must be bitwise identical at stages 0, 1, 2, 3 (with
+or without offload) and identical to building the model normally on CPU. That holds only if the model's own init
+code runs on real memory and consumes the RNG stream exactly as a plain CPU build does: Hugging Face's
+``post_init``/``_init_weights``, torchmetrics' ``add_state`` defaults, custom code in ``__init__``, non-persistent
+buffers such as rotary ``inv_freq``. Building on the meta device and re-initialising the shards with
+``reset_parameters()`` cannot: modules without it (``LlamaRMSNorm``, metric states, buffers) keep uninitialised
+memory, modules with it get torch's default init instead of the model's, and each shard draws other numbers than
+the full tensor would.
+
+So, at every stage:
+
+1. :func:`exact_init` builds the model on CPU with real memory (Lightning's ``configure_model`` and
+   ``Trainer.init_module`` both run under it). ``empty_init=True`` does not skip init code here: a skipped init
+   that a checkpoint fails to cover would train on garbage. A guard counts the bytes of every parameter and buffer
+   as it is registered and raises :class:`InitMemoryError`, naming the module, before the build exceeds this rank's
+   share of the host memory (every local rank builds the full model at the same time).
+2. :func:`broadcast_module_states` makes every parameter and buffer hold rank 0's values, as DDP does at stage 0:
+   ranks need not have drawn the same numbers (different seeds, rank-dependent code). torchmetrics states are not
+   module buffers; like DDP, this leaves them as each rank built them (their defaults are deterministic).
+3. FSDP2's ``fully_shard`` (children first) keeps each rank's chunk and drops the full tensors unit by unit.
+
+A model that reaches :func:`~lightning_zero.distributed.zero.apply_zero` with tensors on the meta device is refused
+(:func:`refuse_meta_tensors`), naming them: there is no silent ``to_empty`` path any more.
+
+What remains for bounded-memory construction (a ``zero.Init``-like scheme, where no rank ever holds the full
+model): sharding each module right after its own ``__init__`` is exact only if no later code touches its tensors,
+but parent init code does (HF's ``post_init`` re-initialises every submodule at the end of the top-level
+``__init__``; weight tying re-points parameters). Such a scheme needs parameters that gather on access during
+construction and an init that draws the full tensor's numbers for each shard, i.e. a per-module record of the
+RNG offsets. Until then the peak during construction is one full model per local rank, and the guard turns a
+model too large for that into a clear error instead of an out-of-memory kill.
+
+This module is framework-free: it never imports Lightning.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Generator, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+_GIB = 1024 ** 3
+BUDGET_ENV = "LIGHTNING_ZERO_INIT_MEMORY_BUDGET"
+
+
+class InitMemoryError(MemoryError):
+    """Building the model on this rank would exceed its share of the host memory."""
+
+
+@dataclass(frozen=True)
+class InitConfig:
+    """How :func:`exact_init` guards host memory.
+
+    Args:
+        local_world_size: processes on this host that build the model at the same time (Trainer ``devices``).
+        host_memory_budget: bytes one rank may allocate for the model's parameters and buffers. ``None`` measures
+            the available host memory (``MemAvailable``, capped by the cgroup limit) when the build starts and
+            divides it by ``local_world_size``. ``0`` turns the guard off.
+    """
+
+    local_world_size: int = 1
+    host_memory_budget: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.local_world_size, bool) or not isinstance(self.local_world_size, int) \
+                or self.local_world_size < 1:
+            raise ValueError(f"local_world_size must be a positive int, got {self.local_world_size!r}")
+        budget = self.host_memory_budget
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+            raise ValueError(f"host_memory_budget must be None, 0 (no guard) or a positive number of bytes, "
+                             f"got {budget!r}")
+
+    @classmethod
+    def from_env(cls, local_world_size: int = 1) -> "InitConfig":
+        """The config for ``local_world_size`` ranks, with the budget from ``$LIGHTNING_ZERO_INIT_MEMORY_BUDGET``
+        (bytes; ``0`` turns the guard off) when set: the knob for runs whose model is built by a strategy."""
+        raw = os.environ.get(BUDGET_ENV)
+        if raw is None or not raw.strip():
+            return cls(local_world_size=local_world_size)
+        try:
+            budget = int(raw)
+        except ValueError:
+            raise ValueError(f"${BUDGET_ENV} must be a number of bytes (0: no guard), got {raw!r}") from None
+        return cls(local_world_size=local_world_size, host_memory_budget=budget)
+
+
+def available_host_memory() -> Optional[int]:
+    """Bytes this process can still allocate on the host: ``MemAvailable``, capped by a cgroup v2/v1 limit."""
+    candidates = []
+    try:
+        with open("/proc/meminfo") as file:
+            for line in file:
+                if line.startswith("MemAvailable:"):
+                    candidates.append(int(line.split()[1]) * 1024)
+    except OSError:
+        pass
+    for limit_path, usage_path in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(limit_path) as limit_file, open(usage_path) as usage_file:
+                limit = limit_file.read().strip()
+                if limit != "max" and int(limit) < 1 << 60:  # v1 reports "no limit" as a huge number
+                    candidates.append(max(0, int(limit) - int(usage_file.read().strip())))
+            break
+        except (OSError, ValueError):
+            continue
+    return min(candidates) if candidates else None
+
+
+class _BuildGuard:
+    """Counts the bytes of every parameter and buffer registered during the build against a budget."""
+
+    def __init__(self, config: InitConfig) -> None:
+        self.local_world_size = config.local_world_size
+        self.available: Optional[int] = None
+        if config.host_memory_budget is None:
+            self.available = available_host_memory()
+            self.budget = None if self.available is None else self.available // config.local_world_size
+            if self.budget is None:
+                log.warning("exact_init: cannot read the available host memory; building without a memory guard")
+        else:
+            self.budget = config.host_memory_budget or None
+        self.counted = 0
+        # Allocation address -> a tensor counted there: tied weights and views share one allocation and count once;
+        # once that tensor is gone the address may be reused by a new allocation, which then counts again.
+        self._counted_at: dict[int, weakref.ref] = {}
+
+    def __call__(self, module: nn.Module, name: str, tensor: Optional[torch.Tensor]) -> None:
+        if tensor is None or tensor.is_meta or tensor.device.type != "cpu":
+            return
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        seen = self._counted_at.get(key)
+        if (seen is not None and seen() is not None) or storage.nbytes() == 0:
+            return
+        self._counted_at[key] = weakref.ref(tensor)
+        self.counted += storage.nbytes()
+        if self.budget is not None and self.counted > self.budget:
+            if self.available is not None:
+                where = (f"{self.available / _GIB:.2f} GiB available on this host / {self.local_world_size} local "
+                         "ranks building at once")
+            else:
+                where = "host_memory_budget"
+            raise InitMemoryError(
+                f"Building the model needs more host memory than this rank may use: "
+                f"{self.counted / _GIB:.2f} GiB of parameters and buffers so far, at {type(module).__name__}.{name}, "
+                f"over the budget of {self.budget / _GIB:.2f} GiB ({where}). Every rank builds the full model on "
+                "CPU so that its own init code runs exactly, then shards it (see lightning_zero.distributed.init). "
+                "Use fewer processes per host (Trainer devices=) or a host with more memory; if you know the "
+                f"memory is there, raise the budget (InitConfig.host_memory_budget, or ${BUDGET_ENV} in bytes for "
+                "ZeroStrategy; 0 turns the guard off).")
+
+
+@contextmanager
+def exact_init(config: InitConfig = InitConfig(), empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+    """Build modules on real CPU memory, running their own init code, with a host-memory guard.
+
+    Everything created inside lands on CPU whatever the default device is, so the RNG stream is consumed exactly as
+    by a plain CPU build; shard the result with :func:`~lightning_zero.distributed.zero.apply_zero`, which takes
+    rank 0's values. Raises :class:`InitMemoryError` naming the module whose tensor crosses the budget.
+    ``empty_init=True`` (Lightning's hint that a checkpoint will be loaded) is logged and the init runs anyway.
+    """
+    if empty_init:
+        log.info("empty_init=True: the model's own init still runs (see lightning_zero.distributed.init), so no "
+                 "tensor a checkpoint does not cover starts from uninitialised memory")
+    from torch.nn.modules.module import (
+        register_module_buffer_registration_hook,
+        register_module_parameter_registration_hook,
+    )
+
+    guard = _BuildGuard(config)
+    handles = [register_module_parameter_registration_hook(guard), register_module_buffer_registration_hook(guard)]
+    try:
+        with torch.device("cpu"):
+            yield
+    finally:
+        for handle in handles:
+            handle.remove()
+    log.debug("exact_init: built %.3f GiB of parameters and buffers on CPU", guard.counted / _GIB)
+
+
+def _named_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from module.named_parameters(remove_duplicate=True)
+    yield from module.named_buffers(remove_duplicate=True)
+
+
+def refuse_meta_tensors(module: nn.Module, stage: int) -> None:
+    """Raise naming the parameters/buffers of ``module`` that live on the meta device (no values to shard)."""
+    meta = [name for name, tensor in _named_tensors(module) if tensor.is_meta]
+    if not meta:
+        return
+    owners = sorted({type(module.get_submodule(name.rpartition(".")[0])).__name__ for name in meta})
+    shown = ", ".join(meta[:6]) + (f" and {len(meta) - 6} more" if len(meta) > 6 else "")
+    raise ValueError(
+        f"ZeRO stage {stage} got tensors on the meta device: {shown} (in modules {', '.join(owners)}). They hold no "
+        "values, and re-creating them with reset_parameters() would not reproduce the model's own initialisation "
+        "(Hugging Face _init_weights, buffers, torchmetrics states). Build the model on real CPU memory, e.g. inside "
+        "lightning_zero.distributed.init.exact_init() (ZeroStrategy does so for configure_model and "
+        "Trainer.init_module), and apply_zero shards it.")
+
+
+def broadcast_module_states(module: nn.Module, group, device: torch.device) -> None:
+    """Give every parameter and buffer of ``module`` the values of the group's rank 0, in place.
+
+    DDP does the same at stage 0; FSDP2's ``fully_shard`` does not (it has no ``sync_module_states`` like FSDP1,
+    and torch's helper for it is private), and would otherwise keep each rank's chunk of its own build. Tensors
+    already sharded (DTensors) are skipped. CPU tensors travel through ``device`` when the
+    group's backend cannot send CPU tensors (NCCL), one tensor at a time.
+    """
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    from torch.distributed.tensor import DTensor
+
+    through_device = dist.get_backend(group) == "nccl"
+    with torch.no_grad():
+        for _, tensor in _named_tensors(module):
+            if isinstance(tensor, DTensor):
+                continue
+            data = tensor.detach()
+            if (through_device and data.device != device) or not data.is_contiguous():
+                staged = data.to(device if through_device else data.device).contiguous()
+                dist.broadcast(staged, group_src=0, group=group)
+                data.copy_(staged)
+            else:
+                dist.broadcast(data, group_src=0, group=group)
