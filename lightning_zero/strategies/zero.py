@@ -61,6 +61,12 @@ from lightning_zero.strategies.precision import (
     low_precision_allreduce_hook,
     parse_communication_data_type,
 )
+from lightning_zero.strategies.validation import (
+    check_backend_name,
+    check_launcher_world_size,
+    check_timeout,
+    validate_before_process_group,
+)
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +158,8 @@ class ZeroStrategy(ParallelStrategy):
         virtual_stages: Optional[int] = None,
     ) -> None:
         # Validate everything before Lightning (or anyone) starts a process group.
+        timeout = check_timeout(timeout)
+        check_backend_name(process_group_backend)
         self._ds_config = DeepSpeedConfigBinding(config, strict) if config is not None else None
         from_config = self._ds_config.strategy_kwargs() if self._ds_config is not None else {}
         stage = stage if stage is not None else from_config.get("stage", 2)
@@ -296,6 +304,7 @@ class ZeroStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ launch and process group
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
+        check_launcher_world_size(self.cluster_environment, self.num_nodes, self.num_processes)  # at Trainer(...)
         if self._start_method == "popen":
             if not self.cluster_environment.creates_processes_externally:
                 self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes,
@@ -304,6 +313,7 @@ class ZeroStrategy(ParallelStrategy):
             self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
 
     def setup_environment(self) -> None:
+        validate_before_process_group(self)  # every rank, before init_process_group (strategies/validation.py)
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
