@@ -108,7 +108,8 @@ def _launcher(environment: Any) -> tuple[str, Optional[int], Optional[int]]:
         # LightningEnvironment.world_size() only echoes what Lightning itself sets.
         world = _int_env("WORLD_SIZE")
         local = _int_env("LOCAL_WORLD_SIZE")
-        return "an external launcher (LOCAL_RANK is set: fabric run, deepspeed, or a manual launch)", world, local
+        return ("an external launcher (LOCAL_RANK and WORLD_SIZE are set: fabric run, deepspeed, a manual launch, or "
+                "an earlier Trainer in this process)"), world, local
     try:
         world = int(environment.world_size())
     except Exception:  # an environment without a world size of its own: nothing to compare
