@@ -251,8 +251,12 @@ def _resolve_zero(config: dict, context: AutoContext) -> None:
     for key, value in list(zero.items()):
         if value != AUTO:
             continue
+        if key == "stage3_gather_16bit_weights_on_model_save":
+            # accelerate fills it from its zero3_save_16bit_model flag, which is false unless the user turns it on
+            zero[key] = False
+            continue
         if key not in rules:
-            raise _unresolvable(f"zero_optimization.{key}", 'nothing: only reduce_bucket_size, '
+            raise _unresolvable(f"zero_optimization.{key}", 'nothing: only stage3_gather_16bit_weights_on_model_save, reduce_bucket_size, '
                                 'stage3_prefetch_bucket_size and stage3_param_persistence_threshold can be "auto"')
         if hidden is None:
             raise _unresolvable(f"zero_optimization.{key}", "the model's hidden size (AutoContext.hidden_size; "
@@ -291,10 +295,6 @@ def resolve_auto(config: dict, context: AutoContext) -> dict:
     _resolve_optimizer(config, context.hyperparameters)
     _resolve_scheduler(config, context)
     _resolve_zero(config, context)
-    zero = config.get("zero_optimization")
-    if isinstance(zero, dict) and zero.get("stage3_gather_16bit_weights_on_model_save") == AUTO:
-        # accelerate fills it from its zero3_save_16bit_model flag, false unless the user switches it on
-        zero["stage3_gather_16bit_weights_on_model_save"] = False
     return config
 
 
