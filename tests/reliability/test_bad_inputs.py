@@ -126,7 +126,7 @@ def test_missing_file_and_directory(tmp_path):
         ZeroStrategy(config=str(tmp_path))
 
 
-# ---------------------------------------------------------------------------------------------------- ds_config contents
+# ------------------------------------------------------------------------------------------------ ds_config contents
 CONFIG_CONTENTS = [
     ("optimizer-unknown", {"optimizer": {"type": "Adamm", "params": {"lr": 1e-3}}}, "'Adamm'"),
     ("optimizer-negative-lr", {"optimizer": {"type": "AdamW", "params": {"lr": -1, "torch_adam": True}}}, "lr"),
