@@ -256,9 +256,9 @@ def _resolve_zero(config: dict, context: AutoContext) -> None:
             zero[key] = False
             continue
         if key not in rules:
-            raise _unresolvable(f"zero_optimization.{key}", "nothing: only stage3_gather_16bit_weights_on_model_save, "
-                                "reduce_bucket_size, stage3_prefetch_bucket_size and "
-                                'stage3_param_persistence_threshold can be "auto"')
+            raise _unresolvable(f"zero_optimization.{key}", "nothing: only reduce_bucket_size, "
+                                "stage3_prefetch_bucket_size, stage3_param_persistence_threshold and "
+                                'stage3_gather_16bit_weights_on_model_save can be "auto"')
         if hidden is None:
             raise _unresolvable(f"zero_optimization.{key}", "the model's hidden size (AutoContext.hidden_size; "
                                 "infer_hidden_size checks model/model.config attributes "
