@@ -160,7 +160,8 @@ def validate_before_process_group(strategy: Any) -> None:
     size against the world size, and the ds_config's Trainer-level settings (precision, clipping, accumulation,
     logging cadence, the batch-size arithmetic of the numbers the config fixes).
     """
-    check_launcher_world_size(strategy.cluster_environment, strategy.num_nodes, strategy.num_processes)
+    if strategy._start_method == "popen":  # spawn/fork start their own processes, whatever the environment says
+        check_launcher_world_size(strategy.cluster_environment, strategy.num_nodes, strategy.num_processes)
     world_size = strategy.num_nodes * strategy.num_processes
     device = strategy.root_device
     check_backend_for_device(strategy.process_group_backend, device)

@@ -102,7 +102,7 @@ class ZeroStrategy(ParallelStrategy):
             repeated blocks are detected (:func:`lightning_zero.distributed.zero.find_repeated_blocks`).
         reshard_after_forward: stage-3 override of FSDP2's ``reshard_after_forward``.
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; by default chosen from the accelerator.
-        timeout: process-group timeout.
+        timeout: process-group timeout: a positive ``timedelta`` or number of seconds.
         start_method: ``"popen"`` (re-run the script per rank, like ``DDPStrategy``), ``"spawn"``, ``"fork"``.
         async_save: write checkpoints in the background (DCP async save; the state is staged to CPU first, so
             training continues at once). The next save, a load and the end of training wait for it. Every save is
@@ -304,8 +304,8 @@ class ZeroStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ launch and process group
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        check_launcher_world_size(self.cluster_environment, self.num_nodes, self.num_processes)  # at Trainer(...)
         if self._start_method == "popen":
+            check_launcher_world_size(self.cluster_environment, self.num_nodes, self.num_processes)  # at Trainer()
             if not self.cluster_environment.creates_processes_externally:
                 self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes,
                                                            self.num_nodes)
