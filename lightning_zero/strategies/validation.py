@@ -102,7 +102,6 @@ def _launcher(environment: Any) -> tuple[str, Optional[int], Optional[int]]:
         "KubeflowEnvironment": "Kubeflow",
         "XLAEnvironment": "XLA",
     }
-    env = os.environ
     if kind == "LightningEnvironment":
         # `fabric run`, the `deepspeed` launcher or a hand-made launch: they export LOCAL_RANK and WORLD_SIZE, while
         # LightningEnvironment.world_size() only echoes what Lightning itself sets.
@@ -114,9 +113,11 @@ def _launcher(environment: Any) -> tuple[str, Optional[int], Optional[int]]:
         world = int(environment.world_size())
     except Exception:  # an environment without a world size of its own: nothing to compare
         world = None
-    local = _int_env("SLURM_NTASKS_PER_NODE") if kind == "SLURMEnvironment" else _int_env("LOCAL_WORLD_SIZE")
-    if local is None and kind == "SLURMEnvironment" and "(" not in env.get("SLURM_TASKS_PER_NODE", "("):
-        local = _int_env("SLURM_TASKS_PER_NODE")  # "2" on a uniform job; "2(x3)" forms are not per-node counts
+    if kind == "SLURMEnvironment":
+        # "2" on a uniform job; the "2(x3)" and "2,1" forms of SLURM_TASKS_PER_NODE are not one count and are skipped
+        local = _int_env("SLURM_NTASKS_PER_NODE") or _int_env("SLURM_TASKS_PER_NODE")
+    else:
+        local = _int_env("LOCAL_WORLD_SIZE")
     return names.get(kind, kind), world, local
 
 

@@ -226,6 +226,8 @@ LAUNCHERS = [
     # SLURM_NNODES not exported: Lightning's DDP would not notice; the world size itself still disagrees
     ("slurm-num-nodes-no-nnodes", {**_SLURM, "SLURM_NTASKS": "1"}, dict(devices=1, num_nodes=2),
      r"num_nodes=2 = 2 processes, but SLURM \(srun\) started a world of 1"),
+    ("slurm-per-node", {**_SLURM, "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NNODES": "1"},
+     dict(devices=1, num_nodes=2), r"devices=1 processes per node, but SLURM \(srun\) started 2"),
     ("fabric-run-or-deepspeed", {"LOCAL_RANK": "0", "NODE_RANK": "0", "WORLD_SIZE": "1"}, dict(devices=2),
      r"external launcher .* started a world of 1"),
 ]
