@@ -55,7 +55,12 @@ def dry_build(translation: DeepSpeedTranslation) -> None:
         spec = _without_auto(scheduler_spec, _SCHEDULER_PLACEHOLDERS)
         if any(v == AUTO for v in spec["params"].values()):
             return
-        target = optimizer if optimizer is not None else torch.optim.SGD(dummy, lr=1e-3)
+        if optimizer is None:
+            # over the module's own optimizer, per-group lists are legal: give the stand-in that many groups
+            groups = max([len(v) for v in spec["params"].values() if isinstance(v, (list, tuple))] + [1])
+            optimizer = torch.optim.SGD([{"params": [torch.nn.Parameter(torch.zeros(1))]} for _ in range(groups)],
+                                        lr=1e-3)
+        target = optimizer
         _build("scheduler", spec, lambda: build_scheduler(spec, target, total_steps=10**9))
 
 

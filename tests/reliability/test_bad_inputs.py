@@ -166,6 +166,25 @@ def test_bad_config_content(config, message):
         ZeroStrategy(config=config)
 
 
+def test_good_inputs_next_to_the_bad_ones_are_honoured(tmp_path):
+    """No false alarms: seconds become a timedelta, a UTF-8 BOM and hjson-style files load, per-group scheduler
+    lists and "auto" optimizer values pass the constructor's dry build."""
+    assert ZeroStrategy(timeout=30)._timeout == timedelta(seconds=30)
+    assert ZeroStrategy(timeout=timedelta(minutes=5))._timeout == timedelta(minutes=5)
+    assert ZeroStrategy(process_group_backend="gloo").process_group_backend == "gloo"
+    bom = tmp_path / "bom.json"
+    bom.write_bytes(b"\xef\xbb\xbf" + b'{"zero_optimization": {"stage": 3}}')
+    assert ZeroStrategy(config=str(bom)).stage == 3
+    relaxed = tmp_path / "relaxed.json"
+    relaxed.write_text('{\n  // DeepSpeed reads hjson\n  "zero_optimization": {"stage": 1,},\n}')
+    assert ZeroStrategy(config=str(relaxed)).stage == 1
+    ZeroStrategy(config={"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": [0, 0],
+                                                                      "warmup_max_lr": [0.1, 0.05]}}})
+    ZeroStrategy(config={"optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto"}},
+                         "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0.01, "cycle_max_lr": "auto",
+                                                                      "cycle_first_step_size": 10}}})
+
+
 # ---------------------------------------------------------------------------------------------------- Trainer level
 def _fit(strategy, **trainer_kwargs):
     kwargs = dict(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
