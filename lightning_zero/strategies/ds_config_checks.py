@@ -4,17 +4,20 @@
   dummy parameter, with placeholders for the ``"auto"`` values, so an unknown type or a parameter the class rejects
   is reported at ``ZeroStrategy(...)`` instead of at ``configure_optimizers`` after the launch.
 * :func:`check_config_against_trainer` (top of ``setup_environment``): the config's precision, clipping,
-  accumulation, ``steps_per_print`` and batch arithmetic against the Trainer's flags and the data-parallel size,
-  with the same rules (and messages) :meth:`DeepSpeedConfigBinding.resolve` applies at setup.
+  accumulation, ``steps_per_print`` and batch arithmetic against the Trainer's flags, the data-parallel size and a
+  DataLoader given to ``fit`` directly, with the same rules (and messages) :meth:`DeepSpeedConfigBinding.resolve`
+  applies at setup.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
 
 from lightning_zero.ds_config import DeepSpeedConfigError, DeepSpeedTranslation, resolve_batch_sizes
+from lightning_zero.ds_config.auto import _resolve_optimizer
 from lightning_zero.ds_config.translate import AUTO
 
 # Stand-ins for "auto" values during the dry build: valid for every optimizer/scheduler we build, and never used.
@@ -94,6 +97,10 @@ def check_config_against_trainer(binding, trainer, precision: str, data_parallel
     if getattr(getattr(trainer, "state", None), "fn", None) != "fit":
         return  # the rest is resolved only when fitting
     raw = binding.raw
+    module = getattr(trainer, "lightning_module", None)
+    if raw.get("optimizer"):
+        # the optimizer's "auto" values come from the LightningModule's hyperparameters, known already
+        _resolve_optimizer(copy.deepcopy(raw), dict(getattr(module, "hparams", {}) or {}))
     explicit = _explicit_trainer_values(trainer)
     clip, trainer_clip = raw.get("gradient_clipping"), explicit.get("gradient_clip_val")
     if isinstance(clip, (int, float)) and trainer_clip is not None and float(clip) != float(trainer_clip):
@@ -118,6 +125,33 @@ def check_config_against_trainer(binding, trainer, precision: str, data_parallel
     train, micro = raw.get("train_batch_size"), raw.get("train_micro_batch_size_per_gpu")
     train = train if isinstance(train, int) and not isinstance(train, bool) else None
     micro = micro if isinstance(micro, int) and not isinstance(micro, bool) else None
+    loader_batch = _direct_loader_batch_size(trainer)
+    if loader_batch is not None:
+        if micro is not None and micro != loader_batch:
+            raise DeepSpeedConfigError(
+                f"train_micro_batch_size_per_gpu={micro} in the DeepSpeed config does not match the DataLoader's "
+                f'batch_size ({loader_batch}): make them equal, or set the config value to "auto"')
+        micro = loader_batch
     if train is not None:
         # A failure with only these numbers means no DataLoader batch size can make them add up at setup either.
         resolve_batch_sizes(train, micro, accumulation, data_parallel_size)
+
+
+def _direct_loader_batch_size(trainer) -> Any:
+    """The batch size of a DataLoader passed to ``fit(train_dataloaders=...)`` itself, or ``None``.
+
+    Such a loader exists before the process group; one returned by a ``train_dataloader`` hook does not (Lightning
+    calls the hook after the ``setup`` hooks), so that case is checked at setup instead.
+    """
+    source = getattr(getattr(trainer, "fit_loop", None), "_data_source", None)
+    if source is None or getattr(source, "instance", None) is None or source.is_module():
+        return None
+    loader = source.instance
+    if isinstance(loader, dict):
+        loader = next(iter(loader.values()), None)
+    elif isinstance(loader, (list, tuple)):
+        loader = loader[0] if loader else None
+    size = getattr(loader, "batch_size", None)
+    if size is None:
+        size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None

@@ -15,14 +15,15 @@ import textwrap
 from datetime import timedelta
 
 import pytest
-import torch
 import torch.distributed as dist
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningModule, Trainer
+from torch.utils.data import DataLoader
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.ds_config import DeepSpeedConfigError
 from lightning_zero.strategies import validation
-from tests.lightning_models import RegressionModule
+
+from tests.lightning_models import RegressionModule, dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -186,12 +187,20 @@ def test_good_inputs_next_to_the_bad_ones_are_honoured(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------- Trainer level
-def _fit(strategy, **trainer_kwargs):
+class ConfigOptimizedModule(RegressionModule):
+    configure_optimizers = LightningModule.configure_optimizers  # not overridden: the config's optimizer is used
+
+
+def _fit(strategy, loader=None, module_class=RegressionModule, **trainer_kwargs):
     kwargs = dict(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
                   enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                   limit_val_batches=0)
     kwargs.update(trainer_kwargs)
-    Trainer(strategy=strategy, **kwargs).fit(RegressionModule(batch_size=4))
+    Trainer(strategy=strategy, **kwargs).fit(module_class(batch_size=4), train_dataloaders=loader)
+
+
+def _loader(batch_size):
+    return DataLoader(dataset(), batch_size=batch_size)
 
 
 TRAINER_LEVEL = [
@@ -207,6 +216,13 @@ TRAINER_LEVEL = [
      {}, DeepSpeedConfigError, r"train_batch_size \(10\)"),
     ("batch-vs-accumulation", lambda: ZeroStrategy(config={"train_batch_size": 6, "gradient_accumulation_steps": 4}),
      {}, DeepSpeedConfigError, r"train_batch_size \(6\)"),
+    ("micro-batch-vs-direct-loader", lambda: ZeroStrategy(config={"train_micro_batch_size_per_gpu": 8}),
+     dict(loader=_loader(4)), DeepSpeedConfigError, r"train_micro_batch_size_per_gpu=8 .* batch_size \(4\)"),
+    ("train-batch-vs-direct-loader", lambda: ZeroStrategy(config={"train_batch_size": 10}), dict(loader=_loader(4)),
+     DeepSpeedConfigError, r"train_batch_size \(10\)"),
+    ("optimizer-auto-without-hparam",
+     lambda: ZeroStrategy(config={"optimizer": {"type": "SGD", "params": {"lr": "auto"}}}),
+     dict(module_class=ConfigOptimizedModule), DeepSpeedConfigError, r"optimizer\.params\.lr.*'learning_rate'"),
     ("pin-memory-on-cpu", lambda: ZeroStrategy(stage=2, offload="cpu", pin_memory=True), {}, ValueError,
      "pin_memory=True"),
     ("pipeline-does-not-divide", lambda: ZeroStrategy(stage=1, pipeline_parallel_size=2), {}, ValueError,
@@ -271,7 +287,8 @@ def test_real_torchrun_with_a_mismatched_trainer_refuses(tmp_path):
     """One real ``torchrun --nproc-per-node 1`` launch of ``Trainer(devices=2)``: refused with the message."""
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent("""
-        from lightning.pytorch import Trainer
+        from lightning.pytorch import LightningModule, Trainer
+from torch.utils.data import DataLoader
         from lightning_zero import ZeroStrategy
         Trainer(strategy=ZeroStrategy(), accelerator="cpu", devices=2, logger=False)
         print("NOT REFUSED")
