@@ -287,8 +287,7 @@ def test_real_torchrun_with_a_mismatched_trainer_refuses(tmp_path):
     """One real ``torchrun --nproc-per-node 1`` launch of ``Trainer(devices=2)``: refused with the message."""
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent("""
-        from lightning.pytorch import LightningModule, Trainer
-from torch.utils.data import DataLoader
+        from lightning.pytorch import Trainer
         from lightning_zero import ZeroStrategy
         Trainer(strategy=ZeroStrategy(), accelerator="cpu", devices=2, logger=False)
         print("NOT REFUSED")
