@@ -13,6 +13,8 @@ Lightning trusts ``Trainer(devices=..., num_nodes=...)`` for the ``DistributedSa
 two disagree, every rank reads ``1/(devices x num_nodes)`` of the data while fewer ranks exist: part of the data is
 never seen, silently. :func:`check_launcher_world_size` compares the two numbers (the launcher's from its
 environment, or from an already initialised process group) and refuses a mismatch, naming both and the launcher.
+It runs at ``Trainer(...)`` (``_configure_launcher``) and again before the process group, for the ``popen`` start
+method only: with ``spawn``/``fork`` the strategy starts its own processes whatever the environment says.
 """
 
 from __future__ import annotations
