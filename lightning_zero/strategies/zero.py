@@ -281,7 +281,9 @@ class ZeroStrategy(ParallelStrategy):
         """Resolve the ds_config against the Trainer, adopt its precision, print it (see ds_config_binding)."""
         binding = self._ds_config
         if trainer.training:
-            binding.resolve(trainer, data_parallel_size=self.world_size)
+            # DeepSpeed's batch arithmetic counts data-parallel replicas: under a pipeline, the "dp" mesh
+            replicas = self._mesh.size() if self._mesh is not None else self.world_size
+            binding.resolve(trainer, data_parallel_size=replicas)
         adopted = precision_from_config(binding.precision, self.precision_plugin.precision)
         if adopted is not None:
             self.precision_plugin = _FlagOnly(adopted)  # adapted like Lightning's own choice would be
