@@ -40,7 +40,7 @@ from lightning_zero.config import ZeroConfig
 from lightning_zero.distributed.buffers import comm_buffer_pool
 from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
 from lightning_zero.distributed.zero import apply_zero, set_gradient_sync
-from lightning_zero.strategies import checkpointing
+from lightning_zero.strategies import checkpointing, validation
 from lightning_zero.strategies.ds_config_binding import (
     DeepSpeedConfigBinding,
     install_config_optimizers,
@@ -60,12 +60,6 @@ from lightning_zero.strategies.precision import (
     guard_schedulers,
     low_precision_allreduce_hook,
     parse_communication_data_type,
-)
-from lightning_zero.strategies.validation import (
-    check_backend_name,
-    check_launcher_world_size,
-    check_timeout,
-    validate_before_process_group,
 )
 
 log = logging.getLogger(__name__)
@@ -158,8 +152,8 @@ class ZeroStrategy(ParallelStrategy):
         virtual_stages: Optional[int] = None,
     ) -> None:
         # Validate everything before Lightning (or anyone) starts a process group.
-        timeout = check_timeout(timeout)
-        check_backend_name(process_group_backend)
+        timeout = validation.check_timeout(timeout)
+        validation.check_backend_name(process_group_backend)
         self._ds_config = DeepSpeedConfigBinding(config, strict) if config is not None else None
         from_config = self._ds_config.strategy_kwargs() if self._ds_config is not None else {}
         stage = stage if stage is not None else from_config.get("stage", 2)
@@ -307,7 +301,7 @@ class ZeroStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if self._start_method == "popen":
-            check_launcher_world_size(self.cluster_environment, self.num_nodes, self.num_processes)  # at Trainer()
+            validation.check_launcher_world_size(self.cluster_environment, self.num_nodes, self.num_processes)
             if not self.cluster_environment.creates_processes_externally:
                 self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes,
                                                            self.num_nodes)
@@ -315,7 +309,7 @@ class ZeroStrategy(ParallelStrategy):
             self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
 
     def setup_environment(self) -> None:
-        validate_before_process_group(self)  # every rank, before init_process_group (strategies/validation.py)
+        validation.validate_before_process_group(self)  # on every rank, before init_process_group
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
