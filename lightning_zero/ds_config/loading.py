@@ -71,6 +71,9 @@ def _read_text(path: Path) -> str:
     if not path.is_file():
         raise DeepSpeedConfigError(f"DeepSpeed config file {str(path)!r} does not exist")
     data = path.read_bytes()
+    if data[:2] in (b"\xff\xfe", b"\xfe\xff"):
+        raise DeepSpeedConfigError(f"DeepSpeed config {str(path)!r} is UTF-16 text (it starts with a UTF-16 byte-order "
+                                   "mark): save it as UTF-8")
     if b"\x00" in data:
         raise DeepSpeedConfigError(f"DeepSpeed config {str(path)!r} is a binary file (it contains NUL bytes), not "
                                    "JSON or YAML text")

@@ -101,7 +101,7 @@ CONFIG_FILES = [
     ("json-syntax", "ds.json", b'{\n  "zero_optimization": {"stage": 2\n  "x": [1,\n}', r"line \d+ column \d+"),
     ("binary-nul", "ds.json", bytes(range(256)), "binary file"),
     ("latin-1", "ds.json", '{"comment": "café"}'.encode("latin-1"), "not UTF-8 text"),
-    ("utf-16", "ds.json", '{"a": 1}'.encode("utf-16"), "binary|not UTF-8"),
+    ("utf-16", "ds.json", '{"a": 1}'.encode("utf-16"), "is UTF-16 text"),
     ("top-level-list", "ds.json", b"[1, 2]", "JSON object"),
     ("top-level-scalar-yaml", "ds.yaml", b"just a string\n", "JSON object"),
     ("nan-value", "ds.json", b'{"gradient_clipping": NaN}', "NaN"),
