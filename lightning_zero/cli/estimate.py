@@ -3,21 +3,51 @@
 from __future__ import annotations
 
 import argparse
+import math
+
+
+def _positive_count(text: str) -> float:
+    """A parameter count: a positive finite number such as ``7e9`` (argparse turns the error into a usage error)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number")
+    if not math.isfinite(value) or value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number >= 1")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
+    return value
 
 
 def add_parser(subparsers) -> None:
+    from lightning_zero.distributed.memory import PRECISIONS
+
     parser = subparsers.add_parser("estimate", help="estimate per-rank model-state memory for ZeRO stages 0-3")
-    parser.add_argument("--params", type=float, required=True, help="number of parameters, e.g. 7e9")
-    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--params", type=_positive_count, required=True, help="number of parameters, e.g. 7e9")
+    parser.add_argument("--world-size", type=_positive_int, required=True)
     parser.add_argument("--stage", type=int, choices=[0, 1, 2, 3], default=None, help="default: every stage")
     parser.add_argument("--offload", choices=["cpu"], default=None)
-    parser.add_argument("--precision", default="bf16-mixed")
-    parser.add_argument("--largest-unit-params", type=float, default=None,
+    parser.add_argument("--precision", choices=list(PRECISIONS), default="bf16-mixed")
+    parser.add_argument("--largest-unit-params", type=_positive_count, default=None,
                         help="parameters of the largest block (stage-3 peak); default: all parameters")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.largest_unit_params is not None and args.largest_unit_params > args.params:
+        raise SystemExit(f"lightning-zero estimate: error: --largest-unit-params ({args.largest_unit_params:.3g}) "
+                         f"cannot exceed --params ({args.params:.3g})")
+    if args.offload and args.stage == 0:
+        raise SystemExit("lightning-zero estimate: error: --offload cpu needs --stage 1, 2 or 3 (stage 0 keeps "
+                         "every state on the device)")
     from rich.console import Console
     from rich.table import Table
 

@@ -193,6 +193,29 @@ def _total_steps(context: AutoContext, path: str) -> int:
     return int(total)
 
 
+def _warmup_steps(hparams: Mapping[str, Any], context: AutoContext, path: str) -> int:
+    """Hugging Face's resolution of ``warmup_num_steps: "auto"``: ``warmup_steps >= 1`` is a step count,
+    ``0 <= warmup_steps < 1`` a fraction of the total steps (rounded up), and the result is at least 1 (DeepSpeed's
+    schedulers refuse 0 warm-up steps, so HF asks for ``max(1, ...)``). ``warmup_ratio`` (the older HF name) is a
+    fraction too."""
+    found = _first_hparam(hparams, _WARMUP_STEP_NAMES)
+    ratio = _first_hparam(hparams, _WARMUP_RATIO_NAMES) if found is None else None
+    if found is None and ratio is None:
+        raise _unresolvable(path, _hparam_list(_WARMUP_STEP_NAMES + _WARMUP_RATIO_NAMES))
+    value = found if found is not None else ratio
+    name = "warmup steps" if found is not None else "warmup_ratio"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise DeepSpeedConfigError(f'cannot resolve "{path}": "auto" from the {name} hyperparameter {value!r}: '
+                                   "it must be a number >= 0")
+    if found is not None and value >= 1:
+        steps = int(value)
+    else:
+        if ratio is not None and value > 1:
+            raise DeepSpeedConfigError(f'cannot resolve "{path}": "auto": warmup_ratio={value!r} must be <= 1')
+        steps = math.ceil(value * _total_steps(context, path)) if value else 0
+    return max(1, steps)
+
+
 def _resolve_scheduler(config: dict, context: AutoContext) -> None:
     params = (config.get("scheduler") or {}).get("params") or {}
     hparams = context.hyperparameters
@@ -211,13 +234,7 @@ def _resolve_scheduler(config: dict, context: AutoContext) -> None:
         elif key == "total_num_steps":
             params[key] = _total_steps(context, path)
         elif key == "warmup_num_steps":
-            found = _first_hparam(hparams, _WARMUP_STEP_NAMES)
-            if found is None:
-                ratio = _first_hparam(hparams, _WARMUP_RATIO_NAMES)
-                if ratio is None:
-                    raise _unresolvable(path, _hparam_list(_WARMUP_STEP_NAMES + _WARMUP_RATIO_NAMES))
-                found = math.ceil(ratio * _total_steps(context, path))
-            params[key] = int(found)
+            params[key] = _warmup_steps(hparams, context, path)
         else:
             raise _unresolvable(path, "nothing: only warmup_min_lr, warmup_max_lr, cycle_max_lr, warmup_num_steps "
                                 'and total_num_steps can be "auto"')
@@ -234,9 +251,14 @@ def _resolve_zero(config: dict, context: AutoContext) -> None:
     for key, value in list(zero.items()):
         if value != AUTO:
             continue
+        if key == "stage3_gather_16bit_weights_on_model_save":
+            # accelerate fills it from its zero3_save_16bit_model flag, which is false unless the user turns it on
+            zero[key] = False
+            continue
         if key not in rules:
-            raise _unresolvable(f"zero_optimization.{key}", 'nothing: only reduce_bucket_size, '
-                                'stage3_prefetch_bucket_size and stage3_param_persistence_threshold can be "auto"')
+            raise _unresolvable(f"zero_optimization.{key}", "nothing: only reduce_bucket_size, "
+                                "stage3_prefetch_bucket_size, stage3_param_persistence_threshold and "
+                                'stage3_gather_16bit_weights_on_model_save can be "auto"')
         if hidden is None:
             raise _unresolvable(f"zero_optimization.{key}", "the model's hidden size (AutoContext.hidden_size; "
                                 "infer_hidden_size checks model/model.config attributes "

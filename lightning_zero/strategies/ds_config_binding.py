@@ -59,6 +59,9 @@ class DeepSpeedConfigBinding:
         self.strict = strict
         self.translation: DeepSpeedTranslation = translate_ds_config(self.raw, strict=strict)
         self._refuse_unwired(self.translation)
+        from lightning_zero.strategies.ds_config_checks import dry_build
+
+        dry_build(self.translation)  # an unknown optimizer/scheduler or a bad param fails here, not after launch
 
     @staticmethod
     def _refuse_unwired(translation: DeepSpeedTranslation) -> None:

@@ -41,7 +41,7 @@ from lightning_zero.distributed.buffers import comm_buffer_pool
 from lightning_zero.distributed.init import InitConfig, exact_init
 from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
 from lightning_zero.distributed.zero import apply_zero, set_gradient_sync
-from lightning_zero.strategies import checkpointing
+from lightning_zero.strategies import checkpointing, validation
 from lightning_zero.strategies.ds_config_binding import (
     DeepSpeedConfigBinding,
     install_config_optimizers,
@@ -97,7 +97,7 @@ class ZeroStrategy(ParallelStrategy):
             repeated blocks are detected (:func:`lightning_zero.distributed.zero.find_repeated_blocks`).
         reshard_after_forward: stage-3 override of FSDP2's ``reshard_after_forward``.
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; by default chosen from the accelerator.
-        timeout: process-group timeout.
+        timeout: process-group timeout: a positive ``timedelta`` or number of seconds.
         start_method: ``"popen"`` (re-run the script per rank, like ``DDPStrategy``), ``"spawn"``, ``"fork"``.
         async_save: write checkpoints in the background (DCP async save; the state is staged to CPU first, so
             training continues at once). The next save, a load and the end of training wait for it. Every save is
@@ -153,6 +153,8 @@ class ZeroStrategy(ParallelStrategy):
         virtual_stages: Optional[int] = None,
     ) -> None:
         # Validate everything before Lightning (or anyone) starts a process group.
+        timeout = validation.check_timeout(timeout)
+        validation.check_backend_name(process_group_backend)
         self._ds_config = DeepSpeedConfigBinding(config, strict) if config is not None else None
         from_config = self._ds_config.strategy_kwargs() if self._ds_config is not None else {}
         stage = stage if stage is not None else from_config.get("stage", 2)
@@ -274,7 +276,9 @@ class ZeroStrategy(ParallelStrategy):
         """Resolve the ds_config against the Trainer, adopt its precision, print it (see ds_config_binding)."""
         binding = self._ds_config
         if trainer.training:
-            binding.resolve(trainer, data_parallel_size=self.world_size)
+            # DeepSpeed's batch arithmetic counts data-parallel replicas: under a pipeline, the "dp" mesh
+            replicas = self._mesh.size() if self._mesh is not None else self.world_size
+            binding.resolve(trainer, data_parallel_size=replicas)
         adopted = precision_from_config(binding.precision, self.precision_plugin.precision)
         if adopted is not None:
             self.precision_plugin = _FlagOnly(adopted)  # adapted like Lightning's own choice would be
@@ -298,6 +302,7 @@ class ZeroStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if self._start_method == "popen":
+            validation.check_launcher_world_size(self.cluster_environment, self.num_nodes, self.num_processes)
             if not self.cluster_environment.creates_processes_externally:
                 self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes,
                                                            self.num_nodes)
@@ -305,6 +310,7 @@ class ZeroStrategy(ParallelStrategy):
             self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
 
     def setup_environment(self) -> None:
+        validation.validate_before_process_group(self)  # on every rank, before init_process_group
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()

@@ -1,0 +1,187 @@
+"""Checks on ``ZeroStrategy``'s inputs that must fail before any process group starts.
+
+Two moments are early enough: the strategy's constructor (everything knowable without the Trainer: the timeout,
+the backend's name and whether this torch build has it, the ds_config's optimizer and scheduler) and the top of
+``setup_environment`` on every rank, before ``init_process_group`` (the Trainer is attached by then: its precision,
+clipping, accumulation and logging flags, the devices, the launcher's world size). Checks that need the training
+DataLoader stay at ``setup``: Lightning builds the DataLoader only after the LightningModule's and DataModule's
+``setup`` hooks ran, which come after the process group.
+
+[Note: external launchers and the world size]
+Under ``torchrun``, ``srun``, ``fabric run``, ``deepspeed`` or ``mpirun`` the launcher starts the processes, and
+Lightning trusts ``Trainer(devices=..., num_nodes=...)`` for the ``DistributedSampler``'s replica count. If the
+two disagree, every rank reads ``1/(devices x num_nodes)`` of the data while fewer ranks exist: part of the data is
+never seen, silently. :func:`check_launcher_world_size` compares the two numbers (the launcher's from its
+environment, or from an already initialised process group) and refuses a mismatch, naming both and the launcher.
+It runs at ``Trainer(...)`` (``_configure_launcher``) and again before the process group, for the ``popen`` start
+method only: with ``spawn``/``fork`` the strategy starts its own processes whatever the environment says.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+# Which device type each built-in backend needs (``None``: any device).
+_BACKEND_DEVICE = {"gloo": None, "mpi": None, "ucc": None, "nccl": "cuda", "xccl": "xpu"}
+_BACKEND_AVAILABLE = {
+    "gloo": dist.is_gloo_available, "nccl": dist.is_nccl_available, "mpi": dist.is_mpi_available,
+    "ucc": dist.is_ucc_available, "xccl": getattr(dist, "is_xccl_available", lambda: False),
+}
+
+
+def check_timeout(timeout: Any) -> Optional[timedelta]:
+    """The process-group timeout as a ``timedelta``: a positive ``timedelta`` or a positive number of seconds.
+
+    ``None`` keeps torch's default. Anything else is refused here, in the constructor, rather than by
+    ``init_process_group`` after the launch.
+    """
+    if timeout is None:
+        return None
+    if isinstance(timeout, timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise TypeError(f"timeout must be a datetime.timedelta or a number of seconds, got {timeout!r}")
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"timeout must be positive and finite, got {timeout!r}")
+    return timeout if isinstance(timeout, timedelta) else timedelta(seconds=seconds)
+
+
+def _backend_names(backend: str) -> list[tuple[Optional[str], str]]:
+    """``"gloo"`` -> ``[(None, "gloo")]``; ``"cpu:gloo,cuda:nccl"`` -> ``[("cpu", "gloo"), ("cuda", "nccl")]``."""
+    pairs = []
+    for part in backend.split(","):
+        device, _, name = part.strip().rpartition(":")
+        pairs.append((device or None, name.strip().lower()))
+    return pairs
+
+
+def check_backend_name(backend: Any) -> None:
+    """A known process-group backend that this torch build has (``None``: chosen from the device at setup)."""
+    if backend is None:
+        return
+    if not isinstance(backend, str) or not backend.strip():
+        raise TypeError(f"process_group_backend must be a backend name such as 'gloo' or 'nccl', got {backend!r}")
+    registered = [name for name in dist.Backend.backend_list if name not in ("undefined", "fake")]
+    for _, name in _backend_names(backend):
+        if name not in registered:
+            raise ValueError(f"process_group_backend={backend!r}: unknown backend {name!r}; known: {registered}")
+        available = _BACKEND_AVAILABLE.get(name)
+        if available is not None and not available():
+            raise ValueError(f"process_group_backend={backend!r}: this torch build has no {name!r} backend "
+                             f"(torch.distributed.is_{name}_available() is False)"
+                             + ("; on CPU use 'gloo'" if name == "nccl" else ""))
+
+
+def check_backend_for_device(backend: Optional[str], device: torch.device) -> None:
+    """``nccl`` needs CUDA, ``xccl`` an XPU: refuse the pair before ``init_process_group`` tries it."""
+    if backend is None:
+        return
+    for device_type, name in _backend_names(backend):
+        needed = _BACKEND_DEVICE.get(name)
+        if device_type is not None and device_type != device.type:
+            continue  # a per-device backend for another device type ("cpu:gloo,cuda:nccl" on CPU uses gloo)
+        if needed is not None and needed != device.type:
+            raise ValueError(f"process_group_backend={backend!r} needs a {needed.upper()} device, but this run "
+                             f"computes on {device.type!r}; use 'gloo' or leave process_group_backend unset")
+
+
+def _launcher(environment: Any) -> tuple[str, Optional[int], Optional[int]]:
+    """``(launcher name, world size it started, processes per node it started)``; unknown numbers are ``None``."""
+    kind = type(environment).__name__
+    names = {
+        "TorchElasticEnvironment": "torchrun (TorchElastic)",
+        "SLURMEnvironment": "SLURM (srun)",
+        "MPIEnvironment": "MPI (mpirun)",
+        "LSFEnvironment": "LSF (jsrun)",
+        "KubeflowEnvironment": "Kubeflow",
+        "XLAEnvironment": "XLA",
+    }
+    if kind == "LightningEnvironment":
+        # `fabric run`, the `deepspeed` launcher or a hand-made launch: they export LOCAL_RANK and WORLD_SIZE, while
+        # LightningEnvironment.world_size() only echoes what Lightning itself sets.
+        world = _int_env("WORLD_SIZE")
+        local = _int_env("LOCAL_WORLD_SIZE")
+        return ("an external launcher (LOCAL_RANK and WORLD_SIZE are set: fabric run, deepspeed, a manual launch, or "
+                "an earlier Trainer in this process)"), world, local
+    try:
+        world = int(environment.world_size())
+    except Exception:  # an environment without a world size of its own: nothing to compare
+        world = None
+    if kind == "SLURMEnvironment":
+        # "2" on a uniform job; the "2(x3)" and "2,1" forms of SLURM_TASKS_PER_NODE are not one count and are skipped
+        local = _int_env("SLURM_NTASKS_PER_NODE") or _int_env("SLURM_TASKS_PER_NODE")
+    else:
+        local = _int_env("LOCAL_WORLD_SIZE")
+    return names.get(kind, kind), world, local
+
+
+def _int_env(name: str) -> Optional[int]:
+    value = os.environ.get(name, "").strip()
+    return int(value) if value.isdigit() else None
+
+
+def check_launcher_world_size(environment: Any, num_nodes: int, num_processes: int) -> None:
+    """Refuse ``devices x num_nodes`` that differs from the world the external launcher started (see the note).
+
+    Only applies when the environment creates the processes (``creates_processes_externally``); when Lightning
+    launches them itself the two agree by construction.
+
+    Raises:
+        ValueError: the numbers differ; the message names both, the launcher, and the fix.
+    """
+    if environment is None or not getattr(environment, "creates_processes_externally", False):
+        return
+    launcher, world, local = _launcher(environment)
+    if dist.is_available() and dist.is_initialized():
+        launcher, world = "the process group that already exists", dist.get_world_size()
+    expected = num_nodes * num_processes
+    if world is not None and world != expected:
+        raise ValueError(
+            f"The Trainer is set up for devices={num_processes} x num_nodes={num_nodes} = {expected} processes, but "
+            f"{launcher} started a world of {world} processes. The DistributedSampler would split the data "
+            f"{expected} ways over {world} ranks and silently skip part of it. Make Trainer(devices=..., "
+            f"num_nodes=...) match the launch (e.g. devices={world // num_nodes if world % num_nodes == 0 else world}"
+            f", num_nodes={num_nodes if world % num_nodes == 0 else 1}), or launch {expected} processes.")
+    if local is not None and local != num_processes:
+        raise ValueError(
+            f"The Trainer is set up for devices={num_processes} processes per node, but {launcher} started "
+            f"{local} processes on this node: set Trainer(devices={local}) or launch {num_processes} per node.")
+
+
+def validate_before_process_group(strategy: Any) -> None:
+    """Everything ``ZeroStrategy`` can check on each rank before ``init_process_group`` (Trainer attached).
+
+    The launcher's world size, the backend against the device, ``pin_memory`` against the device, the pipeline
+    size against the world size, and the ds_config's Trainer-level settings (precision, clipping, accumulation,
+    logging cadence, the batch-size arithmetic of the numbers the config fixes).
+    """
+    if strategy._start_method == "popen":  # spawn/fork start their own processes, whatever the environment says
+        check_launcher_world_size(strategy.cluster_environment, strategy.num_nodes, strategy.num_processes)
+    world_size = strategy.num_nodes * strategy.num_processes
+    device = strategy.root_device
+    check_backend_for_device(strategy.process_group_backend, device)
+    if strategy.zero_config.pin_memory and device.type != "cuda":
+        raise ValueError(f"pin_memory=True pins the offloaded CPU copies for fast copies to CUDA, but this run "
+                         f"computes on {device.type!r}: use pin_memory=None (pin only on CUDA) or False")
+    pipeline = strategy._pipeline
+    data_parallel = world_size
+    if pipeline.enabled:
+        if world_size % pipeline.pipeline_parallel_size:
+            raise ValueError(f"pipeline_parallel_size={pipeline.pipeline_parallel_size} must divide the world size "
+                             f"{world_size} (devices={strategy.num_processes} x num_nodes={strategy.num_nodes})")
+        data_parallel = world_size // pipeline.pipeline_parallel_size
+    module = strategy.lightning_module
+    trainer = getattr(module, "_trainer", None) if module is not None else None
+    if strategy.ds_config is not None and trainer is not None:
+        from lightning_zero.strategies.ds_config_checks import check_config_against_trainer
+
+        check_config_against_trainer(strategy.ds_config, trainer, strategy.precision_plugin.precision,
+                                     data_parallel)
