@@ -38,9 +38,10 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_zero.checkpoint.io import wait_for_pending_saves
 from lightning_zero.config import ZeroConfig
 from lightning_zero.distributed.buffers import comm_buffer_pool
+from lightning_zero.distributed.manual_backward import ManualBackward
 from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
 from lightning_zero.distributed.zero import apply_zero, set_gradient_sync
-from lightning_zero.strategies import checkpointing
+from lightning_zero.strategies import checkpointing, lifecycle
 from lightning_zero.strategies.ds_config_binding import (
     DeepSpeedConfigBinding,
     install_config_optimizers,
@@ -201,6 +202,8 @@ class ZeroStrategy(ParallelStrategy):
         self.async_save = async_save
         self._num_nodes = 1
         self._mesh = None
+        self._teardown_handles: list = []  # hooks setup added to the user's module, removed at teardown
+        self._manual_backward: Optional[ManualBackward] = None
         self._forward_redirection = _DDPForwardRedirection() if stage <= 1 else _ForwardRedirection()
 
     # ------------------------------------------------------------------ properties Lightning reads
@@ -356,8 +359,12 @@ class ZeroStrategy(ParallelStrategy):
             if not isinstance(self.model, FSDPModule):  # evaluation after fit reuses the sharded module
                 apply_zero(self.model, self._mesh, self.zero_config, device=self.root_device,
                            mp_policy=self.precision_plugin.fsdp_mp_policy())
+            if fitting and not self.lightning_module.automatic_optimization:
+                self._manual_backward = ManualBackward(self.model)
+                self._teardown_handles.append(self._manual_backward)
         elif fitting:
-            self.model = apply_zero(self.model, self._mesh, self.zero_config, device=self.root_device)
+            self.model = apply_zero(self.model, self._mesh, self.zero_config, device=self.root_device,
+                                    ddp_kwargs=lifecycle.ddp_kwargs(self.lightning_module))
             reduce_dtype = self.precision_plugin.ddp_reduce_dtype()
             if reduce_dtype is not None:
                 self.model.register_comm_hook(self._mesh.get_group(), low_precision_allreduce_hook(reduce_dtype))
@@ -412,8 +419,9 @@ class ZeroStrategy(ParallelStrategy):
                 self._runner.sync_grads = True
 
     def backward(self, closure_loss: Tensor, optimizer, *args: Any, **kwargs: Any) -> Tensor:
-        if self._runner is None:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        if self._runner is None:  # manual_backward runs inside training_step's forward: see manual_backward's note
+            with self._manual_backward.backward(closure_loss) if self._manual_backward else nullcontext():
+                return super().backward(closure_loss, optimizer, *args, **kwargs)
         # The schedule already ran backward inside training_step (see pipeline_binding's note): restore its
         # gradients (see _pipelined_training_step) and run the hooks.
         module = self.lightning_module
@@ -443,7 +451,10 @@ class ZeroStrategy(ParallelStrategy):
         if self._runner is not None:
             return self._pipelined_training_step(*args, **kwargs)
         with self.precision_plugin.train_step_context():
-            return self._redirect("training_step", *args, **kwargs)
+            output = self._redirect("training_step", *args, **kwargs)
+        if self._manual_backward is not None:
+            self._manual_backward.step_finished()
+        return output
 
     def _pipelined_training_step(self, *args: Any, **kwargs: Any) -> Any:
         """[Note: pipeline gradients and Lightning's zero_grad]
@@ -535,6 +546,10 @@ class ZeroStrategy(ParallelStrategy):
             uninstall_config_optimizers(lightning_module)
             if (pool := comm_buffer_pool(lightning_module)) is not None:
                 pool.clear()  # the CPU communication buffers go with the run; refilled if the module trains again
+        for handle in self._teardown_handles:
+            handle.remove()
+        self._teardown_handles.clear()
+        self._manual_backward = None
         if isinstance(self.model, DistributedDataParallel):
             self.model = lightning_module
         for optimizer in self.optimizers:
