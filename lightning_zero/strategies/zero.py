@@ -397,6 +397,7 @@ class ZeroStrategy(ParallelStrategy):
         for optimizer in self.optimizers:
             if get_sharding(optimizer) is None:
                 shard_optimizer(optimizer, self.zero_config, group=group, device=self.root_device)
+        self._teardown_handles += lifecycle.whole_model_toggle(self.lightning_module, self.optimizers)
         guard_schedulers(self.lr_scheduler_configs, self.precision_plugin)
 
     def model_to_device(self) -> None:
