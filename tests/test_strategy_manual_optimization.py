@@ -46,6 +46,8 @@ def gan_step(module, x, y, opt_g, opt_d, backward, toggle, untoggle):
     fresh = module.generator(x).detach()
     d_loss = module.discriminator(fresh).pow(2).mean() - module.discriminator(y).mean()
     backward(d_loss)
+    with torch.no_grad():  # a forward between the last backward and the step (logging): its gathered copy goes stale
+        module.score = module.discriminator(y).mean()
     opt_d.step()
     opt_d.zero_grad()  # zeroing after the step: gradients of the g step must not have leaked into D
     untoggle(opt_d)
