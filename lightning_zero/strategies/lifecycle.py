@@ -1,5 +1,6 @@
 """What ``ZeroStrategy`` does around training that is not ZeRO itself: the DDP settings manual optimization needs,
-Lightning's layer sync (``sync_batchnorm``), callbacks it refuses, and an undo-only-what-was-done teardown."""
+``toggle_optimizer`` over partitioned optimizers, Lightning's layer sync (``sync_batchnorm``), callbacks it refuses,
+and a teardown that leaves sharded modules where they are."""
 
 from __future__ import annotations
 
@@ -85,3 +86,26 @@ def whole_model_toggle(module, optimizers: list) -> list:
     if module.automatic_optimization or not any(partitioned(optimizer) for optimizer in optimizers):
         return []
     return [_WholeModelToggle(module, optimizers)]
+
+
+def holds_sharded_parameters(module) -> bool:
+    """Whether ``module`` has FSDP2 (DTensor) parameters: stages 2-3, or a sharded pipeline stage."""
+    from torch.distributed.tensor import DTensor
+
+    return module is not None and any(isinstance(param, DTensor) for param in module.parameters())
+
+
+def teardown_in_place(strategy) -> None:
+    """Lightning's ``ParallelStrategy.teardown`` minus moving the module and optimizer states to CPU.
+
+    Lightning's base teardown calls ``lightning_module.cpu()``. On sharded (DTensor) parameters that swaps every
+    parameter: inside ``torch.inference_mode()`` (Lightning's evaluation loops) it raises ("Cannot set
+    version_counter for inference tensor"), and on CUDA it would move the shards off the device so a later
+    ``fit``/``validate``/``test`` with the same module, which keeps the sharded module as it is, would compute on
+    CPU. Lightning's own FSDP2 strategy (``ModelParallelStrategy``) leaves the module in place the same way.
+    """
+    assert strategy.cluster_environment is not None and strategy.accelerator is not None
+    strategy.cluster_environment.teardown()
+    strategy.precision_plugin.teardown()
+    strategy.accelerator.teardown()
+    strategy.checkpoint_io.teardown()

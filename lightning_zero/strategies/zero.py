@@ -557,8 +557,10 @@ class ZeroStrategy(ParallelStrategy):
             sharding = get_sharding(optimizer)
             if sharding is not None:
                 sharding.remove()
-        assert self.cluster_environment is not None
-        super().teardown()
+        if lifecycle.holds_sharded_parameters(lightning_module):
+            lifecycle.teardown_in_place(self)  # never .cpu() a sharded module: see teardown_in_place
+        else:
+            super().teardown()
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
