@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 
 def ddp_kwargs(module) -> dict[str, Any]:
     """``DistributedDataParallel`` arguments for stages 0-1.
@@ -109,3 +111,57 @@ def teardown_in_place(strategy) -> None:
     strategy.precision_plugin.teardown()
     strategy.accelerator.teardown()
     strategy.checkpoint_io.teardown()
+
+
+_SYNC_BATCHNORM_DEVICES = ("cuda", "xpu", "hpu")
+
+
+def check_before_process_group(strategy) -> None:
+    """Refuse, before any process group starts, what this strategy would otherwise run wrongly or crash on.
+
+    - ``Trainer(sync_batchnorm=True)`` off GPU: torch's ``SyncBatchNorm`` raises inside its forward on CPU input
+      once a process group exists, so the first training batch would fail deep inside torch.
+    - ``StochasticWeightAveraging`` at stages 2-3: it deep-copies the module and averages its parameters into the
+      copy, mixing plain tensors with FSDP2's sharded DTensors ("mixed torch.Tensor and DTensor").
+    """
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+    from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
+
+    device = strategy.root_device
+    if isinstance(strategy._layer_sync, TorchSyncBatchNorm) and \
+            device.type not in (*_SYNC_BATCHNORM_DEVICES, torch._C._get_privateuse1_backend_name()):
+        raise ValueError(
+            f"Trainer(sync_batchnorm=True) turns BatchNorm layers into torch.nn.SyncBatchNorm, which torch runs only "
+            f"on {'/'.join(_SYNC_BATCHNORM_DEVICES)} devices, but this run computes on {device.type!r}. Train on a "
+            "GPU, or remove sync_batchnorm=True (each rank then normalises with its own batch statistics).")
+    module = strategy.lightning_module
+    trainer = getattr(module, "_trainer", None) if module is not None else None
+    if trainer is not None and strategy.stage >= 2:
+        for callback in trainer.callbacks:
+            if isinstance(callback, StochasticWeightAveraging):
+                raise ValueError(
+                    f"The StochasticWeightAveraging callback is not supported with ZeroStrategy(stage="
+                    f"{strategy.stage}): it averages copies of the parameters, which stages 2-3 shard across ranks. "
+                    "Remove the callback, or use stage 0 or 1.")
+
+
+def apply_layer_sync(strategy, fitting: bool) -> None:
+    """Apply Lightning's layer sync (``Trainer(sync_batchnorm=True)``) before the module is wrapped, as DDP does.
+
+    Only when fitting; a module that is already sharded (evaluation after ``fit``) keeps the layers it trained with.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    if fitting and strategy._layer_sync is not None and not isinstance(strategy.model, FSDPModule):
+        strategy.model = strategy._layer_sync.apply(strategy.model)
+
+
+def revert_layer_sync(strategy, fitting: bool) -> None:
+    """Undo :func:`apply_layer_sync` at teardown, at stages 0-1 only.
+
+    At stages 2-3 the synchronised layers' parameters are FSDP2 shards bound to those very layer objects; swapping
+    the layers back would detach the shards from FSDP2, so the module keeps them (in ``eval()`` a ``SyncBatchNorm``
+    normalises exactly like a ``BatchNorm``, with its running statistics).
+    """
+    if fitting and strategy._layer_sync is not None and not holds_sharded_parameters(strategy.lightning_module):
+        strategy.model = strategy._layer_sync.revert(strategy.model)

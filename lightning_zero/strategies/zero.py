@@ -307,6 +307,7 @@ class ZeroStrategy(ParallelStrategy):
             self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
 
     def setup_environment(self) -> None:
+        lifecycle.check_before_process_group(self)  # sync_batchnorm off GPU, SWA at stages 2-3
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
@@ -352,6 +353,7 @@ class ZeroStrategy(ParallelStrategy):
             self._bind_ds_config(trainer)
         self.precision_plugin.device_type = self.root_device.type
         fitting = trainer.state.fn == TrainerFn.FITTING
+        lifecycle.apply_layer_sync(self, fitting)  # Trainer(sync_batchnorm=True), before any wrapping
         self.precision_plugin.convert_module(self.model)
         if self._pipeline.enabled:
             self._setup_pipeline(trainer)
@@ -553,6 +555,8 @@ class ZeroStrategy(ParallelStrategy):
         self._manual_backward = None
         if isinstance(self.model, DistributedDataParallel):
             self.model = lightning_module
+        if lightning_module is not None and lightning_module._trainer is not None:
+            lifecycle.revert_layer_sync(self, lightning_module._trainer.state.fn == TrainerFn.FITTING)
         for optimizer in self.optimizers:
             sharding = get_sharding(optimizer)
             if sharding is not None:
