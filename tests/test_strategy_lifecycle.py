@@ -120,3 +120,26 @@ def _teardown_worker(rank, world_size):
 
 def test_teardown_keeps_user_methods_and_sharded_module_in_place_for_later_runs():
     run_distributed(_teardown_worker, WORLD)
+
+
+def test_uninstall_removes_only_the_config_optimizer_hook():
+    from lightning.pytorch import LightningModule
+
+    from lightning_zero.strategies.ds_config_binding import (
+        DeepSpeedConfigBinding,
+        install_config_optimizers,
+        uninstall_config_optimizers,
+    )
+
+    binding = DeepSpeedConfigBinding({"train_micro_batch_size_per_gpu": 1,
+                                      "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}})
+    installed = LightningModule()
+    install_config_optimizers(installed, binding)
+    assert "configure_optimizers" in installed.__dict__
+    uninstall_config_optimizers(installed)
+    assert "configure_optimizers" not in installed.__dict__
+
+    users = LightningModule()
+    users.configure_optimizers = lambda: None
+    uninstall_config_optimizers(users)
+    assert "configure_optimizers" in users.__dict__
