@@ -32,8 +32,7 @@ def test_sync_batchnorm_converts_and_trains_on_gpu(stage, monkeypatch, tmp_path)
     module = WithBatchNorm()
     make_trainer(stage, tmp_path, sync_batchnorm=True, callbacks=[recorder]).fit(module)
     assert recorder.seen is torch.nn.SyncBatchNorm
-    assert torch.isfinite(module.norm.running_mean.full_tensor() if stage >= 2 and hasattr(
-        module.norm.running_mean, "full_tensor") else module.norm.running_mean).all()
+    assert module.norm.num_batches_tracked.item() == 2  # buffers stay whole under FSDP2; the layer really ran
     torch.distributed.destroy_process_group()
 
 
