@@ -18,8 +18,8 @@ right after the backward would gather the values from *before* the optimizer ste
 rest of ``training_step`` would compute with stale weights. For the same reason every unit is resharded when
 ``training_step`` returns (:meth:`ManualBackward.step_finished`): at stage 2 FSDP2 keeps gathered parameters across
 steps, which is only right when nothing stepped after the gather. FSDP2 has no public API for a backward inside a
-forward, so this calls the root state's two forward hooks, the same functions ``__call__`` calls, and the public
-``FSDPModule.reshard``; nothing else of FSDP2's state is touched.
+forward, so this calls the root state's two forward hooks (the same functions ``__call__`` calls) and the public
+``FSDPModule.reshard``, and only reads FSDP2's unit bookkeeping (which module owns which sharded parameter).
 
 [Note: requires_grad follows the sharded parameter]
 The optimizers hold the *sharded* parameters, while forward computes with the *unsharded* ones FSDP2 registers on
