@@ -126,7 +126,12 @@ def check_before_process_group(strategy) -> None:
     """
     from lightning.pytorch.callbacks import StochasticWeightAveraging
     from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
+    from lightning.pytorch.trainer.states import TrainerFn
 
+    module = strategy.lightning_module
+    trainer = getattr(module, "_trainer", None) if module is not None else None
+    if trainer is None or trainer.state.fn != TrainerFn.FITTING:  # both only act while fitting
+        return
     device = strategy.root_device
     if isinstance(strategy._layer_sync, TorchSyncBatchNorm) and \
             device.type not in (*_SYNC_BATCHNORM_DEVICES, torch._C._get_privateuse1_backend_name()):
@@ -134,9 +139,7 @@ def check_before_process_group(strategy) -> None:
             f"Trainer(sync_batchnorm=True) turns BatchNorm layers into torch.nn.SyncBatchNorm, which torch runs only "
             f"on {'/'.join(_SYNC_BATCHNORM_DEVICES)} devices, but this run computes on {device.type!r}. Train on a "
             "GPU, or remove sync_batchnorm=True (each rank then normalises with its own batch statistics).")
-    module = strategy.lightning_module
-    trainer = getattr(module, "_trainer", None) if module is not None else None
-    if trainer is not None and strategy.stage >= 2:
+    if strategy.stage >= 2:
         for callback in trainer.callbacks:
             if isinstance(callback, StochasticWeightAveraging):
                 raise ValueError(
