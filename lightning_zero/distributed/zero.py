@@ -21,7 +21,7 @@ At stages 2-3 the module passed in (for Lightning, the LightningModule) becomes 
 parameter belongs to exactly one unit: repeated blocks get their own unit and the root holds the rest
 (embeddings, heads, norms). The root's hooks fire only when the root's ``__call__`` runs, so callers that invoke
 another method (``training_step``) must route it through ``__call__``; the strategy does so with Lightning's
-forward redirection.
+forward redirection. A backward *inside* that call (manual optimization) needs :mod:`.manual_backward`.
 """
 
 from __future__ import annotations

@@ -230,11 +230,15 @@ def install_config_optimizers(module, binding: DeepSpeedConfigBinding) -> None:
             return optimizer
         return {"optimizer": optimizer, "lr_scheduler": _scheduler_for(translation, self.trainer, optimizer)}
 
+    configure_optimizers.installed_by_lightning_zero = True  # teardown removes only this one, never the user's
     module.configure_optimizers = types.MethodType(configure_optimizers, module)
 
 
 def uninstall_config_optimizers(module) -> None:
-    module.__dict__.pop("configure_optimizers", None)
+    """Remove what :func:`install_config_optimizers` bound; a ``configure_optimizers`` the user set stays."""
+    bound = module.__dict__.get("configure_optimizers")
+    if getattr(getattr(bound, "__func__", None), "installed_by_lightning_zero", False):
+        del module.__dict__["configure_optimizers"]
 
 
 def scheduler_from_config(translation: DeepSpeedTranslation, trainer, optimizers: list, configs: list) -> list:

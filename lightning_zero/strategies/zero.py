@@ -39,9 +39,10 @@ from lightning_zero.checkpoint.io import wait_for_pending_saves
 from lightning_zero.config import ZeroConfig
 from lightning_zero.distributed.buffers import comm_buffer_pool
 from lightning_zero.distributed.init import InitConfig, exact_init
+from lightning_zero.distributed.manual_backward import ManualBackward
 from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
 from lightning_zero.distributed.zero import apply_zero, set_gradient_sync
-from lightning_zero.strategies import checkpointing, validation
+from lightning_zero.strategies import checkpointing, lifecycle, validation
 from lightning_zero.strategies.ds_config_binding import (
     DeepSpeedConfigBinding,
     install_config_optimizers,
@@ -204,6 +205,8 @@ class ZeroStrategy(ParallelStrategy):
         self.async_save = async_save
         self._num_nodes = 1
         self._mesh = None
+        self._teardown_handles: list = []  # hooks setup added to the user's module, removed at teardown
+        self._manual_backward: Optional[ManualBackward] = None
         self._forward_redirection = _DDPForwardRedirection() if stage <= 1 else _ForwardRedirection()
 
     # ------------------------------------------------------------------ properties Lightning reads
@@ -311,6 +314,7 @@ class ZeroStrategy(ParallelStrategy):
 
     def setup_environment(self) -> None:
         validation.validate_before_process_group(self)  # on every rank, before init_process_group
+        lifecycle.check_before_process_group(self)  # sync_batchnorm off GPU, SWA at stages 2-3
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
@@ -359,6 +363,7 @@ class ZeroStrategy(ParallelStrategy):
             self._bind_ds_config(trainer)
         self.precision_plugin.device_type = self.root_device.type
         fitting = trainer.state.fn == TrainerFn.FITTING
+        lifecycle.apply_layer_sync(self, fitting)  # Trainer(sync_batchnorm=True), before any wrapping
         self.precision_plugin.convert_module(self.model)
         if self._pipeline.enabled:
             self._setup_pipeline(trainer)
@@ -366,8 +371,12 @@ class ZeroStrategy(ParallelStrategy):
             if not isinstance(self.model, FSDPModule):  # evaluation after fit reuses the sharded module
                 apply_zero(self.model, self._mesh, self.zero_config, device=self.root_device,
                            mp_policy=self.precision_plugin.fsdp_mp_policy())
+            if fitting and not self.lightning_module.automatic_optimization:
+                self._manual_backward = ManualBackward(self.model)
+                self._teardown_handles.append(self._manual_backward)
         elif fitting:
-            self.model = apply_zero(self.model, self._mesh, self.zero_config, device=self.root_device)
+            self.model = apply_zero(self.model, self._mesh, self.zero_config, device=self.root_device,
+                                    ddp_kwargs=lifecycle.ddp_kwargs(self.lightning_module))
             reduce_dtype = self.precision_plugin.ddp_reduce_dtype()
             if reduce_dtype is not None:
                 self.model.register_comm_hook(self._mesh.get_group(), low_precision_allreduce_hook(reduce_dtype))
@@ -400,6 +409,7 @@ class ZeroStrategy(ParallelStrategy):
         for optimizer in self.optimizers:
             if get_sharding(optimizer) is None:
                 shard_optimizer(optimizer, self.zero_config, group=group, device=self.root_device)
+        self._teardown_handles += lifecycle.whole_model_toggle(self.lightning_module, self.optimizers)
         guard_schedulers(self.lr_scheduler_configs, self.precision_plugin)
 
     def model_to_device(self) -> None:
@@ -422,8 +432,9 @@ class ZeroStrategy(ParallelStrategy):
                 self._runner.sync_grads = True
 
     def backward(self, closure_loss: Tensor, optimizer, *args: Any, **kwargs: Any) -> Tensor:
-        if self._runner is None:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        if self._runner is None:  # manual_backward runs inside training_step's forward: see manual_backward's note
+            with self._manual_backward.backward(closure_loss) if self._manual_backward else nullcontext():
+                return super().backward(closure_loss, optimizer, *args, **kwargs)
         # The schedule already ran backward inside training_step (see pipeline_binding's note): restore its
         # gradients (see _pipelined_training_step) and run the hooks.
         module = self.lightning_module
@@ -453,7 +464,10 @@ class ZeroStrategy(ParallelStrategy):
         if self._runner is not None:
             return self._pipelined_training_step(*args, **kwargs)
         with self.precision_plugin.train_step_context():
-            return self._redirect("training_step", *args, **kwargs)
+            output = self._redirect("training_step", *args, **kwargs)
+        if self._manual_backward is not None:
+            self._manual_backward.step_finished()
+        return output
 
     def _pipelined_training_step(self, *args: Any, **kwargs: Any) -> Any:
         """[Note: pipeline gradients and Lightning's zero_grad]
@@ -545,14 +559,22 @@ class ZeroStrategy(ParallelStrategy):
             uninstall_config_optimizers(lightning_module)
             if (pool := comm_buffer_pool(lightning_module)) is not None:
                 pool.clear()  # the CPU communication buffers go with the run; refilled if the module trains again
+        for handle in self._teardown_handles:
+            handle.remove()
+        self._teardown_handles.clear()
+        self._manual_backward = None
         if isinstance(self.model, DistributedDataParallel):
             self.model = lightning_module
+        if lightning_module is not None and lightning_module._trainer is not None:
+            lifecycle.revert_layer_sync(self, lightning_module._trainer.state.fn == TrainerFn.FITTING)
         for optimizer in self.optimizers:
             sharding = get_sharding(optimizer)
             if sharding is not None:
                 sharding.remove()
-        assert self.cluster_environment is not None
-        super().teardown()
+        if lifecycle.holds_sharded_parameters(lightning_module):
+            lifecycle.teardown_in_place(self)  # never .cpu() a sharded module: see teardown_in_place
+        else:
+            super().teardown()
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:

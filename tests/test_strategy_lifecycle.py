@@ -1,0 +1,170 @@
+"""What ZeroStrategy does around training: layer sync (``sync_batchnorm``), refused callbacks, and teardown that
+neither deletes what the user owns nor moves a sharded module (see ``lightning_zero/strategies/lifecycle.py``)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging
+from lightning.pytorch.plugins.layer_sync import LayerSync
+from torch import nn
+
+from lightning_zero import ZeroStrategy
+from tests.distributed import run_distributed
+from tests.lightning_models import RegressionModule, full_state
+
+WORLD = 2
+
+
+def make_trainer(stage, devices=WORLD, **kwargs):
+    defaults = dict(accelerator="cpu", devices=devices, max_steps=2, logger=False, enable_checkpointing=False,
+                    enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    return Trainer(strategy=ZeroStrategy(stage=stage), **{**defaults, **kwargs})
+
+
+def test_sync_batchnorm_off_gpu_is_refused_before_any_process_group():
+    trainer = make_trainer(2, devices=1, sync_batchnorm=True)
+    with pytest.raises(ValueError, match=r"sync_batchnorm=True.*computes on 'cpu'"):
+        trainer.fit(RegressionModule())
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_stochastic_weight_averaging_at_sharded_stages_is_refused_before_training(stage):
+    trainer = make_trainer(stage, devices=1, callbacks=[StochasticWeightAveraging(swa_lrs=1e-2)])
+    module = RegressionModule()
+    before = full_state(module)
+    with pytest.raises(ValueError, match=rf"StochasticWeightAveraging.*stage={stage}"):
+        trainer.fit(module)
+    assert not dist.is_initialized()
+    assert all(torch.equal(before[k], v) for k, v in full_state(module).items())
+
+
+class MarkedBatchNorm(nn.BatchNorm1d):
+    """What the recording layer sync swaps in (a CPU stand-in for SyncBatchNorm, which torch runs only on GPU)."""
+
+
+class RecordingSync(LayerSync):
+    def apply(self, model):
+        for name, child in list(model.named_children()):
+            if type(child) is nn.BatchNorm1d:
+                marked = MarkedBatchNorm(child.num_features)
+                marked.load_state_dict(child.state_dict())
+                setattr(model, name, marked)
+        return model
+
+    def revert(self, model):
+        for name, child in list(model.named_children()):
+            if isinstance(child, MarkedBatchNorm):
+                plain = nn.BatchNorm1d(child.num_features)
+                plain.load_state_dict(child.state_dict())
+                setattr(model, name, plain)
+        return model
+
+
+class WithBatchNorm(RegressionModule):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.BatchNorm1d(6)
+
+    def forward(self, x):
+        return self.net(self.norm(x))
+
+
+class RecordNormType(Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.seen = type(pl_module.norm)
+
+
+def _layer_sync_worker(rank, world_size):
+    for stage in (0, 3):
+        module, recorder = WithBatchNorm(), RecordNormType()
+        make_trainer(stage, plugins=[RecordingSync()], callbacks=[recorder]).fit(module)
+        assert recorder.seen is MarkedBatchNorm, f"stage {stage}: the Trainer's layer sync was not applied"
+        # stages 0-1 revert like DDPStrategy; at 2-3 the layer owns FSDP2 shards and stays (see revert_layer_sync)
+        assert type(module.norm) is (nn.BatchNorm1d if stage == 0 else MarkedBatchNorm), stage
+
+
+def test_trainer_layer_sync_is_applied_while_fitting():
+    run_distributed(_layer_sync_worker, WORLD)
+
+
+class OwnOptimizer(RegressionModule):
+    """A user-set per-instance configure_optimizers (no ds_config): the strategy must not delete it."""
+
+    def __init__(self):
+        super().__init__()
+        self.configure_optimizers = lambda: torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def _teardown_worker(rank, world_size):
+    from torch.distributed.tensor import DTensor
+
+    for stage in (0, 3):
+        module = OwnOptimizer()
+        trainer = make_trainer(stage, limit_val_batches=2)
+        trainer.fit(module)
+        assert "configure_optimizers" in module.__dict__, f"stage {stage}: teardown deleted the user's method"
+        assert isinstance(trainer.optimizers[0], torch.optim.SGD)
+        # Lightning's evaluation loops run under inference_mode; teardown then must not swap sharded parameters
+        with torch.inference_mode():
+            val = trainer.validate(module, verbose=False)[0]["val_loss"]
+        test = trainer.test(module, verbose=False)[0]["test_loss"]
+        assert val == pytest.approx(test)
+        assert all(isinstance(p, DTensor) for p in module.parameters()) == (stage >= 2)
+        before = full_state(module)
+        make_trainer(stage).fit(module)  # and it trains again afterwards
+        after = full_state(module)
+        assert any(not torch.equal(before[k], after[k]) for k in before), f"stage {stage}: second fit did nothing"
+
+
+def test_teardown_keeps_user_methods_and_sharded_module_in_place_for_later_runs():
+    run_distributed(_teardown_worker, WORLD)
+
+
+def test_uninstall_removes_only_the_config_optimizer_hook():
+    from lightning.pytorch import LightningModule
+
+    from lightning_zero.strategies.ds_config_binding import (
+        DeepSpeedConfigBinding,
+        install_config_optimizers,
+        uninstall_config_optimizers,
+    )
+
+    binding = DeepSpeedConfigBinding({"train_micro_batch_size_per_gpu": 1,
+                                      "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}})
+    installed = LightningModule()
+    install_config_optimizers(installed, binding)
+    assert "configure_optimizers" in installed.__dict__
+    uninstall_config_optimizers(installed)
+    assert "configure_optimizers" not in installed.__dict__
+
+    users = LightningModule()
+    users.configure_optimizers = lambda: None
+    uninstall_config_optimizers(users)
+    assert "configure_optimizers" in users.__dict__
+
+
+def test_sync_batchnorm_conversion_and_evaluation_on_cpu(monkeypatch):
+    """The conversion itself (torch's SyncBatchNorm cannot run a training forward on CPU), and that evaluation, where
+    no statistics are synchronised, is not refused."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
+
+    from lightning_zero.strategies.lifecycle import apply_layer_sync
+
+    module = WithBatchNorm()
+    stub = SimpleNamespace(model=module, _layer_sync=TorchSyncBatchNorm())
+    apply_layer_sync(stub, fitting=True)
+    assert type(stub.model.norm) is nn.SyncBatchNorm
+    apply_layer_sync(stub, fitting=False)  # evaluation: nothing to do (and nothing converted twice)
+    assert type(stub.model.norm) is nn.SyncBatchNorm
+
+    from tests.distributed import free_port
+
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    trainer = make_trainer(2, devices=1, sync_batchnorm=True)
+    result = trainer.validate(WithBatchNorm(), verbose=False)
+    assert "val_loss" in result[0]
+    dist.destroy_process_group()
