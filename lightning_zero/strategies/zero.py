@@ -9,7 +9,7 @@ clipping, and checkpoints.
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Callable, Generator, Literal, Optional, Union
 
