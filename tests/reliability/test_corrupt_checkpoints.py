@@ -261,6 +261,30 @@ def test_cli_process_prints_no_traceback(pristine, tmp_path):
     assert quiet.stderr.count("\n") == 1 and "__1_0.distcp" in quiet.stderr, quiet.stderr
 
 
+@pytest.mark.parametrize("output", ["model.ckpt", "model.safetensors"])
+def test_a_consolidation_failing_midway_leaves_no_file(pristine, tmp_path, monkeypatch, output):
+    from lightning_zero.checkpoint.consolidate import DCPTensorSource
+
+    def failing(self, entry):
+        raise OSError("disk went away")
+
+    monkeypatch.setattr(DCPTensorSource, "load", failing)
+    with pytest.raises(OSError, match="disk went away"):
+        consolidate_checkpoint(pristine, tmp_path / output)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_failure_inside_dcp_is_a_checkpoint_error(pristine, tmp_path):
+    path = str(tmp_path / "model.ckpt")
+    shutil.copytree(pristine, path)
+    with open(os.path.join(path, "__0_0.distcp"), "r+b") as file:
+        file.write(b"XX")  # the zip header of the first record: torch.load fails inside DCP's read
+    # checksums=False skips the CRC that would have caught it first: DCP's CheckpointException (a BaseException)
+    # must still come out as a CheckpointError
+    with pytest.raises(CheckpointError, match="loading failed on 1 rank"):
+        load_sharded_checkpoint(path, {"state_dict": make_model().state_dict()}, checksums=False)
+
+
 def test_dcp_checkpoint_exception_becomes_a_checkpoint_error():
     wrapped = CheckpointException("load", {0: (ValueError("bad\nsecond line"), None), 1: (KeyError("k"), None)})
     error = _translate(wrapped, "/x/model.ckpt")
