@@ -285,6 +285,24 @@ def test_a_failure_inside_dcp_is_a_checkpoint_error(pristine, tmp_path):
         load_sharded_checkpoint(path, {"state_dict": make_model().state_dict()}, checksums=False)
 
 
+def _load_damaged_worker(rank: int, world_size: int, path: str, name: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = fully_shard(make_model(), mesh=init_device_mesh("cpu", (world_size,)))
+    # each rank checksums every other file; the rank that finds the damage must not leave the other one waiting
+    with pytest.raises(CheckpointError, match=f"{name}: contents changed"):
+        load_sharded_checkpoint(path, {"state_dict": model.state_dict()})
+
+
+def test_every_rank_raises_when_one_rank_finds_the_damage(pristine, tmp_path):
+    for name in ("__0_0.distcp", "__1_0.distcp"):
+        path = str(tmp_path / name / "model.ckpt")
+        shutil.copytree(pristine, path)
+        flip_byte(name)(path)
+        run_distributed(_load_damaged_worker, 2, path, name)
+
+
 def test_dcp_checkpoint_exception_becomes_a_checkpoint_error():
     wrapped = CheckpointException("load", {0: (ValueError("bad\nsecond line"), None), 1: (KeyError("k"), None)})
     error = _translate(wrapped, "/x/model.ckpt")
