@@ -214,7 +214,8 @@ def consolidate_checkpoint(
     Files are written tensor by tensor (peak memory ~3x the largest tensor), to ``output + ".partial"`` first and
     renamed when complete (removed on failure). A sharded source is verified first (every file's size and CRC-32,
     chunks covering each tensor exactly); damage is a :class:`CheckpointError` naming the file. An ``output`` that
-    is an existing directory is refused before anything is read. ``dtype`` (``"fp32"``, ``"bf16"``, ``"fp16"``) converts floating-point tensors.
+    is an existing directory is refused before anything is read. ``dtype`` (``"fp32"``, ``"bf16"``, ``"fp16"``)
+    converts floating-point tensors.
     """
     dtype = parse_dtype(dtype)
     if output is not None:

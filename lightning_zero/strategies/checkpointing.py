@@ -27,7 +27,7 @@ from lightning_zero.checkpoint.io import (
     save_sharded_checkpoint,
     wait_for_pending_saves,
 )
-from lightning_zero.checkpoint.safe_load import load_meta
+from lightning_zero.checkpoint.safe_load import load_meta, read_dcp_metadata
 from lightning_zero.distributed.optimizer import get_sharding
 
 
@@ -133,6 +133,23 @@ def _check_optimizers(directory: str, optimizers: list, saved_groups: list, save
                               "those of another optimizer", directory)
 
 
+def _forget_states_not_in_checkpoint(directory: str, module: torch.nn.Module, optimizers: list) -> None:
+    """Drop the placeholder states (from :func:`_initialise_optimizer_state`) of parameters the checkpoint has no
+    state for, so the optimizer starts them fresh, as after ``Optimizer.load_state_dict`` without them: a kept
+    placeholder would step them as if one step had already been taken (Adam's bias correction)."""
+    stored = read_dcp_metadata(directory).state_dict_metadata
+    names = _param_names(module)
+    for i, optimizer in enumerate(optimizers):
+        prefix = f"optimizer_states.{i}.state."
+        # "<prefix><parameter name>.<state key>"; state keys (exp_avg, step, ...) hold no dots, parameter names do
+        have = {key[len(prefix):].rsplit(".", 1)[0] for key in stored if key.startswith(prefix)}
+        sharding = get_sharding(optimizer)
+        for params in _model_params_per_group(optimizer):
+            for param in params:
+                if names[id(param)] not in have:
+                    optimizer.state.pop(_held_tensor(sharding, param), None)
+
+
 def load(strategy, filepath: str) -> dict[str, Any]:
     """Load a sharded directory into the strategy's module and optimizers; return the rest of the checkpoint.
 
@@ -157,6 +174,8 @@ def load(strategy, filepath: str) -> dict[str, Any]:
             target["optimizer_states"][str(i)] = {"state": optimizer_state_dict(module, optimizer)["state"]}
     load_sharded_checkpoint(directory, target, strict=module.strict_loading)
     module.load_state_dict(target["state_dict"], strict=module.strict_loading)
+    if not module.strict_loading:
+        _forget_states_not_in_checkpoint(directory, module, optimizers)
     for optimizer, groups in zip(optimizers, saved_groups):
         for group, saved in zip(optimizer.param_groups, groups):
             group.update({k: v for k, v in saved.items() if k != "params"})
