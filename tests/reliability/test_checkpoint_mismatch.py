@@ -95,6 +95,15 @@ class Blocks(LightningModule):
         return DataLoader(TensorDataset(torch.randn(8, self.blocks[0].in_features)), batch_size=4)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _no_process_group_left_behind():
+    # A one-device Trainer in this process initialises the default process group and, like Lightning's DDP, leaves
+    # it: later tests that fork ranks (tests.distributed) would inherit it.
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def _fit(module: LightningModule, root, ckpt_path=None) -> Trainer:
     # max_steps equals the saved step count: a resume restores and stops, so the weights are the loaded ones
     trainer = Trainer(strategy=ZeroStrategy(stage=2), accelerator="cpu", devices=1, max_steps=2, logger=False,
