@@ -355,7 +355,10 @@ def load_sharded_checkpoint(
             process_group=process_group,
         )
     except CheckpointException as wrapped:
-        raise _translate(wrapped, directory) from None
+        error = _translate(wrapped, directory)
+        first = next(iter(wrapped.failures.values()), (None, None))[0]
+        # chained to the first rank's own exception (its traceback), never to DCP's BaseException wrapper
+        raise error from (first if isinstance(first, Exception) and first is not error else None)
     return load_meta(directory)
 
 
@@ -387,9 +390,7 @@ def _translate(wrapped: CheckpointException, directory: str) -> CheckpointError:
             return failure
     summary = "; ".join(f"rank {rank_id}: {type(failure).__name__}: {(str(failure).strip() or ' ').splitlines()[0]}"
                         for rank_id, (failure, _trace) in failures[:3])
-    error = CheckpointError(f"{directory}: loading failed on {len(failures)} rank(s): {summary}", directory)
-    error.__cause__ = failures[0][1][0] if failures else None
-    return error
+    return CheckpointError(f"{directory}: loading failed on {len(failures)} rank(s): {summary}", directory)
 
 
 def remove_sharded_checkpoint(path: PathLike) -> None:

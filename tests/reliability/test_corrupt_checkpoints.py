@@ -281,8 +281,9 @@ def test_a_failure_inside_dcp_is_a_checkpoint_error(pristine, tmp_path):
         file.write(b"XX")  # the zip header of the first record: torch.load fails inside DCP's read
     # checksums=False skips the CRC that would have caught it first: DCP's CheckpointException (a BaseException)
     # must still come out as a CheckpointError
-    with pytest.raises(CheckpointError, match="loading failed on 1 rank"):
+    with pytest.raises(CheckpointError, match="loading failed on 1 rank") as raised:
         load_sharded_checkpoint(path, {"state_dict": make_model().state_dict()}, checksums=False)
+    assert isinstance(raised.value.__cause__, Exception)  # the rank's own error, not DCP's BaseException wrapper
 
 
 def _load_damaged_worker(rank: int, world_size: int, path: str, name: str) -> None:
