@@ -36,7 +36,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_zero.checkpoint.errors import CheckpointError
-from lightning_zero.checkpoint.matching import check_state_matches
+from lightning_zero.checkpoint.matching import check_state_matches, describe_state, merge_descriptions
 from lightning_zero.checkpoint.safe_load import (
     SafeFileSystemReader,
     SafeLoadPlanner,
@@ -346,7 +346,12 @@ def load_sharded_checkpoint(
     except CheckpointError as err:
         problems = [err]
     _raise_on_every_rank(problems, process_group)
-    check_state_matches(state, metadata, strict=strict, where=directory)
+    description = describe_state(state, metadata)
+    if _world(process_group) > 1:
+        gathered: List[Any] = [None] * _world(process_group)
+        dist.all_gather_object(gathered, description, group=process_group)
+        description = merge_descriptions(gathered)
+    check_state_matches(description, metadata, strict=strict, where=directory)
     try:
         dcp.load(
             state,

@@ -29,21 +29,11 @@ def _top(fqn: str, mappings: Dict[str, Any]) -> str:
     return str(path[0]) if path else fqn.split(".", 1)[0]
 
 
-def check_state_matches(state: Dict[str, Any], metadata: Metadata, *, strict: bool, where: str) -> None:
-    """Raise :class:`CheckpointError` when the checkpoint described by ``metadata`` does not fit ``state``.
-
-    Missing keys are in ``state`` but not in the checkpoint; unexpected keys are in the checkpoint under a
-    top-level key that ``state`` has (``state_dict``, ``optimizer_states``, ...) but not in ``state`` (top-level
-    entries ``state`` does not ask for are not loaded and not reported). ``strict=False`` accepts missing and
-    unexpected keys, as ``load_state_dict(strict=False)`` does; a shape mismatch, or a tensor where the target holds
-    an object, is always an error.
-    """
+def describe_state(state: Dict[str, Any], metadata: Metadata) -> Dict[str, List[str]]:
+    """This rank's side of the comparison: its flattened keys, its top-level keys, its missing and
+    shape-mismatched keys. Plain lists, so that ranks can exchange them (see :func:`merge_descriptions`)."""
     flat, _ = flatten_state_dict(state)
     stored = metadata.state_dict_metadata
-    mappings = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
-    wanted_tops = {str(key) for key in state}
-    missing = [fqn for fqn in flat if fqn not in stored]
-    unexpected = [fqn for fqn in stored if fqn not in flat and _top(fqn, mappings) in wanted_tops]
     mismatched = []
     for fqn, value in flat.items():
         item = stored.get(fqn)
@@ -55,6 +45,32 @@ def check_state_matches(state: Dict[str, Any], metadata: Metadata, *, strict: bo
                               f"target: {'tensor' if is_tensor else type(value).__name__})")
         elif is_tensor and tuple(value.shape) != tuple(item.size):
             mismatched.append(f"{fqn} (checkpoint: {list(item.size)}, target: {list(value.shape)})")
+    return {"keys": list(flat), "tops": [str(key) for key in state],
+            "missing": [fqn for fqn in flat if fqn not in stored], "mismatched": mismatched}
+
+
+def merge_descriptions(descriptions: List[Dict[str, List[str]]]) -> Dict[str, List[str]]:
+    """The union of every rank's description, in order. [Note: a rank may hold part of the state] At ZeRO stage 1
+    a rank's target holds only the optimizer states of the parameters it owns, so a key is unexpected only when no
+    rank asks for it, and every rank must reach the same verdict (a rank raising alone would hang the others)."""
+    return {field: list(dict.fromkeys(item for d in descriptions for item in d[field]))
+            for field in ("keys", "tops", "missing", "mismatched")}
+
+
+def check_state_matches(description: Dict[str, List[str]], metadata: Metadata, *, strict: bool, where: str) -> None:
+    """Raise :class:`CheckpointError` when the checkpoint described by ``metadata`` does not fit the target
+    ``description`` (from :func:`describe_state`, merged over ranks).
+
+    Missing keys are in the target but not in the checkpoint; unexpected keys are in the checkpoint under a
+    top-level key that the target has (``state_dict``, ``optimizer_states``, ...) but not in the target (top-level
+    entries it does not ask for are not loaded and not reported). ``strict=False`` accepts missing and
+    unexpected keys, as ``load_state_dict(strict=False)`` does; a shape mismatch, or a tensor where the target holds
+    an object, is always an error.
+    """
+    mappings = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    keys, tops = set(description["keys"]), set(description["tops"])
+    missing, mismatched = description["missing"], description["mismatched"]
+    unexpected = [fqn for fqn in metadata.state_dict_metadata if fqn not in keys and _top(fqn, mappings) in tops]
     if not mismatched and (not strict or not (missing or unexpected)):
         return
     parts = []
