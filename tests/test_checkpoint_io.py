@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_zero.checkpoint import io as ckpt_io
 from lightning_zero.checkpoint import (
+    CheckpointError,
     UnsafeCheckpointError,
     is_sharded_checkpoint,
     load_meta,
@@ -21,6 +22,7 @@ from lightning_zero.checkpoint import (
     wait_for_pending_saves,
 )
 from tests.distributed import kill_rank_in_the_middle_of_the_next_save, run_distributed
+from tests.reliability.tamper import reseal
 
 
 def make_model(seed: int) -> torch.nn.Module:
@@ -156,7 +158,7 @@ def test_single_process_save_replaces_and_validates(tmp_path):
     assert not os.path.exists(tmp_path / ".x.ckpt.old")
     with pytest.raises(ValueError, match="both"):
         save_sharded_checkpoint(path, state_of(model, 7.0), {"state_dict": 1})
-    with pytest.raises(FileNotFoundError, match="not a complete"):
+    with pytest.raises(CheckpointError, match="not a complete"):
         load_sharded_checkpoint(tmp_path, {})
 
 
@@ -180,6 +182,9 @@ def test_meta_pt_with_code_is_refused(tmp_path, marker):
     path = tmp_path / "m.ckpt"
     save_sharded_checkpoint(path, state_of(make_model(1), 7.0), META)
     torch.save({"epoch": _Evil()}, path / "meta.pt")
+    with pytest.raises(CheckpointError, match="meta.pt: contents changed"):
+        load_sharded_checkpoint(path, state_of(make_model(1), 0.0))
+    reseal(path)  # as a forger would: the records now match, the unpickler must still refuse
     with pytest.raises(UnsafeCheckpointError, match="add_safe_globals"):
         load_meta(path)
     with pytest.raises(UnsafeCheckpointError, match="exec"):
@@ -191,6 +196,7 @@ def test_dcp_metadata_with_code_is_refused(tmp_path, marker):
     save_sharded_checkpoint(path, state_of(make_model(1), 7.0), META)
     with open(path / ".metadata", "wb") as file:
         pickle.dump(_Evil(), file)
+    reseal(path)
     with pytest.raises(UnsafeCheckpointError, match="exec"):
         load_sharded_checkpoint(path, state_of(make_model(1), 0.0))
 

@@ -2,6 +2,7 @@
 
 from lightning_zero.checkpoint.consolidate import consolidate_checkpoint, iter_consolidated
 from lightning_zero.checkpoint.deepspeed_reader import is_deepspeed_checkpoint
+from lightning_zero.checkpoint.errors import CheckpointError
 from lightning_zero.checkpoint.io import (
     PendingSave,
     is_sharded_checkpoint,
@@ -12,9 +13,11 @@ from lightning_zero.checkpoint.io import (
     wait_for_pending_saves,
 )
 from lightning_zero.checkpoint.safe_load import UnsafeCheckpointError, load_meta
+from lightning_zero.checkpoint.verify import verify_checkpoint
 
 __all__ = [
-    "PendingSave", "UnsafeCheckpointError", "consolidate_checkpoint", "is_deepspeed_checkpoint",
+    "CheckpointError", "PendingSave", "UnsafeCheckpointError", "consolidate_checkpoint", "is_deepspeed_checkpoint",
     "is_sharded_checkpoint", "iter_consolidated", "load_meta", "load_sharded_checkpoint", "read_checkpoint_info",
-    "remove_sharded_checkpoint", "save_sharded_checkpoint", "wait_for_pending_saves",
+    "remove_sharded_checkpoint", "save_sharded_checkpoint", "verify_checkpoint",
+    "wait_for_pending_saves",
 ]

@@ -20,7 +20,8 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 
-from lightning_zero.checkpoint.io import resolve_checkpoint_dir
+from lightning_zero.checkpoint.errors import CheckpointError
+from lightning_zero.checkpoint.io import checkpoint_directory
 from lightning_zero.checkpoint.safe_load import load_meta, read_dcp_metadata, safe_torch_load
 from lightning_zero.checkpoint.streaming import TensorEntry, tensor_slot, write_safetensors, write_torch_checkpoint
 
@@ -46,7 +47,16 @@ class DCPTensorSource:
     """Reads full tensors of one top-level entry (default ``state_dict``) of a DCP checkpoint, one at a time."""
 
     def __init__(self, path: PathLike, top_key: str = "state_dict") -> None:
-        self.path = resolve_checkpoint_dir(path)
+        from lightning_zero.checkpoint.verify import verify_checkpoint
+
+        self.path = checkpoint_directory(path)
+        # Every file's size and checksum, and chunks that cover each tensor exactly: `load` below then never hands
+        # out the uninitialised memory of `torch.empty` nor a corrupt byte.
+        problems = verify_checkpoint(self.path, checksums=True)
+        if problems:
+            more = f" (and {len(problems) - 1} more problems; `lightning-zero verify` lists them)" \
+                if len(problems) > 1 else ""
+            raise CheckpointError(f"{problems[0]}{more}", problems[0].path) from problems[0]
         metadata = read_dcp_metadata(self.path)
         self._storage = metadata.storage_data
         mappings = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
@@ -177,6 +187,19 @@ def _cast(tensor: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
     return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
 
 
+def _check_output(path: PathLike, output: PathLike) -> None:
+    output = os.path.abspath(os.fspath(output))
+    if os.path.isdir(output):
+        raise ValueError(f"output {output} is an existing directory; give the path of the file to write")
+    if output == os.path.abspath(os.fspath(path)).rstrip(os.sep):
+        raise ValueError(f"output {output} is the checkpoint being consolidated; give another path")
+    parent = os.path.dirname(output)
+    while parent and not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if parent and not os.path.isdir(parent):
+        raise ValueError(f"output {output} cannot be created: {parent} is a file, not a directory")
+
+
 def consolidate_checkpoint(
     path: PathLike, output: Optional[PathLike] = None, dtype: Union[None, str, torch.dtype] = None,
 ) -> Optional[Dict[str, Any]]:
@@ -189,9 +212,14 @@ def consolidate_checkpoint(
       ``LightningModule.load_from_checkpoint`` and ``torch.load(output, weights_only=True)``; returns ``None``.
 
     Files are written tensor by tensor (peak memory ~3x the largest tensor), to ``output + ".partial"`` first and
-    renamed when complete. ``dtype`` (``"fp32"``, ``"bf16"``, ``"fp16"``) converts floating-point tensors.
+    renamed when complete (removed on failure). A sharded source is verified first (every file's size and CRC-32,
+    chunks covering each tensor exactly); damage is a :class:`CheckpointError` naming the file. An ``output`` that
+    is an existing directory is refused before anything is read. ``dtype`` (``"fp32"``, ``"bf16"``, ``"fp16"``)
+    converts floating-point tensors.
     """
     dtype = parse_dtype(dtype)
+    if output is not None:
+        _check_output(path, output)  # before the expensive work
     source = open_source(path)
     try:
         if output is None:

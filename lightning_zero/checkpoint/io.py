@@ -7,7 +7,9 @@ A lightning-zero checkpoint is a directory (``X.ckpt/``) holding
   layout or world size the receiving ``state`` has;
 * ``meta.pt``: everything else of Lightning's checkpoint dict, written by rank 0 with ``torch.save`` and read back
   only with ``weights_only=True``;
-* ``zero.json``: the format marker, written last. A directory without it is not a checkpoint.
+* ``zero.json``: the format marker, written last. A directory without it is not a checkpoint. It records every
+  other file's size and CRC-32 and is sealed with a CRC-32 of its own fields (see
+  :mod:`lightning_zero.checkpoint.verify`), so that loading detects a damaged, missing or edited file.
 
 [Note: atomic saves]
 All ranks write into the hidden sibling ``.X.ckpt.partial``. DCP's save ends with a gather of every rank's write
@@ -33,13 +35,15 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
+from lightning_zero.checkpoint.errors import CheckpointError
+from lightning_zero.checkpoint.matching import check_state_matches, describe_state, merge_descriptions
 from lightning_zero.checkpoint.safe_load import (
     SafeFileSystemReader,
     SafeLoadPlanner,
-    UnsafeCheckpointError,
     load_meta,
     read_dcp_metadata,
 )
+from lightning_zero.checkpoint.verify import check_files, check_metadata, check_seal, file_records, seal
 
 PathLike = Union[str, os.PathLike]
 
@@ -85,12 +89,39 @@ def resolve_checkpoint_dir(path: PathLike) -> str:
     raise FileNotFoundError(f"no sharded checkpoint at {path}")
 
 
+def checkpoint_directory(path: PathLike) -> str:
+    """:func:`resolve_checkpoint_dir` for reading: something at ``path`` that is not a complete sharded checkpoint is
+    a :class:`CheckpointError` naming what is missing; nothing at ``path`` stays a ``FileNotFoundError``."""
+    try:
+        return resolve_checkpoint_dir(path)
+    except FileNotFoundError:
+        path = _norm(path)
+        if os.path.isdir(path):
+            lacking = [name for name in (INFO_FILE, ".metadata") if not os.path.isfile(os.path.join(path, name))]
+            raise CheckpointError(f"{os.path.join(path, lacking[0])}: file missing ({path} is a directory but not a "
+                                  f"complete lightning-zero checkpoint)", os.path.join(path, lacking[0])) from None
+        if os.path.exists(path):
+            raise CheckpointError(f"{path}: a file, not a lightning-zero sharded checkpoint (a directory holding "
+                                  f"{INFO_FILE} and .metadata)", path) from None
+        raise
+
+
 def read_checkpoint_info(path: PathLike) -> dict:
-    """The ``zero.json`` of a sharded checkpoint (format version, world size, stage, top-level keys, ...)."""
-    with open(os.path.join(resolve_checkpoint_dir(path), INFO_FILE)) as file:
-        info = json.load(file)
-    if info.get("format") != FORMAT_NAME or info.get("version", 0) > FORMAT_VERSION:
-        raise ValueError(f"{path}: unsupported checkpoint format {info.get('format')!r} v{info.get('version')}")
+    """The ``zero.json`` of a sharded checkpoint (format version, world size, stage, top-level keys, file records,
+    ...). Raises :class:`CheckpointError` when it is unreadable, of another format, or edited."""
+    where = os.path.join(checkpoint_directory(path), INFO_FILE)
+    try:
+        with open(where) as file:
+            info = json.load(file)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{where}: not readable JSON (truncated or corrupt: {err})", where) from err
+    if not isinstance(info, dict) or info.get("format") != FORMAT_NAME:
+        found = info.get("format") if isinstance(info, dict) else type(info).__name__
+        raise CheckpointError(f"{where}: not a lightning-zero checkpoint record (format {found!r})", where)
+    if not isinstance(info.get("version"), int) or info["version"] > FORMAT_VERSION:
+        raise CheckpointError(f"{where}: checkpoint format version {info.get('version')!r} is not supported by this "
+                              f"lightning-zero (which reads up to {FORMAT_VERSION}); upgrade lightning-zero", where)
+    check_seal(info, where)
     return info
 
 
@@ -141,13 +172,14 @@ def _write_info(partial: str, state: dict, world_size: int, info: Optional[dict]
         "model_keys": len(state.get("state_dict", {})) if isinstance(state.get("state_dict"), dict) else 0,
         "torch_version": torch.__version__,
     }
-    overlap = set(record) & set(info or {})
+    overlap = set(record) & set(info or {}) | {"files", "seal"} & set(info or {})
     if overlap:
         raise ValueError(f"info must not override the reserved zero.json fields {sorted(overlap)}")
     record.update(info or {})
+    record["files"] = file_records(partial)  # every rank's files are complete here (see the note on atomic saves)
     tmp = os.path.join(partial, INFO_FILE + ".tmp")
     with open(tmp, "w") as file:
-        json.dump(record, file, indent=1, sort_keys=True)
+        json.dump(seal(record), file, indent=1, sort_keys=True)
         file.flush()
         os.fsync(file.fileno())
     os.rename(tmp, os.path.join(partial, INFO_FILE))
@@ -285,18 +317,41 @@ def load_sharded_checkpoint(
     *,
     process_group: Optional[dist.ProcessGroup] = None,
     strict: bool = True,
+    checksums: bool = True,
 ) -> Dict[str, Any]:
     """Fill the tensors of ``state`` in place from the checkpoint at ``path`` and return its ``meta.pt`` dict.
 
     Collective over ``process_group``. ``state`` has the receiving layout (DTensors of any mesh, plain tensors, any
     world size); DCP reads the overlapping chunks, which is how a checkpoint saved by 4 ranks at stage 3 resumes on
-    1 rank at stage 0. ``strict=False`` allows keys of ``state`` that the checkpoint lacks (they keep their values).
-    Non-tensor leaves of ``state`` are replaced with the stored values (read with ``weights_only=True``).
+    1 rank at stage 0. Non-tensor leaves of ``state`` are replaced with the stored values (read with
+    ``weights_only=True``).
+
+    Before reading any data the checkpoint is verified: ``zero.json``'s seal, every file's size, ``.metadata``'s
+    structure and (``checksums=True``, the default) every file's CRC-32, the ranks splitting the files between them.
+    Keys of ``state`` missing from the checkpoint, and keys the checkpoint holds under a top-level key of ``state``
+    that ``state`` lacks, are errors unless ``strict=False`` (missing keys then keep their values); a shape mismatch
+    always is. Every failure is a :class:`CheckpointError` naming the file or keys, raised on every rank.
     """
     wait_for_pending_saves(barrier=False)
-    directory = resolve_checkpoint_dir(path)
-    read_checkpoint_info(directory)
-    read_dcp_metadata(directory)  # refuses a tampered .metadata with a clear error before DCP's collectives
+    directory = checkpoint_directory(path)
+    problems: List[CheckpointError] = []
+    metadata = None
+    try:
+        info = read_checkpoint_info(directory)
+        problems = check_files(directory, info, checksums=checksums,
+                               share=(_rank(process_group), _world(process_group)))
+        if not problems:
+            metadata = read_dcp_metadata(directory)  # refuses a tampered .metadata without running its pickle
+            problems = check_metadata(directory, metadata, info.get("files"))
+    except CheckpointError as err:
+        problems = [err]
+    _raise_on_every_rank(problems, process_group)
+    description = describe_state(state, metadata)
+    if _world(process_group) > 1:
+        gathered: List[Any] = [None] * _world(process_group)
+        dist.all_gather_object(gathered, description, group=process_group)
+        description = merge_descriptions(gathered)
+    check_state_matches(description, metadata, strict=strict, where=directory)
     try:
         dcp.load(
             state,
@@ -305,13 +360,42 @@ def load_sharded_checkpoint(
             process_group=process_group,
         )
     except CheckpointException as wrapped:
-        # DCP gathers every rank's exception into one CheckpointException; a refused pickle is the user's answer,
-        # so it is raised as itself rather than buried in DCP's traceback dump.
-        for failure, _trace in wrapped.failures.values():
-            if isinstance(failure, UnsafeCheckpointError):
-                raise failure from wrapped
-        raise
+        error = _translate(wrapped, directory)
+        first = next(iter(wrapped.failures.values()), (None, None))[0]
+        # chained to the first rank's own exception (its traceback), never to DCP's BaseException wrapper
+        raise error from (first if isinstance(first, Exception) and first is not error else None)
     return load_meta(directory)
+
+
+def _raise_on_every_rank(problems: List[CheckpointError], group: Optional[dist.ProcessGroup]) -> None:
+    """Raise the first problem any rank found, on every rank (each rank checksums only its share of the files,
+    and a rank that raised alone would leave the others waiting in DCP's collectives)."""
+    found = [str(problem) for problem in problems]
+    if _world(group) > 1:
+        gathered: List[Any] = [None] * _world(group)
+        dist.all_gather_object(gathered, found, group=group)
+        found = list(dict.fromkeys(message for messages in gathered for message in messages))  # sizes: every rank
+    if not found:
+        return
+    mine = {str(problem): problem for problem in problems}
+    first = mine.get(found[0]) or CheckpointError(found[0])
+    if len(found) > 1:
+        raise CheckpointError(f"{first} (and {len(found) - 1} more problems; `lightning-zero verify` lists them)",
+                              first.path) from first
+    raise first
+
+
+def _translate(wrapped: CheckpointException, directory: str) -> CheckpointError:
+    """DCP's ``CheckpointException`` (a ``BaseException`` holding every failed rank's exception) as one
+    :class:`CheckpointError`. A failure that is already a :class:`CheckpointError` (a refused pickle, a damaged
+    record) is kept as it is."""
+    failures = list(wrapped.failures.items())
+    for _rank_id, (failure, _trace) in failures:
+        if isinstance(failure, CheckpointError):
+            return failure
+    summary = "; ".join(f"rank {rank_id}: {type(failure).__name__}: {(str(failure).strip() or ' ').splitlines()[0]}"
+                        for rank_id, (failure, _trace) in failures[:3])
+    return CheckpointError(f"{directory}: loading failed on {len(failures)} rank(s): {summary}", directory)
 
 
 def remove_sharded_checkpoint(path: PathLike) -> None:

@@ -25,6 +25,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from lightning_zero.checkpoint.errors import CheckpointError
+
 PathLike = Union[str, os.PathLike]
 
 # The only classes a DCP `.metadata` pickle written by torch's FileSystemWriter references (checked on torch 2.13).
@@ -42,7 +44,7 @@ _DCP_ALLOWED = {
 _TORCH_VALUE_TYPES = (torch.dtype, torch.layout, torch.memory_format)
 
 
-class UnsafeCheckpointError(pickle.UnpicklingError):
+class UnsafeCheckpointError(CheckpointError, pickle.UnpicklingError):
     """A checkpoint file references a Python global that we refuse to load."""
 
 
@@ -62,13 +64,26 @@ class DCPMetadataUnpickler(pickle.Unpickler):
         )
 
 
+def _read_metadata_file(path: str) -> Metadata:
+    """Unpickle the DCP metadata file ``path`` with the allow-list; any damage is a :class:`CheckpointError`."""
+    try:
+        with open(path, "rb") as file:
+            metadata = DCPMetadataUnpickler(file).load()
+    except UnsafeCheckpointError as err:
+        raise UnsafeCheckpointError(f"{path}: {err}", path) from None
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file missing", path) from None
+    except Exception as err:  # truncated or garbage bytes fail in many ways inside pickle
+        raise CheckpointError(f"{path}: not a readable DCP metadata file (truncated or corrupt: "
+                              f"{type(err).__name__}: {err})", path) from err
+    if not isinstance(metadata, Metadata) or not isinstance(getattr(metadata, "state_dict_metadata", None), dict):
+        raise CheckpointError(f"{path}: does not hold DCP Metadata (got {type(metadata).__name__})", path)
+    return metadata
+
+
 def read_dcp_metadata(path: PathLike) -> Metadata:
     """Read the ``.metadata`` file of the DCP checkpoint directory ``path`` without running pickled code."""
-    with open(os.path.join(os.fspath(path), ".metadata"), "rb") as file:
-        metadata = DCPMetadataUnpickler(file).load()
-    if not isinstance(metadata, Metadata):
-        raise UnsafeCheckpointError(f"{path}/.metadata does not hold DCP Metadata (got {type(metadata).__name__})")
-    return metadata
+    return _read_metadata_file(os.path.join(os.fspath(path), ".metadata"))
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -81,10 +96,7 @@ class SafeFileSystemReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
         name = ".metadata" if rank is None else f"__{rank}.metadata"
-        with open(os.path.join(os.fspath(self.path), name), "rb") as file:
-            metadata = DCPMetadataUnpickler(file).load()
-        if not isinstance(metadata, Metadata):
-            raise UnsafeCheckpointError(f"{self.path}/{name} does not hold DCP Metadata")
+        metadata = _read_metadata_file(os.path.join(os.fspath(self.path), name))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -109,23 +121,39 @@ _GLOBAL_IN_MESSAGE = re.compile(r"GLOBAL ([\w.]+)")
 
 
 def safe_torch_load(source: Any, *, what: str, **kwargs: Any) -> Any:
-    """``torch.load(source, weights_only=True)`` with an actionable error when a type is not allow-listed."""
+    """``torch.load(source, weights_only=True)`` with an actionable error when a type is not allow-listed, and a
+    :class:`CheckpointError` naming ``what`` when the bytes are not a readable torch file."""
+    path = os.fspath(source) if isinstance(source, (str, os.PathLike)) else None
     try:
         return torch.load(source, weights_only=True, map_location="cpu", **kwargs)
     except pickle.UnpicklingError as err:
         found = _GLOBAL_IN_MESSAGE.search(str(err))
-        type_name = found.group(1) if found else "an unknown global"
+        if not found:
+            raise CheckpointError(f"{what}: not a readable torch file (corrupt: {_first_line(err)})", path) from err
+        type_name = found.group(1)
         short = type_name.rsplit(".", 1)[-1]
         raise UnsafeCheckpointError(
             f"{what} contains the type {type_name}, which torch.load(weights_only=True) does not allow. Loading "
             f"never executes pickled code. If you trust this type, allow-list it before loading: "
             f"`torch.serialization.add_safe_globals([{short}])` (after importing {short} from its module)."
         ) from err
+    except FileNotFoundError:
+        raise CheckpointError(f"{what}: file missing", path) from None
+    except (RuntimeError, EOFError, OSError, ValueError, KeyError, AttributeError, TypeError) as err:
+        # torch reports a damaged zip or storage with assorted internal errors; none names the file
+        raise CheckpointError(f"{what}: not a readable torch file (truncated, corrupt or another file type: "
+                              f"{_first_line(err)})", path) from err
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"[:300]
 
 
 def load_meta(path: PathLike) -> dict:
     """Load the ``meta.pt`` of a sharded checkpoint directory with ``weights_only=True``."""
-    meta = safe_torch_load(os.path.join(os.fspath(path), "meta.pt"), what=f"{os.fspath(path)}/meta.pt")
+    where = os.path.join(os.fspath(path), "meta.pt")
+    meta = safe_torch_load(where, what=where)
     if not isinstance(meta, dict):
-        raise UnsafeCheckpointError(f"{path}/meta.pt must hold a dict, got {type(meta).__name__}")
+        raise CheckpointError(f"{where}: must hold a dict, got {type(meta).__name__}", where)
     return meta

@@ -53,6 +53,14 @@ def _replace(tmp: str, output: str) -> None:
     os.replace(tmp, output)
 
 
+def _discard(tmp: str) -> None:
+    """Remove our own half-written temporary file after a failure (never the output itself)."""
+    try:
+        os.remove(tmp)
+    except OSError:
+        pass
+
+
 def write_safetensors(
     output: str, entries: List[TensorEntry], load: Callable[[TensorEntry], torch.Tensor],
     metadata: Dict[str, str] | None = None,
@@ -73,16 +81,20 @@ def write_safetensors(
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the format pads the header to an 8-byte boundary with spaces
     tmp = output + ".partial"
-    with open(tmp, "wb") as file:
-        file.write(len(encoded).to_bytes(8, "little"))
-        file.write(encoded)
-        for entry in entries:
-            tensor = load(entry)
-            if tensor.dtype != entry.dtype or tuple(tensor.shape) != entry.shape:
-                raise RuntimeError(f"{entry.key}: expected {entry.dtype}{list(entry.shape)}, "
-                                   f"read {tensor.dtype}{list(tensor.shape)}")
-            file.write(_raw_bytes(tensor))
-            del tensor
+    try:
+        with open(tmp, "wb") as file:
+            file.write(len(encoded).to_bytes(8, "little"))
+            file.write(encoded)
+            for entry in entries:
+                tensor = load(entry)
+                if tensor.dtype != entry.dtype or tuple(tensor.shape) != entry.shape:
+                    raise RuntimeError(f"{entry.key}: expected {entry.dtype}{list(entry.shape)}, "
+                                       f"read {tensor.dtype}{list(tensor.shape)}")
+                file.write(_raw_bytes(tensor))
+                del tensor
+    except BaseException:
+        _discard(tmp)
+        raise
     _replace(tmp, output)
 
 
@@ -151,25 +163,29 @@ def write_torch_checkpoint(
     _StreamingPickler(buffer, slots).dump(obj)
     data = buffer.getvalue()
     tmp = output + ".partial"
-    with torch.serialization._open_zipfile_writer(tmp) as writer:
-        writer.write_record("data.pkl", data, len(data))
-        writer.write_record(".format_version", "1", 1)
-        alignment = str(torch.serialization._get_storage_alignment())
-        writer.write_record(".storage_alignment", alignment, len(alignment))
-        writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
-        for slot in slots:
-            tensor = slot.tensor if slot.tensor is not None else load(slot.entry)
-            slot.tensor = None
-            if tensor.dtype != slot.entry.dtype or tuple(tensor.shape) != slot.entry.shape:
-                raise RuntimeError(f"{slot.entry.key}: expected {slot.entry.dtype}{list(slot.entry.shape)}, "
-                                   f"read {tensor.dtype}{list(tensor.shape)}")
-            tensor = tensor.detach().cpu().contiguous()
-            storage = tensor.untyped_storage()
-            if storage.nbytes() != tensor.numel() * tensor.element_size() or tensor.storage_offset():
-                tensor = tensor.clone()  # a view of a larger buffer: write only its own bytes
+    try:
+        with torch.serialization._open_zipfile_writer(tmp) as writer:
+            writer.write_record("data.pkl", data, len(data))
+            writer.write_record(".format_version", "1", 1)
+            alignment = str(torch.serialization._get_storage_alignment())
+            writer.write_record(".storage_alignment", alignment, len(alignment))
+            writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+            for slot in slots:
+                tensor = slot.tensor if slot.tensor is not None else load(slot.entry)
+                slot.tensor = None
+                if tensor.dtype != slot.entry.dtype or tuple(tensor.shape) != slot.entry.shape:
+                    raise RuntimeError(f"{slot.entry.key}: expected {slot.entry.dtype}{list(slot.entry.shape)}, "
+                                       f"read {tensor.dtype}{list(tensor.shape)}")
+                tensor = tensor.detach().cpu().contiguous()
                 storage = tensor.untyped_storage()
-            writer.write_record(f"data/{slot.key}", storage, storage.nbytes())
-            del tensor, storage
+                if storage.nbytes() != tensor.numel() * tensor.element_size() or tensor.storage_offset():
+                    tensor = tensor.clone()  # a view of a larger buffer: write only its own bytes
+                    storage = tensor.untyped_storage()
+                writer.write_record(f"data/{slot.key}", storage, storage.nbytes())
+                del tensor, storage
+    except BaseException:
+        _discard(tmp)
+        raise
     _replace(tmp, output)
 
 

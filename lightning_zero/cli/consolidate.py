@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import sys
 import time
+
+from lightning_zero.cli.errors import add_debug_flag, report
 
 
 def add_parser(subparsers) -> None:
@@ -22,6 +23,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("output", help="output file (.safetensors or a Lightning .ckpt/.pt)")
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
                         help="convert floating-point tensors (default: keep stored dtypes)")
+    add_debug_flag(parser)
     parser.set_defaults(func=run)
 
 
@@ -31,8 +33,9 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     try:
         consolidate_checkpoint(args.checkpoint, args.output, dtype=args.dtype)
-    except (FileNotFoundError, ValueError, TypeError) as err:
-        print(f"lightning-zero consolidate: error: {err}", file=sys.stderr)
-        return 1
+    except Exception as err:  # one line per error; the traceback only with --debug
+        if args.debug:
+            raise
+        return report("consolidate", err)
     print(f"wrote {args.output} in {time.perf_counter() - start:.1f} s")
     return 0

@@ -18,14 +18,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_zero.checkpoint.errors import CheckpointError
 from lightning_zero.checkpoint.io import (
+    checkpoint_directory,
     load_sharded_checkpoint,
+    read_checkpoint_info,
     remove_sharded_checkpoint,
-    resolve_checkpoint_dir,
     save_sharded_checkpoint,
     wait_for_pending_saves,
 )
-from lightning_zero.checkpoint.safe_load import load_meta
+from lightning_zero.checkpoint.safe_load import load_meta, read_dcp_metadata
 from lightning_zero.distributed.optimizer import get_sharding
 
 
@@ -103,28 +105,77 @@ def save(strategy, checkpoint: dict[str, Any], filepath: str) -> None:
     optimizer_states = checkpoint.pop("optimizer_states", [])
     tensors["optimizer_states"] = {str(i): {"state": osd["state"]} for i, osd in enumerate(optimizer_states)}
     checkpoint["optimizer_param_groups"] = [osd["param_groups"] for osd in optimizer_states]
-    info = {"stage": strategy.stage, "offload": strategy.zero_config.offload}
+    info = {"stage": strategy.stage, "offload": strategy.zero_config.offload,
+            "optimizers": [optimizer_type(o) for o in strategy.optimizers]}
     if strategy.ds_config is not None:
         info["ds_config"] = strategy.ds_config.report()  # the effective DeepSpeed config, next to the weights
     save_sharded_checkpoint(filepath, tensors, checkpoint, async_save=strategy.async_save, info=info)
 
 
+def optimizer_type(optimizer) -> str:
+    """``module.Class`` of the optimizer Lightning wraps, as recorded in ``zero.json``."""
+    inner = type(getattr(optimizer, "_optimizer", optimizer))
+    return f"{inner.__module__}.{inner.__qualname__}"
+
+
+def _check_optimizers(directory: str, optimizers: list, saved_groups: list, saved_types) -> None:
+    """Refuse a resume whose optimizers differ in number or type from the checkpoint's: loading states of
+    another count would silently drop some, and another type's states are not what the optimizer steps with."""
+    if len(optimizers) != len(saved_groups):
+        hint = (" (it holds none: was it saved with save_weights_only=True?)" if not saved_groups else
+                "; configure_optimizers must return as many optimizers as when it was saved")
+        raise CheckpointError(f"{directory}: the checkpoint holds the states of {len(saved_groups)} optimizer(s), "
+                              f"the model being resumed has {len(optimizers)}{hint}", directory)
+    current = [optimizer_type(o) for o in optimizers]
+    if isinstance(saved_types, list) and saved_types != current:
+        pairs = [f"#{i}: checkpoint {a}, now {b}" for i, (a, b) in enumerate(zip(saved_types, current)) if a != b]
+        raise CheckpointError(f"{directory}: optimizer type mismatch ({'; '.join(pairs)}): the stored states are "
+                              "those of another optimizer", directory)
+
+
+def _forget_states_not_in_checkpoint(directory: str, module: torch.nn.Module, optimizers: list) -> None:
+    """Drop the placeholder states (from :func:`_initialise_optimizer_state`) of parameters the checkpoint has no
+    state for, so the optimizer starts them fresh, as after ``Optimizer.load_state_dict`` without them: a kept
+    placeholder would step them as if one step had already been taken (Adam's bias correction)."""
+    stored = read_dcp_metadata(directory).state_dict_metadata
+    names = _param_names(module)
+    for i, optimizer in enumerate(optimizers):
+        prefix = f"optimizer_states.{i}.state."
+        # "<prefix><parameter name>.<state key>"; state keys (exp_avg, step, ...) hold no dots, parameter names do
+        have = {key[len(prefix):].rsplit(".", 1)[0] for key in stored if key.startswith(prefix)}
+        sharding = get_sharding(optimizer)
+        for params in _model_params_per_group(optimizer):
+            for param in params:
+                if names[id(param)] not in have:
+                    optimizer.state.pop(_held_tensor(sharding, param), None)
+
+
 def load(strategy, filepath: str) -> dict[str, Any]:
-    """Load a sharded directory into the strategy's module and optimizers; return the rest of the checkpoint."""
+    """Load a sharded directory into the strategy's module and optimizers; return the rest of the checkpoint.
+
+    ``LightningModule.strict_loading = False`` accepts missing and unexpected keys (never shape mismatches). With
+    optimizers (resuming a fit), their number and types must match the checkpoint's. Errors are
+    :class:`CheckpointError` naming the file or the keys.
+    """
     wait_for_pending_saves(barrier=False)
-    meta = load_meta(resolve_checkpoint_dir(filepath))  # weights_only; raises a clear error if not a checkpoint
+    directory = checkpoint_directory(filepath)
+    meta = load_meta(directory)  # weights_only; raises a clear error if not a checkpoint
     module = strategy.lightning_module
     target: dict[str, Any] = {"state_dict": module_state_dict(module)}
     optimizers = [getattr(o, "_optimizer", o) for o in strategy.optimizers]
     saved_groups = meta.pop("optimizer_param_groups", [])
-    if optimizers and saved_groups:
+    if optimizers:
+        saved_types = read_checkpoint_info(directory).get("optimizers")
+        _check_optimizers(directory, strategy.optimizers, saved_groups, saved_types)
         target["optimizer_states"] = {}
         for i, optimizer in enumerate(optimizers):
             if not optimizer.state:
                 _initialise_optimizer_state(optimizer)
             target["optimizer_states"][str(i)] = {"state": optimizer_state_dict(module, optimizer)["state"]}
-    load_sharded_checkpoint(filepath, target)
+    load_sharded_checkpoint(directory, target, strict=module.strict_loading)
     module.load_state_dict(target["state_dict"], strict=module.strict_loading)
+    if not module.strict_loading:
+        _forget_states_not_in_checkpoint(directory, module, optimizers)
     for optimizer, groups in zip(optimizers, saved_groups):
         for group, saved in zip(optimizer.param_groups, groups):
             group.update({k: v for k, v in saved.items() if k != "params"})

@@ -1,0 +1,51 @@
+"""``lightning-zero verify CHECKPOINT``: check a sharded checkpoint against the sizes and checksums it was written
+with, and its metadata for consistency, without loading it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from lightning_zero.cli.errors import add_debug_flag, one_line, report
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "verify", help="check a sharded checkpoint's files against the sizes and CRC-32s recorded in its zero.json",
+        description=__doc__,
+    )
+    parser.add_argument("checkpoint", help="lightning-zero sharded checkpoint directory")
+    parser.add_argument("--no-checksums", action="store_true",
+                        help="check sizes and metadata only, without reading every file (fast)")
+    add_debug_flag(parser)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from lightning_zero.checkpoint.verify import verify_checkpoint
+
+    start = time.perf_counter()
+    try:
+        problems = verify_checkpoint(args.checkpoint, checksums=not args.no_checksums)
+    except Exception as err:
+        if args.debug:
+            raise
+        return report("verify", err)
+    for problem in problems:
+        print(f"lightning-zero verify: error: {one_line(problem)}", file=sys.stderr)
+    if problems:
+        return 1
+    from lightning_zero.checkpoint.io import checkpoint_directory, read_checkpoint_info
+
+    directory = checkpoint_directory(args.checkpoint)
+    files = read_checkpoint_info(directory).get("files")
+    if files is None:
+        print(f"{directory}: metadata consistent; no file records to check (written before lightning-zero recorded "
+              "them)")
+        return 0
+    total = sum(record["size"] for record in files.values())
+    what = "sizes and CRC-32 checksums" if not args.no_checksums else "sizes"
+    print(f"{directory}: OK ({len(files)} files, {total / 2**20:.1f} MiB: {what} match, metadata consistent; "
+          f"{time.perf_counter() - start:.2f} s)")
+    return 0
