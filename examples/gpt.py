@@ -16,6 +16,7 @@ import argparse as _argparse_docs
 import json
 import math
 import unittest
+import warnings
 
 import torch
 from lightning.pytorch import LightningModule, Trainer, seed_everything
@@ -24,6 +25,9 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_zero import ZeroStrategy
+
+# Lightning 2.6's own pytree helper builds torch's LeafSpec, which torch 2.13 deprecates: nothing a user can act on.
+warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
 
 
 def corpus() -> str:
@@ -145,10 +149,14 @@ def main(argv=None):
     data = CharDataset(corpus(), args.block_size)
     module = GPTModule(len(data.chars), args.block_size, args.n_layer, args.n_head, args.n_embd,
                        batch_size=args.batch_size)
+    # Training ends at max_steps; max_epochs is the number of epochs those steps span (rounded up, so it never stops
+    # training early), which gives the progress bar a real "Epoch i/n" instead of Lightning's "/-2" for max_epochs=-1.
+    batches_per_epoch = max(1, len(data) // (args.batch_size * args.devices * args.num_nodes))
+    max_epochs = math.ceil(args.max_steps * args.accumulate / batches_per_epoch)
     trainer = Trainer(
         accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
         strategy=ZeroStrategy(stage=args.stage, offload=args.offload),
-        max_steps=args.max_steps, accumulate_grad_batches=args.accumulate, gradient_clip_val=args.clip,
+        max_steps=args.max_steps, max_epochs=max_epochs, accumulate_grad_batches=args.accumulate, gradient_clip_val=args.clip,
         log_every_n_steps=10, enable_checkpointing=False, logger=False,
     )
     trainer.fit(module, DataLoader(data, batch_size=args.batch_size, shuffle=True, num_workers=0))

@@ -27,6 +27,7 @@ forward redirection.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections import Counter
 from typing import Iterable, Optional
 
@@ -55,12 +56,15 @@ def find_repeated_blocks(module: nn.Module) -> set[type]:
                 if any(True for _ in child.parameters()):
                     counts[type(child)] += 1
     candidates = {cls for cls, count in counts.items() if count >= 2}
-    # Drop classes that only appear nested inside another candidate: the outer block is the better unit.
-    outer: set[type] = set()
+    # A class with any instance nested inside another candidate is a layer of the blocks, not a block: drop it
+    # entirely. Keeping it because one instance also sits outside the blocks (an ``nn.Linear`` head next to blocks
+    # whose MLPs are ``Sequential(Linear, GELU, Linear)``) would make every such layer inside the blocks its own unit
+    # too: a collective per layer, and FSDP2 warns about each unit whose output is a view (``Linear`` on 3-D input).
+    nested: set[type] = set()
     for name, sub in module.named_modules():
-        if type(sub) in candidates and not _has_ancestor_of(module, name, candidates):
-            outer.add(type(sub))
-    return outer
+        if type(sub) in candidates and _has_ancestor_of(module, name, candidates):
+            nested.add(type(sub))
+    return candidates - nested
 
 
 def _has_ancestor_of(root: nn.Module, name: str, classes: set[type]) -> bool:
@@ -185,7 +189,9 @@ def materialize_module(module: nn.Module, device: torch.device) -> None:
     import torch.distributed as dist
 
     offset = dist.get_rank() if dist.is_initialized() and device.type == "cpu" else 0
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
+    with torch.random.fork_rng(devices=[]), torch.no_grad(), warnings.catch_warnings():
+        # DTensor warns that its random ops lack the RNG tracker on CPU meshes: the offset seed above is the answer.
+        warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
         torch.manual_seed(torch.initial_seed() + offset)
         for sub in module.modules():
             reset = getattr(sub, "reset_parameters", None)
