@@ -156,7 +156,8 @@ def main(argv=None):
     trainer = Trainer(
         accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
         strategy=ZeroStrategy(stage=args.stage, offload=args.offload),
-        max_steps=args.max_steps, max_epochs=max_epochs, accumulate_grad_batches=args.accumulate, gradient_clip_val=args.clip,
+        max_steps=args.max_steps, max_epochs=max_epochs, accumulate_grad_batches=args.accumulate,
+        gradient_clip_val=args.clip,
         log_every_n_steps=10, enable_checkpointing=False, logger=False,
     )
     trainer.fit(module, DataLoader(data, batch_size=args.batch_size, shuffle=True, num_workers=0))

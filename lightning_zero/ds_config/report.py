@@ -66,8 +66,8 @@ def effective_config_table(translation: DeepSpeedTranslation, title: str = "Deep
     rows = effective_config_rows(translation, only_set=not verbose, auto_paths=auto_paths)
     if not verbose:
         left_out = len(effective_config_rows(translation)) - len(rows)
-        hidden = f"{left_out} DeepSpeed defaults not shown (ZeroStrategy(verbose=True) prints them; every checkpoint's " \
-                 "zero.json holds them)"
+        hidden = (f"{left_out} DeepSpeed defaults not shown (ZeroStrategy(verbose=True) prints them; every "
+                  "checkpoint's zero.json holds them)")
         caption = f"{caption}; {hidden}" if caption else hidden
     table = Table(title=title, caption=caption, box=None if not verbose else box.HEAVY_HEAD, pad_edge=False)
     table.add_column("key")
