@@ -149,14 +149,17 @@ def main(argv=None):
     data = CharDataset(corpus(), args.block_size)
     module = GPTModule(len(data.chars), args.block_size, args.n_layer, args.n_head, args.n_embd,
                        batch_size=args.batch_size)
-    # Training ends at max_steps; max_epochs is the number of epochs those steps span (rounded up, so it never stops
-    # training early), which gives the progress bar a real "Epoch i/n" instead of Lightning's "/-2" for max_epochs=-1.
-    batches_per_epoch = max(1, len(data) // (args.batch_size * args.devices * args.num_nodes))
-    max_epochs = math.ceil(args.max_steps * args.accumulate / batches_per_epoch)
+    # Training ends at max_steps. Telling the Trainer how many epochs (and, within one epoch, how many batches) those
+    # steps span gives the progress bar a real "Epoch 0/0 60/60" instead of "Epoch 0/-2 60/1869" (max_epochs=-1).
+    batches_needed = args.max_steps * args.accumulate
+    batches_per_epoch = math.ceil(math.ceil(len(data) / (args.devices * args.num_nodes)) / args.batch_size)
+    max_epochs = math.ceil(batches_needed / batches_per_epoch)
+    limit_train_batches = batches_needed if max_epochs == 1 else None
     trainer = Trainer(
         accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
         strategy=ZeroStrategy(stage=args.stage, offload=args.offload),
-        max_steps=args.max_steps, max_epochs=max_epochs, accumulate_grad_batches=args.accumulate,
+        max_steps=args.max_steps, max_epochs=max_epochs, limit_train_batches=limit_train_batches,
+        accumulate_grad_batches=args.accumulate,
         gradient_clip_val=args.clip,
         log_every_n_steps=10, enable_checkpointing=False, logger=False,
     )

@@ -380,9 +380,12 @@ def test_gpt_example_sets_a_real_epoch_count():
     gpt.Trainer = FakeTrainer
     with pytest.raises(Stop):
         gpt.main(["--max-steps", "60"])
+    assert (seen["max_epochs"], seen["limit_train_batches"], seen["max_steps"]) == (1, 60, 60)  # "Epoch 0/0 60/60"
     data = gpt.CharDataset(gpt.corpus(), 64)
-    per_epoch = len(data) // (16 * 2)
-    assert seen["max_epochs"] >= 1 and (seen["max_epochs"] - 1) * per_epoch < 60 <= seen["max_epochs"] * per_epoch
+    per_epoch = -(-len(data) // 2 // 16)  # batches per rank and epoch (DistributedSampler pads, no drop_last)
+    with pytest.raises(Stop):
+        gpt.main(["--max-steps", str(per_epoch * 2 + 1)])  # three epochs, the last one cut by max_steps
+    assert (seen["max_epochs"], seen["limit_train_batches"]) == (3, None)
 
 
 def test_lightning_cli_has_an_install_extra_and_the_readme_names_it():
