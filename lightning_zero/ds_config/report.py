@@ -69,10 +69,16 @@ def effective_config_table(translation: DeepSpeedTranslation, title: str = "Deep
         hidden = (f"{left_out} DeepSpeed defaults not shown (ZeroStrategy(verbose=True) prints them; every "
                   "checkpoint's zero.json holds them)")
         caption = f"{caption}; {hidden}" if caption else hidden
-    table = Table(title=title, caption=caption, box=None if not verbose else box.HEAVY_HEAD, pad_edge=False)
-    table.add_column("key")
-    table.add_column("value")
-    table.add_column("lightning-zero")
+    table = Table(title=title, caption=caption, box=box.HEAVY_HEAD if verbose else None, pad_edge=False,
+                  expand=not verbose)
+    # Keys and values are never cut (two keys sharing a prefix would look alike); in the compact view each note takes
+    # the width left over, one line each (the full text is in the verbose table and zero.json).
+    table.add_column("key", no_wrap=True)
+    table.add_column("value", no_wrap=True)
+    if verbose:
+        table.add_column("lightning-zero")
+    else:
+        table.add_column("lightning-zero", ratio=1, no_wrap=True, overflow="ellipsis")
     for row in rows:
         table.add_row(*row)
     return table
