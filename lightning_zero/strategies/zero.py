@@ -230,7 +230,7 @@ class ZeroStrategy(ParallelStrategy):
 
     @property
     def ds_config(self) -> Optional[DeepSpeedConfigBinding]:
-        """The DeepSpeed config this strategy was built from (``None`` without ``config=``)."""
+        """The DeepSpeed config binding (``None`` without ``config=`` or ``PL_DEEPSPEED_CONFIG_PATH``)."""
         return self._ds_config
 
     @property
