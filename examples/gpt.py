@@ -16,6 +16,7 @@ import argparse as _argparse_docs
 import json
 import math
 import unittest
+import warnings
 
 import torch
 from lightning.pytorch import LightningModule, Trainer, seed_everything
@@ -24,6 +25,9 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_zero import ZeroStrategy
+
+# Lightning 2.6's own pytree helper builds torch's LeafSpec, which torch 2.13 deprecates: nothing a user can act on.
+warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
 
 
 def corpus() -> str:
@@ -145,10 +149,18 @@ def main(argv=None):
     data = CharDataset(corpus(), args.block_size)
     module = GPTModule(len(data.chars), args.block_size, args.n_layer, args.n_head, args.n_embd,
                        batch_size=args.batch_size)
+    # Training ends at max_steps. Telling the Trainer how many epochs (and, within one epoch, how many batches) those
+    # steps span gives the progress bar a real "Epoch 0/0 60/60" instead of "Epoch 0/-2 60/1869" (max_epochs=-1).
+    batches_needed = args.max_steps * args.accumulate
+    batches_per_epoch = math.ceil(math.ceil(len(data) / (args.devices * args.num_nodes)) / args.batch_size)
+    max_epochs = math.ceil(batches_needed / batches_per_epoch)
+    limit_train_batches = batches_needed if max_epochs == 1 else None
     trainer = Trainer(
         accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
         strategy=ZeroStrategy(stage=args.stage, offload=args.offload),
-        max_steps=args.max_steps, accumulate_grad_batches=args.accumulate, gradient_clip_val=args.clip,
+        max_steps=args.max_steps, max_epochs=max_epochs, limit_train_batches=limit_train_batches,
+        accumulate_grad_batches=args.accumulate,
+        gradient_clip_val=args.clip,
         log_every_n_steps=10, enable_checkpointing=False, logger=False,
     )
     trainer.fit(module, DataLoader(data, batch_size=args.batch_size, shuffle=True, num_workers=0))

@@ -4,6 +4,7 @@ Importing the package registers the strategy names ``zero``, ``zero_stage_1``, `
 ``zero_stage_2_offload``, ``zero_stage_3`` and ``zero_stage_3_offload`` with Lightning.
 """
 
+from lightning_zero.callbacks import ConsolidateCheckpoint, NCCLDiagnostics, ThroughputLogger
 from lightning_zero.config import ZeroConfig
 from lightning_zero.distributed.buffers import CommBufferPool, comm_buffer_pool
 from lightning_zero.distributed.memory import (
@@ -21,12 +22,15 @@ from lightning_zero.strategies import LossScaleConfig, ZeroPrecision, ZeroStrate
 __version__ = "0.1.0"
 __all__ = [
     "CommBufferPool",
+    "ConsolidateCheckpoint",
     "LayerSpec",
     "LossScaleConfig",
     "MemoryEstimate",
     "MemoryReport",
+    "NCCLDiagnostics",
     "PipelineModule",
     "StateBytes",
+    "ThroughputLogger",
     "TiedLayerSpec",
     "ZeroConfig",
     "ZeroPrecision",

@@ -155,12 +155,3 @@ def defines_configure_optimizers(module: Any) -> bool:
 
     own = getattr(type(module), "configure_optimizers", None)
     return own is not None and own is not LightningModule.configure_optimizers
-
-
-def check_single_optimizer_source(optimizer_spec: Optional[Mapping[str, Any]], module: Any) -> None:
-    """Fail when both the ds_config and ``configure_optimizers`` define an optimizer, saying which to remove."""
-    if optimizer_spec is not None and defines_configure_optimizers(module):
-        raise DeepSpeedConfigError(
-            f"both the DeepSpeed config (\"optimizer\": {optimizer_spec.get('type')!r}) and "
-            f"{type(module).__name__}.configure_optimizers define an optimizer: remove the \"optimizer\" (and "
-            "\"scheduler\") section from the config, or delete configure_optimizers to use the config's")

@@ -20,10 +20,12 @@ def _load_example():
     return module
 
 
-def _cli_worker(rank, world_size, config):
+def _cli_worker(rank, world_size, config, root_dir):
     os.chdir(ROOT)  # the ds_config YAML names its JSON relative to the repository root, as the README runs it
+    # default_root_dir: LightningCLI saves the run's config.yaml there, not into the repository
     cli = _load_example().main(["fit", "--config", config, "--trainer.max_steps", "2",
-                                "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"])
+                                "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+                                "--trainer.default_root_dir", root_dir])
     trainer = cli.trainer
     assert trainer.global_step == 2
     assert trainer.world_size == world_size
@@ -45,5 +47,6 @@ def test_every_example_config_is_covered():
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[os.path.basename(c) for c in CONFIGS])
-def test_example_config_trains(config):
-    run_distributed(_cli_worker, 2, config)
+def test_example_config_trains(config, tmp_path):
+    run_distributed(_cli_worker, 2, config, str(tmp_path))
+    assert (tmp_path / "config.yaml").is_file()

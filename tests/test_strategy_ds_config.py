@@ -134,10 +134,7 @@ def _scheduler_and_precision_worker(rank, world_size):
     with pytest.raises(DeepSpeedConfigError, match="batch sizes do not add up"):
         _trainer(ZeroStrategy(config=bad), world_size, max_steps=1).fit(RegressionModule(batch_size=BATCH))
 
-    # a config optimizer and configure_optimizers both: say which to remove
-    both = {"train_micro_batch_size_per_gpu": BATCH, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
-    with pytest.raises(DeepSpeedConfigError, match="define an optimizer"):
-        _trainer(ZeroStrategy(config=both), world_size, max_steps=1).fit(RegressionModule(batch_size=BATCH))
+    # a config optimizer and configure_optimizers both: the config's wins (tests/test_dropin.py)
 
     # fp16 in the config, bf16 in the Trainer: no silent choice
     with pytest.raises(DeepSpeedConfigError, match="make them agree"):

@@ -9,7 +9,8 @@ fragments it: a stage-2 run's resident set climbs for several steps and settles 
 :class:`CommBufferPool` is the missing caching allocator for these three buffers, written here because torch has
 none for CPU. It is plugged in through FSDP2's own hook (``FSDPModule.set_custom_all_gather`` /
 ``set_custom_reduce_scatter``, whose ``allocate`` exists for exactly this), so the collectives themselves are still
-torch's: ``all_gather_into_tensor``, and ``all_reduce`` for the reduce-scatter (see the second note).
+torch's: ``all_gather_single`` (``all_gather_into_tensor`` before torch 2.13), and ``all_reduce`` for the
+reduce-scatter (see the second note).
 
 [Note: when a pooled buffer is free]
 A buffer is handed out again only when nothing but the pool references its storage: the storage's use count is
@@ -38,6 +39,11 @@ import torch.distributed as dist
 from torch import nn
 
 log = logging.getLogger(__name__)
+
+# torch 2.13 renamed the flat-tensor collectives (the old names warn that they are deprecated); torch 2.11-2.12 only
+# have the old ones. Same signatures, same semantics.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class CommBufferPool:
@@ -89,12 +95,12 @@ def _comm_classes():
 
     class PooledAllGather(PooledAlloc, AllGather):
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
-            return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+            return _all_gather_flat(output_tensor, input_tensor, group=group, async_op=async_op)
 
     class PooledReduceScatter(PooledAlloc, ReduceScatter):
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
             if async_op or op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-                return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+                return _reduce_scatter_flat(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
             # See [Note: reduce-scatter in place on gloo].
             world_size = dist.get_world_size(group)
             dist.all_reduce(input_tensor, op=dist.ReduceOp.SUM, group=group)

@@ -56,12 +56,15 @@ def find_repeated_blocks(module: nn.Module) -> set[type]:
                 if any(True for _ in child.parameters()):
                     counts[type(child)] += 1
     candidates = {cls for cls, count in counts.items() if count >= 2}
-    # Drop classes that only appear nested inside another candidate: the outer block is the better unit.
-    outer: set[type] = set()
+    # A class with any instance nested inside another candidate is a layer of the blocks, not a block: drop it
+    # entirely. Keeping it because one instance also sits outside the blocks (an ``nn.Linear`` head next to blocks
+    # whose MLPs are ``Sequential(Linear, GELU, Linear)``) would make every such layer inside the blocks its own unit
+    # too: a collective per layer, and FSDP2 warns about each unit whose output is a view (``Linear`` on 3-D input).
+    nested: set[type] = set()
     for name, sub in module.named_modules():
-        if type(sub) in candidates and not _has_ancestor_of(module, name, candidates):
-            outer.add(type(sub))
-    return outer
+        if type(sub) in candidates and _has_ancestor_of(module, name, candidates):
+            nested.add(type(sub))
+    return candidates - nested
 
 
 def _has_ancestor_of(root: nn.Module, name: str, classes: set[type]) -> bool:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Optional, Sequence, Union
 
 from lightning_zero.ds_config.translate import DeepSpeedTranslation
 
 EFFECTIVE_CONFIG_FILENAME = "ds_config.effective.json"
+_DEFAULT_NOTE = "default (not in the config)"
 
 
 def _flatten(value: Any, prefix: str = "") -> list[tuple[str, Any]]:
@@ -24,34 +25,74 @@ def _note_for(key: str, notes: dict[str, str]) -> str:
         prefix = ".".join(parts[:end])
         if prefix in notes:
             return notes[prefix]
-    return "default (not in the config)"
+    return _DEFAULT_NOTE
 
 
-def effective_config_table(translation: DeepSpeedTranslation, title: str = "DeepSpeed config (effective)"):
-    """A ``rich.table.Table``: one row per effective key with its value and what lightning-zero does with it."""
-    from rich.table import Table
+def effective_config_rows(translation: DeepSpeedTranslation, *, only_set: bool = False,
+                          auto_paths: Sequence[str] = ()) -> list[tuple[str, str, str]]:
+    """``(key, value, what lightning-zero does with it)`` per effective key, then the strategy keyword arguments.
 
+    Args:
+        only_set: keep only the keys the config wrote (every such key has a translation note) and those that were
+            ``"auto"`` (``auto_paths``); the DeepSpeed defaults that fill the rest of the effective config are left
+            out (they are most of it).
+        auto_paths: dotted keys that were ``"auto"`` before resolution; their value shows as ``"auto" -> value``.
+    """
     notes: dict[str, str] = {}
     for key, text in translation.notes:
         notes[key] = f"{notes[key]}; {text}" if key in notes else text
-    table = Table(title=title)
-    table.add_column("key")
-    table.add_column("value")
-    table.add_column("lightning-zero")
+    auto = set(auto_paths)
+    rows = []
     for key, value in _flatten(translation.effective):
-        table.add_row(key, json.dumps(value), _note_for(key, notes))
+        note = _note_for(key, notes)
+        if only_set and note == _DEFAULT_NOTE and key not in auto:
+            continue
+        shown = json.dumps(value)
+        if key in auto and value != "auto":
+            shown = f'"auto" -> {shown}'
+        rows.append((key, shown, note))
     for key, value in translation.strategy_kwargs.items():
-        table.add_row(f"ZeroStrategy({key}=...)", json.dumps(value), "strategy keyword argument")
+        rows.append((f"ZeroStrategy({key}=...)", json.dumps(value), "strategy keyword argument"))
+    return rows
+
+
+def effective_config_table(translation: DeepSpeedTranslation, title: str = "DeepSpeed config (effective)", *,
+                           verbose: bool = True, auto_paths: Sequence[str] = (), caption: Optional[str] = None):
+    """A ``rich.table.Table`` of :func:`effective_config_rows`: every key (``verbose``) or only those the config set
+    or that ``"auto"`` resolved, with a caption saying how many defaults were left out."""
+    from rich import box
+    from rich.table import Table
+
+    rows = effective_config_rows(translation, only_set=not verbose, auto_paths=auto_paths)
+    if not verbose:
+        left_out = len(effective_config_rows(translation)) - len(rows)
+        hidden = (f"{left_out} DeepSpeed defaults not shown (ZeroStrategy(verbose=True) prints them; every "
+                  "checkpoint's zero.json holds them)")
+        caption = f"{caption}; {hidden}" if caption else hidden
+    table = Table(title=title, caption=caption, box=box.HEAVY_HEAD if verbose else None, pad_edge=False,
+                  expand=not verbose)
+    # Keys and values are never cut (two keys sharing a prefix would look alike); in the compact view each note takes
+    # the width left over, one line each (the full text is in the verbose table and zero.json).
+    table.add_column("key", no_wrap=True)
+    table.add_column("value", no_wrap=True)
+    if verbose:
+        table.add_column("lightning-zero")
+    else:
+        table.add_column("lightning-zero", ratio=1, no_wrap=True, overflow="ellipsis")
+    for row in rows:
+        table.add_row(*row)
     return table
 
 
 def effective_config_dict(translation: DeepSpeedTranslation) -> dict:
-    """JSON-serialisable record: the effective config, the strategy kwargs, the Trainer settings and the notes."""
+    """JSON-serialisable record: the effective config, the strategy kwargs, the Trainer settings, the notes and the
+    full table (every row, defaults included) that the startup report shortens."""
     return {
         "effective": translation.effective,
         "strategy_kwargs": translation.strategy_kwargs,
         "trainer_settings": translation.trainer_settings(),
         "notes": [list(note) for note in translation.notes],
+        "table": [list(row) for row in effective_config_rows(translation)],
     }
 
 

@@ -36,6 +36,11 @@ def module_state_dict(module: torch.nn.Module) -> dict[str, Tensor]:
     return module.state_dict()
 
 
+def frozen_parameter_names(module: torch.nn.Module) -> list[str]:
+    """State-dict keys of the parameters with ``requires_grad=False`` (every name of a shared one)."""
+    return sorted({name for name, param in module.named_parameters(remove_duplicate=False) if not param.requires_grad})
+
+
 def _param_names(module: torch.nn.Module) -> dict[int, str]:
     names: dict[int, str] = {}
     for name, param in module.named_parameters(remove_duplicate=False):
@@ -102,6 +107,10 @@ def save(strategy, checkpoint: dict[str, Any], filepath: str) -> None:
     previous checkpoint at ``filepath`` loadable) and asynchronous when the strategy has ``async_save=True``.
     """
     tensors = {"state_dict": checkpoint.pop("state_dict")}
+    if strategy.exclude_frozen_parameters:  # as DeepSpeed's exclude_frozen_parameters; recorded for load
+        excluded = [k for k in frozen_parameter_names(strategy.lightning_module) if k in tensors["state_dict"]]
+        tensors["state_dict"] = {k: v for k, v in tensors["state_dict"].items() if k not in excluded}
+        checkpoint["frozen_parameters_excluded"] = excluded
     optimizer_states = checkpoint.pop("optimizer_states", [])
     tensors["optimizer_states"] = {str(i): {"state": osd["state"]} for i, osd in enumerate(optimizer_states)}
     checkpoint["optimizer_param_groups"] = [osd["param_groups"] for osd in optimizer_states]
@@ -161,7 +170,10 @@ def load(strategy, filepath: str) -> dict[str, Any]:
     directory = checkpoint_directory(filepath)
     meta = load_meta(directory)  # weights_only; raises a clear error if not a checkpoint
     module = strategy.lightning_module
-    target: dict[str, Any] = {"state_dict": module_state_dict(module)}
+    own = module_state_dict(module)
+    # Weights the checkpoint left out (exclude_frozen_parameters) are not in it: the module keeps its own.
+    excluded = set(meta.pop("frozen_parameters_excluded", ()))
+    target: dict[str, Any] = {"state_dict": {k: v for k, v in own.items() if k not in excluded}}
     optimizers = [getattr(o, "_optimizer", o) for o in strategy.optimizers]
     saved_groups = meta.pop("optimizer_param_groups", [])
     if optimizers:
@@ -173,7 +185,8 @@ def load(strategy, filepath: str) -> dict[str, Any]:
                 _initialise_optimizer_state(optimizer)
             target["optimizer_states"][str(i)] = {"state": optimizer_state_dict(module, optimizer)["state"]}
     load_sharded_checkpoint(directory, target, strict=module.strict_loading)
-    module.load_state_dict(target["state_dict"], strict=module.strict_loading)
+    kept = {k: v for k, v in own.items() if k in excluded}
+    module.load_state_dict({**target["state_dict"], **kept}, strict=module.strict_loading)
     if not module.strict_loading:
         _forget_states_not_in_checkpoint(directory, module, optimizers)
     for optimizer, groups in zip(optimizers, saved_groups):

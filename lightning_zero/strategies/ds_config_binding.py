@@ -13,20 +13,28 @@ config key                   what happens at setup
 ``gradient_accumulation``    applied when the Trainer keeps ``accumulate_grad_batches=1``; must agree otherwise
 ``train_*batch_size``        DeepSpeed's arithmetic against the DataLoader's batch size and the data-parallel size
 ``steps_per_print``          applied as ``log_every_n_steps`` when the Trainer keeps its default (50)
-``optimizer`` / ``scheduler``  built when the LightningModule has no ``configure_optimizers`` (both: error)
+``optimizer`` / ``scheduler``  built by the strategy; a ``configure_optimizers`` is then not called (warning)
 ``pipeline.stages``          ``pipeline_parallel_size`` (and accumulation steps as ``micro_batches``), at construction
 ===========================  =========================================================================================
 
-The effective configuration is printed on rank 0 (rich table) and saved in every checkpoint's ``zero.json``.
+The keys the config set (and the ``"auto"`` values resolved) are printed on rank 0 as one rich table
+(``ZeroStrategy(verbose=True)``: every key, DeepSpeed defaults included); the full table is saved in every
+checkpoint's ``zero.json``.
+
+DeepSpeedStrategy conventions kept: without ``config=`` the file named by ``PL_DEEPSPEED_CONFIG_PATH`` is read
+(:func:`bind_ds_config`), and ``strategy.config`` is the effective config as a dict (:func:`effective_ds_config`).
 """
 
 from __future__ import annotations
 
+import copy
+import os
 from typing import Any, Optional
 
 from lightning_zero.ds_config import (
     AutoContext,
     DeepSpeedConfigError,
+    DeepSpeedConfigWarning,
     DeepSpeedTranslation,
     effective_config_dict,
     effective_config_table,
@@ -42,6 +50,26 @@ LOSS_SCALE_KEYS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hy
 CONFIG_STRATEGY_KEYS = ("stage", "offload", "pin_memory", "reshard_after_forward", "communication_data_type",
                         "pipeline_parallel_size", "micro_batches", *LOSS_SCALE_KEYS)
 _TRAINER_DEFAULTS = {"accumulate_grad_batches": 1, "gradient_clip_val": None, "log_every_n_steps": 50}
+# Where Lightning's DeepSpeedStrategy looks for a config file when it is given none; ZeroStrategy does the same.
+DEEPSPEED_ENV_VAR = "PL_DEEPSPEED_CONFIG_PATH"
+
+
+def bind_ds_config(config: Any, strict: bool) -> Optional["DeepSpeedConfigBinding"]:
+    """The binding for ``ZeroStrategy(config=...)``; without ``config``, the file ``PL_DEEPSPEED_CONFIG_PATH`` names
+    (as ``DeepSpeedStrategy`` reads it), or ``None`` when that is unset too. An explicit ``config`` wins over the
+    variable. The variable set to an empty string or a missing file is an error, not a silent fallback."""
+    if config is not None:
+        return DeepSpeedConfigBinding(config, strict)
+    path = os.environ.get(DEEPSPEED_ENV_VAR)
+    if path is None:
+        return None
+    if not path or not os.path.isfile(path):
+        raise DeepSpeedConfigError(f"{DEEPSPEED_ENV_VAR}={path!r} does not name a DeepSpeed config file: point it at "
+                                   "one, or unset it (ZeroStrategy reads it when no config= is given)")
+    from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+    rank_zero_info(f"ZeroStrategy: loading the DeepSpeed config from {DEEPSPEED_ENV_VAR}={path}")
+    return DeepSpeedConfigBinding(path, strict, origin=f"{DEEPSPEED_ENV_VAR}={path}")
 
 
 class DeepSpeedConfigBinding:
@@ -52,12 +80,14 @@ class DeepSpeedConfigBinding:
         strict: unknown keys and unsupported features are errors (``False``: warnings).
     """
 
-    def __init__(self, source: Any, strict: bool = True) -> None:
+    def __init__(self, source: Any, strict: bool = True, origin: Optional[str] = None) -> None:
         if not isinstance(strict, bool):
             raise TypeError(f"strict must be True or False, got {strict!r}")
         self.raw = load_ds_config(source)
         self.strict = strict
+        self.origin = origin  # where the config came from when not from config= (named in the startup report)
         self.translation: DeepSpeedTranslation = translate_ds_config(self.raw, strict=strict)
+        self.auto_paths = tuple(self.translation.unresolved_auto)  # shown as "auto" -> value once resolved
         self._refuse_unwired(self.translation)
         from lightning_zero.strategies.ds_config_checks import dry_build
 
@@ -156,10 +186,13 @@ class DeepSpeedConfigBinding:
         """JSON record of the effective configuration (saved in checkpoints)."""
         return effective_config_dict(self.translation)
 
-    def print_table(self) -> None:
+    def print_table(self, verbose: bool = False) -> None:
+        """Print the keys the config set and the ``"auto"`` values resolved (``verbose``: every effective key)."""
         from rich.console import Console
 
-        Console().print(effective_config_table(self.translation))
+        caption = f"read from {self.origin}" if self.origin else None
+        Console().print(effective_config_table(self.translation, verbose=verbose, auto_paths=self.auto_paths,
+                                               caption=caption))
 
 
 def precision_from_config(config_precision: Optional[str], trainer_precision: str) -> Optional[str]:
@@ -219,9 +252,19 @@ def install_config_optimizers(module, binding: DeepSpeedConfigBinding) -> None:
     """
     import types
 
-    from lightning_zero.optim_factory import build_optimizer, check_single_optimizer_source
+    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-    check_single_optimizer_source(binding.translation.optimizer, module)
+    from lightning_zero.optim_factory import build_optimizer, defines_configure_optimizers
+
+    if defines_configure_optimizers(module):
+        spec = binding.translation.optimizer
+        scheduler = binding.translation.scheduler
+        what = f'"optimizer" ({spec.get("type")!r})' + (f' and "scheduler" ({scheduler.get("type")!r})'
+                                                        if scheduler else "")
+        rank_zero_warn(f"both the DeepSpeed config and {type(module).__name__}.configure_optimizers define an "
+                       f"optimizer: the config's {what} is used and configure_optimizers is not called (its "
+                       "optimizers and schedulers are ignored), as DeepSpeedStrategy does. Remove one of the two to "
+                       "silence this warning", category=DeepSpeedConfigWarning)
 
     def configure_optimizers(self):
         translation = binding.translation
@@ -251,3 +294,83 @@ def scheduler_from_config(translation: DeepSpeedTranslation, trainer, optimizers
             f"{len(optimizers)} optimizer(s) and {len(configs)} scheduler(s): a config scheduler needs exactly one "
             "optimizer and no scheduler from configure_optimizers; remove one of the two")
     return _configure_schedulers_automatic_opt([_scheduler_for(translation, trainer, optimizers[0])], None)
+
+
+class ReadOnlyConfig(dict):
+    """A dict that refuses changes: ``strategy.config`` reports the configuration in effect, so writing into it
+    would change nothing; the error says so instead of the write being silently lost. ``copy.deepcopy(config)``
+    and ``config.copy()`` give ordinary, writable dicts."""
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("strategy.config is a read-only report of the DeepSpeed config in effect; changing it would "
+                        "change nothing. Pass the changed config as ZeroStrategy(config=...) instead")
+
+    __setitem__ = __delitem__ = __ior__ = update = pop = popitem = clear = setdefault = _refuse
+
+    def copy(self) -> dict:
+        return copy.deepcopy(self)
+
+    def __deepcopy__(self, memo: dict) -> dict:
+        return {key: copy.deepcopy(value, memo) for key, value in self.items()}
+
+    def __reduce__(self):
+        return dict, (dict(self.copy()),)
+
+
+class _ReadOnlyList(list):
+    """A list inside :class:`ReadOnlyConfig` (``betas``...): equal to the plain list, but refuses changes."""
+
+    _refuse = ReadOnlyConfig._refuse
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = append = extend = insert = pop = remove = clear = sort = \
+        reverse = _refuse
+
+    def copy(self) -> list:
+        return copy.deepcopy(self)
+
+    def __deepcopy__(self, memo: dict) -> list:
+        return [copy.deepcopy(item, memo) for item in self]
+
+    def __reduce__(self):
+        return list, (self.copy(),)
+
+
+def _read_only(value: Any) -> Any:
+    if isinstance(value, dict):
+        return ReadOnlyConfig({key: _read_only(item) for key, item in value.items()})
+    if isinstance(value, list):
+        return _ReadOnlyList(_read_only(item) for item in value)
+    return value
+
+
+def effective_ds_config(strategy) -> dict:
+    """``strategy.config``: the DeepSpeed config in effect, as a (read-only) dict, like ``DeepSpeedStrategy.config``.
+
+    With a ds_config it is the translated config (DeepSpeed's defaults filled in, ``"auto"`` values resolved once
+    setup ran), with the strategy's explicit arguments written over it; without one it holds what the strategy's
+    arguments mean in DeepSpeed's terms. Both then carry what is known of the run: the precision, and once attached
+    to a Trainer its accumulation and norm clipping.
+    """
+    binding = strategy.ds_config
+    config = copy.deepcopy(binding.translation.effective) if binding is not None else {}
+    zero = config.setdefault("zero_optimization", {})
+    zero["stage"] = strategy.stage
+    device = strategy.zero_config.offload or "none"
+    # stage 3's offload also moves the parameters; below it only optimizer states (and masters) move
+    for section in ("offload_optimizer", "offload_param") if strategy.stage == 3 else ("offload_optimizer",):
+        if device != "none" or zero.get(section) is not None:
+            zero[section] = {**(zero.get(section) or {}), "device": device}
+    if strategy._communication_data_type is not None:
+        config["communication_data_type"] = strategy._communication_data_type
+    plugin = strategy._precision_plugin
+    precision = str(getattr(plugin, "precision", "")) if plugin is not None else ""
+    if precision:
+        for section, prefix in (("fp16", "16-"), ("bf16", "bf16-")):
+            if precision.startswith(prefix) or section in config:
+                config.setdefault(section, {})["enabled"] = precision.startswith(prefix)
+    module = strategy.lightning_module
+    trainer = getattr(module, "_trainer", None) if module is not None else None
+    if trainer is not None:
+        config["gradient_accumulation_steps"] = trainer.accumulate_grad_batches
+        if trainer.gradient_clip_algorithm in (None, "norm"):  # DeepSpeed's gradient_clipping is a norm clip
+            config["gradient_clipping"] = float(trainer.gradient_clip_val or 0.0)
+    return _read_only(config)

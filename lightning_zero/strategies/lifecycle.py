@@ -1,93 +1,9 @@
-"""What ``ZeroStrategy`` does around training that is not ZeRO itself: the DDP settings manual optimization needs,
-``toggle_optimizer`` over partitioned optimizers, Lightning's layer sync (``sync_batchnorm``), callbacks it refuses,
-and a teardown that leaves sharded modules where they are."""
+"""What ``ZeroStrategy`` does around training that is not ZeRO itself: Lightning's layer sync (``sync_batchnorm``),
+callbacks it refuses, and a teardown that leaves sharded modules where they are."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-
-
-def ddp_kwargs(module) -> dict[str, Any]:
-    """``DistributedDataParallel`` arguments for stages 0-1.
-
-    With manual optimization a step usually back-propagates through part of the model only (a GAN's discriminator
-    loss never reaches the generator, ``toggle_optimizer`` freezes the other optimizer's parameters). DDP then
-    waits forever for those gradients and fails on the next step ("Expected to have finished reduction"), so
-    unused parameters are found per backward, as Lightning's ``ddp_find_unused_parameters_true`` does.
-    """
-    return {} if module.automatic_optimization else {"find_unused_parameters": True}
-
-
-def _model_params(optimizer) -> list:
-    """Every module parameter ``optimizer`` updates, also the ones a stage-1 rank does not step itself."""
-    from lightning_zero.distributed.optimizer import get_sharding
-
-    optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
-    sharding = get_sharding(optimizer)
-    if sharding is not None:
-        return sharding.all_model_params()
-    return [param for group in optimizer.param_groups for param in group["params"]]
-
-
-class _WholeModelToggle:
-    """``toggle_optimizer``/``untoggle_optimizer`` over the module's parameters, not the optimizers' param groups.
-
-    [Note: toggle_optimizer at stage 1]
-    Lightning's versions freeze the parameters they find in ``optimizer.param_groups``. At stage 1 those hold only
-    the parameters this rank steps (or their CPU masters with offload; see ``distributed.optimizer``'s note), so the
-    other ranks' parameters stayed trainable: they collected gradients from the other optimizer's loss, DDP
-    averaged those into the owner's gradient, and the owner stepped on the sum (a silently different GAN). These
-    versions bind on the instance (the class stays untouched), use each optimizer's full parameter list, and are
-    removed at teardown, as the ds_config's ``configure_optimizers`` is.
-    """
-
-    def __init__(self, module, optimizers: list) -> None:
-        import types
-
-        self.module = module
-        self.optimizers = optimizers
-        module.toggle_optimizer = types.MethodType(self._toggle, module)
-        module.untoggle_optimizer = types.MethodType(self._untoggle, module)
-
-    def _toggle(self, module, optimizer) -> None:
-        saved: dict = {}
-        for other in self.optimizers:
-            for param in _model_params(other):
-                saved.setdefault(param, param.requires_grad)
-                param.requires_grad = False
-        for param in _model_params(optimizer):
-            param.requires_grad = saved[param]
-        module._param_requires_grad_state = saved
-
-    def _untoggle(self, module, optimizer) -> None:
-        optimizer = getattr(optimizer, "_optimizer", optimizer)
-        saved = module._param_requires_grad_state
-        for other in self.optimizers:
-            if other is not optimizer:
-                for param in _model_params(other):
-                    if param in saved:
-                        param.requires_grad = saved[param]
-        module._param_requires_grad_state = {}
-
-    def remove(self) -> None:
-        for name in ("toggle_optimizer", "untoggle_optimizer"):
-            self.module.__dict__.pop(name, None)
-
-
-def whole_model_toggle(module, optimizers: list) -> list:
-    """At stage 1 (partitioned param groups) bind toggle/untoggle that see every parameter; returns handles."""
-    from lightning_zero.distributed.optimizer import get_sharding
-
-    def partitioned(optimizer) -> bool:
-        sharding = get_sharding(getattr(optimizer, "_optimizer", optimizer))
-        return sharding is not None and (bool(sharding.masters) or any(owner != -1 for owners in sharding.owners
-                                                                        for owner in owners))
-
-    if module.automatic_optimization or not any(partitioned(optimizer) for optimizer in optimizers):
-        return []
-    return [_WholeModelToggle(module, optimizers)]
 
 
 def holds_sharded_parameters(module) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from typing import Any, Callable, Generator, Literal, Optional, Union
+from typing import Any, Generator, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -43,8 +43,11 @@ from lightning_zero.distributed.manual_backward import ManualBackward
 from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
 from lightning_zero.distributed.zero import apply_zero, set_gradient_sync
 from lightning_zero.strategies import checkpointing, lifecycle, validation
+from lightning_zero.strategies.ddp_options import DDPOptions, ddp_kwargs_for, explain_unused_parameters, require_flags
 from lightning_zero.strategies.ds_config_binding import (
     DeepSpeedConfigBinding,
+    bind_ds_config,
+    effective_ds_config,
     install_config_optimizers,
     precision_from_config,
     scheduler_from_config,
@@ -63,6 +66,7 @@ from lightning_zero.strategies.precision import (
     low_precision_allreduce_hook,
     parse_communication_data_type,
 )
+from lightning_zero.strategies.toggle import install_partition_aware_toggle, uninstall_partition_aware_toggle
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +119,12 @@ class ZeroStrategy(ParallelStrategy):
         pipeline_parallel_size, micro_batches, pipeline_schedule, virtual_stages: pipeline parallelism over a
             ``PipelineModule`` held by the LightningModule, with the ZeRO stage on the data-parallel dimension
             (:mod:`lightning_zero.strategies.pipeline_binding`, ``docs/pipeline.md``).
+        find_unused_parameters, static_graph, gradient_as_bucket_view, bucket_cap_mb: ``DDPStrategy``'s options for
+            the DDP of stages 0-1 (:mod:`lightning_zero.strategies.ddp_options`).
+        exclude_frozen_parameters, verbose: frozen parameters stay out of checkpoints; print the whole ds_config.
+
+    As ``DeepSpeedStrategy``: without ``config`` the file ``PL_DEEPSPEED_CONFIG_PATH`` names is read, and
+    :attr:`config` is the effective ds_config as a dict.
 
     Precision comes from the Trainer's ``precision`` flag (``32-true``, ``bf16-mixed``, ``16-mixed``, ``bf16-true``,
     ``16-true``): fp32 master weights and optimizer states, low-precision compute, DeepSpeed's dynamic loss scaling
@@ -152,11 +162,17 @@ class ZeroStrategy(ParallelStrategy):
         micro_batches: Optional[int] = None,
         pipeline_schedule: Optional[str] = None,
         virtual_stages: Optional[int] = None,
+        find_unused_parameters: Optional[bool] = None,
+        static_graph: Optional[bool] = None,
+        gradient_as_bucket_view: Optional[bool] = None,
+        bucket_cap_mb: Optional[float] = None,
+        exclude_frozen_parameters: bool = False,
+        verbose: bool = False,
     ) -> None:
         # Validate everything before Lightning (or anyone) starts a process group.
         timeout = validation.check_timeout(timeout)
         validation.check_backend_name(process_group_backend)
-        self._ds_config = DeepSpeedConfigBinding(config, strict) if config is not None else None
+        self._ds_config = bind_ds_config(config, strict)  # config=, else PL_DEEPSPEED_CONFIG_PATH, else None
         from_config = self._ds_config.strategy_kwargs() if self._ds_config is not None else {}
         stage = stage if stage is not None else from_config.get("stage", 2)
         offload = offload if offload is not None else from_config.get("offload")
@@ -189,6 +205,10 @@ class ZeroStrategy(ParallelStrategy):
         self._pipeline = make_pipeline_settings(pipeline_parallel_size, micro_batches, pipeline_schedule,
                                                 virtual_stages, stage=self.zero_config.stage,
                                                 offload=self.zero_config.offload)
+        self._ddp_options = DDPOptions(find_unused_parameters, static_graph, gradient_as_bucket_view, bucket_cap_mb)
+        self._ddp_options.check_stage(self.zero_config.stage, pipeline=self._pipeline.enabled)
+        self.exclude_frozen_parameters, self.verbose = require_flags(
+            exclude_frozen_parameters=exclude_frozen_parameters, verbose=verbose)
         self._pp_mesh = None
         self._runner = None
         self._pipeline_grads = None
@@ -216,8 +236,13 @@ class ZeroStrategy(ParallelStrategy):
 
     @property
     def ds_config(self) -> Optional[DeepSpeedConfigBinding]:
-        """The DeepSpeed config this strategy was built from (``None`` without ``config=``)."""
+        """The DeepSpeed config binding (``None`` without ``config=`` or ``PL_DEEPSPEED_CONFIG_PATH``)."""
         return self._ds_config
+
+    @property
+    def config(self) -> dict:
+        """The effective DeepSpeed config as a read-only dict, as ``DeepSpeedStrategy.config``."""
+        return effective_ds_config(self)
 
     @property
     def root_device(self) -> torch.device:
@@ -286,7 +311,7 @@ class ZeroStrategy(ParallelStrategy):
         if adopted is not None:
             self.precision_plugin = _FlagOnly(adopted)  # adapted like Lightning's own choice would be
         if self.is_global_zero:
-            binding.print_table()
+            binding.print_table(verbose=self.verbose)
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -376,7 +401,7 @@ class ZeroStrategy(ParallelStrategy):
                 self._teardown_handles.append(self._manual_backward)
         elif fitting:
             self.model = apply_zero(self.model, self._mesh, self.zero_config, device=self.root_device,
-                                    ddp_kwargs=lifecycle.ddp_kwargs(self.lightning_module))
+                                    ddp_kwargs=ddp_kwargs_for(self._ddp_options, self._ds_config, self.model))
             reduce_dtype = self.precision_plugin.ddp_reduce_dtype()
             if reduce_dtype is not None:
                 self.model.register_comm_hook(self._mesh.get_group(), low_precision_allreduce_hook(reduce_dtype))
@@ -409,7 +434,7 @@ class ZeroStrategy(ParallelStrategy):
         for optimizer in self.optimizers:
             if get_sharding(optimizer) is None:
                 shard_optimizer(optimizer, self.zero_config, group=group, device=self.root_device)
-        self._teardown_handles += lifecycle.whole_model_toggle(self.lightning_module, self.optimizers)
+        install_partition_aware_toggle(self.lightning_module)  # see toggle.py's note
         guard_schedulers(self.lr_scheduler_configs, self.precision_plugin)
 
     def model_to_device(self) -> None:
@@ -551,12 +576,16 @@ class ZeroStrategy(ParallelStrategy):
         if self.is_global_zero:
             checkpointing.remove(filepath)
 
+    def on_exception(self, exception: BaseException) -> None:
+        explain_unused_parameters(exception, self.stage)
+
     # ------------------------------------------------------------------ teardown and registry
     def teardown(self) -> None:
         wait_for_pending_saves(barrier=_distributed_is_initialized())  # an async save must land before exit
         lightning_module = self.lightning_module
         if lightning_module is not None:
             uninstall_config_optimizers(lightning_module)
+            uninstall_partition_aware_toggle(lightning_module)
             if (pool := comm_buffer_pool(lightning_module)) is not None:
                 pool.clear()  # the CPU communication buffers go with the run; refilled if the module trains again
         for handle in self._teardown_handles:

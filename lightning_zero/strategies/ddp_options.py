@@ -1,0 +1,137 @@
+"""``DistributedDataParallel`` options for ZeRO stages 0-1, as Lightning's ``DDPStrategy`` takes them.
+
+``ZeroStrategy(find_unused_parameters=True)`` (or ``static_graph``, ``gradient_as_bucket_view``, ``bucket_cap_mb``)
+is passed to the ``DistributedDataParallel`` that stages 0-1 run on, exactly as ``DDPStrategy(**kwargs)`` would, so
+a model that skips parameters in some steps (a GAN's two optimizers, a conditional branch) trains at stage 0/1 as it
+does under Lightning's ``ddp_find_unused_parameters_true``.
+
+A ds_config's ``zero_optimization.reduce_bucket_size`` (DeepSpeed's gradient bucket, counted in elements) becomes
+DDP's ``bucket_cap_mb`` (counted in MiB) at stages 0-1, converted with the gradients' element size; an explicit
+``bucket_cap_mb`` wins.
+
+Stages 2-3 run FSDP2, which has none of these knobs (it reduce-scatters per unit and tolerates parameters a step
+does not use), so setting any of them there is refused rather than ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+_MIB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class DDPOptions:
+    """Validated DDP keyword arguments; ``None`` leaves torch's default.
+
+    Args:
+        find_unused_parameters: let DDP's reducer mark parameters the forward did not use as ready (required when a
+            step leaves parameters without gradients: DDP otherwise errors at the next step).
+        static_graph: the set of used parameters and the graph do not change between steps (DDP can then skip the
+            unused-parameter search and supports re-entrant activation checkpointing).
+        gradient_as_bucket_view: gradients are views into DDP's buckets (saves one gradient-sized copy).
+        bucket_cap_mb: DDP's gradient bucket size in MiB (torch's default: 25).
+    """
+
+    find_unused_parameters: Optional[bool] = None
+    static_graph: Optional[bool] = None
+    gradient_as_bucket_view: Optional[bool] = None
+    bucket_cap_mb: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        for name in ("find_unused_parameters", "static_graph", "gradient_as_bucket_view"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise TypeError(f"{name} must be True, False or None, got {value!r}")
+        cap = self.bucket_cap_mb
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0):
+            raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {cap!r}")
+
+    def given(self) -> dict:
+        """The options set to something other than ``None``."""
+        return {key: value for key, value in asdict(self).items() if value is not None}
+
+    def check_stage(self, stage: int, pipeline: bool = False) -> None:
+        """Refuse DDP options where no DDP runs (stages 2-3, pipelines): they would be silently ignored."""
+        given = ", ".join(f"{k}={v!r}" for k, v in self.given().items())
+        if given and pipeline:
+            raise ValueError(f"{given}: DDP options do not apply with pipeline_parallel_size > 1, whose schedule "
+                             "reduces the data-parallel gradients itself. Remove them.")
+        if given and stage >= 2:
+            raise ValueError(
+                f"{given}: DDP options apply at stages 0-1 only; stage {stage} runs FSDP2, which reduce-scatters per "
+                "sharded unit and handles parameters a step does not use by itself. Remove them, or use stage=0/1.")
+
+    def ddp_kwargs(self, reduce_bucket_size: Optional[int] = None, grad_element_size: int = 4) -> dict:
+        """Keyword arguments for ``DistributedDataParallel``.
+
+        Args:
+            reduce_bucket_size: a ds_config ``zero_optimization.reduce_bucket_size`` (elements) the config set;
+                used as ``bucket_cap_mb`` when that is not given.
+            grad_element_size: bytes per gradient element (DDP buckets by bytes).
+        """
+        kwargs = self.given()
+        if "bucket_cap_mb" not in kwargs and reduce_bucket_size is not None:
+            kwargs["bucket_cap_mb"] = reduce_bucket_size * grad_element_size / _MIB
+        return kwargs
+
+
+def config_reduce_bucket_size(binding) -> Optional[int]:
+    """``zero_optimization.reduce_bucket_size`` when the ds_config wrote it (resolved if it was ``"auto"``).
+
+    A DeepSpeed default is not carried over: DDP's own default bucket (25 MiB) is tuned for DDP, DeepSpeed's
+    (5e8 elements) for its own reducer.
+    """
+    if binding is None:
+        return None
+    written = binding.raw.get("zero_optimization")
+    if not isinstance(written, dict) or "reduce_bucket_size" not in written:
+        return None
+    value = binding.translation.effective.get("zero_optimization", {}).get("reduce_bucket_size")
+    return value if isinstance(value, int) else None
+
+
+def grad_element_size(module) -> int:
+    """Bytes per gradient element of ``module`` (its parameters' dtype: DDP's gradients have it)."""
+    for param in module.parameters():
+        if param.requires_grad:
+            return param.element_size()
+    return 4
+
+
+def ddp_kwargs_for(options: DDPOptions, binding, module) -> dict:
+    """The ``DistributedDataParallel`` keyword arguments for ``module`` (see :meth:`DDPOptions.ddp_kwargs`).
+
+    Under manual optimization a step usually back-propagates through part of the model only (a GAN's discriminator
+    loss never reaches the generator; ``toggle_optimizer`` freezes the other optimizer's parameters), and DDP would
+    fail on the next step ("Expected to have finished reduction"). So there ``find_unused_parameters`` defaults to
+    True, as Lightning's ``ddp_find_unused_parameters_true`` would be chosen; an explicit value always wins.
+    """
+    kwargs = options.ddp_kwargs(config_reduce_bucket_size(binding), grad_element_size(module))
+    if options.find_unused_parameters is None and not getattr(module, "automatic_optimization", True):
+        kwargs["find_unused_parameters"] = True
+    return kwargs
+
+
+_UNUSED_PARAMETERS_ERROR = "Expected to have finished reduction in the prior iteration"
+
+
+def explain_unused_parameters(exception: BaseException, stage: int) -> None:
+    """Put ZeroStrategy's remedy in front of DDP's unused-parameter error (its own text, which names the
+    parameters, is kept), as ``DDPStrategy`` points at ``ddp_find_unused_parameters_true``."""
+    if stage > 1 or not exception.args or not isinstance(exception.args[0], str) \
+            or _UNUSED_PARAMETERS_ERROR not in exception.args[0]:
+        return
+    hint = (f"Your LightningModule has parameters that were not used in producing the loss returned by "
+            f"training_step. If this is intentional, let DDP (ZeRO stage {stage}) look for them: "
+            f"ZeroStrategy(stage={stage}, find_unused_parameters=True). DDP's message follows.\n\n")
+    exception.args = (hint + exception.args[0], *exception.args[1:])
+
+
+def require_flags(**flags) -> tuple:
+    """The values of ``flags``, each checked to be a bool (a string "false" would otherwise count as true)."""
+    for name, flag in flags.items():
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True or False, got {flag!r}")
+    return tuple(flags.values())
