@@ -175,10 +175,14 @@ def _ddp_options_worker(rank, world_size):
         RegressionModule(batch_size=BATCH))
     assert record.seen["bucket_bytes_cap"] == 4 * MIB  # 2**20 fp32 gradient elements
 
-    # without the option, DDP's error comes with the remedy in ZeroStrategy's terms (last: the run is broken)
+    # manual optimization defaults find_unused_parameters to True (a GAN step leaves the other network unused)
+    record = _RecordDDP()
+    _trainer(ZeroStrategy(stage=1), world_size, max_steps=1, callbacks=[record]).fit(TinyGAN())
+    assert record.seen["find_unused_parameters"] is True
+    # an explicit False wins, and DDP's error comes with the remedy in ZeroStrategy's terms (last: the run is broken)
     with pytest.raises(RuntimeError, match=r"(?s)ZeroStrategy\(stage=1, find_unused_parameters=True\).*"
                                            "Expected to have finished reduction"):
-        _trainer(ZeroStrategy(stage=1), world_size, max_steps=steps).fit(TinyGAN())
+        _trainer(ZeroStrategy(stage=1, find_unused_parameters=False), world_size, max_steps=steps).fit(TinyGAN())
 
 
 def test_gan_trains_at_stages_0_and_1_with_find_unused_parameters_as_with_ddp():
