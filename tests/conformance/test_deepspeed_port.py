@@ -109,7 +109,7 @@ def _ds_config_worker(rank, world_size):
     # linear warm-up from 0 to 0.1 over 10 steps after two optimizer steps: DeepSpeed's own WarmupLR is at t = 1
     # then (its first step() call only moves t from -1 to 0), i.e. 0.01
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 1 / 10, rel=1e-6)
-    assert strategy.ds_config.report()["train_micro_batch_size_per_gpu"] == 3, "'auto' read from the DataLoader"
+    assert strategy.ds_config.translation.train_micro_batch_size_per_gpu == 3, "'auto' read from the DataLoader"
 
 
 def test_ds_config_optimizer_scheduler_and_auto_batch_size():
