@@ -445,3 +445,46 @@ def _init_module_worker(rank, world_size, stage, empty_init):
 ])
 def test_init_module(stage, empty_init):
     run_distributed(_init_module_worker, 2, stage, empty_init)
+
+
+class _ManualSubmoduleModule(RegressionModule):
+    """Manual optimization over a model whose parameters the root unit owns (one Linear, as Lightning's
+    BoringModel), with training_step calling the submodule directly."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.net = nn.Linear(6, 3)
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _manual_submodule_worker(rank, world_size, stage):
+    seed_everything(0)
+    module = _ManualSubmoduleModule()
+    seed_everything(0)
+    reference = _ManualSubmoduleModule().net
+    trainer(zero(stage), max_steps=1).fit(module)
+    x, y = _first_global_batch(8)
+    nn.functional.mse_loss(reference(x), y).backward()
+    with torch.no_grad():
+        for p in reference.parameters():
+            p -= 0.1 * p.grad
+    expected = {f"net.{k}": v for k, v in reference.state_dict().items()}
+    assert max_abs_diff(full_state(module), expected) <= 1e-6, "manual optimization did not train the model"
+
+
+@pytest.mark.parametrize("stage", [
+    1, pytest.param(3, marks=pytest.mark.xfail(strict=True, reason=(
+        "issue 17 defect 2: manual optimization at stages 2-3 when training_step calls a submodule")))])
+def test_stage_3_manual_optimization_calling_a_submodule(stage):
+    run_distributed(_manual_submodule_worker, 2, stage)
