@@ -488,3 +488,34 @@ def _manual_submodule_worker(rank, world_size, stage):
         "issue 17 defect 2: manual optimization at stages 2-3 when training_step calls a submodule")))])
 def test_stage_3_manual_optimization_calling_a_submodule(stage):
     run_distributed(_manual_submodule_worker, 2, stage)
+
+
+# ---------------------------------------------------------------------------------------------- precision knobs
+def test_custom_precision_params_reach_the_scaler(tmp_path):
+    strategy = ZeroStrategy(initial_scale_power=11, loss_scale_window=12, hysteresis=13, min_loss_scale=14)
+    Trainer(strategy=strategy, accelerator="cpu", devices=1, precision="16-true", logger=False,
+            default_root_dir=tmp_path)
+    config = strategy._fp16_loss_scale_config
+    assert (config.initial_scale_power, config.loss_scale_window, config.hysteresis, config.min_loss_scale) == \
+        (11, 12, 13, 14)
+    assert strategy.precision_plugin.loss_scale == 2.0 ** 11
+    with pytest.raises(Exception, match="fp16|16"):  # fp16 knobs with fp32 training are refused, not ignored
+        Trainer(strategy=ZeroStrategy(loss_scale=10), accelerator="cpu", devices=1, precision="32-true",
+                logger=False, default_root_dir=tmp_path)
+
+
+def _inference_precision_worker(rank, world_size):
+    outputs = []
+
+    class _Record(RegressionModule):
+        def validation_step(self, batch, batch_idx):
+            outputs.append(self(batch[0]).dtype)
+
+    trainer(ZeroStrategy(config={"bf16": {"enabled": True}, "zero_optimization": {"stage": 3},
+                                 "train_micro_batch_size_per_gpu": 4}),
+            limit_val_batches=1).validate(_Record(), verbose=False)
+    assert outputs == [torch.bfloat16], "the config's bf16 was not used for inference"
+
+
+def test_config_precision_used_during_inference():
+    run_distributed(_inference_precision_worker, 2)
