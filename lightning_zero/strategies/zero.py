@@ -39,6 +39,7 @@ from lightning_zero.checkpoint.io import wait_for_pending_saves
 from lightning_zero.config import ZeroConfig
 from lightning_zero.distributed.buffers import comm_buffer_pool
 from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
+from lightning_zero.distributed.optimizer_check import check_optimizer_params
 from lightning_zero.distributed.zero import apply_zero, set_gradient_sync
 from lightning_zero.strategies import checkpointing
 from lightning_zero.strategies.ds_config_binding import (
@@ -387,8 +388,10 @@ class ZeroStrategy(ParallelStrategy):
             self.lr_scheduler_configs = scheduler_from_config(binding.translation, trainer, self.optimizers,
                                                               self.lr_scheduler_configs)
         group = self._mesh.get_group() if self._mesh is not None else None
-        for optimizer in self.optimizers:
+        for index, optimizer in enumerate(self.optimizers):
             if get_sharding(optimizer) is None:
+                if self.stage >= 2 and not self._pipeline.enabled:  # see distributed/optimizer_check.py
+                    check_optimizer_params(getattr(optimizer, "_optimizer", optimizer), self.lightning_module, index)
                 shard_optimizer(optimizer, self.zero_config, group=group, device=self.root_device)
         guard_schedulers(self.lr_scheduler_configs, self.precision_plugin)
 
