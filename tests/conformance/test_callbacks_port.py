@@ -186,21 +186,26 @@ def test_model_torch_save(tmp_path, stage):
 
 
 # ---------------------------------------------------------------------------------------------- EMA
-def _ema_worker(rank, world_size, stage):
+def _ema_worker(rank, world_size, stage, in_configure_model):
     from lightning.pytorch.callbacks import EMAWeightAveraging
 
     seed_everything(0)
-    module = RegressionModule()
+    module = RegressionModule(build_in_configure_model=in_configure_model)
     callback = EMAWeightAveraging(decay=0.5)
     trainer(zero(stage), max_steps=3, callbacks=[callback]).fit(module)
-    assert callback._average_model is not None
+    averaged = {k.removeprefix("module."): v for k, v in callback._average_model.state_dict().items()
+                if k.startswith("module.")}
+    # fit ends by copying the averaged weights into the module
+    assert max_abs_diff(full_state(module), averaged) == 0.0
 
 
-@pytest.mark.parametrize("stage", [1, pytest.param(3, marks=pytest.mark.xfail(strict=True, reason=(
-    "issue 17 defect 9 (same cause as StochasticWeightAveraging at stages 2-3: the averaged copy holds plain tensors, "
-    "the sharded model DTensors: 'aten.copy_.default got mixed torch.Tensor and DTensor')")))])
-def test_ema_weight_averaging(stage):
-    run_distributed(_ema_worker, 2, stage)
+@pytest.mark.parametrize("stage,in_configure_model", [
+    (1, False), (1, True),
+    pytest.param(3, False, marks=pytest.mark.xfail(strict=True, reason=(
+        "issue 17 defect 9 (same cause as StochasticWeightAveraging at stages 2-3: the averaged copy holds plain "
+        "tensors, the sharded model DTensors: 'aten.copy_.default got mixed torch.Tensor and DTensor')")))])
+def test_ema_weight_averaging(stage, in_configure_model):
+    run_distributed(_ema_worker, 2, stage, in_configure_model)
 
 
 # ---------------------------------------------------------------------------------------------- pruning
@@ -252,3 +257,27 @@ def _ema_resume_worker(rank, world_size, root, stage):
     "with KeyError: 'state_dict'"))
 def test_ema_resume(tmp_path):
     run_distributed(_ema_resume_worker, 2, str(tmp_path), 1)
+
+
+# ---------------------------------------------------------------------------------------------- spike detection
+class _SpikeModule(RegressionModule):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.global_rank == 1 and batch_idx == 4:
+            loss = loss * float("inf")  # a spike on one rank only
+        return loss
+
+
+def _spike_worker(rank, world_size, stage):
+    from lightning.fabric.utilities.spike import TrainingSpikeException
+    from lightning.pytorch.callbacks.spike import SpikeDetection
+
+    t = trainer(zero(stage), max_steps=8, callbacks=[SpikeDetection(finite_only=True, warmup=2)])
+    with pytest.raises(TrainingSpikeException):  # on every rank, the spike seen on rank 1 stops the run
+        t.fit(_SpikeModule())
+    assert t.global_step <= 5
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_spike_detection(stage):
+    run_distributed(_spike_worker, 2, stage)
