@@ -231,23 +231,23 @@ def test_pruning_callback(stage):
     run_distributed(_pruning_worker, 2, stage)
 
 
-def _ema_resume_worker(rank, world_size, root, stage):
+def _ema_resume_worker(rank, world_size, root, strategy_factory=None):
+    """Resume from a checkpoint written mid-run; the averaged weights end as in the uninterrupted run."""
     from lightning.pytorch.callbacks import EMAWeightAveraging
 
-    def run(epochs, ckpt_path=None):
+    make_strategy = strategy_factory or (lambda: zero(1))
+
+    def run(ckpt_path=None):
         seed_everything(0)
         module = RegressionModule()
-        callback = EMAWeightAveraging(decay=0.5)
-        t = trainer(zero(stage), max_steps=-1, max_epochs=epochs, limit_train_batches=2, callbacks=[callback])
+        callbacks = [EMAWeightAveraging(decay=0.5), ModelCheckpoint(dirpath=root, filename="{epoch}", save_top_k=-1)]
+        t = trainer(make_strategy(), max_steps=-1, max_epochs=2, limit_train_batches=2, callbacks=callbacks,
+                    enable_checkpointing=True)
         t.fit(module, ckpt_path=ckpt_path)
-        return t, module
+        return module
 
-    _, uninterrupted = run(2)
-    t, _ = run(1)
-    path = os.path.join(root, "epoch1.ckpt")
-    t.save_checkpoint(path)
-    _, resumed = run(2, ckpt_path=path)
-    # at the end of fit the callback swaps the averaged weights into the module: compare those
+    uninterrupted = run()
+    resumed = run(ckpt_path=os.path.join(root, "epoch=0.ckpt"))  # written by the first run
     assert max_abs_diff(full_state(resumed), full_state(uninterrupted)) <= 1e-6
 
 
@@ -256,7 +256,7 @@ def _ema_resume_worker(rank, world_size, root, stage):
     "loaded in place), so any on_load_checkpoint hook reading checkpoint['state_dict'] (WeightAveraging here) fails "
     "with KeyError: 'state_dict'"))
 def test_ema_resume(tmp_path):
-    run_distributed(_ema_resume_worker, 2, str(tmp_path), 1)
+    run_distributed(_ema_resume_worker, 2, str(tmp_path))
 
 
 # ---------------------------------------------------------------------------------------------- spike detection
@@ -281,3 +281,26 @@ def _spike_worker(rank, world_size, stage):
 @pytest.mark.parametrize("stage", [1, 3])
 def test_spike_detection(stage):
     run_distributed(_spike_worker, 2, stage)
+
+
+def _swa_resume_worker(rank, world_size, root, strategy_factory=None):
+    """Resume from a checkpoint written in the middle of an SWA run; the end result is the uninterrupted run's."""
+    make_strategy = strategy_factory or (lambda: zero(1))
+
+    def run(ckpt_path=None):
+        seed_everything(0)
+        module = RegressionModule()
+        callbacks = [StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=1, annealing_epochs=1),
+                     ModelCheckpoint(dirpath=root, filename="{epoch}", save_top_k=-1)]
+        t = trainer(make_strategy(), max_steps=-1, max_epochs=3, limit_train_batches=2, callbacks=callbacks,
+                    enable_checkpointing=True)
+        t.fit(module, ckpt_path=ckpt_path)
+        return module
+
+    uninterrupted = run()
+    resumed = run(ckpt_path=os.path.join(root, "epoch=1.ckpt"))  # written by the first run, mid-SWA
+    assert max_abs_diff(full_state(resumed), full_state(uninterrupted)) <= 1e-6
+
+
+def test_swa_resume_training_from_checkpoint(tmp_path):
+    run_distributed(_swa_resume_worker, 2, str(tmp_path))
