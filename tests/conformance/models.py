@@ -17,7 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from lightning_zero import ZeroStrategy
 from tests.lightning_models import RegressionModule, dataset, full_state  # noqa: F401  (re-exported)
 
-# Stages as (stage, offload) pairs: every ZeRO stage, plus stage 3 with CPU offload (DeepSpeed's "zero_stage_3_offload").
+# (stage, offload) pairs: every ZeRO stage, plus stage 3 with CPU offload (DeepSpeed's "zero_stage_3_offload").
 ALL_STAGES = [(0, None), (1, None), (2, None), (3, None), (3, "cpu")]
 STAGE_IDS = ["s0", "s1", "s2", "s3", "s3-offload"]
 

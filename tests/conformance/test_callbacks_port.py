@@ -77,7 +77,8 @@ class _PlateauModule(RegressionModule):
 
 def _early_stopping_worker(rank, world_size):
     t = trainer(zero(3), max_steps=-1, max_epochs=10, limit_train_batches=1, limit_val_batches=1,
-                callbacks=[EarlyStopping(monitor="val_metric", patience=1), EarlyStopping(monitor="val_other", patience=2)])
+                callbacks=[EarlyStopping(monitor="val_metric", patience=1),
+                           EarlyStopping(monitor="val_other", patience=2)])
     t.fit(_PlateauModule())
     epochs = torch.tensor(t.current_epoch)
     gathered = [torch.zeros_like(epochs) for _ in range(world_size)]
@@ -137,10 +138,10 @@ def test_swa_callback(stage):
 
 
 # ---------------------------------------------------------------------------------------------- tuner
-def _lr_find_worker(rank, world_size):
+def _lr_find_worker(rank, world_size, root):
     module = RegressionModule()
     module.lr = 1e-3
-    t = trainer(zero(2), max_steps=-1, max_epochs=1)
+    t = trainer(zero(2), root=root, max_steps=-1, max_epochs=1)
     result = Tuner(t).lr_find(module, num_training=5, min_lr=1e-4, max_lr=1e-1, update_attr=False)
     suggestion = torch.tensor(float(result.suggestion() or 0.0))
     gathered = [torch.zeros_like(suggestion) for _ in range(world_size)]
@@ -153,7 +154,7 @@ def _lr_find_worker(rank, world_size):
     "it after stepping; strategies/checkpointing.load asks DCP for the live optimizer's state keys, which the "
     "checkpoint lacks: 'Missing key in checkpoint state_dict: optimizer_states.0.state.net.inp.weight.step'"))
 def test_lr_finder(tmp_path):
-    run_distributed(_lr_find_worker, 2)
+    run_distributed(_lr_find_worker, 2, str(tmp_path))
 
 
 def _batch_size_worker(rank, world_size):
@@ -268,19 +269,21 @@ class _SpikeModule(RegressionModule):
         return loss
 
 
-def _spike_worker(rank, world_size, stage):
+def _spike_worker(rank, world_size, root, stage):
     from lightning.fabric.utilities.spike import TrainingSpikeException
     from lightning.pytorch.callbacks.spike import SpikeDetection
 
-    t = trainer(zero(stage), max_steps=8, callbacks=[SpikeDetection(finite_only=True, warmup=2)])
+    detection = SpikeDetection(finite_only=True, warmup=2,
+                               exclude_batches_path=os.path.join(root, "skip_batches.json"))
+    t = trainer(zero(stage), root=root, max_steps=8, callbacks=[detection])
     with pytest.raises(TrainingSpikeException):  # on every rank, the spike seen on rank 1 stops the run
         t.fit(_SpikeModule())
     assert t.global_step <= 5
 
 
 @pytest.mark.parametrize("stage", [1, 3])
-def test_spike_detection(stage):
-    run_distributed(_spike_worker, 2, stage)
+def test_spike_detection(tmp_path, stage):
+    run_distributed(_spike_worker, 2, str(tmp_path), stage)
 
 
 def _swa_resume_worker(rank, world_size, root, strategy_factory=None):

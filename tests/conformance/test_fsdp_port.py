@@ -9,7 +9,7 @@ from unittest import mock
 
 import pytest
 import torch
-from lightning.pytorch import LightningModule, Trainer, seed_everything
+from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
