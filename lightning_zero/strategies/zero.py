@@ -41,6 +41,7 @@ from lightning_zero.distributed.buffers import comm_buffer_pool
 from lightning_zero.distributed.init import InitConfig, exact_init
 from lightning_zero.distributed.manual_backward import ManualBackward
 from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
+from lightning_zero.distributed.optimizer_check import check_optimizer_params
 from lightning_zero.distributed.zero import apply_zero, set_gradient_sync
 from lightning_zero.strategies import checkpointing, lifecycle, validation
 from lightning_zero.strategies.ddp_options import DDPOptions, ddp_kwargs_for, explain_unused_parameters, require_flags
@@ -431,8 +432,10 @@ class ZeroStrategy(ParallelStrategy):
             self.lr_scheduler_configs = scheduler_from_config(binding.translation, trainer, self.optimizers,
                                                               self.lr_scheduler_configs)
         group = self._mesh.get_group() if self._mesh is not None else None
-        for optimizer in self.optimizers:
+        for index, optimizer in enumerate(self.optimizers):
             if get_sharding(optimizer) is None:
+                if self.stage >= 2 and not self._pipeline.enabled:  # see distributed/optimizer_check.py
+                    check_optimizer_params(getattr(optimizer, "_optimizer", optimizer), self.lightning_module, index)
                 shard_optimizer(optimizer, self.zero_config, group=group, device=self.root_device)
         install_partition_aware_toggle(self.lightning_module)  # see toggle.py's note
         guard_schedulers(self.lr_scheduler_configs, self.precision_plugin)
