@@ -142,16 +142,26 @@ def _check_optimizers(directory: str, optimizers: list, saved_groups: list, save
                               "those of another optimizer", directory)
 
 
-def _forget_states_not_in_checkpoint(directory: str, module: torch.nn.Module, optimizers: list) -> None:
+def _params_with_stored_state(directory: str, count: int) -> list[set[str]]:
+    """For each of ``count`` optimizers, the names of the parameters the checkpoint holds a state for.
+
+    A checkpoint saved before an optimizer's first step (``Tuner.lr_find`` saves one) holds none, and a parameter
+    that never received a gradient has none either: those are requested from the checkpoint by no one."""
+    stored = read_dcp_metadata(directory).state_dict_metadata
+    found: list[set[str]] = []
+    for i in range(count):
+        prefix = f"optimizer_states.{i}.state."
+        # "<prefix><parameter name>.<state key>"; state keys (exp_avg, step, ...) hold no dots, parameter names do
+        found.append({key[len(prefix):].rsplit(".", 1)[0] for key in stored if key.startswith(prefix)})
+    return found
+
+
+def _forget_states_not_in_checkpoint(module: torch.nn.Module, optimizers: list, stored: list[set[str]]) -> None:
     """Drop the placeholder states (from :func:`_initialise_optimizer_state`) of parameters the checkpoint has no
     state for, so the optimizer starts them fresh, as after ``Optimizer.load_state_dict`` without them: a kept
     placeholder would step them as if one step had already been taken (Adam's bias correction)."""
-    stored = read_dcp_metadata(directory).state_dict_metadata
     names = _param_names(module)
-    for i, optimizer in enumerate(optimizers):
-        prefix = f"optimizer_states.{i}.state."
-        # "<prefix><parameter name>.<state key>"; state keys (exp_avg, step, ...) hold no dots, parameter names do
-        have = {key[len(prefix):].rsplit(".", 1)[0] for key in stored if key.startswith(prefix)}
+    for optimizer, have in zip(optimizers, stored):
         sharding = get_sharding(optimizer)
         for params in _model_params_per_group(optimizer):
             for param in params:
@@ -179,16 +189,20 @@ def load(strategy, filepath: str) -> dict[str, Any]:
     if optimizers:
         saved_types = read_checkpoint_info(directory).get("optimizers")
         _check_optimizers(directory, strategy.optimizers, saved_groups, saved_types)
+        stored_states = _params_with_stored_state(directory, len(optimizers))
         target["optimizer_states"] = {}
         for i, optimizer in enumerate(optimizers):
             if not optimizer.state:
                 _initialise_optimizer_state(optimizer)
-            target["optimizer_states"][str(i)] = {"state": optimizer_state_dict(module, optimizer)["state"]}
+            states = optimizer_state_dict(module, optimizer)["state"]
+            # Only the states the checkpoint holds are read; the others start fresh (see _forget_states_...).
+            target["optimizer_states"][str(i)] = {"state": {name: state for name, state in states.items()
+                                                            if name in stored_states[i]}}
     load_sharded_checkpoint(directory, target, strict=module.strict_loading)
     kept = {k: v for k, v in own.items() if k in excluded}
     module.load_state_dict({**target["state_dict"], **kept}, strict=module.strict_loading)
-    if not module.strict_loading:
-        _forget_states_not_in_checkpoint(directory, module, optimizers)
+    if optimizers:
+        _forget_states_not_in_checkpoint(module, optimizers, stored_states)
     for optimizer, groups in zip(optimizers, saved_groups):
         for group, saved in zip(optimizer.param_groups, groups):
             group.update({k: v for k, v in saved.items() if k != "params"})
@@ -199,6 +213,9 @@ def load(strategy, filepath: str) -> dict[str, Any]:
         with torch.no_grad():
             for param in sharding.owned_model_params():
                 sharding.masters[id(param)].copy_(param.detach())
+    # Lightning hands this dict to every on_load_checkpoint hook (callbacks such as WeightAveraging read the
+    # weights from it), as it does the full checkpoint under DDP: the loaded (sharded) weights go back in.
+    meta["state_dict"] = target["state_dict"]
     return meta
 
 

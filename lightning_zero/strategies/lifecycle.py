@@ -37,10 +37,18 @@ def check_before_process_group(strategy) -> None:
 
     - ``Trainer(sync_batchnorm=True)`` off GPU: torch's ``SyncBatchNorm`` raises inside its forward on CPU input
       once a process group exists, so the first training batch would fail deep inside torch.
-    - ``StochasticWeightAveraging`` at stages 2-3: it deep-copies the module and averages its parameters into the
-      copy, mixing plain tensors with FSDP2's sharded DTensors ("mixed torch.Tensor and DTensor").
+    - ``StochasticWeightAveraging`` and ``WeightAveraging`` (``EMAWeightAveraging``) at stages 2-3: they deep-copy
+      the module and average its parameters into the copy, mixing plain tensors with FSDP2's sharded DTensors
+      ("mixed torch.Tensor and DTensor").
+    - ``ModelPruning`` at stages 2-3: torch's pruning flattens each parameter, which an unevenly sharded DTensor
+      refuses, and a per-shard top-k would not be the global one.
     """
-    from lightning.pytorch.callbacks import StochasticWeightAveraging
+    from lightning.pytorch.callbacks import ModelPruning, StochasticWeightAveraging
+
+    try:
+        from lightning.pytorch.callbacks import WeightAveraging
+    except ImportError:  # Lightning < 2.5 has no WeightAveraging base
+        WeightAveraging = StochasticWeightAveraging
     from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
     from lightning.pytorch.trainer.states import TrainerFn
 
@@ -57,11 +65,15 @@ def check_before_process_group(strategy) -> None:
             "GPU, or remove sync_batchnorm=True (each rank then normalises with its own batch statistics).")
     if strategy.stage >= 2:
         for callback in trainer.callbacks:
-            if isinstance(callback, StochasticWeightAveraging):
-                raise ValueError(
-                    f"The StochasticWeightAveraging callback is not supported with ZeroStrategy(stage="
-                    f"{strategy.stage}): it averages copies of the parameters, which stages 2-3 shard across ranks. "
-                    "Remove the callback, or use stage 0 or 1.")
+            if isinstance(callback, (StochasticWeightAveraging, WeightAveraging)):
+                what = "it averages copies of the parameters"
+            elif isinstance(callback, ModelPruning):
+                what = "it prunes whole parameters (masks and top-k over the full tensor)"
+            else:
+                continue
+            raise ValueError(
+                f"The {type(callback).__name__} callback is not supported with ZeroStrategy(stage={strategy.stage}): "
+                f"{what}, which stages 2-3 shard across ranks. Remove the callback, or use stage 0 or 1.")
 
 
 def apply_layer_sync(strategy, fitting: bool) -> None:

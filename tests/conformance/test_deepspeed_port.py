@@ -440,8 +440,7 @@ def _init_module_worker(rank, world_size, stage, empty_init):
 
 @pytest.mark.parametrize("stage,empty_init", [
     pytest.param(1, None, id="stage1"), pytest.param(2, None, id="stage2"), pytest.param(3, None, id="stage3"),
-    pytest.param(3, True, id="stage3-empty_init", marks=pytest.mark.xfail(
-        strict=True, reason="issue 17 defect 1: Trainer.init_module(empty_init=True) leaves weights uninitialised")),
+    pytest.param(3, True, id="stage3-empty_init"),
 ])
 def test_init_module(stage, empty_init):
     run_distributed(_init_module_worker, 2, stage, empty_init)
@@ -484,8 +483,7 @@ def _manual_submodule_worker(rank, world_size, stage):
 
 
 @pytest.mark.parametrize("stage", [
-    1, pytest.param(3, marks=pytest.mark.xfail(strict=True, reason=(
-        "issue 17 defect 2: manual optimization at stages 2-3 when training_step calls a submodule")))])
+    1, 3])
 def test_stage_3_manual_optimization_calling_a_submodule(stage):
     run_distributed(_manual_submodule_worker, 2, stage)
 

@@ -13,6 +13,7 @@ from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
+from lightning_zero.checkpoint import CheckpointError
 from lightning_zero import ZeroStrategy
 from lightning_zero.checkpoint import consolidate_checkpoint
 from tests.conformance.models import RegressionModule, full_state, max_abs_diff, trainer, zero
@@ -80,12 +81,13 @@ class _BatchNormModule(RegressionModule):
 
 def _sync_bn_worker(rank, world_size, stage):
     module = _BatchNormModule()
-    trainer(zero(stage), sync_batchnorm=True, max_steps=1).fit(module)
-    assert any(isinstance(m, nn.SyncBatchNorm) for m in module.modules()), "sync_batchnorm=True was ignored"
+    # torch runs SyncBatchNorm on GPU-like devices only: on CPU the strategy refuses before training instead of
+    # ignoring the flag (tests/gpu checks the conversion and the synced statistics on CUDA)
+    with pytest.raises(ValueError, match=r"sync_batchnorm=True.*'cpu'"):
+        trainer(zero(stage), sync_batchnorm=True, max_steps=1).fit(module)
 
 
-@pytest.mark.xfail(strict=True, reason=DEFECT.format(5, "sync_batchnorm=True ignored"))
-@pytest.mark.parametrize("stage", [3])
+@pytest.mark.parametrize("stage", [0, 3])
 def test_sync_batchnorm(stage):
     run_distributed(_sync_bn_worker, 2, stage)
 
@@ -201,7 +203,6 @@ def _optimizer_count_worker(rank, world_size, root):
         trainer(zero(2), max_steps=2).fit(_TwoOptimizerModule(), ckpt_path=path)
 
 
-@pytest.mark.xfail(strict=True, reason=DEFECT.format(7, "resuming with a different number of optimizers"))
 def test_load_optimizer_states_with_a_different_number_of_optimizers(tmp_path):
     run_distributed(_optimizer_count_worker, 2, str(tmp_path))
 
@@ -249,7 +250,7 @@ def _unknown_checkpoint_worker(rank, world_size, root):
     if rank == 0:
         os.makedirs(path, exist_ok=True)
     torch.distributed.barrier()
-    with pytest.raises(FileNotFoundError, match="not a complete lightning-zero checkpoint"):
+    with pytest.raises(CheckpointError, match="not a complete lightning-zero checkpoint"):
         trainer(zero(3)).test(RegressionModule(), ckpt_path=path, verbose=False)
 
 
@@ -312,6 +313,5 @@ def _meta_init_parity_worker(rank, world_size):
     assert max_abs_diff(weights[3], weights[0]) == 0.0, "configure_model initialises differently at stage 3"
 
 
-@pytest.mark.xfail(strict=True, reason=DEFECT.format(1, "init under configure_model differs between stages"))
 def test_meta_device_materialization_matches_a_real_device_build():
     run_distributed(_meta_init_parity_worker, 2)

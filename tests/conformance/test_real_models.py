@@ -24,7 +24,6 @@ from tests.conformance.models import (
 from tests.distributed import run_distributed
 
 STEPS = 3
-DEFECT_1 = "issue 17 defect 1: configure_model at stages 2-3 builds on meta and re-initialises with reset_parameters"
 
 
 def _fit_llama(strategy, tie, in_configure_model):
@@ -49,8 +48,7 @@ def _llama_worker(rank, world_size, stage, offload, in_configure_model):
 
 
 def _cases(in_configure_model):
-    marks = [pytest.mark.xfail(strict=True, reason=DEFECT_1)] if in_configure_model else []
-    return [pytest.param(stage, offload, marks=marks if stage >= 2 else [], id=name)
+    return [pytest.param(stage, offload, id=name)
             for (stage, offload), name in zip(ALL_STAGES, STAGE_IDS)]
 
 
@@ -84,8 +82,8 @@ def _metrics_worker(rank, world_size, stage, offload):
 
 @pytest.mark.parametrize("stage,offload", [
     pytest.param(0, None, id="s0"), pytest.param(1, None, id="s1"),
-    pytest.param(2, None, id="s2", marks=pytest.mark.xfail(strict=True, reason=DEFECT_1)),
-    pytest.param(3, "cpu", id="s3-offload", marks=pytest.mark.xfail(strict=True, reason=DEFECT_1)),
+    pytest.param(2, None, id="s2"),
+    pytest.param(3, "cpu", id="s3-offload"),
 ])
 def test_torchmetrics_built_in_configure_model_sync_over_ranks(stage, offload):
     run_distributed(_metrics_worker, 2, stage, offload)
