@@ -1,7 +1,7 @@
 """``NCCLDiagnostics``: environment audit, collective bandwidth probe and hang watchdog for a Lightning run.
 
 Works with any process-group backend (on gloo it measures gloo). The pieces are framework-free and live in
-``lightning_zero.distributed``: ``env_audit`` (versions, variables, topology, InfiniBand, warnings), ``probes``
+``lightning_zero.diagnostics``: ``env_audit`` (versions, variables, topology, InfiniBand, warnings), ``probes``
 (nccl-tests algbw/busbw) and ``watchdog`` (cross-rank hang detection); this callback only wires them to hooks.
 
 [Note: NCCL reads ``TORCH_NCCL_TRACE_BUFFER_SIZE`` / ``TORCH_NCCL_DUMP_ON_TIMEOUT`` (the flight recorder) when a
@@ -22,11 +22,11 @@ from typing import Optional, Sequence
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from lightning_zero.distributed.env_audit import EnvAudit, audit_environment, audit_text
-from lightning_zero.distributed.probes import (
+from lightning_zero.diagnostics.env_audit import EnvAudit, audit_environment, audit_text
+from lightning_zero.diagnostics.probes import (
     COLLECTIVES, ProbeResult, probe_collectives, probe_table, rich_console, slow_outliers,
 )
-from lightning_zero.distributed.watchdog import HangWatchdog, enable_flight_recorder, store_for_watchdog
+from lightning_zero.diagnostics.watchdog import HangWatchdog, enable_flight_recorder, store_for_watchdog
 
 
 @dataclass(frozen=True)
