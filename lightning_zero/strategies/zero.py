@@ -37,6 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_zero.checkpoint.io import wait_for_pending_saves
 from lightning_zero.config import ZeroConfig
+from lightning_zero.diagnostics.hang_guard import DEFAULT_HANG_TIMEOUT, HangGuard
 from lightning_zero.distributed.buffers import comm_buffer_pool
 from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
 from lightning_zero.distributed.zero import apply_zero, set_gradient_sync
@@ -150,9 +151,11 @@ class ZeroStrategy(ParallelStrategy):
         micro_batches: Optional[int] = None,
         pipeline_schedule: Optional[str] = None,
         virtual_stages: Optional[int] = None,
+        hang_timeout: Optional[Union[float, timedelta]] = DEFAULT_HANG_TIMEOUT,
     ) -> None:
         # Validate everything before Lightning (or anyone) starts a process group.
         self._ds_config = DeepSpeedConfigBinding(config, strict) if config is not None else None
+        self.hang_guard = HangGuard(hang_timeout)
         from_config = self._ds_config.strategy_kwargs() if self._ds_config is not None else {}
         stage = stage if stage is not None else from_config.get("stage", 2)
         offload = offload if offload is not None else from_config.get("offload")
@@ -326,6 +329,7 @@ class ZeroStrategy(ParallelStrategy):
                                                  mesh_dim_names=("data_parallel",))
         if self.lightning_module is not None:
             self.lightning_module._device_mesh = mesh
+        self.hang_guard.start(self.global_rank, self.world_size)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -412,6 +416,7 @@ class ZeroStrategy(ParallelStrategy):
                 self._runner.sync_grads = True
 
     def backward(self, closure_loss: Tensor, optimizer, *args: Any, **kwargs: Any) -> Tensor:
+        self.hang_guard.beat("backward")
         if self._runner is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         # The schedule already ran backward inside training_step (see pipeline_binding's note): restore its
@@ -439,6 +444,7 @@ class ZeroStrategy(ParallelStrategy):
         return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.hang_guard.step("training_step")
         args, kwargs = self.precision_plugin.convert_input((args, kwargs))
         if self._runner is not None:
             return self._pipelined_training_step(*args, **kwargs)
@@ -465,16 +471,19 @@ class ZeroStrategy(ParallelStrategy):
         return output
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.hang_guard.step("validation_step")
         args, kwargs = self.precision_plugin.convert_input((args, kwargs))
         with self.precision_plugin.val_step_context():
             return self._redirect("validation_step", *args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.hang_guard.step("test_step")
         args, kwargs = self.precision_plugin.convert_input((args, kwargs))
         with self.precision_plugin.test_step_context():
             return self._redirect("test_step", *args, **kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.hang_guard.step("predict_step")
         args, kwargs = self.precision_plugin.convert_input((args, kwargs))
         with self.precision_plugin.predict_step_context():
             return self._redirect("predict_step", *args, **kwargs)
@@ -512,10 +521,12 @@ class ZeroStrategy(ParallelStrategy):
         if storage_options is not None:
             raise TypeError("ZeroStrategy.save_checkpoint does not take storage_options: it writes with "
                             "torch.distributed.checkpoint")
-        checkpointing.save(self, checkpoint, self.broadcast(str(filepath)))
+        with self.hang_guard.phase("save"):
+            checkpointing.save(self, checkpoint, self.broadcast(str(filepath)))
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        return checkpointing.load(self, self.broadcast(str(checkpoint_path)))
+        with self.hang_guard.phase("load"):
+            return checkpointing.load(self, self.broadcast(str(checkpoint_path)))
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
         pass  # load_checkpoint already loaded the (sharded) weights in place
@@ -529,7 +540,8 @@ class ZeroStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ teardown and registry
     def teardown(self) -> None:
-        wait_for_pending_saves(barrier=_distributed_is_initialized())  # an async save must land before exit
+        with self.hang_guard.teardown():  # then stops the watchdog
+            wait_for_pending_saves(barrier=_distributed_is_initialized())  # an async save must land before exit
         lightning_module = self.lightning_module
         if lightning_module is not None:
             uninstall_config_optimizers(lightning_module)
