@@ -101,8 +101,24 @@ class HangGuard:
             self.watchdog.beat(f"{self._current}: {where}")
 
     def phase(self, label: str) -> ContextManager[None]:
-        """Monitor a region with its own clock (``save``, ``load``, ``teardown``)."""
-        return self.watchdog.phase(label) if self.watchdog is not None else nullcontext()
+        """Monitor a region with its own clock (``save``, ``load``, ``teardown``).
+
+        Outside a run (``trainer.save_checkpoint`` after ``fit`` tore the watchdog down) a watchdog is started for
+        the region alone: every rank enters a save or load, so every rank starts it in the same order."""
+        if self.watchdog is not None:
+            return self.watchdog.phase(label)
+        if self.timeout is not None and _active is None and dist.is_available() and dist.is_initialized():
+            return self._scoped(label)
+        return nullcontext()
+
+    @contextmanager
+    def _scoped(self, label: str) -> Iterator[None]:
+        self.start(dist.get_rank(), dist.get_world_size())
+        try:
+            with self.phase(label):
+                yield
+        finally:
+            self.stop()
 
     @contextmanager
     def teardown(self) -> Iterator[None]:

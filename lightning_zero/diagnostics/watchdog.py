@@ -253,8 +253,8 @@ class HangWatchdog:
         where = "; ".join(
             f"rank {r}: {label}" + (f" at {locations[r][1]}" if r in locations else "")
             for r, (_, label) in sorted(progress.items()))
-        head = (f"lightning-zero hang watchdog: rank {self.rank} made no progress for {self.timeout:g}s "
-                f"(hang_timeout; raise it if a rank may legitimately work alone that long).")
+        head = (f"lightning-zero hang watchdog: rank {self.rank} spent more than {self.timeout:g}s (hang_timeout) in "
+                f"'{self._label}' (raise hang_timeout if a rank may legitimately work that long while others wait).")
         if silent or behind or (stopped and len(stopped) < len(progress)):
             named = sorted(set(silent) | set(behind) | set(stopped))
             return (f"{head} Ranks that never arrived: {named} (never reported: {silent}; behind the others: "
