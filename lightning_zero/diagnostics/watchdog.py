@@ -103,7 +103,9 @@ def store_for_watchdog() -> dist.Store:
                                timeout=timedelta(seconds=60))
     else:  # FileStore / HashStore: already safe to share
         client = base
-    return dist.PrefixStore(f"lightning_zero/watchdog/{next(_generation)}/", client)
+    # A restarted torchrun attempt reuses the agent's store: its keys (an old abort flag) must not be seen again.
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"lightning_zero/watchdog/{attempt}/{next(_generation)}/", client)
 
 
 def _frame_summary(frame) -> tuple[bool, str]:

@@ -41,7 +41,7 @@ from lightning_zero.diagnostics.hang_guard import DEFAULT_HANG_TIMEOUT, HangGuar
 from lightning_zero.distributed.buffers import comm_buffer_pool
 from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
 from lightning_zero.distributed.zero import apply_zero, set_gradient_sync
-from lightning_zero.strategies import checkpointing
+from lightning_zero.strategies import checkpointing, restarts
 from lightning_zero.strategies.ds_config_binding import (
     DeepSpeedConfigBinding,
     install_config_optimizers,
@@ -152,10 +152,14 @@ class ZeroStrategy(ParallelStrategy):
         pipeline_schedule: Optional[str] = None,
         virtual_stages: Optional[int] = None,
         hang_timeout: Optional[Union[float, timedelta]] = DEFAULT_HANG_TIMEOUT,
+        auto_resume: bool = True,
     ) -> None:
         # Validate everything before Lightning (or anyone) starts a process group.
         self._ds_config = DeepSpeedConfigBinding(config, strict) if config is not None else None
         self.hang_guard = HangGuard(hang_timeout)
+        if not isinstance(auto_resume, bool):
+            raise TypeError(f"auto_resume must be True or False, got {auto_resume!r}")
+        self.auto_resume = auto_resume
         from_config = self._ds_config.strategy_kwargs() if self._ds_config is not None else {}
         stage = stage if stage is not None else from_config.get("stage", 2)
         offload = offload if offload is not None else from_config.get("offload")
@@ -315,7 +319,7 @@ class ZeroStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         device_id = self.root_device if self.root_device.type == "cuda" else None
         _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
-                              device_id=device_id)
+                              device_id=device_id, **restarts.process_group_store(self._timeout))
         from torch.distributed.device_mesh import init_device_mesh
 
         if self._pipeline.enabled:
@@ -330,6 +334,8 @@ class ZeroStrategy(ParallelStrategy):
         if self.lightning_module is not None:
             self.lightning_module._device_mesh = mesh
         self.hang_guard.start(self.global_rank, self.world_size)
+        if self.auto_resume:
+            restarts.install_auto_resume(self)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
