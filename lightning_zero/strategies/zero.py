@@ -114,6 +114,10 @@ class ZeroStrategy(ParallelStrategy):
         pipeline_parallel_size, micro_batches, pipeline_schedule, virtual_stages: pipeline parallelism over a
             ``PipelineModule`` held by the LightningModule, with the ZeRO stage on the data-parallel dimension
             (:mod:`lightning_zero.strategies.pipeline_binding`, ``docs/pipeline.md``).
+        hang_timeout: seconds (or ``timedelta``) a step, validation batch, checkpoint save/load or teardown may last
+            before the job exits naming the stuck rank(s) with every rank's stacks (default 600; ``None``: off).
+        auto_resume: on a restarted job (torchrun/SLURM) without ``ckpt_path``, resume from the newest complete
+            checkpoint of the ``ModelCheckpoint`` directories (:mod:`lightning_zero.strategies.restarts`).
 
     Precision comes from the Trainer's ``precision`` flag (``32-true``, ``bf16-mixed``, ``16-mixed``, ``bf16-true``,
     ``16-true``): fp32 master weights and optimizer states, low-precision compute, DeepSpeed's dynamic loss scaling
