@@ -49,6 +49,7 @@ HANG_EXIT_CODE = 124
 _ABORT_KEY = "abort"
 _DETECTED_KEY = "detected"
 _ACK_KEY = "acks"
+_LEFT = 1 << 62  # the progress a rank publishes when its watchdog stops
 _COLLECTIVE_DIR = os.sep.join(("torch", "distributed", ""))
 _NOT_COLLECTIVE_DIR = os.sep.join(("torch", "distributed", "checkpoint", ""))
 _generation = itertools.count()
@@ -194,9 +195,19 @@ class HangWatchdog:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop the thread and publish that this rank has left the monitored run.
+
+        [Note: a rank that left is ahead of everyone] Its last heartbeat would otherwise stay in the store and make
+        a rank still inside the run (stuck in teardown while this one already waits at a final barrier) see it as
+        *behind*; a rank that finished is past every point the others can wait at."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self.poll_interval * 4 + 1)
+            if not self._thread.is_alive():
+                try:
+                    self.store.set(f"hb/{self.rank}", f"{_LEFT}|left the monitored run after '{self._label}'")
+                except Exception:  # noqa: BLE001 - the store's host may be gone already
+                    pass
             self._thread = None
 
     def _run(self) -> None:
@@ -253,8 +264,8 @@ class HangWatchdog:
         # Equal counters: the ranks at the furthest point that are not waiting in a collective hold the others.
         stopped = [] if behind else sorted(r for r in progress if r in locations and not locations[r][0])
         where = "; ".join(
-            f"rank {r}: {label}" + (f" at {locations[r][1]}" if r in locations else "")
-            for r, (_, label) in sorted(progress.items()))
+            f"rank {r}: {label}" + (f" at {locations[r][1]}" if r in locations and count < _LEFT else "")
+            for r, (count, label) in sorted(progress.items()))
         head = (f"lightning-zero hang watchdog: rank {self.rank} spent more than {self.timeout:g}s (hang_timeout) in "
                 f"'{self._label}' (raise hang_timeout if a rank may legitimately work that long while others wait).")
         if silent or behind or (stopped and len(stopped) < len(progress)):

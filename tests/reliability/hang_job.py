@@ -1,6 +1,6 @@
 """The jobs the hang tests run in a subprocess: two gloo ranks train with ``ZeroStrategy(hang_timeout=3)`` and rank 1
 hangs (sleeps for an hour) in one place: a training step, a validation step, inside a checkpoint save (DCP writes)
-or inside a checkpoint load (DCP reads). The subprocess must end on its own, naming rank 1, with stacks."""
+inside a checkpoint load (DCP reads) or in teardown. The subprocess must end on its own, naming rank 1, with stacks."""
 
 import sys
 import time
@@ -86,6 +86,18 @@ def _worker(rank, world_size, case, root):
         trainer.save_checkpoint(f"{root}/resume.ckpt")
         _hang_in_dcp_io_on_rank_1(case)
         _trainer(root, max_steps=2).fit(HangingModule(case), ckpt_path=f"{root}/resume.ckpt")
+    elif case == "teardown":  # rank 1 stops while teardown waits for pending saves (a barrier on rank 0)
+        from lightning_zero.strategies import zero as zero_module
+
+        wait = zero_module.wait_for_pending_saves
+
+        def hanging_wait(barrier=True):
+            if dist.get_rank() == 1:
+                _hang_here()
+            wait(barrier=barrier)
+
+        zero_module.wait_for_pending_saves = hanging_wait
+        _trainer(root, max_steps=1).fit(HangingModule(case))
     else:
         raise ValueError(case)
 

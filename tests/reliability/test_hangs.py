@@ -8,20 +8,23 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.diagnostics.hang_guard import DEFAULT_HANG_TIMEOUT, HangGuard, parse_hang_timeout
-from lightning_zero.diagnostics.watchdog import HANG_EXIT_CODE
+from lightning_zero.diagnostics.watchdog import HANG_EXIT_CODE, HangWatchdog
 from tests.reliability.hang_job import HANG_TIMEOUT
 
 REPO = Path(__file__).resolve().parents[2]
 
-# case -> (the phase the watchdog must report for rank 1, a frame the hung rank's stack must show)
+# case -> (the phase the watchdog must report for rank 1, a frame the hung rank's stack must show). In teardown
+# only rank 1 dumps: rank 0 finished teardown, its watchdog stopped, and it waits outside the run (test harness).
 CASES = {
     "train": ("training_step 1", "training_step"),
     "validation": ("validation_step 1", "validation_step"),
     "save": ("save", "write_data"),
     "load": ("load", "read_data"),
+    "teardown": ("teardown", "hanging_wait"),
 }
 
 
@@ -50,11 +53,12 @@ def _run_hang_jobs(cases, tmp_path):
         assert case in finished, f"the job with a rank hung in {case} did not end: {err[-3000:]}"
         assert proc.returncode != 0 and f"exit code {HANG_EXIT_CODE}" in err, (case, err[-3000:])
         verdicts = [line for line in err.splitlines() if "aborting: lightning-zero hang watchdog" in line]
-        assert len(verdicts) == 2, (case, err[-4000:])  # both ranks received the verdict
+        ranks = 1 if case == "teardown" else 2
+        assert len(verdicts) == ranks, (case, err[-4000:])  # every rank still in the run received the verdict
         assert "Ranks that never arrived: [1]" in verdicts[0], verdicts[0]
         assert f"rank 1: {phase}" in verdicts[0], verdicts[0]
         # Every rank dumped its Python stacks; the hung rank's shows where it sleeps.
-        assert err.count("Python stacks:") == 2, (case, err[-4000:])
+        assert err.count("Python stacks:") == ranks, (case, err[-4000:])
         assert "_hang_here" in err and frame in err, case
         # From the moment rank 1 hung to the job's end.
         hung_at = float((tmp_path / case / "hang_started").read_text())
@@ -69,6 +73,26 @@ def test_rank_hung_inside_a_checkpoint_save_is_named_with_stacks(tmp_path):
 @pytest.mark.slow
 def test_hung_rank_anywhere_is_named_with_stacks_within_timeout(tmp_path):
     _run_hang_jobs(sorted(CASES), tmp_path)
+
+
+def test_a_rank_that_left_the_run_is_never_named():
+    """Rank 0 finished (its watchdog stopped) while rank 1 is stuck in teardown: rank 1 is the one named."""
+    store, exits = dist.HashStore(), []
+    finished = HangWatchdog(store, 0, 2, timeout=60, poll_interval=0.05)
+    finished.arm("training_step 0")
+    finished.start()
+    time.sleep(0.2)  # published while armed
+    finished.disarm("training_step 0: done")
+    finished.stop()
+    stuck = HangWatchdog(store, 1, 2, timeout=0.3, poll_interval=0.05, grace=0.1, on_exit=exits.append)
+    stuck.arm("teardown")
+    stuck.start()
+    deadline = time.monotonic() + 5
+    while not exits and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stuck.stop()
+    assert exits == [HANG_EXIT_CODE]
+    assert "Ranks that never arrived: [1]" in stuck.hang_message, stuck.hang_message
 
 
 def test_hang_timeout_is_validated_in_the_constructor():
