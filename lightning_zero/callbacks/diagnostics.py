@@ -6,14 +6,13 @@ Works with any process-group backend (on gloo it measures gloo). The pieces are 
 
 [Note: NCCL reads ``TORCH_NCCL_TRACE_BUFFER_SIZE`` / ``TORCH_NCCL_DUMP_ON_TIMEOUT`` (the flight recorder) when a
 process group is *created* (newer torch names the first ``TORCH_FR_BUFFER_SIZE``; ``enable_flight_recorder`` picks
-the name the installed torch reads). The callback sets them in ``__init__``, which runs before ``Trainer.fit`` creates the
-group; if a group already exists (the user called ``init_process_group`` first) it warns that they come too late
+the name the installed torch reads). The callback sets them in ``__init__``, which runs before ``Trainer.fit`` creates
+the group; if a group already exists (the user called ``init_process_group`` first) it warns that they come too late
 instead of pretending they apply.]
 """
 
 from __future__ import annotations
 
-import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
