@@ -114,3 +114,34 @@ def test_guard_off_is_inert():
     with guard.phase("save"), guard.teardown():
         pass
     assert guard.watchdog is None
+
+
+def _one_watchdog_worker(rank, world_size):
+    import threading
+
+    from lightning.pytorch import Callback, Trainer
+
+    from lightning_zero.callbacks.diagnostics import NCCLDiagnostics
+    from tests.lightning_models import RegressionModule
+
+    diagnostics = NCCLDiagnostics(audit=False, probe=False, hang_timeout=120)
+    seen = []
+
+    class Check(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            threads = [t for t in threading.enumerate() if t.name.startswith("lightning-zero-watchdog")]
+            seen.append((diagnostics.watchdog is trainer.strategy.hang_guard.watchdog, len(threads),
+                         diagnostics.watchdog.timeout))
+
+    trainer = Trainer(strategy=ZeroStrategy(stage=2), accelerator="cpu", devices=2, max_steps=2, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                      limit_val_batches=0, callbacks=[diagnostics, Check()])
+    trainer.fit(RegressionModule())
+    assert seen == [(True, 1, 120.0)] * 2, seen  # the callback drives the strategy's watchdog, with its timeout
+    assert diagnostics.watchdog is None and trainer.strategy.hang_guard.watchdog is None  # both stopped
+
+
+def test_diagnostics_callback_adopts_the_strategy_watchdog():
+    from tests.distributed import run_distributed
+
+    run_distributed(_one_watchdog_worker, 2)
