@@ -16,7 +16,7 @@ from lightning_zero.callbacks.throughput import (
     RankInterval, ThroughputLogger, ThroughputSettings, default_batch_size, default_token_count, peak_memory_bytes,
     summarize,
 )
-from lightning_zero.distributed.timing import CollectiveTimer, collective_timer
+from lightning_zero.diagnostics.timing import CollectiveTimer, collective_timer
 from lightning_zero.flops import compute_dtype_for_precision, measure_flops, mfu, peak_flops_for
 from tests.distributed import run_distributed
 

@@ -1,19 +1,18 @@
 """``NCCLDiagnostics``: environment audit, collective bandwidth probe and hang watchdog for a Lightning run.
 
 Works with any process-group backend (on gloo it measures gloo). The pieces are framework-free and live in
-``lightning_zero.distributed``: ``env_audit`` (versions, variables, topology, InfiniBand, warnings), ``probes``
+``lightning_zero.diagnostics``: ``env_audit`` (versions, variables, topology, InfiniBand, warnings), ``probes``
 (nccl-tests algbw/busbw) and ``watchdog`` (cross-rank hang detection); this callback only wires them to hooks.
 
 [Note: NCCL reads ``TORCH_NCCL_TRACE_BUFFER_SIZE`` / ``TORCH_NCCL_DUMP_ON_TIMEOUT`` (the flight recorder) when a
 process group is *created* (newer torch names the first ``TORCH_FR_BUFFER_SIZE``; ``enable_flight_recorder`` picks
-the name the installed torch reads). The callback sets them in ``__init__``, which runs before ``Trainer.fit`` creates the
-group; if a group already exists (the user called ``init_process_group`` first) it warns that they come too late
+the name the installed torch reads). The callback sets them in ``__init__``, which runs before ``Trainer.fit`` creates
+the group; if a group already exists (the user called ``init_process_group`` first) it warns that they come too late
 instead of pretending they apply.]
 """
 
 from __future__ import annotations
 
-import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,11 +21,12 @@ from typing import Optional, Sequence
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from lightning_zero.distributed.env_audit import EnvAudit, audit_environment, audit_text
-from lightning_zero.distributed.probes import (
+from lightning_zero.diagnostics.env_audit import EnvAudit, audit_environment, audit_text
+from lightning_zero.diagnostics.probes import (
     COLLECTIVES, ProbeResult, probe_collectives, probe_table, rich_console, slow_outliers,
 )
-from lightning_zero.distributed.watchdog import HangWatchdog, enable_flight_recorder, store_for_watchdog
+from lightning_zero.diagnostics.hang_guard import HangGuard, active_watchdog
+from lightning_zero.diagnostics.watchdog import HangWatchdog, enable_flight_recorder
 
 
 @dataclass(frozen=True)
@@ -136,23 +136,28 @@ class NCCLDiagnostics(Callback):
 
     # ----- watchdog -----
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Start the watchdog, or adopt the one already running (``ZeroStrategy`` starts one by default): one
+        mechanism, one thread; this callback's ``hang_timeout`` and ``dump_dir`` then apply to it."""
         if self.settings.hang_timeout is None:
             return
-        if dist.is_available() and dist.is_initialized():
-            store = store_for_watchdog()
-        else:
-            store = dist.HashStore()  # single process: still dumps the stack of a stuck step
-        self.watchdog = HangWatchdog(
-            store, trainer.global_rank, trainer.world_size, self.settings.hang_timeout,
-            poll_interval=self.settings.watchdog_poll_interval, grace=self.settings.watchdog_grace,
-            dump_dir=Path(self.settings.dump_dir) if self.settings.dump_dir else None,
-        )
-        self.watchdog.start()
+        running = active_watchdog()
+        if running is not None:
+            self.watchdog = running
+            running.timeout = self.settings.hang_timeout
+            if self.settings.dump_dir:
+                running.dump_dir = Path(self.settings.dump_dir)
+            return
+        self._guard = HangGuard(self.settings.hang_timeout, self.settings.watchdog_poll_interval,
+                                self.settings.watchdog_grace, self.settings.dump_dir)
+        self._guard.start(trainer.global_rank, trainer.world_size)  # single process: a HashStore
+        self.watchdog = self._guard.watchdog
 
     def _stop_watchdog(self) -> None:
-        if self.watchdog is not None:
-            self.watchdog.stop()
-            self.watchdog = None
+        guard = getattr(self, "_guard", None)
+        if guard is not None:  # only the watchdog this callback started; an adopted one belongs to its owner
+            guard.stop()
+            self._guard = None
+        self.watchdog = None
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._stop_watchdog()

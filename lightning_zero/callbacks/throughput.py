@@ -12,7 +12,7 @@ Per training batch the hooks split time into phases (CUDA events on GPU, wall cl
     optimizer  on_after_backward           -> on_train_batch_end     (clipping, optimizer.step, zero_grad)
 
 ``collective`` is the part of those phases the strategy reported as waiting in collectives through
-``lightning_zero.distributed.timing.collective_timer()``; strategies that report nothing (Lightning's DDP) show 0.
+``lightning_zero.diagnostics.timing.collective_timer()``; strategies that report nothing (Lightning's DDP) show 0.
 A *step* is an optimizer step, so with gradient accumulation one step spans several batches and the samples of
 all of them.
 
@@ -35,8 +35,8 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_zero.distributed.probes import rich_console
-from lightning_zero.distributed.timing import CollectiveRecord, collective_timer, total_seconds
+from lightning_zero.diagnostics.probes import rich_console
+from lightning_zero.diagnostics.timing import CollectiveRecord, collective_timer, total_seconds
 from lightning_zero.flops import compute_dtype_for_precision, mfu, peak_flops_for
 
 FlopsSpec = Union[int, float, Callable[[Any], float]]

@@ -20,7 +20,7 @@ import socket
 import sys
 from typing import Optional
 
-from lightning_zero.distributed.probes import COLLECTIVES, parse_size
+from lightning_zero.diagnostics.probes import COLLECTIVES, parse_size
 
 DEFAULT_SIZES = ("1K", "64K", "1M", "16M")
 
@@ -106,14 +106,14 @@ def _rank_main(rank: int, world_size: int, options: dict, init_from_env: bool) -
     import torch
     import torch.distributed as dist
 
-    from lightning_zero.distributed.env_audit import audit_environment, audit_text
-    from lightning_zero.distributed.probes import all_gather_json, probe_collectives, probe_table, slow_outliers
+    from lightning_zero.diagnostics.env_audit import audit_environment, audit_text
+    from lightning_zero.diagnostics.probes import all_gather_json, probe_collectives, probe_table, slow_outliers
 
     backend = options["backend"]
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     device = torch.device("cpu")
     if backend == "nccl":
-        from lightning_zero.distributed.watchdog import enable_flight_recorder
+        from lightning_zero.diagnostics.watchdog import enable_flight_recorder
 
         enable_flight_recorder()  # for the probe's own NCCL group: must precede init_process_group
         device = torch.device("cuda", local_rank)
@@ -137,8 +137,8 @@ def _rank_main(rank: int, world_size: int, options: dict, init_from_env: bool) -
 
 
 def _report(audits, results, options, world_size, audit_text, probe_table, slow_outliers) -> None:
-    from lightning_zero.distributed.env_audit import EnvAudit
-    from lightning_zero.distributed.probes import rich_console
+    from lightning_zero.diagnostics.env_audit import EnvAudit
+    from lightning_zero.diagnostics.probes import rich_console
 
     console = rich_console()
     host_audits = [EnvAudit(**a) for a in audits if a is not None]

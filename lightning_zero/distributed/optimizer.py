@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_zero.config import ZeroConfig
-from lightning_zero.distributed.timing import collective_timer
+from lightning_zero.diagnostics.timing import collective_timer
 
 _ATTR = "_lightning_zero_sharding"
 BROADCAST_BUCKET_BYTES = 64 * 1024 * 1024

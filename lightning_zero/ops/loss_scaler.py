@@ -263,7 +263,7 @@ def has_overflow(tensors: Iterable[Optional[torch.Tensor]], group: Optional[dist
         bad = (~torch.isfinite(norms)).any().float()
         flag = torch.maximum(flag, bad.to(device))
     if distributed:
-        from lightning_zero.distributed.timing import collective_timer
+        from lightning_zero.diagnostics.timing import collective_timer
 
         with collective_timer().record("overflow_check"):
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)

@@ -29,7 +29,7 @@ from torch.distributed.pipelining import (
 )
 
 from lightning_zero.distributed.buffers import CommBufferPool, install_comm_buffer_pool
-from lightning_zero.distributed.timing import collective_timer
+from lightning_zero.diagnostics.timing import collective_timer
 from lightning_zero.pipeline.module import PipelineModule
 from lightning_zero.pipeline.specs import TiedLayerSpec, get_parameter
 

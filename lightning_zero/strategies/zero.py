@@ -37,13 +37,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_zero.checkpoint.io import wait_for_pending_saves
 from lightning_zero.config import ZeroConfig
+from lightning_zero.diagnostics.hang_guard import DEFAULT_HANG_TIMEOUT, HangGuard
 from lightning_zero.distributed.buffers import comm_buffer_pool
 from lightning_zero.distributed.init import InitConfig, exact_init
 from lightning_zero.distributed.manual_backward import ManualBackward
 from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
 from lightning_zero.distributed.optimizer_check import check_optimizer_params
 from lightning_zero.distributed.zero import apply_zero, set_gradient_sync
-from lightning_zero.strategies import checkpointing, lifecycle, validation
+from lightning_zero.strategies import checkpointing, lifecycle, restarts, validation
 from lightning_zero.strategies.ddp_options import DDPOptions, ddp_kwargs_for, explain_unused_parameters, require_flags
 from lightning_zero.strategies.ds_config_binding import (
     DeepSpeedConfigBinding,
@@ -123,6 +124,10 @@ class ZeroStrategy(ParallelStrategy):
         find_unused_parameters, static_graph, gradient_as_bucket_view, bucket_cap_mb: ``DDPStrategy``'s options for
             the DDP of stages 0-1 (:mod:`lightning_zero.strategies.ddp_options`).
         exclude_frozen_parameters, verbose: frozen parameters stay out of checkpoints; print the whole ds_config.
+        hang_timeout: seconds (or ``timedelta``) a step, validation batch, checkpoint save/load or teardown may last
+            before the job exits naming the stuck rank(s) with every rank's stacks (default 600; ``None``: off).
+        auto_resume: on a restarted job (torchrun/SLURM) without ``ckpt_path``, resume from the newest complete
+            checkpoint of the ``ModelCheckpoint`` directories (:mod:`lightning_zero.strategies.restarts`).
 
     As ``DeepSpeedStrategy``: without ``config`` the file ``PL_DEEPSPEED_CONFIG_PATH`` names is read, and
     :attr:`config` is the effective ds_config as a dict.
@@ -169,11 +174,17 @@ class ZeroStrategy(ParallelStrategy):
         bucket_cap_mb: Optional[float] = None,
         exclude_frozen_parameters: bool = False,
         verbose: bool = False,
+        hang_timeout: Optional[Union[float, timedelta]] = DEFAULT_HANG_TIMEOUT,
+        auto_resume: bool = True,
     ) -> None:
         # Validate everything before Lightning (or anyone) starts a process group.
         timeout = validation.check_timeout(timeout)
         validation.check_backend_name(process_group_backend)
         self._ds_config = bind_ds_config(config, strict)  # config=, else PL_DEEPSPEED_CONFIG_PATH, else None
+        self.hang_guard = HangGuard(hang_timeout)
+        if not isinstance(auto_resume, bool):
+            raise TypeError(f"auto_resume must be True or False, got {auto_resume!r}")
+        self.auto_resume = auto_resume
         from_config = self._ds_config.strategy_kwargs() if self._ds_config is not None else {}
         stage = stage if stage is not None else from_config.get("stage", 2)
         offload = offload if offload is not None else from_config.get("offload")
@@ -349,7 +360,7 @@ class ZeroStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         device_id = self.root_device if self.root_device.type == "cuda" else None
         _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
-                              device_id=device_id)
+                              device_id=device_id, **restarts.process_group_store(self._timeout))
         from torch.distributed.device_mesh import init_device_mesh
 
         if self._pipeline.enabled:
@@ -363,6 +374,9 @@ class ZeroStrategy(ParallelStrategy):
                                                  mesh_dim_names=("data_parallel",))
         if self.lightning_module is not None:
             self.lightning_module._device_mesh = mesh
+        self.hang_guard.start(self.global_rank, self.world_size)
+        if self.auto_resume:
+            restarts.install_auto_resume(self)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -460,6 +474,7 @@ class ZeroStrategy(ParallelStrategy):
                 self._runner.sync_grads = True
 
     def backward(self, closure_loss: Tensor, optimizer, *args: Any, **kwargs: Any) -> Tensor:
+        self.hang_guard.beat("backward")
         if self._runner is None:  # manual_backward runs inside training_step's forward: see manual_backward's note
             with self._manual_backward.backward(closure_loss) if self._manual_backward else nullcontext():
                 return super().backward(closure_loss, optimizer, *args, **kwargs)
@@ -488,6 +503,7 @@ class ZeroStrategy(ParallelStrategy):
         return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.hang_guard.step("training_step")
         args, kwargs = self.precision_plugin.convert_input((args, kwargs))
         if self._runner is not None:
             return self._pipelined_training_step(*args, **kwargs)
@@ -517,16 +533,19 @@ class ZeroStrategy(ParallelStrategy):
         return output
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.hang_guard.step("validation_step")
         args, kwargs = self.precision_plugin.convert_input((args, kwargs))
         with self.precision_plugin.val_step_context():
             return self._redirect("validation_step", *args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.hang_guard.step("test_step")
         args, kwargs = self.precision_plugin.convert_input((args, kwargs))
         with self.precision_plugin.test_step_context():
             return self._redirect("test_step", *args, **kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.hang_guard.step("predict_step")
         args, kwargs = self.precision_plugin.convert_input((args, kwargs))
         with self.precision_plugin.predict_step_context():
             return self._redirect("predict_step", *args, **kwargs)
@@ -564,10 +583,12 @@ class ZeroStrategy(ParallelStrategy):
         if storage_options is not None:
             raise TypeError("ZeroStrategy.save_checkpoint does not take storage_options: it writes with "
                             "torch.distributed.checkpoint")
-        checkpointing.save(self, checkpoint, self.broadcast(str(filepath)))
+        with self.hang_guard.phase("save"):
+            checkpointing.save(self, checkpoint, self.broadcast(str(filepath)))
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        return checkpointing.load(self, self.broadcast(str(checkpoint_path)))
+        with self.hang_guard.phase("load"):
+            return checkpointing.load(self, self.broadcast(str(checkpoint_path)))
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
         pass  # load_checkpoint already loaded the (sharded) weights in place
@@ -584,7 +605,8 @@ class ZeroStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ teardown and registry
     def teardown(self) -> None:
-        wait_for_pending_saves(barrier=_distributed_is_initialized())  # an async save must land before exit
+        with self.hang_guard.teardown():  # then stops the watchdog
+            wait_for_pending_saves(barrier=_distributed_is_initialized())  # an async save must land before exit
         lightning_module = self.lightning_module
         if lightning_module is not None:
             uninstall_config_optimizers(lightning_module)

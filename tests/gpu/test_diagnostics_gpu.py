@@ -15,9 +15,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_zero.callbacks.diagnostics import NCCLDiagnostics
 from lightning_zero.callbacks.throughput import ThroughputLogger
 from lightning_zero.cli import main as cli_main
-from lightning_zero.distributed.env_audit import audit_environment
-from lightning_zero.distributed.probes import COLLECTIVES, probe_collectives
-from lightning_zero.distributed.timing import CollectiveTimer
+from lightning_zero.diagnostics.env_audit import audit_environment
+from lightning_zero.diagnostics.probes import COLLECTIVES, probe_collectives
+from lightning_zero.diagnostics.timing import CollectiveTimer
 from lightning_zero.flops import peak_flops_for
 
 

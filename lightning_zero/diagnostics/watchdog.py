@@ -4,12 +4,22 @@ Each rank runs a daemon thread. The training thread only updates in-memory progr
 are an integer increment and a string assignment, no I/O); the thread publishes that progress into the job's
 c10d store and checks two things every ``poll_interval``:
 
-* has *this* rank been inside an armed region (a training step) longer than ``timeout``? Then it reads every
-  rank's published progress, names the ranks that are behind the furthest rank (they never reached the point the
-  others wait at), and raises the job-wide abort flag with that message;
+* has *this* rank been inside an armed region (a training step, a validation batch, a checkpoint save or load,
+  teardown) longer than ``timeout``? Then it reads every rank's published progress, names the ranks that are
+  behind the furthest rank (they never reached the point the others wait at) or, when every rank reached the same
+  point, the ranks whose training thread is *not* waiting inside a collective (the others wait for them), and
+  raises the job-wide abort flag with that message;
 * has any rank raised the abort flag? Then it dumps every Python thread's stack (``faulthandler``), acknowledges,
   waits until all ranks acknowledged (or ``grace`` expires) so the store's host (rank 0) stays up for the others,
   and exits the process with ``HANG_EXIT_CODE``.
+
+[Note: what "hung" means]
+A rank blocked in a collective is not stopped: it waits for a peer. The rank to name is the one that does not
+arrive. Two signals find it: the progress counter (a rank that is behind never reached the point where the others
+wait) and, when counters are equal (a rank hung *inside* a save while the others wait in that save's collective),
+where its training thread is: while armed, each rank's thread also publishes the innermost Python frame of the
+training thread (``at/<rank>``) and whether that frame is inside ``torch.distributed``'s collective code (outside
+``torch.distributed.checkpoint``'s file I/O). A rank at the furthest point that is not in a collective is named.
 
 [Note: progress is comparable across ranks only because every rank makes the same sequence of ``arm``/``beat``/
 ``disarm`` calls (the Lightning hooks fire identically on every rank of a data-parallel job). A rank stuck in a
@@ -29,8 +39,9 @@ import sys
 import threading
 import time
 from datetime import timedelta
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch.distributed as dist
 
@@ -38,6 +49,9 @@ HANG_EXIT_CODE = 124
 _ABORT_KEY = "abort"
 _DETECTED_KEY = "detected"
 _ACK_KEY = "acks"
+_LEFT = 1 << 62  # the progress a rank publishes when its watchdog stops
+_COLLECTIVE_DIR = os.sep.join(("torch", "distributed", ""))
+_NOT_COLLECTIVE_DIR = os.sep.join(("torch", "distributed", "checkpoint", ""))
 _generation = itertools.count()
 
 
@@ -90,7 +104,19 @@ def store_for_watchdog() -> dist.Store:
                                timeout=timedelta(seconds=60))
     else:  # FileStore / HashStore: already safe to share
         client = base
-    return dist.PrefixStore(f"lightning_zero/watchdog/{next(_generation)}/", client)
+    # A restarted torchrun attempt reuses the agent's store: its keys (an old abort flag) must not be seen again.
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"lightning_zero/watchdog/{attempt}/{next(_generation)}/", client)
+
+
+def _frame_summary(frame) -> tuple[bool, str]:
+    """(is the frame waiting in a collective, ``file:line in function``) for a thread's innermost frame."""
+    if frame is None:
+        return False, "unknown"
+    code = frame.f_code
+    path = code.co_filename
+    waiting = _COLLECTIVE_DIR in path and _NOT_COLLECTIVE_DIR not in path
+    return waiting, f"{os.path.basename(path)}:{frame.f_lineno} in {code.co_name}"
 
 
 def _exit_process(code: int) -> None:
@@ -125,6 +151,7 @@ class HangWatchdog:
         self._progress = 0
         self._label = "not started"
         self._armed_since: Optional[float] = None
+        self._training_thread = threading.get_ident()  # the thread whose frames say where a hung rank is
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self.hang_message: Optional[str] = None
@@ -147,15 +174,40 @@ class HangWatchdog:
         self._label = label
         self._armed_since = None
 
+    @contextmanager
+    def phase(self, label: str) -> Iterator[None]:
+        """Monitor a region (a checkpoint save or load, teardown) with its own clock; on exit the enclosing state
+        comes back (still armed, with a fresh clock, if it was armed: the region's time is not charged to it)."""
+        was_armed = self._armed_since is not None
+        self.arm(label)
+        try:
+            yield
+        finally:
+            self._progress += 1
+            self._label = f"{label}: done"
+            self._armed_since = time.monotonic() if was_armed else None
+
     # ----- thread side -----
     def start(self) -> None:
+        """Start the thread; the calling thread is the training thread whose stack locates a hang."""
+        self._training_thread = threading.get_ident()
         self._thread = threading.Thread(target=self._run, name=f"lightning-zero-watchdog-{self.rank}", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop the thread and publish that this rank has left the monitored run.
+
+        [Note: a rank that left is ahead of everyone] Its last heartbeat would otherwise stay in the store and make
+        a rank still inside the run (stuck in teardown while this one already waits at a final barrier) see it as
+        *behind*; a rank that finished is past every point the others can wait at."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self.poll_interval * 4 + 1)
+            if not self._thread.is_alive():
+                try:
+                    self.store.set(f"hb/{self.rank}", f"{_LEFT}|left the monitored run after '{self._label}'")
+                except Exception:  # noqa: BLE001 - the store's host may be gone already
+                    pass
             self._thread = None
 
     def _run(self) -> None:
@@ -166,6 +218,9 @@ class HangWatchdog:
                 if state != published:
                     self.store.set(f"hb/{self.rank}", f"{state[0]}|{state[1]}")
                     published = state
+                if self._armed_since is not None:
+                    waiting, where = _frame_summary(sys._current_frames().get(self._training_thread))
+                    self.store.set(f"at/{self.rank}", f"{int(waiting)}|{where}")
                 if self.store.check([_ABORT_KEY]):
                     self._abort(self.store.get(_ABORT_KEY).decode())
                     return
@@ -189,18 +244,35 @@ class HangWatchdog:
                 progress[rank] = (int(count), label)
         return progress
 
+    def _peer_locations(self) -> dict[int, tuple[bool, str]]:
+        locations = {}
+        for rank in range(self.world_size):
+            key = f"at/{rank}"
+            if rank != self.rank and self.store.check([key]):
+                waiting, _, where = self.store.get(key).decode().partition("|")
+                locations[rank] = (waiting == "1", where)
+        locations[self.rank] = _frame_summary(sys._current_frames().get(self._training_thread))
+        return locations
+
     def _diagnose(self) -> str:
         progress = self._peer_progress()
         progress[self.rank] = (self._progress, self._label)  # own state is fresher than the published one
+        locations = self._peer_locations()
         silent = [r for r in range(self.world_size) if r not in progress]
         furthest = max(count for count, _ in progress.values())
         behind = sorted(r for r, (count, _) in progress.items() if count < furthest)
-        where = "; ".join(f"rank {r}: {label}" for r, (_, label) in sorted(progress.items()))
-        head = f"lightning-zero hang watchdog: rank {self.rank} made no progress for {self.timeout:g}s."
-        if silent or behind:
-            named = sorted(set(silent) | set(behind))
+        # Equal counters: the ranks at the furthest point that are not waiting in a collective hold the others.
+        stopped = [] if behind else sorted(r for r in progress if r in locations and not locations[r][0])
+        where = "; ".join(
+            f"rank {r}: {label}" + (f" at {locations[r][1]}" if r in locations and count < _LEFT else "")
+            for r, (count, label) in sorted(progress.items()))
+        head = (f"lightning-zero hang watchdog: rank {self.rank} spent more than {self.timeout:g}s (hang_timeout) in "
+                f"'{self._label}' (raise hang_timeout if a rank may legitimately work that long while others wait).")
+        if silent or behind or (stopped and len(stopped) < len(progress)):
+            named = sorted(set(silent) | set(behind) | set(stopped))
             return (f"{head} Ranks that never arrived: {named} (never reported: {silent}; behind the others: "
-                    f"{behind}). Progress: {where}")
+                    f"{behind}; stopped outside a collective while the others wait in one: {stopped}). "
+                    f"Progress: {where}")
         return (f"{head} All ranks are at the same point, so they are stuck together (a collective that never "
                 f"completes: network, mismatched collective order or a dead peer). Progress: {where}")
 

@@ -2,7 +2,7 @@
 
 A strategy (or any code issuing collectives) wraps the *blocking* part of each collective::
 
-    from lightning_zero.distributed.timing import collective_timer
+    from lightning_zero.diagnostics.timing import collective_timer
 
     with collective_timer().record("reduce_scatter"):
         work.wait()            # or a synchronous dist.reduce_scatter_single(...)

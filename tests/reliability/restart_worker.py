@@ -1,0 +1,28 @@
+"""Processes of the restart tests (module level, so forked ranks can run them)."""
+
+import os
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def form_group_as_an_attempt(rank, world_size, port, attempt, delay, result_dir):
+    """One rank of one torchrun "attempt" on an agent store that outlives attempts (as torchrun's does)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True",
+                      TORCHELASTIC_RESTART_COUNT=str(attempt))
+    from lightning_zero.strategies.restarts import process_group_store
+
+    time.sleep(delay)  # a rank slow to start, as on a loaded machine
+    kwargs = process_group_store(timedelta(seconds=30))  # without it: env://, a client of the agent store
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=30), **kwargs)
+        total = torch.ones(1)
+        dist.all_reduce(total)
+        dist.destroy_process_group()
+        outcome = f"ok {int(total.item())}"
+    except Exception as err:  # noqa: BLE001 - reported to the test
+        outcome = f"failed: {type(err).__name__}: {str(err)[:300]}"
+    with open(os.path.join(result_dir, f"attempt{attempt}_rank{rank}.txt"), "w") as handle:
+        handle.write(outcome)
