@@ -123,9 +123,12 @@ def describe_failure(path: str, err: BaseException, needed: Optional[int]) -> st
         reason = f"the disk filled up ({type(err).__name__}: {err})"
     else:
         reason = f"{type(err).__name__}: {err}"
-    sizes = f"needs about {needed} bytes, {free} bytes free" if needed is not None else f"{free} bytes free"
-    return (f"saving the checkpoint {path} failed: {reason}; {sizes} on {os.path.dirname(path)}. The partial "
-            f"directory was removed and the previous checkpoint at {path}, if any, is intact")
+    sizes = ""
+    if oserror is not None or reason.startswith("the disk"):
+        sizes = f"needs about {needed} bytes, " if needed is not None else ""
+        sizes = f"; {sizes}{free} bytes free on {os.path.dirname(path)}"
+    return (f"saving the checkpoint {path} failed: {reason}{sizes}. The partial directory was removed and the "
+            f"previous checkpoint at {path}, if any, is intact")
 
 
 def _probe(parent: str, rank: int) -> tuple:
