@@ -260,7 +260,7 @@ def save_sharded_checkpoint(
     try:
         dcp.save(state, storage_writer=writer, process_group=process_group)
         finalize()
-    except Exception as err:  # shared below so that every rank raises, not only the one that failed
+    except (Exception, CheckpointException) as err:  # shared below so every rank raises (DCP's is a BaseException)
         error = err
     fail_collectively(path, error, needed, process_group, cleanup)
     return None
@@ -304,7 +304,7 @@ def load_sharded_checkpoint(
 def remove_sharded_checkpoint(path: PathLike) -> None:
     """Delete a checkpoint (and leftovers of interrupted saves). Not collective: call it on one rank.
 
-    A symlink (``save_last="link"``) is removed, not its target. Refuses (:class:`CheckpointSaveError`) to delete
+    A symlink (``save_last="link"``) to a checkpoint is removed, not its target. Refuses (:class:`CheckpointSaveError`) to delete
     anything at ``path`` that is not a lightning-zero checkpoint.
     """
     path = _norm(path)
@@ -312,8 +312,8 @@ def remove_sharded_checkpoint(path: PathLike) -> None:
         pending = [handle for handle in _PENDING if handle.path == path]
     for handle in pending:
         handle.wait(barrier=False)
-    if os.path.islink(path):
-        os.remove(path)
+    if os.path.islink(path) and (not os.path.exists(path) or atomic.is_complete(path)):
+        os.remove(path)  # the link only (a dangling one included); its target is not ours to delete
     elif os.path.lexists(path):
         reason = atomic.why_not_replaceable(path)
         if reason:

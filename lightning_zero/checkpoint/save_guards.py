@@ -37,7 +37,7 @@ from lightning_zero.checkpoint.atomic import (
 )
 
 _CONTROL_GROUPS: Dict[Any, dist.ProcessGroup] = {}
-_SLACK_PER_RANK = 1 << 20  # DCP's per-file headers, .metadata, zero.json: generous, and small next to any model
+_SLACK_PER_RANK = 64 << 10  # DCP's per-file headers, .metadata, zero.json, meta.pt: small next to any model
 
 
 def _distributed() -> bool:
@@ -109,26 +109,37 @@ def _oserror_in(err: BaseException) -> Optional[OSError]:
     return None
 
 
+def _short(err: BaseException) -> str:
+    """``Type: first line`` of ``err``, or of the first rank's failure inside a DCP ``CheckpointException``."""
+    failures = getattr(err, "failures", None)
+    if failures:
+        first = next(iter(failures.values()))
+        err = first[0] if isinstance(first, tuple) else first
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0] if lines else ''}"
+
+
 def describe_failure(path: str, err: BaseException, needed: Optional[int]) -> str:
-    """One message for a save that failed while writing: what failed, where, bytes needed and free."""
+    """One message for a save that failed while writing: what failed, where, bytes needed and free.
+
+    A full disk often surfaces without an errno (``torch.save``'s zip writer: ``unexpected pos 704 vs 598``), so
+    free space below what the save needs is read as "no space left" too.
+    """
     oserror = _oserror_in(err)
     free = free_bytes(path)
-    if oserror is not None and oserror.errno in (errno.ENOSPC, errno.EDQUOT):
-        reason = "no space left on the device (or quota exceeded)"
-    elif oserror is not None and oserror.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        reason = f"permission denied or read-only filesystem ({oserror})"
+    code = oserror.errno if oserror is not None else None
+    if code in (errno.ENOSPC, errno.EDQUOT) or (needed is not None and free is not None and free < needed):
+        reason = f"no space left on the device or quota exceeded ({_short(oserror or err)})"
+    elif code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        reason = f"permission denied or read-only filesystem ({_short(oserror)})"
     elif oserror is not None:
-        reason = f"I/O error ({oserror})"
-    elif needed is not None and free is not None and free < needed:
-        reason = f"the disk filled up ({type(err).__name__}: {err})"
+        reason = f"I/O error ({_short(oserror)})"
     else:
-        reason = f"{type(err).__name__}: {err}"
-    sizes = ""
-    if oserror is not None or reason.startswith("the disk"):
-        sizes = f"needs about {needed} bytes, " if needed is not None else ""
-        sizes = f"; {sizes}{free} bytes free on {os.path.dirname(path)}"
-    return (f"saving the checkpoint {path} failed: {reason}{sizes}. The partial directory was removed and the "
-            f"previous checkpoint at {path}, if any, is intact")
+        return (f"saving the checkpoint {path} failed: {_short(err)}. The partial directory was removed and the "
+                f"previous checkpoint at {path}, if any, is intact")
+    sizes = f"needs about {needed} bytes, " if needed is not None else ""
+    return (f"saving the checkpoint {path} failed: {reason}; {sizes}{free} bytes free on {os.path.dirname(path)}. "
+            f"The partial directory was removed and the previous checkpoint at {path}, if any, is intact")
 
 
 def _probe(parent: str, rank: int) -> tuple:
