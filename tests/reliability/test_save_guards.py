@@ -177,3 +177,11 @@ def _disk_full_worker(rank, world_size, disk, async_save):
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_disk_full_says_so_removes_the_partial_and_keeps_the_previous(small_disk, async_save):
     run_distributed(_disk_full_worker, 2, str(small_disk), async_save)
+
+
+def test_ds_config_node_local_storage_is_refused_before_training():
+    from lightning_zero.ds_config import translate_ds_config
+
+    with pytest.raises(Exception, match="use_node_local_storage"):
+        translate_ds_config({"train_micro_batch_size_per_gpu": 1, "checkpoint": {"use_node_local_storage": True}})
+    translate_ds_config({"train_micro_batch_size_per_gpu": 1, "checkpoint": {"use_node_local_storage": False}})
