@@ -304,8 +304,8 @@ def load_sharded_checkpoint(
 def remove_sharded_checkpoint(path: PathLike) -> None:
     """Delete a checkpoint (and leftovers of interrupted saves). Not collective: call it on one rank.
 
-    A symlink (``save_last="link"``) to a checkpoint is removed, not its target. Refuses (:class:`CheckpointSaveError`) to delete
-    anything at ``path`` that is not a lightning-zero checkpoint.
+    A symlink (``save_last="link"``) to a checkpoint is removed, not its target. Refuses
+    (:class:`CheckpointSaveError`) to delete anything at ``path`` that is not a lightning-zero checkpoint.
     """
     path = _norm(path)
     with _PENDING_LOCK:

@@ -16,7 +16,13 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from lightning_zero.checkpoint import CheckpointSaveError, atomic, load_sharded_checkpoint, save_sharded_checkpoint, wait_for_pending_saves
+from lightning_zero.checkpoint import (
+    CheckpointSaveError,
+    atomic,
+    load_sharded_checkpoint,
+    save_sharded_checkpoint,
+    wait_for_pending_saves,
+)
 from lightning_zero.checkpoint.io import resolve_checkpoint_dir
 from tests.distributed import kill_rank_at_save_step, run_distributed
 
@@ -37,6 +43,11 @@ def state(version: int, world_size: int) -> dict:
     local = full_weight(version)[rank * rows:(rank + 1) * rows].clone()
     weight = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
     return {"state_dict": {"w": weight}, "optimizer_states": {"step": torch.tensor(float(version))}}
+
+
+def plain_state(version: int) -> dict:
+    """The same checkpoint content for a single process (no process group)."""
+    return {"state_dict": {"w": full_weight(version)}, "optimizer_states": {"step": torch.tensor(float(version))}}
 
 
 def saved_version(path: str) -> int:
@@ -96,7 +107,7 @@ def test_kill_at_every_save_step_leaves_a_complete_checkpoint(tmp_path, step, mo
     # The next save (here on one process) recovers and cleans every leftover of the killed one.
     atomic.USE_EXCHANGE = exchange
     try:
-        save_sharded_checkpoint(path, {"state_dict": {"w": full_weight(2)}, "optimizer_states": {"step": torch.tensor(2.0)}}, META)
+        save_sharded_checkpoint(path, plain_state(2), META)
     finally:
         atomic.USE_EXCHANGE = True
     assert saved_version(path) == 2
@@ -108,10 +119,10 @@ def test_fallback_recovery_on_the_next_save_restores_last_before_replacing_it(tm
     """The recovery rule alone: a save that finds only ``.X.old`` (killed between the two renames) puts it back at
     ``X`` before anything else, so a refused or failed save still leaves ``X`` loadable."""
     path = str(tmp_path / "last.ckpt")
-    save_sharded_checkpoint(path, {"state_dict": {"w": full_weight(1)}, "optimizer_states": {"step": torch.tensor(1.0)}}, META)
+    save_sharded_checkpoint(path, plain_state(1), META)
     os.rename(path, atomic.old_dir(path))
     assert lightning_last(str(tmp_path)) == set()  # what Lightning would see: nothing to resume from
-    bad = {"state_dict": {"w": full_weight(2)}, "optimizer_states": {"step": torch.tensor(2.0)}}
+    bad = plain_state(2)
     with pytest.raises(CheckpointSaveError, match="reserved"):  # a save that fails at finalisation
         save_sharded_checkpoint(path, bad, META, info={"world_size": 3})
     assert saved_version(path) == 1 and lightning_last(str(tmp_path)) == {path}
