@@ -31,7 +31,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_zero.checkpoint import atomic
 from lightning_zero.checkpoint.atomic import CheckpointSaveError
-from lightning_zero.checkpoint.save_guards import describe_failure, fail_collectively, prepare_save
+from lightning_zero.checkpoint.save_guards import (
+    all_gather,
+    control_group,
+    describe_failure,
+    fail_collectively,
+    forget_groups_of_an_old_world,
+    prepare_save,
+)
 from lightning_zero.checkpoint.safe_load import (
     SafeFileSystemReader,
     SafeLoadPlanner,
@@ -182,12 +189,31 @@ _PENDING_LOCK = threading.Lock()
 _ASYNC_GROUPS: Dict[Any, dist.ProcessGroup] = {}
 
 
-def wait_for_pending_saves(barrier: bool = True) -> None:
-    """Wait for every asynchronous save this process started. Collective when ``barrier=True``."""
+def _settle_pending_saves() -> List[str]:
+    """Wait (locally) for every asynchronous save of this process; return the messages of those that failed."""
     with _PENDING_LOCK:
         pending = list(_PENDING)
+    errors = []
     for handle in pending:
-        handle.wait(barrier=barrier)
+        try:
+            handle.wait(barrier=False)
+        except CheckpointSaveError as err:
+            errors.append(str(err))
+    return errors
+
+
+def wait_for_pending_saves(barrier: bool = True) -> None:
+    """Wait for every asynchronous save this process started and raise :class:`CheckpointSaveError` if one failed.
+
+    Collective when ``barrier=True``: every rank then sees the finished directories, and a failure on any rank raises
+    on every rank. The agreement is one exchange whatever each rank still has pending (a callback may already have
+    waited on rank 0 alone), so the ranks' collectives cannot fall out of step.
+    """
+    errors = _settle_pending_saves()
+    if barrier and dist.is_available() and dist.is_initialized():
+        errors = [message for messages in all_gather(errors, control_group(None)) for message in messages]
+    if errors:
+        raise CheckpointSaveError("; ".join(dict.fromkeys(errors)))
 
 
 def _async_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
@@ -195,6 +221,7 @@ def _async_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGro
     # training process group with it would interleave two streams of collectives on one communicator.
     if not (dist.is_available() and dist.is_initialized()):
         return None
+    forget_groups_of_an_old_world(_ASYNC_GROUPS)
     key = id(group) if group is not None else "default"
     if key not in _ASYNC_GROUPS:
         ranks = dist.get_process_group_ranks(group) if group is not None else None
@@ -226,13 +253,13 @@ def save_sharded_checkpoint(
     clash = set(state) & set(metadata)
     if clash:
         raise ValueError(f"keys {sorted(clash)} are in both the tensor state and the metadata; each key goes in one")
-    wait_for_pending_saves(barrier=True)
+    earlier_failures = _settle_pending_saves()  # reported through prepare_save's verdict, on every rank
     path = _norm(path)
     partial = _partial_dir(path)
     rank, world = _rank(process_group), _world(process_group)
     json.dumps(info or {})  # fail on every rank before writing anything if info is not JSON
     needed = prepare_save(path, state, lambda directory: torch.save(metadata, os.path.join(directory, META_FILE)),
-                          process_group)
+                          process_group, earlier_failures)
     writer = FileSystemWriter(partial)
 
     def finalize() -> None:

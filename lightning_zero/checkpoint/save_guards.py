@@ -22,7 +22,7 @@ import errno
 import os
 import socket
 import uuid
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -52,11 +52,21 @@ def control_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGr
     """
     if not _distributed():
         return None
+    forget_groups_of_an_old_world(_CONTROL_GROUPS)
     key = id(group) if group is not None else "default"
     if key not in _CONTROL_GROUPS:
         ranks = dist.get_process_group_ranks(group) if group is not None else None
         _CONTROL_GROUPS[key] = dist.new_group(ranks=ranks, backend="gloo")
     return _CONTROL_GROUPS[key]
+
+
+def forget_groups_of_an_old_world(cache: Dict[Any, Any]) -> None:
+    """Empty ``cache`` when the default process group is not the one its groups were made in (destroyed and
+    re-initialised, or a forked child of a process that had one): such groups are unusable."""
+    world = dist.distributed_c10d._get_default_group()
+    if cache.get("__world__") is not world:
+        cache.clear()
+        cache["__world__"] = world  # a strong reference, so its id cannot be reused by a later group
 
 
 def all_gather(value: Any, group: Optional[dist.ProcessGroup]) -> List[Any]:
@@ -154,17 +164,18 @@ def _probe(parent: str, rank: int) -> tuple:
 
 
 def prepare_save(path: str, state: dict, write_meta: Callable[[str], None],
-                 process_group: Optional[dist.ProcessGroup]) -> int:
+                 process_group: Optional[dist.ProcessGroup], earlier_failures: Sequence[str] = ()) -> int:
     """Run the checks of the module docstring (collective) and leave an empty ``partial`` directory with
     ``meta.pt`` written by ``write_meta``. Returns the bytes the save needs. Raises :class:`CheckpointSaveError` on
-    every rank, having written nothing, when a check fails."""
+    every rank, having written nothing, when a check fails or when ``earlier_failures`` (of this rank's earlier
+    asynchronous saves) is not empty."""
     group = control_group(process_group)
     rank = dist.get_rank(group) if group is not None else 0
     parent = os.path.dirname(path)
     probe, error = _probe(parent, rank)
     reports = all_gather((socket.gethostname(), probe, shard_bytes(state)), group)
     needed = sum(report[2] for report in reports) + _SLACK_PER_RANK * len(reports)
-    errors: List[str] = [error] if error else []
+    errors: List[str] = list(earlier_failures) + ([error] if error else [])
     unseen = [r for r, (_, other, _) in enumerate(reports) if other is not None and not os.path.exists(other)]
     if unseen:
         hosts = sorted({reports[r][0] for r in unseen})

@@ -185,3 +185,30 @@ def test_ds_config_node_local_storage_is_refused_before_training():
     with pytest.raises(Exception, match="use_node_local_storage"):
         translate_ds_config({"train_micro_batch_size_per_gpu": 1, "checkpoint": {"use_node_local_storage": True}})
     translate_ds_config({"train_micro_batch_size_per_gpu": 1, "checkpoint": {"use_node_local_storage": False}})
+
+
+def _async_failure_worker(rank, world_size, root):
+    import errno
+
+    def hook(step):
+        if step == "after_info" and rank == 0:
+            raise OSError(errno.EIO, "injected I/O error")
+
+    path = os.path.join(root, "a.ckpt")
+    save_sharded_checkpoint(path, tiny(1.0), META)
+    atomic.FAULT_HOOK = hook
+    save_sharded_checkpoint(path, tiny(2.0), META, async_save=True)
+    if rank == 0:  # as ConsolidateCallback does mid-training: rank 0 alone waits (and learns of the failure)
+        with pytest.raises(CheckpointSaveError, match="I/O error"):
+            wait_for_pending_saves(barrier=False)
+    wait_for_pending_saves()  # collective: must not hang although only rank 1 still has the save pending
+    save_sharded_checkpoint(path, tiny(3.0), META, async_save=True)
+    # only rank 0's finalisation failed; the next save reports it on every rank before writing anything
+    with pytest.raises(CheckpointSaveError, match="I/O error"):
+        save_sharded_checkpoint(path, tiny(4.0), META)
+    atomic.FAULT_HOOK = None
+    assert value_at(path) == 1.0 and not os.path.exists(atomic.partial_dir(path))
+
+
+def test_a_failed_async_save_raises_on_every_rank_without_hanging(tmp_path):
+    run_distributed(_async_failure_worker, 2, str(tmp_path))
