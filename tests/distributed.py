@@ -64,3 +64,22 @@ def kill_rank_in_the_middle_of_the_next_save(rank_to_die: int = 1) -> None:
             return future
 
     ckpt_io.FileSystemWriter = DyingWriter
+
+
+def kill_rank_at_save_step(step: str, rank_to_die: int) -> None:
+    """Fault injection: ``rank_to_die`` exits (code 17) when the next sharded save reaches ``step``, one of
+    ``"after_shards"`` (its shards written, the save not finalised) or the steps of
+    :data:`lightning_zero.checkpoint.atomic.FAULT_STEPS`. Call it inside a worker."""
+    from lightning_zero.checkpoint import atomic
+
+    if step == "after_shards":
+        kill_rank_in_the_middle_of_the_next_save(rank_to_die)
+        return
+    if step not in atomic.FAULT_STEPS:
+        raise ValueError(f"unknown save step {step!r}")
+
+    def hook(reached: str) -> None:
+        if reached == step and dist.get_rank() == rank_to_die:
+            os._exit(17)
+
+    atomic.FAULT_HOOK = hook

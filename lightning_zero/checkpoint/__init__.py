@@ -1,5 +1,6 @@
 """Sharded checkpoints: atomic/async DCP save and load, streaming consolidation, DeepSpeed checkpoint reading."""
 
+from lightning_zero.checkpoint.atomic import CheckpointSaveError
 from lightning_zero.checkpoint.consolidate import consolidate_checkpoint, iter_consolidated
 from lightning_zero.checkpoint.deepspeed_reader import is_deepspeed_checkpoint
 from lightning_zero.checkpoint.errors import CheckpointError
@@ -16,7 +17,8 @@ from lightning_zero.checkpoint.safe_load import UnsafeCheckpointError, load_meta
 from lightning_zero.checkpoint.verify import verify_checkpoint
 
 __all__ = [
-    "CheckpointError", "PendingSave", "UnsafeCheckpointError", "consolidate_checkpoint", "is_deepspeed_checkpoint",
+    "CheckpointError", "CheckpointSaveError", "PendingSave", "UnsafeCheckpointError", "consolidate_checkpoint",
+    "is_deepspeed_checkpoint",
     "is_sharded_checkpoint", "iter_consolidated", "load_meta", "load_sharded_checkpoint", "read_checkpoint_info",
     "remove_sharded_checkpoint", "save_sharded_checkpoint", "verify_checkpoint",
     "wait_for_pending_saves",

@@ -11,13 +11,9 @@ A lightning-zero checkpoint is a directory (``X.ckpt/``) holding
   other file's size and CRC-32 and is sealed with a CRC-32 of its own fields (see
   :mod:`lightning_zero.checkpoint.verify`), so that loading detects a damaged, missing or edited file.
 
-[Note: atomic saves]
-All ranks write into the hidden sibling ``.X.ckpt.partial``. DCP's save ends with a gather of every rank's write
-results on rank 0, so when rank 0 returns from it all data files exist; only then does rank 0 write ``zero.json`` and
-swap the directory into place: ``X.ckpt -> .X.ckpt.old``, ``.X.ckpt.partial -> X.ckpt``, delete the old one. A crash
-before the swap leaves ``X.ckpt`` untouched; a crash between the two renames leaves ``.X.ckpt.old`` complete, and
-:func:`load_sharded_checkpoint` falls back to it. A ``.partial`` directory is never a checkpoint: it is hidden, has
-no ``zero.json``, and the next save to that path deletes it.
+Atomicity, the recovery rule after an interrupted swap, and what a save may delete: ``[Note: atomic saves]`` in
+:mod:`lightning_zero.checkpoint.atomic`. The collective checks before a save (shared directory, free space,
+replaceable path) and the errors of a failed one: :mod:`lightning_zero.checkpoint.save_guards`.
 """
 
 from __future__ import annotations
@@ -35,6 +31,16 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
+from lightning_zero.checkpoint import atomic
+from lightning_zero.checkpoint.atomic import CheckpointSaveError
+from lightning_zero.checkpoint.save_guards import (
+    all_gather,
+    control_group,
+    describe_failure,
+    fail_collectively,
+    forget_groups_of_an_old_world,
+    prepare_save,
+)
 from lightning_zero.checkpoint.errors import CheckpointError
 from lightning_zero.checkpoint.matching import check_state_matches, describe_state, merge_descriptions
 from lightning_zero.checkpoint.safe_load import (
@@ -53,16 +59,9 @@ INFO_FILE = "zero.json"
 META_FILE = "meta.pt"
 
 
-def _partial_dir(path: str) -> str:
-    return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.partial")
-
-
-def _old_dir(path: str) -> str:
-    return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.old")
-
-
-def _norm(path: PathLike) -> str:
-    return os.path.abspath(os.fspath(path)).rstrip(os.sep)
+_partial_dir = atomic.partial_dir
+_old_dir = atomic.old_dir
+_norm = atomic.local_path
 
 
 def is_sharded_checkpoint(path: PathLike) -> bool:
@@ -138,31 +137,6 @@ def _barrier(group: Optional[dist.ProcessGroup]) -> None:
         dist.barrier(group=group)
 
 
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some filesystems do not support fsync on directories; the renames are still atomic
-    finally:
-        os.close(fd)
-
-
-def _swap_into_place(partial: str, path: str) -> None:
-    old = _old_dir(path)
-    if os.path.lexists(old):
-        shutil.rmtree(old) if os.path.isdir(old) and not os.path.islink(old) else os.remove(old)
-    if os.path.lexists(path):
-        os.rename(path, old)
-    os.rename(partial, path)
-    _fsync_dir(os.path.dirname(path))
-    if os.path.lexists(old):
-        shutil.rmtree(old) if os.path.isdir(old) and not os.path.islink(old) else os.remove(old)
-
-
 def _write_info(partial: str, state: dict, world_size: int, info: Optional[dict]) -> None:
     record = {
         "format": FORMAT_NAME,
@@ -188,14 +162,18 @@ def _write_info(partial: str, state: dict, world_size: int, info: Optional[dict]
 class PendingSave:
     """Handle of an asynchronous save. The directory appears at its path once the save is finalized.
 
-    Rank 0 finalizes (``zero.json`` + atomic swap) as soon as the DCP write completes, in the background.
-    :meth:`wait` blocks until then and re-raises any failure.
+    Rank 0 finalizes (``zero.json`` + atomic swap) as soon as the DCP write completes, in the background; if the
+    write or the finalization fails it removes the partial directory. :meth:`wait` blocks until then and re-raises
+    any failure as :class:`CheckpointSaveError`.
     """
 
-    def __init__(self, future: Future, path: str, finalize, group: Optional[dist.ProcessGroup]) -> None:
+    def __init__(self, future: Future, path: str, finalize, group: Optional[dist.ProcessGroup], cleanup,
+                 needed: Optional[int] = None) -> None:
         self.path = path
         self._future = future
         self._finalize = finalize
+        self._cleanup = cleanup
+        self._needed = needed
         self._group = group
         self._lock = threading.Lock()
         self._finalized = False
@@ -212,22 +190,30 @@ class PendingSave:
                 self._finalize()
             except BaseException as err:  # kept and re-raised on the training thread by wait()
                 self._error = err
+                try:
+                    self._cleanup()
+                except Exception:
+                    pass  # the save already failed; its error is the one to report
 
     def done(self) -> bool:
         return self._future.done() and self._finalized
 
     def wait(self, barrier: bool = True) -> None:
         """Block until the save is complete on disk. ``barrier=True`` (collective: every rank must call it) also
-        guarantees every rank sees the finished directory when it returns."""
-        self._future.result()
+        guarantees every rank sees the finished directory when it returns, and that a failure on any rank raises
+        on every rank."""
+        try:
+            self._future.result()
+        except BaseException:
+            pass  # recorded by _run_finalize
         self._run_finalize()
         with _PENDING_LOCK:
             if self in _PENDING:
                 _PENDING.remove(self)
-        if self._error is not None:
-            raise RuntimeError(f"asynchronous checkpoint save to {self.path} failed") from self._error
         if barrier:
-            _barrier(self._group)
+            fail_collectively(self.path, self._error, self._needed, self._group, lambda: None, gather_group=True)
+        elif self._error is not None:
+            raise CheckpointSaveError(describe_failure(self.path, self._error, self._needed)) from self._error
 
 
 _PENDING: List[PendingSave] = []
@@ -235,12 +221,31 @@ _PENDING_LOCK = threading.Lock()
 _ASYNC_GROUPS: Dict[Any, dist.ProcessGroup] = {}
 
 
-def wait_for_pending_saves(barrier: bool = True) -> None:
-    """Wait for every asynchronous save this process started. Collective when ``barrier=True``."""
+def _settle_pending_saves() -> List[str]:
+    """Wait (locally) for every asynchronous save of this process; return the messages of those that failed."""
     with _PENDING_LOCK:
         pending = list(_PENDING)
+    errors = []
     for handle in pending:
-        handle.wait(barrier=barrier)
+        try:
+            handle.wait(barrier=False)
+        except CheckpointSaveError as err:
+            errors.append(str(err))
+    return errors
+
+
+def wait_for_pending_saves(barrier: bool = True) -> None:
+    """Wait for every asynchronous save this process started and raise :class:`CheckpointSaveError` if one failed.
+
+    Collective when ``barrier=True``: every rank then sees the finished directories, and a failure on any rank raises
+    on every rank. The agreement is one exchange whatever each rank still has pending (a callback may already have
+    waited on rank 0 alone), so the ranks' collectives cannot fall out of step.
+    """
+    errors = _settle_pending_saves()
+    if barrier and dist.is_available() and dist.is_initialized():
+        errors = [message for messages in all_gather(errors, control_group(None)) for message in messages]
+    if errors:
+        raise CheckpointSaveError("; ".join(dict.fromkeys(errors)))
 
 
 def _async_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
@@ -248,6 +253,7 @@ def _async_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGro
     # training process group with it would interleave two streams of collectives on one communicator.
     if not (dist.is_available() and dist.is_initialized()):
         return None
+    forget_groups_of_an_old_world(_ASYNC_GROUPS)
     key = id(group) if group is not None else "default"
     if key not in _ASYNC_GROUPS:
         ranks = dist.get_process_group_ranks(group) if group is not None else None
@@ -279,35 +285,43 @@ def save_sharded_checkpoint(
     clash = set(state) & set(metadata)
     if clash:
         raise ValueError(f"keys {sorted(clash)} are in both the tensor state and the metadata; each key goes in one")
-    wait_for_pending_saves(barrier=False)
+    earlier_failures = _settle_pending_saves()  # reported through prepare_save's verdict, on every rank
     path = _norm(path)
     partial = _partial_dir(path)
     rank, world = _rank(process_group), _world(process_group)
     json.dumps(info or {})  # fail on every rank before writing anything if info is not JSON
-    if rank == 0:
-        if os.path.lexists(partial):
-            shutil.rmtree(partial)  # left by a crashed save
-        os.makedirs(partial)
-        torch.save(metadata, os.path.join(partial, META_FILE))
-    _barrier(process_group)
+    needed = prepare_save(path, state, lambda directory: torch.save(metadata, os.path.join(directory, META_FILE)),
+                          process_group, earlier_failures)
     writer = FileSystemWriter(partial)
 
     def finalize() -> None:
         if rank == 0:
+            atomic.fault_point("after_metadata")
             _write_info(partial, state, world, info)
-            _swap_into_place(partial, path)
+            atomic.fault_point("after_info")
+            atomic.swap_into_place(partial, path)
 
+    def cleanup() -> None:
+        if rank == 0:
+            atomic.recover_interrupted_swap(path)
+            atomic.delete_leftover(partial)
+
+    atomic.fault_point("before_shards")
     if async_save:
         group = _async_group(process_group)
         result = dcp.async_save(state, storage_writer=writer, planner=None, process_group=group)
         future = getattr(result, "upload_completion", result)
-        handle = PendingSave(future, path, finalize, group)
+        handle = PendingSave(future, path, finalize, group, cleanup, needed)
         with _PENDING_LOCK:
             _PENDING.append(handle)
         return handle
-    dcp.save(state, storage_writer=writer, process_group=process_group)
-    finalize()
-    _barrier(process_group)
+    error: Optional[BaseException] = None
+    try:
+        dcp.save(state, storage_writer=writer, process_group=process_group)
+        finalize()
+    except (Exception, CheckpointException) as err:  # shared below so every rank raises (DCP's is a BaseException)
+        error = err
+    fail_collectively(path, error, needed, process_group, cleanup)
     return None
 
 
@@ -399,14 +413,22 @@ def _translate(wrapped: CheckpointException, directory: str) -> CheckpointError:
 
 
 def remove_sharded_checkpoint(path: PathLike) -> None:
-    """Delete a checkpoint directory (and leftovers of interrupted saves). Not collective: call it on one rank."""
+    """Delete a checkpoint (and leftovers of interrupted saves). Not collective: call it on one rank.
+
+    A symlink (``save_last="link"``) to a checkpoint is removed, not its target. Refuses
+    (:class:`CheckpointSaveError`) to delete anything at ``path`` that is not a lightning-zero checkpoint.
+    """
     path = _norm(path)
     with _PENDING_LOCK:
         pending = [handle for handle in _PENDING if handle.path == path]
     for handle in pending:
         handle.wait(barrier=False)
-    for candidate in (path, _partial_dir(path), _old_dir(path)):
-        if os.path.isdir(candidate) and not os.path.islink(candidate):
-            shutil.rmtree(candidate)
-        elif os.path.lexists(candidate):
-            os.remove(candidate)
+    if os.path.islink(path) and (not os.path.exists(path) or atomic.is_complete(path)):
+        os.remove(path)  # the link only (a dangling one included); its target is not ours to delete
+    elif os.path.lexists(path):
+        reason = atomic.why_not_replaceable(path)
+        if reason:
+            raise CheckpointSaveError(reason.replace("replace", "delete"))
+        shutil.rmtree(path)
+    for leftover in (_partial_dir(path), _old_dir(path)):
+        atomic.delete_leftover(leftover)

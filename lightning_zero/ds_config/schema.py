@@ -187,7 +187,8 @@ PIPELINE_KEYS: dict[str, KeySpec] = {
 CHECKPOINT_KEYS: dict[str, KeySpec] = {
     "tag_validation": KeySpec("Warn", NO_EFFECT, "distributed checkpoints are validated by their metadata"),
     "load_universal": KeySpec(False, NO_EFFECT, "distributed checkpoints are universal (reshardable) by design"),
-    "use_node_local_storage": KeySpec(False, NO_EFFECT, "every rank writes its own shard files"),
+    "use_node_local_storage": KeySpec(False, UNSUPPORTED, "node-local checkpoint storage: every rank must see one "
+                                      "shared checkpoint directory, else no node holds a loadable checkpoint"),
     "parallel_write": KeySpec(None, NO_EFFECT, "every rank writes its own shard files"),
 }
 

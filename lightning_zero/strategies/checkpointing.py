@@ -100,6 +100,24 @@ def _initialise_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks = pre, post
 
 
+def check_checkpoint_callbacks(strategy, trainer) -> None:
+    """Refuse callback settings whose checkpoints could not be resumed from after a crash.
+
+    ``ModelCheckpoint(save_last="link")`` points ``last.ckpt`` at a checkpoint right after asking the strategy to save
+    it. With ``async_save=True`` that checkpoint is still being written, so a crash before it completes leaves
+    ``last.ckpt`` a dangling link and ``fit(ckpt_path="last")`` would start from step 0.
+    """
+    if not strategy.async_save:
+        return
+    for callback in trainer.checkpoint_callbacks:
+        if getattr(callback, "save_last", None) == "link":
+            raise ValueError(
+                'ModelCheckpoint(save_last="link") cannot be combined with ZeroStrategy(async_save=True): the link '
+                "would point at a checkpoint still being written, and a crash before it completes leaves no "
+                'resumable "last" checkpoint. Use save_last=True, or async_save=False'
+            )
+
+
 def save(strategy, checkpoint: dict[str, Any], filepath: str) -> None:
     """Write ``checkpoint`` (Lightning's dict) as a sharded directory; see the module docstring.
 

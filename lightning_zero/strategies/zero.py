@@ -399,6 +399,7 @@ class ZeroStrategy(ParallelStrategy):
 
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
+        checkpointing.check_checkpoint_callbacks(self, trainer)
         if self._ds_config is not None:
             self._bind_ds_config(trainer)
         self.precision_plugin.device_type = self.root_device.type

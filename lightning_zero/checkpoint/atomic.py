@@ -1,0 +1,207 @@
+"""Path handling and the atomic directory swap of sharded checkpoint saves.
+
+Everything here is local-filesystem and single-process (rank 0 calls it); the collective checks that precede a save
+live in :mod:`lightning_zero.checkpoint.save_guards`.
+
+[Note: atomic saves]
+A save writes into the hidden sibling ``.X.ckpt.partial`` and then swaps it into place at ``X.ckpt``:
+
+* **Exchange (Linux, local filesystems):** ``renameat2(partial, X.ckpt, RENAME_EXCHANGE)`` swaps the two names in one
+  atomic step, so ``X.ckpt`` is at every instant either the complete previous checkpoint or the complete new one.
+  Afterwards ``.X.ckpt.partial`` holds the previous checkpoint and is deleted. Python has no binding for
+  ``renameat2``, hence the ctypes call.
+* **Fallback (no ``renameat2``, or a filesystem that refuses ``RENAME_EXCHANGE``):** two renames,
+  ``X.ckpt -> .X.ckpt.old`` then ``.X.ckpt.partial -> X.ckpt``. A crash between them leaves no ``X.ckpt`` but a
+  complete ``.X.ckpt.old``. Recovery rule: when ``X.ckpt`` is missing and ``.X.ckpt.old`` is complete, loading reads
+  ``.X.ckpt.old`` and the next save (and :func:`recover_interrupted_swap`) renames it back to ``X.ckpt`` first.
+
+What may be deleted: a save replaces ``X.ckpt`` only when it is a complete lightning-zero checkpoint (``zero.json``
+and ``.metadata``), a symlink to one (the link is replaced, its target untouched), or an empty directory; anything
+else is refused with :class:`CheckpointSaveError`. Leftovers ``.X.ckpt.partial`` / ``.X.ckpt.old`` are deleted only
+when they carry this module's marker file or are complete checkpoints, i.e. when lightning-zero made them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import re
+import shutil
+from typing import Callable, Optional, Union
+
+PathLike = Union[str, os.PathLike]
+
+INFO_FILE = "zero.json"
+PARTIAL_MARKER = ".lightning-zero-partial"
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+# Fault injection for the reliability tests: called with a step name at each step of a save (see FAULT_STEPS).
+FAULT_HOOK: Optional[Callable[[str], None]] = None
+FAULT_STEPS = ("before_shards", "after_metadata", "after_info", "mid_swap")
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint save was refused or failed; the message names the path and what to do. The previous
+    checkpoint at that path, if any, is intact."""
+
+
+def fault_point(step: str) -> None:
+    if FAULT_HOOK is not None:
+        FAULT_HOOK(step)
+
+
+def local_path(path: PathLike) -> str:
+    """The absolute local path for ``path``; ``file://`` URLs are accepted, other URLs refused.
+
+    Why refuse ``s3://``, ``memory://`` ...: the save's atomicity rests on POSIX ``rename`` of directories, which object
+    stores do not have, and ``os.path`` would silently turn ``memory://x`` into a local directory named ``memory:``.
+    """
+    text = os.fspath(path)
+    if isinstance(text, bytes):
+        text = os.fsdecode(text)
+    match = _URL.match(text)
+    if match:
+        if match.group(1).lower() != "file":
+            raise CheckpointSaveError(
+                f"checkpoint path {text!r} is a {match.group(1)}:// URL; sharded checkpoints need a local or mounted "
+                "POSIX filesystem (atomic directory renames). Save to a local or network-mounted directory and copy "
+                "the finished checkpoint directory to remote storage afterwards"
+            )
+        text = text[len(match.group(0)):]
+    return os.path.abspath(text).rstrip(os.sep) or os.sep
+
+
+def partial_dir(path: str) -> str:
+    return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.partial")
+
+
+def old_dir(path: str) -> str:
+    return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.old")
+
+
+def is_complete(path: str) -> bool:
+    """True when ``path`` (or what it links to) is a complete lightning-zero sharded checkpoint directory."""
+    return (
+        os.path.isdir(path)
+        and os.path.isfile(os.path.join(path, INFO_FILE))
+        and os.path.isfile(os.path.join(path, ".metadata"))
+    )
+
+
+def _made_by_us(path: str) -> bool:
+    if os.path.islink(path):
+        return is_complete(path)  # the previous X.ckpt was a link to a checkpoint (save_last="link")
+    return os.path.isdir(path) and (os.path.isfile(os.path.join(path, PARTIAL_MARKER)) or is_complete(path)
+                                    or not os.listdir(path))
+
+
+def _delete(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
+def delete_leftover(path: str) -> None:
+    """Delete a ``.partial`` / ``.old`` leftover of an earlier save; refuse one lightning-zero did not make."""
+    if not os.path.lexists(path):
+        return
+    if not _made_by_us(path):
+        raise CheckpointSaveError(
+            f"{path} exists but was not written by a lightning-zero save (no {PARTIAL_MARKER} marker, not a "
+            "checkpoint); it is not deleted. Move it away and save again"
+        )
+    _delete(path)
+
+
+def why_not_replaceable(path: str) -> Optional[str]:
+    """``None`` when a save may replace what is at ``path``; otherwise the reason it may not."""
+    if not os.path.lexists(path):
+        return None
+    if os.path.islink(path):
+        if is_complete(path):
+            return None
+        return (f"{path} is a symlink to {os.readlink(path)!r}, which is not a complete lightning-zero checkpoint; "
+                "refusing to replace it. Remove the link or choose another path")
+    if os.path.isdir(path):
+        if is_complete(path) or not os.listdir(path):
+            return None
+        return (f"{path} is an existing directory that is not a lightning-zero checkpoint (no {INFO_FILE} and "
+                ".metadata); saving would replace it and delete its contents. Refusing: choose another path or move "
+                "the directory away")
+    return (f"{path} is an existing file, not a lightning-zero checkpoint directory (e.g. a single-file torch.save "
+            "checkpoint); refusing to replace it. Choose another path or move the file away")
+
+
+def recover_interrupted_swap(path: str) -> bool:
+    """Put ``.X.ckpt.old`` back at ``X.ckpt`` when a fallback swap died between its two renames. True if it did."""
+    old = old_dir(path)
+    if not os.path.lexists(path) and os.path.lexists(old) and is_complete(old):
+        os.rename(old, path)
+        _fsync_dir(os.path.dirname(path))
+        return True
+    return False
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems do not support fsync on directories; the renames are still atomic
+    finally:
+        os.close(fd)
+
+
+def _libc():
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        function = libc.renameat2
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
+
+
+_RENAMEAT2 = _libc()
+USE_EXCHANGE = True  # tests switch it off to exercise the two-rename fallback
+
+
+def exchange(first: str, second: str) -> bool:
+    """Atomically swap the names ``first`` and ``second`` (both must exist). False when the platform or filesystem
+    cannot; any other failure raises ``OSError``."""
+    if _RENAMEAT2 is None or not USE_EXCHANGE:
+        return False
+    if _RENAMEAT2(_AT_FDCWD, os.fsencode(first), _AT_FDCWD, os.fsencode(second), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM):
+        return False
+    raise OSError(code, os.strerror(code), first, None, second)
+
+
+def swap_into_place(partial: str, path: str) -> None:
+    """Move the finished ``partial`` directory to ``path``; see ``[Note: atomic saves]``."""
+    if not os.path.lexists(path):
+        os.rename(partial, path)
+        _fsync_dir(os.path.dirname(path))
+        return
+    if exchange(partial, path):
+        _fsync_dir(os.path.dirname(path))
+        fault_point("mid_swap")
+        _delete(partial)  # now the previous checkpoint
+        return
+    old = old_dir(path)
+    delete_leftover(old)
+    os.rename(path, old)
+    fault_point("mid_swap")
+    os.rename(partial, path)
+    _fsync_dir(os.path.dirname(path))
+    _delete(old)

@@ -1,0 +1,241 @@
+"""Collective checks before a sharded save writes anything, and clear errors when a save fails part-way.
+
+Hand-written because DCP has neither: it writes wherever it is pointed and reports a full disk as whatever the
+failing write raised (``unexpected pos 704 vs 598``, ``basic_ios::clear``), on whichever rank hit it.
+
+Before writing, every rank of the save:
+
+1. writes a probe file next to the checkpoint and checks it sees every other rank's probe: ranks that do not share
+   one directory (node-local disks, DeepSpeed's ``checkpoint.use_node_local_storage``) would each hold part of the
+   shards and no node a loadable checkpoint, so the save is refused;
+2. reports the bytes of its shards; rank 0 compares their sum with the free space of the target filesystem;
+3. rank 0 checks that the path may be replaced (see ``[Note: atomic saves]`` in
+   :mod:`lightning_zero.checkpoint.atomic`), prepares the partial directory and writes ``meta.pt``.
+
+Every verdict is all-gathered on a side gloo group, so all ranks raise the same :class:`CheckpointSaveError` (no
+rank is left waiting in a collective) before any shard is written.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import uuid
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from lightning_zero.checkpoint.atomic import (
+    PARTIAL_MARKER,
+    CheckpointSaveError,
+    delete_leftover,
+    partial_dir,
+    recover_interrupted_swap,
+    why_not_replaceable,
+)
+
+_CONTROL_GROUPS: Dict[Any, dist.ProcessGroup] = {}
+_SLACK_PER_RANK = 64 << 10  # DCP's per-file headers, .metadata, zero.json, meta.pt: small next to any model
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def control_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
+    """A gloo group over the ranks of ``group`` for the save's small CPU-side agreements.
+
+    Why a separate gloo group: the verdicts are Python objects, which gloo exchanges on CPU whatever backend training
+    uses, and keeping them off the training communicator avoids interleaving with DCP's own collectives.
+    """
+    if not _distributed():
+        return None
+    forget_groups_of_an_old_world(_CONTROL_GROUPS)
+    key = id(group) if group is not None else "default"
+    if key not in _CONTROL_GROUPS:
+        ranks = dist.get_process_group_ranks(group) if group is not None else None
+        _CONTROL_GROUPS[key] = dist.new_group(ranks=ranks, backend="gloo")
+    return _CONTROL_GROUPS[key]
+
+
+def forget_groups_of_an_old_world(cache: Dict[Any, Any]) -> None:
+    """Empty ``cache`` when the default process group is not the one its groups were made in (destroyed and
+    re-initialised, or a forked child of a process that had one): such groups are unusable."""
+    world = dist.distributed_c10d._get_default_group()
+    if cache.get("__world__") is not world:
+        cache.clear()
+        cache["__world__"] = world  # a strong reference, so its id cannot be reused by a later group
+
+
+def all_gather(value: Any, group: Optional[dist.ProcessGroup]) -> List[Any]:
+    if group is None:
+        return [value]
+    out: List[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, value, group=group)
+    return out
+
+
+def shard_bytes(state: Any) -> int:
+    """Bytes this rank's tensors of ``state`` will occupy on disk (local shards only)."""
+    if isinstance(state, dict):
+        return sum(shard_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(shard_bytes(v) for v in state)
+    if isinstance(state, torch.Tensor):
+        local = state.to_local() if hasattr(state, "to_local") else state
+        return local.numel() * local.element_size()
+    return 0
+
+
+def free_bytes(path: str) -> Optional[int]:
+    """Free bytes for an unprivileged writer on the filesystem holding ``path`` (its nearest existing ancestor)."""
+    while path and not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    try:
+        stats = os.statvfs(path)
+    except OSError:
+        return None
+    return stats.f_bavail * stats.f_frsize
+
+
+def _oserror_in(err: BaseException) -> Optional[OSError]:
+    seen = set()
+    stack = [err]
+    while stack:
+        current = stack.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno is not None:
+            return current
+        stack += [current.__cause__, current.__context__]
+        for failure in getattr(current, "failures", {}).values():  # DCP's CheckpointException: rank -> (err, tb)
+            stack.append(failure[0] if isinstance(failure, tuple) else failure)
+    return None
+
+
+def _short(err: BaseException) -> str:
+    """``Type: first line`` of ``err``, or of the first rank's failure inside a DCP ``CheckpointException``."""
+    failures = getattr(err, "failures", None)
+    if failures:
+        first = next(iter(failures.values()))
+        err = first[0] if isinstance(first, tuple) else first
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0] if lines else ''}"
+
+
+def describe_failure(path: str, err: BaseException, needed: Optional[int]) -> str:
+    """One message for a save that failed while writing: what failed, where, bytes needed and free.
+
+    A full disk often surfaces without an errno (``torch.save``'s zip writer: ``unexpected pos 704 vs 598``), so
+    free space below what the save needs is read as "no space left" too.
+    """
+    oserror = _oserror_in(err)
+    free = free_bytes(path)
+    code = oserror.errno if oserror is not None else None
+    if code in (errno.ENOSPC, errno.EDQUOT) or (needed is not None and free is not None and free < needed):
+        reason = f"no space left on the device or quota exceeded ({_short(oserror or err)})"
+    elif code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        reason = f"permission denied or read-only filesystem ({_short(oserror)})"
+    elif oserror is not None:
+        reason = f"I/O error ({_short(oserror)})"
+    else:
+        return (f"saving the checkpoint {path} failed: {_short(err)}. The partial directory was removed and the "
+                f"previous checkpoint at {path}, if any, is intact")
+    sizes = f"needs about {needed} bytes, " if needed is not None else ""
+    return (f"saving the checkpoint {path} failed: {reason}; {sizes}{free} bytes free on {os.path.dirname(path)}. "
+            f"The partial directory was removed and the previous checkpoint at {path}, if any, is intact")
+
+
+def _probe(parent: str, rank: int) -> tuple:
+    try:
+        os.makedirs(parent, exist_ok=True)
+        name = os.path.join(parent, f".lightning-zero-probe-{uuid.uuid4().hex}")
+        with open(name, "w") as file:
+            file.write(str(rank))
+        return name, None
+    except OSError as err:
+        return None, f"rank {rank} cannot write to {parent}: {err}"
+
+
+def prepare_save(path: str, state: dict, write_meta: Callable[[str], None],
+                 process_group: Optional[dist.ProcessGroup], earlier_failures: Sequence[str] = ()) -> int:
+    """Run the checks of the module docstring (collective) and leave an empty ``partial`` directory with
+    ``meta.pt`` written by ``write_meta``. Returns the bytes the save needs. Raises :class:`CheckpointSaveError` on
+    every rank, having written nothing, when a check fails or when ``earlier_failures`` (of this rank's earlier
+    asynchronous saves) is not empty."""
+    group = control_group(process_group)
+    rank = dist.get_rank(group) if group is not None else 0
+    parent = os.path.dirname(path)
+    probe, error = _probe(parent, rank)
+    reports = all_gather((socket.gethostname(), probe, shard_bytes(state)), group)
+    needed = sum(report[2] for report in reports) + _SLACK_PER_RANK * len(reports)
+    errors: List[str] = list(earlier_failures) + ([error] if error else [])
+    unseen = [r for r, (_, other, _) in enumerate(reports) if other is not None and not os.path.exists(other)]
+    if unseen:
+        hosts = sorted({reports[r][0] for r in unseen})
+        errors.append(
+            f"rank {rank} ({socket.gethostname()}) does not see the files ranks {unseen} (on {hosts}) wrote in "
+            f"{parent}: the checkpoint directory is not shared by all ranks (node-local storage). A checkpoint "
+            "written there would be split across machines and loadable on none. Use a filesystem every node mounts "
+            "at the same path (e.g. NFS, Lustre); node-local checkpoint storage is not supported"
+        )
+    created = False
+    if rank == 0 and not errors:
+        try:
+            free = free_bytes(parent)
+            if free is not None and free < needed:
+                raise CheckpointSaveError(
+                    f"not enough space to save the checkpoint {path}: it needs about {needed} bytes and {parent} has "
+                    f"{free} bytes free. Nothing was written; free space or choose another directory"
+                )
+            recover_interrupted_swap(path)
+            reason = why_not_replaceable(path)
+            if reason:
+                raise CheckpointSaveError(reason)
+            partial = partial_dir(path)
+            delete_leftover(partial)  # left by a crashed save
+            os.makedirs(partial)
+            created = True
+            open(os.path.join(partial, PARTIAL_MARKER), "w").close()
+            write_meta(partial)
+        except CheckpointSaveError as err:
+            errors.append(str(err))
+        except Exception as err:  # a full disk while writing meta.pt surfaces as RuntimeError("unexpected pos ...")
+            errors.append(describe_failure(path, err, needed))
+    verdicts = all_gather(errors, group)
+    if probe is not None:
+        try:
+            os.remove(probe)
+        except OSError:
+            pass
+    failures = [message for messages in verdicts for message in messages]
+    if failures:
+        if created:
+            delete_leftover(partial_dir(path))
+        raise CheckpointSaveError("; ".join(dict.fromkeys(failures)))
+    return needed
+
+
+def fail_collectively(path: str, local_error: Optional[BaseException], needed: Optional[int],
+                      process_group: Optional[dist.ProcessGroup], cleanup: Callable[[], None],
+                      gather_group: bool = False) -> None:
+    """Share each rank's failure of a save step; if any rank failed, ``cleanup`` on rank 0 and raise everywhere.
+
+    Collective over the control group of ``process_group``, or over ``process_group`` itself (a gloo group) when
+    ``gather_group``."""
+    group = process_group if gather_group else control_group(process_group)
+    message = None
+    if local_error is not None:
+        message = (str(local_error) if isinstance(local_error, CheckpointSaveError)
+                   else describe_failure(path, local_error, needed))
+    messages = [m for m in all_gather(message, group) if m]
+    if messages:
+        if (dist.get_rank(group) if group is not None else 0) == 0:
+            cleanup()
+        raise CheckpointSaveError("; ".join(dict.fromkeys(messages))) from local_error

@@ -1,0 +1,128 @@
+"""Kill a rank at every step of a sharded save: the previous or the new checkpoint always loads, and Lightning's
+``ckpt_path="last"`` lookup always finds the newest complete one.
+
+Scenarios: save step x {sync, async} x {plain directory, ``last.ckpt`` a symlink as ``save_last="link"`` leaves it},
+with the atomic exchange swap, plus the mid-swap kill with the two-rename fallback. The state is one row-sharded
+DTensor and a step counter, so each scenario costs one two-rank fork.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+
+from lightning_zero.checkpoint import (
+    CheckpointSaveError,
+    atomic,
+    load_sharded_checkpoint,
+    save_sharded_checkpoint,
+    wait_for_pending_saves,
+)
+from lightning_zero.checkpoint.io import resolve_checkpoint_dir
+from tests.distributed import kill_rank_at_save_step, run_distributed
+
+ROWS, COLS = 8, 3
+META = {"epoch": 1}
+# the step a rank dies at, and which rank: the shard steps kill a non-coordinator, the finalisation steps rank 0
+STEPS = {"before_shards": 1, "after_shards": 1, "after_metadata": 0, "after_info": 0, "mid_swap": 0}
+
+
+def full_weight(version: int) -> torch.Tensor:
+    return torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS) * (1 if version == 1 else -3)
+
+
+def state(version: int, world_size: int) -> dict:
+    mesh = init_device_mesh("cpu", (world_size,))
+    rank = mesh.get_local_rank()
+    rows = ROWS // world_size
+    local = full_weight(version)[rank * rows:(rank + 1) * rows].clone()
+    weight = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+    return {"state_dict": {"w": weight}, "optimizer_states": {"step": torch.tensor(float(version))}}
+
+
+def plain_state(version: int) -> dict:
+    """The same checkpoint content for a single process (no process group)."""
+    return {"state_dict": {"w": full_weight(version)}, "optimizer_states": {"step": torch.tensor(float(version))}}
+
+
+def saved_version(path: str) -> int:
+    """Load ``path`` in one process (no process group) and say which version it holds; check it is whole."""
+    target = {"state_dict": {"w": torch.zeros(ROWS, COLS)}, "optimizer_states": {"step": torch.tensor(0.0)}}
+    assert load_sharded_checkpoint(path, target) == META
+    version = int(target["optimizer_states"]["step"].item())
+    assert torch.equal(target["state_dict"]["w"], full_weight(version)), "a torn checkpoint: weights of two saves"
+    return version
+
+
+def _kill_worker(rank, world_size, root, step, async_save, link, exchange):
+    atomic.USE_EXCHANGE = exchange
+    path = os.path.join(root, "last.ckpt")
+    if link:  # what ModelCheckpoint(save_last="link") leaves: last.ckpt -> a top-k checkpoint
+        save_sharded_checkpoint(os.path.join(root, "step1.ckpt"), state(1, world_size), META)
+        if rank == 0:
+            os.symlink("step1.ckpt", path)
+    else:
+        save_sharded_checkpoint(path, state(1, world_size), META)
+    kill_rank_at_save_step(step, STEPS[step])
+    save_sharded_checkpoint(path, state(2, world_size), META, async_save=async_save)
+    wait_for_pending_saves()
+    raise AssertionError(f"rank {STEPS[step]} should have died at {step}")
+
+
+def lightning_last(root: str) -> set:
+    """The candidates ``Trainer.fit(ckpt_path="last")`` resumes from (Lightning's own lookup)."""
+    return ModelCheckpoint(dirpath=root)._find_last_checkpoints(trainer=None)
+
+
+SCENARIOS = [(step, mode, link, True) for step in STEPS for mode in ("sync", "async") for link in (False, True)]
+SCENARIOS += [("mid_swap", mode, link, False) for mode in ("sync", "async") for link in (False, True)]
+
+
+@pytest.mark.parametrize(
+    "step,mode,link,exchange", SCENARIOS,
+    ids=[f"{s}-{m}-{'link' if k else 'plain'}{'' if x else '-fallback'}" for s, m, k, x in SCENARIOS],
+)
+def test_kill_at_every_save_step_leaves_a_complete_checkpoint(tmp_path, step, mode, link, exchange):
+    root = str(tmp_path)
+    path = os.path.join(root, "last.ckpt")
+    with pytest.raises(Exception, match="exit code|17"):
+        run_distributed(_kill_worker, 2, root, step, mode == "async", link, exchange)
+    # Killed after the swap committed: the new checkpoint; killed earlier: the previous one, untouched.
+    expected = 2 if step == "mid_swap" and exchange else 1
+    assert saved_version(path) == expected
+    if link:
+        assert saved_version(os.path.join(root, "step1.ckpt")) == 1, "the link's target must never be modified"
+    if exchange:
+        # "last" resolution never misses the checkpoint: at no instant is last.ckpt absent
+        assert lightning_last(root) == {path}
+        assert os.path.realpath(resolve_checkpoint_dir(path)) == os.path.realpath(path)
+    else:
+        # the two-rename fallback died between its renames: loading reads .old; the next save restores it first
+        assert not os.path.lexists(path) and resolve_checkpoint_dir(path) == atomic.old_dir(path)
+    # The next save (here on one process) recovers and cleans every leftover of the killed one.
+    atomic.USE_EXCHANGE = exchange
+    try:
+        save_sharded_checkpoint(path, plain_state(2), META)
+    finally:
+        atomic.USE_EXCHANGE = True
+    assert saved_version(path) == 2
+    assert not os.path.lexists(atomic.partial_dir(path)) and not os.path.lexists(atomic.old_dir(path))
+    assert sorted(os.listdir(root)) == (["last.ckpt", "step1.ckpt"] if link else ["last.ckpt"])
+
+
+def test_fallback_recovery_on_the_next_save_restores_last_before_replacing_it(tmp_path):
+    """The recovery rule alone: a save that finds only ``.X.old`` (killed between the two renames) puts it back at
+    ``X`` before anything else, so a refused or failed save still leaves ``X`` loadable."""
+    path = str(tmp_path / "last.ckpt")
+    save_sharded_checkpoint(path, plain_state(1), META)
+    os.rename(path, atomic.old_dir(path))
+    assert lightning_last(str(tmp_path)) == set()  # what Lightning would see: nothing to resume from
+    bad = plain_state(2)
+    with pytest.raises(CheckpointSaveError, match="reserved"):  # a save that fails at finalisation
+        save_sharded_checkpoint(path, bad, META, info={"world_size": 3})
+    assert saved_version(path) == 1 and lightning_last(str(tmp_path)) == {path}
