@@ -15,3 +15,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left_behind():
+    """A test that leaves a process group in the pytest process would be inherited by every rank the next tests fork
+    (tests/distributed.py), whose copies of its gloo groups hang in their destructors. Tear it down and say which."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        pytest.fail("this test left a process group in the pytest process (now destroyed)", pytrace=False)

@@ -60,11 +60,21 @@ def control_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGr
     return _CONTROL_GROUPS[key]
 
 
+# Groups of an old world are kept referenced here, never destroyed: see forget_groups_of_an_old_world.
+_ABANDONED: List[Dict[Any, Any]] = []
+
+
 def forget_groups_of_an_old_world(cache: Dict[Any, Any]) -> None:
     """Empty ``cache`` when the default process group is not the one its groups were made in (destroyed and
-    re-initialised, or a forked child of a process that had one): such groups are unusable."""
+    re-initialised, or a forked child of a process that had one): such groups are unusable.
+
+    The old groups are moved aside, not released: a gloo group inherited through ``fork()`` blocks forever in its
+    destructor (its worker threads do not exist in the child), which hung every forked rank whose parent had saved
+    in-process. Keeping a few small objects alive is the price."""
     world = dist.distributed_c10d._get_default_group()
     if cache.get("__world__") is not world:
+        if cache:
+            _ABANDONED.append(dict(cache))
         cache.clear()
         cache["__world__"] = world  # a strong reference, so its id cannot be reused by a later group
 

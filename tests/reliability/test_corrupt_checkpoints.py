@@ -202,9 +202,11 @@ def test_verify_cli_prints_one_line_per_error_and_exits_1(damaged, capsys):
 
 def test_intact_checkpoint_verifies_and_consolidates_exactly(pristine, tmp_path, capsys):
     assert cli_main(["verify", pristine]) == 0
-    assert "OK (4 files" in capsys.readouterr().out
+    assert "OK (5 files" in capsys.readouterr().out
     info = json.load(open(os.path.join(pristine, "zero.json")))
-    assert set(info["files"]) == {"__0_0.distcp", "__1_0.distcp", ".metadata", "meta.pt"} and "seal" in info
+    # every file is recorded, the (empty) marker of a directory a lightning-zero save wrote included
+    assert set(info["files"]) == {"__0_0.distcp", "__1_0.distcp", ".metadata", "meta.pt", ".lightning-zero-partial"}
+    assert "seal" in info
     full = consolidate_checkpoint(pristine)
     for key, value in make_model().state_dict().items():
         assert torch.equal(full[key], value), key
