@@ -13,13 +13,12 @@ from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
-from lightning_zero.checkpoint import CheckpointError
+from lightning_zero.checkpoint import CheckpointError, CheckpointSaveError
 from lightning_zero import ZeroStrategy
 from lightning_zero.checkpoint import consolidate_checkpoint
 from tests.conformance.models import RegressionModule, full_state, max_abs_diff, trainer, zero
 from tests.distributed import run_distributed
 
-DEFECT = "issue 17 defect {}: {}"
 
 
 # ---------------------------------------------------------------------------------------------- no process group
@@ -216,20 +215,22 @@ def _path_exists_worker(rank, world_size, root, what):
         if what == "file":
             with open(path, "w") as f:
                 f.write("old")
-        else:
+        elif what == "directory":
             os.makedirs(os.path.join(path, "user"))
             with open(os.path.join(path, "user", "data.txt"), "w") as f:
                 f.write("mine")
     torch.distributed.barrier()
     if what == "checkpoint":
         t.save_checkpoint(path)  # a previous checkpoint at the path
-    if what == "directory":
-        # a directory the user owns is no checkpoint: refuse rather than delete it
-        with pytest.raises(Exception, match="target"):
+    if what in ("file", "directory"):
+        # Lightning's FSDP deletes a stale file there; a file or directory the user owns is no checkpoint, so
+        # lightning-zero refuses (on every rank) rather than delete it
+        with pytest.raises(CheckpointSaveError, match="target.*not a lightning-zero checkpoint"):
             t.save_checkpoint(path)
-        assert os.path.isfile(os.path.join(path, "user", "data.txt")), "the user's directory was deleted"
+        kept = os.path.join(path, "user", "data.txt") if what == "directory" else path
+        assert os.path.isfile(kept), "the user's file was deleted"
         return
-    t.save_checkpoint(path)  # over a stale file, or over a previous checkpoint
+    t.save_checkpoint(path)  # over a previous checkpoint
     seed_everything(4)
     fresh = RegressionModule()
     trainer(zero(2)).test(fresh, ckpt_path=path, verbose=False)
@@ -238,8 +239,7 @@ def _path_exists_worker(rank, world_size, root, what):
 
 @pytest.mark.parametrize("what", [
     "file", "checkpoint",
-    pytest.param("directory", marks=pytest.mark.xfail(strict=True, reason=DEFECT.format(
-        4, "saving onto an existing non-checkpoint directory deletes it"))),
+    "directory",
 ])
 def test_save_checkpoint_path_exists(tmp_path, what):
     run_distributed(_path_exists_worker, 2, str(tmp_path), what)
@@ -296,7 +296,6 @@ def _remote_path_worker(rank, world_size, root):
     assert max_abs_diff(full_state(fresh), full_state(module)) == 0.0
 
 
-@pytest.mark.xfail(strict=True, reason=DEFECT.format(9, "remote URL checkpoint paths"))
 def test_save_checkpoint_to_a_remote_url(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     run_distributed(_remote_path_worker, 2, str(tmp_path))
