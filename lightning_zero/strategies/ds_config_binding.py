@@ -374,3 +374,22 @@ def effective_ds_config(strategy) -> dict:
         if trainer.gradient_clip_algorithm in (None, "norm"):  # DeepSpeed's gradient_clipping is a norm clip
             config["gradient_clipping"] = float(trainer.gradient_clip_val or 0.0)
     return _read_only(config)
+
+
+def arguments_over_config(binding, stage, offload, pin_memory, reshard_after_forward, communication_data_type,
+                          pipeline_parallel_size, micro_batches) -> tuple:
+    """ZeroStrategy's arguments with the ds_config filling those left at ``None`` (explicit arguments win), in the
+    order given. Stage defaults to 2; the config's pipeline (and its micro-batches) applies only with > 1 stages."""
+    from_config = binding.strategy_kwargs() if binding is not None else {}
+    stage = stage if stage is not None else from_config.get("stage", 2)
+    offload = offload if offload is not None else from_config.get("offload")
+    pin_memory = pin_memory if pin_memory is not None else from_config.get("pin_memory")
+    if reshard_after_forward is None:
+        reshard_after_forward = from_config.get("reshard_after_forward")
+    if communication_data_type is None:
+        communication_data_type = from_config.get("communication_data_type")
+    if pipeline_parallel_size is None and from_config.get("pipeline_parallel_size", 1) > 1:
+        pipeline_parallel_size = from_config["pipeline_parallel_size"]
+        micro_batches = micro_batches if micro_batches is not None else from_config.get("micro_batches")
+    return (stage, offload, pin_memory, reshard_after_forward, communication_data_type, pipeline_parallel_size,
+            micro_batches)

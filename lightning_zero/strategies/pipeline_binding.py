@@ -167,3 +167,48 @@ def clip_by_global_norm(runner, params, max_norm: float) -> float:
             if param.grad is not None:
                 param.grad.mul_(coefficient)
     return float(norm) if math.isfinite(float(norm)) else float("nan")
+
+
+def setup_for_strategy(strategy, trainer):
+    """Split the LightningModule's ``PipelineModule`` over the strategy's pp x dp mesh; clip over every stage."""
+    precision = strategy.precision_plugin
+    if precision.low_dtype is not None:
+        raise NotImplementedError(
+            f"pipeline_parallel_size > 1 with precision={precision.precision!r} is not supported: the "
+            "pipeline schedule runs backward itself, outside the precision plugin. Use precision='32-true'.")
+    runner = build_for_strategy(strategy.lightning_module, strategy._pipeline, strategy._pp_mesh, strategy._mesh,
+                                strategy.stage, strategy.root_device, trainer.accumulate_grad_batches)
+    precision.grad_norm_clipper = lambda params, max_norm: clip_by_global_norm(runner, params, max_norm)
+    return runner
+
+
+class PipelineGradients:
+    """[Note: pipeline gradients and Lightning's zero_grad]
+    The schedule back-propagates inside ``training_step``, but Lightning zeroes gradients *after* ``training_step``
+    (before its backward) on the first batch of an accumulation window. So gradients are zeroed before that first
+    batch (:meth:`training_step`), moved aside after the schedule, and put back by :meth:`restore` from the
+    strategy's ``backward``."""
+
+    def __init__(self) -> None:
+        self._moved: Optional[list] = None
+
+    def training_step(self, module, run_step):
+        """Run ``run_step()`` (the schedule inside ``training_step``) and move its gradients aside."""
+        params = list(module.parameters())
+        trainer = module.trainer
+        if module.automatic_optimization and \
+                trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0:
+            for param in params:
+                param.grad = None
+        output = run_step()
+        self._moved = [(param, param.grad) for param in params]
+        for param in params:
+            param.grad = None
+        return output
+
+    def restore(self) -> None:
+        """Put the schedule's gradients back (added to what accumulation already holds)."""
+        for param, grad in self._moved or ():
+            if grad is not None:
+                param.grad = grad if param.grad is None else param.grad + grad
+        self._moved = None

@@ -291,3 +291,21 @@ def low_precision_allreduce_hook(dtype: torch.dtype):
         return future.then(decompress)
 
     return hook
+
+
+def loss_scale_configs(config_scaling: dict, **given) -> tuple[Optional[LossScaleConfig], Optional[LossScaleConfig]]:
+    """The loss-scale configs from the strategy's explicit knobs (``given``, ``None`` = not set) and a ds_config's
+    fp16 section (``config_scaling``): ``(explicit only, explicit over config)``. The second applies once the
+    precision is fp16 (a config may switch fp16 on at setup); explicit knobs win over the config's."""
+    given = {key: value for key, value in given.items() if value is not None}
+    explicit = LossScaleConfig(**given) if given else None
+    merged = {**config_scaling, **given}
+    return explicit, (LossScaleConfig(**merged) if merged else None)
+
+
+class PrecisionFlag(Precision):
+    """A stand-in for the plugin Lightning would have chosen for a ``precision`` flag (a ds_config's precision,
+    adopted at setup); the strategy adapts it into :class:`ZeroPrecision` like Lightning's own choice."""
+
+    def __init__(self, precision: str) -> None:
+        self.precision = precision

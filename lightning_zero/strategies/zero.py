@@ -39,7 +39,7 @@ from lightning_zero.checkpoint.io import wait_for_pending_saves
 from lightning_zero.config import ZeroConfig
 from lightning_zero.diagnostics.hang_guard import DEFAULT_HANG_TIMEOUT, HangGuard
 from lightning_zero.distributed.buffers import comm_buffer_pool
-from lightning_zero.distributed.init import InitConfig, exact_init
+from lightning_zero.distributed.init import InitConfig, broadcast_module_states, exact_init
 from lightning_zero.distributed.manual_backward import ManualBackward
 from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
 from lightning_zero.distributed.optimizer_check import check_optimizer_params
@@ -48,6 +48,7 @@ from lightning_zero.strategies import checkpointing, lifecycle, restarts, valida
 from lightning_zero.strategies.ddp_options import DDPOptions, ddp_kwargs_for, explain_unused_parameters, require_flags
 from lightning_zero.strategies.ds_config_binding import (
     DeepSpeedConfigBinding,
+    arguments_over_config,
     bind_ds_config,
     effective_ds_config,
     install_config_optimizers,
@@ -55,16 +56,14 @@ from lightning_zero.strategies.ds_config_binding import (
     scheduler_from_config,
     uninstall_config_optimizers,
 )
-from lightning_zero.strategies.pipeline_binding import (
-    build_for_strategy,
-    clip_by_global_norm,
-    make_pipeline_settings,
-)
+from lightning_zero.strategies.pipeline_binding import PipelineGradients, make_pipeline_settings
+from lightning_zero.strategies.pipeline_binding import setup_for_strategy as setup_pipeline_for_strategy
 from lightning_zero.strategies.precision import (
-    LossScaleConfig,
+    PrecisionFlag,
     ZeroPrecision,
     adapt_precision_plugin,
     guard_schedulers,
+    loss_scale_configs,
     low_precision_allreduce_hook,
     parse_communication_data_type,
 )
@@ -185,17 +184,9 @@ class ZeroStrategy(ParallelStrategy):
         if not isinstance(auto_resume, bool):
             raise TypeError(f"auto_resume must be True or False, got {auto_resume!r}")
         self.auto_resume = auto_resume
-        from_config = self._ds_config.strategy_kwargs() if self._ds_config is not None else {}
-        stage = stage if stage is not None else from_config.get("stage", 2)
-        offload = offload if offload is not None else from_config.get("offload")
-        pin_memory = pin_memory if pin_memory is not None else from_config.get("pin_memory")
-        if reshard_after_forward is None:
-            reshard_after_forward = from_config.get("reshard_after_forward")
-        if communication_data_type is None:
-            communication_data_type = from_config.get("communication_data_type")
-        if pipeline_parallel_size is None and from_config.get("pipeline_parallel_size", 1) > 1:
-            pipeline_parallel_size = from_config["pipeline_parallel_size"]
-            micro_batches = micro_batches if micro_batches is not None else from_config.get("micro_batches")
+        (stage, offload, pin_memory, reshard_after_forward, communication_data_type, pipeline_parallel_size,
+         micro_batches) = arguments_over_config(self._ds_config, stage, offload, pin_memory, reshard_after_forward,
+                                                communication_data_type, pipeline_parallel_size, micro_batches)
         self.zero_config = ZeroConfig(
             stage=stage, offload=offload, pin_memory=pin_memory,
             sharded_module_classes=frozenset(sharded_module_classes) if sharded_module_classes else None,
@@ -203,15 +194,10 @@ class ZeroStrategy(ParallelStrategy):
         )
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"start_method must be 'popen', 'spawn', 'fork' or 'forkserver', got {start_method!r}")
-        given_scaling = dict(loss_scale=loss_scale, initial_scale_power=initial_scale_power,
-                             loss_scale_window=loss_scale_window, hysteresis=hysteresis,
-                             consecutive_hysteresis=consecutive_hysteresis, min_loss_scale=min_loss_scale)
-        given_scaling = {key: value for key, value in given_scaling.items() if value is not None}
-        self._loss_scale_config = LossScaleConfig(**given_scaling) if given_scaling else None
-        # The config's fp16 knobs apply once the precision is fp16 (the config may switch it on at setup).
-        config_scaling = self._ds_config.loss_scale_kwargs() if self._ds_config is not None else {}
-        self._fp16_loss_scale_config = LossScaleConfig(**{**config_scaling, **given_scaling}) \
-            if (config_scaling or given_scaling) else None
+        self._loss_scale_config, self._fp16_loss_scale_config = loss_scale_configs(
+            self._ds_config.loss_scale_kwargs() if self._ds_config is not None else {},
+            loss_scale=loss_scale, initial_scale_power=initial_scale_power, loss_scale_window=loss_scale_window,
+            hysteresis=hysteresis, consecutive_hysteresis=consecutive_hysteresis, min_loss_scale=min_loss_scale)
         parse_communication_data_type(communication_data_type)
         self._communication_data_type = communication_data_type
         self._pipeline = make_pipeline_settings(pipeline_parallel_size, micro_batches, pipeline_schedule,
@@ -223,7 +209,7 @@ class ZeroStrategy(ParallelStrategy):
             exclude_frozen_parameters=exclude_frozen_parameters, verbose=verbose)
         self._pp_mesh = None
         self._runner = None
-        self._pipeline_grads = None
+        self._pipeline_grads = PipelineGradients()
         if not isinstance(async_save, bool):
             raise TypeError(f"async_save must be True or False, got {async_save!r}")
         if checkpoint_io is not None:
@@ -321,7 +307,7 @@ class ZeroStrategy(ParallelStrategy):
             binding.resolve(trainer, data_parallel_size=replicas)
         adopted = precision_from_config(binding.precision, self.precision_plugin.precision)
         if adopted is not None:
-            self.precision_plugin = _FlagOnly(adopted)  # adapted like Lightning's own choice would be
+            self.precision_plugin = PrecisionFlag(adopted)  # adapted like Lightning's own choice would be
         if self.is_global_zero:
             binding.print_table(verbose=self.verbose)
 
@@ -407,7 +393,7 @@ class ZeroStrategy(ParallelStrategy):
         lifecycle.apply_layer_sync(self, fitting)  # Trainer(sync_batchnorm=True), before any wrapping
         self.precision_plugin.convert_module(self.model)
         if self._pipeline.enabled:
-            self._setup_pipeline(trainer)
+            self._runner = setup_pipeline_for_strategy(self, trainer)
         elif self.stage >= 2:
             if not isinstance(self.model, FSDPModule):  # evaluation after fit reuses the sharded module
                 apply_zero(self.model, self._mesh, self.zero_config, device=self.root_device,
@@ -422,22 +408,12 @@ class ZeroStrategy(ParallelStrategy):
             if reduce_dtype is not None:
                 self.model.register_comm_hook(self._mesh.get_group(), low_precision_allreduce_hook(reduce_dtype))
         else:
-            self.model.to(self.root_device)
-            _broadcast_module_states(self.model)
+            self.model.to(self.root_device)  # evaluation without DDP: every rank starts from rank 0's weights
+            broadcast_module_states(self.model, self._mesh.get_group(), self.root_device)
         self.barrier()
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-
-    def _setup_pipeline(self, trainer) -> None:
-        if self.precision_plugin.low_dtype is not None:
-            raise NotImplementedError(
-                f"pipeline_parallel_size > 1 with precision={self.precision_plugin.precision!r} is not supported: the "
-                "pipeline schedule runs backward itself, outside the precision plugin. Use precision='32-true'.")
-        self._runner = build_for_strategy(self.lightning_module, self._pipeline, self._pp_mesh, self._mesh,
-                                          self.stage, self.root_device, trainer.accumulate_grad_batches)
-        self.precision_plugin.grad_norm_clipper = lambda params, max_norm: clip_by_global_norm(
-            self._runner, params, max_norm)
 
     def setup_optimizers(self, trainer) -> None:
         self._reset_optimizers_and_schedulers()
@@ -479,15 +455,11 @@ class ZeroStrategy(ParallelStrategy):
         if self._runner is None:  # manual_backward runs inside training_step's forward: see manual_backward's note
             with self._manual_backward.backward(closure_loss) if self._manual_backward else nullcontext():
                 return super().backward(closure_loss, optimizer, *args, **kwargs)
-        # The schedule already ran backward inside training_step (see pipeline_binding's note): restore its
-        # gradients (see _pipelined_training_step) and run the hooks.
-        module = self.lightning_module
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        for param, grad in self._pipeline_grads or ():
-            if grad is not None:
-                param.grad = grad if param.grad is None else param.grad + grad
-        self._pipeline_grads = None
-        return self.precision_plugin.post_backward(closure_loss, module)
+        # The schedule already ran backward inside training_step (see pipeline_binding's PipelineGradients):
+        # restore its gradients and run the hooks.
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        self._pipeline_grads.restore()
+        return self.precision_plugin.post_backward(closure_loss, self.lightning_module)
 
     def pre_backward(self, closure_loss: Tensor) -> None:
         if isinstance(self.model, DistributedDataParallel) and not self.lightning_module.automatic_optimization:
@@ -506,31 +478,13 @@ class ZeroStrategy(ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self.hang_guard.step("training_step")
         args, kwargs = self.precision_plugin.convert_input((args, kwargs))
-        if self._runner is not None:
-            return self._pipelined_training_step(*args, **kwargs)
         with self.precision_plugin.train_step_context():
+            if self._runner is not None:
+                return self._pipeline_grads.training_step(
+                    self.lightning_module, lambda: self._redirect("training_step", *args, **kwargs))
             output = self._redirect("training_step", *args, **kwargs)
         if self._manual_backward is not None:
             self._manual_backward.step_finished()
-        return output
-
-    def _pipelined_training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """[Note: pipeline gradients and Lightning's zero_grad]
-        The schedule back-propagates inside ``training_step``, but Lightning zeroes gradients *after*
-        ``training_step`` (before its backward) on the first batch of an accumulation window. So gradients are
-        zeroed here before that first batch, moved aside after the schedule, and put back by :meth:`backward`."""
-        module = self.lightning_module
-        params = list(module.parameters())
-        trainer = module.trainer
-        if module.automatic_optimization and trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches \
-                == 0:
-            for param in params:
-                param.grad = None
-        with self.precision_plugin.train_step_context():
-            output = self._redirect("training_step", *args, **kwargs)
-        self._pipeline_grads = [(param, param.grad) for param in params]
-        for param in params:
-            param.grad = None
         return output
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -646,18 +600,3 @@ class ZeroStrategy(ParallelStrategy):
             if name not in strategy_registry:
                 strategy_registry.register(name, cls, **kwargs)
 
-
-def _broadcast_module_states(module: torch.nn.Module) -> None:
-    """Evaluation without DDP at stages 0-1: start every rank from rank 0's weights, as DDP would."""
-    if not _distributed_is_initialized():
-        return
-    with torch.no_grad():
-        for tensor in list(module.parameters()) + list(module.buffers()):
-            dist.broadcast(tensor.data, src=0)
-
-
-class _FlagOnly(Precision):
-    """A stand-in for the plugin Lightning would have chosen for ``precision`` (adapted into ZeroPrecision)."""
-
-    def __init__(self, precision: str) -> None:
-        self.precision = precision
