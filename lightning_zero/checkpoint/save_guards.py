@@ -18,6 +18,7 @@ rank is left waiting in a collective) before any shard is written.
 
 from __future__ import annotations
 
+import atexit
 import errno
 import os
 import socket
@@ -62,21 +63,29 @@ def control_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGr
 
 # Groups of an old world are kept referenced here, never destroyed: see forget_groups_of_an_old_world.
 _ABANDONED: List[Dict[Any, Any]] = []
+_RELEASED_AT_EXIT: set = set()
 
 
 def forget_groups_of_an_old_world(cache: Dict[Any, Any]) -> None:
     """Empty ``cache`` when the default process group is not the one its groups were made in (destroyed and
     re-initialised, or a forked child of a process that had one): such groups are unusable.
 
-    The old groups are moved aside, not released: a gloo group inherited through ``fork()`` blocks forever in its
+    Groups inherited through ``fork()`` are moved aside, not released: such a gloo group blocks forever in its
     destructor (its worker threads do not exist in the child), which hung every forked rank whose parent had saved
     in-process. Keeping a few small objects alive is the price."""
     world = dist.distributed_c10d._get_default_group()
     if cache.get("__world__") is not world:
-        if cache:
-            _ABANDONED.append(dict(cache))
+        if cache.get("__pid__") not in (None, os.getpid()):
+            _ABANDONED.append(dict(cache))  # inherited through fork()
         cache.clear()
         cache["__world__"] = world  # a strong reference, so its id cannot be reused by a later group
+        cache["__pid__"] = os.getpid()
+    if id(cache) not in _RELEASED_AT_EXIT:
+        # Registered after the process group started (so after Lightning's atexit destroy_process_group, and run
+        # before it: atexit is last-in first-out): the cached groups are released while c10d still knows them,
+        # not destroyed at interpreter shutdown in arbitrary order, which can abort the process.
+        _RELEASED_AT_EXIT.add(id(cache))
+        atexit.register(cache.clear)
 
 
 def all_gather(value: Any, group: Optional[dist.ProcessGroup]) -> List[Any]:
