@@ -330,10 +330,12 @@ class ZeroStrategy(ParallelStrategy):
         if self._start_method == "popen":
             validation.check_launcher_world_size(self.cluster_environment, self.num_nodes, self.num_processes)
             if not self.cluster_environment.creates_processes_externally:
-                self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes,
-                                                           self.num_nodes)
+                self._launcher = validation.check_launch(_SubprocessScriptLauncher(
+                    self.cluster_environment, self.num_processes, self.num_nodes))
+            else:  # ckpt_path is still checked before the process group (see validation.ValidatingLauncher)
+                self._launcher = validation.ValidatingLauncher()
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = validation.check_launch(_MultiProcessingLauncher(self, start_method=self._start_method))
 
     def setup_environment(self) -> None:
         validation.validate_before_process_group(self)  # on every rank, before init_process_group

@@ -15,11 +15,13 @@ import textwrap
 from datetime import timedelta
 
 import pytest
+import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from torch.utils.data import DataLoader
 
 from lightning_zero import ZeroStrategy
+from lightning_zero.checkpoint import CheckpointError, CheckpointSaveError
 from lightning_zero.ds_config import DeepSpeedConfigError
 from lightning_zero.strategies import validation
 
@@ -337,3 +339,50 @@ def test_the_table_has_at_least_sixty_rows():
     rows = (len(STRATEGY_ARGS) + len(CONFIG_FILES) + 2 + len(CONFIG_CONTENTS) + len(TRAINER_LEVEL) + 1
             + len(LAUNCHERS) + 1 + len(CLI))
     assert rows >= 60, rows
+
+
+# -------------------------------------------------------------------------------------------------------- ckpt_path
+def _bad_ckpt_path(root, kind):
+    """A ``ckpt_path`` ZeroStrategy cannot load, made under ``root``."""
+    sharded = os.path.join(root, "sharded.ckpt")
+    os.makedirs(sharded)
+    for name in ("zero.json", ".metadata", "__0_0.distcp"):  # enough for is_sharded_checkpoint to say yes
+        open(os.path.join(sharded, name), "w").close()
+    if kind == "single-file":
+        path = os.path.join(root, "ddp.ckpt")
+        torch.save({"state_dict": {}}, path)
+        return path
+    if kind == "inside-sharded":
+        return os.path.join(sharded, "__0_0.distcp")
+    if kind == "zero-json":
+        return os.path.join(sharded, "zero.json")
+    if kind == "incomplete-directory":
+        os.makedirs(os.path.join(root, "half.ckpt"))
+        return os.path.join(root, "half.ckpt")
+    return "s3://bucket/run/last.ckpt"
+
+
+CKPT_PATHS = [
+    ("single-file", CheckpointError, "ddp.ckpt: a file, not a lightning-zero sharded checkpoint"),
+    ("inside-sharded", ValueError, r"__0_0.distcp' is a file inside the sharded checkpoint .*sharded.ckpt: pass the"),
+    ("zero-json", ValueError, r"zero.json' is a file inside the sharded checkpoint .*sharded.ckpt"),
+    ("incomplete-directory", CheckpointError, "half.ckpt is a directory but not a complete lightning-zero checkpoint"),
+    ("remote-url", CheckpointSaveError, "s3://bucket/run/last.ckpt"),
+]
+
+
+@pytest.mark.parametrize("kind,error,message", CKPT_PATHS, ids=[row[0] for row in CKPT_PATHS])
+@pytest.mark.parametrize("external", [False, True], ids=["lightning-launched", "torchrun"])
+@pytest.mark.parametrize("method", ["fit", "validate"])
+def test_unloadable_ckpt_path_is_refused_before_any_process_group(tmp_path, monkeypatch, kind, error, message,
+                                                                    external, method):
+    if external:  # processes started by torchrun: Lightning itself has no launcher there
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+        for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", GROUP_RANK="0",
+                                MASTER_ADDR="127.0.0.1", MASTER_PORT="29999").items():
+            monkeypatch.setenv(name, value)
+    path = _bad_ckpt_path(str(tmp_path), kind)
+    trainer = Trainer(strategy=ZeroStrategy(stage=2), accelerator="cpu", devices=1, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, max_steps=1)
+    with pytest.raises(error, match=message):
+        getattr(trainer, method)(RegressionModule(batch_size=4), ckpt_path=path)
