@@ -38,7 +38,7 @@ from lightning_zero.checkpoint.save_guards import (
     control_group,
     describe_failure,
     fail_collectively,
-    forget_groups_of_an_old_world,
+    cached_gloo_group,
     prepare_save,
 )
 from lightning_zero.checkpoint.errors import CheckpointError
@@ -251,14 +251,7 @@ def wait_for_pending_saves(barrier: bool = True) -> None:
 def _async_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
     # Why a separate group: DCP's async save runs its planning collectives on a background thread. Sharing the
     # training process group with it would interleave two streams of collectives on one communicator.
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    forget_groups_of_an_old_world(_ASYNC_GROUPS)
-    key = id(group) if group is not None else "default"
-    if key not in _ASYNC_GROUPS:
-        ranks = dist.get_process_group_ranks(group) if group is not None else None
-        _ASYNC_GROUPS[key] = dist.new_group(ranks=ranks, backend="gloo")
-    return _ASYNC_GROUPS[key]
+    return cached_gloo_group(_ASYNC_GROUPS, group)
 
 
 def save_sharded_checkpoint(

@@ -51,14 +51,20 @@ def control_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGr
     Why a separate gloo group: the verdicts are Python objects, which gloo exchanges on CPU whatever backend training
     uses, and keeping them off the training communicator avoids interleaving with DCP's own collectives.
     """
+    return cached_gloo_group(_CONTROL_GROUPS, group)
+
+
+def cached_gloo_group(cache: Dict[Any, Any], group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
+    """A gloo group over the ranks of ``group`` (the world when ``None``), made once per world and kept in ``cache``;
+    ``None`` without a process group."""
     if not _distributed():
         return None
-    forget_groups_of_an_old_world(_CONTROL_GROUPS)
+    forget_groups_of_an_old_world(cache)
     key = id(group) if group is not None else "default"
-    if key not in _CONTROL_GROUPS:
+    if key not in cache:
         ranks = dist.get_process_group_ranks(group) if group is not None else None
-        _CONTROL_GROUPS[key] = dist.new_group(ranks=ranks, backend="gloo")
-    return _CONTROL_GROUPS[key]
+        cache[key] = dist.new_group(ranks=ranks, backend="gloo")
+    return cache[key]
 
 
 # Groups of an old world are kept referenced here, never destroyed: see forget_groups_of_an_old_world.

@@ -34,19 +34,24 @@ def active_watchdog() -> Optional[HangWatchdog]:
     return _active
 
 
-def parse_hang_timeout(value: Union[None, int, float, timedelta]) -> Optional[float]:
-    """Seconds (positive, finite) from seconds or a ``timedelta``; ``None`` means the watchdog is off."""
-    if value is None:
-        return None
+def positive_seconds(value: Union[int, float, timedelta], name: str, none_means: str = "") -> float:
+    """Seconds (positive, finite) from a number of seconds or a ``timedelta``, else an error naming ``name``."""
     if isinstance(value, timedelta):
         seconds = value.total_seconds()
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
         seconds = float(value)
     else:
-        raise TypeError(f"hang_timeout must be seconds, a datetime.timedelta or None (off), got {value!r}")
+        raise TypeError(f"{name} must be a number of seconds or a datetime.timedelta{none_means}, got {value!r}")
     if not math.isfinite(seconds) or seconds <= 0:
-        raise ValueError(f"hang_timeout must be positive and finite (or None to turn the watchdog off), got {value!r}")
+        raise ValueError(f"{name} must be positive and finite{none_means}, got {value!r}")
     return seconds
+
+
+def parse_hang_timeout(value: Union[None, int, float, timedelta]) -> Optional[float]:
+    """Seconds (positive, finite) from seconds or a ``timedelta``; ``None`` means the watchdog is off."""
+    if value is None:
+        return None
+    return positive_seconds(value, "hang_timeout", none_means=" (or None to turn the watchdog off)")
 
 
 class HangGuard:

@@ -19,13 +19,14 @@ method only: with ``spawn``/``fork`` the strategy starts its own processes whate
 
 from __future__ import annotations
 
-import math
 import os
 from datetime import timedelta
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+
+from lightning_zero.diagnostics.hang_guard import positive_seconds
 
 # Which device type each built-in backend needs (``None``: any device).
 _BACKEND_DEVICE = {"gloo": None, "mpi": None, "ucc": None, "nccl": "cuda", "xccl": "xpu"}
@@ -43,14 +44,7 @@ def check_timeout(timeout: Any) -> Optional[timedelta]:
     """
     if timeout is None:
         return None
-    if isinstance(timeout, timedelta):
-        seconds = timeout.total_seconds()
-    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-        seconds = float(timeout)
-    else:
-        raise TypeError(f"timeout must be a datetime.timedelta or a number of seconds, got {timeout!r}")
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise ValueError(f"timeout must be positive and finite, got {timeout!r}")
+    seconds = positive_seconds(timeout, "timeout")
     return timeout if isinstance(timeout, timedelta) else timedelta(seconds=seconds)
 
 
