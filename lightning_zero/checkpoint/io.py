@@ -132,11 +132,6 @@ def _world(group: Optional[dist.ProcessGroup]) -> int:
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
-def _barrier(group: Optional[dist.ProcessGroup]) -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier(group=group)
-
-
 def _write_info(partial: str, state: dict, world_size: int, info: Optional[dict]) -> None:
     record = {
         "format": FORMAT_NAME,

@@ -215,17 +215,10 @@ def precision_from_config(config_precision: Optional[str], trainer_precision: st
 
 
 def _train_batch_size(trainer) -> Optional[int]:
+    from lightning_zero.strategies.ds_config_checks import loader_batch_size
+
     trainer.fit_loop.setup_data()
-    loader = trainer.train_dataloader
-    if isinstance(loader, dict):
-        loader = next(iter(loader.values()), None)
-    elif isinstance(loader, (list, tuple)):
-        loader = loader[0] if loader else None
-    batch_size = getattr(loader, "batch_size", None)
-    if batch_size is None:
-        sampler = getattr(loader, "batch_sampler", None)
-        batch_size = getattr(sampler, "batch_size", None)
-    return batch_size
+    return loader_batch_size(trainer.train_dataloader)
 
 
 def _estimated_steps(trainer) -> Optional[float]:

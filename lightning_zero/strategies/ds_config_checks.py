@@ -146,7 +146,13 @@ def _direct_loader_batch_size(trainer) -> Any:
     source = getattr(getattr(trainer, "fit_loop", None), "_data_source", None)
     if source is None or getattr(source, "instance", None) is None or source.is_module():
         return None
-    loader = source.instance
+    size = loader_batch_size(source.instance)
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
+
+
+def loader_batch_size(loader: Any) -> Any:
+    """The batch size of a DataLoader (the first one of a dict or list of them): its ``batch_size``, else its batch
+    sampler's; ``None`` when neither says."""
     if isinstance(loader, dict):
         loader = next(iter(loader.values()), None)
     elif isinstance(loader, (list, tuple)):
@@ -154,4 +160,4 @@ def _direct_loader_batch_size(trainer) -> Any:
     size = getattr(loader, "batch_size", None)
     if size is None:
         size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
-    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
+    return size

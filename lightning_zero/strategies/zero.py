@@ -181,9 +181,6 @@ class ZeroStrategy(ParallelStrategy):
         validation.check_backend_name(process_group_backend)
         self._ds_config = bind_ds_config(config, strict)  # config=, else PL_DEEPSPEED_CONFIG_PATH, else None
         self.hang_guard = HangGuard(hang_timeout)
-        if not isinstance(auto_resume, bool):
-            raise TypeError(f"auto_resume must be True or False, got {auto_resume!r}")
-        self.auto_resume = auto_resume
         (stage, offload, pin_memory, reshard_after_forward, communication_data_type, pipeline_parallel_size,
          micro_batches) = arguments_over_config(self._ds_config, stage, offload, pin_memory, reshard_after_forward,
                                                 communication_data_type, pipeline_parallel_size, micro_batches)
@@ -205,8 +202,8 @@ class ZeroStrategy(ParallelStrategy):
                                                 offload=self.zero_config.offload)
         self._ddp_options = DDPOptions(find_unused_parameters, static_graph, gradient_as_bucket_view, bucket_cap_mb)
         self._ddp_options.check_stage(self.zero_config.stage, pipeline=self._pipeline.enabled)
-        self.exclude_frozen_parameters, self.verbose = require_flags(
-            exclude_frozen_parameters=exclude_frozen_parameters, verbose=verbose)
+        self.exclude_frozen_parameters, self.verbose, self.auto_resume = require_flags(
+            exclude_frozen_parameters=exclude_frozen_parameters, verbose=verbose, auto_resume=auto_resume)
         self._pp_mesh = None
         self._runner = None
         self._pipeline_grads = PipelineGradients()
@@ -352,9 +349,7 @@ class ZeroStrategy(ParallelStrategy):
         from torch.distributed.device_mesh import init_device_mesh
 
         if self._pipeline.enabled:
-            pp = self._pipeline.pipeline_parallel_size
-            if self.world_size % pp:
-                raise ValueError(f"pipeline_parallel_size={pp} must divide the world size {self.world_size}")
+            pp = self._pipeline.pipeline_parallel_size  # divides the world: validate_before_process_group checked
             mesh = init_device_mesh(self.root_device.type, (pp, self.world_size // pp), mesh_dim_names=("pp", "dp"))
             self._pp_mesh, self._mesh = mesh["pp"], mesh["dp"]
         else:
