@@ -23,6 +23,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("output", help="output file (.safetensors or a Lightning .ckpt/.pt)")
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
                         help="convert floating-point tensors (default: keep stored dtypes)")
+    parser.add_argument("--with-optimizer", action="store_true",
+                        help="also write optimizer states, in Lightning's format: the output resumes training under "
+                             "any strategy, e.g. Trainer(strategy='ddp').fit(model, ckpt_path=OUTPUT)")
     add_debug_flag(parser)
     parser.set_defaults(func=run)
 
@@ -32,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     try:
-        consolidate_checkpoint(args.checkpoint, args.output, dtype=args.dtype)
+        consolidate_checkpoint(args.checkpoint, args.output, dtype=args.dtype, with_optimizer=args.with_optimizer)
     except Exception as err:  # one line per error; the traceback only with --debug
         if args.debug:
             raise

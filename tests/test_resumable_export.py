@@ -1,0 +1,84 @@
+"""``consolidate --with-optimizer`` / ``ConsolidateCheckpoint(with_optimizer=True)``: a run saved by ZeroStrategy
+resumes under Lightning's own DDPStrategy from the single file, exactly as it resumes under ZeroStrategy."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
+
+from lightning_zero import ConsolidateCheckpoint, ZeroStrategy
+from lightning_zero.checkpoint import consolidate_checkpoint, save_sharded_checkpoint
+from lightning_zero.checkpoint.errors import CheckpointError
+from lightning_zero.cli import main as cli_main
+from tests.distributed import run_distributed
+from tests.lightning_models import RegressionModule, full_state
+from tests.test_strategy import make_trainer
+
+FIRST, MORE = 9, 3  # the save is in the middle of an epoch, after more than one
+
+
+def _resume_worker(rank, world_size, root):
+    for stage in (2, 3):
+        sharded, single = os.path.join(root, f"s{stage}.ckpt"), os.path.join(root, f"s{stage}-single.ckpt")
+        torch.manual_seed(0)
+        module = RegressionModule()
+        # stage 3: the callback writes the resumable file after fit; stage 2: the CLI, from the trainer's save
+        callbacks = [ConsolidateCheckpoint(single, with_optimizer=True)] if stage == 3 else []
+        trainer = make_trainer(ZeroStrategy(stage=stage), world_size, max_steps=FIRST, callbacks=callbacks)
+        trainer.fit(module)
+        trainer.save_checkpoint(sharded)
+        if stage == 2 and rank == 0:
+            assert cli_main(["consolidate", sharded, single, "--with-optimizer"]) == 0
+        dist.barrier()
+
+        torch.manual_seed(1)  # other initial weights: everything must come from the checkpoint
+        zero_module = RegressionModule()
+        zero = make_trainer(ZeroStrategy(stage=stage), world_size, max_steps=FIRST + MORE)
+        zero.fit(zero_module, ckpt_path=sharded)
+        expected = full_state(zero_module)
+
+        torch.manual_seed(2)
+        ddp_module = RegressionModule()
+        ddp = make_trainer(DDPStrategy(), world_size, max_steps=FIRST + MORE)
+        ddp.fit(ddp_module, ckpt_path=single)
+        got = ddp_module.state_dict()
+        for key, value in expected.items():
+            torch.testing.assert_close(got[key], value, atol=1e-6, rtol=1e-5, msg=lambda m: f"stage {stage} {key}: {m}")
+        assert ddp.global_step == zero.global_step == FIRST + MORE
+        assert ddp.current_epoch == zero.current_epoch > 0
+        assert [g["lr"] for g in ddp.optimizers[0].param_groups] == pytest.approx(
+            [g["lr"] for g in zero.optimizers[0].param_groups])
+        if rank == 0:
+            plain = torch.load(single, weights_only=True)
+            assert plain["global_step"] == FIRST and plain["hyper_parameters"] == {"batch_size": 4,
+                                                                                   "build_in_configure_model": False}
+            assert "optimizer_param_groups" not in plain and len(plain["lr_schedulers"]) == 1
+            # Lightning's layout: integer ids counting through the two param groups in order
+            groups = plain["optimizer_states"][0]["param_groups"]
+            assert [len(g["params"]) for g in groups] == [4, 4] and groups[1]["params"] == [4, 5, 6, 7]
+        dist.barrier()
+
+
+def test_resume_under_ddp_from_consolidated_checkpoint(tmp_path):
+    run_distributed(_resume_worker, 2, str(tmp_path))
+
+
+def test_with_optimizer_refuses_what_it_cannot_honour(tmp_path):
+    path = tmp_path / "weights.ckpt"
+    save_sharded_checkpoint(path, {"state_dict": {"w": torch.ones(2)}}, {"epoch": 0})
+    with pytest.raises(CheckpointError, match="does not record its optimizers' param groups"):
+        consolidate_checkpoint(path, tmp_path / "out.ckpt", with_optimizer=True)
+    save_sharded_checkpoint(path, {"state_dict": {"w": torch.ones(2)}}, {"optimizer_param_groups": []})
+    with pytest.raises(CheckpointError, match="holds no optimizer states"):
+        consolidate_checkpoint(path, tmp_path / "out.ckpt", with_optimizer=True)
+    with pytest.raises(ValueError, match="keeps the trained dtypes"):
+        consolidate_checkpoint(path, tmp_path / "out.ckpt", dtype="bf16", with_optimizer=True)
+    with pytest.raises(ValueError, match=r"\.safetensors"):
+        consolidate_checkpoint(path, tmp_path / "out.safetensors", with_optimizer=True)
+    with pytest.raises(ValueError, match="with_optimizer"):
+        ConsolidateCheckpoint(tmp_path / "out.ckpt", dtype="bf16", with_optimizer=True)
+    assert not os.path.exists(tmp_path / "out.ckpt")
