@@ -231,9 +231,27 @@ def _check_output(path: PathLike, output: PathLike) -> None:
         raise ValueError(f"output {output} cannot be created: {parent} is a file, not a directory")
 
 
+def _strip(path: PathLike, entries: List[TensorEntry], prefix: str, extras: Dict[str, Any]):
+    """``strip_prefix`` for :func:`consolidate_checkpoint`: renamed entries, ``{new: old}``; warns what is left out."""
+    import warnings
+
+    from lightning_zero.checkpoint.hf_export import strip_prefix_entries
+
+    entries, renamed, left_out = strip_prefix_entries(os.fspath(path), entries, prefix)
+    cut = prefix if prefix.endswith(".") or not prefix else prefix + "."
+    inside = sorted(key for key in extras if key.startswith(cut))
+    if inside:
+        raise ValueError(f"{path}: {inside} under {cut!r} are not tensors; safetensors cannot store them")
+    left_out += sorted(extras)
+    if left_out:
+        warnings.warn(f"strip_prefix={prefix!r}: {len(left_out)} key(s) outside the prefix are left out: "
+                      f"{left_out[:8]}{' ...' if len(left_out) > 8 else ''}", stacklevel=3)
+    return entries, renamed, left_out
+
+
 def consolidate_checkpoint(
     path: PathLike, output: Optional[PathLike] = None, dtype: Union[None, str, torch.dtype] = None,
-    with_optimizer: bool = False,
+    with_optimizer: bool = False, strip_prefix: Optional[str] = None,
 ) -> Optional[Dict[str, Any]]:
     """Consolidate the checkpoint at ``path`` (lightning-zero sharded or DeepSpeed ZeRO directory; a regular
     Lightning checkpoint file is accepted too, e.g. to convert it to safetensors or another dtype).
@@ -254,6 +272,11 @@ def consolidate_checkpoint(
     that ``Trainer(strategy="ddp").fit(model, ckpt_path=output)`` (or any other strategy) resumes the run: weights,
     optimizer states, LR schedulers, loops, callbacks, epoch and step. It keeps the trained dtypes (``dtype`` is
     refused with it); see :mod:`lightning_zero.checkpoint.resumable`.
+
+    ``strip_prefix`` (returned dict or ``.safetensors`` output only) keeps the keys under that prefix (e.g.
+    ``"model"`` for ``self.model = AutoModel...``) with the prefix removed, for loading into the bare inner model;
+    the keys left out are reported with a warning. For a Hugging Face directory use
+    :func:`lightning_zero.checkpoint.export_hf`.
     """
     dtype = parse_dtype(dtype)
     if not isinstance(with_optimizer, bool):
@@ -265,6 +288,10 @@ def consolidate_checkpoint(
         if dtype is not None:
             raise ValueError("with_optimizer=True keeps the trained dtypes (a resumed run must continue from the exact "
                              "weights); leave dtype unset")
+    if strip_prefix is not None and (with_optimizer or output is not None
+                                     and not os.fspath(output).endswith(".safetensors")):
+        raise ValueError("strip_prefix applies to .safetensors output (or the returned dict): a Lightning checkpoint "
+                         "keeps the LightningModule's keys")
     if output is not None:
         _check_output(path, output)  # before the expensive work
     source = open_source(path)
@@ -273,20 +300,24 @@ def consolidate_checkpoint(
         raise ValueError(f"{path}: with_optimizer=True reads lightning-zero sharded checkpoints and Lightning "
                          "checkpoint files, not DeepSpeed checkpoints")
     try:
+        entries = [_converted(entry, dtype) for entry in source.entries]
+        originals = {entry.key: entry for entry in source.entries}
+        extras = source.extras()
+        if strip_prefix is not None:
+            entries, renamed, left_out = _strip(path, entries, strip_prefix, extras)
+            originals = {new: originals[old] for new, old in renamed.items()}
+            extras = {}
         if output is None:
-            state: Dict[str, Any] = OrderedDict((e.key, _cast(source.load(e), dtype)) for e in source.entries)
-            state.update(source.extras())
+            state: Dict[str, Any] = OrderedDict((e.key, _cast(source.load(originals[e.key]), dtype)) for e in entries)
+            state.update(extras)
             return state
         output = os.fspath(output)
         os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-        entries = [_converted(entry, dtype) for entry in source.entries]
-        originals = {entry.key: entry for entry in source.entries}
 
         def load(entry: TensorEntry) -> torch.Tensor:
             return _cast(source.load(originals[entry.key]), dtype)
 
         if output.endswith(".safetensors"):
-            extras = source.extras()
             if extras:
                 raise ValueError(
                     f"the checkpoint's state_dict holds non-tensor entries {sorted(extras)}, which safetensors "
@@ -295,7 +326,7 @@ def consolidate_checkpoint(
             write_safetensors(output, entries, load, metadata={"format": "pt"})
             return None
         state_dict: Dict[str, Any] = OrderedDict((entry.key, tensor_slot(entry)) for entry in entries)
-        state_dict.update(source.extras())
+        state_dict.update(extras)
         if with_optimizer and isinstance(source, TorchFileSource):
             checkpoint = {**source.meta(), "state_dict": state_dict, "optimizer_states": source.optimizer_states()}
             write_torch_checkpoint(output, checkpoint, load)  # its (memory-mapped) states are written as they are
