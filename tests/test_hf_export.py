@@ -137,3 +137,24 @@ def test_cli_refuses_contradicting_options(plain_checkpoint, argv, message, caps
     with pytest.raises(SystemExit) as exit_info:
         cli_main(["consolidate", str(plain_checkpoint[0]), *argv])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_bf16_checkpoint_keeps_its_dtype_and_dtype_option_converts(tmp_path):
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM
+
+    from lightning_zero.checkpoint.hf_export import describe_hf_models
+
+    torch.manual_seed(0)
+    wrapper = torch.nn.Module()
+    wrapper.model = tiny_model("llama", True).to(torch.bfloat16)
+    path = tmp_path / "bf16.ckpt"
+    save_sharded_checkpoint(path, {"state_dict": wrapper.state_dict()}, {"epoch": 0},
+                            info=describe_hf_models(wrapper))
+    export_hf(path, tmp_path / "kept")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "kept")
+    assert loaded.dtype == torch.bfloat16
+    assert torch.equal(loaded.model.embed_tokens.weight, wrapper.model.model.embed_tokens.weight)
+    export_hf(path, tmp_path / "fp32", dtype="fp32")
+    assert json.load(open(tmp_path / "fp32" / "config.json"))["dtype"] == "float32"
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "fp32").dtype == torch.float32

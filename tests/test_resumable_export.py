@@ -82,3 +82,36 @@ def test_with_optimizer_refuses_what_it_cannot_honour(tmp_path):
     with pytest.raises(ValueError, match="with_optimizer"):
         ConsolidateCheckpoint(tmp_path / "out.ckpt", dtype="bf16", with_optimizer=True)
     assert not os.path.exists(tmp_path / "out.ckpt")
+
+
+def test_with_optimizer_streams_with_peak_memory_bounded_by_the_largest_tensor(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.test_consolidate import MEMORY_SCRIPT
+
+    largest, count = 2**20 * 2, 12  # 12 weights of 2 MiB and two Adam states each: 72 MiB
+    names = [f"layer{i}.weight" for i in range(count)]
+    weights = {name: torch.full((largest // 4,), float(i)) for i, name in enumerate(names)}
+    states = {name: {"step": torch.tensor(3.0), "exp_avg": weights[name] + 1, "exp_avg_sq": weights[name] + 2}
+              for name in names}
+    groups = [[{"lr": 0.1, "params": names[:5]}, {"lr": 0.2, "params": names[5:]}]]
+    path = tmp_path / "big.ckpt"
+    save_sharded_checkpoint(path, {"state_dict": weights, "optimizer_states": {"0": {"state": states}}},
+                            {"epoch": 0, "optimizer_param_groups": groups})
+    save_sharded_checkpoint(tmp_path / "small.ckpt", {"state_dict": {"w": torch.ones(4)}},
+                            {"optimizer_param_groups": [[{"lr": 0.1, "params": ["w"]}]]})
+    del weights, states
+    script = MEMORY_SCRIPT.replace("dtype=sys.argv[3])", "with_optimizer=True)").replace(
+        '".warmup" + os.path.splitext(sys.argv[2])[1])', '".warmup.ckpt", with_optimizer=True)')
+    assert script.count("with_optimizer=True") == 2
+    result = subprocess.run([sys.executable, "-c", script, str(path), str(tmp_path / "out.ckpt"), "-",
+                             str(tmp_path / "small.ckpt")], capture_output=True, text=True, check=True,
+                            env={**os.environ, "MALLOC_MMAP_THRESHOLD_": str(2**20)})
+    peak = int(result.stdout.strip().splitlines()[-1])
+    assert peak < 4 * largest + 16 * 2**20 < 3 * largest * count / 2, peak / 2**20
+    loaded = torch.load(tmp_path / "out.ckpt", weights_only=True, mmap=True)
+    optimizer = loaded["optimizer_states"][0]
+    assert [g["params"] for g in optimizer["param_groups"]] == [list(range(5)), list(range(5, count))]
+    assert optimizer["param_groups"][1]["lr"] == 0.2 and optimizer["state"][7]["exp_avg_sq"][0].item() == 9.0
+    assert optimizer["state"][7]["step"].item() == 3.0
