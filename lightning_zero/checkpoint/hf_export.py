@@ -28,7 +28,6 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from lightning_zero.checkpoint.errors import CheckpointError
 from lightning_zero.checkpoint.streaming import TensorEntry, write_safetensors
 
 PathLike = Union[str, os.PathLike]
@@ -164,7 +163,8 @@ def export_hf(checkpoint: PathLike, output_dir: PathLike, strip_prefix: Optional
         prefix, model, chosen, left_out = select_keys(where, source.entries, strip_prefix, models)
         inside_extras = sorted(key for key in extras if key.startswith(prefix))
         if inside_extras:
-            raise ValueError(f"{where}: {inside_extras} under {prefix!r} are not tensors; safetensors cannot store them")
+            raise ValueError(f"{where}: {inside_extras} under {prefix!r} are not tensors; safetensors cannot "
+                             "store them")
         # a tied name is dropped only when the weight it is tied to is written
         names = {entry.key[len(prefix):] for entry in chosen}
         tied = {name: to for name, to in (model or {}).get("tied", {}).items() if to in names}

@@ -71,9 +71,9 @@ def resumable_checkpoint(source, state_dict: Dict[str, Any], load_weight: Callab
     ``state_dict`` (placeholders for the weights) and ``optimizer_states`` in ``Optimizer.state_dict()`` form.
 
     Returns the dict and the ``load(entry)`` for all its placeholders: ``load_weight`` for the weights', the
-    source for the optimizer states'. Refuses (:class:`CheckpointError`) a checkpoint without optimizer states, one whose param groups were
-    not recorded (written before they were), and one that left frozen weights out (``exclude_frozen_parameters``):
-    Lightning's strict resume would fail on the missing weights.
+    source for the optimizer states'. Refuses (:class:`CheckpointError`) a checkpoint without optimizer states, one
+    whose param groups were not recorded (written before they were), and one that left frozen weights out
+    (``exclude_frozen_parameters``): Lightning's strict resume would fail on the missing weights.
     """
     where = source.path
     meta = dict(source.meta())
