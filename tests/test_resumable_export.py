@@ -22,22 +22,25 @@ FIRST, MORE = 9, 3  # the save is in the middle of an epoch, after more than one
 
 
 def _resume_worker(rank, world_size, root):
-    for stage in (2, 3):
-        sharded, single = os.path.join(root, f"s{stage}.ckpt"), os.path.join(root, f"s{stage}-single.ckpt")
+    for stage, offload in ((1, None), (2, None), (3, None), (3, "cpu")):
+        sharded = os.path.join(root, f"s{stage}{offload}.ckpt")
+        single = os.path.join(root, f"s{stage}{offload}-single.ckpt")
         torch.manual_seed(0)
         module = RegressionModule()
-        # stage 3: the callback writes the resumable file after fit; stage 2: the CLI, from the trainer's save
-        callbacks = [ConsolidateCheckpoint(single, with_optimizer=True)] if stage == 3 else []
-        trainer = make_trainer(ZeroStrategy(stage=stage), world_size, max_steps=FIRST, callbacks=callbacks)
+        # stage 3: the callback writes the resumable file after fit; the others: the CLI, from the trainer's save
+        by_callback = stage == 3 and offload is None
+        callbacks = [ConsolidateCheckpoint(single, with_optimizer=True)] if by_callback else []
+        trainer = make_trainer(ZeroStrategy(stage=stage, offload=offload), world_size, max_steps=FIRST,
+                               callbacks=callbacks)
         trainer.fit(module)
         trainer.save_checkpoint(sharded)
-        if stage == 2 and rank == 0:
+        if not by_callback and rank == 0:
             assert cli_main(["consolidate", sharded, single, "--with-optimizer"]) == 0
         dist.barrier()
 
         torch.manual_seed(1)  # other initial weights: everything must come from the checkpoint
         zero_module = RegressionModule()
-        zero = make_trainer(ZeroStrategy(stage=stage), world_size, max_steps=FIRST + MORE)
+        zero = make_trainer(ZeroStrategy(stage=stage, offload=offload), world_size, max_steps=FIRST + MORE)
         zero.fit(zero_module, ckpt_path=sharded)
         expected = full_state(zero_module)
 
@@ -47,7 +50,7 @@ def _resume_worker(rank, world_size, root):
         ddp.fit(ddp_module, ckpt_path=single)
         got = ddp_module.state_dict()
         for key, value in expected.items():
-            torch.testing.assert_close(got[key], value, atol=1e-6, rtol=1e-5, msg=lambda m: f"stage {stage} {key}: {m}")
+            torch.testing.assert_close(got[key], value, atol=1e-6, rtol=1e-5, msg=lambda m: f"stage {stage} {offload} {key}: {m}")
         assert ddp.global_step == zero.global_step == FIRST + MORE
         assert ddp.current_epoch == zero.current_epoch > 0
         assert [g["lr"] for g in ddp.optimizers[0].param_groups] == pytest.approx(
