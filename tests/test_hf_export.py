@@ -124,6 +124,9 @@ def test_strip_prefix_for_plain_safetensors_and_hf_without_record(plain_checkpoi
     assert os.listdir(tmp_path / "hf") == ["model.safetensors"]
     with pytest.raises(ValueError, match="no key starts with 'nope.'"):
         export_hf(path, tmp_path / "hf2", strip_prefix="nope")
+    save_sharded_checkpoint(path, {"state_dict": state}, {"frozen_parameters_excluded": ["model.c.weight"]})
+    with pytest.raises(ValueError, match="left out 1 frozen weight"):
+        export_hf(path, tmp_path / "hf3", strip_prefix="model")
 
 
 @pytest.mark.parametrize("argv, message", [

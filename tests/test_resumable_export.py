@@ -50,7 +50,8 @@ def _resume_worker(rank, world_size, root):
         ddp.fit(ddp_module, ckpt_path=single)
         got = ddp_module.state_dict()
         for key, value in expected.items():
-            torch.testing.assert_close(got[key], value, atol=1e-6, rtol=1e-5, msg=lambda m: f"stage {stage} {offload} {key}: {m}")
+            torch.testing.assert_close(got[key], value, atol=1e-6, rtol=1e-5,
+                                       msg=lambda m: f"stage {stage} {offload} {key}: {m}")
         assert ddp.global_step == zero.global_step == FIRST + MORE
         assert ddp.current_epoch == zero.current_epoch > 0
         assert [g["lr"] for g in ddp.optimizers[0].param_groups] == pytest.approx(

@@ -67,7 +67,10 @@ def describe_hf_models(module: torch.nn.Module) -> Dict[str, Any]:
             else:
                 first[id(param)] = param_name
         cls = _hf_class(sub, base)
-        config = json.loads(sub.config.to_json_string(use_diff=False))
+        try:
+            config = json.loads(sub.config.to_json_string(use_diff=False))
+        except (TypeError, ValueError, AttributeError):
+            config = None  # never fail a save for the export's sake: export_hf then says it writes no config.json
         found.append({"prefix": name + "." if name else "", "class": cls.__name__, "config": config, "tied": tied})
     return {INFO_KEY: found} if found else {}
 
@@ -161,6 +164,10 @@ def export_hf(checkpoint: PathLike, output_dir: PathLike, strip_prefix: Optional
     try:
         extras = source.extras()
         prefix, model, chosen, left_out = select_keys(where, source.entries, strip_prefix, models)
+        excluded = [key for key in source.meta().get("frozen_parameters_excluded") or () if key.startswith(prefix)]
+        if excluded:
+            raise ValueError(f"{where} left out {len(excluded)} frozen weight(s) of the model "
+                             f"(exclude_frozen_parameters=True, e.g. {excluded[0]!r}); the export would miss them")
         inside_extras = sorted(key for key in extras if key.startswith(prefix))
         if inside_extras:
             raise ValueError(f"{where}: {inside_extras} under {prefix!r} are not tensors; safetensors cannot "
@@ -181,9 +188,10 @@ def export_hf(checkpoint: PathLike, output_dir: PathLike, strip_prefix: Optional
         write_safetensors(os.path.join(output_dir, WEIGHTS_NAME), entries, load, metadata={"format": "pt"})
     finally:
         source.close()
-    if model is None:
-        warnings.warn(f"no {CONFIG_NAME} written: {where} records no transformers model at prefix {prefix!r}; copy "
-                      f"the model's {CONFIG_NAME} into {output_dir} before from_pretrained", stacklevel=2)
+    if model is None or model.get("config") is None:
+        warnings.warn(f"no {CONFIG_NAME} written: {where} records no transformers model config at prefix "
+                      f"{prefix!r}; copy the model's {CONFIG_NAME} into {output_dir} before from_pretrained",
+                      stacklevel=2)
     else:
         config = dict(model["config"])
         config["architectures"] = [model["class"]]
