@@ -79,13 +79,20 @@ def test_with_optimizer_refuses_what_it_cannot_honour(tmp_path):
     save_sharded_checkpoint(path, {"state_dict": {"w": torch.ones(2)}}, {"optimizer_param_groups": []})
     with pytest.raises(CheckpointError, match="holds no optimizer states"):
         consolidate_checkpoint(path, tmp_path / "out.ckpt", with_optimizer=True)
+    groups = [[{"lr": 0.1, "params": ["w"]}]]
+    save_sharded_checkpoint(path, {"state_dict": {"w": torch.ones(2)}},
+                            {"optimizer_param_groups": groups, "ZeroPrecision": {"loss_scaler": {"cur_scale": 8.0}}})
+    with pytest.warns(UserWarning, match="loss-scaler state .* scale 8.0"):
+        consolidate_checkpoint(path, tmp_path / "fp16.ckpt", with_optimizer=True)
+    assert torch.load(tmp_path / "fp16.ckpt", weights_only=True)["optimizer_states"] == [
+        {"state": {}, "param_groups": [{"lr": 0.1, "params": [0]}]}]
     with pytest.raises(ValueError, match="keeps the trained dtypes"):
         consolidate_checkpoint(path, tmp_path / "out.ckpt", dtype="bf16", with_optimizer=True)
     with pytest.raises(ValueError, match=r"\.safetensors"):
         consolidate_checkpoint(path, tmp_path / "out.safetensors", with_optimizer=True)
     with pytest.raises(ValueError, match="with_optimizer"):
         ConsolidateCheckpoint(tmp_path / "out.ckpt", dtype="bf16", with_optimizer=True)
-    assert not os.path.exists(tmp_path / "out.ckpt")
+    assert not os.path.exists(tmp_path / "out.ckpt") and not os.path.exists(tmp_path / "out.safetensors")
 
 
 def test_with_optimizer_streams_with_peak_memory_bounded_by_the_largest_tensor(tmp_path):

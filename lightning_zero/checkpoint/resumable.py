@@ -14,6 +14,7 @@ Memory: nothing is loaded here. Every tensor (weights and optimizer states) is a
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Tuple
 
@@ -90,6 +91,14 @@ def resumable_checkpoint(source, state_dict: Dict[str, Any], load_weight: Callab
         raise CheckpointError(f"{where}: the checkpoint left out {len(excluded)} frozen weight(s) "
                               f"(exclude_frozen_parameters=True, e.g. {excluded[0]!r}); a resumable single file needs "
                               "every weight", where)
+    scaler = (meta.get("ZeroPrecision") or {}).get("loss_scaler") if isinstance(meta.get("ZeroPrecision"), dict) \
+        else None
+    if scaler:
+        # Kept in the file (ZeroStrategy resumes from it too), but no other precision plugin reads it: say so.
+        warnings.warn(f"{where}: the fp16 loss-scaler state (lightning-zero's DeepSpeed-style scaler, scale "
+                      f"{scaler.get('cur_scale')}) is kept under 'ZeroPrecision'; Lightning's own precision plugins "
+                      "(e.g. MixedPrecision under DDPStrategy) do not read it and start their GradScaler afresh",
+                      stacklevel=3)
     stored = _stored_states(source)
     unknown = sorted(set(stored) - {str(i) for i in range(len(groups))})
     if unknown:
