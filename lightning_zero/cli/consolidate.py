@@ -76,7 +76,10 @@ def run(args: argparse.Namespace) -> int:
             raise
         return report("consolidate", err)
     for warning in caught:
-        print(f"lightning-zero consolidate: note: {warning.message}")
+        if "lightning_zero" in warning.filename:  # ours: what was left out or is not carried over
+            print(f"lightning-zero consolidate: note: {warning.message}")
+        else:
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
     if left_out:
         shown = ", ".join(left_out[:8]) + (" ..." if len(left_out) > 8 else "")
         print(f"left out {len(left_out)} key(s) outside the exported prefix: {shown}")
