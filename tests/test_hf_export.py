@@ -135,6 +135,7 @@ def test_strip_prefix_for_plain_safetensors_and_hf_without_record(plain_checkpoi
     (["--hf", "D", "--with-optimizer"], "cannot go with --hf"),
     (["out.ckpt", "--strip-prefix", "model"], "--strip-prefix applies to --hf or a .safetensors"),
     (["out.ckpt", "--with-optimizer", "--dtype", "bf16"], "keeps the trained dtypes"),
+    (["out.safetensors", "--max-shard-size", "1GB"], "--max-shard-size applies to --hf"),
 ])
 def test_cli_refuses_contradicting_options(plain_checkpoint, argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -161,3 +162,17 @@ def test_bf16_checkpoint_keeps_its_dtype_and_dtype_option_converts(tmp_path):
     export_hf(path, tmp_path / "fp32", dtype="fp32")
     assert json.load(open(tmp_path / "fp32" / "config.json"))["dtype"] == "float32"
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "fp32").dtype == torch.float32
+
+    # sharded output, as save_pretrained writes it for large models
+    assert cli_main(["consolidate", str(path), "--hf", str(tmp_path / "sharded"), "--max-shard-size", "4KB"]) == 0
+    files = sorted(os.listdir(tmp_path / "sharded"))
+    assert "model.safetensors" not in files and "model.safetensors.index.json" in files
+    assert len([name for name in files if name.startswith("model-0")]) > 3
+    sharded, info = AutoModelForCausalLM.from_pretrained(tmp_path / "sharded", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    for key, value in wrapper.model.state_dict().items():
+        assert torch.equal(sharded.state_dict()[key], value), key
+    with pytest.raises(ValueError, match="already holds .*model.safetensors.index.json"):
+        export_hf(path, tmp_path / "sharded")  # the single-file layout next to a stale index: refused
+    with pytest.raises(ValueError, match="max_shard_size"):
+        export_hf(path, tmp_path / "x", max_shard_size="lots")

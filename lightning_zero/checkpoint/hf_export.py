@@ -33,6 +33,7 @@ from lightning_zero.checkpoint.streaming import TensorEntry, write_safetensors
 PathLike = Union[str, os.PathLike]
 INFO_KEY = "hf_models"
 WEIGHTS_NAME, CONFIG_NAME = "model.safetensors", "config.json"
+INDEX_NAME = WEIGHTS_NAME + ".index.json"
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -131,10 +132,11 @@ def select_keys(where: str, entries: List[TensorEntry], prefix: Optional[str], m
     return prefix, model, chosen, left_out
 
 
-def _check_output_dir(output_dir: str) -> None:
+def _check_output_dir(output_dir: str, sharded: bool) -> None:
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise ValueError(f"output {output_dir} is a file; --hf takes a directory")
-    stale = [name for name in (WEIGHTS_NAME + ".index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+    other = WEIGHTS_NAME if sharded else INDEX_NAME  # the other layout's entry point
+    stale = [name for name in (other, "pytorch_model.bin", "pytorch_model.bin.index.json")
              if os.path.exists(os.path.join(output_dir, name))]
     if stale:
         # from_pretrained might read those instead of (or mixed with) what we write; they are not ours to delete
@@ -142,8 +144,46 @@ def _check_output_dir(output_dir: str) -> None:
                          "export; choose an empty directory")
 
 
+def parse_size(size: Union[None, int, str]) -> Optional[int]:
+    """``None``, a byte count, or a string such as ``"500MB"``, ``"2GB"``, ``"1GiB"``, as bytes."""
+    if size is None or isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        return size
+    if isinstance(size, str):
+        text = size.strip().upper()
+        units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
+        for unit, factor in units.items():
+            if text.endswith(unit) and text[:-len(unit)].strip().replace(".", "", 1).isdigit():
+                value = int(float(text[:-len(unit)]) * factor)
+                if value > 0:
+                    return value
+        if text.isdigit() and int(text) > 0:
+            return int(text)
+    raise ValueError(f"max_shard_size must be a positive byte count or a size such as '500MB' or '2GB', got {size!r}")
+
+
+def _plan_shards(entries: List[TensorEntry], max_bytes: Optional[int]) -> List[List[TensorEntry]]:
+    """Consecutive groups of at most ``max_bytes`` (a larger tensor gets a shard of its own)."""
+    shards: List[List[TensorEntry]] = [[]]
+    size = 0
+    for entry in entries:
+        if max_bytes is not None and shards[-1] and size + entry.nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += entry.nbytes
+    return shards
+
+
+def _write_json(path: str, value: Any) -> None:
+    tmp = path + ".partial"
+    with open(tmp, "w") as file:
+        json.dump(value, file, indent=2, sort_keys=True)
+    os.replace(tmp, path)
+
+
 def export_hf(checkpoint: PathLike, output_dir: PathLike, strip_prefix: Optional[str] = None,
-              dtype: Union[None, str, torch.dtype] = None) -> List[str]:
+              dtype: Union[None, str, torch.dtype] = None, max_shard_size: Union[None, int, str] = None
+              ) -> List[str]:
     """Write the Hugging Face model of ``checkpoint`` to ``output_dir`` as ``model.safetensors`` (+ ``config.json``
     when the checkpoint records the model's config), streaming tensor by tensor.
 
@@ -151,13 +191,16 @@ def export_hf(checkpoint: PathLike, output_dir: PathLike, strip_prefix: Optional
     (e.g. ``"model"``) picks the keys to export and removes the prefix; by default it is the recorded
     ``PreTrainedModel``'s (see the module docstring). Tied weights recorded at save time are written once. ``dtype``
     (``"fp32"``, ``"bf16"``, ``"fp16"``) converts floating-point tensors (default: as stored) and is written into
-    ``config.json``. Returns the checkpoint keys left out (those outside the prefix).
+    ``config.json``. ``max_shard_size`` (bytes, or ``"2GB"``) splits the weights into
+    ``model-0000i-of-0000n.safetensors`` files and ``model.safetensors.index.json``, as ``save_pretrained`` does, when
+    they exceed it. Returns the checkpoint keys left out (those outside the prefix).
     """
     from lightning_zero.checkpoint.consolidate import _cast, _converted, open_source, parse_dtype
 
     dtype = parse_dtype(dtype)
+    max_bytes = parse_size(max_shard_size)
     output_dir = os.fspath(output_dir)
-    _check_output_dir(output_dir)
+    _check_output_dir(output_dir, sharded=False)
     where = os.fspath(checkpoint)
     models = recorded_models(checkpoint)
     source = open_source(checkpoint)
@@ -184,8 +227,19 @@ def export_hf(checkpoint: PathLike, output_dir: PathLike, strip_prefix: Optional
         def load(entry: TensorEntry) -> torch.Tensor:
             return _cast(source.load(by_new[entry.key]), dtype)
 
+        shards = _plan_shards(entries, max_bytes)
+        _check_output_dir(output_dir, sharded=len(shards) > 1)
         os.makedirs(output_dir, exist_ok=True)
-        write_safetensors(os.path.join(output_dir, WEIGHTS_NAME), entries, load, metadata={"format": "pt"})
+        if len(shards) == 1:
+            write_safetensors(os.path.join(output_dir, WEIGHTS_NAME), entries, load, metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            for number, shard in enumerate(shards, 1):
+                name = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+                write_safetensors(os.path.join(output_dir, name), shard, load, metadata={"format": "pt"})
+                weight_map.update((entry.key, name) for entry in shard)
+            index = {"metadata": {"total_size": sum(entry.nbytes for entry in entries)}, "weight_map": weight_map}
+            _write_json(os.path.join(output_dir, INDEX_NAME), index)  # last: its presence means complete
     finally:
         source.close()
     if model is None or model.get("config") is None:
@@ -198,10 +252,7 @@ def export_hf(checkpoint: PathLike, output_dir: PathLike, strip_prefix: Optional
         floating = {entry.dtype for entry in entries if entry.dtype.is_floating_point}
         if len(floating) == 1 and next(iter(floating)) in _DTYPE_NAMES:
             config["dtype"] = _DTYPE_NAMES[next(iter(floating))]  # what the weights now are, for dtype="auto"
-        tmp = os.path.join(output_dir, CONFIG_NAME + ".partial")
-        with open(tmp, "w") as file:
-            json.dump(config, file, indent=2, sort_keys=True)
-        os.replace(tmp, os.path.join(output_dir, CONFIG_NAME))
+        _write_json(os.path.join(output_dir, CONFIG_NAME), config)
     return left_out + sorted(key for key in extras if not key.startswith(prefix))
 
 

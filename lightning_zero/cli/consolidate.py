@@ -37,6 +37,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--strip-prefix", metavar="P", default=None,
                         help="keep only the keys under P (e.g. 'model'), without it: for --hf when the checkpoint "
                              "records no transformers model, or for a .safetensors OUTPUT")
+    parser.add_argument("--max-shard-size", metavar="SIZE", default=None,
+                        help="with --hf: split the weights into model-0000i-of-0000n.safetensors files of at most "
+                             "SIZE (e.g. 2GB, 500MB) plus model.safetensors.index.json")
     add_debug_flag(parser)
     parser.set_defaults(func=run, parser=parser)
 
@@ -51,6 +54,8 @@ def _check_combination(args: argparse.Namespace) -> None:
     if args.output is not None and args.strip_prefix is not None and not args.output.endswith(".safetensors"):
         parser.error("--strip-prefix applies to --hf or a .safetensors OUTPUT (a Lightning checkpoint keeps the "
                      "LightningModule's keys)")
+    if args.max_shard_size is not None and args.hf is None:
+        parser.error("--max-shard-size applies to --hf")
     if args.with_optimizer and args.dtype is not None:
         parser.error("--with-optimizer keeps the trained dtypes (a resumed run continues from the exact weights); "
                      "leave out --dtype")
@@ -66,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             if args.hf is not None:
-                left_out = export_hf(args.checkpoint, args.hf, strip_prefix=args.strip_prefix, dtype=args.dtype)
+                left_out = export_hf(args.checkpoint, args.hf, strip_prefix=args.strip_prefix, dtype=args.dtype,
+                                     max_shard_size=args.max_shard_size)
             else:
                 consolidate_checkpoint(args.checkpoint, args.output, dtype=args.dtype,
                                        with_optimizer=args.with_optimizer, strip_prefix=args.strip_prefix)
