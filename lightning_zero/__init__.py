@@ -5,6 +5,7 @@ Importing the package registers the strategy names ``zero``, ``zero_stage_1``, `
 """
 
 from lightning_zero.callbacks import ConsolidateCheckpoint, NCCLDiagnostics, ThroughputLogger
+from lightning_zero.checkpoint import export_hf
 from lightning_zero.config import ZeroConfig
 from lightning_zero.distributed.buffers import CommBufferPool, comm_buffer_pool
 from lightning_zero.distributed.memory import (
@@ -40,6 +41,7 @@ __all__ = [
     "build_pipeline",
     "comm_buffer_pool",
     "estimate_model_states_memory",
+    "export_hf",
     "find_repeated_blocks",
     "model_state_memory",
     "zero_formula",

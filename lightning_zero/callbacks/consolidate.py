@@ -22,6 +22,9 @@ class ConsolidateCheckpoint(Callback):
         dtype: ``None`` (keep), ``"fp32"``, ``"bf16"`` or ``"fp16"`` for floating-point tensors.
         every_save: also rewrite ``output`` from each checkpoint a ``ModelCheckpoint`` saves (consolidated on rank 0
             at the next training/validation hook after the save).
+        with_optimizer: write a checkpoint that ``Trainer(strategy="ddp")`` (or any strategy) resumes training from:
+            optimizer states, LR schedulers, loops and callbacks too (needs a non-``.safetensors`` ``output``, no
+            ``dtype``, and ``ZeroStrategy``'s sharded checkpoints; see ``consolidate_checkpoint``).
 
     After fit, the final state is saved with ``trainer.save_checkpoint`` to a temporary sibling of ``output`` (every
     rank writes only its shards), then rank 0 consolidates it tensor by tensor and deletes the temporary copy. Rank 0
@@ -29,11 +32,17 @@ class ConsolidateCheckpoint(Callback):
     """
 
     def __init__(self, output: Union[str, os.PathLike], dtype: Optional[Union[str, torch.dtype]] = None,
-                 every_save: bool = False) -> None:
+                 every_save: bool = False, with_optimizer: bool = False) -> None:
         if not isinstance(output, (str, os.PathLike)) or not os.fspath(output):
             raise ValueError(f"output must be a file path, got {output!r}")
         if not isinstance(every_save, bool):
             raise TypeError(f"every_save must be a bool, got {every_save!r}")
+        if not isinstance(with_optimizer, bool):
+            raise TypeError(f"with_optimizer must be a bool, got {with_optimizer!r}")
+        if with_optimizer and (os.fspath(output).endswith(".safetensors") or dtype is not None):
+            raise ValueError("ConsolidateCheckpoint(with_optimizer=True) writes a resumable Lightning checkpoint: the "
+                             "output must not end in .safetensors and dtype must be left unset")
+        self.with_optimizer = with_optimizer
         self.output = os.fspath(output)
         self.dtype = parse_dtype(dtype)
         self.every_save = every_save
@@ -64,7 +73,7 @@ class ConsolidateCheckpoint(Callback):
         self._save_pending = False
         if trainer.is_global_zero:
             wait_for_pending_saves(barrier=False)
-            consolidate_checkpoint(source, self.output, dtype=self.dtype)
+            consolidate_checkpoint(source, self.output, dtype=self.dtype, with_optimizer=self.with_optimizer)
             self._consolidated_from = source
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
@@ -87,7 +96,7 @@ class ConsolidateCheckpoint(Callback):
         wait_for_pending_saves()
         if trainer.is_global_zero:
             try:
-                consolidate_checkpoint(source, self.output, dtype=self.dtype)
+                consolidate_checkpoint(source, self.output, dtype=self.dtype, with_optimizer=self.with_optimizer)
                 self._consolidated_from = source
             finally:
                 shutil.rmtree(source) if os.path.isdir(source) else os.remove(source)

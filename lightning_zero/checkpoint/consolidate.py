@@ -62,13 +62,15 @@ class DCPTensorSource:
         mappings = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
         self.entries: List[TensorEntry] = []
         self._fqns: Dict[str, str] = {}
-        self._tensor_md: Dict[str, TensorStorageMetadata] = {}
         self._bytes_fqns: Dict[str, str] = {}
+        self._metadata = metadata
         # planner_data keeps the order of the saved dict (the module's state_dict order); fall back to metadata.
         order = list(mappings) + [fqn for fqn in metadata.state_dict_metadata if fqn not in mappings]
+        self._paths: Dict[str, Optional[Tuple[str, ...]]] = {}
         for fqn in order:
             item = metadata.state_dict_metadata.get(fqn)
             path_parts = mappings.get(fqn)
+            self._paths[fqn] = tuple(str(part) for part in path_parts) if path_parts is not None else None
             if path_parts is not None:
                 if len(path_parts) < 2 or path_parts[0] != top_key:
                     continue
@@ -80,7 +82,6 @@ class DCPTensorSource:
             if isinstance(item, TensorStorageMetadata):
                 self.entries.append(TensorEntry(key, item.properties.dtype, tuple(item.size)))
                 self._fqns[key] = fqn
-                self._tensor_md[key] = item
             elif isinstance(item, BytesStorageMetadata):
                 self._bytes_fqns[key] = fqn
         self._files: Dict[str, Any] = {}
@@ -98,9 +99,33 @@ class DCPTensorSource:
         file.seek(info.offset)
         return file.read(info.length)
 
+    def items_under(self, top_key: str) -> Iterator[Tuple[Tuple[str, ...], Any]]:
+        """``(path below top_key, value)`` of every entry saved under ``top_key`` (e.g. ``optimizer_states``), in
+        saved order: a :class:`TensorEntry` (keyed by its DCP name, for :meth:`load_fqn`) for a tensor, the value
+        itself (read with ``weights_only``) for anything else. Needs DCP's planner data (the nested key paths),
+        which every checkpoint written by ``save_sharded_checkpoint`` has."""
+        for fqn, path in self._paths.items():
+            if path is None:
+                raise CheckpointError(f"{self.path}: the DCP metadata has no key path for {fqn!r}; cannot split it "
+                                      "into nested keys", self.path)
+            if len(path) < 2 or path[0] != top_key:
+                continue
+            item = self._metadata.state_dict_metadata.get(fqn)
+            if item is None:
+                continue
+            if isinstance(item, TensorStorageMetadata):
+                yield path[1:], TensorEntry(fqn, item.properties.dtype, tuple(item.size))
+            else:
+                yield path[1:], safe_torch_load(io.BytesIO(self._read_record(MetadataIndex(fqn))),
+                                                what=f"{self.path} {fqn!r}")
+
     def load(self, entry: TensorEntry) -> torch.Tensor:
-        """The full tensor for ``entry``, assembled from its chunks."""
-        md, fqn = self._tensor_md[entry.key], self._fqns[entry.key]
+        """The full tensor for ``entry`` (one of :attr:`entries`), assembled from its chunks."""
+        return self.load_fqn(self._fqns[entry.key])
+
+    def load_fqn(self, fqn: str) -> torch.Tensor:
+        """The full tensor saved under the DCP name ``fqn``, assembled from its chunks."""
+        md = self._metadata.state_dict_metadata[fqn]
         what = f"{self.path} tensor {fqn!r}"
         if len(md.chunks) == 1 and tuple(md.chunks[0].sizes) == tuple(md.size):
             return safe_torch_load(io.BytesIO(self._read_record(MetadataIndex(fqn, md.chunks[0].offsets))), what=what)
@@ -148,6 +173,12 @@ class TorchFileSource:
 
     def meta(self) -> Dict[str, Any]:
         return {k: v for k, v in self._checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+
+    def optimizer_states(self) -> list:
+        states = self._checkpoint.get("optimizer_states")
+        if not states:
+            raise ValueError(f"{self.path} holds no optimizer states (saved with save_weights_only=True?)")
+        return states
 
     def close(self) -> None:
         self._checkpoint = self._state = None
@@ -200,8 +231,27 @@ def _check_output(path: PathLike, output: PathLike) -> None:
         raise ValueError(f"output {output} cannot be created: {parent} is a file, not a directory")
 
 
+def _strip(path: PathLike, entries: List[TensorEntry], prefix: str, extras: Dict[str, Any]):
+    """``strip_prefix`` for :func:`consolidate_checkpoint`: renamed entries, ``{new: old}``; warns what is left out."""
+    import warnings
+
+    from lightning_zero.checkpoint.hf_export import strip_prefix_entries
+
+    entries, renamed, left_out = strip_prefix_entries(os.fspath(path), entries, prefix)
+    cut = prefix if prefix.endswith(".") or not prefix else prefix + "."
+    inside = sorted(key for key in extras if key.startswith(cut))
+    if inside:
+        raise ValueError(f"{path}: {inside} under {cut!r} are not tensors; safetensors cannot store them")
+    left_out += sorted(extras)
+    if left_out:
+        warnings.warn(f"strip_prefix={prefix!r}: {len(left_out)} key(s) outside the prefix are left out: "
+                      f"{left_out[:8]}{' ...' if len(left_out) > 8 else ''}", stacklevel=3)
+    return entries, renamed, left_out
+
+
 def consolidate_checkpoint(
     path: PathLike, output: Optional[PathLike] = None, dtype: Union[None, str, torch.dtype] = None,
+    with_optimizer: bool = False, strip_prefix: Optional[str] = None,
 ) -> Optional[Dict[str, Any]]:
     """Consolidate the checkpoint at ``path`` (lightning-zero sharded or DeepSpeed ZeRO directory; a regular
     Lightning checkpoint file is accepted too, e.g. to convert it to safetensors or another dtype).
@@ -216,26 +266,58 @@ def consolidate_checkpoint(
     chunks covering each tensor exactly); damage is a :class:`CheckpointError` naming the file. An ``output`` that
     is an existing directory is refused before anything is read. ``dtype`` (``"fp32"``, ``"bf16"``, ``"fp16"``)
     converts floating-point tensors.
+
+    ``with_optimizer=True`` (a lightning-zero sharded checkpoint, written to a Lightning checkpoint file) adds the
+    optimizer states in ``torch.optim.Optimizer.state_dict()`` form and drops lightning-zero's own bookkeeping, so
+    that ``Trainer(strategy="ddp").fit(model, ckpt_path=output)`` (or any other strategy) resumes the run: weights,
+    optimizer states, LR schedulers, loops, callbacks, epoch and step. It keeps the trained dtypes (``dtype`` is
+    refused with it); see :mod:`lightning_zero.checkpoint.resumable`.
+
+    ``strip_prefix`` (returned dict or ``.safetensors`` output only) keeps the keys under that prefix (e.g.
+    ``"model"`` for ``self.model = AutoModel...``) with the prefix removed, for loading into the bare inner model;
+    the keys left out are reported with a warning. For a Hugging Face directory use
+    :func:`lightning_zero.checkpoint.export_hf`.
     """
     dtype = parse_dtype(dtype)
+    if not isinstance(with_optimizer, bool):
+        raise TypeError(f"with_optimizer must be a bool, got {with_optimizer!r}")
+    if with_optimizer:
+        if output is None or os.fspath(output).endswith(".safetensors"):
+            raise ValueError("with_optimizer=True writes a Lightning checkpoint file: give an output path that does "
+                             "not end in .safetensors")
+        if dtype is not None:
+            raise ValueError("with_optimizer=True keeps the trained dtypes (a resumed run must continue from the exact "
+                             "weights); leave dtype unset")
+    if strip_prefix is not None and (with_optimizer or output is not None
+                                     and not os.fspath(output).endswith(".safetensors")):
+        raise ValueError("strip_prefix applies to .safetensors output (or the returned dict): a Lightning checkpoint "
+                         "keeps the LightningModule's keys")
     if output is not None:
         _check_output(path, output)  # before the expensive work
     source = open_source(path)
+    if with_optimizer and not isinstance(source, (DCPTensorSource, TorchFileSource)):
+        source.close()
+        raise ValueError(f"{path}: with_optimizer=True reads lightning-zero sharded checkpoints and Lightning "
+                         "checkpoint files, not DeepSpeed checkpoints")
     try:
+        entries = [_converted(entry, dtype) for entry in source.entries]
+        originals = {entry.key: entry for entry in source.entries}
+        extras = source.extras()
+        if strip_prefix is not None:
+            entries, renamed, left_out = _strip(path, entries, strip_prefix, extras)
+            originals = {new: originals[old] for new, old in renamed.items()}
+            extras = {}
         if output is None:
-            state: Dict[str, Any] = OrderedDict((e.key, _cast(source.load(e), dtype)) for e in source.entries)
-            state.update(source.extras())
+            state: Dict[str, Any] = OrderedDict((e.key, _cast(source.load(originals[e.key]), dtype)) for e in entries)
+            state.update(extras)
             return state
         output = os.fspath(output)
         os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-        entries = [_converted(entry, dtype) for entry in source.entries]
-        originals = {entry.key: entry for entry in source.entries}
 
         def load(entry: TensorEntry) -> torch.Tensor:
             return _cast(source.load(originals[entry.key]), dtype)
 
         if output.endswith(".safetensors"):
-            extras = source.extras()
             if extras:
                 raise ValueError(
                     f"the checkpoint's state_dict holds non-tensor entries {sorted(extras)}, which safetensors "
@@ -244,7 +326,17 @@ def consolidate_checkpoint(
             write_safetensors(output, entries, load, metadata={"format": "pt"})
             return None
         state_dict: Dict[str, Any] = OrderedDict((entry.key, tensor_slot(entry)) for entry in entries)
-        state_dict.update(source.extras())
+        state_dict.update(extras)
+        if with_optimizer and isinstance(source, TorchFileSource):
+            checkpoint = {**source.meta(), "state_dict": state_dict, "optimizer_states": source.optimizer_states()}
+            write_torch_checkpoint(output, checkpoint, load)  # its (memory-mapped) states are written as they are
+            return None
+        if with_optimizer:
+            from lightning_zero.checkpoint.resumable import resumable_checkpoint
+
+            checkpoint, load_any = resumable_checkpoint(source, state_dict, load)
+            write_torch_checkpoint(output, checkpoint, load_any)
+            return None
         checkpoint = dict(source.meta())
         checkpoint.pop("state_dict", None)
         checkpoint["state_dict"] = state_dict

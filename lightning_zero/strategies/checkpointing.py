@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from lightning_zero.checkpoint.errors import CheckpointError
+from lightning_zero.checkpoint.hf_export import describe_hf_models
 from lightning_zero.checkpoint.io import (
     checkpoint_directory,
     load_sharded_checkpoint,
@@ -136,6 +137,7 @@ def save(strategy, checkpoint: dict[str, Any], filepath: str) -> None:
             "optimizers": [optimizer_type(o) for o in strategy.optimizers]}
     if strategy.ds_config is not None:
         info["ds_config"] = strategy.ds_config.report()  # the effective DeepSpeed config, next to the weights
+    info.update(describe_hf_models(strategy.lightning_module))  # for `consolidate --hf` (prefix, config, ties)
     save_sharded_checkpoint(filepath, tensors, checkpoint, async_save=strategy.async_save, info=info)
 
 
