@@ -297,20 +297,23 @@ def test_every_precision_trains_the_same_with_checkpointing():
 
 def _save_load_worker(rank, world_size, root):
     """Saved with checkpointing, resumed without (and the reverse): the keys and values carry over."""
+    from tests.test_strategy_checkpoint import STEPS_PER_EPOCH, _reference
+
+    epoch = dict(max_steps=-1, limit_train_batches=STEPS_PER_EPOCH)
     for save_kwargs, load_kwargs in ((dict(stage=3, activation_checkpointing=True), dict(stage=2)),
                                      (dict(stage=2), dict(stage=3, activation_checkpointing=True,
                                                           cpu_checkpointing=True))):
         path = os.path.join(root, f"ac-{len(save_kwargs)}.ckpt")
         torch.manual_seed(0)
         module = RegressionModule(batch_size=BATCH)
-        trainer = _trainer(ZeroStrategy(**save_kwargs), world_size, max_steps=2)
+        trainer = _trainer(ZeroStrategy(**save_kwargs), world_size, max_epochs=1, **epoch)
         trainer.fit(module)
         trainer.save_checkpoint(path)
         torch.manual_seed(123)  # every weight must come from the checkpoint
         resumed = RegressionModule(batch_size=BATCH)
-        trainer = _trainer(ZeroStrategy(**load_kwargs), world_size, max_steps=STEPS)
+        trainer = _trainer(ZeroStrategy(**load_kwargs), world_size, max_epochs=2, **epoch)
         trainer.fit(resumed, ckpt_path=path)
-        expected = reference_weights(STEPS, BATCH * world_size)
+        expected = _reference(2, BATCH * world_size)
         assert _worst(full_state(resumed), expected) <= 1e-5, (save_kwargs, load_kwargs)
 
 
@@ -319,3 +322,41 @@ def test_checkpoint_saved_with_checkpointing_resumes_without_and_back(tmp_path):
     run_distributed(_save_load_worker, 2, root)
 
 
+# ---------------------------------------------------------------------------------------- the pipeline
+def _pipeline_worker(rank, world_size, schedule, recomputes):
+    from tests.test_pipeline_parity import SeededLinear
+    from tests.test_strategy_pipeline import PipelinedLM, _gather_full_state, reference
+    from tests.test_strategy_pipeline import STEPS as PIPE_STEPS
+
+    calls = [0]
+    original = SeededLinear.forward
+
+    def counting(self, x):
+        calls[0] += 1
+        return original(self, x)
+    SeededLinear.forward = counting  # this forked rank only
+    counts = []
+    for kwargs in (dict(), dict(activation_checkpointing=True, cpu_checkpointing=True)):
+        torch.manual_seed(0)
+        module = PipelinedLM()
+        strategy = ZeroStrategy(stage=0, pipeline_parallel_size=2, micro_batches=2, pipeline_schedule=schedule,
+                                **kwargs)
+        calls[0] = 0
+        _trainer(strategy, world_size, max_steps=PIPE_STEPS).fit(module)
+        counts.append(calls[0])
+        blocks = sum(isinstance(layer, SeededLinear) for layer in module.model.layers.values())
+        got = _gather_full_state(module, strategy._pp_mesh.get_group())
+        expected = reference(PIPE_STEPS, BATCH)
+        assert _worst(got, expected) <= 1e-5, f"{schedule} {kwargs}: {_worst(got, expected):.2e}"
+    # Each of this rank's blocks runs `recomputes` more times per micro-batch (2 per step): once, or twice under the
+    # zero-bubble schedules, whose backward runs in two passes (input gradients, then weight gradients), each
+    # unpacking the block's saved tensors. The last stage's set-up forward (torch.distributed.pipelining's shape
+    # inference, counted in both runs) is also recomputed once per fit there.
+    extra = counts[1] - counts[0]
+    low = PIPE_STEPS * 2 * blocks * recomputes
+    assert blocks > 0 and low <= extra <= low + blocks, f"{schedule}: block forwards {counts}"
+
+
+@pytest.mark.parametrize("schedule,recomputes", [("1f1b", 1), ("zero_bubble", 2)])
+def test_pipeline_stages_checkpoint_their_blocks(schedule, recomputes):
+    run_distributed(_pipeline_worker, 2, schedule, recomputes)
