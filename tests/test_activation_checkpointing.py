@@ -362,3 +362,16 @@ def _pipeline_worker(rank, world_size, schedule, recomputes):
 @pytest.mark.parametrize("schedule,recomputes", [("1f1b", 1), ("zero_bubble", 2)])
 def test_pipeline_stages_checkpoint_their_blocks(schedule, recomputes):
     run_distributed(_pipeline_worker, 2, schedule, recomputes)
+
+
+def test_pipeline_policy_true_selects_the_repeated_layers_and_refuses_double_checkpointing():
+    from lightning_zero.strategies.pipeline_binding import checkpoint_pipeline_layers
+    from tests.test_pipeline_parity import SeededLinear, make_model
+
+    model = make_model()  # embedding tied to the head (one module used twice), six SeededLinear blocks
+    checkpoint_pipeline_layers(model, ActivationCheckpointConfig(cpu_checkpointing=True))
+    chosen = [name for name, layer in model.layers.items() if is_checkpointed(layer)]
+    assert chosen == [str(i) for i in range(1, 7)]
+    assert all(isinstance(model.layers[name], SeededLinear) for name in chosen)
+    with pytest.raises(ValueError, match="not both"):
+        checkpoint_pipeline_layers(make_model(checkpoint_interval=2), ActivationCheckpointConfig())

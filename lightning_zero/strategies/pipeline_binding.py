@@ -153,8 +153,10 @@ def checkpoint_pipeline_layers(module, config) -> None:
                          f"{module.activation_checkpoint_interval}); use that or the strategy's "
                          "activation_checkpointing, not both")
     if config.policy is True:
-        counts = Counter(spec.cls if isinstance(spec, LayerSpec) else type(spec) for spec in module.specs
-                         if isinstance(spec, (LayerSpec, torch.nn.Module)))
+        # A tied layer is one module however often it is used: count it once.
+        distinct = {getattr(spec, "key", None) or id(spec): spec for spec in module.specs
+                    if isinstance(spec, (LayerSpec, torch.nn.Module))}
+        counts = Counter(spec.cls if isinstance(spec, LayerSpec) else type(spec) for spec in distinct.values())
         classes = frozenset(cls for cls, count in counts.items() if count >= 2)
         if not classes:
             raise ValueError("activation_checkpointing=True checkpoints the layer classes a PipelineModule repeats, "
