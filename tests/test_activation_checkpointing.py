@@ -274,6 +274,12 @@ def _stage_parity_worker(rank, world_size):
             if _worst(got, plain) > 1e-6 or _worst(got, expected) > 1e-5:
                 failures.append(f"stage={stage} cpu={cpu}: {_worst(got, plain):.2e} from the run without "
                                 f"checkpointing, {_worst(got, expected):.2e} from the single-process reference")
+    # A checkpointed region holding several FSDP units ("Net": the units' hooks run again in the recomputation), and
+    # regions inside one unit ("Linear": the layers of the blocks).
+    for policy in ({"Net"}, {"Linear"}):
+        got = _fit(world_size, counter, stage=3, activation_checkpointing=policy)
+        if _worst(got, expected) > 1e-5:
+            failures.append(f"stage=3 {policy}: {_worst(got, expected):.2e} from the single-process reference")
     assert not failures, "\n".join(failures)
 
 
