@@ -206,6 +206,7 @@ class _CheckpointedForward:
         if self.cpu_checkpointing:
             # The inputs checkpoint keeps are saved through the saved-tensor hooks active around it (the block's own
             # saved tensors go through checkpoint's inner hooks and are dropped), so save_on_cpu moves exactly them.
+            # Keyword-argument tensors are captured by reference instead, and stay where they are.
             on_cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in (*args, *kwargs.values()))
             offload = torch.autograd.graph.save_on_cpu(pin_memory=on_cuda)
         with offload:
