@@ -197,6 +197,10 @@ def test_config_validation_and_unmatched_policies():
     assert ZeroStrategy(activation_checkpointing_policy={LightningBlock}).activation_checkpoint_config.policy == \
         frozenset({LightningBlock})
     assert ZeroStrategy().activation_checkpoint_config is None
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    lightning_style = ZeroStrategy(activation_checkpointing_policy=ModuleWrapPolicy({LightningBlock}))
+    assert lightning_style.activation_checkpoint_config.policy == frozenset({LightningBlock})
 
 
 def test_ds_config_section_enables_it_and_reports_the_keys_without_effect():

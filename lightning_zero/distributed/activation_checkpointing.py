@@ -81,6 +81,10 @@ def _normalise_policy(policy: Any) -> Any:
                          "activation_checkpointing=False (no config) to turn it off")
     if isinstance(policy, (str, type)):
         policy = (policy,)
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    if isinstance(policy, ModuleWrapPolicy):  # what Lightning's activation_checkpointing_policy also accepts
+        policy = tuple(policy._module_classes)
     if isinstance(policy, (set, frozenset, list, tuple)):
         classes = frozenset(policy)
         if not classes:
