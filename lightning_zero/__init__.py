@@ -6,7 +6,10 @@ Importing the package registers the strategy names ``zero``, ``zero_stage_1``, `
 
 from lightning_zero.callbacks import ConsolidateCheckpoint, NCCLDiagnostics, ThroughputLogger
 from lightning_zero.config import ZeroConfig
-from lightning_zero.distributed.activation_checkpointing import ActivationCheckpointConfig, apply_activation_checkpointing
+from lightning_zero.distributed.activation_checkpointing import (
+    ActivationCheckpointConfig,
+    apply_activation_checkpointing,
+)
 from lightning_zero.distributed.buffers import CommBufferPool, comm_buffer_pool
 from lightning_zero.distributed.memory import (
     MemoryEstimate,

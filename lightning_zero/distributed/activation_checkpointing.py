@@ -162,8 +162,8 @@ def select_blocks(module: nn.Module, config: ActivationCheckpointConfig, *, requ
     if policy is True:
         classes = find_repeated_blocks(module)
         if not classes:
-            raise ValueError("activation_checkpointing=True checkpoints the repeated blocks (classes occurring at least "
-                             "twice in a ModuleList/Sequential), but this model has none: pass the classes to "
+            raise ValueError("activation_checkpointing=True checkpoints the repeated blocks (classes occurring at "
+                             "least twice in a ModuleList/Sequential), but this model has none: pass the classes to "
                              "checkpoint or a callable(module) -> bool")
         chosen = lambda m: type(m) in classes  # noqa: E731
     elif isinstance(policy, frozenset):

@@ -34,7 +34,10 @@ import torch
 from torch import nn
 
 from lightning_zero.config import ZeroConfig
-from lightning_zero.distributed.activation_checkpointing import ActivationCheckpointConfig, apply_activation_checkpointing
+from lightning_zero.distributed.activation_checkpointing import (
+    ActivationCheckpointConfig,
+    apply_activation_checkpointing,
+)
 from lightning_zero.distributed.buffers import install_comm_buffer_pool
 from lightning_zero.distributed.init import broadcast_module_states, refuse_meta_tensors
 
