@@ -101,6 +101,9 @@ def test_recomputes_each_block_and_saves_at_least_half_less():
     # The module tree and the parameter names are those of the plain model (checkpoints keep their keys).
     assert list(checkpointed.state_dict()) == list(plain.state_dict())
     assert all(type(b) is MLPBlock for b in checkpointed.blocks)
+    # A deep copy (SWA, EMA callbacks) checkpoints its own blocks, not the original's.
+    clone = __import__("copy").deepcopy(checkpointed)
+    assert all(is_checkpointed(b) and b.forward.forward.__self__ is b for b in clone.blocks)
     handle.remove()
     assert not any(is_checkpointed(b) for b in checkpointed.blocks)
     MLPBlock.calls = 0
