@@ -156,6 +156,22 @@ def test_dropout_recomputes_the_same_mask():
         assert torch.equal(p.grad, q.grad), name
 
 
+def _named_units_worker(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_zero import ZeroConfig, apply_zero
+
+    model = SixBlockNet()
+    apply_zero(model, init_device_mesh("cpu", (world_size,)), ZeroConfig(stage=2, sharded_module_classes={"Linear"}),
+               activation_checkpointing=ActivationCheckpointConfig())
+    assert [is_checkpointed(m) for m in (model.inp, model.blocks[0], model.blocks[0].up, model.out)] == \
+        [True, False, True, True], "True must mean the FSDP units the user named"
+
+
+def test_true_means_the_named_sharded_module_classes():
+    run_distributed(_named_units_worker, 2)
+
+
 def test_selection_policies_and_selective_checkpointing():
     model = SixBlockNet()
     assert select_blocks(model, ActivationCheckpointConfig()) == list(model.blocks)

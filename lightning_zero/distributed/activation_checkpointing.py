@@ -43,7 +43,8 @@ class ActivationCheckpointConfig:
 
     Args:
         policy: ``True``: the repeated blocks the strategy detects
-            (:func:`~lightning_zero.distributed.zero.find_repeated_blocks`); a set of module classes or class names;
+            (:func:`~lightning_zero.distributed.zero.find_repeated_blocks`; under :func:`apply_zero`, the
+            ``sharded_module_classes`` when given); a set of module classes or class names;
             or a callable ``policy(module) -> bool``. Only the outermost selected modules are checkpointed, never
             the root module.
         cpu_checkpointing: keep each checkpointed block's inputs in CPU memory until backward (pinned when they are

@@ -26,6 +26,7 @@ forward redirection. A backward *inside* that call (manual optimization) needs :
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import Counter
 from typing import Iterable, Optional
@@ -148,6 +149,10 @@ def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[
     device = device or _default_device(mesh)
     refuse_meta_tensors(module, config.stage)
     if activation_checkpointing is not None:
+        if activation_checkpointing.policy is True and config.sharded_module_classes:
+            # True means "the blocks": when the user named the FSDP units, those are the blocks.
+            activation_checkpointing = dataclasses.replace(activation_checkpointing,
+                                                           policy=config.sharded_module_classes)
         apply_activation_checkpointing(module, activation_checkpointing)
     if config.stage <= 1:
         if mp_policy is not None:
