@@ -95,7 +95,10 @@ def test_recomputes_each_block_and_saves_at_least_half_less():
     MLPBlock.calls = 0
     ckpt_bytes = _forward_backward(checkpointed, x)
     assert MLPBlock.calls == 12, "every block's forward must run again in backward"
-    assert ckpt_bytes * 2 <= plain_bytes, f"saved activations {ckpt_bytes} vs {plain_bytes} without checkpointing"
+    # The peak with checkpointing is in backward: the kept inputs plus one block's recomputed activations at a time,
+    # at most a sixth of the plain run's saved bytes (six identical blocks, plus what lies outside them).
+    assert ckpt_bytes + plain_bytes / 6 <= plain_bytes / 2, \
+        f"saved activations {ckpt_bytes} vs {plain_bytes} without checkpointing"
     for (name, p), q in zip(plain.named_parameters(), checkpointed.parameters()):
         assert torch.equal(p.grad, q.grad), name
     # The module tree and the parameter names are those of the plain model (checkpoints keep their keys).
