@@ -7,6 +7,10 @@ Importing the package registers the strategy names ``zero``, ``zero_stage_1``, `
 from lightning_zero.callbacks import ConsolidateCheckpoint, NCCLDiagnostics, ThroughputLogger
 from lightning_zero.checkpoint import export_hf
 from lightning_zero.config import ZeroConfig
+from lightning_zero.distributed.activation_checkpointing import (
+    ActivationCheckpointConfig,
+    apply_activation_checkpointing,
+)
 from lightning_zero.distributed.buffers import CommBufferPool, comm_buffer_pool
 from lightning_zero.distributed.memory import (
     MemoryEstimate,
@@ -22,6 +26,7 @@ from lightning_zero.strategies import LossScaleConfig, ZeroPrecision, ZeroStrate
 
 __version__ = "0.1.0"
 __all__ = [
+    "ActivationCheckpointConfig",
     "CommBufferPool",
     "ConsolidateCheckpoint",
     "LayerSpec",
@@ -37,6 +42,7 @@ __all__ = [
     "ZeroPrecision",
     "ZeroStrategy",
     "__version__",
+    "apply_activation_checkpointing",
     "apply_zero",
     "build_pipeline",
     "comm_buffer_pool",

@@ -26,6 +26,7 @@ forward redirection. A backward *inside* that call (manual optimization) needs :
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import Counter
 from typing import Iterable, Optional
@@ -34,6 +35,10 @@ import torch
 from torch import nn
 
 from lightning_zero.config import ZeroConfig
+from lightning_zero.distributed.activation_checkpointing import (
+    ActivationCheckpointConfig,
+    apply_activation_checkpointing,
+)
 from lightning_zero.distributed.buffers import install_comm_buffer_pool
 from lightning_zero.distributed.init import broadcast_module_states, refuse_meta_tensors
 
@@ -121,7 +126,8 @@ def _fsdp_kwargs(mesh, config: ZeroConfig, device: torch.device, mp_policy=None)
 
 
 def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[torch.device] = None,
-               mp_policy=None, ddp_kwargs: Optional[dict] = None) -> nn.Module:
+               mp_policy=None, ddp_kwargs: Optional[dict] = None,
+               activation_checkpointing: Optional[ActivationCheckpointConfig] = None) -> nn.Module:
     """Apply ZeRO ``config.stage`` to ``module`` over the 1-D data-parallel ``mesh`` and return the module to run.
 
     Stages 0-1 return a ``DistributedDataParallel`` wrapper (stage 1's partitioning lives in the optimizer: see
@@ -137,9 +143,17 @@ def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[
         device: the compute device (defaults to the mesh's device type, current index).
         mp_policy: an FSDP2 ``MixedPrecisionPolicy`` (stages 2-3 only).
         ddp_kwargs: extra keyword arguments for ``DistributedDataParallel`` (stages 0-1 only).
+        activation_checkpointing: recompute the selected blocks' activations in backward
+            (:mod:`.activation_checkpointing`); applied before DDP/``fully_shard``, parameter names unchanged.
     """
     device = device or _default_device(mesh)
     refuse_meta_tensors(module, config.stage)
+    if activation_checkpointing is not None:
+        if activation_checkpointing.policy is True and config.sharded_module_classes:
+            # True means "the blocks": when the user named the FSDP units, those are the blocks.
+            activation_checkpointing = dataclasses.replace(activation_checkpointing,
+                                                           policy=config.sharded_module_classes)
+        apply_activation_checkpointing(module, activation_checkpointing)
     if config.stage <= 1:
         if mp_policy is not None:
             raise ValueError("mp_policy is an FSDP2 policy and applies to stages 2-3 only")

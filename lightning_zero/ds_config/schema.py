@@ -5,7 +5,7 @@ Every key DeepSpeed documents for the features we implement is listed here with 
 * ``strategy``: mapped onto a ``ZeroStrategy`` keyword argument.
 * ``trainer``: a Trainer-level setting (precision, clipping, batch sizes, logging cadence) returned separately so
   the strategy can check it against the Trainer.
-* ``returned``: handed to the integrator as data (optimizer, scheduler, activation checkpointing, model saving).
+* ``returned``: handed to the integrator as data (optimizer, scheduler, model saving).
 * ``no_effect``: accepted, because it tunes a DeepSpeed-internal mechanism our engines (DDP, FSDP2
   ``fully_shard``) do not have; the note says why. A value different from DeepSpeed's default also warns.
 * ``unsupported``: accepted only at its default value; any other value fails (``strict=True``) or warns.
@@ -165,13 +165,19 @@ TORCH_AUTOCAST_KEYS: dict[str, KeySpec] = {
 }
 
 ACTIVATION_CHECKPOINTING_KEYS: dict[str, KeySpec] = {
-    "partition_activations": KeySpec(False, NO_EFFECT, "partitions checkpoints across model-parallel ranks; there "
-                                     "is no tensor model parallelism here"),
-    "cpu_checkpointing": KeySpec(False, RETURNED, "returned: keep checkpointed activations in CPU memory"),
-    "contiguous_memory_optimization": KeySpec(False, NO_EFFECT, "torch.utils.checkpoint allocates per tensor"),
-    "number_checkpoints": KeySpec(None, NO_EFFECT, "only sizes DeepSpeed's contiguous buffer"),
-    "synchronize_checkpoint_boundary": KeySpec(False, NO_EFFECT, "DeepSpeed-internal CUDA synchronisation"),
-    "profile": KeySpec(False, NO_EFFECT, "use Lightning's profiler"),
+    "partition_activations": KeySpec(False, NO_EFFECT, "splits each checkpoint across the tensor-parallel ranks of "
+                                     "one model replica; here one rank holds a whole replica (no tensor "
+                                     "parallelism), so there is nothing to split"),
+    "cpu_checkpointing": KeySpec(False, STRATEGY, "-> cpu_checkpointing: the inputs kept by checkpointed blocks "
+                                 "live in CPU memory (torch.autograd.graph.save_on_cpu)"),
+    "contiguous_memory_optimization": KeySpec(False, NO_EFFECT, "copies checkpoints into one preallocated buffer "
+                                              "against fragmentation; torch.utils.checkpoint keeps each input as "
+                                              "its own tensor in the caching allocator"),
+    "number_checkpoints": KeySpec(None, STRATEGY, "-> checkpoint this many of the blocks, evenly spaced (null: "
+                                  "every block)"),
+    "synchronize_checkpoint_boundary": KeySpec(False, NO_EFFECT, "a CUDA synchronize at DeepSpeed's checkpoint "
+                                               "boundaries, for its profiling; torch needs none for correctness"),
+    "profile": KeySpec(False, NO_EFFECT, "DeepSpeed's own timers of its checkpoint API; use Lightning's profiler"),
 }
 
 PIPELINE_KEYS: dict[str, KeySpec] = {
@@ -207,7 +213,9 @@ TOP_LEVEL_KEYS: dict[str, KeySpec] = {
     "fp16": KeySpec(None, TRAINER, "see the fp16 table"),
     "bf16": KeySpec(None, TRAINER, "see the bf16 table"),
     "torch_autocast": KeySpec(None, TRAINER, "see the torch_autocast table"),
-    "activation_checkpointing": KeySpec(None, RETURNED, "see the activation_checkpointing table"),
+    "activation_checkpointing": KeySpec(None, STRATEGY, "present -> activation_checkpointing=True (the repeated "
+                                        "blocks) unless the argument is given; see the activation_checkpointing "
+                                        "table"),
     "pipeline": KeySpec(None, STRATEGY, "see the pipeline table"),
     "communication_data_type": KeySpec(None, STRATEGY, "-> communication_data_type ('fp32', 'bf16', 'fp16')"),
     "prescale_gradients": KeySpec(False, NO_EFFECT, "DDP and FSDP2 already divide by the world size before (or "

@@ -160,10 +160,6 @@ class DeepSpeedConfigBinding:
             warnings.warn("wall_clock_breakdown: true asks for per-phase step timings; add "
                           "lightning_zero.callbacks.ThroughputLogger() to the Trainer's callbacks for the forward/"
                           "backward/optimizer/collective breakdown", DeepSpeedConfigWarning)
-        if translation.activation_checkpointing.get("cpu_checkpointing"):
-            warnings.warn("activation_checkpointing.cpu_checkpointing: true configures DeepSpeed's own checkpointing "
-                          "API, which a Lightning model does not call; use torch.utils.checkpoint with "
-                          "torch.autograd.graph.save_on_cpu in the model instead", DeepSpeedConfigWarning)
 
     @staticmethod
     def _apply_trainer_settings(trainer, translation: DeepSpeedTranslation, explicit: dict) -> None:
@@ -367,6 +363,18 @@ def effective_ds_config(strategy) -> dict:
         if trainer.gradient_clip_algorithm in (None, "norm"):  # DeepSpeed's gradient_clipping is a norm clip
             config["gradient_clipping"] = float(trainer.gradient_clip_val or 0.0)
     return _read_only(config)
+
+
+def activation_checkpointing_over_config(binding, activation_checkpointing, cpu_checkpointing,
+                                        activation_checkpointing_policy):
+    """The :class:`~lightning_zero.distributed.activation_checkpointing.ActivationCheckpointConfig` (or ``None``)
+    from ZeroStrategy's three arguments over the ds_config's ``activation_checkpointing`` section (explicit
+    arguments win; the section's presence turns checkpointing on)."""
+    from lightning_zero.distributed.activation_checkpointing import activation_checkpoint_config
+
+    section = binding.translation.activation_checkpointing if binding is not None else None
+    return activation_checkpoint_config(activation_checkpointing, cpu_checkpointing, activation_checkpointing_policy,
+                                        ds_section=section)
 
 
 def arguments_over_config(binding, stage, offload, pin_memory, reshard_after_forward, communication_data_type,

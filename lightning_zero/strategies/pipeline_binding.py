@@ -134,6 +134,37 @@ def build_for_strategy(lightning_module, settings: PipelineSettings, pp_mesh, dp
     return runner
 
 
+def checkpoint_pipeline_layers(module, config) -> None:
+    """Activation checkpointing of the layers this rank's stages hold. ``True`` means the layer classes that occur
+    at least twice in the whole ``PipelineModule`` (its layers sit in a ``ModuleDict``, and a stage may hold a
+    single block, so :func:`find_repeated_blocks` on the built layers would not see them). ``every_k`` and
+    ``number_checkpoints`` count the blocks of each rank. The replaced ``forward`` composes with the FSDP2 units
+    ``build_pipeline`` already made (see the note in :mod:`lightning_zero.distributed.activation_checkpointing`)."""
+    import dataclasses
+    from collections import Counter
+
+    from lightning_zero.distributed.activation_checkpointing import apply_activation_checkpointing
+    from lightning_zero.pipeline.specs import LayerSpec
+
+    if config is None:
+        return
+    if module.activation_checkpoint_interval:
+        raise ValueError("the PipelineModule already checkpoints its layers (activation_checkpoint_interval="
+                         f"{module.activation_checkpoint_interval}); use that or the strategy's "
+                         "activation_checkpointing, not both")
+    if config.policy is True:
+        # A tied layer is one module however often it is used: count it once.
+        distinct = {getattr(spec, "key", None) or id(spec): spec for spec in module.specs
+                    if isinstance(spec, (LayerSpec, torch.nn.Module))}
+        counts = Counter(spec.cls if isinstance(spec, LayerSpec) else type(spec) for spec in distinct.values())
+        classes = frozenset(cls for cls, count in counts.items() if count >= 2)
+        if not classes:
+            raise ValueError("activation_checkpointing=True checkpoints the layer classes a PipelineModule repeats, "
+                             "but this one repeats none: pass the classes or a callable(module) -> bool")
+        config = dataclasses.replace(config, policy=classes)
+    apply_activation_checkpointing(module, config, require_match=False)
+
+
 def global_grad_norm(runner, params) -> torch.Tensor:
     """L2 norm of the gradients of the whole pipelined model: every stage, every data shard, tied weights once."""
     duplicates = set()
@@ -178,6 +209,8 @@ def setup_for_strategy(strategy, trainer):
             "pipeline schedule runs backward itself, outside the precision plugin. Use precision='32-true'.")
     runner = build_for_strategy(strategy.lightning_module, strategy._pipeline, strategy._pp_mesh, strategy._mesh,
                                 strategy.stage, strategy.root_device, trainer.accumulate_grad_batches)
+    checkpoint_pipeline_layers(find_pipeline_module(strategy.lightning_module),
+                               getattr(strategy, "activation_checkpoint_config", None))
     precision.grad_norm_clipper = lambda params, max_norm: clip_by_global_norm(runner, params, max_norm)
     return runner
 

@@ -48,6 +48,7 @@ from lightning_zero.strategies import checkpointing, lifecycle, restarts, valida
 from lightning_zero.strategies.ddp_options import DDPOptions, ddp_kwargs_for, explain_unused_parameters, require_flags
 from lightning_zero.strategies.ds_config_binding import (
     DeepSpeedConfigBinding,
+    activation_checkpointing_over_config,
     arguments_over_config,
     bind_ds_config,
     effective_ds_config,
@@ -127,6 +128,8 @@ class ZeroStrategy(ParallelStrategy):
             before the job exits naming the stuck rank(s) with every rank's stacks (default 600; ``None``: off).
         auto_resume: on a restarted job (torchrun/SLURM) without ``ckpt_path``, resume from the newest complete
             checkpoint of the ``ModelCheckpoint`` directories (:mod:`lightning_zero.strategies.restarts`).
+        activation_checkpointing, cpu_checkpointing, activation_checkpointing_policy: recompute blocks' activations
+            in backward, optionally keeping their inputs on CPU (``docs/activation_checkpointing.md``).
 
     As ``DeepSpeedStrategy``: without ``config`` the file ``PL_DEEPSPEED_CONFIG_PATH`` names is read, and
     :attr:`config` is the effective ds_config as a dict.
@@ -175,6 +178,9 @@ class ZeroStrategy(ParallelStrategy):
         verbose: bool = False,
         hang_timeout: Optional[Union[float, timedelta]] = DEFAULT_HANG_TIMEOUT,
         auto_resume: bool = True,
+        activation_checkpointing: Any = None,
+        cpu_checkpointing: Optional[bool] = None,
+        activation_checkpointing_policy: Any = None,
     ) -> None:
         # Validate everything before Lightning (or anyone) starts a process group.
         timeout = validation.check_timeout(timeout)
@@ -189,6 +195,8 @@ class ZeroStrategy(ParallelStrategy):
             sharded_module_classes=frozenset(sharded_module_classes) if sharded_module_classes else None,
             reshard_after_forward=reshard_after_forward,
         )
+        self.activation_checkpoint_config = activation_checkpointing_over_config(
+            self._ds_config, activation_checkpointing, cpu_checkpointing, activation_checkpointing_policy)
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"start_method must be 'popen', 'spawn', 'fork' or 'forkserver', got {start_method!r}")
         self._loss_scale_config, self._fp16_loss_scale_config = loss_scale_configs(
@@ -394,13 +402,15 @@ class ZeroStrategy(ParallelStrategy):
         elif self.stage >= 2:
             if not isinstance(self.model, FSDPModule):  # evaluation after fit reuses the sharded module
                 apply_zero(self.model, self._mesh, self.zero_config, device=self.root_device,
-                           mp_policy=self.precision_plugin.fsdp_mp_policy())
+                           mp_policy=self.precision_plugin.fsdp_mp_policy(),
+                           activation_checkpointing=self.activation_checkpoint_config)
             if fitting and not self.lightning_module.automatic_optimization:
                 self._manual_backward = ManualBackward(self.model)
                 self._teardown_handles.append(self._manual_backward)
         elif fitting:
             self.model = apply_zero(self.model, self._mesh, self.zero_config, device=self.root_device,
-                                    ddp_kwargs=ddp_kwargs_for(self._ddp_options, self._ds_config, self.model))
+                                    ddp_kwargs=ddp_kwargs_for(self._ddp_options, self._ds_config, self.model),
+                                    activation_checkpointing=self.activation_checkpoint_config)
             reduce_dtype = self.precision_plugin.ddp_reduce_dtype()
             if reduce_dtype is not None:
                 self.model.register_comm_hook(self._mesh.get_group(), low_precision_allreduce_hook(reduce_dtype))
