@@ -7,10 +7,13 @@ Importing the package registers the strategy names ``zero``, ``zero_stage_1``, `
 from lightning_zero.callbacks import ConsolidateCheckpoint, NCCLDiagnostics, ThroughputLogger
 from lightning_zero.config import ZeroConfig
 from lightning_zero.distributed.buffers import CommBufferPool, comm_buffer_pool
+from lightning_zero.distributed.activations import TransformerShape, activation_bytes, saved_activation_bytes
 from lightning_zero.distributed.memory import (
     MemoryEstimate,
     MemoryReport,
     StateBytes,
+    FullEstimate,
+    estimate_memory,
     estimate_model_states_memory,
     model_state_memory,
     zero_formula,
@@ -23,6 +26,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CommBufferPool",
     "ConsolidateCheckpoint",
+    "FullEstimate",
     "LayerSpec",
     "LossScaleConfig",
     "MemoryEstimate",
@@ -32,15 +36,19 @@ __all__ = [
     "StateBytes",
     "ThroughputLogger",
     "TiedLayerSpec",
+    "TransformerShape",
     "ZeroConfig",
     "ZeroPrecision",
     "ZeroStrategy",
     "__version__",
+    "activation_bytes",
     "apply_zero",
     "build_pipeline",
     "comm_buffer_pool",
+    "estimate_memory",
     "estimate_model_states_memory",
     "find_repeated_blocks",
     "model_state_memory",
+    "saved_activation_bytes",
     "zero_formula",
 ]
