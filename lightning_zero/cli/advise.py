@@ -69,7 +69,6 @@ def add_parser(subparsers) -> None:
     p.add_argument("--precision", choices=list(PRECISIONS), help="default: the config's trainer.precision or 32-true")
     for name in ("hidden", "layers", "heads", "seq-len", "vocab"):
         p.add_argument(f"--{name}", type=_positive_int, help=f"model {name} (default: read from the model)")
-    p.add_argument("--all", action="store_true", help="also predict the rest of the stage x offload x ckpt grid")
     p.add_argument("--measure", action="store_true", help="run a few steps of the best candidates on this machine")
     p.add_argument("--max-candidates", type=_positive_int, default=3, help="rungs to measure (default 3)")
     p.add_argument("--steps", type=_positive_int, default=3, help="measured steps per candidate (after 1 warm-up)")
@@ -141,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     except (AdviseError, ValueError) as err:
         raise _fail(str(err)) from None
     console = Console(width=max(Console().width, 150))  # the table is wide; piped output would wrap it at 80
-    predictions = predict(ladder(micro_batch, args.all), num_params, shape, machine, precision, unit)
+    predictions = predict(ladder(micro_batch), num_params, shape, machine, precision, unit)
     winner = predicted_winner(predictions)
     if args.measure:
         winner = _measure(predictions, spec, shape, machine, precision, args, console)

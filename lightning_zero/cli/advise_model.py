@@ -152,7 +152,7 @@ def infer_shape(module: Any, spec: ModelSpec, overrides: dict) -> tuple[dict, in
     blocks = find_repeated_blocks(module)
     block_modules = [m for m in module.modules() if type(m) in blocks]
     layer_params = max((sum(p.numel() for p in m.parameters()) for m in block_modules), default=0)
-    hints = {**spec.data_args, **spec.init_args}
+    hints = {**dict(getattr(module, "hparams", {}) or {}), **spec.data_args, **spec.init_args}
     found = {
         "hidden": infer_hidden_size(module, hints),
         "layers": len(block_modules) or _lookup(module, _NAMES["layers"], hints),

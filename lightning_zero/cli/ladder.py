@@ -3,8 +3,8 @@
 The order follows the usual DeepSpeed advice (``docs/memory.md``): start from plain data parallelism, enable
 activation checkpointing, move to ZeRO-2, offload the optimizer, ZeRO-3, offload parameters and optimizer, keep the
 checkpointed activations in CPU memory, shrink the micro-batch, and finally NVMe. Each step saves memory and, as a
-rule, costs speed, so the first rung that fits is the predicted winner. ``all_rungs`` adds the rest of the grid
-(stage 0-3 x offload x checkpointing) after the ladder.
+rule, costs speed, so the first rung that fits is the predicted winner. The rest of the grid (stage 0-3 x offload x
+checkpointing) follows the ladder.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-from lightning_zero.distributed.activations import TransformerShape
+from lightning_zero.distributed.activations import CHECKPOINTING, TransformerShape
 from lightning_zero.distributed.memory import PRECISIONS, FullEstimate, estimate_memory
 
 NVME_REASON = "not available: offload='nvme' (ZeRO-Infinity) is not implemented yet"
@@ -38,7 +38,7 @@ class Rung:
     def label(self) -> str:
         parts = [f"ZeRO-{self.stage}"]
         if self.offload:
-            parts.append("offload")
+            parts.append("offload" if self.offload == "cpu" else f"offload to {self.offload}")
         if self.checkpointing != "none":
             parts.append("ckpt" + (" in cpu" if self.checkpointing == "full+cpu" else ""))
         return " + ".join(parts) + f", mb {self.micro_batch}"
@@ -134,8 +134,9 @@ def _availability(rung: Rung) -> Rung:
     return rung
 
 
-def ladder(micro_batch: int, all_rungs: bool = False) -> list[Rung]:
-    """The rungs in ladder order for the desired ``micro_batch`` (then halvings down to 1), then NVMe."""
+def ladder(micro_batch: int) -> list[Rung]:
+    """The rungs in ladder order for the desired ``micro_batch`` (then halvings down to 1), NVMe, then the rest of
+    the stage x offload x checkpointing grid at ``micro_batch``."""
     if micro_batch < 1:
         raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
     mb = micro_batch
@@ -153,14 +154,15 @@ def ladder(micro_batch: int, all_rungs: bool = False) -> list[Rung]:
     while smaller >= 1:
         rungs.append(Rung("smaller micro-batch", 3, "cpu", "full+cpu", smaller))
         smaller //= 2
-    rungs.append(Rung("NVMe offload", 3, None, "full+cpu", 1, reason=NVME_REASON))
-    if all_rungs:
-        named = {(r.stage, r.offload, r.checkpointing, r.micro_batch) for r in rungs if not r.reason}
-        for stage in (0, 1, 2, 3):
-            for offload in ((None,) if stage == 0 else (None, "cpu")):
-                for ckpt in ("none", "full", "full+cpu"):
-                    if (stage, offload, ckpt, mb) not in named:
-                        rungs.append(Rung("grid", stage, offload, ckpt, mb))
+    rungs.append(Rung("NVMe offload", 3, "nvme", "full+cpu", 1, reason=NVME_REASON))
+    # The rest of the grid, cheapest first by the same rule (offload costs most, then checkpointing, then stage):
+    # where checkpointing is not available these are the runnable alternatives to the ladder's later rungs.
+    named = {(r.stage, r.offload, r.checkpointing, r.micro_batch) for r in rungs if not r.reason}
+    grid = [(stage, offload, ckpt) for stage in (0, 1, 2, 3) for offload in ((None,) if stage == 0 else (None, "cpu"))
+            for ckpt in CHECKPOINTING]
+    grid.sort(key=lambda c: (c[1] is not None, CHECKPOINTING.index(c[2]), c[0]))
+    rungs += [Rung("grid", stage, offload, ckpt, mb) for stage, offload, ckpt in grid
+              if (stage, offload, ckpt, mb) not in named]
     return [_availability(r) for r in rungs]
 
 
