@@ -120,6 +120,7 @@ def test_measure_reports_out_of_memory_as_does_not_fit():
     assert result["status"] == "oom" and "MemoryError" in result["message"], result
 
 
+@pytest.mark.slow  # two 2-rank training runs in fresh processes: ~40 s on 2 cores
 def test_measure_runs_candidates_and_ranks_them_by_throughput(tmp_path, capsys):
     code = main(["advise", "--model", "tests.advise_models:TinyGPT", "--devices", "2", "--accelerator", "cpu",
                  "--micro-batch", "2", "--measure", "--max-candidates", "2", "--steps", "2",
