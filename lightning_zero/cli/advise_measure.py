@@ -3,7 +3,8 @@
 The parent (``measure_rung``) starts ``python -m lightning_zero.cli.advise_measure SPEC.json``; that process starts
 one process per rank (fork on CPU, spawn on CUDA), each builds a ``Trainer`` with the rung's ``ZeroStrategy`` and
 runs ``warmup + steps`` steps on random token batches ``(inputs, targets)`` of shape ``(micro_batch, seq_len)``:
-the batch the GPT example's ``training_step`` takes. Each rank reports its median step time and its peak memory:
+the batch the GPT example's ``training_step`` takes. Each rank reports its median step time, the bytes the formulas predict
+(tensors saved for backward plus model states at rest, ``tensors``) and its peak memory:
 ``torch.cuda.max_memory_allocated`` on CUDA, the growth of the resident set's high-water mark (``VmHWM``, reset
 after imports) on CPU. An out-of-memory error, a ``MemoryError`` or a rank killed by a signal (the kernel's
 OOM killer) is "does not fit"; any other failure is reported with its last line, never as a fit.
@@ -54,7 +55,8 @@ def measure_rung(spec: dict, timeout: float = 600.0) -> dict:
         if any(marker in text for marker in OOM_MARKERS):
             return {"status": "oom", "message": _last_error(tail)}
         return {"status": "error", "message": _last_error(tail) or f"exit code {proc.returncode}"}
-    return {"status": "ok", "peak": max(r["peak"] for r in results), "time": max(r["time"] for r in results)}
+    return {"status": "ok", "peak": max(r["peak"] for r in results), "time": max(r["time"] for r in results),
+            "tensors": max(r["tensors"] for r in results)}
 
 
 def _last_error(lines: list) -> str:
@@ -122,15 +124,29 @@ def _train(rank: int, world: int, spec: dict, cuda: bool) -> dict:
     import lightning.pytorch as pl
     import torch
 
-    from lightning_zero import ZeroStrategy
+    from lightning_zero import ZeroStrategy, model_state_memory, saved_activation_bytes
     from lightning_zero.cli.advise_model import ModelSpec, instantiate
 
     baseline = _reset_peak(cuda)
     times: list = []
 
+    tensors: list = []
+
     class Timer(pl.Callback):
+        """Step time, and the bytes the formulas predict: the tensors autograd saves during forward (activations)
+        plus the model states at rest (between backward and the optimizer step)."""
+
         def on_train_batch_start(self, *args):
+            self.saved = saved_activation_bytes()
+            self.activations = self.saved.__enter__()
             self.start = time.perf_counter()
+
+        def on_before_backward(self, *args):
+            self.saved.__exit__(None, None, None)
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            states = model_state_memory(pl_module, trainer.optimizers).total.total
+            tensors.append(states + self.activations.total)
 
         def on_train_batch_end(self, *args):
             if cuda:
@@ -150,7 +166,8 @@ def _train(rank: int, world: int, spec: dict, cuda: bool) -> dict:
                          use_distributed_sampler=False)
     trainer.fit(model, torch.utils.data.DataLoader(batches, batch_size=None))
     measured = times[spec["warmup"]:] or times
-    return {"status": "ok", "time": statistics.median(measured), "peak": _peak(cuda, baseline)}
+    return {"status": "ok", "time": statistics.median(measured), "peak": _peak(cuda, baseline),
+            "tensors": max(tensors, default=0)}
 
 
 def _free_port() -> int:
