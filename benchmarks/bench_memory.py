@@ -65,7 +65,8 @@ def main(argv=None) -> None:
     rows = []
     for pred in predictions:
         est = pred.estimate
-        at_rest = est.states.accelerator.total + est.states.cpu.total + est.activations.accelerator + est.activations.cpu
+        at_rest = (est.states.accelerator.total + est.states.cpu.total + est.activations.accelerator
+                   + est.activations.cpu)
         started = time.perf_counter()
         result = measure_rung({"model_class": spec.model_class, "init_args": init_args, "strategy":
                                pred.rung.strategy_kwargs(), "precision": args.precision,

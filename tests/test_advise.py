@@ -36,7 +36,8 @@ def test_ladder_follows_the_documented_order_and_names_what_is_missing(monkeypat
     assert [r.micro_batch for r in rungs[8:10]] == [2, 1]
     assert rungs[10].reason.startswith("not available") and "nvme" in rungs[10].reason
     assert rungs[1].reason == "needs activation checkpointing support" and rungs[0].reason == ""
-    grid = {(r.stage, r.offload, r.checkpointing) for r in rungs if r.micro_batch == 4 and r.step != "+ parameter offload"}
+    grid = {(r.stage, r.offload, r.checkpointing) for r in rungs
+            if r.micro_batch == 4 and r.step != "+ parameter offload"}
     assert len(grid) == 21  # stage 0-3 x offload (none, cpu; stage 0: none) x checkpointing (none, full, full+cpu)
 
 

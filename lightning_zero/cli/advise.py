@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import time
-from dataclasses import replace
 
 GIB = 1024 ** 3
 

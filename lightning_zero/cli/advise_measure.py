@@ -3,8 +3,8 @@
 The parent (``measure_rung``) starts ``python -m lightning_zero.cli.advise_measure SPEC.json``; that process starts
 one process per rank (fork on CPU, spawn on CUDA), each builds a ``Trainer`` with the rung's ``ZeroStrategy`` and
 runs ``warmup + steps`` steps on random token batches ``(inputs, targets)`` of shape ``(micro_batch, seq_len)``:
-the batch the GPT example's ``training_step`` takes. Each rank reports its median step time, the bytes the formulas predict
-(tensors saved for backward plus model states at rest, ``tensors``) and its peak memory:
+the batch the GPT example's ``training_step`` takes. Each rank reports its median step time, the bytes the
+formulas predict (tensors saved for backward plus model states at rest, ``tensors``) and its peak memory:
 ``torch.cuda.max_memory_allocated`` on CUDA, the growth of the resident set's high-water mark (``VmHWM``, reset
 after imports) on CPU. An out-of-memory error, a ``MemoryError`` or a rank killed by a signal (the kernel's
 OOM killer) is "does not fit"; any other failure is reported with its last line, never as a fit.

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Optional
+from typing import Iterable, Iterator
 
 import torch
 from torch import Tensor
@@ -151,8 +151,9 @@ def saved_activation_bytes(exclude: Iterable[Tensor] = ()) -> Iterator[SavedByte
     """Count the bytes of the tensors autograd saves for backward inside the block, each storage once.
 
     Parameters and views of parameters are left out (a linear layer saves ``weight.t()``: a model state, which
-    ``model_state_memory`` counts); ``exclude`` names further storages to leave out. Tensors saved inside a non-reentrant
-    ``torch.utils.checkpoint`` region go to its own hooks and are not seen; a reentrant one saves its inputs here.
+    ``model_state_memory`` counts); ``exclude`` names further storages to leave out. Tensors saved inside a
+    non-reentrant ``torch.utils.checkpoint`` region go to its own hooks and are not seen; a reentrant one saves its
+    inputs here.
     """
     excluded = {_storage_key(t) for t in exclude if not t.is_meta}
     result = SavedBytes()

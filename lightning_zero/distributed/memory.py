@@ -20,10 +20,13 @@ stage    held per rank                     peak during forward/backward
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Union
+from typing import TYPE_CHECKING, Iterable, Optional, Union
 
 import torch
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from lightning_zero.distributed.activations import ActivationBytes, TransformerShape
 
 _MIXED = ("16-mixed", "bf16-mixed", "16-true", "bf16-true", "16", "bf16")
 PRECISIONS = ("32-true", "32") + _MIXED
