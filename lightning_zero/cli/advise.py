@@ -138,7 +138,9 @@ def run(args: argparse.Namespace) -> int:
         shape = TransformerShape(micro_batch=micro_batch, **shape_kwargs)
     except (AdviseError, ValueError) as err:
         raise _fail(str(err)) from None
-    console = Console(width=max(Console().width, 150))  # the table is wide; piped output would wrap it at 80
+    terminal = Console()
+    # The table is wide: written to a file or a pipe it would otherwise be wrapped at 80 columns.
+    console = terminal if terminal.is_terminal else Console(width=220)
     predictions = predict(ladder(micro_batch), num_params, shape, machine, precision, unit)
     winner = predicted_winner(predictions)
     if args.measure:

@@ -18,9 +18,8 @@ from typing import Optional
 from lightning_zero.distributed.activations import CHECKPOINTING, TransformerShape
 from lightning_zero.distributed.memory import PRECISIONS, FullEstimate, estimate_memory
 
-NVME_REASON = "not available: offload='nvme' (ZeRO-Infinity) is not implemented yet"
-PARAM_ONLY_REASON = ("not available separately: offload='cpu' at stage 3 moves parameters and optimizer states "
-                     "together (FSDP2 CPUOffloadPolicy); see the next rung")
+NVME_REASON = "not available: offload='nvme' is not implemented yet"
+PARAM_ONLY_REASON = "not available separately: offload='cpu' moves parameters and optimizer states together"
 
 
 @dataclass(frozen=True)
