@@ -15,6 +15,10 @@ code behind ``lightning-zero advise --measure``). Columns, per rank (maximum ove
   communication buffers; on CUDA ``torch.cuda.max_memory_allocated``;
 - predicted peak: ``estimate_memory``'s ``accelerator_peak + cpu_peak`` (gathered parameters included).
 
+Rungs with activation checkpointing run once ``ZeroStrategy`` accepts ``activation_checkpointing``; a non-reentrant
+``torch.utils.checkpoint`` keeps the block inputs itself, out of the hook's sight, so for those rungs the tensors
+column undercounts by ``L*s*b*h`` residual-dtype bytes: compare the peaks there.
+
 Then it runs ``lightning-zero advise --measure`` on the same model and reports its choice and wall time.
 """
 
