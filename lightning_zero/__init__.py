@@ -12,10 +12,13 @@ from lightning_zero.distributed.activation_checkpointing import (
     apply_activation_checkpointing,
 )
 from lightning_zero.distributed.buffers import CommBufferPool, comm_buffer_pool
+from lightning_zero.distributed.activations import TransformerShape, activation_bytes, saved_activation_bytes
 from lightning_zero.distributed.memory import (
     MemoryEstimate,
     MemoryReport,
     StateBytes,
+    FullEstimate,
+    estimate_memory,
     estimate_model_states_memory,
     model_state_memory,
     zero_formula,
@@ -29,6 +32,7 @@ __all__ = [
     "ActivationCheckpointConfig",
     "CommBufferPool",
     "ConsolidateCheckpoint",
+    "FullEstimate",
     "LayerSpec",
     "LossScaleConfig",
     "MemoryEstimate",
@@ -38,17 +42,21 @@ __all__ = [
     "StateBytes",
     "ThroughputLogger",
     "TiedLayerSpec",
+    "TransformerShape",
     "ZeroConfig",
     "ZeroPrecision",
     "ZeroStrategy",
     "__version__",
+    "activation_bytes",
     "apply_activation_checkpointing",
     "apply_zero",
     "build_pipeline",
     "comm_buffer_pool",
+    "estimate_memory",
     "estimate_model_states_memory",
     "export_hf",
     "find_repeated_blocks",
     "model_state_memory",
+    "saved_activation_bytes",
     "zero_formula",
 ]

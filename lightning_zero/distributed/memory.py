@@ -20,10 +20,13 @@ stage    held per rank                     peak during forward/backward
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Union
+from typing import TYPE_CHECKING, Iterable, Optional, Union
 
 import torch
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from lightning_zero.distributed.activations import ActivationBytes, TransformerShape
 
 _MIXED = ("16-mixed", "bf16-mixed", "16-true", "bf16-true", "16", "bf16")
 PRECISIONS = ("32-true", "32") + _MIXED
@@ -228,3 +231,59 @@ def estimate_model_states_memory(model_or_num_params: Union[nn.Module, int], sta
     # Stage 3 gathers one unit and prefetches the next; never more than the whole model.
     gathered = {2: p * bp, 3: min(2 * largest_unit_params, p) * bp}.get(stage, 0)
     return MemoryEstimate(accel, cpu, accel.total + gathered, cpu.total)
+
+
+@dataclass(frozen=True)
+class FullEstimate:
+    """Per-rank bytes of one training configuration: model states (``states``) plus one micro-batch's activations.
+
+    ``accelerator_peak`` and ``cpu_peak`` add the activations to the model-state peaks; ``nvme`` stays 0 until NVMe
+    offload exists.
+    """
+
+    states: MemoryEstimate
+    activations: "ActivationBytes"
+    checkpointing: str = "none"
+
+    @property
+    def accelerator_peak(self) -> int:
+        return self.states.accelerator_peak + self.activations.accelerator
+
+    @property
+    def cpu_peak(self) -> int:
+        return self.states.cpu_peak + self.activations.cpu
+
+    @property
+    def nvme(self) -> int:
+        return 0
+
+    def as_table(self) -> list[tuple[str, str]]:
+        gib = 1024 ** 3
+        return self.states.as_table() + [
+            ("activations on the accelerator (GiB)", f"{self.activations.accelerator / gib:.2f}"),
+            ("activations in cpu memory (GiB)", f"{self.activations.cpu / gib:.2f}"),
+            ("accelerator peak with activations (GiB)", f"{self.accelerator_peak / gib:.2f}"),
+            ("cpu peak with activations (GiB)", f"{self.cpu_peak / gib:.2f}")]
+
+
+def estimate_memory(model_or_num_params: Union[nn.Module, int], stage: int, world_size: int,
+                    offload: Optional[str] = None, precision: str = "32-true", *,
+                    shape: Optional["TransformerShape"] = None, checkpointing: str = "none",
+                    largest_unit_params: Optional[int] = None, optimizer_bytes_fp32: int = 8) -> FullEstimate:
+    """Estimate per-rank memory of model states plus activations (``docs/memory.md``).
+
+    The model-state part is ``estimate_model_states_memory`` (same arguments). ``shape`` (a
+    ``lightning_zero.distributed.activations.TransformerShape``: hidden size, layers, heads, sequence length,
+    micro-batch, vocabulary) adds the activations of one micro-batch; without it the activations are 0, which the
+    result says (``activations.accelerator == 0``) rather than guessing. ``checkpointing``: ``"none"``, ``"full"``
+    (activation checkpointing of every block) or ``"full+cpu"`` (checkpointed inputs kept in CPU memory).
+    """
+    from lightning_zero.distributed.activations import ActivationBytes, activation_bytes, CHECKPOINTING
+
+    if checkpointing not in CHECKPOINTING:
+        raise ValueError(f"checkpointing must be one of {CHECKPOINTING}, got {checkpointing!r}")
+    states = estimate_model_states_memory(model_or_num_params, stage, world_size, offload, precision,
+                                          largest_unit_params=largest_unit_params,
+                                          optimizer_bytes_fp32=optimizer_bytes_fp32)
+    acts = activation_bytes(shape, precision, checkpointing) if shape is not None else ActivationBytes(0)
+    return FullEstimate(states, acts, checkpointing)
