@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from lightning_zero.checkpoint.errors import CheckpointError
+from lightning_zero.checkpoint.full_load import check_load_full_weights  # noqa: F401  (ZeroStrategy's)
 from lightning_zero.checkpoint.io import (
     checkpoint_directory,
     load_sharded_checkpoint,
@@ -190,11 +191,18 @@ def _forget_states_not_in_checkpoint(module: torch.nn.Module, optimizers: list, 
 def load(strategy, filepath: str) -> dict[str, Any]:
     """Load a sharded directory into the strategy's module and optimizers; return the rest of the checkpoint.
 
+    A single file (a DDP ``.ckpt``, a consolidated file, ``.safetensors``) goes to
+    :func:`lightning_zero.strategies.full_loading.load_full`, which reads each rank's slices only.
+
     ``LightningModule.strict_loading = False`` accepts missing and unexpected keys (never shape mismatches). With
     optimizers (resuming a fit), their number and types must match the checkpoint's. Errors are
     :class:`CheckpointError` naming the file or the keys.
     """
     wait_for_pending_saves(barrier=False)
+    from lightning_zero.strategies import full_loading  # it imports this module's helpers
+
+    if full_loading.is_full_checkpoint(filepath, strategy.load_full_weights):
+        return full_loading.load_full(strategy, filepath)
     directory = checkpoint_directory(filepath)
     meta = load_meta(directory)  # weights_only; raises a clear error if not a checkpoint
     module = strategy.lightning_module

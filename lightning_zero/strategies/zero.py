@@ -127,6 +127,7 @@ class ZeroStrategy(ParallelStrategy):
             before the job exits naming the stuck rank(s) with every rank's stacks (default 600; ``None``: off).
         auto_resume: on a restarted job (torchrun/SLURM) without ``ckpt_path``, resume from the newest complete
             checkpoint of the ``ModelCheckpoint`` directories (:mod:`lightning_zero.strategies.restarts`).
+        load_full_weights: ``ckpt_path`` must be one file, which may lack optimizer states (``full_loading.py``).
 
     As ``DeepSpeedStrategy``: without ``config`` the file ``PL_DEEPSPEED_CONFIG_PATH`` names is read, and
     :attr:`config` is the effective ds_config as a dict.
@@ -175,6 +176,7 @@ class ZeroStrategy(ParallelStrategy):
         verbose: bool = False,
         hang_timeout: Optional[Union[float, timedelta]] = DEFAULT_HANG_TIMEOUT,
         auto_resume: bool = True,
+        load_full_weights: bool = False,
     ) -> None:
         # Validate everything before Lightning (or anyone) starts a process group.
         timeout = validation.check_timeout(timeout)
@@ -204,6 +206,7 @@ class ZeroStrategy(ParallelStrategy):
         self._ddp_options.check_stage(self.zero_config.stage, pipeline=self._pipeline.enabled)
         self.exclude_frozen_parameters, self.verbose, self.auto_resume = require_flags(
             exclude_frozen_parameters=exclude_frozen_parameters, verbose=verbose, auto_resume=auto_resume)
+        self.load_full_weights = checkpointing.check_load_full_weights(load_full_weights)
         self._pp_mesh = None
         self._runner = None
         self._pipeline_grads = PipelineGradients()
