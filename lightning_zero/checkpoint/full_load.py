@@ -133,12 +133,14 @@ class FullCheckpoint:
         return tuple(self._state[key].shape)
 
     def read(self, key: str, offsets: Sequence[int], sizes: Sequence[int]) -> Tensor:
-        """A copy of ``tensor[offsets : offsets + sizes]`` (per dimension) of model-state tensor ``key``."""
+        """``tensor[offsets : offsets + sizes]`` (per dimension) of model-state tensor ``key``: a view into the
+        mapped file (copy it into its destination; no intermediate copy is made) or, for safetensors, a new tensor
+        of just that slice."""
         index = tuple(slice(start, start + length) for start, length in zip(offsets, sizes))
         if self._safe is not None:
             part = self._safe.get_slice(key)
             return part[index] if index else part[:]
-        return self._state[key][index].clone()
+        return self._state[key][index]
 
     def extras(self) -> Dict[str, Any]:
         return {key: value for key, value in self._state.items() if not isinstance(value, Tensor)}
