@@ -204,3 +204,129 @@ def _bounded_memory_worker(rank, world_size, root):
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc peak-RSS reset")
 def test_loading_reads_only_this_ranks_slices(tmp_path):
     run_distributed(_bounded_memory_worker, 2, str(tmp_path))
+
+
+# ------------------------------------------------------------------------------------- one process: what is refused
+def _plain(tmp_path, **strategy_kwargs):
+    """A plain (stage-0 layout, no process group) model and optimizer, and a file of a trained reference."""
+    path = str(tmp_path / "ddp.ckpt")
+    _reference(path)
+    torch.manual_seed(100)
+    module = Model()
+    module.strict_loading = True
+    opt = _optimizer(module)
+    strategy = SimpleNamespace(lightning_module=module, optimizers=[opt], exclude_frozen_parameters=False,
+                               load_full_weights=False)
+    strategy.__dict__.update(strategy_kwargs)
+    return path, module, opt, strategy
+
+
+def _rewrite(path, edit):
+    checkpoint = torch.load(path, weights_only=True)
+    edit(checkpoint)
+    torch.save(checkpoint, path)
+
+
+def test_strict_loading_missing_unexpected_and_shape_mismatch(tmp_path):
+    path, module, _, strategy = _plain(tmp_path)
+    strategy.optimizers = []
+    reference = torch.load(path, weights_only=True)["state_dict"]
+
+    def edit(checkpoint):
+        checkpoint["state_dict"]["extra.weight"] = torch.ones(2)
+        del checkpoint["state_dict"]["b.bias"]
+
+    _rewrite(path, edit)
+    kept = module.b.bias.detach().clone()
+    with pytest.raises(CheckpointError, match=r"1 missing keys.*b\.bias.*1 unexpected keys.*extra\.weight"):
+        load_full(strategy, path)
+    module.strict_loading = False  # accepted: the rest loads, b.bias keeps its value
+    load_full(strategy, path)
+    assert torch.equal(module.a.weight, reference["a.weight"]) and torch.equal(module.b.bias, kept)
+    _rewrite(path, lambda checkpoint: checkpoint["state_dict"].update({"a.weight": torch.zeros(5, 3)}))
+    with pytest.raises(CheckpointError, match=r"shape mismatches: a\.weight \(checkpoint: \[5, 3\], target: \[5, 4\]"):
+        load_full(strategy, path)  # never accepted, strict or not
+
+
+def test_exclude_frozen_parameters(tmp_path):
+    path, module, _, strategy = _plain(tmp_path)
+    strategy.optimizers = []
+    module.a.weight.requires_grad_(False)
+    _rewrite(path, lambda checkpoint: checkpoint["state_dict"].pop("a.weight"))  # a save that left it out
+    kept = module.a.weight.detach().clone()
+    with pytest.raises(CheckpointError, match=r"missing keys.*a\.weight"):
+        load_full(strategy, path)
+    strategy.exclude_frozen_parameters = True
+    load_full(strategy, path)
+    assert torch.equal(module.a.weight, kept)
+    assert torch.equal(module.b.weight, torch.load(path, weights_only=True)["state_dict"]["b.weight"])
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda c: c["optimizer_states"].append(c["optimizer_states"][0]), "states of 2 optimizer"),
+    (lambda c: c["optimizer_states"][0]["param_groups"].pop(), "has 1 param group.*has 2"),
+    (lambda c: c["optimizer_states"][0]["param_groups"][0]["params"].pop(), "group 0: the checkpoint has 1 param"),
+    (lambda c: c["optimizer_states"][0]["state"][0].update(exp_avg=torch.zeros(4, 5)),
+     r"state 'exp_avg' of 'a\.weight' has shape \[4, 5\], the parameter \[5, 4\]"),
+    (lambda c: c["optimizer_states"][0]["state"][0].update(momentum_buffer=c["optimizer_states"][0]["state"][0].pop(
+        "exp_avg")), "another optimizer type"),
+    (lambda c: c["optimizer_states"][0]["param_groups"][0].update(params=["b.weight", "a.weight"]),
+     "holds parameter 'b.weight' where the optimizer being resumed has 'a.weight'"),
+], ids=["optimizer-count", "group-count", "param-count", "state-shape", "optimizer-type", "names-out-of-order"])
+def test_optimizer_states_that_do_not_line_up_are_refused(tmp_path, edit, message):
+    path, module, opt, strategy = _plain(tmp_path)
+    _rewrite(path, edit)
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    with pytest.raises(CheckpointError, match=message):
+        load_full(strategy, path)
+    for key, value in module.state_dict().items():  # refused before anything was loaded
+        assert torch.equal(value, before[key]), key
+
+
+def test_optimizer_states_keyed_by_name(tmp_path):
+    """FSDP/ModelParallel full checkpoints key optimizer states by parameter name."""
+    path, module, opt, strategy = _plain(tmp_path)
+    names = ["a.weight", "b.weight", "a.bias", "b.bias"]
+
+    def by_name(checkpoint):
+        osd = checkpoint["optimizer_states"][0]
+        osd["state"] = {names[i]: value for i, value in osd["state"].items()}
+        for group in osd["param_groups"]:
+            group["params"] = [names[i] for i in group["params"]]
+
+    expected = torch.load(path, weights_only=True)["optimizer_states"][0]["state"]
+    _rewrite(path, by_name)
+    load_full(strategy, path)
+    for index, param in enumerate([module.a.weight, module.b.weight, module.a.bias, module.b.bias]):
+        for key, value in expected[index].items():
+            assert torch.equal(opt.state[param][key], value), (names[index], key)
+
+
+def test_which_paths_load_as_a_full_checkpoint(tmp_path):
+    from lightning_zero.strategies.full_loading import is_full_checkpoint
+    from lightning_zero.strategies.validation import check_ckpt_path
+
+    path, *_ = _plain(tmp_path)
+    assert is_full_checkpoint(path, False) and is_full_checkpoint(path, True)
+    sharded = tmp_path / "sharded.ckpt"
+    sharded.mkdir()
+    for name in ("zero.json", ".metadata", "__0_0.distcp"):
+        (sharded / name).write_bytes(b"")
+    assert not is_full_checkpoint(str(sharded), False)
+    with pytest.raises(CheckpointError, match=r"is a directory, but ZeroStrategy\(load_full_weights=True\)"):
+        is_full_checkpoint(str(sharded), True)
+    with pytest.raises(CheckpointError, match=f"inside the sharded checkpoint {sharded}: pass the directory"):
+        is_full_checkpoint(str(sharded / "__0_0.distcp"), False)
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.ones(2)}, str(tmp_path / "w.safetensors"))
+
+    def fit(ckpt_path=None):
+        pass
+
+    for good in (path, str(tmp_path / "w.safetensors")):  # checked before launch: accepted
+        check_ckpt_path(fit, (), {"ckpt_path": good})
+    assert check_load_full_weights(True) is True
+    with pytest.raises(TypeError, match="load_full_weights must be True or False"):
+        check_load_full_weights(1)
+    assert FullCheckpoint(str(tmp_path / "w.safetensors")).state_keys == ["w"]

@@ -252,52 +252,61 @@ def _saved_positions(source: FullCheckpoint, index: int, saved: Any, target: Opt
     return positions
 
 
-def load_full_optimizer_states(targets: List[OptimizerTarget], source: FullCheckpoint) -> None:
-    """Load ``source.optimizer_states`` into ``targets``, resharded (see the optimizer-states note).
+def check_full_optimizer_states(targets: List[OptimizerTarget], source: FullCheckpoint) -> List[list]:
+    """Check that ``source.optimizer_states`` line up with ``targets`` (see the optimizer-states note) before
+    anything is changed; return the plan :func:`apply_full_optimizer_states` carries out.
 
     Each optimizer must already hold a state for every parameter it steps (placeholders created by one step of
-    learning rate 0): the placeholders give each state's layout (a DTensor shard, a CPU master's, a plain
-    tensor). Parameters the checkpoint has no state for (never stepped) start fresh; param-group hyper-parameters
-    (``lr``, ``weight_decay``, ...) are restored as ``Optimizer.load_state_dict`` restores them.
+    learning rate 0): they give each state's layout (a DTensor shard, a CPU master's, a plain tensor) and its keys,
+    which must be the checkpoint's (another optimizer type's states are refused).
     """
     saved_states = source.optimizer_states or []
     if len(saved_states) != len(targets):
         raise CheckpointError(f"{source.path}: the checkpoint holds the states of {len(saved_states)} optimizer(s), "
                               f"the model being resumed has {len(targets)}; configure_optimizers must return as many "
                               "optimizers as when it was saved", source.path)
+    plans = []
     for index, (saved, target) in enumerate(zip(saved_states, targets)):
         positions = _saved_positions(source, index, saved, target)
-        state = saved["state"]
-        plan = []  # check everything before changing anything
+        where = f"{source.path}: optimizer #{index}"
+        plan = []
         for ids, params, names in zip(positions, target.params, target.names):
             for position, param, name in zip(ids, params, names):
                 if isinstance(position, str) and position != name:
-                    raise CheckpointError(f"{source.path}: optimizer #{index} holds parameter {position!r} where "
-                                          f"the optimizer being resumed has {name!r}", source.path)
-                plan.append((param, name, state.get(position)))
-        for param, name, values in plan:
-            if values is None:
-                continue
-            if not isinstance(values, dict):
-                raise CheckpointError(f"{source.path}: optimizer #{index} state of {name!r} is not a dict",
-                                      source.path)
-            for key, value in values.items():
-                if isinstance(value, Tensor) and value.dim() > 0 and tuple(value.shape) != tuple(param.shape):
-                    raise CheckpointError(f"{source.path}: optimizer #{index} state {key!r} of {name!r} has shape "
-                                          f"{list(value.shape)}, the parameter {list(param.shape)}", source.path)
-        optimizer = target.optimizer
-        for param, name, values in plan:
-            held = target.held(param)
+                    raise CheckpointError(f"{where} holds parameter {position!r} where the optimizer being resumed "
+                                          f"has {name!r}", source.path)
+                values, held = saved["state"].get(position), target.held(param)
+                plan.append((held, values))
+                if values is None:
+                    continue
+                if not isinstance(values, dict):
+                    raise CheckpointError(f"{where}: the state of {name!r} is not a dict", source.path)
+                for key, value in values.items():
+                    if isinstance(value, Tensor) and value.dim() > 0 and tuple(value.shape) != tuple(param.shape):
+                        raise CheckpointError(f"{where}: state {key!r} of {name!r} has shape {list(value.shape)}, "
+                                              f"the parameter {list(param.shape)}", source.path)
+                own = target.optimizer.state.get(held) if held is not None else None
+                if own is not None and set(own) != set(values):
+                    raise CheckpointError(f"{where}: the state of {name!r} holds {sorted(values)}, the optimizer "
+                                          f"being resumed keeps {sorted(own)}: the checkpoint is another optimizer "
+                                          "type's", source.path)
+        plans.append([target.optimizer, plan, saved["param_groups"]])
+    return plans
+
+
+def apply_full_optimizer_states(plans: List[list]) -> None:
+    """Copy each rank's part of the checked states (:func:`check_full_optimizer_states`) into the optimizers.
+
+    Parameters the checkpoint has no state for (never stepped) start fresh; param-group hyper-parameters (``lr``,
+    ``weight_decay``, ...) are restored as ``Optimizer.load_state_dict`` restores them.
+    """
+    for optimizer, plan, saved_groups in plans:
+        for held, values in plan:
             if held is None:
                 continue  # stepped by another rank (stage 1): its state lives there
             if values is None:
                 optimizer.state.pop(held, None)  # never stepped when saved: starts fresh, as after load_state_dict
                 continue
-            own = optimizer.state.get(held)
-            if own is not None and set(own) != set(values):
-                raise CheckpointError(f"{source.path}: optimizer #{index} state of {name!r} holds "
-                                      f"{sorted(values)}, the optimizer being resumed keeps {sorted(own)}: the "
-                                      "checkpoint is another optimizer type's", source.path)
             own = optimizer.state.setdefault(held, {})
             for key, value in values.items():
                 mine = own.get(key)
@@ -311,5 +320,11 @@ def load_full_optimizer_states(targets: List[OptimizerTarget], source: FullCheck
                         mine.copy_(value)  # a scalar such as Adam's step, kept on the device the optimizer chose
                 else:
                     own[key] = value.clone() if isinstance(value, Tensor) else copy.deepcopy(value)
-        for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
+        for group, saved_group in zip(optimizer.param_groups, saved_groups):
             group.update({k: copy.deepcopy(v) for k, v in saved_group.items() if k != "params"})
+
+
+def load_full_optimizer_states(targets: List[OptimizerTarget], source: FullCheckpoint) -> None:
+    """Load ``source.optimizer_states`` into ``targets``, resharded: :func:`check_full_optimizer_states`, then
+    :func:`apply_full_optimizer_states`."""
+    apply_full_optimizer_states(check_full_optimizer_states(targets, source))

@@ -21,7 +21,8 @@ from lightning_zero.checkpoint.errors import CheckpointError
 from lightning_zero.checkpoint.full_load import (
     FullCheckpoint,
     OptimizerTarget,
-    load_full_optimizer_states,
+    apply_full_optimizer_states,
+    check_full_optimizer_states,
     load_full_state_dict,
 )
 from lightning_zero.checkpoint.io import is_sharded_checkpoint
@@ -101,14 +102,17 @@ def load_full(strategy: Any, path: str) -> dict[str, Any]:
                 f"{path}: the file holds no optimizer states (saved with save_weights_only=True, a consolidated or "
                 "safetensors file), so fit cannot resume from it. Pass ZeroStrategy(load_full_weights=True) to start "
                 "training from its weights with fresh optimizer and LR scheduler states", path)
-        own = module_state_dict(module)
-        load_full_state_dict(own, source, strict=module.strict_loading, optional=optional)
-        module.load_state_dict(own, strict=module.strict_loading)
-        if optimizers and source.optimizer_states is not None:
+        plans = None
+        if optimizers and source.optimizer_states is not None:  # checked before the weights change
             for optimizer in optimizers:
                 if not optimizer.state:
                     _initialise_optimizer_state(optimizer)
-            load_full_optimizer_states([optimizer_target(module, o) for o in optimizers], source)
+            plans = check_full_optimizer_states([optimizer_target(module, o) for o in optimizers], source)
+        own = module_state_dict(module)
+        load_full_state_dict(own, source, strict=module.strict_loading, optional=optional)
+        module.load_state_dict(own, strict=module.strict_loading)
+        if plans is not None:
+            apply_full_optimizer_states(plans)
         elif optimizers:
             rank_zero_warn(f"{path} holds no optimizer states: with load_full_weights=True the optimizers and LR "
                            "schedulers start fresh from its weights (as DeepSpeed's load_full_weights)")
