@@ -330,3 +330,24 @@ def test_which_paths_load_as_a_full_checkpoint(tmp_path):
     with pytest.raises(TypeError, match="load_full_weights must be True or False"):
         check_load_full_weights(1)
     assert FullCheckpoint(str(tmp_path / "w.safetensors")).state_keys == ["w"]
+
+
+# --------------------------------------------------------------------------- a refusal one rank finds (2 ranks)
+def _one_rank_refuses_worker(rank, world_size, root):
+    path = os.path.join(root, "ddp.ckpt")
+    if rank == 0:
+        _reference(path)
+
+        def edit(checkpoint):  # another optimizer type's state for one parameter: only its owner sees it
+            state = checkpoint["optimizer_states"][0]["state"][0]
+            state["momentum_buffer"] = state.pop("exp_avg")
+
+        _rewrite(path, edit)
+    torch.distributed.barrier()
+    module, opt, strategy = _sharded(1, None, rank)
+    with pytest.raises(CheckpointError, match="another optimizer type"):
+        load_full(strategy, path)  # on every rank, not only on the owner of a.weight (the other would hang)
+
+
+def test_a_refusal_found_on_one_rank_is_raised_on_every_rank(tmp_path):
+    run_distributed(_one_rank_refuses_worker, 2, str(tmp_path))

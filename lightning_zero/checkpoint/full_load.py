@@ -178,33 +178,40 @@ def copy_into(target: Tensor, read: Callable[[Tuple[int, ...], Tuple[int, ...]],
         local.copy_(read(offsets, sizes).reshape(local.shape))
 
 
-def load_full_state_dict(target: Dict[str, Any], source: FullCheckpoint, *, strict: bool, keep: Iterable[str] = (),
-                         optional: Iterable[str] = ()) -> List[str]:
-    """Fill the tensors of ``target`` (a module's state dict: DTensors or plain tensors) in place from ``source``.
+def check_full_state_dict(target: Dict[str, Any], source: FullCheckpoint, *, strict: bool,
+                          optional: Iterable[str] = (), elsewhere: Iterable[str] = ()) -> None:
+    """Refuse a ``source`` that does not fit ``target`` (a module's state dict: DTensors or plain tensors).
 
-    ``keep`` names keys the module keeps as they are (left out of ``target`` by the caller's choice: never missing,
-    never read); ``optional`` names target keys that may be absent from the file (e.g. frozen parameters a save
-    excluded). Missing and unexpected keys are errors unless ``strict=False``; a shape mismatch always is. Returns
-    the target keys that were loaded.
+    ``optional`` names target keys that may be absent from the file (frozen parameters a save excluded);
+    ``elsewhere`` names keys other ranks load (pipeline stages hold parts of the model), which are not unexpected
+    here. Missing and unexpected keys are errors unless ``strict=False``; a shape mismatch always is.
     """
-    keep, optional = set(keep), set(optional)
+    optional, elsewhere = set(optional), set(elsewhere)
     stored = set(source.state_keys) | set(source.extras())
-    missing = [k for k in target if k not in stored and k not in optional and k not in keep]
-    unexpected = [k for k in source.state_keys if k not in target and k not in keep]
+    missing = [k for k in target if k not in stored and k not in optional]
+    unexpected = [k for k in source.state_keys if k not in target and k not in elsewhere]
     mismatched = []
     for key, value in target.items():
         if key in source.state_keys and isinstance(value, Tensor) and tuple(value.shape) != source.shape(key):
             mismatched.append(f"{key} (checkpoint: {list(source.shape(key))}, target: {list(value.shape)})")
-    if mismatched or (strict and (missing or unexpected)):
-        parts = ([_listing("missing keys (in the model, not in the checkpoint)", missing)] if strict and missing
-                 else []) + ([_listing("unexpected keys (in the checkpoint, not in the model)", unexpected)]
-                             if strict and unexpected else [])
-        if mismatched:
-            parts.append(_listing("shape mismatches", mismatched))
-        hint = " strict=False (LightningModule.strict_loading = False) ignores missing and unexpected keys, never " \
-               "shape mismatches." if strict else ""
-        raise CheckpointError(f"{source.path}: the checkpoint does not match the model it is loaded into: "
-                              + "; ".join(parts) + "." + hint, source.path)
+    if not mismatched and (not strict or not (missing or unexpected)):
+        return
+    parts = []
+    if strict and missing:
+        parts.append(_listing("missing keys (in the model, not in the checkpoint)", missing))
+    if strict and unexpected:
+        parts.append(_listing("unexpected keys (in the checkpoint, not in the model)", unexpected))
+    if mismatched:
+        parts.append(_listing("shape mismatches", mismatched))
+    hint = " strict=False (LightningModule.strict_loading = False) ignores missing and unexpected keys, never " \
+           "shape mismatches." if strict else ""
+    raise CheckpointError(f"{source.path}: the checkpoint does not match the model it is loaded into: "
+                          + "; ".join(parts) + "." + hint, source.path)
+
+
+def copy_full_state_dict(target: Dict[str, Any], source: FullCheckpoint) -> List[str]:
+    """Fill this rank's part of every tensor of ``target`` that ``source`` holds, in place (non-tensor entries such
+    as ``_extra_state`` are replaced); return the keys loaded. Check first with :func:`check_full_state_dict`."""
     loaded = []
     extras = source.extras()
     for key, value in target.items():
@@ -215,6 +222,14 @@ def load_full_state_dict(target: Dict[str, Any], source: FullCheckpoint, *, stri
             target[key] = copy.deepcopy(extras[key])
             loaded.append(key)
     return loaded
+
+
+def load_full_state_dict(target: Dict[str, Any], source: FullCheckpoint, *, strict: bool,
+                         optional: Iterable[str] = ()) -> List[str]:
+    """:func:`check_full_state_dict`, then :func:`copy_full_state_dict` (one process, or every rank holding the
+    whole key set)."""
+    check_full_state_dict(target, source, strict=strict, optional=optional)
+    return copy_full_state_dict(target, source)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import os
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
 from lightning_zero.checkpoint.atomic import local_path
 from lightning_zero.checkpoint.errors import CheckpointError
@@ -23,7 +24,8 @@ from lightning_zero.checkpoint.full_load import (
     OptimizerTarget,
     apply_full_optimizer_states,
     check_full_optimizer_states,
-    load_full_state_dict,
+    check_full_state_dict,
+    copy_full_state_dict,
 )
 from lightning_zero.checkpoint.io import is_sharded_checkpoint
 from lightning_zero.distributed.optimizer import get_sharding
@@ -68,15 +70,34 @@ def optimizer_target(module: torch.nn.Module, optimizer: torch.optim.Optimizer) 
                            lambda param: held.get(id(param)))
 
 
+def _all_ranks(value: Any) -> list:
+    """``value`` from every rank (``[value]`` without a process group)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [value]
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def _raise_on_every_rank(error: Optional[CheckpointError]) -> None:
+    """Raise the first problem any rank found, on every rank: at stage 1 or in a pipeline a rank checks only what it
+    holds, and a rank raising alone would leave the others waiting in the next collective."""
+    found = [message for message in _all_ranks(str(error) if error is not None else None) if message]
+    if error is not None:
+        raise error
+    if found:
+        raise CheckpointError(found[0])
+
+
 def load_full(strategy: Any, path: str) -> dict[str, Any]:
     """Load the single-file checkpoint ``path`` into the strategy's (sharded) module and optimizers; return the
     rest of it for Lightning (loops, callbacks, LR schedulers) with ``state_dict`` holding the loaded weights.
 
-    ``LightningModule.strict_loading`` and ``exclude_frozen_parameters`` are honoured as for a sharded checkpoint;
-    weights are cast to the module's dtypes (a ``bf16-true`` model loads an fp32 file). When fitting, the file's
-    optimizer states are resharded into the optimizers; a file without any (``save_weights_only``, safetensors, a
-    consolidated file) is refused unless ``load_full_weights=True``, which starts the optimizers and LR schedulers
-    fresh from the loaded weights, as DeepSpeed's flag of that name does.
+    Collective: every rank reads its own slices, after every rank's checks passed. ``LightningModule.strict_loading``
+    and ``exclude_frozen_parameters`` are honoured as for a sharded checkpoint; weights are cast to the module's
+    dtypes. When fitting, the file's optimizer states are resharded into the optimizers; a file without any
+    (``save_weights_only``, safetensors, a consolidated file) is refused unless ``load_full_weights=True``, which
+    starts the optimizers and LR schedulers fresh from the loaded weights, as DeepSpeed's flag of that name does.
     """
     from lightning.fabric.utilities.rank_zero import rank_zero_warn
     from lightning.pytorch import __version__ as lightning_version
@@ -90,8 +111,12 @@ def load_full(strategy: Any, path: str) -> dict[str, Any]:
     path = local_path(path)
     module = strategy.lightning_module
     optimizers = [getattr(o, "_optimizer", o) for o in strategy.optimizers]
-    source = FullCheckpoint(path)
+    own = module_state_dict(module)
+    elsewhere = {key for keys in _all_ranks(sorted(own)) for key in keys}  # pipeline stages hold parts of the model
+    source: Optional[FullCheckpoint] = None
+    error, plans, rest = None, None, {}
     try:
+        source = FullCheckpoint(path)
         rest = source.rest()
         # Weights a save left out (exclude_frozen_parameters), or frozen weights this strategy excludes, may be absent
         optional = set(rest.pop("frozen_parameters_excluded", ()))
@@ -102,14 +127,17 @@ def load_full(strategy: Any, path: str) -> dict[str, Any]:
                 f"{path}: the file holds no optimizer states (saved with save_weights_only=True, a consolidated or "
                 "safetensors file), so fit cannot resume from it. Pass ZeroStrategy(load_full_weights=True) to start "
                 "training from its weights with fresh optimizer and LR scheduler states", path)
-        plans = None
         if optimizers and source.optimizer_states is not None:  # checked before the weights change
             for optimizer in optimizers:
                 if not optimizer.state:
                     _initialise_optimizer_state(optimizer)
             plans = check_full_optimizer_states([optimizer_target(module, o) for o in optimizers], source)
-        own = module_state_dict(module)
-        load_full_state_dict(own, source, strict=module.strict_loading, optional=optional)
+        check_full_state_dict(own, source, strict=module.strict_loading, optional=optional, elsewhere=elsewhere)
+    except CheckpointError as err:
+        error = err
+    try:
+        _raise_on_every_rank(error)
+        copy_full_state_dict(own, source)
         module.load_state_dict(own, strict=module.strict_loading)
         if plans is not None:
             apply_full_optimizer_states(plans)
@@ -118,7 +146,8 @@ def load_full(strategy: Any, path: str) -> dict[str, Any]:
                            "schedulers start fresh from its weights (as DeepSpeed's load_full_weights)")
             rest["lr_schedulers"] = []  # none to restore: Lightning would otherwise refuse the missing key
     finally:
-        source.close()
+        if source is not None:
+            source.close()
     for optimizer in optimizers:
         sharding = get_sharding(optimizer)
         if sharding is not None and sharding.masters:  # offloaded stage-1 masters follow the loaded parameters
