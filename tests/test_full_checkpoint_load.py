@@ -377,3 +377,30 @@ def _stage_split_worker(rank, world_size, root):
 
 def test_pipeline_stages_each_load_their_part(tmp_path):
     run_distributed(_stage_split_worker, 2, str(tmp_path))
+
+
+# ------------------------------------------------------------------- through the Trainer: safetensors, bf16-true
+def _trainer_safetensors_worker(rank, world_size, root, precision):
+    from lightning.pytorch import seed_everything
+    from safetensors.torch import save_file
+
+    from tests.conformance.models import RegressionModule, full_state, trainer, zero
+
+    seed_everything(0)
+    saved = {k: v.to(torch.bfloat16) for k, v in RegressionModule().state_dict().items()}  # as bf16-true DDP saves
+    path = os.path.join(root, "model.safetensors")
+    if rank == 0:
+        save_file(saved, path)
+    torch.distributed.barrier()
+    seed_everything(1)
+    module = RegressionModule()
+    trainer(zero(3), precision=precision, limit_val_batches=1).validate(module, ckpt_path=path, verbose=False)
+    got = full_state(module)
+    assert got.keys() == saved.keys()
+    for key, value in got.items():  # the module's own dtype (ZeroStrategy keeps fp32 masters), the file's values
+        assert torch.equal(value, saved[key].to(value.dtype)), key
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", "32-true"])
+def test_validate_from_a_safetensors_file(tmp_path, precision):
+    run_distributed(_trainer_safetensors_worker, 2, str(tmp_path), precision)
