@@ -13,7 +13,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from lightning.pytorch import seed_everything
 from torch import nn
 
 from lightning_zero import ZeroConfig, apply_zero
@@ -74,7 +73,7 @@ def _sharded(stage, offload, rank):
     module = Model()
     config = ZeroConfig(stage=stage, offload=offload)
     mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
-    apply_zero(module if stage >= 2 else module, mesh, config)
+    apply_zero(module, mesh, config)  # stages 0-1 return a DDP wrapper; the module is what loading sees
     opt = _optimizer(module)
     shard_optimizer(opt, config, group=mesh.get_group())
     strategy = SimpleNamespace(lightning_module=module, optimizers=[opt], exclude_frozen_parameters=False,
@@ -404,3 +403,21 @@ def _trainer_safetensors_worker(rank, world_size, root, precision):
 @pytest.mark.parametrize("precision", ["bf16-true", "32-true"])
 def test_validate_from_a_safetensors_file(tmp_path, precision):
     run_distributed(_trainer_safetensors_worker, 2, str(tmp_path), precision)
+
+
+def test_a_legacy_format_file_is_read_whole_with_a_warning(tmp_path):
+    from lightning_zero.strategies.validation import check_ckpt_path
+
+    path, module, _, strategy = _plain(tmp_path)
+    strategy.optimizers = []
+    checkpoint = torch.load(path, weights_only=True)
+    torch.save(checkpoint, path, _use_new_zipfile_serialization=False)  # torch < 1.6's format: no mmap
+
+    def fit(ckpt_path=None):
+        pass
+
+    check_ckpt_path(fit, (), {"ckpt_path": path})
+    with pytest.warns(UserWarning, match="legacy serialization format.*every rank reads the whole file"):
+        load_full(strategy, path)
+    for key, value in checkpoint["state_dict"].items():
+        assert torch.equal(module.state_dict()[key], value), key

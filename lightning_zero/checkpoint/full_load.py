@@ -40,12 +40,11 @@ from torch import Tensor
 from lightning_zero.checkpoint.errors import CheckpointError
 from lightning_zero.checkpoint.matching import _listing
 from lightning_zero.checkpoint.safe_load import safe_torch_load
-from lightning_zero.checkpoint.streaming import SAFETENSORS_DTYPES
 
 PathLike = Union[str, os.PathLike]
 
 _ZIP_MAGIC = b"PK\x03\x04"
-_SAFETENSORS_TYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
+_LEGACY_MAGIC = b"\x80\x02"  # a pickle (protocol 2): torch's pre-1.6 serialization format
 
 
 def check_load_full_weights(value: Any) -> bool:
@@ -63,7 +62,7 @@ def _is_safetensors(path: str) -> bool:
 
 
 def describe_full_checkpoint_file(path: PathLike) -> Optional[str]:
-    """``None`` when ``path`` looks like a loadable full checkpoint (a torch zip file or a safetensors file), else
+    """``None`` when ``path`` looks like a loadable full checkpoint (a torch.save file or a safetensors file), else
     why not. A cheap look at the first bytes, for the check before any process starts."""
     path = os.fspath(path)
     try:
@@ -71,9 +70,9 @@ def describe_full_checkpoint_file(path: PathLike) -> Optional[str]:
             head = file.read(9)
     except OSError as err:
         return f"{path}: cannot be read ({err})"
-    if head[:4] == _ZIP_MAGIC or _is_safetensors(path):
+    if head[:4] == _ZIP_MAGIC or head[:2] == _LEGACY_MAGIC or _is_safetensors(path):
         return None
-    return (f"{path}: not a checkpoint file (neither a torch.save zip file nor safetensors); pass a Lightning .ckpt, "
+    return (f"{path}: not a checkpoint file (neither a torch.save file nor safetensors); pass a Lightning .ckpt, "
             "a consolidated file, a .safetensors file or a lightning-zero sharded checkpoint directory")
 
 

@@ -187,7 +187,7 @@ _SYMBOLIC_CKPT_PATHS = ("last", "best", "hpc", "registry")
 
 def check_ckpt_path(function: Any, args: tuple, kwargs: dict) -> None:
     """Refuse a ``ckpt_path`` given to ``fit/validate/test/predict`` that ZeroStrategy cannot load, before any rank
-    starts: a URL, a file that is no checkpoint (neither a torch.save zip nor safetensors), a path inside a sharded
+    starts: a URL, a file that is no checkpoint (neither a torch.save file nor safetensors), a path inside a sharded
     checkpoint, an incomplete directory. A single checkpoint file is loaded (``strategies/full_loading.py``).
     Lightning passes it to the launched function only (its signature is read, not assumed); symbolic names are
     resolved later."""

@@ -365,8 +365,8 @@ def _bad_ckpt_path(root, kind):
 
 
 CKPT_PATHS = [
-    ("not-a-checkpoint-file", CheckpointError, "notes.ckpt: not a checkpoint file .neither a torch.save zip file "
-                                               "nor safetensors"),
+    ("not-a-checkpoint-file", CheckpointError, "notes.ckpt: not a checkpoint file .neither a torch.save file nor "
+                                               "safetensors"),
     ("inside-sharded", ValueError, r"__0_0.distcp' is a file inside the sharded checkpoint .*sharded.ckpt: pass the"),
     ("zero-json", ValueError, r"zero.json' is a file inside the sharded checkpoint .*sharded.ckpt"),
     ("incomplete-directory", CheckpointError, "half.ckpt is a directory but not a complete lightning-zero checkpoint"),
