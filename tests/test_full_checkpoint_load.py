@@ -421,3 +421,32 @@ def test_a_legacy_format_file_is_read_whole_with_a_warning(tmp_path):
         load_full(strategy, path)
     for key, value in checkpoint["state_dict"].items():
         assert torch.equal(module.state_dict()[key], value), key
+
+
+def _validate_after_fit_worker(rank, world_size, root):
+    """validate/test after a fit keep the fit's optimizers attached, yet restore weights only: a weights-only
+    checkpoint (sharded or a single file) is not refused there, and the optimizer states are left alone."""
+    from tests.conformance.models import RegressionModule, full_state, trainer, zero
+
+    t = trainer(zero(2), max_steps=2, limit_val_batches=1)
+    t.fit(RegressionModule())
+    sharded = os.path.join(root, "weights.ckpt")
+    t.save_checkpoint(sharded, weights_only=True)
+    single = os.path.join(root, "single.ckpt")
+    expected = {k: v + 1 for k, v in full_state(t.lightning_module).items()}  # other weights than the module's
+    if rank == 0:
+        torch.save({"state_dict": expected, "pytorch-lightning_version": "2.6.0"}, single)
+    torch.distributed.barrier()
+    before = {name: {k: v.full_tensor().clone() if hasattr(v, "full_tensor") else v.clone()
+                     for k, v in state.items()} for name, state in enumerate(t.optimizers[0].state.values())}
+    t.validate(ckpt_path=sharded, verbose=False)
+    t.validate(ckpt_path=single, verbose=False)
+    assert all(torch.equal(full_state(t.lightning_module)[k], v) for k, v in expected.items())
+    after = {name: {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state.items()}
+             for name, state in enumerate(t.optimizers[0].state.values())}
+    assert after.keys() == before.keys() and all(torch.equal(after[n][k], before[n][k]) for n in before
+                                                 for k in before[n])
+
+
+def test_validate_after_fit_loads_weights_only(tmp_path):
+    run_distributed(_validate_after_fit_worker, 2, str(tmp_path))

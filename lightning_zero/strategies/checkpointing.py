@@ -140,6 +140,16 @@ def save(strategy, checkpoint: dict[str, Any], filepath: str) -> None:
     save_sharded_checkpoint(filepath, tensors, checkpoint, async_save=strategy.async_save, info=info)
 
 
+def optimizers_to_restore(strategy) -> list:
+    """The optimizers a checkpoint's states go into: the strategy's when fitting. ``validate``/``test``/``predict``
+    after a ``fit`` still have the fit's optimizers attached, but restore weights only (as Lightning does), so a
+    weights-only checkpoint is not refused there and the optimizers are left untouched."""
+    trainer = getattr(strategy.lightning_module, "_trainer", None)
+    if trainer is not None and trainer.state.fn != "fit":
+        return []
+    return [getattr(o, "_optimizer", o) for o in strategy.optimizers]
+
+
 def optimizer_type(optimizer) -> str:
     """``module.Class`` of the optimizer Lightning wraps, as recorded in ``zero.json``."""
     inner = type(getattr(optimizer, "_optimizer", optimizer))
@@ -210,11 +220,11 @@ def load(strategy, filepath: str) -> dict[str, Any]:
     # Weights the checkpoint left out (exclude_frozen_parameters) are not in it: the module keeps its own.
     excluded = set(meta.pop("frozen_parameters_excluded", ()))
     target: dict[str, Any] = {"state_dict": {k: v for k, v in own.items() if k not in excluded}}
-    optimizers = [getattr(o, "_optimizer", o) for o in strategy.optimizers]
+    optimizers = optimizers_to_restore(strategy)
     saved_groups = meta.pop("optimizer_param_groups", [])
     if optimizers:
         saved_types = read_checkpoint_info(directory).get("optimizers")
-        _check_optimizers(directory, strategy.optimizers, saved_groups, saved_types)
+        _check_optimizers(directory, optimizers, saved_groups, saved_types)
         stored_states = _params_with_stored_state(directory, len(optimizers))
         target["optimizer_states"] = {}
         for i, optimizer in enumerate(optimizers):

@@ -106,13 +106,12 @@ def load_full(strategy: Any, path: str) -> dict[str, Any]:
         _initialise_optimizer_state,
         frozen_parameter_names,
         module_state_dict,
+        optimizers_to_restore,
     )
 
     path = local_path(path)
     module = strategy.lightning_module
-    trainer = getattr(module, "_trainer", None)
-    fitting = trainer is None or trainer.state.fn == "fit"  # validate/test after a fit keep the fit's optimizers
-    optimizers = [getattr(o, "_optimizer", o) for o in strategy.optimizers] if fitting else []
+    optimizers = optimizers_to_restore(strategy)  # none for validate/test, also after a fit
     own = module_state_dict(module)
     elsewhere = {key for keys in _all_ranks(sorted(own)) for key in keys}  # pipeline stages hold parts of the model
     source: Optional[FullCheckpoint] = None
