@@ -79,10 +79,12 @@ def _all_ranks(value: Any) -> list:
     return gathered
 
 
-def _raise_on_every_rank(error: Optional[CheckpointError]) -> None:
+def _raise_on_every_rank(error: Optional[Exception]) -> None:
     """Raise the first problem any rank found, on every rank: at stage 1 or in a pipeline a rank checks only what it
     holds, and a rank raising alone would leave the others waiting in the next collective."""
-    found = [message for message in _all_ranks(str(error) if error is not None else None) if message]
+    mine = None if error is None else str(error) if isinstance(error, CheckpointError) else \
+        f"{type(error).__name__}: {error}"
+    found = [message for message in _all_ranks(mine) if message]
     if error is not None:
         raise error
     if found:
@@ -134,7 +136,7 @@ def load_full(strategy: Any, path: str) -> dict[str, Any]:
                     _initialise_optimizer_state(optimizer)
             plans = check_full_optimizer_states([optimizer_target(module, o) for o in optimizers], source)
         check_full_state_dict(own, source, strict=module.strict_loading, optional=optional, elsewhere=elsewhere)
-    except CheckpointError as err:
+    except Exception as err:  # any failure (an unreadable file too) is shared, so that no rank waits alone
         error = err
     try:
         _raise_on_every_rank(error)
