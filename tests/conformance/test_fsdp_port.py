@@ -343,6 +343,6 @@ def _standard_checkpoint_worker(rank, world_size, root, stage):
     assert max_abs_diff(full_state(resumed.lightning_module), saved) == 0.0
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_load_standard_checkpoint_into_distributed_model(tmp_path, stage):
     run_distributed(_standard_checkpoint_worker, 2, str(tmp_path), stage)
