@@ -20,6 +20,7 @@ from torch import Tensor
 
 from lightning_zero.checkpoint.errors import CheckpointError
 from lightning_zero.checkpoint.hf_export import describe_hf_models
+from lightning_zero.checkpoint.full_load import check_load_full_weights  # noqa: F401  (ZeroStrategy's)
 from lightning_zero.checkpoint.io import (
     checkpoint_directory,
     load_sharded_checkpoint,
@@ -141,6 +142,16 @@ def save(strategy, checkpoint: dict[str, Any], filepath: str) -> None:
     save_sharded_checkpoint(filepath, tensors, checkpoint, async_save=strategy.async_save, info=info)
 
 
+def optimizers_to_restore(strategy) -> list:
+    """The optimizers a checkpoint's states go into: the strategy's when fitting. ``validate``/``test``/``predict``
+    after a ``fit`` still have the fit's optimizers attached, but restore weights only (as Lightning does), so a
+    weights-only checkpoint is not refused there and the optimizers are left untouched."""
+    trainer = getattr(strategy.lightning_module, "_trainer", None)
+    if trainer is not None and trainer.state.fn != "fit":
+        return []
+    return [getattr(o, "_optimizer", o) for o in strategy.optimizers]
+
+
 def optimizer_type(optimizer) -> str:
     """``module.Class`` of the optimizer Lightning wraps, as recorded in ``zero.json``."""
     inner = type(getattr(optimizer, "_optimizer", optimizer))
@@ -192,11 +203,18 @@ def _forget_states_not_in_checkpoint(module: torch.nn.Module, optimizers: list, 
 def load(strategy, filepath: str) -> dict[str, Any]:
     """Load a sharded directory into the strategy's module and optimizers; return the rest of the checkpoint.
 
+    A single file (a DDP ``.ckpt``, a consolidated file, ``.safetensors``) goes to
+    :func:`lightning_zero.strategies.full_loading.load_full`, which reads each rank's slices only.
+
     ``LightningModule.strict_loading = False`` accepts missing and unexpected keys (never shape mismatches). With
     optimizers (resuming a fit), their number and types must match the checkpoint's. Errors are
     :class:`CheckpointError` naming the file or the keys.
     """
     wait_for_pending_saves(barrier=False)
+    from lightning_zero.strategies import full_loading  # it imports this module's helpers
+
+    if full_loading.is_full_checkpoint(filepath, strategy.load_full_weights):
+        return full_loading.load_full(strategy, filepath)
     directory = checkpoint_directory(filepath)
     meta = load_meta(directory)  # weights_only; raises a clear error if not a checkpoint
     module = strategy.lightning_module
@@ -204,11 +222,11 @@ def load(strategy, filepath: str) -> dict[str, Any]:
     # Weights the checkpoint left out (exclude_frozen_parameters) are not in it: the module keeps its own.
     excluded = set(meta.pop("frozen_parameters_excluded", ()))
     target: dict[str, Any] = {"state_dict": {k: v for k, v in own.items() if k not in excluded}}
-    optimizers = [getattr(o, "_optimizer", o) for o in strategy.optimizers]
+    optimizers = optimizers_to_restore(strategy)
     saved_groups = meta.pop("optimizer_param_groups", [])
     if optimizers:
         saved_types = read_checkpoint_info(directory).get("optimizers")
-        _check_optimizers(directory, strategy.optimizers, saved_groups, saved_types)
+        _check_optimizers(directory, optimizers, saved_groups, saved_types)
         stored_states = _params_with_stored_state(directory, len(optimizers))
         target["optimizer_states"] = {}
         for i, optimizer in enumerate(optimizers):

@@ -187,11 +187,15 @@ _SYMBOLIC_CKPT_PATHS = ("last", "best", "hpc", "registry")
 
 def check_ckpt_path(function: Any, args: tuple, kwargs: dict) -> None:
     """Refuse a ``ckpt_path`` given to ``fit/validate/test/predict`` that ZeroStrategy cannot load, before any rank
-    starts: a URL, a single file, a path inside a sharded checkpoint, an incomplete directory. Lightning passes it
-    to the launched function only (its signature is read, not assumed); symbolic names are resolved later."""
+    starts: a URL, a file that is no checkpoint (neither a torch.save file nor safetensors), a path inside a sharded
+    checkpoint, an incomplete directory. A single checkpoint file is loaded (``strategies/full_loading.py``).
+    Lightning passes it to the launched function only (its signature is read, not assumed); symbolic names are
+    resolved later."""
     import inspect
 
     from lightning_zero.checkpoint.atomic import local_path
+    from lightning_zero.checkpoint.errors import CheckpointError
+    from lightning_zero.checkpoint.full_load import describe_full_checkpoint_file
     from lightning_zero.checkpoint.io import checkpoint_directory, is_sharded_checkpoint
 
     try:
@@ -209,6 +213,11 @@ def check_ckpt_path(function: Any, args: tuple, kwargs: dict) -> None:
     if os.path.isfile(local) and is_sharded_checkpoint(parent):
         raise ValueError(f"ckpt_path={text!r} is a file inside the sharded checkpoint {parent}: pass the directory, "
                          f"ckpt_path={parent!r}")
+    if os.path.isfile(local):
+        problem = describe_full_checkpoint_file(local)
+        if problem:
+            raise CheckpointError(problem, local)
+        return
     if os.path.exists(local) or os.path.exists(os.path.join(os.path.dirname(local), f".{os.path.basename(local)}.old")):
         checkpoint_directory(local)  # a CheckpointError naming what is wrong (a single file, an incomplete directory)
 

@@ -130,6 +130,7 @@ class ZeroStrategy(ParallelStrategy):
             checkpoint of the ``ModelCheckpoint`` directories (:mod:`lightning_zero.strategies.restarts`).
         activation_checkpointing, cpu_checkpointing, activation_checkpointing_policy: recompute blocks' activations
             in backward, optionally keeping their inputs on CPU (``docs/activation_checkpointing.md``).
+        load_full_weights: ``ckpt_path`` must be one file, which may lack optimizer states (``full_loading.py``).
 
     As ``DeepSpeedStrategy``: without ``config`` the file ``PL_DEEPSPEED_CONFIG_PATH`` names is read, and
     :attr:`config` is the effective ds_config as a dict.
@@ -181,6 +182,7 @@ class ZeroStrategy(ParallelStrategy):
         activation_checkpointing: Any = None,
         cpu_checkpointing: Optional[bool] = None,
         activation_checkpointing_policy: Any = None,
+        load_full_weights: bool = False,
     ) -> None:
         # Validate everything before Lightning (or anyone) starts a process group.
         timeout = validation.check_timeout(timeout)
@@ -212,6 +214,7 @@ class ZeroStrategy(ParallelStrategy):
         self._ddp_options.check_stage(self.zero_config.stage, pipeline=self._pipeline.enabled)
         self.exclude_frozen_parameters, self.verbose, self.auto_resume = require_flags(
             exclude_frozen_parameters=exclude_frozen_parameters, verbose=verbose, auto_resume=auto_resume)
+        self.load_full_weights = checkpointing.check_load_full_weights(load_full_weights)
         self._pp_mesh = None
         self._runner = None
         self._pipeline_grads = PipelineGradients()

@@ -15,6 +15,7 @@ from torch import nn
 
 import lightning_zero  # noqa: F401  (registers the strategy names)
 from lightning_zero import ZeroPrecision, ZeroStrategy
+from lightning_zero.checkpoint import CheckpointError
 from lightning_zero.strategies.checkpointing import optimizer_state_dict
 from tests.conformance.models import RegressionModule, full_state, max_abs_diff, trainer, zero
 from tests.distributed import run_distributed
@@ -402,26 +403,60 @@ def test_stage_3_resume_training(tmp_path):
     run_distributed(_resume_worker, 2, str(tmp_path))
 
 
-def _single_file_worker(rank, world_size, root):
-    """A regular single-file Lightning checkpoint (as DDP writes it) given to ZeroStrategy: loaded or refused."""
+def _single_file_worker(rank, world_size, root, load_full_weights):
+    """A regular single-file Lightning checkpoint (as DDP writes it) given to ZeroStrategy stage 3 is loaded, with or
+    without ``load_full_weights`` (DeepSpeed needs the flag; a file is recognised without it here)."""
     seed_everything(0)
     module = RegressionModule()
     path = os.path.join(root, "plain.ckpt")
     if rank == 0:
         torch.save({"state_dict": module.state_dict(), "pytorch-lightning_version": "2.6.0"}, path)
     torch.distributed.barrier()
+    seed_everything(1)
     fresh = RegressionModule()
-    t = trainer(zero(3))
-    try:
-        t.test(fresh, ckpt_path=path, verbose=False)
-    except Exception as err:  # refusing is fine, if the message says what was wrong
-        assert "plain.ckpt" in str(err) or "checkpoint" in str(err).lower(), err
-        return
+    assert max_abs_diff(full_state(fresh), full_state(module)) > 0
+    trainer(zero(3, load_full_weights=load_full_weights)).test(fresh, ckpt_path=path, verbose=False)
     assert max_abs_diff(full_state(fresh), full_state(module)) == 0.0, "a single-file checkpoint loaded wrongly"
 
 
-def test_single_file_checkpoint_is_loaded_or_refused(tmp_path):
-    run_distributed(_single_file_worker, 2, str(tmp_path))
+@pytest.mark.parametrize("load_full_weights", [False, True], ids=["detected", "load_full_weights"])
+def test_single_file_checkpoint_is_loaded(tmp_path, load_full_weights):
+    run_distributed(_single_file_worker, 2, str(tmp_path), load_full_weights)
+
+
+def _resume_from_single_file_worker(rank, world_size, root):
+    """DeepSpeed's ``load_full_weights=True`` resume warns that optimizer states cannot be restored. Here a file
+    that holds them (a DDP .ckpt) restores them; one that does not (``save_weights_only``) starts them fresh only
+    with ``load_full_weights=True``, with that warning, and is refused without the flag."""
+    import warnings
+
+    from lightning.pytorch.strategies import DDPStrategy
+
+    full, weights = os.path.join(root, "full.ckpt"), os.path.join(root, "weights.ckpt")
+    seed_everything(0)
+    ddp = trainer(DDPStrategy(), max_steps=2)
+    ddp.fit(RegressionModule())
+    ddp.save_checkpoint(full)
+    ddp.save_checkpoint(weights, weights_only=True)
+    saved = (_full_optimizer_state(ddp.lightning_module, ddp.optimizers[0]),
+             ddp.lr_scheduler_configs[0].scheduler.state_dict(), 2)
+    seed_everything(5)
+    resumed = trainer(zero(3, load_full_weights=True), max_steps=3, callbacks=[_CheckResumed(*saved)])
+    resumed.fit(RegressionModule(), ckpt_path=full)
+    assert resumed.global_step == 3
+    with pytest.raises(CheckpointError, match="holds no optimizer states.*load_full_weights=True"):
+        trainer(zero(3), max_steps=3).fit(RegressionModule(), ckpt_path=weights)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fresh = trainer(zero(3, load_full_weights=True), max_steps=3)
+        fresh.fit(RegressionModule(), ckpt_path=weights)
+    assert fresh.global_step == 3  # the loops come from the file (step 2), the optimizer starts fresh
+    if rank == 0:
+        assert any("holds no optimizer states: with load_full_weights=True" in str(w.message) for w in caught)
+
+
+def test_stage_3_resume_training_from_a_single_file(tmp_path):
+    run_distributed(_resume_from_single_file_worker, 2, str(tmp_path))
 
 
 # ---------------------------------------------------------------------------------------------- init_module

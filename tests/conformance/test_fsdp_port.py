@@ -314,3 +314,35 @@ def _meta_init_parity_worker(rank, world_size):
 
 def test_meta_device_materialization_matches_a_real_device_build():
     run_distributed(_meta_init_parity_worker, 2)
+
+
+def _standard_checkpoint_worker(rank, world_size, root, stage):
+    """A DDP run's regular .ckpt resumed under ZeroStrategy continues exactly as resuming under DDP does."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    path, weights = os.path.join(root, "ddp.ckpt"), os.path.join(root, "weights.ckpt")
+    seed_everything(0)
+    first = trainer(DDPStrategy(), max_steps=2)
+    first.fit(RegressionModule())
+    first.save_checkpoint(path)
+    first.save_checkpoint(weights, weights_only=True)
+    saved = full_state(first.lightning_module)
+    results = {}
+    for name, strategy in (("ddp", DDPStrategy()), ("zero", zero(stage))):
+        seed_everything(5)  # other initial weights: everything must come from the file
+        resumed = trainer(strategy, max_steps=4, limit_val_batches=1)
+        resumed.fit(RegressionModule(), ckpt_path=path)
+        assert resumed.global_step == 4, name
+        scheduler = resumed.lr_scheduler_configs[0].scheduler
+        assert scheduler.last_epoch == 4, (name, scheduler.last_epoch)  # restored at 2, stepped twice more
+        results[name] = full_state(resumed.lightning_module)
+    assert max_abs_diff(results["zero"], results["ddp"]) <= 1e-6, max_abs_diff(results["zero"], results["ddp"])
+    assert max_abs_diff(results["ddp"], saved) > 1e-4, "no training after the resume: the comparison proves nothing"
+    # validate after that fit, from a weights-only file: only the weights are wanted (no optimizer states asked for)
+    resumed.validate(ckpt_path=weights, verbose=False)
+    assert max_abs_diff(full_state(resumed.lightning_module), saved) == 0.0
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_load_standard_checkpoint_into_distributed_model(tmp_path, stage):
+    run_distributed(_standard_checkpoint_worker, 2, str(tmp_path), stage)

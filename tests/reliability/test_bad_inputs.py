@@ -72,6 +72,7 @@ STRATEGY_ARGS = [
     ("reshard-zero", dict(stage=3, reshard_after_forward=0), ValueError, "reshard_after_forward"),
     ("start-method", dict(start_method="thread"), ValueError, "start_method"),
     ("async-save-str", dict(async_save="yes"), TypeError, "async_save"),
+    ("load-full-weights-str", dict(load_full_weights="yes"), TypeError, "load_full_weights"),
     ("checkpoint-io", dict(checkpoint_io=object()), ValueError, "checkpoint_io"),
     ("comm-dtype", dict(communication_data_type="fp8"), ValueError, "fp8"),
     ("loss-scale-negative", dict(loss_scale=-1), ValueError, "loss_scale"),
@@ -348,9 +349,10 @@ def _bad_ckpt_path(root, kind):
     os.makedirs(sharded)
     for name in ("zero.json", ".metadata", "__0_0.distcp"):  # enough for is_sharded_checkpoint to say yes
         open(os.path.join(sharded, name), "w").close()
-    if kind == "single-file":
-        path = os.path.join(root, "ddp.ckpt")
-        torch.save({"state_dict": {}}, path)
+    if kind == "not-a-checkpoint-file":
+        path = os.path.join(root, "notes.ckpt")
+        with open(path, "w") as file:
+            file.write("not a checkpoint")
         return path
     if kind == "inside-sharded":
         return os.path.join(sharded, "__0_0.distcp")
@@ -363,7 +365,8 @@ def _bad_ckpt_path(root, kind):
 
 
 CKPT_PATHS = [
-    ("single-file", CheckpointError, "ddp.ckpt: a file, not a lightning-zero sharded checkpoint"),
+    ("not-a-checkpoint-file", CheckpointError, "notes.ckpt: not a checkpoint file .neither a torch.save file nor "
+                                               "safetensors"),
     ("inside-sharded", ValueError, r"__0_0.distcp' is a file inside the sharded checkpoint .*sharded.ckpt: pass the"),
     ("zero-json", ValueError, r"zero.json' is a file inside the sharded checkpoint .*sharded.ckpt"),
     ("incomplete-directory", CheckpointError, "half.ckpt is a directory but not a complete lightning-zero checkpoint"),

@@ -1,0 +1,162 @@
+"""``ckpt_path`` given as one file (a DDP ``.ckpt``, a consolidated file, ``.safetensors``): the strategy's glue
+over :mod:`lightning_zero.checkpoint.full_load`, which reads each rank's slices only.
+
+Which path is a full checkpoint: a file; with ``ZeroStrategy(load_full_weights=True)`` (DeepSpeed's flag) it must
+be one, and a directory is refused naming the flag. A file inside a sharded checkpoint directory is refused naming
+the directory to pass instead.
+
+What comes back to Lightning is what ``DDPStrategy`` would hand it: the file's loops, callbacks, LR schedulers and
+hyper-parameters, with ``state_dict`` holding the loaded (sharded) weights for ``on_load_checkpoint`` hooks.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from lightning_zero.checkpoint.atomic import local_path
+from lightning_zero.checkpoint.errors import CheckpointError
+from lightning_zero.checkpoint.full_load import (
+    FullCheckpoint,
+    OptimizerTarget,
+    apply_full_optimizer_states,
+    check_full_optimizer_states,
+    check_full_state_dict,
+    copy_full_state_dict,
+)
+from lightning_zero.checkpoint.io import is_sharded_checkpoint
+from lightning_zero.distributed.optimizer import get_sharding
+
+
+def sharded_parent(path: str) -> Optional[str]:
+    """The sharded checkpoint directory ``path`` is a file of, if it is one."""
+    parent = os.path.dirname(path.rstrip(os.sep))
+    return parent if os.path.isfile(path) and is_sharded_checkpoint(parent) else None
+
+
+def is_full_checkpoint(path: str, load_full_weights: bool) -> bool:
+    """Whether ``path`` is loaded as a single-file checkpoint (see the module docstring for the refusals)."""
+    path = local_path(path)
+    parent = sharded_parent(path)
+    if parent is not None:
+        raise CheckpointError(f"ckpt_path={path!r} is a file inside the sharded checkpoint {parent}: pass the "
+                              f"directory, ckpt_path={parent!r}", path)
+    if load_full_weights and os.path.isdir(path):
+        raise CheckpointError(f"ckpt_path={path!r} is a directory, but ZeroStrategy(load_full_weights=True) loads a "
+                              "single checkpoint file: pass the file, or load_full_weights=False to load a sharded "
+                              "checkpoint directory", path)
+    return os.path.isfile(path)
+
+
+def optimizer_target(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> OptimizerTarget:
+    """The optimizer as :func:`load_full_optimizer_states` sees it: every module parameter per group, its name,
+    and the tensor this rank keeps its state for (``None`` for a parameter another rank steps at stage 1)."""
+    from lightning_zero.strategies.checkpointing import _held_tensor, _model_params_per_group, _param_names
+
+    names = _param_names(module)
+    sharding = get_sharding(optimizer)
+    params = _model_params_per_group(optimizer)
+    held = {}
+    owners = sharding.owners if sharding is not None else [[-1] * len(group) for group in params]
+    rank = sharding.rank if sharding is not None else 0
+    for group, group_owners in zip(params, owners):
+        for param, owner in zip(group, group_owners):
+            if owner in (-1, rank):
+                held[id(param)] = _held_tensor(sharding, param)
+    return OptimizerTarget(optimizer, params, [[names[id(p)] for p in group] for group in params],
+                           lambda param: held.get(id(param)))
+
+
+def _all_ranks(value: Any) -> list:
+    """``value`` from every rank (``[value]`` without a process group)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [value]
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def _raise_on_every_rank(error: Optional[Exception]) -> None:
+    """Raise the first problem any rank found, on every rank: at stage 1 or in a pipeline a rank checks only what it
+    holds, and a rank raising alone would leave the others waiting in the next collective."""
+    mine = None if error is None else str(error) if isinstance(error, CheckpointError) else \
+        f"{type(error).__name__}: {error}"
+    found = [message for message in _all_ranks(mine) if message]
+    if error is not None:
+        raise error
+    if found:
+        raise CheckpointError(found[0])
+
+
+def load_full(strategy: Any, path: str) -> dict[str, Any]:
+    """Load the single-file checkpoint ``path`` into the strategy's (sharded) module and optimizers; return the
+    rest of it for Lightning (loops, callbacks, LR schedulers) with ``state_dict`` holding the loaded weights.
+
+    Collective: every rank reads its own slices, after every rank's checks passed. ``LightningModule.strict_loading``
+    and ``exclude_frozen_parameters`` are honoured as for a sharded checkpoint; weights are cast to the module's
+    dtypes. When fitting, the file's optimizer states are resharded into the optimizers; a file without any
+    (``save_weights_only``, safetensors, a consolidated file) is refused unless ``load_full_weights=True``, which
+    starts the optimizers and LR schedulers fresh from the loaded weights, as DeepSpeed's flag of that name does.
+    """
+    from lightning.fabric.utilities.rank_zero import rank_zero_warn
+    from lightning.pytorch import __version__ as lightning_version
+
+    from lightning_zero.strategies.checkpointing import (
+        _initialise_optimizer_state,
+        frozen_parameter_names,
+        module_state_dict,
+        optimizers_to_restore,
+    )
+
+    path = local_path(path)
+    module = strategy.lightning_module
+    optimizers = optimizers_to_restore(strategy)  # none for validate/test, also after a fit
+    own = module_state_dict(module)
+    elsewhere = {key for keys in _all_ranks(sorted(own)) for key in keys}  # pipeline stages hold parts of the model
+    source: Optional[FullCheckpoint] = None
+    error, plans, rest = None, None, {}
+    try:
+        source = FullCheckpoint(path)
+        rest = source.rest()
+        # Weights a save left out (exclude_frozen_parameters), or frozen weights this strategy excludes, may be absent
+        optional = set(rest.pop("frozen_parameters_excluded", ()))
+        if strategy.exclude_frozen_parameters:
+            optional |= set(frozen_parameter_names(module))
+        if optimizers and source.optimizer_states is None and not strategy.load_full_weights:
+            raise CheckpointError(
+                f"{path}: the file holds no optimizer states (saved with save_weights_only=True, a consolidated or "
+                "safetensors file), so fit cannot resume from it. Pass ZeroStrategy(load_full_weights=True) to start "
+                "training from its weights with fresh optimizer and LR scheduler states", path)
+        if optimizers and source.optimizer_states is not None:  # checked before the weights change
+            for optimizer in optimizers:
+                if not optimizer.state:
+                    _initialise_optimizer_state(optimizer)
+            plans = check_full_optimizer_states([optimizer_target(module, o) for o in optimizers], source)
+        check_full_state_dict(own, source, strict=module.strict_loading, optional=optional, elsewhere=elsewhere)
+    except Exception as err:  # any failure (an unreadable file too) is shared, so that no rank waits alone
+        error = err
+    try:
+        _raise_on_every_rank(error)
+        copy_full_state_dict(own, source)
+        module.load_state_dict(own, strict=module.strict_loading)
+        if plans is not None:
+            apply_full_optimizer_states(plans)
+        elif optimizers:
+            rank_zero_warn(f"{path} holds no optimizer states: with load_full_weights=True the optimizers and LR "
+                           "schedulers start fresh from its weights (as DeepSpeed's load_full_weights)")
+            rest["lr_schedulers"] = []  # none to restore: Lightning would otherwise refuse the missing key
+    finally:
+        if source is not None:
+            source.close()
+    for optimizer in optimizers:
+        sharding = get_sharding(optimizer)
+        if sharding is not None and sharding.masters:  # offloaded stage-1 masters follow the loaded parameters
+            with torch.no_grad():
+                for param in sharding.owned_model_params():
+                    sharding.masters[id(param)].copy_(param.detach())
+    rest.setdefault("pytorch-lightning_version", lightning_version)  # a weights-only file has none to migrate
+    rest["state_dict"] = own
+    return rest
