@@ -81,3 +81,49 @@ def _by_name_worker(rank, world_size):
 
 def test_strategy_by_registry_name():
     run_distributed(_by_name_worker, 2)
+
+
+def _no_sync_worker(rank, world_size):
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    calls = []
+    names = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_single")  # FSDP2's, per torch version
+    originals = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
+
+    def counting(name):
+        def wrapper(*args, **kwargs):
+            calls.append(name)
+            return originals[name](*args, **kwargs)
+        return wrapper
+
+    for stage in (0, 1, 2, 3):
+        fabric = make_fabric(ZeroStrategy(stage=stage))
+        torch.manual_seed(0)
+        model = fabric.setup(TinyNet())
+        if stage <= 1:  # DDP reduces in C++: count its buckets with a comm hook
+            def hook(state, bucket):
+                calls.append("ddp bucket")
+                return allreduce_hook(state, bucket)
+
+            model._forward_module.register_comm_hook(None, hook)
+        x = torch.randn(LOCAL_BATCH, 8) + rank
+        for name in originals:
+            setattr(dist, name, counting(name))
+        try:
+            with fabric.no_backward_sync(model, enabled=True):
+                fabric.backward(model(x).sum())
+            silent = len(calls)
+            with fabric.no_backward_sync(model, enabled=False):
+                fabric.backward(model(x).sum())
+            loud = len(calls)
+        finally:
+            for name, fn in originals.items():
+                setattr(dist, name, fn)
+        calls.clear()
+        assert silent == 0, f"stage {stage}: {silent} collectives on a no-sync micro-step"
+        assert loud > 0, f"stage {stage}: the boundary micro-step did not reduce gradients"
+
+
+def test_no_backward_sync_skips_gradient_communication():
+    run_distributed(_no_sync_worker, 2)

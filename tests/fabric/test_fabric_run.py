@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.distributed import free_port
@@ -20,6 +21,7 @@ def _run(*args, timeout=300):
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow  # two fresh interpreters under torchrun: about a minute on a busy 2-core machine
 def test_fabric_run_with_zero_stage_3_trains_with_parity(tmp_path):
     out = tmp_path / "weights.pt"
     result = _run("run", "--accelerator", "cpu", "--devices", "2", "--strategy", "zero_stage_3",
