@@ -17,14 +17,14 @@ import lightning_zero  # noqa: F401  (registers the strategy names before Fabric
 
 
 def main() -> None:
-    if "lightning.fabric.cli" in sys.modules and "zero" not in sys.modules["lightning.fabric.cli"].\
-            _get_supported_strategies():
-        raise RuntimeError("lightning.fabric.cli was imported before lightning_zero: its --strategy choices lack "
-                           "the ZeRO names")
     from lightning.fabric.cli import _main
 
+    # The choices click holds, not the registry: they were frozen when lightning.fabric.cli was first imported.
+    choices = next(param.type.choices for param in _main.commands["run"].params if param.name == "strategy")
+    if "zero_stage_3" not in choices:
+        raise RuntimeError("lightning.fabric.cli was imported before lightning_zero, so its --strategy choices lack "
+                           "the ZeRO names; run `python -m lightning_zero.fabric run ...` in a fresh interpreter")
     _main(prog_name="python -m lightning_zero.fabric")
-
 
 if __name__ == "__main__":
     main()

@@ -91,7 +91,8 @@ def load(strategy, path: str, state: Optional[dict[str, Any]], strict: bool = Tr
     saved = meta.pop(KEYS, None)
     if saved is None:
         raise CheckpointError(f"{directory} was not written by fabric.save (no {KEYS!r}); a Trainer checkpoint "
-                              "loads with Trainer.fit(ckpt_path=...) or LightningModule.load_from_checkpoint", directory)
+                              "loads with Trainer.fit(ckpt_path=...) or LightningModule.load_from_checkpoint",
+                              directory)
     scaler_state = meta.pop(SCALER, None)
     module_key, optimizer_keys = _split(state)
     if module_key is not None and module_key != saved["module"]:

@@ -66,6 +66,14 @@ class FabricZeroPrecision(ZeroPrecision):
         return optimizer.step(**kwargs)
 
 
+class PrecisionFlag:
+    """The plugin Fabric would have chosen for a ds_config's precision flag (adopted at setup), adapted like
+    Fabric's own choice."""
+
+    def __init__(self, precision: str) -> None:
+        self.precision = precision
+
+
 def adapt_fabric_precision(plugin, *, stage: int, loss_scale_config: Optional[LossScaleConfig],
                            fp16_loss_scale_config: Optional[LossScaleConfig],
                            communication_data_type: Optional[str]) -> FabricZeroPrecision:
@@ -82,7 +90,8 @@ def adapt_fabric_precision(plugin, *, stage: int, loss_scale_config: Optional[Lo
     from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Precision
 
     flag = getattr(plugin, "precision", None)
-    if type(plugin) not in (Precision, MixedPrecision, HalfPrecision) or flag not in SUPPORTED_PRECISIONS:
+    known = (Precision, MixedPrecision, HalfPrecision, PrecisionFlag)
+    if type(plugin) not in known or flag not in SUPPORTED_PRECISIONS:
         raise NotImplementedError(
             f"the Fabric ZeroStrategy supports precision in {SUPPORTED_PRECISIONS}; {type(plugin).__name__} "
             f"(precision={flag!r}) is not implemented (fp64, bitsandbytes and Transformer Engine have no ZeRO path "

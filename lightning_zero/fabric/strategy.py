@@ -41,7 +41,7 @@ from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
 from lightning_zero.distributed.optimizer_check import check_optimizer_params
 from lightning_zero.distributed.zero import apply_zero, set_gradient_sync
 from lightning_zero.fabric import checkpoint
-from lightning_zero.fabric.precision import FabricZeroPrecision, adapt_fabric_precision
+from lightning_zero.fabric.precision import FabricZeroPrecision, PrecisionFlag, adapt_fabric_precision
 from lightning_zero.fabric.settings import SETTING_NAMES, STRATEGY_NAMES, resolve_settings
 from lightning_zero.strategies import restarts, validation
 from lightning_zero.strategies.ddp_options import ddp_kwargs_for
@@ -66,7 +66,8 @@ class ZeroStrategy(ParallelStrategy):
       with fp16 it first unscales (and detects overflow), as DeepSpeed does before clipping.
     * ``fabric.no_backward_sync(model, enabled=...)`` skips gradient communication on accumulation micro-steps.
     * ``fabric.save(path, state)`` writes a sharded, atomic checkpoint directory (``async_save`` honoured);
-      ``fabric.load(path, state)`` loads it in place at any stage or world size (:mod:`lightning_zero.fabric.checkpoint`).
+      ``fabric.load(path, state)`` loads it in place at any stage or world size
+      (:mod:`lightning_zero.fabric.checkpoint`).
     * ``fabric.init_module()`` builds the model on CPU running its own init, as the Trainer's ``configure_model``.
     * ``hang_timeout`` guards ``fabric.save``/``fabric.load`` and teardown (Fabric has no step hooks).
     * Precision: ``Fabric(precision=...)`` with ``32-true``, ``bf16-mixed``, ``16-mixed``, ``bf16-true``, ``16-true``
@@ -234,7 +235,7 @@ class ZeroStrategy(ParallelStrategy):
             return
         adopted = precision_from_config(binding.precision, self.precision.precision)
         if adopted is not None:
-            self.precision = _Flag(adopted)
+            self.precision = PrecisionFlag(adopted)
         if self.is_global_zero:
             binding.print_table(verbose=self.verbose)
 
@@ -361,13 +362,6 @@ class ZeroStrategy(ParallelStrategy):
         for name, kwargs in STRATEGY_NAMES.items():
             if name not in strategy_registry:
                 strategy_registry.register(name, cls, **kwargs)
-
-
-class _Flag(Precision):
-    """The plugin Fabric would have chosen for a ds_config's precision flag (adapted like Fabric's own choice)."""
-
-    def __init__(self, precision: str) -> None:
-        self.precision = precision
 
 
 class _ZeroBackwardSyncControl(_BackwardSyncControl):

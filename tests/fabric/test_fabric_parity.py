@@ -75,6 +75,14 @@ def _by_name_worker(rank, world_size):
     got = full_weights(model._forward_module)
     expected = train_reference(world_size)
     assert max((got[k] - expected[k]).abs().max().item() for k in expected) <= 1e-5
+    # fabric.setup_module, then the optimizer from the sharded parameters, then fabric.setup_optimizers
+    fabric = make_fabric("zero_stage_3")
+    torch.manual_seed(0)
+    model = fabric.setup_module(TinyNet())
+    optimizer = fabric.setup_optimizers(make_optimizer(model))
+    fabric_train(fabric, rank, world_size, model=model, optimizer=optimizer)
+    got = full_weights(model._forward_module)
+    assert max((got[k] - expected[k]).abs().max().item() for k in expected) <= 1e-5
     offload = make_fabric("zero_stage_2_offload").strategy
     assert (offload.stage, offload.zero_config.offload) == (2, "cpu")
 

@@ -89,3 +89,20 @@ def test_fp16_overflow_skips_everywhere_clipping_is_unscaled_and_scaler_is_saved
 def test_unsupported_precision_is_refused():
     with pytest.raises(NotImplementedError, match="ZeroStrategy supports precision in .* DoublePrecision"):
         Fabric(accelerator="cpu", devices=1, strategy=ZeroStrategy(stage=2), precision="64-true")
+
+
+def _config_precision_worker(rank, world_size):
+    fabric = make_fabric(ZeroStrategy(config={"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}))
+    precision = fabric.strategy.precision
+    assert isinstance(precision, FabricZeroPrecision) and precision.precision == "bf16-mixed"
+    dtypes = set()
+    torch.manual_seed(0)
+    module = TinyNet()
+    module.blocks[0].fc.register_forward_hook(lambda m, i, out: dtypes.add(out.dtype))
+    model = fabric.setup(module)
+    model(torch.randn(2, 8))
+    assert dtypes == {torch.bfloat16}
+
+
+def test_ds_config_precision_is_adopted_when_fabric_keeps_its_default():
+    run_distributed(_config_precision_worker, 2)
