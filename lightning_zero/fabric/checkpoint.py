@@ -16,7 +16,6 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any, Callable, Optional
 
-import torch
 from torch import nn
 from torch.optim import Optimizer
 

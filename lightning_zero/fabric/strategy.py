@@ -65,7 +65,7 @@ class ZeroStrategy(ParallelStrategy):
     * ``fabric.clip_gradients(model, optimizer, max_norm=...)`` clips the global norm over every rank's shards;
       with fp16 it first unscales (and detects overflow), as DeepSpeed does before clipping.
     * ``fabric.no_backward_sync(model, enabled=...)`` skips gradient communication on accumulation micro-steps.
-    * ``fabric.save(path, state)`` writes a sharded, atomic checkpoint directory (``async_save`` honoured);
+    * ``fabric.save(path, state)`` writes a sharded, atomic checkpoint directory;
       ``fabric.load(path, state)`` loads it in place at any stage or world size
       (:mod:`lightning_zero.fabric.checkpoint`).
     * ``fabric.init_module()`` builds the model on CPU running its own init, as the Trainer's ``configure_model``.
@@ -73,7 +73,8 @@ class ZeroStrategy(ParallelStrategy):
     * Precision: ``Fabric(precision=...)`` with ``32-true``, ``bf16-mixed``, ``16-mixed``, ``bf16-true``, ``16-true``
       (:mod:`lightning_zero.fabric.precision`); fp16 uses DeepSpeed's loss scaling with the loss-scale arguments.
 
-    Refused (no Fabric meaning): ``pipeline_parallel_size > 1`` (the schedule needs the Trainer's
+    Refused (no Fabric meaning yet): ``async_save=True`` (no end-of-run hook to await the write),
+    ``pipeline_parallel_size > 1`` (the schedule needs the Trainer's
     ``training_step``), ``auto_resume=True`` (there are no ``ModelCheckpoint`` directories to resume from), and a
     ds_config that sets loop settings (``optimizer``, ``scheduler``, ``gradient_clipping``, accumulation, batch
     sizes, ``steps_per_print``, ``wall_clock_breakdown``, ``activation_checkpointing``): write them in the loop.
@@ -127,6 +128,10 @@ class ZeroStrategy(ParallelStrategy):
         if settings.auto_resume:
             raise ValueError("auto_resume=True resumes from the Trainer's ModelCheckpoint directories, which Fabric "
                              "has not: call fabric.load(path, state) yourself, and leave auto_resume=False")
+        if settings.async_save:
+            raise NotImplementedError("async_save=True is not supported with Fabric yet: Fabric has no end-of-run hook "
+                                      "that would wait for the background write, so the last checkpoint could be lost "
+                                      "at exit. Use async_save=False")
         _refuse_loop_settings(settings.ds_config)
         self.settings = settings
         self.zero_config = settings.zero_config

@@ -8,6 +8,7 @@ import torch
 
 from lightning_zero.checkpoint.consolidate import consolidate_checkpoint
 from lightning_zero.checkpoint.io import is_sharded_checkpoint, read_checkpoint_info
+from lightning_zero.checkpoint.safe_load import read_dcp_metadata
 from lightning_zero.fabric import ZeroStrategy
 from tests.distributed import run_distributed
 from tests.fabric.test_fabric_parity import fabric_train, full_weights, make_fabric
@@ -46,6 +47,12 @@ def _roundtrip_worker(rank, world_size, path, save_stage, load_stage):
         torch.testing.assert_close(resumed[key], uninterrupted[key], rtol=0, atol=0, msg=key)
     if rank == 0:
         torch.save(at_save, os.path.join(os.path.dirname(path), "at_save.pt"))
+    # fabric.save(filter=...) keeps only the module entries the filter accepts
+    filtered = path + ".blocks"
+    fabric.save(filtered, {"model": model}, filter={"model": lambda name, value: name.startswith("blocks.")})
+    stored = read_dcp_metadata(filtered).state_dict_metadata
+    assert {k for k in stored if k.startswith("state_dict.")} == {f"state_dict.{k}" for k in at_save
+                                                                    if k.startswith("blocks.")}
 
 
 @pytest.mark.parametrize(("save_stage", "load_stage"), [(3, 1), (1, 2)])
