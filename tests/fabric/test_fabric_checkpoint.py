@@ -9,6 +9,7 @@ import torch
 from lightning_zero.checkpoint.consolidate import consolidate_checkpoint
 from lightning_zero.checkpoint.io import is_sharded_checkpoint, read_checkpoint_info
 from lightning_zero.checkpoint.safe_load import read_dcp_metadata
+from lightning_zero.cli import main as lightning_zero_cli
 from lightning_zero.fabric import ZeroStrategy
 from tests.distributed import run_distributed
 from tests.fabric.test_fabric_parity import fabric_train, full_weights, make_fabric
@@ -62,7 +63,10 @@ def test_save_load_resume_equals_uninterrupted_and_consolidates(tmp_path, save_s
     assert is_sharded_checkpoint(path)
     assert read_checkpoint_info(path)["stage"] == save_stage
     out = tmp_path / "consolidated.pt"
-    consolidate_checkpoint(path, str(out))
+    if save_stage == 3:
+        assert lightning_zero_cli(["consolidate", path, str(out)]) == 0  # `lightning-zero consolidate`
+    else:
+        consolidate_checkpoint(path, str(out))
     consolidated = torch.load(out, weights_only=True)
     at_save = torch.load(tmp_path / "at_save.pt", weights_only=True)
     assert consolidated["step"] == 1
