@@ -339,6 +339,10 @@ class ZeroStrategy(ParallelStrategy):
 
     def load_checkpoint(self, path, state: Optional[dict] = None, strict: bool = True,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
+        if isinstance(state, (nn.Module, Optimizer)):
+            raise NotImplementedError("fabric.load_raw (one object from a single-file state dict) is not supported by "
+                                      "ZeroStrategy: use fabric.load(path, {'model': model, ...}) on a sharded "
+                                      "checkpoint, or load the file into the module before fabric.setup")
         if weights_only is False:
             raise ValueError("ZeroStrategy checkpoints are always read with weights_only=True (tensors and plain "
                              "values only); weights_only=False is not honoured")

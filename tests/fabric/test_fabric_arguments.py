@@ -55,5 +55,7 @@ def test_checkpoint_state_with_several_modules_or_orphan_optimizers_is_refused()
         _split({"a": a, "b": b})
     with pytest.raises(ValueError, match="no module"):
         _split({"opt": torch.optim.SGD(a.parameters(), lr=0.1)})
+    with pytest.raises(NotImplementedError, match="load_raw"):
+        ZeroStrategy().load_checkpoint("x", a)
     with pytest.raises(ValueError, match="weights_only=False is not honoured"):
         ZeroStrategy().load_checkpoint("x", {"a": a}, weights_only=False)
