@@ -7,8 +7,9 @@ shards), everything else in ``meta.pt`` (``weights_only``). So the save is atomi
 across world sizes and stages, and ``lightning-zero consolidate`` turns it into one file whose ``state_dict`` loads
 straight into the unwrapped module.
 
-``meta.pt`` also records which state keys held the module and the optimizers (``fabric_state_keys``), so a load
-puts each back into the object of the same key.
+Several modules in one state (a GAN's generator and discriminator) are stored as one ``ModuleDict``: their weights
+under ``<key>.<name>``. ``meta.pt`` records which state keys held the modules and the optimizers
+(``fabric_state_keys``), so a load puts each back into the object of the same key.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from lightning_zero.checkpoint.io import checkpoint_directory, wait_for_pending_
 from lightning_zero.checkpoint.safe_load import load_meta
 from lightning_zero.strategies import checkpointing
 
-KEYS = "fabric_state_keys"  # {"module": key, "optimizers": [key, ...]} in meta.pt
+KEYS = "fabric_state_keys"  # {"modules": [key, ...], "optimizers": [key, ...]} in meta.pt
 SCALER = "fabric_loss_scaler"  # the fp16 loss scaler's state (plain numbers)
 
 
@@ -34,42 +35,51 @@ def _unwrap(module: nn.Module) -> nn.Module:
     return module.module if isinstance(module, DistributedDataParallel) else module
 
 
-def _split(state: dict[str, Any]) -> tuple[Optional[str], list[str]]:
+def _split(state: dict[str, Any]) -> tuple[list[str], list[str]]:
     modules = [key for key, value in state.items() if isinstance(value, nn.Module)]
     optimizers = [key for key, value in state.items() if isinstance(value, Optimizer)]
-    if len(modules) > 1:
-        raise NotImplementedError(f"the state holds {len(modules)} modules ({modules}); a ZeroStrategy checkpoint "
-                                  "holds one module (its weights are the checkpoint's state_dict): save each module "
-                                  "with its optimizers to its own path")
     if optimizers and not modules:
         raise ValueError(f"the state holds optimizers {optimizers} but no module: their states are keyed by the "
                          "module's parameter names, so put the module in the same state")
-    return (modules[0] if modules else None), optimizers
+    if len(modules) > 1 and any("." in key or not key for key in modules):
+        raise ValueError(f"with several modules each one's weights are stored under '<key>.', so the keys "
+                         f"{modules} must be non-empty and hold no '.'")
+    return modules, optimizers
+
+
+def _module_view(state: dict[str, Any], keys: list[str]) -> nn.Module:
+    """The module whose state dict is the checkpoint's ``state_dict``: the state's one module (its own parameter
+    names, so a consolidated file loads straight into it), or several as a ``ModuleDict`` (``<key>.<name>``)."""
+    if len(keys) == 1:
+        return _unwrap(state[keys[0]])
+    return nn.ModuleDict({key: _unwrap(state[key]) for key in keys}) if keys else nn.Module()
 
 
 def save(strategy, path: str, state: dict[str, Any],
          filter: Optional[dict[str, Callable[[str, Any], bool]]] = None) -> None:
     """Write ``state`` as a sharded checkpoint directory at ``path`` (collective: every rank calls it)."""
-    module_key, optimizer_keys = _split(state)
-    if filter and set(filter) - ({module_key} if module_key else set()):
-        raise NotImplementedError(f"fabric.save(filter=...) applies to the module's weights here; the filter keys "
-                                  f"{sorted(set(filter) - {module_key})} are not the module's")
-    module = _unwrap(state[module_key]) if module_key else nn.Module()
+    module_keys, optimizer_keys = _split(state)
+    if filter and set(filter) - set(module_keys):
+        raise NotImplementedError(f"fabric.save(filter=...) applies to modules' weights here; the filter keys "
+                                  f"{sorted(set(filter) - set(module_keys))} are not modules")
+    module = _module_view(state, module_keys)
     checkpoint: dict[str, Any] = {}
     weights = checkpointing.module_state_dict(module)
-    if filter:
-        weights = {name: tensor for name, tensor in weights.items() if filter[module_key](name, tensor)}
+    for key, keep in (filter or {}).items():
+        prefix = "" if len(module_keys) == 1 else f"{key}."
+        weights = {name: tensor for name, tensor in weights.items()
+                   if not name.startswith(prefix) or keep(name[len(prefix):], tensor)}
     checkpoint["state_dict"] = weights
     optimizers = [state[key] for key in optimizer_keys]
     checkpoint["optimizer_states"] = [checkpointing.optimizer_state_dict(module, o) for o in optimizers]
     for key, value in state.items():
-        if key == module_key or key in optimizer_keys:
+        if key in module_keys or key in optimizer_keys:
             continue
         checkpoint[key] = value.state_dict() if callable(getattr(value, "state_dict", None)) else value
-    checkpoint[KEYS] = {"module": module_key, "optimizers": optimizer_keys}
+    checkpoint[KEYS] = {"modules": module_keys, "optimizers": optimizer_keys}
     if strategy.precision.scaler is not None:
         checkpoint[SCALER] = strategy.precision.state_dict()
-    # The Trainer strategy's save, given this state's module and optimizers.
+    # The Trainer strategy's save, given this state's module(s) and optimizers.
     view = SimpleNamespace(exclude_frozen_parameters=strategy.exclude_frozen_parameters, lightning_module=module,
                            stage=strategy.stage, zero_config=strategy.zero_config, optimizers=optimizers,
                            ds_config=strategy.ds_config, async_save=strategy.async_save)
@@ -93,23 +103,22 @@ def load(strategy, path: str, state: Optional[dict[str, Any]], strict: bool = Tr
                               "loads with Trainer.fit(ckpt_path=...) or LightningModule.load_from_checkpoint",
                               directory)
     scaler_state = meta.pop(SCALER, None)
-    module_key, optimizer_keys = _split(state)
-    if module_key is not None and module_key != saved["module"]:
-        raise KeyError(f"the state's module is under {module_key!r}, the checkpoint's under {saved['module']!r}")
+    module_keys, optimizer_keys = _split(state)
+    if module_keys and module_keys != saved["modules"]:
+        raise KeyError(f"the state's modules are {module_keys}, the checkpoint holds {saved['modules']} (pass all "
+                       "of them, under the same keys)")
     if optimizer_keys and optimizer_keys != saved["optimizers"]:
         raise KeyError(f"the state's optimizers are {optimizer_keys}, the checkpoint holds {saved['optimizers']} "
                        "(pass all of them, under the same keys, or none)")
-    if module_key is not None:
+    if not optimizer_keys:
+        meta.pop("optimizer_param_groups", None)  # weights only
+    if module_keys:
         optimizers = [state[key] for key in optimizer_keys]
-        if not optimizers:
-            meta.pop("optimizer_param_groups", None)  # weights only
-        checkpointing.load_states(directory, meta, _unwrap(state[module_key]), optimizers, strict=strict)
-    else:
-        meta.pop("optimizer_param_groups", None)
+        checkpointing.load_states(directory, meta, _module_view(state, module_keys), optimizers, strict=strict)
     if scaler_state is not None and strategy.precision.scaler is not None:
         strategy.precision.load_state_dict(scaler_state)
     for key, target in state.items():
-        if key == module_key or key in optimizer_keys:
+        if key in module_keys or key in optimizer_keys:
             continue
         if key not in meta:
             if strict:

@@ -49,10 +49,10 @@ def test_ds_config_sets_the_zero_arguments():
     assert ZeroStrategy(stage=1, config={"zero_optimization": {"stage": 3}}).stage == 1  # explicit wins
 
 
-def test_checkpoint_state_with_several_modules_or_orphan_optimizers_is_refused():
+def test_checkpoint_state_with_dotted_module_keys_or_orphan_optimizers_is_refused():
     a, b = nn.Linear(2, 2), nn.Linear(2, 2)
-    with pytest.raises(NotImplementedError, match="holds 2 modules"):
-        _split({"a": a, "b": b})
+    with pytest.raises(ValueError, match="hold no '.'"):
+        _split({"a.x": a, "b": b})
     with pytest.raises(ValueError, match="no module"):
         _split({"opt": torch.optim.SGD(a.parameters(), lr=0.1)})
     with pytest.raises(NotImplementedError, match="load_raw"):

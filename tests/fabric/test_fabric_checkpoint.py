@@ -74,3 +74,40 @@ def test_save_load_resume_equals_uninterrupted_and_consolidates(tmp_path, save_s
     for key, value in at_save.items():
         assert torch.equal(consolidated["state_dict"][key], value), key
     TinyNet().load_state_dict(consolidated["state_dict"])  # loads straight into the unwrapped module
+
+
+def _two_modules_worker(rank, world_size, path):
+    """A GAN-like state: two modules and two optimizers in one checkpoint, at stage 2."""
+    def build(fabric, seed):
+        torch.manual_seed(seed)
+        a, b = TinyNet(), TinyNet()
+        (a, opt_a), (b, opt_b) = fabric.setup(a, make_optimizer(a)), fabric.setup(b, make_optimizer(b))
+        return {"gen": a, "disc": b, "opt_gen": opt_a, "opt_disc": opt_b}
+
+    def step(fabric, state, seed):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(seed + rank))
+        fabric.backward(state["gen"](x).pow(2).mean() + state["disc"](x).abs().mean())
+        for key in ("opt_gen", "opt_disc"):
+            state[key].step()
+            state[key].zero_grad()
+
+    fabric = make_fabric(ZeroStrategy(stage=2))
+    state = build(fabric, 0)
+    step(fabric, state, 1)
+    fabric.save(path, state)
+    step(fabric, state, 2)
+    expected = {k: full_weights(_unwrapped(state[k])) for k in ("gen", "disc")}
+    fresh = build(fabric, 7)
+    fabric.load(path, fresh)
+    step(fabric, fresh, 2)
+    for key in ("gen", "disc"):
+        got = full_weights(_unwrapped(fresh[key]))
+        assert all(torch.equal(got[name], expected[key][name]) for name in got), key
+
+
+def test_two_modules_and_their_optimizers_in_one_checkpoint(tmp_path):
+    path = str(tmp_path / "gan.ckpt")
+    run_distributed(_two_modules_worker, 2, path)
+    consolidate_checkpoint(path, str(tmp_path / "gan.pt"))
+    weights = torch.load(tmp_path / "gan.pt", weights_only=True)["state_dict"]
+    assert {k.split(".")[0] for k in weights} == {"gen", "disc"}
