@@ -19,8 +19,9 @@ from tests.test_zero_parity import LOCAL_BATCH, TinyNet, data, make_optimizer, t
 
 def _bf16_worker(rank, world_size):
     expected = train_reference(world_size)
-    for stage in (1, 3):
-        fabric = make_fabric(ZeroStrategy(stage=stage), precision="bf16-mixed")
+    for precision, stage in (("bf16-mixed", 1), ("bf16-mixed", 3), ("bf16-true", 0), ("bf16-true", 2)):
+        fabric = make_fabric(ZeroStrategy(stage=stage), precision=precision)
+        assert fabric.strategy.precision.precision == precision
         dtypes = set()
         torch.manual_seed(0)
         module = TinyNet()
@@ -34,7 +35,7 @@ def _bf16_worker(rank, world_size):
         assert worst <= 5e-2, f"stage {stage}: max abs diff {worst:.2e} from the fp32 reference"
 
 
-def test_bf16_mixed_computes_in_bf16_on_fp32_masters():
+def test_bf16_mixed_and_true_compute_in_bf16_on_fp32_masters():
     run_distributed(_bf16_worker, 2)
 
 
