@@ -35,6 +35,7 @@ class FabricZeroPrecision(ZeroPrecision):
         return tensor  # Fabric drops what pre_backward returns: the loss is scaled in backward
 
     def backward(self, tensor: torch.Tensor, model, *args: Any, **kwargs: Any) -> None:
+        self._unscaled.clear()  # new (scaled) gradients: an unscale recorded before them no longer holds
         if self.scaler is not None:
             tensor = tensor * self.scaler.scale
         tensor.backward(*args, **kwargs)
