@@ -81,6 +81,17 @@ def _fp16_worker(rank, world_size, path, expected_norm):
         assert scaler.scale == 2.0 ** 10
         fabric.load(path, {"model": model, "optimizer": optimizer})
         assert scaler.scale == 2.0 ** 11 and scaler.skipped_steps == 1, f"stage {stage}: scaler not restored"
+        # An overflowing clip without a step, then a clean backward: the stale overflow must not skip that step.
+        fabric.backward(nn.functional.mse_loss(model(lx), ly))
+        if rank == 1:
+            grad = next(p.grad for p in module.parameters() if p.grad is not None)
+            _local(grad).view(-1)[0] = float("inf")
+        fabric.clip_gradients(model, optimizer, max_norm=1e9)
+        optimizer.zero_grad()
+        before = full_weights(module)
+        fabric.backward(nn.functional.mse_loss(model(lx), ly))
+        optimizer.step()
+        assert any(not torch.equal(before[k], v) for k, v in full_weights(module).items()), f"stage {stage}"
 
 
 def test_fp16_overflow_skips_everywhere_clipping_is_unscaled_and_scaler_is_saved(tmp_path):
