@@ -1,7 +1,8 @@
 """lightning-zero: DeepSpeed's ZeRO toolbox for PyTorch Lightning on torch-native engines.
 
 Importing the package registers the strategy names ``zero``, ``zero_stage_1``, ``zero_stage_2``,
-``zero_stage_2_offload``, ``zero_stage_3`` and ``zero_stage_3_offload`` with Lightning.
+``zero_stage_2_offload``, ``zero_stage_3`` and ``zero_stage_3_offload`` with Lightning's Trainer and with Fabric
+(:class:`lightning_zero.fabric.ZeroStrategy`).
 """
 
 from lightning_zero.callbacks import ConsolidateCheckpoint, NCCLDiagnostics, ThroughputLogger
@@ -26,6 +27,8 @@ from lightning_zero.distributed.memory import (
 from lightning_zero.distributed.zero import apply_zero, find_repeated_blocks
 from lightning_zero.pipeline import LayerSpec, PipelineModule, TiedLayerSpec, build_pipeline
 from lightning_zero.strategies import LossScaleConfig, ZeroPrecision, ZeroStrategy
+
+import lightning_zero.fabric  # noqa: E402, F401  # isort: skip  (registers the names with Fabric, after strategies)
 
 __version__ = "0.1.0"
 __all__ = [

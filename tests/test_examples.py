@@ -2,6 +2,7 @@
 
 import glob
 import importlib.util
+import math
 import os
 
 import pytest
@@ -50,3 +51,21 @@ def test_every_example_config_is_covered():
 def test_example_config_trains(config, tmp_path):
     run_distributed(_cli_worker, 2, config, str(tmp_path))
     assert (tmp_path / "config.yaml").is_file()
+
+
+def _fabric_example_worker(rank, world_size, save):
+    spec = importlib.util.spec_from_file_location("fabric_gpt", os.path.join(ROOT, "examples", "fabric_gpt.py"))
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    loss = example.main(["--max-steps", "8", "--n-layer", "2", "--n-embd", "32", "--block-size", "16",
+                         "--stage", "2", "--offload", "cpu", "--accumulate", "2", "--save", save])
+    vocab = len(example.CharDataset(example.corpus(), 16).chars)
+    assert math.isfinite(loss) and loss < math.log(vocab) - 0.1, loss  # below an untrained model's (uniform) loss
+
+
+def test_fabric_gpt_example_trains_and_saves(tmp_path):
+    save = str(tmp_path / "fabric_gpt.ckpt")
+    run_distributed(_fabric_example_worker, 2, save)
+    from lightning_zero.checkpoint.io import read_checkpoint_info
+
+    assert read_checkpoint_info(save)["stage"] == 2

@@ -218,15 +218,26 @@ def load(strategy, filepath: str) -> dict[str, Any]:
     directory = checkpoint_directory(filepath)
     meta = load_meta(directory)  # weights_only; raises a clear error if not a checkpoint
     module = strategy.lightning_module
+    # Lightning hands this dict to every on_load_checkpoint hook (callbacks such as WeightAveraging read the
+    # weights from it), as it does the full checkpoint under DDP: the loaded (sharded) weights go back in.
+    meta["state_dict"] = load_states(directory, meta, module, optimizers_to_restore(strategy),
+                                     strict=module.strict_loading)
+    return meta
+
+
+def load_states(directory: str, meta: dict[str, Any], module: torch.nn.Module, optimizers: list,
+                strict: bool) -> dict[str, Any]:
+    """Load the weights and optimizer states of a sharded checkpoint into ``module`` and ``optimizers`` in place
+    (both adapters' loads); pops the entries it consumes from ``meta`` and returns the loaded state dict."""
+    wrapped, optimizers = optimizers, [getattr(o, "_optimizer", o) for o in optimizers]
     own = module_state_dict(module)
     # Weights the checkpoint left out (exclude_frozen_parameters) are not in it: the module keeps its own.
     excluded = set(meta.pop("frozen_parameters_excluded", ()))
     target: dict[str, Any] = {"state_dict": {k: v for k, v in own.items() if k not in excluded}}
-    optimizers = optimizers_to_restore(strategy)
     saved_groups = meta.pop("optimizer_param_groups", [])
     if optimizers:
         saved_types = read_checkpoint_info(directory).get("optimizers")
-        _check_optimizers(directory, optimizers, saved_groups, saved_types)
+        _check_optimizers(directory, wrapped, saved_groups, saved_types)
         stored_states = _params_with_stored_state(directory, len(optimizers))
         target["optimizer_states"] = {}
         for i, optimizer in enumerate(optimizers):
@@ -236,9 +247,9 @@ def load(strategy, filepath: str) -> dict[str, Any]:
             # Only the states the checkpoint holds are read; the others start fresh (see _forget_states_...).
             target["optimizer_states"][str(i)] = {"state": {name: state for name, state in states.items()
                                                             if name in stored_states[i]}}
-    load_sharded_checkpoint(directory, target, strict=module.strict_loading)
+    load_sharded_checkpoint(directory, target, strict=strict)
     kept = {k: v for k, v in own.items() if k in excluded}
-    module.load_state_dict({**target["state_dict"], **kept}, strict=module.strict_loading)
+    module.load_state_dict({**target["state_dict"], **kept}, strict=strict)
     if optimizers:
         _forget_states_not_in_checkpoint(module, optimizers, stored_states)
     for optimizer, groups in zip(optimizers, saved_groups):
@@ -251,10 +262,7 @@ def load(strategy, filepath: str) -> dict[str, Any]:
         with torch.no_grad():
             for param in sharding.owned_model_params():
                 sharding.masters[id(param)].copy_(param.detach())
-    # Lightning hands this dict to every on_load_checkpoint hook (callbacks such as WeightAveraging read the
-    # weights from it), as it does the full checkpoint under DDP: the loaded (sharded) weights go back in.
-    meta["state_dict"] = target["state_dict"]
-    return meta
+    return target["state_dict"]
 
 
 def remove(filepath) -> None:

@@ -36,7 +36,6 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_zero.checkpoint.io import wait_for_pending_saves
-from lightning_zero.config import ZeroConfig
 from lightning_zero.diagnostics.hang_guard import DEFAULT_HANG_TIMEOUT, HangGuard
 from lightning_zero.distributed.buffers import comm_buffer_pool
 from lightning_zero.distributed.init import InitConfig, broadcast_module_states, exact_init
@@ -44,29 +43,25 @@ from lightning_zero.distributed.manual_backward import ManualBackward
 from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
 from lightning_zero.distributed.optimizer_check import check_optimizer_params
 from lightning_zero.distributed.zero import apply_zero, set_gradient_sync
+from lightning_zero.fabric.settings import SETTING_NAMES, STRATEGY_NAMES, resolve_settings
 from lightning_zero.strategies import checkpointing, lifecycle, restarts, validation
-from lightning_zero.strategies.ddp_options import DDPOptions, ddp_kwargs_for, explain_unused_parameters, require_flags
+from lightning_zero.strategies.ddp_options import ddp_kwargs_for, explain_unused_parameters
 from lightning_zero.strategies.ds_config_binding import (
     DeepSpeedConfigBinding,
-    activation_checkpointing_over_config,
-    arguments_over_config,
-    bind_ds_config,
     effective_ds_config,
     install_config_optimizers,
     precision_from_config,
     scheduler_from_config,
     uninstall_config_optimizers,
 )
-from lightning_zero.strategies.pipeline_binding import PipelineGradients, make_pipeline_settings
+from lightning_zero.strategies.pipeline_binding import PipelineGradients
 from lightning_zero.strategies.pipeline_binding import setup_for_strategy as setup_pipeline_for_strategy
 from lightning_zero.strategies.precision import (
     PrecisionFlag,
     ZeroPrecision,
     adapt_precision_plugin,
     guard_schedulers,
-    loss_scale_configs,
     low_precision_allreduce_hook,
-    parse_communication_data_type,
 )
 from lightning_zero.strategies.toggle import install_partition_aware_toggle, uninstall_partition_aware_toggle
 
@@ -184,56 +179,31 @@ class ZeroStrategy(ParallelStrategy):
         activation_checkpointing_policy: Any = None,
         load_full_weights: bool = False,
     ) -> None:
-        # Validate everything before Lightning (or anyone) starts a process group.
-        timeout = validation.check_timeout(timeout)
-        validation.check_backend_name(process_group_backend)
-        self._ds_config = bind_ds_config(config, strict)  # config=, else PL_DEEPSPEED_CONFIG_PATH, else None
-        self.hang_guard = HangGuard(hang_timeout)
-        (stage, offload, pin_memory, reshard_after_forward, communication_data_type, pipeline_parallel_size,
-         micro_batches) = arguments_over_config(self._ds_config, stage, offload, pin_memory, reshard_after_forward,
-                                                communication_data_type, pipeline_parallel_size, micro_batches)
-        self.zero_config = ZeroConfig(
-            stage=stage, offload=offload, pin_memory=pin_memory,
-            sharded_module_classes=frozenset(sharded_module_classes) if sharded_module_classes else None,
-            reshard_after_forward=reshard_after_forward,
-        )
-        self.activation_checkpoint_config = activation_checkpointing_over_config(
-            self._ds_config, activation_checkpointing, cpu_checkpointing, activation_checkpointing_policy)
-        if start_method not in ("popen", "spawn", "fork", "forkserver"):
-            raise ValueError(f"start_method must be 'popen', 'spawn', 'fork' or 'forkserver', got {start_method!r}")
-        self._loss_scale_config, self._fp16_loss_scale_config = loss_scale_configs(
-            self._ds_config.loss_scale_kwargs() if self._ds_config is not None else {},
-            loss_scale=loss_scale, initial_scale_power=initial_scale_power, loss_scale_window=loss_scale_window,
-            hysteresis=hysteresis, consecutive_hysteresis=consecutive_hysteresis, min_loss_scale=min_loss_scale)
-        parse_communication_data_type(communication_data_type)
-        self._communication_data_type = communication_data_type
-        self._pipeline = make_pipeline_settings(pipeline_parallel_size, micro_batches, pipeline_schedule,
-                                                virtual_stages, stage=self.zero_config.stage,
-                                                offload=self.zero_config.offload)
-        self._ddp_options = DDPOptions(find_unused_parameters, static_graph, gradient_as_bucket_view, bucket_cap_mb)
-        self._ddp_options.check_stage(self.zero_config.stage, pipeline=self._pipeline.enabled)
-        self.exclude_frozen_parameters, self.verbose, self.auto_resume = require_flags(
-            exclude_frozen_parameters=exclude_frozen_parameters, verbose=verbose, auto_resume=auto_resume)
-        self.load_full_weights = checkpointing.check_load_full_weights(load_full_weights)
+        # Validate everything before Lightning (or anyone) starts a process group; shared with the Fabric strategy.
+        settings = resolve_settings(**{name: value for name, value in locals().items() if name in SETTING_NAMES})
+        self._ds_config, self.zero_config, self._pipeline = settings.ds_config, settings.zero_config, settings.pipeline
+        self.hang_guard = HangGuard(settings.hang_timeout)
+        self._loss_scale_config, self._fp16_loss_scale_config = (settings.loss_scale_config,
+                                                                 settings.fp16_loss_scale_config)
+        self._communication_data_type, self._ddp_options = settings.communication_data_type, settings.ddp_options
+        self.exclude_frozen_parameters, self.verbose, self.auto_resume = (
+            settings.exclude_frozen_parameters, settings.verbose, settings.auto_resume)
+        self.activation_checkpoint_config, self.load_full_weights = (settings.activation_checkpoint_config,
+                                                                     settings.load_full_weights)
         self._pp_mesh = None
         self._runner = None
         self._pipeline_grads = PipelineGradients()
-        if not isinstance(async_save, bool):
-            raise TypeError(f"async_save must be True or False, got {async_save!r}")
-        if checkpoint_io is not None:
-            raise ValueError("ZeroStrategy writes sharded checkpoints with torch.distributed.checkpoint itself, so a "
-                             "custom checkpoint_io would be ignored; remove it")
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, precision_plugin=precision_plugin)
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout
-        self._start_method = start_method
-        self.async_save = async_save
+        self._process_group_backend = settings.process_group_backend
+        self._timeout = settings.timeout
+        self._start_method = settings.start_method
+        self.async_save = settings.async_save
         self._num_nodes = 1
         self._mesh = None
         self._teardown_handles: list = []  # hooks setup added to the user's module, removed at teardown
         self._manual_backward: Optional[ManualBackward] = None
-        self._forward_redirection = _DDPForwardRedirection() if stage <= 1 else _ForwardRedirection()
+        self._forward_redirection = _DDPForwardRedirection() if self.stage <= 1 else _ForwardRedirection()
 
     # ------------------------------------------------------------------ properties Lightning reads
     @property
@@ -597,16 +567,7 @@ class ZeroStrategy(ParallelStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
-        entries = {
-            "zero": dict(description="ZeRO stage 2 (FSDP2, gradients and optimizer states sharded)", stage=2),
-            "zero_stage_1": dict(description="ZeRO stage 1: optimizer states sharded", stage=1),
-            "zero_stage_2": dict(description="ZeRO stage 2: gradients and optimizer states sharded", stage=2),
-            "zero_stage_2_offload": dict(description="ZeRO stage 2 with CPU offload", stage=2, offload="cpu"),
-            "zero_stage_3": dict(description="ZeRO stage 3: parameters, gradients, optimizer states sharded",
-                                 stage=3),
-            "zero_stage_3_offload": dict(description="ZeRO stage 3 with CPU offload", stage=3, offload="cpu"),
-        }
-        for name, kwargs in entries.items():
+        for name, kwargs in STRATEGY_NAMES.items():  # shared with the Fabric strategy
             if name not in strategy_registry:
                 strategy_registry.register(name, cls, **kwargs)
 

@@ -1,0 +1,132 @@
+"""``fabric.save`` / ``fabric.load`` for the Fabric ZeroStrategy, on the Trainer strategy's sharded format.
+
+A Fabric state ``{"model": module, "optimizer": optimizer, "step": 3, ...}`` is written as the Trainer strategy
+writes a Lightning checkpoint (:mod:`lightning_zero.strategies.checkpointing`): the module's weights under
+``state_dict`` and the optimizers' states keyed by parameter name under ``optimizer_states`` (DCP, every rank its
+shards), everything else in ``meta.pt`` (``weights_only``). So the save is atomic and verified, a load reshards
+across world sizes and stages, and ``lightning-zero consolidate`` turns it into one file whose ``state_dict`` loads
+straight into the unwrapped module.
+
+Several modules in one state (a GAN's generator and discriminator) are stored as one ``ModuleDict``: their weights
+under ``<key>.<name>``. ``meta.pt`` records which state keys held the modules and the optimizers
+(``fabric_state_keys``), so a load puts each back into the object of the same key.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any, Callable, Optional
+
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_zero.checkpoint.errors import CheckpointError
+from lightning_zero.checkpoint.io import checkpoint_directory, wait_for_pending_saves
+from lightning_zero.checkpoint.safe_load import load_meta
+from lightning_zero.strategies import checkpointing
+
+KEYS = "fabric_state_keys"  # {"modules": [key, ...], "optimizers": [key, ...]} in meta.pt
+SCALER = "fabric_loss_scaler"  # the fp16 loss scaler's state (plain numbers)
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return module.module if isinstance(module, DistributedDataParallel) else module
+
+
+def _split(state: dict[str, Any]) -> tuple[list[str], list[str]]:
+    modules = [key for key, value in state.items() if isinstance(value, nn.Module)]
+    optimizers = [key for key, value in state.items() if isinstance(value, Optimizer)]
+    if optimizers and not modules:
+        raise ValueError(f"the state holds optimizers {optimizers} but no module: their states are keyed by the "
+                         "module's parameter names, so put the module in the same state")
+    if len(modules) > 1 and any("." in key or not key for key in modules):
+        raise ValueError(f"with several modules each one's weights are stored under '<key>.', so the keys "
+                         f"{modules} must be non-empty and hold no '.'")
+    return modules, optimizers
+
+
+def _module_view(state: dict[str, Any], keys: list[str]) -> nn.Module:
+    """The module whose state dict is the checkpoint's ``state_dict``: the state's one module (its own parameter
+    names, so a consolidated file loads straight into it), or several as a ``ModuleDict`` (``<key>.<name>``)."""
+    if len(keys) == 1:
+        return _unwrap(state[keys[0]])
+    return nn.ModuleDict({key: _unwrap(state[key]) for key in keys}) if keys else nn.Module()
+
+
+def save(strategy, path: str, state: dict[str, Any],
+         filter: Optional[dict[str, Callable[[str, Any], bool]]] = None) -> None:
+    """Write ``state`` as a sharded checkpoint directory at ``path`` (collective: every rank calls it)."""
+    module_keys, optimizer_keys = _split(state)
+    if filter and set(filter) - set(module_keys):
+        raise NotImplementedError(f"fabric.save(filter=...) applies to modules' weights here; the filter keys "
+                                  f"{sorted(set(filter) - set(module_keys))} are not modules")
+    module = _module_view(state, module_keys)
+    checkpoint: dict[str, Any] = {}
+    weights = checkpointing.module_state_dict(module)
+    for key, keep in (filter or {}).items():
+        prefix = "" if len(module_keys) == 1 else f"{key}."
+        weights = {name: tensor for name, tensor in weights.items()
+                   if not name.startswith(prefix) or keep(name[len(prefix):], tensor)}
+    checkpoint["state_dict"] = weights
+    optimizers = [state[key] for key in optimizer_keys]
+    checkpoint["optimizer_states"] = [checkpointing.optimizer_state_dict(module, o) for o in optimizers]
+    for key, value in state.items():
+        if key in module_keys or key in optimizer_keys:
+            continue
+        checkpoint[key] = value.state_dict() if callable(getattr(value, "state_dict", None)) else value
+    checkpoint[KEYS] = {"modules": module_keys, "optimizers": optimizer_keys}
+    if strategy.precision.scaler is not None:
+        checkpoint[SCALER] = strategy.precision.state_dict()
+    # The Trainer strategy's save, given this state's module(s) and optimizers.
+    view = SimpleNamespace(exclude_frozen_parameters=strategy.exclude_frozen_parameters, lightning_module=module,
+                           stage=strategy.stage, zero_config=strategy.zero_config, optimizers=optimizers,
+                           ds_config=strategy.ds_config, async_save=strategy.async_save)
+    checkpointing.save(view, checkpoint, path)
+
+
+def load(strategy, path: str, state: Optional[dict[str, Any]], strict: bool = True) -> dict[str, Any]:
+    """Load the checkpoint at ``path`` into the objects of ``state`` in place; return what was not loaded.
+
+    Plain values in ``state`` are replaced by the saved ones (Fabric copies them back into the caller's dict)."""
+    if not state:
+        raise ValueError("fabric.load with a ZeroStrategy loads sharded states into existing objects: pass them, "
+                         "e.g. fabric.load(path, {'model': model, 'optimizer': optimizer}); to read the whole "
+                         "checkpoint in one process use `lightning-zero consolidate` and torch.load")
+    wait_for_pending_saves(barrier=False)
+    directory = checkpoint_directory(path)
+    meta = load_meta(directory)
+    saved = meta.pop(KEYS, None)
+    if saved is None:
+        raise CheckpointError(f"{directory} was not written by fabric.save (no {KEYS!r}); a Trainer checkpoint "
+                              "loads with Trainer.fit(ckpt_path=...) or LightningModule.load_from_checkpoint",
+                              directory)
+    scaler_state = meta.pop(SCALER, None)
+    module_keys, optimizer_keys = _split(state)
+    if module_keys and module_keys != saved["modules"]:
+        raise KeyError(f"the state's modules are {module_keys}, the checkpoint holds {saved['modules']} (pass all "
+                       "of them, under the same keys)")
+    if optimizer_keys and optimizer_keys != saved["optimizers"]:
+        raise KeyError(f"the state's optimizers are {optimizer_keys}, the checkpoint holds {saved['optimizers']} "
+                       "(pass all of them, under the same keys, or none)")
+    if not optimizer_keys:
+        meta.pop("optimizer_param_groups", None)  # weights only
+    if module_keys:
+        optimizers = [state[key] for key in optimizer_keys]
+        checkpointing.load_states(directory, meta, _module_view(state, module_keys), optimizers, strict=strict)
+    if scaler_state is not None and strategy.precision.scaler is not None:
+        strategy.precision.load_state_dict(scaler_state)
+    for key, target in state.items():
+        if key in module_keys or key in optimizer_keys:
+            continue
+        if key not in meta:
+            if strict:
+                raise KeyError(f"{key!r} is not in the checkpoint {directory} (it holds {sorted(meta)})")
+            continue
+        value = meta.pop(key)
+        if callable(getattr(target, "load_state_dict", None)):
+            target.load_state_dict(value)
+        else:
+            state[key] = value
+    return meta

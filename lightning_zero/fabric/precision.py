@@ -1,0 +1,104 @@
+"""Precision under the Fabric ZeroStrategy: the Trainer's :class:`~lightning_zero.strategies.precision.ZeroPrecision`
+(fp32 master weights, low-precision compute, DeepSpeed's fp16 loss scaling) behind Fabric's plugin calls.
+
+Fabric drives precision differently from the Trainer: ``fabric.backward(loss)`` calls ``backward(tensor, module)``
+without an optimizer, ``fabric.clip_gradients`` runs *before* ``optimizer.step()`` and asks the plugin to
+``unscale_gradients`` first, and ``optimizer.step()`` reaches ``optimizer_step(optimizer)`` without a closure. The
+fp16 step of the Trainer's note therefore runs at the first of ``unscale_gradients`` (clipping) or
+``optimizer_step``: one ``all_reduce(MAX)`` decides overflow, gradients are divided by the scale (so clipping sees
+true gradients) or dropped, and ``optimizer_step`` skips the step after an overflow.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from lightning.fabric.plugins.precision.utils import _convert_fp_tensor
+from lightning.fabric.utilities.apply_func import apply_to_collection
+
+from lightning_zero.strategies.precision import SUPPORTED_PRECISIONS, LossScaleConfig, ZeroPrecision
+
+
+class FabricZeroPrecision(ZeroPrecision):
+    """:class:`ZeroPrecision` with Fabric's call signatures (see the module docstring).
+
+    Args: as :class:`ZeroPrecision`. Pass it as ``Fabric(plugins=FabricZeroPrecision("16-mixed"))`` to train fp16
+    on a CPU (Fabric's connector turns ``precision="16-mixed"`` into ``bf16-mixed`` there).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._unscaled: dict[int, bool] = {}  # id(optimizer) -> overflow, for the step that follows clipping
+
+    def pre_backward(self, tensor: torch.Tensor, module) -> torch.Tensor:
+        return tensor  # Fabric drops what pre_backward returns: the loss is scaled in backward
+
+    def backward(self, tensor: torch.Tensor, model, *args: Any, **kwargs: Any) -> None:
+        self._unscaled.clear()  # new (scaled) gradients: an unscale recorded before them no longer holds
+        if self.scaler is not None:
+            tensor = tensor * self.scaler.scale
+        tensor.backward(*args, **kwargs)
+
+    def post_backward(self, tensor: torch.Tensor, module) -> torch.Tensor:
+        return tensor
+
+    def convert_output(self, data: Any) -> Any:
+        # As Fabric's MixedPrecision: the loss is computed outside the model in the default dtype.
+        if self.low_dtype is None:
+            return data
+        return apply_to_collection(data, function=_convert_fp_tensor, dtype=torch.Tensor,
+                                   dst_type=torch.get_default_dtype())
+
+    def unscale_gradients(self, optimizer) -> None:
+        if self.scaler is not None and id(optimizer) not in self._unscaled:
+            self._unscaled[id(optimizer)] = self._skip_on_overflow(None, optimizer)
+
+    def optimizer_step(self, optimizer, **kwargs: Any) -> Any:
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise TypeError("ZeroStrategy does not support LBFGS (its closure re-evaluation bypasses the partitioned "
+                            "step and the fp16 overflow check)")
+        self.last_step_skipped = False
+        if self.scaler is not None:
+            self.unscale_gradients(optimizer)
+            if self._unscaled.pop(id(optimizer)):
+                self.last_step_skipped = True
+                return None
+        return optimizer.step(**kwargs)
+
+
+class PrecisionFlag:
+    """The plugin Fabric would have chosen for a ds_config's precision flag (adopted at setup), adapted like
+    Fabric's own choice."""
+
+    def __init__(self, precision: str) -> None:
+        self.precision = precision
+
+
+def adapt_fabric_precision(plugin, *, stage: int, loss_scale_config: Optional[LossScaleConfig],
+                           fp16_loss_scale_config: Optional[LossScaleConfig],
+                           communication_data_type: Optional[str]) -> FabricZeroPrecision:
+    """Turn the plugin Fabric chose for ``precision=`` (``Precision``, ``MixedPrecision``, ``HalfPrecision``) into a
+    :class:`FabricZeroPrecision`; any other plugin (fp64, bitsandbytes, Transformer Engine, FSDP's, ...) is refused."""
+    if isinstance(plugin, FabricZeroPrecision):
+        clash = (loss_scale_config is not None and loss_scale_config != plugin.loss_scale_config) or (
+            communication_data_type is not None and communication_data_type != plugin.communication_data_type)
+        if clash:
+            raise ValueError("both the FabricZeroPrecision plugin and ZeroStrategy set loss scaling or "
+                             "communication_data_type: set them in one place")
+        plugin.stage = stage
+        return plugin
+    from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Precision
+
+    flag = getattr(plugin, "precision", None)
+    known = (Precision, MixedPrecision, HalfPrecision, PrecisionFlag)
+    if type(plugin) not in known or flag not in SUPPORTED_PRECISIONS:
+        raise NotImplementedError(
+            f"the Fabric ZeroStrategy supports precision in {SUPPORTED_PRECISIONS}; {type(plugin).__name__} "
+            f"(precision={flag!r}) is not implemented (fp64, bitsandbytes and Transformer Engine have no ZeRO path "
+            "here)")
+    if isinstance(plugin, MixedPrecision) and plugin.scaler is not None and flag != "16-mixed":
+        raise ValueError("a MixedPrecision plugin with a GradScaler is only meaningful for 16-mixed")
+    scaling = fp16_loss_scale_config if flag.startswith("16-") else loss_scale_config
+    return FabricZeroPrecision(flag, loss_scale_config=scaling, communication_data_type=communication_data_type,
+                               stage=stage)

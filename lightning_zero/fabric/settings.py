@@ -1,0 +1,156 @@
+"""The constructor arguments of both ZeroStrategy adapters (Trainer and Fabric), validated in one place.
+
+``lightning_zero.strategies.ZeroStrategy`` and ``lightning_zero.fabric.ZeroStrategy`` take the same arguments and
+both hand them to :func:`resolve_settings`, which applies the ds_config under the explicit arguments and validates
+every value before any process group exists. An argument added to the strategies belongs here (and in
+:class:`ZeroSettings`), so the two adapters cannot drift apart.
+
+[Note: the helpers imported from strategies/]
+The validators used here (``ds_config_binding``, ``ddp_options``, ``pipeline_binding``, ``precision``,
+``validation``) still live in ``lightning_zero/strategies/`` because several engineers edit them in parallel; none of
+them needs the Trainer. They move down into ``fabric/`` with ``git mv`` once those edits are merged.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Optional, Union
+
+from lightning_zero.checkpoint.full_load import check_load_full_weights
+from lightning_zero.config import ZeroConfig
+from lightning_zero.diagnostics.hang_guard import DEFAULT_HANG_TIMEOUT, parse_hang_timeout
+from lightning_zero.distributed.activation_checkpointing import ActivationCheckpointConfig
+from lightning_zero.strategies import validation
+from lightning_zero.strategies.ddp_options import DDPOptions, require_flags
+from lightning_zero.strategies.ds_config_binding import (
+    DeepSpeedConfigBinding,
+    activation_checkpointing_over_config,
+    arguments_over_config,
+    bind_ds_config,
+)
+from lightning_zero.strategies.pipeline_binding import PipelineSettings, make_pipeline_settings
+from lightning_zero.strategies.precision import LossScaleConfig, loss_scale_configs, parse_communication_data_type
+
+START_METHODS = ("popen", "spawn", "fork", "forkserver")
+
+# The registry names of both adapters (Trainer and Fabric): name -> description and constructor arguments.
+STRATEGY_NAMES = {
+    "zero": dict(description="ZeRO stage 2 (FSDP2, gradients and optimizer states sharded)", stage=2),
+    "zero_stage_1": dict(description="ZeRO stage 1: optimizer states sharded", stage=1),
+    "zero_stage_2": dict(description="ZeRO stage 2: gradients and optimizer states sharded", stage=2),
+    "zero_stage_2_offload": dict(description="ZeRO stage 2 with CPU offload", stage=2, offload="cpu"),
+    "zero_stage_3": dict(description="ZeRO stage 3: parameters, gradients, optimizer states sharded", stage=3),
+    "zero_stage_3_offload": dict(description="ZeRO stage 3 with CPU offload", stage=3, offload="cpu"),
+}
+
+
+@dataclass(frozen=True)
+class ZeroSettings:
+    """Everything a ZeroStrategy was asked for, validated; see the strategies' docstrings for each argument."""
+
+    zero_config: ZeroConfig
+    ds_config: Optional[DeepSpeedConfigBinding]
+    loss_scale_config: Optional[LossScaleConfig]  # the explicit knobs only
+    fp16_loss_scale_config: Optional[LossScaleConfig]  # explicit over the ds_config's fp16 section
+    communication_data_type: Optional[str]
+    pipeline: PipelineSettings
+    ddp_options: DDPOptions
+    process_group_backend: Optional[str]
+    timeout: Optional[timedelta]
+    start_method: str
+    async_save: bool
+    exclude_frozen_parameters: bool
+    verbose: bool
+    auto_resume: bool
+    hang_timeout: Optional[float]
+    activation_checkpoint_config: Optional[ActivationCheckpointConfig]
+    load_full_weights: bool
+
+
+def resolve_settings(
+    *,
+    stage: Optional[int] = None,
+    offload: Optional[str] = None,
+    pin_memory: Optional[bool] = None,
+    sharded_module_classes: Optional[Union[set, list, tuple]] = None,
+    reshard_after_forward: Optional[Union[bool, int]] = None,
+    checkpoint_io: Optional[Any] = None,
+    process_group_backend: Optional[str] = None,
+    timeout: Any = None,
+    start_method: str = "popen",
+    async_save: bool = False,
+    communication_data_type: Optional[str] = None,
+    loss_scale: Optional[float] = None,
+    initial_scale_power: Optional[int] = None,
+    loss_scale_window: Optional[int] = None,
+    hysteresis: Optional[int] = None,
+    consecutive_hysteresis: Optional[bool] = None,
+    min_loss_scale: Optional[float] = None,
+    config: Optional[Union[str, dict]] = None,
+    strict: bool = True,
+    pipeline_parallel_size: Optional[int] = None,
+    micro_batches: Optional[int] = None,
+    pipeline_schedule: Optional[str] = None,
+    virtual_stages: Optional[int] = None,
+    find_unused_parameters: Optional[bool] = None,
+    static_graph: Optional[bool] = None,
+    gradient_as_bucket_view: Optional[bool] = None,
+    bucket_cap_mb: Optional[float] = None,
+    exclude_frozen_parameters: bool = False,
+    verbose: bool = False,
+    hang_timeout: Optional[Union[float, timedelta]] = DEFAULT_HANG_TIMEOUT,
+    auto_resume: bool = True,
+    activation_checkpointing: Any = None,
+    cpu_checkpointing: Optional[bool] = None,
+    activation_checkpointing_policy: Any = None,
+    load_full_weights: bool = False,
+) -> ZeroSettings:
+    """Validate a ZeroStrategy's constructor arguments; the ds_config (``config=``, else the file
+    ``PL_DEEPSPEED_CONFIG_PATH`` names) fills every argument left at ``None``, explicit arguments win."""
+    timeout = validation.check_timeout(timeout)
+    validation.check_backend_name(process_group_backend)
+    ds_config = bind_ds_config(config, strict)
+    hang_seconds = parse_hang_timeout(hang_timeout)
+    (stage, offload, pin_memory, reshard_after_forward, communication_data_type, pipeline_parallel_size,
+     micro_batches) = arguments_over_config(ds_config, stage, offload, pin_memory, reshard_after_forward,
+                                            communication_data_type, pipeline_parallel_size, micro_batches)
+    zero_config = ZeroConfig(
+        stage=stage, offload=offload, pin_memory=pin_memory,
+        sharded_module_classes=frozenset(sharded_module_classes) if sharded_module_classes else None,
+        reshard_after_forward=reshard_after_forward,
+    )
+    activation_checkpoint = activation_checkpointing_over_config(
+        ds_config, activation_checkpointing, cpu_checkpointing, activation_checkpointing_policy)
+    if start_method not in START_METHODS:
+        raise ValueError(f"start_method must be 'popen', 'spawn', 'fork' or 'forkserver', got {start_method!r}")
+    loss_scale_config, fp16_loss_scale_config = loss_scale_configs(
+        ds_config.loss_scale_kwargs() if ds_config is not None else {},
+        loss_scale=loss_scale, initial_scale_power=initial_scale_power, loss_scale_window=loss_scale_window,
+        hysteresis=hysteresis, consecutive_hysteresis=consecutive_hysteresis, min_loss_scale=min_loss_scale)
+    parse_communication_data_type(communication_data_type)
+    pipeline = make_pipeline_settings(pipeline_parallel_size, micro_batches, pipeline_schedule, virtual_stages,
+                                      stage=zero_config.stage, offload=zero_config.offload)
+    ddp_options = DDPOptions(find_unused_parameters, static_graph, gradient_as_bucket_view, bucket_cap_mb)
+    ddp_options.check_stage(zero_config.stage, pipeline=pipeline.enabled)
+    exclude_frozen_parameters, verbose, auto_resume = require_flags(
+        exclude_frozen_parameters=exclude_frozen_parameters, verbose=verbose, auto_resume=auto_resume)
+    if not isinstance(async_save, bool):
+        raise TypeError(f"async_save must be True or False, got {async_save!r}")
+    if checkpoint_io is not None:
+        raise ValueError("ZeroStrategy writes sharded checkpoints with torch.distributed.checkpoint itself, so a "
+                         "custom checkpoint_io would be ignored; remove it")
+    return ZeroSettings(
+        zero_config=zero_config, ds_config=ds_config, loss_scale_config=loss_scale_config,
+        fp16_loss_scale_config=fp16_loss_scale_config, communication_data_type=communication_data_type,
+        pipeline=pipeline, ddp_options=ddp_options, process_group_backend=process_group_backend, timeout=timeout,
+        start_method=start_method, async_save=async_save, exclude_frozen_parameters=exclude_frozen_parameters,
+        verbose=verbose, auto_resume=auto_resume, hang_timeout=hang_seconds,
+        activation_checkpoint_config=activation_checkpoint,
+        load_full_weights=check_load_full_weights(load_full_weights),
+    )
+
+
+# The argument names resolve_settings takes: an adapter passes exactly these of its own constructor arguments.
+SETTING_NAMES = frozenset(inspect.signature(resolve_settings).parameters)

@@ -1,0 +1,437 @@
+"""``lightning_zero.fabric.ZeroStrategy``: the Fabric adapter over :mod:`lightning_zero.distributed`.
+
+The same engines and the same arguments as the Trainer's :class:`lightning_zero.strategies.ZeroStrategy` (both
+validate them with :func:`lightning_zero.fabric.settings.resolve_settings`): stages 0-1 on DDP (stage 1 partitions
+the optimizer), stages 2-3 on FSDP2 ``fully_shard``, CPU offload, DeepSpeed-style fp16 loss scaling, sharded atomic
+checkpoints. This class only maps Fabric's calls onto them: ``fabric.setup`` (:meth:`setup_module_and_optimizers`),
+``fabric.backward``, ``fabric.clip_gradients``, ``fabric.no_backward_sync``, ``fabric.save``/``fabric.load``,
+``fabric.init_module``.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, contextmanager
+from datetime import timedelta
+from typing import Any, Generator, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.precision import Precision
+from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.fabric.strategies.parallel import ParallelStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.fabric.utilities.seed import reset_seed
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+
+from lightning_zero.checkpoint.io import wait_for_pending_saves
+from lightning_zero.diagnostics.hang_guard import DEFAULT_HANG_TIMEOUT, HangGuard
+from lightning_zero.distributed.init import InitConfig, exact_init
+from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
+from lightning_zero.distributed.optimizer_check import check_optimizer_params
+from lightning_zero.distributed.zero import apply_zero, set_gradient_sync
+from lightning_zero.fabric import checkpoint
+from lightning_zero.fabric.precision import FabricZeroPrecision, PrecisionFlag, adapt_fabric_precision
+from lightning_zero.fabric.settings import SETTING_NAMES, STRATEGY_NAMES, resolve_settings
+from lightning_zero.strategies import restarts, validation
+from lightning_zero.strategies.ddp_options import ddp_kwargs_for
+from lightning_zero.strategies.ds_config_binding import DeepSpeedConfigBinding, precision_from_config
+from lightning_zero.strategies.precision import low_precision_allreduce_hook
+
+# ds_config settings that drive the Trainer's loop; in Fabric the user's loop does these, so they are refused.
+_LOOP_SETTINGS = ("optimizer", "scheduler", "gradient_clipping", "gradient_accumulation_steps", "train_batch_size",
+                  "train_micro_batch_size_per_gpu", "steps_per_print", "wall_clock_breakdown")
+
+
+class ZeroStrategy(ParallelStrategy):
+    """DeepSpeed's ZeRO stages 0-3 with CPU offload for Lightning Fabric, on DDP and FSDP2.
+
+    Takes the arguments of :class:`lightning_zero.strategies.ZeroStrategy` (see its docstring for each), with these
+    Fabric meanings:
+
+    * ``fabric.setup(model, optimizer)`` shards the model and partitions the optimizers; at stages 2-3 the optimizer
+      may be created before ``setup``: its parameters are replaced by the sharded ones (by name).
+    * ``fabric.clip_gradients(model, optimizer, max_norm=...)`` clips the global norm over every rank's shards;
+      with fp16 it first unscales (and detects overflow), as DeepSpeed does before clipping.
+    * ``fabric.no_backward_sync(model, enabled=...)`` skips gradient communication on accumulation micro-steps.
+    * ``fabric.save(path, state)`` writes a sharded, atomic checkpoint directory;
+      ``fabric.load(path, state)`` loads it in place at any stage or world size
+      (:mod:`lightning_zero.fabric.checkpoint`).
+    * ``fabric.init_module()`` builds the model on CPU running its own init, as the Trainer's ``configure_model``.
+    * ``hang_timeout`` guards ``fabric.save``/``fabric.load`` and teardown (Fabric has no step hooks).
+    * Precision: ``Fabric(precision=...)`` with ``32-true``, ``bf16-mixed``, ``16-mixed``, ``bf16-true``, ``16-true``
+      (:mod:`lightning_zero.fabric.precision`); fp16 uses DeepSpeed's loss scaling with the loss-scale arguments.
+
+    Refused (no Fabric meaning yet): ``async_save=True`` (no end-of-run hook to await the write),
+    ``pipeline_parallel_size > 1`` (the schedule needs the Trainer's
+    ``training_step``), ``auto_resume=True`` (there are no ``ModelCheckpoint`` directories to resume from), and a
+    ds_config that sets loop settings (``optimizer``, ``scheduler``, ``gradient_clipping``, accumulation, batch
+    sizes, ``steps_per_print``, ``wall_clock_breakdown``): write them in the loop; ``load_full_weights=True``
+    (``fabric.load`` reads sharded directories).
+    """
+
+    strategy_name = "zero"
+
+    def __init__(
+        self,
+        stage: Optional[int] = None,
+        offload: Optional[str] = None,
+        pin_memory: Optional[bool] = None,
+        sharded_module_classes: Optional[Union[set, list, tuple]] = None,
+        reshard_after_forward: Optional[Union[bool, int]] = None,
+        accelerator: Optional[Any] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[Any] = None,
+        checkpoint_io: Optional[Any] = None,
+        precision: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: str = "popen",
+        async_save: bool = False,
+        communication_data_type: Optional[str] = None,
+        loss_scale: Optional[float] = None,
+        initial_scale_power: Optional[int] = None,
+        loss_scale_window: Optional[int] = None,
+        hysteresis: Optional[int] = None,
+        consecutive_hysteresis: Optional[bool] = None,
+        min_loss_scale: Optional[float] = None,
+        config: Optional[Union[str, dict]] = None,
+        strict: bool = True,
+        pipeline_parallel_size: Optional[int] = None,
+        micro_batches: Optional[int] = None,
+        pipeline_schedule: Optional[str] = None,
+        virtual_stages: Optional[int] = None,
+        find_unused_parameters: Optional[bool] = None,
+        static_graph: Optional[bool] = None,
+        gradient_as_bucket_view: Optional[bool] = None,
+        bucket_cap_mb: Optional[float] = None,
+        exclude_frozen_parameters: bool = False,
+        verbose: bool = False,
+        hang_timeout: Optional[Union[float, timedelta]] = DEFAULT_HANG_TIMEOUT,
+        auto_resume: bool = False,
+        activation_checkpointing: Any = None,
+        cpu_checkpointing: Optional[bool] = None,
+        activation_checkpointing_policy: Any = None,
+        load_full_weights: bool = False,
+    ) -> None:
+        settings = resolve_settings(**{name: value for name, value in locals().items() if name in SETTING_NAMES})
+        if settings.pipeline.enabled:
+            raise NotImplementedError("pipeline_parallel_size > 1 is not supported with Fabric: the pipeline "
+                                      "schedule runs the LightningModule's training_step under the Trainer. Use the "
+                                      "Trainer's ZeroStrategy, or pipeline_parallel_size=None")
+        if settings.auto_resume:
+            raise ValueError("auto_resume=True resumes from the Trainer's ModelCheckpoint directories, which Fabric "
+                             "has not: call fabric.load(path, state) yourself, and leave auto_resume=False")
+        if settings.load_full_weights:
+            raise NotImplementedError("load_full_weights=True is not supported with Fabric: fabric.load reads sharded "
+                                      "checkpoint directories. Load a single-file state dict into the module before "
+                                      "fabric.setup, and leave load_full_weights=False")
+        if settings.async_save:
+            raise NotImplementedError("async_save=True is not supported with Fabric yet: Fabric has no end-of-run hook "
+                                      "that would wait for the background write, so the last checkpoint could be lost "
+                                      "at exit. Use async_save=False")
+        _refuse_loop_settings(settings.ds_config)
+        self.settings = settings
+        self.zero_config = settings.zero_config
+        self.hang_guard = HangGuard(settings.hang_timeout)
+        self.exclude_frozen_parameters, self.verbose = settings.exclude_frozen_parameters, settings.verbose
+        self.async_save = settings.async_save
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, precision=precision)
+        self._process_group_backend = settings.process_group_backend
+        self._num_nodes = 1
+        self._mesh = None
+        self._backward_sync_control = _ZeroBackwardSyncControl()
+        self._modules: list[nn.Module] = []  # the user's modules set up so far (unwrapped)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def stage(self) -> int:
+        return self.zero_config.stage
+
+    @property
+    def ds_config(self) -> Optional[DeepSpeedConfigBinding]:
+        return self.settings.ds_config
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    @property
+    def device_mesh(self):
+        if self._mesh is None:
+            raise RuntimeError("The device mesh exists only after the process group was set up")
+        return self._mesh
+
+    @property
+    def precision(self) -> FabricZeroPrecision:
+        if self._precision is None:
+            self._precision = self._adapt(Precision())
+        return self._precision
+
+    @precision.setter
+    def precision(self, precision: Optional[Precision]) -> None:
+        self._precision = self._adapt(precision) if precision is not None else None
+
+    def _adapt(self, plugin: Precision) -> FabricZeroPrecision:
+        s = self.settings
+        return adapt_fabric_precision(plugin, stage=self.stage, loss_scale_config=s.loss_scale_config,
+                                      fp16_loss_scale_config=s.fp16_loss_scale_config,
+                                      communication_data_type=s.communication_data_type)
+
+    # ------------------------------------------------------------------ launch and process group
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self.settings.start_method == "popen":
+            validation.check_launcher_world_size(self.cluster_environment, self.num_nodes, self.num_processes)
+            if not self.cluster_environment.creates_processes_externally:
+                self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes,
+                                                           self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self.settings.start_method)
+
+    def setup_environment(self) -> None:
+        device = self.root_device
+        validation.check_backend_for_device(self._process_group_backend, device)
+        if self.zero_config.pin_memory and device.type != "cuda":
+            raise ValueError(f"pin_memory=True pins the offloaded CPU copies for fast copies to CUDA, but this run "
+                             f"computes on {device.type!r}: use pin_memory=None (pin only on CUDA) or False")
+        super().setup_environment()
+        reset_seed()
+        self._set_world_ranks()
+        self._process_group_backend = self._process_group_backend or \
+            _get_default_process_group_backend_for_device(device)
+        assert self.cluster_environment is not None
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self.settings.timeout,
+                              device_id=device if device.type == "cuda" else None,
+                              **restarts.process_group_store(self.settings.timeout))
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self._mesh = init_device_mesh(device.type, (self.world_size,), mesh_dim_names=("data_parallel",))
+        self._adopt_config_precision()
+
+    def _adopt_config_precision(self) -> None:
+        """A ds_config's fp16/bf16 section applies when Fabric was left at its default precision (as the Trainer)."""
+        binding = self.ds_config
+        if binding is None:
+            return
+        adopted = precision_from_config(binding.precision, self.precision.precision)
+        if adopted is not None:
+            self.precision = PrecisionFlag(adopted)
+        if self.is_global_zero:
+            binding.print_table(verbose=self.verbose)
+
+    def _set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    # ------------------------------------------------------------------ model and optimizers
+    def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
+        """``fabric.init_module()``: build on real CPU memory running the model's own init (``empty_init`` never
+        skips it), as the Trainer strategy's ``configure_model``; ``setup`` then shards rank 0's values. See
+        :mod:`lightning_zero.distributed.init`."""
+        return exact_init(InitConfig.from_env(max(1, self.num_processes)), empty_init)
+
+    def module_to_device(self, module: nn.Module) -> None:
+        if self.stage <= 1:  # apply_zero places the sharded stages itself (on CPU when offloading)
+            module.to(self.root_device)
+
+    def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Optimizer],
+                                    scheduler: Optional[Any] = None) -> tuple[nn.Module, list[Optimizer], Any]:
+        """Shard ``module`` (:meth:`setup_module`), point the optimizers at its sharded parameters and partition
+        them (:meth:`setup_optimizer`). LR schedulers keep working: the optimizers are changed in place."""
+        names = {id(param): name for name, param in module.named_parameters(remove_duplicate=False)}
+        wrapped = self.setup_module(module)
+        for optimizer in optimizers:
+            _replace_parameters(optimizer, names, dict(module.named_parameters(remove_duplicate=False)))
+        return wrapped, [self.setup_optimizer(optimizer) for optimizer in optimizers], scheduler
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """Apply ZeRO: a ``DistributedDataParallel`` wrapper at stages 0-1, FSDP2 in place at stages 2-3."""
+        precision = self.precision
+        precision.device_type = self.root_device.type
+        self._modules.append(module)
+        if self.stage >= 2:
+            return apply_zero(module, self._mesh, self.zero_config, device=self.root_device,
+                              mp_policy=precision.fsdp_mp_policy(),
+                              activation_checkpointing=self.settings.activation_checkpoint_config)
+        wrapped = apply_zero(module, self._mesh, self.zero_config, device=self.root_device,
+                             ddp_kwargs=ddp_kwargs_for(self.settings.ddp_options, self.ds_config, module),
+                             activation_checkpointing=self.settings.activation_checkpoint_config)
+        if (reduce_dtype := precision.ddp_reduce_dtype()) is not None:
+            wrapped.register_comm_hook(self._mesh.get_group(), low_precision_allreduce_hook(reduce_dtype))
+        return wrapped
+
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """Partition (stage 1) and/or offload the optimizer in place; at stages 2-3 it must hold the sharded
+        parameters (``fabric.setup(model, optimizer)`` swaps them; after ``fabric.setup_module`` build it from
+        ``model.parameters()``)."""
+        if get_sharding(optimizer) is None:
+            if self.stage >= 2:
+                owners = [m for m in self._modules if _holds(m, optimizer)]
+                check_optimizer_params(optimizer, owners[0] if owners else self._modules[-1])
+            shard_optimizer(optimizer, self.zero_config, group=self._mesh.get_group(), device=self.root_device)
+        return optimizer
+
+    # ------------------------------------------------------------------ backward, clipping, collectives
+    def clip_gradients_norm(self, module: nn.Module, optimizer: Optimizer, max_norm: Union[float, int],
+                            norm_type: Union[float, int] = 2.0, error_if_nonfinite: bool = True) -> Tensor:
+        """The global norm over every rank: stage-1 optimizers clip the whole module's (all-reduced) gradients,
+        sharded stages their DTensor shards (``clip_grad_norm_`` reduces the norm across the mesh)."""
+        self.precision.unscale_gradients(optimizer)
+        params = list(self.precision.main_params(optimizer))
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm, norm_type=norm_type,
+                                              error_if_nonfinite=error_if_nonfinite)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def all_reduce(self, tensor: Tensor, group: Optional[Any] = None,
+                   reduce_op: Optional[Union[dist.ReduceOp, str]] = "mean") -> Tensor:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, path, state: dict[str, Any], storage_options: Optional[Any] = None,
+                        filter: Optional[dict] = None) -> None:
+        if storage_options is not None:
+            raise TypeError("ZeroStrategy.save_checkpoint does not take storage_options: it writes with "
+                            "torch.distributed.checkpoint")
+        with self.hang_guard.phase("save"):
+            checkpoint.save(self, self.broadcast(str(path)), state, filter)
+
+    def load_checkpoint(self, path, state: Optional[dict] = None, strict: bool = True,
+                        weights_only: Optional[bool] = None) -> dict[str, Any]:
+        if isinstance(state, (nn.Module, Optimizer)):
+            raise NotImplementedError("fabric.load_raw (one object from a single-file state dict) is not supported by "
+                                      "ZeroStrategy: use fabric.load(path, {'model': model, ...}) on a sharded "
+                                      "checkpoint, or load the file into the module before fabric.setup")
+        if weights_only is False:
+            raise ValueError("ZeroStrategy checkpoints are always read with weights_only=True (tensors and plain "
+                             "values only); weights_only=False is not honoured")
+        with self.hang_guard.phase("load"):
+            return checkpoint.load(self, self.broadcast(str(path)), state, strict)
+
+    def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
+        """The module's (sharded) state dict, as ``fabric.save`` writes it."""
+        return (module.module if isinstance(module, DistributedDataParallel) else module).state_dict()
+
+    def teardown(self) -> None:
+        with self.hang_guard.teardown():  # an async save must land before exit
+            wait_for_pending_saves(barrier=_distributed_is_initialized())
+        for module in self._modules:
+            from lightning_zero.distributed.buffers import comm_buffer_pool
+
+            if (pool := comm_buffer_pool(module)) is not None:
+                pool.clear()
+        self._modules.clear()
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        """The Trainer strategy's names (``zero``, ``zero_stage_1`` ... ``zero_stage_3_offload``) in Fabric's
+        registry."""
+        for name, kwargs in STRATEGY_NAMES.items():
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, **kwargs)
+
+
+class _ZeroBackwardSyncControl(_BackwardSyncControl):
+    @contextmanager
+    def _blocked(self, module: nn.Module) -> Generator[None, None, None]:
+        set_gradient_sync(module, False)
+        try:
+            yield
+        finally:
+            set_gradient_sync(module, True)
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
+        """No gradient communication in the backward passes inside (gradient accumulation micro-steps)."""
+        if not enabled:
+            from contextlib import nullcontext
+
+            return nullcontext()
+        return self._blocked(module)
+
+
+def _holds(module: nn.Module, optimizer: Optimizer) -> bool:
+    owned = {id(p) for p in module.parameters()}
+    return any(id(p) in owned for group in optimizer.param_groups for p in group["params"])
+
+
+def _replace_parameters(optimizer: Optimizer, names: dict[int, str], sharded: dict[str, nn.Parameter]) -> None:
+    """Point ``optimizer`` at the parameters ``fully_shard`` put in place of those it was built with (by name).
+
+    FSDP2 replaces every parameter with a new DTensor parameter; an optimizer built before ``fabric.setup`` would
+    otherwise step tensors no gradient reaches. Tensors that were not the module's are left for
+    :func:`~lightning_zero.distributed.optimizer_check.check_optimizer_params` to refuse."""
+    if optimizer.state:
+        raise RuntimeError("fabric.setup needs a fresh optimizer (no state yet): its states belong to the unsharded "
+                           "parameters. Load optimizer states after setup, with fabric.load")
+    for group in optimizer.param_groups:
+        group["params"] = [sharded.get(names.get(id(p)), p) if id(p) in names else p for p in group["params"]]
+
+
+def _refuse_loop_settings(binding: Optional[DeepSpeedConfigBinding]) -> None:
+    if binding is None:
+        return
+    translation = binding.translation
+    present = []
+    for key in _LOOP_SETTINGS:
+        value = getattr(translation, key, None)
+        if value in (None, "auto", {}, False) or (key == "gradient_clipping" and value == 0) or \
+                (key == "gradient_accumulation_steps" and value == 1):
+            continue
+        present.append(f"{key}={value!r}")
+    if present:
+        raise ValueError(f"the ds_config sets {', '.join(present)}, which the Trainer applies to its loop; with "
+                         "Fabric the loop is yours (create the optimizer/scheduler, call fabric.clip_gradients, "
+                         "accumulate with fabric.no_backward_sync, size the DataLoader). Remove them from the config "
+                         "or set them to \"auto\"")

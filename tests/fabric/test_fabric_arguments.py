@@ -1,0 +1,61 @@
+"""The Fabric ZeroStrategy takes the Trainer strategy's arguments (one validation path) and refuses, in its
+constructor, what has no Fabric meaning."""
+
+import inspect
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_zero.fabric import ZeroStrategy
+from lightning_zero.fabric.checkpoint import _split
+from lightning_zero.strategies import ZeroStrategy as TrainerZeroStrategy
+
+
+def test_same_arguments_as_the_trainer_strategy():
+    fabric = inspect.signature(ZeroStrategy).parameters
+    trainer = inspect.signature(TrainerZeroStrategy).parameters
+    # Fabric's strategies call the precision plugin `precision`, the Trainer's `precision_plugin`.
+    assert set(fabric) - {"precision"} == set(trainer) - {"precision_plugin"}
+    for name in set(fabric) & set(trainer):
+        if name != "auto_resume":  # Trainer-only feature: off (and refused when on) under Fabric
+            assert fabric[name].default == trainer[name].default, name
+
+
+@pytest.mark.parametrize(("kwargs", "error", "match"), [
+    (dict(stage=5), ValueError, "stage must be one of"),  # the shared validation
+    (dict(stage=0, offload="cpu"), ValueError, "needs a ZeRO stage"),
+    (dict(stage=2, find_unused_parameters=True), ValueError, "DDP options apply at stages 0-1"),
+    (dict(stage=2, loss_scale=-1), ValueError, "loss_scale"),
+    (dict(checkpoint_io=object()), ValueError, "checkpoint_io"),
+    (dict(pipeline_parallel_size=2), NotImplementedError, "pipeline_parallel_size > 1 is not supported with Fabric"),
+    (dict(auto_resume=True), ValueError, "auto_resume=True"),
+    (dict(async_save=True), NotImplementedError, "async_save=True is not supported with Fabric"),
+    (dict(config={"zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}),
+     ValueError, "the ds_config sets optimizer="),
+    (dict(config={"zero_optimization": {"stage": 3}, "gradient_clipping": 1.0}), ValueError, "gradient_clipping=1.0"),
+    (dict(config={"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 4}), ValueError,
+     "train_micro_batch_size_per_gpu=4"),
+])
+def test_invalid_or_trainer_only_arguments_fail_in_the_constructor(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        ZeroStrategy(**kwargs)
+
+
+def test_ds_config_sets_the_zero_arguments():
+    strategy = ZeroStrategy(config={"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+                                    "train_micro_batch_size_per_gpu": "auto"})
+    assert (strategy.stage, strategy.zero_config.offload) == (3, "cpu")
+    assert ZeroStrategy(stage=1, config={"zero_optimization": {"stage": 3}}).stage == 1  # explicit wins
+
+
+def test_checkpoint_state_with_dotted_module_keys_or_orphan_optimizers_is_refused():
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="hold no '.'"):
+        _split({"a.x": a, "b": b})
+    with pytest.raises(ValueError, match="no module"):
+        _split({"opt": torch.optim.SGD(a.parameters(), lr=0.1)})
+    with pytest.raises(NotImplementedError, match="load_raw"):
+        ZeroStrategy().load_checkpoint("x", a)
+    with pytest.raises(ValueError, match="weights_only=False is not honoured"):
+        ZeroStrategy().load_checkpoint("x", {"a": a}, weights_only=False)

@@ -1,0 +1,113 @@
+"""``fabric.save``/``fabric.load`` with the Fabric ZeroStrategy: a sharded, atomic directory; resuming equals not
+stopping, also at another stage (resharding on load); ``lightning-zero consolidate`` reads it."""
+
+import os
+
+import pytest
+import torch
+
+from lightning_zero.checkpoint.consolidate import consolidate_checkpoint
+from lightning_zero.checkpoint.io import is_sharded_checkpoint, read_checkpoint_info
+from lightning_zero.checkpoint.safe_load import read_dcp_metadata
+from lightning_zero.cli import main as lightning_zero_cli
+from lightning_zero.fabric import ZeroStrategy
+from tests.distributed import run_distributed
+from tests.fabric.test_fabric_parity import fabric_train, full_weights, make_fabric
+from tests.test_zero_parity import STEPS, TinyNet, make_optimizer
+
+
+def _unwrapped(model):
+    inner = model._forward_module
+    return getattr(inner, "module", inner)
+
+
+def _roundtrip_worker(rank, world_size, path, save_stage, load_stage):
+    # Uninterrupted: STEPS steps.
+    fabric = make_fabric(ZeroStrategy(stage=save_stage, offload="cpu" if save_stage == 1 else None))
+    model, optimizer = fabric_train(fabric, rank, world_size, steps=range(1))
+    state = {"model": model, "optimizer": optimizer, "step": 1, "note": {"lr": [1, 2]}}
+    fabric.save(path, state)
+    at_save = full_weights(_unwrapped(model))
+    fabric_train(fabric, rank, world_size, steps=range(1, STEPS), model=model, optimizer=optimizer)
+    uninterrupted = full_weights(_unwrapped(model))
+
+    # Resumed: a fresh model (other init), another stage, load, the remaining steps.
+    fabric = make_fabric(ZeroStrategy(stage=load_stage))
+    torch.manual_seed(123)
+    with fabric.init_module():
+        module = TinyNet()
+    model, optimizer = fabric.setup(module, make_optimizer(module))
+    state = {"model": model, "optimizer": optimizer, "step": 0, "note": None}
+    remainder = fabric.load(path, state)
+    assert state["step"] == 1 and state["note"] == {"lr": [1, 2]} and remainder == {}
+    loaded = full_weights(_unwrapped(model))
+    assert all(torch.equal(loaded[k], at_save[k]) for k in at_save)
+    fabric_train(fabric, rank, world_size, steps=range(1, STEPS), model=model, optimizer=optimizer)
+    resumed = full_weights(_unwrapped(model))
+    for key in uninterrupted:
+        torch.testing.assert_close(resumed[key], uninterrupted[key], rtol=0, atol=0, msg=key)
+    if rank == 0:
+        torch.save(at_save, os.path.join(os.path.dirname(path), "at_save.pt"))
+    # fabric.save(filter=...) keeps only the module entries the filter accepts
+    filtered = path + ".blocks"
+    fabric.save(filtered, {"model": model}, filter={"model": lambda name, value: name.startswith("blocks.")})
+    stored = read_dcp_metadata(filtered).state_dict_metadata
+    assert {k for k in stored if k.startswith("state_dict.")} == {f"state_dict.{k}" for k in at_save
+                                                                    if k.startswith("blocks.")}
+
+
+@pytest.mark.parametrize(("save_stage", "load_stage"), [(3, 1), (1, 2)])
+def test_save_load_resume_equals_uninterrupted_and_consolidates(tmp_path, save_stage, load_stage):
+    path = str(tmp_path / "fabric.ckpt")
+    run_distributed(_roundtrip_worker, 2, path, save_stage, load_stage)
+    assert is_sharded_checkpoint(path)
+    assert read_checkpoint_info(path)["stage"] == save_stage
+    out = tmp_path / "consolidated.pt"
+    if save_stage == 3:
+        assert lightning_zero_cli(["consolidate", path, str(out)]) == 0  # `lightning-zero consolidate`
+    else:
+        consolidate_checkpoint(path, str(out))
+    consolidated = torch.load(out, weights_only=True)
+    at_save = torch.load(tmp_path / "at_save.pt", weights_only=True)
+    assert consolidated["step"] == 1
+    assert set(consolidated["state_dict"]) == set(at_save)
+    for key, value in at_save.items():
+        assert torch.equal(consolidated["state_dict"][key], value), key
+    TinyNet().load_state_dict(consolidated["state_dict"])  # loads straight into the unwrapped module
+
+
+def _two_modules_worker(rank, world_size, path):
+    """A GAN-like state: two modules and two optimizers in one checkpoint, at stage 2."""
+    def build(fabric, seed):
+        torch.manual_seed(seed)
+        a, b = TinyNet(), TinyNet()
+        (a, opt_a), (b, opt_b) = fabric.setup(a, make_optimizer(a)), fabric.setup(b, make_optimizer(b))
+        return {"gen": a, "disc": b, "opt_gen": opt_a, "opt_disc": opt_b}
+
+    def step(fabric, state, seed):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(seed + rank))
+        fabric.backward(state["gen"](x).pow(2).mean() + state["disc"](x).abs().mean())
+        for key in ("opt_gen", "opt_disc"):
+            state[key].step()
+            state[key].zero_grad()
+
+    fabric = make_fabric(ZeroStrategy(stage=2))
+    state = build(fabric, 0)
+    step(fabric, state, 1)
+    fabric.save(path, state)
+    step(fabric, state, 2)
+    expected = {k: full_weights(_unwrapped(state[k])) for k in ("gen", "disc")}
+    fresh = build(fabric, 7)
+    fabric.load(path, fresh)
+    step(fabric, fresh, 2)
+    for key in ("gen", "disc"):
+        got = full_weights(_unwrapped(fresh[key]))
+        assert all(torch.equal(got[name], expected[key][name]) for name in got), key
+
+
+def test_two_modules_and_their_optimizers_in_one_checkpoint(tmp_path):
+    path = str(tmp_path / "gan.ckpt")
+    run_distributed(_two_modules_worker, 2, path)
+    consolidate_checkpoint(path, str(tmp_path / "gan.pt"))
+    weights = torch.load(tmp_path / "gan.pt", weights_only=True)["state_dict"]
+    assert {k.split(".")[0] for k in weights} == {"gen", "disc"}

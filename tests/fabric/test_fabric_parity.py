@@ -1,0 +1,162 @@
+"""The Fabric ZeroStrategy trains with parity to an unsharded single-process reference (2 gloo ranks).
+
+Same model, optimizer (two param groups), seed and global batch as tests/test_zero_parity.py; the loop is Fabric's:
+``fabric.init_module``, ``fabric.setup(model, optimizer)`` (the optimizer built before setup), accumulation with
+``fabric.no_backward_sync``, ``fabric.backward``, ``fabric.clip_gradients``.
+"""
+
+import torch
+from lightning.fabric import Fabric
+from torch import nn
+
+from lightning_zero.fabric import ZeroStrategy
+from tests.distributed import run_distributed
+from tests.test_zero_parity import LOCAL_BATCH, STEPS, TinyNet, data, make_optimizer, train_reference
+
+CONFIGS = [(0, None), (1, None), (1, "cpu"), (2, None), (2, "cpu"), (3, None), (3, "cpu")]
+
+
+def full_weights(module):
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+            for k, v in module.state_dict().items()}
+
+
+def make_fabric(strategy, **kwargs):
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy, **kwargs)
+    fabric.launch()  # the ranks already exist (tests.distributed): sets up the process group and mesh
+    return fabric
+
+
+def fabric_train(fabric, rank, world_size, accumulate=1, clip=None, steps=range(STEPS), model=None, optimizer=None):
+    if model is None:
+        torch.manual_seed(0)
+        with fabric.init_module():
+            module = TinyNet()
+        model, optimizer = fabric.setup(module, make_optimizer(module))
+    x, y = data(world_size, accumulate)
+    per_step = accumulate * world_size * LOCAL_BATCH
+    for step in steps:
+        xs, ys = x[step * per_step:(step + 1) * per_step], y[step * per_step:(step + 1) * per_step]
+        for i, (mx, my) in enumerate(zip(xs.chunk(accumulate), ys.chunk(accumulate))):
+            with fabric.no_backward_sync(model, enabled=i < accumulate - 1):
+                lx = mx[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]
+                ly = my[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]
+                fabric.backward(nn.functional.mse_loss(model(lx), ly) / accumulate)
+        if clip:
+            fabric.clip_gradients(model, optimizer, max_norm=clip)
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, optimizer
+
+
+def _parity_worker(rank, world_size):
+    expected = train_reference(world_size, accumulate=2, clip=0.05)
+    plain = train_reference(world_size)
+    failures = []
+    for stage, offload in CONFIGS:
+        for variant, reference in ((dict(accumulate=2, clip=0.05), expected), (dict(), plain)):
+            fabric = make_fabric(ZeroStrategy(stage=stage, offload=offload))
+            model, _ = fabric_train(fabric, rank, world_size, **variant)
+            got = full_weights(model._forward_module.module if stage <= 1 else model._forward_module)
+            worst = max((got[k] - reference[k]).abs().max().item() for k in reference)
+            if not worst <= 1e-5:
+                failures.append(f"stage={stage} offload={offload} {variant}: max abs diff {worst:.2e}")
+    assert not failures, "\n".join(failures)
+
+
+def test_every_stage_and_offload_match_the_single_process_reference():
+    run_distributed(_parity_worker, 2)
+
+
+def _by_name_worker(rank, world_size):
+    fabric = make_fabric("zero_stage_3")
+    assert isinstance(fabric.strategy, ZeroStrategy) and fabric.strategy.stage == 3
+    model, _ = fabric_train(fabric, rank, world_size)
+    got = full_weights(model._forward_module)
+    expected = train_reference(world_size)
+    assert max((got[k] - expected[k]).abs().max().item() for k in expected) <= 1e-5
+    # fabric.setup_module, then the optimizer from the sharded parameters, then fabric.setup_optimizers
+    fabric = make_fabric("zero_stage_3")
+    torch.manual_seed(0)
+    model = fabric.setup_module(TinyNet())
+    optimizer = fabric.setup_optimizers(make_optimizer(model))
+    fabric_train(fabric, rank, world_size, model=model, optimizer=optimizer)
+    got = full_weights(model._forward_module)
+    assert max((got[k] - expected[k]).abs().max().item() for k in expected) <= 1e-5
+    offload = make_fabric("zero_stage_2_offload").strategy
+    assert (offload.stage, offload.zero_config.offload) == (2, "cpu")
+
+
+def test_strategy_by_registry_name():
+    run_distributed(_by_name_worker, 2)
+
+
+def _no_sync_worker(rank, world_size):
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    calls = []
+    names = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_single")  # FSDP2's, per torch version
+    originals = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
+
+    def counting(name):
+        def wrapper(*args, **kwargs):
+            calls.append(name)
+            return originals[name](*args, **kwargs)
+        return wrapper
+
+    for stage in (0, 1, 2, 3):
+        fabric = make_fabric(ZeroStrategy(stage=stage))
+        torch.manual_seed(0)
+        model = fabric.setup(TinyNet())
+        if stage <= 1:  # DDP reduces in C++: count its buckets with a comm hook
+            def hook(state, bucket):
+                calls.append("ddp bucket")
+                return allreduce_hook(state, bucket)
+
+            model._forward_module.register_comm_hook(None, hook)
+        x = torch.randn(LOCAL_BATCH, 8) + rank
+        for name in originals:
+            setattr(dist, name, counting(name))
+        try:
+            with fabric.no_backward_sync(model, enabled=True):
+                fabric.backward(model(x).sum())
+            silent = len(calls)
+            with fabric.no_backward_sync(model, enabled=False):
+                fabric.backward(model(x).sum())
+            loud = len(calls)
+        finally:
+            for name, fn in originals.items():
+                setattr(dist, name, fn)
+        calls.clear()
+        assert silent == 0, f"stage {stage}: {silent} collectives on a no-sync micro-step"
+        assert loud > 0, f"stage {stage}: the boundary micro-step did not reduce gradients"
+
+
+def test_no_backward_sync_skips_gradient_communication():
+    run_distributed(_no_sync_worker, 2)
+
+
+def _checkpointing_worker(rank, world_size):
+    from tests.test_zero_parity import Block
+
+    expected = train_reference(world_size, accumulate=2, clip=0.05)
+    calls = []
+    for stage in (0, 3):
+        fabric = make_fabric(ZeroStrategy(stage=stage, activation_checkpointing=True, cpu_checkpointing=True))
+        hook = torch.nn.modules.module.register_module_forward_hook(
+            lambda module, args, out: calls.append(1) if isinstance(module, Block) else None)
+        try:
+            model, _ = fabric_train(fabric, rank, world_size, accumulate=2, clip=0.05)
+        finally:
+            hook.remove()
+        got = full_weights(model._forward_module.module if stage <= 1 else model._forward_module)
+        assert max((got[k] - expected[k]).abs().max().item() for k in expected) <= 1e-5, stage
+        # 3 blocks, 2 micro-batches per step: 6 forwards per step without checkpointing, 12 with recomputation
+        assert len(calls) == 12 * STEPS, (stage, len(calls))
+        calls.clear()
+
+
+def test_activation_checkpointing_recomputes_and_keeps_parity():
+    """The Trainer strategy's activation checkpointing applies under Fabric too (one shared apply_zero)."""
+    run_distributed(_checkpointing_worker, 2)
