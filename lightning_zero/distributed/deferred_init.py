@@ -177,6 +177,7 @@ class _Recorder(TorchDispatchMode):
         self.pinned = 0
         self.bases: dict[int, torch.Tensor] = {}  # key -> a meta tensor keeping the storage (and its key) alive
         self.entries: list[_Entry] = []
+        self.peak_bytes = 0  # most real bytes a replay or an RNG scratch held at once (tests bound it)
 
     # ------------------------------------------------------------------ recording
     def deferred(self, value: Any) -> bool:
@@ -306,6 +307,7 @@ class _Recorder(TorchDispatchMode):
                 real.append(a)
             elif ref.key in scratch:
                 real.append(torch.empty_strided(ref.size, ref.stride, dtype=ref.dtype))
+                self.peak_bytes = max(self.peak_bytes, real[-1].untyped_storage().nbytes())
             else:
                 real.append(ref.on(storages[ref.key]))
         args, kwargs = tree_unflatten(real, spec)
@@ -326,17 +328,17 @@ class _Recorder(TorchDispatchMode):
         rng = self._rng_states(func, flat)
         out = func(*real_args, **real_kwargs)
         out_flat, out_spec = tree_flatten(out)
-        mutated, _ = _mutated_positions(func)
+        # What the op wrote, by its schema (an op may return nothing, or something else than what it wrote).
+        mutated, names = _mutated_positions(func)
+        written = {_key(a) for a in (args[i] if i < len(args) else kwargs.get(names[i]) for i in mutated)
+                   if self.deferred(a)}
         replayed = {s.data_ptr(): key for key, s in storages.items()}
-        written = set()
         for o in out_flat:
-            if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() in replayed:
-                if not mutated:
-                    raise DeferredInitError(
-                        f"Deferred initialisation cannot follow {func} in {_innermost_module()}: it returns a view "
-                        "of a tensor whose value only exists during this call. Build without deferral "
-                        "(LIGHTNING_ZERO_DEFERRED_INIT=0).")
-                written.add(replayed[o.untyped_storage().data_ptr()])
+            if isinstance(o, torch.Tensor) and replayed.get(o.untyped_storage().data_ptr()) not in (None, *written):
+                raise DeferredInitError(
+                    f"Deferred initialisation cannot follow {func} in {_innermost_module()}: it returns a view "
+                    "of a tensor whose value only exists during this call. Build without deferral "
+                    "(LIGHTNING_ZERO_DEFERRED_INIT=0).")
         for key in written:  # keep the written bytes: exact, counted against the budget
             storage = storages[key]
             data = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,)).clone()
@@ -376,6 +378,7 @@ class _Recorder(TorchDispatchMode):
             with torch.no_grad():
                 for position, entry in enumerate(subset):
                     self._replay_entry(entry, env)
+                    self.peak_bytes = max(self.peak_bytes, sum(storage.nbytes() for storage in env.values()))
                     for key in entry.reads | entry.writes:
                         if last_use[key] == position and key not in targets:
                             env.pop(key, None)

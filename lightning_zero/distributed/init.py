@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 
 _GIB = 1024 ** 3
 BUDGET_ENV = "LIGHTNING_ZERO_INIT_MEMORY_BUDGET"
+DEFERRED_ENV = "LIGHTNING_ZERO_DEFERRED_INIT"
 
 
 class InitMemoryError(MemoryError):
@@ -68,10 +69,15 @@ class InitConfig:
         host_memory_budget: bytes one rank may allocate for the model's parameters and buffers. ``None`` measures
             the available host memory (``MemAvailable``, capped by the cgroup limit) when the build starts and
             divides it by ``local_world_size``. ``0`` turns the guard off.
+        deferred: record the construction instead of building on real memory, and let ``apply_zero`` replay it
+            unit by unit right before sharding (stages 2-3: no rank holds the full model; see
+            :mod:`lightning_zero.distributed.deferred_init`). The budget then bounds the real values the record
+            keeps. ``$LIGHTNING_ZERO_DEFERRED_INIT=0`` turns it off in :meth:`from_env`.
     """
 
     local_world_size: int = 1
     host_memory_budget: Optional[int] = None
+    deferred: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.local_world_size, bool) or not isinstance(self.local_world_size, int) \
@@ -81,19 +87,27 @@ class InitConfig:
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
             raise ValueError(f"host_memory_budget must be None, 0 (no guard) or a positive number of bytes, "
                              f"got {budget!r}")
+        if not isinstance(self.deferred, bool):
+            raise ValueError(f"deferred must be a bool, got {self.deferred!r}")
 
     @classmethod
-    def from_env(cls, local_world_size: int = 1) -> "InitConfig":
+    def from_env(cls, local_world_size: int = 1, deferred: bool = False) -> "InitConfig":
         """The config for ``local_world_size`` ranks, with the budget from ``$LIGHTNING_ZERO_INIT_MEMORY_BUDGET``
-        (bytes; ``0`` turns the guard off) when set: the knob for runs whose model is built by a strategy."""
+        (bytes; ``0`` turns the guard off) when set: the knob for runs whose model is built by a strategy.
+        ``deferred`` (the strategy passes ``True`` at stages 2-3) is turned off by ``$LIGHTNING_ZERO_DEFERRED_INIT=0``
+        for models the recorder refuses."""
+        switch = os.environ.get(DEFERRED_ENV, "").strip()
+        if switch not in ("", "0", "1"):
+            raise ValueError(f"${DEFERRED_ENV} must be 0 (build on real memory) or 1, got {switch!r}")
+        deferred = deferred and switch != "0"
         raw = os.environ.get(BUDGET_ENV)
         if raw is None or not raw.strip():
-            return cls(local_world_size=local_world_size)
+            return cls(local_world_size=local_world_size, deferred=deferred)
         try:
             budget = int(raw)
         except ValueError:
             raise ValueError(f"${BUDGET_ENV} must be a number of bytes (0: no guard), got {raw!r}") from None
-        return cls(local_world_size=local_world_size, host_memory_budget=budget)
+        return cls(local_world_size=local_world_size, host_memory_budget=budget, deferred=deferred)
 
 
 def available_host_memory() -> Optional[int]:
@@ -139,7 +153,9 @@ class _BuildGuard:
         self._counted_at: dict[int, weakref.ref] = {}
 
     def __call__(self, module: nn.Module, name: str, tensor: Optional[torch.Tensor]) -> None:
-        if tensor is None or tensor.is_meta or tensor.device.type != "cpu":
+        from lightning_zero.distributed.deferred_init import is_deferred
+
+        if tensor is None or tensor.is_meta or tensor.device.type != "cpu" or is_deferred(tensor):
             return
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
@@ -182,6 +198,12 @@ def exact_init(config: InitConfig = InitConfig(), empty_init: Optional[bool] = N
     )
 
     guard = _BuildGuard(config)
+    if config.deferred:
+        from lightning_zero.distributed.deferred_init import deferred_build
+
+        with torch.device("cpu"), deferred_build(guard.budget):
+            yield
+        return
     handles = [register_module_parameter_registration_hook(guard), register_module_buffer_registration_hook(guard)]
     try:
         with torch.device("cpu"):

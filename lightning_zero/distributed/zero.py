@@ -35,6 +35,7 @@ from torch import nn
 
 from lightning_zero.config import ZeroConfig
 from lightning_zero.distributed.buffers import install_comm_buffer_pool
+from lightning_zero.distributed.deferred_init import materialize_module
 from lightning_zero.distributed.init import broadcast_module_states, refuse_meta_tensors
 
 log = logging.getLogger(__name__)
@@ -141,6 +142,7 @@ def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[
     device = device or _default_device(mesh)
     refuse_meta_tensors(module, config.stage)
     if config.stage <= 1:
+        materialize_module(module)  # DDP keeps full replicas: a deferred build (see exact_init) becomes real now
         if mp_policy is not None:
             raise ValueError("mp_policy is an FSDP2 policy and applies to stages 2-3 only")
         from torch.nn.parallel import DistributedDataParallel
@@ -154,11 +156,14 @@ def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[
     from torch.distributed.fsdp import fully_shard
 
     kwargs = _fsdp_kwargs(mesh, config, device, mp_policy)
-    broadcast_module_states(module, mesh.get_group(), device)  # rank 0's values, as DDP at stages 0-1
-    # Children before parents: fully_shard on a parent excludes parameters already owned by a child unit.
-    for unit in reversed(sharded_units(module, config)):
+    # Children before parents: fully_shard on a parent excludes parameters already owned by a child unit. A
+    # deferred build (see lightning_zero.distributed.deferred_init) becomes real one unit at a time, right before
+    # that unit is sharded: the peak is one unit plus the shards. Every unit takes rank 0's values, as DDP does at
+    # stages 0-1 (broadcast_module_states skips what a child unit already sharded).
+    for unit in [*reversed(sharded_units(module, config)), module]:
+        materialize_module(unit)
+        broadcast_module_states(unit, mesh.get_group(), device)
         fully_shard(unit, **kwargs)
-    fully_shard(module, **kwargs)
     if device.type == "cpu":
         install_comm_buffer_pool(module)  # see lightning_zero.distributed.buffers: CPU has no caching allocator
     if not config.offloads:
