@@ -211,3 +211,21 @@ def _bounded_worker(rank, world_size):
 
 def test_stage_2_and_3_build_a_model_over_the_budget_exactly_in_bounded_memory():
     run_distributed(_bounded_worker, 2)
+
+
+def test_a_large_real_input_is_held_and_a_later_change_to_it_refused(monkeypatch):
+    import lightning_zero.distributed.deferred_init as deferred_init
+
+    monkeypatch.setattr(deferred_init, "_COPY_BELOW", 16)  # hold every real input above 16 bytes
+    source = torch.arange(12.0).reshape(3, 4)
+    with exact_init(InitConfig(deferred=True)):
+        linear = nn.Linear(4, 3)
+        linear.weight.data.copy_(source)
+    with exact_init(InitConfig(deferred=True)):
+        held = nn.Linear(4, 3)
+        held.weight.data.copy_(source)
+    materialize_module(linear)
+    assert torch.equal(linear.weight, torch.arange(12.0).reshape(3, 4))
+    source.add_(1)  # after the read: the logged value is gone, so replaying must refuse, not use the new one
+    with pytest.raises(DeferredInitError, match=r"shape \(3, 4\).*modified in place afterwards"):
+        materialize_module(held)

@@ -105,6 +105,12 @@ class _Deferred(torch.Tensor):
         _TENSOR_DATA.__set__(self, value)
         self._meta = value._meta
 
+    def data_ptr(self):  # every deferred tensor would report 0, and "same address" means "shared memory"
+        raise DeferredInitError(
+            "data_ptr() of a deferred tensor: it has no memory until apply_zero replays it (see "
+            "lightning_zero.distributed.deferred_init); build without deferral (LIGHTNING_ZERO_DEFERRED_INIT=0) "
+            "if this code must run during construction.")
+
     def __deepcopy__(self, memo):  # a recorded clone, owned by the same log (never a copy of the log)
         if id(self) not in memo:
             with torch.no_grad():
@@ -136,6 +142,17 @@ class _Ref:
 
     def on(self, storage: torch.UntypedStorage) -> torch.Tensor:
         return torch.empty(0, dtype=self.dtype).set_(storage, self.offset, self.size, self.stride)
+
+
+_COPY_BELOW = 1 << 20  # bytes: real inputs up to this size are copied into the log, larger ones held
+
+
+@dataclass(frozen=True)
+class _Held:
+    """A large real input of a logged op, with its version counter when it was read."""
+
+    tensor: torch.Tensor
+    version: int
 
 
 @dataclass
@@ -279,10 +296,14 @@ class _Recorder(TorchDispatchMode):
     def _snapshot(self, value: Any) -> Any:
         if not isinstance(value, torch.Tensor):
             return value
-        # A real input may be changed later by the code that owns it; the log keeps the value it had here.
-        copy = value.detach().clone()
-        self._count(copy.untyped_storage().nbytes(), "a real tensor read by the init code")
-        return copy
+        # A real input may be changed later by the code that owns it; the log keeps the value it had here: a copy
+        # when small, else the tensor itself and its version, checked at replay (a state dict loaded in
+        # configure_model is not copied a second time).
+        nbytes = value.untyped_storage().nbytes()
+        self._count(nbytes, "a real tensor read by the init code")
+        if nbytes <= _COPY_BELOW:
+            return value.detach().clone()
+        return _Held(value, value._version)  # the object itself: a detach() here would get its own version
 
     def _count(self, nbytes: int, what: str) -> None:
         from lightning_zero.distributed.init import BUDGET_ENV, InitMemoryError
@@ -395,8 +416,13 @@ class _Recorder(TorchDispatchMode):
         for value in entry.flat:
             if isinstance(value, _Ref):
                 real.append(value.on(env[value.key]))
-            elif isinstance(value, torch.device) and value.type == "meta":
-                real.append(torch.device("cpu"))
+            elif isinstance(value, _Held):
+                if value.tensor._version != value.version:
+                    raise DeferredInitError(
+                        f"A real tensor of shape {tuple(value.tensor.shape)} that the model's init code read (via "
+                        f"{entry.func}) was modified in place afterwards, so its value then is lost. Keep it "
+                        "unchanged until setup, or build without deferral (LIGHTNING_ZERO_DEFERRED_INIT=0).")
+                real.append(value.tensor)
             else:
                 real.append(value)
         args, kwargs = tree_unflatten(real, entry.spec)
