@@ -7,9 +7,11 @@ a plain CPU build with the same seed, and the RNG stream must end where the plai
 
 import pytest
 import torch
+from lightning.pytorch import LightningModule, Trainer
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_zero import ZeroConfig, apply_zero
+from lightning_zero import ZeroConfig, ZeroStrategy, apply_zero
 from lightning_zero.distributed.deferred_init import DeferredInitError, is_deferred, materialize_module
 from lightning_zero.distributed.init import InitConfig, InitMemoryError, exact_init
 from tests.distributed import run_distributed
@@ -229,3 +231,53 @@ def test_a_large_real_input_is_held_and_a_later_change_to_it_refused(monkeypatch
     source.add_(1)  # after the read: the logged value is gone, so replaying must refuse, not use the new one
     with pytest.raises(DeferredInitError, match=r"shape \(3, 4\).*modified in place afterwards"):
         materialize_module(held)
+
+
+def small_net():
+    torch.manual_seed(2)
+    net = nn.Sequential(nn.Linear(12, 8), nn.LayerNorm(8), nn.Linear(8, 8))
+    nn.init.trunc_normal_(net[0].weight, std=0.02)
+    net[2].weight.data[0].zero_()
+    return net
+
+
+class BuiltInConfigureModel(LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = None
+        self.initial = None
+
+    def configure_model(self):
+        self.deferred = None
+        if self.net is None:
+            self.net = small_net()
+            self.deferred = is_deferred(self.net[0].weight)
+
+    def on_fit_start(self):
+        self.initial = snapshot(net=self.net)
+
+    def training_step(self, batch, batch_idx):
+        return self.net(batch[0]).float().pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.ones(4, 12)), batch_size=2)
+
+
+def test_trainer_stage_3_bf16_true_configure_model_matches_the_real_build(monkeypatch):
+    """Lightning's bf16-true builds under a bf16 default dtype and the strategy converts the module before setup:
+    both are recorded, so the sharded model starts from exactly what building on real memory gives."""
+    initial = {}
+    for switch in ("0", "1"):
+        monkeypatch.setenv("LIGHTNING_ZERO_DEFERRED_INIT", switch)
+        module = BuiltInConfigureModel()
+        Trainer(strategy=ZeroStrategy(stage=3), accelerator="cpu", devices=1, precision="bf16-true", max_steps=1,
+                logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                num_sanity_val_steps=0, limit_val_batches=0).fit(module)
+        torch.distributed.destroy_process_group()  # the Trainer leaves it for a next fit; forked tests must not see it
+        assert module.deferred == (switch == "1")
+        initial[switch] = module.initial
+    assert_bitwise_equal(initial["1"], initial["0"], "stage 3 bf16-true")
+    assert {tensor.dtype for tensor in initial["0"].values()} == {torch.float32}  # fp32 masters (ZeroPrecision)
