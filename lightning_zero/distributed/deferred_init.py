@@ -4,38 +4,42 @@
 At stages 2-3 no rank should hold the full model, yet the model's own init code must run exactly as in a plain CPU
 build (see :mod:`lightning_zero.distributed.init`). :func:`deferred_build` runs construction under a
 ``TorchDispatchMode`` in which every CPU tensor *created* (factory ops: ``empty``, ``zeros``, ``arange``, ``randn``
-...) is a meta tensor, a *deferred* tensor, and every aten op that writes deferred memory (``normal_``,
-``uniform_``, ``copy_``, ``erfinv_``, ``mul_``, ``qr`` ...) or creates new deferred memory from it is appended to
-a log, with its real CPU arguments snapshotted. Deferred tensors are identified by their storage, so views,
-``.data``, ``detach``, slicing and tied weights need no bookkeeping: a view is its storage plus size, stride and
-offset, rebuilt on the replayed storage.
+...) is a *deferred* tensor: a wrapper subclass that reports ``device='cpu'`` (so init code that skips meta tensors,
+as ``nn.init`` does, still runs) and holds only a meta tensor for its layout. Every aten op that writes deferred
+memory (``normal_``, ``uniform_``, ``copy_``, ``erfinv_``, ``mul_`` ...) or makes new deferred memory from it
+(``clone``, ``_to_copy``, QR ...) is appended to a log, with its real CPU inputs kept (copied when small; held with
+their version counter when large, a later in-place change to them is refused). Deferred memory is identified by
+its meta storage, so views, ``.data``, ``detach``, slicing and tied weights need no bookkeeping: a view is its
+storage plus size, stride and offset, rebuilt on the replayed storage. Layout-only in-place ops (``t_``) update the
+wrapper too. Deferred tensors keep recording after construction (their own ``__torch_dispatch__``), so a
+``load_state_dict`` or a dtype conversion before sharding is replayed as well.
 
 Random ops are exact because the CPU generator state (and that of an explicit ``generator=``) is saved before each
 one and the op is run once on a real scratch tensor of the same layout, so the RNG stream advances exactly as in a
-plain build; the scratch is dropped (peak: one tensor). Replay restores the saved state around each random op and
-the caller's state afterwards.
+plain build; the scratch is dropped (peak: one tensor). Replay sets the saved state before each random op and
+restores the caller's state afterwards.
 
-Anything that needs a deferred value in Python (``.item()``, ``torch.equal``, ``bool()``, ops whose output shape
-depends on data, ops without a meta kernel) runs for real on inputs materialized by replay at that moment. When
-such an op writes deferred memory, the written tensor's bytes are kept as a constant in the log ("pinned"): exact,
-but not bounded; pinned bytes count against the host-memory budget and exceeding it raises
-:class:`~lightning_zero.distributed.init.InitMemoryError` naming the module and the op.
+Anything that needs a deferred value in Python (``.item()``, ``torch.equal``, ``bool()``, printing, ops whose output
+shape depends on data, ops without a meta kernel) runs for real on inputs replayed at that moment. When such an op
+writes deferred memory, the written bytes are kept in the log: exact, but not bounded; those bytes count against the
+host-memory budget and exceeding it raises :class:`~lightning_zero.distributed.init.InitMemoryError` naming the
+module and the op.
 
-:func:`materialize_module` replays the log restricted to what a set of tensors depends on (one reverse pass over
-the log: an entry is needed when it writes a storage that is needed, and then its inputs are needed), in the
-original order, freeing intermediate storages after their last use. ``apply_zero`` calls it unit by unit right
-before ``fully_shard``, so the peak is one unit plus the shards. Tensors that are not parameters or buffers but
-plain attributes of a module (torchmetrics states and their defaults) are materialized when construction ends.
+:func:`materialize_module` replays the log restricted to what a set of tensors depends on (one reverse pass: an
+entry is needed when it writes a needed storage, and then its inputs are needed), in the original order, freeing
+intermediate storages after their last use. ``apply_zero`` calls it unit by unit right before ``fully_shard``, so
+the peak is one unit, plus the temporaries its init made, plus the shards. Tensors that are plain attributes of a
+module rather than parameters or buffers (torchmetrics states and their defaults) are made real when construction
+ends.
 
-Limits, refused rather than guessed: code that inspects ``tensor.device``/``is_meta`` during construction sees
-``meta`` (the checks are not dispatched); a deferred tensor modified in place *outside* a recording (for example
-``load_state_dict`` between ``Trainer.init_module`` and ``fit``) is detected by its version counter and refused
-when it is materialized; meta tensors the log does not know (created with ``device="meta"``, or replaced outside a
-recording) are refused by ``apply_zero``. Writes through ``.data`` outside a recording bypass the version counter
-of the parameter and are not detected: do them inside ``configure_model``.
+Refused rather than guessed: ``set_``/``resize_`` on a deferred tensor, assigning a tensor from elsewhere to its
+``.data``, its ``data_ptr()``, ops mixing tensors of two deferred builds, and an op that returns a view of a value
+that only existed while it ran. Not detected: a write through ``.data`` of a large *real* tensor the init code read
+(``.data`` has its own version counter) between construction and setup.
 
-Why hand-written: torch has no maintained deferred-init (torchdistx's is a C++ extension that no longer builds
-against current torch; FSDP2 documents meta-device init plus ``reset_parameters``, which is not exact).
+Why hand-written: torch has no maintained deferred init (torchdistx's ``deferred_init``, the same idea, is an
+unmaintained C++ extension for old torch releases; FSDP2 documents meta-device init plus ``reset_parameters``,
+which is not exact).
 
 This module is framework-free: it never imports Lightning.
 """
@@ -213,7 +217,10 @@ class _Recorder(TorchDispatchMode):
         """Record ``func`` on deferred inputs, or run it for real where it needs their values."""
         flat, _ = tree_flatten((args, kwargs))
         if any(isinstance(a, _Deferred) and not self.deferred(a) for a in flat):
-            raise DeferredInitError(f"{func} mixes tensors of two deferred constructions")
+            raise DeferredInitError(
+                f"{func} in {_innermost_module()} mixes tensors of two deferred constructions (a model built under "
+                "Trainer.init_module and more built in configure_model, say): build it in one place, or without "
+                "deferral (LIGHTNING_ZERO_DEFERRED_INIT=0).")
         mutated, names = _mutated_positions(func)
         mutated_args = [args[i] if i < len(args) else kwargs.get(names[i]) for i in mutated]
         if not _returns_tensors(func) or any(isinstance(a, torch.Tensor) and not self.deferred(a)
