@@ -281,3 +281,28 @@ def test_trainer_stage_3_bf16_true_configure_model_matches_the_real_build(monkey
         initial[switch] = module.initial
     assert_bitwise_equal(initial["1"], initial["0"], "stage 3 bf16-true")
     assert {tensor.dtype for tensor in initial["0"].values()} == {torch.float32}  # fp32 masters (ZeroPrecision)
+
+
+def test_two_deferred_builds_can_read_and_write_each_other():
+    """A model built under Trainer.init_module and more built in configure_model: two logs, values still exact."""
+    def build_first():
+        torch.manual_seed(4)
+        return nn.Linear(4, 4)
+
+    def build_second(first):
+        second = nn.Linear(4, 4)
+        second.weight.data.copy_(first.weight * 2)  # reads the first build
+        first.bias.data.copy_(second.bias)  # writes the first build from the second
+        return second
+
+    first = build_first()
+    second = build_second(first)
+    expected = snapshot(first=first, second=second)
+    with exact_init(InitConfig(deferred=True)):
+        first = build_first()
+    with exact_init(InitConfig(deferred=True)):
+        second = build_second(first)
+    assert all(is_deferred(t) for t in [*first.parameters(), *second.parameters()])
+    materialize_module(second)
+    materialize_module(first)
+    assert_bitwise_equal(snapshot(first=first, second=second), expected, "two builds")

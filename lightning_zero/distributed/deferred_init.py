@@ -215,14 +215,24 @@ class _Recorder(TorchDispatchMode):
 
     def dispatch(self, func, args, kwargs):
         """Record ``func`` on deferred inputs, or run it for real where it needs their values."""
-        flat, _ = tree_flatten((args, kwargs))
-        if any(isinstance(a, _Deferred) and not self.deferred(a) for a in flat):
-            raise DeferredInitError(
-                f"{func} in {_innermost_module()} mixes tensors of two deferred constructions (a model built under "
-                "Trainer.init_module and more built in configure_model, say): build it in one place, or without "
-                "deferral (LIGHTNING_ZERO_DEFERRED_INIT=0).")
+        flat, spec = tree_flatten((args, kwargs))
         mutated, names = _mutated_positions(func)
         mutated_args = [args[i] if i < len(args) else kwargs.get(names[i]) for i in mutated]
+        foreign = [a for a in flat if isinstance(a, _Deferred) and not self.deferred(a)]
+        if foreign:  # tensors of another deferred build (Trainer.init_module, then configure_model)
+            owners = {id(a._recorder): a._recorder for a in mutated_args if isinstance(a, _Deferred)}
+            if not any(self.deferred(a) for a in flat):
+                owners = owners or {id(foreign[0]._recorder): foreign[0]._recorder}
+            if len(owners) > 1:
+                raise DeferredInitError(
+                    f"{func} in {_innermost_module()} writes tensors of two deferred constructions at once: build "
+                    "them in one place, or without deferral (LIGHTNING_ZERO_DEFERRED_INIT=0).")
+            owners.pop(id(self), None)
+            if owners:  # the build that owns what is written records it; it reads this build's tensors' values
+                return next(iter(owners.values())).dispatch(func, args, kwargs)
+            # Only read here: their values now, as real inputs of this build's op.
+            flat = [a._recorder.value(a) if isinstance(a, _Deferred) and not self.deferred(a) else a for a in flat]
+            args, kwargs = tree_unflatten(flat, spec)
         if not _returns_tensors(func) or any(isinstance(a, torch.Tensor) and not self.deferred(a)
                                              for a in mutated_args):
             return self._eager(func, args, kwargs)  # a Python value, or real memory written from deferred values
