@@ -44,6 +44,9 @@ class CustomInit(nn.Module):
         self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, 6, 2).float() / 6)), persistent=False)
         self.register_buffer("mask", torch.tril(torch.ones(5, 5, dtype=torch.bool)))
         self.gate = nn.Parameter(torch.randn(6, generator=torch.Generator().manual_seed(5)) * 0.1 + 1)
+        with torch.no_grad():
+            torch._foreach_mul_([self.proj.weight, self.tall], 0.5)  # writes a list and returns nothing
+            self.gate.bernoulli_(torch.full((6,), 0.3))  # a random op with a tensor argument
         self.drop = torch.rand(3)  # a plain attribute: real when construction ends
         self.same = torch.equal(self.emb.weight[3], torch.zeros(6))
 

@@ -140,8 +140,9 @@ class _Ref:
         meta = tensor._meta
         if (meta.dtype, meta.shape, meta.stride(), meta.storage_offset()) != \
                 (tensor.dtype, tensor.shape, tensor.stride(), tensor.storage_offset()):
-            raise DeferredInitError("a deferred tensor's layout changed outside its log (a metadata change this "
-                                    "recorder does not follow); build without deferral (LIGHTNING_ZERO_DEFERRED_INIT=0)")
+            raise DeferredInitError(
+                "a deferred tensor's layout changed outside its log (a metadata change this recorder does not "
+                "follow); build without deferral (LIGHTNING_ZERO_DEFERRED_INIT=0)")
         return _Ref(_key(tensor), meta.dtype, tuple(meta.shape), tuple(meta.stride()), meta.storage_offset())
 
     def on(self, storage: torch.UntypedStorage) -> torch.Tensor:
@@ -180,15 +181,21 @@ def _innermost_module() -> str:
     return "<outside any module __init__>"
 
 
-def _mutated_positions(func) -> tuple[set[int], list[str]]:
-    schema = func._schema
-    names = [arg.name for arg in schema.arguments]
-    return {i for i, arg in enumerate(schema.arguments) if arg.alias_info is not None and arg.alias_info.is_write}, names
+def _written(func, args, kwargs) -> list:
+    """The tensors ``func`` writes, by its schema: an in-place ``self``, ``out=``, ``Tensor(a!)[]`` lists."""
+    written = []
+    for index, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = args[index] if index < len(args) else kwargs.get(arg.name)
+            written.extend(t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
+    return written
 
 
-def _returns_tensors(func) -> bool:
-    return all(str(ret.type) in ("Tensor", "Tensor[]", "Optional[Tensor]") for ret in func._schema.returns) \
-        and len(func._schema.returns) > 0
+def _recordable(func, written: list) -> bool:
+    """Whether ``func``'s outputs are all tensors (none at all is fine for an op that writes its inputs)."""
+    returns = func._schema.returns
+    return all(str(ret.type) in ("Tensor", "Tensor[]", "Optional[Tensor]") for ret in returns) \
+        and (len(returns) > 0 or bool(written))
 
 
 class _Recorder(TorchDispatchMode):
@@ -216,8 +223,7 @@ class _Recorder(TorchDispatchMode):
     def dispatch(self, func, args, kwargs):
         """Record ``func`` on deferred inputs, or run it for real where it needs their values."""
         flat, spec = tree_flatten((args, kwargs))
-        mutated, names = _mutated_positions(func)
-        mutated_args = [args[i] if i < len(args) else kwargs.get(names[i]) for i in mutated]
+        mutated_args = _written(func, args, kwargs)
         foreign = [a for a in flat if isinstance(a, _Deferred) and not self.deferred(a)]
         if foreign:  # tensors of another deferred build (Trainer.init_module, then configure_model)
             owners = {id(a._recorder): a._recorder for a in mutated_args if isinstance(a, _Deferred)}
@@ -233,14 +239,13 @@ class _Recorder(TorchDispatchMode):
             # Only read here: their values now, as real inputs of this build's op.
             flat = [a._recorder.value(a) if isinstance(a, _Deferred) and not self.deferred(a) else a for a in flat]
             args, kwargs = tree_unflatten(flat, spec)
-        if not _returns_tensors(func) or any(isinstance(a, torch.Tensor) and not self.deferred(a)
-                                             for a in mutated_args):
+        if not _recordable(func, mutated_args) or any(not self.deferred(a) for a in mutated_args):
             return self._eager(func, args, kwargs)  # a Python value, or real memory written from deferred values
         return self._record(func, args, kwargs, factory=False)
 
     @staticmethod
     def _is_cpu_factory(func, flat, kwargs) -> bool:
-        if any(isinstance(a, torch.Tensor) for a in flat) or not _returns_tensors(func):
+        if any(isinstance(a, torch.Tensor) for a in flat) or not _recordable(func, []):
             return False
         device = kwargs.get("device")
         return device is None or torch.device(device).type == "cpu"
@@ -257,6 +262,7 @@ class _Recorder(TorchDispatchMode):
                      for a in flat]
         meta_args, meta_kwargs = tree_unflatten(meta_flat, spec)
         refs = [_Ref.of(a) if self.deferred(a) else None for a in flat]  # layouts before the op
+        written_args = _written(func, args, kwargs)  # in-place, out= and list-writing ops (checked deferred)
         if func.name().split("::")[-1].split(".")[0] in ("set_", "resize_", "resize_as_"):
             raise DeferredInitError(
                 f"Deferred initialisation cannot follow {func} in {_innermost_module()}: it changes which memory a "
@@ -283,17 +289,14 @@ class _Recorder(TorchDispatchMode):
                                   out_spec)
         rng = self._rng_states(func, flat)
         if rng:
-            self._advance_rng(func, flat, spec, refs)
+            self._advance_rng(func, flat, spec, refs, written_args)
         reads = frozenset(_key(a) for a in flat if self.deferred(a))
         new = set()
         for o in out_flat:
             if isinstance(o, torch.Tensor) and o.untyped_storage()._cdata not in self.bases:
                 self.bases[o.untyped_storage()._cdata] = o
                 new.add(o.untyped_storage()._cdata)
-        mutated, _ = _mutated_positions(func)
-        # In-place and out= ops write their (deferred) mutated arguments, which they also return.
-        written = {o.untyped_storage()._cdata for o in out_flat if isinstance(o, torch.Tensor)} & reads \
-            if mutated else set()
+        written = {ref.key for ref, a in zip(refs, flat) if ref is not None and any(a is w for w in written_args)}
         # An in-place op returns the very tensor it was given; a new output gets a new wrapper.
         given = {id(a._meta): a for a in flat if self.deferred(a)}
         wrapped = [(given[id(o)] if id(o) in given else _Deferred(o, self)) if isinstance(o, torch.Tensor) else o
@@ -332,12 +335,11 @@ class _Recorder(TorchDispatchMode):
                 f"the budget of {self.budget / 1024 ** 3:.2f} GiB, at {_innermost_module()} ({what}). Raise the "
                 f"budget (${BUDGET_ENV}, bytes; 0: no guard) or see lightning_zero.distributed.deferred_init.")
 
-    def _advance_rng(self, func, flat, spec, refs) -> None:
+    def _advance_rng(self, func, flat, spec, refs, written_args) -> None:
         """Run a random op once on real scratch memory: the generators move exactly as in a plain build."""
-        mutated, _ = _mutated_positions(func)
         keys = {ref.key for ref in refs if ref is not None}
-        # Mutated deferred tensors only need their layout; others (a bernoulli_ p tensor) need their values.
-        scratch = keys if mutated else set()
+        # Written deferred tensors only need their layout; others (a bernoulli_ p tensor) need their values.
+        scratch = {_key(a) for a in written_args}
         storages = self.replay(keys - scratch) if keys - scratch else {}
         real = []
         for ref, a in zip(refs, flat):
@@ -367,9 +369,7 @@ class _Recorder(TorchDispatchMode):
         out = func(*real_args, **real_kwargs)
         out_flat, out_spec = tree_flatten(out)
         # What the op wrote, by its schema (an op may return nothing, or something else than what it wrote).
-        mutated, names = _mutated_positions(func)
-        written = {_key(a) for a in (args[i] if i < len(args) else kwargs.get(names[i]) for i in mutated)
-                   if self.deferred(a)}
+        written = {_key(a) for a in _written(func, args, kwargs) if self.deferred(a)}
         replayed = {s.data_ptr(): key for key, s in storages.items()}
         for o in out_flat:
             if isinstance(o, torch.Tensor) and replayed.get(o.untyped_storage().data_ptr()) not in (None, *written):
