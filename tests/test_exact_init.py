@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_zero  # noqa: F401  (registers the strategy names)
 from lightning_zero import ZeroConfig, ZeroStrategy, apply_zero
+from lightning_zero.distributed.deferred_init import is_deferred
 from lightning_zero.distributed.init import InitConfig, InitMemoryError, exact_init
 from tests.distributed import run_distributed
 
@@ -85,12 +86,14 @@ class InitModule(LightningModule):
             self.llama, self.metric, self.custom = build_parts()
         self.initial = None
         self.rng_after_build = None
+        self.deferred = is_deferred(self.llama.lm_head.weight) if build_now else None
         self.losses = []
 
     def configure_model(self):
         if self.llama is None:
             self.llama, self.metric, self.custom = build_parts()
             self.rng_after_build = torch.random.get_rng_state()
+            self.deferred = is_deferred(self.llama.lm_head.weight)
 
     def on_fit_start(self):
         self.initial = snapshot(llama=self.llama, metric=self.metric, custom=self.custom)
@@ -126,6 +129,7 @@ def _configure_model_worker(rank, world_size):
         module = InitModule()
         make_trainer(ZeroStrategy(stage=stage, offload=offload), world_size).fit(module)
         label = f"configure_model stage={stage} offload={offload}"
+        assert module.deferred == (stage >= 2), label  # stages 2-3 record and replay (deferred_init)
         assert_bitwise_equal(module.initial, expected, label)
         # The build consumed the RNG stream exactly as the plain build did (dropout etc. then match stage 0's).
         assert torch.equal(module.rng_after_build, rng_after_build), label
@@ -142,6 +146,7 @@ def _init_module_worker(rank, world_size):
     trainer = make_trainer(ZeroStrategy(stage=3), world_size)
     with trainer.init_module(empty_init=True):
         module = InitModule(build_now=True)
+    assert module.deferred
     trainer.fit(module)
     assert_bitwise_equal(module.initial, expected, "init_module(empty_init=True) stage=3")
     assert all(math.isfinite(loss) for loss in module.losses), module.losses
@@ -211,12 +216,26 @@ def test_init_config_rejects_invalid_values(kwargs):
 
 
 def test_strategy_builds_under_the_guard_with_the_budget_from_the_environment(monkeypatch):
-    trainer = Trainer(strategy=ZeroStrategy(stage=3), accelerator="cpu", devices=1, logger=False,
+    trainer = Trainer(strategy=ZeroStrategy(stage=1), accelerator="cpu", devices=1, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False)
+    stage_3 = Trainer(strategy=ZeroStrategy(stage=3), accelerator="cpu", devices=1, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False)
     monkeypatch.setenv("LIGHTNING_ZERO_INIT_MEMORY_BUDGET", "10000")
     with pytest.raises(InitMemoryError, match=r"at Linear\.weight.*LIGHTNING_ZERO_INIT_MEMORY_BUDGET"):
         with trainer.init_module():
             nn.Linear(64, 64)
+    with stage_3.init_module():  # stage 3 records the build: nothing real to count (tests/test_deferred_init.py)
+        deferred = nn.Linear(64, 64)
+    assert is_deferred(deferred.weight)
+    monkeypatch.setenv("LIGHTNING_ZERO_DEFERRED_INIT", "0")  # the switch back to a real build, under the guard
+    with pytest.raises(InitMemoryError, match=r"at Linear\.weight"):
+        with stage_3.init_module():
+            nn.Linear(64, 64)
+    monkeypatch.setenv("LIGHTNING_ZERO_DEFERRED_INIT", "no")
+    with pytest.raises(ValueError, match="LIGHTNING_ZERO_DEFERRED_INIT must be 0"):
+        with stage_3.init_module():
+            pass
+    monkeypatch.delenv("LIGHTNING_ZERO_DEFERRED_INIT")
     monkeypatch.setenv("LIGHTNING_ZERO_INIT_MEMORY_BUDGET", "ten kilobytes")
     with pytest.raises(ValueError, match="LIGHTNING_ZERO_INIT_MEMORY_BUDGET must be a number of bytes"):
         with trainer.init_module():

@@ -1,9 +1,9 @@
-"""Exact model initialisation for every ZeRO stage: build on real CPU memory, take rank 0's values, then shard.
+"""Exact model initialisation for every ZeRO stage: run the model's own init, take rank 0's values, then shard.
 
 [Note: exact initialisation]
 For the same seed, the initial weights and buffers of a model must be bitwise identical at stages 0, 1, 2, 3 (with
 or without offload) and identical to building the model normally on CPU. That holds only if the model's own init
-code runs on real memory and consumes the RNG stream exactly as a plain CPU build does: Hugging Face's
+code runs and consumes the RNG stream exactly as a plain CPU build does: Hugging Face's
 ``post_init``/``_init_weights``, torchmetrics' ``add_state`` defaults, custom code in ``__init__``, non-persistent
 buffers such as rotary ``inv_freq``. Building on the meta device and re-initialising the shards with
 ``reset_parameters()`` cannot: modules without it (``LlamaRMSNorm``, metric states, buffers) keep uninitialised
@@ -12,26 +12,29 @@ the full tensor would.
 
 So, at every stage:
 
-1. :func:`exact_init` builds the model on CPU with real memory (Lightning's ``configure_model`` and
-   ``Trainer.init_module`` both run under it). ``empty_init=True`` does not skip init code here: a skipped init
-   that a checkpoint fails to cover would train on garbage. A guard counts the bytes of every parameter and buffer
-   as it is registered and raises :class:`InitMemoryError`, naming the module, before the build exceeds this rank's
-   share of the host memory (every local rank builds the full model at the same time).
-2. :func:`broadcast_module_states` makes every parameter and buffer hold rank 0's values, as DDP does at stage 0:
-   ranks need not have drawn the same numbers (different seeds, rank-dependent code). torchmetrics states are not
-   module buffers; like DDP, this leaves them as each rank built them (their defaults are deterministic).
-3. FSDP2's ``fully_shard`` (children first) keeps each rank's chunk and drops the full tensors unit by unit.
+1. :func:`exact_init` runs the build (Lightning's ``configure_model`` and ``Trainer.init_module`` both run under
+   it) with every tensor landing on CPU, whatever the default device. ``empty_init=True`` does not skip init code
+   here: a skipped init that a checkpoint fails to cover would train on garbage.
 
-A model that reaches :func:`~lightning_zero.distributed.zero.apply_zero` with tensors on the meta device is refused
-(:func:`refuse_meta_tensors`), naming them: there is no silent ``to_empty`` path any more.
+   * Stages 0-1 (``InitConfig.deferred=False``; DDP keeps full replicas anyway): on real memory. A guard counts the
+     bytes of every parameter and buffer as it is registered and raises :class:`InitMemoryError`, naming the
+     module, before the build exceeds this rank's share of the host memory (every local rank builds at once).
+   * Stages 2-3 (``deferred=True``, what ``ZeroStrategy`` passes): the build is *recorded*, not run on real
+     memory (:mod:`.deferred_init`): every parameter and buffer is a deferred tensor whose value is defined by a
+     per-tensor log of the aten ops that made it, with the RNG state saved before each random op. No rank holds
+     the model. The budget then bounds the real values the log must keep (ops without a meta kernel).
 
-What remains for bounded-memory construction (a ``zero.Init``-like scheme, where no rank ever holds the full
-model): sharding each module right after its own ``__init__`` is exact only if no later code touches its tensors,
-but parent init code does (HF's ``post_init`` re-initialises every submodule at the end of the top-level
-``__init__``; weight tying re-points parameters). Such a scheme needs parameters that gather on access during
-construction and an init that draws the full tensor's numbers for each shard, i.e. a per-module record of the
-RNG offsets. Until then the peak during construction is one full model per local rank, and the guard turns a
-model too large for that into a clear error instead of an out-of-memory kill.
+2. :func:`~lightning_zero.distributed.zero.apply_zero` replays, for one FSDP unit at a time (children first), the
+   part of the log that unit's tensors depend on, so the unit holds exactly what a plain build would have given
+   it; then :func:`broadcast_module_states` makes the unit hold rank 0's values, as DDP does at stage 0 (ranks
+   need not have drawn the same numbers), and ``fully_shard`` keeps this rank's chunk and frees the rest. The peak
+   is one unit (plus the temporaries its init code made, such as ``orthogonal_``'s QR) and the shards so far.
+   torchmetrics states are not module buffers: they are plain attributes, made real when construction ends and,
+   like DDP, left as each rank built them (their defaults are deterministic).
+
+A model that reaches ``apply_zero`` with tensors on the meta device is refused (:func:`refuse_meta_tensors`),
+naming them: there is no silent ``to_empty`` path. ``$LIGHTNING_ZERO_DEFERRED_INIT=0`` makes ``ZeroStrategy`` build
+on real memory at stages 2-3 too, for a model whose construction the recorder refuses (its error says which op).
 
 This module is framework-free: it never imports Lightning.
 """
@@ -53,6 +56,7 @@ log = logging.getLogger(__name__)
 
 _GIB = 1024 ** 3
 BUDGET_ENV = "LIGHTNING_ZERO_INIT_MEMORY_BUDGET"
+DEFERRED_ENV = "LIGHTNING_ZERO_DEFERRED_INIT"
 
 
 class InitMemoryError(MemoryError):
@@ -68,10 +72,15 @@ class InitConfig:
         host_memory_budget: bytes one rank may allocate for the model's parameters and buffers. ``None`` measures
             the available host memory (``MemAvailable``, capped by the cgroup limit) when the build starts and
             divides it by ``local_world_size``. ``0`` turns the guard off.
+        deferred: record the construction instead of building on real memory, and let ``apply_zero`` replay it
+            unit by unit right before sharding (stages 2-3: no rank holds the full model; see
+            :mod:`lightning_zero.distributed.deferred_init`). The budget then bounds the real values the record
+            keeps. ``$LIGHTNING_ZERO_DEFERRED_INIT=0`` turns it off in :meth:`from_env`.
     """
 
     local_world_size: int = 1
     host_memory_budget: Optional[int] = None
+    deferred: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.local_world_size, bool) or not isinstance(self.local_world_size, int) \
@@ -81,19 +90,27 @@ class InitConfig:
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
             raise ValueError(f"host_memory_budget must be None, 0 (no guard) or a positive number of bytes, "
                              f"got {budget!r}")
+        if not isinstance(self.deferred, bool):
+            raise ValueError(f"deferred must be a bool, got {self.deferred!r}")
 
     @classmethod
-    def from_env(cls, local_world_size: int = 1) -> "InitConfig":
+    def from_env(cls, local_world_size: int = 1, deferred: bool = False) -> "InitConfig":
         """The config for ``local_world_size`` ranks, with the budget from ``$LIGHTNING_ZERO_INIT_MEMORY_BUDGET``
-        (bytes; ``0`` turns the guard off) when set: the knob for runs whose model is built by a strategy."""
+        (bytes; ``0`` turns the guard off) when set: the knob for runs whose model is built by a strategy.
+        ``deferred`` (the strategy passes ``True`` at stages 2-3) is turned off by ``$LIGHTNING_ZERO_DEFERRED_INIT=0``
+        for models the recorder refuses."""
+        switch = os.environ.get(DEFERRED_ENV, "").strip()
+        if switch not in ("", "0", "1"):
+            raise ValueError(f"${DEFERRED_ENV} must be 0 (build on real memory) or 1, got {switch!r}")
+        deferred = deferred and switch != "0"
         raw = os.environ.get(BUDGET_ENV)
         if raw is None or not raw.strip():
-            return cls(local_world_size=local_world_size)
+            return cls(local_world_size=local_world_size, deferred=deferred)
         try:
             budget = int(raw)
         except ValueError:
             raise ValueError(f"${BUDGET_ENV} must be a number of bytes (0: no guard), got {raw!r}") from None
-        return cls(local_world_size=local_world_size, host_memory_budget=budget)
+        return cls(local_world_size=local_world_size, host_memory_budget=budget, deferred=deferred)
 
 
 def available_host_memory() -> Optional[int]:
@@ -139,7 +156,9 @@ class _BuildGuard:
         self._counted_at: dict[int, weakref.ref] = {}
 
     def __call__(self, module: nn.Module, name: str, tensor: Optional[torch.Tensor]) -> None:
-        if tensor is None or tensor.is_meta or tensor.device.type != "cpu":
+        from lightning_zero.distributed.deferred_init import is_deferred
+
+        if tensor is None or tensor.is_meta or tensor.device.type != "cpu" or is_deferred(tensor):
             return
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
@@ -166,11 +185,14 @@ class _BuildGuard:
 
 @contextmanager
 def exact_init(config: InitConfig = InitConfig(), empty_init: Optional[bool] = None) -> Generator[None, None, None]:
-    """Build modules on real CPU memory, running their own init code, with a host-memory guard.
+    """Build modules running their own init code exactly, on CPU, with a host-memory guard.
 
     Everything created inside lands on CPU whatever the default device is, so the RNG stream is consumed exactly as
     by a plain CPU build; shard the result with :func:`~lightning_zero.distributed.zero.apply_zero`, which takes
-    rank 0's values. Raises :class:`InitMemoryError` naming the module whose tensor crosses the budget.
+    rank 0's values. Raises :class:`InitMemoryError` naming the module whose tensor crosses the budget. With
+    ``config.deferred`` the build is recorded instead (see the Note above): the parameters and buffers hold no
+    memory until ``apply_zero`` (or :func:`~lightning_zero.distributed.deferred_init.materialize_module`) replays
+    them.
     ``empty_init=True`` (Lightning's hint that a checkpoint will be loaded) is logged and the init runs anyway.
     """
     if empty_init:
@@ -182,6 +204,12 @@ def exact_init(config: InitConfig = InitConfig(), empty_init: Optional[bool] = N
     )
 
     guard = _BuildGuard(config)
+    if config.deferred:
+        from lightning_zero.distributed.deferred_init import deferred_build
+
+        with torch.device("cpu"), deferred_build(guard.budget):
+            yield
+        return
     handles = [register_module_parameter_registration_hook(guard), register_module_buffer_registration_hook(guard)]
     try:
         with torch.device("cpu"):

@@ -40,6 +40,7 @@ from lightning_zero.distributed.activation_checkpointing import (
     apply_activation_checkpointing,
 )
 from lightning_zero.distributed.buffers import install_comm_buffer_pool
+from lightning_zero.distributed.deferred_init import materialize_module
 from lightning_zero.distributed.init import broadcast_module_states, refuse_meta_tensors
 
 log = logging.getLogger(__name__)
@@ -155,6 +156,7 @@ def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[
                                                            policy=config.sharded_module_classes)
         apply_activation_checkpointing(module, activation_checkpointing)
     if config.stage <= 1:
+        materialize_module(module)  # DDP keeps full replicas: a deferred build (see exact_init) becomes real now
         if mp_policy is not None:
             raise ValueError("mp_policy is an FSDP2 policy and applies to stages 2-3 only")
         from torch.nn.parallel import DistributedDataParallel
@@ -168,11 +170,14 @@ def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[
     from torch.distributed.fsdp import fully_shard
 
     kwargs = _fsdp_kwargs(mesh, config, device, mp_policy)
-    broadcast_module_states(module, mesh.get_group(), device)  # rank 0's values, as DDP at stages 0-1
-    # Children before parents: fully_shard on a parent excludes parameters already owned by a child unit.
-    for unit in reversed(sharded_units(module, config)):
+    # Children before parents: fully_shard on a parent excludes parameters already owned by a child unit. A
+    # deferred build (see lightning_zero.distributed.deferred_init) becomes real one unit at a time, right before
+    # that unit is sharded: the peak is one unit plus the shards. Every unit takes rank 0's values, as DDP does at
+    # stages 0-1 (broadcast_module_states skips what a child unit already sharded).
+    for unit in [*reversed(sharded_units(module, config)), module]:
+        materialize_module(unit)
+        broadcast_module_states(unit, mesh.get_group(), device)
         fully_shard(unit, **kwargs)
-    fully_shard(module, **kwargs)
     if device.type == "cpu":
         install_comm_buffer_pool(module)  # see lightning_zero.distributed.buffers: CPU has no caching allocator
     if not config.offloads:

@@ -260,10 +260,11 @@ class ZeroStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ model and optimizers
     def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
-        """``fabric.init_module()``: build on real CPU memory running the model's own init (``empty_init`` never
-        skips it), as the Trainer strategy's ``configure_model``; ``setup`` then shards rank 0's values. See
+        """``fabric.init_module()``: the model's own init runs exactly as on CPU (``empty_init`` never skips it), as
+        the Trainer strategy's ``configure_model``: at stages 2-3 the build is recorded and ``setup`` replays it one
+        FSDP unit at a time (no rank holds the whole model), at stages 0-1 it is built on CPU memory. See
         :mod:`lightning_zero.distributed.init`."""
-        return exact_init(InitConfig.from_env(max(1, self.num_processes)), empty_init)
+        return exact_init(InitConfig.from_env(max(1, self.num_processes), deferred=self.stage >= 2), empty_init)
 
     def module_to_device(self, module: nn.Module) -> None:
         if self.stage <= 1:  # apply_zero places the sharded stages itself (on CPU when offloading)

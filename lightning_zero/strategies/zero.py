@@ -351,10 +351,10 @@ class ZeroStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ model and optimizers
     @contextmanager
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
-        """``configure_model`` and ``Trainer.init_module`` build on real CPU memory at every stage, running the
-        model's own init (``empty_init`` never skips it); ``setup`` shards rank 0's values. See
-        :mod:`lightning_zero.distributed.init`."""
-        with exact_init(InitConfig.from_env(max(1, self.num_processes)), empty_init), \
+        """``configure_model`` and ``Trainer.init_module`` run the model's own init (``empty_init`` never skips it),
+        recorded at stages 2-3 and replayed per unit by ``setup``, which shards rank 0's values. See ``exact_init``."""
+        deferred = self.stage >= 2 and not self._pipeline.enabled  # see lightning_zero.distributed.deferred_init
+        with exact_init(InitConfig.from_env(max(1, self.num_processes), deferred), empty_init), \
                 self.precision_plugin.tensor_init_context():
             yield
 
