@@ -35,6 +35,7 @@ from torch import nn
 
 from lightning_zero.config import ZeroConfig
 from lightning_zero.distributed.buffers import install_comm_buffer_pool
+from lightning_zero.distributed.hybrid import check_mesh_matches, data_parallel_group
 from lightning_zero.distributed.init import broadcast_module_states, refuse_meta_tensors
 
 log = logging.getLogger(__name__)
@@ -132,7 +133,8 @@ def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[
 
     Args:
         module: the model, built on real memory (CPU or the compute device).
-        mesh: a 1-D ``DeviceMesh`` over the data-parallel ranks.
+        mesh: a 1-D ``DeviceMesh`` over the data-parallel ranks, or with ``config.hybrid_shard_size`` the 2-D
+            ``("replicate", "shard")`` mesh of :func:`lightning_zero.distributed.hybrid.data_parallel_mesh` (HSDP).
         config: the validated :class:`~lightning_zero.config.ZeroConfig`.
         device: the compute device (defaults to the mesh's device type, current index).
         mp_policy: an FSDP2 ``MixedPrecisionPolicy`` (stages 2-3 only).
@@ -140,6 +142,7 @@ def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[
     """
     device = device or _default_device(mesh)
     refuse_meta_tensors(module, config.stage)
+    check_mesh_matches(mesh, config.hybrid_shard_size)
     if config.stage <= 1:
         if mp_policy is not None:
             raise ValueError("mp_policy is an FSDP2 policy and applies to stages 2-3 only")
@@ -147,14 +150,14 @@ def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[
 
         module.to(device)
         device_ids = [device.index] if device.type == "cuda" else None
-        return DistributedDataParallel(module, device_ids=device_ids, process_group=mesh.get_group(),
+        return DistributedDataParallel(module, device_ids=device_ids, process_group=data_parallel_group(mesh),
                                        **(ddp_kwargs or {}))
     if ddp_kwargs:
         raise ValueError(f"ddp_kwargs apply to stages 0-1 only; stage {config.stage} uses FSDP2")
     from torch.distributed.fsdp import fully_shard
 
     kwargs = _fsdp_kwargs(mesh, config, device, mp_policy)
-    broadcast_module_states(module, mesh.get_group(), device)  # rank 0's values, as DDP at stages 0-1
+    broadcast_module_states(module, data_parallel_group(mesh), device)  # rank 0's values, as DDP at stages 0-1
     # Children before parents: fully_shard on a parent excludes parameters already owned by a child unit.
     for unit in reversed(sharded_units(module, config)):
         fully_shard(unit, **kwargs)

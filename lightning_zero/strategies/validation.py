@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_zero.diagnostics.hang_guard import positive_seconds
+from lightning_zero.distributed.hybrid import check_hybrid_world
 
 # Which device type each built-in backend needs (``None``: any device).
 _BACKEND_DEVICE = {"gloo": None, "mpi": None, "ucc": None, "nccl": "cuda", "xccl": "xpu"}
@@ -172,6 +173,8 @@ def validate_before_process_group(strategy: Any) -> None:
             raise ValueError(f"pipeline_parallel_size={pipeline.pipeline_parallel_size} must divide the world size "
                              f"{world_size} (devices={strategy.num_processes} x num_nodes={strategy.num_nodes})")
         data_parallel = world_size // pipeline.pipeline_parallel_size
+    check_hybrid_world(strategy.zero_config.hybrid_shard_size, world_size, pipeline=pipeline.enabled,
+                       num_nodes=strategy.num_nodes, num_processes=strategy.num_processes)
     module = strategy.lightning_module
     trainer = getattr(module, "_trainer", None) if module is not None else None
     if strategy.ds_config is not None and trainer is not None:

@@ -38,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_zero.checkpoint.io import wait_for_pending_saves
 from lightning_zero.config import ZeroConfig
 from lightning_zero.diagnostics.hang_guard import DEFAULT_HANG_TIMEOUT, HangGuard
+from lightning_zero.distributed import hybrid
 from lightning_zero.distributed.buffers import comm_buffer_pool
 from lightning_zero.distributed.init import InitConfig, broadcast_module_states, exact_init
 from lightning_zero.distributed.manual_backward import ManualBackward
@@ -51,6 +52,7 @@ from lightning_zero.strategies.ds_config_binding import (
     arguments_over_config,
     bind_ds_config,
     effective_ds_config,
+    hybrid_shard_size_over_config,
     install_config_optimizers,
     precision_from_config,
     scheduler_from_config,
@@ -127,6 +129,7 @@ class ZeroStrategy(ParallelStrategy):
             before the job exits naming the stuck rank(s) with every rank's stacks (default 600; ``None``: off).
         auto_resume: on a restarted job (torchrun/SLURM) without ``ckpt_path``, resume from the newest complete
             checkpoint of the ``ModelCheckpoint`` directories (:mod:`lightning_zero.strategies.restarts`).
+        hybrid_shard_size: HSDP: shard within groups of this many ranks, replicate across (:mod:`.hybrid`, opt-in).
 
     As ``DeepSpeedStrategy``: without ``config`` the file ``PL_DEEPSPEED_CONFIG_PATH`` names is read, and
     :attr:`config` is the effective ds_config as a dict.
@@ -175,6 +178,7 @@ class ZeroStrategy(ParallelStrategy):
         verbose: bool = False,
         hang_timeout: Optional[Union[float, timedelta]] = DEFAULT_HANG_TIMEOUT,
         auto_resume: bool = True,
+        hybrid_shard_size: Optional[int] = None,
     ) -> None:
         # Validate everything before Lightning (or anyone) starts a process group.
         timeout = validation.check_timeout(timeout)
@@ -185,10 +189,9 @@ class ZeroStrategy(ParallelStrategy):
          micro_batches) = arguments_over_config(self._ds_config, stage, offload, pin_memory, reshard_after_forward,
                                                 communication_data_type, pipeline_parallel_size, micro_batches)
         self.zero_config = ZeroConfig(
-            stage=stage, offload=offload, pin_memory=pin_memory,
+            stage=stage, offload=offload, pin_memory=pin_memory, reshard_after_forward=reshard_after_forward,
             sharded_module_classes=frozenset(sharded_module_classes) if sharded_module_classes else None,
-            reshard_after_forward=reshard_after_forward,
-        )
+            hybrid_shard_size=hybrid_shard_size_over_config(self._ds_config, hybrid_shard_size))
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"start_method must be 'popen', 'spawn', 'fork' or 'forkserver', got {start_method!r}")
         self._loss_scale_config, self._fp16_loss_scale_config = loss_scale_configs(
@@ -352,9 +355,9 @@ class ZeroStrategy(ParallelStrategy):
             pp = self._pipeline.pipeline_parallel_size  # divides the world: validate_before_process_group checked
             mesh = init_device_mesh(self.root_device.type, (pp, self.world_size // pp), mesh_dim_names=("pp", "dp"))
             self._pp_mesh, self._mesh = mesh["pp"], mesh["dp"]
-        else:
-            mesh = self._mesh = init_device_mesh(self.root_device.type, (self.world_size,),
-                                                 mesh_dim_names=("data_parallel",))
+        else:  # 1-D, or 2-D ("replicate", "shard") with hybrid_shard_size
+            mesh = self._mesh = hybrid.data_parallel_mesh(self.root_device.type, self.world_size,
+                                                          self.zero_config.hybrid_shard_size)
         if self.lightning_module is not None:
             self.lightning_module._device_mesh = mesh
         self.hang_guard.start(self.global_rank, self.world_size)
@@ -403,10 +406,10 @@ class ZeroStrategy(ParallelStrategy):
                                     ddp_kwargs=ddp_kwargs_for(self._ddp_options, self._ds_config, self.model))
             reduce_dtype = self.precision_plugin.ddp_reduce_dtype()
             if reduce_dtype is not None:
-                self.model.register_comm_hook(self._mesh.get_group(), low_precision_allreduce_hook(reduce_dtype))
+                self.model.register_comm_hook(self.model.process_group, low_precision_allreduce_hook(reduce_dtype))
         else:
             self.model.to(self.root_device)  # evaluation without DDP: every rank starts from rank 0's weights
-            broadcast_module_states(self.model, self._mesh.get_group(), self.root_device)
+            broadcast_module_states(self.model, hybrid.data_parallel_group(self._mesh), self.root_device)
         self.barrier()
         if fitting:
             self.setup_optimizers(trainer)
@@ -419,7 +422,7 @@ class ZeroStrategy(ParallelStrategy):
         if binding is not None and binding.translation.optimizer is None and binding.translation.scheduler:
             self.lr_scheduler_configs = scheduler_from_config(binding.translation, trainer, self.optimizers,
                                                               self.lr_scheduler_configs)
-        group = self._mesh.get_group() if self._mesh is not None else None
+        group = hybrid.shard_group(self._mesh) if self._mesh is not None else None  # stage 1: its partition
         for index, optimizer in enumerate(self.optimizers):
             if get_sharding(optimizer) is None:
                 if self.stage >= 2 and not self._pipeline.enabled:  # see distributed/optimizer_check.py
