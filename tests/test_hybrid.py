@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_zero import ZeroConfig, apply_zero, model_state_memory
+from lightning_zero import ZeroConfig, apply_zero, estimate_model_states_memory, model_state_memory, zero_formula
 from lightning_zero.distributed.hybrid import check_hybrid_world, data_parallel_mesh, shard_group
 from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
 from tests.distributed import run_distributed
@@ -52,7 +52,10 @@ def _parity_worker(rank, world_size):
         states = torch.tensor(float(model_state_memory(module, [opt]).total.optimizer_states))
         dist.all_reduce(states, group=shard_group(mesh))
         assert abs(states.item() - 8 * num_params) <= 0.05 * 8 * num_params, (stage, states.item(), num_params)
-        if stage >= 2:
+        if stage >= 2:  # what each rank holds is the formula with hybrid_shard_size (sharded over 2, not 4)
+            measured = model_state_memory(module, [opt]).total
+            formula = zero_formula(num_params, stage, world_size, hybrid_shard_size=2)
+            assert abs(measured.params - formula.params) <= 0.1 * formula.params, (measured, formula)
             placements = {str(p.placements) for p in module.parameters()}
             assert placements == {"(Replicate(), Shard(dim=0))"}, placements
         else:
@@ -179,3 +182,23 @@ def test_ds_config_mics_shard_size_maps_to_hybrid_shard_size_and_hpz_does_not():
     assert hpz.hybrid_shard_size is None and hpz.reshard_after_forward == 2  # hpZ is a secondary partition, not HSDP
     with pytest.raises(ValueError, match="stage 0 shards nothing"):
         ZeroStrategy(config={"zero_optimization": {"stage": 0, "mics_shard_size": 2}})
+
+
+def test_estimator_and_cli_shard_over_the_hybrid_group(capsys):
+    from lightning_zero.cli import main
+
+    p = 1_000_000
+    assert zero_formula(p, 3, 8, hybrid_shard_size=2) == zero_formula(p, 3, 2)
+    assert zero_formula(p, 1, 8, hybrid_shard_size=4).optimizer_states == p * 8 // 4
+    est = estimate_model_states_memory(p, 2, 8, offload="cpu", hybrid_shard_size=4)
+    assert est.cpu.optimizer_states == p * 8 // 4 and est.accelerator.total == 0
+    with pytest.raises(ValueError, match="must divide the world size 8"):
+        zero_formula(p, 2, 8, hybrid_shard_size=3)
+    with pytest.raises(ValueError, match="stage 0 shards nothing"):
+        estimate_model_states_memory(p, 0, 8, hybrid_shard_size=2)
+    assert main(["estimate", "--params", "1e9", "--world-size", "16", "--hybrid-shard-size", "8", "--stage", "3",
+                 "--precision", "32-true"]) == 0
+    out = capsys.readouterr().out
+    assert "hybrid shard" in out and f"{16e9 / 8 / 1024 ** 3:.2f} GiB" in out  # 16 bytes/param over 8
+    with pytest.raises(SystemExit, match="must divide --world-size"):
+        main(["estimate", "--params", "1e9", "--world-size", "16", "--hybrid-shard-size", "3"])
