@@ -18,7 +18,8 @@ from step 0 and overwrite the run's checkpoints. When the job is a restart (``TO
 the newest *complete* sharded checkpoint (one with ``zero.json``: interrupted saves never qualify) in the
 ``ModelCheckpoint`` directories is resumed, and the log says which. Lightning has no public hook that chooses the
 checkpoint after the process group exists (rank 0 chooses, every rank loads the same one), so this wraps the
-Trainer's ``_checkpoint_connector.resume_start`` for that one call.
+Trainer's ``_checkpoint_connector.resume_start`` for that one call. A preempted job (SIGTERM/SIGUSR1) saves
+``preempted.ckpt`` there first, at a step boundary (:mod:`lightning_zero.strategies.preemption`).
 """
 
 from __future__ import annotations
@@ -94,9 +95,13 @@ def _choose_resume_path(trainer, broadcast) -> Optional[str]:
 
 
 def install_auto_resume(strategy) -> None:
-    """On a restarted fit without ``ckpt_path``, make the Trainer resume from the newest complete checkpoint."""
+    """On a restarted fit without ``ckpt_path``, make the Trainer resume from the newest complete checkpoint; on
+    every fit, turn preemption signals into a checkpoint at the next step boundary (:mod:`.preemption`)."""
     from lightning.pytorch.trainer.states import TrainerFn
 
+    from lightning_zero.strategies import preemption
+
+    preemption.install(strategy)
     module = strategy.lightning_module
     trainer = getattr(module, "_trainer", None) if module is not None else None
     if trainer is None or restart_count() == 0 or trainer.state.fn != TrainerFn.FITTING:
