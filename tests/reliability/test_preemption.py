@@ -85,3 +85,29 @@ def _preemption_worker(rank, world_size, root, signalled_rank, signum):
 def test_preemption_signal_checkpoints_at_the_next_step_and_the_restart_resumes_there(tmp_path, signalled_rank,
                                                                                         signum):
     run_distributed(_preemption_worker, 2, str(tmp_path), signalled_rank, int(signum))
+
+
+def _torchrun(root, mode):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    root.mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+         "-m", "tests.reliability.preempt_job", str(root), mode],
+        cwd=repo, capture_output=True, text=True, timeout=400, env={**os.environ, "PYTHONPATH": str(repo)})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc, torch.load(root / "final.pt", weights_only=True)
+
+
+@pytest.mark.slow
+def test_torchrun_preempted_job_restarts_and_ends_equal_to_a_run_resumed_at_the_same_step(tmp_path):
+    proc, preempted = _torchrun(tmp_path / "preempted", "preempt")
+    assert preempted["attempt"] == 1, "the job was not restarted"
+    assert preempted["ckpt_path"].endswith(PREEMPTED_CHECKPOINT) and "preempted (signal 15)" in proc.stderr
+    _, reference = _torchrun(tmp_path / "reference", "reference")
+    assert preempted["global_step"] == reference["global_step"] == EPOCHS * STEPS_PER_EPOCH
+    for key, value in reference["weights"].items():
+        assert torch.equal(preempted["weights"][key], value), key
