@@ -145,10 +145,11 @@ def _resume_worker(rank, world_size, path, strategy_kwargs, saved_world_size):
 HSDP_CHECKPOINT_CASES = [
     (({"stage": 3, "hybrid_shard_size": 2}, 4), ({"stage": 2}, 2)),
     (({"stage": 1}, 2), ({"stage": 1, "hybrid_shard_size": 2}, 4)),
+    (({"stage": 1, "hybrid_shard_size": 2}, 4), ({"stage": 3}, 1)),
 ]
 
 
-@pytest.mark.parametrize("saved,resumed", HSDP_CHECKPOINT_CASES, ids=["hsdp-s3x4-to-s2x2", "s1x2-to-hsdp-s1x4"])
+@pytest.mark.parametrize("saved,resumed", HSDP_CHECKPOINT_CASES, ids=["hsdp-s3x4-to-s2x2", "s1x2-to-hsdp-s1x4", "hsdp-s1x4-to-s3x1"])
 def test_hybrid_checkpoint_reshards_to_and_from_runs_without_it(tmp_path, saved, resumed):
     (save_kwargs, save_world), (resume_kwargs, resume_world) = saved, resumed
     path = str(tmp_path / "hsdp.ckpt")
