@@ -3,6 +3,7 @@
 import base64
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -48,12 +49,16 @@ def test_two_node_deepspeed_launch_with_no_local_rank_trains_hsdp_like_one_proce
         [sys.executable, "-m", "deepspeed.launcher.launch", f"--world_info={world_info}", f"--node_rank={node}",
          "--master_addr=127.0.0.1", f"--master_port={port}", "--no_local_rank", "--module",
          "tests.reliability.deepspeed_launch_job", str(tmp_path)],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        for node in (0, 1)]
     try:
         outputs = [node.communicate(timeout=300)[0] for node in nodes]
     finally:
-        for node in nodes:
-            node.kill()
+        for node in nodes:  # the launcher and the ranks it started (a hang must not outlive the test)
+            try:
+                os.killpg(node.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
     assert all(node.returncode == 0 for node in nodes), "\n".join(out[-3000:] for out in outputs)
     expected = _reference(1, 4 * 4)  # 4 ranks x batch 4, like one process on the whole batch
     for rank in range(4):
