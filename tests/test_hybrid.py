@@ -42,7 +42,8 @@ def _parity_worker(rank, world_size):
                                  (3, None, 0.05)]:
         expected = train_reference(world_size, clip=clip)
         module, opt, mesh = _train_hybrid(rank, world_size, stage, offload, clip)
-        got = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach() for k, v in module.state_dict().items()}
+        got = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach()
+               for k, v in module.state_dict().items()}
         worst = max((got[k] - expected[k]).abs().max().item() for k in expected)
         if not worst <= 1e-5:
             failures.append(f"stage={stage} offload={offload} clip={clip}: max abs diff {worst:.2e}")
@@ -149,7 +150,8 @@ HSDP_CHECKPOINT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("saved,resumed", HSDP_CHECKPOINT_CASES, ids=["hsdp-s3x4-to-s2x2", "s1x2-to-hsdp-s1x4", "hsdp-s1x4-to-s3x1"])
+@pytest.mark.parametrize("saved,resumed", HSDP_CHECKPOINT_CASES,
+                         ids=["hsdp-s3x4-to-s2x2", "s1x2-to-hsdp-s1x4", "hsdp-s1x4-to-s3x1"])
 def test_hybrid_checkpoint_reshards_to_and_from_runs_without_it(tmp_path, saved, resumed):
     (save_kwargs, save_world), (resume_kwargs, resume_world) = saved, resumed
     path = str(tmp_path / "hsdp.ckpt")
