@@ -127,8 +127,8 @@ class ZeroStrategy(ParallelStrategy):
         exclude_frozen_parameters, verbose: frozen parameters stay out of checkpoints; print the whole ds_config.
         hang_timeout: seconds (or ``timedelta``) a step, validation batch, checkpoint save/load or teardown may last
             before the job exits naming the stuck rank(s) with every rank's stacks (default 600; ``None``: off).
-        auto_resume: on a restarted job (torchrun/SLURM) without ``ckpt_path``, resume from the newest complete
-            checkpoint of the ``ModelCheckpoint`` directories (:mod:`lightning_zero.strategies.restarts`).
+        auto_resume: on a restarted job (torchrun/SLURM; ``"always"``: on every fit) without ``ckpt_path``, resume from
+            the newest complete ``ModelCheckpoint`` checkpoint; checkpoint on preemption signals (:mod:`.restarts`).
         hybrid_shard_size: HSDP: shard within groups of this many ranks, replicate across (:mod:`.hybrid`, opt-in).
 
     As ``DeepSpeedStrategy``: without ``config`` the file ``PL_DEEPSPEED_CONFIG_PATH`` names is read, and
@@ -177,7 +177,7 @@ class ZeroStrategy(ParallelStrategy):
         exclude_frozen_parameters: bool = False,
         verbose: bool = False,
         hang_timeout: Optional[Union[float, timedelta]] = DEFAULT_HANG_TIMEOUT,
-        auto_resume: bool = True,
+        auto_resume: Union[bool, str] = True,
         hybrid_shard_size: Optional[int] = None,
     ) -> None:
         # Validate everything before Lightning (or anyone) starts a process group.
@@ -205,8 +205,9 @@ class ZeroStrategy(ParallelStrategy):
                                                 offload=self.zero_config.offload)
         self._ddp_options = DDPOptions(find_unused_parameters, static_graph, gradient_as_bucket_view, bucket_cap_mb)
         self._ddp_options.check_stage(self.zero_config.stage, pipeline=self._pipeline.enabled)
-        self.exclude_frozen_parameters, self.verbose, self.auto_resume = require_flags(
-            exclude_frozen_parameters=exclude_frozen_parameters, verbose=verbose, auto_resume=auto_resume)
+        self.exclude_frozen_parameters, self.verbose = require_flags(
+            exclude_frozen_parameters=exclude_frozen_parameters, verbose=verbose)
+        self.auto_resume = restarts.check_auto_resume(auto_resume)  # True, False or "always"
         self._pp_mesh = None
         self._runner = None
         self._pipeline_grads = PipelineGradients()
