@@ -18,8 +18,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_cross_rank_becomes_the_node_rank_when_none_is_set(monkeypatch):
-    for name in ("NODE_RANK", "GROUP_RANK", "CROSS_RANK"):
-        monkeypatch.delenv(name, raising=False)
+    # The function writes os.environ itself: give it a copy, so NODE_RANK cannot leak into later tests.
+    names = ("NODE_RANK", "GROUP_RANK", "CROSS_RANK", "CROSS_SIZE")
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k not in names})
     adopt_deepspeed_launcher_node_rank()
     assert "NODE_RANK" not in os.environ  # not a deepspeed launch: nothing set
     monkeypatch.setenv("CROSS_RANK", "1")
