@@ -49,6 +49,10 @@ class ZeroConfig:
             stages 2-3. ``None`` detects repeated blocks automatically (see :func:`find_repeated_blocks`).
         reshard_after_forward: stage-3 override of FSDP2's ``reshard_after_forward`` (an ``int`` reshards to a
             smaller group, as FSDP2 allows). ``None`` keeps the stage's meaning.
+        hybrid_shard_size: hybrid sharding (HSDP): model states are sharded within groups of this many consecutive
+            ranks and replicated across the groups, on a 2-D ``("replicate", "shard")`` mesh
+            (:mod:`lightning_zero.distributed.hybrid`). Stages 1-3 only; it must divide the world size (checked
+            before the process group). ``None``: shard over every rank.
     """
 
     stage: int = 2
@@ -56,6 +60,7 @@ class ZeroConfig:
     pin_memory: Optional[bool] = None
     sharded_module_classes: Optional[frozenset] = None
     reshard_after_forward: Optional[Union[bool, int]] = None
+    hybrid_shard_size: Optional[int] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or not isinstance(self.stage, int) or self.stage not in STAGES:
@@ -97,6 +102,13 @@ class ZeroConfig:
             value = self.reshard_after_forward
             if not isinstance(value, (bool, int)) or (not isinstance(value, bool) and value < 1):
                 raise ValueError(f"reshard_after_forward must be a bool or a positive int, got {value!r}")
+        if self.hybrid_shard_size is not None:
+            size = self.hybrid_shard_size
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"hybrid_shard_size must be a positive int (ranks per shard group), got {size!r}")
+            if self.stage == 0:
+                raise ValueError(f"hybrid_shard_size={size} needs ZeRO stage 1, 2 or 3: stage 0 shards nothing, so "
+                                 "there is no shard group to make hybrid. Use stage=1/2/3 or drop hybrid_shard_size.")
 
     @property
     def offloads(self) -> bool:

@@ -38,6 +38,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--precision", choices=list(PRECISIONS), default="bf16-mixed")
     parser.add_argument("--largest-unit-params", type=_positive_count, default=None,
                         help="parameters of the largest block (stage-3 peak); default: all parameters")
+    parser.add_argument("--hybrid-shard-size", type=_positive_int, default=None,
+                        help="HSDP: states sharded within groups of this many ranks (e.g. GPUs per node)")
     parser.set_defaults(func=run)
 
 
@@ -48,6 +50,10 @@ def run(args: argparse.Namespace) -> int:
     if args.offload and args.stage == 0:
         raise SystemExit("lightning-zero estimate: error: --offload cpu needs --stage 1, 2 or 3 (stage 0 keeps "
                          "every state on the device)")
+    hybrid = args.hybrid_shard_size
+    if hybrid is not None and (args.world_size % hybrid or args.stage == 0):
+        raise SystemExit(f"lightning-zero estimate: error: --hybrid-shard-size {hybrid} must divide --world-size "
+                         f"{args.world_size} and needs --stage 1, 2 or 3")
     from rich.console import Console
     from rich.table import Table
 
@@ -55,14 +61,15 @@ def run(args: argparse.Namespace) -> int:
 
     gib = 1024 ** 3
     table = Table(title=f"{args.params:.3g} parameters, {args.world_size} ranks, {args.precision}, "
-                        f"offload={args.offload}")
+                        f"offload={args.offload}" + (f", hybrid shard groups of {hybrid}" if hybrid else ""))
     for column in ("stage", "accelerator at rest", "accelerator peak", "cpu at rest"):
         table.add_column(column, justify="right")
-    stages = [args.stage] if args.stage is not None else [s for s in (0, 1, 2, 3) if s or not args.offload]
+    stages = [args.stage] if args.stage is not None else [s for s in (0, 1, 2, 3) if s or not (args.offload or hybrid)]
     for stage in stages:
         est = estimate_model_states_memory(
             int(args.params), stage, args.world_size, offload=args.offload, precision=args.precision,
-            largest_unit_params=int(args.largest_unit_params) if args.largest_unit_params else None)
+            largest_unit_params=int(args.largest_unit_params) if args.largest_unit_params else None,
+            hybrid_shard_size=hybrid)
         table.add_row(str(stage), f"{est.accelerator.total / gib:.2f} GiB", f"{est.accelerator_peak / gib:.2f} GiB",
                       f"{est.cpu.total / gib:.2f} GiB")
     Console().print(table)

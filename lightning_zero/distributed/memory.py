@@ -15,6 +15,9 @@ stage    held per rank                     peak during forward/backward
                                            backward (the ZeRO-2 paper's ``bp P + (bg + K) P / N`` plus the shard)
 3        ``P (bp + bg + K) / N``           ``+ ~2 P_unit bp``: one gathered unit and the prefetched next one
 =======  ================================  ==================================================================
+
+With hybrid sharding (``hybrid_shard_size=S``, :mod:`.hybrid`) states are partitioned over the ``S`` ranks of a shard
+group and replicated across the ``N / S`` groups: every ``/ N`` above becomes ``/ S``.
 """
 
 from __future__ import annotations
@@ -151,15 +154,25 @@ def precision_bytes(precision: str, optimizer_bytes_fp32: int = 8) -> tuple[int,
     return 4, 4, optimizer_bytes_fp32
 
 
+def shard_ranks(world_size: int, hybrid_shard_size: Optional[int] = None) -> int:
+    """How many ranks the model states are partitioned over: the world, or the HSDP shard group."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if hybrid_shard_size is None:
+        return world_size
+    from lightning_zero.distributed.hybrid import check_hybrid_world
+
+    check_hybrid_world(hybrid_shard_size, world_size)
+    return hybrid_shard_size
+
+
 def zero_formula(num_params: int, stage: int, world_size: int, *, precision: str = "32-true",
-                 optimizer_bytes_fp32: int = 8) -> StateBytes:
+                 optimizer_bytes_fp32: int = 8, hybrid_shard_size: Optional[int] = None) -> StateBytes:
     """Bytes per rank at rest (between backward and step) for ``stage``; see the module table."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
     bp, bg, k = precision_bytes(precision, optimizer_bytes_fp32)
-    p, n = num_params, world_size
+    p, n = num_params, shard_ranks(world_size, hybrid_shard_size)
     if stage == 0:
         return StateBytes(p * bp, p * bg, p * k)
     if stage == 1:
@@ -187,7 +200,8 @@ class MemoryEstimate:
 def estimate_model_states_memory(model_or_num_params: Union[nn.Module, int], stage: int, world_size: int,
                                  offload: Optional[str] = None, precision: str = "32-true", *,
                                  largest_unit_params: Optional[int] = None,
-                                 optimizer_bytes_fp32: int = 8) -> MemoryEstimate:
+                                 optimizer_bytes_fp32: int = 8,
+                                 hybrid_shard_size: Optional[int] = None) -> MemoryEstimate:
     """Estimate per-rank model-state memory, like DeepSpeed's ``estimate_zero{2,3}_model_states_mem_needs``.
 
     Args:
@@ -197,10 +211,11 @@ def estimate_model_states_memory(model_or_num_params: Union[nn.Module, int], sta
         precision: a Trainer precision string; low precision means ``bp = bg = 2`` and fp32 masters (``K += 4``).
         largest_unit_params: parameters of the largest FSDP unit (stage-3 peak); inferred from a module.
         optimizer_bytes_fp32: fp32 optimizer-state bytes per parameter (Adam: 8, SGD with momentum: 4).
+        hybrid_shard_size: HSDP shard-group size: states are partitioned over it instead of ``world_size``.
     """
     from lightning_zero.config import ZeroConfig
 
-    ZeroConfig(stage=stage, offload=offload)  # same validation and messages as the strategy
+    ZeroConfig(stage=stage, offload=offload, hybrid_shard_size=hybrid_shard_size)  # the strategy's validation
     offloads = offload not in (None, "none")
     if isinstance(model_or_num_params, nn.Module):
         num_params = sum(p.numel() for p in model_or_num_params.parameters())
@@ -215,8 +230,9 @@ def estimate_model_states_memory(model_or_num_params: Union[nn.Module, int], sta
         num_params = int(model_or_num_params)
     largest_unit_params = largest_unit_params or num_params
     bp, bg, k = precision_bytes(precision, optimizer_bytes_fp32)
-    rest = zero_formula(num_params, stage, world_size, precision=precision, optimizer_bytes_fp32=optimizer_bytes_fp32)
-    n, p = world_size, num_params
+    rest = zero_formula(num_params, stage, world_size, precision=precision, optimizer_bytes_fp32=optimizer_bytes_fp32,
+                        hybrid_shard_size=hybrid_shard_size)
+    n, p = shard_ranks(world_size, hybrid_shard_size), num_params
     zero = StateBytes()
     if not offloads:
         accel, cpu = rest, zero

@@ -41,6 +41,7 @@ from lightning_zero.distributed.activation_checkpointing import (
 )
 from lightning_zero.distributed.buffers import install_comm_buffer_pool
 from lightning_zero.distributed.deferred_init import materialize_module
+from lightning_zero.distributed.hybrid import check_mesh_matches, data_parallel_group
 from lightning_zero.distributed.init import broadcast_module_states, refuse_meta_tensors
 
 log = logging.getLogger(__name__)
@@ -139,7 +140,8 @@ def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[
 
     Args:
         module: the model, built on real memory (CPU or the compute device).
-        mesh: a 1-D ``DeviceMesh`` over the data-parallel ranks.
+        mesh: a 1-D ``DeviceMesh`` over the data-parallel ranks, or with ``config.hybrid_shard_size`` the 2-D
+            ``("replicate", "shard")`` mesh of :func:`lightning_zero.distributed.hybrid.data_parallel_mesh` (HSDP).
         config: the validated :class:`~lightning_zero.config.ZeroConfig`.
         device: the compute device (defaults to the mesh's device type, current index).
         mp_policy: an FSDP2 ``MixedPrecisionPolicy`` (stages 2-3 only).
@@ -149,6 +151,7 @@ def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[
     """
     device = device or _default_device(mesh)
     refuse_meta_tensors(module, config.stage)
+    check_mesh_matches(mesh, config.hybrid_shard_size)
     if activation_checkpointing is not None:
         if activation_checkpointing.policy is True and config.sharded_module_classes:
             # True means "the blocks": when the user named the FSDP units, those are the blocks.
@@ -163,7 +166,7 @@ def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[
 
         module.to(device)
         device_ids = [device.index] if device.type == "cuda" else None
-        return DistributedDataParallel(module, device_ids=device_ids, process_group=mesh.get_group(),
+        return DistributedDataParallel(module, device_ids=device_ids, process_group=data_parallel_group(mesh),
                                        **(ddp_kwargs or {}))
     if ddp_kwargs:
         raise ValueError(f"ddp_kwargs apply to stages 0-1 only; stage {config.stage} uses FSDP2")
@@ -176,7 +179,7 @@ def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[
     # stages 0-1 (broadcast_module_states skips what a child unit already sharded).
     for unit in [*reversed(sharded_units(module, config)), module]:
         materialize_module(unit)
-        broadcast_module_states(unit, mesh.get_group(), device)
+        broadcast_module_states(unit, data_parallel_group(mesh), device)
         fully_shard(unit, **kwargs)
     if device.type == "cpu":
         install_comm_buffer_pool(module)  # see lightning_zero.distributed.buffers: CPU has no caching allocator

@@ -54,6 +54,9 @@ ZERO_KEYS: dict[str, KeySpec] = {
     "zero_hpz_partition_size": KeySpec(
         1, STRATEGY, "ZeRO++ hpZ secondary partition -> reshard_after_forward=<size> at stage 3 (FSDP2 reshards to "
         "a group of that size after forward)"),
+    "mics_shard_size": KeySpec(
+        -1, STRATEGY, "MiCS (shard within groups of that size, replicate across them; removed from DeepSpeed 0.19) -> "
+        "hybrid_shard_size=<size> (FSDP2 HSDP); -1: off"),
     "stage3_gather_16bit_weights_on_model_save": KeySpec(
         False, RETURNED, "returned as gather_16bit_weights_on_model_save: consolidate full weights when saving"),
     "overlap_comm": KeySpec(DERIVED, NO_EFFECT, "FSDP2 always overlaps all-gather/reduce-scatter with compute on "

@@ -307,6 +307,10 @@ def _translate_zero(config: dict, out: _Collector, kwargs: dict) -> tuple[dict, 
             raise DeepSpeedConfigError(f"zero_optimization.zero_hpz_partition_size={hpz} (ZeRO++ hpZ) needs stage 3, "
                                        f"got stage {stage}")
         kwargs["reshard_after_forward"] = hpz
+    mics = _check_number("zero_optimization.mics_shard_size", merged["mics_shard_size"], integer=True,
+                         allow_auto=False, minimum=-1)
+    if mics > 0:  # MiCS is HSDP; hpZ above is not (see docs/ds_config.md, "Hybrid sharding")
+        kwargs["hybrid_shard_size"] = mics
     # "auto" as Hugging Face/accelerate configs write it; resolve_auto turns it into accelerate's default (false)
     gather = _check_flag("zero_optimization.stage3_gather_16bit_weights_on_model_save",
                          merged["stage3_gather_16bit_weights_on_model_save"], allow_auto=True)

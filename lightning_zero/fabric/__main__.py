@@ -11,8 +11,6 @@ from its choices, so the offload variants are chosen in the script (``Fabric(str
 or with plain ``fabric run`` and no ``--strategy``.
 """
 
-import sys
-
 import lightning_zero  # noqa: F401  (registers the strategy names before Fabric's CLI builds its choices)
 
 
@@ -25,6 +23,7 @@ def main() -> None:
         raise RuntimeError("lightning.fabric.cli was imported before lightning_zero, so its --strategy choices lack "
                            "the ZeRO names; run `python -m lightning_zero.fabric run ...` in a fresh interpreter")
     _main(prog_name="python -m lightning_zero.fabric")
+
 
 if __name__ == "__main__":
     main()

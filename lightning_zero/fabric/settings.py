@@ -22,13 +22,14 @@ from lightning_zero.checkpoint.full_load import check_load_full_weights
 from lightning_zero.config import ZeroConfig
 from lightning_zero.diagnostics.hang_guard import DEFAULT_HANG_TIMEOUT, parse_hang_timeout
 from lightning_zero.distributed.activation_checkpointing import ActivationCheckpointConfig
-from lightning_zero.strategies import validation
+from lightning_zero.strategies import restarts, validation
 from lightning_zero.strategies.ddp_options import DDPOptions, require_flags
 from lightning_zero.strategies.ds_config_binding import (
     DeepSpeedConfigBinding,
     activation_checkpointing_over_config,
     arguments_over_config,
     bind_ds_config,
+    hybrid_shard_size_over_config,
 )
 from lightning_zero.strategies.pipeline_binding import PipelineSettings, make_pipeline_settings
 from lightning_zero.strategies.precision import LossScaleConfig, loss_scale_configs, parse_communication_data_type
@@ -63,7 +64,7 @@ class ZeroSettings:
     async_save: bool
     exclude_frozen_parameters: bool
     verbose: bool
-    auto_resume: bool
+    auto_resume: Union[bool, str]
     hang_timeout: Optional[float]
     activation_checkpoint_config: Optional[ActivationCheckpointConfig]
     load_full_weights: bool
@@ -101,11 +102,12 @@ def resolve_settings(
     exclude_frozen_parameters: bool = False,
     verbose: bool = False,
     hang_timeout: Optional[Union[float, timedelta]] = DEFAULT_HANG_TIMEOUT,
-    auto_resume: bool = True,
+    auto_resume: Union[bool, str] = True,
     activation_checkpointing: Any = None,
     cpu_checkpointing: Optional[bool] = None,
     activation_checkpointing_policy: Any = None,
     load_full_weights: bool = False,
+    hybrid_shard_size: Optional[int] = None,
 ) -> ZeroSettings:
     """Validate a ZeroStrategy's constructor arguments; the ds_config (``config=``, else the file
     ``PL_DEEPSPEED_CONFIG_PATH`` names) fills every argument left at ``None``, explicit arguments win."""
@@ -120,6 +122,7 @@ def resolve_settings(
         stage=stage, offload=offload, pin_memory=pin_memory,
         sharded_module_classes=frozenset(sharded_module_classes) if sharded_module_classes else None,
         reshard_after_forward=reshard_after_forward,
+        hybrid_shard_size=hybrid_shard_size_over_config(ds_config, hybrid_shard_size),
     )
     activation_checkpoint = activation_checkpointing_over_config(
         ds_config, activation_checkpointing, cpu_checkpointing, activation_checkpointing_policy)
@@ -134,8 +137,9 @@ def resolve_settings(
                                       stage=zero_config.stage, offload=zero_config.offload)
     ddp_options = DDPOptions(find_unused_parameters, static_graph, gradient_as_bucket_view, bucket_cap_mb)
     ddp_options.check_stage(zero_config.stage, pipeline=pipeline.enabled)
-    exclude_frozen_parameters, verbose, auto_resume = require_flags(
-        exclude_frozen_parameters=exclude_frozen_parameters, verbose=verbose, auto_resume=auto_resume)
+    exclude_frozen_parameters, verbose = require_flags(
+        exclude_frozen_parameters=exclude_frozen_parameters, verbose=verbose)
+    auto_resume = restarts.check_auto_resume(auto_resume)  # True, False or "always"
     if not isinstance(async_save, bool):
         raise TypeError(f"async_save must be True or False, got {async_save!r}")
     if checkpoint_io is not None:

@@ -36,6 +36,7 @@ from torch.optim import Optimizer
 
 from lightning_zero.checkpoint.io import wait_for_pending_saves
 from lightning_zero.diagnostics.hang_guard import DEFAULT_HANG_TIMEOUT, HangGuard
+from lightning_zero.distributed.hybrid import check_hybrid_world, data_parallel_mesh, shard_group
 from lightning_zero.distributed.init import InitConfig, exact_init
 from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
 from lightning_zero.distributed.optimizer_check import check_optimizer_params
@@ -118,11 +119,12 @@ class ZeroStrategy(ParallelStrategy):
         exclude_frozen_parameters: bool = False,
         verbose: bool = False,
         hang_timeout: Optional[Union[float, timedelta]] = DEFAULT_HANG_TIMEOUT,
-        auto_resume: bool = False,
+        auto_resume: Union[bool, str] = False,
         activation_checkpointing: Any = None,
         cpu_checkpointing: Optional[bool] = None,
         activation_checkpointing_policy: Any = None,
         load_full_weights: bool = False,
+        hybrid_shard_size: Optional[int] = None,
     ) -> None:
         settings = resolve_settings(**{name: value for name, value in locals().items() if name in SETTING_NAMES})
         if settings.pipeline.enabled:
@@ -227,6 +229,8 @@ class ZeroStrategy(ParallelStrategy):
         if self.zero_config.pin_memory and device.type != "cuda":
             raise ValueError(f"pin_memory=True pins the offloaded CPU copies for fast copies to CUDA, but this run "
                              f"computes on {device.type!r}: use pin_memory=None (pin only on CUDA) or False")
+        check_hybrid_world(self.zero_config.hybrid_shard_size, self.num_nodes * self.num_processes,
+                           num_nodes=self.num_nodes, num_processes=self.num_processes)
         super().setup_environment()
         reset_seed()
         self._set_world_ranks()
@@ -236,9 +240,9 @@ class ZeroStrategy(ParallelStrategy):
         _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self.settings.timeout,
                               device_id=device if device.type == "cuda" else None,
                               **restarts.process_group_store(self.settings.timeout))
-        from torch.distributed.device_mesh import init_device_mesh
 
-        self._mesh = init_device_mesh(device.type, (self.world_size,), mesh_dim_names=("data_parallel",))
+        # 1-D, or 2-D ("replicate", "shard") with hybrid_shard_size (as the Trainer strategy)
+        self._mesh = data_parallel_mesh(device.type, self.world_size, self.zero_config.hybrid_shard_size)
         self._adopt_config_precision()
 
     def _adopt_config_precision(self) -> None:
@@ -293,7 +297,7 @@ class ZeroStrategy(ParallelStrategy):
                              ddp_kwargs=ddp_kwargs_for(self.settings.ddp_options, self.ds_config, module),
                              activation_checkpointing=self.settings.activation_checkpoint_config)
         if (reduce_dtype := precision.ddp_reduce_dtype()) is not None:
-            wrapped.register_comm_hook(self._mesh.get_group(), low_precision_allreduce_hook(reduce_dtype))
+            wrapped.register_comm_hook(wrapped.process_group, low_precision_allreduce_hook(reduce_dtype))
         return wrapped
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
@@ -304,7 +308,7 @@ class ZeroStrategy(ParallelStrategy):
             if self.stage >= 2:
                 owners = [m for m in self._modules if _holds(m, optimizer)]
                 check_optimizer_params(optimizer, owners[0] if owners else self._modules[-1])
-            shard_optimizer(optimizer, self.zero_config, group=self._mesh.get_group(), device=self.root_device)
+            shard_optimizer(optimizer, self.zero_config, group=shard_group(self._mesh), device=self.root_device)
         return optimizer
 
     # ------------------------------------------------------------------ backward, clipping, collectives

@@ -48,7 +48,7 @@ LOSS_SCALE_KEYS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hy
                    "min_loss_scale")
 # Strategy arguments a config may set; every key a translation produces must be one of these or refused.
 CONFIG_STRATEGY_KEYS = ("stage", "offload", "pin_memory", "reshard_after_forward", "communication_data_type",
-                        "pipeline_parallel_size", "micro_batches", *LOSS_SCALE_KEYS)
+                        "pipeline_parallel_size", "micro_batches", "hybrid_shard_size", *LOSS_SCALE_KEYS)
 _TRAINER_DEFAULTS = {"accumulate_grad_batches": 1, "gradient_clip_val": None, "log_every_n_steps": 50}
 # Where Lightning's DeepSpeedStrategy looks for a config file when it is given none; ZeroStrategy does the same.
 DEEPSPEED_ENV_VAR = "PL_DEEPSPEED_CONFIG_PATH"
@@ -394,3 +394,10 @@ def arguments_over_config(binding, stage, offload, pin_memory, reshard_after_for
         micro_batches = micro_batches if micro_batches is not None else from_config.get("micro_batches")
     return (stage, offload, pin_memory, reshard_after_forward, communication_data_type, pipeline_parallel_size,
             micro_batches)
+
+
+def hybrid_shard_size_over_config(binding, hybrid_shard_size):
+    """``hybrid_shard_size``, or the ds_config's ``zero_optimization.mics_shard_size`` when it is ``None``."""
+    if hybrid_shard_size is not None or binding is None:
+        return hybrid_shard_size
+    return binding.strategy_kwargs().get("hybrid_shard_size")

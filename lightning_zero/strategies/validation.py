@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_zero.diagnostics.hang_guard import positive_seconds
+from lightning_zero.distributed.hybrid import check_hybrid_world
 
 # Which device type each built-in backend needs (``None``: any device).
 _BACKEND_DEVICE = {"gloo": None, "mpi": None, "ucc": None, "nccl": "cuda", "xccl": "xpu"}
@@ -102,7 +103,7 @@ def _launcher(environment: Any) -> tuple[str, Optional[int], Optional[int]]:
         # `fabric run`, the `deepspeed` launcher or a hand-made launch: they export LOCAL_RANK and WORLD_SIZE, while
         # LightningEnvironment.world_size() only echoes what Lightning itself sets.
         world = _int_env("WORLD_SIZE")
-        local = _int_env("LOCAL_WORLD_SIZE")
+        local = _int_env("LOCAL_WORLD_SIZE") or _int_env("LOCAL_SIZE")  # LOCAL_SIZE: the deepspeed launcher's
         return ("an external launcher (LOCAL_RANK and WORLD_SIZE are set: fabric run, deepspeed, a manual launch, or "
                 "an earlier Trainer in this process)"), world, local
     try:
@@ -150,6 +151,34 @@ def check_launcher_world_size(environment: Any, num_nodes: int, num_processes: i
             f"{local} processes on this node: set Trainer(devices={local}) or launch {num_processes} per node.")
 
 
+def adopt_deepspeed_launcher_node_rank() -> None:
+    """Read the ``deepspeed`` launcher's node rank: it exports ``CROSS_RANK``/``CROSS_SIZE`` (node rank, node count)
+    but not ``NODE_RANK``, which Lightning's ``LightningEnvironment`` reads, defaulting to 0. Without this, every
+    node of a ``deepspeed --no_local_rank`` launch would compute its global ranks as node 0's. ``NODE_RANK`` (or
+    torchrun's ``GROUP_RANK``) wins when set; one that contradicts ``CROSS_RANK`` is refused rather than guessed."""
+    cross = os.environ.get("CROSS_RANK", "").strip()
+    if not cross:
+        return
+    if not cross.isdigit():
+        raise ValueError(f"CROSS_RANK={cross!r} (the deepspeed launcher's node rank) is not a node index")
+    for name in ("NODE_RANK", "GROUP_RANK"):
+        value = os.environ.get(name, "").strip()
+        if value:
+            if value != cross:
+                raise ValueError(f"{name}={value} and CROSS_RANK={cross} (the deepspeed launcher's node rank) "
+                                 "disagree: unset the stale one")
+            return
+    os.environ["NODE_RANK"] = cross  # what LightningEnvironment.node_rank() and Lightning's launchers read
+
+
+def check_deepspeed_launcher_nodes(num_nodes: int) -> None:
+    """``Trainer(num_nodes=...)`` must match the deepspeed launcher's ``CROSS_SIZE`` (its node count)."""
+    nodes = _int_env("CROSS_SIZE")
+    if nodes is not None and nodes != num_nodes:
+        raise ValueError(f"The deepspeed launcher started {nodes} node(s) (CROSS_SIZE={nodes}) but the Trainer has "
+                         f"num_nodes={num_nodes}: set Trainer(num_nodes={nodes})")
+
+
 def validate_before_process_group(strategy: Any) -> None:
     """Everything ``ZeroStrategy`` can check on each rank before ``init_process_group`` (Trainer attached).
 
@@ -158,7 +187,9 @@ def validate_before_process_group(strategy: Any) -> None:
     logging cadence, the batch-size arithmetic of the numbers the config fixes).
     """
     if strategy._start_method == "popen":  # spawn/fork start their own processes, whatever the environment says
+        adopt_deepspeed_launcher_node_rank()  # before set_world_ranks reads the node rank
         check_launcher_world_size(strategy.cluster_environment, strategy.num_nodes, strategy.num_processes)
+        check_deepspeed_launcher_nodes(strategy.num_nodes)
     world_size = strategy.num_nodes * strategy.num_processes
     device = strategy.root_device
     check_backend_for_device(strategy.process_group_backend, device)
@@ -172,6 +203,8 @@ def validate_before_process_group(strategy: Any) -> None:
             raise ValueError(f"pipeline_parallel_size={pipeline.pipeline_parallel_size} must divide the world size "
                              f"{world_size} (devices={strategy.num_processes} x num_nodes={strategy.num_nodes})")
         data_parallel = world_size // pipeline.pipeline_parallel_size
+    check_hybrid_world(strategy.zero_config.hybrid_shard_size, world_size, pipeline=pipeline.enabled,
+                       num_nodes=strategy.num_nodes, num_processes=strategy.num_processes)
     module = strategy.lightning_module
     trainer = getattr(module, "_trainer", None) if module is not None else None
     if strategy.ds_config is not None and trainer is not None:

@@ -37,6 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_zero.checkpoint.io import wait_for_pending_saves
 from lightning_zero.diagnostics.hang_guard import DEFAULT_HANG_TIMEOUT, HangGuard
+from lightning_zero.distributed import hybrid
 from lightning_zero.distributed.buffers import comm_buffer_pool
 from lightning_zero.distributed.init import InitConfig, broadcast_module_states, exact_init
 from lightning_zero.distributed.manual_backward import ManualBackward
@@ -121,8 +122,9 @@ class ZeroStrategy(ParallelStrategy):
         exclude_frozen_parameters, verbose: frozen parameters stay out of checkpoints; print the whole ds_config.
         hang_timeout: seconds (or ``timedelta``) a step, validation batch, checkpoint save/load or teardown may last
             before the job exits naming the stuck rank(s) with every rank's stacks (default 600; ``None``: off).
-        auto_resume: on a restarted job (torchrun/SLURM) without ``ckpt_path``, resume from the newest complete
-            checkpoint of the ``ModelCheckpoint`` directories (:mod:`lightning_zero.strategies.restarts`).
+        auto_resume: on a restarted job (torchrun/SLURM; ``"always"``: on every fit) without ``ckpt_path``, resume from
+            the newest complete ``ModelCheckpoint`` checkpoint; checkpoint on preemption signals (:mod:`.restarts`).
+        hybrid_shard_size: HSDP: shard within groups of this many ranks, replicate across (:mod:`.hybrid`, opt-in).
         activation_checkpointing, cpu_checkpointing, activation_checkpointing_policy: recompute blocks' activations
             in backward, optionally keeping their inputs on CPU (``docs/activation_checkpointing.md``).
         load_full_weights: ``ckpt_path`` must be one file, which may lack optimizer states (``full_loading.py``).
@@ -173,7 +175,8 @@ class ZeroStrategy(ParallelStrategy):
         exclude_frozen_parameters: bool = False,
         verbose: bool = False,
         hang_timeout: Optional[Union[float, timedelta]] = DEFAULT_HANG_TIMEOUT,
-        auto_resume: bool = True,
+        auto_resume: Union[bool, str] = True,
+        hybrid_shard_size: Optional[int] = None,
         activation_checkpointing: Any = None,
         cpu_checkpointing: Optional[bool] = None,
         activation_checkpointing_policy: Any = None,
@@ -333,9 +336,9 @@ class ZeroStrategy(ParallelStrategy):
             pp = self._pipeline.pipeline_parallel_size  # divides the world: validate_before_process_group checked
             mesh = init_device_mesh(self.root_device.type, (pp, self.world_size // pp), mesh_dim_names=("pp", "dp"))
             self._pp_mesh, self._mesh = mesh["pp"], mesh["dp"]
-        else:
-            mesh = self._mesh = init_device_mesh(self.root_device.type, (self.world_size,),
-                                                 mesh_dim_names=("data_parallel",))
+        else:  # 1-D, or 2-D ("replicate", "shard") with hybrid_shard_size
+            mesh = self._mesh = hybrid.data_parallel_mesh(self.root_device.type, self.world_size,
+                                                          self.zero_config.hybrid_shard_size)
         if self.lightning_module is not None:
             self.lightning_module._device_mesh = mesh
         self.hang_guard.start(self.global_rank, self.world_size)
@@ -386,10 +389,10 @@ class ZeroStrategy(ParallelStrategy):
                                     activation_checkpointing=self.activation_checkpoint_config)
             reduce_dtype = self.precision_plugin.ddp_reduce_dtype()
             if reduce_dtype is not None:
-                self.model.register_comm_hook(self._mesh.get_group(), low_precision_allreduce_hook(reduce_dtype))
+                self.model.register_comm_hook(self.model.process_group, low_precision_allreduce_hook(reduce_dtype))
         else:
             self.model.to(self.root_device)  # evaluation without DDP: every rank starts from rank 0's weights
-            broadcast_module_states(self.model, self._mesh.get_group(), self.root_device)
+            broadcast_module_states(self.model, hybrid.data_parallel_group(self._mesh), self.root_device)
         self.barrier()
         if fitting:
             self.setup_optimizers(trainer)
@@ -402,7 +405,7 @@ class ZeroStrategy(ParallelStrategy):
         if binding is not None and binding.translation.optimizer is None and binding.translation.scheduler:
             self.lr_scheduler_configs = scheduler_from_config(binding.translation, trainer, self.optimizers,
                                                               self.lr_scheduler_configs)
-        group = self._mesh.get_group() if self._mesh is not None else None
+        group = hybrid.shard_group(self._mesh) if self._mesh is not None else None  # stage 1: its partition
         for index, optimizer in enumerate(self.optimizers):
             if get_sharding(optimizer) is None:
                 if self.stage >= 2 and not self._pipeline.enabled:  # see distributed/optimizer_check.py

@@ -186,3 +186,20 @@ def _checkpointing_worker(rank, world_size):
 def test_activation_checkpointing_recomputes_and_keeps_parity():
     """The Trainer strategy's activation checkpointing applies under Fabric too (one shared apply_zero)."""
     run_distributed(_checkpointing_worker, 2)
+
+
+def _hybrid_worker(rank, world_size):
+    expected = train_reference(world_size, accumulate=2, clip=0.05)
+    for stage in (1, 3):
+        fabric = Fabric(accelerator="cpu", devices=world_size, strategy=ZeroStrategy(stage=stage, hybrid_shard_size=2))
+        fabric.launch()
+        model, optimizer = fabric_train(fabric, rank, world_size, accumulate=2, clip=0.05)
+        mesh = fabric.strategy.device_mesh
+        assert mesh.mesh_dim_names == ("replicate", "shard") and mesh.shape == (2, 2)
+        got = full_weights(model._forward_module.module if stage <= 1 else model._forward_module)
+        assert max((got[k] - expected[k]).abs().max().item() for k in expected) <= 1e-5, stage
+
+
+def test_hybrid_sharding_2x2_matches_the_reference():
+    """hybrid_shard_size goes through the shared settings and mesh: 4 ranks as 2 replicas x 2 shards."""
+    run_distributed(_hybrid_worker, 4)

@@ -77,7 +77,7 @@ def test_restart_count_reads_torchrun_and_slurm(monkeypatch):
     assert restart_count() == 2
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     assert restart_count() == 1
-    with pytest.raises(TypeError, match="auto_resume"):
+    with pytest.raises(TypeError, match="auto_resume must be True"):
         ZeroStrategy(auto_resume="yes")
 
 
@@ -131,3 +131,21 @@ def test_torchrun_restart_after_a_killed_rank_finishes_equal_to_an_uninterrupted
     assert uninterrupted["attempt"] == 0 and restarted["global_step"] == uninterrupted["global_step"] == 8
     for key, value in uninterrupted["weights"].items():
         assert torch.equal(restarted["weights"][key], value), key
+
+
+def _always_worker(rank, world_size, root):
+    _fit(root, epochs=1)  # a first run: epoch 0's checkpoint
+    trainer, _ = _fit(root, epochs=2, auto_resume="always")  # not a restart, but asked to resume
+    assert trainer.ckpt_path == os.path.join(root, "checkpoints", "epoch=0-step=2.ckpt")
+    trainer, _ = _fit(os.path.join(root, "fresh"), epochs=1, auto_resume="always")  # nothing to resume: step 0
+    assert trainer.ckpt_path is None and trainer.global_step == 2
+    trainer, _ = _fit(root, epochs=1, auto_resume=True)  # the default resumes only restarted jobs
+    assert trainer.ckpt_path is None
+
+
+def test_auto_resume_always_resumes_a_fit_that_is_not_a_restart(tmp_path, monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    run_distributed(_always_worker, 2, str(tmp_path))
+    with pytest.raises(TypeError, match="'always'"):
+        ZeroStrategy(auto_resume="sometimes")

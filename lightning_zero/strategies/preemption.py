@@ -1,0 +1,140 @@
+"""Preemption: SIGTERM/SIGUSR1 become a checkpoint taken by every rank together at the next step boundary.
+
+[Note: nothing collective in a signal handler]
+A signal interrupts a rank at an arbitrary bytecode, possibly in the middle of an FSDP all-gather or a DCP save.
+Lightning's own SIGTERM handler broadcasts a tensor from inside the handler, and its SLURM ``SIGUSR1`` handler
+saves a checkpoint there: a collective the other ranks are not running at that moment, which gloo/NCCL pair with
+whatever collective those ranks issue next (a hang, or data exchanged with the wrong operation). Here the handler
+only records the signal number. At the end of every training batch each rank all-reduces (max) what it recorded,
+so all ranks see the same answer even when only one was signalled; when it is set, every rank saves the same
+checkpoint through the strategy's normal atomic save, and then exits with ``128 + signal`` (a failure, so torchrun
+restarts the job; SLURM requeues it through Lightning's requeue below). The restarted job resumes from that
+checkpoint: it is the newest complete one in the ``ModelCheckpoint`` directory (:mod:`.restarts`).
+
+[Note: composing with Lightning]
+Lightning registers its handlers at the start of each fit, after the strategy's setup; :func:`install` wraps that
+one call and replaces the SIGTERM and requeue-signal handlers with the flag above (a handler the user had before
+the fit still runs; Lightning restores all of them at teardown). With ``SLURMEnvironment(auto_requeue=True)`` and its
+requeue signal, Lightning's requeue handler is called at the step boundary instead (every rank together): it saves
+the ``hpc_ckpt`` Lightning restores on a requeued job and runs ``scontrol requeue``. Lightning's per-step broadcast
+of its own SIGTERM flag stays and stays quiet, as that flag is never set.
+
+A checkpoint taken in the middle of an epoch resumes there in the loop counters, but a plain ``DataLoader`` starts
+the epoch's sampler order again from its first batch, so the resumed run equals an uninterrupted run *that resumed
+at the same step*, not one never interrupted (``docs/reliability.md``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+log = logging.getLogger(__name__)
+
+PREEMPTED_CHECKPOINT = "preempted.ckpt"
+
+
+def _signals(trainer) -> list[int]:
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    if os.name == "nt":
+        return [signal.SIGTERM]
+    environment = trainer._accelerator_connector.cluster_environment
+    requeue = environment.requeue_signal if isinstance(environment, SLURMEnvironment) else None
+    return sorted({signal.SIGTERM, signal.SIGUSR1, *([requeue] if requeue is not None else [])})
+
+
+class PreemptionCheckpoint(Callback):
+    """Added by :func:`install` for one fit: records preemption signals, saves and exits at a step boundary."""
+
+    def __init__(self, strategy) -> None:
+        self.strategy = strategy
+        self.received: int = 0
+        self._previous: dict[int, Any] = {}
+
+    def handle(self, signum: int, frame: Any) -> None:
+        """The signal handler: record only (see the module note); a handler the user installed before still runs."""
+        self.received = max(self.received, int(signum))
+        previous = self._previous.get(signum)
+        if callable(previous):
+            previous(signum, frame)
+
+    def register(self, original_handlers: dict) -> None:
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return  # Lightning registers nothing off the main thread either
+        for signum in _signals(self.strategy.lightning_module.trainer):
+            self._previous[signum] = original_handlers.get(signum)
+            signal.signal(signum, self.handle)
+
+    def agreed_signal(self) -> int:
+        """Every rank's recorded signal, all-reduced (max): the same answer everywhere."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return self.received
+        flag = torch.tensor([self.received], dtype=torch.int64, device=self.strategy.root_device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        signum = self.agreed_signal()
+        if not signum:
+            return
+        if _slurm_requeues(trainer, signum):
+            trainer._signal_connector._slurm_sigusr_handler_fn(signum, None)  # saves hpc_ckpt, then requeues
+        else:
+            path = preemption_checkpoint_path(trainer)
+            if path is None:
+                log.warning("lightning-zero: preempted (signal %d) at step %d but the Trainer has no ModelCheckpoint "
+                            "with a directory: no checkpoint is saved, a restart will start from step 0",
+                            signum, trainer.global_step)
+            else:
+                trainer.save_checkpoint(path)
+                if trainer.is_global_zero:
+                    log.warning("lightning-zero: preempted (signal %d): saved %s at step %d; exiting so the job is "
+                                "restarted", signum, path, trainer.global_step)
+        raise SystemExit(128 + signum)
+
+
+def _slurm_requeues(trainer, signum: int) -> bool:
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    environment = trainer._accelerator_connector.cluster_environment
+    return (isinstance(environment, SLURMEnvironment) and environment.auto_requeue
+            and signum == environment.requeue_signal)
+
+
+def preemption_checkpoint_path(trainer) -> Optional[str]:
+    """``<dirpath of the first ModelCheckpoint>/preempted.ckpt``: where :mod:`.restarts` looks on a restart."""
+    for callback in trainer.callbacks:
+        if isinstance(callback, ModelCheckpoint) and callback.dirpath:
+            return os.path.join(str(callback.dirpath), PREEMPTED_CHECKPOINT)
+    return None
+
+
+def install(strategy) -> None:
+    """For a fit: record preemption signals and checkpoint at the next step boundary (see the module notes)."""
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    module = strategy.lightning_module
+    trainer = getattr(module, "_trainer", None) if module is not None else None
+    if trainer is None or trainer.state.fn != TrainerFn.FITTING:
+        return
+    trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, PreemptionCheckpoint)]
+    callback = PreemptionCheckpoint(strategy)
+    trainer.callbacks.append(callback)
+    connector = trainer._signal_connector
+    register = connector.register_signal_handlers
+
+    def register_signal_handlers() -> None:
+        del connector.register_signal_handlers  # one call only: back to the class's method
+        register()
+        callback.register(connector._original_handlers)
+
+    connector.register_signal_handlers = register_signal_handlers
