@@ -143,11 +143,11 @@ def _nccl_matches(spec: str, names: list[str]) -> list[str]:
 
 
 def check_network(environ: Mapping[str, str], num_nodes: int, node_rank: int,
-                  table: Optional[list[Interface]] = None) -> NetworkReport:
+                  table: Optional[list[Interface]] = None, route=route_to) -> NetworkReport:
     """Check this node's network configuration for a run of ``num_nodes`` nodes (see the module docstring).
 
     ``environ`` supplies ``MASTER_ADDR``/``MASTER_PORT`` and the ``*_SOCKET_IFNAME`` variables; ``table`` the
-    interfaces (default: this host's). Nothing is connected and nothing is raised: see :meth:`NetworkReport.raise_errors`.
+    interfaces (default: this host's), ``route`` the source-address lookup (tests replace both). Nothing is connected and nothing is raised: see :meth:`NetworkReport.raise_errors`.
     """
     table = interfaces() if table is None else table
     by_name = {i.name: i for i in table}
@@ -155,7 +155,7 @@ def check_network(environ: Mapping[str, str], num_nodes: int, node_rank: int,
     resolved = resolve(hostname)
     master = environ.get("MASTER_ADDR", "").strip()
     master_ip = resolve(master) if master else None
-    source = route_to(master_ip) if master_ip else None
+    source = route(master_ip) if master_ip else None
     via = next((i.name for i in table if source and i.address == source), None)
     report = NetworkReport({"hostname": hostname, "resolves_to": resolved, "node_rank": node_rank,
                             "num_nodes": num_nodes, "master": master or None, "interface": via, "address": source})

@@ -38,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_zero.checkpoint.io import wait_for_pending_saves
 from lightning_zero.config import ZeroConfig
 from lightning_zero.diagnostics.hang_guard import DEFAULT_HANG_TIMEOUT, HangGuard
+from lightning_zero.diagnostics.network import DEFAULT_RENDEZVOUS_TIMEOUT, check_rendezvous_timeout
 from lightning_zero.distributed.buffers import comm_buffer_pool
 from lightning_zero.distributed.init import InitConfig, broadcast_module_states, exact_init
 from lightning_zero.distributed.manual_backward import ManualBackward
@@ -127,6 +128,7 @@ class ZeroStrategy(ParallelStrategy):
             before the job exits naming the stuck rank(s) with every rank's stacks (default 600; ``None``: off).
         auto_resume: on a restarted job (torchrun/SLURM) without ``ckpt_path``, resume from the newest complete
             checkpoint of the ``ModelCheckpoint`` directories (:mod:`lightning_zero.strategies.restarts`).
+        rendezvous_timeout: seconds a multi-node start waits for every node before naming the missing ones (300).
 
     As ``DeepSpeedStrategy``: without ``config`` the file ``PL_DEEPSPEED_CONFIG_PATH`` names is read, and
     :attr:`config` is the effective ds_config as a dict.
@@ -175,9 +177,11 @@ class ZeroStrategy(ParallelStrategy):
         verbose: bool = False,
         hang_timeout: Optional[Union[float, timedelta]] = DEFAULT_HANG_TIMEOUT,
         auto_resume: bool = True,
+        rendezvous_timeout: Union[float, timedelta] = DEFAULT_RENDEZVOUS_TIMEOUT,
     ) -> None:
         # Validate everything before Lightning (or anyone) starts a process group.
         timeout = validation.check_timeout(timeout)
+        self._rendezvous_timeout = check_rendezvous_timeout(rendezvous_timeout)
         validation.check_backend_name(process_group_backend)
         self._ds_config = bind_ds_config(config, strict)  # config=, else PL_DEEPSPEED_CONFIG_PATH, else None
         self.hang_guard = HangGuard(hang_timeout)
@@ -345,7 +349,7 @@ class ZeroStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         device_id = self.root_device if self.root_device.type == "cuda" else None
         _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
-                              device_id=device_id, **restarts.process_group_store(self._timeout))
+                              device_id=device_id, **validation.process_group_store(self))
         from torch.distributed.device_mesh import init_device_mesh
 
         if self._pipeline.enabled:
