@@ -147,7 +147,8 @@ def check_network(environ: Mapping[str, str], num_nodes: int, node_rank: int,
     """Check this node's network configuration for a run of ``num_nodes`` nodes (see the module docstring).
 
     ``environ`` supplies ``MASTER_ADDR``/``MASTER_PORT`` and the ``*_SOCKET_IFNAME`` variables; ``table`` the
-    interfaces (default: this host's), ``route`` the source-address lookup (tests replace both). Nothing is connected and nothing is raised: see :meth:`NetworkReport.raise_errors`.
+    interfaces (default: this host's), ``route`` the source-address lookup (tests replace both). Nothing is
+    connected and nothing is raised: see :meth:`NetworkReport.raise_errors`.
     """
     table = interfaces() if table is None else table
     by_name = {i.name: i for i in table}
