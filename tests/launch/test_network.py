@@ -1,6 +1,7 @@
 """The network check before the process group (``diagnostics/network.py``) and its use by ZeroStrategy: a clear error
 naming the node, the interface and the address instead of a hang; no false alarm on one host."""
 
+import os
 import socket
 import time
 from datetime import timedelta
@@ -116,3 +117,46 @@ def test_strategy_names_the_node_that_never_arrives(monkeypatch, tmp_path):
 def test_strategy_refuses_a_missing_interface_before_the_process_group(monkeypatch, tmp_path):
     with pytest.raises(NetworkError, match=r"node rank 0 .*GLOO_SOCKET_IFNAME=nosuch0 names interface 'nosuch0'"):
         _fit_as_node_zero_of_two(monkeypatch, tmp_path, GLOO_SOCKET_IFNAME="nosuch0")
+
+
+def test_cli_diagnose_network_only_names_the_problem(monkeypatch, capsys):
+    from lightning_zero.cli import main as cli_main
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "nosuch0")
+    assert cli_main(["diagnose", "--network-only", "--num-nodes", "2"]) == 1
+    captured = capsys.readouterr()
+    assert "network: node rank 0: host" in captured.out
+    assert "GLOO_SOCKET_IFNAME=nosuch0 names interface 'nosuch0'" in captured.err
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    assert cli_main(["diagnose", "--network-only"]) == 0
+
+
+def _two_node_audit_worker(rank, world_size):
+    """Two "nodes" of one process each: the callback audits both hosts, not only node 0, with their identity."""
+    import warnings
+
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_zero.callbacks.diagnostics import NCCLDiagnostics
+
+    os.environ.update(NODE_RANK=str(rank), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    if rank == 1:
+        os.environ["NCCL_P2P_DISABLE"] = "1"  # a setting only node 1 has
+    callback = NCCLDiagnostics(probe=False, hang_timeout=None)
+    trainer = Trainer(accelerator="cpu", devices=1, num_nodes=2, strategy=DDPStrategy(process_group_backend="gloo"),
+                      logger=False, callbacks=[callback], enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, max_steps=1, limit_val_batches=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(RegressionModule())
+    if rank == 0:
+        assert [a.network["node_rank"] for a in callback.audits] == [0, 1]
+        assert all(a.network["hostname"] == socket.gethostname() and a.network["address"] for a in callback.audits)
+        assert any("(node rank 1): NCCL_P2P_DISABLE=1" in str(w.message) for w in caught)
+
+
+def test_diagnostics_callback_audits_every_node():
+    from tests.distributed import run_distributed
+
+    run_distributed(_two_node_audit_worker, 2)
