@@ -130,7 +130,12 @@ def _launch(hosts, node, num_nodes, nproc, port, out, *extra, env=None, wait=Tru
 
 
 def _finish(proc, timeout=300):
-    out, _ = proc.communicate(timeout=timeout)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # `ip netns exec` execs python: the launcher itself; its torchrun ends with its parent's pipe
+        out, _ = proc.communicate()
+        pytest.fail(f"{proc.args} did not finish within {timeout} s:\n{out[-3000:]}")
     return proc.returncode, out
 
 
