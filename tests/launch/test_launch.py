@@ -3,6 +3,7 @@ simulated hosts (network namespaces where possible, loopback otherwise): two nod
 node, and a misconfigured network fails fast naming the problem."""
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -125,7 +126,7 @@ def _launch(hosts, node, num_nodes, nproc, port, out, *extra, env=None, wait=Tru
         JOB, str(out)]
     environment = {**os.environ, "PYTHONPATH": str(REPO), **hosts.env(node), **(env or {})}
     proc = subprocess.Popen(command, cwd=REPO, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+                            text=True, start_new_session=True)
     return proc
 
 
@@ -133,7 +134,7 @@ def _finish(proc, timeout=300):
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        proc.kill()  # `ip netns exec` execs python: the launcher itself; its torchrun ends with its parent's pipe
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher, its torchrun and workers: one session per launch
         out, _ = proc.communicate()
         pytest.fail(f"{proc.args} did not finish within {timeout} s:\n{out[-3000:]}")
     return proc.returncode, out
