@@ -204,3 +204,28 @@ def test_missing_node_and_unreachable_master_fail_within_the_rendezvous_timeout(
     assert code0 == 1 and "waited 4 s" in log0 and "node rank(s) [1], which never checked in" in log0, log0
     assert code1 == 1 and "node rank 1 (host" in log1 and f"cannot reach MASTER_ADDR:MASTER_PORT " \
         f"{hosts.addresses[0]}:" in log1, log1
+
+
+@pytest.mark.slow
+def test_two_node_srun_style_launch_uses_the_checked_rendezvous(hosts, tmp_path):
+    """Processes started as srun starts them (SLURM_* variables, no torchrun agent store), one per simulated host:
+    ZeroStrategy's own checked rendezvous joins them, and the weights match the single-process reference."""
+    from tests.lightning_models import reference_weights
+
+    port, procs = _port(), []
+    for node in (0, 1):
+        env = {**os.environ, "PYTHONPATH": str(REPO), **hosts.env(node), "MASTER_ADDR": hosts.addresses[0],
+               "MASTER_PORT": str(port), "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "1", "SLURM_NNODES": "2",
+               "SLURM_PROCID": str(node), "SLURM_LOCALID": "0", "SLURM_NODEID": str(node), "SLURM_JOB_ID": "7",
+               "SLURM_JOB_NAME": "train", "SLURM_NODELIST": "node[1-2]"}
+        for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK"):
+            env.pop(name, None)
+        procs.append(subprocess.Popen(hosts.prefix(node) + [sys.executable, JOB, str(tmp_path / "srun.pt"), "2"],
+                                      cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      start_new_session=True))
+    for code, log in [_finish(p) for p in procs]:
+        assert code == 0, log[-3000:]
+    result = torch.load(tmp_path / "srun.pt", weights_only=True)
+    assert (result["nodes"], result["nproc"]) == (2, 1)
+    for key, value in reference_weights(4, 8).items():
+        torch.testing.assert_close(result["weights"][key], value, rtol=1e-5, atol=1e-6, msg=key)
