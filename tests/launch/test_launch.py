@@ -104,14 +104,14 @@ def test_torchrun_command_is_a_static_rendezvous_with_a_bounded_wait():
 
 
 # ----------------------------------------------------------------------------------- real launches, two "hosts"
-@pytest.fixture(params=["netns", "loopback"])
-def hosts(request):
-    if request.param == "loopback":
-        yield LOOPBACK
-        return
+@pytest.fixture
+def hosts():
+    """Two network namespaces where root and `ip netns` exist, else both "nodes" on loopback (the reason printed)."""
     reason = netns_unavailable()
     if reason:
-        pytest.skip(reason)
+        print(f"two simulated hosts on loopback: {reason}")
+        yield LOOPBACK
+        return
     made = make_netns_hosts(f"{os.getpid() % 10000}", subnet=os.getpid() % 200 + 1)
     try:
         yield made
