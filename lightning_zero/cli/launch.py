@@ -26,6 +26,7 @@ this starts torch's maintained ``torchrun`` (restarts, elastic agent, TorchElast
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import os
 import shlex
@@ -179,6 +180,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--skip_network_check", "--skip-network-check", action="store_true",
                         help="do not refuse a network configuration the pre-flight check finds broken")
     parser.add_argument("--dry_run", "--dry-run", action="store_true", help="print the commands, run nothing")
+    parser.add_argument("--world_info", default=None, help=argparse.SUPPRESS)  # the fan-out's selection, to each node
     add_debug_flag(parser)
     parser.add_argument("script", help="training script (or module with --module)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER)
@@ -186,6 +188,8 @@ def add_parser(subparsers) -> None:
 
 
 def _hosts(args) -> Optional["OrderedDict[str, list[int]]"]:
+    if getattr(args, "world_info", None):  # set by the fan-out: the hostfile need not exist on this node
+        return OrderedDict(json.loads(base64.urlsafe_b64decode(args.world_info.encode()).decode()))
     if args.hostfile is None:
         if args.include or args.exclude:
             raise ValueError("--include/--exclude need a --hostfile")
@@ -225,16 +229,16 @@ def fanout_commands(args, resources, environ: Mapping[str, str], launcher: str) 
     """The remote commands (one per host for ssh; one for pdsh, which substitutes ``%n`` by the node's rank)."""
     hosts = list(resources)
     master = args.master_addr or hosts[0]
-    forwarded = {k: v for k, v in environ.items() if k.startswith(FORWARDED_PREFIXES) or k in args.env}
+    # a prefix match never forwards what looks like a credential (it would show on the remote command line)
+    forwarded = {k: v for k, v in environ.items() if k in args.env or k.startswith(FORWARDED_PREFIXES)
+                 and not any(word in k for word in ("TOKEN", "SECRET", "PASSWORD", "KEY"))}
     missing = [name for name in args.env if name not in environ]
     if missing:
         raise ValueError(f"--env {', '.join(missing)}: not set in this environment, nothing to forward")
     exports = " ".join(f"export {k}={shlex.quote(v)};" for k, v in sorted(forwarded.items()))
     base = [sys.executable, "-m", "lightning_zero", "launch", "--no_ssh", f"--num_nodes={len(hosts)}",
             f"--master_addr={master}", f"--master_port={args.master_port}"]
-    if args.hostfile:
-        base += [f"--hostfile={os.path.abspath(args.hostfile)}"]
-        base += [f"--include={'@'.join(f'{h}:' + ','.join(map(str, s)) for h, s in resources.items())}"]
+    base.append("--world_info=" + base64.urlsafe_b64encode(json.dumps(list(resources.items())).encode()).decode())
     for flag, value in (("--rendezvous_timeout", args.rendezvous_timeout), ("--env_file", args.env_file)):
         if value is not None:
             base.append(f"{flag}={value}")

@@ -1,6 +1,6 @@
-"""A training script for ``lightning-zero launch``/torchrun or srun: ``launch_job.py <out.pt> [stage]``. ZeroStrategy on CPU
-ranks, as many nodes and processes per node as the launcher started (read from torchrun's or SLURM's environment); rank 0
-writes the full weights, the world layout and the wall time of the fit to ``<out.pt>``."""
+"""A training script for ``lightning-zero launch``/torchrun or srun: ``launch_job.py <out.pt> [stage]``.
+ZeroStrategy on CPU ranks, as many nodes and processes per node as the launcher started (read from torchrun's or
+SLURM's environment); rank 0 writes the full weights, the world layout and the wall time of the fit to ``<out.pt>``."""
 
 import os
 import sys

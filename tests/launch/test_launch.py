@@ -3,6 +3,7 @@ simulated hosts (network namespaces where possible, loopback otherwise): two nod
 node, and a misconfigured network fails fast naming the problem."""
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -13,8 +14,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from lightning_zero.cli import build_parser
 from lightning_zero.cli.launch import (
-    fanout_commands, find_env_file, parse_hostfile, read_env_file, select_resources, torchrun_command,
+    _hosts, fanout_commands, find_env_file, parse_hostfile, read_env_file, select_resources, torchrun_command,
 )
 from tests.launch.hosts import LOOPBACK, make_netns_hosts, netns_unavailable, remove_netns_hosts
 
@@ -80,14 +82,18 @@ def _args(**kwargs):
 
 def test_fanout_runs_this_command_on_every_node_with_its_node_rank():
     resources = select_resources(parse_hostfile(HOSTFILE), include="node1:0,1@node2:0,1")
-    environ = {"NCCL_DEBUG": "WARN", "SECRET_TOKEN": "x", "MY_VAR": "1 2", "PATH": "/bin"}
+    environ = {"NCCL_DEBUG": "WARN", "SECRET_TOKEN": "x", "HF_TOKEN": "y", "MY_VAR": "1 2", "PATH": "/bin"}
     ssh = fanout_commands(_args(env=["MY_VAR"]), resources, environ, "ssh")
     assert [c[3] for c in ssh] == ["node1", "node2"]
     for rank, command in enumerate(ssh):
         remote = command[4]
         assert f"--node_rank={rank}" in remote and "--num_nodes=2" in remote and "--master_addr=node1" in remote
         assert "export MY_VAR='1 2';" in remote and "export NCCL_DEBUG=WARN;" in remote
-        assert "SECRET_TOKEN" not in remote and "--no_ssh" in remote and remote.endswith("train.py --lr 1e-3")
+        assert "TOKEN" not in remote and "--no_ssh" in remote and remote.endswith("train.py --lr 1e-3")
+        # each node gets the selection itself (the hostfile need not exist there) and picks its own slots
+        argv = shlex.split(remote.split("&&", 1)[1])[3:]  # after `python -m lightning_zero`
+        node_args = build_parser().parse_args(argv)
+        assert dict(_hosts(node_args)) == {"node1": [0, 1], "node2": [0, 1]} and node_args.node_rank == rank
     (pdsh,) = fanout_commands(_args(), resources, environ, "pdsh")
     assert pdsh[:6] == ["pdsh", "-S", "-f", "1024", "-w", "node1,node2"] and "--node_rank=%n" in pdsh[6]
     with pytest.raises(ValueError, match="--env NOT_SET"):
