@@ -235,3 +235,35 @@ def test_two_node_srun_style_launch_uses_the_checked_rendezvous(hosts, tmp_path)
     assert (result["nodes"], result["nproc"]) == (2, 1)
     for key, value in reference_weights(4, 8).items():
         torch.testing.assert_close(result["weights"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.slow
+def test_ssh_fanout_from_a_hostfile_trains_on_both_hosts(hosts, tmp_path):
+    """`lightning-zero launch --hostfile` without --no_ssh: it runs itself on each host over `ssh` (a stand-in here
+    that enters the host's namespace), each node checks in and starts torchrun; weights match the reference."""
+    from tests.lightning_models import reference_weights
+
+    names = hosts.addresses if hosts.namespaces else ["127.0.0.1", "localhost"]
+    (tmp_path / "hostfile").write_text("".join(f"{name} slots=1\n" for name in names))
+    enter = {name: " ".join(hosts.prefix(node)) + "".join(f" env {k}={v}" for k, v in hosts.env(node).items())
+             for node, name in enumerate(names)}
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    cases = "".join(f'  "{name}") exec {enter[name]} bash -c "$command";;\n' for name in names)
+    (bin_dir / "ssh").write_text(f'#!/bin/bash\nhost="${{@: -2:1}}"; command="${{@: -1}}"\necho "$host" >> '
+                                 f'{tmp_path}/ssh.log\ncase "$host" in\n{cases}esac\nexit 255\n')
+    (bin_dir / "ssh").chmod(0o755)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    env.pop("GLOO_SOCKET_IFNAME", None)
+    proc = subprocess.Popen([sys.executable, "-m", "lightning_zero", "launch", "--hostfile", str(tmp_path / "hostfile"),
+                             "--launcher", "ssh", f"--master_port={_port()}", "--rendezvous_timeout=120", JOB,
+                             str(tmp_path / "ssh.pt"), "2"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    code, log = _finish(proc)
+    assert code == 0, log[-3000:]
+    assert sorted((tmp_path / "ssh.log").read_text().split()) == sorted(names)  # one ssh per host
+    assert "node rank 0: host" in log and "node rank 1: host" in log
+    result = torch.load(tmp_path / "ssh.pt", weights_only=True)
+    assert (result["nodes"], result["nproc"]) == (2, 1)
+    for key, value in reference_weights(4, 8).items():
+        torch.testing.assert_close(result["weights"][key], value, rtol=1e-5, atol=1e-6, msg=key)
