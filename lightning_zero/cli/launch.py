@@ -165,7 +165,8 @@ def add_parser(subparsers) -> None:
                         type=int, default=-1, help="processes (GPUs) per node")
     parser.add_argument("--node_rank", "--node-rank", type=int, default=None, help="this node's rank (--no_ssh)")
     parser.add_argument("--master_addr", "--master-addr", default=None, help="node rank 0's address")
-    parser.add_argument("--master_port", "--master-port", type=int, default=DEFAULT_PORT)
+    parser.add_argument("--master_port", "--master-port", type=int, default=None,
+                        help=f"node rank 0's port (default: {DEFAULT_PORT}; a free port on a single node)")
     parser.add_argument("--no_ssh", "--no-ssh", action="store_true", help="run this node only (one command per node)")
     parser.add_argument("--launcher", choices=("auto", "pdsh", "ssh"), default="auto",
                         help="fan-out without --no_ssh (auto: pdsh when installed, else ssh)")
@@ -237,7 +238,7 @@ def fanout_commands(args, resources, environ: Mapping[str, str], launcher: str) 
         raise ValueError(f"--env {', '.join(missing)}: not set in this environment, nothing to forward")
     exports = " ".join(f"export {k}={shlex.quote(v)};" for k, v in sorted(forwarded.items()))
     base = [sys.executable, "-m", "lightning_zero", "launch", "--no_ssh", f"--num_nodes={len(hosts)}",
-            f"--master_addr={master}", f"--master_port={args.master_port}"]
+            f"--master_addr={master}", f"--master_port={args.master_port or DEFAULT_PORT}"]
     base.append("--world_info=" + base64.urlsafe_b64encode(json.dumps(list(resources.items())).encode()).decode())
     for flag, value in (("--rendezvous_timeout", args.rendezvous_timeout), ("--env_file", args.env_file)):
         if value is not None:
@@ -330,8 +331,9 @@ def run_node(args, resources, environ: dict) -> int:
                 raise ValueError(f"CUDA_VISIBLE_DEVICES={environ['CUDA_VISIBLE_DEVICES']} is set, and "
                                  f"--include/--exclude select slots {slots} on {hosts[node_rank]}: choose one")
             environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
-    environ.update(MASTER_ADDR=master, MASTER_PORT=str(args.master_port))
-    command = torchrun_command(args.script, args.script_args, num_nodes, node_rank, nproc, master, args.master_port,
+    port = args.master_port or (DEFAULT_PORT if num_nodes > 1 else _free_port())
+    environ.update(MASTER_ADDR=master, MASTER_PORT=str(port))
+    command = torchrun_command(args.script, args.script_args, num_nodes, node_rank, nproc, master, port,
                                timeout, args.max_restarts, args.module, args.no_python)
     if args.dry_run:
         print(shlex.join(command))
@@ -342,7 +344,7 @@ def run_node(args, resources, environ: dict) -> int:
     if not args.skip_network_check:
         network.raise_errors()
     if num_nodes > 1:
-        _checkin(master, args.master_port, node_rank, num_nodes, nproc, timeout, network.identity)
+        _checkin(master, port, node_rank, num_nodes, nproc, timeout, network.identity)
     return subprocess.call(command, env=environ)
 
 
@@ -368,6 +370,12 @@ def run(args: argparse.Namespace) -> int:
         if args.debug:
             raise
         return report("launch", err)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:  # one node: any free port, so that two jobs on one machine do not collide
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _is_local(host: str) -> bool:

@@ -73,6 +73,19 @@ def test_env_file(tmp_path, monkeypatch):
         read_env_file(str(path))
 
 
+def test_dry_run_prints_the_torchrun_command_of_this_node(capsys, tmp_path, monkeypatch):
+    from lightning_zero.cli import main as cli_main
+
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["launch", "--dry_run", "--nproc-per-node", "2", "train.py", "--lr", "1"]) == 0
+    command = capsys.readouterr().out.split()
+    assert "--nnodes=1" in command and "--nproc-per-node=2" in command and command[-3:] == ["train.py", "--lr", "1"]
+    assert cli_main(["launch", "--dry_run", "--no_ssh", "--num_nodes", "2", "--nproc-per-node", "2", "t.py"]) == 1
+    assert "--no_ssh with 2 nodes needs --node_rank" in capsys.readouterr().err
+    assert cli_main(["launch", "--dry_run", "--no_ssh", "--num_nodes", "2", "--node_rank", "1", "t.py"]) == 1
+    assert "need --master_addr" in capsys.readouterr().err
+
+
 def _args(**kwargs):
     defaults = dict(master_addr=None, master_port=29500, env=[], hostfile=None, rendezvous_timeout=None,
                     env_file=None, max_restarts=0, module=False, no_python=False, skip_network_check=False,
