@@ -129,7 +129,8 @@ class NetworkReport:
     def raise_errors(self) -> None:
         if self.errors:
             raise NetworkError(f"network check on {self.who()} failed before the process group: "
-                               + " ".join(f"({n}) {e}" for n, e in enumerate(self.errors, 1)))
+                               + " ".join(f"({n}) {e}" for n, e in enumerate(self.errors, 1))
+                               + " (LIGHTNING_ZERO_SKIP_NETWORK_CHECK=1, or launch --skip_network_check, overrides)")
 
 
 def _nccl_matches(spec: str, names: list[str]) -> list[str]:

@@ -117,6 +117,10 @@ def test_strategy_names_the_node_that_never_arrives(monkeypatch, tmp_path):
 def test_strategy_refuses_a_missing_interface_before_the_process_group(monkeypatch, tmp_path):
     with pytest.raises(NetworkError, match=r"node rank 0 .*GLOO_SOCKET_IFNAME=nosuch0 names interface 'nosuch0'"):
         _fit_as_node_zero_of_two(monkeypatch, tmp_path, GLOO_SOCKET_IFNAME="nosuch0")
+    # the explicit override lets it through to the rendezvous (which then names the missing node)
+    with pytest.raises(NetworkError, match=r"node rank\(s\) \[1\]"):
+        _fit_as_node_zero_of_two(monkeypatch, tmp_path, GLOO_SOCKET_IFNAME="nosuch0",
+                                 LIGHTNING_ZERO_SKIP_NETWORK_CHECK="1")
 
 
 def test_cli_diagnose_network_only_names_the_problem(monkeypatch, capsys):
