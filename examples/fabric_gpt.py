@@ -28,10 +28,12 @@ from lightning_zero.fabric import ZeroStrategy  # noqa: E402  (importing lightni
 
 
 def make_fabric(args) -> Fabric:
-    if os.environ.get("LT_CLI_USED"):  # `python -m lightning_zero.fabric run ...` chose these already
+    if os.environ.get("LT_CLI_USED"):  # `fabric run ...` chose these already
         if args.stage is not None or args.offload is not None:
             raise SystemExit("under `fabric run` the strategy comes from --strategy; drop --stage/--offload")
-        return Fabric(precision=args.precision)
+        # --strategy (or LT_STRATEGY) names the strategy; without one this example still uses ZeRO stage 3
+        return Fabric(strategy="auto" if os.environ.get("LT_STRATEGY") else ZeroStrategy(stage=3),
+                      precision=args.precision)
     strategy = ZeroStrategy(stage=3 if args.stage is None else args.stage, offload=args.offload)
     fabric = Fabric(accelerator=args.accelerator, devices=args.devices, strategy=strategy, precision=args.precision)
     fabric.launch()

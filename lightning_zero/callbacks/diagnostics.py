@@ -13,6 +13,7 @@ instead of pretending they apply.]
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,8 +23,9 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_zero.diagnostics.env_audit import EnvAudit, audit_environment, audit_text
+from lightning_zero.diagnostics.network import check_network
 from lightning_zero.diagnostics.probes import (
-    COLLECTIVES, ProbeResult, probe_collectives, probe_table, rich_console, slow_outliers,
+    COLLECTIVES, ProbeResult, all_gather_json, probe_collectives, probe_table, rich_console, slow_outliers,
 )
 from lightning_zero.diagnostics.hang_guard import HangGuard, active_watchdog
 from lightning_zero.diagnostics.watchdog import HangWatchdog, enable_flight_recorder
@@ -66,8 +68,10 @@ class NCCLDiagnostics(Callback):
     """Audit the environment, probe collective bandwidth and guard against hangs.
 
     Args:
-        audit: at setup, rank 0 reports versions, backend, sizes, NCCL/TORCH_NCCL/GLOO variables, GPU topology
-            and InfiniBand devices, and warns for settings known to hurt (P2P/SHM/IB disabled, NCCL_DEBUG=INFO).
+        audit: at setup, every node audits versions, backend, sizes, NCCL/TORCH_NCCL/GLOO variables, GPU topology,
+            InfiniBand devices and its identity (hostname, node rank, address and interface towards the master);
+            rank 0 prints every node's audit and warns, naming the host, for settings known to hurt (P2P/SHM/IB
+            disabled, NCCL_DEBUG=INFO).
         probe: at fit setup, every rank times ``probe_collectives`` x ``probe_sizes`` (bytes, nccl-tests size)
             and rank 0 prints time/algbw/busbw, flags slow ranks and logs ``diagnostics/<op>_<bytes>_busbw_gbps``.
         hang_timeout: seconds a training/validation batch may take before the watchdog dumps every rank's stack
@@ -78,7 +82,8 @@ class NCCLDiagnostics(Callback):
             NCCL groups created after this constructor (``enable_flight_recorder``).
         slow_rank_tolerance: a probe rank slower than the median by this fraction is flagged.
 
-    Results are kept in ``audit`` (rank 0) and ``probe_results`` (every rank).
+    Results are kept in ``audits`` (every node's, on rank 0), ``audit`` (node 0's, on rank 0) and
+    ``probe_results`` (every rank).
     """
 
     def __init__(self, audit: bool = True, probe: bool = True, probe_collectives: Sequence[str] = COLLECTIVES,
@@ -92,6 +97,7 @@ class NCCLDiagnostics(Callback):
             slow_rank_tolerance,
         )
         self.audit: Optional[EnvAudit] = None
+        self.audits: list[EnvAudit] = []  # one per node (local rank 0 of each), complete on rank 0
         self.probe_results: list[ProbeResult] = []
         self.watchdog: Optional[HangWatchdog] = None
         if flight_recorder:
@@ -105,12 +111,8 @@ class NCCLDiagnostics(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         distributed = dist.is_available() and dist.is_initialized()
         backend = dist.get_backend() if distributed else None
-        if self.settings.audit and trainer.is_global_zero:
-            self.audit = audit_environment(backend=backend, world_size=trainer.world_size,
-                                           local_world_size=trainer.num_devices)
-            print(audit_text(self.audit), flush=True)
-            for warning in self.audit.warnings:
-                warnings.warn(f"NCCLDiagnostics: {warning}")
+        if self.settings.audit:
+            self._audit_every_node(trainer, backend, distributed)
         if self.settings.probe and stage == "fit":
             if not distributed:
                 if trainer.is_global_zero:
@@ -122,6 +124,26 @@ class NCCLDiagnostics(Callback):
             )
             if trainer.is_global_zero:
                 self._report_probe(trainer)
+
+    def _audit_every_node(self, trainer: Trainer, backend: Optional[str], distributed: bool) -> None:
+        """Local rank 0 of every node audits its host (with its identity: node rank, address, interface); rank 0
+        prints them all and warns naming the host, so a misconfigured node other than node 0 is seen too."""
+        mine = None
+        if trainer.local_rank == 0:
+            audit = audit_environment(backend=backend, world_size=trainer.world_size,
+                                      local_world_size=trainer.num_devices)
+            audit.network = check_network(os.environ, trainer.num_nodes, trainer.node_rank).identity
+            mine = audit.to_dict()
+        found = all_gather_json(mine, device=trainer.strategy.root_device) if distributed else [mine]
+        self.audits = [EnvAudit(**a) for a in found if a is not None]
+        if not trainer.is_global_zero:
+            return
+        self.audit = self.audits[0] if self.audits else None
+        for audit in self.audits:
+            print(audit_text(audit), flush=True)
+            for warning in audit.warnings:
+                node = audit.network.get("node_rank")
+                warnings.warn(f"NCCLDiagnostics: host {audit.hostname} (node rank {node}): {warning}")
 
     def _report_probe(self, trainer: Trainer) -> None:
         rich_console().print(probe_table(self.probe_results, title=f"collective bandwidth ({dist.get_backend()})"))

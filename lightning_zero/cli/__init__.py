@@ -12,7 +12,7 @@ import sys
 from typing import Optional, Sequence
 
 # Subcommand modules, imported lazily so that `lightning-zero --help` stays fast.
-SUBCOMMANDS = ("estimate", "advise", "consolidate", "verify", "diagnose")
+SUBCOMMANDS = ("estimate", "advise", "consolidate", "verify", "diagnose", "launch")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,8 +7,12 @@ Two ways to run it:
 * ``torchrun --nnodes 2 --nproc-per-node 8 ... --no-python lightning-zero diagnose`` across nodes: detected by
   ``RANK``/``WORLD_SIZE`` in the environment, each process joins the group torchrun describes.
 
-Every rank audits its environment (topology only on local rank 0); rank 0 prints one audit per host, the probe
-table (with the nccl-tests ``busbw`` column) and slow-rank flags, and ``--json`` writes all of it.
+Under a launcher every process first checks its node's network, before the process group (hostname resolution,
+interfaces, ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME``, ``MASTER_ADDR``): a broken one fails naming the node
+instead of hanging in the rendezvous; ``--network-only`` does only that (and a connect to ``MASTER_ADDR:MASTER_PORT``
+from node ranks > 0). Local rank 0 of every node audits its environment; rank 0 prints one audit per node with its
+identity (hostname, node rank, address, interface), the probe table (with the nccl-tests ``busbw`` column) and
+slow-rank flags, and ``--json`` writes all of it.
 """
 
 from __future__ import annotations
@@ -43,6 +47,14 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--slow-rank-tolerance", type=float, default=0.5,
                         help="flag a rank slower than the median by this fraction (default: %(default)s)")
     parser.add_argument("--json", metavar="PATH", default=None, help="write audit and probe results as JSON")
+    parser.add_argument("--network-only", action="store_true",
+                        help="only check this node's network (no process group): hostname, interfaces, "
+                             "GLOO/NCCL_SOCKET_IFNAME, MASTER_ADDR:PORT reachability; exit 1 on a problem")
+    parser.add_argument("--num-nodes", type=int, default=None,
+                        help="nodes of the job, for --network-only outside a launcher (default: from "
+                             "WORLD_SIZE/LOCAL_WORLD_SIZE, else 1)")
+    parser.add_argument("--connect-timeout", type=float, default=5.0,
+                        help="seconds --network-only tries to reach MASTER_ADDR:MASTER_PORT (default: %(default)s)")
     parser.set_defaults(func=run)
 
 
@@ -66,7 +78,46 @@ def _options(args: argparse.Namespace) -> dict:
     }
 
 
+def _node_layout(num_nodes: Optional[int] = None) -> tuple[int, int]:
+    """(number of nodes, this node's rank) from the launcher's environment (torchrun, SLURM, deepspeed, manual)."""
+    env = os.environ
+    if num_nodes is None:
+        world, local = int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", 1)))
+        num_nodes = max(1, world // max(1, local))
+    for name in ("GROUP_RANK", "NODE_RANK", "SLURM_NODEID", "CROSS_RANK"):
+        if env.get(name, "").isdigit():
+            return num_nodes, int(env[name])
+    return num_nodes, 0
+
+
+def network_check(num_nodes: Optional[int] = None, connect_timeout: Optional[float] = None,
+                  verbose: bool = True) -> dict:
+    """This node's network check (before any process group): prints identity, warnings; raises on errors."""
+    from lightning_zero.diagnostics.network import check_network, identity_line, wait_for_master
+
+    nodes, node_rank = _node_layout(num_nodes)
+    report = check_network(os.environ, nodes, node_rank)
+    for line in [f"network: {identity_line(report.identity)}"] + [f"network WARNING: {w}" for w in report.warnings]:
+        if verbose:
+            print(line, flush=True)
+    report.raise_errors()
+    master, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if connect_timeout and master and port and node_rank > 0:
+        wait_for_master(master, int(port), connect_timeout, report.who())
+        print(f"network: {master}:{port} accepts connections", flush=True)
+    return report.identity
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.network_only:
+        from lightning_zero.diagnostics.network import NetworkError
+
+        try:
+            network_check(args.num_nodes, args.connect_timeout)
+        except NetworkError as err:
+            print(f"lightning-zero diagnose: error: {err}", file=sys.stderr)
+            return 1
+        return 0
     options = _options(args)
     under_launcher = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if under_launcher:
@@ -118,6 +169,8 @@ def _rank_main(rank: int, world_size: int, options: dict, init_from_env: bool) -
         enable_flight_recorder()  # for the probe's own NCCL group: must precede init_process_group
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
+    # The network is checked before the process group, whose rendezvous would otherwise hang on a broken one.
+    identity = network_check(verbose=local_rank == 0)
     if init_from_env:
         dist.init_process_group(backend, init_method="env://")
     else:
@@ -125,6 +178,7 @@ def _rank_main(rank: int, world_size: int, options: dict, init_from_env: bool) -
     try:
         audit = audit_environment(backend=backend, world_size=world_size,
                                   local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+        audit.network = identity
         audits = all_gather_json(audit.to_dict() if local_rank == 0 else None, device=device)
         results = probe_collectives(options["collectives"], options["sizes"], options["iters"], options["warmup"],
                                     device=device)

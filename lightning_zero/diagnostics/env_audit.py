@@ -120,6 +120,7 @@ class EnvAudit:
     topology: dict
     infiniband: list
     warnings: list = field(default_factory=list)
+    network: dict = field(default_factory=dict)  # host identity: node rank, address, interface (diagnostics.network)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -171,7 +172,10 @@ def audit_environment(
 
 def audit_text(audit: EnvAudit) -> str:
     """Plain-text rendering (for logs and the CLI)."""
-    lines = [f"host {audit.hostname}: backend={audit.backend} world_size={audit.world_size} "
+    net = audit.network
+    where = (f" (node rank {net.get('node_rank')}, address {net.get('address')} on {net.get('interface')}, hostname "
+             f"resolves to {net.get('resolves_to')})" if net else "")
+    lines = [f"host {audit.hostname}{where}: backend={audit.backend} world_size={audit.world_size} "
              f"local_world_size={audit.local_world_size}"]
     lines.append("versions: " + ", ".join(f"{k}={v}" for k, v in audit.versions.items()))
     if audit.variables:

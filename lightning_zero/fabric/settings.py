@@ -21,6 +21,7 @@ from typing import Any, Optional, Union
 from lightning_zero.checkpoint.full_load import check_load_full_weights
 from lightning_zero.config import ZeroConfig
 from lightning_zero.diagnostics.hang_guard import DEFAULT_HANG_TIMEOUT, parse_hang_timeout
+from lightning_zero.diagnostics.network import DEFAULT_RENDEZVOUS_TIMEOUT, check_rendezvous_timeout
 from lightning_zero.distributed.activation_checkpointing import ActivationCheckpointConfig
 from lightning_zero.strategies import restarts, validation
 from lightning_zero.strategies.ddp_options import DDPOptions, require_flags
@@ -68,6 +69,7 @@ class ZeroSettings:
     hang_timeout: Optional[float]
     activation_checkpoint_config: Optional[ActivationCheckpointConfig]
     load_full_weights: bool
+    rendezvous_timeout: float
 
 
 def resolve_settings(
@@ -108,10 +110,12 @@ def resolve_settings(
     activation_checkpointing_policy: Any = None,
     load_full_weights: bool = False,
     hybrid_shard_size: Optional[int] = None,
+    rendezvous_timeout: Union[float, timedelta] = DEFAULT_RENDEZVOUS_TIMEOUT,
 ) -> ZeroSettings:
     """Validate a ZeroStrategy's constructor arguments; the ds_config (``config=``, else the file
     ``PL_DEEPSPEED_CONFIG_PATH`` names) fills every argument left at ``None``, explicit arguments win."""
     timeout = validation.check_timeout(timeout)
+    rendezvous_timeout = check_rendezvous_timeout(rendezvous_timeout)
     validation.check_backend_name(process_group_backend)
     ds_config = bind_ds_config(config, strict)
     hang_seconds = parse_hang_timeout(hang_timeout)
@@ -152,7 +156,7 @@ def resolve_settings(
         start_method=start_method, async_save=async_save, exclude_frozen_parameters=exclude_frozen_parameters,
         verbose=verbose, auto_resume=auto_resume, hang_timeout=hang_seconds,
         activation_checkpoint_config=activation_checkpoint,
-        load_full_weights=check_load_full_weights(load_full_weights),
+        load_full_weights=check_load_full_weights(load_full_weights), rendezvous_timeout=rendezvous_timeout,
     )
 
 

@@ -36,6 +36,7 @@ from torch.optim import Optimizer
 
 from lightning_zero.checkpoint.io import wait_for_pending_saves
 from lightning_zero.diagnostics.hang_guard import DEFAULT_HANG_TIMEOUT, HangGuard
+from lightning_zero.diagnostics.network import DEFAULT_RENDEZVOUS_TIMEOUT
 from lightning_zero.distributed.hybrid import check_hybrid_world, data_parallel_mesh, shard_group
 from lightning_zero.distributed.init import InitConfig, exact_init
 from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
@@ -44,7 +45,7 @@ from lightning_zero.distributed.zero import apply_zero, set_gradient_sync
 from lightning_zero.fabric import checkpoint
 from lightning_zero.fabric.precision import FabricZeroPrecision, PrecisionFlag, adapt_fabric_precision
 from lightning_zero.fabric.settings import SETTING_NAMES, STRATEGY_NAMES, resolve_settings
-from lightning_zero.strategies import restarts, validation
+from lightning_zero.strategies import validation
 from lightning_zero.strategies.ddp_options import ddp_kwargs_for
 from lightning_zero.strategies.ds_config_binding import DeepSpeedConfigBinding, precision_from_config
 from lightning_zero.strategies.precision import low_precision_allreduce_hook
@@ -125,6 +126,7 @@ class ZeroStrategy(ParallelStrategy):
         activation_checkpointing_policy: Any = None,
         load_full_weights: bool = False,
         hybrid_shard_size: Optional[int] = None,
+        rendezvous_timeout: Union[float, timedelta] = DEFAULT_RENDEZVOUS_TIMEOUT,
     ) -> None:
         settings = resolve_settings(**{name: value for name, value in locals().items() if name in SETTING_NAMES})
         if settings.pipeline.enabled:
@@ -151,6 +153,7 @@ class ZeroStrategy(ParallelStrategy):
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, precision=precision)
         self._process_group_backend = settings.process_group_backend
+        self._timeout, self._rendezvous_timeout = settings.timeout, settings.rendezvous_timeout  # process_group_store
         self._num_nodes = 1
         self._mesh = None
         self._backward_sync_control = _ZeroBackwardSyncControl()
@@ -231,6 +234,7 @@ class ZeroStrategy(ParallelStrategy):
                              f"computes on {device.type!r}: use pin_memory=None (pin only on CUDA) or False")
         check_hybrid_world(self.zero_config.hybrid_shard_size, self.num_nodes * self.num_processes,
                            num_nodes=self.num_nodes, num_processes=self.num_processes)
+        validation.check_network_before_process_group(self.num_nodes, self.node_rank)
         super().setup_environment()
         reset_seed()
         self._set_world_ranks()
@@ -239,7 +243,7 @@ class ZeroStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self.settings.timeout,
                               device_id=device if device.type == "cuda" else None,
-                              **restarts.process_group_store(self.settings.timeout))
+                              **validation.process_group_store(self))
 
         # 1-D, or 2-D ("replicate", "shard") with hybrid_shard_size (as the Trainer strategy)
         self._mesh = data_parallel_mesh(device.type, self.world_size, self.zero_config.hybrid_shard_size)

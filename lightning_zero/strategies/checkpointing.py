@@ -20,7 +20,6 @@ from torch import Tensor
 
 from lightning_zero.checkpoint.errors import CheckpointError
 from lightning_zero.checkpoint.hf_export import describe_hf_models
-from lightning_zero.checkpoint.full_load import check_load_full_weights  # noqa: F401  (ZeroStrategy's)
 from lightning_zero.checkpoint.io import (
     checkpoint_directory,
     load_sharded_checkpoint,

@@ -182,7 +182,8 @@ def check_deepspeed_launcher_nodes(num_nodes: int) -> None:
 def validate_before_process_group(strategy: Any) -> None:
     """Everything ``ZeroStrategy`` can check on each rank before ``init_process_group`` (Trainer attached).
 
-    The launcher's world size, the backend against the device, ``pin_memory`` against the device, the pipeline
+    The network of this node (:mod:`lightning_zero.diagnostics.network`), the launcher's world size, the backend
+    against the device, ``pin_memory`` against the device, the pipeline
     size against the world size, and the ds_config's Trainer-level settings (precision, clipping, accumulation,
     logging cadence, the batch-size arithmetic of the numbers the config fixes).
     """
@@ -205,6 +206,7 @@ def validate_before_process_group(strategy: Any) -> None:
         data_parallel = world_size // pipeline.pipeline_parallel_size
     check_hybrid_world(strategy.zero_config.hybrid_shard_size, world_size, pipeline=pipeline.enabled,
                        num_nodes=strategy.num_nodes, num_processes=strategy.num_processes)
+    check_network_before_process_group(strategy.num_nodes, strategy.node_rank)
     module = strategy.lightning_module
     trainer = getattr(module, "_trainer", None) if module is not None else None
     if strategy.ds_config is not None and trainer is not None:
@@ -212,6 +214,46 @@ def validate_before_process_group(strategy: Any) -> None:
 
         check_config_against_trainer(strategy.ds_config, trainer, strategy.precision_plugin.precision,
                                      data_parallel)
+
+
+def check_network_before_process_group(num_nodes: int, node_rank: int) -> None:
+    """This node's network configuration (interfaces, ``*_SOCKET_IFNAME``, ``MASTER_ADDR``), before the process group:
+    a ``NetworkError`` naming node rank, host, address and interface instead of a hang; warnings are logged.
+    ``LIGHTNING_ZERO_SKIP_NETWORK_CHECK=1`` turns the errors into warnings (a network the check misjudges)."""
+    import logging
+
+    from lightning_zero.diagnostics.network import check_network
+
+    report = check_network(os.environ, num_nodes, node_rank)
+    log = logging.getLogger(__name__)
+    for warning in report.warnings:
+        log.warning(f"lightning-zero network check on {report.who()}: {warning}")
+    if report.errors and os.environ.get("LIGHTNING_ZERO_SKIP_NETWORK_CHECK") == "1":  # the user's explicit override
+        log.warning(f"LIGHTNING_ZERO_SKIP_NETWORK_CHECK=1: continuing despite {report.errors}")
+        return
+    report.raise_errors()
+
+
+def process_group_store(strategy: Any) -> dict[str, Any]:
+    """``init_process_group`` keyword arguments: torchrun's agent store for this attempt (``restarts``), else on more
+    than one node a store every rank checks in to first, so that rank 0 names the node ranks that never arrive
+    within the strategy's ``rendezvous_timeout`` (``network.checked_store``); one node keeps torch's ``env://``."""
+    from lightning_zero.diagnostics.network import DEFAULT_RENDEZVOUS_TIMEOUT
+    from lightning_zero.strategies import restarts
+
+    timeout = strategy._timeout
+    rendezvous_timeout = getattr(strategy, "_rendezvous_timeout", DEFAULT_RENDEZVOUS_TIMEOUT)
+    kwargs = restarts.process_group_store(timeout)
+    if kwargs or strategy.num_nodes == 1 or dist.is_initialized():
+        return kwargs
+    from lightning_zero.diagnostics.network import checked_store, check_network
+
+    env = strategy.cluster_environment
+    identity = check_network(os.environ, strategy.num_nodes, strategy.node_rank).identity
+    store = checked_store(env.main_address, env.main_port, strategy.global_rank, strategy.world_size,
+                          strategy.node_rank, strategy.num_nodes, timeout or timedelta(minutes=30), rendezvous_timeout,
+                          identity)
+    return {"store": store}
 
 
 # ``ckpt_path`` values Lightning resolves itself (from callbacks, a SLURM/HPC save, a model registry) after launch.

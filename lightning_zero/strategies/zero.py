@@ -38,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_zero.checkpoint.io import wait_for_pending_saves
 from lightning_zero.diagnostics.hang_guard import DEFAULT_HANG_TIMEOUT, HangGuard
 from lightning_zero.distributed import hybrid
+from lightning_zero.diagnostics.network import DEFAULT_RENDEZVOUS_TIMEOUT
 from lightning_zero.distributed.buffers import comm_buffer_pool
 from lightning_zero.distributed.init import InitConfig, broadcast_module_states, exact_init
 from lightning_zero.distributed.manual_backward import ManualBackward
@@ -128,6 +129,7 @@ class ZeroStrategy(ParallelStrategy):
         activation_checkpointing, cpu_checkpointing, activation_checkpointing_policy: recompute blocks' activations
             in backward, optionally keeping their inputs on CPU (``docs/activation_checkpointing.md``).
         load_full_weights: ``ckpt_path`` must be one file, which may lack optimizer states (``full_loading.py``).
+        rendezvous_timeout: seconds a multi-node start waits for every node before naming the missing ones (300).
 
     As ``DeepSpeedStrategy``: without ``config`` the file ``PL_DEEPSPEED_CONFIG_PATH`` names is read, and
     :attr:`config` is the effective ds_config as a dict.
@@ -181,6 +183,7 @@ class ZeroStrategy(ParallelStrategy):
         cpu_checkpointing: Optional[bool] = None,
         activation_checkpointing_policy: Any = None,
         load_full_weights: bool = False,
+        rendezvous_timeout: Union[float, timedelta] = DEFAULT_RENDEZVOUS_TIMEOUT,
     ) -> None:
         # Validate everything before Lightning (or anyone) starts a process group; shared with the Fabric strategy.
         settings = resolve_settings(**{name: value for name, value in locals().items() if name in SETTING_NAMES})
@@ -193,6 +196,7 @@ class ZeroStrategy(ParallelStrategy):
             settings.exclude_frozen_parameters, settings.verbose, settings.auto_resume)
         self.activation_checkpoint_config, self.load_full_weights = (settings.activation_checkpoint_config,
                                                                      settings.load_full_weights)
+        self._rendezvous_timeout = settings.rendezvous_timeout
         self._pp_mesh = None
         self._runner = None
         self._pipeline_grads = PipelineGradients()
@@ -329,7 +333,7 @@ class ZeroStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         device_id = self.root_device if self.root_device.type == "cuda" else None
         _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
-                              device_id=device_id, **restarts.process_group_store(self._timeout))
+                              device_id=device_id, **validation.process_group_store(self))
         from torch.distributed.device_mesh import init_device_mesh
 
         if self._pipeline.enabled:

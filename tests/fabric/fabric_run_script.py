@@ -1,4 +1,5 @@
-"""Launched by ``python -m lightning_zero.fabric run --strategy zero_stage_3`` in test_fabric_run.py."""
+"""Launched by ``python -m lightning_zero.fabric run --strategy zero_stage_3`` and by plain ``fabric run`` with
+``LT_STRATEGY`` in test_fabric_run.py."""
 
 import sys
 
@@ -14,4 +15,5 @@ if __name__ == "__main__":
     weights = full_weights(model._forward_module)
     if fabric.global_rank == 0:
         torch.save({"strategy": type(fabric.strategy).__module__, "stage": fabric.strategy.stage,
+                    "offload": fabric.strategy.zero_config.offload,
                     "weights": weights}, sys.argv[1])
