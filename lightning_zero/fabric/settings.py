@@ -22,15 +22,15 @@ from lightning_zero.checkpoint.full_load import check_load_full_weights
 from lightning_zero.config import ZeroConfig
 from lightning_zero.diagnostics.hang_guard import DEFAULT_HANG_TIMEOUT, parse_hang_timeout
 from lightning_zero.distributed.activation_checkpointing import ActivationCheckpointConfig
-from lightning_zero.strategies import validation
-from lightning_zero.strategies.ddp_options import DDPOptions, require_flags
-from lightning_zero.strategies.ds_config_binding import (
+from lightning_zero.fabric import validation
+from lightning_zero.fabric.ddp_options import DDPOptions, require_flags
+from lightning_zero.fabric.ds_config_binding import (
     DeepSpeedConfigBinding,
     activation_checkpointing_over_config,
     arguments_over_config,
     bind_ds_config,
 )
-from lightning_zero.strategies.pipeline_binding import PipelineSettings, make_pipeline_settings
+from lightning_zero.fabric.pipeline_binding import PipelineSettings, make_pipeline_settings
 from lightning_zero.strategies.precision import LossScaleConfig, loss_scale_configs, parse_communication_data_type
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")

@@ -175,7 +175,7 @@ def validate_before_process_group(strategy: Any) -> None:
     module = strategy.lightning_module
     trainer = getattr(module, "_trainer", None) if module is not None else None
     if strategy.ds_config is not None and trainer is not None:
-        from lightning_zero.strategies.ds_config_checks import check_config_against_trainer
+        from lightning_zero.fabric.ds_config_checks import check_config_against_trainer
 
         check_config_against_trainer(strategy.ds_config, trainer, strategy.precision_plugin.precision,
                                      data_parallel)
@@ -188,7 +188,7 @@ _SYMBOLIC_CKPT_PATHS = ("last", "best", "hpc", "registry")
 def check_ckpt_path(function: Any, args: tuple, kwargs: dict) -> None:
     """Refuse a ``ckpt_path`` given to ``fit/validate/test/predict`` that ZeroStrategy cannot load, before any rank
     starts: a URL, a file that is no checkpoint (neither a torch.save file nor safetensors), a path inside a sharded
-    checkpoint, an incomplete directory. A single checkpoint file is loaded (``strategies/full_loading.py``).
+    checkpoint, an incomplete directory. A single checkpoint file is loaded (``fabric/full_loading.py``).
     Lightning passes it to the launched function only (its signature is read, not assumed); symbolic names are
     resolved later."""
     import inspect
