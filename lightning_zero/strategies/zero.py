@@ -55,13 +55,8 @@ from lightning_zero.strategies.ds_config_trainer import (
     scheduler_from_config,
     uninstall_config_optimizers,
 )
-from lightning_zero.strategies.precision import (
-    PrecisionFlag,
-    ZeroPrecision,
-    adapt_precision_plugin,
-    guard_schedulers,
-    low_precision_allreduce_hook,
-)
+from lightning_zero.fabric.precision_policy import low_precision_allreduce_hook
+from lightning_zero.strategies.precision import PrecisionFlag, ZeroPrecision, adapt_precision_plugin, guard_schedulers
 from lightning_zero.strategies.toggle import install_partition_aware_toggle, uninstall_partition_aware_toggle
 
 log = logging.getLogger(__name__)
@@ -131,7 +126,7 @@ class ZeroStrategy(ParallelStrategy):
 
     Precision comes from the Trainer's ``precision`` flag (``32-true``, ``bf16-mixed``, ``16-mixed``, ``bf16-true``,
     ``16-true``): fp32 master weights and optimizer states, low-precision compute, DeepSpeed's dynamic loss scaling
-    for fp16 (:mod:`lightning_zero.strategies.precision`).
+    for fp16 (:mod:`lightning_zero.fabric.precision_policy`).
     """
 
     strategy_name = "zero"
