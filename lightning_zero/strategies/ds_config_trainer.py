@@ -4,8 +4,18 @@ configs)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from lightning_zero.ds_config import DeepSpeedConfigError, DeepSpeedConfigWarning, DeepSpeedTranslation
 from lightning_zero.fabric.ds_config_binding import DeepSpeedConfigBinding, _estimated_steps
+
+
+def defines_configure_optimizers(module: Any) -> bool:
+    """Whether the LightningModule's class overrides ``configure_optimizers`` (the base class's does nothing)."""
+    from lightning.pytorch import LightningModule
+
+    own = getattr(type(module), "configure_optimizers", None)
+    return own is not None and own is not LightningModule.configure_optimizers
 
 
 def _scheduler_for(translation: DeepSpeedTranslation, trainer, optimizer) -> dict:
@@ -29,7 +39,7 @@ def install_config_optimizers(module, binding: DeepSpeedConfigBinding) -> None:
 
     from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-    from lightning_zero.optim_factory import build_optimizer, defines_configure_optimizers
+    from lightning_zero.optim_factory import build_optimizer
 
     if defines_configure_optimizers(module):
         spec = binding.translation.optimizer
