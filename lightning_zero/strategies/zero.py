@@ -49,13 +49,13 @@ from lightning_zero.fabric.ddp_options import ddp_kwargs_for, explain_unused_par
 from lightning_zero.fabric.ds_config_binding import DeepSpeedConfigBinding, effective_ds_config, precision_from_config
 from lightning_zero.fabric.pipeline_binding import PipelineGradients
 from lightning_zero.fabric.pipeline_binding import setup_for_strategy as setup_pipeline_for_strategy
+from lightning_zero.fabric.precision_policy import low_precision_allreduce_hook
 from lightning_zero.strategies import auto_resume, lifecycle
 from lightning_zero.strategies.ds_config_trainer import (
     install_config_optimizers,
     scheduler_from_config,
     uninstall_config_optimizers,
 )
-from lightning_zero.fabric.precision_policy import low_precision_allreduce_hook
 from lightning_zero.strategies.precision import PrecisionFlag, ZeroPrecision, adapt_precision_plugin, guard_schedulers
 from lightning_zero.strategies.toggle import install_partition_aware_toggle, uninstall_partition_aware_toggle
 
