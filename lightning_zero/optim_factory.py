@@ -148,10 +148,3 @@ def lightning_scheduler_config(scheduler: torch.optim.lr_scheduler.LRScheduler) 
     """The Lightning ``lr_scheduler`` dict that steps like DeepSpeed's engine: after every optimizer step."""
     return {"scheduler": scheduler, "interval": "step", "frequency": 1}
 
-
-def defines_configure_optimizers(module: Any) -> bool:
-    """Whether the LightningModule's class overrides ``configure_optimizers`` (the base class's does nothing)."""
-    from lightning.pytorch import LightningModule
-
-    own = getattr(type(module), "configure_optimizers", None)
-    return own is not None and own is not LightningModule.configure_optimizers

@@ -1,5 +1,5 @@
 """Loading full (single-file) checkpoints into a sharded model: ``lightning_zero/checkpoint/full_load.py`` and its
-strategy glue ``lightning_zero/strategies/full_loading.py``.
+strategy glue ``lightning_zero/fabric/full_loading.py``.
 
 The framework-level tests load a file written by a plain single-process model (the unsharded reference) into
 ``apply_zero`` + ``shard_optimizer`` at every stage on 2 gloo ranks and compare every weight and optimizer state
@@ -19,7 +19,7 @@ from lightning_zero import ZeroConfig, apply_zero
 from lightning_zero.checkpoint.errors import CheckpointError
 from lightning_zero.checkpoint.full_load import FullCheckpoint, check_load_full_weights
 from lightning_zero.distributed.optimizer import shard_optimizer
-from lightning_zero.strategies.full_loading import load_full
+from lightning_zero.fabric.full_loading import load_full
 from tests.distributed import run_distributed
 
 STAGES = [(0, None), (1, None), (1, "cpu"), (2, None), (3, None), (3, "cpu")]
@@ -84,7 +84,7 @@ def _sharded(stage, offload, rank):
 
 def _every_rank_state(module, opt):
     """Full optimizer state by parameter name, gathered from the owners (stage 1 keeps it on one rank)."""
-    from lightning_zero.strategies.checkpointing import optimizer_state_dict
+    from lightning_zero.fabric.checkpointing import optimizer_state_dict
 
     mine = {name: {k: _full(v) for k, v in state.items()}
             for name, state in optimizer_state_dict(module, opt)["state"].items()}
@@ -302,8 +302,8 @@ def test_optimizer_states_keyed_by_name(tmp_path):
 
 
 def test_which_paths_load_as_a_full_checkpoint(tmp_path):
-    from lightning_zero.strategies.full_loading import is_full_checkpoint
-    from lightning_zero.strategies.validation import check_ckpt_path
+    from lightning_zero.fabric.full_loading import is_full_checkpoint
+    from lightning_zero.fabric.validation import check_ckpt_path
 
     path, *_ = _plain(tmp_path)
     assert is_full_checkpoint(path, False) and is_full_checkpoint(path, True)
@@ -406,7 +406,7 @@ def test_validate_from_a_safetensors_file(tmp_path, precision):
 
 
 def test_a_legacy_format_file_is_read_whole_with_a_warning(tmp_path):
-    from lightning_zero.strategies.validation import check_ckpt_path
+    from lightning_zero.fabric.validation import check_ckpt_path
 
     path, module, _, strategy = _plain(tmp_path)
     strategy.optimizers = []

@@ -339,7 +339,7 @@ def test_build_scheduler_from_config_spec():
 def test_defines_configure_optimizers_tells_an_override_from_the_base_hook():
     import lightning.pytorch as pl
 
-    from lightning_zero.optim_factory import defines_configure_optimizers
+    from lightning_zero.strategies.ds_config_trainer import defines_configure_optimizers
 
     class WithOptimizers(pl.LightningModule):
         def configure_optimizers(self):

@@ -197,7 +197,7 @@ def check_network(environ: Mapping[str, str], num_nodes: int, node_rank: int,
                     + ("a loopback address" if _is_loopback(resolved) else "which no interface of this host has"))
             errors.append(f"hostname {hostname!r} {what}, so gloo would advertise a loopback address to the other "
                           "nodes; set GLOO_SOCKET_IFNAME" + (f"={via}" if via else "") + " (the interface that "
-                          f"routes to MASTER_ADDR) or fix the hostname's entry in DNS or /etc/hosts.")
+                          "routes to MASTER_ADDR) or fix the hostname's entry in DNS or /etc/hosts.")
     nccl = environ.get("NCCL_SOCKET_IFNAME", "").strip()
     if nccl:
         picked = _nccl_matches(nccl, list(by_name))

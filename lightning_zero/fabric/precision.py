@@ -1,5 +1,6 @@
-"""Precision under the Fabric ZeroStrategy: the Trainer's :class:`~lightning_zero.strategies.precision.ZeroPrecision`
-(fp32 master weights, low-precision compute, DeepSpeed's fp16 loss scaling) behind Fabric's plugin calls.
+"""Precision under the Fabric ZeroStrategy: the shared
+:class:`~lightning_zero.fabric.precision_policy.ZeroPrecisionPolicy` (fp32 master weights, low-precision compute,
+DeepSpeed's fp16 loss scaling; the Trainer's ``ZeroPrecision`` is the same policy) behind Fabric's plugin calls.
 
 Fabric drives precision differently from the Trainer: ``fabric.backward(loss)`` calls ``backward(tensor, module)``
 without an optimizer, ``fabric.clip_gradients`` runs *before* ``optimizer.step()`` and asks the plugin to
@@ -14,16 +15,17 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.plugins.precision.utils import _convert_fp_tensor
 from lightning.fabric.utilities.apply_func import apply_to_collection
 
-from lightning_zero.strategies.precision import SUPPORTED_PRECISIONS, LossScaleConfig, ZeroPrecision
+from lightning_zero.fabric.precision_policy import SUPPORTED_PRECISIONS, LossScaleConfig, ZeroPrecisionPolicy
 
 
-class FabricZeroPrecision(ZeroPrecision):
-    """:class:`ZeroPrecision` with Fabric's call signatures (see the module docstring).
+class FabricZeroPrecision(ZeroPrecisionPolicy, Precision):
+    """:class:`ZeroPrecisionPolicy` with Fabric's call signatures (see the module docstring).
 
-    Args: as :class:`ZeroPrecision`. Pass it as ``Fabric(plugins=FabricZeroPrecision("16-mixed"))`` to train fp16
+    Args: as :class:`ZeroPrecisionPolicy`. Pass it as ``Fabric(plugins=FabricZeroPrecision("16-mixed"))`` to train fp16
     on a CPU (Fabric's connector turns ``precision="16-mixed"`` into ``bf16-mixed`` there).
     """
 
@@ -88,7 +90,7 @@ def adapt_fabric_precision(plugin, *, stage: int, loss_scale_config: Optional[Lo
                              "communication_data_type: set them in one place")
         plugin.stage = stage
         return plugin
-    from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Precision
+    from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision
 
     flag = getattr(plugin, "precision", None)
     known = (Precision, MixedPrecision, HalfPrecision, PrecisionFlag)

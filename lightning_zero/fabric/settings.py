@@ -5,10 +5,9 @@ both hand them to :func:`resolve_settings`, which applies the ds_config under th
 every value before any process group exists. An argument added to the strategies belongs here (and in
 :class:`ZeroSettings`), so the two adapters cannot drift apart.
 
-[Note: the helpers imported from strategies/]
-The validators used here (``ds_config_binding``, ``ddp_options``, ``pipeline_binding``, ``precision``,
-``validation``) still live in ``lightning_zero/strategies/`` because several engineers edit them in parallel; none of
-them needs the Trainer. They move down into ``fabric/`` with ``git mv`` once those edits are merged.
+The validators used here (``ds_config_binding``, ``ddp_options``, ``pipeline_binding``, ``precision_policy``,
+``validation``) live beside this module in ``fabric/``: ``strategies/`` imports them from here, never the reverse
+(``tests/test_layout.py``).
 """
 
 from __future__ import annotations
@@ -23,17 +22,17 @@ from lightning_zero.config import ZeroConfig
 from lightning_zero.diagnostics.hang_guard import DEFAULT_HANG_TIMEOUT, parse_hang_timeout
 from lightning_zero.diagnostics.network import DEFAULT_RENDEZVOUS_TIMEOUT, check_rendezvous_timeout
 from lightning_zero.distributed.activation_checkpointing import ActivationCheckpointConfig
-from lightning_zero.strategies import restarts, validation
-from lightning_zero.strategies.ddp_options import DDPOptions, require_flags
-from lightning_zero.strategies.ds_config_binding import (
+from lightning_zero.fabric import restarts, validation
+from lightning_zero.fabric.ddp_options import DDPOptions, require_flags
+from lightning_zero.fabric.ds_config_binding import (
     DeepSpeedConfigBinding,
     activation_checkpointing_over_config,
     arguments_over_config,
     bind_ds_config,
     hybrid_shard_size_over_config,
 )
-from lightning_zero.strategies.pipeline_binding import PipelineSettings, make_pipeline_settings
-from lightning_zero.strategies.precision import LossScaleConfig, loss_scale_configs, parse_communication_data_type
+from lightning_zero.fabric.pipeline_binding import PipelineSettings, make_pipeline_settings
+from lightning_zero.fabric.precision_policy import LossScaleConfig, loss_scale_configs, parse_communication_data_type
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 

@@ -45,10 +45,10 @@ from lightning_zero.distributed.zero import apply_zero, set_gradient_sync
 from lightning_zero.fabric import checkpoint
 from lightning_zero.fabric.precision import FabricZeroPrecision, PrecisionFlag, adapt_fabric_precision
 from lightning_zero.fabric.settings import SETTING_NAMES, STRATEGY_NAMES, resolve_settings
-from lightning_zero.strategies import validation
-from lightning_zero.strategies.ddp_options import ddp_kwargs_for
-from lightning_zero.strategies.ds_config_binding import DeepSpeedConfigBinding, precision_from_config
-from lightning_zero.strategies.precision import low_precision_allreduce_hook
+from lightning_zero.fabric import validation
+from lightning_zero.fabric.ddp_options import ddp_kwargs_for
+from lightning_zero.fabric.ds_config_binding import DeepSpeedConfigBinding, precision_from_config
+from lightning_zero.fabric.precision_policy import low_precision_allreduce_hook
 
 # ds_config settings that drive the Trainer's loop; in Fabric the user's loop does these, so they are refused.
 _LOOP_SETTINGS = ("optimizer", "scheduler", "gradient_clipping", "gradient_accumulation_steps", "train_batch_size",

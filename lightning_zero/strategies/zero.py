@@ -46,25 +46,19 @@ from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
 from lightning_zero.distributed.optimizer_check import check_optimizer_params
 from lightning_zero.distributed.zero import apply_zero, set_gradient_sync
 from lightning_zero.fabric.settings import SETTING_NAMES, STRATEGY_NAMES, resolve_settings
-from lightning_zero.strategies import checkpointing, lifecycle, restarts, validation
-from lightning_zero.strategies.ddp_options import ddp_kwargs_for, explain_unused_parameters
-from lightning_zero.strategies.ds_config_binding import (
-    DeepSpeedConfigBinding,
-    effective_ds_config,
+from lightning_zero.fabric import checkpointing, validation
+from lightning_zero.fabric.ddp_options import ddp_kwargs_for, explain_unused_parameters
+from lightning_zero.fabric.ds_config_binding import DeepSpeedConfigBinding, effective_ds_config, precision_from_config
+from lightning_zero.fabric.pipeline_binding import PipelineGradients
+from lightning_zero.fabric.pipeline_binding import setup_for_strategy as setup_pipeline_for_strategy
+from lightning_zero.fabric.precision_policy import low_precision_allreduce_hook
+from lightning_zero.strategies import auto_resume, lifecycle
+from lightning_zero.strategies.ds_config_trainer import (
     install_config_optimizers,
-    precision_from_config,
     scheduler_from_config,
     uninstall_config_optimizers,
 )
-from lightning_zero.strategies.pipeline_binding import PipelineGradients
-from lightning_zero.strategies.pipeline_binding import setup_for_strategy as setup_pipeline_for_strategy
-from lightning_zero.strategies.precision import (
-    PrecisionFlag,
-    ZeroPrecision,
-    adapt_precision_plugin,
-    guard_schedulers,
-    low_precision_allreduce_hook,
-)
+from lightning_zero.strategies.precision import PrecisionFlag, ZeroPrecision, adapt_precision_plugin, guard_schedulers
 from lightning_zero.strategies.toggle import install_partition_aware_toggle, uninstall_partition_aware_toggle
 
 log = logging.getLogger(__name__)
@@ -117,14 +111,14 @@ class ZeroStrategy(ParallelStrategy):
         strict: with ``config``, unknown keys and unsupported features are errors (``False``: warnings).
         pipeline_parallel_size, micro_batches, pipeline_schedule, virtual_stages: pipeline parallelism over a
             ``PipelineModule`` held by the LightningModule, with the ZeRO stage on the data-parallel dimension
-            (:mod:`lightning_zero.strategies.pipeline_binding`, ``docs/pipeline.md``).
+            (:mod:`lightning_zero.fabric.pipeline_binding`, ``docs/pipeline.md``).
         find_unused_parameters, static_graph, gradient_as_bucket_view, bucket_cap_mb: ``DDPStrategy``'s options for
-            the DDP of stages 0-1 (:mod:`lightning_zero.strategies.ddp_options`).
+            the DDP of stages 0-1 (:mod:`lightning_zero.fabric.ddp_options`).
         exclude_frozen_parameters, verbose: frozen parameters stay out of checkpoints; print the whole ds_config.
         hang_timeout: seconds (or ``timedelta``) a step, validation batch, checkpoint save/load or teardown may last
             before the job exits naming the stuck rank(s) with every rank's stacks (default 600; ``None``: off).
         auto_resume: on a restarted job (torchrun/SLURM; ``"always"``: on every fit) without ``ckpt_path``, resume from
-            the newest complete ``ModelCheckpoint`` checkpoint; checkpoint on preemption signals (:mod:`.restarts`).
+            the newest complete ``ModelCheckpoint`` checkpoint; checkpoint on preemption signals (:mod:`.auto_resume`, :mod:`.preemption`).
         hybrid_shard_size: HSDP: shard within groups of this many ranks, replicate across (:mod:`.hybrid`, opt-in).
         activation_checkpointing, cpu_checkpointing, activation_checkpointing_policy: recompute blocks' activations
             in backward, optionally keeping their inputs on CPU (``docs/activation_checkpointing.md``).
@@ -136,7 +130,7 @@ class ZeroStrategy(ParallelStrategy):
 
     Precision comes from the Trainer's ``precision`` flag (``32-true``, ``bf16-mixed``, ``16-mixed``, ``bf16-true``,
     ``16-true``): fp32 master weights and optimizer states, low-precision compute, DeepSpeed's dynamic loss scaling
-    for fp16 (:mod:`lightning_zero.strategies.precision`).
+    for fp16 (:mod:`lightning_zero.fabric.precision_policy`).
     """
 
     strategy_name = "zero"
@@ -347,7 +341,7 @@ class ZeroStrategy(ParallelStrategy):
             self.lightning_module._device_mesh = mesh
         self.hang_guard.start(self.global_rank, self.world_size)
         if self.auto_resume:
-            restarts.install_auto_resume(self)
+            auto_resume.install_auto_resume(self)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 from lightning_zero import ZeroStrategy
 from lightning_zero.checkpoint import CheckpointError, CheckpointSaveError
 from lightning_zero.ds_config import DeepSpeedConfigError
-from lightning_zero.strategies import validation
+from lightning_zero.fabric import validation
 
 from tests.lightning_models import RegressionModule, dataset
 

@@ -54,7 +54,7 @@ def is_full_checkpoint(path: str, load_full_weights: bool) -> bool:
 def optimizer_target(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> OptimizerTarget:
     """The optimizer as :func:`load_full_optimizer_states` sees it: every module parameter per group, its name,
     and the tensor this rank keeps its state for (``None`` for a parameter another rank steps at stage 1)."""
-    from lightning_zero.strategies.checkpointing import _held_tensor, _model_params_per_group, _param_names
+    from lightning_zero.fabric.checkpointing import _held_tensor, _model_params_per_group, _param_names
 
     names = _param_names(module)
     sharding = get_sharding(optimizer)
@@ -102,9 +102,9 @@ def load_full(strategy: Any, path: str) -> dict[str, Any]:
     starts the optimizers and LR schedulers fresh from the loaded weights, as DeepSpeed's flag of that name does.
     """
     from lightning.fabric.utilities.rank_zero import rank_zero_warn
-    from lightning.pytorch import __version__ as lightning_version
+    from lightning.fabric import __version__ as lightning_version
 
-    from lightning_zero.strategies.checkpointing import (
+    from lightning_zero.fabric.checkpointing import (
         _initialise_optimizer_state,
         frozen_parameter_names,
         module_state_dict,

@@ -17,14 +17,14 @@ from step 0 and overwrite the run's checkpoints. When the job is a restart (``TO
 ``SLURM_RESTART_COUNT`` > 0), the fit has no ``ckpt_path`` and ``ZeroStrategy(auto_resume=True)`` (the default),
 the newest *complete* sharded checkpoint (one with ``zero.json``: interrupted saves never qualify) in the
 ``ModelCheckpoint`` directories is resumed, and the log says which. Lightning has no public hook that chooses the
-checkpoint after the process group exists (rank 0 chooses, every rank loads the same one), so this wraps the
-Trainer's ``_checkpoint_connector.resume_start`` for that one call. A preempted job (SIGTERM/SIGUSR1) saves
-``preempted.ckpt`` there first, at a step boundary (:mod:`lightning_zero.strategies.preemption`).
+checkpoint after the process group exists (rank 0 chooses, every rank loads the same one), so the Trainer adapter
+(:mod:`lightning_zero.strategies.auto_resume`) wraps the Trainer's ``_checkpoint_connector.resume_start`` for that
+one call; this module keeps the framework-free part (:func:`newest_complete_checkpoint`). A preempted job
+(SIGTERM/SIGUSR1) saves ``preempted.ckpt`` there first, at a step boundary (:mod:`lightning_zero.strategies.preemption`).
 """
 
 from __future__ import annotations
 
-import logging
 import os
 from datetime import timedelta
 from typing import Any, Optional, Union
@@ -32,8 +32,6 @@ from typing import Any, Optional, Union
 import torch.distributed as dist
 
 from lightning_zero.checkpoint.io import INFO_FILE, is_sharded_checkpoint
-
-log = logging.getLogger(__name__)
 
 
 def check_auto_resume(value) -> Union[bool, str]:
@@ -79,50 +77,3 @@ def newest_complete_checkpoint(directories: list[str]) -> Optional[str]:
             elif not entry.startswith(".") and is_sharded_checkpoint(path):
                 found.append((os.path.getmtime(os.path.join(path, INFO_FILE)), path))
     return max(found)[1] if found else None
-
-
-def _checkpoint_directories(trainer) -> list[str]:
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    return [str(cb.dirpath) for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
-
-
-def _choose_resume_path(trainer, broadcast) -> Optional[str]:
-    count = restart_count()
-    why = f"this job is restart {count}" if count else "auto_resume='always'"
-    path = newest_complete_checkpoint(_checkpoint_directories(trainer)) if trainer.is_global_zero else None
-    path = broadcast(path)
-    if trainer.is_global_zero:
-        if path is not None:
-            log.warning(f"lightning-zero auto_resume: {why}; resuming from the newest complete "
-                        f"checkpoint {path} (pass ckpt_path to choose, or ZeroStrategy(auto_resume=False))")
-        else:
-            log.warning(f"lightning-zero auto_resume: {why} but no complete checkpoint is in "
-                        f"{_checkpoint_directories(trainer) or 'any ModelCheckpoint dirpath'}; training starts from "
-                        f"step 0")
-    return path
-
-
-def install_auto_resume(strategy) -> None:
-    """On a restarted fit without ``ckpt_path``, make the Trainer resume from the newest complete checkpoint; on
-    every fit, turn preemption signals into a checkpoint at the next step boundary (:mod:`.preemption`)."""
-    from lightning.pytorch.trainer.states import TrainerFn
-
-    from lightning_zero.strategies import preemption
-
-    preemption.install(strategy)
-    module = strategy.lightning_module
-    trainer = getattr(module, "_trainer", None) if module is not None else None
-    asked = restart_count() > 0 or strategy.auto_resume == "always"
-    if trainer is None or not asked or trainer.state.fn != TrainerFn.FITTING:
-        return
-    connector = trainer._checkpoint_connector
-    original = connector.resume_start
-
-    def resume_start(checkpoint_path=None, weights_only=None):
-        del connector.resume_start  # one call only: back to the class's method
-        if checkpoint_path is None:
-            checkpoint_path = _choose_resume_path(trainer, strategy.broadcast)
-        return original(checkpoint_path, weights_only=weights_only)
-
-    connector.resume_start = resume_start

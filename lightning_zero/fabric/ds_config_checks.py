@@ -91,7 +91,7 @@ def check_config_against_trainer(binding, trainer, precision: str, data_parallel
         DeepSpeedConfigError: precision, clipping, accumulation or ``steps_per_print`` disagree with the Trainer's
             explicit flags, or the config's batch sizes cannot add up for this data-parallel size.
     """
-    from lightning_zero.strategies.ds_config_binding import precision_from_config
+    from lightning_zero.fabric.ds_config_binding import precision_from_config
 
     precision_from_config(binding.precision, precision)
     if getattr(getattr(trainer, "state", None), "fn", None) != "fit":
