@@ -118,11 +118,14 @@ class AsyncFileIO:
             try:
                 fd = os.open(path, flags | os.O_DIRECT, 0o600)
             except OSError as error:
-                if error.errno != errno.EINVAL or self.settings.use_direct:
+                if error.errno == errno.EINVAL and self.settings.use_direct:
+                    raise SwapIOError(errno.EINVAL, f"use_direct=True but the filesystem of {path!r} refuses "
+                                                    "O_DIRECT") from error
+                if error.errno != errno.EINVAL:
                     raise _io_error(error, "open", path, 0) from error
                 direct = False
         if self.settings.use_direct and not direct:
-            raise SwapIOError(errno.EINVAL, f"use_direct=True but O_DIRECT is not available for {path}")
+            raise SwapIOError(errno.EINVAL, f"use_direct=True but O_DIRECT is not available for {path!r}")
         if fd < 0:
             try:
                 fd = os.open(path, flags, 0o600)

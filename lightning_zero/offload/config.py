@@ -103,3 +103,31 @@ def nvme_config_from_arguments(nvme_path: Any = None, buffer_count: Optional[int
             raise ValueError(f"{', '.join(names)} only apply to NVMe offload, which needs nvme_path")
         return None
     return NvmeConfig(nvme_path=nvme_path, aio=aio_settings(aio), **given)
+
+
+NVME_ARGUMENTS = ("nvme_path", "buffer_count", "sub_group_size", "buffer_size", "max_in_cpu", "aio")
+
+
+def offload_arguments(from_config: dict, offload: Any = None, offload_optimizer: Any = None,
+                      offload_params: Any = None, nvme_path: Any = None, buffer_count: Optional[int] = None,
+                      sub_group_size: Optional[int] = None, buffer_size: Optional[int] = None,
+                      max_in_cpu: Optional[int] = None, aio: Optional[dict] = None) -> dict:
+    """The strategy's offload arguments (``offload``, ``offload_optimizer``, ``offload_params`` and the
+    :data:`NVME_ARGUMENTS`) over those a translated ds_config gives (``from_config``; explicit arguments win), as
+    keyword arguments for :class:`~lightning_zero.config.ZeroConfig`: ``offload``, ``offload_optimizer``,
+    ``offload_params`` and ``nvme`` (an :class:`NvmeConfig` or ``None``). Used by both strategies.
+
+    An explicit shorthand ``offload`` replaces the config's precise pair and vice versa, so the two forms never
+    meet silently.
+    """
+    nvme = {"nvme_path": nvme_path, "buffer_count": buffer_count, "sub_group_size": sub_group_size,
+            "buffer_size": buffer_size, "max_in_cpu": max_in_cpu, "aio": aio}
+    explicit_precise = offload_optimizer is not None or offload_params is not None
+    if offload is None and not explicit_precise:
+        offload = from_config.get("offload")
+        offload_optimizer = from_config.get("offload_optimizer")
+        offload_params = from_config.get("offload_params")
+    merged = {name: nvme.get(name) if nvme.get(name) is not None else from_config.get(name)
+              for name in NVME_ARGUMENTS}
+    return {"offload": offload, "offload_optimizer": offload_optimizer, "offload_params": offload_params,
+            "nvme": nvme_config_from_arguments(**merged)}

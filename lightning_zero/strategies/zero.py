@@ -44,6 +44,7 @@ from lightning_zero.distributed.manual_backward import ManualBackward
 from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
 from lightning_zero.distributed.optimizer_check import check_optimizer_params
 from lightning_zero.distributed.zero import apply_zero, set_gradient_sync
+from lightning_zero.offload.config import offload_arguments
 from lightning_zero.strategies import checkpointing, lifecycle, restarts, validation
 from lightning_zero.strategies.ddp_options import DDPOptions, ddp_kwargs_for, explain_unused_parameters, require_flags
 from lightning_zero.strategies.ds_config_binding import (
@@ -95,9 +96,9 @@ class ZeroStrategy(ParallelStrategy):
 
     Args:
         stage: ZeRO stage, 0-3 (default 2, or the config's).
-        offload: ``None`` or ``"cpu"``: optimizer states and fp32 master weights live and step in CPU memory
-            (stage 1: a CPU master per owned parameter; stages 2-3: FSDP2's ``CPUOffloadPolicy``, which also puts
-            the sharded parameters and gradients there). ``"nvme"`` is not implemented yet and raises.
+        offload: ``None``, ``"cpu"`` (optimizer states and fp32 masters live and step in CPU memory; at stages 2-3
+            FSDP2's ``CPUOffloadPolicy`` also puts the sharded parameters and gradients there) or ``"nvme"``; the
+            precise ``offload_optimizer``/``offload_params`` and the NVMe knobs: see ``docs/offload.md``.
         pin_memory: pin offloaded CPU tensors (default: when computing on CUDA).
         sharded_module_classes: classes or class names that become FSDP units at stages 2-3; by default
             repeated blocks are detected (:func:`lightning_zero.distributed.zero.find_repeated_blocks`).
@@ -142,6 +143,9 @@ class ZeroStrategy(ParallelStrategy):
         self,
         stage: Optional[int] = None,
         offload: Optional[str] = None,
+        offload_optimizer: Optional[str] = None, offload_params: Optional[str] = None, nvme_path: Optional[str] = None,
+        buffer_count: Optional[int] = None, sub_group_size: Optional[int] = None, buffer_size: Optional[int] = None,
+        max_in_cpu: Optional[int] = None, aio: Optional[dict] = None,
         pin_memory: Optional[bool] = None,
         sharded_module_classes: Optional[Union[set, list, tuple]] = None,
         reshard_after_forward: Optional[Union[bool, int]] = None,
@@ -181,11 +185,15 @@ class ZeroStrategy(ParallelStrategy):
         validation.check_backend_name(process_group_backend)
         self._ds_config = bind_ds_config(config, strict)  # config=, else PL_DEEPSPEED_CONFIG_PATH, else None
         self.hang_guard = HangGuard(hang_timeout)
+        offloads = offload_arguments(self._ds_config.strategy_kwargs() if self._ds_config else {}, offload,
+                                     offload_optimizer, offload_params, nvme_path, buffer_count, sub_group_size,
+                                     buffer_size, max_in_cpu, aio)
+        offload = offloads.pop("offload") or "none"  # "none": the config's shorthand was already considered
         (stage, offload, pin_memory, reshard_after_forward, communication_data_type, pipeline_parallel_size,
          micro_batches) = arguments_over_config(self._ds_config, stage, offload, pin_memory, reshard_after_forward,
                                                 communication_data_type, pipeline_parallel_size, micro_batches)
         self.zero_config = ZeroConfig(
-            stage=stage, offload=offload, pin_memory=pin_memory,
+            stage=stage, offload=offload, pin_memory=pin_memory, **offloads,
             sharded_module_classes=frozenset(sharded_module_classes) if sharded_module_classes else None,
             reshard_after_forward=reshard_after_forward,
         )
@@ -576,7 +584,7 @@ class ZeroStrategy(ParallelStrategy):
         for optimizer in self.optimizers:
             sharding = get_sharding(optimizer)
             if sharding is not None:
-                sharding.remove()
+                sharding.remove(optimizer)
         if lifecycle.holds_sharded_parameters(lightning_module):
             lifecycle.teardown_in_place(self)  # never .cpu() a sharded module: see teardown_in_place
         else:
@@ -592,6 +600,8 @@ class ZeroStrategy(ParallelStrategy):
             "zero_stage_3": dict(description="ZeRO stage 3: parameters, gradients, optimizer states sharded",
                                  stage=3),
             "zero_stage_3_offload": dict(description="ZeRO stage 3 with CPU offload", stage=3, offload="cpu"),
+            "zero_stage_3_offload_nvme": dict(description="ZeRO stage 3, optimizer states on NVMe (needs nvme_path)",
+                                              stage=3, offload_optimizer="nvme", offload_params="cpu"),
         }
         for name, kwargs in entries.items():
             if name not in strategy_registry:

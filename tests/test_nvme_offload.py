@@ -1,0 +1,248 @@
+"""NVMe offload (optimizer-state swapping): the I/O engine alone, the swapper's pipeline, parity with CPU offload
+at 2 ranks, checkpoints across NVMe/CPU offload, and that swap files exist during training and are gone after."""
+
+import copy
+import errno
+import os
+import shutil
+
+import pytest
+import torch
+from lightning.pytorch import Callback, Trainer
+from torch import nn
+
+from lightning_zero import ZeroStrategy
+from lightning_zero.config import ZeroConfig
+from lightning_zero.offload import aio as aio_module
+from lightning_zero.offload.aio import AioSettings, AsyncFileIO, SwapIOError, align_up, aligned_buffer
+from lightning_zero.offload.config import NvmeConfig, nvme_config_from_arguments
+from lightning_zero.offload.optimizer_swapper import SwappedOut, attach_swapper, detach_swapper, get_swapper
+from tests.distributed import run_distributed
+from tests.lightning_models import RegressionModule, full_state, reference_weights
+
+BATCH = 4
+STEPS = 4
+
+
+# ------------------------------------------------------------------ the I/O engine alone
+@pytest.mark.parametrize("settings", [AioSettings(block_size=4096, queue_depth=3, thread_count=2),
+                                      AioSettings(single_submit=True, overlap_events=False),
+                                      AioSettings(use_direct=False)])
+def test_engine_round_trips_aligned_buffers_at_offsets(tmp_path, settings):
+    io = AsyncFileIO(settings)
+    path = str(tmp_path / "swap.bin")
+    io.open(path)
+    first, second = aligned_buffer(10_000), aligned_buffer(3 * 4096)
+    assert first.data_ptr() % 4096 == 0 and first.numel() == align_up(10_000)
+    first.copy_(torch.randint(0, 256, (first.numel(),), dtype=torch.uint8))
+    second.copy_(torch.randint(0, 256, (second.numel(),), dtype=torch.uint8))
+    futures = [io.write(path, first, 0), io.write(path, second, first.numel())]
+    assert [f.result() for f in futures] == [first.numel(), second.numel()]
+    back = aligned_buffer(first.numel() + second.numel())
+    io.read(path, back).result()
+    io.close()
+    assert torch.equal(back[:first.numel()], first) and torch.equal(back[first.numel():], second)
+    assert os.path.getsize(path) == first.numel() + second.numel()
+
+
+def test_engine_falls_back_to_buffered_io_with_a_warning_where_o_direct_is_refused(tmp_path, monkeypatch):
+    real_open = os.open
+
+    def no_direct(path, flags, mode=0o777):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, mode)
+
+    monkeypatch.setattr(aio_module.os, "open", no_direct)
+    io = AsyncFileIO()
+    with pytest.warns(UserWarning, match="O_DIRECT is not supported"):
+        assert io.open(str(tmp_path / "a.bin")) is False
+    buf = aligned_buffer(4096).fill_(7)
+    io.write(str(tmp_path / "a.bin"), buf).result()
+    io.close()
+    with pytest.raises(SwapIOError, match="use_direct=True"):
+        AsyncFileIO(AioSettings(use_direct=True)).open(str(tmp_path / "b.bin"))
+
+
+def test_engine_reports_a_full_disk_naming_the_folder_and_bytes(tmp_path, monkeypatch):
+    def full(fd, buffers, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(aio_module.os, "pwritev", full)
+    io = AsyncFileIO()
+    path = str(tmp_path / "full.bin")
+    io.open(path)
+    with pytest.raises(SwapIOError, match=rf"nvme_path \('{tmp_path}'\) is full \(8192 more bytes"):
+        io.write(path, aligned_buffer(8192)).result()
+    io.close()
+
+
+# ------------------------------------------------------------------ configuration
+def test_nvme_arguments_are_validated_before_any_process_group(tmp_path):
+    with pytest.raises(ValueError, match="needs nvme_path"):
+        ZeroStrategy(stage=2, offload="nvme")
+    with pytest.raises(ValueError, match="needs nvme_path"):
+        ZeroStrategy(stage=3, offload_optimizer="nvme", offload_params="cpu")
+    with pytest.raises(NotImplementedError, match="offload_params='nvme'"):
+        ZeroStrategy(stage=3, offload="nvme", nvme_path=str(tmp_path))
+    with pytest.raises(ValueError, match="not an existing directory"):
+        ZeroStrategy(stage=1, offload="nvme", nvme_path=str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="need offload_optimizer='nvme'"):
+        ZeroStrategy(stage=2, offload="cpu", nvme_path=str(tmp_path))
+    with pytest.raises(ValueError, match="only apply to NVMe offload"):
+        ZeroStrategy(stage=2, buffer_count=8)
+    with pytest.raises(ValueError, match="at least 3"):
+        ZeroStrategy(stage=2, offload="nvme", nvme_path=str(tmp_path), buffer_count=2)
+    with pytest.raises(NotImplementedError, match="max_in_cpu"):
+        ZeroStrategy(stage=2, offload="nvme", nvme_path=str(tmp_path), max_in_cpu=10)
+    with pytest.raises(ValueError, match="unknown keys"):
+        ZeroStrategy(stage=2, offload="nvme", nvme_path=str(tmp_path), aio={"queue_dept": 4})
+    with pytest.raises(ValueError, match="at stage 3 is not supported"):
+        ZeroStrategy(stage=3, offload_optimizer="cpu")
+    with pytest.raises(ValueError, match="needs stage 3"):
+        ZeroStrategy(stage=2, offload_params="cpu")
+    with pytest.raises(ValueError, match="not both"):
+        ZeroStrategy(stage=2, offload="cpu", offload_optimizer="cpu")
+    strategy = ZeroStrategy(stage=3, offload_optimizer="nvme", offload_params="cpu", nvme_path=str(tmp_path),
+                            sub_group_size=1000, aio={"queue_depth": 2, "block_size": 65536})
+    config = strategy.zero_config
+    assert (config.offload, config.offload_optimizer, config.offload_params) == ("nvme", "nvme", "cpu")
+    assert config.nvme.sub_group_size == 1000 and config.nvme.aio.queue_depth == 2
+    assert ZeroConfig(stage=1, offload="nvme", nvme=nvme_config_from_arguments(str(tmp_path))).swaps_optimizer_states
+
+
+def test_registered_nvme_name_needs_an_nvme_path():
+    with pytest.raises(ValueError, match="needs nvme_path"):
+        Trainer(strategy="zero_stage_3_offload_nvme", accelerator="cpu", devices=1, logger=False)
+
+
+# ------------------------------------------------------------------ the swapper alone
+def test_swapped_step_pipelines_sub_groups_and_matches_the_plain_optimizer(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    reference = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.05, weight_decay=0.1)
+    swapper = attach_swapper(opt, NvmeConfig(str(tmp_path), sub_group_size=520, buffer_count=3))
+    assert len(swapper.subgroups) >= 4
+    events = []
+    real_read, real_write = swapper.io.read, swapper.io.write
+    swapper.io.read = lambda path, *a: events.append(("read", path[-5])) or real_read(path, *a)
+    swapper.io.write = lambda path, *a: events.append(("write", path[-5])) or real_write(path, *a)
+    base = type(opt)._lightning_zero_base_class.step
+    for step in range(3):
+        x = torch.randn(8, 16)
+        for net, optimizer in ((model, opt), (reference, ref_opt)):
+            optimizer.zero_grad()
+            net(x).square().mean().backward()
+            optimizer.step()
+        if step == 0:
+            events.clear()
+    for got, want in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(got, want), "swapping changed the optimizer's numbers"
+    # Read-ahead: sub-group 1 is read before sub-group 0 is written back (its step happens in between).
+    assert events.index(("read", "1")) < events.index(("write", "0")) < events.index(("read", "2"))
+    assert swapper.peak_buffers <= 3, "host memory for swapped states must stay within buffer_count buffers"
+    # Between steps the per-element states are on disk only, with the expected file sizes.
+    state = opt.state[next(iter(model.parameters()))]
+    assert isinstance(state["exp_avg"], SwappedOut) and torch.is_tensor(state["step"])
+    for index, group in enumerate(swapper.subgroups):
+        expected = sum(align_up(p.numel() * 4) * 2 for p in group)
+        assert os.path.getsize(swapper.path(index)) >= expected - 4096
+    saved = opt.state_dict()  # reads the states back
+    assert torch.equal(saved["state"][0]["exp_avg"], ref_opt.state_dict()["state"][0]["exp_avg"])
+    assert base is torch.optim.AdamW.step
+    folder = swapper.run_folder
+    detach_swapper(opt)
+    assert not os.path.exists(folder) and type(opt) is torch.optim.AdamW
+    assert torch.equal(opt.state[next(iter(model.parameters()))]["exp_avg_sq"],
+                       ref_opt.state[next(iter(reference.parameters()))]["exp_avg_sq"])
+
+
+def test_refuses_to_start_when_the_disk_has_less_free_space_than_the_states(tmp_path, monkeypatch):
+    model = nn.Linear(100, 100)
+    opt = torch.optim.Adam(model.parameters())
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
+    with pytest.raises(SwapIOError, match=rf"nvme_path='{tmp_path}' has 1000 bytes free .* need about \d+ bytes"):
+        attach_swapper(opt, NvmeConfig(str(tmp_path)))
+
+
+# ------------------------------------------------------------------ through the Trainer at 2 ranks
+def _trainer(strategy, world_size, **kwargs):
+    defaults = dict(accelerator="cpu", devices=world_size, max_steps=STEPS, logger=False, enable_checkpointing=False,
+                    enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                    limit_val_batches=0)
+    defaults.update(kwargs)
+    return Trainer(strategy=strategy, **defaults)
+
+
+class _SwapWitness(Callback):
+    """After each step: the swap files exist with the bytes the layout says, and no state tensor is resident."""
+
+    def __init__(self):
+        self.checked = 0
+        self.folder = None
+
+    def on_train_batch_end(self, trainer, *args):
+        swapper = get_swapper(trainer.optimizers[0])
+        if swapper is None or not swapper.layouts:
+            return
+        self.folder = swapper.run_folder
+        assert swapper.folder.startswith(swapper.nvme.nvme_path)
+        for index, entries in swapper.layouts.items():
+            assert os.path.getsize(swapper.path(index)) == align_up(entries[-1].offset + entries[-1].nbytes)
+        for state in trainer.optimizers[0].state.values():
+            assert all(isinstance(v, SwappedOut) for k, v in state.items() if k != "step")
+        assert swapper.peak_buffers <= swapper.nvme.buffer_count
+        self.checked += 1
+
+
+NVME_CASES = [(1, dict(offload_optimizer="nvme")), (2, dict(offload="nvme")),
+              (3, dict(offload_optimizer="nvme", offload_params="cpu"))]
+
+
+def _parity_worker(rank, world_size, root):
+    for stage, nvme_kwargs in NVME_CASES:
+        finals = {}
+        for label, kwargs in (("nvme", dict(nvme_kwargs, nvme_path=root, sub_group_size=64, buffer_count=3)),
+                              ("cpu", dict(offload="cpu"))):
+            torch.manual_seed(0)
+            module = RegressionModule(batch_size=BATCH)
+            witness = _SwapWitness()
+            trainer = _trainer(ZeroStrategy(stage=stage, **kwargs), world_size, accumulate_grad_batches=2,
+                               gradient_clip_val=0.05, callbacks=[witness])
+            trainer.fit(module)
+            finals[label] = full_state(module)
+            if label == "nvme":
+                assert witness.checked == STEPS, "the swap was not observed after every step"
+                assert not os.path.exists(witness.folder), "teardown must remove the run's swap folder"
+                state = trainer.optimizers[0].state
+                assert state and all(torch.is_tensor(v) for s in state.values() for v in s.values()), \
+                    "after teardown the optimizer holds its states in memory again"
+        worst = max((finals["nvme"][k] - finals["cpu"][k]).abs().max().item() for k in finals["cpu"])
+        assert worst <= 1e-6, f"stage {stage}: NVMe offload differs from CPU offload by {worst:.2e}"
+        expected = reference_weights(STEPS, BATCH * world_size * 2, 2, 0.05)
+        worst = max((finals["nvme"][k] - expected[k]).abs().max().item() for k in expected)
+        assert worst <= 1e-5, f"stage {stage}: NVMe offload differs from the single-process reference by {worst:.2e}"
+    assert not [name for name in os.listdir(root) if name.startswith("lz-swap-")]
+
+
+def test_nvme_offload_matches_cpu_offload_at_every_stage(tmp_path):
+    run_distributed(_parity_worker, 2, str(tmp_path))
+
+
+class _Boom(Callback):
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if trainer.global_step == 2:
+            raise RuntimeError("boom mid-training")
+
+
+def _exception_worker(rank, world_size, root):
+    trainer = _trainer(ZeroStrategy(stage=1, offload="nvme", nvme_path=root), world_size, callbacks=[_Boom()])
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.fit(RegressionModule(batch_size=BATCH))
+    assert os.listdir(root) == [], "an exception must not leave swap files behind"
+
+
+def test_swap_files_are_removed_after_an_exception(tmp_path):
+    run_distributed(_exception_worker, 2, str(tmp_path))
