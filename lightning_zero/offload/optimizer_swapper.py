@@ -31,6 +31,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import types
 import weakref
 from collections import deque
 from dataclasses import dataclass
@@ -123,6 +124,7 @@ class OptimizerStateSwapper:
         self.bytes_read = 0
         self.bytes_written = 0
         self.closed = False
+        self.instance_step = None  # a scheduler's wrapper found on the instance (see attach_swapper)
 
     def _split(self, params: list[Tensor]) -> list[list[Tensor]]:
         groups: list[list[Tensor]] = []
@@ -353,6 +355,17 @@ def attach_swapper(optimizer: torch.optim.Optimizer, nvme: NvmeConfig, *, rank: 
     swapped_cls.__module__ = base_cls.__module__
     swapped_cls.__qualname__ = base_cls.__qualname__
     optimizer.__class__ = swapped_cls
+    # [Note: an LR scheduler's step wrapper] A scheduler built before this call replaced ``optimizer.step`` on the
+    # instance by a wrapper that calls the *old* class's ``step`` function (to record that the optimizer stepped).
+    # It would bypass the swapped class, so it is replaced by one that records the same flag and calls ours.
+    swapper.instance_step = optimizer.__dict__.get("step")
+    if swapper.instance_step is not None:
+        def scheduler_aware_step(self, *args, **kwargs):
+            self._opt_called = True  # what torch's scheduler wrapper records
+            return swapped_cls.step(self, *args, **kwargs)
+
+        scheduler_aware_step._wrapped_by_lr_sched = True
+        optimizer.step = types.MethodType(scheduler_aware_step, optimizer)
     setattr(optimizer, _ATTR, swapper)
     return swapper
 
@@ -366,6 +379,8 @@ def detach_swapper(optimizer: torch.optim.Optimizer, restore: bool = True) -> No
         swapper.close(restore=restore)
     finally:
         optimizer.__class__ = type(optimizer)._lightning_zero_base_class
+        if swapper.instance_step is not None:
+            optimizer.step = swapper.instance_step
         delattr(optimizer, _ATTR)
 
 
