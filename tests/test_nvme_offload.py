@@ -246,3 +246,58 @@ def _exception_worker(rank, world_size, root):
 
 def test_swap_files_are_removed_after_an_exception(tmp_path):
     run_distributed(_exception_worker, 2, str(tmp_path))
+
+
+# ------------------------------------------------------------------ checkpoints across NVMe and CPU offload
+def _offload_kwargs(kind, root):
+    if kind == "cpu":
+        return dict(offload="cpu")
+    return dict(offload_optimizer="nvme", nvme_path=root, sub_group_size=64)
+
+
+def _ckpt_trainer(stage, kind, world_size, epochs, root):
+    from tests.test_strategy_checkpoint import STEPS_PER_EPOCH
+
+    kwargs = _offload_kwargs(kind, root)
+    if stage == 3:
+        kwargs["offload_params"] = "cpu"
+        kwargs.pop("offload", None)
+        kwargs.setdefault("offload_optimizer", "cpu")
+    return Trainer(strategy=ZeroStrategy(stage=stage, **kwargs), accelerator="cpu", devices=world_size,
+                   max_epochs=epochs, limit_train_batches=STEPS_PER_EPOCH, limit_val_batches=0, logger=False,
+                   enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                   default_root_dir=root)
+
+
+def _ckpt_save_worker(rank, world_size, path, stage, kind, root):
+    torch.manual_seed(0)
+    trainer = _ckpt_trainer(stage, kind, world_size, 1, root)
+    trainer.fit(RegressionModule(batch_size=BATCH))
+    trainer.save_checkpoint(path)
+
+
+def _ckpt_resume_worker(rank, world_size, path, stage, kind, root, saved_world_size):
+    from tests.test_strategy_checkpoint import STEPS_PER_EPOCH, _reference
+
+    torch.manual_seed(123)  # every weight and state must come from the checkpoint
+    module = RegressionModule(batch_size=BATCH * saved_world_size // world_size)
+    trainer = _ckpt_trainer(stage, kind, world_size, 2, root)
+    trainer.fit(module, ckpt_path=path)
+    assert trainer.global_step == 2 * STEPS_PER_EPOCH
+    expected = _reference(2, BATCH * saved_world_size)
+    got = full_state(module)
+    worst = max((got[k] - expected[k]).abs().max().item() for k in expected)
+    assert worst <= 1e-5, f"resumed under {kind} offload at stage {stage}: max abs diff {worst:.2e}"
+
+
+# (saved stage, offload, world size) -> (resumed stage, offload, world size)
+CKPT_CASES = [((2, "nvme", 2), (3, "cpu", 1)), ((1, "cpu", 2), (3, "nvme", 2))]
+
+
+@pytest.mark.parametrize("saved,resumed", CKPT_CASES, ids=["nvme-s2x2-to-cpu-s3x1", "cpu-s1x2-to-nvme-s3x2"])
+def test_checkpoint_moves_between_nvme_and_cpu_offload(tmp_path, saved, resumed):
+    root = str(tmp_path)
+    path = str(tmp_path / "run.ckpt")
+    run_distributed(_ckpt_save_worker, saved[2], path, saved[0], saved[1], root)
+    run_distributed(_ckpt_resume_worker, resumed[2], path, resumed[0], resumed[1], root, saved[2])
+    assert not [name for name in os.listdir(root) if name.startswith("lz-swap-")]
