@@ -269,11 +269,21 @@ def _ckpt_trainer(stage, kind, world_size, epochs, root):
                    default_root_dir=root)
 
 
+class _SaveWhileSwapping(Callback):
+    """Saves during fit, while the states are on disk (after teardown they are back in memory)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def on_train_epoch_end(self, trainer, module):
+        trainer.save_checkpoint(self.path)
+
+
 def _ckpt_save_worker(rank, world_size, path, stage, kind, root):
     torch.manual_seed(0)
     trainer = _ckpt_trainer(stage, kind, world_size, 1, root)
+    trainer.callbacks.append(_SaveWhileSwapping(path))
     trainer.fit(RegressionModule(batch_size=BATCH))
-    trainer.save_checkpoint(path)
 
 
 def _ckpt_resume_worker(rank, world_size, path, stage, kind, root, saved_world_size):
@@ -301,3 +311,40 @@ def test_checkpoint_moves_between_nvme_and_cpu_offload(tmp_path, saved, resumed)
     run_distributed(_ckpt_save_worker, saved[2], path, saved[0], saved[1], root)
     run_distributed(_ckpt_resume_worker, resumed[2], path, resumed[0], resumed[1], root, saved[2])
     assert not [name for name in os.listdir(root) if name.startswith("lz-swap-")]
+
+
+# ------------------------------------------------------------------ ds_config translation
+def _nvme_config(root, **zero):
+    return {"zero_optimization": {"stage": 3, "sub_group_size": 2048,
+                                  "offload_optimizer": {"device": "nvme", "nvme_path": root, "buffer_count": 6},
+                                  "offload_param": {"device": "cpu"}, **zero},
+            "aio": {"block_size": 262144, "queue_depth": 4, "intra_op_parallelism": 2, "single_submit": True,
+                    "overlap_events": False}}
+
+
+def test_ds_config_nvme_sections_and_aio_translate_to_the_strategy_arguments(tmp_path):
+    from lightning_zero.ds_config import translate_ds_config
+
+    config = ZeroStrategy(config=_nvme_config(str(tmp_path))).zero_config
+    assert (config.offload_optimizer, config.offload_params) == ("nvme", "cpu")
+    assert (config.nvme.nvme_path, config.nvme.buffer_count, config.nvme.sub_group_size) == (str(tmp_path), 6, 2048)
+    assert config.nvme.aio == AioSettings(block_size=262144, queue_depth=4, thread_count=2, single_submit=True,
+                                          overlap_events=False)
+    notes = dict(translate_ds_config(_nvme_config(str(tmp_path))).notes)
+    assert notes["zero_optimization.sub_group_size"].startswith("-> sub_group_size")
+    assert notes["zero_optimization.offload_optimizer.nvme_path"] == "-> nvme_path"
+    # an explicit non-NVMe offload wins over the config, and the config's NVMe knobs go with its device
+    assert ZeroStrategy(config=_nvme_config(str(tmp_path)), offload="cpu").zero_config.nvme is None
+    # refused, each naming what: parameter swapping, a missing nvme_path, GPUDirect Storage
+    with pytest.raises(NotImplementedError, match="offload_params='nvme'"):
+        ZeroStrategy(config=_nvme_config(str(tmp_path), offload_param={"device": "nvme", "nvme_path": "/x"}))
+    missing = _nvme_config(str(tmp_path))
+    del missing["zero_optimization"]["offload_optimizer"]["nvme_path"]
+    with pytest.raises(Exception, match="nvme_path is missing"):
+        ZeroStrategy(config=missing)
+    gds = _nvme_config(str(tmp_path))
+    gds["aio"]["use_gds"] = True
+    with pytest.raises(Exception, match="use_gds"):
+        ZeroStrategy(config=gds)
+    cpu_only = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}, "aio": {"queue_depth": 2}}
+    assert "no effect" in dict(translate_ds_config(cpu_only).notes)["aio"]

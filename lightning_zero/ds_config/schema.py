@@ -45,7 +45,8 @@ class KeySpec:
 
 
 _FSDP_UNITS = "FSDP2 communicates per sharded module unit (one all-gather / reduce-scatter per unit) and DDP uses its own buckets"
-_NVME_ONLY = "only used by NVMe offload (ZeRO-Infinity), which is not implemented yet; no effect with device='cpu'"
+_NVME_ONLY = "only used by NVMe offload (ZeRO-Infinity); no effect with device='cpu'"
+_PARAM_SWAP_ONLY = "only used by parameter swapping to NVMe, which is not implemented (offload_param.device 'nvme' is refused)"
 
 ZERO_KEYS: dict[str, KeySpec] = {
     "stage": KeySpec(0, STRATEGY, "-> stage"),
@@ -120,8 +121,8 @@ OFFLOAD_COMMON_KEYS: dict[str, KeySpec] = {
 }
 OFFLOAD_PARAM_KEYS: dict[str, KeySpec] = {
     **OFFLOAD_COMMON_KEYS,
-    "buffer_size": KeySpec(100_000_000, NO_EFFECT, _NVME_ONLY),
-    "max_in_cpu": KeySpec(1_000_000_000, NO_EFFECT, _NVME_ONLY),
+    "buffer_size": KeySpec(100_000_000, NO_EFFECT, _PARAM_SWAP_ONLY),
+    "max_in_cpu": KeySpec(1_000_000_000, NO_EFFECT, _PARAM_SWAP_ONLY),
 }
 OFFLOAD_OPTIMIZER_KEYS: dict[str, KeySpec] = {
     **OFFLOAD_COMMON_KEYS,
@@ -199,6 +200,8 @@ TOP_LEVEL_KEYS: dict[str, KeySpec] = {
                                            "when pipelining)"),
     "steps_per_print": KeySpec(None, TRAINER, "-> Trainer log_every_n_steps"),
     "wall_clock_breakdown": KeySpec(False, TRAINER, "returned; true asks for per-phase timings (Lightning profiler)"),
+    "aio": KeySpec(None, STRATEGY, "-> aio (the NVMe swap engine's knobs) with offload_optimizer.device 'nvme'; "
+                   "no effect otherwise"),
     "gradient_clipping": KeySpec(None, TRAINER, "-> Trainer gradient_clip_val (norm clipping); 0 disables"),
     "optimizer": KeySpec(None, RETURNED, "built by lightning_zero.optim_factory.build_optimizer"),
     "scheduler": KeySpec(None, RETURNED, "built by lightning_zero.optim_factory.build_scheduler, stepped every "
@@ -250,7 +253,6 @@ UNSUPPORTED_SECTIONS = {
     "csv_monitor": "DeepSpeed's monitor (use a Lightning logger, e.g. CSVLogger)",
     "comet": "DeepSpeed's monitor (use a Lightning logger, e.g. CometLogger)",
     "comms_logger": "DeepSpeed's communication logger (use the torch profiler)",
-    "aio": "DeepSpeed's async I/O for NVMe offload (NVMe offload is not implemented yet)",
     "data_types": "DeepSpeed's gradient-accumulation dtype switch (gradients accumulate in fp32)",
     "compile": "DeepSpeed's compile/DeepCompile (compile the LightningModule with torch.compile)",
     "weight_quantization": "DeepSpeed's weight quantization",

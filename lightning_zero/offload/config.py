@@ -124,10 +124,16 @@ def offload_arguments(from_config: dict, offload: Any = None, offload_optimizer:
             "buffer_size": buffer_size, "max_in_cpu": max_in_cpu, "aio": aio}
     explicit_precise = offload_optimizer is not None or offload_params is not None
     if offload is None and not explicit_precise:
-        offload = from_config.get("offload")
         offload_optimizer = from_config.get("offload_optimizer")
         offload_params = from_config.get("offload_params")
-    merged = {name: nvme.get(name) if nvme.get(name) is not None else from_config.get(name)
+        # a config with the precise pair also carries the shorthand (for reports): the pair is what it means
+        offload = None if offload_optimizer is not None or offload_params is not None else from_config.get("offload")
+    if str(offload_params).lower() == "nvme":  # refused first: no other setting matters without it
+        raise NotImplementedError(PARAMS_NVME_NOT_AVAILABLE)
+    # The config's NVMe knobs follow its NVMe device: an explicit non-NVMe offload drops them with it.
+    config_nvme = from_config.get("offload_optimizer") == "nvme" and (
+        offload_optimizer == "nvme" or offload == "nvme" or (offload is None and not explicit_precise))
+    merged = {name: nvme[name] if nvme[name] is not None else (from_config.get(name) if config_nvme else None)
               for name in NVME_ARGUMENTS}
     return {"offload": offload, "offload_optimizer": offload_optimizer, "offload_params": offload_params,
             "nvme": nvme_config_from_arguments(**merged)}
