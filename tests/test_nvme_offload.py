@@ -348,3 +348,18 @@ def test_ds_config_nvme_sections_and_aio_translate_to_the_strategy_arguments(tmp
         ZeroStrategy(config=gds)
     cpu_only = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}, "aio": {"queue_depth": 2}}
     assert "no effect" in dict(translate_ds_config(cpu_only).notes)["aio"]
+
+
+# ------------------------------------------------------------------ estimator
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_estimator_reports_nvme_bytes_and_the_bounded_cpu_peak(stage):
+    from lightning_zero.distributed.memory import estimate_model_states_memory
+
+    params, ranks = 7_000_000, 2
+    cpu = estimate_model_states_memory(params, stage, ranks, offload="cpu")
+    nvme = estimate_model_states_memory(params, stage, ranks, offload="nvme", sub_group_size=100_000, buffer_count=4)
+    assert nvme.nvme == params * 8 // ranks and cpu.nvme == 0
+    assert nvme.cpu.total == cpu.cpu.total - nvme.nvme
+    assert nvme.cpu_peak == nvme.cpu.total + 4 * 100_000 * 8
+    assert nvme.accelerator == cpu.accelerator
+    assert ("nvme (GiB)", f"{nvme.nvme / 1024 ** 3:.2f}") in nvme.as_table()
