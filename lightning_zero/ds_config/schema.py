@@ -50,8 +50,10 @@ _PARAM_SWAP_ONLY = "only used by parameter swapping to NVMe, which is not implem
 
 ZERO_KEYS: dict[str, KeySpec] = {
     "stage": KeySpec(0, STRATEGY, "-> stage"),
-    "offload_optimizer": KeySpec(None, STRATEGY, "device -> offload; pin_memory -> pin_memory"),
-    "offload_param": KeySpec(None, STRATEGY, "device -> offload (stage 3 only); pin_memory -> pin_memory"),
+    "offload_optimizer": KeySpec(None, STRATEGY, "device -> offload (nvme: -> offload_optimizer); pin_memory -> "
+                                 "pin_memory"),
+    "offload_param": KeySpec(None, STRATEGY, "device -> offload (stage 3 only; with NVMe -> offload_params); "
+                             "pin_memory -> pin_memory"),
     "zero_hpz_partition_size": KeySpec(
         1, STRATEGY, "ZeRO++ hpZ secondary partition -> reshard_after_forward=<size> at stage 3 (FSDP2 reshards to "
         "a group of that size after forward)"),
@@ -67,8 +69,8 @@ ZERO_KEYS: dict[str, KeySpec] = {
     "allgather_partitions": KeySpec(True, NO_EFFECT, "updated shards are always all-gathered (never broadcast)"),
     "reduce_scatter": KeySpec(True, NO_EFFECT, "sharded stages always reduce-scatter gradients; stage 0 all-reduces"),
     "use_multi_rank_bucket_allreduce": KeySpec(True, NO_EFFECT, _FSDP_UNITS),
-    "sub_group_size": KeySpec(1_000_000_000, NO_EFFECT, "the optimizer steps each shard directly; the tile size "
-                              "only matters for NVMe swapping"),
+    "sub_group_size": KeySpec(1_000_000_000, NO_EFFECT, "-> sub_group_size with offload_optimizer.device 'nvme'; "
+                              "without NVMe the optimizer steps each shard directly"),
     "stage3_prefetch_bucket_size": KeySpec(50_000_000, NO_EFFECT, "FSDP2 prefetches the next unit's all-gather "
                                            "(one unit ahead) instead of a byte budget"),
     "stage3_param_persistence_threshold": KeySpec(100_000, NO_EFFECT, "FSDP2 shards every parameter of a unit; "
@@ -116,7 +118,7 @@ OFFLOAD_COMMON_KEYS: dict[str, KeySpec] = {
     "device": KeySpec("none", STRATEGY, "-> offload ('none' -> None, 'cpu', 'nvme')"),
     "pin_memory": KeySpec(True, STRATEGY, "true -> pin_memory=None (pin whenever the device is CUDA, the only case "
                           "where DeepSpeed can pin); false -> pin_memory=False"),
-    "nvme_path": KeySpec(None, NO_EFFECT, _NVME_ONLY),
+    "nvme_path": KeySpec(None, NO_EFFECT, "-> nvme_path with offload_optimizer.device 'nvme'; " + _NVME_ONLY),
     "buffer_count": KeySpec(5, NO_EFFECT, _NVME_ONLY),
 }
 OFFLOAD_PARAM_KEYS: dict[str, KeySpec] = {
@@ -126,10 +128,12 @@ OFFLOAD_PARAM_KEYS: dict[str, KeySpec] = {
 }
 OFFLOAD_OPTIMIZER_KEYS: dict[str, KeySpec] = {
     **OFFLOAD_COMMON_KEYS,
-    "buffer_count": KeySpec(4, NO_EFFECT, _NVME_ONLY),
-    "pipeline_read": KeySpec(False, NO_EFFECT, _NVME_ONLY),
-    "pipeline_write": KeySpec(False, NO_EFFECT, _NVME_ONLY),
-    "fast_init": KeySpec(False, NO_EFFECT, _NVME_ONLY),
+    "buffer_count": KeySpec(4, NO_EFFECT, "-> buffer_count with device 'nvme'; " + _NVME_ONLY),
+    "pipeline_read": KeySpec(False, NO_EFFECT, "the swapped step always reads the next sub-group while stepping"),
+    "pipeline_write": KeySpec(False, NO_EFFECT, "the swapped step always writes the previous sub-group while "
+                              "stepping"),
+    "fast_init": KeySpec(False, NO_EFFECT, "swap files are written at the first step, there is no separate "
+                         "initialisation to speed up"),
     "ratio": KeySpec(1.0, NO_EFFECT, "partial optimizer offload is not implemented: the whole optimizer state is "
                      "offloaded"),
     "super_offload": KeySpec(False, UNSUPPORTED, "SuperOffload is not implemented"),
