@@ -363,3 +363,26 @@ def test_estimator_reports_nvme_bytes_and_the_bounded_cpu_peak(stage):
     assert nvme.cpu_peak == nvme.cpu.total + 4 * 100_000 * 8
     assert nvme.accelerator == cpu.accelerator
     assert ("nvme (GiB)", f"{nvme.nvme / 1024 ** 3:.2f}") in nvme.as_table()
+
+
+def test_a_parameter_that_starts_training_later_joins_its_swapped_sub_group_exactly(tmp_path):
+    # The late parameter's new states shift the sub-group's file layout; its buffer (a larger one, recycled from
+    # the big sub-group) is reused, so states must not be copied over states not yet moved.
+    torch.manual_seed(0)
+    first, late, last, big = (torch.randn(n, requires_grad=True) for n in (300, 300, 300, 3000))
+    ours = (first, late, last, big)
+    reference = [t.detach().clone().requires_grad_() for t in ours]
+    opt = torch.optim.Adam(ours, lr=0.1)
+    ref_opt = torch.optim.Adam(reference, lr=0.1)
+    swapper = attach_swapper(opt, NvmeConfig(str(tmp_path), sub_group_size=1000, buffer_count=3))
+    assert [len(g) for g in swapper.subgroups] == [3, 1]
+    for step in range(4):
+        swapper._free.sort(key=lambda buf: -buf.numel())  # largest free buffer first: the small group gets it
+        for params, optimizer in ((ours, opt), (reference, ref_opt)):
+            optimizer.zero_grad()
+            used = params if step >= 2 else (params[0], params[2], params[3])  # `late` trains from step 2 on
+            sum((p * (i + step + 1.0)).square().sum() for i, p in enumerate(used)).backward()
+            optimizer.step()
+    for got, want in zip(ours, reference):
+        assert torch.equal(got, want)
+    detach_swapper(opt)

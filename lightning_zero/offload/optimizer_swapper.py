@@ -227,15 +227,21 @@ class OptimizerStateSwapper:
             self._release(buf)
             return
         nbytes = align_up(entries[-1].offset + entries[-1].nbytes)
-        if buf is None or buf.numel() < nbytes:
-            self._release(buf)
-            buf = self._acquire(nbytes, writes)
+        previous = [(e.param, e.key, e.offset) for e in self.layouts.get(index, ())]
+        moved = previous != [(e.param, e.key, e.offset) for e in entries]
+        # [Note: a changed layout never reuses its buffer] When a parameter got its first state since the last
+        # write, later entries move; packing them inside the buffer they are read from would overwrite states not
+        # yet moved. So a changed (or grown) layout is packed into another buffer, and the old one released after.
+        old = None
+        if buf is None or buf.numel() < nbytes or moved:
+            old, buf = buf, self._acquire(nbytes, writes)
         for entry in entries:
             value = self.optimizer.state[entry.param][entry.key]
             slot = self._view(buf, entry)
             local = _local(value).reshape(-1)
             if local.data_ptr() != slot.data_ptr():
                 slot.copy_(local)
+        self._release(old)
         path = self.path(index)
         if index not in self.layouts:
             self.io.open(path)
