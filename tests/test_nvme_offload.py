@@ -238,14 +238,17 @@ class _Boom(Callback):
 
 
 def _exception_worker(rank, world_size, root):
-    trainer = _trainer(ZeroStrategy(stage=1, offload="nvme", nvme_path=root), world_size, callbacks=[_Boom()])
+    witness = _SwapWitness()
+    trainer = _trainer(ZeroStrategy(stage=1, offload="nvme", nvme_path=root), world_size, callbacks=[witness, _Boom()])
     with pytest.raises(RuntimeError, match="boom"):
         trainer.fit(RegressionModule(batch_size=BATCH))
-    assert os.listdir(root) == [], "an exception must not leave swap files behind"
+    assert witness.checked == 2 and witness.folder is not None, "the swap must have happened before the exception"
+    assert not os.path.exists(witness.folder), "an exception must not leave this rank's swap files behind"
 
 
 def test_swap_files_are_removed_after_an_exception(tmp_path):
     run_distributed(_exception_worker, 2, str(tmp_path))
+    assert os.listdir(tmp_path) == []
 
 
 # ------------------------------------------------------------------ checkpoints across NVMe and CPU offload
