@@ -389,3 +389,42 @@ def test_a_parameter_that_starts_training_later_joins_its_swapped_sub_group_exac
     for got, want in zip(ours, reference):
         assert torch.equal(got, want)
     detach_swapper(opt)
+
+
+def test_a_full_disk_mid_step_names_nvme_path_and_teardown_still_removes_the_files(tmp_path, monkeypatch):
+    model = nn.Linear(64, 64)
+    opt = torch.optim.Adam(model.parameters())
+    swapper = attach_swapper(opt, NvmeConfig(str(tmp_path)))
+    model(torch.randn(2, 64)).sum().backward()
+    opt.step()
+
+    def full(fd, buffers, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(aio_module.os, "pwritev", full)
+    with pytest.raises(SwapIOError, match=rf"nvme_path \('{swapper.folder}'\) is full"):
+        opt.step()
+    monkeypatch.undo()
+    detach_swapper(opt)  # the states of the last complete write are read back
+    assert not os.path.exists(swapper.run_folder)
+    assert all(torch.is_tensor(v) for state in opt.state.values() for v in state.values())
+
+
+def _ds_config_worker(rank, world_size, root):
+    config = {"zero_optimization": {"stage": 2, "sub_group_size": 100,
+                                    "offload_optimizer": {"device": "nvme", "nvme_path": root, "buffer_count": 3}},
+              "aio": {"queue_depth": 2, "thread_count": 2}}
+    torch.manual_seed(0)
+    module = RegressionModule(batch_size=BATCH)
+    witness = _SwapWitness()
+    trainer = _trainer(ZeroStrategy(config=config), world_size, callbacks=[witness])
+    trainer.fit(module)
+    assert witness.checked == STEPS
+    expected = reference_weights(STEPS, BATCH * world_size)
+    got = full_state(module)
+    assert max((got[k] - expected[k]).abs().max().item() for k in expected) <= 1e-5
+
+
+def test_a_ds_config_with_nvme_optimizer_offload_trains(tmp_path):
+    run_distributed(_ds_config_worker, 2, str(tmp_path))
+    assert os.listdir(tmp_path) == []

@@ -32,6 +32,7 @@ import os
 import shutil
 import tempfile
 import types
+import warnings
 import weakref
 from collections import deque
 from dataclasses import dataclass
@@ -150,11 +151,15 @@ class OptimizerStateSwapper:
                    for group in self.subgroups for p in group)
 
     def check_free_space(self, needed: Optional[int] = None) -> None:
+        """Refuse to start when ``nvme_path`` cannot hold this rank's states (times the ranks of this node, which
+        usually share the disk: ``LOCAL_WORLD_SIZE`` as torchrun sets it, else 1)."""
         needed = self.estimated_bytes() if needed is None else needed
+        sharing = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
         free = shutil.disk_usage(self.folder).free
-        if free < needed:
-            raise SwapIOError(28, f"nvme_path={self.nvme.nvme_path!r} has {free} bytes free but this rank's "
-                                  f"optimizer states need about {needed} bytes on disk; free space or choose another "
+        if free < needed * sharing:
+            who = "this rank's" if sharing == 1 else f"the {sharing} local ranks'"
+            raise SwapIOError(28, f"nvme_path={self.nvme.nvme_path!r} has {free} bytes free but {who} optimizer "
+                                  f"states need about {needed * sharing} bytes on disk; free space or choose another "
                                   "nvme_path")
 
     # ---------------------------------------------------------------- buffers
@@ -301,11 +306,16 @@ class OptimizerStateSwapper:
     def make_resident(self) -> None:
         """Read every swapped-out state back into ordinary memory (checkpoint save/load, teardown)."""
         writes: deque = deque()
-        for index in sorted(self.layouts):
-            pending = self._start_read(index, writes)
-            if pending is not None:
-                self._attach(index, pending[0], pending[1], copy=True)
-                self._release(pending[0])
+        indices = sorted(self.layouts)
+        pending = {}
+        for position, index in enumerate(indices):
+            for ahead in indices[position:position + 2]:  # read the next sub-group while copying this one
+                if ahead not in pending:
+                    pending[ahead] = self._start_read(ahead, writes)
+            current = pending.pop(index)
+            if current is not None:
+                self._attach(index, current[0], current[1], copy=True)
+                self._release(current[0])
 
     def swap_out(self) -> None:
         """Write every resident state to disk and drop it from memory."""
@@ -322,6 +332,10 @@ class OptimizerStateSwapper:
         try:
             if restore:
                 self.make_resident()
+        except OSError as error:
+            # Typically after a failed write (disk full): the original error already surfaced; say what is lost.
+            warnings.warn(f"the optimizer states swapped under {self.folder!r} could not be read back ({error}); "
+                          "the optimizer is left with SwappedOut markers for them", RuntimeWarning, stacklevel=2)
         finally:
             self.closed = True
             self.io.close()
