@@ -428,3 +428,20 @@ def _ds_config_worker(rank, world_size, root):
 def test_a_ds_config_with_nvme_optimizer_offload_trains(tmp_path):
     run_distributed(_ds_config_worker, 2, str(tmp_path))
     assert os.listdir(tmp_path) == []
+
+
+def test_a_layout_of_the_same_length_with_another_parameter_is_repacked(tmp_path):
+    # One parameter's state is dropped (as a resume does for states the checkpoint lacks) while another one starts:
+    # the sub-group's layout has as many entries as before, naming another parameter.
+    torch.manual_seed(0)
+    a, b = torch.randn(50, requires_grad=True), torch.randn(50, requires_grad=True)
+    opt = torch.optim.Adam([a, b], lr=0.1)
+    attach_swapper(opt, NvmeConfig(str(tmp_path), sub_group_size=1000))
+    a.grad = torch.ones(50)
+    opt.step()
+    opt.state.pop(a)
+    a.grad, b.grad = None, torch.ones(50)
+    opt.step()
+    assert isinstance(opt.state[b]["exp_avg"], SwappedOut) and a not in opt.state
+    detach_swapper(opt)
+    assert torch.allclose(opt.state[b]["exp_avg"], torch.full((50,), 0.1))

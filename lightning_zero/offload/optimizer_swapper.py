@@ -205,12 +205,18 @@ class OptimizerStateSwapper:
                 offset = align_up(offset + nbytes)
         return entries
 
+    def _state(self, entry: _Entry):
+        """The entry's current value, or ``None`` when its state was dropped (never creates an empty state)."""
+        state = self.optimizer.state.get(entry.param)
+        return None if state is None else state.get(entry.key)
+
     def _view(self, buf: Tensor, entry: _Entry) -> Tensor:
         return buf[entry.offset:entry.offset + entry.nbytes].view(entry.marker.dtype)
 
     def _start_read(self, index: int, writes: deque):
         entries = self.layouts.get(index)
-        if not entries or not any(isinstance(self.optimizer.state[e.param][e.key], SwappedOut) for e in entries):
+        # .get: a state may have been dropped since the write (a resume drops those its checkpoint lacks)
+        if not entries or not any(isinstance(self._state(e), SwappedOut) for e in entries):
             return None
         nbytes = align_up(entries[-1].offset + entries[-1].nbytes)
         buf = self._acquire(nbytes, writes)
@@ -221,10 +227,9 @@ class OptimizerStateSwapper:
     def _attach(self, index: int, buf: Tensor, future, copy: bool) -> None:
         future.result()
         for entry in self.layouts[index]:
-            state = self.optimizer.state[entry.param]
-            if isinstance(state.get(entry.key), SwappedOut):
+            if isinstance(self._state(entry), SwappedOut):
                 local = self._view(buf, entry)
-                state[entry.key] = _rebuild(entry.marker, local.clone() if copy else local)
+                self.optimizer.state[entry.param][entry.key] = _rebuild(entry.marker, local.clone() if copy else local)
 
     def _start_write(self, index: int, buf: Optional[Tensor], writes: deque) -> None:
         entries = self._layout(index)
@@ -232,8 +237,8 @@ class OptimizerStateSwapper:
             self._release(buf)
             return
         nbytes = align_up(entries[-1].offset + entries[-1].nbytes)
-        previous = [(e.param, e.key, e.offset) for e in self.layouts.get(index, ())]
-        moved = previous != [(e.param, e.key, e.offset) for e in entries]
+        previous = [(id(e.param), e.key, e.offset) for e in self.layouts.get(index, ())]
+        moved = previous != [(id(e.param), e.key, e.offset) for e in entries]  # ids: tensors compare elementwise
         # [Note: a changed layout never reuses its buffer] When a parameter got its first state since the last
         # write, later entries move; packing them inside the buffer they are read from would overwrite states not
         # yet moved. So a changed (or grown) layout is packed into another buffer, and the old one released after.
