@@ -14,24 +14,49 @@ import torch
 STAGES = (0, 1, 2, 3)
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 
-# The NVMe swapper is tracked by its own issue; until it lands, asking for it fails loudly.
-NVME_NOT_AVAILABLE = (
-    "offload='nvme' (ZeRO-Infinity NVMe swapping) is not implemented yet: it is tracked by the NVMe offload issue. "
-    "Use offload='cpu' or offload=None for now."
-)
+from lightning_zero.offload.config import PARAMS_NVME_NOT_AVAILABLE, NvmeConfig
+
+# Parameter swapping is tracked by the NVMe offload issue; until it lands, asking for it fails loudly.
+NVME_NOT_AVAILABLE = PARAMS_NVME_NOT_AVAILABLE
 
 ModuleClassSpec = Union[str, type]
 
 
-def _normalise_offload(offload: Optional[str]) -> str:
+def _normalise_offload(offload: Optional[str], name: str = "offload") -> str:
     if offload is None or offload is False:
         return "none"
     if not isinstance(offload, str):
-        raise TypeError(f"offload must be one of {OFFLOAD_DEVICES} or None, got {offload!r}")
+        raise TypeError(f"{name} must be one of {OFFLOAD_DEVICES} or None, got {offload!r}")
     value = offload.lower()
     if value not in OFFLOAD_DEVICES:
-        raise ValueError(f"offload must be one of {OFFLOAD_DEVICES} or None, got {offload!r}")
+        raise ValueError(f"{name} must be one of {OFFLOAD_DEVICES} or None, got {offload!r}")
     return value
+
+
+def _resolve_offload(stage: int, offload: str, optimizer: Optional[str], params: Optional[str]) -> tuple[str, str]:
+    """The shorthand ``offload`` or the precise pair as ``(offload_optimizer, offload_params)``, both normalised.
+
+    [Note: which offload combinations are honoured]
+    Stage 1 and 2 offload only optimizer states (stage 2's FSDP2 ``CPUOffloadPolicy`` also keeps the sharded
+    parameters in CPU memory, as before). At stage 3 FSDP2's policy moves parameters, gradients and optimizer states
+    together, so the optimizer and the parameters must both be offloaded or neither; any other pair is refused.
+    ``"nvme"`` for the optimizer swaps optimizer states to disk on top of the CPU placement.
+    """
+    precise = optimizer is not None or params is not None
+    if precise and offload != "none":
+        raise ValueError(f"give either offload={offload!r} (shorthand) or offload_optimizer/offload_params, not both")
+    if not precise:
+        return offload, (offload if stage == 3 else "none")
+    opt = _normalise_offload(optimizer, "offload_optimizer")
+    par = _normalise_offload(params, "offload_params")
+    if par != "none" and stage != 3:
+        raise ValueError(f"offload_params={par!r} needs stage 3 (only stage 3 shards parameters); got stage {stage}")
+    if stage == 3 and (opt == "none") != (par == "none"):
+        raise ValueError(
+            f"offload_optimizer={opt!r} with offload_params={par!r} at stage 3 is not supported: FSDP2's CPU offload "
+            "moves parameters, gradients and optimizer states together. Offload both (e.g. offload_optimizer='nvme', "
+            "offload_params='cpu') or neither.")
+    return opt, par
 
 
 @dataclass(frozen=True)
@@ -41,8 +66,12 @@ class ZeroConfig:
     Args:
         stage: ZeRO stage. 0 replicates everything (DDP); 1 shards optimizer states; 2 also shards gradients;
             3 also shards parameters. See ``docs/stages.md`` for the memory formula of each stage.
-        offload: ``None``/``"none"``, ``"cpu"`` (optimizer states and fp32 master weights live and step in CPU
-            memory; at stage 3 parameters and gradients too) or ``"nvme"`` (not implemented yet: raises).
+        offload: shorthand. ``None``/``"none"``, ``"cpu"`` (optimizer states and fp32 master weights live and step
+            in CPU memory; at stage 3 parameters and gradients too) or ``"nvme"`` (as ``"cpu"``, plus optimizer
+            states swapped to ``nvme.nvme_path``; at stage 3 it asks for parameter swapping, which raises).
+            After validation it holds where the optimizer states live.
+        offload_optimizer, offload_params: the precise form (DeepSpeed's two sections); see ``_resolve_offload``.
+        nvme: the NVMe settings, required with ``offload_optimizer="nvme"``.
         pin_memory: pin the CPU copies used by offload. ``None`` pins when the compute device is CUDA; pinning
             needs a CUDA device, so ``True`` on a CPU-only run is an error at setup.
         sharded_module_classes: module classes (classes or class names) that become their own FSDP unit at
@@ -61,15 +90,31 @@ class ZeroConfig:
     sharded_module_classes: Optional[frozenset] = None
     reshard_after_forward: Optional[Union[bool, int]] = None
     hybrid_shard_size: Optional[int] = None
+    offload_optimizer: Optional[str] = None
+    offload_params: Optional[str] = None
+    nvme: Optional[NvmeConfig] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or not isinstance(self.stage, int) or self.stage not in STAGES:
             raise ValueError(f"stage must be one of {STAGES} (0: DDP, 1: +optimizer states sharded, "
                              f"2: +gradients sharded, 3: +parameters sharded), got {self.stage!r}")
-        offload = _normalise_offload(self.offload)
-        object.__setattr__(self, "offload", offload)
-        if offload == "nvme":
+        opt, par = _resolve_offload(self.stage, _normalise_offload(self.offload), self.offload_optimizer,
+                                    self.offload_params)
+        object.__setattr__(self, "offload_optimizer", opt)
+        object.__setattr__(self, "offload_params", par)
+        if par == "nvme":
             raise NotImplementedError(NVME_NOT_AVAILABLE)
+        # `offload` is where the optimizer's states live: "nvme" swaps them from the same CPU placement as "cpu".
+        offload = opt if opt != "none" else par
+        object.__setattr__(self, "offload", offload)
+        if opt == "nvme" and self.nvme is None:
+            raise ValueError("offload_optimizer='nvme' (or offload='nvme') needs nvme_path: a directory on a fast "
+                             "local disk where the optimizer states are swapped")
+        if opt != "nvme" and self.nvme is not None:
+            raise ValueError(f"nvme_path and the NVMe knobs need offload_optimizer='nvme' (or offload='nvme'); this "
+                             f"configuration offloads the optimizer to {opt!r}, so they would have no effect")
+        if self.nvme is not None and not isinstance(self.nvme, NvmeConfig):
+            raise TypeError(f"nvme must be an NvmeConfig, got {self.nvme!r}")
         if offload != "none" and self.stage == 0:
             raise ValueError(
                 f"offload={offload!r} needs a ZeRO stage of 1, 2 or 3: stage 0 keeps every state replicated on "
@@ -112,7 +157,12 @@ class ZeroConfig:
 
     @property
     def offloads(self) -> bool:
+        """States live in CPU memory (``"cpu"``, and under ``"nvme"`` swapping, which starts from the same place)."""
         return self.offload != "none"
+
+    @property
+    def swaps_optimizer_states(self) -> bool:
+        return self.offload_optimizer == "nvme"
 
     @property
     def shards_parameters_at_rest(self) -> bool:

@@ -34,7 +34,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--params", type=_positive_count, required=True, help="number of parameters, e.g. 7e9")
     parser.add_argument("--world-size", type=_positive_int, required=True)
     parser.add_argument("--stage", type=int, choices=[0, 1, 2, 3], default=None, help="default: every stage")
-    parser.add_argument("--offload", choices=["cpu"], default=None)
+    parser.add_argument("--offload", choices=["cpu", "nvme"], default=None,
+                        help="nvme: optimizer states swapped to disk (fp32 masters stay in CPU memory)")
     parser.add_argument("--precision", choices=list(PRECISIONS), default="bf16-mixed")
     parser.add_argument("--largest-unit-params", type=_positive_count, default=None,
                         help="parameters of the largest block (stage-3 peak); default: all parameters")
@@ -48,8 +49,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"lightning-zero estimate: error: --largest-unit-params ({args.largest_unit_params:.3g}) "
                          f"cannot exceed --params ({args.params:.3g})")
     if args.offload and args.stage == 0:
-        raise SystemExit("lightning-zero estimate: error: --offload cpu needs --stage 1, 2 or 3 (stage 0 keeps "
-                         "every state on the device)")
+        raise SystemExit(f"lightning-zero estimate: error: --offload {args.offload} needs --stage 1, 2 or 3 (stage 0 "
+                         "keeps every state on the device)")
     hybrid = args.hybrid_shard_size
     if hybrid is not None and (args.world_size % hybrid or args.stage == 0):
         raise SystemExit(f"lightning-zero estimate: error: --hybrid-shard-size {hybrid} must divide --world-size "
@@ -62,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
     gib = 1024 ** 3
     table = Table(title=f"{args.params:.3g} parameters, {args.world_size} ranks, {args.precision}, "
                         f"offload={args.offload}" + (f", hybrid shard groups of {hybrid}" if hybrid else ""))
-    for column in ("stage", "accelerator at rest", "accelerator peak", "cpu at rest"):
+    columns = ("stage", "accelerator at rest", "accelerator peak", "cpu at rest")
+    for column in columns + (("cpu peak", "nvme") if args.offload == "nvme" else ()):
         table.add_column(column, justify="right")
     stages = [args.stage] if args.stage is not None else [s for s in (0, 1, 2, 3) if s or not (args.offload or hybrid)]
     for stage in stages:
@@ -70,7 +72,10 @@ def run(args: argparse.Namespace) -> int:
             int(args.params), stage, args.world_size, offload=args.offload, precision=args.precision,
             largest_unit_params=int(args.largest_unit_params) if args.largest_unit_params else None,
             hybrid_shard_size=hybrid)
-        table.add_row(str(stage), f"{est.accelerator.total / gib:.2f} GiB", f"{est.accelerator_peak / gib:.2f} GiB",
-                      f"{est.cpu.total / gib:.2f} GiB")
+        cells = [f"{est.accelerator.total / gib:.2f} GiB", f"{est.accelerator_peak / gib:.2f} GiB",
+                 f"{est.cpu.total / gib:.2f} GiB"]
+        if args.offload == "nvme":
+            cells += [f"{est.cpu_peak / gib:.2f} GiB", f"{est.nvme / gib:.2f} GiB"]
+        table.add_row(str(stage), *cells)
     Console().print(table)
     return 0

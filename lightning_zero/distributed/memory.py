@@ -188,26 +188,32 @@ class MemoryEstimate:
     cpu: StateBytes
     accelerator_peak: int
     cpu_peak: int
+    nvme: int = 0  # optimizer states swapped to disk (offload="nvme"), per rank
 
     def as_table(self) -> list[tuple[str, str]]:
         gib = 1024 ** 3
         return [("accelerator at rest (GiB)", f"{self.accelerator.total / gib:.2f}"),
                 ("accelerator peak (GiB)", f"{self.accelerator_peak / gib:.2f}"),
                 ("cpu at rest (GiB)", f"{self.cpu.total / gib:.2f}"),
-                ("cpu peak (GiB)", f"{self.cpu_peak / gib:.2f}")]
+                ("cpu peak (GiB)", f"{self.cpu_peak / gib:.2f}"),
+                ("nvme (GiB)", f"{self.nvme / gib:.2f}")]
 
 
 def estimate_model_states_memory(model_or_num_params: Union[nn.Module, int], stage: int, world_size: int,
                                  offload: Optional[str] = None, precision: str = "32-true", *,
                                  largest_unit_params: Optional[int] = None,
-                                 optimizer_bytes_fp32: int = 8,
+                                 optimizer_bytes_fp32: int = 8, sub_group_size: int = 1_000_000_000,
+                                 buffer_count: int = 4,
                                  hybrid_shard_size: Optional[int] = None) -> MemoryEstimate:
     """Estimate per-rank model-state memory, like DeepSpeed's ``estimate_zero{2,3}_model_states_mem_needs``.
 
     Args:
         model_or_num_params: a module (its parameters are counted; the largest repeated block sizes the stage-3
             peak) or a parameter count.
-        stage: 0-3. world_size: data-parallel ranks. offload: ``None`` or ``"cpu"``.
+        stage: 0-3. world_size: data-parallel ranks. offload: ``None``, ``"cpu"`` or ``"nvme"`` (as ``"cpu"``,
+            with the ``optimizer_bytes_fp32`` states per parameter on disk instead of in CPU memory; fp32 masters
+            stay in CPU memory; the swapped step holds ``buffer_count`` sub-groups of ``sub_group_size`` elements'
+            states in CPU memory at its peak).
         precision: a Trainer precision string; low precision means ``bp = bg = 2`` and fp32 masters (``K += 4``).
         largest_unit_params: parameters of the largest FSDP unit (stage-3 peak); inferred from a module.
         optimizer_bytes_fp32: fp32 optimizer-state bytes per parameter (Adam: 8, SGD with momentum: 4).
@@ -215,7 +221,9 @@ def estimate_model_states_memory(model_or_num_params: Union[nn.Module, int], sta
     """
     from lightning_zero.config import ZeroConfig
 
-    ZeroConfig(stage=stage, offload=offload, hybrid_shard_size=hybrid_shard_size)  # the strategy's validation
+    swaps = isinstance(offload, str) and offload.lower() == "nvme"
+    # same validation and messages as the strategy; NVMe is laid out as CPU offload plus swapped optimizer states
+    ZeroConfig(stage=stage, offload="cpu" if swaps else offload, hybrid_shard_size=hybrid_shard_size)
     offloads = offload not in (None, "none")
     if isinstance(model_or_num_params, nn.Module):
         num_params = sum(p.numel() for p in model_or_num_params.parameters())
@@ -246,15 +254,20 @@ def estimate_model_states_memory(model_or_num_params: Union[nn.Module, int], sta
         cpu = StateBytes(p * 4 // n, p * 4 // n, p * k // n)
     # Stage 3 gathers one unit and prefetches the next; never more than the whole model.
     gathered = {2: p * bp, 3: min(2 * largest_unit_params, p) * bp}.get(stage, 0)
-    return MemoryEstimate(accel, cpu, accel.total + gathered, cpu.total)
+    if not swaps:
+        return MemoryEstimate(accel, cpu, accel.total + gathered, cpu.total)
+    on_disk = p * optimizer_bytes_fp32 // n
+    cpu = StateBytes(cpu.params, cpu.grads, cpu.optimizer_states - on_disk)
+    buffers = min(on_disk, buffer_count * sub_group_size * optimizer_bytes_fp32)
+    return MemoryEstimate(accel, cpu, accel.total + gathered, cpu.total + buffers, nvme=on_disk)
 
 
 @dataclass(frozen=True)
 class FullEstimate:
     """Per-rank bytes of one training configuration: model states (``states``) plus one micro-batch's activations.
 
-    ``accelerator_peak`` and ``cpu_peak`` add the activations to the model-state peaks; ``nvme`` stays 0 until NVMe
-    offload exists.
+    ``accelerator_peak`` and ``cpu_peak`` add the activations to the model-state peaks; ``nvme`` is the swapped
+    optimizer states' bytes (``offload="nvme"``).
     """
 
     states: MemoryEstimate
@@ -271,7 +284,7 @@ class FullEstimate:
 
     @property
     def nvme(self) -> int:
-        return 0
+        return self.states.nvme
 
     def as_table(self) -> list[tuple[str, str]]:
         gib = 1024 ** 3

@@ -17,6 +17,8 @@ checkpoints need them). Gradient flow is: backward fills the module's ``.grad``;
 gradients into the masters; the optimizer steps; the post-hook copies masters back, broadcasts from owners, and
 drops the module's gradients (``zero_grad`` on the optimizer only reaches the tensors it holds).
 At stages 2-3 offload is FSDP2's ``CPUOffloadPolicy``: the sharded parameters themselves are the CPU fp32 masters.
+With ``offload_optimizer="nvme"`` the same placement is used and the optimizer's per-element states are swapped
+to disk by :mod:`lightning_zero.offload.optimizer_swapper` (the fp32 masters stay in CPU memory).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from torch import Tensor
 
 from lightning_zero.config import ZeroConfig
 from lightning_zero.diagnostics.timing import collective_timer
+from lightning_zero.offload.optimizer_swapper import OptimizerStateSwapper, attach_swapper, detach_swapper
 
 _ATTR = "_lightning_zero_sharding"
 BROADCAST_BUCKET_BYTES = 64 * 1024 * 1024
@@ -60,6 +63,7 @@ class OptimizerSharding:
     rank: int = 0
     group: Optional[object] = None
     hooks: list = field(default_factory=list)
+    swapper: Optional[OptimizerStateSwapper] = None  # offload_optimizer="nvme": states swapped to disk
 
     def all_model_params(self) -> list[Tensor]:
         return [p for params in self.model_params for p in params]
@@ -68,10 +72,14 @@ class OptimizerSharding:
         return [p for params, owners in zip(self.model_params, self.owners)
                 for p, owner in zip(params, owners) if owner in (-1, self.rank)]
 
-    def remove(self) -> None:
+    def remove(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+        """Remove the step hooks; with ``optimizer``, also stop swapping (states back in memory, files removed)."""
         for handle in self.hooks:
             handle.remove()
         self.hooks.clear()
+        if self.swapper is not None and optimizer is not None:
+            detach_swapper(optimizer)
+            self.swapper = None
 
 
 def get_sharding(optimizer: torch.optim.Optimizer) -> Optional[OptimizerSharding]:
@@ -119,6 +127,9 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, config: ZeroConfig, *, gro
     if config.stage == 1:
         sharding.hooks.append(optimizer.register_step_pre_hook(_pre_step))
         sharding.hooks.append(optimizer.register_step_post_hook(_post_step))
+    if config.swaps_optimizer_states:
+        # After the hooks: the swapped step runs inside torch's hook wrapper, so they still run once per step.
+        sharding.swapper = attach_swapper(optimizer, config.nvme, rank=rank, pin_memory=pin)
     setattr(optimizer, _ATTR, sharding)
     return sharding
 

@@ -45,12 +45,15 @@ class KeySpec:
 
 
 _FSDP_UNITS = "FSDP2 communicates per sharded module unit (one all-gather / reduce-scatter per unit) and DDP uses its own buckets"
-_NVME_ONLY = "only used by NVMe offload (ZeRO-Infinity), which is not implemented yet; no effect with device='cpu'"
+_NVME_ONLY = "only used by NVMe offload (ZeRO-Infinity); no effect with device='cpu'"
+_PARAM_SWAP_ONLY = "only used by parameter swapping to NVMe, which is not implemented (offload_param.device 'nvme' is refused)"
 
 ZERO_KEYS: dict[str, KeySpec] = {
     "stage": KeySpec(0, STRATEGY, "-> stage"),
-    "offload_optimizer": KeySpec(None, STRATEGY, "device -> offload; pin_memory -> pin_memory"),
-    "offload_param": KeySpec(None, STRATEGY, "device -> offload (stage 3 only); pin_memory -> pin_memory"),
+    "offload_optimizer": KeySpec(None, STRATEGY, "device -> offload (nvme: -> offload_optimizer); pin_memory -> "
+                                 "pin_memory"),
+    "offload_param": KeySpec(None, STRATEGY, "device -> offload (stage 3 only; with NVMe -> offload_params); "
+                             "pin_memory -> pin_memory"),
     "zero_hpz_partition_size": KeySpec(
         1, STRATEGY, "ZeRO++ hpZ secondary partition -> reshard_after_forward=<size> at stage 3 (FSDP2 reshards to "
         "a group of that size after forward)"),
@@ -69,8 +72,8 @@ ZERO_KEYS: dict[str, KeySpec] = {
     "allgather_partitions": KeySpec(True, NO_EFFECT, "updated shards are always all-gathered (never broadcast)"),
     "reduce_scatter": KeySpec(True, NO_EFFECT, "sharded stages always reduce-scatter gradients; stage 0 all-reduces"),
     "use_multi_rank_bucket_allreduce": KeySpec(True, NO_EFFECT, _FSDP_UNITS),
-    "sub_group_size": KeySpec(1_000_000_000, NO_EFFECT, "the optimizer steps each shard directly; the tile size "
-                              "only matters for NVMe swapping"),
+    "sub_group_size": KeySpec(1_000_000_000, NO_EFFECT, "-> sub_group_size with offload_optimizer.device 'nvme'; "
+                              "without NVMe the optimizer steps each shard directly"),
     "stage3_prefetch_bucket_size": KeySpec(50_000_000, NO_EFFECT, "FSDP2 prefetches the next unit's all-gather "
                                            "(one unit ahead) instead of a byte budget"),
     "stage3_param_persistence_threshold": KeySpec(100_000, NO_EFFECT, "FSDP2 shards every parameter of a unit; "
@@ -118,20 +121,22 @@ OFFLOAD_COMMON_KEYS: dict[str, KeySpec] = {
     "device": KeySpec("none", STRATEGY, "-> offload ('none' -> None, 'cpu', 'nvme')"),
     "pin_memory": KeySpec(True, STRATEGY, "true -> pin_memory=None (pin whenever the device is CUDA, the only case "
                           "where DeepSpeed can pin); false -> pin_memory=False"),
-    "nvme_path": KeySpec(None, NO_EFFECT, _NVME_ONLY),
+    "nvme_path": KeySpec(None, NO_EFFECT, "-> nvme_path with offload_optimizer.device 'nvme'; " + _NVME_ONLY),
     "buffer_count": KeySpec(5, NO_EFFECT, _NVME_ONLY),
 }
 OFFLOAD_PARAM_KEYS: dict[str, KeySpec] = {
     **OFFLOAD_COMMON_KEYS,
-    "buffer_size": KeySpec(100_000_000, NO_EFFECT, _NVME_ONLY),
-    "max_in_cpu": KeySpec(1_000_000_000, NO_EFFECT, _NVME_ONLY),
+    "buffer_size": KeySpec(100_000_000, NO_EFFECT, _PARAM_SWAP_ONLY),
+    "max_in_cpu": KeySpec(1_000_000_000, NO_EFFECT, _PARAM_SWAP_ONLY),
 }
 OFFLOAD_OPTIMIZER_KEYS: dict[str, KeySpec] = {
     **OFFLOAD_COMMON_KEYS,
-    "buffer_count": KeySpec(4, NO_EFFECT, _NVME_ONLY),
-    "pipeline_read": KeySpec(False, NO_EFFECT, _NVME_ONLY),
-    "pipeline_write": KeySpec(False, NO_EFFECT, _NVME_ONLY),
-    "fast_init": KeySpec(False, NO_EFFECT, _NVME_ONLY),
+    "buffer_count": KeySpec(4, NO_EFFECT, "-> buffer_count with device 'nvme'; " + _NVME_ONLY),
+    "pipeline_read": KeySpec(False, NO_EFFECT, "the swapped step always reads the next sub-group while stepping"),
+    "pipeline_write": KeySpec(False, NO_EFFECT, "the swapped step always writes the previous sub-group while "
+                              "stepping"),
+    "fast_init": KeySpec(False, NO_EFFECT, "swap files are written at the first step, there is no separate "
+                         "initialisation to speed up"),
     "ratio": KeySpec(1.0, NO_EFFECT, "partial optimizer offload is not implemented: the whole optimizer state is "
                      "offloaded"),
     "super_offload": KeySpec(False, UNSUPPORTED, "SuperOffload is not implemented"),
@@ -208,6 +213,8 @@ TOP_LEVEL_KEYS: dict[str, KeySpec] = {
                                            "when pipelining)"),
     "steps_per_print": KeySpec(None, TRAINER, "-> Trainer log_every_n_steps"),
     "wall_clock_breakdown": KeySpec(False, TRAINER, "returned; true asks for per-phase timings (Lightning profiler)"),
+    "aio": KeySpec(None, STRATEGY, "-> aio (the NVMe swap engine's knobs) with offload_optimizer.device 'nvme'; "
+                   "no effect otherwise"),
     "gradient_clipping": KeySpec(None, TRAINER, "-> Trainer gradient_clip_val (norm clipping); 0 disables"),
     "optimizer": KeySpec(None, RETURNED, "built by lightning_zero.optim_factory.build_optimizer"),
     "scheduler": KeySpec(None, RETURNED, "built by lightning_zero.optim_factory.build_scheduler, stepped every "
@@ -261,7 +268,6 @@ UNSUPPORTED_SECTIONS = {
     "csv_monitor": "DeepSpeed's monitor (use a Lightning logger, e.g. CSVLogger)",
     "comet": "DeepSpeed's monitor (use a Lightning logger, e.g. CometLogger)",
     "comms_logger": "DeepSpeed's communication logger (use the torch profiler)",
-    "aio": "DeepSpeed's async I/O for NVMe offload (NVMe offload is not implemented yet)",
     "data_types": "DeepSpeed's gradient-accumulation dtype switch (gradients accumulate in fp32)",
     "compile": "DeepSpeed's compile/DeepCompile (compile the LightningModule with torch.compile)",
     "weight_quantization": "DeepSpeed's weight quantization",

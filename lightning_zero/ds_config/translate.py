@@ -268,6 +268,8 @@ def _translate_offload(zero: dict, stage: int, out: _Collector, kwargs: dict) ->
             f"zero_optimization.{next(iter(devices))} asks for offload but stage is 0: offload needs ZeRO stage 1, 2 "
             "or 3 (stage 0 keeps everything replicated on the device). Set zero_optimization.stage or remove it.")
     kwargs["offload"] = "nvme" if "nvme" in devices.values() else "cpu"
+    if "nvme" in devices.values():
+        _translate_nvme(zero, stage, devices, effective, out, kwargs)
     if len(devices) == 1 and stage == 3:
         only = next(iter(devices))
         other = "parameters and gradients" if only == "offload_optimizer" else "optimizer states"
@@ -277,6 +279,63 @@ def _translate_offload(zero: dict, stage: int, out: _Collector, kwargs: dict) ->
     if not all(pins):
         kwargs["pin_memory"] = False
     return effective
+
+
+def _honoured(out: _Collector, path: str, text: str) -> None:
+    """Replace the generic no-effect note (and warning) of ``path`` by what it now maps to."""
+    out.notes = [(key, note) for key, note in out.notes if key != path]
+    out.no_effect_non_default = [item for item in out.no_effect_non_default if not item.startswith(path + "=")]
+    out.note(path, text)
+
+
+def _translate_nvme(zero: dict, stage: int, devices: dict, effective: dict, out: _Collector, kwargs: dict) -> None:
+    """NVMe offload keeps DeepSpeed's two sections apart: ``offload_optimizer``/``offload_params`` (precise form)
+    plus ``nvme_path``, ``buffer_count`` and ``sub_group_size`` of the optimizer's swapping. A parameter section on
+    NVMe becomes ``offload_params="nvme"``, which the strategy refuses (parameter swapping is not implemented)."""
+    kwargs["offload_optimizer"] = devices.get("offload_optimizer", "none")
+    kwargs["offload_params"] = devices.get("offload_param", "none") if stage == 3 else None
+    if devices.get("offload_optimizer") != "nvme":
+        return
+    section = effective["offload_optimizer"]
+    if section.get("nvme_path") is None:
+        raise DeepSpeedConfigError("zero_optimization.offload_optimizer.device is 'nvme' but nvme_path is missing: "
+                                   "give the directory on a fast local disk where optimizer states are swapped")
+    kwargs["nvme_path"] = str(section["nvme_path"])
+    kwargs["buffer_count"] = _check_number("zero_optimization.offload_optimizer.buffer_count",
+                                           section["buffer_count"], integer=True)
+    _honoured(out, "zero_optimization.offload_optimizer.nvme_path", "-> nvme_path")
+    _honoured(out, "zero_optimization.offload_optimizer.buffer_count", "-> buffer_count (swap buffers resident)")
+    if "sub_group_size" in zero:
+        kwargs["sub_group_size"] = _check_number("zero_optimization.sub_group_size", zero["sub_group_size"],
+                                                 integer=True)
+        _honoured(out, "zero_optimization.sub_group_size", "-> sub_group_size (elements per swapped sub-group)")
+
+
+AIO_TRANSLATION = {"block_size": "block_size", "queue_depth": "queue_depth", "thread_count": "thread_count",
+                   "intra_op_parallelism": "thread_count", "single_submit": "single_submit",
+                   "overlap_events": "overlap_events"}
+
+
+def _translate_aio(config: dict, out: _Collector, kwargs: dict) -> None:
+    """DeepSpeed's ``aio`` section -> the swap engine's knobs (only with optimizer states on NVMe)."""
+    aio = _section(config, "aio", out)
+    if aio is None:
+        return
+    if kwargs.get("offload_optimizer") != "nvme":
+        out.note("aio", "no effect: only NVMe optimizer offload does file I/O")
+        return
+    mapped = {}
+    for key, value in aio.items():
+        if key == "use_gds":
+            if value:
+                out.problem("aio.use_gds", "GPUDirect Storage is not supported: the engine reads into host memory")
+            continue
+        if key not in AIO_TRANSLATION:
+            out.problem(f"aio.{key}", f"unknown key; known: {sorted(AIO_TRANSLATION) + ['use_gds']}")
+            continue
+        mapped[AIO_TRANSLATION[key]] = value
+        out.note(f"aio.{key}", f"-> aio {AIO_TRANSLATION[key]}")
+    kwargs["aio"] = mapped
 
 
 def _translate_zero(config: dict, out: _Collector, kwargs: dict) -> tuple[dict, bool]:
@@ -425,6 +484,7 @@ def translate_ds_config(config: dict, *, strict: bool = True) -> DeepSpeedTransl
 
     kwargs: dict = {}
     effective["zero_optimization"], gather = _translate_zero(config, out, kwargs)
+    _translate_aio(config, out, kwargs)
     precision, precision_effective = _translate_precision(config, out, kwargs)
     effective.update(precision_effective)
 

@@ -30,6 +30,7 @@ from lightning_zero.checkpoint.io import (
 )
 from lightning_zero.checkpoint.safe_load import load_meta, read_dcp_metadata
 from lightning_zero.distributed.optimizer import get_sharding
+from lightning_zero.offload.optimizer_swapper import resident_states
 
 
 def module_state_dict(module: torch.nn.Module) -> dict[str, Tensor]:
@@ -67,6 +68,7 @@ def optimizer_state_dict(module: torch.nn.Module, optimizer: torch.optim.Optimiz
     """Optimizer state keyed by parameter name; param groups list names instead of positions."""
     names = _param_names(module)
     sharding = get_sharding(optimizer)
+    resident_states(optimizer)  # NVMe-swapped states are read back (the next step writes them out again)
     state: dict[str, dict[str, Any]] = {}
     groups = []
     for group, params in zip(optimizer.param_groups, _model_params_per_group(optimizer)):

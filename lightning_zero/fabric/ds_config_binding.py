@@ -43,11 +43,14 @@ from lightning_zero.ds_config import (
     translate_ds_config,
 )
 
+from lightning_zero.offload.config import NVME_ARGUMENTS
+
 LOSS_SCALE_KEYS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "consecutive_hysteresis",
                    "min_loss_scale")
 # Strategy arguments a config may set; every key a translation produces must be one of these or refused.
 CONFIG_STRATEGY_KEYS = ("stage", "offload", "pin_memory", "reshard_after_forward", "communication_data_type",
-                        "pipeline_parallel_size", "micro_batches", "hybrid_shard_size", *LOSS_SCALE_KEYS)
+                        "pipeline_parallel_size", "micro_batches", "hybrid_shard_size", *LOSS_SCALE_KEYS,
+                        "offload_optimizer", "offload_params", *NVME_ARGUMENTS)
 _TRAINER_DEFAULTS = {"accumulate_grad_batches": 1, "gradient_clip_val": None, "log_every_n_steps": 50}
 # Where Lightning's DeepSpeedStrategy looks for a config file when it is given none; ZeroStrategy does the same.
 DEEPSPEED_ENV_VAR = "PL_DEEPSPEED_CONFIG_PATH"
@@ -279,9 +282,11 @@ def effective_ds_config(strategy) -> dict:
     config = copy.deepcopy(binding.translation.effective) if binding is not None else {}
     zero = config.setdefault("zero_optimization", {})
     zero["stage"] = strategy.stage
-    device = strategy.zero_config.offload or "none"
+    devices = {"offload_optimizer": strategy.zero_config.offload_optimizer,
+               "offload_param": strategy.zero_config.offload_params}
     # stage 3's offload also moves the parameters; below it only optimizer states (and masters) move
     for section in ("offload_optimizer", "offload_param") if strategy.stage == 3 else ("offload_optimizer",):
+        device = devices[section]
         if device != "none" or zero.get(section) is not None:
             zero[section] = {**(zero.get(section) or {}), "device": device}
     if strategy._communication_data_type is not None:

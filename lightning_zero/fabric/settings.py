@@ -23,6 +23,7 @@ from lightning_zero.diagnostics.hang_guard import DEFAULT_HANG_TIMEOUT, parse_ha
 from lightning_zero.diagnostics.network import DEFAULT_RENDEZVOUS_TIMEOUT, check_rendezvous_timeout
 from lightning_zero.distributed.activation_checkpointing import ActivationCheckpointConfig
 from lightning_zero.fabric import restarts, validation
+from lightning_zero.offload.config import offload_arguments
 from lightning_zero.fabric.ddp_options import DDPOptions, require_flags
 from lightning_zero.fabric.ds_config_binding import (
     DeepSpeedConfigBinding,
@@ -44,6 +45,8 @@ STRATEGY_NAMES = {
     "zero_stage_2_offload": dict(description="ZeRO stage 2 with CPU offload", stage=2, offload="cpu"),
     "zero_stage_3": dict(description="ZeRO stage 3: parameters, gradients, optimizer states sharded", stage=3),
     "zero_stage_3_offload": dict(description="ZeRO stage 3 with CPU offload", stage=3, offload="cpu"),
+    "zero_stage_3_offload_nvme": dict(description="ZeRO stage 3, optimizer states on NVMe (needs nvme_path)",
+                                      stage=3, offload_optimizer="nvme", offload_params="cpu"),
 }
 
 
@@ -75,6 +78,14 @@ def resolve_settings(
     *,
     stage: Optional[int] = None,
     offload: Optional[str] = None,
+    offload_optimizer: Optional[str] = None,
+    offload_params: Optional[str] = None,
+    nvme_path: Optional[str] = None,
+    buffer_count: Optional[int] = None,
+    sub_group_size: Optional[int] = None,
+    buffer_size: Optional[int] = None,
+    max_in_cpu: Optional[int] = None,
+    aio: Optional[dict] = None,
     pin_memory: Optional[bool] = None,
     sharded_module_classes: Optional[Union[set, list, tuple]] = None,
     reshard_after_forward: Optional[Union[bool, int]] = None,
@@ -118,11 +129,14 @@ def resolve_settings(
     validation.check_backend_name(process_group_backend)
     ds_config = bind_ds_config(config, strict)
     hang_seconds = parse_hang_timeout(hang_timeout)
+    offloads = offload_arguments(ds_config.strategy_kwargs() if ds_config else {}, offload, offload_optimizer,
+                                 offload_params, nvme_path, buffer_count, sub_group_size, buffer_size, max_in_cpu, aio)
+    offload = offloads.pop("offload") or "none"  # "none": the config's shorthand was already considered
     (stage, offload, pin_memory, reshard_after_forward, communication_data_type, pipeline_parallel_size,
      micro_batches) = arguments_over_config(ds_config, stage, offload, pin_memory, reshard_after_forward,
                                             communication_data_type, pipeline_parallel_size, micro_batches)
     zero_config = ZeroConfig(
-        stage=stage, offload=offload, pin_memory=pin_memory,
+        stage=stage, offload=offload, pin_memory=pin_memory, **offloads,
         sharded_module_classes=frozenset(sharded_module_classes) if sharded_module_classes else None,
         reshard_after_forward=reshard_after_forward,
         hybrid_shard_size=hybrid_shard_size_over_config(ds_config, hybrid_shard_size),

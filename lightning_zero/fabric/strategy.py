@@ -88,6 +88,9 @@ class ZeroStrategy(ParallelStrategy):
         self,
         stage: Optional[int] = None,
         offload: Optional[str] = None,
+        offload_optimizer: Optional[str] = None, offload_params: Optional[str] = None, nvme_path: Optional[str] = None,
+        buffer_count: Optional[int] = None, sub_group_size: Optional[int] = None, buffer_size: Optional[int] = None,
+        max_in_cpu: Optional[int] = None, aio: Optional[dict] = None,
         pin_memory: Optional[bool] = None,
         sharded_module_classes: Optional[Union[set, list, tuple]] = None,
         reshard_after_forward: Optional[Union[bool, int]] = None,
@@ -158,6 +161,7 @@ class ZeroStrategy(ParallelStrategy):
         self._mesh = None
         self._backward_sync_control = _ZeroBackwardSyncControl()
         self._modules: list[nn.Module] = []  # the user's modules set up so far (unwrapped)
+        self._optimizers: list[Optimizer] = []  # their partitioned optimizers (teardown stops NVMe swapping)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -313,6 +317,7 @@ class ZeroStrategy(ParallelStrategy):
                 owners = [m for m in self._modules if _holds(m, optimizer)]
                 check_optimizer_params(optimizer, owners[0] if owners else self._modules[-1])
             shard_optimizer(optimizer, self.zero_config, group=shard_group(self._mesh), device=self.root_device)
+            self._optimizers.append(optimizer)
         return optimizer
 
     # ------------------------------------------------------------------ backward, clipping, collectives
@@ -381,6 +386,10 @@ class ZeroStrategy(ParallelStrategy):
             if (pool := comm_buffer_pool(module)) is not None:
                 pool.clear()
         self._modules.clear()
+        for optimizer in self._optimizers:  # NVMe swap files go with the run (docs/offload.md)
+            if (sharding := get_sharding(optimizer)) is not None:
+                sharding.remove(optimizer)
+        self._optimizers.clear()
         super().teardown()
 
     @classmethod

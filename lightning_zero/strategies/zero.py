@@ -87,9 +87,9 @@ class ZeroStrategy(ParallelStrategy):
 
     Args:
         stage: ZeRO stage, 0-3 (default 2, or the config's).
-        offload: ``None`` or ``"cpu"``: optimizer states and fp32 master weights live and step in CPU memory
-            (stage 1: a CPU master per owned parameter; stages 2-3: FSDP2's ``CPUOffloadPolicy``, which also puts
-            the sharded parameters and gradients there). ``"nvme"`` is not implemented yet and raises.
+        offload: ``None``, ``"cpu"`` (optimizer states and fp32 masters live and step in CPU memory; at stages 2-3
+            FSDP2's ``CPUOffloadPolicy`` also puts the sharded parameters and gradients there) or ``"nvme"``; the
+            precise ``offload_optimizer``/``offload_params`` and the NVMe knobs: see ``docs/offload.md``.
         pin_memory: pin offloaded CPU tensors (default: when computing on CUDA).
         sharded_module_classes: classes or class names that become FSDP units at stages 2-3; by default
             repeated blocks are detected (:func:`lightning_zero.distributed.zero.find_repeated_blocks`).
@@ -139,6 +139,9 @@ class ZeroStrategy(ParallelStrategy):
         self,
         stage: Optional[int] = None,
         offload: Optional[str] = None,
+        offload_optimizer: Optional[str] = None, offload_params: Optional[str] = None, nvme_path: Optional[str] = None,
+        buffer_count: Optional[int] = None, sub_group_size: Optional[int] = None, buffer_size: Optional[int] = None,
+        max_in_cpu: Optional[int] = None, aio: Optional[dict] = None,
         pin_memory: Optional[bool] = None,
         sharded_module_classes: Optional[Union[set, list, tuple]] = None,
         reshard_after_forward: Optional[Union[bool, int]] = None,
@@ -560,7 +563,7 @@ class ZeroStrategy(ParallelStrategy):
         for optimizer in self.optimizers:
             sharding = get_sharding(optimizer)
             if sharding is not None:
-                sharding.remove()
+                sharding.remove(optimizer)
         if lifecycle.holds_sharded_parameters(lightning_module):
             lifecycle.teardown_in_place(self)  # never .cpu() a sharded module: see teardown_in_place
         else:

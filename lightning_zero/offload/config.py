@@ -1,0 +1,139 @@
+"""Validated NVMe offload settings (``nvme_path`` and DeepSpeed's swap knobs), and the one function that builds
+them from constructor arguments: :func:`nvme_config_from_arguments` (shared by the Trainer and Fabric strategies).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from lightning_zero.offload.aio import AioSettings
+
+# Parameter swapping (stage-3 offload_params="nvme") is not implemented: these knobs only drive it.
+PARAM_ONLY_KNOBS = {"buffer_size": 100_000_000, "max_in_cpu": 1_000_000_000}
+AIO_KEYS = ("block_size", "queue_depth", "thread_count", "single_submit", "overlap_events", "use_direct")
+PARAMS_NVME_NOT_AVAILABLE = (
+    "offload_params='nvme' (stage-3 parameter swapping to NVMe, ZeRO-Infinity) is not implemented yet: it is "
+    "tracked by the NVMe offload issue. Keep parameters in CPU memory with offload_params='cpu' and swap the "
+    "optimizer states with offload_optimizer='nvme'."
+)
+
+
+@dataclass(frozen=True)
+class NvmeConfig:
+    """Where and how optimizer states are swapped to disk.
+
+    Args:
+        nvme_path: an existing, writable directory on a fast local disk. Each run creates its own folder
+            ``nvme_path/lz-swap-<unique>/rank<k>/`` and removes it at teardown (and on exceptions).
+        buffer_count: sub-groups resident in host memory at once during the swapped step (at least 3: one being
+            read ahead, one stepping, one being written back). Host memory for swapped states is bounded by
+            ``buffer_count`` x the largest sub-group's state bytes.
+        sub_group_size: elements per sub-group: the optimizer step streams its parameters in groups of about this
+            many elements (a larger parameter is a sub-group of its own).
+        buffer_size, max_in_cpu: DeepSpeed's parameter-swapping knobs; parameter swapping is not implemented,
+            so a non-default value is refused rather than ignored.
+        aio: the I/O engine's knobs (see :class:`~lightning_zero.offload.aio.AioSettings`).
+    """
+
+    nvme_path: str
+    buffer_count: int = 4
+    sub_group_size: int = 1_000_000_000
+    buffer_size: int = PARAM_ONLY_KNOBS["buffer_size"]
+    max_in_cpu: int = PARAM_ONLY_KNOBS["max_in_cpu"]
+    aio: AioSettings = field(default_factory=AioSettings)
+
+    def __post_init__(self) -> None:
+        path = self.nvme_path
+        if isinstance(path, os.PathLike):
+            path = os.fspath(path)
+        if not isinstance(path, str) or not path:
+            raise TypeError(f"nvme_path must be a directory path, got {self.nvme_path!r}")
+        path = os.path.abspath(os.path.expanduser(path))
+        if not os.path.isdir(path):
+            raise ValueError(f"nvme_path={path!r} is not an existing directory: create it on a local fast disk "
+                             "(NVMe offload writes its swap files there)")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise PermissionError(f"nvme_path={path!r} is not writable by this process: NVMe offload writes its "
+                                  "swap files there")
+        object.__setattr__(self, "nvme_path", path)
+        for name in ("buffer_count", "sub_group_size", "buffer_size", "max_in_cpu"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.buffer_count < 3:
+            raise ValueError(f"buffer_count must be at least 3 (read ahead, step, write back), got {self.buffer_count}")
+        for name, default in PARAM_ONLY_KNOBS.items():
+            if getattr(self, name) != default:
+                raise NotImplementedError(f"{name}={getattr(self, name)} only drives parameter swapping; "
+                                          + PARAMS_NVME_NOT_AVAILABLE)
+        if isinstance(self.aio, dict):
+            object.__setattr__(self, "aio", aio_settings(self.aio))
+        if not isinstance(self.aio, AioSettings):
+            raise TypeError(f"aio must be a dict of {AIO_KEYS} or an AioSettings, got {self.aio!r}")
+
+
+def aio_settings(aio: Optional[dict]) -> AioSettings:
+    """DeepSpeed's ``aio`` knobs as this engine's settings; an unknown key is refused, naming it."""
+    if aio is None:
+        return AioSettings()
+    if not isinstance(aio, dict):
+        raise TypeError(f"aio must be a dict with keys among {AIO_KEYS}, got {aio!r}")
+    unknown = sorted(set(aio) - set(AIO_KEYS))
+    if unknown:
+        raise ValueError(f"aio has unknown keys {unknown}; this engine understands {AIO_KEYS}")
+    return AioSettings(**aio)
+
+
+def nvme_config_from_arguments(nvme_path: Any = None, buffer_count: Optional[int] = None,
+                               sub_group_size: Optional[int] = None, buffer_size: Optional[int] = None,
+                               max_in_cpu: Optional[int] = None, aio: Optional[dict] = None) -> Optional[NvmeConfig]:
+    """The strategy arguments as an :class:`NvmeConfig`; ``None`` when none of them is given.
+
+    A knob given without ``nvme_path`` is refused (it would have no effect), so is ``nvme_path`` given while no
+    offload goes to NVMe (checked by :class:`~lightning_zero.config.ZeroConfig`).
+    """
+    knobs = {"buffer_count": buffer_count, "sub_group_size": sub_group_size, "buffer_size": buffer_size,
+             "max_in_cpu": max_in_cpu}
+    given = {k: v for k, v in knobs.items() if v is not None}
+    if nvme_path is None:
+        if given or aio is not None:
+            names = sorted(given) + (["aio"] if aio is not None else [])
+            raise ValueError(f"{', '.join(names)} only apply to NVMe offload, which needs nvme_path")
+        return None
+    return NvmeConfig(nvme_path=nvme_path, aio=aio_settings(aio), **given)
+
+
+NVME_ARGUMENTS = ("nvme_path", "buffer_count", "sub_group_size", "buffer_size", "max_in_cpu", "aio")
+
+
+def offload_arguments(from_config: dict, offload: Any = None, offload_optimizer: Any = None,
+                      offload_params: Any = None, nvme_path: Any = None, buffer_count: Optional[int] = None,
+                      sub_group_size: Optional[int] = None, buffer_size: Optional[int] = None,
+                      max_in_cpu: Optional[int] = None, aio: Optional[dict] = None) -> dict:
+    """The strategy's offload arguments (``offload``, ``offload_optimizer``, ``offload_params`` and the
+    :data:`NVME_ARGUMENTS`) over those a translated ds_config gives (``from_config``; explicit arguments win), as
+    keyword arguments for :class:`~lightning_zero.config.ZeroConfig`: ``offload``, ``offload_optimizer``,
+    ``offload_params`` and ``nvme`` (an :class:`NvmeConfig` or ``None``). Used by both strategies.
+
+    An explicit shorthand ``offload`` replaces the config's precise pair and vice versa, so the two forms never
+    meet silently.
+    """
+    nvme = {"nvme_path": nvme_path, "buffer_count": buffer_count, "sub_group_size": sub_group_size,
+            "buffer_size": buffer_size, "max_in_cpu": max_in_cpu, "aio": aio}
+    explicit_precise = offload_optimizer is not None or offload_params is not None
+    if offload is None and not explicit_precise:
+        offload_optimizer = from_config.get("offload_optimizer")
+        offload_params = from_config.get("offload_params")
+        # a config with the precise pair also carries the shorthand (for reports): the pair is what it means
+        offload = None if offload_optimizer is not None or offload_params is not None else from_config.get("offload")
+    if str(offload_params).lower() == "nvme":  # refused first: no other setting matters without it
+        raise NotImplementedError(PARAMS_NVME_NOT_AVAILABLE)
+    # The config's NVMe knobs follow its NVMe device: an explicit non-NVMe offload drops them with it.
+    config_nvme = from_config.get("offload_optimizer") == "nvme" and (
+        offload_optimizer == "nvme" or offload == "nvme" or (offload is None and not explicit_precise))
+    merged = {name: nvme[name] if nvme[name] is not None else (from_config.get(name) if config_nvme else None)
+              for name in NVME_ARGUMENTS}
+    return {"offload": offload, "offload_optimizer": offload_optimizer, "offload_params": offload_params,
+            "nvme": nvme_config_from_arguments(**merged)}

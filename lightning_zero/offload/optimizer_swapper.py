@@ -1,0 +1,416 @@
+"""Optimizer-state swapping to NVMe: the optimizer steps its parameters in sub-groups whose states stream from
+and to files, so host memory holds only a few sub-groups' states at a time.
+
+[Note: the swapped step]
+:func:`attach_swapper` gives the optimizer a subclass whose ``step`` (still wrapped by torch's hook machinery, so
+the stage-1 partition/offload hooks run once around the whole step) does, for sub-groups ``0..n-1``::
+
+    read(i+1) from disk  ||  step(i) on CPU  ||  write(i-1) to disk
+
+Stepping sub-group ``i`` narrows every ``param_groups[g]["params"]`` to the sub-group's parameters and calls the
+optimizer's own (unhooked) ``step``: the update math is the user's optimizer, per element identical to one step over
+all parameters. State tensors with one value per parameter element (Adam's ``exp_avg``/``exp_avg_sq``, ...) are
+swapped; scalars (``step``) stay in memory. At most ``buffer_count`` aligned sub-group buffers are alive at once.
+
+[Note: what a swapped-out state looks like]
+Between steps ``optimizer.state[p][key]`` is a :class:`SwappedOut` marker (not a tensor: any computation on it fails
+loudly), which records how to rebuild the tensor (shape, dtype, and for FSDP2 DTensor states the mesh and
+placements). Readers of the states must call :meth:`OptimizerStateSwapper.make_resident` first (checkpoint save and
+load do, and ``optimizer.state_dict()`` does); the next step writes them back out.
+
+[Note: files]
+Each swapper creates its own fresh folder ``nvme_path/lz-swap-<unique>/rank<k>/`` and never reads anything it did
+not write in this process, so leftovers of a crashed run cannot be mistaken for state. :meth:`close` (teardown,
+exception) and a finalizer at interpreter exit remove the folder.
+
+Framework-free: imports only torch.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import types
+import warnings
+import weakref
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from lightning_zero.offload.aio import ALIGNMENT, AsyncFileIO, SwapIOError, align_up, aligned_buffer
+from lightning_zero.offload.config import NvmeConfig
+
+_ATTR = "_lightning_zero_swapper"
+# An Adam-like optimizer keeps two fp32 values per parameter element (exp_avg, exp_avg_sq).
+ESTIMATED_STATE_BYTES_PER_ELEMENT = 8
+
+
+@dataclass(frozen=True)
+class SwappedOut:
+    """Placeholder for a state tensor that lives on disk (see the module's second note)."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    local_shape: torch.Size
+    mesh: Any = None
+    placements: Any = None
+    stride: Any = None
+
+    def __repr__(self) -> str:
+        return f"SwappedOut(shape={tuple(self.shape)}, dtype={self.dtype}: on NVMe, call make_resident first)"
+
+
+@dataclass
+class _Entry:
+    param: Tensor
+    key: str
+    marker: SwappedOut
+    offset: int
+    nbytes: int
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor._local_tensor if hasattr(tensor, "_local_tensor") else tensor
+
+
+def _marker(value: Tensor) -> SwappedOut:
+    local = _local(value)
+    if local is value:
+        return SwappedOut(value.shape, value.dtype, value.shape)
+    return SwappedOut(value.shape, value.dtype, local.shape, value.device_mesh, tuple(value.placements),
+                      value.stride())
+
+
+def _rebuild(marker: SwappedOut, local: Tensor) -> Tensor:
+    local = local.view(marker.local_shape)
+    if marker.mesh is None:
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, marker.mesh, marker.placements, run_check=False, shape=marker.shape,
+                              stride=marker.stride)
+
+
+def get_swapper(optimizer) -> Optional["OptimizerStateSwapper"]:
+    return getattr(optimizer, _ATTR, None)
+
+
+def _remove_folder(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+class OptimizerStateSwapper:
+    """Swaps one optimizer's per-element states to files under ``nvme.nvme_path`` (see the module notes)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, nvme: NvmeConfig, rank: int = 0,
+                 pin_memory: bool = False) -> None:
+        self.optimizer = optimizer
+        self.nvme = nvme
+        self.pin_memory = pin_memory
+        self.run_folder = tempfile.mkdtemp(prefix="lz-swap-", dir=nvme.nvme_path)
+        self.folder = os.path.join(self.run_folder, f"rank{rank}")
+        os.makedirs(self.folder)
+        self._finalizer = weakref.finalize(self, _remove_folder, self.run_folder)
+        self.io = AsyncFileIO(nvme.aio)
+        self.subgroups = self._split([p for g in optimizer.param_groups for p in g["params"]])
+        self.layouts: dict[int, list[_Entry]] = {}
+        self._free: list[Tensor] = []
+        self.buffers_alive = 0
+        self.peak_buffers = 0
+        self.peak_buffer_bytes = 0
+        self.bytes_read = 0
+        self.bytes_written = 0
+        self.closed = False
+        self.instance_step = None  # a scheduler's wrapper found on the instance (see attach_swapper)
+
+    def _split(self, params: list[Tensor]) -> list[list[Tensor]]:
+        groups: list[list[Tensor]] = []
+        current: list[Tensor] = []
+        size = 0
+        for param in params:
+            n = _local(param).numel()
+            if current and size + n > self.nvme.sub_group_size:
+                groups.append(current)
+                current, size = [], 0
+            current.append(param)
+            size += n
+        if current:
+            groups.append(current)
+        return groups
+
+    def path(self, index: int) -> str:
+        return os.path.join(self.folder, f"subgroup{index}.bin")
+
+    def estimated_bytes(self) -> int:
+        """Disk bytes for an Adam-like optimizer over this rank's parameters (checked against free space)."""
+        return sum(align_up(ESTIMATED_STATE_BYTES_PER_ELEMENT * _local(p).numel())
+                   for group in self.subgroups for p in group)
+
+    def check_free_space(self, needed: Optional[int] = None) -> None:
+        """Refuse to start when ``nvme_path`` cannot hold this rank's states (times the ranks of this node, which
+        usually share the disk: ``LOCAL_WORLD_SIZE`` as torchrun sets it, else 1)."""
+        needed = self.estimated_bytes() if needed is None else needed
+        sharing = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+        free = shutil.disk_usage(self.folder).free
+        if free < needed * sharing:
+            who = "this rank's" if sharing == 1 else f"the {sharing} local ranks'"
+            raise SwapIOError(28, f"nvme_path={self.nvme.nvme_path!r} has {free} bytes free but {who} optimizer "
+                                  f"states need about {needed * sharing} bytes on disk; free space or choose another "
+                                  "nvme_path")
+
+    # ---------------------------------------------------------------- buffers
+    def _acquire(self, nbytes: int, writes: deque) -> Tensor:
+        while True:
+            for i, buf in enumerate(self._free):
+                if buf.numel() >= nbytes:
+                    return self._free.pop(i)
+            if self._free:  # free but too small: replace it rather than keep both
+                self._free.pop()
+                self.buffers_alive -= 1
+            if self.buffers_alive < self.nvme.buffer_count:
+                self.buffers_alive += 1
+                self.peak_buffers = max(self.peak_buffers, self.buffers_alive)
+                buf = aligned_buffer(nbytes, pin_memory=self.pin_memory)
+                self.peak_buffer_bytes = max(self.peak_buffer_bytes, buf.numel())
+                return buf
+            if not writes:
+                raise RuntimeError("swap buffer accounting error: no buffer free and no write in flight")
+            self._finish_write(writes.popleft())
+
+    def _release(self, buf: Optional[Tensor]) -> None:
+        if buf is not None:
+            self._free.append(buf)
+
+    # ---------------------------------------------------------------- layouts and transfers
+    def _layout(self, index: int) -> list[_Entry]:
+        entries, offset = [], 0
+        for param in self.subgroups[index]:
+            state = self.optimizer.state.get(param)
+            if not state:
+                continue
+            numel = _local(param).numel()
+            for key, value in state.items():
+                if key == "step" or not isinstance(value, (Tensor, SwappedOut)):
+                    continue
+                marker = value if isinstance(value, SwappedOut) else _marker(value)
+                local_numel = torch.Size(marker.local_shape).numel()
+                if local_numel != numel or local_numel == 0:
+                    continue
+                nbytes = local_numel * marker.dtype.itemsize
+                entries.append(_Entry(param, key, marker, offset, nbytes))
+                offset = align_up(offset + nbytes)
+        return entries
+
+    def _state(self, entry: _Entry):
+        """The entry's current value, or ``None`` when its state was dropped (never creates an empty state)."""
+        state = self.optimizer.state.get(entry.param)
+        return None if state is None else state.get(entry.key)
+
+    def _view(self, buf: Tensor, entry: _Entry) -> Tensor:
+        return buf[entry.offset:entry.offset + entry.nbytes].view(entry.marker.dtype)
+
+    def _start_read(self, index: int, writes: deque):
+        entries = self.layouts.get(index)
+        # .get: a state may have been dropped since the write (a resume drops those its checkpoint lacks)
+        if not entries or not any(isinstance(self._state(e), SwappedOut) for e in entries):
+            return None
+        nbytes = align_up(entries[-1].offset + entries[-1].nbytes)
+        buf = self._acquire(nbytes, writes)
+        future = self.io.read(self.path(index), buf[:nbytes])
+        self.bytes_read += nbytes
+        return buf, future
+
+    def _attach(self, index: int, buf: Tensor, future, copy: bool) -> None:
+        future.result()
+        for entry in self.layouts[index]:
+            if isinstance(self._state(entry), SwappedOut):
+                local = self._view(buf, entry)
+                self.optimizer.state[entry.param][entry.key] = _rebuild(entry.marker, local.clone() if copy else local)
+
+    def _start_write(self, index: int, buf: Optional[Tensor], writes: deque) -> None:
+        entries = self._layout(index)
+        if not entries:
+            self._release(buf)
+            return
+        nbytes = align_up(entries[-1].offset + entries[-1].nbytes)
+        previous = [(id(e.param), e.key, e.offset) for e in self.layouts.get(index, ())]
+        moved = previous != [(id(e.param), e.key, e.offset) for e in entries]  # ids: tensors compare elementwise
+        # [Note: a changed layout never reuses its buffer] When a parameter got its first state since the last
+        # write, later entries move; packing them inside the buffer they are read from would overwrite states not
+        # yet moved. So a changed (or grown) layout is packed into another buffer, and the old one released after.
+        old = None
+        if buf is None or buf.numel() < nbytes or moved:
+            old, buf = buf, self._acquire(nbytes, writes)
+        for entry in entries:
+            value = self.optimizer.state[entry.param][entry.key]
+            slot = self._view(buf, entry)
+            local = _local(value).reshape(-1)
+            if local.data_ptr() != slot.data_ptr():
+                slot.copy_(local)
+        self._release(old)
+        path = self.path(index)
+        if index not in self.layouts:
+            self.io.open(path)
+        self.layouts[index] = entries
+        future = self.io.write(path, buf[:nbytes])
+        self.bytes_written += nbytes
+        writes.append((index, buf, future))
+
+    def _finish_write(self, item) -> None:
+        index, buf, future = item
+        future.result()
+        for entry in self.layouts[index]:
+            self.optimizer.state[entry.param][entry.key] = entry.marker
+        self._release(buf)
+
+    # ---------------------------------------------------------------- the step
+    def step(self, base_step) -> None:
+        """Step every sub-group through ``base_step(optimizer)`` with the read/step/write pipeline."""
+        if self.closed:
+            raise RuntimeError("this optimizer's NVMe swapper was closed (teardown): its states are in memory again "
+                               "and it can no longer step with swapping")
+        if not self.layouts:
+            self.check_free_space()
+        optimizer = self.optimizer
+        saved = [g["params"] for g in optimizer.param_groups]
+        members = [set(map(id, params)) for params in saved]
+        writes: deque = deque()
+        reads: dict[int, Any] = {}
+        try:
+            for index, group in enumerate(self.subgroups):
+                for ahead in (index, index + 1):
+                    if ahead < len(self.subgroups) and ahead not in reads:
+                        reads[ahead] = self._start_read(ahead, writes)
+                pending = reads.pop(index)
+                buf = None
+                if pending is not None:
+                    buf, future = pending
+                    self._attach(index, buf, future, copy=False)
+                ids = set(map(id, group))
+                for g, params, member in zip(optimizer.param_groups, saved, members):
+                    g["params"] = [p for p in params if id(p) in ids] if member & ids else []
+                base_step(optimizer)
+                for g, params in zip(optimizer.param_groups, saved):
+                    g["params"] = params
+                self._start_write(index, buf, writes)
+            while writes:
+                self._finish_write(writes.popleft())
+        finally:
+            for g, params in zip(optimizer.param_groups, saved):
+                g["params"] = params
+            for pending in reads.values():
+                if pending is not None:
+                    pending[1].exception()  # let it finish before its buffer can go away
+            for item in writes:
+                item[2].exception()
+
+    def make_resident(self) -> None:
+        """Read every swapped-out state back into ordinary memory (checkpoint save/load, teardown)."""
+        writes: deque = deque()
+        indices = sorted(self.layouts)
+        pending = {}
+        for position, index in enumerate(indices):
+            for ahead in indices[position:position + 2]:  # read the next sub-group while copying this one
+                if ahead not in pending:
+                    pending[ahead] = self._start_read(ahead, writes)
+            current = pending.pop(index)
+            if current is not None:
+                self._attach(index, current[0], current[1], copy=True)
+                self._release(current[0])
+
+    def swap_out(self) -> None:
+        """Write every resident state to disk and drop it from memory."""
+        writes: deque = deque()
+        for index in range(len(self.subgroups)):
+            self._start_write(index, None, writes)
+        while writes:
+            self._finish_write(writes.popleft())
+
+    def close(self, restore: bool = True) -> None:
+        """Bring the states back into memory (``restore``), then remove this run's swap folder."""
+        if self.closed:
+            return
+        try:
+            if restore:
+                self.make_resident()
+        except OSError as error:
+            # Typically after a failed write (disk full): the original error already surfaced; say what is lost.
+            warnings.warn(f"the optimizer states swapped under {self.folder!r} could not be read back ({error}); "
+                          "the optimizer is left with SwappedOut markers for them", RuntimeWarning, stacklevel=2)
+        finally:
+            self.closed = True
+            self.io.close()
+            self._free.clear()
+            self._finalizer()
+
+
+def attach_swapper(optimizer: torch.optim.Optimizer, nvme: NvmeConfig, *, rank: int = 0,
+                   pin_memory: bool = False) -> OptimizerStateSwapper:
+    """Make ``optimizer`` swap its states to ``nvme.nvme_path`` (see the module notes); undo with
+    :func:`detach_swapper`. The optimizer keeps its identity, ``param_groups`` and hooks; its class becomes a
+    subclass whose ``step`` and ``state_dict`` go through the swapper."""
+    if get_swapper(optimizer) is not None:
+        raise RuntimeError("this optimizer already swaps its states")
+    swapper = OptimizerStateSwapper(optimizer, nvme, rank=rank, pin_memory=pin_memory)
+    swapper.check_free_space()
+    base_cls = type(optimizer)
+    base_step = getattr(base_cls.step, "__wrapped__", base_cls.step)
+
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with torch.no_grad():
+            get_swapper(self).step(base_step)
+        return loss
+
+    def state_dict(self):
+        get_swapper(self).make_resident()
+        return base_cls.state_dict(self)
+
+    wrapped = torch.optim.Optimizer.profile_hook_step(step)
+    wrapped.hooked = True
+    swapped_cls = type(base_cls.__name__, (base_cls,), {"step": wrapped, "state_dict": state_dict,
+                                                        "_lightning_zero_base_class": base_cls})
+    swapped_cls.__module__ = base_cls.__module__
+    swapped_cls.__qualname__ = base_cls.__qualname__
+    optimizer.__class__ = swapped_cls
+    # [Note: an LR scheduler's step wrapper] A scheduler built before this call replaced ``optimizer.step`` on the
+    # instance by a wrapper that calls the *old* class's ``step`` function (to record that the optimizer stepped).
+    # It would bypass the swapped class, so it is replaced by one that records the same flag and calls ours.
+    swapper.instance_step = optimizer.__dict__.get("step")
+    if swapper.instance_step is not None:
+        def scheduler_aware_step(self, *args, **kwargs):
+            self._opt_called = True  # what torch's scheduler wrapper records
+            return swapped_cls.step(self, *args, **kwargs)
+
+        scheduler_aware_step._wrapped_by_lr_sched = True
+        optimizer.step = types.MethodType(scheduler_aware_step, optimizer)
+    setattr(optimizer, _ATTR, swapper)
+    return swapper
+
+
+def detach_swapper(optimizer: torch.optim.Optimizer, restore: bool = True) -> None:
+    """Undo :func:`attach_swapper`: states back in memory (``restore``), files removed, original class back."""
+    swapper = get_swapper(optimizer)
+    if swapper is None:
+        return
+    try:
+        swapper.close(restore=restore)
+    finally:
+        optimizer.__class__ = type(optimizer)._lightning_zero_base_class
+        if swapper.instance_step is not None:
+            optimizer.step = swapper.instance_step
+        delattr(optimizer, _ATTR)
+
+
+def resident_states(optimizer) -> None:
+    """Make the states of ``optimizer`` readable if it swaps (no-op otherwise)."""
+    swapper = get_swapper(getattr(optimizer, "_optimizer", optimizer))
+    if swapper is not None:
+        swapper.make_resident()

@@ -1,0 +1,447 @@
+"""NVMe offload (optimizer-state swapping): the I/O engine alone, the swapper's pipeline, parity with CPU offload
+at 2 ranks, checkpoints across NVMe/CPU offload, and that swap files exist during training and are gone after."""
+
+import copy
+import errno
+import os
+import shutil
+
+import pytest
+import torch
+from lightning.pytorch import Callback, Trainer
+from torch import nn
+
+from lightning_zero import ZeroStrategy
+from lightning_zero.config import ZeroConfig
+from lightning_zero.offload import aio as aio_module
+from lightning_zero.offload.aio import AioSettings, AsyncFileIO, SwapIOError, align_up, aligned_buffer
+from lightning_zero.offload.config import NvmeConfig, nvme_config_from_arguments
+from lightning_zero.offload.optimizer_swapper import SwappedOut, attach_swapper, detach_swapper, get_swapper
+from tests.distributed import run_distributed
+from tests.lightning_models import RegressionModule, full_state, reference_weights
+
+BATCH = 4
+STEPS = 4
+
+
+# ------------------------------------------------------------------ the I/O engine alone
+@pytest.mark.parametrize("settings", [AioSettings(block_size=4096, queue_depth=3, thread_count=2),
+                                      AioSettings(single_submit=True, overlap_events=False),
+                                      AioSettings(use_direct=False)])
+def test_engine_round_trips_aligned_buffers_at_offsets(tmp_path, settings):
+    io = AsyncFileIO(settings)
+    path = str(tmp_path / "swap.bin")
+    io.open(path)
+    first, second = aligned_buffer(10_000), aligned_buffer(3 * 4096)
+    assert first.data_ptr() % 4096 == 0 and first.numel() == align_up(10_000)
+    first.copy_(torch.randint(0, 256, (first.numel(),), dtype=torch.uint8))
+    second.copy_(torch.randint(0, 256, (second.numel(),), dtype=torch.uint8))
+    futures = [io.write(path, first, 0), io.write(path, second, first.numel())]
+    assert [f.result() for f in futures] == [first.numel(), second.numel()]
+    back = aligned_buffer(first.numel() + second.numel())
+    io.read(path, back).result()
+    io.close()
+    assert torch.equal(back[:first.numel()], first) and torch.equal(back[first.numel():], second)
+    assert os.path.getsize(path) == first.numel() + second.numel()
+
+
+def test_engine_falls_back_to_buffered_io_with_a_warning_where_o_direct_is_refused(tmp_path, monkeypatch):
+    real_open = os.open
+
+    def no_direct(path, flags, mode=0o777):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, mode)
+
+    monkeypatch.setattr(aio_module.os, "open", no_direct)
+    io = AsyncFileIO()
+    with pytest.warns(UserWarning, match="O_DIRECT is not supported"):
+        assert io.open(str(tmp_path / "a.bin")) is False
+    buf = aligned_buffer(4096).fill_(7)
+    io.write(str(tmp_path / "a.bin"), buf).result()
+    io.close()
+    with pytest.raises(SwapIOError, match="use_direct=True"):
+        AsyncFileIO(AioSettings(use_direct=True)).open(str(tmp_path / "b.bin"))
+
+
+def test_engine_reports_a_full_disk_naming_the_folder_and_bytes(tmp_path, monkeypatch):
+    def full(fd, buffers, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(aio_module.os, "pwritev", full)
+    io = AsyncFileIO()
+    path = str(tmp_path / "full.bin")
+    io.open(path)
+    with pytest.raises(SwapIOError, match=rf"nvme_path \('{tmp_path}'\) is full \(8192 more bytes"):
+        io.write(path, aligned_buffer(8192)).result()
+    io.close()
+
+
+# ------------------------------------------------------------------ configuration
+def test_nvme_arguments_are_validated_before_any_process_group(tmp_path):
+    with pytest.raises(ValueError, match="needs nvme_path"):
+        ZeroStrategy(stage=2, offload="nvme")
+    with pytest.raises(ValueError, match="needs nvme_path"):
+        ZeroStrategy(stage=3, offload_optimizer="nvme", offload_params="cpu")
+    with pytest.raises(NotImplementedError, match="offload_params='nvme'"):
+        ZeroStrategy(stage=3, offload="nvme", nvme_path=str(tmp_path))
+    with pytest.raises(ValueError, match="not an existing directory"):
+        ZeroStrategy(stage=1, offload="nvme", nvme_path=str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="need offload_optimizer='nvme'"):
+        ZeroStrategy(stage=2, offload="cpu", nvme_path=str(tmp_path))
+    with pytest.raises(ValueError, match="only apply to NVMe offload"):
+        ZeroStrategy(stage=2, buffer_count=8)
+    with pytest.raises(ValueError, match="at least 3"):
+        ZeroStrategy(stage=2, offload="nvme", nvme_path=str(tmp_path), buffer_count=2)
+    with pytest.raises(NotImplementedError, match="max_in_cpu"):
+        ZeroStrategy(stage=2, offload="nvme", nvme_path=str(tmp_path), max_in_cpu=10)
+    with pytest.raises(ValueError, match="unknown keys"):
+        ZeroStrategy(stage=2, offload="nvme", nvme_path=str(tmp_path), aio={"queue_dept": 4})
+    with pytest.raises(ValueError, match="at stage 3 is not supported"):
+        ZeroStrategy(stage=3, offload_optimizer="cpu")
+    with pytest.raises(ValueError, match="needs stage 3"):
+        ZeroStrategy(stage=2, offload_params="cpu")
+    with pytest.raises(ValueError, match="not both"):
+        ZeroStrategy(stage=2, offload="cpu", offload_optimizer="cpu")
+    strategy = ZeroStrategy(stage=3, offload_optimizer="nvme", offload_params="cpu", nvme_path=str(tmp_path),
+                            sub_group_size=1000, aio={"queue_depth": 2, "block_size": 65536})
+    config = strategy.zero_config
+    assert (config.offload, config.offload_optimizer, config.offload_params) == ("nvme", "nvme", "cpu")
+    assert config.nvme.sub_group_size == 1000 and config.nvme.aio.queue_depth == 2
+    assert ZeroConfig(stage=1, offload="nvme", nvme=nvme_config_from_arguments(str(tmp_path))).swaps_optimizer_states
+
+
+def test_registered_nvme_name_needs_an_nvme_path():
+    with pytest.raises(ValueError, match="needs nvme_path"):
+        Trainer(strategy="zero_stage_3_offload_nvme", accelerator="cpu", devices=1, logger=False)
+
+
+# ------------------------------------------------------------------ the swapper alone
+def test_swapped_step_pipelines_sub_groups_and_matches_the_plain_optimizer(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    reference = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.05, weight_decay=0.1)
+    swapper = attach_swapper(opt, NvmeConfig(str(tmp_path), sub_group_size=520, buffer_count=3))
+    assert len(swapper.subgroups) >= 4
+    events = []
+    real_read, real_write = swapper.io.read, swapper.io.write
+    swapper.io.read = lambda path, *a: events.append(("read", path[-5])) or real_read(path, *a)
+    swapper.io.write = lambda path, *a: events.append(("write", path[-5])) or real_write(path, *a)
+    base = type(opt)._lightning_zero_base_class.step
+    for step in range(3):
+        x = torch.randn(8, 16)
+        for net, optimizer in ((model, opt), (reference, ref_opt)):
+            optimizer.zero_grad()
+            net(x).square().mean().backward()
+            optimizer.step()
+        if step == 0:
+            events.clear()
+    for got, want in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(got, want), "swapping changed the optimizer's numbers"
+    # Read-ahead: sub-group 1 is read before sub-group 0 is written back (its step happens in between).
+    assert events.index(("read", "1")) < events.index(("write", "0")) < events.index(("read", "2"))
+    assert swapper.peak_buffers <= 3, "host memory for swapped states must stay within buffer_count buffers"
+    # Between steps the per-element states are on disk only, with the expected file sizes.
+    state = opt.state[next(iter(model.parameters()))]
+    assert isinstance(state["exp_avg"], SwappedOut) and torch.is_tensor(state["step"])
+    for index, group in enumerate(swapper.subgroups):
+        expected = sum(align_up(p.numel() * 4) * 2 for p in group)
+        assert os.path.getsize(swapper.path(index)) >= expected - 4096
+    saved = opt.state_dict()  # reads the states back
+    assert torch.equal(saved["state"][0]["exp_avg"], ref_opt.state_dict()["state"][0]["exp_avg"])
+    assert base is torch.optim.AdamW.step
+    folder = swapper.run_folder
+    detach_swapper(opt)
+    assert not os.path.exists(folder) and type(opt) is torch.optim.AdamW
+    assert torch.equal(opt.state[next(iter(model.parameters()))]["exp_avg_sq"],
+                       ref_opt.state[next(iter(reference.parameters()))]["exp_avg_sq"])
+
+
+def test_refuses_to_start_when_the_disk_has_less_free_space_than_the_states(tmp_path, monkeypatch):
+    model = nn.Linear(100, 100)
+    opt = torch.optim.Adam(model.parameters())
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
+    with pytest.raises(SwapIOError, match=rf"nvme_path='{tmp_path}' has 1000 bytes free .* need about \d+ bytes"):
+        attach_swapper(opt, NvmeConfig(str(tmp_path)))
+
+
+# ------------------------------------------------------------------ through the Trainer at 2 ranks
+def _trainer(strategy, world_size, **kwargs):
+    defaults = dict(accelerator="cpu", devices=world_size, max_steps=STEPS, logger=False, enable_checkpointing=False,
+                    enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                    limit_val_batches=0)
+    defaults.update(kwargs)
+    return Trainer(strategy=strategy, **defaults)
+
+
+class _SwapWitness(Callback):
+    """After each step: the swap files exist with the bytes the layout says, and no state tensor is resident."""
+
+    def __init__(self):
+        self.checked = 0
+        self.folder = None
+
+    def on_train_batch_end(self, trainer, *args):
+        swapper = get_swapper(trainer.optimizers[0])
+        if swapper is None or not swapper.layouts:
+            return
+        self.folder = swapper.run_folder
+        assert swapper.folder.startswith(swapper.nvme.nvme_path)
+        for index, entries in swapper.layouts.items():
+            assert os.path.getsize(swapper.path(index)) == align_up(entries[-1].offset + entries[-1].nbytes)
+        for state in trainer.optimizers[0].state.values():
+            assert all(isinstance(v, SwappedOut) for k, v in state.items() if k != "step")
+        assert swapper.peak_buffers <= swapper.nvme.buffer_count
+        self.checked += 1
+
+
+NVME_CASES = [(1, dict(offload_optimizer="nvme")), (2, dict(offload="nvme")),
+              (3, dict(offload_optimizer="nvme", offload_params="cpu"))]
+
+
+def _parity_worker(rank, world_size, root):
+    for stage, nvme_kwargs in NVME_CASES:
+        finals = {}
+        for label, kwargs in (("nvme", dict(nvme_kwargs, nvme_path=root, sub_group_size=64, buffer_count=3)),
+                              ("cpu", dict(offload="cpu"))):
+            torch.manual_seed(0)
+            module = RegressionModule(batch_size=BATCH)
+            witness = _SwapWitness()
+            trainer = _trainer(ZeroStrategy(stage=stage, **kwargs), world_size, accumulate_grad_batches=2,
+                               gradient_clip_val=0.05, callbacks=[witness])
+            trainer.fit(module)
+            finals[label] = full_state(module)
+            if label == "nvme":
+                assert witness.checked == 2 * STEPS - 1, "the swap was not observed after every batch since the first step"
+                assert not os.path.exists(witness.folder), "teardown must remove the run's swap folder"
+                state = trainer.optimizers[0].state
+                assert state and all(torch.is_tensor(v) for s in state.values() for v in s.values()), \
+                    "after teardown the optimizer holds its states in memory again"
+        worst = max((finals["nvme"][k] - finals["cpu"][k]).abs().max().item() for k in finals["cpu"])
+        assert worst <= 1e-6, f"stage {stage}: NVMe offload differs from CPU offload by {worst:.2e}"
+        expected = reference_weights(STEPS, BATCH * world_size * 2, 2, 0.05)
+        worst = max((finals["nvme"][k] - expected[k]).abs().max().item() for k in expected)
+        assert worst <= 1e-5, f"stage {stage}: NVMe offload differs from the single-process reference by {worst:.2e}"
+    assert not [name for name in os.listdir(root) if name.startswith("lz-swap-")]
+
+
+def test_nvme_offload_matches_cpu_offload_at_every_stage(tmp_path):
+    run_distributed(_parity_worker, 2, str(tmp_path))
+
+
+class _Boom(Callback):
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if trainer.global_step == 2:
+            raise RuntimeError("boom mid-training")
+
+
+def _exception_worker(rank, world_size, root):
+    witness = _SwapWitness()
+    trainer = _trainer(ZeroStrategy(stage=1, offload="nvme", nvme_path=root), world_size, callbacks=[witness, _Boom()])
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.fit(RegressionModule(batch_size=BATCH))
+    assert witness.checked == 2 and witness.folder is not None, "the swap must have happened before the exception"
+    assert not os.path.exists(witness.folder), "an exception must not leave this rank's swap files behind"
+
+
+def test_swap_files_are_removed_after_an_exception(tmp_path):
+    run_distributed(_exception_worker, 2, str(tmp_path))
+    assert os.listdir(tmp_path) == []
+
+
+# ------------------------------------------------------------------ checkpoints across NVMe and CPU offload
+def _offload_kwargs(kind, root):
+    if kind == "cpu":
+        return dict(offload="cpu")
+    return dict(offload_optimizer="nvme", nvme_path=root, sub_group_size=64)
+
+
+def _ckpt_trainer(stage, kind, world_size, epochs, root):
+    from tests.test_strategy_checkpoint import STEPS_PER_EPOCH
+
+    kwargs = _offload_kwargs(kind, root)
+    if stage == 3:
+        kwargs["offload_params"] = "cpu"
+        kwargs.pop("offload", None)
+        kwargs.setdefault("offload_optimizer", "cpu")
+    return Trainer(strategy=ZeroStrategy(stage=stage, **kwargs), accelerator="cpu", devices=world_size,
+                   max_epochs=epochs, limit_train_batches=STEPS_PER_EPOCH, limit_val_batches=0, logger=False,
+                   enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                   default_root_dir=root)
+
+
+class _SaveWhileSwapping(Callback):
+    """Saves during fit, while the states are on disk (after teardown they are back in memory)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def on_train_epoch_end(self, trainer, module):
+        trainer.save_checkpoint(self.path)
+
+
+def _ckpt_save_worker(rank, world_size, path, stage, kind, root):
+    torch.manual_seed(0)
+    trainer = _ckpt_trainer(stage, kind, world_size, 1, root)
+    trainer.callbacks.append(_SaveWhileSwapping(path))
+    trainer.fit(RegressionModule(batch_size=BATCH))
+
+
+def _ckpt_resume_worker(rank, world_size, path, stage, kind, root, saved_world_size):
+    from tests.test_strategy_checkpoint import STEPS_PER_EPOCH, _reference
+
+    torch.manual_seed(123)  # every weight and state must come from the checkpoint
+    module = RegressionModule(batch_size=BATCH * saved_world_size // world_size)
+    trainer = _ckpt_trainer(stage, kind, world_size, 2, root)
+    trainer.fit(module, ckpt_path=path)
+    assert trainer.global_step == 2 * STEPS_PER_EPOCH
+    expected = _reference(2, BATCH * saved_world_size)
+    got = full_state(module)
+    worst = max((got[k] - expected[k]).abs().max().item() for k in expected)
+    assert worst <= 1e-5, f"resumed under {kind} offload at stage {stage}: max abs diff {worst:.2e}"
+
+
+# (saved stage, offload, world size) -> (resumed stage, offload, world size)
+CKPT_CASES = [((2, "nvme", 2), (3, "cpu", 1)), ((1, "cpu", 2), (3, "nvme", 2))]
+
+
+@pytest.mark.parametrize("saved,resumed", CKPT_CASES, ids=["nvme-s2x2-to-cpu-s3x1", "cpu-s1x2-to-nvme-s3x2"])
+def test_checkpoint_moves_between_nvme_and_cpu_offload(tmp_path, saved, resumed):
+    root = str(tmp_path)
+    path = str(tmp_path / "run.ckpt")
+    run_distributed(_ckpt_save_worker, saved[2], path, saved[0], saved[1], root)
+    run_distributed(_ckpt_resume_worker, resumed[2], path, resumed[0], resumed[1], root, saved[2])
+    assert not [name for name in os.listdir(root) if name.startswith("lz-swap-")]
+
+
+# ------------------------------------------------------------------ ds_config translation
+def _nvme_config(root, **zero):
+    return {"zero_optimization": {"stage": 3, "sub_group_size": 2048,
+                                  "offload_optimizer": {"device": "nvme", "nvme_path": root, "buffer_count": 6},
+                                  "offload_param": {"device": "cpu"}, **zero},
+            "aio": {"block_size": 262144, "queue_depth": 4, "intra_op_parallelism": 2, "single_submit": True,
+                    "overlap_events": False}}
+
+
+def test_ds_config_nvme_sections_and_aio_translate_to_the_strategy_arguments(tmp_path):
+    from lightning_zero.ds_config import translate_ds_config
+
+    config = ZeroStrategy(config=_nvme_config(str(tmp_path))).zero_config
+    assert (config.offload_optimizer, config.offload_params) == ("nvme", "cpu")
+    assert (config.nvme.nvme_path, config.nvme.buffer_count, config.nvme.sub_group_size) == (str(tmp_path), 6, 2048)
+    assert config.nvme.aio == AioSettings(block_size=262144, queue_depth=4, thread_count=2, single_submit=True,
+                                          overlap_events=False)
+    notes = dict(translate_ds_config(_nvme_config(str(tmp_path))).notes)
+    assert notes["zero_optimization.sub_group_size"].startswith("-> sub_group_size")
+    assert notes["zero_optimization.offload_optimizer.nvme_path"] == "-> nvme_path"
+    # an explicit non-NVMe offload wins over the config, and the config's NVMe knobs go with its device
+    assert ZeroStrategy(config=_nvme_config(str(tmp_path)), offload="cpu").zero_config.nvme is None
+    # refused, each naming what: parameter swapping, a missing nvme_path, GPUDirect Storage
+    with pytest.raises(NotImplementedError, match="offload_params='nvme'"):
+        ZeroStrategy(config=_nvme_config(str(tmp_path), offload_param={"device": "nvme", "nvme_path": "/x"}))
+    missing = _nvme_config(str(tmp_path))
+    del missing["zero_optimization"]["offload_optimizer"]["nvme_path"]
+    with pytest.raises(Exception, match="nvme_path is missing"):
+        ZeroStrategy(config=missing)
+    gds = _nvme_config(str(tmp_path))
+    gds["aio"]["use_gds"] = True
+    with pytest.raises(Exception, match="use_gds"):
+        ZeroStrategy(config=gds)
+    cpu_only = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}, "aio": {"queue_depth": 2}}
+    assert "no effect" in dict(translate_ds_config(cpu_only).notes)["aio"]
+
+
+# ------------------------------------------------------------------ estimator
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_estimator_reports_nvme_bytes_and_the_bounded_cpu_peak(stage):
+    from lightning_zero.distributed.memory import estimate_model_states_memory
+
+    params, ranks = 7_000_000, 2
+    cpu = estimate_model_states_memory(params, stage, ranks, offload="cpu")
+    nvme = estimate_model_states_memory(params, stage, ranks, offload="nvme", sub_group_size=100_000, buffer_count=4)
+    assert nvme.nvme == params * 8 // ranks and cpu.nvme == 0
+    assert nvme.cpu.total == cpu.cpu.total - nvme.nvme
+    assert nvme.cpu_peak == nvme.cpu.total + 4 * 100_000 * 8
+    assert nvme.accelerator == cpu.accelerator
+    assert ("nvme (GiB)", f"{nvme.nvme / 1024 ** 3:.2f}") in nvme.as_table()
+
+
+def test_a_parameter_that_starts_training_later_joins_its_swapped_sub_group_exactly(tmp_path):
+    # The late parameter's new states shift the sub-group's file layout; its buffer (a larger one, recycled from
+    # the big sub-group) is reused, so states must not be copied over states not yet moved.
+    torch.manual_seed(0)
+    first, late, last, big = (torch.randn(n, requires_grad=True) for n in (300, 300, 300, 3000))
+    ours = (first, late, last, big)
+    reference = [t.detach().clone().requires_grad_() for t in ours]
+    opt = torch.optim.Adam(ours, lr=0.1)
+    ref_opt = torch.optim.Adam(reference, lr=0.1)
+    swapper = attach_swapper(opt, NvmeConfig(str(tmp_path), sub_group_size=1000, buffer_count=3))
+    assert [len(g) for g in swapper.subgroups] == [3, 1]
+    for step in range(4):
+        swapper._free.sort(key=lambda buf: -buf.numel())  # largest free buffer first: the small group gets it
+        for params, optimizer in ((ours, opt), (reference, ref_opt)):
+            optimizer.zero_grad()
+            used = params if step >= 2 else (params[0], params[2], params[3])  # `late` trains from step 2 on
+            sum((p * (i + step + 1.0)).square().sum() for i, p in enumerate(used)).backward()
+            optimizer.step()
+    for got, want in zip(ours, reference):
+        assert torch.equal(got, want)
+    detach_swapper(opt)
+
+
+def test_a_full_disk_mid_step_names_nvme_path_and_teardown_still_removes_the_files(tmp_path, monkeypatch):
+    model = nn.Linear(64, 64)
+    opt = torch.optim.Adam(model.parameters())
+    swapper = attach_swapper(opt, NvmeConfig(str(tmp_path)))
+    model(torch.randn(2, 64)).sum().backward()
+    opt.step()
+
+    def full(fd, buffers, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(aio_module.os, "pwritev", full)
+    with pytest.raises(SwapIOError, match=rf"nvme_path \('{swapper.folder}'\) is full"):
+        opt.step()
+    monkeypatch.undo()
+    detach_swapper(opt)  # the states of the last complete write are read back
+    assert not os.path.exists(swapper.run_folder)
+    assert all(torch.is_tensor(v) for state in opt.state.values() for v in state.values())
+
+
+def _ds_config_worker(rank, world_size, root):
+    config = {"zero_optimization": {"stage": 2, "sub_group_size": 100,
+                                    "offload_optimizer": {"device": "nvme", "nvme_path": root, "buffer_count": 3}},
+              "aio": {"queue_depth": 2, "thread_count": 2}}
+    torch.manual_seed(0)
+    module = RegressionModule(batch_size=BATCH)
+    witness = _SwapWitness()
+    trainer = _trainer(ZeroStrategy(config=config), world_size, callbacks=[witness])
+    trainer.fit(module)
+    assert witness.checked == STEPS
+    expected = reference_weights(STEPS, BATCH * world_size)
+    got = full_state(module)
+    assert max((got[k] - expected[k]).abs().max().item() for k in expected) <= 1e-5
+
+
+def test_a_ds_config_with_nvme_optimizer_offload_trains(tmp_path):
+    run_distributed(_ds_config_worker, 2, str(tmp_path))
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_layout_of_the_same_length_with_another_parameter_is_repacked(tmp_path):
+    # One parameter's state is dropped (as a resume does for states the checkpoint lacks) while another one starts:
+    # the sub-group's layout has as many entries as before, naming another parameter.
+    torch.manual_seed(0)
+    a, b = torch.randn(50, requires_grad=True), torch.randn(50, requires_grad=True)
+    opt = torch.optim.Adam([a, b], lr=0.1)
+    attach_swapper(opt, NvmeConfig(str(tmp_path), sub_group_size=1000))
+    a.grad = torch.ones(50)
+    opt.step()
+    opt.state.pop(a)
+    a.grad, b.grad = None, torch.ones(50)
+    opt.step()
+    assert isinstance(opt.state[b]["exp_avg"], SwappedOut) and a not in opt.state
+    detach_swapper(opt)
+    assert torch.allclose(opt.state[b]["exp_avg"], torch.full((50,), 0.1))
