@@ -219,6 +219,7 @@ def _nvme_worker(rank, world_size, root):
         got = full_weights(model._forward_module.module if stage <= 1 else model._forward_module)
         assert max((got[k] - expected[k]).abs().max().item() for k in expected) <= 1e-5, stage
         fabric.strategy.teardown()
+        torch.distributed.barrier()  # the run's swap folder holds every rank's files: wait for both teardowns
         assert not [name for name in os.listdir(path) if name.startswith("lz-swap-")], "swap files left behind"
 
 
