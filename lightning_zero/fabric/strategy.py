@@ -74,8 +74,11 @@ class ZeroStrategy(ParallelStrategy):
     * Precision: ``Fabric(precision=...)`` with ``32-true``, ``bf16-mixed``, ``16-mixed``, ``bf16-true``, ``16-true``
       (:mod:`lightning_zero.fabric.precision`); fp16 uses DeepSpeed's loss scaling with the loss-scale arguments.
 
-    Refused (no Fabric meaning yet): ``async_save=True`` (no end-of-run hook to await the write),
-    ``pipeline_parallel_size > 1`` (the schedule needs the Trainer's
+    * ``async_save=True``: ``fabric.save`` writes in the background, awaited by the next save/load,
+      :meth:`wait_for_checkpoints`, :meth:`teardown`, and (locally, with a warning) at exit
+      (``[Note: async saves under Fabric]`` in :mod:`lightning_zero.fabric.checkpoint`).
+
+    Refused (no Fabric meaning yet): ``pipeline_parallel_size > 1`` (the schedule needs the Trainer's
     ``training_step``), ``auto_resume=True`` (there are no ``ModelCheckpoint`` directories to resume from), and a
     ds_config that sets loop settings (``optimizer``, ``scheduler``, ``gradient_clipping``, accumulation, batch
     sizes, ``steps_per_print``, ``wall_clock_breakdown``): write them in the loop; ``load_full_weights=True``
@@ -143,10 +146,6 @@ class ZeroStrategy(ParallelStrategy):
             raise NotImplementedError("load_full_weights=True is not supported with Fabric: fabric.load reads sharded "
                                       "checkpoint directories. Load a single-file state dict into the module before "
                                       "fabric.setup, and leave load_full_weights=False")
-        if settings.async_save:
-            raise NotImplementedError("async_save=True is not supported with Fabric yet: Fabric has no end-of-run hook "
-                                      "that would wait for the background write, so the last checkpoint could be lost "
-                                      "at exit. Use async_save=False")
         _refuse_loop_settings(settings.ds_config)
         self.settings = settings
         self.zero_config = settings.zero_config
@@ -372,6 +371,12 @@ class ZeroStrategy(ParallelStrategy):
                              "values only); weights_only=False is not honoured")
         with self.hang_guard.phase("load"):
             return checkpoint.load(self, self.broadcast(str(path)), state, strict)
+
+    def wait_for_checkpoints(self) -> None:
+        """Wait for the pending ``async_save`` writes (collective: every rank calls it); every rank then sees the
+        committed directories, and a failure on any rank raises :class:`CheckpointSaveError` on every rank."""
+        with self.hang_guard.phase("save"):
+            wait_for_pending_saves(barrier=_distributed_is_initialized())
 
     def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
         """The module's (sharded) state dict, as ``fabric.save`` writes it."""

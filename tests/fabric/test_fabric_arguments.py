@@ -30,7 +30,6 @@ def test_same_arguments_as_the_trainer_strategy():
     (dict(checkpoint_io=object()), ValueError, "checkpoint_io"),
     (dict(pipeline_parallel_size=2), NotImplementedError, "pipeline_parallel_size > 1 is not supported with Fabric"),
     (dict(auto_resume=True), ValueError, "auto_resume=True"),
-    (dict(async_save=True), NotImplementedError, "async_save=True is not supported with Fabric"),
     (dict(config={"zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}),
      ValueError, "the ds_config sets optimizer="),
     (dict(config={"zero_optimization": {"stage": 3}, "gradient_clipping": 1.0}), ValueError, "gradient_clipping=1.0"),
