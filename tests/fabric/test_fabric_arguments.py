@@ -28,7 +28,7 @@ def test_same_arguments_as_the_trainer_strategy():
     (dict(stage=2, find_unused_parameters=True), ValueError, "DDP options apply at stages 0-1"),
     (dict(stage=2, loss_scale=-1), ValueError, "loss_scale"),
     (dict(checkpoint_io=object()), ValueError, "checkpoint_io"),
-    (dict(pipeline_parallel_size=2), NotImplementedError, "pipeline_parallel_size > 1 is not supported with Fabric"),
+    (dict(pipeline_parallel_size=2, stage=3, offload="cpu"), NotImplementedError, "CPUOffloadPolicy is not applied"),
     (dict(auto_resume=True), ValueError, "auto_resume=True"),
     (dict(config={"zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}),
      ValueError, "the ds_config sets optimizer="),
