@@ -132,9 +132,9 @@ def load(strategy, path: str, state: Optional[dict[str, Any]], strict: bool = Tr
         raise ValueError("fabric.load with a ZeroStrategy loads sharded states into existing objects: pass them, "
                          "e.g. fabric.load(path, {'model': model, 'optimizer': optimizer}); to read the whole "
                          "checkpoint in one process use `lightning-zero consolidate` and torch.load")
-    # Collective (fabric.load runs on every rank): rank 0 commits an async save in the background, so another rank
-    # must not read the path before that commit, or it would load the checkpoint the save replaces.
-    wait_for_pending_saves(barrier=True)
+    # Collective with async_save (fabric.load runs on every rank): rank 0 commits an async save in the background,
+    # so another rank must not read the path before that commit, or it would load the checkpoint the save replaces.
+    wait_for_pending_saves(barrier=bool(strategy.async_save))
     directory = checkpoint_directory(path)
     meta = load_meta(directory)
     saved = meta.pop(KEYS, None)

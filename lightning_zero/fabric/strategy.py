@@ -75,15 +75,17 @@ class ZeroStrategy(ParallelStrategy):
     * ``hang_timeout`` guards ``fabric.save``/``fabric.load`` and teardown (Fabric has no step hooks).
     * Precision: ``Fabric(precision=...)`` with ``32-true``, ``bf16-mixed``, ``16-mixed``, ``bf16-true``, ``16-true``
       (:mod:`lightning_zero.fabric.precision`); fp16 uses DeepSpeed's loss scaling with the loss-scale arguments.
-
     * ``async_save=True``: ``fabric.save`` writes in the background, awaited by the next save/load,
       :meth:`wait_for_checkpoints`, :meth:`teardown`, and (locally, with a warning) at exit
       (``[Note: async saves under Fabric]`` in :mod:`lightning_zero.fabric.checkpoint`).
+    * ``pipeline_parallel_size > 1``: ``fabric.setup_module(pipeline_module)`` builds this rank's stages and
+      :meth:`pipeline_step` runs the schedule (:mod:`lightning_zero.fabric.pipeline_steps`); ``fabric.backward``
+      is refused under a pipeline.
 
-    Refused (no Fabric meaning yet): ``pipeline_parallel_size > 1`` (the schedule needs the Trainer's
-    ``training_step``), ``auto_resume=True`` (there are no ``ModelCheckpoint`` directories to resume from), and a
-    ds_config that sets loop settings (``optimizer``, ``scheduler``, ``gradient_clipping``, accumulation, batch
-    sizes, ``steps_per_print``, ``wall_clock_breakdown``): write them in the loop; ``load_full_weights=True``
+    Refused (no Fabric meaning yet): ``auto_resume=True`` (there are no ``ModelCheckpoint`` directories to resume
+    from), and a ds_config that sets loop settings (``optimizer``, ``scheduler``, ``gradient_clipping``,
+    accumulation, batch sizes, ``steps_per_print``, ``wall_clock_breakdown``): write them in the loop;
+    ``load_full_weights=True``
     (``fabric.load`` reads sharded directories).
     """
 
