@@ -99,3 +99,19 @@ def test_exit_handler_finishes_a_pending_save_and_reports_a_failed_one(tmp_path,
     assert "FAILED" in err and "disk full" in err and not os.path.exists(failed)
     settle_saves_at_exit()  # nothing pending: silent
     assert capsys.readouterr().err == ""
+
+
+def test_a_script_ending_with_a_failing_pending_save_reports_it_at_exit(tmp_path):
+    """A real interpreter exit (no teardown): the handler runs before the process group goes; without it the
+    background failure would vanish with the process."""
+    import subprocess
+    import sys
+
+    path = str(tmp_path / "exit.ckpt")
+    script = os.path.join(os.path.dirname(__file__), "async_exit_script.py")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, script, path, "fail"], capture_output=True, text=True, timeout=300,
+                          env=env, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert f"saved ['{path}']" in done.stdout, done.stderr  # the save was still pending when the script ended
+    assert "still pending" in done.stderr and "FAILED" in done.stderr and "disk full" in done.stderr, done.stderr
+    assert not os.path.exists(path)
