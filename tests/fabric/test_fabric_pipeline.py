@@ -85,6 +85,17 @@ def _parity_worker(rank, world_size, stage, path):
     assert worst <= 1e-5, f"stage {stage} world {world_size}: max abs diff {worst:.2e} from the unsplit reference"
     with pytest.raises(RuntimeError, match="the schedule runs backward itself"):
         fabric.backward(torch.ones((), requires_grad=True))
+    # Evaluation: model(x, y) in eval mode runs the forward-only schedule (no gradients); pipeline_step refuses it.
+    reference = make_model()
+    reference.materialize()
+    reference.load_state_dict(expected)
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x[:BATCH], y[:BATCH]), reference(x[:BATCH], y[:BATCH]), atol=1e-5, rtol=0)
+    assert all(p.grad is None for p in model.parameters())
+    with pytest.raises(RuntimeError, match="eval mode"):
+        fabric.strategy.pipeline_step(model, x[:BATCH], y[:BATCH])
+    model.train()
     if path is None:
         return
 
