@@ -229,6 +229,21 @@ def _settle_pending_saves() -> List[str]:
     return errors
 
 
+def pending_save_paths() -> List[str]:
+    """The paths of this process's asynchronous saves not yet awaited (finished or not)."""
+    with _PENDING_LOCK:
+        return [handle.path for handle in _PENDING]
+
+
+def settle_pending_saves() -> List[str]:
+    """Wait locally (no collective) for every asynchronous save of this process; return the failures' messages.
+
+    For the end of a process, where no collective may run: every rank's background write takes part in DCP's own
+    collectives (on a separate gloo group) and rank 0 commits ``zero.json`` in the background once DCP finished on
+    every rank, so waiting on each rank suffices while all ranks are alive."""
+    return _settle_pending_saves()
+
+
 def wait_for_pending_saves(barrier: bool = True) -> None:
     """Wait for every asynchronous save this process started and raise :class:`CheckpointSaveError` if one failed.
 

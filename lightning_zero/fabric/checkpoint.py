@@ -10,10 +10,21 @@ straight into the unwrapped module.
 Several modules in one state (a GAN's generator and discriminator) are stored as one ``ModuleDict``: their weights
 under ``<key>.<name>``. ``meta.pt`` records which state keys held the modules and the optimizers
 (``fabric_state_keys``), so a load puts each back into the object of the same key.
+
+[Note: async saves under Fabric]
+With ``async_save=True`` ``fabric.save`` returns once the state is staged to CPU; DCP writes on a background thread
+and rank 0 commits ``zero.json`` (atomic swap) in the background once every rank's shards are written. The write
+is awaited, collectively, by the next ``fabric.save`` and by ``fabric.load`` (so every rank sees the committed
+directory before reading it), by ``fabric.strategy.wait_for_checkpoints()`` and by ``strategy.teardown()``. A
+script that ends without either is covered by an ``atexit`` handler that waits locally on every rank (no collective
+can run at exit; none is needed, see :func:`lightning_zero.checkpoint.io.settle_pending_saves`), warns that the
+save was still pending and reports a failed one on stderr instead of losing it silently.
 """
 
 from __future__ import annotations
 
+import atexit
+import sys
 from types import SimpleNamespace
 from typing import Any, Callable, Optional
 
@@ -21,7 +32,12 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_zero.checkpoint.errors import CheckpointError
-from lightning_zero.checkpoint.io import checkpoint_directory, wait_for_pending_saves
+from lightning_zero.checkpoint.io import (
+    checkpoint_directory,
+    pending_save_paths,
+    settle_pending_saves,
+    wait_for_pending_saves,
+)
 from lightning_zero.checkpoint.safe_load import load_meta
 from lightning_zero.fabric import checkpointing
 
@@ -84,6 +100,28 @@ def save(strategy, path: str, state: dict[str, Any],
                            stage=strategy.stage, zero_config=strategy.zero_config, optimizers=optimizers,
                            ds_config=strategy.ds_config, async_save=strategy.async_save)
     checkpointing.save(view, checkpoint, path)
+    if strategy.async_save:
+        _await_at_exit()
+
+
+def _await_at_exit() -> None:
+    # Registered again after every async save, so it is the newest handler and runs first (atexit is last-in
+    # first-out): before the checkpoint module's release of its gloo groups and Lightning's destroy_process_group,
+    # both registered earlier, which the background write still needs.
+    atexit.unregister(settle_saves_at_exit)
+    atexit.register(settle_saves_at_exit)
+
+
+def settle_saves_at_exit() -> None:
+    """Finish this process's pending async saves at interpreter exit (see the note above); never silent."""
+    pending = pending_save_paths()
+    if not pending:
+        return
+    print(f"lightning-zero: the process is exiting with async checkpoint save(s) still pending ({pending}); waiting "
+          "for them here. Call fabric.strategy.wait_for_checkpoints() or strategy.teardown() before the end of the "
+          "script to wait collectively and get a failure as an exception", file=sys.stderr, flush=True)
+    for message in settle_pending_saves():
+        print(f"lightning-zero: an async checkpoint save FAILED: {message}", file=sys.stderr, flush=True)
 
 
 def load(strategy, path: str, state: Optional[dict[str, Any]], strict: bool = True) -> dict[str, Any]:
@@ -94,7 +132,9 @@ def load(strategy, path: str, state: Optional[dict[str, Any]], strict: bool = Tr
         raise ValueError("fabric.load with a ZeroStrategy loads sharded states into existing objects: pass them, "
                          "e.g. fabric.load(path, {'model': model, 'optimizer': optimizer}); to read the whole "
                          "checkpoint in one process use `lightning-zero consolidate` and torch.load")
-    wait_for_pending_saves(barrier=False)
+    # Collective with async_save (fabric.load runs on every rank): rank 0 commits an async save in the background,
+    # so another rank must not read the path before that commit, or it would load the checkpoint the save replaces.
+    wait_for_pending_saves(barrier=bool(strategy.async_save))
     directory = checkpoint_directory(path)
     meta = load_meta(directory)
     saved = meta.pop(KEYS, None)

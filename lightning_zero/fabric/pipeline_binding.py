@@ -200,19 +200,42 @@ def clip_by_global_norm(runner, params, max_norm: float) -> float:
     return float(norm) if math.isfinite(float(norm)) else float("nan")
 
 
-def setup_for_strategy(strategy, trainer):
-    """Split the LightningModule's ``PipelineModule`` over the strategy's pp x dp mesh; clip over every stage."""
-    precision = strategy.precision_plugin
+def check_pipeline_world(pipeline: PipelineSettings, num_processes: int, num_nodes: int) -> None:
+    """Before the process group: the pipeline size must divide the world (both adapters)."""
+    world_size = num_processes * num_nodes
+    if pipeline.enabled and world_size % pipeline.pipeline_parallel_size:
+        raise ValueError(f"pipeline_parallel_size={pipeline.pipeline_parallel_size} must divide the world size "
+                         f"{world_size} (devices={num_processes} x num_nodes={num_nodes})")
+
+
+def pipeline_mesh(device_type: str, world_size: int, pipeline: PipelineSettings):
+    """The 2-D ``("pp", "dp")`` mesh of shape ``(p, world / p)``; returns ``(mesh, pp_mesh, dp_mesh)``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    pp = pipeline.pipeline_parallel_size
+    mesh = init_device_mesh(device_type, (pp, world_size // pp), mesh_dim_names=("pp", "dp"))
+    return mesh, mesh["pp"], mesh["dp"]
+
+
+def setup_pipeline(root, settings: PipelineSettings, pp_mesh, dp_mesh, stage: int, device, precision,
+                   activation_checkpointing, accumulate_grad_batches: int = 1):
+    """Split ``root``'s one ``PipelineModule`` over the pp x dp mesh, checkpoint its layers, and clip over every
+    stage (both adapters: the Trainer's ``setup``, Fabric's ``setup_module``)."""
     if precision.low_dtype is not None:
         raise NotImplementedError(
             f"pipeline_parallel_size > 1 with precision={precision.precision!r} is not supported: the "
             "pipeline schedule runs backward itself, outside the precision plugin. Use precision='32-true'.")
-    runner = build_for_strategy(strategy.lightning_module, strategy._pipeline, strategy._pp_mesh, strategy._mesh,
-                                strategy.stage, strategy.root_device, trainer.accumulate_grad_batches)
-    checkpoint_pipeline_layers(find_pipeline_module(strategy.lightning_module),
-                               getattr(strategy, "activation_checkpoint_config", None))
+    runner = build_for_strategy(root, settings, pp_mesh, dp_mesh, stage, device, accumulate_grad_batches)
+    checkpoint_pipeline_layers(find_pipeline_module(root), activation_checkpointing)
     precision.grad_norm_clipper = lambda params, max_norm: clip_by_global_norm(runner, params, max_norm)
     return runner
+
+
+def setup_for_strategy(strategy, trainer):
+    """Split the LightningModule's ``PipelineModule`` over the strategy's pp x dp mesh; clip over every stage."""
+    return setup_pipeline(strategy.lightning_module, strategy._pipeline, strategy._pp_mesh, strategy._mesh,
+                          strategy.stage, strategy.root_device, strategy.precision_plugin,
+                          getattr(strategy, "activation_checkpoint_config", None), trainer.accumulate_grad_batches)
 
 
 class PipelineGradients:

@@ -43,6 +43,8 @@ from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
 from lightning_zero.distributed.optimizer_check import check_optimizer_params
 from lightning_zero.distributed.zero import apply_zero, set_gradient_sync
 from lightning_zero.fabric import checkpoint
+from lightning_zero.fabric import pipeline_steps as fabric_pipeline
+from lightning_zero.fabric.pipeline_binding import check_pipeline_world, pipeline_mesh
 from lightning_zero.fabric.precision import FabricZeroPrecision, PrecisionFlag, adapt_fabric_precision
 from lightning_zero.fabric.settings import SETTING_NAMES, STRATEGY_NAMES, resolve_settings
 from lightning_zero.fabric import validation
@@ -73,12 +75,17 @@ class ZeroStrategy(ParallelStrategy):
     * ``hang_timeout`` guards ``fabric.save``/``fabric.load`` and teardown (Fabric has no step hooks).
     * Precision: ``Fabric(precision=...)`` with ``32-true``, ``bf16-mixed``, ``16-mixed``, ``bf16-true``, ``16-true``
       (:mod:`lightning_zero.fabric.precision`); fp16 uses DeepSpeed's loss scaling with the loss-scale arguments.
+    * ``async_save=True``: ``fabric.save`` writes in the background, awaited by the next save/load,
+      :meth:`wait_for_checkpoints`, :meth:`teardown`, and (locally, with a warning) at exit
+      (``[Note: async saves under Fabric]`` in :mod:`lightning_zero.fabric.checkpoint`).
+    * ``pipeline_parallel_size > 1``: ``fabric.setup_module(pipeline_module)`` builds this rank's stages and
+      :meth:`pipeline_step` runs the schedule (:mod:`lightning_zero.fabric.pipeline_steps`); ``fabric.backward``
+      is refused under a pipeline.
 
-    Refused (no Fabric meaning yet): ``async_save=True`` (no end-of-run hook to await the write),
-    ``pipeline_parallel_size > 1`` (the schedule needs the Trainer's
-    ``training_step``), ``auto_resume=True`` (there are no ``ModelCheckpoint`` directories to resume from), and a
-    ds_config that sets loop settings (``optimizer``, ``scheduler``, ``gradient_clipping``, accumulation, batch
-    sizes, ``steps_per_print``, ``wall_clock_breakdown``): write them in the loop; ``load_full_weights=True``
+    Refused (no Fabric meaning yet): ``auto_resume=True`` (there are no ``ModelCheckpoint`` directories to resume
+    from), and a ds_config that sets loop settings (``optimizer``, ``scheduler``, ``gradient_clipping``,
+    accumulation, batch sizes, ``steps_per_print``, ``wall_clock_breakdown``): write them in the loop;
+    ``load_full_weights=True``
     (``fabric.load`` reads sharded directories).
     """
 
@@ -132,10 +139,6 @@ class ZeroStrategy(ParallelStrategy):
         rendezvous_timeout: Union[float, timedelta] = DEFAULT_RENDEZVOUS_TIMEOUT,
     ) -> None:
         settings = resolve_settings(**{name: value for name, value in locals().items() if name in SETTING_NAMES})
-        if settings.pipeline.enabled:
-            raise NotImplementedError("pipeline_parallel_size > 1 is not supported with Fabric: the pipeline "
-                                      "schedule runs the LightningModule's training_step under the Trainer. Use the "
-                                      "Trainer's ZeroStrategy, or pipeline_parallel_size=None")
         if settings.auto_resume:
             raise ValueError("auto_resume=True resumes from the Trainer's ModelCheckpoint directories, which Fabric "
                              "has not: call fabric.load(path, state) yourself, and leave auto_resume=False")
@@ -143,10 +146,6 @@ class ZeroStrategy(ParallelStrategy):
             raise NotImplementedError("load_full_weights=True is not supported with Fabric: fabric.load reads sharded "
                                       "checkpoint directories. Load a single-file state dict into the module before "
                                       "fabric.setup, and leave load_full_weights=False")
-        if settings.async_save:
-            raise NotImplementedError("async_save=True is not supported with Fabric yet: Fabric has no end-of-run hook "
-                                      "that would wait for the background write, so the last checkpoint could be lost "
-                                      "at exit. Use async_save=False")
         _refuse_loop_settings(settings.ds_config)
         self.settings = settings
         self.zero_config = settings.zero_config
@@ -159,7 +158,9 @@ class ZeroStrategy(ParallelStrategy):
         self._timeout, self._rendezvous_timeout = settings.timeout, settings.rendezvous_timeout  # process_group_store
         self._num_nodes = 1
         self._mesh = None
-        self._backward_sync_control = _ZeroBackwardSyncControl()
+        self._pipeline, self._pp_mesh = settings.pipeline, None
+        self._runner = None  # the pipelined module's runner (see lightning_zero.fabric.pipeline_steps)
+        self._backward_sync_control = _ZeroBackwardSyncControl(self)
         self._modules: list[nn.Module] = []  # the user's modules set up so far (unwrapped)
         self._optimizers: list[Optimizer] = []  # their partitioned optimizers (teardown stops NVMe swapping)
 
@@ -191,6 +192,8 @@ class ZeroStrategy(ParallelStrategy):
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        if self._pipeline.enabled and self._mesh is not None:  # data-parallel replicas, not pipeline ranks
+            return {"num_replicas": self._mesh.size(), "rank": self._mesh.get_local_rank()}
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
     @property
@@ -236,8 +239,10 @@ class ZeroStrategy(ParallelStrategy):
         if self.zero_config.pin_memory and device.type != "cuda":
             raise ValueError(f"pin_memory=True pins the offloaded CPU copies for fast copies to CUDA, but this run "
                              f"computes on {device.type!r}: use pin_memory=None (pin only on CUDA) or False")
+        check_pipeline_world(self._pipeline, self.num_processes, self.num_nodes)
         check_hybrid_world(self.zero_config.hybrid_shard_size, self.num_nodes * self.num_processes,
-                           num_nodes=self.num_nodes, num_processes=self.num_processes)
+                           pipeline=self._pipeline.enabled, num_nodes=self.num_nodes,
+                           num_processes=self.num_processes)
         validation.check_network_before_process_group(self.num_nodes, self.node_rank)
         super().setup_environment()
         reset_seed()
@@ -249,8 +254,10 @@ class ZeroStrategy(ParallelStrategy):
                               device_id=device if device.type == "cuda" else None,
                               **validation.process_group_store(self))
 
-        # 1-D, or 2-D ("replicate", "shard") with hybrid_shard_size (as the Trainer strategy)
-        self._mesh = data_parallel_mesh(device.type, self.world_size, self.zero_config.hybrid_shard_size)
+        if self._pipeline.enabled:  # ("pp", "dp"); the ZeRO stage applies on "dp" (as the Trainer strategy)
+            _, self._pp_mesh, self._mesh = pipeline_mesh(device.type, self.world_size, self._pipeline)
+        else:  # 1-D, or 2-D ("replicate", "shard") with hybrid_shard_size (as the Trainer strategy)
+            self._mesh = data_parallel_mesh(device.type, self.world_size, self.zero_config.hybrid_shard_size)
         self._adopt_config_precision()
 
     def _adopt_config_precision(self) -> None:
@@ -276,16 +283,21 @@ class ZeroStrategy(ParallelStrategy):
         the Trainer strategy's ``configure_model``: at stages 2-3 the build is recorded and ``setup`` replays it one
         FSDP unit at a time (no rank holds the whole model), at stages 0-1 it is built on CPU memory. See
         :mod:`lightning_zero.distributed.init`."""
-        return exact_init(InitConfig.from_env(max(1, self.num_processes), deferred=self.stage >= 2), empty_init)
+        deferred = self.stage >= 2 and not self._pipeline.enabled  # a pipeline builds only its stages at setup
+        return exact_init(InitConfig.from_env(max(1, self.num_processes), deferred=deferred), empty_init)
 
     def module_to_device(self, module: nn.Module) -> None:
-        if self.stage <= 1:  # apply_zero places the sharded stages itself (on CPU when offloading)
+        if self.stage <= 1 and not self._pipeline.enabled:  # apply_zero / the pipeline place the rest themselves
             module.to(self.root_device)
 
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Optimizer],
                                     scheduler: Optional[Any] = None) -> tuple[nn.Module, list[Optimizer], Any]:
         """Shard ``module`` (:meth:`setup_module`), point the optimizers at its sharded parameters and partition
         them (:meth:`setup_optimizer`). LR schedulers keep working: the optimizers are changed in place."""
+        if self._pipeline.enabled and optimizers:
+            raise ValueError("with pipeline_parallel_size > 1 create the optimizer after fabric.setup_module(model): "
+                             "setup builds and keeps only this rank's pipeline stages, so an optimizer made before "
+                             "holds parameters the model no longer has (docs/fabric.md, Pipeline parallelism)")
         names = {id(param): name for name, param in module.named_parameters(remove_duplicate=False)}
         wrapped = self.setup_module(module)
         for optimizer in optimizers:
@@ -296,6 +308,10 @@ class ZeroStrategy(ParallelStrategy):
         """Apply ZeRO: a ``DistributedDataParallel`` wrapper at stages 0-1, FSDP2 in place at stages 2-3."""
         precision = self.precision
         precision.device_type = self.root_device.type
+        if self._pipeline.enabled:
+            self._runner = fabric_pipeline.setup(self, module)
+            self._modules.append(module)
+            return module
         self._modules.append(module)
         if self.stage >= 2:
             return apply_zero(module, self._mesh, self.zero_config, device=self.root_device,
@@ -313,7 +329,7 @@ class ZeroStrategy(ParallelStrategy):
         parameters (``fabric.setup(model, optimizer)`` swaps them; after ``fabric.setup_module`` build it from
         ``model.parameters()``)."""
         if get_sharding(optimizer) is None:
-            if self.stage >= 2:
+            if self.stage >= 2 and not self._pipeline.enabled:  # stage modules hold FSDP2 units of their own
                 owners = [m for m in self._modules if _holds(m, optimizer)]
                 check_optimizer_params(optimizer, owners[0] if owners else self._modules[-1])
             shard_optimizer(optimizer, self.zero_config, group=shard_group(self._mesh), device=self.root_device)
@@ -321,12 +337,26 @@ class ZeroStrategy(ParallelStrategy):
         return optimizer
 
     # ------------------------------------------------------------------ backward, clipping, collectives
+    def backward(self, tensor: Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
+        if self._runner is not None:
+            fabric_pipeline.refuse_backward()
+        super().backward(tensor, module, *args, **kwargs)
+
+    def pipeline_step(self, model: nn.Module, inputs: Any, targets: Any, grad_scale: float = 1.0) -> Tensor:
+        """Run the pipeline schedule on one batch: forward and backward of every micro-batch, gradients of
+        ``grad_scale`` x the batch's mean loss accumulated into ``.grad`` (reduced over ``dp`` unless inside
+        ``fabric.no_backward_sync``). Returns this data-parallel replica's mean loss on every rank; then
+        ``fabric.clip_gradients`` and ``optimizer.step()`` as usual. See :mod:`lightning_zero.fabric.pipeline_steps`."""
+        return fabric_pipeline.step(self._runner, model, inputs, targets, grad_scale)
+
     def clip_gradients_norm(self, module: nn.Module, optimizer: Optimizer, max_norm: Union[float, int],
                             norm_type: Union[float, int] = 2.0, error_if_nonfinite: bool = True) -> Tensor:
         """The global norm over every rank: stage-1 optimizers clip the whole module's (all-reduced) gradients,
         sharded stages their DTensor shards (``clip_grad_norm_`` reduces the norm across the mesh)."""
         self.precision.unscale_gradients(optimizer)
         params = list(self.precision.main_params(optimizer))
+        if self._runner is not None:
+            return fabric_pipeline.clip(self._runner, params, max_norm, norm_type, error_if_nonfinite)
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm, norm_type=norm_type,
                                               error_if_nonfinite=error_if_nonfinite)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
@@ -373,6 +403,12 @@ class ZeroStrategy(ParallelStrategy):
         with self.hang_guard.phase("load"):
             return checkpoint.load(self, self.broadcast(str(path)), state, strict)
 
+    def wait_for_checkpoints(self) -> None:
+        """Wait for the pending ``async_save`` writes (collective: every rank calls it); every rank then sees the
+        committed directories, and a failure on any rank raises :class:`CheckpointSaveError` on every rank."""
+        with self.hang_guard.phase("save"):
+            wait_for_pending_saves(barrier=_distributed_is_initialized())
+
     def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
         """The module's (sharded) state dict, as ``fabric.save`` writes it."""
         return (module.module if isinstance(module, DistributedDataParallel) else module).state_dict()
@@ -386,6 +422,7 @@ class ZeroStrategy(ParallelStrategy):
             if (pool := comm_buffer_pool(module)) is not None:
                 pool.clear()
         self._modules.clear()
+        self._runner = None
         for optimizer in self._optimizers:  # NVMe swap files go with the run (docs/offload.md)
             if (sharding := get_sharding(optimizer)) is not None:
                 sharding.remove(optimizer)
@@ -402,13 +439,21 @@ class ZeroStrategy(ParallelStrategy):
 
 
 class _ZeroBackwardSyncControl(_BackwardSyncControl):
+    def __init__(self, strategy: ZeroStrategy) -> None:
+        self._strategy = strategy
+
     @contextmanager
     def _blocked(self, module: nn.Module) -> Generator[None, None, None]:
+        runner = self._strategy._runner  # a pipeline reduces after the schedule, when sync_grads is set
         set_gradient_sync(module, False)
+        if runner is not None:
+            runner.sync_grads = False
         try:
             yield
         finally:
             set_gradient_sync(module, True)
+            if runner is not None:
+                runner.sync_grads = True
 
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
         """No gradient communication in the backward passes inside (gradient accumulation micro-steps)."""

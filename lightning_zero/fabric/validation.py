@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from lightning_zero.diagnostics.hang_guard import positive_seconds
 from lightning_zero.distributed.hybrid import check_hybrid_world
+from lightning_zero.fabric.pipeline_binding import check_pipeline_world
 
 # Which device type each built-in backend needs (``None``: any device).
 _BACKEND_DEVICE = {"gloo": None, "mpi": None, "ucc": None, "nccl": "cuda", "xccl": "xpu"}
@@ -200,9 +201,7 @@ def validate_before_process_group(strategy: Any) -> None:
     pipeline = strategy._pipeline
     data_parallel = world_size
     if pipeline.enabled:
-        if world_size % pipeline.pipeline_parallel_size:
-            raise ValueError(f"pipeline_parallel_size={pipeline.pipeline_parallel_size} must divide the world size "
-                             f"{world_size} (devices={strategy.num_processes} x num_nodes={strategy.num_nodes})")
+        check_pipeline_world(pipeline, strategy.num_processes, strategy.num_nodes)
         data_parallel = world_size // pipeline.pipeline_parallel_size
     check_hybrid_world(strategy.zero_config.hybrid_shard_size, world_size, pipeline=pipeline.enabled,
                        num_nodes=strategy.num_nodes, num_processes=strategy.num_processes)

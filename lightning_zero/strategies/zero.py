@@ -49,7 +49,7 @@ from lightning_zero.fabric.settings import SETTING_NAMES, STRATEGY_NAMES, resolv
 from lightning_zero.fabric import checkpointing, validation
 from lightning_zero.fabric.ddp_options import ddp_kwargs_for, explain_unused_parameters
 from lightning_zero.fabric.ds_config_binding import DeepSpeedConfigBinding, effective_ds_config, precision_from_config
-from lightning_zero.fabric.pipeline_binding import PipelineGradients
+from lightning_zero.fabric.pipeline_binding import PipelineGradients, pipeline_mesh
 from lightning_zero.fabric.pipeline_binding import setup_for_strategy as setup_pipeline_for_strategy
 from lightning_zero.fabric.precision_policy import low_precision_allreduce_hook
 from lightning_zero.strategies import auto_resume, lifecycle
@@ -331,12 +331,8 @@ class ZeroStrategy(ParallelStrategy):
         device_id = self.root_device if self.root_device.type == "cuda" else None
         _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
                               device_id=device_id, **validation.process_group_store(self))
-        from torch.distributed.device_mesh import init_device_mesh
-
         if self._pipeline.enabled:
-            pp = self._pipeline.pipeline_parallel_size  # divides the world: validate_before_process_group checked
-            mesh = init_device_mesh(self.root_device.type, (pp, self.world_size // pp), mesh_dim_names=("pp", "dp"))
-            self._pp_mesh, self._mesh = mesh["pp"], mesh["dp"]
+            mesh, self._pp_mesh, self._mesh = pipeline_mesh(self.root_device.type, self.world_size, self._pipeline)
         else:  # 1-D, or 2-D ("replicate", "shard") with hybrid_shard_size
             mesh = self._mesh = hybrid.data_parallel_mesh(self.root_device.type, self.world_size,
                                                           self.zero_config.hybrid_shard_size)
