@@ -124,7 +124,8 @@ def _train(rank: int, world: int, spec: dict, cuda: bool) -> dict:
     import lightning.pytorch as pl
     import torch
 
-    from lightning_zero import ZeroStrategy, model_state_memory, saved_activation_bytes
+    from lightning_zero import ZeroStrategy, model_state_memory
+    from lightning_zero.distributed.activation_measure import checkpointed_activation_bytes, recomputed_block_bytes
     from lightning_zero.cli.advise_model import ModelSpec, instantiate
 
     baseline = _reset_peak(cuda)
@@ -136,8 +137,10 @@ def _train(rank: int, world: int, spec: dict, cuda: bool) -> dict:
         """Step time, and the bytes the formulas predict: the tensors autograd saves during forward (activations)
         plus the model states at rest (between backward and the optimizer step)."""
 
-        def on_train_batch_start(self, *args):
-            self.saved = saved_activation_bytes()
+        recomputed = 0  # one checkpointed block's rebuilt activations (see activation_measure)
+
+        def on_train_batch_start(self, trainer, pl_module, *args):
+            self.saved = checkpointed_activation_bytes(pl_module)
             self.activations = self.saved.__enter__()
             self.start = time.perf_counter()
 
@@ -148,10 +151,13 @@ def _train(rank: int, world: int, spec: dict, cuda: bool) -> dict:
             states = model_state_memory(pl_module, trainer.optimizers).total.total
             tensors.append(states + self.activations.total)
 
-        def on_train_batch_end(self, *args):
+        def on_train_batch_end(self, trainer, pl_module, *args):
             if cuda:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - self.start)
+            if len(times) == 1:  # after the first (warm-up) step: outside the timed steps, FSDP2 initialised
+                Timer.recomputed = recomputed_block_bytes(pl_module, self.activations,
+                                                          trainer.precision_plugin.forward_context)
 
     model = instantiate(ModelSpec(spec["model_class"], spec["init_args"], spec.get("data_class"),
                                        spec.get("data_args") or {}), device=None)
@@ -167,7 +173,7 @@ def _train(rank: int, world: int, spec: dict, cuda: bool) -> dict:
     trainer.fit(model, torch.utils.data.DataLoader(batches, batch_size=None))
     measured = times[spec["warmup"]:] or times
     return {"status": "ok", "time": statistics.median(measured), "peak": _peak(cuda, baseline),
-            "tensors": max(tensors, default=0)}
+            "tensors": max(tensors, default=0) + Timer.recomputed}
 
 
 def _free_port() -> int:
