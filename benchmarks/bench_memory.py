@@ -15,9 +15,11 @@ code behind ``lightning-zero advise --measure``). Columns, per rank (maximum ove
   communication buffers; on CUDA ``torch.cuda.max_memory_allocated``;
 - predicted peak: ``estimate_memory``'s ``accelerator_peak + cpu_peak`` (gathered parameters included).
 
-Rungs with activation checkpointing run once ``ZeroStrategy`` accepts ``activation_checkpointing``; a non-reentrant
-``torch.utils.checkpoint`` keeps the block inputs itself, out of the hook's sight, so for those rungs the tensors
-column undercounts by ``L*s*b*h`` residual-dtype bytes: compare the peaks there.
+With activation checkpointing (``ZeroStrategy(activation_checkpointing=True[, cpu_checkpointing=True])``) the
+tensors column also counts what a non-reentrant ``torch.utils.checkpoint`` keeps and rebuilds, which the plain
+saved-tensor hook cannot see: the block inputs (counted where the block receives them, also when ``save_on_cpu``
+holds CPU copies of them) and the largest block's activations, rebuilt one block at a time in backward (that block's
+forward run once without checkpoint under the hook): ``lightning_zero.distributed.activation_measure``.
 
 Then it runs ``lightning-zero advise --measure`` on the same model and reports its choice and wall time.
 """

@@ -126,3 +126,49 @@ def _stage_worker(rank, world_size, configs):
 
 def test_prediction_matches_measured_states_and_activations_at_stages_0_to_3():
     run_distributed(_stage_worker, 2, [(0, None), (1, None), (2, None), (3, None), (3, "cpu")])
+
+
+# -------------------------------------- checkpointing through ZeroStrategy: the measurement `advise --measure` takes
+CKPT_SEQ, CKPT_BATCH, CKPT_STEPS = 128, 8, 2  # activations dominate the states, so a missed block shows
+
+
+def _checkpointing_worker(rank, world_size):
+    from lightning.pytorch import Trainer
+
+    from gpt import GPTModule
+    from lightning_zero import ZeroStrategy
+    from lightning_zero.cli.advise_measure import measuring_callback
+
+    shape = TransformerShape(hidden=HIDDEN, layers=LAYERS, heads=HEADS, seq_len=CKPT_SEQ, micro_batch=CKPT_BATCH,
+                             vocab=VOCAB)
+    gen = torch.Generator().manual_seed(rank)
+    batches = [tuple(torch.randint(0, VOCAB, (CKPT_BATCH, CKPT_SEQ), generator=gen) for _ in range(2))
+               for _ in range(CKPT_STEPS)]
+    failures = []
+    for stage in (0, 1, 2, 3):
+        for cpu in (False, True):
+            torch.manual_seed(0)
+            module = GPTModule(VOCAB, CKPT_SEQ, LAYERS, HEADS, HIDDEN)
+            measure = measuring_callback()
+            trainer = Trainer(accelerator="cpu", devices=world_size, max_steps=CKPT_STEPS, logger=False,
+                              strategy=ZeroStrategy(stage=stage, activation_checkpointing=True, cpu_checkpointing=cpu),
+                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                              callbacks=[measure], use_distributed_sampler=False)
+            trainer.fit(module, torch.utils.data.DataLoader(batches, batch_size=None))
+            est = estimate_memory(module, stage, world_size, None, shape=shape,
+                                  checkpointing="full+cpu" if cpu else "full")
+            predicted = (est.states.accelerator.total + est.states.cpu.total + est.activations.accelerator
+                         + est.activations.cpu)
+            if cpu:
+                assert est.activations.cpu > 0, "the block inputs are predicted in CPU memory"
+            assert measure.recomputed > 0, f"stage {stage}: no checkpointed block was measured"
+            if abs(measure.tensors - predicted) > 0.15 * measure.tensors:
+                failures.append(f"stage {stage} cpu_checkpointing={cpu}: measured {measure.tensors}, predicted "
+                                f"{predicted} ({(predicted - measure.tensors) / measure.tensors:+.1%})")
+    assert not failures, "\n".join(failures)
+
+
+def test_checkpointing_prediction_matches_a_measurement_through_the_strategy_at_stages_0_to_3():
+    """The prediction with activation checkpointing (and cpu_checkpointing) against what ``advise --measure``
+    measures through ``ZeroStrategy``: model states, the kept block inputs and one rebuilt block."""
+    run_distributed(_checkpointing_worker, 2)

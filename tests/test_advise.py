@@ -135,3 +135,20 @@ def test_measure_runs_candidates_and_ranks_them_by_throughput(tmp_path, capsys):
     assert code == 0 and "fastest measured" in out
     assert out.count(" fits ") + out.count("│ fits") >= 2, out  # both candidates ran
     assert "not measured" in out
+
+
+def test_the_installed_strategy_builds_every_checkpointing_rung():
+    """With ``ZeroStrategy(activation_checkpointing, cpu_checkpointing)`` merged, no rung waits for it any more, the
+    grid has stages 0-3 x offload x checkpointing, and each rung's arguments construct the strategy as labelled."""
+    from lightning_zero import ZeroStrategy
+
+    rungs = ladder(4)
+    assert not [r.label for r in rungs if r.reason.startswith("needs")]
+    runnable = {(r.stage, r.offload, r.checkpointing) for r in rungs if not r.reason and r.micro_batch == 4}
+    assert runnable == {(s, o, c) for s in (0, 1, 2, 3) for o in ((None,) if s == 0 else (None, "cpu"))
+                        for c in ("none", "full", "full+cpu")}
+    for rung in rungs:
+        if rung.reason or rung.checkpointing == "none":
+            continue
+        config = ZeroStrategy(**rung.strategy_kwargs()).activation_checkpoint_config
+        assert config is not None and config.cpu_checkpointing == (rung.checkpointing == "full+cpu"), rung.label

@@ -120,24 +120,30 @@ def _rank(rank: int, world: int, port: int, spec: dict) -> None:
         os._exit(0)  # the other ranks may be stuck in a collective: the parent reads the files
 
 
-def _train(rank: int, world: int, spec: dict, cuda: bool) -> dict:
+def measuring_callback(cuda: bool = False):
+    """A Lightning callback recording each step's time (``times``) and ``tensors``: the bytes the formulas predict,
+    measured. That is the model states at rest (between backward and the optimizer step) plus the tensors saved for
+    backward: those autograd saves during forward, the inputs checkpointed blocks keep (also when ``save_on_cpu``
+    holds them) and the largest checkpointed block's rebuilt activations, measured once after the first step
+    (``lightning_zero.distributed.activation_measure``)."""
     import lightning.pytorch as pl
     import torch
 
-    from lightning_zero import ZeroStrategy, model_state_memory, saved_activation_bytes
-    from lightning_zero.cli.advise_model import ModelSpec, instantiate
+    from lightning_zero import model_state_memory
+    from lightning_zero.distributed.activation_measure import checkpointed_activation_bytes, recomputed_block_bytes
 
-    baseline = _reset_peak(cuda)
-    times: list = []
+    class Measure(pl.Callback):
+        def __init__(self) -> None:
+            self.times: list = []
+            self.at_rest: list = []  # per step: states + activations saved in forward
+            self.recomputed = 0
 
-    tensors: list = []
+        @property
+        def tensors(self) -> int:
+            return max(self.at_rest, default=0) + self.recomputed
 
-    class Timer(pl.Callback):
-        """Step time, and the bytes the formulas predict: the tensors autograd saves during forward (activations)
-        plus the model states at rest (between backward and the optimizer step)."""
-
-        def on_train_batch_start(self, *args):
-            self.saved = saved_activation_bytes()
+        def on_train_batch_start(self, trainer, pl_module, *args):
+            self.saved = checkpointed_activation_bytes(pl_module)
             self.activations = self.saved.__enter__()
             self.start = time.perf_counter()
 
@@ -146,13 +152,28 @@ def _train(rank: int, world: int, spec: dict, cuda: bool) -> dict:
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
             states = model_state_memory(pl_module, trainer.optimizers).total.total
-            tensors.append(states + self.activations.total)
+            self.at_rest.append(states + self.activations.total)
 
-        def on_train_batch_end(self, *args):
+        def on_train_batch_end(self, trainer, pl_module, *args):
             if cuda:
                 torch.cuda.synchronize()
-            times.append(time.perf_counter() - self.start)
+            self.times.append(time.perf_counter() - self.start)
+            if len(self.times) == 1:  # after the first (warm-up) step: outside the timed ones, FSDP2 initialised
+                self.recomputed = recomputed_block_bytes(pl_module, self.activations,
+                                                         trainer.precision_plugin.forward_context)
 
+    return Measure()
+
+
+def _train(rank: int, world: int, spec: dict, cuda: bool) -> dict:
+    import lightning.pytorch as pl
+    import torch
+
+    from lightning_zero import ZeroStrategy
+    from lightning_zero.cli.advise_model import ModelSpec, instantiate
+
+    baseline = _reset_peak(cuda)
+    timer = measuring_callback(cuda)
     model = instantiate(ModelSpec(spec["model_class"], spec["init_args"], spec.get("data_class"),
                                        spec.get("data_args") or {}), device=None)
     gen = torch.Generator().manual_seed(rank)
@@ -162,12 +183,12 @@ def _train(rank: int, world: int, spec: dict, cuda: bool) -> dict:
                for _ in range(spec["warmup"] + spec["steps"])]
     trainer = pl.Trainer(accelerator="gpu" if cuda else "cpu", devices=world, strategy=ZeroStrategy(**spec["strategy"]),
                          precision=spec["precision"], max_steps=len(batches), logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[Timer()],
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[timer],
                          use_distributed_sampler=False)
     trainer.fit(model, torch.utils.data.DataLoader(batches, batch_size=None))
-    measured = times[spec["warmup"]:] or times
+    measured = timer.times[spec["warmup"]:] or timer.times
     return {"status": "ok", "time": statistics.median(measured), "peak": _peak(cuda, baseline),
-            "tensors": max(tensors, default=0)}
+            "tensors": timer.tensors}
 
 
 def _free_port() -> int:
