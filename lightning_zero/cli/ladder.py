@@ -18,7 +18,8 @@ from typing import Optional
 from lightning_zero.distributed.activations import CHECKPOINTING, TransformerShape
 from lightning_zero.distributed.memory import PRECISIONS, FullEstimate, estimate_memory
 
-NVME_REASON = "not available: offload='nvme' is not implemented yet"
+NVME_REASON = ("not available: parameter swapping to NVMe (stage 3 offload='nvme') is not implemented yet; "
+               "optimizer states alone can go to NVMe with offload_optimizer='nvme', nvme_path=...")
 PARAM_ONLY_REASON = "not available separately: offload='cpu' moves parameters and optimizer states together"
 
 
