@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from lightning_zero.checkpoint.errors import CheckpointError
-from lightning_zero.checkpoint.matching import _listing
+from lightning_zero.checkpoint.matching import raise_on_mismatch
 from lightning_zero.checkpoint.safe_load import safe_torch_load
 
 PathLike = Union[str, os.PathLike]
@@ -193,19 +193,8 @@ def check_full_state_dict(target: Dict[str, Any], source: FullCheckpoint, *, str
     for key, value in target.items():
         if key in source.state_keys and isinstance(value, Tensor) and tuple(value.shape) != source.shape(key):
             mismatched.append(f"{key} (checkpoint: {list(source.shape(key))}, target: {list(value.shape)})")
-    if not mismatched and (not strict or not (missing or unexpected)):
-        return
-    parts = []
-    if strict and missing:
-        parts.append(_listing("missing keys (in the model, not in the checkpoint)", missing))
-    if strict and unexpected:
-        parts.append(_listing("unexpected keys (in the checkpoint, not in the model)", unexpected))
-    if mismatched:
-        parts.append(_listing("shape mismatches", mismatched))
-    hint = " strict=False (LightningModule.strict_loading = False) ignores missing and unexpected keys, never " \
-           "shape mismatches." if strict else ""
-    raise CheckpointError(f"{source.path}: the checkpoint does not match the model it is loaded into: "
-                          + "; ".join(parts) + "." + hint, source.path)
+    raise_on_mismatch(str(source.path), missing, unexpected, mismatched, strict=strict, target="model",
+                      loaded_into="model")
 
 
 def copy_full_state_dict(target: Dict[str, Any], source: FullCheckpoint) -> List[str]:

@@ -71,16 +71,23 @@ def check_state_matches(description: Dict[str, List[str]], metadata: Metadata, *
     keys, tops = set(description["keys"]), set(description["tops"])
     missing, mismatched = description["missing"], description["mismatched"]
     unexpected = [fqn for fqn in metadata.state_dict_metadata if fqn not in keys and _top(fqn, mappings) in tops]
+    raise_on_mismatch(where, missing, unexpected, mismatched, strict=strict, target="target", loaded_into="state")
+
+
+def raise_on_mismatch(where: str, missing: List[str], unexpected: List[str], mismatched: List[str], *, strict: bool,
+                      target: str, loaded_into: str) -> None:
+    """The one error for a checkpoint that does not fit what it is loaded into (a sharded state or, for full-file
+    loading, the model): shape mismatches always; missing and unexpected keys only when ``strict``."""
     if not mismatched and (not strict or not (missing or unexpected)):
         return
     parts = []
     if missing and strict:
-        parts.append(_listing("missing keys (in the target, not in the checkpoint)", missing))
+        parts.append(_listing(f"missing keys (in the {target}, not in the checkpoint)", missing))
     if unexpected and strict:
-        parts.append(_listing("unexpected keys (in the checkpoint, not in the target)", unexpected))
+        parts.append(_listing(f"unexpected keys (in the checkpoint, not in the {target})", unexpected))
     if mismatched:
         parts.append(_listing("shape mismatches", mismatched))
     hint = " strict=False (LightningModule.strict_loading = False) ignores missing and unexpected keys, never " \
            "shape mismatches." if strict else ""
-    raise CheckpointError(f"{where}: the checkpoint does not match the state it is loaded into: "
+    raise CheckpointError(f"{where}: the checkpoint does not match the {loaded_into} it is loaded into: "
                           + "; ".join(parts) + "." + hint, where)

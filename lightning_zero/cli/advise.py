@@ -17,17 +17,9 @@ import json
 import os
 import time
 
+from lightning_zero.cli.estimate import positive_int as _positive_int
+
 GIB = 1024 ** 3
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
-    return value
 
 
 def _gib(text: str) -> int:

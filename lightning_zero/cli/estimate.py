@@ -17,7 +17,8 @@ def _positive_count(text: str) -> float:
     return value
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (also used by ``advise``)."""
     try:
         value = int(text)
     except ValueError:
@@ -32,14 +33,14 @@ def add_parser(subparsers) -> None:
 
     parser = subparsers.add_parser("estimate", help="estimate per-rank model-state memory for ZeRO stages 0-3")
     parser.add_argument("--params", type=_positive_count, required=True, help="number of parameters, e.g. 7e9")
-    parser.add_argument("--world-size", type=_positive_int, required=True)
+    parser.add_argument("--world-size", type=positive_int, required=True)
     parser.add_argument("--stage", type=int, choices=[0, 1, 2, 3], default=None, help="default: every stage")
     parser.add_argument("--offload", choices=["cpu", "nvme"], default=None,
                         help="nvme: optimizer states swapped to disk (fp32 masters stay in CPU memory)")
     parser.add_argument("--precision", choices=list(PRECISIONS), default="bf16-mixed")
     parser.add_argument("--largest-unit-params", type=_positive_count, default=None,
                         help="parameters of the largest block (stage-3 peak); default: all parameters")
-    parser.add_argument("--hybrid-shard-size", type=_positive_int, default=None,
+    parser.add_argument("--hybrid-shard-size", type=positive_int, default=None,
                         help="HSDP: states sharded within groups of this many ranks (e.g. GPUs per node)")
     parser.set_defaults(func=run)
 

@@ -19,7 +19,12 @@ from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.plugins.precision.utils import _convert_fp_tensor
 from lightning.fabric.utilities.apply_func import apply_to_collection
 
-from lightning_zero.fabric.precision_policy import SUPPORTED_PRECISIONS, LossScaleConfig, ZeroPrecisionPolicy
+from lightning_zero.fabric.precision_policy import (
+    SUPPORTED_PRECISIONS,
+    LossScaleConfig,
+    ZeroPrecisionPolicy,
+    check_no_second_setting,
+)
 
 
 class FabricZeroPrecision(ZeroPrecisionPolicy, Precision):
@@ -83,11 +88,7 @@ def adapt_fabric_precision(plugin, *, stage: int, loss_scale_config: Optional[Lo
     """Turn the plugin Fabric chose for ``precision=`` (``Precision``, ``MixedPrecision``, ``HalfPrecision``) into a
     :class:`FabricZeroPrecision`; any other plugin (fp64, bitsandbytes, Transformer Engine, FSDP's, ...) is refused."""
     if isinstance(plugin, FabricZeroPrecision):
-        clash = (loss_scale_config is not None and loss_scale_config != plugin.loss_scale_config) or (
-            communication_data_type is not None and communication_data_type != plugin.communication_data_type)
-        if clash:
-            raise ValueError("both the FabricZeroPrecision plugin and ZeroStrategy set loss scaling or "
-                             "communication_data_type: set them in one place")
+        check_no_second_setting(plugin, loss_scale_config, communication_data_type)
         plugin.stage = stage
         return plugin
     from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision

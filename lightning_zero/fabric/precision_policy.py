@@ -234,3 +234,13 @@ def loss_scale_configs(config_scaling: dict, **given) -> tuple[Optional[LossScal
     explicit = LossScaleConfig(**given) if given else None
     merged = {**config_scaling, **given}
     return explicit, (LossScaleConfig(**merged) if merged else None)
+
+
+def check_no_second_setting(plugin, loss_scale_config, communication_data_type) -> None:
+    """A ZeRO precision plugin passed by the user and the strategy's own loss-scale/``communication_data_type``
+    arguments must not both set them: which one would win is not obvious, so neither is chosen silently."""
+    clash = (loss_scale_config is not None and loss_scale_config != plugin.loss_scale_config) or (
+        communication_data_type is not None and communication_data_type != plugin.communication_data_type)
+    if clash:
+        raise ValueError(f"both the {type(plugin).__name__} plugin and ZeroStrategy set loss scaling or "
+                         "communication_data_type: set them in one place")

@@ -41,7 +41,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from lightning_zero.offload.aio import ALIGNMENT, AsyncFileIO, SwapIOError, align_up, aligned_buffer
+from lightning_zero.offload.aio import AsyncFileIO, SwapIOError, align_up, aligned_buffer
 from lightning_zero.offload.config import NvmeConfig
 
 _ATTR = "_lightning_zero_swapper"

@@ -20,6 +20,7 @@ from lightning_zero.fabric.precision_policy import (  # noqa: F401  (LossScaleCo
     SUPPORTED_PRECISIONS,
     LossScaleConfig,
     ZeroPrecisionPolicy,
+    check_no_second_setting,
 )
 
 
@@ -91,11 +92,7 @@ def adapt_precision_plugin(plugin: Precision, *, stage: int, loss_scale_config: 
                            communication_data_type: Optional[str]) -> Precision:
     """Turn the plugin Lightning chose for the Trainer's ``precision`` into a :class:`ZeroPrecision`."""
     if isinstance(plugin, ZeroPrecision):
-        clash = (loss_scale_config is not None and loss_scale_config != plugin.loss_scale_config) or (
-            communication_data_type is not None and communication_data_type != plugin.communication_data_type)
-        if clash:
-            raise ValueError("both the ZeroPrecision plugin and ZeroStrategy set loss scaling or "
-                             "communication_data_type: set them in one place")
+        check_no_second_setting(plugin, loss_scale_config, communication_data_type)
         plugin.stage = stage
         return plugin
     flag = str(getattr(plugin, "precision", ""))
