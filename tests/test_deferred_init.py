@@ -309,3 +309,48 @@ def test_two_deferred_builds_can_read_and_write_each_other():
     materialize_module(second)
     materialize_module(first)
     assert_bitwise_equal(snapshot(first=first, second=second), expected, "two builds")
+
+
+def _hf(name):
+    import transformers as T
+
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+    return {
+        "bert": lambda: T.BertModel(T.BertConfig(**small, vocab_size=100, max_position_embeddings=64)),
+        "t5": lambda: T.T5ForConditionalGeneration(T.T5Config(d_model=32, d_ff=64, num_layers=2, num_heads=2,
+                                                              vocab_size=100, d_kv=16)),
+        "mistral": lambda: T.MistralForCausalLM(T.MistralConfig(**small, num_key_value_heads=1, vocab_size=100,
+                                                                max_position_embeddings=64)),
+        "qwen2": lambda: T.Qwen2ForCausalLM(T.Qwen2Config(**small, num_key_value_heads=1, vocab_size=100,
+                                                          max_position_embeddings=64)),
+        "opt": lambda: T.OPTForCausalLM(T.OPTConfig(hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+                                                    num_attention_heads=2, vocab_size=100, max_position_embeddings=64,
+                                                    word_embed_proj_dim=32)),
+        "vit": lambda: T.ViTModel(T.ViTConfig(**small, image_size=32, patch_size=8)),
+        "gpt_neox": lambda: T.GPTNeoXForCausalLM(T.GPTNeoXConfig(**small, vocab_size=100, max_position_embeddings=64)),
+        "nn_transformer": lambda: nn.Transformer(d_model=32, nhead=2, num_encoder_layers=2, num_decoder_layers=2,
+                                                 dim_feedforward=64),
+    }[name]
+
+
+@pytest.mark.parametrize("name", ["bert", "t5", "mistral", "qwen2", "opt", "vit", "gpt_neox", "nn_transformer"])
+def test_more_architectures_record_bitwise_a_plain_build(name):
+    """Architectures the recorder was not written against: every weight and buffer bitwise a plain CPU build's,
+    and the random stream left where a plain build leaves it."""
+    from lightning_zero.distributed.deferred_init import deferred_build, materialize_module
+
+    build = _hf(name)
+    torch.manual_seed(3)
+    plain = build()
+    after_plain = torch.rand(4)
+    torch.manual_seed(3)
+    with deferred_build():
+        recorded = build()
+    after_recorded = torch.rand(4)
+    materialize_module(recorded)
+    assert torch.equal(after_plain, after_recorded)
+    expected, got = plain.state_dict(), recorded.state_dict()
+    assert expected.keys() == got.keys()
+    assert [k for k in expected if not torch.equal(expected[k], got[k])] == []
+    plain_buffers, recorded_buffers = dict(plain.named_buffers()), dict(recorded.named_buffers())
+    assert [k for k in plain_buffers if not torch.equal(plain_buffers[k], recorded_buffers[k])] == []
