@@ -1,11 +1,20 @@
 """Small LightningModules shared by the Trainer-level tests (module level, so forked/spawned ranks can use them)."""
 
 import torch
-from lightning.pytorch import LightningModule
+from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 WIDTH = 16
+
+
+def quiet_trainer(strategy, world_size, *, max_steps, **kwargs):
+    """A CPU Trainer for parity tests: no logger, checkpoints, progress bar, summary or validation (``kwargs`` win)."""
+    defaults = dict(accelerator="cpu", devices=world_size, max_steps=max_steps, logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                    num_sanity_val_steps=0, limit_val_batches=0)
+    defaults.update(kwargs)
+    return Trainer(strategy=strategy, **defaults)
 
 
 class Block(nn.Module):

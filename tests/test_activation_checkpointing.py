@@ -6,7 +6,6 @@ import os
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
 from torch import nn
 
 import lightning_zero  # noqa: F401  (registers the strategy names)
@@ -17,7 +16,7 @@ from lightning_zero.distributed.activation_checkpointing import (
     select_blocks,
 )
 from tests.distributed import run_distributed
-from tests.lightning_models import Block as LightningBlock
+from tests.lightning_models import Block as LightningBlock, quiet_trainer
 from tests.lightning_models import ManualModule, RegressionModule, full_state, reference_weights
 
 WIDTH = 32
@@ -254,11 +253,7 @@ STEPS = 4
 
 
 def _trainer(strategy, world_size, **kwargs):
-    defaults = dict(accelerator="cpu", devices=world_size, max_steps=STEPS, logger=False, enable_checkpointing=False,
-                    enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                    limit_val_batches=0)
-    defaults.update(kwargs)
-    return Trainer(strategy=strategy, **defaults)
+    return quiet_trainer(strategy, world_size, **{"max_steps": STEPS, **kwargs})
 
 
 def _counting_block_forward(counter):

@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import LightningModule
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -19,7 +19,7 @@ from lightning_zero import ZeroStrategy
 from lightning_zero.ds_config import DeepSpeedConfigError, DeepSpeedConfigWarning, translate_ds_config
 from lightning_zero.fabric.ddp_options import DDPOptions
 from tests.distributed import run_distributed
-from tests.lightning_models import RegressionModule, full_state
+from tests.lightning_models import RegressionModule, full_state, quiet_trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIB = 1024 * 1024
@@ -28,11 +28,7 @@ STEPS = 3
 
 
 def _trainer(strategy, world_size, **kwargs):
-    defaults = dict(accelerator="cpu", devices=world_size, max_steps=STEPS, logger=False, enable_checkpointing=False,
-                    enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                    limit_val_batches=0)
-    defaults.update(kwargs)
-    return Trainer(strategy=strategy, **defaults)
+    return quiet_trainer(strategy, world_size, **{"max_steps": STEPS, **kwargs})
 
 
 # --------------------------------------------------------------------------------- DDP options (item 4)

@@ -18,7 +18,7 @@ from lightning_zero.offload.aio import AioSettings, AsyncFileIO, SwapIOError, al
 from lightning_zero.offload.config import NvmeConfig, nvme_config_from_arguments
 from lightning_zero.offload.optimizer_swapper import SwappedOut, attach_swapper, detach_swapper, get_swapper
 from tests.distributed import run_distributed
-from tests.lightning_models import RegressionModule, full_state, reference_weights
+from tests.lightning_models import RegressionModule, full_state, quiet_trainer, reference_weights
 
 BATCH = 4
 STEPS = 4
@@ -169,11 +169,7 @@ def test_refuses_to_start_when_the_disk_has_less_free_space_than_the_states(tmp_
 
 # ------------------------------------------------------------------ through the Trainer at 2 ranks
 def _trainer(strategy, world_size, **kwargs):
-    defaults = dict(accelerator="cpu", devices=world_size, max_steps=STEPS, logger=False, enable_checkpointing=False,
-                    enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                    limit_val_batches=0)
-    defaults.update(kwargs)
-    return Trainer(strategy=strategy, **defaults)
+    return quiet_trainer(strategy, world_size, **{"max_steps": STEPS, **kwargs})
 
 
 class _SwapWitness(Callback):

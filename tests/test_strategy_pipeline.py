@@ -6,12 +6,13 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import LightningModule
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.pipeline import PipelineModule
 from tests.distributed import run_distributed
+from tests.lightning_models import quiet_trainer
 from tests.test_pipeline_parity import VOCAB, full_state, make_model
 
 BATCH, STEPS, SEQ = 4, 3, 5
@@ -75,11 +76,7 @@ def reference(steps, global_batch, accumulate=1, clip=None):
 
 
 def _trainer(strategy, world_size, **kwargs):
-    defaults = dict(accelerator="cpu", devices=world_size, max_steps=STEPS, logger=False, enable_checkpointing=False,
-                    enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                    limit_val_batches=0)
-    defaults.update(kwargs)
-    return Trainer(strategy=strategy, **defaults)
+    return quiet_trainer(strategy, world_size, **{"max_steps": STEPS, **kwargs})
 
 
 def _gather_full_state(module, pp_group):
