@@ -174,5 +174,8 @@ def test_bf16_checkpoint_keeps_its_dtype_and_dtype_option_converts(tmp_path):
         assert torch.equal(sharded.state_dict()[key], value), key
     with pytest.raises(ValueError, match="already holds .*model.safetensors.index.json"):
         export_hf(path, tmp_path / "sharded")  # the single-file layout next to a stale index: refused
+    # the same sharded export again replaces its own layout
+    assert cli_main(["consolidate", str(path), "--hf", str(tmp_path / "sharded"), "--max-shard-size", "4KB"]) == 0
+    assert sorted(os.listdir(tmp_path / "sharded")) == files
     with pytest.raises(ValueError, match="max_shard_size"):
         export_hf(path, tmp_path / "x", max_shard_size="lots")

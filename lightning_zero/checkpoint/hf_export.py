@@ -132,11 +132,13 @@ def select_keys(where: str, entries: List[TensorEntry], prefix: Optional[str], m
     return prefix, model, chosen, left_out
 
 
-def _check_output_dir(output_dir: str, sharded: bool) -> None:
+def _check_output_dir(output_dir: str, sharded: Optional[bool]) -> None:
+    """Refuse an output that ``from_pretrained`` could read instead of the export. ``sharded=None`` (before the
+    layout is known) checks only what no layout would replace."""
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise ValueError(f"output {output_dir} is a file; --hf takes a directory")
-    other = WEIGHTS_NAME if sharded else INDEX_NAME  # the other layout's entry point
-    stale = [name for name in (other, "pytorch_model.bin", "pytorch_model.bin.index.json")
+    other = () if sharded is None else (WEIGHTS_NAME if sharded else INDEX_NAME,)  # the other layout's entry point
+    stale = [name for name in (*other, "pytorch_model.bin", "pytorch_model.bin.index.json")
              if os.path.exists(os.path.join(output_dir, name))]
     if stale:
         # from_pretrained might read those instead of (or mixed with) what we write; they are not ours to delete
@@ -200,7 +202,7 @@ def export_hf(checkpoint: PathLike, output_dir: PathLike, strip_prefix: Optional
     dtype = parse_dtype(dtype)
     max_bytes = parse_size(max_shard_size)
     output_dir = os.fspath(output_dir)
-    _check_output_dir(output_dir, sharded=False)
+    _check_output_dir(output_dir, sharded=None)  # fail fast; the layout's own check follows once it is known
     where = os.fspath(checkpoint)
     models = recorded_models(checkpoint)
     source = open_source(checkpoint)
