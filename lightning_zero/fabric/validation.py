@@ -227,10 +227,7 @@ def check_network_before_process_group(num_nodes: int, node_rank: int) -> None:
     log = logging.getLogger(__name__)
     for warning in report.warnings:
         log.warning(f"lightning-zero network check on {report.who()}: {warning}")
-    if report.errors and os.environ.get("LIGHTNING_ZERO_SKIP_NETWORK_CHECK") == "1":  # the user's explicit override
-        log.warning(f"LIGHTNING_ZERO_SKIP_NETWORK_CHECK=1: continuing despite {report.errors}")
-        return
-    report.raise_errors()
+    report.raise_errors()  # LIGHTNING_ZERO_SKIP_NETWORK_CHECK=1 turns them into a logged warning
 
 
 def process_group_store(strategy: Any) -> dict[str, Any]:
