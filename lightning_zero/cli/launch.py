@@ -307,7 +307,8 @@ def run_node(args, resources, environ: dict) -> int:
     """This node's part: env file, network check, check-in, then torchrun (replacing nothing the user set)."""
     from lightning_zero.diagnostics.network import DEFAULT_RENDEZVOUS_TIMEOUT, check_network, check_rendezvous_timeout
 
-    timeout = check_rendezvous_timeout(args.rendezvous_timeout or DEFAULT_RENDEZVOUS_TIMEOUT)
+    timeout = check_rendezvous_timeout(DEFAULT_RENDEZVOUS_TIMEOUT if args.rendezvous_timeout is None
+                                       else args.rendezvous_timeout)  # 0 is refused, not replaced
     env_file = find_env_file(args.env_file, environ)
     if env_file:
         environ.update(read_env_file(env_file))

@@ -84,6 +84,9 @@ def test_dry_run_prints_the_torchrun_command_of_this_node(capsys, tmp_path, monk
     assert "--no_ssh with 2 nodes needs --node_rank" in capsys.readouterr().err
     assert cli_main(["launch", "--dry_run", "--no_ssh", "--num_nodes", "2", "--node_rank", "1", "t.py"]) == 1
     assert "need --master_addr" in capsys.readouterr().err
+    # 0 is refused, never replaced by the default
+    assert cli_main(["launch", "--dry_run", "--nproc-per-node", "1", "--rendezvous_timeout", "0", "t.py"]) == 1
+    assert "rendezvous_timeout must be positive" in capsys.readouterr().err
 
 
 def _args(**kwargs):
