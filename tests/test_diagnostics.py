@@ -261,3 +261,23 @@ def test_cli_diagnose_under_torchrun_no_python(tmp_path):
     assert "busbw" in proc.stdout
     report = json.loads(out.read_text())
     assert report["world_size"] == 2 and [p["collective"] for p in report["probe"]] == ["all_reduce", "all_gather"]
+
+
+def test_adopted_watchdog_takes_every_watchdog_setting_of_the_callback():
+    """NCCLDiagnostics adopting the strategy's running watchdog applies its poll interval and grace too, not only
+    the timeout (a setting the user gave is never dropped)."""
+    from lightning_zero.callbacks import NCCLDiagnostics
+    from lightning_zero.diagnostics.hang_guard import HangGuard
+
+    guard = HangGuard(600)
+    guard.start(0, 1)
+    try:
+        callback = NCCLDiagnostics(audit=False, probe=False, hang_timeout=40, watchdog_poll_interval=0.25,
+                                   watchdog_grace=2.0)
+        callback.on_train_start(None, None)
+        assert callback.watchdog is guard.watchdog
+        assert (guard.watchdog.timeout, guard.watchdog.poll_interval, guard.watchdog.grace) == (40, 0.25, 2.0)
+        NCCLDiagnostics(audit=False, probe=False, hang_timeout=8).on_train_start(None, None)
+        assert (guard.watchdog.timeout, guard.watchdog.poll_interval, guard.watchdog.grace) == (8, 1.0, 5.0)
+    finally:
+        guard.stop()

@@ -159,13 +159,17 @@ class NCCLDiagnostics(Callback):
     # ----- watchdog -----
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Start the watchdog, or adopt the one already running (``ZeroStrategy`` starts one by default): one
-        mechanism, one thread; this callback's ``hang_timeout`` and ``dump_dir`` then apply to it."""
+        mechanism, one thread; this callback's ``hang_timeout``, poll interval, grace and ``dump_dir`` then apply to it."""
         if self.settings.hang_timeout is None:
             return
         running = active_watchdog()
         if running is not None:
             self.watchdog = running
             running.timeout = self.settings.hang_timeout
+            # as a watchdog of its own would poll (derived from the new timeout when not given) and wait
+            poll = self.settings.watchdog_poll_interval
+            running.poll_interval = poll if poll is not None else min(1.0, running.timeout / 4)
+            running.grace = self.settings.watchdog_grace
             if self.settings.dump_dir:
                 running.dump_dir = Path(self.settings.dump_dir)
             return
