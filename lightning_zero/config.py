@@ -16,9 +16,6 @@ OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 
 from lightning_zero.offload.config import PARAMS_NVME_NOT_AVAILABLE, NvmeConfig
 
-# Parameter swapping is tracked by the NVMe offload issue; until it lands, asking for it fails loudly.
-NVME_NOT_AVAILABLE = PARAMS_NVME_NOT_AVAILABLE
-
 ModuleClassSpec = Union[str, type]
 
 
@@ -103,7 +100,7 @@ class ZeroConfig:
         object.__setattr__(self, "offload_optimizer", opt)
         object.__setattr__(self, "offload_params", par)
         if par == "nvme":
-            raise NotImplementedError(NVME_NOT_AVAILABLE)
+            raise NotImplementedError(PARAMS_NVME_NOT_AVAILABLE)  # parameter swapping: not yet
         # `offload` is where the optimizer's states live: "nvme" swaps them from the same CPU placement as "cpu".
         offload = opt if opt != "none" else par
         object.__setattr__(self, "offload", offload)

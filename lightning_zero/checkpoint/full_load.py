@@ -212,14 +212,6 @@ def copy_full_state_dict(target: Dict[str, Any], source: FullCheckpoint) -> List
     return loaded
 
 
-def load_full_state_dict(target: Dict[str, Any], source: FullCheckpoint, *, strict: bool,
-                         optional: Iterable[str] = ()) -> List[str]:
-    """:func:`check_full_state_dict`, then :func:`copy_full_state_dict` (one process, or every rank holding the
-    whole key set)."""
-    check_full_state_dict(target, source, strict=strict, optional=optional)
-    return copy_full_state_dict(target, source)
-
-
 @dataclass(frozen=True)
 class OptimizerTarget:
     """An optimizer as the full-checkpoint loader sees it, framework-free.
@@ -325,9 +317,3 @@ def apply_full_optimizer_states(plans: List[list]) -> None:
                     own[key] = value.clone() if isinstance(value, Tensor) else copy.deepcopy(value)
         for group, saved_group in zip(optimizer.param_groups, saved_groups):
             group.update({k: copy.deepcopy(v) for k, v in saved_group.items() if k != "params"})
-
-
-def load_full_optimizer_states(targets: List[OptimizerTarget], source: FullCheckpoint) -> None:
-    """Load ``source.optimizer_states`` into ``targets``, resharded: :func:`check_full_optimizer_states`, then
-    :func:`apply_full_optimizer_states`."""
-    apply_full_optimizer_states(check_full_optimizer_states(targets, source))

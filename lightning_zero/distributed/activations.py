@@ -172,12 +172,3 @@ def saved_activation_bytes(exclude: Iterable[Tensor] = ()) -> Iterator[SavedByte
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         yield result
-
-
-def checkpointing_name(activation_checkpointing: bool, cpu_checkpointing: bool = False) -> str:
-    """The ``checkpointing`` value for the strategy's two flags (``cpu_checkpointing`` needs checkpointing)."""
-    if cpu_checkpointing and not activation_checkpointing:
-        raise ValueError("cpu_checkpointing=True needs activation_checkpointing=True: only checkpointed block "
-                         "inputs can be kept in CPU memory")
-    return "full+cpu" if cpu_checkpointing else "full" if activation_checkpointing else "none"
-

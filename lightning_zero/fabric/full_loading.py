@@ -52,7 +52,7 @@ def is_full_checkpoint(path: str, load_full_weights: bool) -> bool:
 
 
 def optimizer_target(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> OptimizerTarget:
-    """The optimizer as :func:`load_full_optimizer_states` sees it: every module parameter per group, its name,
+    """The optimizer as :func:`check_full_optimizer_states` sees it: every module parameter per group, its name,
     and the tensor this rank keeps its state for (``None`` for a parameter another rank steps at stage 1)."""
     from lightning_zero.fabric.checkpointing import _held_tensor, _model_params_per_group, _param_names
 

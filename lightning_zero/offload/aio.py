@@ -139,9 +139,6 @@ class AsyncFileIO:
             self._fds[path] = (fd, direct)
         return direct
 
-    def is_direct(self, path: str) -> bool:
-        return self._fds[path][1]
-
     def close_file(self, path: str) -> None:
         with self._lock:
             entry = self._fds.pop(path, None)
