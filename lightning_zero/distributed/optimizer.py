@@ -72,13 +72,22 @@ class OptimizerSharding:
         return [p for params, owners in zip(self.model_params, self.owners)
                 for p, owner in zip(params, owners) if owner in (-1, self.rank)]
 
-    def remove(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
-        """Remove the step hooks; with ``optimizer``, also stop swapping (states back in memory, files removed)."""
+    def sync_masters(self) -> None:
+        """After the module's parameters were loaded, the offloaded CPU masters (stage-1 offload) take their values:
+        the optimizer steps the masters, so stale ones would undo the load at the next step."""
+        if not self.masters:
+            return
+        with torch.no_grad():
+            for param in self.owned_model_params():
+                self.masters[id(param)].copy_(param.detach())
+
+    def remove(self) -> None:
+        """Remove the step hooks and stop swapping (states back in memory, swap files removed)."""
         for handle in self.hooks:
             handle.remove()
         self.hooks.clear()
-        if self.swapper is not None and optimizer is not None:
-            detach_swapper(optimizer)
+        if self.swapper is not None:
+            detach_swapper(self.swapper.optimizer)
             self.swapper = None
 
 

@@ -256,13 +256,8 @@ def load_states(directory: str, meta: dict[str, Any], module: torch.nn.Module, o
     for optimizer, groups in zip(optimizers, saved_groups):
         for group, saved in zip(optimizer.param_groups, groups):
             group.update({k: v for k, v in saved.items() if k != "params"})
-        if not get_sharding(optimizer) or not get_sharding(optimizer).masters:
-            continue
-        # The module's parameters were loaded; offloaded masters must follow them.
-        sharding = get_sharding(optimizer)
-        with torch.no_grad():
-            for param in sharding.owned_model_params():
-                sharding.masters[id(param)].copy_(param.detach())
+        if (sharding := get_sharding(optimizer)) is not None:
+            sharding.sync_masters()  # the module's parameters were loaded; offloaded masters follow them
     return target["state_dict"]
 
 

@@ -152,11 +152,8 @@ def load_full(strategy: Any, path: str) -> dict[str, Any]:
         if source is not None:
             source.close()
     for optimizer in optimizers:
-        sharding = get_sharding(optimizer)
-        if sharding is not None and sharding.masters:  # offloaded stage-1 masters follow the loaded parameters
-            with torch.no_grad():
-                for param in sharding.owned_model_params():
-                    sharding.masters[id(param)].copy_(param.detach())
+        if (sharding := get_sharding(optimizer)) is not None:
+            sharding.sync_masters()  # offloaded stage-1 masters follow the loaded parameters
     rest.setdefault("pytorch-lightning_version", lightning_version)  # a weights-only file has none to migrate
     rest["state_dict"] = own
     return rest

@@ -425,7 +425,7 @@ class ZeroStrategy(ParallelStrategy):
         self._runner = None
         for optimizer in self._optimizers:  # NVMe swap files go with the run (docs/offload.md)
             if (sharding := get_sharding(optimizer)) is not None:
-                sharding.remove(optimizer)
+                sharding.remove()
         self._optimizers.clear()
         super().teardown()
 

@@ -559,7 +559,7 @@ class ZeroStrategy(ParallelStrategy):
         for optimizer in self.optimizers:
             sharding = get_sharding(optimizer)
             if sharding is not None:
-                sharding.remove(optimizer)
+                sharding.remove()
         if lifecycle.holds_sharded_parameters(lightning_module):
             lifecycle.teardown_in_place(self)  # never .cpu() a sharded module: see teardown_in_place
         else:
