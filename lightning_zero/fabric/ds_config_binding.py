@@ -51,7 +51,6 @@ LOSS_SCALE_KEYS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hy
 CONFIG_STRATEGY_KEYS = ("stage", "offload", "pin_memory", "reshard_after_forward", "communication_data_type",
                         "pipeline_parallel_size", "micro_batches", "hybrid_shard_size", *LOSS_SCALE_KEYS,
                         "offload_optimizer", "offload_params", *NVME_ARGUMENTS)
-_TRAINER_DEFAULTS = {"accumulate_grad_batches": 1, "gradient_clip_val": None, "log_every_n_steps": 50}
 # Where Lightning's DeepSpeedStrategy looks for a config file when it is given none; ZeroStrategy does the same.
 DEEPSPEED_ENV_VAR = "PL_DEEPSPEED_CONFIG_PATH"
 
@@ -118,8 +117,9 @@ class DeepSpeedConfigBinding:
         """Resolve ``"auto"`` from the Trainer and apply/check its settings (fitting only); see the module table."""
         module = trainer.lightning_module
         hparams = dict(getattr(module, "hparams", {}) or {})
-        explicit = {name: getattr(trainer, name) for name in _TRAINER_DEFAULTS
-                    if getattr(trainer, name) != _TRAINER_DEFAULTS[name]}
+        from lightning_zero.fabric.ds_config_checks import explicit_trainer_values
+
+        explicit = explicit_trainer_values(trainer)
         accumulation = self.raw.get("gradient_accumulation_steps")
         if isinstance(accumulation, int) and "accumulate_grad_batches" not in explicit:
             # before estimated_stepping_batches reads it: the schedule's "auto" step counts depend on it

@@ -79,7 +79,8 @@ def _build(section: str, spec: dict, build) -> Any:
         return None  # the op is missing on this machine: build_optimizer reports it where it is needed
 
 
-def _explicit_trainer_values(trainer) -> dict:
+def explicit_trainer_values(trainer) -> dict:
+    """The Trainer settings a ds_config also sets that the user changed from Lightning's defaults."""
     return {name: getattr(trainer, name) for name in _TRAINER_DEFAULTS
             if getattr(trainer, name) != _TRAINER_DEFAULTS[name]}
 
@@ -101,7 +102,7 @@ def check_config_against_trainer(binding, trainer, precision: str, data_parallel
     if raw.get("optimizer"):
         # the optimizer's "auto" values come from the LightningModule's hyperparameters, known already
         _resolve_optimizer(copy.deepcopy(raw), dict(getattr(module, "hparams", {}) or {}))
-    explicit = _explicit_trainer_values(trainer)
+    explicit = explicit_trainer_values(trainer)
     clip, trainer_clip = raw.get("gradient_clipping"), explicit.get("gradient_clip_val")
     if isinstance(clip, (int, float)) and trainer_clip is not None and float(clip) != float(trainer_clip):
         raise DeepSpeedConfigError(
