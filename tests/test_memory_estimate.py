@@ -49,3 +49,14 @@ def test_estimate_cli_prints_every_stage(capsys):
     assert main(["estimate", "--params", "1e6", "--world-size", "4", "--precision", "32-true"]) == 0
     out = capsys.readouterr().out
     assert "stage" in out and out.count("GiB") == 12
+
+
+def test_estimate_memory_takes_every_model_state_setting():
+    """estimate_memory's model-state part is estimate_model_states_memory with the same settings (hybrid sharding,
+    NVMe buffers), not its defaults."""
+    from lightning_zero import estimate_memory, estimate_model_states_memory
+
+    for kwargs in (dict(hybrid_shard_size=2), dict(sub_group_size=1000, buffer_count=2), dict(largest_unit_params=10)):
+        offload = "nvme" if "buffer_count" in kwargs else None
+        assert estimate_memory(10**6, 3, 4, offload, **kwargs).states == \
+            estimate_model_states_memory(10**6, 3, 4, offload, **kwargs), kwargs

@@ -23,7 +23,7 @@ group and replicated across the ``N / S`` groups: every ``/ N`` above becomes ``
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Optional, Union
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -298,10 +298,11 @@ class FullEstimate:
 def estimate_memory(model_or_num_params: Union[nn.Module, int], stage: int, world_size: int,
                     offload: Optional[str] = None, precision: str = "32-true", *,
                     shape: Optional["TransformerShape"] = None, checkpointing: str = "none",
-                    largest_unit_params: Optional[int] = None, optimizer_bytes_fp32: int = 8) -> FullEstimate:
+                    **state_kwargs: Any) -> FullEstimate:
     """Estimate per-rank memory of model states plus activations (``docs/memory.md``).
 
-    The model-state part is ``estimate_model_states_memory`` (same arguments). ``shape`` (a
+    The model-state part is ``estimate_model_states_memory`` (same arguments: ``state_kwargs`` are its keywords,
+    ``largest_unit_params``, ``hybrid_shard_size``, the NVMe ``sub_group_size``/``buffer_count``, ...). ``shape`` (a
     ``lightning_zero.distributed.activations.TransformerShape``: hidden size, layers, heads, sequence length,
     micro-batch, vocabulary) adds the activations of one micro-batch; without it the activations are 0, which the
     result says (``activations.accelerator == 0``) rather than guessing. ``checkpointing``: ``"none"``, ``"full"``
@@ -311,8 +312,6 @@ def estimate_memory(model_or_num_params: Union[nn.Module, int], stage: int, worl
 
     if checkpointing not in CHECKPOINTING:
         raise ValueError(f"checkpointing must be one of {CHECKPOINTING}, got {checkpointing!r}")
-    states = estimate_model_states_memory(model_or_num_params, stage, world_size, offload, precision,
-                                          largest_unit_params=largest_unit_params,
-                                          optimizer_bytes_fp32=optimizer_bytes_fp32)
+    states = estimate_model_states_memory(model_or_num_params, stage, world_size, offload, precision, **state_kwargs)
     acts = activation_bytes(shape, precision, checkpointing) if shape is not None else ActivationBytes(0)
     return FullEstimate(states, acts, checkpointing)
