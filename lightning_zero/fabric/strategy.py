@@ -41,6 +41,7 @@ from lightning_zero.distributed.hybrid import check_hybrid_world, data_parallel_
 from lightning_zero.distributed.init import InitConfig, exact_init
 from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
 from lightning_zero.distributed.optimizer_check import check_optimizer_params
+from lightning_zero.distributed.process_group_exit import destroy_process_group_at_exit
 from lightning_zero.distributed.zero import apply_zero, set_gradient_sync
 from lightning_zero.fabric import checkpoint
 from lightning_zero.fabric import pipeline_steps as fabric_pipeline
@@ -253,6 +254,7 @@ class ZeroStrategy(ParallelStrategy):
         _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self.settings.timeout,
                               device_id=device if device.type == "cuda" else None,
                               **validation.process_group_store(self))
+        destroy_process_group_at_exit()  # see distributed/process_group_exit.py
 
         if self._pipeline.enabled:  # ("pp", "dp"); the ZeRO stage applies on "dp" (as the Trainer strategy)
             _, self._pp_mesh, self._mesh = pipeline_mesh(device.type, self.world_size, self._pipeline)

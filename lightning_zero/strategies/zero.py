@@ -44,6 +44,7 @@ from lightning_zero.distributed.init import InitConfig, broadcast_module_states,
 from lightning_zero.distributed.manual_backward import ManualBackward
 from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
 from lightning_zero.distributed.optimizer_check import check_optimizer_params
+from lightning_zero.distributed.process_group_exit import destroy_process_group_at_exit
 from lightning_zero.distributed.zero import apply_zero, set_gradient_sync
 from lightning_zero.fabric.settings import SETTING_NAMES, STRATEGY_NAMES, resolve_settings
 from lightning_zero.fabric import checkpointing, validation
@@ -331,6 +332,7 @@ class ZeroStrategy(ParallelStrategy):
         device_id = self.root_device if self.root_device.type == "cuda" else None
         _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
                               device_id=device_id, **validation.process_group_store(self))
+        destroy_process_group_at_exit()  # see distributed/process_group_exit.py
         if self._pipeline.enabled:
             mesh, self._pp_mesh, self._mesh = pipeline_mesh(self.root_device.type, self.world_size, self._pipeline)
         else:  # 1-D, or 2-D ("replicate", "shard") with hybrid_shard_size
