@@ -57,7 +57,8 @@ def _mlp(width: int = 1024, depth: int = 24) -> nn.Module:
     return nn.Sequential(*layers)
 
 
-def _model(rank: int, world: int, stage: int, targets: list, repeat: int, out: dict) -> None:
+def _model(rank: int, world: int, stage: int, targets: list, repeat: int, width: int, batch: int,
+           out: dict) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from lightning_zero import ZeroConfig, apply_zero
@@ -67,12 +68,14 @@ def _model(rank: int, world: int, stage: int, targets: list, repeat: int, out: d
     runs = {}
     for target in targets:
         torch.manual_seed(0)
-        model = apply_zero(_mlp(), mesh, ZeroConfig(stage=stage, unit_bytes=target))
+        model = apply_zero(_mlp(width), mesh, ZeroConfig(stage=stage, unit_bytes=target))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         states = {id(m._get_fsdp_state()) for m in model.modules() if isinstance(m, FSDPModule)}
         runs[target] = dict(model=model, opt=opt, units=len(states), times=[], gathers=0)
-    x = torch.randn(8, 1024)
-    real = dist.all_gather_into_tensor
+    from lightning_zero.distributed import buffers
+
+    x = torch.randn(batch, width)
+    real = buffers._all_gather_flat  # what FSDP2's all-gather calls on CPU (lightning_zero's pooled buffers)
     counter = {"n": 0}
 
     def counting(*args, **kwargs):
@@ -83,13 +86,13 @@ def _model(rank: int, world: int, stage: int, targets: list, repeat: int, out: d
         for target, run in runs.items():
             dist.barrier()
             counter["n"] = 0
-            dist.all_gather_into_tensor = counting
+            buffers._all_gather_flat = counting
             start = time.perf_counter()
             run["model"](x).square().mean().backward()
             run["opt"].step()
             run["opt"].zero_grad()
             elapsed = time.perf_counter() - start
-            dist.all_gather_into_tensor = real
+            buffers._all_gather_flat = real
             if step:  # the first step builds buffers
                 run["times"].append(elapsed)
                 run["gathers"] = counter["n"]
@@ -128,6 +131,8 @@ def main() -> None:
     parser.add_argument("--stage", type=int, default=3)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--targets", default="0,4MiB,16MiB,32MiB,64MiB")
+    parser.add_argument("--width", type=int, default=1024, help="Linear width (64 measures per-unit overhead)")
+    parser.add_argument("--batch", type=int, default=8)
     args = parser.parse_args()
     if args.part == "collective":
         rows = launch(_collective, args.repeat)["rows"]
@@ -144,15 +149,20 @@ def main() -> None:
               f"10 % fixed-cost unit size 10 a / b = {10 * a / b / 2 ** 20:.1f} MiB")
         return
     targets = [int(float(t[:-3]) * 2 ** 20) if t.endswith("MiB") else int(t) for t in args.targets.split(",")]
-    result = launch(_model, args.stage, targets, args.repeat)
+    result = launch(_model, args.stage, targets, args.repeat, args.width, args.batch)
     base = result[targets[0]][2]
-    print(f"stage {args.stage}, 24 x Linear(1024,1024)+GELU, batch 8, 2 gloo ranks, {args.repeat} steps each, "
-          "round-robin")
+    print(f"stage {args.stage}, 24 x Linear({args.width},{args.width})+GELU, batch {args.batch}, 2 gloo ranks, "
+          f"{args.repeat} steps each, round-robin")
     print(f"{'unit_bytes':>12} {'units':>6} {'all-gathers/step':>17} {'median s':>9} {'ratio':>6} {'range':>14}")
     for target in targets:
         units, gathers, median, low, high = result[target]
-        print(f"{target:>12} {units:>6} {gathers:>17} {median:>9.3f} {median / base:>6.2f} "
-              f"{low / base:>6.2f}-{high / base:<6.2f}")
+        print(f"{target:>12} {units:>6} {gathers:>17} {median:>9.4f} {median / base:>6.2f} "
+              f"{low / base:>6.2f}-{high / base:<6.2f}  min {low * 1e3:.2f} ms")
+    if len(targets) > 1:  # the fixed cost of one unit per step: the difference of the fastest steps per unit
+        first, last = result[targets[0]], result[targets[-1]]
+        if first[0] != last[0]:
+            print(f"per-unit fixed cost per step (min step times): "
+                  f"{(first[3] - last[3]) / (first[0] - last[0]) * 1e3:.3f} ms")
 
 
 if __name__ == "__main__":

@@ -24,11 +24,15 @@ that run after it (forward) or before it (backward) until their bytes reach the 
 moves the collective earlier but overlaps nothing; the knob is for CUDA.
 
 [Note: the default unit size]
-``DEFAULT_UNIT_BYTES`` comes from ``benchmarks/bench_units.py --part collective``: gloo all-gather time on 2 CPU
-ranks against message size fits ``t(s) = a + b s`` (see ``docs/performance.md``). Units of ``u`` bytes pay the fixed
-cost ``a`` once per ``u`` bytes, a fraction ``a / (u b)`` of the communication time; the default keeps that near or
-under 10 % while staying small beside a model (stage 3 holds about two gathered units at once). Blocks already
-larger than the target stay one unit each, exactly as without grouping.
+Two measurements from ``benchmarks/bench_units.py`` (2 gloo ranks on CPU; numbers in ``docs/units.md``) set
+``DEFAULT_UNIT_BYTES``. (1) One FSDP2 unit costs a fixed ~3 ms per stage-3 step beyond its bytes (hooks, copy-in/out
+and three collectives: the step-time difference between 24 one-``Linear(64, 64)`` units and one unit, fastest of 15
+steps each), while a bare gloo all-gather costs ~0.15 ms. (2) The per-byte cost of a gloo all-gather is *lowest* for
+1-4 MiB messages and rises beyond (0.33 ns/B at 2 MiB, 0.54 at 4 MiB, 1.0 at 16 MiB, 1.7 at 32 MiB: the copies fall
+out of cache). Per step a unit of ``u`` bytes then costs about ``c / u + 4 g(u)`` per byte (``c``: the fixed cost,
+``g``: the all-gather's per-byte cost, 4: two all-gathers and a reduce-scatter), smallest at 2-4 MiB; 4 MiB it is.
+Larger units are worse on CPU, smaller ones pay the fixed cost. Blocks already larger than the target stay one unit
+each, exactly as without grouping; on CUDA (NCCL) a larger ``unit_bytes`` may pay, so it is a knob.
 """
 
 from __future__ import annotations
@@ -41,8 +45,8 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-DEFAULT_UNIT_BYTES = 16 * 2 ** 20  # see [Note: the default unit size]
-DEFAULT_PARAM_PERSISTENCE_THRESHOLD = 0  # grouping already merges small blocks; see docs/performance.md
+DEFAULT_UNIT_BYTES = 4 * 2 ** 20  # see [Note: the default unit size]
+DEFAULT_PARAM_PERSISTENCE_THRESHOLD = 0  # grouping already merges small blocks; see docs/units.md
 # DeepSpeed counts its bucket sizes in elements; parameters at rest are fp32 (masters) unless the run is bf16-true.
 DS_BUCKET_ELEMENT_BYTES = 4
 

@@ -397,7 +397,7 @@ def _translate_units(zero: dict, merged: dict, stage: int, out: _Collector, kwar
             continue
         if zero[key] == AUTO:
             _honoured(out, path, '"auto" -> not mapped: the FSDP2 units are planned before setup resolves "auto", '
-                      "so the strategy's default applies (docs/performance.md)")
+                      "so the strategy's default applies (docs/units.md)")
         elif key in unit_keys:
             written = [merged[k] for k in unit_keys if k in zero and zero[k] != AUTO]
             kwargs["unit_bytes"] = min(written) * element

@@ -127,7 +127,7 @@ class ZeroStrategy(ParallelStrategy):
         unit_bytes, param_persistence_threshold, prefetch_bytes: stages 2-3: consecutive blocks share one FSDP2
             unit up to ``unit_bytes`` parameter bytes (``0``: a unit per block); units under
             ``param_persistence_threshold`` elements stay in the root; prefetch of the next units' all-gathers up to
-            ``prefetch_bytes`` (:mod:`lightning_zero.distributed.units`, ``docs/performance.md``).
+            ``prefetch_bytes`` (:mod:`lightning_zero.distributed.units`, ``docs/units.md``).
 
     As ``DeepSpeedStrategy``: without ``config`` the file ``PL_DEEPSPEED_CONFIG_PATH`` names is read, and
     :attr:`config` is the effective ds_config as a dict.
