@@ -141,6 +141,10 @@ CASES = [
     ("gpt", 2, dict(unit_bytes=2 * BLOCK_BYTES), 2),
     ("gpt", 3, dict(unit_bytes=2 * BLOCK_BYTES, prefetch_bytes=1), 2),
     ("gpt", 3, dict(unit_bytes=0, param_persistence_threshold=BLOCK_NUMEL + 1), 1),
+    # activation checkpointing wraps the blocks' forward before fully_shard groups them; a deferred build is
+    # replayed one group at a time
+    ("gpt", 3, dict(unit_bytes=2 * BLOCK_BYTES, checkpointing=True), 2),
+    ("mlp", 3, dict(unit_bytes=3 * LINEAR_BYTES, deferred=True, checkpointing=True), 1),
 ]
 
 
@@ -178,7 +182,18 @@ def _reference(kind, world_size, accumulate):
 
 def _train(rank, world_size, mesh, kind, stage, knobs, accumulate, steps=range(STEPS), model=None, opt=None):
     if model is None:
-        model = apply_zero(_build(kind), mesh, ZeroConfig(stage=stage, **knobs))
+        from lightning_zero.distributed.activation_checkpointing import ActivationCheckpointConfig
+        from lightning_zero.distributed.init import InitConfig, exact_init
+
+        knobs = dict(knobs)
+        checkpointing = ActivationCheckpointConfig() if knobs.pop("checkpointing", False) else None
+        if knobs.pop("deferred", False):
+            with exact_init(InitConfig(local_world_size=world_size, deferred=True)):
+                module = _build(kind)
+            assert next(module.parameters()).__class__.__name__ == "_Deferred"
+        else:
+            module = _build(kind)
+        model = apply_zero(module, mesh, ZeroConfig(stage=stage, **knobs), activation_checkpointing=checkpointing)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     x, y = _data(kind, world_size, accumulate)
     per_step = accumulate * world_size * LOCAL_BATCH
@@ -268,11 +283,24 @@ def _checkpoint_across_groupings(rank, world_size, mesh, path):
         assert worst <= 1e-5, (knobs, worst)
 
 
+def _prefetch_order(rank, world_size, mesh):
+    """Each unit prefetches the next units up to prefetch_bytes: after it in forward, before it in backward."""
+    model = apply_zero(mlp(8), mesh, ZeroConfig(stage=3, unit_bytes=LINEAR_BYTES, prefetch_bytes=2 * LINEAR_BYTES))
+    state = [model[2 * i]._get_fsdp_state() for i in range(8)]
+    assert state[0]._states_to_forward_prefetch == [state[1], state[2]]
+    assert state[6]._states_to_forward_prefetch == [state[7]]
+    assert state[7]._states_to_backward_prefetch == [state[6], state[5]]
+    assert state[0]._states_to_backward_prefetch == []
+    default = apply_zero(mlp(8), mesh, ZeroConfig(stage=3, unit_bytes=LINEAR_BYTES))
+    assert default[0]._get_fsdp_state()._states_to_forward_prefetch == []  # FSDP2's own schedule
+
+
 def _worker(rank, world_size, path):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world_size,))
     _count_all_gathers(rank, world_size, mesh)
+    _prefetch_order(rank, world_size, mesh)
     _parity(rank, world_size, mesh)
     _checkpoint_across_groupings(rank, world_size, mesh, path)
 
