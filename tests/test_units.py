@@ -129,6 +129,18 @@ def test_ds_config_bucket_keys_map_to_the_unit_knobs():
     assert "unit_bytes=4000" in notes["zero_optimization.reduce_bucket_size"]
 
 
+def test_both_strategies_take_the_unit_knobs():
+    from lightning_zero.fabric.strategy import ZeroStrategy as FabricZero
+    from lightning_zero.strategies.zero import ZeroStrategy
+
+    for cls in (ZeroStrategy, FabricZero):
+        extra = {} if cls is ZeroStrategy else dict(auto_resume=False)
+        config = cls(stage=3, unit_bytes=123, param_persistence_threshold=7, prefetch_bytes=0, **extra).zero_config
+        assert (config.unit_bytes, config.param_persistence_threshold, config.prefetch_bytes) == (123, 7, 0)
+        with pytest.raises(ValueError, match="unit_bytes=1 sizes FSDP2 units"):
+            cls(stage=0, unit_bytes=1, **extra)
+
+
 # ------------------------------------------------------------------ 2 ranks
 
 STEPS, LOCAL_BATCH = 3, 2
