@@ -141,6 +141,17 @@ def test_both_strategies_take_the_unit_knobs():
             cls(stage=0, unit_bytes=1, **extra)
 
 
+def test_advise_sizes_the_stage_3_peak_by_the_grouped_unit():
+    from types import SimpleNamespace
+
+    from lightning_zero.cli.advise_model import infer_shape
+
+    model = GPTLike()
+    spec = SimpleNamespace(model_class="GPTLike", data_args={}, init_args={})
+    _, _, unit = infer_shape(model, spec, dict(hidden=WIDTH, layers=4, heads=2, seq_len=5, vocab=32))
+    assert unit == 4 * BLOCK_NUMEL  # the four small blocks share one default unit
+
+
 # ------------------------------------------------------------------ 2 ranks
 
 STEPS, LOCAL_BATCH = 3, 2
