@@ -330,3 +330,42 @@ def _worker(rank, world_size, path):
 
 def test_grouped_units_parity_collectives_and_checkpoints_across_groupings(tmp_path):
     run_distributed(_worker, 2, str(tmp_path / "ckpt"))
+
+
+# ------------------------------------------------------------------ Trainer: save with one grouping, resume with another
+
+def _trainer_resume_worker(rank, world_size, root):
+    import os
+
+    from lightning.pytorch import Trainer
+
+    from lightning_zero import ZeroStrategy
+    from tests.lightning_models import RegressionModule, full_state
+    from tests.test_strategy_checkpoint import BATCH, STEPS_PER_EPOCH, _reference
+
+    def trainer(epochs, **knobs):
+        return Trainer(strategy=ZeroStrategy(stage=3, **knobs), accelerator="cpu", devices=world_size,
+                       max_epochs=epochs, limit_train_batches=STEPS_PER_EPOCH, limit_val_batches=0, logger=False,
+                       enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                       default_root_dir=root)
+
+    path = os.path.join(root, "units.ckpt")
+    torch.manual_seed(0)
+    first = trainer(1, unit_bytes=0, param_persistence_threshold=10 ** 6)  # every block left to the root
+    module = RegressionModule(batch_size=BATCH)
+    first.fit(module)
+    assert _units(module) == 1
+    first.save_checkpoint(path)
+    torch.manual_seed(123)  # another init: every weight must come from the checkpoint
+    module = RegressionModule(batch_size=BATCH)
+    second = trainer(2, unit_bytes=10 ** 9, prefetch_bytes=1)  # the blocks share one unit
+    second.fit(module, ckpt_path=path)
+    assert _units(module) == 2
+    expected = _reference(2, BATCH * world_size)
+    got = full_state(module)
+    worst = max((got[k] - expected[k]).abs().max().item() for k in expected)
+    assert worst <= 1e-5, worst
+
+
+def test_trainer_checkpoint_saved_with_persistent_blocks_resumes_with_grouped_units(tmp_path):
+    run_distributed(_trainer_resume_worker, 2, str(tmp_path))
