@@ -113,11 +113,16 @@ def test_ds_config_bucket_keys_map_to_the_unit_knobs():
     def settings(zero, **kwargs):
         return resolve_settings(config={"zero_optimization": zero}, **kwargs).zero_config
 
-    stage2 = settings({"stage": 2, "reduce_bucket_size": 3_000_000, "allgather_bucket_size": 2e6,
-                       "stage3_param_persistence_threshold": 10})
+    from lightning_zero.ds_config import DeepSpeedConfigWarning
+
+    # DeepSpeed itself ignores the stage-3 keys at stage 2 and allgather_bucket_size at stage 3: reported, not mapped
+    with pytest.warns(DeepSpeedConfigWarning, match="stage3_param_persistence_threshold=10"):
+        stage2 = settings({"stage": 2, "reduce_bucket_size": 3_000_000, "allgather_bucket_size": 2e6,
+                           "stage3_param_persistence_threshold": 10})
     assert (stage2.unit_bytes, stage2.param_persistence_threshold, stage2.prefetch_bytes) == (8_000_000, None, None)
-    stage3 = settings({"stage": 3, "reduce_bucket_size": 1000, "allgather_bucket_size": 10,
-                       "stage3_prefetch_bucket_size": 500, "stage3_param_persistence_threshold": 77})
+    with pytest.warns(DeepSpeedConfigWarning, match="allgather_bucket_size=10"):
+        stage3 = settings({"stage": 3, "reduce_bucket_size": 1000, "allgather_bucket_size": 10,
+                           "stage3_prefetch_bucket_size": 500, "stage3_param_persistence_threshold": 77})
     assert (stage3.unit_bytes, stage3.prefetch_bytes, stage3.param_persistence_threshold) == (4000, 2000, 77)
     assert settings({"stage": 3, "reduce_bucket_size": 1000}, unit_bytes=64).unit_bytes == 64  # explicit wins
     auto = settings({"stage": 3, "reduce_bucket_size": "auto"})
