@@ -15,6 +15,11 @@ STAGES = (0, 1, 2, 3)
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 
 from lightning_zero.offload.config import PARAMS_NVME_NOT_AVAILABLE, NvmeConfig
+from lightning_zero.distributed.units import (
+    DEFAULT_PARAM_PERSISTENCE_THRESHOLD,
+    DEFAULT_UNIT_BYTES,
+    check_unit_knobs,
+)
 
 ModuleClassSpec = Union[str, type]
 
@@ -79,6 +84,13 @@ class ZeroConfig:
             ranks and replicated across the groups, on a 2-D ``("replicate", "shard")`` mesh
             (:mod:`lightning_zero.distributed.hybrid`). Stages 1-3 only; it must divide the world size (checked
             before the process group). ``None``: shard over every rank.
+        unit_bytes: stages 2-3: consecutive blocks are grouped into one FSDP2 unit (one all-gather, one
+            reduce-scatter) until their parameters reach this many bytes (:mod:`lightning_zero.distributed.units`).
+            ``0``: one unit per block. ``None``: ``DEFAULT_UNIT_BYTES``.
+        param_persistence_threshold: stages 2-3: a unit with fewer parameter elements than this is left to the root
+            unit (gathered once per step, never re-gathered in backward). ``None``: the default (0, off).
+        prefetch_bytes: stages 2-3: each unit prefetches the next units' all-gathers up to this many parameter
+            bytes, in forward and backward. ``None`` or ``0``: FSDP2's own schedule.
     """
 
     stage: int = 2
@@ -90,6 +102,9 @@ class ZeroConfig:
     offload_optimizer: Optional[str] = None
     offload_params: Optional[str] = None
     nvme: Optional[NvmeConfig] = None
+    unit_bytes: Optional[int] = None
+    param_persistence_threshold: Optional[int] = None
+    prefetch_bytes: Optional[int] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or not isinstance(self.stage, int) or self.stage not in STAGES:
@@ -151,6 +166,18 @@ class ZeroConfig:
             if self.stage == 0:
                 raise ValueError(f"hybrid_shard_size={size} needs ZeRO stage 1, 2 or 3: stage 0 shards nothing, so "
                                  "there is no shard group to make hybrid. Use stage=1/2/3 or drop hybrid_shard_size.")
+
+        check_unit_knobs(self.stage, self.unit_bytes, self.param_persistence_threshold, self.prefetch_bytes)
+
+    @property
+    def effective_unit_bytes(self) -> int:
+        return DEFAULT_UNIT_BYTES if self.unit_bytes is None else self.unit_bytes
+
+    @property
+    def effective_param_persistence_threshold(self) -> int:
+        if self.param_persistence_threshold is None:
+            return DEFAULT_PARAM_PERSISTENCE_THRESHOLD
+        return self.param_persistence_threshold
 
     @property
     def offloads(self) -> bool:

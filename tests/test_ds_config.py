@@ -174,12 +174,18 @@ def test_every_present_key_gets_a_note_never_silently_dropped():
 
 
 def test_no_effect_key_with_non_default_value_warns_and_is_noted():
-    with pytest.warns(DeepSpeedConfigWarning, match=r"zero_optimization.reduce_bucket_size=.*no effect|no effect.*"
-                                                    r"zero_optimization.reduce_bucket_size"):
-        translation = translate_ds_config(SEED_STAGE2_BUCKETS)
+    # Stage 2's bucket sizes size the FSDP2 units (lightning_zero.distributed.units); allgather_bucket_size has no
+    # effect at stage 3, where DeepSpeed itself does not use it.
+    translation = translate_ds_config(SEED_STAGE2_BUCKETS)
     notes = dict(translation.notes)
-    assert "FSDP2" in notes["zero_optimization.reduce_bucket_size"]
+    assert translation.strategy_kwargs["unit_bytes"] == 300_000_000 * 4
+    assert "unit_bytes=1200000000" in notes["zero_optimization.reduce_bucket_size"]
     assert notes["zero_optimization.allgather_partitions"].startswith("no effect")
+    stage3 = {"zero_optimization": {**SEED_STAGE2_BUCKETS["zero_optimization"], "stage": 3}}
+    with pytest.warns(DeepSpeedConfigWarning, match=r"zero_optimization.allgather_bucket_size=.*no effect|no effect.*"
+                                                    r"zero_optimization.allgather_bucket_size"):
+        translation = translate_ds_config(stage3)
+    assert "FSDP2" in dict(translation.notes)["zero_optimization.allgather_bucket_size"]
 
 
 def test_unknown_keys_error_with_closest_suggestion_and_lenient_mode_warns():

@@ -30,12 +30,17 @@ def test_estimate_places_offloaded_states_on_cpu_and_peaks():
     assert est3.accelerator_peak == est3.accelerator.total + 2 * (P // 10) * 4
 
 
-def test_estimate_from_module_uses_largest_block():
+def test_estimate_from_module_uses_largest_unit():
+    # The two consecutive Linear(100, 100) blocks share one FSDP2 unit (grouped up to the default unit_bytes, see
+    # lightning_zero.distributed.units): that unit, not one block, sizes the stage-3 peak.
     model = nn.Sequential(nn.Linear(10, 10), nn.Sequential(nn.Linear(100, 100), nn.Linear(100, 100)))
     est = estimate_model_states_memory(model, 3, 2)
     total = sum(p.numel() for p in model.parameters())
     assert est.accelerator.total == zero_formula(total, 3, 2).total
-    assert est.accelerator_peak - est.accelerator.total == min(2 * 10100, total) * 4
+    assert est.accelerator_peak - est.accelerator.total == min(2 * 2 * 10100, total) * 4
+    big = nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(3)))  # 4 MiB blocks: one unit each
+    est = estimate_model_states_memory(big, 3, 2)
+    assert est.accelerator_peak - est.accelerator.total == 2 * (1024 * 1024 + 1024) * 4
 
 
 def test_estimate_validates_like_the_strategy():

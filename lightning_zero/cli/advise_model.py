@@ -141,7 +141,7 @@ def _lookup(module: Any, names: tuple, extra: dict) -> Optional[int]:
 
 
 def infer_shape(module: Any, spec: ModelSpec, overrides: dict) -> tuple[dict, int, int]:
-    """``(shape kwargs without micro_batch, parameter count, largest block's parameters)``. ``overrides`` (from
+    """``(shape kwargs without micro_batch, parameter count, largest FSDP2 unit's parameters)``. ``overrides`` (from
     the command line) win; a size that cannot be found is refused, naming its flag."""
     from lightning_zero.ds_config.auto import infer_hidden_size
     from lightning_zero.distributed.zero import find_repeated_blocks
@@ -166,4 +166,10 @@ def infer_shape(module: Any, spec: ModelSpec, overrides: dict) -> tuple[dict, in
         raise AdviseError("cannot tell the model's " + ", ".join(missing) + " from its attributes, hyperparameters or "
                           "init args: pass " + ", ".join(_FLAGS[k] for k in missing))
     found["layer_params"] = layer_params
-    return found, num_params, layer_params or num_params
+    from lightning_zero.config import ZeroConfig
+    from lightning_zero.distributed.zero import unit_groups
+
+    # stage 3 gathers whole FSDP2 units: consecutive blocks grouped up to the default unit_bytes, not one block
+    groups, _ = unit_groups(module, ZeroConfig(stage=3))
+    unit = max((sum(p.numel() for m in group for p in m.parameters()) for group in groups), default=0)
+    return found, num_params, unit or num_params

@@ -208,8 +208,8 @@ def estimate_model_states_memory(model_or_num_params: Union[nn.Module, int], sta
     """Estimate per-rank model-state memory, like DeepSpeed's ``estimate_zero{2,3}_model_states_mem_needs``.
 
     Args:
-        model_or_num_params: a module (its parameters are counted; the largest repeated block sizes the stage-3
-            peak) or a parameter count.
+        model_or_num_params: a module (its parameters are counted; its largest default FSDP2 unit, repeated blocks
+            grouped up to the default ``unit_bytes``, sizes the stage-3 peak) or a parameter count.
         stage: 0-3. world_size: data-parallel ranks. offload: ``None``, ``"cpu"`` or ``"nvme"`` (as ``"cpu"``,
             with the ``optimizer_bytes_fp32`` states per parameter on disk instead of in CPU memory; fp32 masters
             stay in CPU memory; the swapped step holds ``buffer_count`` sub-groups of ``sub_group_size`` elements'
@@ -228,11 +228,11 @@ def estimate_model_states_memory(model_or_num_params: Union[nn.Module, int], sta
     if isinstance(model_or_num_params, nn.Module):
         num_params = sum(p.numel() for p in model_or_num_params.parameters())
         if largest_unit_params is None:
-            from lightning_zero.distributed.zero import find_repeated_blocks
+            from lightning_zero.distributed.zero import unit_groups
 
-            blocks = find_repeated_blocks(model_or_num_params)
-            sizes = [sum(p.numel() for p in m.parameters()) for m in model_or_num_params.modules()
-                     if type(m) in blocks]
+            # the units apply_zero makes by default: repeated blocks, grouped up to the default unit_bytes
+            groups, _ = unit_groups(model_or_num_params, ZeroConfig(stage=3))
+            sizes = [sum(p.numel() for m in group for p in m.parameters()) for group in groups]
             largest_unit_params = max(sizes, default=num_params)
     else:
         num_params = int(model_or_num_params)

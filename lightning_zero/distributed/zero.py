@@ -43,6 +43,7 @@ from lightning_zero.distributed.buffers import install_comm_buffer_pool
 from lightning_zero.distributed.deferred_init import materialize_module
 from lightning_zero.distributed.hybrid import check_mesh_matches, data_parallel_group
 from lightning_zero.distributed.init import broadcast_module_states, refuse_meta_tensors
+from lightning_zero.distributed.units import plan_units, set_prefetch
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +112,19 @@ def sharded_units(module: nn.Module, config: ZeroConfig) -> list[nn.Module]:
     return units
 
 
+def unit_groups(module: nn.Module, config: ZeroConfig) -> tuple[list[list[nn.Module]], bool]:
+    """The FSDP2 units below the root, as groups of modules (one ``fully_shard`` call each), in the order they
+    are sharded (nested blocks before the blocks holding them), and whether any block was left to the root by
+    ``param_persistence_threshold`` (:mod:`.units`)."""
+    plan = plan_units(module, sharded_units(module, config), config.effective_unit_bytes,
+                      config.effective_param_persistence_threshold)
+    order = {id(m): i for i, m in enumerate(module.modules())}
+    groups = sorted(plan.groups, key=lambda group: order[id(group[0])], reverse=True)
+    log.info("ZeRO-%d: %d FSDP2 units below the root (unit_bytes=%d), %d blocks left to the root", config.stage,
+             len(groups), config.effective_unit_bytes, len(plan.persistent))
+    return groups, bool(plan.persistent)
+
+
 def _fsdp_kwargs(mesh, config: ZeroConfig, device: torch.device, mp_policy=None) -> dict:
     from torch.distributed.fsdp import CPUOffloadPolicy
 
@@ -177,10 +191,18 @@ def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[
     # deferred build (see lightning_zero.distributed.deferred_init) becomes real one unit at a time, right before
     # that unit is sharded: the peak is one unit plus the shards. Every unit takes rank 0's values, as DDP does at
     # stages 0-1 (broadcast_module_states skips what a child unit already sharded).
-    for unit in [*reversed(sharded_units(module, config)), module]:
-        materialize_module(unit)
-        broadcast_module_states(unit, data_parallel_group(mesh), device)
-        fully_shard(unit, **kwargs)
+    groups, persistent = unit_groups(module, config)
+    for group in [*groups, [module]]:
+        for unit in group:
+            materialize_module(unit)
+            broadcast_module_states(unit, data_parallel_group(mesh), device)
+        if group[0] is module and persistent:
+            # blocks under param_persistence_threshold live in the root: gathered once per step (see .units)
+            fully_shard(module, **{**kwargs, "reshard_after_forward": False})
+        else:
+            fully_shard(group if len(group) > 1 else group[0], **kwargs)
+    if config.prefetch_bytes:
+        set_prefetch(list(reversed(groups)), config.prefetch_bytes)
     if device.type == "cpu":
         install_comm_buffer_pool(module)  # see lightning_zero.distributed.buffers: CPU has no caching allocator
     if not config.offloads:

@@ -66,24 +66,27 @@ ZERO_KEYS: dict[str, KeySpec] = {
                             "separate streams, and DDP overlaps its all-reduce with backward"),
     "contiguous_gradients": KeySpec(True, NO_EFFECT, "FSDP2 reduce-scatters each unit's gradients into one flat "
                                     "buffer already, so there is no fragmentation to avoid"),
-    "reduce_bucket_size": KeySpec(500_000_000, NO_EFFECT, _FSDP_UNITS + ", so DeepSpeed's reduce bucket does not apply"),
-    "allgather_bucket_size": KeySpec(500_000_000, NO_EFFECT, _FSDP_UNITS + ", so DeepSpeed's all-gather bucket "
-                                     "does not apply"),
+    "reduce_bucket_size": KeySpec(500_000_000, NO_EFFECT, _FSDP_UNITS + ": a written number -> unit_bytes "
+                                  "(elements x 4 bytes) at stages 2-3, DDP's bucket_cap_mb at stages 0-1"),
+    "allgather_bucket_size": KeySpec(500_000_000, NO_EFFECT, _FSDP_UNITS + ": a written number -> unit_bytes "
+                                     "(elements x 4 bytes) at stage 2; DeepSpeed's stage 3 does not use it"),
     "allgather_partitions": KeySpec(True, NO_EFFECT, "updated shards are always all-gathered (never broadcast)"),
     "reduce_scatter": KeySpec(True, NO_EFFECT, "sharded stages always reduce-scatter gradients; stage 0 all-reduces"),
     "use_multi_rank_bucket_allreduce": KeySpec(True, NO_EFFECT, _FSDP_UNITS),
     "sub_group_size": KeySpec(1_000_000_000, NO_EFFECT, "-> sub_group_size with offload_optimizer.device 'nvme'; "
                               "without NVMe the optimizer steps each shard directly"),
-    "stage3_prefetch_bucket_size": KeySpec(50_000_000, NO_EFFECT, "FSDP2 prefetches the next unit's all-gather "
-                                           "(one unit ahead) instead of a byte budget"),
-    "stage3_param_persistence_threshold": KeySpec(100_000, NO_EFFECT, "FSDP2 shards every parameter of a unit; "
-                                                  "small parameters outside repeated blocks live in the root unit"),
+    "stage3_prefetch_bucket_size": KeySpec(50_000_000, NO_EFFECT, "a written number -> prefetch_bytes (elements "
+                                           "x 4 bytes) at stage 3; otherwise FSDP2 prefetches one unit in backward"),
+    "stage3_param_persistence_threshold": KeySpec(100_000, NO_EFFECT, "a written number -> "
+                                                  "param_persistence_threshold at stage 3 (units that small stay in "
+                                                  "the root unit); otherwise units are grouped by unit_bytes"),
     "stage3_model_persistence_threshold": KeySpec(2**63 - 1, NO_EFFECT, "no persistent unsharded parameters in FSDP2"),
     "stage3_max_live_parameters": KeySpec(1_000_000_000, NO_EFFECT, "FSDP2 frees each unit's full parameters after "
                                           "its forward/backward (reshard_after_forward), not by a global count"),
     "stage3_max_reuse_distance": KeySpec(1_000_000_000, NO_EFFECT, "FSDP2 does not track reuse distance; it "
                                          "reshards per unit"),
-    "stage3_module_granularity_threshold": KeySpec(0, NO_EFFECT, "units are chosen by sharded_module_classes"),
+    "stage3_module_granularity_threshold": KeySpec(0, NO_EFFECT, "units are chosen by sharded_module_classes "
+                                                   "and unit_bytes"),
     "stage3_use_all_reduce_for_fetch_params": KeySpec(False, NO_EFFECT, "parameters are fetched with all-gather"),
     "stage3_allgather_sequential": KeySpec(False, NO_EFFECT, "FSDP2 all-gathers one unit at a time already"),
     "round_robin_gradients": KeySpec(False, NO_EFFECT, "a DeepSpeed gradient-copy schedule for CPU offload; our "

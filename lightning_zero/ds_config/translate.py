@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from lightning_zero.ds_config import schema
+from lightning_zero.distributed.units import DS_BUCKET_ELEMENT_BYTES
 from lightning_zero.ds_config.loading import DeepSpeedConfigError, DeepSpeedConfigWarning
 from lightning_zero.ds_config.schema import KeySpec
 
@@ -359,6 +360,7 @@ def _translate_zero(config: dict, out: _Collector, kwargs: dict) -> tuple[dict, 
                 "stage3_param_persistence_threshold", "stage3_model_persistence_threshold",
                 "stage3_max_live_parameters", "stage3_max_reuse_distance"):
         merged[key] = _check_number(f"zero_optimization.{key}", merged[key], integer=True)
+    _translate_units(zero, merged, stage, out, kwargs)
     hpz = _check_number("zero_optimization.zero_hpz_partition_size", merged["zero_hpz_partition_size"], integer=True,
                         allow_auto=False)
     if hpz > 1:
@@ -374,6 +376,37 @@ def _translate_zero(config: dict, out: _Collector, kwargs: dict) -> tuple[dict, 
     gather = _check_flag("zero_optimization.stage3_gather_16bit_weights_on_model_save",
                          merged["stage3_gather_16bit_weights_on_model_save"], allow_auto=True)
     return merged, gather
+
+
+def _translate_units(zero: dict, merged: dict, stage: int, out: _Collector, kwargs: dict) -> None:
+    """DeepSpeed's bucket keys -> the FSDP2 unit knobs (:mod:`lightning_zero.distributed.units`), only where the
+    config wrote a number (a DeepSpeed default is tuned for DeepSpeed's buckets, not carried over). At stage 2 one
+    FSDP2 unit is both DeepSpeed's reduce bucket and all-gather bucket: the smaller written size wins; at stage 3
+    DeepSpeed fetches parameters by module (``allgather_bucket_size`` is a stage 1-2 key), so units follow
+    ``reduce_bucket_size`` and the prefetch and persistence keys apply. Sizes in elements x 4 bytes (fp32 at rest).
+    ``"auto"`` is not mapped: the units are planned from the constructor's settings, before setup resolves it."""
+    if stage < 2:
+        return
+    element = DS_BUCKET_ELEMENT_BYTES
+    unit_keys = ("reduce_bucket_size", "allgather_bucket_size") if stage == 2 else ("reduce_bucket_size",)
+    targets = {"stage3_prefetch_bucket_size": ("prefetch_bytes", element),
+               "stage3_param_persistence_threshold": ("param_persistence_threshold", 1)} if stage == 3 else {}
+    for key in unit_keys + tuple(targets):
+        path = f"zero_optimization.{key}"
+        if key not in zero:
+            continue
+        if zero[key] == AUTO:
+            _honoured(out, path, '"auto" -> not mapped: the FSDP2 units are planned before setup resolves "auto", '
+                      "so the strategy's default applies (docs/units.md)")
+        elif key in unit_keys:
+            written = [merged[k] for k in unit_keys if k in zero and zero[k] != AUTO]
+            kwargs["unit_bytes"] = min(written) * element
+            _honoured(out, path, f"-> unit_bytes={kwargs['unit_bytes']} (FSDP2 units grouped to this many bytes: "
+                      f"the smaller of {' and '.join(unit_keys)} as written, x {element} bytes)")
+        else:
+            name, scale = targets[key]
+            kwargs[name] = merged[key] * scale
+            _honoured(out, path, f"-> {name}={kwargs[name]}")
 
 
 def _translate_precision(config: dict, out: _Collector, kwargs: dict) -> tuple[Optional[str], dict]:

@@ -45,12 +45,13 @@ from lightning_zero.ds_config import (
 
 from lightning_zero.offload.config import NVME_ARGUMENTS
 
+UNIT_KNOBS = ("unit_bytes", "param_persistence_threshold", "prefetch_bytes")  # lightning_zero.distributed.units
 LOSS_SCALE_KEYS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "consecutive_hysteresis",
                    "min_loss_scale")
 # Strategy arguments a config may set; every key a translation produces must be one of these or refused.
 CONFIG_STRATEGY_KEYS = ("stage", "offload", "pin_memory", "reshard_after_forward", "communication_data_type",
                         "pipeline_parallel_size", "micro_batches", "hybrid_shard_size", *LOSS_SCALE_KEYS,
-                        "offload_optimizer", "offload_params", *NVME_ARGUMENTS)
+                        "offload_optimizer", "offload_params", *NVME_ARGUMENTS, *UNIT_KNOBS)
 # Where Lightning's DeepSpeedStrategy looks for a config file when it is given none; ZeroStrategy does the same.
 DEEPSPEED_ENV_VAR = "PL_DEEPSPEED_CONFIG_PATH"
 
@@ -140,6 +141,9 @@ class DeepSpeedConfigBinding:
         resolved = resolve_auto(self.raw, context)
         translation = translate_ds_config(resolved, strict=self.strict)
         self._refuse_unwired(translation)
+        for name in UNIT_KNOBS:  # "auto" bucket sizes were not mapped at construction, and are not now (see there)
+            if name not in self.translation.strategy_kwargs:
+                translation.strategy_kwargs.pop(name, None)
         changed = {k: (self.translation.strategy_kwargs.get(k), v) for k, v in translation.strategy_kwargs.items()
                    if k in CONFIG_STRATEGY_KEYS and self.translation.strategy_kwargs.get(k) != v}
         if changed:
@@ -342,3 +346,10 @@ def hybrid_shard_size_over_config(binding, hybrid_shard_size):
     if hybrid_shard_size is not None or binding is None:
         return hybrid_shard_size
     return binding.strategy_kwargs().get("hybrid_shard_size")
+
+
+def unit_knobs_over_config(binding, **explicit) -> dict:
+    """``unit_bytes``, ``param_persistence_threshold`` and ``prefetch_bytes``, each from the ds_config's bucket keys
+    (see ``_translate_units`` in :mod:`lightning_zero.ds_config.translate`) when left at ``None``."""
+    from_config = binding.strategy_kwargs() if binding is not None else {}
+    return {name: value if value is not None else from_config.get(name) for name, value in explicit.items()}

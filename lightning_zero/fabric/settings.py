@@ -31,6 +31,7 @@ from lightning_zero.fabric.ds_config_binding import (
     arguments_over_config,
     bind_ds_config,
     hybrid_shard_size_over_config,
+    unit_knobs_over_config,
 )
 from lightning_zero.fabric.pipeline_binding import PipelineSettings, make_pipeline_settings
 from lightning_zero.fabric.precision_policy import LossScaleConfig, loss_scale_configs, parse_communication_data_type
@@ -121,6 +122,9 @@ def resolve_settings(
     load_full_weights: bool = False,
     hybrid_shard_size: Optional[int] = None,
     rendezvous_timeout: Union[float, timedelta] = DEFAULT_RENDEZVOUS_TIMEOUT,
+    unit_bytes: Optional[int] = None,
+    param_persistence_threshold: Optional[int] = None,
+    prefetch_bytes: Optional[int] = None,
 ) -> ZeroSettings:
     """Validate a ZeroStrategy's constructor arguments; the ds_config (``config=``, else the file
     ``PL_DEEPSPEED_CONFIG_PATH`` names) fills every argument left at ``None``, explicit arguments win."""
@@ -140,6 +144,8 @@ def resolve_settings(
         sharded_module_classes=frozenset(sharded_module_classes) if sharded_module_classes else None,
         reshard_after_forward=reshard_after_forward,
         hybrid_shard_size=hybrid_shard_size_over_config(ds_config, hybrid_shard_size),
+        **unit_knobs_over_config(ds_config, unit_bytes=unit_bytes, prefetch_bytes=prefetch_bytes,
+                                 param_persistence_threshold=param_persistence_threshold),
     )
     activation_checkpoint = activation_checkpointing_over_config(
         ds_config, activation_checkpointing, cpu_checkpointing, activation_checkpointing_policy)

@@ -138,6 +138,9 @@ class ZeroStrategy(ParallelStrategy):
         load_full_weights: bool = False,
         hybrid_shard_size: Optional[int] = None,
         rendezvous_timeout: Union[float, timedelta] = DEFAULT_RENDEZVOUS_TIMEOUT,
+        unit_bytes: Optional[int] = None,
+        param_persistence_threshold: Optional[int] = None,
+        prefetch_bytes: Optional[int] = None,
     ) -> None:
         settings = resolve_settings(**{name: value for name, value in locals().items() if name in SETTING_NAMES})
         if settings.auto_resume:

@@ -125,6 +125,10 @@ class ZeroStrategy(ParallelStrategy):
             in backward, optionally keeping their inputs on CPU (``docs/activation_checkpointing.md``).
         load_full_weights: ``ckpt_path`` must be one file, which may lack optimizer states (``full_loading.py``).
         rendezvous_timeout: seconds a multi-node start waits for every node before naming the missing ones (300).
+        unit_bytes, param_persistence_threshold, prefetch_bytes: stages 2-3: consecutive blocks share one FSDP2
+            unit up to ``unit_bytes`` parameter bytes (``0``: a unit per block); units under
+            ``param_persistence_threshold`` elements stay in the root; prefetch of the next units' all-gathers up to
+            ``prefetch_bytes`` (:mod:`lightning_zero.distributed.units`, ``docs/units.md``).
 
     As ``DeepSpeedStrategy``: without ``config`` the file ``PL_DEEPSPEED_CONFIG_PATH`` names is read, and
     :attr:`config` is the effective ds_config as a dict.
@@ -182,6 +186,9 @@ class ZeroStrategy(ParallelStrategy):
         activation_checkpointing_policy: Any = None,
         load_full_weights: bool = False,
         rendezvous_timeout: Union[float, timedelta] = DEFAULT_RENDEZVOUS_TIMEOUT,
+        unit_bytes: Optional[int] = None,
+        param_persistence_threshold: Optional[int] = None,
+        prefetch_bytes: Optional[int] = None,
     ) -> None:
         # Validate everything before Lightning (or anyone) starts a process group; shared with the Fabric strategy.
         settings = resolve_settings(**{name: value for name, value in locals().items() if name in SETTING_NAMES})
