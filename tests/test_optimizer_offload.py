@@ -17,6 +17,7 @@ from lightning_zero import ZeroConfig, ZeroStrategy, apply_zero
 from lightning_zero.distributed.memory import estimate_model_states_memory
 from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
 from lightning_zero.distributed.zero import set_gradient_sync
+from lightning_zero.ops import CPUAdam
 from tests.distributed import run_distributed
 from tests.test_zero_parity import LOCAL_BATCH, STEPS, TinyNet, data, make_optimizer, train_reference
 
@@ -27,7 +28,7 @@ def _local(t):
     return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
-def _train(rank, world_size, config, accumulate=1, clip=None, bf16=False, inspect=None):
+def _train(rank, world_size, config, accumulate=1, clip=None, bf16=False, inspect=None, cpu_adam=False):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -37,6 +38,9 @@ def _train(rank, world_size, config, accumulate=1, clip=None, bf16=False, inspec
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if bf16 and config.stage >= 2 else None
     model = apply_zero(module, mesh, config, mp_policy=mp_policy)
     opt = make_optimizer(module)
+    if cpu_adam:  # our CPU Adam over the same groups and hyper-parameters, built on the module's parameters
+        opt = CPUAdam([{k: v for k, v in g.items() if k in ("params", "lr", "weight_decay")} for g in opt.param_groups],
+                      lr=1e-2, betas=opt.defaults["betas"], eps=opt.defaults["eps"])
     sharding = shard_optimizer(opt, config, group=mesh.get_group())
     x, y = data(world_size, accumulate)
     per_step = accumulate * world_size * LOCAL_BATCH
@@ -103,6 +107,11 @@ def _parity_worker(rank, world_size):
             worst = max((got[k] - expected[k]).abs().max().item() for k in expected)
             if not (exact <= 1e-6 and worst <= 1e-5):
                 failures.append(f"stage={stage} {variant}: vs no offload {exact:.2e}, vs reference {worst:.2e}")
+        if stage == 2:
+            got = _train(rank, world_size, offloaded, clip=0.05, cpu_adam=True)
+            worst = max((got[k] - train_reference(world_size, clip=0.05)[k]).abs().max().item() for k in got)
+            if not worst <= 1e-5:
+                failures.append(f"stage={stage} CPUAdam: vs reference {worst:.2e}")
         # bf16: autocast at stage 1, FSDP2's MixedPrecisionPolicy at stages 2-3; same numbers as without offload
         got = _train(rank, world_size, offloaded, accumulate=2, clip=0.05, bf16=True)
         without = _train(rank, world_size, plain, accumulate=2, clip=0.05, bf16=True)
@@ -134,6 +143,14 @@ def _params_offload_worker(rank, world_size):
 
 def test_stage3_offload_shorthand_moves_parameters_with_the_optimizer():
     run_distributed(_params_offload_worker, 2)
+
+
+def test_cpu_adam_accepts_device_parameters_until_it_steps_them():
+    param = torch.zeros(3, device="meta", requires_grad=True)  # stands for a parameter on the accelerator
+    opt = CPUAdam([param])  # configure_optimizers builds it before offload swaps in the CPU masters
+    param.grad = torch.zeros(3, device="meta")
+    with pytest.raises(ValueError, match="offload_optimizer='cpu'"):
+        opt.step()
 
 
 # ------------------------------------------------------------------ configuration

@@ -138,6 +138,8 @@ def model_state_memory(module: nn.Module, optimizers: Iterable[torch.optim.Optim
         for master in masters:
             counter.add(master, "optimizer_states")
             counter.add(master.grad, "grads")
+        for buffer in (sharding.master_grads.values() if sharding is not None else ()):
+            counter.add(buffer, "grads")  # kept for the run even while zero_grad has set .grad to None
         for state in optimizer.state.values():
             for value in state.values():
                 if isinstance(value, Tensor) and value.numel() > 1:  # scalar step counters are not model states
