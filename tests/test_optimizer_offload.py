@@ -257,3 +257,22 @@ def test_checkpoint_moves_between_optimizer_offload_and_none(tmp_path, saved, re
     path = tmp_path / "run.ckpt"
     run_distributed(_ckpt_save_worker, 2, path, *saved)
     run_distributed(_ckpt_resume_worker, 2, path, *resumed)
+
+
+# ------------------------------------------------------------------ two optimizers (toggle_optimizer)
+def _gan_worker(rank, world_size, stage):
+    from tests.lightning_models import full_state
+    from tests.test_strategy_manual_optimization import GAN, assert_same, reference_gan
+
+    torch.manual_seed(0)
+    module = GAN(False)
+    Trainer(strategy=ZeroStrategy(stage=stage, offload_optimizer="cpu"), accelerator="cpu", devices=world_size,
+            max_steps=2 * 3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False).fit(module)
+    assert_same(full_state(module), reference_gan(3, False), f"GAN stage={stage} with optimizer offload")
+
+
+def test_toggle_optimizer_freezes_the_module_parameters_behind_offloaded_masters():
+    """Lightning's toggle_optimizer freezes what param_groups hold: the CPU masters would leave the module's
+    parameters of the other optimizer trainable (their gradients then reach its next step)."""
+    run_distributed(_gan_worker, 2, 2)
