@@ -54,8 +54,8 @@ def _resolve_offload(stage: int, offload: str, optimizer: Optional[str], params:
     opt = _normalise_offload(optimizer, "offload_optimizer")
     par = _normalise_offload(params, "offload_params")
     if par != "none" and stage != 3:
-        raise ValueError(f"offload_params={par!r} needs stage 3 (only stage 3 shards parameters; DeepSpeed refuses "
-                         f"it below stage 3 too); got stage {stage}. Use offload_optimizer={par!r} alone.")
+        raise ValueError(f"offload_params={par!r} needs stage 3 (only stage 3 shards parameters; DeepSpeed would "
+                         f"silently ignore it below stage 3); got stage {stage}. Use offload_optimizer={par!r} alone.")
     if par != "none" and opt == "none":
         raise ValueError(
             f"offload_params={par!r} without offload_optimizer is not supported: the sharded fp32 parameters are the "
