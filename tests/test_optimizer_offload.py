@@ -304,3 +304,33 @@ def _nvme_worker(rank, world_size, root):
 
 def test_stage3_nvme_optimizer_offload_with_parameters_on_device_matches_cpu(tmp_path):
     run_distributed(_nvme_worker, 2, str(tmp_path))
+
+
+# ------------------------------------------------------------------ fp16 loss scaling through the Trainer
+def _fp16_worker(rank, world_size):
+    from lightning_zero import LossScaleConfig
+    from tests.lightning_models import full_state
+    from tests.test_precision import DtypeProbe, _trainer
+
+    finals = {}
+    for stage, kwargs in ((2, {}), (2, dict(offload_optimizer="cpu")), (3, {}), (3, dict(offload_optimizer="cpu"))):
+        torch.manual_seed(0)
+        module = DtypeProbe()
+        # 2**18 overflows in fp16 first: the skipped steps must leave masters and states untouched too
+        start = full_state(module)
+        trainer = _trainer(ZeroStrategy(stage=stage, **kwargs), world_size, "16-mixed", gradient_clip_val=0.05,
+                           max_steps=6, loss_scale_config=LossScaleConfig(initial_scale_power=18, hysteresis=1))
+        trainer.fit(module)
+        assert set(module.compute_dtypes) == {torch.float16}
+        skipped = trainer.precision_plugin.scaler.skipped_steps
+        assert 0 < skipped < 6, f"the run must both skip (overflow) and step, skipped {skipped} of 6"
+        assert all(not torch.equal(v, start[k]) for k, v in full_state(module).items()), "weights did not train"
+        finals[(stage, bool(kwargs))] = full_state(module)
+    for stage in (2, 3):
+        got, without = finals[(stage, True)], finals[(stage, False)]
+        worst = max((got[k] - without[k]).abs().max().item() for k in got)
+        assert worst <= 1e-6, f"16-mixed stage {stage}: optimizer offload differs from none by {worst:.2e}"
+
+
+def test_fp16_loss_scaling_with_optimizer_offload_equals_no_offload():
+    run_distributed(_fp16_worker, 2)
