@@ -73,8 +73,9 @@ class ZeroConfig:
         stage: ZeRO stage. 0 replicates everything (DDP); 1 shards optimizer states; 2 also shards gradients;
             3 also shards parameters. See ``docs/stages.md`` for the memory formula of each stage.
         offload: shorthand. ``None``/``"none"``, ``"cpu"`` (optimizer states and fp32 master weights live and step
-            in CPU memory; at stage 3 parameters and gradients too, as DeepSpeed's ``zero_stage_3_offload``) or ``"nvme"`` (as ``"cpu"``, plus optimizer
-            states swapped to ``nvme.nvme_path``; at stage 3 it asks for parameter swapping, which raises).
+            in CPU memory; at stage 3 parameters and gradients too, as DeepSpeed's ``zero_stage_3_offload``) or
+            ``"nvme"`` (as ``"cpu"``, plus optimizer states swapped to ``nvme.nvme_path``; at stage 3 it asks for
+            parameter swapping, which raises).
             After validation it holds where the optimizer states live.
         offload_optimizer, offload_params: the precise form (DeepSpeed's two sections); see ``_resolve_offload``.
         nvme: the NVMe settings, required with ``offload_optimizer="nvme"``.
