@@ -39,10 +39,17 @@ def _resolve_offload(stage: int, offload: str, optimizer: Optional[str], params:
     """The shorthand ``offload`` or the precise pair as ``(offload_optimizer, offload_params)``, both normalised.
 
     [Note: which offload combinations are honoured]
-    Stage 1 and 2 offload only optimizer states (stage 2's FSDP2 ``CPUOffloadPolicy`` also keeps the sharded
-    parameters in CPU memory, as before). At stage 3 FSDP2's policy moves parameters, gradients and optimizer states
-    together, so the optimizer and the parameters must both be offloaded or neither; any other pair is refused.
-    ``"nvme"`` for the optimizer swaps optimizer states to disk on top of the CPU placement.
+    DeepSpeed's two sections, honoured separately:
+      - ``offload_optimizer`` alone (stages 1-3, DeepSpeed's ZeRO-Offload): parameters and gradients stay on the
+        compute device; the optimizer steps fp32 CPU masters of this rank's shards and copies the result back
+        (:mod:`lightning_zero.distributed.optimizer`). ``"nvme"`` also swaps the optimizer's states to disk.
+      - ``offload_params="cpu"`` (stage 3 only) with an offloaded optimizer: FSDP2's ``CPUOffloadPolicy``, which
+        keeps the sharded fp32 parameters (the masters), their gradients and the optimizer states in CPU memory.
+      - ``offload_params`` without ``offload_optimizer`` is refused: DeepSpeed then keeps the fp32 masters and the
+        optimizer on the accelerator and only the low-precision parameters in CPU memory; here the sharded fp32
+        parameters are the masters, so moving them to CPU moves the optimizer step with them.
+    The shorthand means DeepSpeed's registry names: ``offload="cpu"`` is ``offload_optimizer="cpu"`` at stages 1-2
+    (``zero_stage_2_offload``) and both sections at stage 3 (``zero_stage_3_offload``).
     """
     precise = optimizer is not None or params is not None
     if precise and offload != "none":
@@ -52,12 +59,14 @@ def _resolve_offload(stage: int, offload: str, optimizer: Optional[str], params:
     opt = _normalise_offload(optimizer, "offload_optimizer")
     par = _normalise_offload(params, "offload_params")
     if par != "none" and stage != 3:
-        raise ValueError(f"offload_params={par!r} needs stage 3 (only stage 3 shards parameters); got stage {stage}")
-    if stage == 3 and (opt == "none") != (par == "none"):
+        raise ValueError(f"offload_params={par!r} needs stage 3 (only stage 3 shards parameters; DeepSpeed would "
+                         f"silently ignore it below stage 3); got stage {stage}. Use offload_optimizer={par!r} alone.")
+    if par != "none" and opt == "none":
         raise ValueError(
-            f"offload_optimizer={opt!r} with offload_params={par!r} at stage 3 is not supported: FSDP2's CPU offload "
-            "moves parameters, gradients and optimizer states together. Offload both (e.g. offload_optimizer='nvme', "
-            "offload_params='cpu') or neither.")
+            f"offload_params={par!r} without offload_optimizer is not supported: the sharded fp32 parameters are the "
+            "optimizer's masters, so FSDP2's CPU offload moves the optimizer step to CPU with them (DeepSpeed would "
+            "keep fp32 masters and optimizer states on the accelerator). Offload both (offload_optimizer='cpu', "
+            "offload_params='cpu', i.e. offload='cpu' at stage 3) or only the optimizer (offload_optimizer='cpu').")
     return opt, par
 
 
@@ -69,8 +78,9 @@ class ZeroConfig:
         stage: ZeRO stage. 0 replicates everything (DDP); 1 shards optimizer states; 2 also shards gradients;
             3 also shards parameters. See ``docs/stages.md`` for the memory formula of each stage.
         offload: shorthand. ``None``/``"none"``, ``"cpu"`` (optimizer states and fp32 master weights live and step
-            in CPU memory; at stage 3 parameters and gradients too) or ``"nvme"`` (as ``"cpu"``, plus optimizer
-            states swapped to ``nvme.nvme_path``; at stage 3 it asks for parameter swapping, which raises).
+            in CPU memory; at stage 3 parameters and gradients too, as DeepSpeed's ``zero_stage_3_offload``) or
+            ``"nvme"`` (as ``"cpu"``, plus optimizer states swapped to ``nvme.nvme_path``; at stage 3 it asks for
+            parameter swapping, which raises).
             After validation it holds where the optimizer states live.
         offload_optimizer, offload_params: the precise form (DeepSpeed's two sections); see ``_resolve_offload``.
         nvme: the NVMe settings, required with ``offload_optimizer="nvme"``.
@@ -183,6 +193,17 @@ class ZeroConfig:
     def offloads(self) -> bool:
         """States live in CPU memory (``"cpu"``, and under ``"nvme"`` swapping, which starts from the same place)."""
         return self.offload != "none"
+
+    @property
+    def offloads_params(self) -> bool:
+        """Stage 3 with ``offload_params``: FSDP2's ``CPUOffloadPolicy`` keeps the sharded parameters, their
+        gradients and the optimizer states in CPU memory."""
+        return self.offload_params != "none"
+
+    @property
+    def offloads_optimizer_only(self) -> bool:
+        """DeepSpeed's ZeRO-Offload: the optimizer steps CPU fp32 masters of the device-resident shards."""
+        return self.offload_optimizer != "none" and self.offload_params == "none"
 
     @property
     def swaps_optimizer_states(self) -> bool:

@@ -22,8 +22,9 @@ from lightning_zero.distributed.optimizer import shard_optimizer
 from lightning_zero.fabric.full_loading import load_full
 from tests.distributed import run_distributed
 
-STAGES = [(0, None), (1, None), (1, "cpu"), (2, None), (3, None), (3, "cpu")]
-STAGE_IDS = ["s0", "s1", "s1-offload", "s2", "s3", "s3-offload"]
+# s2-offload: optimizer-only offload, DTensor CPU masters of uneven (and empty) shards; s3-offload: params too
+STAGES = [(0, None), (1, None), (1, "cpu"), (2, None), (2, "cpu"), (3, None), (3, "cpu")]
+STAGE_IDS = ["s0", "s1", "s1-offload", "s2", "s2-offload", "s3", "s3-offload"]
 
 
 class Model(nn.Module):

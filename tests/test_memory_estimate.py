@@ -21,9 +21,9 @@ def test_mixed_precision_is_deepspeeds_2_2_12():
 
 
 def test_estimate_places_offloaded_states_on_cpu_and_peaks():
-    est = estimate_model_states_memory(P, 2, 4, offload="cpu")
-    assert est.accelerator.total == 0 and est.cpu.total == 4 * P  # (4 + 4 + 8) P / 4
-    assert est.accelerator_peak == 4 * P  # the gathered fp32 parameters
+    est = estimate_model_states_memory(P, 2, 4, offload="cpu")  # ZeRO-Offload: the device keeps its shards
+    assert est.accelerator.total == 2 * P and est.cpu.total == 4 * P  # (4 + 4) P / 4; (4 + 4 + 8) P / 4
+    assert est.accelerator_peak == 6 * P  # the shards and the gathered fp32 parameters
     est1 = estimate_model_states_memory(P, 1, 4, offload="cpu")
     assert est1.accelerator.total == 8 * P and est1.cpu.optimizer_states == 12 * P // 4  # master + m + v
     est3 = estimate_model_states_memory(P, 3, 4, largest_unit_params=P // 10)

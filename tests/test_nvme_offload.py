@@ -97,8 +97,8 @@ def test_nvme_arguments_are_validated_before_any_process_group(tmp_path):
         ZeroStrategy(stage=2, offload="nvme", nvme_path=str(tmp_path), max_in_cpu=10)
     with pytest.raises(ValueError, match="unknown keys"):
         ZeroStrategy(stage=2, offload="nvme", nvme_path=str(tmp_path), aio={"queue_dept": 4})
-    with pytest.raises(ValueError, match="at stage 3 is not supported"):
-        ZeroStrategy(stage=3, offload_optimizer="cpu")
+    with pytest.raises(ValueError, match="without offload_optimizer is not supported"):
+        ZeroStrategy(stage=3, offload_params="cpu")
     with pytest.raises(ValueError, match="needs stage 3"):
         ZeroStrategy(stage=2, offload_params="cpu")
     with pytest.raises(ValueError, match="not both"):

@@ -22,7 +22,7 @@ FIRST, MORE = 9, 3  # the save is in the middle of an epoch, after more than one
 
 
 def _resume_worker(rank, world_size, root):
-    for stage, offload in ((1, None), (2, None), (3, None), (3, "cpu")):
+    for stage, offload in ((1, None), (2, None), (2, "cpu"), (3, None), (3, "cpu")):
         sharded = os.path.join(root, f"s{stage}{offload}.ckpt")
         single = os.path.join(root, f"s{stage}{offload}-single.ckpt")
         torch.manual_seed(0)

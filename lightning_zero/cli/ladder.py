@@ -20,7 +20,8 @@ from lightning_zero.distributed.memory import PRECISIONS, FullEstimate, estimate
 
 NVME_REASON = ("not available: parameter swapping to NVMe (stage 3 offload='nvme') is not implemented yet; "
                "optimizer states alone can go to NVMe with offload_optimizer='nvme', nvme_path=...")
-PARAM_ONLY_REASON = "not available separately: offload='cpu' moves parameters and optimizer states together"
+PARAM_ONLY_REASON = ("not available separately: offload_params needs offload_optimizer (the sharded fp32 parameters "
+                     "are the optimizer's masters), so the next rung offloads both")
 
 
 @dataclass(frozen=True)

@@ -138,6 +138,8 @@ def model_state_memory(module: nn.Module, optimizers: Iterable[torch.optim.Optim
         for master in masters:
             counter.add(master, "optimizer_states")
             counter.add(master.grad, "grads")
+        for buffer in (sharding.master_grads.values() if sharding is not None else ()):
+            counter.add(buffer, "grads")  # kept for the run even while zero_grad has set .grad to None
         for state in optimizer.state.values():
             for value in state.values():
                 if isinstance(value, Tensor) and value.numel() > 1:  # scalar step counters are not model states
@@ -204,7 +206,9 @@ def estimate_model_states_memory(model_or_num_params: Union[nn.Module, int], sta
                                  largest_unit_params: Optional[int] = None,
                                  optimizer_bytes_fp32: int = 8, sub_group_size: int = 1_000_000_000,
                                  buffer_count: int = 4,
-                                 hybrid_shard_size: Optional[int] = None) -> MemoryEstimate:
+                                 hybrid_shard_size: Optional[int] = None,
+                                 offload_optimizer: Optional[str] = None,
+                                 offload_params: Optional[str] = None) -> MemoryEstimate:
     """Estimate per-rank model-state memory, like DeepSpeed's ``estimate_zero{2,3}_model_states_mem_needs``.
 
     Args:
@@ -214,6 +218,10 @@ def estimate_model_states_memory(model_or_num_params: Union[nn.Module, int], sta
             with the ``optimizer_bytes_fp32`` states per parameter on disk instead of in CPU memory; fp32 masters
             stay in CPU memory; the swapped step holds ``buffer_count`` sub-groups of ``sub_group_size`` elements'
             states in CPU memory at its peak).
+            ``offload`` is the strategy's shorthand: at stage 3 it offloads the parameters too.
+        offload_optimizer, offload_params: the precise form instead of ``offload``, as the strategy takes them
+            (``offload_optimizer`` alone keeps parameters and gradients on the accelerator; ``offload_params="cpu"``
+            at stage 3 also moves them). Validated by the same rules as the strategy.
         precision: a Trainer precision string; low precision means ``bp = bg = 2`` and fp32 masters (``K += 4``).
         largest_unit_params: parameters of the largest FSDP unit (stage-3 peak); inferred from a module.
         optimizer_bytes_fp32: fp32 optimizer-state bytes per parameter (Adam: 8, SGD with momentum: 4).
@@ -221,10 +229,15 @@ def estimate_model_states_memory(model_or_num_params: Union[nn.Module, int], sta
     """
     from lightning_zero.config import ZeroConfig
 
-    swaps = isinstance(offload, str) and offload.lower() == "nvme"
-    # same validation and messages as the strategy; NVMe is laid out as CPU offload plus swapped optimizer states
-    ZeroConfig(stage=stage, offload="cpu" if swaps else offload, hybrid_shard_size=hybrid_shard_size)
-    offloads = offload not in (None, "none")
+    def no_nvme(device):  # NVMe is laid out as CPU offload plus swapped optimizer states
+        return "cpu" if isinstance(device, str) and device.lower() == "nvme" else device
+
+    # same validation and messages as the strategy
+    config = ZeroConfig(stage=stage, offload=no_nvme(offload), offload_optimizer=no_nvme(offload_optimizer),
+                        offload_params=no_nvme(offload_params), hybrid_shard_size=hybrid_shard_size)
+    swaps = any(isinstance(d, str) and d.lower() == "nvme" for d in (offload, offload_optimizer))
+    if isinstance(offload_params, str) and offload_params.lower() == "nvme":
+        ZeroConfig(stage=stage, offload_optimizer="nvme", offload_params="nvme")  # refused like the strategy
     if isinstance(model_or_num_params, nn.Module):
         num_params = sum(p.numel() for p in model_or_num_params.parameters())
         if largest_unit_params is None:
@@ -242,16 +255,18 @@ def estimate_model_states_memory(model_or_num_params: Union[nn.Module, int], sta
                         hybrid_shard_size=hybrid_shard_size)
     n, p = shard_ranks(world_size, hybrid_shard_size), num_params
     zero = StateBytes()
-    if not offloads:
+    if not config.offloads:
         accel, cpu = rest, zero
-    elif stage == 1:
-        # Device keeps replicated parameters and gradients; CPU holds fp32 masters, their gradients and states.
-        accel = StateBytes(p * bp, p * bg, 0)
+    elif not config.offloads_params:
+        # ZeRO-Offload: the device keeps the stage's parameters and gradients; CPU holds this rank's fp32 masters,
+        # their gradients and the optimizer states.
+        accel = StateBytes(rest.params, rest.grads, 0)
         cpu = StateBytes(0, p * 4 // n, p * (k + (4 if bp == 4 else 0)) // n)
     else:
-        # FSDP2 CPUOffloadPolicy: the sharded fp32 parameters, gradients and states all live in CPU memory.
+        # Stage 3 FSDP2 CPUOffloadPolicy: the sharded fp32 parameters (they are the masters), their gradients and
+        # the optimizer states all live in CPU memory.
         accel = zero
-        cpu = StateBytes(p * 4 // n, p * 4 // n, p * k // n)
+        cpu = StateBytes(p * 4 // n, p * 4 // n, p * optimizer_bytes_fp32 // n)
     # Stage 3 gathers one unit and prefetches the next; never more than the whole model.
     gathered = {2: p * bp, 3: min(2 * largest_unit_params, p) * bp}.get(stage, 0)
     if not swaps:

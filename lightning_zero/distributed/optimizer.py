@@ -11,14 +11,21 @@ size-balanced partition of each group, a local step, then the updated parameters
 After :func:`shard_optimizer`, ``param_groups[i]["params"]`` holds exactly the tensors this rank steps:
   - stages 0, 2, 3 without offload: the module's parameters (plain tensors or FSDP2 DTensor shards);
   - stage 1: only the parameters this rank owns;
-  - stage 1 with ``offload="cpu"``: fp32 CPU *masters* of the owned parameters.
+  - with the optimizer offloaded and parameters not (``offload_optimizer="cpu"``/``"nvme"`` at stages 1-3,
+    DeepSpeed's ZeRO-Offload): fp32 CPU *masters* of the owned parameters; at stages 2-3 a master is a DTensor
+    with the same mesh, placements and global shape as the FSDP2 shard it mirrors, so its optimizer states are
+    DTensors too and checkpoints have the same layout with and without offload.
 The module's parameters of every group are kept in :attr:`OptimizerSharding.model_params` (clipping and
 checkpoints need them). Gradient flow is: backward fills the module's ``.grad``; the step pre-hook copies owned
 gradients into the masters; the optimizer steps; the post-hook copies masters back, broadcasts from owners, and
 drops the module's gradients (``zero_grad`` on the optimizer only reaches the tensors it holds).
-At stages 2-3 offload is FSDP2's ``CPUOffloadPolicy``: the sharded parameters themselves are the CPU fp32 masters.
-With ``offload_optimizer="nvme"`` the same placement is used and the optimizer's per-element states are swapped
-to disk by :mod:`lightning_zero.offload.optimizer_swapper` (the fp32 masters stay in CPU memory).
+Why hand-written: torch has no optimizer wrapper that keeps CPU copies of device parameters (FSDP2's
+``CPUOffloadPolicy`` moves the parameters themselves, which is DeepSpeed's ``offload_param``); the copies are plain
+``Tensor.copy_`` (``non_blocking`` into pinned buffers when computing on CUDA, then one stream synchronisation
+before the CPU reads them). At stage 3 with ``offload_params="cpu"`` the sharded parameters themselves are the CPU
+fp32 masters (``CPUOffloadPolicy``) and no copy is made. With ``offload_optimizer="nvme"`` the optimizer's
+per-element states are swapped to disk by :mod:`lightning_zero.offload.optimizer_swapper` (the fp32 masters stay
+in CPU memory).
 """
 
 from __future__ import annotations
@@ -59,7 +66,8 @@ class OptimizerSharding:
     config: ZeroConfig
     model_params: list[list[Tensor]]            # per group, every module parameter, in the user's order
     owners: list[list[int]]                     # per group, the rank that steps each parameter (-1: every rank)
-    masters: dict[int, Tensor] = field(default_factory=dict)  # id(model param) -> CPU master (stage-1 offload)
+    masters: dict[int, Tensor] = field(default_factory=dict)  # id(model param) -> CPU master (optimizer offload)
+    master_grads: dict[int, Tensor] = field(default_factory=dict)  # id(model param) -> the master's grad buffer
     rank: int = 0
     group: Optional[object] = None
     hooks: list = field(default_factory=list)
@@ -73,13 +81,13 @@ class OptimizerSharding:
                 for p, owner in zip(params, owners) if owner in (-1, self.rank)]
 
     def sync_masters(self) -> None:
-        """After the module's parameters were loaded, the offloaded CPU masters (stage-1 offload) take their values:
-        the optimizer steps the masters, so stale ones would undo the load at the next step."""
+        """After the module's parameters were loaded, the offloaded CPU masters (optimizer offload) take their
+        values: the optimizer steps the masters, so stale ones would undo the load at the next step."""
         if not self.masters:
             return
         with torch.no_grad():
             for param in self.owned_model_params():
-                self.masters[id(param)].copy_(param.detach())
+                _local(self.masters[id(param)]).copy_(_local(param.detach()))
 
     def remove(self) -> None:
         """Remove the step hooks and stop swapping (states back in memory, swap files removed)."""
@@ -97,7 +105,8 @@ def get_sharding(optimizer: torch.optim.Optimizer) -> Optional[OptimizerSharding
 
 def shard_optimizer(optimizer: torch.optim.Optimizer, config: ZeroConfig, *, group=None,
                     device: Optional[torch.device] = None) -> OptimizerSharding:
-    """Partition (stage 1) and/or offload (stage 1 ``offload="cpu"``) ``optimizer`` in place; see the module note.
+    """Partition (stage 1) and/or offload (``config.offloads_optimizer_only``: CPU masters) ``optimizer`` in place;
+    see the module note.
 
     Must be called on a fresh optimizer (no state yet), after the model was wrapped by
     :func:`~lightning_zero.distributed.zero.apply_zero`. Calling it twice is an error.
@@ -115,7 +124,7 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, config: ZeroConfig, *, gro
     else:
         owners = [[-1] * len(params) for params in model_params]
     sharding = OptimizerSharding(config, model_params, owners, rank=rank, group=group)
-    offload_here = config.stage == 1 and config.offloads
+    offload_here = config.offloads_optimizer_only
     pin = bool(config.pin_memory if config.pin_memory is not None else (device is not None and device.type == "cuda"))
     if pin and not torch.cuda.is_available():
         raise ValueError("pin_memory=True needs CUDA; this run has no CUDA device")
@@ -125,15 +134,16 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, config: ZeroConfig, *, gro
             if owner not in (-1, rank):
                 continue
             if offload_here:
-                master = torch.empty(param.shape, dtype=torch.float32, device="cpu", pin_memory=pin)
-                master.copy_(param.detach())
+                master = _cpu_like(param, pin)
+                with torch.no_grad():
+                    _local(master).copy_(_local(param.detach()))
                 master.requires_grad_(param.requires_grad)
                 sharding.masters[id(param)] = master
                 kept.append(master)
             else:
                 kept.append(param)
         group_dict["params"] = kept
-    if config.stage == 1:
+    if config.stage == 1 or sharding.masters:
         sharding.hooks.append(optimizer.register_step_pre_hook(_pre_step))
         sharding.hooks.append(optimizer.register_step_post_hook(_post_step))
     if config.swaps_optimizer_states:
@@ -151,14 +161,22 @@ def _pre_step(optimizer, args, kwargs) -> None:
     if len(args) > 1 or kwargs.get("closure") is not None:
         raise RuntimeError("With offload the optimizer steps CPU masters, so gradients must exist before step(): "
                            "run the closure first and call step() without one.")
-    for param in sharding.owned_model_params():
-        master = sharding.masters[id(param)]
-        if param.grad is None:
-            master.grad = None
-            continue
-        if master.grad is None:
-            master.grad = torch.empty_like(master)
-        master.grad.copy_(param.grad, non_blocking=master.is_pinned())
+    pinned = False
+    with torch.no_grad():
+        for param in sharding.owned_model_params():
+            master = sharding.masters[id(param)]
+            if param.grad is None:
+                master.grad = None
+                continue
+            # One grad buffer per master for the whole run: zero_grad(set_to_none) drops .grad, not the buffer.
+            buffer = sharding.master_grads.get(id(param))
+            if buffer is None:
+                buffer = sharding.master_grads[id(param)] = _cpu_like(master, _local(master).is_pinned())
+            pinned = pinned or _local(buffer).is_pinned()
+            _local(buffer).copy_(_local(param.grad), non_blocking=_local(buffer).is_pinned())
+            master.grad = buffer
+    if pinned:  # device-to-host copies into pinned memory are asynchronous: finish them before the CPU step
+        torch.cuda.current_stream().synchronize()
 
 
 def _post_step(optimizer, args, kwargs) -> None:
@@ -166,8 +184,8 @@ def _post_step(optimizer, args, kwargs) -> None:
     with torch.no_grad():
         if sharding.masters:
             for param in sharding.owned_model_params():
-                param.copy_(sharding.masters[id(param)], non_blocking=True)
-            if any(m.is_pinned() for m in sharding.masters.values()):
+                _local(param).copy_(_local(sharding.masters[id(param)]), non_blocking=True)
+            if any(_local(m).is_pinned() for m in sharding.masters.values()):
                 torch.cuda.current_stream().synchronize()
         with collective_timer().record("zero1_parameter_broadcast"):
             broadcast_from_owners(sharding)
@@ -176,6 +194,27 @@ def _post_step(optimizer, args, kwargs) -> None:
     for param in sharding.all_model_params():
         if id(param) not in held:
             param.grad = None
+
+
+def _local(tensor: Tensor) -> Tensor:
+    """The rank's own part: a DTensor's local shard, a plain tensor itself (copies go between local tensors, which
+    may sit on different devices while the DTensors share one mesh)."""
+    return tensor._local_tensor if hasattr(tensor, "_local_tensor") else tensor
+
+
+def _cpu_like(tensor: Tensor, pin: bool) -> Tensor:
+    """An uninitialised CPU tensor for ``tensor``'s local part, at least fp32 (the master precision), wrapped as a
+    DTensor with the same mesh, placements and global shape when ``tensor`` is one (FSDP2's uneven last shard
+    included)."""
+    local = _local(tensor)
+    buffer = torch.empty(local.shape, dtype=torch.promote_types(local.dtype, torch.float32), device="cpu",
+                         pin_memory=pin)
+    if local is tensor:
+        return buffer
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(buffer, tensor.device_mesh, tensor.placements, run_check=False, shape=tensor.shape,
+                              stride=tensor.stride())
 
 
 def broadcast_from_owners(sharding: OptimizerSharding, bucket_bytes: int = BROADCAST_BUCKET_BYTES) -> None:

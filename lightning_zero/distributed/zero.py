@@ -130,7 +130,7 @@ def _fsdp_kwargs(mesh, config: ZeroConfig, device: torch.device, mp_policy=None)
 
     reshard = config.stage == 3 if config.reshard_after_forward is None else config.reshard_after_forward
     kwargs = {"mesh": mesh, "reshard_after_forward": reshard}
-    if config.offloads:
+    if config.offloads_params:  # optimizer-only offload keeps the shards on the device (see ZeroConfig's note)
         pin = config.pin_memory if config.pin_memory is not None else device.type == "cuda"
         if pin and device.type != "cuda":
             raise ValueError("pin_memory=True needs a CUDA device; this run computes on "
@@ -205,7 +205,7 @@ def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[
         set_prefetch(list(reversed(groups)), config.prefetch_bytes)
     if device.type == "cpu":
         install_comm_buffer_pool(module)  # see lightning_zero.distributed.buffers: CPU has no caching allocator
-    if not config.offloads:
+    if not config.offloads_params:
         module.to(device)
     return module
 

@@ -50,10 +50,10 @@ _PARAM_SWAP_ONLY = "only used by parameter swapping to NVMe, which is not implem
 
 ZERO_KEYS: dict[str, KeySpec] = {
     "stage": KeySpec(0, STRATEGY, "-> stage"),
-    "offload_optimizer": KeySpec(None, STRATEGY, "device -> offload (nvme: -> offload_optimizer); pin_memory -> "
+    "offload_optimizer": KeySpec(None, STRATEGY, "device -> offload_optimizer (stages 1-3); pin_memory -> "
                                  "pin_memory"),
-    "offload_param": KeySpec(None, STRATEGY, "device -> offload (stage 3 only; with NVMe -> offload_params); "
-                             "pin_memory -> pin_memory"),
+    "offload_param": KeySpec(None, STRATEGY, "device -> offload_params (stage 3 only; needs "
+                             "offload_optimizer); pin_memory -> pin_memory"),
     "zero_hpz_partition_size": KeySpec(
         1, STRATEGY, "ZeRO++ hpZ secondary partition -> reshard_after_forward=<size> at stage 3 (FSDP2 reshards to "
         "a group of that size after forward)"),
@@ -121,7 +121,7 @@ DEPRECATED_ZERO_KEYS = {
 }
 
 OFFLOAD_COMMON_KEYS: dict[str, KeySpec] = {
-    "device": KeySpec("none", STRATEGY, "-> offload ('none' -> None, 'cpu', 'nvme')"),
+    "device": KeySpec("none", STRATEGY, "-> offload_optimizer / offload_params ('none', 'cpu', 'nvme')"),
     "pin_memory": KeySpec(True, STRATEGY, "true -> pin_memory=None (pin whenever the device is CUDA, the only case "
                           "where DeepSpeed can pin); false -> pin_memory=False"),
     "nvme_path": KeySpec(None, NO_EFFECT, "-> nvme_path with offload_optimizer.device 'nvme'; " + _NVME_ONLY),

@@ -233,7 +233,8 @@ def _normalise_deprecated(config: dict, out: _Collector) -> dict:
 
 
 def _translate_offload(zero: dict, stage: int, out: _Collector, kwargs: dict) -> dict:
-    """Both DeepSpeed offload sections collapse onto the strategy's single ``offload`` knob (see docs)."""
+    """DeepSpeed's two offload sections -> the strategy's ``offload_optimizer`` and ``offload_params`` (each
+    honoured separately; ``offload`` also carries the shorthand, for reports)."""
     devices: dict[str, str] = {}
     pins: list[bool] = []
     effective: dict = {}
@@ -268,15 +269,20 @@ def _translate_offload(zero: dict, stage: int, out: _Collector, kwargs: dict) ->
         raise DeepSpeedConfigError(
             f"zero_optimization.{next(iter(devices))} asks for offload but stage is 0: offload needs ZeRO stage 1, 2 "
             "or 3 (stage 0 keeps everything replicated on the device). Set zero_optimization.stage or remove it.")
+    # The shorthand is kept for reports; the precise pair is what the strategy applies (docs/offload.md).
     kwargs["offload"] = "nvme" if "nvme" in devices.values() else "cpu"
+    kwargs["offload_optimizer"] = devices.get("offload_optimizer", "none")
+    kwargs["offload_params"] = devices.get("offload_param", "none") if stage == 3 else None
     if "nvme" in devices.values():
         _translate_nvme(zero, stage, devices, effective, out, kwargs)
-    if len(devices) == 1 and stage == 3:
-        only = next(iter(devices))
-        other = "parameters and gradients" if only == "offload_optimizer" else "optimizer states"
-        out.note(f"zero_optimization.{only}", f"-> offload={kwargs['offload']!r}; at stage 3 the strategy's offload "
-                 f"also moves {other} to CPU (DeepSpeed would offload only {only[len('offload_'):]}): more host memory "
-                 "traffic, same numerics")
+    if "offload_param" not in devices:
+        out.note("zero_optimization.offload_optimizer", f"-> offload_optimizer={kwargs['offload_optimizer']!r}: only "
+                 "optimizer states and fp32 masters move to CPU; parameters and gradients stay on the accelerator "
+                 "(DeepSpeed's ZeRO-Offload)")
+    elif "offload_optimizer" not in devices:
+        out.note("zero_optimization.offload_param", f"-> offload_params={kwargs['offload_params']!r} without "
+                 "offload_optimizer: refused by the strategy (here the sharded fp32 parameters are the optimizer's "
+                 "masters, so they cannot leave without the optimizer step); add offload_optimizer")
     if not all(pins):
         kwargs["pin_memory"] = False
     return effective
@@ -293,8 +299,6 @@ def _translate_nvme(zero: dict, stage: int, devices: dict, effective: dict, out:
     """NVMe offload keeps DeepSpeed's two sections apart: ``offload_optimizer``/``offload_params`` (precise form)
     plus ``nvme_path``, ``buffer_count`` and ``sub_group_size`` of the optimizer's swapping. A parameter section on
     NVMe becomes ``offload_params="nvme"``, which the strategy refuses (parameter swapping is not implemented)."""
-    kwargs["offload_optimizer"] = devices.get("offload_optimizer", "none")
-    kwargs["offload_params"] = devices.get("offload_param", "none") if stage == 3 else None
     if devices.get("offload_optimizer") != "nvme":
         return
     section = effective["offload_optimizer"]

@@ -288,7 +288,7 @@ def effective_ds_config(strategy) -> dict:
     zero["stage"] = strategy.stage
     devices = {"offload_optimizer": strategy.zero_config.offload_optimizer,
                "offload_param": strategy.zero_config.offload_params}
-    # stage 3's offload also moves the parameters; below it only optimizer states (and masters) move
+    # the two sections as the strategy applies them; offload_param exists only at stage 3
     for section in ("offload_optimizer", "offload_param") if strategy.stage == 3 else ("offload_optimizer",):
         device = devices[section]
         if device != "none" or zero.get(section) is not None:

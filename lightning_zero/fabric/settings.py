@@ -23,7 +23,7 @@ from lightning_zero.diagnostics.hang_guard import DEFAULT_HANG_TIMEOUT, parse_ha
 from lightning_zero.diagnostics.network import DEFAULT_RENDEZVOUS_TIMEOUT, check_rendezvous_timeout
 from lightning_zero.distributed.activation_checkpointing import ActivationCheckpointConfig
 from lightning_zero.fabric import restarts, validation
-from lightning_zero.offload.config import offload_arguments
+from lightning_zero.offload.config import config_params_offload_at_stage, offload_arguments
 from lightning_zero.fabric.ddp_options import DDPOptions, require_flags
 from lightning_zero.fabric.ds_config_binding import (
     DeepSpeedConfigBinding,
@@ -43,9 +43,11 @@ STRATEGY_NAMES = {
     "zero": dict(description="ZeRO stage 2 (FSDP2, gradients and optimizer states sharded)", stage=2),
     "zero_stage_1": dict(description="ZeRO stage 1: optimizer states sharded", stage=1),
     "zero_stage_2": dict(description="ZeRO stage 2: gradients and optimizer states sharded", stage=2),
-    "zero_stage_2_offload": dict(description="ZeRO stage 2 with CPU offload", stage=2, offload="cpu"),
+    "zero_stage_2_offload": dict(description="ZeRO stage 2 with the optimizer offloaded to CPU", stage=2,
+                                 offload="cpu"),
     "zero_stage_3": dict(description="ZeRO stage 3: parameters, gradients, optimizer states sharded", stage=3),
-    "zero_stage_3_offload": dict(description="ZeRO stage 3 with CPU offload", stage=3, offload="cpu"),
+    "zero_stage_3_offload": dict(description="ZeRO stage 3 with the optimizer and parameters offloaded to CPU",
+                                 stage=3, offload="cpu"),
     "zero_stage_3_offload_nvme": dict(description="ZeRO stage 3, optimizer states on NVMe (needs nvme_path)",
                                       stage=3, offload_optimizer="nvme", offload_params="cpu"),
 }
@@ -139,6 +141,7 @@ def resolve_settings(
     (stage, offload, pin_memory, reshard_after_forward, communication_data_type, pipeline_parallel_size,
      micro_batches) = arguments_over_config(ds_config, stage, offload, pin_memory, reshard_after_forward,
                                             communication_data_type, pipeline_parallel_size, micro_batches)
+    offloads = config_params_offload_at_stage(offloads, stage, offload_params)
     zero_config = ZeroConfig(
         stage=stage, offload=offload, pin_memory=pin_memory, **offloads,
         sharded_module_classes=frozenset(sharded_module_classes) if sharded_module_classes else None,

@@ -5,6 +5,7 @@ them from constructor arguments: :func:`nvme_config_from_arguments` (shared by t
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -137,3 +138,15 @@ def offload_arguments(from_config: dict, offload: Any = None, offload_optimizer:
               for name in NVME_ARGUMENTS}
     return {"offload": offload, "offload_optimizer": offload_optimizer, "offload_params": offload_params,
             "nvme": nvme_config_from_arguments(**merged)}
+
+
+def config_params_offload_at_stage(offloads: dict, stage: int, explicit_offload_params: Any) -> dict:
+    """``offloads`` (from :func:`offload_arguments`) once the stage is known: a ds_config's ``offload_param`` has no
+    effect when an explicit ``stage`` below 3 overrides the config's stage 3, as DeepSpeed ignores ``offload_param``
+    below stage 3 (and the translator does when the config itself says so); it is dropped with a warning. An
+    explicit ``offload_params`` is left to :class:`~lightning_zero.config.ZeroConfig`, which refuses it."""
+    if stage >= 3 or explicit_offload_params is not None or offloads.get("offload_params") in (None, "none"):
+        return offloads
+    warnings.warn(f"the ds_config's zero_optimization.offload_param has no effect at stage {stage} (only stage 3 "
+                  "offloads parameters); it is ignored, as DeepSpeed does", UserWarning, stacklevel=3)
+    return {**offloads, "offload_params": "none"}

@@ -36,7 +36,8 @@ class CPUAdam(torch.optim.Optimizer):
     """Adam/AdamW over fp32 CPU master parameters (plain tensors or DTensor shards living on CPU).
 
     Args:
-        params: fp32 CPU parameters or parameter-group dicts.
+        params: fp32 parameters or parameter-group dicts; they must be in CPU memory when ``step`` runs (the module's
+            device parameters are accepted at construction: optimizer offload replaces them by CPU masters).
         lr, betas, eps, weight_decay, amsgrad: as in Adam.
         bias_correction: DeepSpeed's switch (``False`` runs torch ``_foreach`` ops instead of the fused kernel).
         adamw_mode: ``True`` decoupled weight decay (AdamW), ``False`` L2 penalty added to the gradient.
@@ -60,10 +61,12 @@ class CPUAdam(torch.optim.Optimizer):
         defaults = dict(lr=lr, bias_correction=bool(bias_correction), betas=tuple(betas), eps=eps,
                         weight_decay=weight_decay, amsgrad=bool(amsgrad), adamw_mode=bool(adamw_mode))
         super().__init__(params, defaults)
+        # The device is checked at step(), not here: with offload_optimizer the optimizer is built over the module's
+        # device parameters (configure_optimizers) and ZeroStrategy then swaps in CPU fp32 masters.
         for group in self.param_groups:
             for p in group["params"]:
                 local = local_tensor(p)
-                if local.device.type != "cpu" or local.dtype != torch.float32:
+                if local.dtype != torch.float32:
                     raise ValueError(
                         "CPUAdam keeps fp32 master weights in CPU memory: every parameter must be a float32 CPU "
                         f"tensor, got dtype={local.dtype} on {local.device}"
@@ -96,6 +99,10 @@ class CPUAdam(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 local = local_tensor(p)
+                if local.device.type != "cpu":
+                    raise ValueError(
+                        f"CPUAdam steps in CPU memory, but a parameter is on {local.device}: offload the optimizer "
+                        "(ZeroStrategy(offload_optimizer='cpu'), which gives it CPU fp32 masters) or use FusedAdam")
                 state = self.state[p]
                 if not state:
                     state["step"] = torch.zeros((), dtype=torch.float32)

@@ -1,4 +1,5 @@
-"""``LightningModule.toggle_optimizer`` over stage-1 partitioned optimizers (the GAN pattern at stage 1).
+"""``LightningModule.toggle_optimizer`` over stage-1 partitioned optimizers and optimizers holding offloaded CPU
+masters (the GAN pattern at stage 1, and with ``offload_optimizer`` at any stage).
 
 [Note: toggling sees every parameter]
 Lightning's ``toggle_optimizer(opt)`` freezes every parameter found in ``trainer.optimizers[*].param_groups`` and
@@ -8,7 +9,9 @@ unfreezes those of ``opt``; ``untoggle_optimizer`` restores them. At stage 1 a p
 trainable on this rank: they collect gradients the step was meant not to produce, the ranks disagree on which
 parameters DDP reduces, and ``zero_grad`` (which reaches only the partition) leaves those gradients to pollute the
 next step. The result is silently wrong weights. So while Lightning's own toggle runs, each partitioned optimizer
-shows all of its module parameters; the logic stays Lightning's (and a subclass's override is kept).
+shows all of its module parameters; the logic stays Lightning's (and a subclass's override is kept). The same holds
+at any stage when the optimizer offload put CPU masters in ``param_groups``: freezing the masters would leave every
+module parameter trainable.
 """
 
 from __future__ import annotations
@@ -22,13 +25,14 @@ from lightning_zero.distributed.optimizer import get_sharding
 
 @contextmanager
 def full_param_groups(optimizers: Iterable) -> Iterator[None]:
-    """Within the block, every stage-1 partitioned optimizer's ``param_groups`` list all its module parameters."""
+    """Within the block, every stage-1 partitioned or master-holding optimizer's ``param_groups`` list all its
+    module parameters."""
     swapped = []
     try:
         for optimizer in optimizers:
             sharding = get_sharding(getattr(optimizer, "_optimizer", optimizer))
-            if sharding is None or sharding.config.stage != 1:
-                continue  # other stages hold the module's parameters themselves
+            if sharding is None or (sharding.config.stage != 1 and not sharding.masters):
+                continue  # other stages hold the module's parameters themselves (unless they hold CPU masters)
             for group, params in zip(optimizer.param_groups, sharding.model_params):
                 swapped.append((group, group["params"]))
                 group["params"] = params

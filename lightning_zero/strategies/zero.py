@@ -88,8 +88,8 @@ class ZeroStrategy(ParallelStrategy):
 
     Args:
         stage: ZeRO stage, 0-3 (default 2, or the config's).
-        offload: ``None``, ``"cpu"`` (optimizer states and fp32 masters live and step in CPU memory; at stages 2-3
-            FSDP2's ``CPUOffloadPolicy`` also puts the sharded parameters and gradients there) or ``"nvme"``; the
+        offload: ``None``, ``"cpu"`` (optimizer states and fp32 masters live and step in CPU memory; at stage 3
+            the sharded parameters and gradients too, as DeepSpeed's ``zero_stage_3_offload``) or ``"nvme"``; the
             precise ``offload_optimizer``/``offload_params`` and the NVMe knobs: see ``docs/offload.md``.
         pin_memory: pin offloaded CPU tensors (default: when computing on CUDA).
         sharded_module_classes: classes or class names that become FSDP units at stages 2-3; by default

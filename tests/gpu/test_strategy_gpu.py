@@ -13,22 +13,29 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 
 @pytest.mark.parametrize("stage, offload", [(0, None), (1, None), (1, "cpu"), (2, None), (2, "cpu"), (3, None),
-                                            (3, "cpu")])
+                                            (3, "cpu"), (3, {"offload_optimizer": "cpu"})])
 def test_single_gpu_fit_matches_reference(stage, offload, monkeypatch, tmp_path):
     from lightning.pytorch import Trainer
 
     from lightning_zero import ZeroStrategy
+    from lightning_zero.distributed.optimizer import get_sharding
 
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     torch.manual_seed(0)
     module = RegressionModule(batch_size=8)
-    strategy = ZeroStrategy(stage=stage, offload=offload)
+    strategy = (ZeroStrategy(stage=stage, **offload) if isinstance(offload, dict) else
+                ZeroStrategy(stage=stage, offload=offload))
     trainer = Trainer(accelerator="gpu", devices=1, strategy=strategy, max_steps=4, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path)
     trainer.fit(module)
     assert strategy.process_group_backend == "nccl"
-    if offload and stage >= 2:
+    if offload == "cpu" and stage == 3:  # offload="cpu" at stage 3 is both sections: FSDP2's CPUOffloadPolicy
         assert all(p.device.type == "cpu" for p in module.parameters()), "FSDP2 offload keeps shards on the CPU"
+    elif offload:  # stages 1-2: DeepSpeed's ZeRO-Offload, parameters stay on the device, pinned CPU masters step
+        assert all(p.device.type == "cuda" for p in module.parameters()), "optimizer offload moved the parameters"
+        sharding = get_sharding(getattr(trainer.optimizers[0], "_optimizer", trainer.optimizers[0]))
+        masters = [m._local_tensor if hasattr(m, "_local_tensor") else m for m in sharding.masters.values()]
+        assert masters and all(m.device.type == "cpu" and m.is_pinned() for m in masters)
     from lightning_zero.distributed.buffers import comm_buffer_pool
 
     assert comm_buffer_pool(module) is None, "the CPU buffer pool stays off on CUDA (its caching allocator is there)"
