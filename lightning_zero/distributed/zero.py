@@ -185,6 +185,11 @@ def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[
         install_comm_buffer_pool(module)  # see lightning_zero.distributed.buffers: CPU has no caching allocator
     if not config.offloads:
         module.to(device)
+    if config.swaps_parameters:  # stage-3 shards to NVMe: lightning_zero.offload.param_swapper
+        from lightning_zero.offload.param_swapper import attach_param_swapper
+
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        attach_param_swapper(module, config.nvme, rank=rank, pin_memory=kwargs["offload_policy"].pin_memory)
     return module
 
 

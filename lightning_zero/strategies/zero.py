@@ -45,6 +45,7 @@ from lightning_zero.distributed.manual_backward import ManualBackward
 from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
 from lightning_zero.distributed.optimizer_check import check_optimizer_params
 from lightning_zero.distributed.zero import apply_zero, set_gradient_sync
+from lightning_zero.offload.param_swapper import detach_param_swapper
 from lightning_zero.fabric.settings import SETTING_NAMES, STRATEGY_NAMES, resolve_settings
 from lightning_zero.fabric import checkpointing, validation
 from lightning_zero.fabric.ddp_options import ddp_kwargs_for, explain_unused_parameters
@@ -560,6 +561,8 @@ class ZeroStrategy(ParallelStrategy):
             sharding = get_sharding(optimizer)
             if sharding is not None:
                 sharding.remove()
+        if lightning_module is not None:
+            detach_param_swapper(lightning_module)  # NVMe parameter swap files go with the run (docs/offload.md)
         if lifecycle.holds_sharded_parameters(lightning_module):
             lifecycle.teardown_in_place(self)  # never .cpu() a sharded module: see teardown_in_place
         else:
