@@ -90,3 +90,107 @@ def _parity_worker(rank, world_size, root):
 
 def test_stage3_nvme_params_and_optimizer_match_cpu_offload(tmp_path):
     run_distributed(_parity_worker, 2, str(tmp_path))
+
+
+# ------------------------------------------------------------------ checkpoints: NVMe -> CPU offload and back
+class _SaveWhileSwapping(Callback):
+    """Saves at the end of each epoch, while the shards live on disk (teardown would bring them back)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def on_train_epoch_end(self, trainer, module):
+        swapper = get_param_swapper(module)
+        assert swapper is None or swapper.resident_elements == 0, "the shards should be on disk before the save"
+        trainer.save_checkpoint(self.path)
+
+
+def _ckpt_trainer(kind, world_size, epochs, root):
+    from lightning.pytorch import Trainer
+
+    from tests.test_strategy_checkpoint import STEPS_PER_EPOCH
+
+    kwargs = _nvme_kwargs(root) if kind == "nvme" else dict(offload="cpu")
+    return Trainer(strategy=ZeroStrategy(stage=3, **kwargs), accelerator="cpu", devices=world_size,
+                   max_epochs=epochs, limit_train_batches=STEPS_PER_EPOCH, limit_val_batches=0, logger=False,
+                   enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                   default_root_dir=root)
+
+
+def _ckpt_save_worker(rank, world_size, path, kind, root):
+    torch.manual_seed(0)
+    trainer = _ckpt_trainer(kind, world_size, 1, root)
+    trainer.callbacks.append(_SaveWhileSwapping(path))
+    trainer.fit(RegressionModule(batch_size=BATCH))
+
+
+def _ckpt_resume_worker(rank, world_size, path, kind, root, saved_world_size):
+    from tests.test_strategy_checkpoint import STEPS_PER_EPOCH, _reference
+
+    torch.manual_seed(123)  # every weight and state must come from the checkpoint
+    module = RegressionModule(batch_size=BATCH * saved_world_size // world_size)
+    trainer = _ckpt_trainer(kind, world_size, 2, root)
+    witness = _ParamSwapWitness()
+    if kind == "nvme":
+        trainer.callbacks.append(witness)
+    trainer.fit(module, ckpt_path=path)
+    assert trainer.global_step == 2 * STEPS_PER_EPOCH
+    if kind == "nvme":
+        assert witness.checked == STEPS_PER_EPOCH, "the resumed epoch must swap (written back after the load)"
+    expected = _reference(2, BATCH * saved_world_size)
+    got = full_state(module)
+    worst = max((got[k] - expected[k]).abs().max().item() for k in expected)
+    assert worst <= 1e-5, f"resumed under {kind} offload: max abs diff {worst:.2e}"
+
+
+# (saved offload, world size) -> (resumed offload, world size), all at stage 3
+CKPT_CASES = [(("nvme", 2), ("cpu", 1)), (("cpu", 2), ("nvme", 2))]
+
+
+@pytest.mark.parametrize("saved,resumed", CKPT_CASES, ids=["nvme-x2-to-cpu-x1", "cpu-x2-to-nvme-x2"])
+def test_checkpoint_moves_between_nvme_and_cpu_parameter_offload(tmp_path, saved, resumed):
+    root = str(tmp_path)
+    path = str(tmp_path / "run.ckpt")
+    run_distributed(_ckpt_save_worker, saved[1], path, saved[0], root)
+    run_distributed(_ckpt_resume_worker, resumed[1], path, resumed[0], root, saved[1])
+    assert not [name for name in os.listdir(root) if name.startswith("lz-swap-")]
+
+
+# ------------------------------------------------------------------ cleanup after an exception mid-step
+class _BoomInStep(Callback):
+    """Raises inside the optimizer step (after the first units were stepped and written back)."""
+
+    def on_before_optimizer_step(self, trainer, module, optimizer):
+        if trainer.global_step == 2:
+            swapper = get_param_swapper(module)
+            base = swapper.step
+
+            def failing_step(opt, base_step):
+                calls = []
+
+                def step_then_fail(o):
+                    calls.append(1)
+                    if len(calls) == 2:
+                        raise RuntimeError("boom mid-step")
+                    return base_step(o)
+                return base(opt, step_then_fail)
+
+            swapper.step = failing_step
+
+
+def _exception_worker(rank, world_size, root):
+    witness = _ParamSwapWitness()
+    trainer = quiet_trainer(ZeroStrategy(stage=3, **_nvme_kwargs(root)), world_size, max_steps=STEPS,
+                            callbacks=[witness, _BoomInStep()])
+    module = RegressionModule(batch_size=BATCH)
+    with pytest.raises(RuntimeError, match="boom mid-step"):
+        trainer.fit(module)
+    assert witness.checked == 2 and witness.folder is not None, "the swap must have happened before the exception"
+    assert not os.path.exists(witness.folder), "an exception must not leave this rank's swap files behind"
+    assert get_param_swapper(module) is None
+    assert all(torch.isfinite(v).all() for v in full_state(module).values()), "teardown brings the shards back"
+
+
+def test_param_swap_files_are_removed_after_an_exception_mid_step(tmp_path):
+    run_distributed(_exception_worker, 2, str(tmp_path))
+    assert os.listdir(tmp_path) == []
