@@ -188,7 +188,7 @@ class MemoryEstimate:
     cpu: StateBytes
     accelerator_peak: int
     cpu_peak: int
-    nvme: int = 0  # optimizer states swapped to disk (offload="nvme"), per rank
+    nvme: int = 0  # swapped to disk (offload="nvme"), per rank: optimizer states; at stage 3 the fp32 shards too
 
     def as_table(self) -> list[tuple[str, str]]:
         gib = 1024 ** 3
@@ -203,7 +203,8 @@ def estimate_model_states_memory(model_or_num_params: Union[nn.Module, int], sta
                                  offload: Optional[str] = None, precision: str = "32-true", *,
                                  largest_unit_params: Optional[int] = None,
                                  optimizer_bytes_fp32: int = 8, sub_group_size: int = 1_000_000_000,
-                                 buffer_count: int = 4,
+                                 buffer_count: int = 4, max_in_cpu: int = 1_000_000_000,
+                                 buffer_size: int = 100_000_000,
                                  hybrid_shard_size: Optional[int] = None) -> MemoryEstimate:
     """Estimate per-rank model-state memory, like DeepSpeed's ``estimate_zero{2,3}_model_states_mem_needs``.
 
@@ -213,7 +214,9 @@ def estimate_model_states_memory(model_or_num_params: Union[nn.Module, int], sta
         stage: 0-3. world_size: data-parallel ranks. offload: ``None``, ``"cpu"`` or ``"nvme"`` (as ``"cpu"``,
             with the ``optimizer_bytes_fp32`` states per parameter on disk instead of in CPU memory; fp32 masters
             stay in CPU memory; the swapped step holds ``buffer_count`` sub-groups of ``sub_group_size`` elements'
-            states in CPU memory at its peak).
+            states in CPU memory at its peak). At stage 3 ``"nvme"`` swaps the fp32 parameter shards too
+            (ZeRO-Infinity): none rest in CPU memory, at most ``max_in_cpu`` elements of them are resident at the
+            peak, plus ``buffer_count`` staging buffers of ``buffer_size`` elements.
         precision: a Trainer precision string; low precision means ``bp = bg = 2`` and fp32 masters (``K += 4``).
         largest_unit_params: parameters of the largest FSDP unit (stage-3 peak); inferred from a module.
         optimizer_bytes_fp32: fp32 optimizer-state bytes per parameter (Adam: 8, SGD with momentum: 4).
@@ -259,6 +262,11 @@ def estimate_model_states_memory(model_or_num_params: Union[nn.Module, int], sta
     on_disk = p * optimizer_bytes_fp32 // n
     cpu = StateBytes(cpu.params, cpu.grads, cpu.optimizer_states - on_disk)
     buffers = min(on_disk, buffer_count * sub_group_size * optimizer_bytes_fp32)
+    if stage == 3:  # parameter swapping (lightning_zero.offload.param_swapper): the fp32 shards live on disk
+        shard = cpu.params
+        on_disk += shard
+        cpu = StateBytes(0, cpu.grads, cpu.optimizer_states)
+        buffers += min(shard, max_in_cpu * 4) + min(shard, buffer_count * buffer_size * 4)
     return MemoryEstimate(accel, cpu, accel.total + gathered, cpu.total + buffers, nvme=on_disk)
 
 
