@@ -20,8 +20,8 @@ from lightning_zero.distributed.memory import PRECISIONS, FullEstimate, estimate
 
 # Predicted (parameters and optimizer states on disk, docs/offload.md) but never picked or measured: it needs a
 # directory on a fast local disk, which advise does not know.
-NVME_REASON = ("not picked, it needs nvme_path: ZeroStrategy(stage=3, offload='nvme', nvme_path=<a directory on a local NVMe disk>) "
-               "swaps parameters and optimizer states there")
+NVME_REASON = ("not picked, it needs nvme_path: ZeroStrategy(stage=3, offload='nvme', nvme_path=<a directory on "
+               "a local NVMe disk>) swaps parameters and optimizer states there")
 PARAM_ONLY_REASON = "not available separately: offload='cpu' moves parameters and optimizer states together"
 
 
