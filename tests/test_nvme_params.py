@@ -35,6 +35,7 @@ class _ParamSwapWitness(Callback):
         self.folder = None
         self.peak = 0
         self.read = 0
+        self.read_ahead = 0
 
     def on_train_batch_end(self, trainer, module, *args):
         swapper = get_param_swapper(module)
@@ -50,6 +51,7 @@ class _ParamSwapWitness(Callback):
         assert swapper.peak_buffers <= swapper.nvme.buffer_count
         self.peak = swapper.peak_resident_elements
         self.read = swapper.bytes_read
+        self.read_ahead = swapper.chunks_read_ahead
         self.checked += 1
 
 
@@ -75,6 +77,7 @@ def _parity_worker(rank, world_size, root):
         if label != "cpu":
             assert witness.checked == 2 * STEPS, label
             assert witness.read > 0
+            assert witness.read_ahead > 0, "the next unit in the learned order must be read ahead"
             assert not os.path.exists(witness.folder), "teardown must remove the run's swap folder"
             assert get_param_swapper(module) is None
             if label == "nvme":
@@ -193,4 +196,32 @@ def _exception_worker(rank, world_size, root):
 
 def test_param_swap_files_are_removed_after_an_exception_mid_step(tmp_path):
     run_distributed(_exception_worker, 2, str(tmp_path))
+    assert os.listdir(tmp_path) == []
+
+
+# ------------------------------------------------------------------ the same module again: validate, then fit again
+def _reuse_worker(rank, world_size, root):
+    torch.manual_seed(0)
+    module = RegressionModule(batch_size=BATCH)
+    strategy_kwargs = dict(stage=3, **_nvme_kwargs(root))
+    quiet_trainer(ZeroStrategy(**strategy_kwargs), world_size, max_steps=2).fit(module)
+    after_first = full_state(module)
+    swapped = []
+
+    class _Seen(Callback):
+        def on_validation_batch_end(self, trainer, module, *args):
+            swapped.append(get_param_swapper(module) is not None and get_param_swapper(module).bytes_read > 0)
+
+    quiet_trainer(ZeroStrategy(**strategy_kwargs), world_size, max_steps=2, limit_val_batches=2,
+                  callbacks=[_Seen()]).validate(module)
+    assert swapped == [True, True], "validation on the reused module must swap again"
+    assert all(torch.equal(after_first[k], v) for k, v in full_state(module).items()), "validation changed weights"
+    witness = _ParamSwapWitness()
+    quiet_trainer(ZeroStrategy(**strategy_kwargs), world_size, max_steps=2, callbacks=[witness]).fit(module)
+    assert witness.checked == 2 and not os.path.exists(witness.folder)
+    assert any(not torch.equal(after_first[k], v) for k, v in full_state(module).items())
+
+
+def test_a_reused_module_swaps_again_in_validate_and_a_second_fit(tmp_path):
+    run_distributed(_reuse_worker, 2, str(tmp_path))
     assert os.listdir(tmp_path) == []

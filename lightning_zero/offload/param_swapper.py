@@ -144,6 +144,7 @@ class ParamSwapper:
         self.bytes_read = 0
         self.bytes_written = 0
         self.peak_buffers = 0
+        self.chunks_read_ahead = 0  # chunks that were read while the previous unit computed
         self._free: list[Tensor] = []
         self._alive = 0
         self._prefetch_buffers = 0
@@ -250,6 +251,7 @@ class ParamSwapper:
         views = [_bytes_view(s) for s in unit.storages()]
         pending, unit.prefetched = unit.prefetched, deque()
         self._prefetch_buffers -= len(pending)
+        self.chunks_read_ahead += len(pending)
         issued = len(pending)
         for number, (index, start, length, _) in enumerate(unit.chunks):
             while issued < len(unit.chunks) and len(pending) < 2:  # keep the next chunk's read in flight
@@ -554,4 +556,5 @@ def param_swapping_stats(swapper: ParamSwapper) -> dict[str, Any]:
     """What the swapper did (tests and benchmarks read it)."""
     return {"bytes_read": swapper.bytes_read, "bytes_written": swapper.bytes_written,
             "peak_resident_elements": swapper.peak_resident_elements, "peak_buffers": swapper.peak_buffers,
+            "chunks_read_ahead": swapper.chunks_read_ahead,
             "disk_bytes": swapper.disk_bytes()}
