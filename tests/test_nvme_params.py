@@ -225,3 +225,95 @@ def _reuse_worker(rank, world_size, root):
 def test_a_reused_module_swaps_again_in_validate_and_a_second_fit(tmp_path):
     run_distributed(_reuse_worker, 2, str(tmp_path))
     assert os.listdir(tmp_path) == []
+
+
+# ------------------------------------------------------------------ the core alone: apply_zero + shard_optimizer
+class _WideBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(48, 48)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x))
+
+
+class _Wide(torch.nn.Module):
+    """Blocks whose shards are larger than a staging buffer, so every unit streams in several pieces."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_WideBlock() for _ in range(3))
+        self.head = torch.nn.Linear(48, 2)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _core_worker(rank, world_size, root):
+    import shutil
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_zero.config import ZeroConfig
+    from lightning_zero.distributed.optimizer import shard_optimizer
+    from lightning_zero.distributed.zero import apply_zero
+    from lightning_zero.offload.aio import SwapIOError
+    from lightning_zero.offload.config import NvmeConfig
+    from lightning_zero.offload.param_swapper import detach_param_swapper
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    # 48x48+48 elements per block, 1176 per rank at 2 ranks: buffer_size=256 (1 KiB, aligned to 4 KiB pieces) -> 2
+    nvme = NvmeConfig(root, max_in_cpu=2600, buffer_size=512, buffer_count=3)
+    models, optimizers = {}, {}
+    for label, config in (("cpu", ZeroConfig(stage=3, offload="cpu")),
+                          ("nvme", ZeroConfig(stage=3, offload_optimizer="cpu", offload_params="nvme", nvme=nvme))):
+        torch.manual_seed(0)
+        models[label] = apply_zero(_Wide(), mesh, config)
+        optimizers[label] = torch.optim.AdamW(models[label].parameters(), lr=1e-2, weight_decay=0.1)
+        shard_optimizer(optimizers[label], config)
+    swapper = get_param_swapper(models["nvme"])
+    assert all(len(u.chunks) > 1 for u in swapper.units if u.name.startswith("blocks")), "units must be chunked"
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        x = torch.randn(8, 48, generator=gen)
+        for label in ("cpu", "nvme"):
+            models[label](x).square().mean().backward()
+            torch.nn.utils.clip_grad_norm_(models[label].parameters(), 0.01)
+            optimizers[label].step()
+            optimizers[label].zero_grad()
+        assert swapper.resident_elements == 0 and swapper.peak_resident_elements <= 2600
+    assert swapper.chunks_read_ahead > 0
+    # state_dict() makes the shards readable (a save); load_state_dict() writes through to the files (a load)
+    states = {label: {k: v.full_tensor() for k, v in models[label].state_dict().items()} for label in models}
+    assert all(torch.equal(states["cpu"][k], states["nvme"][k]) for k in states["cpu"]), "swapped step not exact"
+    torch.manual_seed(1)
+    fresh = {k: v.clone() for k, v in _Wide().state_dict().items()}
+    from torch.distributed.tensor import distribute_tensor
+
+    for label in models:
+        own = models[label].state_dict()
+        models[label].load_state_dict({k: distribute_tensor(fresh[k], mesh, own[k].placements) for k in own})
+    x = torch.randn(4, 48, generator=gen)
+    assert torch.equal(models["cpu"](x), models["nvme"](x)), "the loaded weights must reach the swapped shards"
+    assert swapper.resident_elements == 0, "the forward after a load writes the units back and releases them"
+    folder = swapper.run_folder
+    detach_param_swapper(models["nvme"])
+    assert not os.path.exists(folder) and get_param_swapper(models["nvme"]) is None
+    assert torch.equal(models["cpu"](x), models["nvme"](x)), "after teardown the shards are in memory again"
+    # refusals, each naming the knob: a unit larger than max_in_cpu, a disk smaller than the shards
+    with pytest.raises(ValueError, match=r"max_in_cpu=100 is smaller than the FSDP unit 'blocks.0'"):
+        apply_zero(_Wide(), mesh, ZeroConfig(stage=3, offload="nvme", nvme=NvmeConfig(root, max_in_cpu=100)))
+    real = shutil.disk_usage
+    shutil.disk_usage = lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000)
+    try:
+        with pytest.raises(SwapIOError, match=rf"nvme_path='{root}' has 1000 bytes free .* need about \d+ bytes"):
+            apply_zero(_Wide(), mesh, ZeroConfig(stage=3, offload="nvme", nvme=NvmeConfig(root)))
+    finally:
+        shutil.disk_usage = real
+    assert not [n for n in os.listdir(root) if n.startswith("lz-swap-")], "a refused setup leaves no folder"
+
+
+def test_core_swaps_chunked_units_exactly_loads_through_and_refuses_what_cannot_fit(tmp_path):
+    run_distributed(_core_worker, 2, str(tmp_path))

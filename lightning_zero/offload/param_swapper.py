@@ -104,11 +104,6 @@ class ParamSwapper:
         self.module = module
         self.nvme = nvme
         self.pin_memory = pin_memory
-        self.run_folder = tempfile.mkdtemp(prefix="lz-swap-", dir=nvme.nvme_path)
-        self.folder = os.path.join(self.run_folder, f"rank{rank}", "params")
-        os.makedirs(self.folder)
-        self._finalizer = weakref.finalize(self, _remove_folder, self.run_folder)
-        self.io = AsyncFileIO(nvme.aio)
         self.units: list[_Unit] = []
         self._unit_of: dict[int, _Unit] = {}
         for name, sub in module.named_modules():
@@ -117,8 +112,7 @@ class ParamSwapper:
             groups = _param_groups(sub._get_fsdp_state())
             if not groups:
                 continue
-            unit = _Unit(len(self.units), name or "<root>", groups,
-                         os.path.join(self.folder, f"unit{len(self.units)}.bin"), [], 0)
+            unit = _Unit(len(self.units), name or "<root>", groups, f"unit{len(self.units)}.bin", [], 0)
             for fp in unit.fsdp_params():
                 data = fp._sharded_param_data
                 if data.dtype.is_floating_point is False:
@@ -138,6 +132,14 @@ class ParamSwapper:
                              f"local shards hold {largest.elements} elements on this rank: a unit is swapped in "
                              "whole, so raise max_in_cpu or shard the model into smaller units "
                              "(sharded_module_classes)")
+        # Only now, when nothing can be refused any more but the disk, the run's folder exists.
+        self.run_folder = tempfile.mkdtemp(prefix="lz-swap-", dir=nvme.nvme_path)
+        self.folder = os.path.join(self.run_folder, f"rank{rank}", "params")
+        self._finalizer = weakref.finalize(self, _remove_folder, self.run_folder)
+        os.makedirs(self.folder)
+        for unit in self.units:
+            unit.path = os.path.join(self.folder, unit.path)
+        self.io = AsyncFileIO(nvme.aio)
         self.buffer_bytes = min(self.chunk_bytes, max(align_up(c[2]) for u in self.units for c in u.chunks))
         self.resident_elements = sum(u.elements for u in self.units)
         self.peak_resident_elements = 0  # outside checkpoint holds
