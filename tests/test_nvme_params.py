@@ -17,13 +17,9 @@ from tests.lightning_models import WIDTH, RegressionModule, full_state, quiet_tr
 
 BATCH = 4
 STEPS = 4
-# Net: the root unit holds inp (6x16+16) and out (16x3+3) = 179 elements, each block 16x16+16 = 272; at 2 ranks a
-# block's padded local shards hold 8x16+8 = 136 elements and the root's 3x16+8+8x6+2 = 106... (see _unit_elements).
+# Net at 2 ranks: each block's padded local shards hold 8x16+8 = 136 elements, the root unit's (inp, out) 90. FSDP2's
+# backward prefetch holds two blocks at once (272), so 300 lets no more than that be resident.
 MAX_IN_CPU = 300
-
-
-def _unit_elements(swapper):
-    return {unit.name: unit.elements for unit in swapper.units}
 
 
 class _ParamSwapWitness(Callback):
@@ -63,8 +59,10 @@ def _nvme_kwargs(root, **extra):
 def _parity_worker(rank, world_size, root):
     finals = {}
     for label, kwargs in (("nvme", _nvme_kwargs(root)),
+                          # activation checkpointing: the backward recomputes each block between its re-gather
+                          # and its reduce-scatter, with the unit already released
                           ("params-only", dict(offload_optimizer="cpu", offload_params="nvme", nvme_path=root,
-                                               max_in_cpu=MAX_IN_CPU)),
+                                               max_in_cpu=MAX_IN_CPU, activation_checkpointing=True)),
                           ("cpu", dict(offload="cpu"))):
         torch.manual_seed(0)
         module = RegressionModule(batch_size=BATCH)

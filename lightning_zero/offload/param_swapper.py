@@ -114,9 +114,7 @@ class ParamSwapper:
                 continue
             unit = _Unit(len(self.units), name or "<root>", groups, f"unit{len(self.units)}.bin", [], 0)
             for fp in unit.fsdp_params():
-                data = fp._sharded_param_data
-                if data.dtype.is_floating_point is False:
-                    raise TypeError(f"parameter swapping needs floating-point shards; {name} holds {data.dtype}")
+                data = fp._sharded_param_data  # swapped as bytes: any dtype
                 unit.sizes.append(data.untyped_storage().nbytes())
                 unit.elements += data.numel()
                 self._unit_of[id(fp.sharded_param)] = unit
@@ -140,7 +138,8 @@ class ParamSwapper:
         for unit in self.units:
             unit.path = os.path.join(self.folder, unit.path)
         self.io = AsyncFileIO(nvme.aio)
-        self.buffer_bytes = min(self.chunk_bytes, max(align_up(c[2]) for u in self.units for c in u.chunks))
+        self.buffer_bytes = min(self.chunk_bytes, max((align_up(c[2]) for u in self.units for c in u.chunks),
+                                                      default=align_up(1)))
         self.resident_elements = sum(u.elements for u in self.units)
         self.peak_resident_elements = 0  # outside checkpoint holds
         self.bytes_read = 0
@@ -160,11 +159,15 @@ class ParamSwapper:
         self._restore: list = []
         self.closed = False
         self.check_free_space()
-        self._install()
-        _LIVE.add(self)
-        for unit in self.units:  # from now on the shards live on disk
-            self._evict(unit)
-        self._drain_writes()
+        try:
+            self._install()
+            _LIVE.add(self)
+            for unit in self.units:  # from now on the shards live on disk
+                self._evict(unit)
+            self._drain_writes()
+        except BaseException:
+            self.close()  # shards back in memory where they can be read, hooks and folder removed
+            raise
 
     # ---------------------------------------------------------------- layout, space
     def _lay_out(self, unit: _Unit) -> None:
