@@ -104,8 +104,9 @@ class ZeroConfig:
         offload = opt if opt != "none" else par
         object.__setattr__(self, "offload", offload)
         if "nvme" in (opt, par) and self.nvme is None:
-            what = "offload_optimizer='nvme' (or offload='nvme')" if opt == "nvme" else "offload_params='nvme'"
-            raise ValueError(f"{what} needs nvme_path: a directory on a fast local disk where the swapped states "
+            what = " and ".join(f"{name}='nvme'" for name, value in (("offload_optimizer", opt),
+                                                                    ("offload_params", par)) if value == "nvme")
+            raise ValueError(f"{what} (offload='nvme' is the shorthand) needs nvme_path: a directory on a fast local disk where the swapped states "
                              "live")
         if "nvme" not in (opt, par) and self.nvme is not None:
             raise ValueError(f"nvme_path and the NVMe knobs need offload_optimizer='nvme' (or offload='nvme') or "

@@ -83,7 +83,7 @@ def test_nvme_arguments_are_validated_before_any_process_group(tmp_path):
         ZeroStrategy(stage=2, offload="nvme")
     with pytest.raises(ValueError, match="needs nvme_path"):
         ZeroStrategy(stage=3, offload_optimizer="nvme", offload_params="cpu")
-    with pytest.raises(ValueError, match="offload_params='nvme' needs nvme_path"):
+    with pytest.raises(ValueError, match="offload_params='nvme' .* needs nvme_path"):
         ZeroStrategy(stage=3, offload_optimizer="cpu", offload_params="nvme")
     with pytest.raises(ValueError, match="not an existing directory"):
         ZeroStrategy(stage=1, offload="nvme", nvme_path=str(tmp_path / "missing"))

@@ -351,3 +351,26 @@ def _fabric_worker(rank, world_size, root):
 def test_fabric_stage3_nvme_trains_saves_and_loads(tmp_path):
     run_distributed(_fabric_worker, 2, str(tmp_path))
     assert [n for n in os.listdir(tmp_path) if n.startswith("lz-swap-")] == []
+
+
+# ------------------------------------------------------------------ configuration (no process group)
+def test_nvme_parameter_configuration_is_honoured_or_refused(tmp_path):
+    from lightning_zero.fabric.settings import STRATEGY_NAMES
+
+    root = str(tmp_path)
+    named = {k: v for k, v in STRATEGY_NAMES["zero_stage_3_offload_nvme"].items() if k != "description"}
+    config = ZeroStrategy(**named, nvme_path=root).zero_config
+    assert (config.offload_optimizer, config.offload_params) == ("nvme", "nvme"), "ZeRO-Infinity, as DeepSpeed"
+    config = ZeroStrategy(stage=3, offload="nvme", nvme_path=root, max_in_cpu=1000, buffer_size=10).zero_config
+    assert config.swaps_parameters and (config.nvme.max_in_cpu, config.nvme.buffer_size) == (1000, 10)
+    # a ds_config with only the parameter section on NVMe: the optimizer follows to CPU (FSDP2 moves both)
+    only_params = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": root,
+                                                                       "max_in_cpu": 4096}}}
+    config = ZeroStrategy(config=only_params).zero_config
+    assert (config.offload_optimizer, config.offload_params, config.nvme.max_in_cpu) == ("cpu", "nvme", 4096)
+    with pytest.raises(ValueError, match="offload_optimizer='nvme' and offload_params='nvme' .* needs nvme_path"):
+        ZeroStrategy(stage=3, offload_optimizer="nvme", offload_params="nvme")
+    with pytest.raises(ValueError, match="needs stage 3"):
+        ZeroStrategy(stage=2, offload_optimizer="nvme", offload_params="nvme", nvme_path=root)
+    with pytest.raises(ValueError, match="max_in_cpu=5 only drives parameter swapping"):
+        ZeroStrategy(stage=3, offload_optimizer="nvme", offload_params="cpu", nvme_path=root, max_in_cpu=5)
