@@ -38,7 +38,7 @@ def _resolve_offload(stage: int, offload: str, optimizer: Optional[str], params:
     parameters in CPU memory, as before). At stage 3 FSDP2's policy moves parameters, gradients and optimizer states
     together, so the optimizer and the parameters must both be offloaded or neither; any other pair is refused.
     ``"nvme"`` for the optimizer swaps optimizer states to disk on top of the CPU placement; ``"nvme"`` for the
-    parameters (stage 3) swaps the sharded parameters to disk on top of it (:mod:`lightning_zero.offload.param_swapper`).
+    parameters (stage 3) swaps the sharded parameters to disk on top of it (:mod:`.offload.param_swapper`).
     """
     precise = optimizer is not None or params is not None
     if precise and offload != "none":
@@ -106,8 +106,8 @@ class ZeroConfig:
         if "nvme" in (opt, par) and self.nvme is None:
             what = " and ".join(f"{name}='nvme'" for name, value in (("offload_optimizer", opt),
                                                                     ("offload_params", par)) if value == "nvme")
-            raise ValueError(f"{what} (offload='nvme' is the shorthand) needs nvme_path: a directory on a fast local disk where the swapped states "
-                             "live")
+            raise ValueError(f"{what} (offload='nvme' is the shorthand) needs nvme_path: a directory on a fast "
+                             "local disk where the swapped states live")
         if "nvme" not in (opt, par) and self.nvme is not None:
             raise ValueError(f"nvme_path and the NVMe knobs need offload_optimizer='nvme' (or offload='nvme') or "
                              f"offload_params='nvme'; this "
