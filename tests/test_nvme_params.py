@@ -374,3 +374,43 @@ def test_nvme_parameter_configuration_is_honoured_or_refused(tmp_path):
         ZeroStrategy(stage=2, offload_optimizer="nvme", offload_params="nvme", nvme_path=root)
     with pytest.raises(ValueError, match="max_in_cpu=5 only drives parameter swapping"):
         ZeroStrategy(stage=3, offload_optimizer="nvme", offload_params="cpu", nvme_path=root, max_in_cpu=5)
+
+
+def _disk_full_worker(rank, world_size, root):
+    import errno
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_zero.config import ZeroConfig
+    from lightning_zero.distributed.optimizer import shard_optimizer
+    from lightning_zero.distributed.zero import apply_zero
+    from lightning_zero.offload import aio as aio_module
+    from lightning_zero.offload.aio import SwapIOError
+    from lightning_zero.offload.config import NvmeConfig
+    from lightning_zero.offload.param_swapper import detach_param_swapper
+
+    config = ZeroConfig(stage=3, offload_optimizer="cpu", offload_params="nvme", nvme=NvmeConfig(root))
+    model = apply_zero(_Wide(), init_device_mesh("cpu", (world_size,)), config)
+    optimizer = torch.optim.Adam(model.parameters())
+    shard_optimizer(optimizer, config)
+    swapper = get_param_swapper(model)
+    model(torch.randn(4, 48)).sum().backward()
+
+    def full(fd, buffers, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    real = aio_module.os.pwritev
+    aio_module.os.pwritev = full
+    try:
+        with pytest.raises(SwapIOError, match=r"nvme_path \(.*\) is full"):
+            optimizer.step()  # the write-back after the step finds the disk full
+    finally:
+        aio_module.os.pwritev = real
+    folder = swapper.run_folder
+    with pytest.warns(RuntimeWarning, match="could not be read back"):
+        detach_param_swapper(model)
+    assert not os.path.exists(folder), "a failed run must not leave its swap files behind"
+
+
+def test_a_full_disk_during_the_step_names_nvme_path_and_teardown_removes_the_files(tmp_path):
+    run_distributed(_disk_full_worker, 2, str(tmp_path))

@@ -42,7 +42,7 @@ import warnings
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor, nn
@@ -556,10 +556,3 @@ def detach_param_step(optimizer: torch.optim.Optimizer) -> None:
         optimizer.__dict__.pop("step", None)
     delattr(optimizer, _STEP_ATTR)
 
-
-def param_swapping_stats(swapper: ParamSwapper) -> dict[str, Any]:
-    """What the swapper did (tests and benchmarks read it)."""
-    return {"bytes_read": swapper.bytes_read, "bytes_written": swapper.bytes_written,
-            "peak_resident_elements": swapper.peak_resident_elements, "peak_buffers": swapper.peak_buffers,
-            "chunks_read_ahead": swapper.chunks_read_ahead,
-            "disk_bytes": swapper.disk_bytes()}
