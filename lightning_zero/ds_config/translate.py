@@ -345,7 +345,7 @@ AIO_TRANSLATION = {"block_size": "block_size", "queue_depth": "queue_depth", "th
 
 
 def _translate_aio(config: dict, out: _Collector, kwargs: dict) -> None:
-    """DeepSpeed's ``aio`` section -> the swap engine's knobs (only with optimizer states on NVMe)."""
+    """DeepSpeed's ``aio`` section -> the swap engine's knobs (only with an offload device on NVMe)."""
     aio = _section(config, "aio", out)
     if aio is None:
         return
