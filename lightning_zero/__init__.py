@@ -1,8 +1,8 @@
 """lightning-zero: DeepSpeed's ZeRO toolbox for PyTorch Lightning on torch-native engines.
 
 Importing the package registers the strategy names ``zero``, ``zero_stage_1``, ``zero_stage_2``,
-``zero_stage_2_offload``, ``zero_stage_3``, ``zero_stage_3_offload`` and ``zero_stage_3_offload_nvme`` (optimizer
-states swapped to NVMe; needs ``nvme_path``) with Lightning's Trainer and with Fabric
+``zero_stage_2_offload``, ``zero_stage_3``, ``zero_stage_3_offload`` and ``zero_stage_3_offload_nvme`` (parameters
+and optimizer states swapped to NVMe; needs ``nvme_path``) with Lightning's Trainer and with Fabric
 (:class:`lightning_zero.fabric.ZeroStrategy`).
 """
 

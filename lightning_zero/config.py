@@ -14,7 +14,7 @@ import torch
 STAGES = (0, 1, 2, 3)
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 
-from lightning_zero.offload.config import PARAMS_NVME_NOT_AVAILABLE, NvmeConfig
+from lightning_zero.offload.config import PARAM_ONLY_KNOBS, NvmeConfig
 from lightning_zero.distributed.units import (
     DEFAULT_PARAM_PERSISTENCE_THRESHOLD,
     DEFAULT_UNIT_BYTES,
@@ -50,6 +50,8 @@ def _resolve_offload(stage: int, offload: str, optimizer: Optional[str], params:
         parameters are the masters, so moving them to CPU moves the optimizer step with them.
     The shorthand means DeepSpeed's registry names: ``offload="cpu"`` is ``offload_optimizer="cpu"`` at stages 1-2
     (``zero_stage_2_offload``) and both sections at stage 3 (``zero_stage_3_offload``).
+    ``"nvme"`` for the optimizer swaps its states to disk on top of the CPU placement; ``"nvme"`` for the parameters
+    (stage 3) swaps the sharded parameters to disk on top of it (:mod:`.offload.param_swapper`).
     """
     precise = optimizer is not None or params is not None
     if precise and offload != "none":
@@ -79,11 +81,11 @@ class ZeroConfig:
             3 also shards parameters. See ``docs/stages.md`` for the memory formula of each stage.
         offload: shorthand. ``None``/``"none"``, ``"cpu"`` (optimizer states and fp32 master weights live and step
             in CPU memory; at stage 3 parameters and gradients too, as DeepSpeed's ``zero_stage_3_offload``) or
-            ``"nvme"`` (as ``"cpu"``, plus optimizer states swapped to ``nvme.nvme_path``; at stage 3 it asks for
-            parameter swapping, which raises).
+            ``"nvme"`` (as ``"cpu"``, plus optimizer states swapped to ``nvme.nvme_path``; at stage 3 the sharded
+            parameters too, as DeepSpeed's ZeRO-Infinity).
             After validation it holds where the optimizer states live.
         offload_optimizer, offload_params: the precise form (DeepSpeed's two sections); see ``_resolve_offload``.
-        nvme: the NVMe settings, required with ``offload_optimizer="nvme"``.
+        nvme: the NVMe settings, required with ``offload_optimizer="nvme"`` or ``offload_params="nvme"``.
         pin_memory: pin the CPU copies used by offload. ``None`` pins when the compute device is CUDA; pinning
             needs a CUDA device, so ``True`` on a CPU-only run is an error at setup.
         sharded_module_classes: module classes (classes or class names) that become their own FSDP unit at
@@ -124,19 +126,26 @@ class ZeroConfig:
                                     self.offload_params)
         object.__setattr__(self, "offload_optimizer", opt)
         object.__setattr__(self, "offload_params", par)
-        if par == "nvme":
-            raise NotImplementedError(PARAMS_NVME_NOT_AVAILABLE)  # parameter swapping: not yet
         # `offload` is where the optimizer's states live: "nvme" swaps them from the same CPU placement as "cpu".
         offload = opt if opt != "none" else par
         object.__setattr__(self, "offload", offload)
-        if opt == "nvme" and self.nvme is None:
-            raise ValueError("offload_optimizer='nvme' (or offload='nvme') needs nvme_path: a directory on a fast "
-                             "local disk where the optimizer states are swapped")
-        if opt != "nvme" and self.nvme is not None:
-            raise ValueError(f"nvme_path and the NVMe knobs need offload_optimizer='nvme' (or offload='nvme'); this "
+        if "nvme" in (opt, par) and self.nvme is None:
+            what = " and ".join(f"{name}='nvme'" for name, value in (("offload_optimizer", opt),
+                                                                    ("offload_params", par)) if value == "nvme")
+            raise ValueError(f"{what} (offload='nvme' is the shorthand) needs nvme_path: a directory on a fast "
+                             "local disk where the swapped states live")
+        if "nvme" not in (opt, par) and self.nvme is not None:
+            raise ValueError(f"nvme_path and the NVMe knobs need offload_optimizer='nvme' (or offload='nvme') or "
+                             f"offload_params='nvme'; this "
                              f"configuration offloads the optimizer to {opt!r}, so they would have no effect")
         if self.nvme is not None and not isinstance(self.nvme, NvmeConfig):
             raise TypeError(f"nvme must be an NvmeConfig, got {self.nvme!r}")
+        if self.nvme is not None and par != "nvme":
+            for name, default in PARAM_ONLY_KNOBS.items():
+                if getattr(self.nvme, name) != default:
+                    raise ValueError(f"{name}={getattr(self.nvme, name)} only drives parameter swapping "
+                                     f"(offload_params='nvme', stage 3); this configuration keeps parameters on "
+                                     f"{par!r}, so it would have no effect")
         if offload != "none" and self.stage == 0:
             raise ValueError(
                 f"offload={offload!r} needs a ZeRO stage of 1, 2 or 3: stage 0 keeps every state replicated on "
@@ -208,6 +217,10 @@ class ZeroConfig:
     @property
     def swaps_optimizer_states(self) -> bool:
         return self.offload_optimizer == "nvme"
+
+    @property
+    def swaps_parameters(self) -> bool:
+        return self.offload_params == "nvme"
 
     @property
     def shards_parameters_at_rest(self) -> bool:

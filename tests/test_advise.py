@@ -34,7 +34,7 @@ def test_ladder_follows_the_documented_order_and_names_what_is_missing(monkeypat
                           "ZeRO-3", "+ parameter offload", "+ optimizer offload", "+ checkpoints in CPU memory",
                           "smaller micro-batch", "smaller micro-batch", "NVMe offload"]
     assert [r.micro_batch for r in rungs[8:10]] == [2, 1]
-    assert rungs[10].reason.startswith("not available") and "nvme" in rungs[10].reason
+    assert rungs[10].reason.startswith("not picked, it needs nvme_path") and rungs[10].offload == "nvme"
     assert rungs[1].reason == "needs activation checkpointing support" and rungs[0].reason == ""
     grid = {(r.stage, r.offload, r.checkpointing) for r in rungs
             if r.micro_batch == 4 and r.step != "+ parameter offload"}

@@ -83,8 +83,8 @@ def test_nvme_arguments_are_validated_before_any_process_group(tmp_path):
         ZeroStrategy(stage=2, offload="nvme")
     with pytest.raises(ValueError, match="needs nvme_path"):
         ZeroStrategy(stage=3, offload_optimizer="nvme", offload_params="cpu")
-    with pytest.raises(NotImplementedError, match="offload_params='nvme'"):
-        ZeroStrategy(stage=3, offload="nvme", nvme_path=str(tmp_path))
+    with pytest.raises(ValueError, match="offload_params='nvme' .* needs nvme_path"):
+        ZeroStrategy(stage=3, offload_optimizer="cpu", offload_params="nvme")
     with pytest.raises(ValueError, match="not an existing directory"):
         ZeroStrategy(stage=1, offload="nvme", nvme_path=str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="need offload_optimizer='nvme'"):
@@ -93,8 +93,13 @@ def test_nvme_arguments_are_validated_before_any_process_group(tmp_path):
         ZeroStrategy(stage=2, buffer_count=8)
     with pytest.raises(ValueError, match="at least 3"):
         ZeroStrategy(stage=2, offload="nvme", nvme_path=str(tmp_path), buffer_count=2)
-    with pytest.raises(NotImplementedError, match="max_in_cpu"):
+    with pytest.raises(ValueError, match="max_in_cpu=10 only drives parameter swapping"):
         ZeroStrategy(stage=2, offload="nvme", nvme_path=str(tmp_path), max_in_cpu=10)
+    with pytest.raises(ValueError, match="buffer_size=10 only drives parameter swapping"):
+        ZeroStrategy(stage=3, offload_optimizer="nvme", offload_params="cpu", nvme_path=str(tmp_path), buffer_size=10)
+    config = ZeroStrategy(stage=3, offload="nvme", nvme_path=str(tmp_path), max_in_cpu=10).zero_config
+    assert (config.offload_optimizer, config.offload_params, config.nvme.max_in_cpu) == ("nvme", "nvme", 10)
+    assert config.swaps_parameters and config.swaps_optimizer_states
     with pytest.raises(ValueError, match="unknown keys"):
         ZeroStrategy(stage=2, offload="nvme", nvme_path=str(tmp_path), aio={"queue_dept": 4})
     with pytest.raises(ValueError, match="without offload_optimizer is not supported"):
@@ -334,8 +339,17 @@ def test_ds_config_nvme_sections_and_aio_translate_to_the_strategy_arguments(tmp
     assert notes["zero_optimization.offload_optimizer.nvme_path"] == "-> nvme_path"
     # an explicit non-NVMe offload wins over the config, and the config's NVMe knobs go with its device
     assert ZeroStrategy(config=_nvme_config(str(tmp_path)), offload="cpu").zero_config.nvme is None
-    # refused, each naming what: parameter swapping, a missing nvme_path, GPUDirect Storage
-    with pytest.raises(NotImplementedError, match="offload_params='nvme'"):
+    # the parameter section on NVMe: parameter swapping with its own knobs, under the same nvme_path
+    both = _nvme_config(str(tmp_path), offload_param={"device": "nvme", "nvme_path": str(tmp_path),
+                                                      "buffer_size": 1e6, "max_in_cpu": 5e6})
+    config = ZeroStrategy(config=both).zero_config
+    assert (config.offload_optimizer, config.offload_params) == ("nvme", "nvme")
+    assert (config.nvme.buffer_size, config.nvme.max_in_cpu, config.nvme.buffer_count) == (10**6, 5 * 10**6, 6)
+    notes = dict(translate_ds_config(both).notes)
+    assert notes["zero_optimization.offload_param.max_in_cpu"].startswith("-> max_in_cpu")
+    assert notes["zero_optimization.offload_param.buffer_count"].startswith("no effect")  # 5 (default) vs 6
+    # refused, each naming what: two NVMe paths, a missing nvme_path, GPUDirect Storage
+    with pytest.raises(Exception, match="differ"):
         ZeroStrategy(config=_nvme_config(str(tmp_path), offload_param={"device": "nvme", "nvme_path": "/x"}))
     missing = _nvme_config(str(tmp_path))
     del missing["zero_optimization"]["offload_optimizer"]["nvme_path"]
@@ -356,10 +370,14 @@ def test_estimator_reports_nvme_bytes_and_the_bounded_cpu_peak(stage):
 
     params, ranks = 7_000_000, 2
     cpu = estimate_model_states_memory(params, stage, ranks, offload="cpu")
-    nvme = estimate_model_states_memory(params, stage, ranks, offload="nvme", sub_group_size=100_000, buffer_count=4)
-    assert nvme.nvme == params * 8 // ranks and cpu.nvme == 0
+    nvme = estimate_model_states_memory(params, stage, ranks, offload="nvme", sub_group_size=100_000, buffer_count=4,
+                                        max_in_cpu=500_000, buffer_size=10_000)
+    # at stage 3 the fp32 parameter shards are on disk too; max_in_cpu of them and the staging buffers at the peak
+    shards = params * 4 // ranks if stage == 3 else 0
+    assert nvme.nvme == params * 8 // ranks + shards and cpu.nvme == 0
     assert nvme.cpu.total == cpu.cpu.total - nvme.nvme
-    assert nvme.cpu_peak == nvme.cpu.total + 4 * 100_000 * 8
+    swapped_params_peak = (500_000 + 4 * 10_000) * 4 if stage == 3 else 0
+    assert nvme.cpu_peak == nvme.cpu.total + 4 * 100_000 * 8 + swapped_params_peak
     assert nvme.accelerator == cpu.accelerator
     assert ("nvme (GiB)", f"{nvme.nvme / 1024 ** 3:.2f}") in nvme.as_table()
 

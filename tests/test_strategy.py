@@ -158,7 +158,7 @@ def test_registered_names_resolve_to_configured_strategies():
     (dict(stage=0, offload="cpu"), "needs a ZeRO stage of 1, 2 or 3"),
     (dict(offload="tape"), "offload must be one of"),
     (dict(offload="nvme"), "needs nvme_path"),
-    (dict(stage=3, offload="nvme"), "NVMe offload issue"),
+    (dict(stage=3, offload="nvme"), "offload_optimizer='nvme' and offload_params='nvme' .*needs nvme_path"),
     (dict(stage=1, sharded_module_classes={"Block"}), "only applies to stages 2 and 3"),
     (dict(stage=2, reshard_after_forward=True), "only applies to stage 3"),
     (dict(start_method="thread"), "start_method must be"),

@@ -169,7 +169,7 @@ def test_explicit_arguments_override_the_config(tmp_path):
 
 
 @pytest.mark.parametrize("config,message", [
-    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}}, "nvme"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, "nvme_path is missing"),
     ({"zero_optimizatoin": {"stage": 2}}, "zero_optimization"),
     ({"sparse_attention": {"mode": "fixed"}}, "sparse_attention"),
 ])

@@ -37,11 +37,13 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--stage", type=int, choices=[0, 1, 2, 3], default=None, help="default: every stage")
     parser.add_argument("--offload", choices=["cpu", "nvme"], default=None,
                         help="shorthand: the optimizer (stages 1-2), the optimizer and parameters (stage 3); nvme: "
-                             "optimizer states swapped to disk (fp32 masters stay in CPU memory)")
+                             "optimizer states swapped to disk (fp32 masters stay in CPU memory); at stage 3 the fp32 "
+                             "parameter shards too (ZeRO-Infinity)")
     parser.add_argument("--offload-optimizer", choices=["cpu", "nvme"], default=None,
                         help="precise form: optimizer states and fp32 masters only (parameters stay on the device)")
-    parser.add_argument("--offload-params", choices=["cpu"], default=None,
-                        help="precise form, stage 3: parameters and gradients too (needs --offload-optimizer)")
+    parser.add_argument("--offload-params", choices=["cpu", "nvme"], default=None,
+                        help="precise form, stage 3: parameters and gradients too (needs --offload-optimizer); nvme: "
+                             "the fp32 parameter shards swapped to disk")
     parser.add_argument("--precision", choices=list(PRECISIONS), default="bf16-mixed")
     parser.add_argument("--largest-unit-params", type=_positive_count, default=None,
                         help="parameters of the largest block (stage-3 peak); default: all parameters")

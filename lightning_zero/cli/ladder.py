@@ -18,8 +18,10 @@ from typing import Optional
 from lightning_zero.distributed.activations import CHECKPOINTING, TransformerShape
 from lightning_zero.distributed.memory import PRECISIONS, FullEstimate, estimate_memory
 
-NVME_REASON = ("not available: parameter swapping to NVMe (stage 3 offload='nvme') is not implemented yet; "
-               "optimizer states alone can go to NVMe with offload_optimizer='nvme', nvme_path=...")
+# Predicted (parameters and optimizer states on disk, docs/offload.md) but never picked or measured: it needs a
+# directory on a fast local disk, which advise does not know.
+NVME_REASON = ("not picked, it needs nvme_path: ZeroStrategy(stage=3, offload='nvme', nvme_path=<a directory on "
+               "a local NVMe disk>) swaps parameters and optimizer states there")
 PARAM_ONLY_REASON = ("not available separately: offload_params needs offload_optimizer (the sharded fp32 parameters "
                      "are the optimizer's masters), so the next rung offloads both")
 

@@ -190,7 +190,7 @@ class MemoryEstimate:
     cpu: StateBytes
     accelerator_peak: int
     cpu_peak: int
-    nvme: int = 0  # optimizer states swapped to disk (offload="nvme"), per rank
+    nvme: int = 0  # swapped to disk (offload="nvme"), per rank: optimizer states; at stage 3 the fp32 shards too
 
     def as_table(self) -> list[tuple[str, str]]:
         gib = 1024 ** 3
@@ -205,7 +205,8 @@ def estimate_model_states_memory(model_or_num_params: Union[nn.Module, int], sta
                                  offload: Optional[str] = None, precision: str = "32-true", *,
                                  largest_unit_params: Optional[int] = None,
                                  optimizer_bytes_fp32: int = 8, sub_group_size: int = 1_000_000_000,
-                                 buffer_count: int = 4,
+                                 buffer_count: int = 4, max_in_cpu: int = 1_000_000_000,
+                                 buffer_size: int = 100_000_000,
                                  hybrid_shard_size: Optional[int] = None,
                                  offload_optimizer: Optional[str] = None,
                                  offload_params: Optional[str] = None) -> MemoryEstimate:
@@ -217,11 +218,13 @@ def estimate_model_states_memory(model_or_num_params: Union[nn.Module, int], sta
         stage: 0-3. world_size: data-parallel ranks. offload: ``None``, ``"cpu"`` or ``"nvme"`` (as ``"cpu"``,
             with the ``optimizer_bytes_fp32`` states per parameter on disk instead of in CPU memory; fp32 masters
             stay in CPU memory; the swapped step holds ``buffer_count`` sub-groups of ``sub_group_size`` elements'
-            states in CPU memory at its peak).
+            states in CPU memory at its peak). At stage 3 ``"nvme"`` swaps the fp32 parameter shards too
+            (ZeRO-Infinity): none rest in CPU memory, at most ``max_in_cpu`` elements of them are resident at the
+            peak, plus ``buffer_count`` staging buffers of ``buffer_size`` elements.
             ``offload`` is the strategy's shorthand: at stage 3 it offloads the parameters too.
         offload_optimizer, offload_params: the precise form instead of ``offload``, as the strategy takes them
-            (``offload_optimizer`` alone keeps parameters and gradients on the accelerator; ``offload_params="cpu"``
-            at stage 3 also moves them). Validated by the same rules as the strategy.
+            (``offload_optimizer`` alone keeps parameters and gradients on the accelerator; ``offload_params`` at
+            stage 3 also moves them: ``"nvme"`` swaps them as above). Validated by the same rules as the strategy.
         precision: a Trainer precision string; low precision means ``bp = bg = 2`` and fp32 masters (``K += 4``).
         largest_unit_params: parameters of the largest FSDP unit (stage-3 peak); inferred from a module.
         optimizer_bytes_fp32: fp32 optimizer-state bytes per parameter (Adam: 8, SGD with momentum: 4).
@@ -235,9 +238,11 @@ def estimate_model_states_memory(model_or_num_params: Union[nn.Module, int], sta
     # same validation and messages as the strategy
     config = ZeroConfig(stage=stage, offload=no_nvme(offload), offload_optimizer=no_nvme(offload_optimizer),
                         offload_params=no_nvme(offload_params), hybrid_shard_size=hybrid_shard_size)
-    swaps = any(isinstance(d, str) and d.lower() == "nvme" for d in (offload, offload_optimizer))
-    if isinstance(offload_params, str) and offload_params.lower() == "nvme":
-        ZeroConfig(stage=stage, offload_optimizer="nvme", offload_params="nvme")  # refused like the strategy
+    def is_nvme(device):
+        return isinstance(device, str) and device.lower() == "nvme"
+
+    swaps_optimizer = is_nvme(offload) or is_nvme(offload_optimizer)
+    swaps_params = stage == 3 and (is_nvme(offload) or is_nvme(offload_params))
     if isinstance(model_or_num_params, nn.Module):
         num_params = sum(p.numel() for p in model_or_num_params.parameters())
         if largest_unit_params is None:
@@ -269,11 +274,18 @@ def estimate_model_states_memory(model_or_num_params: Union[nn.Module, int], sta
         cpu = StateBytes(p * 4 // n, p * 4 // n, p * optimizer_bytes_fp32 // n)
     # Stage 3 gathers one unit and prefetches the next; never more than the whole model.
     gathered = {2: p * bp, 3: min(2 * largest_unit_params, p) * bp}.get(stage, 0)
-    if not swaps:
+    if not (swaps_optimizer or swaps_params):
         return MemoryEstimate(accel, cpu, accel.total + gathered, cpu.total)
-    on_disk = p * optimizer_bytes_fp32 // n
-    cpu = StateBytes(cpu.params, cpu.grads, cpu.optimizer_states - on_disk)
-    buffers = min(on_disk, buffer_count * sub_group_size * optimizer_bytes_fp32)
+    on_disk = buffers = 0
+    if swaps_optimizer:  # lightning_zero.offload.optimizer_swapper: the optimizer states live on disk
+        on_disk = p * optimizer_bytes_fp32 // n
+        cpu = StateBytes(cpu.params, cpu.grads, cpu.optimizer_states - on_disk)
+        buffers = min(on_disk, buffer_count * sub_group_size * optimizer_bytes_fp32)
+    if swaps_params:  # parameter swapping (lightning_zero.offload.param_swapper): the fp32 shards live on disk
+        shard = cpu.params
+        on_disk += shard
+        cpu = StateBytes(0, cpu.grads, cpu.optimizer_states)
+        buffers += min(shard, max_in_cpu * 4) + min(shard, buffer_count * buffer_size * 4)
     return MemoryEstimate(accel, cpu, accel.total + gathered, cpu.total + buffers, nvme=on_disk)
 
 

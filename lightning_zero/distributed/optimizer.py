@@ -40,6 +40,7 @@ from torch import Tensor
 from lightning_zero.config import ZeroConfig
 from lightning_zero.diagnostics.timing import collective_timer
 from lightning_zero.offload.optimizer_swapper import OptimizerStateSwapper, attach_swapper, detach_swapper
+from lightning_zero.offload.param_swapper import attach_param_step, detach_param_step, find_param_swapper
 
 _ATTR = "_lightning_zero_sharding"
 BROADCAST_BUCKET_BYTES = 64 * 1024 * 1024
@@ -72,6 +73,7 @@ class OptimizerSharding:
     group: Optional[object] = None
     hooks: list = field(default_factory=list)
     swapper: Optional[OptimizerStateSwapper] = None  # offload_optimizer="nvme": states swapped to disk
+    param_step_of: Optional[torch.optim.Optimizer] = None  # offload_params="nvme": steps unit by unit
 
     def all_model_params(self) -> list[Tensor]:
         return [p for params in self.model_params for p in params]
@@ -97,6 +99,9 @@ class OptimizerSharding:
         if self.swapper is not None:
             detach_swapper(self.swapper.optimizer)
             self.swapper = None
+        if self.param_step_of is not None:  # after the state swapper, which steps through it
+            detach_param_step(self.param_step_of)
+            self.param_step_of = None
 
 
 def get_sharding(optimizer: torch.optim.Optimizer) -> Optional[OptimizerSharding]:
@@ -146,6 +151,14 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, config: ZeroConfig, *, gro
     if config.stage == 1 or sharding.masters:
         sharding.hooks.append(optimizer.register_step_pre_hook(_pre_step))
         sharding.hooks.append(optimizer.register_step_post_hook(_post_step))
+    if config.swaps_parameters:
+        # Before the state swapper: it steps each of its sub-groups through this unit-by-unit step.
+        param_swapper = find_param_swapper(sharding.all_model_params())
+        if param_swapper is None:
+            raise RuntimeError("offload_params='nvme' needs the module sharded by apply_zero (stage 3) before its "
+                               "optimizer is sharded: no parameter swapper holds this optimizer's parameters")
+        attach_param_step(optimizer, param_swapper)
+        sharding.param_step_of = optimizer
     if config.swaps_optimizer_states:
         # After the hooks: the swapped step runs inside torch's hook wrapper, so they still run once per step.
         sharding.swapper = attach_swapper(optimizer, config.nvme, rank=rank, pin_memory=pin)

@@ -207,7 +207,24 @@ def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[
         install_comm_buffer_pool(module)  # see lightning_zero.distributed.buffers: CPU has no caching allocator
     if not config.offloads_params:
         module.to(device)
+    swap_parameters(module, config, device)
     return module
+
+
+def swap_parameters(module: nn.Module, config: ZeroConfig, device: Optional[torch.device] = None) -> None:
+    """With ``offload_params="nvme"``, put the stage-3 shards of ``module`` (sharded by :func:`apply_zero`) on disk
+    (:mod:`lightning_zero.offload.param_swapper`); a no-op otherwise or when it already swaps. ``apply_zero`` calls
+    it; call it again to resume swapping on a module reused after a teardown stopped it."""
+    if not config.swaps_parameters:
+        return
+    from lightning_zero.offload.param_swapper import attach_param_swapper, get_param_swapper
+
+    if get_param_swapper(module) is not None:
+        return
+    device = device or torch.device("cpu")
+    pin = config.pin_memory if config.pin_memory is not None else device.type == "cuda"
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    attach_param_swapper(module, config.nvme, rank=rank, pin_memory=pin)
 
 
 def _default_device(mesh) -> torch.device:

@@ -46,7 +46,7 @@ class KeySpec:
 
 _FSDP_UNITS = "FSDP2 communicates per sharded module unit (one all-gather / reduce-scatter per unit) and DDP uses its own buckets"
 _NVME_ONLY = "only used by NVMe offload (ZeRO-Infinity); no effect with device='cpu'"
-_PARAM_SWAP_ONLY = "only used by parameter swapping to NVMe, which is not implemented (offload_param.device 'nvme' is refused)"
+_PARAM_SWAP_ONLY = "-> the same-named strategy argument with offload_param.device 'nvme' (stage 3); no effect otherwise"
 
 ZERO_KEYS: dict[str, KeySpec] = {
     "stage": KeySpec(0, STRATEGY, "-> stage"),
@@ -124,8 +124,8 @@ OFFLOAD_COMMON_KEYS: dict[str, KeySpec] = {
     "device": KeySpec("none", STRATEGY, "-> offload_optimizer / offload_params ('none', 'cpu', 'nvme')"),
     "pin_memory": KeySpec(True, STRATEGY, "true -> pin_memory=None (pin whenever the device is CUDA, the only case "
                           "where DeepSpeed can pin); false -> pin_memory=False"),
-    "nvme_path": KeySpec(None, NO_EFFECT, "-> nvme_path with offload_optimizer.device 'nvme'; " + _NVME_ONLY),
-    "buffer_count": KeySpec(5, NO_EFFECT, _NVME_ONLY),
+    "nvme_path": KeySpec(None, NO_EFFECT, "-> nvme_path with device 'nvme'; " + _NVME_ONLY),
+    "buffer_count": KeySpec(5, NO_EFFECT, "-> buffer_count with device 'nvme'; " + _NVME_ONLY),
 }
 OFFLOAD_PARAM_KEYS: dict[str, KeySpec] = {
     **OFFLOAD_COMMON_KEYS,
@@ -216,7 +216,7 @@ TOP_LEVEL_KEYS: dict[str, KeySpec] = {
                                            "when pipelining)"),
     "steps_per_print": KeySpec(None, TRAINER, "-> Trainer log_every_n_steps"),
     "wall_clock_breakdown": KeySpec(False, TRAINER, "returned; true asks for per-phase timings (Lightning profiler)"),
-    "aio": KeySpec(None, STRATEGY, "-> aio (the NVMe swap engine's knobs) with offload_optimizer.device 'nvme'; "
+    "aio": KeySpec(None, STRATEGY, "-> aio (the NVMe swap engine's knobs) with an offload device 'nvme'; "
                    "no effect otherwise"),
     "gradient_clipping": KeySpec(None, TRAINER, "-> Trainer gradient_clip_val (norm clipping); 0 disables"),
     "optimizer": KeySpec(None, RETURNED, "built by lightning_zero.optim_factory.build_optimizer"),

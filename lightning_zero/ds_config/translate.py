@@ -297,20 +297,45 @@ def _honoured(out: _Collector, path: str, text: str) -> None:
 
 def _translate_nvme(zero: dict, stage: int, devices: dict, effective: dict, out: _Collector, kwargs: dict) -> None:
     """NVMe offload keeps DeepSpeed's two sections apart: ``offload_optimizer``/``offload_params`` (precise form)
-    plus ``nvme_path``, ``buffer_count`` and ``sub_group_size`` of the optimizer's swapping. A parameter section on
-    NVMe becomes ``offload_params="nvme"``, which the strategy refuses (parameter swapping is not implemented)."""
-    if devices.get("offload_optimizer") != "nvme":
+    plus ``nvme_path`` and ``buffer_count`` of the section(s) on NVMe, ``sub_group_size`` of the optimizer's
+    swapping, and ``buffer_size``/``max_in_cpu`` of the parameters' swapping (stage 3).
+
+    The strategy has one ``nvme_path`` and one ``buffer_count``: two NVMe sections naming different paths are
+    refused; with different buffer counts the optimizer section's is used for both (the parameter section's is
+    reported as having no effect)."""
+    on_nvme = [sub for sub in ("offload_optimizer", "offload_param") if devices.get(sub) == "nvme"]
+    if not on_nvme:
         return
-    section = effective["offload_optimizer"]
-    if section.get("nvme_path") is None:
-        raise DeepSpeedConfigError("zero_optimization.offload_optimizer.device is 'nvme' but nvme_path is missing: "
-                                   "give the directory on a fast local disk where optimizer states are swapped")
-    kwargs["nvme_path"] = str(section["nvme_path"])
-    kwargs["buffer_count"] = _check_number("zero_optimization.offload_optimizer.buffer_count",
-                                           section["buffer_count"], integer=True)
-    _honoured(out, "zero_optimization.offload_optimizer.nvme_path", "-> nvme_path")
-    _honoured(out, "zero_optimization.offload_optimizer.buffer_count", "-> buffer_count (swap buffers resident)")
-    if "sub_group_size" in zero:
+    paths = {}
+    for sub in on_nvme:
+        if effective[sub].get("nvme_path") is None:
+            raise DeepSpeedConfigError(f"zero_optimization.{sub}.device is 'nvme' but nvme_path is missing: give the "
+                                       "directory on a fast local disk where the swapped states live")
+        paths[sub] = str(effective[sub]["nvme_path"])
+    if len(set(paths.values())) > 1:
+        raise DeepSpeedConfigError(f"zero_optimization.offload_optimizer.nvme_path ({paths['offload_optimizer']!r}) "
+                                   f"and offload_param.nvme_path ({paths['offload_param']!r}) differ: this strategy "
+                                   "swaps both under one nvme_path; give the same directory")
+    kwargs["nvme_path"] = paths[on_nvme[0]]
+    counts = {sub: _check_number(f"zero_optimization.{sub}.buffer_count", effective[sub]["buffer_count"],
+                                 integer=True) for sub in on_nvme}
+    kwargs["buffer_count"] = counts[on_nvme[0]]
+    for sub in on_nvme:
+        _honoured(out, f"zero_optimization.{sub}.nvme_path", "-> nvme_path")
+        if counts[sub] == kwargs["buffer_count"]:
+            _honoured(out, f"zero_optimization.{sub}.buffer_count", "-> buffer_count (swap buffers resident)")
+        else:
+            # stays a no-effect key (warned, or refused under strict, when it is not DeepSpeed's default)
+            path = f"zero_optimization.{sub}.buffer_count"
+            out.notes = [(key, note) for key, note in out.notes if key != path]
+            out.note(path, f"no effect: the strategy has one buffer_count for both swappers; the optimizer "
+                     f"section's ({kwargs['buffer_count']}) is used")
+    if "offload_param" in on_nvme:
+        section = effective["offload_param"]
+        for key in ("buffer_size", "max_in_cpu"):
+            kwargs[key] = _check_number(f"zero_optimization.offload_param.{key}", section[key], integer=True)
+            _honoured(out, f"zero_optimization.offload_param.{key}", f"-> {key} (parameter swapping)")
+    if "sub_group_size" in zero and "offload_optimizer" in on_nvme:
         kwargs["sub_group_size"] = _check_number("zero_optimization.sub_group_size", zero["sub_group_size"],
                                                  integer=True)
         _honoured(out, "zero_optimization.sub_group_size", "-> sub_group_size (elements per swapped sub-group)")
@@ -322,12 +347,12 @@ AIO_TRANSLATION = {"block_size": "block_size", "queue_depth": "queue_depth", "th
 
 
 def _translate_aio(config: dict, out: _Collector, kwargs: dict) -> None:
-    """DeepSpeed's ``aio`` section -> the swap engine's knobs (only with optimizer states on NVMe)."""
+    """DeepSpeed's ``aio`` section -> the swap engine's knobs (only with an offload device on NVMe)."""
     aio = _section(config, "aio", out)
     if aio is None:
         return
-    if kwargs.get("offload_optimizer") != "nvme":
-        out.note("aio", "no effect: only NVMe optimizer offload does file I/O")
+    if "nvme" not in (kwargs.get("offload_optimizer"), kwargs.get("offload_params")):
+        out.note("aio", "no effect: only NVMe offload does file I/O")
         return
     mapped = {}
     for key, value in aio.items():

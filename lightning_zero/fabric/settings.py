@@ -48,8 +48,9 @@ STRATEGY_NAMES = {
     "zero_stage_3": dict(description="ZeRO stage 3: parameters, gradients, optimizer states sharded", stage=3),
     "zero_stage_3_offload": dict(description="ZeRO stage 3 with the optimizer and parameters offloaded to CPU",
                                  stage=3, offload="cpu"),
-    "zero_stage_3_offload_nvme": dict(description="ZeRO stage 3, optimizer states on NVMe (needs nvme_path)",
-                                      stage=3, offload_optimizer="nvme", offload_params="cpu"),
+    "zero_stage_3_offload_nvme": dict(description="ZeRO stage 3, parameters and optimizer states on NVMe (ZeRO-"
+                                      "Infinity; needs nvme_path)", stage=3, offload_optimizer="nvme",
+                                      offload_params="nvme"),
 }
 
 

@@ -43,6 +43,7 @@ from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
 from lightning_zero.distributed.optimizer_check import check_optimizer_params
 from lightning_zero.distributed.process_group_exit import destroy_process_group_at_exit
 from lightning_zero.distributed.zero import apply_zero, set_gradient_sync
+from lightning_zero.offload.param_swapper import detach_param_swapper
 from lightning_zero.fabric import checkpoint
 from lightning_zero.fabric import pipeline_steps as fabric_pipeline
 from lightning_zero.fabric.pipeline_binding import check_pipeline_world, pipeline_mesh
@@ -426,6 +427,7 @@ class ZeroStrategy(ParallelStrategy):
 
             if (pool := comm_buffer_pool(module)) is not None:
                 pool.clear()
+            detach_param_swapper(module)  # NVMe parameter swap files go with the run (docs/offload.md)
         self._modules.clear()
         self._runner = None
         for optimizer in self._optimizers:  # NVMe swap files go with the run (docs/offload.md)

@@ -11,30 +11,28 @@ from typing import Any, Optional
 
 from lightning_zero.offload.aio import AioSettings
 
-# Parameter swapping (stage-3 offload_params="nvme") is not implemented: these knobs only drive it.
+# These knobs only drive parameter swapping (stage-3 offload_params="nvme"): ZeroConfig refuses them otherwise.
 PARAM_ONLY_KNOBS = {"buffer_size": 100_000_000, "max_in_cpu": 1_000_000_000}
 AIO_KEYS = ("block_size", "queue_depth", "thread_count", "single_submit", "overlap_events", "use_direct")
-PARAMS_NVME_NOT_AVAILABLE = (
-    "offload_params='nvme' (stage-3 parameter swapping to NVMe, ZeRO-Infinity) is not implemented yet: it is "
-    "tracked by the NVMe offload issue. Keep parameters in CPU memory with offload_params='cpu' and swap the "
-    "optimizer states with offload_optimizer='nvme'."
-)
 
 
 @dataclass(frozen=True)
 class NvmeConfig:
-    """Where and how optimizer states are swapped to disk.
+    """Where and how optimizer states and (stage 3) parameters are swapped to disk.
 
     Args:
         nvme_path: an existing, writable directory on a fast local disk. Each run creates its own folder
             ``nvme_path/lz-swap-<unique>/rank<k>/`` and removes it at teardown (and on exceptions).
         buffer_count: sub-groups resident in host memory at once during the swapped step (at least 3: one being
             read ahead, one stepping, one being written back). Host memory for swapped states is bounded by
-            ``buffer_count`` x the largest sub-group's state bytes.
+            ``buffer_count`` x the largest sub-group's state bytes. Parameter swapping uses as many staging
+            buffers of ``buffer_size`` elements.
         sub_group_size: elements per sub-group: the optimizer step streams its parameters in groups of about this
             many elements (a larger parameter is a sub-group of its own).
-        buffer_size, max_in_cpu: DeepSpeed's parameter-swapping knobs; parameter swapping is not implemented,
-            so a non-default value is refused rather than ignored.
+        buffer_size: parameter swapping's staging buffers, in 4-byte elements (a unit's shards stream through
+            them in pieces of this size).
+        max_in_cpu: parameter elements (this rank's padded FSDP2 shards) resident in host memory at once under
+            parameter swapping (see :mod:`lightning_zero.offload.param_swapper`).
         aio: the I/O engine's knobs (see :class:`~lightning_zero.offload.aio.AioSettings`).
     """
 
@@ -65,10 +63,6 @@ class NvmeConfig:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.buffer_count < 3:
             raise ValueError(f"buffer_count must be at least 3 (read ahead, step, write back), got {self.buffer_count}")
-        for name, default in PARAM_ONLY_KNOBS.items():
-            if getattr(self, name) != default:
-                raise NotImplementedError(f"{name}={getattr(self, name)} only drives parameter swapping; "
-                                          + PARAMS_NVME_NOT_AVAILABLE)
         if isinstance(self.aio, dict):
             object.__setattr__(self, "aio", aio_settings(self.aio))
         if not isinstance(self.aio, AioSettings):
@@ -129,11 +123,9 @@ def offload_arguments(from_config: dict, offload: Any = None, offload_optimizer:
         offload_params = from_config.get("offload_params")
         # a config with the precise pair also carries the shorthand (for reports): the pair is what it means
         offload = None if offload_optimizer is not None or offload_params is not None else from_config.get("offload")
-    if str(offload_params).lower() == "nvme":  # refused first: no other setting matters without it
-        raise NotImplementedError(PARAMS_NVME_NOT_AVAILABLE)
     # The config's NVMe knobs follow its NVMe device: an explicit non-NVMe offload drops them with it.
-    config_nvme = from_config.get("offload_optimizer") == "nvme" and (
-        offload_optimizer == "nvme" or offload == "nvme" or (offload is None and not explicit_precise))
+    config_nvme = "nvme" in (from_config.get("offload_optimizer"), from_config.get("offload_params")) and (
+        "nvme" in (offload_optimizer, offload_params, offload) or (offload is None and not explicit_precise))
     merged = {name: nvme[name] if nvme[name] is not None else (from_config.get(name) if config_nvme else None)
               for name in NVME_ARGUMENTS}
     return {"offload": offload, "offload_optimizer": offload_optimizer, "offload_params": offload_params,

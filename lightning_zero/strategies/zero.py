@@ -45,7 +45,8 @@ from lightning_zero.distributed.manual_backward import ManualBackward
 from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
 from lightning_zero.distributed.optimizer_check import check_optimizer_params
 from lightning_zero.distributed.process_group_exit import destroy_process_group_at_exit
-from lightning_zero.distributed.zero import apply_zero, set_gradient_sync
+from lightning_zero.distributed.zero import apply_zero, set_gradient_sync, swap_parameters
+from lightning_zero.offload.param_swapper import detach_param_swapper
 from lightning_zero.fabric.settings import SETTING_NAMES, STRATEGY_NAMES, resolve_settings
 from lightning_zero.fabric import checkpointing, validation
 from lightning_zero.fabric.ddp_options import ddp_kwargs_for, explain_unused_parameters
@@ -386,6 +387,8 @@ class ZeroStrategy(ParallelStrategy):
                 apply_zero(self.model, self._mesh, self.zero_config, device=self.root_device,
                            mp_policy=self.precision_plugin.fsdp_mp_policy(),
                            activation_checkpointing=self.activation_checkpoint_config)
+            else:  # the last teardown stopped NVMe parameter swapping
+                swap_parameters(self.model, self.zero_config, self.root_device)
             if fitting and not self.lightning_module.automatic_optimization:
                 self._manual_backward = ManualBackward(self.model)
                 self._teardown_handles.append(self._manual_backward)
@@ -569,6 +572,8 @@ class ZeroStrategy(ParallelStrategy):
             sharding = get_sharding(optimizer)
             if sharding is not None:
                 sharding.remove()
+        if lightning_module is not None:
+            detach_param_swapper(lightning_module)  # NVMe parameter swap files go with the run (docs/offload.md)
         if lifecycle.holds_sharded_parameters(lightning_module):
             lifecycle.teardown_in_place(self)  # never .cpu() a sharded module: see teardown_in_place
         else:

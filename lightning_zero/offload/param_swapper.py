@@ -1,0 +1,558 @@
+"""Stage-3 parameter swapping to NVMe (ZeRO-Infinity's ``offload_param.device: nvme``): each rank's FSDP2 local
+shards live in files and are in memory only around their use, at most ``max_in_cpu`` elements at a time.
+
+[Note: what is swapped, and how]
+Under FSDP2's ``CPUOffloadPolicy`` each parameter's local shard is a padded CPU tensor whose storage FSDP2 reads
+when it all-gathers the parameter's unit, and the optimizer steps in place. A *swap unit* is one FSDP2 unit (one
+``fully_shard`` call): its shards' storages are written to ``unit<i>.bin`` and then resized to zero bytes (FSDP2
+frees its own unsharded parameters the same way). Swapping in resizes them back and fills them from the file.
+Storage-level swapping keeps every tensor object (the optimizer's parameters, FSDP2's views, the DTensor
+wrappers) and the ``param_groups`` untouched. A swapped-out shard has no memory: code that reads it outside the
+paths below crashes loudly instead of computing on stale values; call :meth:`ParamSwapper.make_resident` first
+(``module.state_dict()`` and ``module.load_state_dict()`` do, through hooks).
+
+[Note: when a unit is in memory]
+- Forward/backward: each FSDP2 param group's ``unshard`` is wrapped: the unit is read right before its all-gather
+  (forward, the backward re-gather and FSDP2's backward prefetch alike) and released right after
+  ``wait_for_unshard`` (the all-gather has copied the shard out). A clean unit is dropped; only a modified one is
+  written. While the unit computes, the next unit in the execution order (learned during the first step) is read
+  ahead into staging buffers.
+- Optimizer step (:func:`attach_param_step`): the optimizer steps one unit at a time: read shard, step (the user's
+  optimizer on that unit's parameters), write back; the next unit is read ahead meanwhile. Under an optimizer-state
+  swapper too (``offload_optimizer="nvme"``) this runs inside each of its sub-groups.
+- ``state_dict()``/``load_state_dict()`` (checkpoint save and load): every unit is made resident and kept so until
+  the next forward, then written back (a load may have changed it). Only then may residency exceed ``max_in_cpu``.
+
+[Note: the bounds]
+``max_in_cpu``: parameter elements (padded shards) resident in the module at once, outside checkpoint save/load.
+A unit larger than it is refused at setup; units in an all-gather cannot be released, so if FSDP2 holds more at
+once than ``max_in_cpu`` the run stops with an error naming it. ``buffer_count`` x ``buffer_size``: the staging
+pool. Transfers go through aligned staging buffers of ``buffer_size`` 4-byte elements (``O_DIRECT`` needs aligned
+memory; FSDP2's shards are not), at most ``buffer_count`` of them alive (DeepSpeed's parameter buffer pool).
+
+Framework-free: imports only torch.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import types
+import warnings
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from lightning_zero.offload.aio import AsyncFileIO, SwapIOError, align_up, aligned_buffer
+from lightning_zero.offload.config import NvmeConfig
+from lightning_zero.offload.optimizer_swapper import _remove_folder
+
+_ATTR = "_lightning_zero_param_swapper"
+_STEP_ATTR = "_lightning_zero_param_step"
+_LIVE: "weakref.WeakSet[ParamSwapper]" = weakref.WeakSet()
+_WRAPPED = ("unshard", "wait_for_unshard", "lazy_init")
+
+
+def _param_groups(state) -> list:
+    """The FSDP2 param groups of one ``fully_shard`` state (a list from torch 2.12 on, one optional group before)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [group] if group is not None else []
+    return list(groups)
+
+
+@dataclass(eq=False)
+class _Unit:
+    index: int
+    name: str
+    groups: list
+    path: str
+    sizes: list[int]        # bytes of each shard storage when resident
+    elements: int           # padded shard elements
+    chunks: list = field(default_factory=list)  # (storage index, start, length, file offset)
+    resident: bool = True
+    dirty: bool = True      # memory is newer than the file (or there is no file yet)
+    held: int = 0
+    pending_writes: int = 0
+    prefetched: deque = field(default_factory=deque)  # (chunk number, buffer, future), chunks 0..k-1
+
+    def fsdp_params(self) -> list:
+        return [fp for group in self.groups for fp in group.fsdp_params]
+
+    def storages(self) -> list:
+        return [fp._sharded_param_data.untyped_storage() for fp in self.fsdp_params()]
+
+    def gathering(self) -> bool:
+        return any(getattr(group, "_all_gather_result", None) is not None for group in self.groups)
+
+
+def _bytes_view(storage) -> Tensor:
+    return torch.empty(0, dtype=torch.uint8).set_(storage)
+
+
+class ParamSwapper:
+    """Swaps the local shards of a stage-3 module's FSDP2 units to files (see the module notes)."""
+
+    def __init__(self, module: nn.Module, nvme: NvmeConfig, rank: int = 0, pin_memory: bool = False) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        self.module = module
+        self.nvme = nvme
+        self.pin_memory = pin_memory
+        self.units: list[_Unit] = []
+        self._unit_of: dict[int, _Unit] = {}
+        for name, sub in module.named_modules():
+            if not isinstance(sub, FSDPModule):
+                continue
+            groups = _param_groups(sub._get_fsdp_state())
+            if not groups:
+                continue
+            unit = _Unit(len(self.units), name or "<root>", groups, f"unit{len(self.units)}.bin", [], 0)
+            for fp in unit.fsdp_params():
+                data = fp._sharded_param_data  # swapped as bytes: any dtype
+                unit.sizes.append(data.untyped_storage().nbytes())
+                unit.elements += data.numel()
+                self._unit_of[id(fp.sharded_param)] = unit
+            self.units.append(unit)
+        if not self.units:
+            raise ValueError("offload_params='nvme' needs a module sharded with FSDP2 (stage 3): none was found")
+        self.chunk_bytes = align_up(nvme.buffer_size * 4)
+        for unit in self.units:
+            self._lay_out(unit)
+        largest = max(self.units, key=lambda u: u.elements)
+        if largest.elements > nvme.max_in_cpu:
+            raise ValueError(f"max_in_cpu={nvme.max_in_cpu} is smaller than the FSDP unit {largest.name!r}, whose "
+                             f"local shards hold {largest.elements} elements on this rank: a unit is swapped in "
+                             "whole, so raise max_in_cpu or shard the model into smaller units "
+                             "(sharded_module_classes)")
+        # Only now, when nothing can be refused any more but the disk, the run's folder exists.
+        self.run_folder = tempfile.mkdtemp(prefix="lz-swap-", dir=nvme.nvme_path)
+        self.folder = os.path.join(self.run_folder, f"rank{rank}", "params")
+        self._finalizer = weakref.finalize(self, _remove_folder, self.run_folder)
+        os.makedirs(self.folder)
+        for unit in self.units:
+            unit.path = os.path.join(self.folder, unit.path)
+        self.io = AsyncFileIO(nvme.aio)
+        self.buffer_bytes = min(self.chunk_bytes, max((align_up(c[2]) for u in self.units for c in u.chunks),
+                                                      default=align_up(1)))
+        self.resident_elements = sum(u.elements for u in self.units)
+        self.peak_resident_elements = 0  # outside checkpoint holds
+        self.bytes_read = 0
+        self.bytes_written = 0
+        self.peak_buffers = 0
+        self.chunks_read_ahead = 0  # chunks that were read while the previous unit computed
+        self._free: list[Tensor] = []
+        self._alive = 0
+        self._prefetch_buffers = 0
+        self._writes: deque = deque()  # (unit, buffer, future) in issue order
+        self._order: list[int] = []
+        self._recording = True
+        self._cursor = 0
+        self._hold_all = False
+        self._clock = 0
+        self._last_use: dict[int, int] = {}
+        self._restore: list = []
+        self.closed = False
+        self.check_free_space()
+        try:
+            self._install()
+            _LIVE.add(self)
+            for unit in self.units:  # from now on the shards live on disk
+                self._evict(unit)
+            self._drain_writes()
+        except BaseException:
+            self.close()  # shards back in memory where they can be read, hooks and folder removed
+            raise
+
+    # ---------------------------------------------------------------- layout, space
+    def _lay_out(self, unit: _Unit) -> None:
+        offset = 0
+        for index, size in enumerate(unit.sizes):
+            for start in range(0, size, self.chunk_bytes):
+                length = min(self.chunk_bytes, size - start)
+                unit.chunks.append((index, start, length, offset))
+                offset += align_up(length)
+
+    def disk_bytes(self) -> int:
+        """Bytes of this rank's parameter files."""
+        return sum(align_up(c[2]) for u in self.units for c in u.chunks)
+
+    def check_free_space(self) -> None:
+        """Refuse to start when ``nvme_path`` cannot hold this rank's shards (times the ranks of this node)."""
+        import shutil
+
+        sharing = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+        needed, free = self.disk_bytes() * sharing, shutil.disk_usage(self.folder).free
+        if free < needed:
+            self.close(restore=False)
+            raise SwapIOError(28, f"nvme_path={self.nvme.nvme_path!r} has {free} bytes free but the swapped "
+                                  f"parameters of {sharing} local rank(s) need about {needed} bytes on disk; free "
+                                  "space or choose another nvme_path")
+
+    # ---------------------------------------------------------------- staging buffers
+    def _acquire(self, prefetch: bool = False) -> Optional[Tensor]:
+        while True:
+            if self._free:
+                return self._free.pop()
+            if self._alive < self.nvme.buffer_count:
+                self._alive += 1
+                self.peak_buffers = max(self.peak_buffers, self._alive)
+                return aligned_buffer(self.buffer_bytes, pin_memory=self.pin_memory)
+            if prefetch:
+                return None
+            if self._writes:
+                self._finish_write(self._writes.popleft())
+                continue
+            victim = next((u for u in self.units if u.prefetched), None)
+            if victim is None:
+                raise RuntimeError("parameter swap buffer accounting error: no staging buffer free")
+            self._cancel_prefetch(victim)
+
+    def _release(self, buf: Tensor) -> None:
+        self._free.append(buf)
+
+    def _finish_write(self, item) -> None:
+        unit, buf, future = item
+        try:
+            future.result()
+        finally:
+            unit.pending_writes -= 1
+            self._release(buf)
+
+    def _drain_writes(self, unit: Optional[_Unit] = None) -> None:
+        while self._writes and (unit is None or unit.pending_writes):
+            self._finish_write(self._writes.popleft())
+
+    def _cancel_prefetch(self, unit: _Unit) -> None:
+        while unit.prefetched:
+            _, buf, future = unit.prefetched.pop()
+            future.exception()  # let the read finish before its buffer is reused
+            self._prefetch_buffers -= 1
+            self._release(buf)
+
+    # ---------------------------------------------------------------- transfers
+    def _write(self, unit: _Unit) -> None:
+        self._cancel_prefetch(unit)
+        self.io.open(unit.path)  # idempotent
+        views = [_bytes_view(s) for s in unit.storages()]
+        for index, start, length, offset in unit.chunks:
+            buf = self._acquire()
+            buf[:length].copy_(views[index][start:start + length])
+            nbytes = align_up(length)
+            self._writes.append((unit, buf, self.io.write(unit.path, buf[:nbytes], offset)))
+            unit.pending_writes += 1
+            self.bytes_written += nbytes
+        unit.dirty = False
+
+    def _read(self, unit: _Unit) -> None:
+        self._drain_writes(unit)
+        for storage, size in zip(unit.storages(), unit.sizes):
+            storage.resize_(size)
+        views = [_bytes_view(s) for s in unit.storages()]
+        pending, unit.prefetched = unit.prefetched, deque()
+        self._prefetch_buffers -= len(pending)
+        self.chunks_read_ahead += len(pending)
+        issued = len(pending)
+        for number, (index, start, length, _) in enumerate(unit.chunks):
+            while issued < len(unit.chunks) and len(pending) < 2:  # keep the next chunk's read in flight
+                pending.append(self._issue_read(unit, issued, self._acquire()))
+                issued += 1
+            got, buf, future = pending.popleft()
+            assert got == number
+            future.result()
+            views[index][start:start + length].copy_(buf[:length])
+            self._release(buf)
+
+    def _issue_read(self, unit: _Unit, number: int, buf: Tensor):
+        nbytes = align_up(unit.chunks[number][2])
+        self.bytes_read += nbytes
+        return number, buf, self.io.read(unit.path, buf[:nbytes], unit.chunks[number][3])
+
+    def _prefetch(self, unit: _Unit) -> None:
+        """Read the first chunks of ``unit`` into free staging buffers (keeping two for the unit in use)."""
+        if unit.resident or unit.dirty or unit.prefetched or unit.pending_writes:
+            return
+        while len(unit.prefetched) < len(unit.chunks) and self._prefetch_buffers < self.nvme.buffer_count - 2:
+            buf = self._acquire(prefetch=True)
+            if buf is None:
+                return
+            unit.prefetched.append(self._issue_read(unit, len(unit.prefetched), buf))
+            self._prefetch_buffers += 1
+
+    # ---------------------------------------------------------------- residency
+    def _evictable(self, unit: _Unit) -> bool:
+        return unit.resident and not unit.held and not self._hold_all and not unit.gathering()
+
+    def _evict(self, unit: _Unit) -> None:
+        if not self._evictable(unit):
+            return
+        if unit.dirty:
+            self._write(unit)
+        for storage in unit.storages():
+            storage.resize_(0)
+        unit.resident = False
+        self.resident_elements -= unit.elements
+
+    def _load(self, unit: _Unit) -> None:
+        self._check_open()
+        self._clock += 1
+        self._last_use[unit.index] = self._clock
+        if unit.resident:
+            return
+        while self.resident_elements + unit.elements > self.nvme.max_in_cpu:
+            candidates = [u for u in self.units if u is not unit and self._evictable(u)]
+            if not candidates:
+                busy = sum(u.elements for u in self.units if u.resident)
+                raise RuntimeError(f"max_in_cpu={self.nvme.max_in_cpu} parameter elements cannot hold the FSDP unit "
+                                   f"{unit.name!r} ({unit.elements} elements) next to the {busy} elements FSDP2 "
+                                   "is using at this moment (all-gathers in flight, prefetches): raise max_in_cpu")
+            self._evict(min(candidates, key=lambda u: self._last_use.get(u.index, 0)))
+        self._read(unit)
+        unit.resident, unit.dirty = True, False
+        self.resident_elements += unit.elements
+        self.peak_resident_elements = max(self.peak_resident_elements, self.resident_elements)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this module's NVMe parameter swapper was closed (teardown): its parameters are in "
+                               "memory again and it no longer swaps")
+
+    # ---------------------------------------------------------------- FSDP2 hooks
+    def _install(self) -> None:
+        for unit in self.units:
+            for group in unit.groups:
+                originals = {name: getattr(group, name) for name in _WRAPPED}
+                group.unshard = self._wrap_unshard(unit, group, originals["unshard"])
+                group.wait_for_unshard = self._wrap_wait(unit, originals["wait_for_unshard"])
+                group.lazy_init = self._wrap_lazy_init(unit, originals["lazy_init"])
+                self._restore.append(group)
+        self._hooks = [self.module.register_state_dict_pre_hook(lambda *args: self.make_resident()),
+                       self.module.register_load_state_dict_pre_hook(lambda *args: self.make_resident())]
+
+    def _wrap_unshard(self, unit: _Unit, group, original):
+        def unshard(*args, **kwargs):
+            if getattr(group, "_all_gather_result", None) is None and not getattr(group, "is_unsharded", False):
+                self._before_gather(unit)
+            return original(*args, **kwargs)
+        return unshard
+
+    def _wrap_wait(self, unit: _Unit, original):
+        def wait_for_unshard(*args, **kwargs):
+            result = original(*args, **kwargs)
+            if not self.closed:
+                self._evict(unit)  # the all-gather copied the shards out: release them
+            return result
+        return wait_for_unshard
+
+    def _wrap_lazy_init(self, unit: _Unit, original):
+        def lazy_init(*args, **kwargs):
+            if not self.closed:
+                self._load(unit)  # FSDP2 re-pads shards here once
+            return original(*args, **kwargs)
+        return lazy_init
+
+    def _before_gather(self, unit: _Unit) -> None:
+        if self.closed:
+            return
+        self._hold_all = False  # a new forward: checkpoint holds end, the budget applies again
+        self._load(unit)
+        if self._recording:
+            self._order.append(unit.index)
+        elif self._order:
+            position = self._find(unit.index)
+            if position is not None:
+                self._cursor = position + 1
+                if self._cursor < len(self._order):
+                    self._prefetch(self.units[self._order[self._cursor]])
+
+    def _find(self, index: int) -> Optional[int]:
+        order, start = self._order, self._cursor
+        for position in [*range(start, len(order)), *range(0, min(start, len(order)))]:
+            if order[position] == index:
+                return position
+        return None
+
+    # ---------------------------------------------------------------- the optimizer step
+    def step(self, optimizer: torch.optim.Optimizer, base_step) -> None:
+        """Step ``optimizer`` one unit at a time through ``base_step(optimizer)``: read, step, write back."""
+        self._check_open()
+        if self._order:
+            self._recording = False  # the first step's forward and backward gave the execution order
+        self._cursor = 0
+        saved = [g["params"] for g in optimizer.param_groups]
+        plan: dict[Optional[int], set] = {}
+        for params in saved:
+            for param in params:
+                unit = self._unit_of.get(id(param))
+                plan.setdefault(None if unit is None else unit.index, set()).add(id(param))
+        keys = sorted(plan, key=lambda k: -1 if k is None else k)
+        try:
+            for position, key in enumerate(keys):
+                unit = None if key is None else self.units[key]
+                if unit is not None:
+                    self._load(unit)
+                    unit.held += 1
+                    following = keys[position + 1] if position + 1 < len(keys) else None
+                    if following is not None:
+                        self._prefetch(self.units[following])
+                ids = plan[key]
+                try:
+                    for g, params in zip(optimizer.param_groups, saved):
+                        g["params"] = [p for p in params if id(p) in ids]
+                    base_step(optimizer)
+                finally:
+                    for g, params in zip(optimizer.param_groups, saved):
+                        g["params"] = params
+                    if unit is not None:
+                        unit.held -= 1
+                        unit.dirty = True
+                if unit is not None:
+                    self._evict(unit)
+            self._drain_writes()
+        finally:
+            for g, params in zip(optimizer.param_groups, saved):
+                g["params"] = params
+
+    # ---------------------------------------------------------------- whole-module residency, teardown
+    def make_resident(self) -> None:
+        """Bring every unit into memory and keep it there until the next forward (checkpoint save and load read
+        and write the shards directly). The units are written back when released, as a load may change them."""
+        if self.closed:
+            return
+        self._hold_all = False
+        for unit in self.units:
+            if not unit.resident:
+                self._read(unit)
+                unit.resident = True
+                self.resident_elements += unit.elements
+            unit.dirty = True
+        self._hold_all = True
+
+    def close(self, restore: bool = True) -> None:
+        """Bring the shards back into memory (``restore``), unhook FSDP2 and remove this run's swap folder."""
+        if self.closed:
+            return
+        try:
+            if restore:
+                self._drain_writes()
+                self.make_resident()
+        except OSError as error:
+            warnings.warn(f"the parameter shards swapped under {self.folder!r} could not be read back ({error}); "
+                          "the module's swapped-out parameters have no memory and must not be used",
+                          RuntimeWarning, stacklevel=2)
+        finally:
+            self.closed = True
+            for group in self._restore:
+                for name in _WRAPPED:
+                    group.__dict__.pop(name, None)
+            self._restore.clear()
+            for handle in getattr(self, "_hooks", ()):
+                handle.remove()
+            for unit in self.units:
+                for _, buf, future in unit.prefetched:
+                    future.exception()
+                unit.prefetched.clear()
+            for _, _, future in self._writes:
+                future.exception()
+            self._writes.clear()
+            self.io.close()
+            self._free.clear()
+            self._finalizer()
+            if getattr(self.module, _ATTR, None) is self:
+                delattr(self.module, _ATTR)
+
+
+def attach_param_swapper(module: nn.Module, nvme: NvmeConfig, *, rank: int = 0,
+                         pin_memory: bool = False) -> ParamSwapper:
+    """Swap the FSDP2 local shards of ``module`` (sharded at stage 3 with CPU offload) to ``nvme.nvme_path``."""
+    if get_param_swapper(module) is not None:
+        raise RuntimeError("this module already swaps its parameters")
+    swapper = ParamSwapper(module, nvme, rank=rank, pin_memory=pin_memory)
+    setattr(module, _ATTR, swapper)
+    return swapper
+
+
+def get_param_swapper(module: nn.Module) -> Optional[ParamSwapper]:
+    return getattr(module, _ATTR, None)
+
+
+def detach_param_swapper(module: nn.Module, restore: bool = True) -> None:
+    """Undo :func:`attach_param_swapper`: shards back in memory (``restore``), hooks removed, files removed."""
+    swapper = get_param_swapper(module)
+    if swapper is not None:
+        swapper.close(restore=restore)
+
+
+def find_param_swapper(params) -> Optional[ParamSwapper]:
+    """The live swapper whose units hold any of ``params`` (the optimizer's parameters), if one does."""
+    params = list(params)
+    for swapper in list(_LIVE):
+        if swapper.closed:
+            continue
+        for param in params:
+            unit = swapper._unit_of.get(id(param))
+            if unit is not None and any(fp.sharded_param is param for fp in unit.fsdp_params()):
+                return swapper
+    return None
+
+
+def resident_parameters(module: nn.Module) -> None:
+    """Make the swapped parameters of ``module`` readable until its next forward (no-op without swapping)."""
+    swapper = get_param_swapper(module)
+    if swapper is not None:
+        swapper.make_resident()
+
+
+# ---------------------------------------------------------------- the optimizer side
+def attach_param_step(optimizer: torch.optim.Optimizer, swapper: ParamSwapper) -> None:
+    """Make ``optimizer.step`` step one swapped unit at a time (see the module notes). Attach it before an
+    optimizer-state swapper, which then calls this step for each of its sub-groups; undo with
+    :func:`detach_param_step` after detaching that one."""
+    if getattr(optimizer, _STEP_ATTR, None) is not None:
+        raise RuntimeError("this optimizer already steps swapped parameters")
+    base_cls = type(optimizer)
+    base_step = getattr(base_cls.step, "__wrapped__", base_cls.step)
+
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        getattr(self, _STEP_ATTR)[0].step(self, lambda opt: base_step(opt))
+        return loss
+
+    wrapped = torch.optim.Optimizer.profile_hook_step(step)
+    wrapped.hooked = True
+    cls = type(base_cls.__name__, (base_cls,), {"step": wrapped, "_lightning_zero_param_base_class": base_cls})
+    cls.__module__, cls.__qualname__ = base_cls.__module__, base_cls.__qualname__
+    optimizer.__class__ = cls
+    # An LR scheduler built earlier replaced ``optimizer.step`` on the instance by a wrapper calling the old class's
+    # function (see optimizer_swapper's note): replace it by one that records the same flag and calls ours.
+    instance_step = optimizer.__dict__.get("step")
+    if instance_step is not None:
+        def scheduler_aware_step(self, *args, **kwargs):
+            self._opt_called = True
+            return cls.step(self, *args, **kwargs)
+
+        scheduler_aware_step._wrapped_by_lr_sched = True
+        optimizer.step = types.MethodType(scheduler_aware_step, optimizer)
+    setattr(optimizer, _STEP_ATTR, (swapper, instance_step))
+
+
+def detach_param_step(optimizer: torch.optim.Optimizer) -> None:
+    """Undo :func:`attach_param_step` (the original class and any scheduler wrapper come back)."""
+    entry = getattr(optimizer, _STEP_ATTR, None)
+    if entry is None:
+        return
+    optimizer.__class__ = type(optimizer)._lightning_zero_param_base_class
+    if entry[1] is not None:
+        optimizer.step = entry[1]
+    else:
+        optimizer.__dict__.pop("step", None)
+    delattr(optimizer, _STEP_ATTR)
+
