@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import time
 from collections import Counter
 
 import torch
@@ -46,7 +47,7 @@ def build_model(name: str) -> nn.Module:
     return LlamaForCausalLM(config)
 
 
-def lightning_module(name: str):
+def lightning_module(name: str, nested: bool = False):
     from lightning.pytorch import LightningModule
 
     class Module(LightningModule):
@@ -54,12 +55,16 @@ def lightning_module(name: str):
             super().__init__()
             self.model = build_model(name)
 
+        def forward(self, *args, **kwargs):
+            return self.model(*args, **kwargs)
+
         def training_step(self, batch, batch_idx):
+            run = self if nested else self.model  # self(...) calls the FSDP2 root inside its own forward
             if name == "mlp":
                 (x,) = batch
-                return self.model(x).float().pow(2).mean()
+                return run(x).float().pow(2).mean()
             (ids,) = batch
-            return self.model(input_ids=ids, labels=ids).loss
+            return run(input_ids=ids, labels=ids).loss
 
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-4)
@@ -142,6 +147,10 @@ def _worker(rank: int, world: int, port: int, args) -> None:
                 if args.stacks:
                     _trace_collectives()
                 self.prof.__enter__()
+                self.start = time.perf_counter()
+
+        def on_train_end(self, trainer, pl_module):
+            self.seconds = time.perf_counter() - self.start
 
     torch.manual_seed(0)
     callback = Profile()
@@ -150,13 +159,15 @@ def _worker(rank: int, world: int, port: int, args) -> None:
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       accumulate_grad_batches=args.accumulate, callbacks=[callback],
                       gradient_clip_val=args.clip)
-    trainer.fit(lightning_module(args.model), data(args.model, total * world))
+    trainer.fit(lightning_module(args.model, args.nested), data(args.model, total * world))
     callback.prof.__exit__(None, None, None)
     if rank == 0:
         events = callback.prof.events()
         counts = count_events(events)
-        label = f"{args.model} {args.precision} stage {args.stage} offload={args.offload} accumulate={args.accumulate}"
-        print(f"== {label}: per optimizer step ({args.steps} profiled)")
+        label = (f"{args.model} {args.precision} stage {args.stage} offload={args.offload} "
+                 f"accumulate={args.accumulate} nested={args.nested}")
+        print(f"== {label}: per optimizer step ({args.steps} profiled; wall {callback.seconds / args.steps:.3f} s "
+              "under the profiler)")
         for key in ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "aten::_to_copy", "aten::copy_"):
             print(f"   {key:16s} {counts.get(key, 0) / args.steps:8.1f}")
         names = Counter(e.name for e in events if classify(e.name) not in (None, "aten::_to_copy", "aten::copy_"))
@@ -191,6 +202,7 @@ def main() -> None:
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--clip", type=float, default=None)
+    parser.add_argument("--nested", action="store_true", help="training_step calls self(...), not self.model(...)")
     parser.add_argument("--stacks", action="store_true", help="print where each non-all-gather collective ran")
     parser.add_argument("--casts", action="store_true", help="group the casts (aten::_to_copy) by origin")
     parser.add_argument("--top", type=int, default=0, help="print the N operators with the most self CPU time")
