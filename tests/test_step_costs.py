@@ -3,6 +3,7 @@ removed must stay removed. See ``docs/performance_notes_lowprec.md`` for what ea
 
 from collections import Counter
 
+import pytest
 import torch
 from lightning.pytorch import Callback
 
@@ -91,3 +92,24 @@ def _nested_root_worker(rank, world_size):
 
 def test_nested_root_call_in_training_step_does_not_regather_the_root():
     run_distributed(_nested_root_worker, 2)
+
+
+def _fabric_accumulation_worker(rank, world_size):
+    from tests.fabric.test_fabric_parity import fabric_train, make_fabric
+    from lightning_zero.fabric import ZeroStrategy as FabricZeroStrategy
+
+    gathers = {}
+    for accumulate in (1, ACCUMULATE):
+        fabric = make_fabric(FabricZeroStrategy(stage=2), precision="bf16-mixed")
+        model, optimizer = fabric_train(fabric, rank, world_size, accumulate=accumulate, steps=range(1))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            fabric_train(fabric, rank, world_size, accumulate=accumulate, steps=range(1, 3), model=model,
+                         optimizer=optimizer)
+        gathers[accumulate] = sum(event.name == "c10d::_allgather_base_" for event in prof.events()) / 2
+    # Fabric's no_backward_sync goes through the same set_gradient_sync: the micro-steps add no all-gather.
+    assert gathers[ACCUMULATE] == gathers[1] > 0, f"all-gathers per optimizer step by accumulation: {gathers}"
+
+
+@pytest.mark.slow  # two Fabric set-ups: ~30-60 s on 2 loaded cores; the Trainer test covers the shared function
+def test_fabric_stage_2_accumulation_gathers_once_per_optimizer_step():
+    run_distributed(_fabric_accumulation_worker, 2)
