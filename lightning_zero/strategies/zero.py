@@ -57,8 +57,8 @@ from lightning_zero.strategies.ds_config_trainer import (
     scheduler_from_config,
     uninstall_config_optimizers,
 )
-from lightning_zero.strategies.redirect import RootForwardRedirection
 from lightning_zero.strategies.precision import PrecisionFlag, ZeroPrecision, adapt_precision_plugin, guard_schedulers
+from lightning_zero.strategies.redirect import RootForwardRedirection
 from lightning_zero.strategies.toggle import install_partition_aware_toggle, uninstall_partition_aware_toggle
 
 log = logging.getLogger(__name__)
