@@ -242,3 +242,35 @@ def set_gradient_sync(module: nn.Module, enabled: bool) -> None:
         module.require_backward_grad_sync = enabled
     elif isinstance(module, FSDPModule):
         module.set_requires_gradient_sync(enabled)
+        _keep_gathered_between_micro_steps(module, keep=not enabled)
+
+
+def _keep_gathered_between_micro_steps(module: nn.Module, keep: bool) -> None:
+    """Keep the gathered parameters of units that do not reshard after forward across the micro-steps.
+
+    [Note: stage 2 under gradient accumulation]
+    A unit with ``reshard_after_forward=False`` (every unit at stage 2, the root at stage 3) holds its gathered
+    (low-precision) parameters from forward to backward anyway. FSDP2 still reshards them after every backward,
+    so each micro-step of gradient accumulation all-gathered every unit again: ``accumulate_grad_batches=4`` cost
+    four all-gathers per unit per optimizer step where one suffices, since the sharded parameters do not change
+    until the optimizer steps. On the micro-steps that do not reduce, those units skip the post-backward reshard
+    (FSDP2's ``reshard_after_backward``); the last micro-step reduces and reshards as usual, before the optimizer
+    step. The peak is unchanged (these parameters are gathered during every forward-to-backward already); only
+    the time between two micro-steps holds them too. Units that reshard after forward (stage 3) are left alone:
+    keeping them would turn stage 3 into stage 2's memory. A torch without this bookkeeping gets the default
+    (reshard), never a wrong result.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for sub in module.modules():
+        if not isinstance(sub, FSDPModule):
+            continue
+        state = sub._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)  # torch >= 2.12; one group before
+        if groups is None:
+            group = getattr(state, "_fsdp_param_group", None)
+            groups = [group] if group is not None else []
+        for group in groups:
+            # post_forward_mesh_info is None exactly when the group does not reshard after forward
+            if getattr(group, "post_forward_mesh_info", ()) is None:
+                group.reshard_after_backward = not keep

@@ -28,7 +28,6 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.ddp import _DDPForwardRedirection
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.strategies.strategy import _ForwardRedirection
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
@@ -61,6 +60,7 @@ from lightning_zero.strategies.ds_config_trainer import (
     uninstall_config_optimizers,
 )
 from lightning_zero.strategies.precision import PrecisionFlag, ZeroPrecision, adapt_precision_plugin, guard_schedulers
+from lightning_zero.strategies.redirect import RootForwardRedirection
 from lightning_zero.strategies.toggle import install_partition_aware_toggle, uninstall_partition_aware_toggle
 
 log = logging.getLogger(__name__)
@@ -216,7 +216,7 @@ class ZeroStrategy(ParallelStrategy):
         self._mesh = None
         self._teardown_handles: list = []  # hooks setup added to the user's module, removed at teardown
         self._manual_backward: Optional[ManualBackward] = None
-        self._forward_redirection = _DDPForwardRedirection() if self.stage <= 1 else _ForwardRedirection()
+        self._forward_redirection = _DDPForwardRedirection() if self.stage <= 1 else RootForwardRedirection(self)
 
     # ------------------------------------------------------------------ properties Lightning reads
     @property

@@ -1,0 +1,39 @@
+"""The Trainer's forward redirection at stages 2-3: ``training_step`` (and the evaluation steps) through the FSDP2
+root's ``__call__``, with nested ``self(x)`` calls that do not end the root's forward
+(:mod:`lightning_zero.distributed.root_reentry`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.strategies.strategy import _ForwardRedirection
+
+from lightning_zero.distributed.root_reentry import root_post_forward_suspended
+
+
+class RootForwardRedirection(_ForwardRedirection):
+    """Lightning's redirection; the redirected method runs with the root's post-forward hook suspended.
+
+    Manual optimization is left as before: :class:`~lightning_zero.distributed.manual_backward.ManualBackward`
+    closes and re-opens the root's forward itself around each backward inside ``training_step``.
+    """
+
+    def __init__(self, strategy) -> None:
+        self._strategy = strategy
+
+    def __call__(self, wrapper_module, original_module, method_name: str, *args: Any, **kwargs: Any) -> Any:
+        if self._strategy._manual_backward is not None:
+            return super().__call__(wrapper_module, original_module, method_name, *args, **kwargs)
+        real_forward = original_module.forward
+
+        def redirected(*_args: Any, **_kwargs: Any) -> Any:
+            original_module.forward = real_forward  # a nested self(x) reaches the model's own forward
+            with root_post_forward_suspended(wrapper_module):
+                output = getattr(original_module, method_name)(*_args, **_kwargs)
+            self.on_after_inner_forward(wrapper_module, original_module)
+            return output
+
+        original_module.forward = redirected  # the root's __call__ (and its FSDP2 hooks) runs the method
+        output = wrapper_module(*args, **kwargs)
+        self.on_after_outer_forward(wrapper_module, original_module)
+        return output
