@@ -45,8 +45,9 @@ def _fit_counting(stage, precision, world_size, accumulate=ACCUMULATE, module_cl
     torch.manual_seed(0)
     module = module_class(batch_size=BATCH)
     counter = CountOps(accumulate)
-    trainer = quiet_trainer(ZeroStrategy(stage=stage), world_size, max_steps=WARM_STEPS + COUNTED_STEPS,
-                            accumulate_grad_batches=accumulate, precision=precision, callbacks=[counter])
+    # unit_bytes=0: one FSDP unit per block, so the counts below are per block (distributed/units.py)
+    trainer = quiet_trainer(ZeroStrategy(stage=stage, unit_bytes=0), world_size,
+                            max_steps=WARM_STEPS + COUNTED_STEPS, accumulate_grad_batches=accumulate, precision=precision, callbacks=[counter])
     trainer.fit(module)
     return module, counter.counts["c10d::_allgather_base_"] / COUNTED_STEPS
 
@@ -100,7 +101,7 @@ def _fabric_accumulation_worker(rank, world_size):
 
     gathers = {}
     for accumulate in (1, ACCUMULATE):
-        fabric = make_fabric(FabricZeroStrategy(stage=2), precision="bf16-mixed")
+        fabric = make_fabric(FabricZeroStrategy(stage=2, unit_bytes=0), precision="bf16-mixed")
         model, optimizer = fabric_train(fabric, rank, world_size, accumulate=accumulate, steps=range(1))
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             fabric_train(fabric, rank, world_size, accumulate=accumulate, steps=range(1, 3), model=model,
