@@ -8,6 +8,8 @@ looks at the configuration first, so this module does (framework-free, no Lightn
 * :func:`check_network`: host identity (hostname, what it resolves to, the interface and address that route to the
   master, node rank), the ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` sanity, ``MASTER_ADDR``/``MASTER_PORT``; it
   returns errors (the run cannot work) and warnings. Cheap: no connection is opened.
+* :func:`startup_check`: :func:`check_network` once per process for the same inputs, so the strategies' checks
+  before the process group, the rendezvous and the diagnostics callback share one report.
 * :func:`wait_for_master`: a TCP connect to ``MASTER_ADDR:MASTER_PORT`` retried until a deadline, with an error that
   names the node, the address and the interface instead of torch's retry loop.
 * :func:`checked_store`: the ``TCPStore`` for ``init_process_group`` where no launcher agent hosts one (``srun``, a
@@ -218,6 +220,28 @@ def check_network(environ: Mapping[str, str], num_nodes: int, node_rank: int,
         elif across_hosts and all(by_name[n].loopback for n in picked):
             errors.append(f"NCCL_SOCKET_IFNAME={nccl} selects only loopback ({', '.join(picked)}) on a "
                           f"{num_nodes}-node run: the other nodes cannot reach it.")
+    return report
+
+
+#: What :func:`check_network` reads from the environment; with the host name and the node ranks, the key of
+#: :func:`startup_check`'s memo (another value of any of them is another check).
+_READS = ("MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+_STARTUP: dict = {}
+
+
+def startup_check(environ: Mapping[str, str], num_nodes: int, node_rank: int) -> NetworkReport:
+    """:func:`check_network` of this host, run once per process for the same inputs (the last one is kept).
+
+    A start-up asks for it up to three times (the check before the process group, the node's identity for the
+    rendezvous store, the diagnostics callback's audit); each would resolve the host name and the master again,
+    which is slow exactly where DNS is misconfigured. Callers that must see the host as it is now (``diagnose``,
+    ``launch``, tests with their own interface table) call :func:`check_network`."""
+    key = (num_nodes, node_rank, socket.gethostname(), *(environ.get(name, "") for name in _READS))
+    report = _STARTUP.get(key)
+    if report is None:
+        report = check_network(environ, num_nodes, node_rank)
+        _STARTUP.clear()
+        _STARTUP[key] = report
     return report
 
 

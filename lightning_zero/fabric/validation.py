@@ -221,9 +221,9 @@ def check_network_before_process_group(num_nodes: int, node_rank: int) -> None:
     ``LIGHTNING_ZERO_SKIP_NETWORK_CHECK=1`` turns the errors into warnings (a network the check misjudges)."""
     import logging
 
-    from lightning_zero.diagnostics.network import check_network
+    from lightning_zero.diagnostics.network import startup_check
 
-    report = check_network(os.environ, num_nodes, node_rank)
+    report = startup_check(os.environ, num_nodes, node_rank)
     log = logging.getLogger(__name__)
     for warning in report.warnings:
         log.warning(f"lightning-zero network check on {report.who()}: {warning}")
@@ -242,10 +242,10 @@ def process_group_store(strategy: Any) -> dict[str, Any]:
     kwargs = restarts.process_group_store(timeout)
     if kwargs or strategy.num_nodes == 1 or dist.is_initialized():
         return kwargs
-    from lightning_zero.diagnostics.network import checked_store, check_network
+    from lightning_zero.diagnostics.network import checked_store, startup_check
 
     env = strategy.cluster_environment
-    identity = check_network(os.environ, strategy.num_nodes, strategy.node_rank).identity
+    identity = startup_check(os.environ, strategy.num_nodes, strategy.node_rank).identity
     store = checked_store(env.main_address, env.main_port, strategy.global_rank, strategy.world_size,
                           strategy.node_rank, strategy.num_nodes, timeout or timedelta(minutes=30), rendezvous_timeout,
                           identity)

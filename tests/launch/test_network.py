@@ -168,3 +168,42 @@ def test_diagnostics_callback_audits_every_node():
     from tests.distributed import run_distributed
 
     run_distributed(_two_node_audit_worker, 2)
+
+
+def _count_network_checks(monkeypatch):
+    from lightning_zero.diagnostics import network
+
+    calls = []
+    original = network.check_network
+
+    def counted(*args, **kwargs):
+        calls.append(args[1:3])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(network, "check_network", counted)
+    monkeypatch.setattr(network, "_STARTUP", {})  # nothing remembered from another test of this process
+    return calls
+
+
+def test_trainer_start_up_checks_the_network_once(monkeypatch, tmp_path):
+    # The check before the process group and the rendezvous store's node identity: one check_network, not two.
+    calls = _count_network_checks(monkeypatch)
+    with pytest.raises(NetworkError, match=r"node rank\(s\) \[1\]"):
+        _fit_as_node_zero_of_two(monkeypatch, tmp_path)
+    assert calls == [(2, 0)]
+
+
+def test_fabric_start_up_checks_the_network_once(monkeypatch):
+    from lightning.fabric import Fabric
+
+    from lightning_zero.fabric import ZeroStrategy as FabricZeroStrategy
+
+    calls = _count_network_checks(monkeypatch)
+    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), NODE_RANK="0", LOCAL_RANK="0",
+                           WORLD_SIZE="2", LOCAL_WORLD_SIZE="1").items():
+        monkeypatch.setenv(key, value)
+    fabric = Fabric(strategy=FabricZeroStrategy(stage=2, rendezvous_timeout=2), accelerator="cpu", devices=1,
+                    num_nodes=2)
+    with pytest.raises(NetworkError, match=r"node rank\(s\) \[1\]"):
+        fabric.launch()
+    assert calls == [(2, 0)]
