@@ -22,7 +22,7 @@ from lightning_zero.checkpoint.errors import CheckpointError
 from lightning_zero.checkpoint.hf_export import describe_hf_models
 from lightning_zero.checkpoint.io import (
     checkpoint_directory,
-    load_sharded_checkpoint,
+    load_sharded_states,
     read_checkpoint_info,
     remove_sharded_checkpoint,
     save_sharded_checkpoint,
@@ -174,12 +174,12 @@ def _check_optimizers(directory: str, optimizers: list, saved_groups: list, save
                               "those of another optimizer", directory)
 
 
-def _params_with_stored_state(directory: str, count: int) -> list[set[str]]:
+def _params_with_stored_state(metadata: Any, count: int) -> list[set[str]]:
     """For each of ``count`` optimizers, the names of the parameters the checkpoint holds a state for.
 
     A checkpoint saved before an optimizer's first step (``Tuner.lr_find`` saves one) holds none, and a parameter
     that never received a gradient has none either: those are requested from the checkpoint by no one."""
-    stored = read_dcp_metadata(directory).state_dict_metadata
+    stored = metadata.state_dict_metadata  # the checkpoint's DCP .metadata
     found: list[set[str]] = []
     for i in range(count):
         prefix = f"optimizer_states.{i}.state."
@@ -236,10 +236,11 @@ def load_states(directory: str, meta: dict[str, Any], module: torch.nn.Module, o
     excluded = set(meta.pop("frozen_parameters_excluded", ()))
     target: dict[str, Any] = {"state_dict": {k: v for k, v in own.items() if k not in excluded}}
     saved_groups = meta.pop("optimizer_param_groups", [])
+    info = metadata = None  # read once here when needed, and handed to the load (which reads them otherwise)
     if optimizers:
-        saved_types = read_checkpoint_info(directory).get("optimizers")
-        _check_optimizers(directory, wrapped, saved_groups, saved_types)
-        stored_states = _params_with_stored_state(directory, len(optimizers))
+        info, metadata = read_checkpoint_info(directory), read_dcp_metadata(directory)
+        _check_optimizers(directory, wrapped, saved_groups, info.get("optimizers"))
+        stored_states = _params_with_stored_state(metadata, len(optimizers))
         target["optimizer_states"] = {}
         for i, optimizer in enumerate(optimizers):
             if not optimizer.state:
@@ -248,7 +249,7 @@ def load_states(directory: str, meta: dict[str, Any], module: torch.nn.Module, o
             # Only the states the checkpoint holds are read; the others start fresh (see _forget_states_...).
             target["optimizer_states"][str(i)] = {"state": {name: state for name, state in states.items()
                                                             if name in stored_states[i]}}
-    load_sharded_checkpoint(directory, target, strict=strict)
+    load_sharded_states(directory, target, strict=strict, info=info, metadata=metadata)
     kept = {k: v for k, v in own.items() if k in excluded}
     module.load_state_dict({**target["state_dict"], **kept}, strict=strict)
     if optimizers:

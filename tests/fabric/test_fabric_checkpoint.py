@@ -111,3 +111,53 @@ def test_two_modules_and_their_optimizers_in_one_checkpoint(tmp_path):
     consolidate_checkpoint(path, str(tmp_path / "gan.pt"))
     weights = torch.load(tmp_path / "gan.pt", weights_only=True)["state_dict"]
     assert {k.split(".")[0] for k in weights} == {"gen", "disc"}
+
+
+def _count_checkpoint_reads(patches):
+    """Append to ``patches`` counting wrappers of the three readers of a checkpoint's small files; return the counts."""
+    import json
+
+    from lightning_zero.checkpoint import safe_load
+
+    counts = {"zero.json": 0, ".metadata": 0, "meta.pt": 0}
+    json_load, torch_load, unpickle = json.load, torch.load, safe_load.DCPMetadataUnpickler.load
+
+    def counted_json_load(file, *args, **kwargs):
+        counts["zero.json"] += os.path.basename(getattr(file, "name", "")) == "zero.json"
+        return json_load(file, *args, **kwargs)
+
+    def counted_torch_load(source, *args, **kwargs):
+        counts["meta.pt"] += isinstance(source, str) and os.path.basename(source) == "meta.pt"
+        return torch_load(source, *args, **kwargs)
+
+    def counted_unpickle(self):
+        counts[".metadata"] += 1
+        return unpickle(self)
+
+    patches.extend([(json, "load", counted_json_load), (torch, "load", counted_torch_load),
+                                (safe_load.DCPMetadataUnpickler, "load", counted_unpickle)])
+    return counts
+
+
+def _reads_once_worker(rank, world_size, path):
+    fabric = make_fabric(ZeroStrategy(stage=2))
+    model, optimizer = fabric_train(fabric, rank, world_size, steps=range(1))
+    fabric.save(path, {"model": model, "optimizer": optimizer, "step": 1})
+    patches = []
+    counts = _count_checkpoint_reads(patches)
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, value in patches:
+        setattr(owner, name, value)
+    try:
+        state = {"model": model, "optimizer": optimizer, "step": 0}
+        fabric.load(path, state)
+    finally:
+        for owner, name, value in originals:
+            setattr(owner, name, value)
+    assert state["step"] == 1
+    # Each small file of the checkpoint is read (and verified) once per load, DCP's own .metadata read included.
+    assert counts == {"zero.json": 1, ".metadata": 1, "meta.pt": 1}, counts
+
+
+def test_load_reads_each_checkpoint_record_once(tmp_path):
+    run_distributed(_reads_once_worker, 2, str(tmp_path / "once.ckpt"))
