@@ -383,9 +383,7 @@ def load_sharded_states(
     _raise_on_every_rank(problems, process_group)
     description = describe_state(state, metadata)
     if _world(process_group) > 1:
-        gathered: List[Any] = [None] * _world(process_group)
-        dist.all_gather_object(gathered, description, group=process_group)
-        description = merge_descriptions(gathered)
+        description = merge_descriptions(all_gather(description, control_group(process_group)))
     check_state_matches(description, metadata, strict=strict, where=directory)
     try:
         dcp.load(
@@ -406,8 +404,9 @@ def _raise_on_every_rank(problems: List[CheckpointError], group: Optional[dist.P
     and a rank that raised alone would leave the others waiting in DCP's collectives)."""
     found = [str(problem) for problem in problems]
     if _world(group) > 1:
-        gathered: List[Any] = [None] * _world(group)
-        dist.all_gather_object(gathered, found, group=group)
+        # Python objects go over the gloo control group: on NCCL, all_gather_object on the training group would
+        # pickle through CUDA tensors and synchronise the device (save_guards.control_group).
+        gathered = all_gather(found, control_group(group))
         found = list(dict.fromkeys(message for messages in gathered for message in messages))  # sizes: every rank
     if not found:
         return
