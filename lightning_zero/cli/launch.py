@@ -253,7 +253,12 @@ def fanout_commands(args, resources, environ: Mapping[str, str], launcher: str) 
         return f"{exports} {cd} {' '.join(shlex.quote(a) if a != '--node_rank=%n' else a for a in argv)}"
 
     if launcher == "pdsh":
-        return [["pdsh", "-S", "-f", "1024", "-w", ",".join(hosts), remote("%n")]]
+        # pdsh runs ssh only when told (its default remote command module may be rsh or another one: `-R ssh`),
+        # and takes ssh options only from PDSH_SSH_ARGS_APPEND (kept, when the user set one): the port and
+        # BatchMode go there, as on the ssh path.
+        options = " ".join([environ.get("PDSH_SSH_ARGS_APPEND", "").strip(), *ssh[1:]]).strip()
+        return [["env", f"PDSH_SSH_ARGS_APPEND={options}", "pdsh", "-R", "ssh", "-S", "-f", "1024", "-w",
+                 ",".join(hosts), remote("%n")]]
     return [ssh + [host, remote(str(k))] for k, host in enumerate(hosts)]
 
 

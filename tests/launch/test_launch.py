@@ -111,9 +111,20 @@ def test_fanout_runs_this_command_on_every_node_with_its_node_rank():
         node_args = build_parser().parse_args(argv)
         assert dict(_hosts(node_args)) == {"node1": [0, 1], "node2": [0, 1]} and node_args.node_rank == rank
     (pdsh,) = fanout_commands(_args(), resources, environ, "pdsh")
-    assert pdsh[:6] == ["pdsh", "-S", "-f", "1024", "-w", "node1,node2"] and "--node_rank=%n" in pdsh[6]
+    assert pdsh[:10] == ["env", "PDSH_SSH_ARGS_APPEND=-o BatchMode=yes", "pdsh", "-R", "ssh", "-S", "-f", "1024", "-w",
+                         "node1,node2"] and "--node_rank=%n" in pdsh[10]
     with pytest.raises(ValueError, match="--env NOT_SET"):
         fanout_commands(_args(env=["NOT_SET"]), resources, environ, "ssh")
+
+
+def test_pdsh_fanout_uses_ssh_on_the_given_port():
+    # pdsh must be told to use ssh (-R ssh) and gets ssh options only through PDSH_SSH_ARGS_APPEND: --ssh_port was
+    # dropped before. A PDSH_SSH_ARGS_APPEND the user set is kept in front.
+    resources = select_resources(parse_hostfile(HOSTFILE), include="node1@node2")
+    (pdsh,) = fanout_commands(_args(ssh_port=2222), resources, {"PDSH_SSH_ARGS_APPEND": "-i key"}, "pdsh")
+    assert pdsh[:5] == ["env", "PDSH_SSH_ARGS_APPEND=-i key -o BatchMode=yes -p 2222", "pdsh", "-R", "ssh"]
+    ssh = fanout_commands(_args(ssh_port=2222), resources, {}, "ssh")
+    assert all(command[:5] == ["ssh", "-o", "BatchMode=yes", "-p", "2222"] for command in ssh)
 
 
 def test_torchrun_command_is_a_static_rendezvous_with_a_bounded_wait():
