@@ -37,14 +37,14 @@ from torch.optim import Optimizer
 from lightning_zero.checkpoint.io import wait_for_pending_saves
 from lightning_zero.diagnostics.hang_guard import DEFAULT_HANG_TIMEOUT, HangGuard
 from lightning_zero.diagnostics.network import DEFAULT_RENDEZVOUS_TIMEOUT
-from lightning_zero.distributed.hybrid import check_hybrid_world, data_parallel_mesh, shard_group
+from lightning_zero.distributed.hybrid import data_parallel_mesh, shard_group
 from lightning_zero.distributed.init import InitConfig, exact_init
 from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
 from lightning_zero.distributed.optimizer_check import check_optimizer_params
 from lightning_zero.distributed.zero import apply_zero, set_gradient_sync
 from lightning_zero.fabric import checkpoint
 from lightning_zero.fabric import pipeline_steps as fabric_pipeline
-from lightning_zero.fabric.pipeline_binding import check_pipeline_world, pipeline_mesh
+from lightning_zero.fabric.pipeline_binding import pipeline_mesh
 from lightning_zero.fabric.precision import FabricZeroPrecision, PrecisionFlag, adapt_fabric_precision
 from lightning_zero.fabric.settings import SETTING_NAMES, STRATEGY_NAMES, resolve_settings
 from lightning_zero.fabric import validation
@@ -235,15 +235,7 @@ class ZeroStrategy(ParallelStrategy):
 
     def setup_environment(self) -> None:
         device = self.root_device
-        validation.check_backend_for_device(self._process_group_backend, device)
-        if self.zero_config.pin_memory and device.type != "cuda":
-            raise ValueError(f"pin_memory=True pins the offloaded CPU copies for fast copies to CUDA, but this run "
-                             f"computes on {device.type!r}: use pin_memory=None (pin only on CUDA) or False")
-        check_pipeline_world(self._pipeline, self.num_processes, self.num_nodes)
-        check_hybrid_world(self.zero_config.hybrid_shard_size, self.num_nodes * self.num_processes,
-                           pipeline=self._pipeline.enabled, num_nodes=self.num_nodes,
-                           num_processes=self.num_processes)
-        validation.check_network_before_process_group(self.num_nodes, self.node_rank)
+        validation.check_before_process_group(self, self.settings.start_method)  # the Trainer's checks too
         super().setup_environment()
         reset_seed()
         self._set_world_ranks()
