@@ -122,25 +122,38 @@ def check_checkpoint_callbacks(strategy, trainer) -> None:
 
 
 def save(strategy, checkpoint: dict[str, Any], filepath: str) -> None:
-    """Write ``checkpoint`` (Lightning's dict) as a sharded directory; see the module docstring.
+    """Write ``checkpoint`` (Lightning's dict) as a sharded directory: :func:`save_states` with the Trainer
+    strategy's module, optimizers and settings."""
+    save_states(checkpoint, filepath, module=strategy.lightning_module, optimizers=strategy.optimizers,
+                stage=strategy.stage, offload=strategy.zero_config.offload,
+                exclude_frozen_parameters=strategy.exclude_frozen_parameters, ds_config=strategy.ds_config,
+                async_save=strategy.async_save)
+
+
+def save_states(checkpoint: dict[str, Any], filepath: str, *, module: torch.nn.Module, optimizers: list, stage: int,
+                offload: Any, exclude_frozen_parameters: bool, ds_config: Any, async_save: bool) -> None:
+    """Write ``checkpoint`` (a dict holding ``state_dict`` and ``optimizer_states`` as :func:`module_state_dict` and
+    :func:`optimizer_state_dict` return them, and plain values) as a sharded directory; the twin of
+    :func:`load_states`, called by both adapters. ``module`` and ``optimizers`` are those the states come from
+    (recorded: frozen parameter names, optimizer types, Hugging Face models); ``stage``, ``offload`` and
+    ``ds_config`` are recorded in ``zero.json``; see the module docstring for the layout.
 
     Goes through :func:`lightning_zero.checkpoint.save_sharded_checkpoint`, so the save is atomic (a crash leaves the
-    previous checkpoint at ``filepath`` loadable) and asynchronous when the strategy has ``async_save=True``.
+    previous checkpoint at ``filepath`` loadable) and asynchronous with ``async_save=True``.
     """
     tensors = {"state_dict": checkpoint.pop("state_dict")}
-    if strategy.exclude_frozen_parameters:  # as DeepSpeed's exclude_frozen_parameters; recorded for load
-        excluded = [k for k in frozen_parameter_names(strategy.lightning_module) if k in tensors["state_dict"]]
+    if exclude_frozen_parameters:  # as DeepSpeed's exclude_frozen_parameters; recorded for load
+        excluded = [k for k in frozen_parameter_names(module) if k in tensors["state_dict"]]
         tensors["state_dict"] = {k: v for k, v in tensors["state_dict"].items() if k not in excluded}
         checkpoint["frozen_parameters_excluded"] = excluded
     optimizer_states = checkpoint.pop("optimizer_states", [])
     tensors["optimizer_states"] = {str(i): {"state": osd["state"]} for i, osd in enumerate(optimizer_states)}
     checkpoint["optimizer_param_groups"] = [osd["param_groups"] for osd in optimizer_states]
-    info = {"stage": strategy.stage, "offload": strategy.zero_config.offload,
-            "optimizers": [optimizer_type(o) for o in strategy.optimizers]}
-    if strategy.ds_config is not None:
-        info["ds_config"] = strategy.ds_config.report()  # the effective DeepSpeed config, next to the weights
-    info.update(describe_hf_models(strategy.lightning_module))  # for `consolidate --hf` (prefix, config, ties)
-    save_sharded_checkpoint(filepath, tensors, checkpoint, async_save=strategy.async_save, info=info)
+    info = {"stage": stage, "offload": offload, "optimizers": [optimizer_type(o) for o in optimizers]}
+    if ds_config is not None:
+        info["ds_config"] = ds_config.report()  # the effective DeepSpeed config, next to the weights
+    info.update(describe_hf_models(module))  # for `consolidate --hf` (prefix, config, ties)
+    save_sharded_checkpoint(filepath, tensors, checkpoint, async_save=async_save, info=info)
 
 
 def optimizers_to_restore(strategy) -> list:

@@ -161,3 +161,38 @@ def _reads_once_worker(rank, world_size, path):
 
 def test_load_reads_each_checkpoint_record_once(tmp_path):
     run_distributed(_reads_once_worker, 2, str(tmp_path / "once.ckpt"))
+
+
+def test_save_states_and_load_states_take_explicit_arguments_no_strategy(tmp_path):
+    # The shared checkpoint helper both adapters call, without a strategy object (Fabric used to fake one).
+    from lightning_zero.fabric import checkpointing
+
+    torch.manual_seed(0)
+    module = TinyNet()
+    next(module.parameters()).requires_grad_(False)
+    frozen = checkpointing.frozen_parameter_names(module)
+    optimizer = make_optimizer(module)
+    module(torch.randn(4, 8)).pow(2).mean().backward()
+    optimizer.step()
+    saved = {k: v.clone() for k, v in module.state_dict().items()}
+    checkpoint = {"state_dict": checkpointing.module_state_dict(module),
+                  "optimizer_states": [checkpointing.optimizer_state_dict(module, optimizer)], "step": 1}
+    path = str(tmp_path / "states.ckpt")
+    checkpointing.save_states(checkpoint, path, module=module, optimizers=[optimizer], stage=0, offload=None,
+                              exclude_frozen_parameters=True, ds_config=None, async_save=False)
+    info = read_checkpoint_info(path)
+    assert info["stage"] == 0 and info["optimizers"] == [checkpointing.optimizer_type(optimizer)]
+    stored = read_dcp_metadata(path).state_dict_metadata
+    assert frozen and not any(f"state_dict.{name}" in stored for name in frozen)  # excluded (recorded in meta.pt, below)
+
+    torch.manual_seed(1)
+    fresh = TinyNet()
+    fresh.load_state_dict({**fresh.state_dict(), **{name: saved[name] for name in frozen}})
+    fresh_optimizer = make_optimizer(fresh)
+    from lightning_zero.checkpoint.safe_load import load_meta
+
+    meta = load_meta(path)
+    assert meta["frozen_parameters_excluded"] == frozen and meta["step"] == 1
+    checkpointing.load_states(path, meta, fresh, [fresh_optimizer], strict=True)
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in saved.items())
+    assert fresh_optimizer.state_dict()["state"].keys() == optimizer.state_dict()["state"].keys()
