@@ -10,9 +10,9 @@ checkpoints. This class only maps Fabric's calls onto them: ``fabric.setup`` (:m
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager
 from datetime import timedelta
-from typing import Any, Generator, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -41,13 +41,13 @@ from lightning_zero.distributed.hybrid import data_parallel_mesh, shard_group
 from lightning_zero.distributed.init import InitConfig, exact_init
 from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
 from lightning_zero.distributed.optimizer_check import check_optimizer_params
-from lightning_zero.distributed.zero import apply_zero, set_gradient_sync
+from lightning_zero.distributed.zero import apply_zero
 from lightning_zero.fabric import checkpoint
 from lightning_zero.fabric import pipeline_steps as fabric_pipeline
 from lightning_zero.fabric.pipeline_binding import pipeline_mesh
 from lightning_zero.fabric.precision import FabricZeroPrecision, PrecisionFlag, adapt_fabric_precision
 from lightning_zero.fabric.settings import SETTING_NAMES, STRATEGY_NAMES, resolve_settings
-from lightning_zero.fabric import validation
+from lightning_zero.fabric import gradient_sync, validation
 from lightning_zero.fabric.ddp_options import ddp_kwargs_for
 from lightning_zero.fabric.ds_config_binding import DeepSpeedConfigBinding, precision_from_config
 from lightning_zero.fabric.precision_policy import low_precision_allreduce_hook
@@ -434,26 +434,13 @@ class _ZeroBackwardSyncControl(_BackwardSyncControl):
     def __init__(self, strategy: ZeroStrategy) -> None:
         self._strategy = strategy
 
-    @contextmanager
-    def _blocked(self, module: nn.Module) -> Generator[None, None, None]:
-        runner = self._strategy._runner  # a pipeline reduces after the schedule, when sync_grads is set
-        set_gradient_sync(module, False)
-        if runner is not None:
-            runner.sync_grads = False
-        try:
-            yield
-        finally:
-            set_gradient_sync(module, True)
-            if runner is not None:
-                runner.sync_grads = True
-
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
         """No gradient communication in the backward passes inside (gradient accumulation micro-steps)."""
         if not enabled:
             from contextlib import nullcontext
 
             return nullcontext()
-        return self._blocked(module)
+        return gradient_sync.blocked(module, self._strategy._runner)
 
 
 def _holds(module: nn.Module, optimizer: Optimizer) -> bool:

@@ -44,9 +44,9 @@ from lightning_zero.distributed.init import InitConfig, broadcast_module_states,
 from lightning_zero.distributed.manual_backward import ManualBackward
 from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
 from lightning_zero.distributed.optimizer_check import check_optimizer_params
-from lightning_zero.distributed.zero import apply_zero, set_gradient_sync
+from lightning_zero.distributed.zero import apply_zero
 from lightning_zero.fabric.settings import SETTING_NAMES, STRATEGY_NAMES, resolve_settings
-from lightning_zero.fabric import checkpointing, validation
+from lightning_zero.fabric import checkpointing, gradient_sync, validation
 from lightning_zero.fabric.ddp_options import ddp_kwargs_for, explain_unused_parameters
 from lightning_zero.fabric.ds_config_binding import DeepSpeedConfigBinding, effective_ds_config, precision_from_config
 from lightning_zero.fabric.pipeline_binding import PipelineGradients, pipeline_mesh
@@ -420,15 +420,8 @@ class ZeroStrategy(ParallelStrategy):
     def block_backward_sync(self) -> Generator[None, None, None]:
         """No gradient communication on the micro-steps of gradient accumulation."""
         assert self.model is not None
-        set_gradient_sync(self.model, False)
-        if self._runner is not None:
-            self._runner.sync_grads = False
-        try:
+        with gradient_sync.blocked(self.model, self._runner):
             yield
-        finally:
-            set_gradient_sync(self.model, True)
-            if self._runner is not None:
-                self._runner.sync_grads = True
 
     def backward(self, closure_loss: Tensor, optimizer, *args: Any, **kwargs: Any) -> Tensor:
         self.hang_guard.beat("backward")
