@@ -249,6 +249,31 @@ def _strip(path: PathLike, entries: List[TensorEntry], prefix: str, extras: Dict
     return entries, renamed, left_out
 
 
+#: How :func:`options_problem` spells the options: as Python arguments (the function, the callback), or as the CLI's.
+PYTHON_NAMES = {"output": "output", "with_optimizer": "with_optimizer=True", "dtype": "dtype",
+                "strip_prefix": "strip_prefix", "other_export": "the returned dict (output=None)"}
+CLI_NAMES = {"output": "OUTPUT", "with_optimizer": "--with-optimizer", "dtype": "--dtype",
+             "strip_prefix": "--strip-prefix", "other_export": "--hf"}
+
+
+def options_problem(output: Optional[PathLike], dtype: Any, with_optimizer: bool, strip_prefix: Optional[str] = None,
+                    names: Dict[str, str] = PYTHON_NAMES) -> Optional[str]:
+    """The first rule the combination of consolidation options breaks, as a message, or ``None``: the one rule set
+    of :func:`consolidate_checkpoint`, ``lightning-zero consolidate`` and ``ConsolidateCheckpoint`` (``names``:
+    how the caller spells the options, :data:`PYTHON_NAMES` or :data:`CLI_NAMES`)."""
+    safetensors = output is not None and os.fspath(output).endswith(".safetensors")
+    if with_optimizer and (output is None or safetensors):
+        return (f"{names['with_optimizer']} writes a Lightning checkpoint file: give an {names['output']} that does "
+                "not end in .safetensors")
+    if with_optimizer and dtype is not None:
+        return (f"{names['with_optimizer']} keeps the trained dtypes (a resumed run must continue from the exact "
+                f"weights); leave {names['dtype']} unset")
+    if strip_prefix is not None and (with_optimizer or output is not None and not safetensors):
+        return (f"{names['strip_prefix']} applies to a .safetensors {names['output']} or {names['other_export']}: "
+                "a Lightning checkpoint keeps the LightningModule's keys")
+    return None
+
+
 def consolidate_checkpoint(
     path: PathLike, output: Optional[PathLike] = None, dtype: Union[None, str, torch.dtype] = None,
     with_optimizer: bool = False, strip_prefix: Optional[str] = None,
@@ -281,17 +306,9 @@ def consolidate_checkpoint(
     dtype = parse_dtype(dtype)
     if not isinstance(with_optimizer, bool):
         raise TypeError(f"with_optimizer must be a bool, got {with_optimizer!r}")
-    if with_optimizer:
-        if output is None or os.fspath(output).endswith(".safetensors"):
-            raise ValueError("with_optimizer=True writes a Lightning checkpoint file: give an output path that does "
-                             "not end in .safetensors")
-        if dtype is not None:
-            raise ValueError("with_optimizer=True keeps the trained dtypes (a resumed run must continue from the exact "
-                             "weights); leave dtype unset")
-    if strip_prefix is not None and (with_optimizer or output is not None
-                                     and not os.fspath(output).endswith(".safetensors")):
-        raise ValueError("strip_prefix applies to .safetensors output (or the returned dict): a Lightning checkpoint "
-                         "keeps the LightningModule's keys")
+    problem = options_problem(output, dtype, with_optimizer, strip_prefix)
+    if problem:
+        raise ValueError(problem)
     if output is not None:
         _check_output(path, output)  # before the expensive work
     source = open_source(path)
