@@ -245,6 +245,14 @@ def startup_check(environ: Mapping[str, str], num_nodes: int, node_rank: int) ->
     return report
 
 
+def free_port() -> int:
+    """A TCP port free on this host now (the kernel's pick on 127.0.0.1), for a one-node rendezvous: two jobs on one
+    machine then do not collide on a fixed port. Used by ``launch``, ``diagnose`` and ``advise --measure``."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def wait_for_master(address: str, port: int, deadline_s: float, who: str, interval: float = 0.5) -> None:
     """Connect to ``address:port`` until it accepts or ``deadline_s`` seconds pass; ``NetworkError`` naming ``who``.
 
@@ -268,6 +276,32 @@ def wait_for_master(address: str, port: int, deadline_s: float, who: str, interv
                        f"{address} the right address, does a firewall block port {port}?")
 
 
+def rendezvous_store(master_addr: str, master_port: int, host: bool, rendezvous_timeout: float, who: str,
+                     timeout: timedelta):
+    """The ``TCPStore`` at ``master_addr:master_port``: hosted here when ``host``, else connected to once the master
+    accepts (:func:`wait_for_master`, at most ``rendezvous_timeout`` seconds, ``NetworkError`` naming ``who``).
+    ``timeout`` is the store's timeout afterwards. Shared by :func:`checked_store` and ``launch``'s node check-in."""
+    import torch.distributed as dist
+
+    if host:
+        return dist.TCPStore(master_addr, master_port, None, True, timeout=timeout, wait_for_workers=False)
+    wait_for_master(master_addr, master_port, rendezvous_timeout, who)
+    store = dist.TCPStore(master_addr, master_port, None, False, timeout=timedelta(seconds=rendezvous_timeout))
+    store.set_timeout(timeout)
+    return store
+
+
+def missing_after(store, keys: list, deadline_s: float) -> list:
+    """Wait up to ``deadline_s`` seconds for every key of ``keys`` in ``store``; the indexes of those still missing
+    then (empty: all arrived)."""
+    end = time.monotonic() + deadline_s
+    while not store.check(keys):
+        if time.monotonic() >= end:
+            return [i for i, key in enumerate(keys) if not store.check([key])]
+        time.sleep(0.2)
+    return []
+
+
 def checked_store(master_addr: str, master_port: int, rank: int, world_size: int, node_rank: int, num_nodes: int,
                   timeout: timedelta, rendezvous_timeout: float, identity: Optional[dict] = None):
     """A ``TCPStore`` for ``init_process_group(store=...)`` after every rank checked in (see the module docstring).
@@ -276,26 +310,15 @@ def checked_store(master_addr: str, master_port: int, rank: int, world_size: int
     node ranks (and global ranks) that never arrived and the hosts that did. Other ranks first wait for the master
     with :func:`wait_for_master` (same bound). ``timeout`` is the store's timeout for the process group afterwards.
     """
-    import torch.distributed as dist
-
     who = f"node rank {node_rank} (rank {rank}, host {socket.gethostname()})"
-    if rank == 0:
-        store = dist.TCPStore(master_addr, master_port, None, True, timeout=timeout, wait_for_workers=False)
-    else:
-        wait_for_master(master_addr, master_port, rendezvous_timeout, who)
-        store = dist.TCPStore(master_addr, master_port, None, False,
-                              timeout=timedelta(seconds=rendezvous_timeout))
-        store.set_timeout(timeout)
+    store = rendezvous_store(master_addr, master_port, rank == 0, rendezvous_timeout, who, timeout)
     store.set(f"{_CHECKIN}{rank}", json.dumps({"node_rank": node_rank, "rank": rank, **(identity or {})}))
     if rank == 0:
         keys = [f"{_CHECKIN}{r}" for r in range(world_size)]
-        end = time.monotonic() + rendezvous_timeout
-        while not store.check(keys):
-            if time.monotonic() >= end:
-                missing = [r for r in range(world_size) if not store.check([keys[r]])]
-                raise NetworkError(_missing_message(store, keys, missing, world_size, num_nodes, master_addr,
-                                                    master_port, rendezvous_timeout))
-            time.sleep(0.2)
+        missing = missing_after(store, keys, rendezvous_timeout)
+        if missing:
+            raise NetworkError(_missing_message(store, keys, missing, world_size, num_nodes, master_addr,
+                                                master_port, rendezvous_timeout))
     return store
 
 
