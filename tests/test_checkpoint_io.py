@@ -245,3 +245,33 @@ def _object_collectives_worker(rank: int, world_size: int, directory: str) -> No
 
 def test_load_exchanges_python_objects_on_the_gloo_control_group(tmp_path):
     run_distributed(_object_collectives_worker, 2, str(tmp_path))
+
+
+def _adapter_broadcast_worker(rank: int, world_size: int) -> None:
+    import sys
+
+    from lightning_zero.checkpoint.save_guards import control_group
+    from lightning_zero.fabric import ZeroStrategy as FabricZeroStrategy
+    from lightning_zero.strategies import ZeroStrategy as TrainerZeroStrategy
+
+    groups = []
+    original = dist.broadcast_object_list
+
+    def recording(object_list, src=None, group=None, *args, **kwargs):
+        if f"{os.sep}lightning_zero{os.sep}" in sys._getframe(1).f_code.co_filename:
+            groups.append(group)
+        return original(object_list, src, group, *args, **kwargs)
+
+    dist.broadcast_object_list = recording
+    try:
+        for strategy in (TrainerZeroStrategy(stage=2), FabricZeroStrategy(stage=2)):
+            assert strategy.broadcast({"path": f"from rank {rank}"}, src=1) == {"path": "from rank 1"}
+    finally:
+        dist.broadcast_object_list = original
+    # Both adapters' broadcast (ModelCheckpoint paths, the resume decision) is an object collective: gloo control
+    # group, never the training group (NCCL would pickle through a CUDA tensor and synchronise the device).
+    assert len(groups) == 2 and all(group is control_group(None) for group in groups), groups
+
+
+def test_adapters_broadcast_python_objects_on_the_gloo_control_group():
+    run_distributed(_adapter_broadcast_worker, 2)

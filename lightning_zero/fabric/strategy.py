@@ -41,6 +41,7 @@ from lightning_zero.distributed.hybrid import data_parallel_mesh, shard_group
 from lightning_zero.distributed.init import InitConfig, exact_init
 from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
 from lightning_zero.distributed.optimizer_check import check_optimizer_params
+from lightning_zero.checkpoint.save_guards import broadcast_object
 from lightning_zero.distributed.zero import apply_zero
 from lightning_zero.fabric import checkpoint
 from lightning_zero.fabric import pipeline_steps as fabric_pipeline
@@ -368,11 +369,7 @@ class ZeroStrategy(ParallelStrategy):
             dist.barrier()
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
+        return broadcast_object(obj, src)  # over the gloo control group (checkpoint/save_guards.py)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path, state: dict[str, Any], storage_options: Optional[Any] = None,
