@@ -118,7 +118,7 @@ def test_fanout_runs_this_command_on_every_node_with_its_node_rank():
         fanout_commands(_args(env=["NOT_SET"]), resources, environ, "ssh")
 
 
-def test_pdsh_fanout_uses_ssh_on_the_givenfree_port():
+def test_pdsh_fanout_uses_ssh_on_the_given_port():
     # pdsh must be told to use ssh (-R ssh) and gets ssh options only through PDSH_SSH_ARGS_APPEND: --ssh_port was
     # dropped before. A PDSH_SSH_ARGS_APPEND the user set is kept in front.
     resources = select_resources(parse_hostfile(HOSTFILE), include="node1@node2")
