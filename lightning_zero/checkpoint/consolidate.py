@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from lightning_zero.checkpoint.errors import CheckpointError
 from lightning_zero.checkpoint.io import checkpoint_directory
-from lightning_zero.checkpoint.safe_load import load_meta, read_dcp_metadata, safe_torch_load
+from lightning_zero.checkpoint.safe_load import load_meta, safe_torch_load
 from lightning_zero.checkpoint.streaming import TensorEntry, tensor_slot, write_safetensors, write_torch_checkpoint
 
 PathLike = Union[str, os.PathLike]
@@ -47,17 +47,18 @@ class DCPTensorSource:
     """Reads full tensors of one top-level entry (default ``state_dict``) of a DCP checkpoint, one at a time."""
 
     def __init__(self, path: PathLike, top_key: str = "state_dict") -> None:
-        from lightning_zero.checkpoint.verify import verify_checkpoint
+        from lightning_zero.checkpoint.verify import verify_and_read
 
         self.path = checkpoint_directory(path)
         # Every file's size and checksum, and chunks that cover each tensor exactly: `load` below then never hands
-        # out the uninitialised memory of `torch.empty` nor a corrupt byte.
-        problems = verify_checkpoint(self.path, checksums=True)
+        # out the uninitialised memory of `torch.empty` nor a corrupt byte. The files verification read are kept.
+        problems, read = verify_and_read(self.path, checksums=True)
         if problems:
             more = f" (and {len(problems) - 1} more problems; `lightning-zero verify` lists them)" \
                 if len(problems) > 1 else ""
             raise CheckpointError(f"{problems[0]}{more}", problems[0].path) from problems[0]
-        metadata = read_dcp_metadata(self.path)
+        metadata = read["metadata"]
+        self._meta: Optional[Dict[str, Any]] = read["meta"]  # handed out once by meta(), then read again
         self._storage = metadata.storage_data
         mappings = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
         self.entries: List[TensorEntry] = []
@@ -145,7 +146,8 @@ class DCPTensorSource:
                 for key, fqn in self._bytes_fqns.items()}
 
     def meta(self) -> Dict[str, Any]:
-        return load_meta(self.path)
+        meta, self._meta = self._meta, None  # the copy verification read, once (a caller may change it)
+        return meta if meta is not None else load_meta(self.path)
 
     def close(self) -> None:
         for file in self._files.values():

@@ -196,3 +196,25 @@ def test_save_states_and_load_states_take_explicit_arguments_no_strategy(tmp_pat
     checkpointing.load_states(path, meta, fresh, [fresh_optimizer], strict=True)
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in saved.items())
     assert fresh_optimizer.state_dict()["state"].keys() == optimizer.state_dict()["state"].keys()
+
+
+def test_consolidation_reads_each_checkpoint_record_once(tmp_path):
+    # DCPTensorSource verifies the checkpoint and then uses what verification read (.metadata, meta.pt), instead of
+    # unpickling .metadata and loading meta.pt a second time.
+    from lightning_zero.checkpoint.io import save_sharded_checkpoint
+
+    model = TinyNet()
+    path = str(tmp_path / "plain.ckpt")
+    save_sharded_checkpoint(path, {"state_dict": model.state_dict()}, {"epoch": 1})
+    patches = []
+    counts = _count_checkpoint_reads(patches)
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, value in patches:
+        setattr(owner, name, value)
+    try:
+        consolidate_checkpoint(path, str(tmp_path / "out.ckpt"))
+    finally:
+        for owner, name, value in originals:
+            setattr(owner, name, value)
+    assert counts == {"zero.json": 1, ".metadata": 1, "meta.pt": 1}, counts
+    assert torch.load(tmp_path / "out.ckpt", weights_only=True)["epoch"] == 1
