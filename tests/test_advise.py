@@ -152,3 +152,18 @@ def test_the_installed_strategy_builds_every_checkpointing_rung():
             continue
         config = ZeroStrategy(**rung.strategy_kwargs()).activation_checkpoint_config
         assert config is not None and config.cpu_checkpointing == (rung.checkpointing == "full+cpu"), rung.label
+
+
+def test_available_cpu_memory_is_what_the_cgroup_leaves(monkeypatch):
+    # One reading of host memory (distributed/init.available_host_memory): a cgroup's limit minus its usage, not the
+    # limit alone (the advise ladder used to count memory the job's cgroup already uses as free).
+    import builtins
+    import io
+
+    gib = 1 << 30
+    files = {"/proc/meminfo": f"MemTotal: {128 * gib // 1024} kB\nMemAvailable: {64 * gib // 1024} kB\n",
+             "/sys/fs/cgroup/memory.max": f"{16 * gib}\n", "/sys/fs/cgroup/memory.current": f"{10 * gib}\n"}
+    real_open = builtins.open
+    monkeypatch.setattr(builtins, "open", lambda path, *a, **k: io.StringIO(files[path]) if path in files
+                        else real_open(path, *a, **k))
+    assert ladder_mod.available_cpu_memory() == 6 * gib

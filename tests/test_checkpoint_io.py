@@ -210,3 +210,68 @@ def test_non_tensor_items_are_read_weights_only(tmp_path, marker):
     target["extra"] = None
     with pytest.raises(UnsafeCheckpointError):
         load_sharded_checkpoint(path, target)
+
+
+def _object_collectives_worker(rank: int, world_size: int, directory: str) -> None:
+    import sys
+
+    from lightning_zero.checkpoint.save_guards import control_group
+    from lightning_zero.fabric import full_loading
+
+    model = sharded(make_model(seed=1), world_size)
+    path = os.path.join(directory, "objects.ckpt")
+    save_sharded_checkpoint(path, state_of(model, step=7.0), META)
+    groups = []
+    original = dist.all_gather_object
+
+    def recording(object_list, obj, group=None):
+        caller = sys._getframe(1).f_code.co_filename
+        if f"{os.sep}lightning_zero{os.sep}" in caller:  # DCP's own planning exchanges are torch's business
+            groups.append(group)
+        return original(object_list, obj, group=group)
+
+    dist.all_gather_object = recording
+    try:
+        assert load_sharded_checkpoint(path, state_of(sharded(make_model(seed=2), world_size), 0.0)) == META
+        assert full_loading._all_ranks(rank) == [0, 1]
+    finally:
+        dist.all_gather_object = original
+    # The load's verdicts and state descriptions, and the full-file loader's, are Python objects: they go over the
+    # gloo control group, never the training group (NCCL would pickle them through CUDA tensors).
+    control = control_group(None)
+    assert groups and all(group is control for group in groups), groups
+    assert dist.get_backend(control) == "gloo"
+
+
+def test_load_exchanges_python_objects_on_the_gloo_control_group(tmp_path):
+    run_distributed(_object_collectives_worker, 2, str(tmp_path))
+
+
+def _adapter_broadcast_worker(rank: int, world_size: int) -> None:
+    import sys
+
+    from lightning_zero.checkpoint.save_guards import control_group
+    from lightning_zero.fabric import ZeroStrategy as FabricZeroStrategy
+    from lightning_zero.strategies import ZeroStrategy as TrainerZeroStrategy
+
+    groups = []
+    original = dist.broadcast_object_list
+
+    def recording(object_list, src=None, group=None, *args, **kwargs):
+        if f"{os.sep}lightning_zero{os.sep}" in sys._getframe(1).f_code.co_filename:
+            groups.append(group)
+        return original(object_list, src, group, *args, **kwargs)
+
+    dist.broadcast_object_list = recording
+    try:
+        for strategy in (TrainerZeroStrategy(stage=2), FabricZeroStrategy(stage=2)):
+            assert strategy.broadcast({"path": f"from rank {rank}"}, src=1) == {"path": "from rank 1"}
+    finally:
+        dist.broadcast_object_list = original
+    # Both adapters' broadcast (ModelCheckpoint paths, the resume decision) is an object collective: gloo control
+    # group, never the training group (NCCL would pickle through a CUDA tensor and synchronise the device).
+    assert len(groups) == 2 and all(group is control_group(None) for group in groups), groups
+
+
+def test_adapters_broadcast_python_objects_on_the_gloo_control_group():
+    run_distributed(_adapter_broadcast_worker, 2)

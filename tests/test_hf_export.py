@@ -133,7 +133,8 @@ def test_strip_prefix_for_plain_safetensors_and_hf_without_record(plain_checkpoi
     (["out.ckpt", "--hf", "D"], "exactly one of OUTPUT and --hf"),
     ([], "exactly one of OUTPUT and --hf"),
     (["--hf", "D", "--with-optimizer"], "cannot go with --hf"),
-    (["out.ckpt", "--strip-prefix", "model"], "--strip-prefix applies to --hf or a .safetensors"),
+    (["out.ckpt", "--strip-prefix", "model"], "--strip-prefix applies to a .safetensors OUTPUT or --hf"),
+    (["out.safetensors", "--with-optimizer"], "--with-optimizer writes a Lightning checkpoint file"),
     (["out.ckpt", "--with-optimizer", "--dtype", "bf16"], "keeps the trained dtypes"),
     (["out.safetensors", "--max-shard-size", "1GB"], "--max-shard-size applies to --hf"),
 ])

@@ -90,8 +90,13 @@ def test_with_optimizer_refuses_what_it_cannot_honour(tmp_path):
         consolidate_checkpoint(path, tmp_path / "out.ckpt", dtype="bf16", with_optimizer=True)
     with pytest.raises(ValueError, match=r"\.safetensors"):
         consolidate_checkpoint(path, tmp_path / "out.safetensors", with_optimizer=True)
-    with pytest.raises(ValueError, match="with_optimizer"):
-        ConsolidateCheckpoint(tmp_path / "out.ckpt", dtype="bf16", with_optimizer=True)
+    # One rule set (checkpoint/consolidate.options_problem) for the function, the callback and the CLI
+    for output, dtype in ((tmp_path / "out.ckpt", "bf16"), (tmp_path / "out.safetensors", None)):
+        with pytest.raises(ValueError) as direct:
+            consolidate_checkpoint(path, output, dtype=dtype, with_optimizer=True)
+        with pytest.raises(ValueError) as callback:
+            ConsolidateCheckpoint(output, dtype=dtype, with_optimizer=True)
+        assert str(callback.value) == f"ConsolidateCheckpoint: {direct.value}"
     assert not os.path.exists(tmp_path / "out.ckpt") and not os.path.exists(tmp_path / "out.safetensors")
 
 

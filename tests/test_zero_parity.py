@@ -233,6 +233,31 @@ def test_repeated_blocks_are_detected_and_overridable():
     assert find_repeated_blocks(nested) == {nn.Sequential}
 
 
+class GatedBlock(Block):
+    """A subclass of the block class a user names."""
+
+
+def test_units_and_checkpointed_blocks_select_a_named_class_and_its_subclasses_alike():
+    # [Note: which modules a class selects] (distributed/module_classes.py): one rule for both. A given class
+    # selects its subclasses too (FSDP units used exact types, so GatedBlock blocks silently got no unit); detected
+    # blocks select exactly.
+    from lightning_zero.distributed.activation_checkpointing import ActivationCheckpointConfig, select_blocks
+
+    model = TinyNet()
+    model.blocks[1] = GatedBlock()
+    for spec in ({Block}, {"Block"}):
+        assert sharded_units(model, ZeroConfig(stage=3, sharded_module_classes=spec)) == list(model.blocks), spec
+        assert select_blocks(model, ActivationCheckpointConfig(spec)) == list(model.blocks), spec
+    # A class no module is an instance of is refused, as a missing name always was.
+    with pytest.raises(ValueError, match=r"sharded_module_classes names \['Bilinear'\], but the model has no module"):
+        sharded_units(model, ZeroConfig(stage=3, sharded_module_classes={nn.Bilinear}))
+    # Detected blocks are exact types: repeated Linears do not make MultiheadAttention's out_proj (a Linear
+    # subclass the attention never calls) a unit of its own.
+    attention = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH), nn.MultiheadAttention(WIDTH, 2))
+    assert find_repeated_blocks(attention) == {nn.Linear}
+    assert sharded_units(attention, ZeroConfig(stage=3)) == [attention[0], attention[1]]
+
+
 def test_stage1_partition_is_balanced_and_deterministic():
     from lightning_zero.distributed.optimizer import partition_by_size
 

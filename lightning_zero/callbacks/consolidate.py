@@ -9,7 +9,7 @@ from typing import Optional, Union
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from lightning_zero.checkpoint.consolidate import consolidate_checkpoint, parse_dtype
+from lightning_zero.checkpoint.consolidate import consolidate_checkpoint, options_problem, parse_dtype
 from lightning_zero.checkpoint.io import wait_for_pending_saves
 
 
@@ -39,9 +39,9 @@ class ConsolidateCheckpoint(Callback):
             raise TypeError(f"every_save must be a bool, got {every_save!r}")
         if not isinstance(with_optimizer, bool):
             raise TypeError(f"with_optimizer must be a bool, got {with_optimizer!r}")
-        if with_optimizer and (os.fspath(output).endswith(".safetensors") or dtype is not None):
-            raise ValueError("ConsolidateCheckpoint(with_optimizer=True) writes a resumable Lightning checkpoint: the "
-                             "output must not end in .safetensors and dtype must be left unset")
+        problem = options_problem(output, dtype, with_optimizer)  # the rules of consolidate_checkpoint
+        if problem:
+            raise ValueError(f"ConsolidateCheckpoint: {problem}")
         self.with_optimizer = with_optimizer
         self.output = os.fspath(output)
         self.dtype = parse_dtype(dtype)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_zero.diagnostics.env_audit import EnvAudit, audit_environment, audit_text
-from lightning_zero.diagnostics.network import check_network
+from lightning_zero.diagnostics.network import startup_check
 from lightning_zero.diagnostics.probes import (
     COLLECTIVES, ProbeResult, all_gather_json, probe_collectives, probe_table, rich_console, slow_outliers,
 )
@@ -132,7 +132,7 @@ class NCCLDiagnostics(Callback):
         if trainer.local_rank == 0:
             audit = audit_environment(backend=backend, world_size=trainer.world_size,
                                       local_world_size=trainer.num_devices)
-            audit.network = check_network(os.environ, trainer.num_nodes, trainer.node_rank).identity
+            audit.network = startup_check(os.environ, trainer.num_nodes, trainer.node_rank).identity
             mine = audit.to_dict()
         found = all_gather_json(mine, device=trainer.strategy.root_device) if distributed else [mine]
         self.audits = [EnvAudit(**a) for a in found if a is not None]

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from lightning_zero.checkpoint.errors import CheckpointError
 from lightning_zero.checkpoint.io import checkpoint_directory
-from lightning_zero.checkpoint.safe_load import load_meta, read_dcp_metadata, safe_torch_load
+from lightning_zero.checkpoint.safe_load import load_meta, safe_torch_load
 from lightning_zero.checkpoint.streaming import TensorEntry, tensor_slot, write_safetensors, write_torch_checkpoint
 
 PathLike = Union[str, os.PathLike]
@@ -47,17 +47,18 @@ class DCPTensorSource:
     """Reads full tensors of one top-level entry (default ``state_dict``) of a DCP checkpoint, one at a time."""
 
     def __init__(self, path: PathLike, top_key: str = "state_dict") -> None:
-        from lightning_zero.checkpoint.verify import verify_checkpoint
+        from lightning_zero.checkpoint.verify import verify_and_read
 
         self.path = checkpoint_directory(path)
         # Every file's size and checksum, and chunks that cover each tensor exactly: `load` below then never hands
-        # out the uninitialised memory of `torch.empty` nor a corrupt byte.
-        problems = verify_checkpoint(self.path, checksums=True)
+        # out the uninitialised memory of `torch.empty` nor a corrupt byte. The files verification read are kept.
+        problems, read = verify_and_read(self.path, checksums=True)
         if problems:
             more = f" (and {len(problems) - 1} more problems; `lightning-zero verify` lists them)" \
                 if len(problems) > 1 else ""
             raise CheckpointError(f"{problems[0]}{more}", problems[0].path) from problems[0]
-        metadata = read_dcp_metadata(self.path)
+        metadata = read["metadata"]
+        self._meta: Optional[Dict[str, Any]] = read["meta"]  # handed out once by meta(), then read again
         self._storage = metadata.storage_data
         mappings = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
         self.entries: List[TensorEntry] = []
@@ -145,7 +146,8 @@ class DCPTensorSource:
                 for key, fqn in self._bytes_fqns.items()}
 
     def meta(self) -> Dict[str, Any]:
-        return load_meta(self.path)
+        meta, self._meta = self._meta, None  # the copy verification read, once (a caller may change it)
+        return meta if meta is not None else load_meta(self.path)
 
     def close(self) -> None:
         for file in self._files.values():
@@ -249,6 +251,31 @@ def _strip(path: PathLike, entries: List[TensorEntry], prefix: str, extras: Dict
     return entries, renamed, left_out
 
 
+#: How :func:`options_problem` spells the options: as Python arguments (the function, the callback), or as the CLI's.
+PYTHON_NAMES = {"output": "output", "with_optimizer": "with_optimizer=True", "dtype": "dtype",
+                "strip_prefix": "strip_prefix", "other_export": "the returned dict (output=None)"}
+CLI_NAMES = {"output": "OUTPUT", "with_optimizer": "--with-optimizer", "dtype": "--dtype",
+             "strip_prefix": "--strip-prefix", "other_export": "--hf"}
+
+
+def options_problem(output: Optional[PathLike], dtype: Any, with_optimizer: bool, strip_prefix: Optional[str] = None,
+                    names: Dict[str, str] = PYTHON_NAMES) -> Optional[str]:
+    """The first rule the combination of consolidation options breaks, as a message, or ``None``: the one rule set
+    of :func:`consolidate_checkpoint`, ``lightning-zero consolidate`` and ``ConsolidateCheckpoint`` (``names``:
+    how the caller spells the options, :data:`PYTHON_NAMES` or :data:`CLI_NAMES`)."""
+    safetensors = output is not None and os.fspath(output).endswith(".safetensors")
+    if with_optimizer and (output is None or safetensors):
+        return (f"{names['with_optimizer']} writes a Lightning checkpoint file: give an {names['output']} that does "
+                "not end in .safetensors")
+    if with_optimizer and dtype is not None:
+        return (f"{names['with_optimizer']} keeps the trained dtypes (a resumed run must continue from the exact "
+                f"weights); leave {names['dtype']} unset")
+    if strip_prefix is not None and (with_optimizer or output is not None and not safetensors):
+        return (f"{names['strip_prefix']} applies to a .safetensors {names['output']} or {names['other_export']}: "
+                "a Lightning checkpoint keeps the LightningModule's keys")
+    return None
+
+
 def consolidate_checkpoint(
     path: PathLike, output: Optional[PathLike] = None, dtype: Union[None, str, torch.dtype] = None,
     with_optimizer: bool = False, strip_prefix: Optional[str] = None,
@@ -281,17 +308,9 @@ def consolidate_checkpoint(
     dtype = parse_dtype(dtype)
     if not isinstance(with_optimizer, bool):
         raise TypeError(f"with_optimizer must be a bool, got {with_optimizer!r}")
-    if with_optimizer:
-        if output is None or os.fspath(output).endswith(".safetensors"):
-            raise ValueError("with_optimizer=True writes a Lightning checkpoint file: give an output path that does "
-                             "not end in .safetensors")
-        if dtype is not None:
-            raise ValueError("with_optimizer=True keeps the trained dtypes (a resumed run must continue from the exact "
-                             "weights); leave dtype unset")
-    if strip_prefix is not None and (with_optimizer or output is not None
-                                     and not os.fspath(output).endswith(".safetensors")):
-        raise ValueError("strip_prefix applies to .safetensors output (or the returned dict): a Lightning checkpoint "
-                         "keeps the LightningModule's keys")
+    problem = options_problem(output, dtype, with_optimizer, strip_prefix)
+    if problem:
+        raise ValueError(problem)
     if output is not None:
         _check_output(path, output)  # before the expensive work
     source = open_source(path)

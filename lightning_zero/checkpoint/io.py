@@ -341,7 +341,27 @@ def load_sharded_checkpoint(
     Collective over ``process_group``. ``state`` has the receiving layout (DTensors of any mesh, plain tensors, any
     world size); DCP reads the overlapping chunks, which is how a checkpoint saved by 4 ranks at stage 3 resumes on
     1 rank at stage 0. Non-tensor leaves of ``state`` are replaced with the stored values (read with
-    ``weights_only=True``).
+    ``weights_only=True``). The checks before any data is read: :func:`load_sharded_states`.
+    """
+    wait_for_pending_saves(barrier=False)
+    directory = checkpoint_directory(path)
+    load_sharded_states(directory, state, process_group=process_group, strict=strict, checksums=checksums)
+    return load_meta(directory)
+
+
+def load_sharded_states(
+    directory: str,
+    state: Dict[str, Any],
+    *,
+    process_group: Optional[dist.ProcessGroup] = None,
+    strict: bool = True,
+    checksums: bool = True,
+    info: Optional[dict] = None,
+    metadata: Optional[Any] = None,
+) -> None:
+    """:func:`load_sharded_checkpoint` without ``meta.pt``, for a caller that read it already; ``info``
+    (:func:`read_checkpoint_info`) and ``metadata`` (``safe_load.read_dcp_metadata``) likewise, so each file is read
+    once per load (DCP's own reader is handed the same ``metadata``: :class:`SafeFileSystemReader`).
 
     Before reading any data the checkpoint is verified: ``zero.json``'s seal, every file's size, ``.metadata``'s
     structure and (``checksums=True``, the default) every file's CRC-32, the ranks splitting the files between them.
@@ -349,30 +369,26 @@ def load_sharded_checkpoint(
     that ``state`` lacks, are errors unless ``strict=False`` (missing keys then keep their values); a shape mismatch
     always is. Every failure is a :class:`CheckpointError` naming the file or keys, raised on every rank.
     """
-    wait_for_pending_saves(barrier=False)
-    directory = checkpoint_directory(path)
     problems: List[CheckpointError] = []
-    metadata = None
     try:
-        info = read_checkpoint_info(directory)
+        info = read_checkpoint_info(directory) if info is None else info
         problems = check_files(directory, info, checksums=checksums,
                                share=(_rank(process_group), _world(process_group)))
         if not problems:
-            metadata = read_dcp_metadata(directory)  # refuses a tampered .metadata without running its pickle
+            if metadata is None:
+                metadata = read_dcp_metadata(directory)  # refuses a tampered .metadata without running its pickle
             problems = check_metadata(directory, metadata, info.get("files"))
     except CheckpointError as err:
         problems = [err]
     _raise_on_every_rank(problems, process_group)
     description = describe_state(state, metadata)
     if _world(process_group) > 1:
-        gathered: List[Any] = [None] * _world(process_group)
-        dist.all_gather_object(gathered, description, group=process_group)
-        description = merge_descriptions(gathered)
+        description = merge_descriptions(all_gather(description, control_group(process_group)))
     check_state_matches(description, metadata, strict=strict, where=directory)
     try:
         dcp.load(
             state,
-            storage_reader=SafeFileSystemReader(directory),
+            storage_reader=SafeFileSystemReader(directory, metadata=metadata),
             planner=SafeLoadPlanner(allow_partial_load=not strict),
             process_group=process_group,
         )
@@ -381,7 +397,6 @@ def load_sharded_checkpoint(
         first = next(iter(wrapped.failures.values()), (None, None))[0]
         # chained to the first rank's own exception (its traceback), never to DCP's BaseException wrapper
         raise error from (first if isinstance(first, Exception) and first is not error else None)
-    return load_meta(directory)
 
 
 def _raise_on_every_rank(problems: List[CheckpointError], group: Optional[dist.ProcessGroup]) -> None:
@@ -389,8 +404,9 @@ def _raise_on_every_rank(problems: List[CheckpointError], group: Optional[dist.P
     and a rank that raised alone would leave the others waiting in DCP's collectives)."""
     found = [str(problem) for problem in problems]
     if _world(group) > 1:
-        gathered: List[Any] = [None] * _world(group)
-        dist.all_gather_object(gathered, found, group=group)
+        # Python objects go over the gloo control group: on NCCL, all_gather_object on the training group would
+        # pickle through CUDA tensors and synchronise the device (save_guards.control_group).
+        gathered = all_gather(found, control_group(group))
         found = list(dict.fromkeys(message for messages in gathered for message in messages))  # sizes: every rank
     if not found:
         return

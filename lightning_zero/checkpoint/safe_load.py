@@ -18,7 +18,7 @@ import io
 import os
 import pickle
 import re
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -90,13 +90,21 @@ class SafeFileSystemReader(FileSystemReader):
     """``FileSystemReader`` whose metadata read cannot execute code.
 
     Tensor payloads are already read by torch with ``torch.load(weights_only=True)``; non-tensor ("bytes") items go
-    through :class:`SafeLoadPlanner`.
+    through :class:`SafeLoadPlanner`. ``metadata``: the directory's ``.metadata`` as the caller read (and checked) it
+    with :func:`read_dcp_metadata`, returned instead of reading the file again.
     """
+
+    def __init__(self, path: PathLike, *args: Any, metadata: Optional[Metadata] = None, **kwargs: Any) -> None:
+        super().__init__(path, *args, **kwargs)
+        self._metadata = metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
         name = ".metadata" if rank is None else f"__{rank}.metadata"
-        metadata = _read_metadata_file(os.path.join(os.fspath(self.path), name))
+        if rank is None and self._metadata is not None:
+            metadata = self._metadata
+        else:
+            metadata = _read_metadata_file(os.path.join(os.fspath(self.path), name))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

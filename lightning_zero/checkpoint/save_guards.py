@@ -102,6 +102,18 @@ def all_gather(value: Any, group: Optional[dist.ProcessGroup]) -> List[Any]:
     return out
 
 
+def broadcast_object(value: Any, src: int = 0) -> Any:
+    """Rank ``src``'s ``value`` on every rank (``value`` itself without a process group), over the world's gloo
+    control group: on NCCL, ``broadcast_object_list`` on the training group pickles through a CUDA tensor and
+    synchronises the device. Both adapters' ``broadcast`` (checkpoint paths, resume decisions) go through here."""
+    group = control_group(None)
+    if group is None:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src, group=group)  # src: a global rank; the control group spans the world
+    return box[0]
+
+
 def shard_bytes(state: Any) -> int:
     """Bytes this rank's tensors of ``state`` will occupy on disk (local shards only)."""
     if isinstance(state, dict):

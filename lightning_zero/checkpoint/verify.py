@@ -24,7 +24,7 @@ import json
 import math
 import os
 import zlib
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 
@@ -203,6 +203,12 @@ def verify_checkpoint(path: Any, *, checksums: bool = True) -> List[CheckpointEr
     DCP ``.metadata`` (readable without running pickled code, chunks covering each tensor exactly, records inside
     the files). Used by ``lightning-zero verify``; ``load`` and ``consolidate`` run the same checks.
     """
+    return verify_and_read(path, checksums=checksums)[0]
+
+
+def verify_and_read(path: Any, *, checksums: bool = True) -> Tuple[List[CheckpointError], Dict[str, Any]]:
+    """:func:`verify_checkpoint`, and what it read on the way: ``{"metadata": <DCP Metadata>, "meta": <meta.pt
+    dict>}`` (those that were readable), so a caller that goes on to use them reads neither file again."""
     from lightning_zero.checkpoint.io import checkpoint_directory, read_checkpoint_info
     from lightning_zero.checkpoint.safe_load import load_meta, read_dcp_metadata
 
@@ -210,17 +216,18 @@ def verify_checkpoint(path: Any, *, checksums: bool = True) -> List[CheckpointEr
         directory = checkpoint_directory(path)
         info = read_checkpoint_info(directory)
     except CheckpointError as err:
-        return [err]
+        return [err], {}
     problems = check_files(directory, info, checksums=checksums)
     bad = {problem.path for problem in problems}
-    for read in (read_dcp_metadata, load_meta):
+    read: Dict[str, Any] = {}
+    for name, reader in (("metadata", read_dcp_metadata), ("meta", load_meta)):
         try:
-            result = read(directory)
+            read[name] = reader(directory)
         except CheckpointError as err:
             if err.path not in bad:
                 problems.append(err)
             continue
-        if read is read_dcp_metadata:
+        if name == "metadata":
             files = info.get("files")
-            problems += [p for p in check_metadata(directory, result, files) if p.path not in bad]
-    return _unique(problems)
+            problems += [p for p in check_metadata(directory, read[name], files) if p.path not in bad]
+    return _unique(problems), read

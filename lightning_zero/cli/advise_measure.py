@@ -191,25 +191,18 @@ def _train(rank: int, world: int, spec: dict, cuda: bool) -> dict:
             "tensors": timer.tensors}
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def main(argv: Optional[list] = None) -> int:
     import torch.multiprocessing as mp
 
     from lightning_zero.cli.advise_model import load_object
+    from lightning_zero.diagnostics.network import free_port
 
     with open((argv or sys.argv[1:])[0]) as f:
         spec = json.load(f)
     load_object(spec["model_class"])  # import the user's module once, before the ranks fork
     # Fork shares the imports (seconds per rank on a small CPU machine); CUDA cannot be forked.
     method = "spawn" if spec["accelerator"] == "cuda" else "fork"
-    mp.start_processes(_rank, args=(spec["devices"], _free_port(), spec), nprocs=spec["devices"],
+    mp.start_processes(_rank, args=(spec["devices"], free_port(), spec), nprocs=spec["devices"],
                        start_method=method)
     return 0
 

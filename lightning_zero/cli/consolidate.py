@@ -51,14 +51,14 @@ def _check_combination(args: argparse.Namespace) -> None:
         parser.error("give exactly one of OUTPUT and --hf DIR")
     if args.hf is not None and args.with_optimizer:
         parser.error("--with-optimizer writes a resumable Lightning checkpoint; it cannot go with --hf")
-    if args.output is not None and args.strip_prefix is not None and not args.output.endswith(".safetensors"):
-        parser.error("--strip-prefix applies to --hf or a .safetensors OUTPUT (a Lightning checkpoint keeps the "
-                     "LightningModule's keys)")
     if args.max_shard_size is not None and args.hf is None:
         parser.error("--max-shard-size applies to --hf")
-    if args.with_optimizer and args.dtype is not None:
-        parser.error("--with-optimizer keeps the trained dtypes (a resumed run continues from the exact weights); "
-                     "leave out --dtype")
+    if args.output is not None:  # the rules of consolidate_checkpoint and ConsolidateCheckpoint, in the CLI's words
+        from lightning_zero.checkpoint.consolidate import CLI_NAMES, options_problem
+
+        problem = options_problem(args.output, args.dtype, args.with_optimizer, args.strip_prefix, CLI_NAMES)
+        if problem:
+            parser.error(problem)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 from typing import Optional
 
@@ -133,18 +132,14 @@ def run(args: argparse.Namespace) -> int:
         nproc = torch.cuda.device_count() if options["backend"] == "nccl" else 2
     if nproc < 1:
         raise SystemExit(f"diagnose: --nproc-per-node must be >= 1, got {nproc}")
-    port = _free_port()
+    from lightning_zero.diagnostics.network import free_port
+
+    port = free_port()
     if nproc == 1:
         return _spawned_entry(0, 1, port, options)
     method = "spawn" if options["backend"] == "nccl" else "fork"
     mp.start_processes(_spawned_entry, args=(nproc, port, options), nprocs=nproc, join=True, start_method=method)
     return 0
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _spawned_entry(rank: int, world_size: int, port: int, options: dict) -> int:

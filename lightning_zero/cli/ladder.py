@@ -98,25 +98,12 @@ def this_machine(devices: Optional[int] = None) -> Machine:
 
 
 def available_cpu_memory() -> int:
-    """``MemAvailable`` from ``/proc/meminfo``, capped by a cgroup v2 limit; the total memory elsewhere."""
-    available = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    available = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        with open("/sys/fs/cgroup/memory.max") as f:
-            limit = f.read().strip()
-        if limit != "max":
-            available = min(available or int(limit), int(limit))
-    except (OSError, ValueError):
-        pass
-    if available is None:
-        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return available
+    """Host memory this process can still use (``distributed.init.available_host_memory``: ``MemAvailable``, capped
+    by what the cgroup limit leaves after its usage); the total memory where neither can be read."""
+    from lightning_zero.distributed.init import available_host_memory
+
+    available = available_host_memory()
+    return available if available is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def strategy_supports(*names: str) -> bool:

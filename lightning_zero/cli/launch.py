@@ -34,7 +34,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 from collections import OrderedDict
 from datetime import timedelta
 from typing import Mapping, Optional, Sequence
@@ -253,36 +252,32 @@ def fanout_commands(args, resources, environ: Mapping[str, str], launcher: str) 
         return f"{exports} {cd} {' '.join(shlex.quote(a) if a != '--node_rank=%n' else a for a in argv)}"
 
     if launcher == "pdsh":
-        return [["pdsh", "-S", "-f", "1024", "-w", ",".join(hosts), remote("%n")]]
+        # pdsh runs ssh only when told (its default remote command module may be rsh or another one: `-R ssh`),
+        # and takes ssh options only from PDSH_SSH_ARGS_APPEND (kept, when the user set one): the port and
+        # BatchMode go there, as on the ssh path.
+        options = " ".join([environ.get("PDSH_SSH_ARGS_APPEND", "").strip(), *ssh[1:]]).strip()
+        return [["env", f"PDSH_SSH_ARGS_APPEND={options}", "pdsh", "-R", "ssh", "-S", "-f", "1024", "-w",
+                 ",".join(hosts), remote("%n")]]
     return [ssh + [host, remote(str(k))] for k, host in enumerate(hosts)]
 
 
 def _checkin(master_addr: str, port: int, node_rank: int, num_nodes: int, nproc: int, timeout: float,
              identity: dict) -> None:
     """Every node checks in on ``MASTER_ADDR:MASTER_PORT`` before torchrun (see the module docstring)."""
-    import torch.distributed as dist
-
-    from lightning_zero.diagnostics.network import NetworkError, identity_line, wait_for_master
+    from lightning_zero.diagnostics.network import NetworkError, identity_line, missing_after, rendezvous_store
 
     who = f"node rank {node_rank} (host {identity['hostname']}, address {identity['address']} on " \
           f"{identity['interface']})"
     limit = timedelta(seconds=timeout)
-    if node_rank == 0:
-        store = dist.TCPStore(master_addr, port, None, True, timeout=limit, wait_for_workers=False)
-    else:
-        wait_for_master(master_addr, port, timeout, who)
-        store = dist.TCPStore(master_addr, port, None, False, timeout=limit)
+    store = rendezvous_store(master_addr, port, node_rank == 0, timeout, who, limit)
     store.set(f"{_CHECKIN}node/{node_rank}", json.dumps({**identity, "nproc": nproc, "num_nodes": num_nodes}))
     keys = [f"{_CHECKIN}node/{k}" for k in range(num_nodes)]
     if node_rank == 0:
-        end = time.monotonic() + timeout
-        while not store.check(keys):
-            if time.monotonic() >= end:
-                missing = [k for k in range(num_nodes) if not store.check([keys[k]])]
-                raise NetworkError(f"node rank 0 waited {timeout:g} s at {master_addr}:{port} for node rank(s) "
-                                   f"{missing}, which never checked in: check that they were started and can reach "
-                                   f"{master_addr}:{port} (their own launch names the problem)")
-            time.sleep(0.2)
+        missing = missing_after(store, keys, timeout)
+        if missing:
+            raise NetworkError(f"node rank 0 waited {timeout:g} s at {master_addr}:{port} for node rank(s) "
+                               f"{missing}, which never checked in: check that they were started and can reach "
+                               f"{master_addr}:{port} (their own launch names the problem)")
         nodes = [json.loads(store.get(k)) for k in keys]
         for node in nodes:
             print(f"lightning-zero launch: {identity_line(node)}, {node['nproc']} processes", flush=True)
@@ -305,7 +300,9 @@ def _checkin(master_addr: str, port: int, node_rank: int, num_nodes: int, nproc:
 
 def run_node(args, resources, environ: dict) -> int:
     """This node's part: env file, network check, check-in, then torchrun (replacing nothing the user set)."""
-    from lightning_zero.diagnostics.network import DEFAULT_RENDEZVOUS_TIMEOUT, check_network, check_rendezvous_timeout
+    from lightning_zero.diagnostics.network import (
+        DEFAULT_RENDEZVOUS_TIMEOUT, check_network, check_rendezvous_timeout, free_port,
+    )
 
     timeout = check_rendezvous_timeout(DEFAULT_RENDEZVOUS_TIMEOUT if args.rendezvous_timeout is None
                                        else args.rendezvous_timeout)  # 0 is refused, not replaced
@@ -332,7 +329,7 @@ def run_node(args, resources, environ: dict) -> int:
                 raise ValueError(f"CUDA_VISIBLE_DEVICES={environ['CUDA_VISIBLE_DEVICES']} is set, and "
                                  f"--include/--exclude select slots {slots} on {hosts[node_rank]}: choose one")
             environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
-    port = args.master_port or (DEFAULT_PORT if num_nodes > 1 else _free_port())
+    port = args.master_port or (DEFAULT_PORT if num_nodes > 1 else free_port())
     environ.update(MASTER_ADDR=master, MASTER_PORT=str(port))
     command = torchrun_command(args.script, args.script_args, num_nodes, node_rank, nproc, master, port,
                                timeout, args.max_restarts, args.module, args.no_python)
@@ -371,12 +368,6 @@ def run(args: argparse.Namespace) -> int:
         if args.debug:
             raise
         return report("launch", err)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:  # one node: any free port, so that two jobs on one machine do not collide
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _is_local(host: str) -> bool:

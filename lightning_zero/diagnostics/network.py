@@ -8,6 +8,8 @@ looks at the configuration first, so this module does (framework-free, no Lightn
 * :func:`check_network`: host identity (hostname, what it resolves to, the interface and address that route to the
   master, node rank), the ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` sanity, ``MASTER_ADDR``/``MASTER_PORT``; it
   returns errors (the run cannot work) and warnings. Cheap: no connection is opened.
+* :func:`startup_check`: :func:`check_network` once per process for the same inputs, so the strategies' checks
+  before the process group, the rendezvous and the diagnostics callback share one report.
 * :func:`wait_for_master`: a TCP connect to ``MASTER_ADDR:MASTER_PORT`` retried until a deadline, with an error that
   names the node, the address and the interface instead of torch's retry loop.
 * :func:`checked_store`: the ``TCPStore`` for ``init_process_group`` where no launcher agent hosts one (``srun``, a
@@ -221,6 +223,36 @@ def check_network(environ: Mapping[str, str], num_nodes: int, node_rank: int,
     return report
 
 
+#: What :func:`check_network` reads from the environment; with the host name and the node ranks, the key of
+#: :func:`startup_check`'s memo (another value of any of them is another check).
+_READS = ("MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+_STARTUP: dict = {}
+
+
+def startup_check(environ: Mapping[str, str], num_nodes: int, node_rank: int) -> NetworkReport:
+    """:func:`check_network` of this host, run once per process for the same inputs (the last one is kept).
+
+    A start-up asks for it up to three times (the check before the process group, the node's identity for the
+    rendezvous store, the diagnostics callback's audit); each would resolve the host name and the master again,
+    which is slow exactly where DNS is misconfigured. Callers that must see the host as it is now (``diagnose``,
+    ``launch``, tests with their own interface table) call :func:`check_network`."""
+    key = (num_nodes, node_rank, socket.gethostname(), *(environ.get(name, "") for name in _READS))
+    report = _STARTUP.get(key)
+    if report is None:
+        report = check_network(environ, num_nodes, node_rank)
+        _STARTUP.clear()
+        _STARTUP[key] = report
+    return report
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (the kernel's pick on 127.0.0.1), for a one-node rendezvous: two jobs on one
+    machine then do not collide on a fixed port. Used by ``launch``, ``diagnose`` and ``advise --measure``."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def wait_for_master(address: str, port: int, deadline_s: float, who: str, interval: float = 0.5) -> None:
     """Connect to ``address:port`` until it accepts or ``deadline_s`` seconds pass; ``NetworkError`` naming ``who``.
 
@@ -244,6 +276,32 @@ def wait_for_master(address: str, port: int, deadline_s: float, who: str, interv
                        f"{address} the right address, does a firewall block port {port}?")
 
 
+def rendezvous_store(master_addr: str, master_port: int, host: bool, rendezvous_timeout: float, who: str,
+                     timeout: timedelta):
+    """The ``TCPStore`` at ``master_addr:master_port``: hosted here when ``host``, else connected to once the master
+    accepts (:func:`wait_for_master`, at most ``rendezvous_timeout`` seconds, ``NetworkError`` naming ``who``).
+    ``timeout`` is the store's timeout afterwards. Shared by :func:`checked_store` and ``launch``'s node check-in."""
+    import torch.distributed as dist
+
+    if host:
+        return dist.TCPStore(master_addr, master_port, None, True, timeout=timeout, wait_for_workers=False)
+    wait_for_master(master_addr, master_port, rendezvous_timeout, who)
+    store = dist.TCPStore(master_addr, master_port, None, False, timeout=timedelta(seconds=rendezvous_timeout))
+    store.set_timeout(timeout)
+    return store
+
+
+def missing_after(store, keys: list, deadline_s: float) -> list:
+    """Wait up to ``deadline_s`` seconds for every key of ``keys`` in ``store``; the indexes of those still missing
+    then (empty: all arrived)."""
+    end = time.monotonic() + deadline_s
+    while not store.check(keys):
+        if time.monotonic() >= end:
+            return [i for i, key in enumerate(keys) if not store.check([key])]
+        time.sleep(0.2)
+    return []
+
+
 def checked_store(master_addr: str, master_port: int, rank: int, world_size: int, node_rank: int, num_nodes: int,
                   timeout: timedelta, rendezvous_timeout: float, identity: Optional[dict] = None):
     """A ``TCPStore`` for ``init_process_group(store=...)`` after every rank checked in (see the module docstring).
@@ -252,26 +310,15 @@ def checked_store(master_addr: str, master_port: int, rank: int, world_size: int
     node ranks (and global ranks) that never arrived and the hosts that did. Other ranks first wait for the master
     with :func:`wait_for_master` (same bound). ``timeout`` is the store's timeout for the process group afterwards.
     """
-    import torch.distributed as dist
-
     who = f"node rank {node_rank} (rank {rank}, host {socket.gethostname()})"
-    if rank == 0:
-        store = dist.TCPStore(master_addr, master_port, None, True, timeout=timeout, wait_for_workers=False)
-    else:
-        wait_for_master(master_addr, master_port, rendezvous_timeout, who)
-        store = dist.TCPStore(master_addr, master_port, None, False,
-                              timeout=timedelta(seconds=rendezvous_timeout))
-        store.set_timeout(timeout)
+    store = rendezvous_store(master_addr, master_port, rank == 0, rendezvous_timeout, who, timeout)
     store.set(f"{_CHECKIN}{rank}", json.dumps({"node_rank": node_rank, "rank": rank, **(identity or {})}))
     if rank == 0:
         keys = [f"{_CHECKIN}{r}" for r in range(world_size)]
-        end = time.monotonic() + rendezvous_timeout
-        while not store.check(keys):
-            if time.monotonic() >= end:
-                missing = [r for r in range(world_size) if not store.check([keys[r]])]
-                raise NetworkError(_missing_message(store, keys, missing, world_size, num_nodes, master_addr,
-                                                    master_port, rendezvous_timeout))
-            time.sleep(0.2)
+        missing = missing_after(store, keys, rendezvous_timeout)
+        if missing:
+            raise NetworkError(_missing_message(store, keys, missing, world_size, num_nodes, master_addr,
+                                                master_port, rendezvous_timeout))
     return store
 
 

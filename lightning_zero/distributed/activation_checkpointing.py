@@ -32,6 +32,8 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import nn
 
+from lightning_zero.distributed import module_classes
+
 log = logging.getLogger(__name__)
 
 PolicySpec = Union[bool, type, str, frozenset, set, list, tuple, Callable[[nn.Module], bool]]
@@ -166,16 +168,9 @@ def select_blocks(module: nn.Module, config: ActivationCheckpointConfig, *, requ
             raise ValueError("activation_checkpointing=True checkpoints the repeated blocks (classes occurring at "
                              "least twice in a ModuleList/Sequential), but this model has none: pass the classes to "
                              "checkpoint or a callable(module) -> bool")
-        chosen = lambda m: type(m) in classes  # noqa: E731
+        chosen = module_classes.detected(classes)  # [Note: which modules a class selects]
     elif isinstance(policy, frozenset):
-        by_name = {type(m).__name__: type(m) for m in module.modules()}
-        missing = sorted(str(item) for item in policy if isinstance(item, str) and item not in by_name)
-        if missing and require_match:
-            raise ValueError(f"activation_checkpointing names {missing}, but the model has no module of that class. "
-                             f"Classes present: {sorted(by_name)}")
-        classes = {by_name[item] if isinstance(item, str) else item for item in policy
-                   if not isinstance(item, str) or item in by_name}
-        chosen = lambda m: isinstance(m, tuple(classes)) if classes else False  # noqa: E731
+        chosen = module_classes.given(module, policy, "activation_checkpointing", require_match)
     else:
         chosen = policy
     selected: list[nn.Module] = []

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from lightning_zero.config import ZeroConfig
+from lightning_zero.distributed import module_classes
 from lightning_zero.distributed.activation_checkpointing import (
     ActivationCheckpointConfig,
     apply_activation_checkpointing,
@@ -85,22 +86,12 @@ def _has_ancestor_of(root: nn.Module, name: str, classes: set[type]) -> bool:
     return False
 
 
-def _resolve_classes(module: nn.Module, spec: Optional[Iterable]) -> set[type]:
+def _resolve_classes(module: nn.Module, spec: Optional[Iterable]) -> module_classes.ClassSelector:
+    """The FSDP unit classes: detected blocks (exact types) or the user's (subclasses included); see
+    ``[Note: which modules a class selects]`` in :mod:`.module_classes`."""
     if spec is None:
-        return find_repeated_blocks(module)
-    by_name = {type(m).__name__: type(m) for m in module.modules()}
-    resolved: set[type] = set()
-    for item in spec:
-        if isinstance(item, str):
-            if item not in by_name:
-                raise ValueError(
-                    f"sharded_module_classes names {item!r}, but the model has no module of that class. "
-                    f"Classes present: {sorted(by_name)}"
-                )
-            resolved.add(by_name[item])
-        else:
-            resolved.add(item)
-    return resolved
+        return module_classes.detected(find_repeated_blocks(module))
+    return module_classes.given(module, spec, "sharded_module_classes")
 
 
 def sharded_units(module: nn.Module, config: ZeroConfig) -> list[nn.Module]:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import atexit
 import sys
-from types import SimpleNamespace
 from typing import Any, Callable, Optional
 
 from torch import nn
@@ -95,11 +94,10 @@ def save(strategy, path: str, state: dict[str, Any],
     checkpoint[KEYS] = {"modules": module_keys, "optimizers": optimizer_keys}
     if strategy.precision.scaler is not None:
         checkpoint[SCALER] = strategy.precision.state_dict()
-    # The Trainer strategy's save, given this state's module(s) and optimizers.
-    view = SimpleNamespace(exclude_frozen_parameters=strategy.exclude_frozen_parameters, lightning_module=module,
-                           stage=strategy.stage, zero_config=strategy.zero_config, optimizers=optimizers,
-                           ds_config=strategy.ds_config, async_save=strategy.async_save)
-    checkpointing.save(view, checkpoint, path)
+    checkpointing.save_states(checkpoint, path, module=module, optimizers=optimizers, stage=strategy.stage,
+                              offload=strategy.zero_config.offload,
+                              exclude_frozen_parameters=strategy.exclude_frozen_parameters,
+                              ds_config=strategy.ds_config, async_save=strategy.async_save)
     if strategy.async_save:
         _await_at_exit()
 

@@ -22,7 +22,7 @@ from lightning_zero.checkpoint.errors import CheckpointError
 from lightning_zero.checkpoint.hf_export import describe_hf_models
 from lightning_zero.checkpoint.io import (
     checkpoint_directory,
-    load_sharded_checkpoint,
+    load_sharded_states,
     read_checkpoint_info,
     remove_sharded_checkpoint,
     save_sharded_checkpoint,
@@ -122,25 +122,38 @@ def check_checkpoint_callbacks(strategy, trainer) -> None:
 
 
 def save(strategy, checkpoint: dict[str, Any], filepath: str) -> None:
-    """Write ``checkpoint`` (Lightning's dict) as a sharded directory; see the module docstring.
+    """Write ``checkpoint`` (Lightning's dict) as a sharded directory: :func:`save_states` with the Trainer
+    strategy's module, optimizers and settings."""
+    save_states(checkpoint, filepath, module=strategy.lightning_module, optimizers=strategy.optimizers,
+                stage=strategy.stage, offload=strategy.zero_config.offload,
+                exclude_frozen_parameters=strategy.exclude_frozen_parameters, ds_config=strategy.ds_config,
+                async_save=strategy.async_save)
+
+
+def save_states(checkpoint: dict[str, Any], filepath: str, *, module: torch.nn.Module, optimizers: list, stage: int,
+                offload: Any, exclude_frozen_parameters: bool, ds_config: Any, async_save: bool) -> None:
+    """Write ``checkpoint`` (a dict holding ``state_dict`` and ``optimizer_states`` as :func:`module_state_dict` and
+    :func:`optimizer_state_dict` return them, and plain values) as a sharded directory; the twin of
+    :func:`load_states`, called by both adapters. ``module`` and ``optimizers`` are those the states come from
+    (recorded: frozen parameter names, optimizer types, Hugging Face models); ``stage``, ``offload`` and
+    ``ds_config`` are recorded in ``zero.json``; see the module docstring for the layout.
 
     Goes through :func:`lightning_zero.checkpoint.save_sharded_checkpoint`, so the save is atomic (a crash leaves the
-    previous checkpoint at ``filepath`` loadable) and asynchronous when the strategy has ``async_save=True``.
+    previous checkpoint at ``filepath`` loadable) and asynchronous with ``async_save=True``.
     """
     tensors = {"state_dict": checkpoint.pop("state_dict")}
-    if strategy.exclude_frozen_parameters:  # as DeepSpeed's exclude_frozen_parameters; recorded for load
-        excluded = [k for k in frozen_parameter_names(strategy.lightning_module) if k in tensors["state_dict"]]
+    if exclude_frozen_parameters:  # as DeepSpeed's exclude_frozen_parameters; recorded for load
+        excluded = [k for k in frozen_parameter_names(module) if k in tensors["state_dict"]]
         tensors["state_dict"] = {k: v for k, v in tensors["state_dict"].items() if k not in excluded}
         checkpoint["frozen_parameters_excluded"] = excluded
     optimizer_states = checkpoint.pop("optimizer_states", [])
     tensors["optimizer_states"] = {str(i): {"state": osd["state"]} for i, osd in enumerate(optimizer_states)}
     checkpoint["optimizer_param_groups"] = [osd["param_groups"] for osd in optimizer_states]
-    info = {"stage": strategy.stage, "offload": strategy.zero_config.offload,
-            "optimizers": [optimizer_type(o) for o in strategy.optimizers]}
-    if strategy.ds_config is not None:
-        info["ds_config"] = strategy.ds_config.report()  # the effective DeepSpeed config, next to the weights
-    info.update(describe_hf_models(strategy.lightning_module))  # for `consolidate --hf` (prefix, config, ties)
-    save_sharded_checkpoint(filepath, tensors, checkpoint, async_save=strategy.async_save, info=info)
+    info = {"stage": stage, "offload": offload, "optimizers": [optimizer_type(o) for o in optimizers]}
+    if ds_config is not None:
+        info["ds_config"] = ds_config.report()  # the effective DeepSpeed config, next to the weights
+    info.update(describe_hf_models(module))  # for `consolidate --hf` (prefix, config, ties)
+    save_sharded_checkpoint(filepath, tensors, checkpoint, async_save=async_save, info=info)
 
 
 def optimizers_to_restore(strategy) -> list:
@@ -174,12 +187,12 @@ def _check_optimizers(directory: str, optimizers: list, saved_groups: list, save
                               "those of another optimizer", directory)
 
 
-def _params_with_stored_state(directory: str, count: int) -> list[set[str]]:
+def _params_with_stored_state(metadata: Any, count: int) -> list[set[str]]:
     """For each of ``count`` optimizers, the names of the parameters the checkpoint holds a state for.
 
     A checkpoint saved before an optimizer's first step (``Tuner.lr_find`` saves one) holds none, and a parameter
     that never received a gradient has none either: those are requested from the checkpoint by no one."""
-    stored = read_dcp_metadata(directory).state_dict_metadata
+    stored = metadata.state_dict_metadata  # the checkpoint's DCP .metadata
     found: list[set[str]] = []
     for i in range(count):
         prefix = f"optimizer_states.{i}.state."
@@ -236,10 +249,11 @@ def load_states(directory: str, meta: dict[str, Any], module: torch.nn.Module, o
     excluded = set(meta.pop("frozen_parameters_excluded", ()))
     target: dict[str, Any] = {"state_dict": {k: v for k, v in own.items() if k not in excluded}}
     saved_groups = meta.pop("optimizer_param_groups", [])
+    info = metadata = None  # read once here when needed, and handed to the load (which reads them otherwise)
     if optimizers:
-        saved_types = read_checkpoint_info(directory).get("optimizers")
-        _check_optimizers(directory, wrapped, saved_groups, saved_types)
-        stored_states = _params_with_stored_state(directory, len(optimizers))
+        info, metadata = read_checkpoint_info(directory), read_dcp_metadata(directory)
+        _check_optimizers(directory, wrapped, saved_groups, info.get("optimizers"))
+        stored_states = _params_with_stored_state(metadata, len(optimizers))
         target["optimizer_states"] = {}
         for i, optimizer in enumerate(optimizers):
             if not optimizer.state:
@@ -248,7 +262,7 @@ def load_states(directory: str, meta: dict[str, Any], module: torch.nn.Module, o
             # Only the states the checkpoint holds are read; the others start fresh (see _forget_states_...).
             target["optimizer_states"][str(i)] = {"state": {name: state for name, state in states.items()
                                                             if name in stored_states[i]}}
-    load_sharded_checkpoint(directory, target, strict=strict)
+    load_sharded_states(directory, target, strict=strict, info=info, metadata=metadata)
     kept = {k: v for k, v in own.items() if k in excluded}
     module.load_state_dict({**target["state_dict"], **kept}, strict=strict)
     if optimizers:

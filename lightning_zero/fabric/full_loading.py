@@ -28,6 +28,7 @@ from lightning_zero.checkpoint.full_load import (
     copy_full_state_dict,
 )
 from lightning_zero.checkpoint.io import is_sharded_checkpoint
+from lightning_zero.checkpoint.save_guards import all_gather, control_group
 from lightning_zero.distributed.optimizer import get_sharding
 
 
@@ -71,12 +72,11 @@ def optimizer_target(module: torch.nn.Module, optimizer: torch.optim.Optimizer) 
 
 
 def _all_ranks(value: Any) -> list:
-    """``value`` from every rank (``[value]`` without a process group)."""
+    """``value`` from every rank (``[value]`` without a process group), over the gloo control group: Python
+    objects on the training group would pickle through device tensors on NCCL (``save_guards.control_group``)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [value]
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, value)
-    return gathered
+    return all_gather(value, control_group(None))
 
 
 def _raise_on_every_rank(error: Optional[Exception]) -> None:

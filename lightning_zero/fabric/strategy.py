@@ -10,9 +10,9 @@ checkpoints. This class only maps Fabric's calls onto them: ``fabric.setup`` (:m
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager
 from datetime import timedelta
-from typing import Any, Generator, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -35,21 +35,22 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from lightning_zero.checkpoint.io import wait_for_pending_saves
+from lightning_zero.checkpoint.save_guards import broadcast_object
 from lightning_zero.diagnostics.hang_guard import DEFAULT_HANG_TIMEOUT, HangGuard
 from lightning_zero.diagnostics.network import DEFAULT_RENDEZVOUS_TIMEOUT
-from lightning_zero.distributed.hybrid import check_hybrid_world, data_parallel_mesh, shard_group
+from lightning_zero.distributed.hybrid import data_parallel_mesh, shard_group
 from lightning_zero.distributed.init import InitConfig, exact_init
 from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
 from lightning_zero.distributed.optimizer_check import check_optimizer_params
 from lightning_zero.distributed.process_group_exit import destroy_process_group_at_exit
-from lightning_zero.distributed.zero import apply_zero, set_gradient_sync
+from lightning_zero.distributed.zero import apply_zero
 from lightning_zero.offload.param_swapper import detach_param_swapper
 from lightning_zero.fabric import checkpoint
 from lightning_zero.fabric import pipeline_steps as fabric_pipeline
-from lightning_zero.fabric.pipeline_binding import check_pipeline_world, pipeline_mesh
+from lightning_zero.fabric.pipeline_binding import pipeline_mesh
 from lightning_zero.fabric.precision import FabricZeroPrecision, PrecisionFlag, adapt_fabric_precision
 from lightning_zero.fabric.settings import SETTING_NAMES, STRATEGY_NAMES, resolve_settings
-from lightning_zero.fabric import validation
+from lightning_zero.fabric import gradient_sync, validation
 from lightning_zero.fabric.ddp_options import ddp_kwargs_for
 from lightning_zero.fabric.ds_config_binding import DeepSpeedConfigBinding, precision_from_config
 from lightning_zero.fabric.precision_policy import low_precision_allreduce_hook
@@ -240,15 +241,7 @@ class ZeroStrategy(ParallelStrategy):
 
     def setup_environment(self) -> None:
         device = self.root_device
-        validation.check_backend_for_device(self._process_group_backend, device)
-        if self.zero_config.pin_memory and device.type != "cuda":
-            raise ValueError(f"pin_memory=True pins the offloaded CPU copies for fast copies to CUDA, but this run "
-                             f"computes on {device.type!r}: use pin_memory=None (pin only on CUDA) or False")
-        check_pipeline_world(self._pipeline, self.num_processes, self.num_nodes)
-        check_hybrid_world(self.zero_config.hybrid_shard_size, self.num_nodes * self.num_processes,
-                           pipeline=self._pipeline.enabled, num_nodes=self.num_nodes,
-                           num_processes=self.num_processes)
-        validation.check_network_before_process_group(self.num_nodes, self.node_rank)
+        validation.check_before_process_group(self, self.settings.start_method)  # the Trainer's checks too
         super().setup_environment()
         reset_seed()
         self._set_world_ranks()
@@ -382,11 +375,7 @@ class ZeroStrategy(ParallelStrategy):
             dist.barrier()
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
+        return broadcast_object(obj, src)  # over the gloo control group (checkpoint/save_guards.py)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path, state: dict[str, Any], storage_options: Optional[Any] = None,
@@ -449,26 +438,13 @@ class _ZeroBackwardSyncControl(_BackwardSyncControl):
     def __init__(self, strategy: ZeroStrategy) -> None:
         self._strategy = strategy
 
-    @contextmanager
-    def _blocked(self, module: nn.Module) -> Generator[None, None, None]:
-        runner = self._strategy._runner  # a pipeline reduces after the schedule, when sync_grads is set
-        set_gradient_sync(module, False)
-        if runner is not None:
-            runner.sync_grads = False
-        try:
-            yield
-        finally:
-            set_gradient_sync(module, True)
-            if runner is not None:
-                runner.sync_grads = True
-
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
         """No gradient communication in the backward passes inside (gradient accumulation micro-steps)."""
         if not enabled:
             from contextlib import nullcontext
 
             return nullcontext()
-        return self._blocked(module)
+        return gradient_sync.blocked(module, self._strategy._runner)
 
 
 def _holds(module: nn.Module, optimizer: Optimizer) -> bool:

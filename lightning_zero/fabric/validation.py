@@ -181,14 +181,30 @@ def check_deepspeed_launcher_nodes(num_nodes: int) -> None:
 
 
 def validate_before_process_group(strategy: Any) -> None:
-    """Everything ``ZeroStrategy`` can check on each rank before ``init_process_group`` (Trainer attached).
-
-    The network of this node (:mod:`lightning_zero.diagnostics.network`), the launcher's world size, the backend
-    against the device, ``pin_memory`` against the device, the pipeline
-    size against the world size, and the ds_config's Trainer-level settings (precision, clipping, accumulation,
-    logging cadence, the batch-size arithmetic of the numbers the config fixes).
+    """Everything the Trainer's ``ZeroStrategy`` can check on each rank before ``init_process_group``: the checks
+    both adapters share (:func:`check_before_process_group`), then the ds_config's Trainer-level settings
+    (precision, clipping, accumulation, logging cadence, the batch-size arithmetic of the numbers the config fixes).
     """
-    if strategy._start_method == "popen":  # spawn/fork start their own processes, whatever the environment says
+    data_parallel = check_before_process_group(strategy, strategy._start_method)
+    module = strategy.lightning_module
+    trainer = getattr(module, "_trainer", None) if module is not None else None
+    if strategy.ds_config is not None and trainer is not None:
+        from lightning_zero.fabric.ds_config_checks import check_config_against_trainer
+
+        check_config_against_trainer(strategy.ds_config, trainer, strategy.precision_plugin.precision,
+                                     data_parallel)
+
+
+def check_before_process_group(strategy: Any, start_method: str) -> int:
+    """The checks both adapters run on each rank before ``init_process_group`` (one code path, so a multi-node
+    environment means the same under Fabric and the Trainer); returns the data-parallel size.
+
+    Under an external launcher (``start_method="popen"``): the deepspeed launcher's node rank is adopted
+    (``CROSS_RANK``, before anything reads the node rank), its world and node count checked. Then the backend and
+    ``pin_memory`` against the device, the pipeline and hybrid sizes against the world size, and the network of
+    this node (:mod:`lightning_zero.diagnostics.network`).
+    """
+    if start_method == "popen":  # spawn/fork start their own processes, whatever the environment says
         adopt_deepspeed_launcher_node_rank()  # before set_world_ranks reads the node rank
         check_launcher_world_size(strategy.cluster_environment, strategy.num_nodes, strategy.num_processes)
         check_deepspeed_launcher_nodes(strategy.num_nodes)
@@ -206,13 +222,7 @@ def validate_before_process_group(strategy: Any) -> None:
     check_hybrid_world(strategy.zero_config.hybrid_shard_size, world_size, pipeline=pipeline.enabled,
                        num_nodes=strategy.num_nodes, num_processes=strategy.num_processes)
     check_network_before_process_group(strategy.num_nodes, strategy.node_rank)
-    module = strategy.lightning_module
-    trainer = getattr(module, "_trainer", None) if module is not None else None
-    if strategy.ds_config is not None and trainer is not None:
-        from lightning_zero.fabric.ds_config_checks import check_config_against_trainer
-
-        check_config_against_trainer(strategy.ds_config, trainer, strategy.precision_plugin.precision,
-                                     data_parallel)
+    return data_parallel
 
 
 def check_network_before_process_group(num_nodes: int, node_rank: int) -> None:
@@ -221,9 +231,9 @@ def check_network_before_process_group(num_nodes: int, node_rank: int) -> None:
     ``LIGHTNING_ZERO_SKIP_NETWORK_CHECK=1`` turns the errors into warnings (a network the check misjudges)."""
     import logging
 
-    from lightning_zero.diagnostics.network import check_network
+    from lightning_zero.diagnostics.network import startup_check
 
-    report = check_network(os.environ, num_nodes, node_rank)
+    report = startup_check(os.environ, num_nodes, node_rank)
     log = logging.getLogger(__name__)
     for warning in report.warnings:
         log.warning(f"lightning-zero network check on {report.who()}: {warning}")
@@ -242,10 +252,10 @@ def process_group_store(strategy: Any) -> dict[str, Any]:
     kwargs = restarts.process_group_store(timeout)
     if kwargs or strategy.num_nodes == 1 or dist.is_initialized():
         return kwargs
-    from lightning_zero.diagnostics.network import checked_store, check_network
+    from lightning_zero.diagnostics.network import checked_store, startup_check
 
     env = strategy.cluster_environment
-    identity = check_network(os.environ, strategy.num_nodes, strategy.node_rank).identity
+    identity = startup_check(os.environ, strategy.num_nodes, strategy.node_rank).identity
     store = checked_store(env.main_address, env.main_port, strategy.global_rank, strategy.world_size,
                           strategy.node_rank, strategy.num_nodes, timeout or timedelta(minutes=30), rendezvous_timeout,
                           identity)

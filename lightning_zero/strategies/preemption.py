@@ -5,9 +5,10 @@ A signal interrupts a rank at an arbitrary bytecode, possibly in the middle of a
 Lightning's own SIGTERM handler broadcasts a tensor from inside the handler, and its SLURM ``SIGUSR1`` handler
 saves a checkpoint there: a collective the other ranks are not running at that moment, which gloo/NCCL pair with
 whatever collective those ranks issue next (a hang, or data exchanged with the wrong operation). Here the handler
-only records the signal number. At the end of every training batch each rank all-reduces (max) what it recorded,
-so all ranks see the same answer even when only one was signalled; when it is set, every rank saves the same
-checkpoint through the strategy's normal atomic save, and then exits with ``128 + signal`` (a failure, so torchrun
+only records the signal number. At the start of every training batch each rank starts an all-reduce (max) of what it
+recorded, and reads the result at the end of that batch, so all ranks see the same answer even when only one was
+signalled (see ``[Note: agreeing without a per-step sync]``); when it is set, every rank saves the same checkpoint
+through the strategy's normal atomic save, and then exits with ``128 + signal`` (a failure, so torchrun
 restarts the job; SLURM requeues it through Lightning's requeue below). The restarted job resumes from that
 checkpoint: it is the newest complete one in the ``ModelCheckpoint`` directory (:mod:`.restarts`).
 
@@ -18,6 +19,18 @@ the fit still runs; Lightning restores all of them at teardown). With ``SLURMEnv
 requeue signal, Lightning's requeue handler is called at the step boundary instead (every rank together): it saves
 the ``hpc_ckpt`` Lightning restores on a requeued job and runs ``scontrol requeue``. Lightning's per-step broadcast
 of its own SIGTERM flag stays and stays quiet, as that flag is never set.
+
+[Note: agreeing without a per-step sync]
+The agreement runs on every training batch, so it must cost nothing a step notices. A blocking ``all_reduce`` plus
+``.item()`` on the training device stalls the host on every step (on NCCL, ``.item()`` waits for all queued GPU work).
+Instead the flag is a CPU tensor all-reduced on the gloo control group of :mod:`lightning_zero.checkpoint.save_guards`
+(never the training communicator) with ``async_op=True``, started in ``on_train_batch_start`` and waited in
+``on_train_batch_end``: gloo runs it on its own thread while the step computes, so the wait finds it done. Every rank
+starts and waits the same operations in the same batches, so every rank reads the same value and saves at the same
+step. A signal that arrives after a batch started is in the reduce started by the next batch, so it is acted on one
+step later than a blocking check would: at most one step. (A c10d store key was the other candidate: reading it is a
+round trip to the store on every step, and a rank can read it just before another rank sets it, so ranks would not
+agree on the step.)
 
 A checkpoint taken in the middle of an epoch resumes there in the loop counters, but a plain ``DataLoader`` starts
 the epoch's sampler order again from its first batch, so the resumed run equals an uninterrupted run *that resumed
@@ -34,6 +47,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+from lightning_zero.checkpoint.save_guards import control_group
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +72,9 @@ class PreemptionCheckpoint(Callback):
         self.strategy = strategy
         self.received: int = 0
         self._previous: dict[int, Any] = {}
+        self._group: Optional[dist.ProcessGroup] = None
+        self._flag: Optional[torch.Tensor] = None
+        self._pending: Any = None  # the started, not yet waited all-reduce of ``_flag``
 
     def handle(self, signum: int, frame: Any) -> None:
         """The signal handler: record only (see the module note); a handler the user installed before still runs."""
@@ -74,13 +92,31 @@ class PreemptionCheckpoint(Callback):
             self._previous[signum] = original_handlers.get(signum)
             signal.signal(signum, self.handle)
 
+    def on_train_start(self, trainer, pl_module) -> None:
+        if dist.is_available() and dist.is_initialized():
+            self._group = control_group(None)  # collective on first use: every rank is here together
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        """Start this batch's agreement (see ``[Note: agreeing without a per-step sync]``)."""
+        if self._group is None or self._pending is not None:
+            return  # not distributed, or the last batch's end was skipped (the module returned -1): that one stands
+        self._flag = torch.tensor([self.received], dtype=torch.int64)
+        self._pending = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+
     def agreed_signal(self) -> int:
-        """Every rank's recorded signal, all-reduced (max): the same answer everywhere."""
-        if not (dist.is_available() and dist.is_initialized()):
+        """Every rank's recorded signal as of this batch's start, all-reduced (max): the same answer everywhere."""
+        if self._group is None:
             return self.received
-        flag = torch.tensor([self.received], dtype=torch.int64, device=self.strategy.root_device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag.item())
+        if self._pending is None:
+            return 0
+        self._pending.wait()
+        self._pending = None
+        return int(self._flag[0])
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self._pending is not None:  # a batch whose end hook did not run: finish its reduce before the fit ends
+            self._pending.wait()
+            self._pending = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         signum = self.agreed_signal()

@@ -22,7 +22,6 @@ from lightning.fabric.utilities.distributed import (
     _init_dist_connection,
     _sync_ddp_if_available,
 )
-from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.ddp import _DDPForwardRedirection
@@ -35,6 +34,7 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_zero.checkpoint.io import wait_for_pending_saves
+from lightning_zero.checkpoint.save_guards import broadcast_object
 from lightning_zero.diagnostics.hang_guard import DEFAULT_HANG_TIMEOUT, HangGuard
 from lightning_zero.distributed import hybrid
 from lightning_zero.diagnostics.network import DEFAULT_RENDEZVOUS_TIMEOUT
@@ -44,10 +44,10 @@ from lightning_zero.distributed.manual_backward import ManualBackward
 from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
 from lightning_zero.distributed.optimizer_check import check_optimizer_params
 from lightning_zero.distributed.process_group_exit import destroy_process_group_at_exit
-from lightning_zero.distributed.zero import apply_zero, set_gradient_sync, swap_parameters
+from lightning_zero.distributed.zero import apply_zero, swap_parameters
 from lightning_zero.offload.param_swapper import detach_param_swapper
 from lightning_zero.fabric.settings import SETTING_NAMES, STRATEGY_NAMES, resolve_settings
-from lightning_zero.fabric import checkpointing, validation
+from lightning_zero.fabric import checkpointing, gradient_sync, validation
 from lightning_zero.fabric.ddp_options import ddp_kwargs_for, explain_unused_parameters
 from lightning_zero.fabric.ds_config_binding import DeepSpeedConfigBinding, effective_ds_config, precision_from_config
 from lightning_zero.fabric.pipeline_binding import PipelineGradients, pipeline_mesh
@@ -432,15 +432,8 @@ class ZeroStrategy(ParallelStrategy):
     def block_backward_sync(self) -> Generator[None, None, None]:
         """No gradient communication on the micro-steps of gradient accumulation."""
         assert self.model is not None
-        set_gradient_sync(self.model, False)
-        if self._runner is not None:
-            self._runner.sync_grads = False
-        try:
+        with gradient_sync.blocked(self.model, self._runner):
             yield
-        finally:
-            set_gradient_sync(self.model, True)
-            if self._runner is not None:
-                self._runner.sync_grads = True
 
     def backward(self, closure_loss: Tensor, optimizer, *args: Any, **kwargs: Any) -> Tensor:
         self.hang_guard.beat("backward")
@@ -507,11 +500,7 @@ class ZeroStrategy(ParallelStrategy):
             dist.barrier()
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src, group=_group.WORLD)
-        return box[0]
+        return broadcast_object(obj, src)  # over the gloo control group (checkpoint/save_guards.py)
 
     def reduce(self, tensor: Any, group: Optional[Any] = None,
                reduce_op: Optional[Union[dist.ReduceOp, str]] = "mean") -> Any:

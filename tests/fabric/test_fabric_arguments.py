@@ -58,3 +58,28 @@ def test_checkpoint_state_with_dotted_module_keys_or_orphan_optimizers_is_refuse
         ZeroStrategy().load_checkpoint("x", a)
     with pytest.raises(ValueError, match="weights_only=False is not honoured"):
         ZeroStrategy().load_checkpoint("x", {"a": a}, weights_only=False)
+
+
+def test_both_adapters_block_gradient_sync_through_one_helper(monkeypatch):
+    # Trainer.block_backward_sync and fabric.no_backward_sync: one helper (fabric/gradient_sync.py), which switches
+    # the module's and the pipeline runner's reductions off inside and back on after, also through an exception.
+    from types import SimpleNamespace
+
+    from lightning_zero.fabric import gradient_sync
+
+    calls = []
+    monkeypatch.setattr(gradient_sync, "set_gradient_sync", lambda module, enabled: calls.append((module, enabled)))
+    module, runner = nn.Linear(2, 2), SimpleNamespace(sync_grads=True)
+    trainer_strategy = TrainerZeroStrategy(stage=2)
+    trainer_strategy.model, trainer_strategy._runner = module, runner
+    fabric_strategy = ZeroStrategy(stage=2)
+    fabric_strategy._runner = runner
+    blocks = {"trainer": trainer_strategy.block_backward_sync,
+              "fabric": lambda: fabric_strategy._backward_sync_control.no_backward_sync(module, enabled=True)}
+    for name, block in blocks.items():
+        calls.clear()
+        with pytest.raises(RuntimeError, match="inside"):
+            with block():
+                assert calls == [(module, False)] and runner.sync_grads is False, name
+                raise RuntimeError("inside")
+        assert calls == [(module, False), (module, True)] and runner.sync_grads is True, name

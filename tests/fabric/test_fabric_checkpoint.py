@@ -111,3 +111,110 @@ def test_two_modules_and_their_optimizers_in_one_checkpoint(tmp_path):
     consolidate_checkpoint(path, str(tmp_path / "gan.pt"))
     weights = torch.load(tmp_path / "gan.pt", weights_only=True)["state_dict"]
     assert {k.split(".")[0] for k in weights} == {"gen", "disc"}
+
+
+def _count_checkpoint_reads(patches):
+    """Append to ``patches`` counting wrappers of the three readers of a checkpoint's small files; return the counts."""
+    import json
+
+    from lightning_zero.checkpoint import safe_load
+
+    counts = {"zero.json": 0, ".metadata": 0, "meta.pt": 0}
+    json_load, torch_load, unpickle = json.load, torch.load, safe_load.DCPMetadataUnpickler.load
+
+    def counted_json_load(file, *args, **kwargs):
+        counts["zero.json"] += os.path.basename(getattr(file, "name", "")) == "zero.json"
+        return json_load(file, *args, **kwargs)
+
+    def counted_torch_load(source, *args, **kwargs):
+        counts["meta.pt"] += isinstance(source, str) and os.path.basename(source) == "meta.pt"
+        return torch_load(source, *args, **kwargs)
+
+    def counted_unpickle(self):
+        counts[".metadata"] += 1
+        return unpickle(self)
+
+    patches.extend([(json, "load", counted_json_load), (torch, "load", counted_torch_load),
+                                (safe_load.DCPMetadataUnpickler, "load", counted_unpickle)])
+    return counts
+
+
+def _reads_once_worker(rank, world_size, path):
+    fabric = make_fabric(ZeroStrategy(stage=2))
+    model, optimizer = fabric_train(fabric, rank, world_size, steps=range(1))
+    fabric.save(path, {"model": model, "optimizer": optimizer, "step": 1})
+    patches = []
+    counts = _count_checkpoint_reads(patches)
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, value in patches:
+        setattr(owner, name, value)
+    try:
+        state = {"model": model, "optimizer": optimizer, "step": 0}
+        fabric.load(path, state)
+    finally:
+        for owner, name, value in originals:
+            setattr(owner, name, value)
+    assert state["step"] == 1
+    # Each small file of the checkpoint is read (and verified) once per load, DCP's own .metadata read included.
+    assert counts == {"zero.json": 1, ".metadata": 1, "meta.pt": 1}, counts
+
+
+def test_load_reads_each_checkpoint_record_once(tmp_path):
+    run_distributed(_reads_once_worker, 2, str(tmp_path / "once.ckpt"))
+
+
+def test_save_states_and_load_states_take_explicit_arguments_no_strategy(tmp_path):
+    # The shared checkpoint helper both adapters call, without a strategy object (Fabric used to fake one).
+    from lightning_zero.fabric import checkpointing
+
+    torch.manual_seed(0)
+    module = TinyNet()
+    next(module.parameters()).requires_grad_(False)
+    frozen = checkpointing.frozen_parameter_names(module)
+    optimizer = make_optimizer(module)
+    module(torch.randn(4, 8)).pow(2).mean().backward()
+    optimizer.step()
+    saved = {k: v.clone() for k, v in module.state_dict().items()}
+    checkpoint = {"state_dict": checkpointing.module_state_dict(module),
+                  "optimizer_states": [checkpointing.optimizer_state_dict(module, optimizer)], "step": 1}
+    path = str(tmp_path / "states.ckpt")
+    checkpointing.save_states(checkpoint, path, module=module, optimizers=[optimizer], stage=0, offload=None,
+                              exclude_frozen_parameters=True, ds_config=None, async_save=False)
+    info = read_checkpoint_info(path)
+    assert info["stage"] == 0 and info["optimizers"] == [checkpointing.optimizer_type(optimizer)]
+    stored = read_dcp_metadata(path).state_dict_metadata
+    assert frozen and not any(f"state_dict.{name}" in stored for name in frozen)  # excluded (recorded in meta.pt, below)
+
+    torch.manual_seed(1)
+    fresh = TinyNet()
+    fresh.load_state_dict({**fresh.state_dict(), **{name: saved[name] for name in frozen}})
+    fresh_optimizer = make_optimizer(fresh)
+    from lightning_zero.checkpoint.safe_load import load_meta
+
+    meta = load_meta(path)
+    assert meta["frozen_parameters_excluded"] == frozen and meta["step"] == 1
+    checkpointing.load_states(path, meta, fresh, [fresh_optimizer], strict=True)
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in saved.items())
+    assert fresh_optimizer.state_dict()["state"].keys() == optimizer.state_dict()["state"].keys()
+
+
+def test_consolidation_reads_each_checkpoint_record_once(tmp_path):
+    # DCPTensorSource verifies the checkpoint and then uses what verification read (.metadata, meta.pt), instead of
+    # unpickling .metadata and loading meta.pt a second time.
+    from lightning_zero.checkpoint.io import save_sharded_checkpoint
+
+    model = TinyNet()
+    path = str(tmp_path / "plain.ckpt")
+    save_sharded_checkpoint(path, {"state_dict": model.state_dict()}, {"epoch": 1})
+    patches = []
+    counts = _count_checkpoint_reads(patches)
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, value in patches:
+        setattr(owner, name, value)
+    try:
+        consolidate_checkpoint(path, str(tmp_path / "out.ckpt"))
+    finally:
+        for owner, name, value in originals:
+            setattr(owner, name, value)
+    assert counts == {"zero.json": 1, ".metadata": 1, "meta.pt": 1}, counts
+    assert torch.load(tmp_path / "out.ckpt", weights_only=True)["epoch"] == 1

@@ -18,6 +18,7 @@ from lightning_zero.cli import build_parser
 from lightning_zero.cli.launch import (
     _hosts, fanout_commands, find_env_file, parse_hostfile, read_env_file, select_resources, torchrun_command,
 )
+from lightning_zero.diagnostics.network import free_port
 from tests.launch.hosts import LOOPBACK, make_netns_hosts, netns_unavailable, remove_netns_hosts
 
 REPO = Path(__file__).resolve().parents[2]
@@ -111,9 +112,20 @@ def test_fanout_runs_this_command_on_every_node_with_its_node_rank():
         node_args = build_parser().parse_args(argv)
         assert dict(_hosts(node_args)) == {"node1": [0, 1], "node2": [0, 1]} and node_args.node_rank == rank
     (pdsh,) = fanout_commands(_args(), resources, environ, "pdsh")
-    assert pdsh[:6] == ["pdsh", "-S", "-f", "1024", "-w", "node1,node2"] and "--node_rank=%n" in pdsh[6]
+    assert pdsh[:10] == ["env", "PDSH_SSH_ARGS_APPEND=-o BatchMode=yes", "pdsh", "-R", "ssh", "-S", "-f", "1024", "-w",
+                         "node1,node2"] and "--node_rank=%n" in pdsh[10]
     with pytest.raises(ValueError, match="--env NOT_SET"):
         fanout_commands(_args(env=["NOT_SET"]), resources, environ, "ssh")
+
+
+def test_pdsh_fanout_uses_ssh_on_the_given_port():
+    # pdsh must be told to use ssh (-R ssh) and gets ssh options only through PDSH_SSH_ARGS_APPEND: --ssh_port was
+    # dropped before. A PDSH_SSH_ARGS_APPEND the user set is kept in front.
+    resources = select_resources(parse_hostfile(HOSTFILE), include="node1@node2")
+    (pdsh,) = fanout_commands(_args(ssh_port=2222), resources, {"PDSH_SSH_ARGS_APPEND": "-i key"}, "pdsh")
+    assert pdsh[:5] == ["env", "PDSH_SSH_ARGS_APPEND=-i key -o BatchMode=yes -p 2222", "pdsh", "-R", "ssh"]
+    ssh = fanout_commands(_args(ssh_port=2222), resources, {}, "ssh")
+    assert all(command[:5] == ["ssh", "-o", "BatchMode=yes", "-p", "2222"] for command in ssh)
 
 
 def test_torchrun_command_is_a_static_rendezvous_with_a_bounded_wait():
@@ -162,23 +174,15 @@ def _finish(proc, timeout=300):
     return proc.returncode, out
 
 
-def _port():
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_node_launch_equals_one_node(hosts, tmp_path):
     """Stage 3, world size 2: 2 nodes x 1 process (two namespaces) against 1 node x 2 processes; bitwise equal."""
     start = time.perf_counter()
-    one = _launch(hosts, 0, 1, 2, _port(), tmp_path / "one.pt")
+    one = _launch(hosts, 0, 1, 2, free_port(), tmp_path / "one.pt")
     code, log = _finish(one)
     one_node_s = time.perf_counter() - start
     assert code == 0, log[-3000:]
-    start, port = time.perf_counter(), _port()
+    start, port = time.perf_counter(), free_port()
     procs = [_launch(hosts, node, 2, 1, port, tmp_path / "two.pt", "--rendezvous_timeout=120") for node in (0, 1)]
     results = [_finish(p) for p in procs]
     two_node_s = time.perf_counter() - start
@@ -203,7 +207,7 @@ def test_loopback_interface_across_hosts_fails_fast_naming_it(tmp_path):
     made = make_netns_hosts(f"{os.getpid() % 10000}m", subnet=os.getpid() % 200 + 1)
     try:
         start = time.perf_counter()
-        proc = _launch(made, 1, 2, 1, _port(), tmp_path / "x.pt", "--rendezvous_timeout=30",
+        proc = _launch(made, 1, 2, 1, free_port(), tmp_path / "x.pt", "--rendezvous_timeout=30",
                        env={"GLOO_SOCKET_IFNAME": "lo"})
         code, log = _finish(proc, timeout=60)
         assert time.perf_counter() - start < 60
@@ -219,8 +223,8 @@ def test_missing_node_and_unreachable_master_fail_within_the_rendezvous_timeout(
     """Node rank 0 alone names the node rank that never checked in; a node whose master does not answer names the
     address; both within --rendezvous_timeout instead of torchrun's 10 minutes."""
     start = time.perf_counter()
-    alone = _launch(hosts, 0, 2, 1, _port(), tmp_path / "x.pt", "--rendezvous_timeout=4")
-    lost = _launch(hosts, 1, 2, 1, _port(), tmp_path / "y.pt", "--rendezvous_timeout=4")  # nobody listens there
+    alone = _launch(hosts, 0, 2, 1, free_port(), tmp_path / "x.pt", "--rendezvous_timeout=4")
+    lost = _launch(hosts, 1, 2, 1, free_port(), tmp_path / "y.pt", "--rendezvous_timeout=4")  # nobody listens there
     (code0, log0), (code1, log1) = _finish(alone, 60), _finish(lost, 60)
     assert time.perf_counter() - start < 60
     assert code0 == 1 and "waited 4 s" in log0 and "node rank(s) [1], which never checked in" in log0, log0
@@ -234,7 +238,7 @@ def test_two_node_srun_style_launch_uses_the_checked_rendezvous(hosts, tmp_path)
     ZeroStrategy's own checked rendezvous joins them, and the weights match the single-process reference."""
     from tests.lightning_models import reference_weights
 
-    port, procs = _port(), []
+    port, procs = free_port(), []
     for node in (0, 1):
         env = {**os.environ, "PYTHONPATH": str(REPO), **hosts.env(node), "MASTER_ADDR": hosts.addresses[0],
                "MASTER_PORT": str(port), "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "1", "SLURM_NNODES": "2",
@@ -272,7 +276,7 @@ def test_ssh_fanout_from_a_hostfile_trains_on_both_hosts(hosts, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "PATH": f"{bin_dir}:{os.environ['PATH']}"}
     env.pop("GLOO_SOCKET_IFNAME", None)
     proc = subprocess.Popen([sys.executable, "-m", "lightning_zero", "launch", "--hostfile", str(tmp_path / "hostfile"),
-                             "--launcher", "ssh", f"--master_port={_port()}", "--rendezvous_timeout=120", JOB,
+                             "--launcher", "ssh", f"--master_port={free_port()}", "--rendezvous_timeout=120", JOB,
                              str(tmp_path / "ssh.pt"), "2"], cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     code, log = _finish(proc)

@@ -11,18 +11,13 @@ from lightning.pytorch import Trainer
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.diagnostics.network import (
-    Interface, NetworkError, check_network, check_rendezvous_timeout, checked_store, interfaces, wait_for_master,
+    Interface, NetworkError, check_network, check_rendezvous_timeout, checked_store, free_port, interfaces,
+    wait_for_master,
 )
 from tests.lightning_models import RegressionModule
 
 TABLE = [Interface("lo", "127.0.0.1", True, True), Interface("eth0", "10.1.0.5", True, False),
          Interface("ib0", None, False, False)]
-
-
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _route(address):
@@ -82,7 +77,7 @@ def test_rendezvous_timeout_is_validated():
 
 
 def test_unreachable_master_and_missing_node_fail_within_the_bound():
-    port = _free_port()
+    port = free_port()
     start = time.monotonic()
     with pytest.raises(NetworkError, match=rf"node rank 1 .* cannot reach MASTER_ADDR:MASTER_PORT 127.0.0.1:{port}"):
         wait_for_master("127.0.0.1", port, 1.0, "node rank 1 (host h)")
@@ -97,7 +92,7 @@ def test_unreachable_master_and_missing_node_fail_within_the_bound():
 def _fit_as_node_zero_of_two(monkeypatch, tmp_path, **env):
     """ZeroStrategy on node rank 0 of a 2-node job (a manual launch: LightningEnvironment), whose node 1 never
     starts."""
-    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), NODE_RANK="0", LOCAL_RANK="0",
+    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), NODE_RANK="0", LOCAL_RANK="0",
                            WORLD_SIZE="2", LOCAL_WORLD_SIZE="1", **env).items():
         monkeypatch.setenv(key, value)
     trainer = Trainer(strategy=ZeroStrategy(stage=2, rendezvous_timeout=2), accelerator="cpu", devices=1,
@@ -168,3 +163,42 @@ def test_diagnostics_callback_audits_every_node():
     from tests.distributed import run_distributed
 
     run_distributed(_two_node_audit_worker, 2)
+
+
+def _count_network_checks(monkeypatch):
+    from lightning_zero.diagnostics import network
+
+    calls = []
+    original = network.check_network
+
+    def counted(*args, **kwargs):
+        calls.append(args[1:3])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(network, "check_network", counted)
+    monkeypatch.setattr(network, "_STARTUP", {})  # nothing remembered from another test of this process
+    return calls
+
+
+def test_trainer_start_up_checks_the_network_once(monkeypatch, tmp_path):
+    # The check before the process group and the rendezvous store's node identity: one check_network, not two.
+    calls = _count_network_checks(monkeypatch)
+    with pytest.raises(NetworkError, match=r"node rank\(s\) \[1\]"):
+        _fit_as_node_zero_of_two(monkeypatch, tmp_path)
+    assert calls == [(2, 0)]
+
+
+def test_fabric_start_up_checks_the_network_once(monkeypatch):
+    from lightning.fabric import Fabric
+
+    from lightning_zero.fabric import ZeroStrategy as FabricZeroStrategy
+
+    calls = _count_network_checks(monkeypatch)
+    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), NODE_RANK="0", LOCAL_RANK="0",
+                           WORLD_SIZE="2", LOCAL_WORLD_SIZE="1").items():
+        monkeypatch.setenv(key, value)
+    fabric = Fabric(strategy=FabricZeroStrategy(stage=2, rendezvous_timeout=2), accelerator="cpu", devices=1,
+                    num_nodes=2)
+    with pytest.raises(NetworkError, match=r"node rank\(s\) \[1\]"):
+        fabric.launch()
+    assert calls == [(2, 0)]

@@ -36,6 +36,47 @@ def test_cross_rank_becomes_the_node_rank_when_none_is_set(monkeypatch):
         check_deepspeed_launcher_nodes(1)
 
 
+def _start_as_node_one_of_a_deepspeed_launch(monkeypatch, start):
+    """Start a strategy as the only rank of node 1 of a 2-node ``deepspeed --no_local_rank`` launch (node 0 never
+    comes, so the start fails at the rendezvous); return the node rank and global rank it took."""
+    from lightning_zero.diagnostics.network import NetworkError
+
+    names = ("NODE_RANK", "GROUP_RANK", "CROSS_RANK", "CROSS_SIZE")
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k not in names})  # no leak
+    for key, value in dict(CROSS_RANK="1", CROSS_SIZE="2", RANK="1", LOCAL_RANK="0", WORLD_SIZE="2",
+                           LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())).items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(NetworkError) as failure:
+        start()
+    return failure, os.environ.get("NODE_RANK")
+
+
+def test_fabric_and_trainer_take_the_deepspeed_launchers_node_rank_alike(monkeypatch, tmp_path):
+    # One code path before the process group (validation.check_before_process_group): Fabric adopted no CROSS_RANK
+    # before, so its rank of node 1 called itself node 0 (global rank 0) and hosted the rendezvous itself.
+    from lightning.fabric import Fabric
+    from lightning.pytorch import Trainer
+
+    from lightning_zero import ZeroStrategy
+    from lightning_zero.fabric import ZeroStrategy as FabricZeroStrategy
+    from tests.lightning_models import RegressionModule
+
+    def fabric():
+        Fabric(strategy=FabricZeroStrategy(stage=2, rendezvous_timeout=1), accelerator="cpu", devices=1,
+               num_nodes=2).launch()
+
+    def trainer():
+        Trainer(strategy=ZeroStrategy(stage=2, rendezvous_timeout=1), accelerator="cpu", devices=1, num_nodes=2,
+                max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                enable_model_summary=False, default_root_dir=tmp_path).fit(RegressionModule())
+
+    for start in (trainer, fabric):
+        failure, node_rank = _start_as_node_one_of_a_deepspeed_launch(monkeypatch, start)
+        assert node_rank == "1", start.__name__
+        # node 1's rank waits for node 0's master, rather than hosting the rendezvous as global rank 0
+        assert failure.match(r"node rank 1 \(rank 1, .*cannot reach MASTER_ADDR"), start.__name__
+
+
 @pytest.mark.slow
 def test_two_node_deepspeed_launch_with_no_local_rank_trains_hsdp_like_one_process(tmp_path):
     """Both "nodes" of a 2 x 2 launch run here, each through DeepSpeed's per-node launcher, as ``deepspeed`` runs

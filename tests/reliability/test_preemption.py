@@ -111,3 +111,58 @@ def test_torchrun_preempted_job_restarts_and_ends_equal_to_a_run_resumed_at_the_
     assert preempted["global_step"] == reference["global_step"] == EPOCHS * STEPS_PER_EPOCH
     for key, value in reference["weights"].items():
         assert torch.equal(preempted["weights"][key], value), key
+
+
+class _Recorded:
+    """A Work handle that notes its ``wait`` in ``events``."""
+
+    def __init__(self, work, events):
+        self.work, self.events = work, events
+
+    def wait(self, *args, **kwargs):
+        self.events.append("wait")
+        return self.work.wait(*args, **kwargs)
+
+
+class _StepMark(Callback):
+    def __init__(self, events):
+        self.events = events
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        self.events.append("step")
+
+
+def _agreement_cost_worker(rank, world_size, root):
+    import sys
+
+    import torch.distributed as dist
+
+    from lightning_zero.checkpoint.save_guards import control_group
+
+    events, calls = [], []
+    original = dist.all_reduce
+
+    def all_reduce(tensor, *args, **kwargs):
+        caller = sys._getframe(1).f_code.co_filename
+        if not caller.endswith(os.path.join("strategies", "preemption.py")):
+            return original(tensor, *args, **kwargs)
+        calls.append(kwargs)
+        events.append("reduce")
+        work = original(tensor, *args, **kwargs)
+        return _Recorded(work, events) if work is not None else None
+
+    dist.all_reduce = all_reduce
+    try:
+        _fit(root, [_StepMark(events)])
+    finally:
+        dist.all_reduce = original
+    steps = EPOCHS * STEPS_PER_EPOCH
+    # One reduce per training batch, none of them blocking, all on the gloo control group (not the training
+    # communicator), each started before the batch's step and waited after it: the step overlaps it.
+    assert len(calls) == steps, calls
+    assert all(c.get("async_op") is True and c.get("group") is control_group(None) for c in calls), calls
+    assert events == ["reduce", "step", "wait"] * steps, events
+
+
+def test_preemption_agreement_is_one_async_reduce_per_step_on_the_control_group(tmp_path):
+    run_distributed(_agreement_cost_worker, 2, str(tmp_path))
