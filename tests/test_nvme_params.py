@@ -18,7 +18,8 @@ from tests.lightning_models import WIDTH, RegressionModule, full_state, quiet_tr
 BATCH = 4
 STEPS = 4
 # Net at 2 ranks: each block's padded local shards hold 8x16+8 = 136 elements, the root unit's (inp, out) 90. FSDP2's
-# backward prefetch holds two blocks at once (272), so 300 lets no more than that be resident.
+# backward prefetch holds two blocks at once (272), so 300 lets no more than that be resident; under the default
+# unit_bytes both blocks are one unit (272 elements), which 300 holds but not next to the root's.
 MAX_IN_CPU = 300
 
 
@@ -32,6 +33,7 @@ class _ParamSwapWitness(Callback):
         self.peak = 0
         self.read = 0
         self.read_ahead = 0
+        self.units = []
 
     def on_train_batch_end(self, trainer, module, *args):
         swapper = get_param_swapper(module)
@@ -46,6 +48,7 @@ class _ParamSwapWitness(Callback):
         assert 0 < swapper.peak_resident_elements <= swapper.nvme.max_in_cpu
         assert swapper.peak_buffers <= swapper.nvme.buffer_count
         self.peak = swapper.peak_resident_elements
+        self.units = [unit.name for unit in swapper.units]
         self.read = swapper.bytes_read
         self.read_ahead = swapper.chunks_read_ahead
         self.checked += 1
@@ -56,7 +59,7 @@ def _nvme_kwargs(root, **extra):
                 sub_group_size=200, **extra)
 
 
-def _parity_worker(rank, world_size, root):
+def _parity_worker(rank, world_size, root, unit_bytes):
     finals = {}
     for label, kwargs in (("nvme", _nvme_kwargs(root)),
                           # activation checkpointing: the backward recomputes each block between its re-gather
@@ -67,7 +70,8 @@ def _parity_worker(rank, world_size, root):
         torch.manual_seed(0)
         module = RegressionModule(batch_size=BATCH)
         witness = _ParamSwapWitness()
-        trainer = quiet_trainer(ZeroStrategy(stage=3, **kwargs), world_size, max_steps=STEPS,
+        strategy = ZeroStrategy(stage=3, unit_bytes=unit_bytes, **kwargs)
+        trainer = quiet_trainer(strategy, world_size, max_steps=STEPS,
                                 accumulate_grad_batches=2, gradient_clip_val=0.05,
                                 callbacks=[witness] if label != "cpu" else [])
         trainer.fit(module)
@@ -77,6 +81,10 @@ def _parity_worker(rank, world_size, root):
             assert witness.read > 0
             assert witness.read_ahead > 0, "the next unit in the learned order must be read ahead"
             assert not os.path.exists(witness.folder), "teardown must remove the run's swap folder"
+            # one swap unit per fully_shard call: the two blocks grouped into one (default unit_bytes) or one each
+            blocks = ["net.blocks.0+net.blocks.1"] if unit_bytes is None else ["net.blocks.0", "net.blocks.1"]
+            expected_units = ["<root>", *blocks]
+            assert witness.units == expected_units, label
             assert get_param_swapper(module) is None
             if label == "nvme":
                 assert get_swapper(trainer.optimizers[0]) is None
@@ -90,8 +98,9 @@ def _parity_worker(rank, world_size, root):
     assert not [name for name in os.listdir(root) if name.startswith("lz-swap-")]
 
 
-def test_stage3_nvme_params_and_optimizer_match_cpu_offload(tmp_path):
-    run_distributed(_parity_worker, 2, str(tmp_path))
+@pytest.mark.parametrize("unit_bytes", [None, 0], ids=["grouped-units", "unit-per-block"])
+def test_stage3_nvme_params_and_optimizer_match_cpu_offload(tmp_path, unit_bytes):
+    run_distributed(_parity_worker, 2, str(tmp_path), unit_bytes)
 
 
 # ------------------------------------------------------------------ checkpoints: NVMe -> CPU offload and back
@@ -264,10 +273,12 @@ def _core_worker(rank, world_size, root):
 
     mesh = init_device_mesh("cpu", (world_size,))
     # 48x48+48 elements per block, 1176 per rank at 2 ranks: buffer_size=256 (1 KiB, aligned to 4 KiB pieces) -> 2
+    # pieces per block. One unit per block (unit_bytes=0): max_in_cpu holds two blocks but not all three.
     nvme = NvmeConfig(root, max_in_cpu=2600, buffer_size=512, buffer_count=3)
     models, optimizers = {}, {}
-    for label, config in (("cpu", ZeroConfig(stage=3, offload="cpu")),
-                          ("nvme", ZeroConfig(stage=3, offload_optimizer="cpu", offload_params="nvme", nvme=nvme))):
+    for label, config in (("cpu", ZeroConfig(stage=3, offload="cpu", unit_bytes=0)),
+                          ("nvme", ZeroConfig(stage=3, offload_optimizer="cpu", offload_params="nvme", nvme=nvme,
+                                              unit_bytes=0))):
         torch.manual_seed(0)
         models[label] = apply_zero(_Wide(), mesh, config)
         optimizers[label] = torch.optim.AdamW(models[label].parameters(), lr=1e-2, weight_decay=0.1)
@@ -303,7 +314,12 @@ def _core_worker(rank, world_size, root):
     assert torch.equal(models["cpu"](x), models["nvme"](x)), "after teardown the shards are in memory again"
     # refusals, each naming the knob: a unit larger than max_in_cpu, a disk smaller than the shards
     with pytest.raises(ValueError, match=r"max_in_cpu=100 is smaller than the FSDP unit 'blocks.0'"):
-        apply_zero(_Wide(), mesh, ZeroConfig(stage=3, offload="nvme", nvme=NvmeConfig(root, max_in_cpu=100)))
+        apply_zero(_Wide(), mesh, ZeroConfig(stage=3, offload="nvme", nvme=NvmeConfig(root, max_in_cpu=100),
+                                             unit_bytes=0))
+    # the default unit_bytes groups the three blocks into one fully_shard call: one unit, named by its modules
+    with pytest.raises(ValueError, match=r"max_in_cpu=2600 is smaller than the FSDP unit 'blocks.0\+blocks.1\+"
+                                         r"blocks.2', whose local shards hold 3528 .*\(a smaller unit_bytes"):
+        apply_zero(_Wide(), mesh, ZeroConfig(stage=3, offload="nvme", nvme=nvme))
     real = shutil.disk_usage
     shutil.disk_usage = lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000)
     try:
@@ -326,7 +342,9 @@ def _fabric_worker(rank, world_size, root):
     from tests.test_zero_parity import STEPS, train_reference
 
     expected = train_reference(world_size, accumulate=2, clip=0.05)
-    fabric = make_fabric(FabricZeroStrategy(stage=3, offload="nvme", nvme_path=root, max_in_cpu=MAX_IN_CPU * 4,
+    # TinyNet at 2 ranks: its three blocks are one unit under the default unit_bytes (1680 local elements), the
+    # root's 210: max_in_cpu must hold the grouped unit (a unit is swapped in whole)
+    fabric = make_fabric(FabricZeroStrategy(stage=3, offload="nvme", nvme_path=root, max_in_cpu=2000,
                                             sub_group_size=64))
     model, optimizer = fabric_train(fabric, rank, world_size, accumulate=2, clip=0.05, steps=range(STEPS - 1))
     swapper = get_param_swapper(model._forward_module)
@@ -363,11 +381,12 @@ def test_nvme_parameter_configuration_is_honoured_or_refused(tmp_path):
     assert (config.offload_optimizer, config.offload_params) == ("nvme", "nvme"), "ZeRO-Infinity, as DeepSpeed"
     config = ZeroStrategy(stage=3, offload="nvme", nvme_path=root, max_in_cpu=1000, buffer_size=10).zero_config
     assert config.swaps_parameters and (config.nvme.max_in_cpu, config.nvme.buffer_size) == (1000, 10)
-    # a ds_config with only the parameter section on NVMe: the optimizer follows to CPU (FSDP2 moves both)
+    # a ds_config with only the parameter section on NVMe is refused like offload_params alone (DeepSpeed would keep
+    # the optimizer on the accelerator; here the sharded parameters are its masters: see config._resolve_offload)
     only_params = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": root,
                                                                        "max_in_cpu": 4096}}}
-    config = ZeroStrategy(config=only_params).zero_config
-    assert (config.offload_optimizer, config.offload_params, config.nvme.max_in_cpu) == ("cpu", "nvme", 4096)
+    with pytest.raises(ValueError, match="offload_params='nvme' without offload_optimizer is not supported"):
+        ZeroStrategy(config=only_params)
     with pytest.raises(ValueError, match="offload_optimizer='nvme' and offload_params='nvme' .* needs nvme_path"):
         ZeroStrategy(stage=3, offload_optimizer="nvme", offload_params="nvme")
     with pytest.raises(ValueError, match="needs stage 3"):

@@ -80,6 +80,7 @@ class _Unit:
     held: int = 0
     pending_writes: int = 0
     prefetched: deque = field(default_factory=deque)  # (chunk number, buffer, future), chunks 0..k-1
+    state: object = None    # the FSDP2 state of the unit's fully_shard call (shared by a grouped call's modules)
 
     def fsdp_params(self) -> list:
         return [fp for group in self.groups for fp in group.fsdp_params]
@@ -89,6 +90,13 @@ class _Unit:
 
     def gathering(self) -> bool:
         return any(getattr(group, "_all_gather_result", None) is not None for group in self.groups)
+
+
+def _unit_name(names: list[str]) -> str:
+    """A unit's name in messages: its module, or the modules of one grouped ``fully_shard([...])`` call."""
+    if len(names) <= 3:
+        return "+".join(names)
+    return f"{names[0]}+...+{names[-1]} ({len(names)} modules)"
 
 
 def _bytes_view(storage) -> Tensor:
@@ -106,19 +114,31 @@ class ParamSwapper:
         self.pin_memory = pin_memory
         self.units: list[_Unit] = []
         self._unit_of: dict[int, _Unit] = {}
+        # [Note: one swap unit per fully_shard call] ``fully_shard([block_a, block_b])`` (byte-grouped units, see
+        # lightning_zero.distributed.units) makes every module of the list an FSDPModule sharing ONE state and
+        # param group. Units are keyed by that state: one per module would swap the same storages twice (the
+        # second write finds them already freed) and wrap the group's methods twice.
+        members: dict[int, list[str]] = {}  # id(FSDP state) -> the names of its modules
         for name, sub in module.named_modules():
             if not isinstance(sub, FSDPModule):
                 continue
-            groups = _param_groups(sub._get_fsdp_state())
+            state = sub._get_fsdp_state()
+            if id(state) in members:
+                members[id(state)].append(name or "<root>")
+                continue
+            members[id(state)] = [name or "<root>"]
+            groups = _param_groups(state)
             if not groups:
                 continue
-            unit = _Unit(len(self.units), name or "<root>", groups, f"unit{len(self.units)}.bin", [], 0)
+            unit = _Unit(len(self.units), "", groups, f"unit{len(self.units)}.bin", [], 0, state=state)
             for fp in unit.fsdp_params():
                 data = fp._sharded_param_data  # swapped as bytes: any dtype
                 unit.sizes.append(data.untyped_storage().nbytes())
                 unit.elements += data.numel()
                 self._unit_of[id(fp.sharded_param)] = unit
             self.units.append(unit)
+        for unit in self.units:
+            unit.name = _unit_name(members[id(unit.state)])
         if not self.units:
             raise ValueError("offload_params='nvme' needs a module sharded with FSDP2 (stage 3): none was found")
         self.chunk_bytes = align_up(nvme.buffer_size * 4)
@@ -129,7 +149,8 @@ class ParamSwapper:
             raise ValueError(f"max_in_cpu={nvme.max_in_cpu} is smaller than the FSDP unit {largest.name!r}, whose "
                              f"local shards hold {largest.elements} elements on this rank: a unit is swapped in "
                              "whole, so raise max_in_cpu or shard the model into smaller units "
-                             "(sharded_module_classes)")
+                             "(a smaller unit_bytes, unit_bytes=0 for one unit per block, or "
+                             "sharded_module_classes)")
         # Only now, when nothing can be refused any more but the disk, the run's folder exists.
         self.run_folder = tempfile.mkdtemp(prefix="lz-swap-", dir=nvme.nvme_path)
         self.folder = os.path.join(self.run_folder, f"rank{rank}", "params")
