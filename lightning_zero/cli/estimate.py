@@ -36,7 +36,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--world-size", type=positive_int, required=True)
     parser.add_argument("--stage", type=int, choices=[0, 1, 2, 3], default=None, help="default: every stage")
     parser.add_argument("--offload", choices=["cpu", "nvme"], default=None,
-                        help="nvme: optimizer states swapped to disk (fp32 masters stay in CPU memory)")
+                        help="nvme: optimizer states swapped to disk (at stage 1 the fp32 masters too)")
     parser.add_argument("--precision", choices=list(PRECISIONS), default="bf16-mixed")
     parser.add_argument("--largest-unit-params", type=_positive_count, default=None,
                         help="parameters of the largest block (stage-3 peak); default: all parameters")

@@ -211,9 +211,10 @@ def estimate_model_states_memory(model_or_num_params: Union[nn.Module, int], sta
         model_or_num_params: a module (its parameters are counted; the largest repeated block sizes the stage-3
             peak) or a parameter count.
         stage: 0-3. world_size: data-parallel ranks. offload: ``None``, ``"cpu"`` or ``"nvme"`` (as ``"cpu"``,
-            with the ``optimizer_bytes_fp32`` states per parameter on disk instead of in CPU memory; fp32 masters
-            stay in CPU memory; the swapped step holds ``buffer_count`` sub-groups of ``sub_group_size`` elements'
-            states in CPU memory at its peak).
+            with the ``optimizer_bytes_fp32`` states per parameter on disk instead of in CPU memory, and at stage 1
+            the fp32 masters too (their gradients exist for one sub-group at a time); at stages 2-3 the masters are
+            the sharded parameters and stay in CPU memory; the swapped step holds ``buffer_count`` sub-groups of
+            ``sub_group_size`` elements' swapped bytes in CPU memory at its peak).
         precision: a Trainer precision string; low precision means ``bp = bg = 2`` and fp32 masters (``K += 4``).
         largest_unit_params: parameters of the largest FSDP unit (stage-3 peak); inferred from a module.
         optimizer_bytes_fp32: fp32 optimizer-state bytes per parameter (Adam: 8, SGD with momentum: 4).
@@ -256,9 +257,13 @@ def estimate_model_states_memory(model_or_num_params: Union[nn.Module, int], sta
     gathered = {2: p * bp, 3: min(2 * largest_unit_params, p) * bp}.get(stage, 0)
     if not swaps:
         return MemoryEstimate(accel, cpu, accel.total + gathered, cpu.total)
-    on_disk = p * optimizer_bytes_fp32 // n
-    cpu = StateBytes(cpu.params, cpu.grads, cpu.optimizer_states - on_disk)
-    buffers = min(on_disk, buffer_count * sub_group_size * optimizer_bytes_fp32)
+    # Stage 1 swaps the fp32 masters with the states; their gradients exist for the stepping sub-group only.
+    per_element = optimizer_bytes_fp32 + (4 if stage == 1 else 0)
+    on_disk = p * per_element // n
+    cpu = StateBytes(cpu.params, 0 if stage == 1 else cpu.grads, cpu.optimizer_states - on_disk)
+    buffers = min(on_disk, buffer_count * sub_group_size * per_element)
+    if stage == 1:
+        buffers += min(p // n, sub_group_size) * 4
     return MemoryEstimate(accel, cpu, accel.total + gathered, cpu.total + buffers, nvme=on_disk)
 
 

@@ -18,7 +18,9 @@ gradients into the masters; the optimizer steps; the post-hook copies masters ba
 drops the module's gradients (``zero_grad`` on the optimizer only reaches the tensors it holds).
 At stages 2-3 offload is FSDP2's ``CPUOffloadPolicy``: the sharded parameters themselves are the CPU fp32 masters.
 With ``offload_optimizer="nvme"`` the same placement is used and the optimizer's per-element states are swapped
-to disk by :mod:`lightning_zero.offload.optimizer_swapper` (the fp32 masters stay in CPU memory).
+to disk by :mod:`lightning_zero.offload.optimizer_swapper`; at stage 1 the fp32 masters are swapped with them (the
+swapper then does the gradient and parameter copies per sub-group, and the hooks below skip them). At stages 2-3
+the masters are FSDP2's sharded parameters, which stay in CPU memory (every all-gather reads them).
 """
 
 from __future__ import annotations
@@ -77,9 +79,15 @@ class OptimizerSharding:
         the optimizer steps the masters, so stale ones would undo the load at the next step."""
         if not self.masters:
             return
+        if self.swapper is not None:
+            self.swapper.make_resident()  # swapped-out masters are empty: read them back, the next step writes them
         with torch.no_grad():
             for param in self.owned_model_params():
                 self.masters[id(param)].copy_(param.detach())
+
+    def swaps_masters(self) -> bool:
+        """The masters live on NVMe and the swapper copies gradients and parameters per sub-group."""
+        return self.swapper is not None and bool(self.swapper.companions)
 
     def remove(self) -> None:
         """Remove the step hooks and stop swapping (states back in memory, swap files removed)."""
@@ -124,7 +132,14 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, config: ZeroConfig, *, gro
         for param, owner in zip(params, group_owners):
             if owner not in (-1, rank):
                 continue
-            if offload_here:
+            if offload_here and config.swaps_optimizer_states:
+                # an empty placeholder: the swapper writes the values to disk sub-group by sub-group (never all
+                # masters resident at once)
+                master = torch.empty(0, dtype=torch.float32, device="cpu")
+                master.requires_grad_(param.requires_grad)
+                sharding.masters[id(param)] = master
+                kept.append(master)
+            elif offload_here:
                 master = torch.empty(param.shape, dtype=torch.float32, device="cpu", pin_memory=pin)
                 master.copy_(param.detach())
                 master.requires_grad_(param.requires_grad)
@@ -138,7 +153,9 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, config: ZeroConfig, *, gro
         sharding.hooks.append(optimizer.register_step_post_hook(_post_step))
     if config.swaps_optimizer_states:
         # After the hooks: the swapped step runs inside torch's hook wrapper, so they still run once per step.
-        sharding.swapper = attach_swapper(optimizer, config.nvme, rank=rank, pin_memory=pin)
+        companions = {id(master): p for p in sharding.owned_model_params()
+                      if (master := sharding.masters.get(id(p))) is not None}
+        sharding.swapper = attach_swapper(optimizer, config.nvme, rank=rank, pin_memory=pin, masters=companions)
     setattr(optimizer, _ATTR, sharding)
     return sharding
 
@@ -151,6 +168,8 @@ def _pre_step(optimizer, args, kwargs) -> None:
     if len(args) > 1 or kwargs.get("closure") is not None:
         raise RuntimeError("With offload the optimizer steps CPU masters, so gradients must exist before step(): "
                            "run the closure first and call step() without one.")
+    if sharding.swaps_masters():
+        return  # the swapper copies each sub-group's gradients into its masters
     for param in sharding.owned_model_params():
         master = sharding.masters[id(param)]
         if param.grad is None:
@@ -164,7 +183,7 @@ def _pre_step(optimizer, args, kwargs) -> None:
 def _post_step(optimizer, args, kwargs) -> None:
     sharding = get_sharding(optimizer)
     with torch.no_grad():
-        if sharding.masters:
+        if sharding.masters and not sharding.swaps_masters():  # swapped: copied back per sub-group
             for param in sharding.owned_model_params():
                 param.copy_(sharding.masters[id(param)], non_blocking=True)
             if any(m.is_pinned() for m in sharding.masters.values()):
