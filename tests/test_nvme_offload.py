@@ -46,6 +46,36 @@ def test_engine_round_trips_aligned_buffers_at_offsets(tmp_path, settings):
     assert os.path.getsize(path) == first.numel() + second.numel()
 
 
+@pytest.mark.parametrize("settings, depth", [(AioSettings(block_size=4096, queue_depth=4, thread_count=1), 4),
+                                             (AioSettings(block_size=4096, queue_depth=3, thread_count=2), 6),
+                                             (AioSettings(block_size=4096, queue_depth=4, single_submit=True), 1)])
+def test_engine_keeps_thread_count_times_queue_depth_requests_in_flight(tmp_path, monkeypatch, settings, depth):
+    import threading
+    import time
+
+    real_pwritev, lock, seen = os.pwritev, threading.Lock(), {"now": 0, "most": 0}
+
+    def slow(fd, buffers, offset):
+        with lock:
+            seen["now"] += 1
+            seen["most"] = max(seen["most"], seen["now"])
+        time.sleep(0.05)  # long enough for every free slot to issue its request meanwhile
+        try:
+            return real_pwritev(fd, buffers, offset)
+        finally:
+            with lock:
+                seen["now"] -= 1
+
+    monkeypatch.setattr(os, "pwritev", slow)
+    io = AsyncFileIO(settings)
+    path = str(tmp_path / "swap.bin")
+    io.open(path)
+    io.write(path, aligned_buffer(16 * 4096)).result()
+    io.close()
+    assert seen["most"] == depth, f"{seen['most']} requests were in flight at once, the settings ask for {depth}"
+    assert io.stats["write"][0] == 16 * 4096 and io.throughput("write") > 0
+
+
 def test_engine_falls_back_to_buffered_io_with_a_warning_where_o_direct_is_refused(tmp_path, monkeypatch):
     real_open = os.open
 
