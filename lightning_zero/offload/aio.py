@@ -118,9 +118,10 @@ class AsyncFileIO:
         self._pool = ThreadPoolExecutor(depth, thread_name_prefix="lz-swap-io")
         self._slots = threading.BoundedSemaphore(depth)
         # bytes and busy seconds (time with at least one transfer of the kind in flight) per kind, for benchmarks
-        self.stats = {"read": [0, 0.0], "write": [0, 0.0]}
-        self._active = {"read": 0, "write": 0}
-        self._since = {"read": 0.0, "write": 0.0}
+        # ("any": reads and writes together, over the time at least one transfer of either kind was in flight)
+        self.stats = {"read": [0, 0.0], "write": [0, 0.0], "any": [0, 0.0]}
+        self._active = {"read": 0, "write": 0, "any": 0}
+        self._since = {"read": 0.0, "write": 0.0, "any": 0.0}
         self._fds: dict[str, tuple[int, bool]] = {}
         self._lock = threading.Lock()
         self.direct_fallback_warned = False
@@ -219,18 +220,28 @@ class AsyncFileIO:
     def _busy(self, kind: str, starting: bool, nbytes: int = 0) -> None:
         now = time.perf_counter()
         with self._lock:
-            if starting:
-                if self._active[kind] == 0:
-                    self._since[kind] = now
-                self._active[kind] += 1
-                return
-            self._active[kind] -= 1
-            self.stats[kind][0] += nbytes
-            if self._active[kind] == 0:
-                self.stats[kind][1] += now - self._since[kind]
+            for key in (kind, "any"):
+                if starting:
+                    if self._active[key] == 0:
+                        self._since[key] = now
+                    self._active[key] += 1
+                    continue
+                self._active[key] -= 1
+                self.stats[key][0] += nbytes
+                if self._active[key] == 0:
+                    self.stats[key][1] += now - self._since[key]
+
+    def reset_stats(self) -> None:
+        """Start counting bytes and busy time afresh (transfers in flight keep their start time)."""
+        with self._lock:
+            for key, value in self.stats.items():
+                value[0], value[1] = 0, 0.0
+                if self._active[key]:
+                    self._since[key] = time.perf_counter()
 
     def throughput(self, kind: str) -> float:
-        """Bytes per second of ``kind`` (``"read"``/``"write"``) transfers while at least one was in flight."""
+        """Bytes per second of ``kind`` (``"read"``/``"write"``/``"any"``) transfers while at least one was in
+        flight."""
         nbytes, busy = self.stats[kind]
         return nbytes / busy if busy > 0 else 0.0
 
