@@ -2,7 +2,7 @@
 
     python benchmarks/bench_nvme.py --nvme-path /mnt/nvme                      # every section
     python benchmarks/bench_nvme.py --sections raw,step --params 64e6 --sub-group-size 8e6
-    python benchmarks/bench_nvme.py --sections capped --capped-params 250e6 --cap-gib 1.25
+    python benchmarks/bench_nvme.py --sections capped --capped-params 600e6 --cap-gib 2.95 --sub-group-size 1e6
 
 Sections (``--sections``):
   * ``raw``: the disk's raw bandwidth on ``nvme_path``: ``dd`` with ``oflag=direct``/``iflag=direct`` (1 MiB
@@ -207,11 +207,11 @@ def deepspeed_aio(folder: str, mib: int, args) -> None:
 
         if not AsyncIOBuilder().is_compatible(verbose=False):
             print("DeepSpeed async-I/O op: not compatible here (libaio missing)")
-            return
+            return False
         aio_module = AsyncIOBuilder().load(verbose=False)
     except Exception as error:
         print(f"DeepSpeed async-I/O op: does not build: {type(error).__name__}: {error}")
-        return
+        return False
     path = os.path.join(folder, "ds-aio.bin")
     buf = torch.empty(mib << 20, dtype=torch.uint8)
     buf.fill_(1)
@@ -230,6 +230,50 @@ def deepspeed_aio(folder: str, mib: int, args) -> None:
             os.remove(path)
     print(f"DeepSpeed aio_handle (block {args.block_size >> 10} KiB, queue_depth {args.queue_depth}, "
           f"intra_op_parallelism {args.threads}), {mib} MiB: write {write:.2f} GB/s, read {read:.2f} GB/s")
+    return True
+
+
+def deepspeed_zero3_child(args) -> None:
+    """One process: DeepSpeed ZeRO-3 with optimizer and parameters on NVMe (its own swapper and aio op), on the
+    model of the ``step`` section's size; prints the step time and the bytes its swap files hold."""
+    import deepspeed
+    from torch import nn
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29571")
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    deepspeed.init_distributed(dist_backend="gloo")
+    folder = tempfile.mkdtemp(prefix="ds-nvme-", dir=args.nvme_path)
+    width = 1024
+    model = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(max(1, int(args.params) // width ** 2))])
+    aio = {"block_size": args.block_size, "queue_depth": args.queue_depth, "intra_op_parallelism": args.threads,
+           "single_submit": False, "overlap_events": True}
+    config = {"train_micro_batch_size_per_gpu": 4, "zero_force_ds_cpu_optimizer": False, "aio": aio,
+              "zero_optimization": {
+                  "stage": 3, "sub_group_size": int(args.sub_group_size),
+                  "offload_optimizer": {"device": "nvme", "nvme_path": folder, "pin_memory": False,
+                                        "buffer_count": 4},
+                  "offload_param": {"device": "nvme", "nvme_path": folder, "pin_memory": False}}}
+    try:
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4),
+                                          config=config)
+        times = []
+        for _ in range(args.steps + 1):
+            start = time.perf_counter()
+            loss = engine(torch.randn(4, width)).square().mean()
+            engine.backward(loss)
+            engine.step()
+            times.append(time.perf_counter() - start)
+        on_disk = sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(folder) for f in files)
+        step = _median(times[1:])
+        print(f"  DeepSpeed ZeRO-3 NVMe (optimizer + parameters), {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M "
+              f"fp32 parameters: train step {step * 1e3:.0f} ms (median of {args.steps}), swap files {on_disk >> 20} "
+              f"MiB; at least {2 * on_disk / step / GB:.2f} GB/s if every file is read and written once per step",
+              flush=True)
+    except Exception as error:
+        print(f"  DeepSpeed ZeRO-3 NVMe does not run here: {type(error).__name__}: {str(error)[:300]}", flush=True)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def main() -> None:
@@ -243,12 +287,15 @@ def main() -> None:
     parser.add_argument("--queue-depth", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--block-size", type=int, default=4 << 20)
-    parser.add_argument("--capped-params", type=float, default=200e6)
-    parser.add_argument("--cap-gib", type=float, default=1.0)
-    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--capped-params", type=float, default=600e6)
+    parser.add_argument("--cap-gib", type=float, default=2.95)
+    parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--capped-steps", type=int, default=3)
     parser.add_argument("--rank-child", choices=("nvme", "cpu"), help=argparse.SUPPRESS)
+    parser.add_argument("--ds-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.ds_child:
+        return deepspeed_zero3_child(args)
     if args.rank_child:
         args.mode = args.rank_child
         return capped_rank(args)
@@ -286,8 +333,14 @@ def main() -> None:
               f"{_median(swapped['step_s']) * 1e3:.0f} ms (median of {args.steps})")
     if "capped" in sections:
         run_capped(args)
-    if "deepspeed" in sections:
-        deepspeed_aio(args.nvme_path, state_mib, args)
+    if "deepspeed" in sections and deepspeed_aio(args.nvme_path, state_mib, args):
+        command = [sys.executable, os.path.abspath(__file__), "--ds-child", "--nvme-path", args.nvme_path,
+                   "--params", str(args.params), "--sub-group-size", str(args.sub_group_size), "--steps",
+                   str(args.steps), "--threads", str(args.threads), "--queue-depth", str(args.queue_depth),
+                   "--block-size", str(args.block_size)]
+        child = subprocess.run(command, capture_output=True, text=True)
+        lines = [line for line in child.stdout.splitlines() if line.startswith("  ")]
+        print("\n".join(lines) if lines else f"  DeepSpeed child failed: {child.stderr.strip()[-600:]}")
 
 
 if __name__ == "__main__":
