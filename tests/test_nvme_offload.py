@@ -76,6 +76,30 @@ def test_engine_keeps_thread_count_times_queue_depth_requests_in_flight(tmp_path
     assert io.stats["write"][0] == 16 * 4096 and io.throughput("write") > 0
 
 
+def test_engine_returns_to_the_caller_before_a_transfer_larger_than_the_queue_completes(tmp_path, monkeypatch):
+    """The swapped step computes while its reads and writes run: submitting a transfer of more requests than are
+    in flight at once must not wait for the extra ones (they queue in the engine, not in the caller)."""
+    import threading
+
+    real_pwritev, release, done = os.pwritev, threading.Event(), []
+
+    def held(fd, buffers, offset):
+        release.wait(2)  # (bounded: a blocking caller would otherwise never set it)
+        done.append(offset)
+        return real_pwritev(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "pwritev", held)
+    io = AsyncFileIO(AioSettings(block_size=4096, queue_depth=2, thread_count=1))
+    path = str(tmp_path / "swap.bin")
+    io.open(path)
+    future = io.write(path, aligned_buffer(16 * 4096))  # 16 requests, 2 in flight
+    returned_with = len(done)
+    release.set()
+    assert future.result() == 16 * 4096
+    io.close()
+    assert returned_with == 0, f"write() waited for {returned_with} of its requests before returning"
+
+
 def test_engine_falls_back_to_buffered_io_with_a_warning_where_o_direct_is_refused(tmp_path, monkeypatch):
     real_open = os.open
 

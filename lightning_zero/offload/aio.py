@@ -114,9 +114,10 @@ class AsyncFileIO:
         self.settings = settings or AioSettings()
         depth = self.settings.in_flight
         # [Note: queue depth] one thread per request in flight: blocking preadv/pwritev calls on `depth` threads
-        # keep `depth` requests queued at the device, which is what libaio's submission depth achieves.
+        # keep `depth` requests queued at the device, which is what libaio's submission depth achieves. The pool's
+        # size is the bound: requests beyond it wait in the pool's queue (in submission order), never in the
+        # caller, so read()/write() return at once however large the transfer (the caller computes meanwhile).
         self._pool = ThreadPoolExecutor(depth, thread_name_prefix="lz-swap-io")
-        self._slots = threading.BoundedSemaphore(depth)
         # bytes and busy seconds (time with at least one transfer of the kind in flight) per kind, for benchmarks
         # ("any": reads and writes together, over the time at least one transfer of either kind was in flight)
         self.stats = {"read": [0, 0.0], "write": [0, 0.0], "any": [0, 0.0]}
@@ -193,7 +194,6 @@ class AsyncFileIO:
                     state["error"] = error
                 state["left"] -= 1
                 last = state["left"] == 0
-            self._slots.release()
             if last:
                 self._busy(kind, False, len(view))
                 if state["error"] is not None:
@@ -211,7 +211,6 @@ class AsyncFileIO:
 
         self._busy(kind, True)
         for start, end in pieces:
-            self._slots.acquire()  # the queue depth: at most this many requests in flight
             self._pool.submit(run, start, end)
         if not self.settings.overlap_events:
             done.result()
