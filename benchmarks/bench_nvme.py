@@ -253,6 +253,7 @@ def deepspeed_zero3_child(args) -> None:
     folder = tempfile.mkdtemp(prefix="ds-nvme-", dir=args.nvme_path)
     width = 1024
     model = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(max(1, int(args.params) // width ** 2))])
+    numel = sum(p.numel() for p in model.parameters())  # before ZeRO-3 partitions them away
     aio = {"block_size": args.block_size, "queue_depth": args.queue_depth, "intra_op_parallelism": args.threads,
            "single_submit": False, "overlap_events": True}
     config = {"train_micro_batch_size_per_gpu": 4, "zero_force_ds_cpu_optimizer": False, "aio": aio,
@@ -273,7 +274,7 @@ def deepspeed_zero3_child(args) -> None:
             times.append(time.perf_counter() - start)
         on_disk = sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(folder) for f in files)
         step = _median(times[1:])
-        print(f"  DeepSpeed ZeRO-3 NVMe (optimizer + parameters), {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M "
+        print(f"  DeepSpeed ZeRO-3 NVMe (optimizer + parameters), {numel / 1e6:.0f}M "
               f"fp32 parameters: train step {step * 1e3:.0f} ms (median of {args.steps}), swap files {on_disk >> 20} "
               f"MiB; at least {2 * on_disk / step / GB:.2f} GB/s if every file is read and written once per step",
               flush=True)
