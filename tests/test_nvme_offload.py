@@ -13,6 +13,7 @@ from torch import nn
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.config import ZeroConfig
+from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
 from lightning_zero.offload import aio as aio_module
 from lightning_zero.offload.aio import AioSettings, AsyncFileIO, SwapIOError, align_up, aligned_buffer
 from lightning_zero.offload.config import NvmeConfig, nvme_config_from_arguments
@@ -43,6 +44,60 @@ def test_engine_round_trips_aligned_buffers_at_offsets(tmp_path, settings):
     io.close()
     assert torch.equal(back[:first.numel()], first) and torch.equal(back[first.numel():], second)
     assert os.path.getsize(path) == first.numel() + second.numel()
+
+
+@pytest.mark.parametrize("settings, depth", [(AioSettings(block_size=4096, queue_depth=4, thread_count=1), 4),
+                                             (AioSettings(block_size=4096, queue_depth=3, thread_count=2), 6),
+                                             (AioSettings(block_size=4096, queue_depth=4, single_submit=True), 1)])
+def test_engine_keeps_thread_count_times_queue_depth_requests_in_flight(tmp_path, monkeypatch, settings, depth):
+    import threading
+    import time
+
+    real_pwritev, lock, seen = os.pwritev, threading.Lock(), {"now": 0, "most": 0}
+
+    def slow(fd, buffers, offset):
+        with lock:
+            seen["now"] += 1
+            seen["most"] = max(seen["most"], seen["now"])
+        time.sleep(0.05)  # long enough for every free slot to issue its request meanwhile
+        try:
+            return real_pwritev(fd, buffers, offset)
+        finally:
+            with lock:
+                seen["now"] -= 1
+
+    monkeypatch.setattr(os, "pwritev", slow)
+    io = AsyncFileIO(settings)
+    path = str(tmp_path / "swap.bin")
+    io.open(path)
+    io.write(path, aligned_buffer(16 * 4096)).result()
+    io.close()
+    assert seen["most"] == depth, f"{seen['most']} requests were in flight at once, the settings ask for {depth}"
+    assert io.stats["write"][0] == 16 * 4096 and io.throughput("write") > 0
+
+
+def test_engine_returns_to_the_caller_before_a_transfer_larger_than_the_queue_completes(tmp_path, monkeypatch):
+    """The swapped step computes while its reads and writes run: submitting a transfer of more requests than are
+    in flight at once must not wait for the extra ones (they queue in the engine, not in the caller)."""
+    import threading
+
+    real_pwritev, release, done = os.pwritev, threading.Event(), []
+
+    def held(fd, buffers, offset):
+        release.wait(2)  # (bounded: a blocking caller would otherwise never set it)
+        done.append(offset)
+        return real_pwritev(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "pwritev", held)
+    io = AsyncFileIO(AioSettings(block_size=4096, queue_depth=2, thread_count=1))
+    path = str(tmp_path / "swap.bin")
+    io.open(path)
+    future = io.write(path, aligned_buffer(16 * 4096))  # 16 requests, 2 in flight
+    returned_with = len(done)
+    release.set()
+    assert future.result() == 16 * 4096
+    io.close()
+    assert returned_with == 0, f"write() waited for {returned_with} of its requests before returning"
 
 
 def test_engine_falls_back_to_buffered_io_with_a_warning_where_o_direct_is_refused(tmp_path, monkeypatch):
@@ -194,6 +249,8 @@ class _SwapWitness(Callback):
             assert os.path.getsize(swapper.path(index)) == align_up(entries[-1].offset + entries[-1].nbytes)
         for state in trainer.optimizers[0].state.values():
             assert all(isinstance(v, SwappedOut) for k, v in state.items() if k != "step")
+        # stage 1: the fp32 masters are on disk too; their tensors hold nothing between steps
+        assert all(m.numel() == 0 for m in get_sharding(trainer.optimizers[0]).masters.values())
         assert swapper.peak_buffers <= swapper.nvme.buffer_count
         self.checked += 1
 
@@ -215,7 +272,9 @@ def _parity_worker(rank, world_size, root):
             trainer.fit(module)
             finals[label] = full_state(module)
             if label == "nvme":
-                assert witness.checked == 2 * STEPS - 1, "the swap was not observed after every batch since the first step"
+                # stage 1 swaps the masters from the start; the states exist after the first step
+                want = 2 * STEPS if stage == 1 else 2 * STEPS - 1
+                assert witness.checked == want, "the swap was not observed after every batch since the first step"
                 assert not os.path.exists(witness.folder), "teardown must remove the run's swap folder"
                 state = trainer.optimizers[0].state
                 assert state and all(torch.is_tensor(v) for s in state.values() for v in s.values()), \
@@ -372,12 +431,17 @@ def test_estimator_reports_nvme_bytes_and_the_bounded_cpu_peak(stage):
     cpu = estimate_model_states_memory(params, stage, ranks, offload="cpu")
     nvme = estimate_model_states_memory(params, stage, ranks, offload="nvme", sub_group_size=100_000, buffer_count=4,
                                         max_in_cpu=500_000, buffer_size=10_000)
-    # at stage 3 the fp32 parameter shards are on disk too; max_in_cpu of them and the staging buffers at the peak
-    shards = params * 4 // ranks if stage == 3 else 0
-    assert nvme.nvme == params * 8 // ranks + shards and cpu.nvme == 0
-    assert nvme.cpu.total == cpu.cpu.total - nvme.nvme
-    swapped_params_peak = (500_000 + 4 * 10_000) * 4 if stage == 3 else 0
-    assert nvme.cpu_peak == nvme.cpu.total + 4 * 100_000 * 8 + swapped_params_peak
+    if stage == 1:  # the fp32 masters are swapped too; their gradients exist for one sub-group at a time
+        assert nvme.nvme == params * (8 + 4) // ranks and cpu.nvme == 0
+        assert nvme.cpu.total == cpu.cpu.total - nvme.nvme - params * 4 // ranks
+        assert nvme.cpu_peak == nvme.cpu.total + 4 * 100_000 * 12 + 100_000 * 4
+    else:
+        # at stage 3 the fp32 parameter shards are on disk too; max_in_cpu of them and the staging buffers at the peak
+        shards = params * 4 // ranks if stage == 3 else 0
+        assert nvme.nvme == params * 8 // ranks + shards and cpu.nvme == 0
+        assert nvme.cpu.total == cpu.cpu.total - nvme.nvme
+        swapped_params_peak = (500_000 + 4 * 10_000) * 4 if stage == 3 else 0
+        assert nvme.cpu_peak == nvme.cpu.total + 4 * 100_000 * 8 + swapped_params_peak
     assert nvme.accelerator == cpu.accelerator
     assert ("nvme (GiB)", f"{nvme.nvme / 1024 ** 3:.2f}") in nvme.as_table()
 
@@ -459,3 +523,67 @@ def test_a_layout_of_the_same_length_with_another_parameter_is_repacked(tmp_path
     assert isinstance(opt.state[b]["exp_avg"], SwappedOut) and a not in opt.state
     detach_swapper(opt)
     assert torch.allclose(opt.state[b]["exp_avg"], torch.full((50,), 0.1))
+
+
+def _stage1_pair(tmp_path, sub_group_size=300, buffer_count=3):
+    """The same model and AdamW twice: stage-1 NVMe offload and stage-1 CPU offload (one process, no group)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 24), nn.Tanh(), nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, 4))
+    reference = copy.deepcopy(model)
+    nvme = NvmeConfig(str(tmp_path), sub_group_size=sub_group_size, buffer_count=buffer_count)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.05, weight_decay=0.1)
+    sharding = shard_optimizer(opt, ZeroConfig(stage=1, offload_optimizer="nvme", nvme=nvme))
+    shard_optimizer(ref_opt, ZeroConfig(stage=1, offload="cpu"))
+    return model, reference, opt, ref_opt, sharding
+
+
+def _train(pairs, steps):
+    for _ in range(steps):
+        x = torch.randn(8, 16)
+        for net, optimizer in pairs:
+            net(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+def test_stage1_fp32_masters_live_in_the_swap_files_and_match_cpu_offload(tmp_path):
+    model, reference, opt, ref_opt, sharding = _stage1_pair(tmp_path)
+    swapper = sharding.swapper
+    assert sharding.swaps_masters() and len(swapper.subgroups) >= 3
+    # Written at attach, one sub-group at a time: never all masters in memory.
+    assert all(m.numel() == 0 for m in sharding.masters.values()) and swapper.peak_buffers <= 3
+    _train([(model, opt), (reference, ref_opt)], 4)
+    for got, want in zip(model.parameters(), reference.parameters()):
+        assert (got - want).abs().max().item() <= 1e-6, "NVMe masters changed the numbers of CPU offload"
+    # Between steps the masters hold nothing in memory; their bytes are in the files, equal to the module's values.
+    largest = 0
+    for index, entries in swapper.layouts.items():
+        with open(swapper.path(index), "rb") as handle:
+            data = torch.frombuffer(bytearray(handle.read()), dtype=torch.uint8)
+        largest = max(largest, len(data))
+        masters = [e for e in entries if e.key == "__master__"]
+        assert len(masters) == len(swapper.subgroups[index])
+        for entry in masters:
+            assert entry.param.numel() == 0
+            stored = data[entry.offset:entry.offset + entry.nbytes].view(torch.float32)
+            module_param = swapper.companions[id(entry.param)]
+            assert torch.equal(stored, module_param.detach().reshape(-1)), "the master's bytes are not in its file"
+        # masters + AdamW's two moments: 12 bytes per element of the sub-group
+        assert len(data) >= sum(12 * swapper._numel(m.param) for m in masters)
+    # Host memory for masters and states: at most buffer_count buffers of one sub-group's bytes.
+    assert swapper.peak_buffers <= swapper.nvme.buffer_count and swapper.peak_buffer_bytes <= largest
+    # A load into the module reaches the masters (sync_masters reads them back first, not into empty tensors).
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), reference.parameters()):
+            p.mul_(0.5)
+            q.mul_(0.5)
+    sharding.sync_masters()
+    get_sharding(ref_opt).sync_masters()
+    _train([(model, opt), (reference, ref_opt)], 2)
+    for got, want in zip(model.parameters(), reference.parameters()):
+        assert (got - want).abs().max().item() <= 1e-6, "a load into the module was undone by stale masters"
+    folder = swapper.run_folder
+    sharding.remove()
+    assert not os.path.exists(folder)
+    assert all(m.shape == p.shape for p, m in zip(model.parameters(), sharding.masters.values()))

@@ -216,7 +216,8 @@ def estimate_model_states_memory(model_or_num_params: Union[nn.Module, int], sta
         model_or_num_params: a module (its parameters are counted; its largest default FSDP2 unit, repeated blocks
             grouped up to the default ``unit_bytes``, sizes the stage-3 peak) or a parameter count.
         stage: 0-3. world_size: data-parallel ranks. offload: ``None``, ``"cpu"`` or ``"nvme"`` (as ``"cpu"``,
-            with the ``optimizer_bytes_fp32`` states per parameter on disk instead of in CPU memory; fp32 masters
+            with the ``optimizer_bytes_fp32`` states per parameter on disk instead of in CPU memory, and at stage 1
+            the fp32 masters too (their gradients exist for one sub-group at a time); at stages 2-3 the masters
             stay in CPU memory; the swapped step holds ``buffer_count`` sub-groups of ``sub_group_size`` elements'
             states in CPU memory at its peak). At stage 3 ``"nvme"`` swaps the fp32 parameter shards too
             (ZeRO-Infinity): none rest in CPU memory, at most ``max_in_cpu`` elements of them are resident at the
@@ -278,9 +279,14 @@ def estimate_model_states_memory(model_or_num_params: Union[nn.Module, int], sta
         return MemoryEstimate(accel, cpu, accel.total + gathered, cpu.total)
     on_disk = buffers = 0
     if swaps_optimizer:  # lightning_zero.offload.optimizer_swapper: the optimizer states live on disk
-        on_disk = p * optimizer_bytes_fp32 // n
-        cpu = StateBytes(cpu.params, cpu.grads, cpu.optimizer_states - on_disk)
-        buffers = min(on_disk, buffer_count * sub_group_size * optimizer_bytes_fp32)
+        # Stage 1 swaps the fp32 masters with the states; their gradients exist for the stepping sub-group only.
+        masters_swapped = stage == 1
+        per_element = optimizer_bytes_fp32 + (4 if masters_swapped else 0)
+        on_disk = p * per_element // n
+        cpu = StateBytes(cpu.params, 0 if masters_swapped else cpu.grads, cpu.optimizer_states - on_disk)
+        buffers = min(on_disk, buffer_count * sub_group_size * per_element)
+        if masters_swapped:
+            buffers += min(p // n, sub_group_size) * 4
     if swaps_params:  # parameter swapping (lightning_zero.offload.param_swapper): the fp32 shards live on disk
         shard = cpu.params
         on_disk += shard

@@ -24,8 +24,10 @@ Why hand-written: torch has no optimizer wrapper that keeps CPU copies of device
 ``Tensor.copy_`` (``non_blocking`` into pinned buffers when computing on CUDA, then one stream synchronisation
 before the CPU reads them). At stage 3 with ``offload_params="cpu"`` the sharded parameters themselves are the CPU
 fp32 masters (``CPUOffloadPolicy``) and no copy is made. With ``offload_optimizer="nvme"`` the optimizer's
-per-element states are swapped to disk by :mod:`lightning_zero.offload.optimizer_swapper` (the fp32 masters stay
-in CPU memory).
+per-element states are swapped to disk by :mod:`lightning_zero.offload.optimizer_swapper`; at stage 1 the fp32
+masters (plain tensors) are swapped with them (the swapper then does the gradient and parameter copies per
+sub-group, and the hooks below skip them). At stages 2-3 the masters (DTensor copies of the FSDP2 shards, or the
+shards themselves with ``offload_params``) stay in CPU memory.
 """
 
 from __future__ import annotations
@@ -87,9 +89,15 @@ class OptimizerSharding:
         values: the optimizer steps the masters, so stale ones would undo the load at the next step."""
         if not self.masters:
             return
+        if self.swapper is not None:
+            self.swapper.make_resident()  # swapped-out masters are empty: read them back, the next step writes them
         with torch.no_grad():
             for param in self.owned_model_params():
                 _local(self.masters[id(param)]).copy_(_local(param.detach()))
+
+    def swaps_masters(self) -> bool:
+        """The masters live on NVMe and the swapper copies gradients and parameters per sub-group."""
+        return self.swapper is not None and bool(self.swapper.companions)
 
     def remove(self) -> None:
         """Remove the step hooks and stop swapping (states back in memory, swap files removed)."""
@@ -130,6 +138,8 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, config: ZeroConfig, *, gro
         owners = [[-1] * len(params) for params in model_params]
     sharding = OptimizerSharding(config, model_params, owners, rank=rank, group=group)
     offload_here = config.offloads_optimizer_only
+    # Stage-1 masters are plain tensors the swapper can hold on disk; stages 2-3 keep their DTensor masters resident.
+    swap_masters = offload_here and config.swaps_optimizer_states and config.stage == 1
     pin = bool(config.pin_memory if config.pin_memory is not None else (device is not None and device.type == "cuda"))
     if pin and not torch.cuda.is_available():
         raise ValueError("pin_memory=True needs CUDA; this run has no CUDA device")
@@ -139,9 +149,14 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, config: ZeroConfig, *, gro
             if owner not in (-1, rank):
                 continue
             if offload_here:
-                master = _cpu_like(param, pin)
-                with torch.no_grad():
-                    _local(master).copy_(_local(param.detach()))
+                if swap_masters:
+                    # an empty placeholder: the swapper writes the values to disk sub-group by sub-group (never all
+                    # masters resident at once)
+                    master = torch.empty(0, dtype=torch.float32, device="cpu")
+                else:
+                    master = _cpu_like(param, pin)
+                    with torch.no_grad():
+                        _local(master).copy_(_local(param.detach()))
                 master.requires_grad_(param.requires_grad)
                 sharding.masters[id(param)] = master
                 kept.append(master)
@@ -161,7 +176,9 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, config: ZeroConfig, *, gro
         sharding.param_step_of = optimizer
     if config.swaps_optimizer_states:
         # After the hooks: the swapped step runs inside torch's hook wrapper, so they still run once per step.
-        sharding.swapper = attach_swapper(optimizer, config.nvme, rank=rank, pin_memory=pin)
+        companions = {id(master): p for p in sharding.owned_model_params()
+                      if swap_masters and (master := sharding.masters.get(id(p))) is not None}
+        sharding.swapper = attach_swapper(optimizer, config.nvme, rank=rank, pin_memory=pin, masters=companions)
     setattr(optimizer, _ATTR, sharding)
     return sharding
 
@@ -174,6 +191,8 @@ def _pre_step(optimizer, args, kwargs) -> None:
     if len(args) > 1 or kwargs.get("closure") is not None:
         raise RuntimeError("With offload the optimizer steps CPU masters, so gradients must exist before step(): "
                            "run the closure first and call step() without one.")
+    if sharding.swaps_masters():
+        return  # the swapper copies each sub-group's gradients into its masters
     pinned = False
     with torch.no_grad():
         for param in sharding.owned_model_params():
@@ -195,7 +214,7 @@ def _pre_step(optimizer, args, kwargs) -> None:
 def _post_step(optimizer, args, kwargs) -> None:
     sharding = get_sharding(optimizer)
     with torch.no_grad():
-        if sharding.masters:
+        if sharding.masters and not sharding.swaps_masters():  # swapped: copied back per sub-group
             for param in sharding.owned_model_params():
                 _local(param).copy_(_local(sharding.masters[id(param)]), non_blocking=True)
             if any(_local(m).is_pinned() for m in sharding.masters.values()):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
+import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from typing import Optional
 import torch
 
 ALIGNMENT = 4096
+MAX_IN_FLIGHT = 256  # requests in flight per engine, i.e. I/O threads
 
 
 def align_up(nbytes: int, alignment: int = ALIGNMENT) -> int:
@@ -54,10 +56,13 @@ class AioSettings:
 
     Args:
         block_size: bytes per request; a transfer is split into requests of this size (rounded to ``ALIGNMENT``).
-        queue_depth: requests in flight at once per engine.
-        thread_count: threads issuing requests (each ``preadv``/``pwritev`` releases the GIL).
+        queue_depth: requests each I/O worker keeps in flight (libaio's submission depth in DeepSpeed).
+        thread_count: I/O workers sharing each transfer (DeepSpeed's ``intra_op_parallelism``).
+            So up to ``thread_count * queue_depth`` requests are in flight at once; as ``os.preadv``/``os.pwritev``
+            are blocking calls (that release the GIL), each in-flight request is one OS thread of the engine's pool,
+            which therefore has ``thread_count * queue_depth`` threads (at most :data:`MAX_IN_FLIGHT`).
         single_submit: submit one request at a time (each waits for the previous one) instead of up to
-            ``queue_depth`` at once.
+            ``thread_count * queue_depth`` at once.
         overlap_events: ``True`` lets reads/writes run in the background while the caller computes; ``False`` makes
             every :meth:`AsyncFileIO.read`/:meth:`AsyncFileIO.write` wait for its completion before returning.
         use_direct: ``None`` tries ``O_DIRECT`` and falls back with a warning; ``True`` refuses the fallback;
@@ -76,11 +81,20 @@ class AioSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"aio {name} must be a positive int, got {value!r}")
+        if self.in_flight > MAX_IN_FLIGHT:
+            raise ValueError(f"aio thread_count * queue_depth = {self.thread_count} * {self.queue_depth} requests in "
+                             f"flight needs as many I/O threads; at most {MAX_IN_FLIGHT} are allowed")
         for name in ("single_submit", "overlap_events"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"aio {name} must be True or False, got {getattr(self, name)!r}")
         if self.use_direct is not None and not isinstance(self.use_direct, bool):
             raise TypeError(f"use_direct must be True, False or None, got {self.use_direct!r}")
+
+
+    @property
+    def in_flight(self) -> int:
+        """Requests in flight at once (one I/O thread each)."""
+        return 1 if self.single_submit else self.thread_count * self.queue_depth
 
 
 def _memoryview(buffer: torch.Tensor) -> memoryview:
@@ -98,9 +112,17 @@ class AsyncFileIO:
 
     def __init__(self, settings: Optional[AioSettings] = None) -> None:
         self.settings = settings or AioSettings()
-        self._pool = ThreadPoolExecutor(self.settings.thread_count, thread_name_prefix="lz-swap-io")
-        depth = 1 if self.settings.single_submit else self.settings.queue_depth
-        self._slots = threading.BoundedSemaphore(depth)
+        depth = self.settings.in_flight
+        # [Note: queue depth] one thread per request in flight: blocking preadv/pwritev calls on `depth` threads
+        # keep `depth` requests queued at the device, which is what libaio's submission depth achieves. The pool's
+        # size is the bound: requests beyond it wait in the pool's queue (in submission order), never in the
+        # caller, so read()/write() return at once however large the transfer (the caller computes meanwhile).
+        self._pool = ThreadPoolExecutor(depth, thread_name_prefix="lz-swap-io")
+        # bytes and busy seconds (time with at least one transfer of the kind in flight) per kind, for benchmarks
+        # ("any": reads and writes together, over the time at least one transfer of either kind was in flight)
+        self.stats = {"read": [0, 0.0], "write": [0, 0.0], "any": [0, 0.0]}
+        self._active = {"read": 0, "write": 0, "any": 0}
+        self._since = {"read": 0.0, "write": 0.0, "any": 0.0}
         self._fds: dict[str, tuple[int, bool]] = {}
         self._lock = threading.Lock()
         self.direct_fallback_warned = False
@@ -172,8 +194,8 @@ class AsyncFileIO:
                     state["error"] = error
                 state["left"] -= 1
                 last = state["left"] == 0
-            self._slots.release()
             if last:
+                self._busy(kind, False, len(view))
                 if state["error"] is not None:
                     done.set_exception(state["error"])
                 else:
@@ -187,12 +209,40 @@ class AsyncFileIO:
             else:
                 finish(None)
 
+        self._busy(kind, True)
         for start, end in pieces:
-            self._slots.acquire()  # the queue depth: at most this many requests in flight
             self._pool.submit(run, start, end)
         if not self.settings.overlap_events:
             done.result()
         return done
+
+    def _busy(self, kind: str, starting: bool, nbytes: int = 0) -> None:
+        now = time.perf_counter()
+        with self._lock:
+            for key in (kind, "any"):
+                if starting:
+                    if self._active[key] == 0:
+                        self._since[key] = now
+                    self._active[key] += 1
+                    continue
+                self._active[key] -= 1
+                self.stats[key][0] += nbytes
+                if self._active[key] == 0:
+                    self.stats[key][1] += now - self._since[key]
+
+    def reset_stats(self) -> None:
+        """Start counting bytes and busy time afresh (transfers in flight keep their start time)."""
+        with self._lock:
+            for key, value in self.stats.items():
+                value[0], value[1] = 0, 0.0
+                if self._active[key]:
+                    self._since[key] = time.perf_counter()
+
+    def throughput(self, kind: str) -> float:
+        """Bytes per second of ``kind`` (``"read"``/``"write"``/``"any"``) transfers while at least one was in
+        flight."""
+        nbytes, busy = self.stats[kind]
+        return nbytes / busy if busy > 0 else 0.0
 
     def close(self) -> None:
         """Wait for every request in flight, then close all files and the threads."""

@@ -18,6 +18,18 @@ loudly), which records how to rebuild the tensor (shape, dtype, and for FSDP2 DT
 placements). Readers of the states must call :meth:`OptimizerStateSwapper.make_resident` first (checkpoint save and
 load do, and ``optimizer.state_dict()`` does); the next step writes them back out.
 
+[Note: swapped fp32 masters]
+Where the optimizer steps separate fp32 *masters* of the module's parameters (stage-1 offload), ``masters=`` maps
+each master to the module parameter it stands for, and the masters are swapped too, in the same sub-group files
+(each master before its states). Between steps a swapped-out master holds an empty ``(0,)`` tensor (its ``.data``;
+the object, its identity in ``param_groups``/``state`` and ``requires_grad`` stay), so any computation on it fails
+loudly on the shape instead of reading stale values. For each sub-group the swapped step then also does what the
+stage-1 hooks do for resident masters: copy the module's gradients into fresh fp32 ``master.grad`` tensors (one
+sub-group's worth, dropped after the step) and copy the stepped masters back into the module's parameters. Masters
+are written to disk sub-group by sub-group at attach time, so they are never all resident at once.
+At stages 2-3 the FSDP2 sharded parameter *is* the master, read by every all-gather between steps: it can only be
+swapped by parameter swapping (``offload_params="nvme"``), not here.
+
 [Note: files]
 Each swapper creates its own fresh folder ``nvme_path/lz-swap-<unique>/rank<k>/`` and never reads anything it did
 not write in this process, so leftovers of a crashed run cannot be mistaken for state. :meth:`close` (teardown,
@@ -45,6 +57,7 @@ from lightning_zero.offload.aio import AsyncFileIO, SwapIOError, align_up, align
 from lightning_zero.offload.config import NvmeConfig
 
 _ATTR = "_lightning_zero_swapper"
+MASTER = "__master__"  # the key of a master's entry in a sub-group layout (not an optimizer state key)
 # An Adam-like optimizer keeps two fp32 values per parameter element (exp_avg, exp_avg_sq).
 ESTIMATED_STATE_BYTES_PER_ELEMENT = 8
 
@@ -107,8 +120,12 @@ class OptimizerStateSwapper:
     """Swaps one optimizer's per-element states to files under ``nvme.nvme_path`` (see the module notes)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, nvme: NvmeConfig, rank: int = 0,
-                 pin_memory: bool = False) -> None:
+                 pin_memory: bool = False, masters: Optional[dict[int, Tensor]] = None) -> None:
         self.optimizer = optimizer
+        # id(master) -> the module parameter it stands for (see the note on swapped fp32 masters)
+        self.companions: dict[int, Tensor] = dict(masters or {})
+        self._master_markers = {key: SwappedOut(p.shape, torch.float32, p.shape) for key, p in self.companions.items()}
+        self._masters_out: set[int] = set()
         self.nvme = nvme
         self.pin_memory = pin_memory
         self.run_folder = tempfile.mkdtemp(prefix="lz-swap-", dir=nvme.nvme_path)
@@ -132,7 +149,7 @@ class OptimizerStateSwapper:
         current: list[Tensor] = []
         size = 0
         for param in params:
-            n = _local(param).numel()
+            n = self._numel(param)
             if current and size + n > self.nvme.sub_group_size:
                 groups.append(current)
                 current, size = [], 0
@@ -142,12 +159,18 @@ class OptimizerStateSwapper:
             groups.append(current)
         return groups
 
+    def _numel(self, param: Tensor) -> int:
+        """Elements this rank steps for ``param`` (a swapped-out master's own tensor is empty)."""
+        marker = self._master_markers.get(id(param))
+        return marker.shape.numel() if marker is not None else _local(param).numel()
+
     def path(self, index: int) -> str:
         return os.path.join(self.folder, f"subgroup{index}.bin")
 
     def estimated_bytes(self) -> int:
         """Disk bytes for an Adam-like optimizer over this rank's parameters (checked against free space)."""
-        return sum(align_up(ESTIMATED_STATE_BYTES_PER_ELEMENT * _local(p).numel())
+        return sum(align_up(ESTIMATED_STATE_BYTES_PER_ELEMENT * self._numel(p))
+                   + (align_up(4 * self._numel(p)) if id(p) in self.companions else 0)
                    for group in self.subgroups for p in group)
 
     def check_free_space(self, needed: Optional[int] = None) -> None:
@@ -189,10 +212,15 @@ class OptimizerStateSwapper:
     def _layout(self, index: int) -> list[_Entry]:
         entries, offset = [], 0
         for param in self.subgroups[index]:
+            master = self._master_markers.get(id(param))
+            if master is not None:
+                nbytes = master.shape.numel() * 4
+                entries.append(_Entry(param, MASTER, master, offset, nbytes))
+                offset = align_up(offset + nbytes)
             state = self.optimizer.state.get(param)
             if not state:
                 continue
-            numel = _local(param).numel()
+            numel = self._numel(param)
             for key, value in state.items():
                 if key == "step" or not isinstance(value, (Tensor, SwappedOut)):
                     continue
@@ -207,8 +235,21 @@ class OptimizerStateSwapper:
 
     def _state(self, entry: _Entry):
         """The entry's current value, or ``None`` when its state was dropped (never creates an empty state)."""
+        if entry.key is MASTER:
+            return entry.marker if id(entry.param) in self._masters_out else entry.param
         state = self.optimizer.state.get(entry.param)
         return None if state is None else state.get(entry.key)
+
+    def _set(self, entry: _Entry, value) -> None:
+        """Make ``value`` (a tensor, or the entry's marker: swapped out) the entry's current value."""
+        if entry.key is not MASTER:
+            self.optimizer.state[entry.param][entry.key] = value
+        elif isinstance(value, SwappedOut):
+            entry.param.data = torch.empty(0, dtype=value.dtype)  # see the note on swapped fp32 masters
+            self._masters_out.add(id(entry.param))
+        else:
+            entry.param.data = value
+            self._masters_out.discard(id(entry.param))
 
     def _view(self, buf: Tensor, entry: _Entry) -> Tensor:
         return buf[entry.offset:entry.offset + entry.nbytes].view(entry.marker.dtype)
@@ -229,7 +270,7 @@ class OptimizerStateSwapper:
         for entry in self.layouts[index]:
             if isinstance(self._state(entry), SwappedOut):
                 local = self._view(buf, entry)
-                self.optimizer.state[entry.param][entry.key] = _rebuild(entry.marker, local.clone() if copy else local)
+                self._set(entry, _rebuild(entry.marker, local.clone() if copy else local))
 
     def _start_write(self, index: int, buf: Optional[Tensor], writes: deque) -> None:
         entries = self._layout(index)
@@ -246,7 +287,7 @@ class OptimizerStateSwapper:
         if buf is None or buf.numel() < nbytes or moved:
             old, buf = buf, self._acquire(nbytes, writes)
         for entry in entries:
-            value = self.optimizer.state[entry.param][entry.key]
+            value = self._state(entry)
             slot = self._view(buf, entry)
             local = _local(value).reshape(-1)
             if local.data_ptr() != slot.data_ptr():
@@ -264,7 +305,7 @@ class OptimizerStateSwapper:
         index, buf, future = item
         future.result()
         for entry in self.layouts[index]:
-            self.optimizer.state[entry.param][entry.key] = entry.marker
+            self._set(entry, entry.marker)
         self._release(buf)
 
     # ---------------------------------------------------------------- the step
@@ -293,9 +334,11 @@ class OptimizerStateSwapper:
                 ids = set(map(id, group))
                 for g, params, member in zip(optimizer.param_groups, saved, members):
                     g["params"] = [p for p in params if id(p) in ids] if member & ids else []
+                self._master_gradients(group)
                 base_step(optimizer)
                 for g, params in zip(optimizer.param_groups, saved):
                     g["params"] = params
+                self._masters_to_module(group)
                 self._start_write(index, buf, writes)
             while writes:
                 self._finish_write(writes.popleft())
@@ -307,6 +350,35 @@ class OptimizerStateSwapper:
                     pending[1].exception()  # let it finish before its buffer can go away
             for item in writes:
                 item[2].exception()
+
+    def _master_gradients(self, group: list[Tensor]) -> None:
+        """The module's gradients as fp32 ``master.grad`` for this sub-group's masters (the stage-1 pre-step copy)."""
+        for master in group:
+            param = self.companions.get(id(master))
+            if param is not None:
+                grad = param.grad
+                master.grad = None if grad is None else grad.detach().to("cpu", torch.float32, copy=True)
+
+    def _masters_to_module(self, group: list[Tensor]) -> None:
+        """Stepped masters back into the module's parameters (the stage-1 post-step copy); gradients dropped."""
+        for master in group:
+            param = self.companions.get(id(master))
+            if param is not None:
+                param.detach().copy_(master)
+                master.grad = None
+
+    def write_initial_masters(self) -> None:
+        """Fill the masters from their module parameters and write them out, one sub-group at a time."""
+        writes: deque = deque()
+        for index, group in enumerate(self.subgroups):
+            for master in group:
+                param = self.companions.get(id(master))
+                if param is not None:
+                    self._set(_Entry(master, MASTER, self._master_markers[id(master)], 0, 0),
+                              param.detach().to("cpu", torch.float32, copy=True))
+            self._start_write(index, None, writes)
+        while writes:
+            self._finish_write(writes.popleft())
 
     def make_resident(self) -> None:
         """Read every swapped-out state back into ordinary memory (checkpoint save/load, teardown)."""
@@ -349,14 +421,27 @@ class OptimizerStateSwapper:
 
 
 def attach_swapper(optimizer: torch.optim.Optimizer, nvme: NvmeConfig, *, rank: int = 0,
-                   pin_memory: bool = False) -> OptimizerStateSwapper:
+                   pin_memory: bool = False, masters: Optional[dict[int, Tensor]] = None) -> OptimizerStateSwapper:
     """Make ``optimizer`` swap its states to ``nvme.nvme_path`` (see the module notes); undo with
     :func:`detach_swapper`. The optimizer keeps its identity, ``param_groups`` and hooks; its class becomes a
-    subclass whose ``step`` and ``state_dict`` go through the swapper."""
+    subclass whose ``step`` and ``state_dict`` go through the swapper.
+
+    ``masters`` (``id(master) -> module parameter``) names the optimizer's parameters that are fp32 masters of
+    module parameters: they are swapped too, and their values are taken from the module parameters now (see the
+    note on swapped fp32 masters); their own tensors may be empty placeholders."""
     if get_swapper(optimizer) is not None:
         raise RuntimeError("this optimizer already swaps its states")
-    swapper = OptimizerStateSwapper(optimizer, nvme, rank=rank, pin_memory=pin_memory)
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    if masters and not set(masters) <= held:
+        raise ValueError("masters must map parameters the optimizer holds (by id) to module parameters")
+    swapper = OptimizerStateSwapper(optimizer, nvme, rank=rank, pin_memory=pin_memory, masters=masters)
     swapper.check_free_space()
+    if swapper.companions:
+        try:
+            swapper.write_initial_masters()
+        except BaseException:
+            swapper.close(restore=False)
+            raise
     base_cls = type(optimizer)
     base_step = getattr(base_cls.step, "__wrapped__", base_cls.step)
 
