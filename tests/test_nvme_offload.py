@@ -249,8 +249,13 @@ class _SwapWitness(Callback):
             assert os.path.getsize(swapper.path(index)) == align_up(entries[-1].offset + entries[-1].nbytes)
         for state in trainer.optimizers[0].state.values():
             assert all(isinstance(v, SwappedOut) for k, v in state.items() if k != "step")
-        # stage 1: the fp32 masters are on disk too; their tensors hold nothing between steps
-        assert all(m.numel() == 0 for m in get_sharding(trainer.optimizers[0]).masters.values())
+        # stage 1: the fp32 masters are on disk too; their tensors hold nothing between steps (the DTensor masters
+        # of stages 2-3 stay in CPU memory, docs/offload.md)
+        masters = get_sharding(trainer.optimizers[0]).masters.values()
+        if trainer.strategy.zero_config.stage == 1:
+            assert masters and all(m.numel() == 0 for m in masters)
+        else:
+            assert all(m.numel() > 0 for m in masters)
         assert swapper.peak_buffers <= swapper.nvme.buffer_count
         self.checked += 1
 
