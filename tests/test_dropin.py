@@ -58,8 +58,12 @@ def test_reduce_bucket_size_is_a_ddp_bucket_at_stages_0_1_and_noted_as_such():
         warnings.simplefilter("error", DeepSpeedConfigWarning)  # no "has no effect" warning at stage 1
         notes = dict(translate_ds_config({"zero_optimization": {"stage": 1, "reduce_bucket_size": 123}}).notes)
     assert "DDP bucket_cap_mb" in notes["zero_optimization.reduce_bucket_size"]
-    with pytest.warns(DeepSpeedConfigWarning, match="reduce_bucket_size=123"):  # FSDP2 has no such bucket
-        translate_ds_config({"zero_optimization": {"stage": 2, "reduce_bucket_size": 123}})
+    # at stages 2-3 it sizes the FSDP2 units instead (4 bytes per element; distributed/units.py)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeepSpeedConfigWarning)
+        stage_2 = translate_ds_config({"zero_optimization": {"stage": 2, "reduce_bucket_size": 123}})
+    assert stage_2.strategy_kwargs["unit_bytes"] == 123 * 4
+    assert "unit_bytes" in dict(stage_2.notes)["zero_optimization.reduce_bucket_size"]
 
 
 class TinyGAN(LightningModule):

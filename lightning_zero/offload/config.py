@@ -137,7 +137,8 @@ def config_params_offload_at_stage(offloads: dict, stage: int, explicit_offload_
     effect when an explicit ``stage`` below 3 overrides the config's stage 3, as DeepSpeed ignores ``offload_param``
     below stage 3 (and the translator does when the config itself says so); it is dropped with a warning. An
     explicit ``offload_params`` is left to :class:`~lightning_zero.config.ZeroConfig`, which refuses it."""
-    if stage >= 3 or explicit_offload_params is not None or offloads.get("offload_params") in (None, "none"):
+    if not isinstance(stage, int) or stage >= 3 or explicit_offload_params is not None \
+            or offloads.get("offload_params") in (None, "none"):  # a bad stage is ZeroConfig's to refuse, naming it
         return offloads
     warnings.warn(f"the ds_config's zero_optimization.offload_param has no effect at stage {stage} (only stage 3 "
                   "offloads parameters); it is ignored, as DeepSpeed does", UserWarning, stacklevel=3)
