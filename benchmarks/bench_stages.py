@@ -15,7 +15,8 @@ ModelParallelStrategy (FSDP2, the blocks sharded by hand, bf16 compute copies un
 
 Method. Every configuration runs in fresh spawned processes with the same model, seed, batches and optimizer (AdamW).
 Time is the median wall time of a full training step (forward, backward, optimizer step) after warm-up; memory is
-the growth of the peak resident set (``VmHWM``, reset after imports) on CPU, the CUDA allocator's peak on GPU;
+the growth of the peak resident set (``VmHWM``, reset after the same set of imports on every side, see
+``_bench_workers._PRELOAD``) on CPU, the CUDA allocator's peak on GPU;
 both are the maximum over ranks. Within a cell the runs alternate, ours then each peer, ``--repeat`` times
 (A B C A B C ...), so slow drift of a shared machine hits every side alike; each repeat gives one ratio ours/peer
 and the table prints the median ratio and its range over the repeats. Ratios below 1 mean ZeroStrategy is faster
