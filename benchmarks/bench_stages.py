@@ -233,6 +233,12 @@ def parse(argv=None) -> argparse.Namespace:
     return args
 
 
+def _save(path, header, cells) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump({"header": header, "cells": cells}, f, indent=1)
+
+
 def main(argv=None) -> list[dict]:
     args = parse(argv)
     if args.load:
@@ -254,13 +260,12 @@ def main(argv=None) -> list[dict]:
             for precision in args.precision:
                 for stage in args.stages:
                     cells.append(run_cell(model, precision, stage, args, measure))
+                    _save(args.json, "partial run: " + "; ".join(header), cells)  # a cut-off run keeps its cells
         header = (f"{args.nproc} ranks, {args.device}, AdamW, batch {args.batch}/rank, median of {args.steps} steps "
                   f"after {args.warmup} warm-up, {args.repeat} alternated repeat(s) per cell; models: "
                   + "; ".join(header))
         print("\n" + header)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"header": header, "cells": cells}, f, indent=1)
+        _save(args.json, header, cells)
     rows = render(cells)
     if args.plot:
         plot(rows, args.plot)
