@@ -148,3 +148,16 @@ def test_quick_run_against_deepspeed_and_lightning_ddp(tmp_path):
     again = subprocess.run([sys.executable, BENCH, "--load", str(raw)], env=env, capture_output=True, text=True,
                            timeout=120)
     assert again.returncode == 0 and done.stdout.split("\n| model")[1] == again.stdout.split("\n| model")[1]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
+def test_deepspeed_memory_is_not_charged_for_its_lazy_imports():
+    """DeepSpeed's initialize imports torch._dynamo/_inductor, sympy and triton (~150 MB): every worker loads them
+    before the memory baseline, so a 20K-parameter model's peak growth stays near its real size on every side."""
+    bench = _bench()
+    import _bench_workers as workers
+
+    args = bench.parse(["--quick", "--nproc", "1", "--peers", "deepspeed"])
+    step, peak = workers.measure({"model": "mlp", "precision": "fp32", "kind": "deepspeed:0"}, args)
+    assert step > 0 and peak < 64 * 2 ** 20, f"{peak / 2 ** 20:.0f} MiB"
