@@ -1,7 +1,7 @@
 """One measured configuration of ``bench_stages.py``: fresh spawned ranks train one model under one strategy.
 
-A job is ``{"model", "precision", "kind"}``; ``kind`` is ``zero:<stage>[+cpu]`` (ZeroStrategy), ``deepspeed:<stage>[+cpu]``,
-``ddp``, ``modelparallel:<2|3>`` (Lightning's FSDP2 strategy; 2 keeps the gathered parameters after forward, 3
+A job is ``{"model", "precision", "kind"}``; ``kind`` is ``zero:<stage>[+cpu]`` (ZeroStrategy),
+``deepspeed:<stage>[+cpu]``, ``ddp``, ``modelparallel:<2|3>`` (Lightning's FSDP2 strategy; 2 keeps the gathered parameters after forward, 3
 reshards them) or ``fsdp:<sharding strategy>`` (Lightning's FSDP1 strategy, opt-in).
 
 Each rank reports the median wall time of a full training step (forward, backward, optimizer step) after warm-up,
@@ -202,7 +202,8 @@ class _StepProfiler:
         rows = [{"op": e.key, "self_share": e.self_cpu_time_total / total, "calls": e.count} for e in top]
         job = self.job
         os.makedirs(self.args.profile, exist_ok=True)
-        path = os.path.join(self.args.profile, f"{job['model']}_{job['precision']}_{job['kind'].replace(':', '_')}.json")
+        name = f"{job['model']}_{job['precision']}_{job['kind'].replace(':', '_')}.json"
+        path = os.path.join(self.args.profile, name)
         with open(path, "w") as f:
             json.dump({"job": job, "steps": self.args.steps, "self_cpu_total_us": total, "top": rows}, f, indent=1)
 

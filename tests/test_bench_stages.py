@@ -103,7 +103,8 @@ def test_llama_is_skipped_with_a_message_without_transformers(monkeypatch):
     import _bench_models as models
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "transformers" else real(name, *a))
     assert "transformers is not installed" in models.unavailable("llama")
     assert models.unavailable("mlp") is None
 
