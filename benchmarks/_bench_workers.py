@@ -1,8 +1,8 @@
 """One measured configuration of ``bench_stages.py``: fresh spawned ranks train one model under one strategy.
 
 A job is ``{"model", "precision", "kind"}``; ``kind`` is ``zero:<stage>[+cpu]`` (ZeroStrategy),
-``deepspeed:<stage>[+cpu]``, ``ddp``, ``modelparallel:<2|3>`` (Lightning's FSDP2 strategy; 2 keeps the gathered parameters after forward, 3
-reshards them) or ``fsdp:<sharding strategy>`` (Lightning's FSDP1 strategy, opt-in).
+``deepspeed:<stage>[+cpu]``, ``ddp``, ``modelparallel:<2|3>`` (Lightning's FSDP2 strategy; 2 keeps the gathered
+parameters after forward, 3 reshards them) or ``fsdp:<sharding strategy>`` (Lightning's FSDP1 strategy, opt-in).
 
 Each rank reports the median wall time of a full training step (forward, backward, optimizer step) after warm-up,
 and the growth of its peak memory (``VmHWM`` reset after imports on CPU; the CUDA allocator's peak on GPU).
