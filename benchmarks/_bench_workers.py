@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import tempfile
 import time
@@ -196,10 +197,17 @@ class _StepProfiler:
         if self.prof is None:
             return
         self.prof.stop()
-        events = [e for e in self.prof.key_averages() if e.self_cpu_time_total > 0]
-        total = sum(e.self_cpu_time_total for e in events)
-        top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:self.args.profile_top]
-        rows = [{"op": e.key, "self_share": e.self_cpu_time_total / total, "calls": e.count} for e in top]
+        # FSDP2 names its ranges per unit ("FSDP::all_gather (net.3)"): summed over units, so a cost paid once per
+        # unit shows as one line with its call count instead of being spread below the top ops.
+        groups: dict[str, list] = {}
+        for event in self.prof.key_averages():
+            if event.self_cpu_time_total > 0:
+                group = groups.setdefault(re.sub(r" \(.*\)$", "", event.key), [0.0, 0])
+                group[0] += event.self_cpu_time_total
+                group[1] += event.count
+        total = sum(t for t, _ in groups.values())
+        top = sorted(groups.items(), key=lambda item: item[1][0], reverse=True)[:self.args.profile_top]
+        rows = [{"op": key, "self_share": t / total, "calls": calls} for key, (t, calls) in top]
         job = self.job
         os.makedirs(self.args.profile, exist_ok=True)
         name = f"{job['model']}_{job['precision']}_{job['kind'].replace(':', '_')}.json"
