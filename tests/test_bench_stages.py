@@ -162,3 +162,29 @@ def test_deepspeed_memory_is_not_charged_for_its_lazy_imports():
     args = bench.parse(["--quick", "--nproc", "1", "--peers", "deepspeed"])
     step, peak = workers.measure({"model": "mlp", "precision": "fp32", "kind": "deepspeed:0"}, args)
     assert step > 0 and peak < 64 * 2 ** 20, f"{peak / 2 ** 20:.0f} MiB"
+
+
+def test_profile_sums_fsdp_per_unit_ranges(tmp_path):
+    """The top-ops file gives shares of self CPU time, FSDP2's per-unit ranges summed into one line."""
+    bench = _bench()
+    import _bench_workers as workers
+
+    class Event:
+        def __init__(self, key, us, count):
+            self.key, self.self_cpu_time_total, self.count = key, us, count
+
+    class Prof:
+        def stop(self):
+            pass
+
+        def key_averages(self):
+            return [Event("aten::mm", 40.0, 10), Event("FSDP::all_gather (net.0)", 20.0, 1),
+                    Event("FSDP::all_gather (net.2)", 30.0, 1), Event("aten::copy_", 10.0, 5), Event("idle", 0.0, 3)]
+
+    args = bench.parse(["--profile", str(tmp_path), "--profile-top", "2", "--steps", "1"])
+    profiler = workers._StepProfiler(args, 0, {"model": "mlp", "precision": "fp32", "kind": "zero:3"})
+    profiler.prof = Prof()
+    profiler.finish()
+    written = json.loads((tmp_path / "mlp_fp32_zero_3.json").read_text())
+    assert written["top"] == [{"op": "FSDP::all_gather", "self_share": 0.5, "calls": 2},
+                              {"op": "aten::mm", "self_share": 0.4, "calls": 10}]
