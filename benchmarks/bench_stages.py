@@ -228,7 +228,7 @@ def parse(argv=None) -> argparse.Namespace:
     args.model = list(models.MODELS) if "all" in args.model else list(dict.fromkeys(args.model))
     args.peers = [p for p in dict.fromkeys(args.peers) if not (args.no_deepspeed and p == "deepspeed")
                   and not (args.no_lightning and p != "deepspeed")]
-    if "deepspeed" in args.peers and importlib.util.find_spec("deepspeed") is None:
+    if "deepspeed" in args.peers and not args.load and importlib.util.find_spec("deepspeed") is None:
         parser.error("the DeepSpeed peer needs deepspeed (pip install -e '.[bench]'), or pass --no-deepspeed")
     return args
 
