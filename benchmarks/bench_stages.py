@@ -1,13 +1,29 @@
-"""Step time and per-rank peak memory: ZeroStrategy stages 0-3 vs Lightning's strategies vs DeepSpeed, on CPU + gloo.
+"""Step time and per-rank peak memory: ZeroStrategy vs DeepSpeed and Lightning's strategies, over a model matrix.
 
-    python benchmarks/bench_stages.py                 # 2 ranks, ~50M-parameter MLP, fp32 AdamW
-    python benchmarks/bench_stages.py --width 512 --depth 4 --steps 5   # quick
-    python benchmarks/bench_stages.py --device cuda --nproc 1           # on a GPU: stages 0-3 and offload
+    python benchmarks/bench_stages.py                                  # the whole matrix (long: hours on 2 CPUs)
+    python benchmarks/bench_stages.py --model mlp llama --precision bf16 --stages 2 3 --repeat 5
+    python benchmarks/bench_stages.py --quick --model mlp --stages 0   # seconds: tiny shapes, 1 repeat
+    python benchmarks/bench_stages.py --model gpt --plot               # also docs/img/bench_stages.png
+    python benchmarks/bench_stages.py --load results.json --plot       # re-render a saved --json run
+    python benchmarks/bench_stages.py --device cuda --nproc 1          # on a GPU
 
-Every configuration runs in fresh spawned processes with the same model, seed, batch and optimizer (AdamW, fp32).
-Time is the median wall time of a full training step (forward, backward, optimizer step) after warm-up. Memory is
-the growth of the process's peak resident set (``VmHWM``, reset after imports) on CPU, and the CUDA allocator's
-peak on GPU, maximum over ranks. Everything is printed as ratios to DeepSpeed measured in the same run.
+Cells are model (``gpt``: examples/gpt.py's GPT; ``mlp``: flat Linear+GELU; ``llama``: a tiny Hugging Face Llama,
+see ``_bench_models.py``) x precision (``fp32``: ``precision="32-true"``; ``bf16``: ``"bf16-mixed"``, DeepSpeed's
+``bf16.enabled``) x ZeRO configuration (stage 0-3, ``2+cpu``/``3+cpu`` offload). Each cell runs ZeroStrategy and its
+peers: DeepSpeed at the same stage/precision/offload, Lightning's DDPStrategy for stage 0 and Lightning's
+ModelParallelStrategy (FSDP2, the blocks sharded by hand, bf16 compute copies under bf16) for stages 2 and 3.
+
+Method. Every configuration runs in fresh spawned processes with the same model, seed, batches and optimizer (AdamW).
+Time is the median wall time of a full training step (forward, backward, optimizer step) after warm-up; memory is
+the growth of the peak resident set (``VmHWM``, reset after the same set of imports on every side, see
+``_bench_workers._PRELOAD``) on CPU, the CUDA allocator's peak on GPU;
+both are the maximum over ranks. Within a cell the runs alternate, ours then each peer, ``--repeat`` times
+(A B C A B C ...), so slow drift of a shared machine hits every side alike; each repeat gives one ratio ours/peer
+and the table prints the median ratio and its range over the repeats. Ratios below 1 mean ZeroStrategy is faster
+(or smaller). Absolute times on a loaded machine mean little; the paired ratios are the figures to read.
+
+``--profile DIR`` records the torch profiler's CPU ops on rank 0 over the measured steps of every run and writes
+the top ops by self CPU time share as JSON into DIR (profiled runs are slower: do not read their timings).
 
 [Note: CPU peak RSS at stages 2-3 and glibc]
 FSDP2 allocates and frees per-unit all-gather and reduce-scatter buffers every step; with glibc's dynamic mmap
@@ -22,265 +38,239 @@ On CUDA the caching allocator makes the question moot.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
 import sys
-import tempfile
-import time
 
-import torch
-import torch.multiprocessing as mp
-from torch import nn
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import _bench_models as models  # noqa: E402
 
-def build_model(width: int, depth: int) -> nn.Module:
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
-
-        def forward(self, x):
-            return x + self.down(torch.relu(self.up(x)))
-
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.blocks = nn.ModuleList(Block() for _ in range(depth))
-            self.head = nn.Linear(width, 1)
-
-        def forward(self, x):
-            for block in self.blocks:
-                x = block(x)
-            return self.head(x)
-
-    return Net()
+STAGES = ("0", "1", "2", "3", "1+cpu", "2+cpu", "3+cpu")
+PEERS = ("deepspeed", "ddp", "modelparallel", "fsdp")
+LABELS = {"deepspeed": "DeepSpeed", "ddp": "Lightning DDP", "modelparallel": "Lightning ModelParallel (FSDP2)",
+          "fsdp": "Lightning FSDP (FSDP1)"}
+DEFAULT_PLOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "docs", "img", "bench_stages.png")
 
 
-def _reset_peak() -> int:
-    if torch.cuda.is_available() and os.environ.get("BENCH_DEVICE") == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        return torch.cuda.memory_allocated()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current RSS
-    return _proc_kib("VmRSS") * 1024
+def peer_kinds(stage: str, peers) -> list[tuple[str, str]]:
+    """(peer, job kind) pairs that compare with ZeroStrategy at ``stage``: DeepSpeed everywhere, DDP at stage 0,
+    Lightning's sharded strategies at stages 2 (no reshard after forward) and 3 (reshard)."""
+    out = []
+    for peer in peers:
+        if peer == "deepspeed":
+            out.append((peer, f"deepspeed:{stage}"))
+        elif peer == "ddp" and stage == "0":
+            out.append((peer, "ddp"))
+        elif peer == "modelparallel" and stage in ("2", "3"):
+            out.append((peer, f"modelparallel:{stage}"))
+        elif peer == "fsdp" and stage in ("2", "3"):
+            out.append((peer, "fsdp:" + ("SHARD_GRAD_OP" if stage == "2" else "FULL_SHARD")))
+    return out
 
 
-def _peak(baseline: int) -> int:
-    if torch.cuda.is_available() and os.environ.get("BENCH_DEVICE") == "cuda":
-        return torch.cuda.max_memory_allocated() - baseline
-    return _proc_kib("VmHWM") * 1024 - baseline
+def run_cell(model: str, precision: str, stage: str, args, measure) -> dict:
+    """Every run of one cell, alternating ours and the peers ``args.repeat`` times; a failed run records None.
+
+    DeepSpeed on CPU aborts now and then ("terminate called without an active exception") in configurations that
+    pass on the next launch: one retry, then the failure is reported on stderr and in the table, never hidden."""
+    sides = [("ours", f"zero:{stage}")] + peer_kinds(stage, args.peers)
+    runs = {side: [] for side, _ in sides}
+    for repeat in range(args.repeat):
+        for side, kind in sides:
+            job = {"model": model, "precision": precision, "kind": kind}
+            result = None
+            for attempt in range(2 if side == "deepspeed" else 1):
+                try:
+                    result = measure(job, args)
+                    break
+                except Exception as err:
+                    print(f"{model} {precision} {kind} repeat {repeat + 1} attempt {attempt + 1}: failed "
+                          f"({type(err).__name__}: {(str(err).strip().splitlines() or [''])[-1][:160]})",
+                          file=sys.stderr, flush=True)
+            runs[side].append(result)
+            print(f"{model} {precision} {kind} repeat {repeat + 1}/{args.repeat}: {result}", file=sys.stderr,
+                  flush=True)
+    return {"model": model, "precision": precision, "stage": stage, "runs": runs}
 
 
-def _proc_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(field)
+def _stats(values):
+    return (statistics.median(values), min(values), max(values)) if values else None
 
 
-def _batches(args, rank, world):
-    gen = torch.Generator().manual_seed(100 + rank)
-    return [(torch.randn(args.batch, args.width, generator=gen), torch.randn(args.batch, 1, generator=gen))
-            for _ in range(args.warmup + args.steps)]
+def summarize(cell: dict) -> list[dict]:
+    """One row per peer: median and range over repeats of the paired ratios ours/peer (time and memory)."""
+    rows, ours = [], cell["runs"]["ours"]
+    for peer, theirs in cell["runs"].items():
+        if peer == "ours":
+            continue
+        pairs = [(a, b) for a, b in zip(ours, theirs) if a and b and b[0] > 0 and b[1] > 0]
+        rows.append({"model": cell["model"], "precision": cell["precision"], "stage": cell["stage"], "peer": peer,
+                     "time_ratio": _stats([a[0] / b[0] for a, b in pairs]),
+                     "mem_ratio": _stats([a[1] / b[1] for a, b in pairs]),
+                     "ours": _stats([a[0] for a in ours if a]), "theirs": _stats([b[0] for b in theirs if b]),
+                     "ours_mib": _stats([a[1] / 2 ** 20 for a in ours if a]),
+                     "theirs_mib": _stats([b[1] / 2 ** 20 for b in theirs if b]),
+                     "pairs": len(pairs), "repeats": len(ours)})
+    return rows
 
 
-def run_lightning(rank, world, args, kind, out):
-    import lightning.pytorch as pl
-
-    import lightning_zero  # noqa: F401
-    from lightning_zero import ZeroStrategy
-
-    baseline = _reset_peak()
-    times = []
-
-    class Module(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            torch.manual_seed(0)
-            self.net = build_model(args.width, args.depth)
-
-        def training_step(self, batch, batch_idx):
-            return nn.functional.mse_loss(self.net(batch[0]), batch[1])
-
-        def configure_model(self):
-            if name != "modelparallel":
-                return
-            # Lightning's FSDP2 path: the user shards the model themselves, here the way apply_zero would.
-            from torch.distributed.fsdp import fully_shard
-
-            mesh, reshard = self.device_mesh["data_parallel"], option == "3"
-            for block in self.net.blocks:
-                fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
-            fully_shard(self.net, mesh=mesh, reshard_after_forward=reshard)
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-4)
-
-    class Timer(pl.Callback):
-        def on_train_batch_start(self, *a):
-            self.t = time.perf_counter()
-
-        def on_train_batch_end(self, *a):
-            times.append(time.perf_counter() - self.t)
-
-    name, _, option = kind.partition(":")
-    if name == "zero":
-        stage, _, offload = option.partition("+")
-        strategy = ZeroStrategy(stage=int(stage), offload=offload or None)
-    elif name == "ddp":
-        strategy = pl.strategies.DDPStrategy()
-    elif name == "fsdp":
-        strategy = pl.strategies.FSDPStrategy(sharding_strategy=option or "FULL_SHARD")
-    elif name == "modelparallel":
-        strategy = pl.strategies.ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
-    else:
-        raise ValueError(kind)
-    data = _batches(args, rank, world)
-    trainer = pl.Trainer(accelerator="gpu" if args.device == "cuda" else "cpu", devices=world, strategy=strategy,
-                         max_steps=len(data), logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[Timer()], use_distributed_sampler=False)
-    trainer.fit(Module(), torch.utils.data.DataLoader(data, batch_size=None))
-    _write(out, rank, times[args.warmup:], _peak(baseline))
+def _ratio(stats) -> str:
+    if stats is None:
+        return "failed"
+    median, low, high = stats
+    return f"{median:.2f} [{low:.2f}–{high:.2f}]" if high > low else f"{median:.2f}"
 
 
-def run_deepspeed(rank, world, args, kind, out):
-    os.environ.setdefault("DS_ACCELERATOR", "cuda" if args.device == "cuda" else "cpu")
-    import deepspeed
-
-    deepspeed.init_distributed(dist_backend="nccl" if args.device == "cuda" else "gloo")
-    baseline = _reset_peak()
-    stage, _, offload = kind.partition(":")[2].partition("+")
-    zero = {"stage": int(stage)}
-    if offload:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": args.device == "cuda"}
-        if int(stage) == 3:
-            zero["offload_param"] = {"device": "cpu", "pin_memory": args.device == "cuda"}
-    config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
-              "zero_optimization": zero, "zero_force_ds_cpu_optimizer": False, "steps_per_print": 10 ** 9}
-    torch.manual_seed(0)
-    model = build_model(args.width, args.depth)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    device = engine.device
-    times = []
-    for x, y in _batches(args, rank, world):
-        start = time.perf_counter()
-        loss = nn.functional.mse_loss(engine(x.to(device)), y.to(device))
-        engine.backward(loss)
-        engine.step()
-        if args.device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    _write(out, rank, times[args.warmup:], _peak(baseline))
+def _value(stats, fmt) -> str:
+    return "failed" if stats is None else format(stats[0], fmt)
 
 
-def _write(out, rank, times, peak):
-    with open(f"{out}.{rank}", "w") as f:
-        json.dump({"time": statistics.median(times), "peak": peak}, f)
+def render(cells: list[dict], out=sys.stdout) -> list[dict]:
+    """Print the markdown tables; return the summary rows."""
+    rows = [row for cell in cells for row in summarize(cell)]
+    print("| model | precision | ZeRO | peer | step time ratio | peak RSS/rank ratio | ours step (s) | "
+          "peer step (s) | ours MiB/rank | peer MiB/rank |", file=out)
+    print("|---|---|---|---|---|---|---|---|---|---|", file=out)
+    for r in rows:
+        print(f"| {r['model']} | {r['precision']} | {r['stage']} | {LABELS[r['peer']]} | {_ratio(r['time_ratio'])} | "
+              f"{_ratio(r['mem_ratio'])} | {_value(r['ours'], '.3f')} | {_value(r['theirs'], '.3f')} | "
+              f"{_value(r['ours_mib'], '.0f')} | {_value(r['theirs_mib'], '.0f')} |", file=out)
+    # bf16 against fp32 for ZeroStrategy itself: medians of separate cells (not paired runs), so read it loosely.
+    ours = {(c["model"], c["precision"], c["stage"]): _stats([a[0] for a in c["runs"]["ours"] if a]) for c in cells}
+    pairs = [(m, s, ours[(m, "bf16", s)], ours.get((m, "fp32", s))) for m, p, s in ours if p == "bf16"]
+    pairs = [(m, s, b[0] / f[0]) for m, s, b, f in pairs if b and f]
+    if pairs:
+        print("\n| ZeroStrategy bf16 / fp32 step time (medians of separate cells) | ratio |\n|---|---|", file=out)
+        for model, stage, ratio in pairs:
+            print(f"| {model} stage {stage} | {ratio:.2f} |", file=out)
+    return rows
 
 
-def _entry(rank, world, port, args, kind, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), BENCH_DEVICE=args.device)
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    if args.device == "cuda":
-        torch.cuda.set_device(rank)
-    (run_deepspeed if kind.startswith("deepspeed") else run_lightning)(rank, world, args, kind, out)
+def plot(rows: list[dict], path: str) -> bool:
+    """Bar chart of the median ratios (time and memory) with range whiskers; False with a message without
+    matplotlib, which stays optional (``pip install matplotlib`` or the ``bench`` extra)."""
+    if importlib.util.find_spec("matplotlib") is None:
+        print("--plot needs matplotlib (pip install matplotlib); the table above has the same figures",
+              file=sys.stderr)
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if r["time_ratio"]]
+    if not rows:
+        print("--plot: no cell has a ratio to draw", file=sys.stderr)
+        return False
+    labels = [f"{r['model']} {r['precision']} stage {r['stage']}\nvs {LABELS[r['peer']].replace('Lightning ', 'L. ')}"
+              for r in rows]
+    colors = {"deepspeed": "tab:blue", "ddp": "tab:orange", "modelparallel": "tab:green", "fsdp": "tab:gray"}
+    fig, axes = plt.subplots(2, 1, figsize=(max(8.0, 0.55 * len(rows)), 8), sharex=True)
+    for ax, key, title in ((axes[0], "time_ratio", "step time, ours / peer"),
+                           (axes[1], "mem_ratio", "peak RSS per rank, ours / peer")):
+        values = [r[key] or (float("nan"),) * 3 for r in rows]
+        heights = [v[0] for v in values]
+        errors = [[v[0] - v[1] for v in values], [v[2] - v[0] for v in values]]
+        ax.bar(range(len(rows)), heights, yerr=errors, capsize=3, color=[colors[r["peer"]] for r in rows])
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_ylabel(title)
+    axes[0].axhline(0.8, color="red", linewidth=0.8, linestyle="--")  # issue 18's step-time target against DeepSpeed
+    axes[0].set_title("ZeroStrategy / peer: median over repeats, whiskers the range\n"
+                      "(below 1: ours is faster or smaller; dashed: the 0.8 step-time target)", fontsize=10)
+    axes[1].set_xticks(range(len(rows)), labels, rotation=90, fontsize=7)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"chart saved to {path}", file=sys.stderr)
+    return True
 
 
-def measure(kind, args):
-    from tests_free_port import free_port
-
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result")
-        mp.start_processes(_entry, args=(args.nproc, free_port(), args, kind, out), nprocs=args.nproc,
-                           start_method="spawn")
-        results = [json.load(open(f"{out}.{r}")) for r in range(args.nproc)]
-    return max(r["time"] for r in results), max(r["peak"] for r in results)
-
-
-def main(argv=None):
+def parse(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--depth", type=int, default=6)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--model", nargs="+", default=["all"], choices=[*models.MODELS, "all"],
+                        help="models to run (default: all)")
+    parser.add_argument("--precision", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    parser.add_argument("--stages", nargs="+", default=["0", "1", "2", "3", "2+cpu", "3+cpu"], choices=STAGES,
+                        help="ZeRO configurations (default: 0 1 2 3 2+cpu 3+cpu)")
+    parser.add_argument("--peers", nargs="+", default=["deepspeed", "ddp", "modelparallel"], choices=PEERS,
+                        help="peers to compare with (default: deepspeed ddp modelparallel; fsdp is opt-in)")
+    parser.add_argument("--no-deepspeed", action="store_true", help="drop the DeepSpeed peer")
+    parser.add_argument("--no-lightning", action="store_true", help="drop Lightning's strategies as peers")
+    parser.add_argument("--repeat", type=int, default=None, help="alternated runs per cell (default 3; quick: 1)")
+    parser.add_argument("--steps", type=int, default=None, help="measured steps (default 8; quick: 2)")
+    parser.add_argument("--warmup", type=int, default=None, help="unmeasured first steps (default 3; quick: 1)")
+    parser.add_argument("--batch", type=int, default=None, help="micro-batch per rank (default 8; quick: 2)")
+    parser.add_argument("--width", type=int, default=None, help="MLP width (default 1024)")
+    parser.add_argument("--depth", type=int, default=None, help="MLP depth, Linear+GELU pairs (default 24)")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, 1 repeat, few steps (for tests)")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed peer")
-    parser.add_argument("--json", default=None, help="also write the raw results here")
-    parser.add_argument("--stages", nargs="+", default=["0", "1", "2", "3", "1+cpu", "2+cpu", "3+cpu"],
-                        help="which ZeRO configurations to run (default: all)")
-    parser.add_argument("--no-lightning", action="store_true", help="skip Lightning's own strategies")
+    parser.add_argument("--json", default=None, help="also write every run's raw figures here")
+    parser.add_argument("--load", default=None, help="render a saved --json file instead of measuring")
+    parser.add_argument("--plot", nargs="?", const=DEFAULT_PLOT, default=None,
+                        help="save a bar chart of the ratios (default path docs/img/bench_stages.png)")
+    parser.add_argument("--profile", default=None, metavar="DIR",
+                        help="write the torch profiler's top ops (rank 0, measured steps) of every run into DIR")
+    parser.add_argument("--profile-top", type=int, default=10)
     args = parser.parse_args(argv)
-
-    stages = args.stages
-    have_ds = not args.no_deepspeed and _has_deepspeed()
-    rows, raw = [], {}
-    for stage in stages:
-        ours = measure(f"zero:{stage}", args)
-        peer = None
-        # DeepSpeed on CPU aborts now and then ("terminate called without an active exception", SIGABRT) at stages
-        # that pass on the next launch: one retry, then the crash is reported and the row keeps our figures.
-        for attempt in range(2 if have_ds else 0):
-            try:
-                peer = measure(f"deepspeed:{stage}", args)
-                break
-            except Exception as err:
-                print(f"DeepSpeed stage {stage}, attempt {attempt + 1}: failed ({type(err).__name__}: "
-                      f"{str(err).splitlines()[-1][:120]})", file=sys.stderr)
-        raw[f"zero:{stage}"], raw[f"deepspeed:{stage}"] = ours, peer
-        rows.append((f"ZeroStrategy stage {stage}", ours, peer))
-        print(f"measured stage {stage}: ours {ours}, deepspeed {peer}", file=sys.stderr, flush=True)
-    peers = () if args.no_lightning else (("ddp", "Lightning DDPStrategy", "0"), ("fsdp:SHARD_GRAD_OP",
-                                          "Lightning FSDPStrategy SHARD_GRAD_OP", "2"), ("fsdp:FULL_SHARD",
-                                          "Lightning FSDPStrategy FULL_SHARD", "3"),
-                                          ("modelparallel:2", "Lightning ModelParallelStrategy, FSDP2 no reshard", "2"),
-                                          ("modelparallel:3", "Lightning ModelParallelStrategy, FSDP2 reshard", "3"))
-    lightning_rows = []
-    for kind, label, compare in peers:
-        try:
-            raw[kind] = measure(kind, args)
-        except Exception as err:  # report, do not hide: e.g. a Lightning strategy that refuses CPU
-            print(f"{label}: failed ({type(err).__name__}: {str(err).splitlines()[-1][:120]})", file=sys.stderr)
-            continue
-        rows.append((f"{label} (vs stage {compare})", raw[kind], raw.get(f"deepspeed:{compare}")))
-        if raw.get(f"zero:{compare}"):
-            lightning_rows.append((f"ZeroStrategy stage {compare} vs {label}", raw[f"zero:{compare}"], raw[kind]))
-    print(f"\n{args.nproc} ranks, {args.device}, MLP width {args.width} depth {args.depth} "
-          f"({sum(p.numel() for p in build_model(args.width, args.depth).parameters()) / 1e6:.1f}M params), "
-          f"batch {args.batch}/rank, fp32 AdamW, median of {args.steps} steps")
-    print("| configuration | step time (s) | DeepSpeed step (s) | time ratio | peak MiB/rank | DeepSpeed MiB | "
-          "memory ratio |")
-    print("|---|---|---|---|---|---|---|")
-    for label, (t, m), peer in rows:
-        if peer:
-            print(f"| {label} | {t:.3f} | {peer[0]:.3f} | {t / peer[0]:.2f} | {m / 2**20:.0f} | "
-                  f"{peer[1] / 2**20:.0f} | {m / peer[1]:.2f} |")
-        else:
-            print(f"| {label} | {t:.3f} | failed | - | {m / 2**20:.0f} | failed | - |" if have_ds else
-                  f"| {label} | {t:.3f} | - | - | {m / 2**20:.0f} | - | - |")
-    if lightning_rows:
-        print("\n| ZeroStrategy vs Lightning | time ratio | memory ratio |\n|---|---|---|")
-        for label, (t, m), (peer_t, peer_m) in lightning_rows:
-            print(f"| {label} | {t / peer_t:.2f} | {m / peer_m:.2f} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(raw, f, indent=1)
+    quick = {"repeat": 1, "steps": 2, "warmup": 1, "batch": 2}
+    full = {"repeat": 3, "steps": 8, "warmup": 3, "batch": 8}
+    for key, value in (quick if args.quick else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    for key in ("repeat", "steps", "warmup", "batch", "nproc"):
+        if getattr(args, key) < (0 if key == "warmup" else 1):
+            parser.error(f"--{key} must be {'>= 0' if key == 'warmup' else '>= 1'}, got {getattr(args, key)}")
+    args.model = list(models.MODELS) if "all" in args.model else list(dict.fromkeys(args.model))
+    args.peers = [p for p in dict.fromkeys(args.peers) if not (args.no_deepspeed and p == "deepspeed")
+                  and not (args.no_lightning and p != "deepspeed")]
+    if "deepspeed" in args.peers and not args.load and importlib.util.find_spec("deepspeed") is None:
+        parser.error("the DeepSpeed peer needs deepspeed (pip install -e '.[bench]'), or pass --no-deepspeed")
+    return args
 
 
-def _has_deepspeed() -> bool:
-    try:
-        import importlib.util
+def _save(path, header, cells) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump({"header": header, "cells": cells}, f, indent=1)
 
-        return importlib.util.find_spec("deepspeed") is not None
-    except Exception:
-        return False
+
+def main(argv=None) -> list[dict]:
+    args = parse(argv)
+    if args.load:
+        with open(args.load) as f:
+            saved = json.load(f)
+        cells = saved["cells"]
+        print(saved.get("header", ""))
+    else:
+        from _bench_workers import measure
+
+        cells, header = [], []
+        for model in args.model:
+            reason = models.unavailable(model)
+            if reason:
+                print(reason, file=sys.stderr)
+                header.append(f"({reason})")
+                continue
+            header.append(models.describe(model, args))
+            for precision in args.precision:
+                for stage in args.stages:
+                    cells.append(run_cell(model, precision, stage, args, measure))
+                    _save(args.json, "partial run: " + "; ".join(header), cells)  # a cut-off run keeps its cells
+        header = (f"{args.nproc} ranks, {args.device}, AdamW, batch {args.batch}/rank, median of {args.steps} steps "
+                  f"after {args.warmup} warm-up, {args.repeat} alternated repeat(s) per cell; models: "
+                  + "; ".join(header))
+        print("\n" + header)
+        _save(args.json, header, cells)
+    rows = render(cells)
+    if args.plot:
+        plot(rows, args.plot)
+    return rows
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(__file__))
     main()

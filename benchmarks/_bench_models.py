@@ -1,0 +1,126 @@
+"""The models of ``bench_stages.py``: each one built the same way for every strategy, with its batches and loss.
+
+- ``gpt``: the GPT of ``examples/gpt.py`` (imported from the file, so the benchmark follows the example);
+- ``mlp``: a flat ``nn.Sequential`` of ``Linear(width, width)`` + ``GELU``, ``depth`` times: the repeated unit is
+  a single small ``Linear``, which is where per-module communication granularity hurts most;
+- ``llama``: a tiny Hugging Face ``LlamaForCausalLM`` built from a ``LlamaConfig`` (no download, tied embeddings).
+
+Every builder seeds torch first, so all strategies start from the same weights; every batch list is seeded by rank.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+MODELS = ("gpt", "mlp", "llama")
+_EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "examples")
+
+# (full, quick) shapes. The full shapes are the issue's: GPT as the example's defaults, the 25M-parameter MLP,
+# a ~2.9M-parameter Llama.
+SHAPES = {
+    "gpt": ({"n_layer": 4, "n_embd": 128, "n_head": 4, "block_size": 64, "vocab": 65},
+            {"n_layer": 2, "n_embd": 32, "n_head": 2, "block_size": 16, "vocab": 32}),
+    "mlp": ({"width": 1024, "depth": 24}, {"width": 64, "depth": 4}),
+    "llama": ({"hidden": 256, "intermediate": 512, "layers": 4, "heads": 4, "vocab": 1024, "seq": 64},
+              {"hidden": 32, "intermediate": 64, "layers": 2, "heads": 2, "vocab": 64, "seq": 8}),
+}
+
+
+def unavailable(name: str) -> str | None:
+    """Why model ``name`` cannot run here (a message for the user), or None."""
+    if name == "llama" and importlib.util.find_spec("transformers") is None:
+        return "skipping --model llama: transformers is not installed (pip install transformers)"
+    return None
+
+
+def shape(name: str, args) -> dict:
+    """The model's shape: the quick or full defaults, with ``--width``/``--depth`` for the MLP when given."""
+    full, quick = SHAPES[name]
+    result = dict(quick if args.quick else full)
+    if name == "mlp":
+        result.update({k: v for k, v in (("width", args.width), ("depth", args.depth)) if v is not None})
+    return result
+
+
+def _gpt_class():
+    # Imported from the example's file (not copied), under a private module name so it never shadows anything.
+    module = sys.modules.get("_bench_gpt_example")
+    if module is None:
+        spec = importlib.util.spec_from_file_location("_bench_gpt_example", os.path.join(_EXAMPLES, "gpt.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    return module.GPT
+
+
+def build(name: str, args) -> nn.Module:
+    """The model, seeded so every strategy starts from the same weights."""
+    s = shape(name, args)
+    torch.manual_seed(0)
+    if name == "gpt":
+        return _gpt_class()(s["vocab"], s["block_size"], s["n_layer"], s["n_head"], s["n_embd"])
+    if name == "mlp":
+        layers = []
+        for _ in range(s["depth"]):
+            layers += [nn.Linear(s["width"], s["width"]), nn.GELU()]
+        return nn.Sequential(*layers)
+    if name == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(hidden_size=s["hidden"], intermediate_size=s["intermediate"],
+                             num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
+                             num_key_value_heads=s["heads"], vocab_size=s["vocab"], max_position_embeddings=s["seq"],
+                             tie_word_embeddings=True, attention_dropout=0.0)
+        return LlamaForCausalLM(config)
+    raise ValueError(f"unknown model {name!r}; choose from {MODELS}")
+
+
+def units(name: str, model: nn.Module) -> list[nn.Module]:
+    """The modules a user of Lightning's ModelParallelStrategy would ``fully_shard`` (the repeated blocks)."""
+    if name == "gpt":
+        return list(model.blocks)
+    if name == "mlp":
+        return [m for m in model if isinstance(m, nn.Linear)]
+    if name == "llama":
+        return list(model.model.layers)
+    raise ValueError(name)
+
+
+def batches(name: str, args, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``warmup + steps`` (input, target) pairs, different per rank, the same for every strategy."""
+    s, gen = shape(name, args), torch.Generator().manual_seed(100 + rank)
+    count = args.warmup + args.steps
+    if name == "mlp":
+        return [(torch.randn(args.batch, s["width"], generator=gen), torch.randn(args.batch, s["width"], generator=gen))
+                for _ in range(count)]
+    vocab, seq = s["vocab"], s.get("block_size", s.get("seq"))
+    out = []
+    for _ in range(count):
+        tokens = torch.randint(0, vocab, (args.batch, seq + 1), generator=gen)
+        out.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
+    return out
+
+
+def loss(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Forward and loss; the loss is computed in fp32 whatever the compute dtype."""
+    out = model(x)
+    if name == "llama":
+        out = out.logits
+    if name == "mlp":
+        return F.mse_loss(out.float(), y.float())
+    return F.cross_entropy(out.float().reshape(-1, out.size(-1)), y.reshape(-1))
+
+
+def describe(name: str, args) -> str:
+    """One line: the model, its shape and parameter count."""
+    s = shape(name, args)
+    with torch.device("meta"):
+        count = sum(p.numel() for p in build(name, args).parameters())  # tied weights counted once
+    return f"{name} ({', '.join(f'{k} {v}' for k, v in s.items())}; {count / 1e6:.2f}M params)"
+

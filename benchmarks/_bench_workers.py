@@ -1,0 +1,247 @@
+"""One measured configuration of ``bench_stages.py``: fresh spawned ranks train one model under one strategy.
+
+A job is ``{"model", "precision", "kind"}``; ``kind`` is ``zero:<stage>[+cpu]`` (ZeroStrategy),
+``deepspeed:<stage>[+cpu]``, ``ddp``, ``modelparallel:<2|3>`` (Lightning's FSDP2 strategy; 2 keeps the gathered
+parameters after forward, 3 reshards them) or ``fsdp:<sharding strategy>`` (Lightning's FSDP1 strategy, opt-in).
+
+Each rank reports the median wall time of a full training step (forward, backward, optimizer step) after warm-up,
+and the growth of its peak memory (``VmHWM`` reset after imports on CPU; the CUDA allocator's peak on GPU).
+``measure`` returns the maximum of both over ranks: the slowest rank sets the step time, the fullest the memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+import _bench_models as models
+
+PRECISIONS = {"fp32": ("32-true", None), "bf16": ("bf16-mixed", torch.bfloat16)}
+
+
+# Imported by every worker before its memory baseline. DeepSpeed's initialize imports torch._dynamo, torch._inductor
+# (with sympy and triton) lazily, ~150 MB of modules and shared libraries: counted as growth they charged DeepSpeed a
+# fixed import cost that has nothing to do with its model states (its tiny-model runs showed ~160 MB more than ours).
+# Loading the same set on every side first keeps the figure about training memory.
+_PRELOAD = ("torch._dynamo", "torch._inductor.compile_fx", "torch.distributed.fsdp", "torch.distributed.checkpoint",
+            "lightning.pytorch", "lightning_zero", "deepspeed", "deepspeed.runtime.engine",
+            "deepspeed.runtime.zero.stage_1_and_2", "deepspeed.runtime.zero.stage3", "deepspeed.runtime.bf16_optimizer")
+
+
+def _preload() -> None:
+    import importlib.util
+
+    for name in _PRELOAD:
+        if importlib.util.find_spec(name.split(".")[0]) is not None:
+            importlib.import_module(name)
+
+
+def _on_cuda() -> bool:
+    return os.environ.get("BENCH_DEVICE") == "cuda" and torch.cuda.is_available()
+
+
+def _reset_peak() -> int:
+    if _on_cuda():
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS
+    return _proc_kib("VmRSS") * 1024
+
+
+def _peak(baseline: int) -> int:
+    if _on_cuda():
+        return torch.cuda.max_memory_allocated() - baseline
+    return _proc_kib("VmHWM") * 1024 - baseline
+
+
+def _proc_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(field)
+
+
+def run_lightning(rank, world, args, job, out):
+    import lightning.pytorch as pl
+
+    import lightning_zero  # noqa: F401
+    from lightning_zero import ZeroStrategy
+
+    baseline = _reset_peak()
+    times = []
+    name, kind = job["model"], job["kind"]
+    flag, low_dtype = PRECISIONS[job["precision"]]
+    strategy_name, _, option = kind.partition(":")
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = models.build(name, args)
+
+        def training_step(self, batch, batch_idx):
+            return models.loss(name, self.net, *batch)
+
+        def configure_model(self):
+            if strategy_name != "modelparallel":
+                return
+            # Lightning's FSDP2 path: the user shards the model themselves, per repeated block then the root, with
+            # the low-precision compute copies ZeroStrategy uses (fp32 masters, bf16 gathered, fp32 reduction).
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            mesh, reshard = self.device_mesh["data_parallel"], option == "3"
+            policy = MixedPrecisionPolicy(param_dtype=low_dtype, reduce_dtype=torch.float32 if low_dtype else None)
+            for unit in models.units(name, self.net):
+                fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+            fully_shard(self.net, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    profiler = _StepProfiler(args, rank, job)
+
+    class Timer(pl.Callback):
+        def on_train_batch_start(self, *a):
+            profiler.step_begin(len(times))
+            self.t = time.perf_counter()
+
+        def on_train_batch_end(self, *a):
+            times.append(time.perf_counter() - self.t)
+
+    if strategy_name == "zero":
+        stage, _, offload = option.partition("+")
+        strategy = ZeroStrategy(stage=int(stage), offload=offload or None)
+    elif strategy_name == "ddp":
+        strategy = pl.strategies.DDPStrategy()
+    elif strategy_name == "fsdp":
+        strategy = pl.strategies.FSDPStrategy(sharding_strategy=option or "FULL_SHARD")
+    elif strategy_name == "modelparallel":
+        strategy = pl.strategies.ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
+    else:
+        raise ValueError(kind)
+    data = models.batches(name, args, rank)
+    trainer = pl.Trainer(accelerator="gpu" if args.device == "cuda" else "cpu", devices=world, strategy=strategy,
+                         precision=flag, max_steps=len(data), logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[Timer()],
+                         use_distributed_sampler=False)
+    trainer.fit(Module(), torch.utils.data.DataLoader(data, batch_size=None))
+    profiler.finish()
+    _write(out, rank, times[args.warmup:], _peak(baseline))
+
+
+def deepspeed_config(args, job) -> dict:
+    """DeepSpeed's config for the same stage, offload, precision, batch and optimizer as our run."""
+    stage, _, offload = job["kind"].partition(":")[2].partition("+")
+    zero = {"stage": int(stage)}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": args.device == "cuda"}
+        if int(stage) == 3:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": args.device == "cuda"}
+    config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+              "zero_optimization": zero, "zero_force_ds_cpu_optimizer": False, "steps_per_print": 10 ** 9}
+    if job["precision"] == "bf16":
+        config["bf16"] = {"enabled": True}  # bf16 weights and compute, fp32 masters in the optimizer
+    return config
+
+
+def run_deepspeed(rank, world, args, job, out):
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="nccl" if args.device == "cuda" else "gloo")
+    baseline = _reset_peak()
+    name = job["model"]
+    model = models.build(name, args)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=deepspeed_config(args, job))
+    device, low_dtype = engine.device, PRECISIONS[job["precision"]][1]
+    times, profiler = [], _StepProfiler(args, rank, job)
+    for x, y in models.batches(name, args, rank):
+        profiler.step_begin(len(times))
+        start = time.perf_counter()
+        # DeepSpeed's bf16 engine holds bf16 weights: float inputs must be bf16 too (token ids stay integers).
+        x = x.to(device, low_dtype) if low_dtype is not None and x.is_floating_point() else x.to(device)
+        engine.backward(models.loss(name, engine, x, y.to(device)))
+        engine.step()
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    profiler.finish()
+    _write(out, rank, times[args.warmup:], _peak(baseline))
+
+
+class _StepProfiler:
+    """Under ``--profile DIR``, rank 0 records CPU ops over the measured steps (after warm-up) and writes the top ops
+    by self CPU time, as shares of the total: shares survive a loaded machine where absolute times do not."""
+
+    def __init__(self, args, rank, job):
+        self.args, self.job, self.prof = args, job, None
+        self.active = bool(args.profile) and rank == 0
+
+    def step_begin(self, index: int) -> None:
+        if self.active and index == self.args.warmup and self.prof is None:
+            from torch.profiler import ProfilerActivity, profile
+
+            self.prof = profile(activities=[ProfilerActivity.CPU])
+            self.prof.start()
+
+    def finish(self) -> None:
+        if self.prof is None:
+            return
+        self.prof.stop()
+        # FSDP2 names its ranges per unit ("FSDP::all_gather (net.3)"): summed over units, so a cost paid once per
+        # unit shows as one line with its call count instead of being spread below the top ops.
+        groups: dict[str, list] = {}
+        for event in self.prof.key_averages():
+            if event.self_cpu_time_total > 0:
+                group = groups.setdefault(re.sub(r" \(.*\)$", "", event.key), [0.0, 0])
+                group[0] += event.self_cpu_time_total
+                group[1] += event.count
+        total = sum(t for t, _ in groups.values())
+        top = sorted(groups.items(), key=lambda item: item[1][0], reverse=True)[:self.args.profile_top]
+        rows = [{"op": key, "self_share": t / total, "calls": calls} for key, (t, calls) in top]
+        job = self.job
+        os.makedirs(self.args.profile, exist_ok=True)
+        name = f"{job['model']}_{job['precision']}_{job['kind'].replace(':', '_')}.json"
+        path = os.path.join(self.args.profile, name)
+        with open(path, "w") as f:
+            json.dump({"job": job, "steps": self.args.steps, "self_cpu_total_us": total, "top": rows}, f, indent=1)
+
+
+def _write(out, rank, times, peak):
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump({"time": statistics.median(times), "peak": peak}, f)
+
+
+def _entry(rank, world, port, args, job, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), BENCH_DEVICE=args.device)
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if args.device == "cuda" else "cpu")
+    _preload()
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    if args.device == "cuda":
+        torch.cuda.set_device(rank)
+    (run_deepspeed if job["kind"].startswith("deepspeed") else run_lightning)(rank, world, args, job, out)
+
+
+def measure(job: dict, args) -> tuple[float, int]:
+    """(step time in s, peak memory growth in bytes) of ``job``: the maximum over fresh spawned ranks."""
+    from tests_free_port import free_port
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result")
+        mp.start_processes(_entry, args=(args.nproc, free_port(), args, job, out), nprocs=args.nproc,
+                           start_method="spawn")
+        results = []
+        for r in range(args.nproc):
+            with open(f"{out}.{r}") as f:
+                results.append(json.load(f))
+    return max(r["time"] for r in results), max(r["peak"] for r in results)

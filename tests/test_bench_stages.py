@@ -1,0 +1,190 @@
+"""benchmarks/bench_stages.py: the model matrix, alternated repeats, paired ratios, the chart, and a real quick run."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "benchmarks", "bench_stages.py")
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_stages_under_test", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # puts benchmarks/ on sys.path for _bench_models
+    return module
+
+
+def test_peers_per_stage():
+    bench = _bench()
+    peers = ["deepspeed", "ddp", "modelparallel"]
+    assert bench.peer_kinds("0", peers) == [("deepspeed", "deepspeed:0"), ("ddp", "ddp")]
+    assert bench.peer_kinds("1", peers) == [("deepspeed", "deepspeed:1")]
+    assert bench.peer_kinds("2", peers) == [("deepspeed", "deepspeed:2"), ("modelparallel", "modelparallel:2")]
+    assert bench.peer_kinds("3", peers) == [("deepspeed", "deepspeed:3"), ("modelparallel", "modelparallel:3")]
+    assert bench.peer_kinds("3+cpu", peers) == [("deepspeed", "deepspeed:3+cpu")]
+
+
+def test_runs_alternate_and_ratios_are_paired(capsys):
+    """A B C A B C: each repeat pairs ours with the peer runs next to it; the table shows median and range."""
+    bench = _bench()
+    args = bench.parse(["--model", "mlp", "--stages", "0", "--repeat", "3", "--peers", "deepspeed", "ddp"])
+    order, figures = [], iter([(1.0, 100), (2.0, 200), (0.5, 50),   # repeat 1: ours, DeepSpeed, DDP
+                               (3.0, 100), (4.0, 400), (1.0, 50),   # repeat 2: a slower machine, same ratios-ish
+                               (1.0, 100), (1.0, 100), (1.0, 100)])
+
+    def fake_measure(job, _args):
+        order.append(job["kind"])
+        return next(figures)
+
+    cell = bench.run_cell("mlp", "fp32", "0", args, fake_measure)
+    assert order == ["zero:0", "deepspeed:0", "ddp"] * 3
+    rows = bench.render([cell])
+    ds, ddp = rows
+    assert ds["peer"] == "deepspeed" and ds["time_ratio"] == (0.75, 0.5, 1.0) and ds["mem_ratio"] == (0.5, 0.25, 1.0)
+    assert ddp["time_ratio"] == (2.0, 1.0, 3.0) and ddp["pairs"] == 3
+    table = capsys.readouterr().out
+    assert "| mlp | fp32 | 0 | DeepSpeed | 0.75 [0.50–1.00] | 0.50 [0.25–1.00] |" in table
+    assert "| mlp | fp32 | 0 | Lightning DDP | 2.00 [1.00–3.00] |" in table
+
+
+def test_failed_deepspeed_run_is_retried_once_then_shown_as_failed(capsys):
+    bench = _bench()
+    args = bench.parse(["--model", "mlp", "--stages", "1", "--repeat", "1", "--peers", "deepspeed"])
+    calls = []
+
+    def fake_measure(job, _args):
+        calls.append(job["kind"])
+        if job["kind"].startswith("deepspeed"):
+            raise RuntimeError("process 1 terminated with signal SIGABRT")
+        return (1.0, 1)
+
+    cell = bench.run_cell("mlp", "bf16", "1", args, fake_measure)
+    assert calls == ["zero:1", "deepspeed:1", "deepspeed:1"]
+    assert cell["runs"]["deepspeed"] == [None]
+    bench.render([cell])
+    out = capsys.readouterr()
+    assert "SIGABRT" in out.err
+    assert "| mlp | bf16 | 1 | DeepSpeed | failed | failed |" in out.out
+
+
+def test_arguments_are_validated():
+    bench = _bench()
+    with pytest.raises(SystemExit):
+        bench.parse(["--repeat", "0"])
+    with pytest.raises(SystemExit):
+        bench.parse(["--model", "resnet"])
+    quick = bench.parse(["--quick"])
+    assert (quick.repeat, quick.steps, quick.warmup, quick.model) == (1, 2, 1, ["gpt", "mlp", "llama"])
+    full = bench.parse(["--model", "mlp", "mlp", "--no-lightning", "--width", "256"])
+    assert (full.repeat, full.model, full.peers, full.width) == (3, ["mlp"], ["deepspeed"], 256)
+
+
+def test_models_build_with_the_issue_shapes():
+    bench = _bench()
+    import _bench_models as models
+
+    args = bench.parse(["--model", "all"])
+    assert "25.19M params" in models.describe("mlp", args)  # 24 x Linear(1024, 1024) with bias
+    assert models.build("mlp", bench.parse(["--quick", "--width", "8", "--depth", "3"]))[4].in_features == 8
+    if importlib.util.find_spec("transformers") is not None:
+        llama = models.build("llama", args)
+        assert llama.config.tie_word_embeddings and llama.lm_head.weight is llama.model.embed_tokens.weight
+    gpt = models.build("gpt", args)
+    assert type(gpt).__module__ == "_bench_gpt_example"  # the example's class, imported from examples/gpt.py
+
+
+def test_llama_is_skipped_with_a_message_without_transformers(monkeypatch):
+    bench = _bench()
+    import _bench_models as models
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "transformers" else real(name, *a))
+    assert "transformers is not installed" in models.unavailable("llama")
+    assert models.unavailable("mlp") is None
+
+
+def test_plot_without_matplotlib_says_so(monkeypatch, tmp_path, capsys):
+    bench = _bench()
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    row = {"model": "mlp", "precision": "fp32", "stage": "0", "peer": "deepspeed", "time_ratio": (1.0, 1.0, 1.0),
+           "mem_ratio": (1.0, 1.0, 1.0)}
+    assert bench.plot([row], str(tmp_path / "chart.png")) is False
+    assert "needs matplotlib" in capsys.readouterr().err
+    assert not (tmp_path / "chart.png").exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib is not installed")
+def test_plot_saves_the_chart(tmp_path):
+    bench = _bench()
+    row = {"model": "mlp", "precision": "fp32", "stage": "0", "peer": "deepspeed", "time_ratio": (0.9, 0.8, 1.1),
+           "mem_ratio": (1.0, 1.0, 1.0)}
+    assert bench.plot([row], str(tmp_path / "img" / "chart.png"))
+    assert (tmp_path / "img" / "chart.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
+def test_quick_run_against_deepspeed_and_lightning_ddp(tmp_path):
+    """The real thing, tiny: stage 0 on the MLP, ours vs DeepSpeed vs Lightning's DDP, fresh ranks per run."""
+    raw = tmp_path / "raw.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, BENCH, "--quick", "--model", "mlp", "--precision", "fp32", "--stages", "0",
+                           "--json", str(raw)], env=env, capture_output=True, text=True, timeout=540)
+    assert done.returncode == 0, done.stderr[-3000:]
+    cell, = json.loads(raw.read_text())["cells"]
+    assert set(cell["runs"]) == {"ours", "deepspeed", "ddp"}
+    for side, runs in cell["runs"].items():
+        (step, peak), = runs
+        assert step > 0 and peak >= 0, side
+    assert "| mlp | fp32 | 0 | DeepSpeed | " in done.stdout and "| mlp | fp32 | 0 | Lightning DDP | " in done.stdout
+    assert "failed" not in done.stdout
+    # --load renders the same table from the saved figures without measuring again
+    again = subprocess.run([sys.executable, BENCH, "--load", str(raw)], env=env, capture_output=True, text=True,
+                           timeout=120)
+    assert again.returncode == 0 and done.stdout.split("\n| model")[1] == again.stdout.split("\n| model")[1]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
+def test_deepspeed_memory_is_not_charged_for_its_lazy_imports():
+    """DeepSpeed's initialize imports torch._dynamo/_inductor, sympy and triton (~150 MB): every worker loads them
+    before the memory baseline, so a 20K-parameter model's peak growth stays near its real size on every side."""
+    bench = _bench()
+    import _bench_workers as workers
+
+    args = bench.parse(["--quick", "--nproc", "1", "--peers", "deepspeed"])
+    step, peak = workers.measure({"model": "mlp", "precision": "fp32", "kind": "deepspeed:0"}, args)
+    assert step > 0 and peak < 64 * 2 ** 20, f"{peak / 2 ** 20:.0f} MiB"
+
+
+def test_profile_sums_fsdp_per_unit_ranges(tmp_path):
+    """The top-ops file gives shares of self CPU time, FSDP2's per-unit ranges summed into one line."""
+    bench = _bench()
+    import _bench_workers as workers
+
+    class Event:
+        def __init__(self, key, us, count):
+            self.key, self.self_cpu_time_total, self.count = key, us, count
+
+    class Prof:
+        def stop(self):
+            pass
+
+        def key_averages(self):
+            return [Event("aten::mm", 40.0, 10), Event("FSDP::all_gather (net.0)", 20.0, 1),
+                    Event("FSDP::all_gather (net.2)", 30.0, 1), Event("aten::copy_", 10.0, 5), Event("idle", 0.0, 3)]
+
+    args = bench.parse(["--profile", str(tmp_path), "--profile-top", "2", "--steps", "1"])
+    profiler = workers._StepProfiler(args, 0, {"model": "mlp", "precision": "fp32", "kind": "zero:3"})
+    profiler.prof = Prof()
+    profiler.finish()
+    written = json.loads((tmp_path / "mlp_fp32_zero_3.json").read_text())
+    assert written["top"] == [{"op": "FSDP::all_gather", "self_share": 0.5, "calls": 2},
+                              {"op": "aten::mm", "self_share": 0.4, "calls": 10}]
