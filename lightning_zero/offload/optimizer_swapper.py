@@ -420,6 +420,14 @@ class OptimizerStateSwapper:
             self._finalizer()
 
 
+def closure_loss(closure):
+    """Run an optimizer ``closure`` as ``torch.optim.Optimizer.step`` does (grad mode on) and return its loss."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 def attach_swapper(optimizer: torch.optim.Optimizer, nvme: NvmeConfig, *, rank: int = 0,
                    pin_memory: bool = False, masters: Optional[dict[int, Tensor]] = None) -> OptimizerStateSwapper:
     """Make ``optimizer`` swap its states to ``nvme.nvme_path`` (see the module notes); undo with
@@ -446,10 +454,7 @@ def attach_swapper(optimizer: torch.optim.Optimizer, nvme: NvmeConfig, *, rank: 
     base_step = getattr(base_cls.step, "__wrapped__", base_cls.step)
 
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         with torch.no_grad():
             get_swapper(self).step(base_step)
         return loss

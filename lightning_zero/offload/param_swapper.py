@@ -49,7 +49,7 @@ from torch import Tensor, nn
 
 from lightning_zero.offload.aio import AsyncFileIO, SwapIOError, align_up, aligned_buffer
 from lightning_zero.offload.config import NvmeConfig
-from lightning_zero.offload.optimizer_swapper import _remove_folder
+from lightning_zero.offload.optimizer_swapper import _remove_folder, closure_loss
 
 _ATTR = "_lightning_zero_param_swapper"
 _STEP_ATTR = "_lightning_zero_param_step"
@@ -540,10 +540,7 @@ def attach_param_step(optimizer: torch.optim.Optimizer, swapper: ParamSwapper) -
     base_step = getattr(base_cls.step, "__wrapped__", base_cls.step)
 
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         getattr(self, _STEP_ATTR)[0].step(self, lambda opt: base_step(opt))
         return loss
 

@@ -1,6 +1,7 @@
 """``fabric.save``/``fabric.load`` with the Fabric ZeroStrategy: a sharded, atomic directory; resuming equals not
 stopping, also at another stage (resharding on load); ``lightning-zero consolidate`` reads it."""
 
+import contextlib
 import os
 
 import pytest
@@ -113,8 +114,9 @@ def test_two_modules_and_their_optimizers_in_one_checkpoint(tmp_path):
     assert {k.split(".")[0] for k in weights} == {"gen", "disc"}
 
 
-def _count_checkpoint_reads(patches):
-    """Append to ``patches`` counting wrappers of the three readers of a checkpoint's small files; return the counts."""
+@contextlib.contextmanager
+def _counting_checkpoint_reads():
+    """Count, while inside, the reads of a checkpoint's three small files by their three readers; yields the counts."""
     import json
 
     from lightning_zero.checkpoint import safe_load
@@ -134,26 +136,25 @@ def _count_checkpoint_reads(patches):
         counts[".metadata"] += 1
         return unpickle(self)
 
-    patches.extend([(json, "load", counted_json_load), (torch, "load", counted_torch_load),
-                                (safe_load.DCPMetadataUnpickler, "load", counted_unpickle)])
-    return counts
+    patches = [(json, "load", counted_json_load), (torch, "load", counted_torch_load),
+               (safe_load.DCPMetadataUnpickler, "load", counted_unpickle)]
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, value in patches:
+        setattr(owner, name, value)
+    try:
+        yield counts
+    finally:
+        for owner, name, value in originals:
+            setattr(owner, name, value)
 
 
 def _reads_once_worker(rank, world_size, path):
     fabric = make_fabric(ZeroStrategy(stage=2))
     model, optimizer = fabric_train(fabric, rank, world_size, steps=range(1))
     fabric.save(path, {"model": model, "optimizer": optimizer, "step": 1})
-    patches = []
-    counts = _count_checkpoint_reads(patches)
-    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
-    for owner, name, value in patches:
-        setattr(owner, name, value)
-    try:
-        state = {"model": model, "optimizer": optimizer, "step": 0}
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    with _counting_checkpoint_reads() as counts:
         fabric.load(path, state)
-    finally:
-        for owner, name, value in originals:
-            setattr(owner, name, value)
     assert state["step"] == 1
     # Each small file of the checkpoint is read (and verified) once per load, DCP's own .metadata read included.
     assert counts == {"zero.json": 1, ".metadata": 1, "meta.pt": 1}, counts
@@ -206,15 +207,7 @@ def test_consolidation_reads_each_checkpoint_record_once(tmp_path):
     model = TinyNet()
     path = str(tmp_path / "plain.ckpt")
     save_sharded_checkpoint(path, {"state_dict": model.state_dict()}, {"epoch": 1})
-    patches = []
-    counts = _count_checkpoint_reads(patches)
-    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
-    for owner, name, value in patches:
-        setattr(owner, name, value)
-    try:
+    with _counting_checkpoint_reads() as counts:
         consolidate_checkpoint(path, str(tmp_path / "out.ckpt"))
-    finally:
-        for owner, name, value in originals:
-            setattr(owner, name, value)
     assert counts == {"zero.json": 1, ".metadata": 1, "meta.pt": 1}, counts
     assert torch.load(tmp_path / "out.ckpt", weights_only=True)["epoch"] == 1
