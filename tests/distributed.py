@@ -11,6 +11,7 @@ machine); set ``LZ_TEST_START_METHOD=spawn`` to check a test under spawn.
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 from typing import Any, Callable
@@ -27,6 +28,12 @@ def free_port() -> int:
 
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, env: dict) -> None:
+    # [Note: a forked rank must never collect what it inherited] Objects the parent left in unreachable cycles are
+    # copied into the child; a gloo process group among them (an earlier in-process test's) would be destroyed by
+    # the child's garbage collector, and its destructor waits on a condition variable whose waiters (the parent's
+    # worker threads) do not exist in the child: the rank hangs mid-test (seen in CI, inside DCP's gather_object).
+    # Freezing moves everything inherited out of the collector's reach; what the rank creates itself is collected.
+    gc.freeze()
     os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
@@ -44,6 +51,7 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, env
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, env: dict | None = None) -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; raise if any rank fails."""
     method = os.environ.get("LZ_TEST_START_METHOD", "fork")
+    gc.collect()  # release the parent's garbage here, where its threads exist (see _entry)
     mp.start_processes(
         _entry, args=(world_size, free_port(), fn, args, dict(env or {})), nprocs=world_size, join=True,
         start_method=method,
