@@ -127,8 +127,10 @@ def test_torchrun_restart_after_a_killed_rank_finishes_equal_to_an_uninterrupted
     proc, restarted = _torchrun(tmp_path / "restarted", die_at_step=5)
     assert restarted["attempt"] == 1  # rank 1 really died and the job was restarted
     assert "resuming from the newest complete checkpoint" in proc.stderr and "epoch=1-step=4.ckpt" in proc.stderr
-    _, uninterrupted = _torchrun(tmp_path / "uninterrupted", die_at_step=0)
-    assert uninterrupted["attempt"] == 0 and restarted["global_step"] == uninterrupted["global_step"] == 8
+    proc_uninterrupted, uninterrupted = _torchrun(tmp_path / "uninterrupted", die_at_step=0)
+    # Why the first attempt of a run nobody killed failed (seen twice in clean-clone CI, never locally): its stderr
+    assert uninterrupted["attempt"] == 0, proc_uninterrupted.stderr[-6000:]
+    assert restarted["global_step"] == uninterrupted["global_step"] == 8
     for key, value in uninterrupted["weights"].items():
         assert torch.equal(restarted["weights"][key], value), key
 
