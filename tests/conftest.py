@@ -6,6 +6,9 @@ import torch
 # Tests share two cores: keep every process single-threaded so ranks do not fight over them.
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Every process a test starts (torchrun ranks, CLI runs) prints its threads' Python stacks if it dies of a fatal
+# signal (SIGABRT, SIGSEGV): a rank that dies that way in CI, where it cannot be watched, then says where it was.
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -48,6 +48,15 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, env
         dist.destroy_process_group()
 
 
+def job_output(result, head: int = 6000, tail: int = 3000) -> str:
+    """What a failed launched job printed, for an assertion message: the start of its stderr holds the ranks' own
+    messages (a rank's traceback, ``terminate called ...``, faulthandler's thread stacks: conftest.py turns it on
+    for every process the tests start), the end holds the launcher's summary."""
+    err = result.stderr or ""
+    shown = err if len(err) <= head + tail else err[:head] + "\n[...]\n" + err[-tail:]
+    return f"exit code {result.returncode}\n--- stdout (end) ---\n{(result.stdout or '')[-2000:]}\n--- stderr ---\n{shown}"
+
+
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, env: dict | None = None) -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; raise if any rank fails."""
     method = os.environ.get("LZ_TEST_START_METHOD", "fork")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed import free_port
+from tests.distributed import free_port, job_output
 from tests.test_zero_parity import train_reference
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,7 +38,7 @@ def test_fabric_run_with_zero_stage_3_trains_with_parity(tmp_path, route):
     else:
         result = _run(*args[:5], "--strategy", "zero_stage_3", *args[5:])
         offload = "none"
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.returncode == 0, job_output(result)
     saved = torch.load(out, weights_only=True)
     assert saved["strategy"] == "lightning_zero.fabric.strategy" and saved["stage"] == 3
     assert saved["offload"] == offload

@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_zero import ZeroStrategy
 from lightning_zero.checkpoint.io import is_sharded_checkpoint
 from lightning_zero.strategies.preemption import PREEMPTED_CHECKPOINT
-from tests.distributed import run_distributed
+from tests.distributed import job_output, run_distributed
 from tests.lightning_models import RegressionModule, full_state
 
 EPOCHS, STEPS_PER_EPOCH = 3, 2
@@ -98,7 +98,7 @@ def _torchrun(root, mode):
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
          "-m", "tests.reliability.preempt_job", str(root), mode],
         cwd=repo, capture_output=True, text=True, timeout=400, env={**os.environ, "PYTHONPATH": str(repo)})
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, job_output(proc)
     return proc, torch.load(root / "final.pt", weights_only=True)
 
 
