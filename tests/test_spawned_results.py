@@ -1,0 +1,32 @@
+"""``ZeroStrategy(start_method="fork"|"spawn")``: after ``fit`` the launching process's module holds the trained
+weights, whole, at every stage (lightning_zero/strategies/spawned_results.py)."""
+
+import pytest
+import torch
+from lightning.pytorch import Trainer, seed_everything
+
+from lightning_zero import ZeroStrategy
+from tests.lightning_models import RegressionModule
+
+
+def _fit_in_forked_ranks(stage):
+    seed_everything(0)
+    model = RegressionModule()
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=ZeroStrategy(stage=stage, start_method="fork"),
+                      max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer.fit(model)
+    return before, model.state_dict()
+
+
+@pytest.mark.slow  # three forked 2-rank fits
+def test_launching_process_gets_the_full_trained_weights_at_every_stage():
+    before, reference = _fit_in_forked_ranks(0)  # DDP: Lightning's own transfer of full tensors
+    assert any(not torch.equal(before[k], v) for k, v in reference.items()), "the DDP fit did not train"
+    for stage in (2, 3):
+        _, got = _fit_in_forked_ranks(stage)
+        assert got.keys() == reference.keys(), stage
+        for key, value in reference.items():
+            assert type(got[key]) is torch.Tensor and got[key].shape == value.shape, (stage, key)
+            torch.testing.assert_close(got[key], value, rtol=0, atol=1e-6, msg=f"stage {stage}: {key}")
