@@ -8,15 +8,18 @@ When the rank's garbage collector later frees that copy, ``~ProcessGroupGloo`` s
 that exist only in the launching process, and the rank hangs there, in whatever step happened to allocate enough
 to trigger a collection (seen in this project's own test ranks: a DCP save hung in ``gather_object``).
 
-So, for the fork start method only, the launcher is wrapped twice:
+So, for the fork start method only:
 
-- before forking, the launching process collects its garbage, so a group already unreachable is destroyed there,
-  where its threads are;
+- before forking, the launching process collects its garbage (:func:`collect_before_fork`), so a group already
+  unreachable is destroyed there, where its threads are;
 - each rank, first thing, moves everything it inherited into the collector's permanent generation
-  (``gc.freeze()``), so an inherited object that becomes garbage in the rank is never collected there. The cost is
-  that such objects stay allocated for the rank's life; they were allocated in the launching process anyway.
+  (:func:`freeze_inherited`, ``gc.freeze()``), so an inherited object that becomes garbage in the rank is never
+  collected there. The cost is that such objects stay allocated for the rank's life; they were allocated in the
+  launching process anyway.
 
 ``spawn``/``forkserver`` ranks start from a fresh interpreter and need neither; ``popen`` ranks are new programs.
+Both launchers use these: :class:`~lightning_zero.strategies.launcher.ZeroMultiProcessingLauncher` (Trainer) and
+:class:`FabricMultiProcessingLauncher` below.
 """
 
 from __future__ import annotations
@@ -24,25 +27,26 @@ from __future__ import annotations
 import gc
 from typing import Any
 
+from lightning.fabric.strategies.launchers import _MultiProcessingLauncher
 
-def guard_forked_ranks(launcher: Any) -> Any:
-    """Lightning's ``_MultiProcessingLauncher`` (Trainer's or Fabric's), made safe for ``fork`` (see the note).
 
-    Patches the instance (Lightning's ``isinstance`` checks still see its class); other start methods are returned
-    unchanged, since their rank entry must stay picklable.
-    """
-    if getattr(launcher, "_start_method", None) != "fork":
-        return launcher
-    launch, rank_entry = launcher.launch, launcher._wrapping_function
-
-    def launch_after_collecting(*args: Any, **kwargs: Any) -> Any:
+def collect_before_fork(start_method: str) -> None:
+    if start_method == "fork":
         gc.collect()
-        return launch(*args, **kwargs)
 
-    def rank_entry_with_frozen_inheritance(*args: Any, **kwargs: Any) -> Any:
+
+def freeze_inherited(start_method: str) -> None:
+    if start_method == "fork":
         gc.freeze()
-        return rank_entry(*args, **kwargs)
 
-    launcher.launch = launch_after_collecting
-    launcher._wrapping_function = rank_entry_with_frozen_inheritance
-    return launcher
+
+class FabricMultiProcessingLauncher(_MultiProcessingLauncher):
+    """Fabric's ``_MultiProcessingLauncher``, safe for ``fork`` (see the note); a subclass, so ``spawn`` can pickle it."""
+
+    def launch(self, function, *args: Any, **kwargs: Any) -> Any:
+        collect_before_fork(self._start_method)
+        return super().launch(function, *args, **kwargs)
+
+    def _wrapping_function(self, *args: Any, **kwargs: Any) -> Any:
+        freeze_inherited(self._start_method)
+        return super()._wrapping_function(*args, **kwargs)

@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.precision import Precision
-from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
@@ -52,7 +51,7 @@ from lightning_zero.fabric.precision import FabricZeroPrecision, PrecisionFlag, 
 from lightning_zero.fabric.settings import SETTING_NAMES, STRATEGY_NAMES, resolve_settings
 from lightning_zero.fabric import gradient_sync, validation
 from lightning_zero.fabric.ddp_options import ddp_kwargs_for
-from lightning_zero.fabric.fork_safety import guard_forked_ranks
+from lightning_zero.fabric.fork_safety import FabricMultiProcessingLauncher
 from lightning_zero.fabric.ds_config_binding import DeepSpeedConfigBinding, precision_from_config
 from lightning_zero.fabric.precision_policy import low_precision_allreduce_hook
 
@@ -238,7 +237,7 @@ class ZeroStrategy(ParallelStrategy):
                 self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes,
                                                            self.num_nodes)
         else:
-            self._launcher = guard_forked_ranks(_MultiProcessingLauncher(self, start_method=self.settings.start_method))
+            self._launcher = FabricMultiProcessingLauncher(self, start_method=self.settings.start_method)
 
     def setup_environment(self) -> None:
         device = self.root_device

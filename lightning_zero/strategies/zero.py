@@ -25,7 +25,7 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.ddp import _DDPForwardRedirection
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -49,13 +49,12 @@ from lightning_zero.offload.param_swapper import detach_param_swapper
 from lightning_zero.fabric.settings import SETTING_NAMES, STRATEGY_NAMES, resolve_settings
 from lightning_zero.fabric import checkpointing, gradient_sync, validation
 from lightning_zero.fabric.ddp_options import ddp_kwargs_for, explain_unused_parameters
-from lightning_zero.fabric.fork_safety import guard_forked_ranks
 from lightning_zero.fabric.ds_config_binding import DeepSpeedConfigBinding, effective_ds_config, precision_from_config
 from lightning_zero.fabric.pipeline_binding import PipelineGradients, pipeline_mesh
 from lightning_zero.fabric.pipeline_binding import setup_for_strategy as setup_pipeline_for_strategy
 from lightning_zero.fabric.precision_policy import low_precision_allreduce_hook
 from lightning_zero.strategies import auto_resume, lifecycle
-from lightning_zero.strategies.spawned_results import send_full_weights_back
+from lightning_zero.strategies.launcher import ZeroMultiProcessingLauncher
 from lightning_zero.strategies.ds_config_trainer import (
     install_config_optimizers,
     scheduler_from_config,
@@ -328,8 +327,7 @@ class ZeroStrategy(ParallelStrategy):
             else:  # ckpt_path is still checked before the process group (see validation.ValidatingLauncher)
                 self._launcher = validation.ValidatingLauncher()
         else:
-            self._launcher = guard_forked_ranks(send_full_weights_back(validation.check_launch(
-                _MultiProcessingLauncher(self, start_method=self._start_method))))
+            self._launcher = ZeroMultiProcessingLauncher(self, start_method=self._start_method)
 
     def setup_environment(self) -> None:
         validation.validate_before_process_group(self)  # on every rank, before init_process_group
