@@ -154,3 +154,60 @@ def run(args, script: str, world_size: int = 2) -> None:
                 print("  (this rank failed because its peer died under the cap: the ranks are symmetric)")
             if child.returncode != 0:
                 print(f"  exit code {child.returncode}: {err.strip().splitlines()[-3:]}")
+
+
+def same_model_as_deepspeed(args) -> None:
+    """One process: the model of ``bench_nvme.py``'s DeepSpeed ZeRO-3 child (``Linear(1024, 1024)`` layers without
+    bias, batch 4, 1 rank, gloo) with this package's stage 3, parameters and optimizer states on NVMe, the same
+    ``sub_group_size``, ``buffer_count`` 4 and aio knobs; prints the line the DeepSpeed child prints."""
+    import shutil
+    import tempfile
+
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_zero.config import ZeroConfig
+    from lightning_zero.distributed.optimizer import shard_optimizer
+    from lightning_zero.distributed.zero import apply_zero
+    from lightning_zero.offload.config import NvmeConfig
+    from lightning_zero.offload.optimizer_swapper import detach_swapper, get_swapper
+    from lightning_zero.offload.param_swapper import detach_param_step, detach_param_swapper, get_param_swapper
+
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29572")
+    dist.init_process_group("gloo")
+    folder = tempfile.mkdtemp(prefix="lz-nvme-", dir=args.nvme_path)
+    width = 1024
+    model = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(max(1, int(args.params) // width ** 2))])
+    numel = sum(p.numel() for p in model.parameters())
+    nvme = NvmeConfig(folder, sub_group_size=int(args.sub_group_size), buffer_count=4,
+                      aio=dict(thread_count=args.threads, queue_depth=args.queue_depth, block_size=args.block_size))
+    config = ZeroConfig(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme=nvme, unit_bytes=0)
+    try:
+        model = apply_zero(model, init_device_mesh("cpu", (1,)), config)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        shard_optimizer(optimizer, config)
+        times = []
+        for _ in range(args.steps + 1):
+            start = time.perf_counter()
+            model(torch.randn(4, width)).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            times.append(time.perf_counter() - start)
+        on_disk = sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(folder) for f in files)
+        params, states = get_param_swapper(model), get_swapper(optimizer)
+        step = sorted(times[1:])[len(times[1:]) // 2]
+        print(f"  lightning-zero stage 3 NVMe (optimizer + parameters), {numel / 1e6:.0f}M fp32 parameters: train "
+              f"step {step * 1e3:.0f} ms (median of {args.steps}), swap files {on_disk >> 20} MiB; at least "
+              f"{2 * on_disk / step / GB:.2f} GB/s if every file is read and written once per step (its engine: "
+              f"optimizer states read {states.io.throughput('read') / GB:.2f}, written "
+              f"{states.io.throughput('write') / GB:.2f} GB/s; parameters read {params.bytes_read >> 20} MiB in "
+              f"{args.steps + 1} steps)", flush=True)
+        detach_swapper(optimizer, restore=False)
+        detach_param_step(optimizer)
+        detach_param_swapper(model, restore=False)
+    except Exception as error:
+        print(f"  lightning-zero stage 3 NVMe failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
