@@ -3,6 +3,8 @@
     python benchmarks/bench_nvme.py --nvme-path /mnt/nvme                      # every section
     python benchmarks/bench_nvme.py --sections raw,step --params 64e6 --sub-group-size 8e6
     python benchmarks/bench_nvme.py --sections capped --capped-params 600e6 --cap-gib 2.95 --sub-group-size 1e6
+    python benchmarks/bench_nvme.py --sections capped3 --capped-params 1.5e9 --width 2048 --cap-gib 3.72 \
+        --sub-group-size 1e6 --capped-steps 2 --block-size 4194304
 
 Sections (``--sections``):
   * ``raw``: the disk's raw bandwidth on ``nvme_path``: ``dd`` with ``oflag=direct``/``iflag=direct`` (1 MiB
@@ -18,6 +20,13 @@ Sections (``--sections``):
   * ``capped``: bigger than memory. A rank process (world size 1, see below) caps its own memory with
     ``RLIMIT_DATA`` and trains a bf16 model with stage-1 ``offload_optimizer="nvme"`` for ``--capped-steps``
     steps, printing its peak RSS; then the same model with ``offload="cpu"`` under the same cap, which fails.
+  * ``capped3``: bigger than memory at stage 3, 2 ranks (``_bench_nvme_stage3.py``): two rank processes, each capped
+    with ``RLIMIT_DATA``, train fp32 residual blocks with ``offload_params="nvme", offload_optimizer="nvme"``,
+    printing their peak RSS; then the same model with ``offload="cpu"`` under the same cap, which fails. The model
+    is built under a deferred build (no rank holds it whole) with the framework-free core. Sizing: each rank keeps
+    its fp32 sharded gradients (4 bytes per parameter / 2) plus about 0.6 GiB of imports and buffers, against
+    16 / 2 bytes per parameter of model states, so 3x the cap needs about 1.5e9 parameters (``--cap-gib`` =
+    8 x params / 3 / 2**30);
   * ``deepspeed``: whether DeepSpeed's async-I/O op builds here, and its own swap bandwidth through
     ``deepspeed.ops.aio`` on the same file sizes (its ZeRO-3 NVMe offload cannot run on this CPU-only machine:
     the reason is printed).
@@ -42,7 +51,7 @@ moments (12 bytes per parameter) and keeps only the module's parameters and grad
 parameter) plus ``buffer_count`` sub-group buffers; DeepSpeed's model-state count is 2 + 2 + 12 = 16 bytes per
 parameter, so up to 4x the resident bytes. With fp32 module parameters the resident part is 8 of 20 bytes (at most
 2.5x), and at more ranks each rank keeps the whole bf16 model but only its share of the 12 (at 2 ranks 4 of 10):
-3x needs one rank, or parameter swapping (stage 3 ``offload_params="nvme"``), which is not part of this benchmark.
+3x needs one rank, or parameter swapping (stage 3 ``offload_params="nvme"``): the ``capped3`` section.
 """
 
 from __future__ import annotations
@@ -60,6 +69,7 @@ import time
 
 import torch
 
+import _bench_nvme_stage3
 from lightning_zero.offload.aio import AioSettings, AsyncFileIO, aligned_buffer
 from lightning_zero.offload.config import NvmeConfig
 from lightning_zero.offload.optimizer_swapper import attach_swapper, detach_swapper
@@ -108,8 +118,38 @@ def raw_at_depth(folder: str, mib: int, aio: AioSettings) -> tuple[float, float]
             os.remove(path)
 
 
+def raw_concurrent(folder: str, mib: int, aio: AioSettings) -> float:
+    """GB/s of reads and writes together: one O_DIRECT transfer of ``mib`` MiB written to one file while another
+    of the same size is read from a second file, each with ``aio``'s requests in flight (no swapper). This is the
+    swapped step's pattern (read sub-group i+1 while writing i-1) on the bare disk: a disk that serves reads and
+    writes in parallel beats their harmonic mean, so this is the raw figure the step's read+write compares with."""
+    paths = [os.path.join(folder, f"raw-mixed-{i}.bin") for i in range(2)]
+    bufs = [aligned_buffer(mib << 20) for _ in paths]
+    for buf in bufs:
+        buf.fill_(1)
+    io = AsyncFileIO(aio)
+    try:
+        for path, buf in zip(paths, bufs):
+            io.open(path)
+            io.write(path, buf).result()  # the file to read exists; the file to write is allocated
+        os.fsync(io._fds[paths[0]][0])
+        io.reset_stats()
+        futures = [io.read(paths[0], bufs[0]), io.write(paths[1], bufs[1])]
+        for future in futures:
+            future.result()
+        return io.throughput("any") / GB
+    finally:
+        io.close()
+        for path in paths:
+            if os.path.exists(path):
+                os.remove(path)
+
+
 # ---------------------------------------------------------------- the swapped step
-def step_bandwidth(params: list[torch.Tensor], steps: int, nvme):
+def step_bandwidth(params: list[torch.Tensor], steps: int, nvme, io_only: bool = False):
+    """Time ``steps`` AdamW steps over ``params`` with the states swapped (``nvme``) or in memory (``None``).
+    ``io_only``: the timed steps run the swapper's pipeline (the same reads, writes, buffers and order) with the
+    optimizer's own update replaced by nothing: the I/O side of the step without the CPU Adam compute."""
     opt = torch.optim.AdamW(params, lr=1e-3)
     swapper = attach_swapper(opt, nvme) if nvme is not None else None
     for p in params:
@@ -121,7 +161,11 @@ def step_bandwidth(params: list[torch.Tensor], steps: int, nvme):
         if swapper is not None:
             swapper.io.reset_stats()
         start = time.perf_counter()
-        opt.step()
+        if io_only:
+            with torch.no_grad():
+                swapper.step(lambda optimizer: None)
+        else:
+            opt.step()
         result["step_s"].append(time.perf_counter() - start)
         if swapper is not None:
             result["read"].append(swapper.io.throughput("read") / GB)
@@ -300,6 +344,8 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--capped-steps", type=int, default=3)
     parser.add_argument("--rank-child", choices=("nvme", "cpu"), help=argparse.SUPPRESS)
+    parser.add_argument("--stage3-child", choices=("nvme", "cpu"), help=argparse.SUPPRESS)
+    parser.add_argument("--ours-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--ds-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.ds_child:
@@ -307,6 +353,11 @@ def main() -> None:
     if args.rank_child:
         args.mode = args.rank_child
         return capped_rank(args)
+    if args.ours_child:
+        return _bench_nvme_stage3.same_model_as_deepspeed(args)
+    if args.stage3_child:
+        args.mode = args.stage3_child
+        return _bench_nvme_stage3.rank_main(args)
     sections = set(args.sections.split(","))
     load = os.getloadavg()[0]
     print(f"machine: {os.cpu_count()} CPUs, load average {load:.1f}; nvme_path {args.nvme_path}")
@@ -320,6 +371,9 @@ def main() -> None:
               f"read {raw[1]:.2f} GB/s")
         print(f"raw O_DIRECT at depth ({aio.in_flight} requests of {args.block_size >> 10} KiB in flight, one "
               f"transfer): write {depth[0]:.2f} GB/s, read {depth[1]:.2f} GB/s")
+        concurrent = raw_concurrent(args.nvme_path, state_mib, aio)
+        print(f"raw O_DIRECT read and write at the same time (two files, {aio.in_flight} requests in flight each): "
+              f"{concurrent:.2f} GB/s")
         raw = (max(raw[0], depth[0]), max(raw[1], depth[1]))  # the disk's best of the two
     if "step" in sections:
         numel = int(args.params) // args.tensors
@@ -331,24 +385,33 @@ def main() -> None:
         print(f"swapped AdamW step: {int(args.params) * 8 >> 20} MiB of states, sub-groups of "
               f"{int(args.sub_group_size):.3g} elements, peak {swapped['peak_buffers']} buffers of "
               f"{swapped['peak_buffer_bytes'] >> 20} MiB, {swapped['bytes'] >> 20} MiB moved per step")
+        io_only = step_bandwidth(params, args.steps, nvme, io_only=True)
         both = _median(swapped["any"])
-        mixed = 2 / (1 / raw[0] + 1 / raw[1])  # equal bytes read and written, one after the other
+        # equal bytes read and written: one after the other (their harmonic mean), or at once, whichever is faster
+        mixed = max(2 / (1 / raw[0] + 1 / raw[1]), concurrent)
         print(f"| | raw (best) GB/s | swap during the step GB/s | ratio |\n|---|---|---|---|\n"
               f"| read | {raw[1]:.2f} | {read:.2f} | {read / raw[1]:.0%} |\n"
               f"| write | {raw[0]:.2f} | {write:.2f} | {write / raw[0]:.0%} |\n"
-              f"| read+write (they overlap: one disk) | {mixed:.2f} | {both:.2f} | {both / mixed:.0%} |")
+              f"| read+write (they overlap: one disk; raw: best of one after the other and at once) | {mixed:.2f} | {both:.2f} | {both / mixed:.0%} |")
+        io_read, io_write, io_both = (_median(io_only[k]) for k in ("read", "write", "any"))
+        print(f"same swapped step, I/O only (the pipeline's reads and writes, no Adam compute): read {io_read:.2f} "
+              f"({io_read / raw[1]:.0%} of raw), write {io_write:.2f} ({io_write / raw[0]:.0%}), read+write "
+              f"{io_both:.2f} GB/s ({io_both / mixed:.0%}); step {_median(io_only['step_s']) * 1e3:.0f} ms")
         print(f"step wall time: in memory {_median(plain['step_s']) * 1e3:.0f} ms, swapped "
               f"{_median(swapped['step_s']) * 1e3:.0f} ms (median of {args.steps})")
     if "capped" in sections:
         run_capped(args)
+    if "capped3" in sections:
+        _bench_nvme_stage3.run(args, os.path.abspath(__file__))
     if "deepspeed" in sections and deepspeed_aio(args.nvme_path, state_mib, args):
         command = [sys.executable, os.path.abspath(__file__), "--ds-child", "--nvme-path", args.nvme_path,
                    "--params", str(args.params), "--sub-group-size", str(args.sub_group_size), "--steps",
                    str(args.steps), "--threads", str(args.threads), "--queue-depth", str(args.queue_depth),
                    "--block-size", str(args.block_size)]
-        child = subprocess.run(command, capture_output=True, text=True)
-        lines = [line for line in child.stdout.splitlines() if line.startswith("  ")]
-        print("\n".join(lines) if lines else f"  DeepSpeed child failed: {child.stderr.strip()[-600:]}")
+        for label, flag in (("DeepSpeed", "--ds-child"), ("lightning-zero", "--ours-child")):  # the same model
+            child = subprocess.run([*command[:2], flag, *command[3:]], capture_output=True, text=True)
+            lines = [line for line in child.stdout.splitlines() if line.startswith("  ")]
+            print("\n".join(lines) if lines else f"  {label} child failed: {child.stderr.strip()[-600:]}")
 
 
 if __name__ == "__main__":

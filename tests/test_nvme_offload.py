@@ -17,7 +17,7 @@ from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
 from lightning_zero.offload import aio as aio_module
 from lightning_zero.offload.aio import AioSettings, AsyncFileIO, SwapIOError, align_up, aligned_buffer
 from lightning_zero.offload.config import NvmeConfig, nvme_config_from_arguments
-from lightning_zero.offload.optimizer_swapper import SwappedOut, attach_swapper, detach_swapper, get_swapper
+from lightning_zero.offload.optimizer_swapper import SwappedOut, _local, attach_swapper, detach_swapper, get_swapper
 from tests.distributed import run_distributed
 from tests.lightning_models import RegressionModule, full_state, quiet_trainer, reference_weights
 
@@ -249,19 +249,23 @@ class _SwapWitness(Callback):
             assert os.path.getsize(swapper.path(index)) == align_up(entries[-1].offset + entries[-1].nbytes)
         for state in trainer.optimizers[0].state.values():
             assert all(isinstance(v, SwappedOut) for k, v in state.items() if k != "step")
-        # stage 1: the fp32 masters are on disk too; their tensors hold nothing between steps (the DTensor masters
-        # of stages 2-3 stay in CPU memory, docs/offload.md)
-        masters = get_sharding(trainer.optimizers[0]).masters.values()
-        if trainer.strategy.zero_config.stage == 1:
-            assert masters and all(m.numel() == 0 for m in masters)
-        else:
-            assert all(m.numel() > 0 for m in masters)
+        # the fp32 masters (stage 1: plain tensors; stages 2-3: DTensors over the shards) are on disk too: their
+        # local tensors hold nothing between steps, so host memory for masters and states is the swap buffers
+        sharding = get_sharding(trainer.optimizers[0])
+        masters = sharding.masters.values()
+        if sharding.config.offloads_optimizer_only:
+            assert masters and all(_local(m).numel() == 0 for m in masters)
+            assert all(_local(m).untyped_storage().nbytes() == 0 for m in masters)
         assert swapper.peak_buffers <= swapper.nvme.buffer_count
+        # each buffer holds one sub-group: host memory for masters and states is buffer_count sub-groups at most
+        largest = max(align_up(e[-1].offset + e[-1].nbytes) for e in swapper.layouts.values())
+        assert swapper.peak_buffer_bytes <= largest
         self.checked += 1
 
 
 NVME_CASES = [(1, dict(offload_optimizer="nvme")), (2, dict(offload="nvme")),
-              (3, dict(offload_optimizer="nvme", offload_params="cpu"))]
+              (3, dict(offload_optimizer="nvme", offload_params="cpu")),
+              (3, dict(offload_optimizer="nvme"))]  # optimizer-only at stage 3: DTensor masters swapped
 
 
 def _parity_worker(rank, world_size, root):
@@ -277,8 +281,9 @@ def _parity_worker(rank, world_size, root):
             trainer.fit(module)
             finals[label] = full_state(module)
             if label == "nvme":
-                # stage 1 swaps the masters from the start; the states exist after the first step
-                want = 2 * STEPS if stage == 1 else 2 * STEPS - 1
+                # the masters are swapped from the start (the states join them after the first step); stage 3 with
+                # the parameters in CPU memory has no masters, so its swap starts with the first step
+                want = 2 * STEPS - 1 if nvme_kwargs.get("offload_params") == "cpu" else 2 * STEPS
                 assert witness.checked == want, "the swap was not observed after every batch since the first step"
                 assert not os.path.exists(witness.folder), "teardown must remove the run's swap folder"
                 state = trainer.optimizers[0].state
@@ -369,10 +374,15 @@ def _ckpt_resume_worker(rank, world_size, path, stage, kind, root, saved_world_s
 
 
 # (saved stage, offload, world size) -> (resumed stage, offload, world size)
-CKPT_CASES = [((2, "nvme", 2), (3, "cpu", 1)), ((1, "cpu", 2), (3, "nvme", 2))]
+# the last two resume into swapped masters (plain at stage 1, DTensors at stage 2): they start empty, so the state
+# initialisation before the load must give their module parameters the zero gradients
+CKPT_CASES = [((2, "nvme", 2), (3, "cpu", 1)), ((1, "cpu", 2), (3, "nvme", 2)),
+              ((2, "cpu", 2), (1, "nvme", 2)), ((1, "cpu", 2), (2, "nvme", 2))]
 
 
-@pytest.mark.parametrize("saved,resumed", CKPT_CASES, ids=["nvme-s2x2-to-cpu-s3x1", "cpu-s1x2-to-nvme-s3x2"])
+@pytest.mark.parametrize("saved,resumed", CKPT_CASES,
+                         ids=["nvme-s2x2-to-cpu-s3x1", "cpu-s1x2-to-nvme-s3x2", "cpu-s2x2-to-nvme-s1x2",
+                              "cpu-s1x2-to-nvme-s2x2"])
 def test_checkpoint_moves_between_nvme_and_cpu_offload(tmp_path, saved, resumed):
     root = str(tmp_path)
     path = str(tmp_path / "run.ckpt")
@@ -436,7 +446,7 @@ def test_estimator_reports_nvme_bytes_and_the_bounded_cpu_peak(stage):
     cpu = estimate_model_states_memory(params, stage, ranks, offload="cpu")
     nvme = estimate_model_states_memory(params, stage, ranks, offload="nvme", sub_group_size=100_000, buffer_count=4,
                                         max_in_cpu=500_000, buffer_size=10_000)
-    if stage == 1:  # the fp32 masters are swapped too; their gradients exist for one sub-group at a time
+    if stage in (1, 2):  # the fp32 masters are swapped too; their gradients exist for one sub-group at a time
         assert nvme.nvme == params * (8 + 4) // ranks and cpu.nvme == 0
         assert nvme.cpu.total == cpu.cpu.total - nvme.nvme - params * 4 // ranks
         assert nvme.cpu_peak == nvme.cpu.total + 4 * 100_000 * 12 + 100_000 * 4

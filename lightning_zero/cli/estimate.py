@@ -37,7 +37,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--stage", type=int, choices=[0, 1, 2, 3], default=None, help="default: every stage")
     parser.add_argument("--offload", choices=["cpu", "nvme"], default=None,
                         help="shorthand: the optimizer (stages 1-2), the optimizer and parameters (stage 3); nvme: "
-                             "optimizer states swapped to disk (at stage 1 the fp32 masters too); at stage 3 the fp32 "
+                             "optimizer states swapped to disk (with the optimizer alone offloaded, the fp32 masters too); at stage 3 the fp32 "
                              "parameter shards too (ZeRO-Infinity)")
     parser.add_argument("--offload-optimizer", choices=["cpu", "nvme"], default=None,
                         help="precise form: optimizer states and fp32 masters only (parameters stay on the device)")

@@ -216,9 +216,9 @@ def estimate_model_states_memory(model_or_num_params: Union[nn.Module, int], sta
         model_or_num_params: a module (its parameters are counted; its largest default FSDP2 unit, repeated blocks
             grouped up to the default ``unit_bytes``, sizes the stage-3 peak) or a parameter count.
         stage: 0-3. world_size: data-parallel ranks. offload: ``None``, ``"cpu"`` or ``"nvme"`` (as ``"cpu"``,
-            with the ``optimizer_bytes_fp32`` states per parameter on disk instead of in CPU memory, and at stage 1
-            the fp32 masters too (their gradients exist for one sub-group at a time); at stages 2-3 the masters
-            stay in CPU memory; the swapped step holds ``buffer_count`` sub-groups of ``sub_group_size`` elements'
+            with the ``optimizer_bytes_fp32`` states per parameter on disk instead of in CPU memory, and with the
+            optimizer alone offloaded (stages 1-3) the fp32 masters too (their gradients exist for one sub-group at
+            a time); the swapped step holds ``buffer_count`` sub-groups of ``sub_group_size`` elements'
             states in CPU memory at its peak). At stage 3 ``"nvme"`` swaps the fp32 parameter shards too
             (ZeRO-Infinity): none rest in CPU memory, at most ``max_in_cpu`` elements of them are resident at the
             peak, plus ``buffer_count`` staging buffers of ``buffer_size`` elements.
@@ -279,8 +279,9 @@ def estimate_model_states_memory(model_or_num_params: Union[nn.Module, int], sta
         return MemoryEstimate(accel, cpu, accel.total + gathered, cpu.total)
     on_disk = buffers = 0
     if swaps_optimizer:  # lightning_zero.offload.optimizer_swapper: the optimizer states live on disk
-        # Stage 1 swaps the fp32 masters with the states; their gradients exist for the stepping sub-group only.
-        masters_swapped = stage == 1
+        # Optimizer-only offload (any stage) swaps the fp32 masters with the states; their gradients exist for the
+        # stepping sub-group only. With the parameters offloaded (stage 3) the FSDP2 shards are the masters.
+        masters_swapped = not config.offloads_params
         per_element = optimizer_bytes_fp32 + (4 if masters_swapped else 0)
         on_disk = p * per_element // n
         cpu = StateBytes(cpu.params, 0 if masters_swapped else cpu.grads, cpu.optimizer_states - on_disk)

@@ -24,10 +24,10 @@ Why hand-written: torch has no optimizer wrapper that keeps CPU copies of device
 ``Tensor.copy_`` (``non_blocking`` into pinned buffers when computing on CUDA, then one stream synchronisation
 before the CPU reads them). At stage 3 with ``offload_params="cpu"`` the sharded parameters themselves are the CPU
 fp32 masters (``CPUOffloadPolicy``) and no copy is made. With ``offload_optimizer="nvme"`` the optimizer's
-per-element states are swapped to disk by :mod:`lightning_zero.offload.optimizer_swapper`; at stage 1 the fp32
-masters (plain tensors) are swapped with them (the swapper then does the gradient and parameter copies per
-sub-group, and the hooks below skip them). At stages 2-3 the masters (DTensor copies of the FSDP2 shards, or the
-shards themselves with ``offload_params``) stay in CPU memory.
+per-element states are swapped to disk by :mod:`lightning_zero.offload.optimizer_swapper`, and the fp32 masters
+(stage 1: plain tensors; stages 2-3: DTensor copies of the FSDP2 shards) with them (the swapper then does the
+gradient and parameter copies per sub-group, and the hooks below skip them). With ``offload_params`` the shards
+themselves are the masters: parameter swapping (``offload_params="nvme"``) moves those.
 """
 
 from __future__ import annotations
@@ -138,8 +138,8 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, config: ZeroConfig, *, gro
         owners = [[-1] * len(params) for params in model_params]
     sharding = OptimizerSharding(config, model_params, owners, rank=rank, group=group)
     offload_here = config.offloads_optimizer_only
-    # Stage-1 masters are plain tensors the swapper can hold on disk; stages 2-3 keep their DTensor masters resident.
-    swap_masters = offload_here and config.swaps_optimizer_states and config.stage == 1
+    # The masters (stage 1: plain tensors; stages 2-3: DTensors over the FSDP2 shards) are swapped with the states.
+    swap_masters = offload_here and config.swaps_optimizer_states
     pin = bool(config.pin_memory if config.pin_memory is not None else (device is not None and device.type == "cuda"))
     if pin and not torch.cuda.is_available():
         raise ValueError("pin_memory=True needs CUDA; this run has no CUDA device")
@@ -152,7 +152,7 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, config: ZeroConfig, *, gro
                 if swap_masters:
                     # an empty placeholder: the swapper writes the values to disk sub-group by sub-group (never all
                     # masters resident at once)
-                    master = torch.empty(0, dtype=torch.float32, device="cpu")
+                    master = _empty_master(param)
                 else:
                     master = _cpu_like(param, pin)
                     with torch.no_grad():
@@ -247,6 +247,18 @@ def _cpu_like(tensor: Tensor, pin: bool) -> Tensor:
 
     return DTensor.from_local(buffer, tensor.device_mesh, tensor.placements, run_check=False, shape=tensor.shape,
                               stride=tensor.stride())
+
+
+def _empty_master(param: Tensor) -> Tensor:
+    """A placeholder fp32 master for ``param`` that holds no memory (an empty local tensor; a DTensor with
+    ``param``'s mesh, placements and global shape when ``param`` is one): the NVMe swapper fills it."""
+    empty = torch.empty(0, dtype=torch.float32, device="cpu")
+    if _local(param) is param:
+        return empty
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(empty, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                              stride=param.stride())
 
 
 def broadcast_from_owners(sharding: OptimizerSharding, bucket_bytes: int = BROADCAST_BUCKET_BYTES) -> None:

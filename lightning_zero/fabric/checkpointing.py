@@ -83,8 +83,13 @@ def optimizer_state_dict(module: torch.nn.Module, optimizer: torch.optim.Optimiz
 def _initialise_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Create state tensors (zeros) so DCP has something to load into: one step with lr 0 on zero gradients.
 
-    The partition/offload step hooks are bypassed: the step touches only what the optimizer holds.
+    The partition/offload step hooks are bypassed: the step touches only what the optimizer holds. Masters swapped
+    to NVMe (optimizer-only NVMe offload) are empty between steps and the swapped step takes their gradients from
+    their module parameters, so those get the zero gradients instead.
     """
+    sharding = get_sharding(optimizer)
+    companions = sharding.swapper.companions if sharding is not None and sharding.swaps_masters() else {}
+    given: list[Tensor] = []
     pre, post = optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks
     optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks = type(pre)(), type(post)()
     saved_lr = [g["lr"] for g in optimizer.param_groups]
@@ -92,10 +97,14 @@ def _initialise_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         for group in optimizer.param_groups:
             group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], Tensor) else 0.0
             for p in group["params"]:
-                if p.requires_grad and p.grad is None:
-                    p.grad = torch.zeros_like(p)
+                target = companions.get(id(p), p)  # a swapped master reads its module parameter's gradient
+                if p.requires_grad and target.grad is None:
+                    target.grad = torch.zeros_like(target)
+                    given.append(target)
         optimizer.step()
     finally:
+        for target in given:
+            target.grad = None
         for group, lr in zip(optimizer.param_groups, saved_lr):
             group["lr"] = lr
             for p in group["params"]:

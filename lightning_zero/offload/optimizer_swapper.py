@@ -19,16 +19,18 @@ placements). Readers of the states must call :meth:`OptimizerStateSwapper.make_r
 load do, and ``optimizer.state_dict()`` does); the next step writes them back out.
 
 [Note: swapped fp32 masters]
-Where the optimizer steps separate fp32 *masters* of the module's parameters (stage-1 offload), ``masters=`` maps
-each master to the module parameter it stands for, and the masters are swapped too, in the same sub-group files
-(each master before its states). Between steps a swapped-out master holds an empty ``(0,)`` tensor (its ``.data``;
-the object, its identity in ``param_groups``/``state`` and ``requires_grad`` stay), so any computation on it fails
+Where the optimizer steps separate fp32 *masters* of the module's parameters (optimizer-only offload: plain tensors
+at stage 1, DTensors over the FSDP2 shards at stages 2-3), ``masters=`` maps each master to the module parameter it
+stands for, and the masters are swapped too, in the same sub-group files (each master before its states). Between
+steps a swapped-out master's local tensor is an empty ``(0,)`` tensor (its ``.data``, a DTensor's local tensor's
+``.data``; the object, the DTensor wrapper with its mesh and global shape, its identity in ``param_groups``/``state``
+and ``requires_grad`` stay), so any computation on it fails
 loudly on the shape instead of reading stale values. For each sub-group the swapped step then also does what the
 stage-1 hooks do for resident masters: copy the module's gradients into fresh fp32 ``master.grad`` tensors (one
 sub-group's worth, dropped after the step) and copy the stepped masters back into the module's parameters. Masters
 are written to disk sub-group by sub-group at attach time, so they are never all resident at once.
-At stages 2-3 the FSDP2 sharded parameter *is* the master, read by every all-gather between steps: it can only be
-swapped by parameter swapping (``offload_params="nvme"``), not here.
+With ``offload_params`` (stage 3) the FSDP2 sharded parameter *is* the master, read by every all-gather between
+steps: it can only be swapped by parameter swapping (``offload_params="nvme"``), not here.
 
 [Note: files]
 Each swapper creates its own fresh folder ``nvme_path/lz-swap-<unique>/rank<k>/`` and never reads anything it did
@@ -108,6 +110,12 @@ def _rebuild(marker: SwappedOut, local: Tensor) -> Tensor:
                               stride=marker.stride)
 
 
+def _master_marker(param: Tensor) -> SwappedOut:
+    """How to rebuild the fp32 master of module parameter ``param`` (a DTensor's local shard, at stages 2-3)."""
+    marker = _marker(param.detach())
+    return SwappedOut(marker.shape, torch.float32, marker.local_shape, marker.mesh, marker.placements, marker.stride)
+
+
 def get_swapper(optimizer) -> Optional["OptimizerStateSwapper"]:
     return getattr(optimizer, _ATTR, None)
 
@@ -124,7 +132,8 @@ class OptimizerStateSwapper:
         self.optimizer = optimizer
         # id(master) -> the module parameter it stands for (see the note on swapped fp32 masters)
         self.companions: dict[int, Tensor] = dict(masters or {})
-        self._master_markers = {key: SwappedOut(p.shape, torch.float32, p.shape) for key, p in self.companions.items()}
+        # a master has its module parameter's shape (and for FSDP2's DTensor parameters its mesh and placements)
+        self._master_markers = {key: _master_marker(p) for key, p in self.companions.items()}
         self._masters_out: set[int] = set()
         self.nvme = nvme
         self.pin_memory = pin_memory
@@ -162,7 +171,7 @@ class OptimizerStateSwapper:
     def _numel(self, param: Tensor) -> int:
         """Elements this rank steps for ``param`` (a swapped-out master's own tensor is empty)."""
         marker = self._master_markers.get(id(param))
-        return marker.shape.numel() if marker is not None else _local(param).numel()
+        return torch.Size(marker.local_shape).numel() if marker is not None else _local(param).numel()
 
     def path(self, index: int) -> str:
         return os.path.join(self.folder, f"subgroup{index}.bin")
@@ -214,7 +223,7 @@ class OptimizerStateSwapper:
         for param in self.subgroups[index]:
             master = self._master_markers.get(id(param))
             if master is not None:
-                nbytes = master.shape.numel() * 4
+                nbytes = torch.Size(master.local_shape).numel() * 4
                 entries.append(_Entry(param, MASTER, master, offset, nbytes))
                 offset = align_up(offset + nbytes)
             state = self.optimizer.state.get(param)
@@ -245,10 +254,11 @@ class OptimizerStateSwapper:
         if entry.key is not MASTER:
             self.optimizer.state[entry.param][entry.key] = value
         elif isinstance(value, SwappedOut):
-            entry.param.data = torch.empty(0, dtype=value.dtype)  # see the note on swapped fp32 masters
+            # see the note on swapped fp32 masters; a DTensor master keeps its wrapper, its local tensor empties
+            _local(entry.param).data = torch.empty(0, dtype=value.dtype)
             self._masters_out.add(id(entry.param))
         else:
-            entry.param.data = value
+            _local(entry.param).data = _local(value)
             self._masters_out.discard(id(entry.param))
 
     def _view(self, buf: Tensor, entry: _Entry) -> Tensor:
@@ -357,14 +367,15 @@ class OptimizerStateSwapper:
             param = self.companions.get(id(master))
             if param is not None:
                 grad = param.grad
-                master.grad = None if grad is None else grad.detach().to("cpu", torch.float32, copy=True)
+                master.grad = None if grad is None else _rebuild(
+                    self._master_markers[id(master)], _local(grad.detach()).to("cpu", torch.float32, copy=True))
 
     def _masters_to_module(self, group: list[Tensor]) -> None:
         """Stepped masters back into the module's parameters (the stage-1 post-step copy); gradients dropped."""
         for master in group:
             param = self.companions.get(id(master))
             if param is not None:
-                param.detach().copy_(master)
+                _local(param.detach()).copy_(_local(master))
                 master.grad = None
 
     def write_initial_masters(self) -> None:
@@ -375,7 +386,7 @@ class OptimizerStateSwapper:
                 param = self.companions.get(id(master))
                 if param is not None:
                     self._set(_Entry(master, MASTER, self._master_markers[id(master)], 0, 0),
-                              param.detach().to("cpu", torch.float32, copy=True))
+                              _local(param.detach()).to("cpu", torch.float32, copy=True))
             self._start_write(index, None, writes)
         while writes:
             self._finish_write(writes.popleft())
