@@ -33,7 +33,14 @@ COUNTED = {
 
 
 def build_model(name: str) -> nn.Module:
-    """``mlp``: 24 x (Linear(1024, 1024) + GELU); ``llama``: a ~3M-parameter Llama with tied embeddings."""
+    """``mlp``: 24 x (Linear(1024, 1024) + GELU); ``llama``: a ~3M-parameter Llama with tied embeddings; ``gpt``:
+    the GPT of ``examples/gpt.py`` at ``bench_stages.py``'s shape (4 layers, width 128, 64 tokens)."""
+    if name == "gpt":
+        import argparse as _argparse
+
+        import _bench_models
+
+        return _bench_models.build("gpt", _argparse.Namespace(quick=False))
     if name == "mlp":
         layers = []
         for _ in range(24):
@@ -63,6 +70,10 @@ def lightning_module(name: str, nested: bool = False):
             if name == "mlp":
                 (x,) = batch
                 return run(x).float().pow(2).mean()
+            if name == "gpt":
+                (ids,) = batch
+                logits = run(ids[:, :-1])
+                return nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1))
             (ids,) = batch
             return run(input_ids=ids, labels=ids).loss
 
@@ -78,6 +89,8 @@ def data(name: str, batches: int):
     gen = torch.Generator().manual_seed(0)
     if name == "mlp":
         tensors = torch.randn(batches * 8, 1024, generator=gen)
+    elif name == "gpt":
+        tensors = torch.randint(0, 65, (batches * 8, 65), generator=gen)
     else:
         tensors = torch.randint(0, 1000, (batches * 8, 64), generator=gen)
     return DataLoader(TensorDataset(tensors), batch_size=8)
@@ -195,7 +208,7 @@ def _worker(rank: int, world: int, port: int, args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=("mlp", "llama"), default="llama")
+    parser.add_argument("--model", choices=("mlp", "llama", "gpt"), default="llama")
     parser.add_argument("--precision", default="bf16-mixed")
     parser.add_argument("--stage", type=int, default=2)
     parser.add_argument("--offload", default=None)

@@ -41,6 +41,7 @@ from torch import Tensor
 
 from lightning_zero.config import ZeroConfig
 from lightning_zero.diagnostics.timing import collective_timer
+from lightning_zero.distributed.local_step import restore_step, use_local_step
 from lightning_zero.offload.optimizer_swapper import OptimizerStateSwapper, attach_swapper, detach_swapper
 from lightning_zero.offload.param_swapper import attach_param_step, detach_param_step, find_param_swapper
 
@@ -76,6 +77,7 @@ class OptimizerSharding:
     hooks: list = field(default_factory=list)
     swapper: Optional[OptimizerStateSwapper] = None  # offload_optimizer="nvme": states swapped to disk
     param_step_of: Optional[torch.optim.Optimizer] = None  # offload_params="nvme": steps unit by unit
+    local_step_of: Optional[torch.optim.Optimizer] = None  # steps DTensor local shards (.local_step)
 
     def all_model_params(self) -> list[Tensor]:
         return [p for params in self.model_params for p in params]
@@ -100,7 +102,11 @@ class OptimizerSharding:
         return self.swapper is not None and bool(self.swapper.companions)
 
     def remove(self) -> None:
-        """Remove the step hooks and stop swapping (states back in memory, swap files removed)."""
+        """Remove the step hooks and stop swapping (states back in memory, swap files removed); the optimizer
+        steps through torch's DTensor path again."""
+        if self.local_step_of is not None:
+            restore_step(self.local_step_of)
+            self.local_step_of = None
         for handle in self.hooks:
             handle.remove()
         self.hooks.clear()
@@ -179,6 +185,10 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, config: ZeroConfig, *, gro
         companions = {id(master): p for p in sharding.owned_model_params()
                       if swap_masters and (master := sharding.masters.get(id(p))) is not None}
         sharding.swapper = attach_swapper(optimizer, config.nvme, rank=rank, pin_memory=pin, masters=companions)
+    if not config.swaps_optimizer_states and not config.swaps_parameters:
+        # NVMe swapping replaces the step itself; otherwise DTensor parameters step on their local shards
+        if use_local_step(optimizer):
+            sharding.local_step_of = optimizer
     setattr(optimizer, _ATTR, sharding)
     return sharding
 

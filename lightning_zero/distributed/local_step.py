@@ -1,0 +1,175 @@
+"""Step torch's elementwise optimizers (Adam, AdamW, SGD) on the local shards of DTensor parameters.
+
+At stages 2-3 the optimizer holds FSDP2's sharded ``DTensor`` parameters (or their DTensor CPU masters with
+``offload_optimizer``). torch's optimizers step them through DTensor's Python dispatch: every elementwise op of
+every parameter (``mul_``, ``lerp_``, ``addcdiv_``, ``sqrt``, ...) is one ``PythonSubclass`` call that looks up a
+sharding rule before running the same op on the local shard. On a model with many small parameters that dispatch,
+not the arithmetic, is the optimizer step's cost (424 dispatches per step on the benchmark's GPT, 304 on its Llama;
+``docs/performance_notes_stage2.md``).
+
+For Adam, AdamW and SGD every state and update is elementwise, so stepping the local shards with the same torch
+optimizer code gives bit-identical values: :func:`use_local_step` makes the optimizer's ``step`` hand torch's own
+implementation (its ``step``, with the user's ``foreach``/``fused`` choice and hyperparameters) the local tensors
+of the parameters, gradients and states, then puts the DTensor parameters and states back. Between steps nothing
+changes: ``param_groups`` hold the DTensor parameters, ``state`` holds DTensor states (new states are wrapped with
+the parameter's mesh, placements and global shape, as ``torch.zeros_like`` on the DTensor would have made them),
+so ``state_dict()``, checkpoints, resharding and consolidation see the same format as before.
+
+Why hand-written: torch has no switch that runs an optimizer on DTensor local shards (``local_map`` wraps a
+function of tensors, not an optimizer whose state is keyed by parameter objects). Only exact ``Adam``, ``AdamW``
+and ``SGD`` are switched (a subclass may add non-elementwise math, e.g. a per-tensor norm, which a shard cannot
+compute); any other optimizer, a ``differentiable`` group, a gradient whose placements differ from its
+parameter's, or a ``step(closure)`` keeps torch's DTensor path, never a different result.
+"""
+
+from __future__ import annotations
+
+import types
+from collections import defaultdict
+from typing import Optional
+
+import torch
+
+# The per-element states of each switched class: wrapped back into DTensors after the step. Any other state (the
+# scalar ``step``) stays what torch made it (a plain tensor, as on the DTensor path).
+ELEMENTWISE_STATES = {
+    torch.optim.Adam: ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
+    torch.optim.AdamW: ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
+    torch.optim.SGD: ("momentum_buffer",),
+}
+_MARK = "_lightning_zero_local_step_base"
+
+
+def _is_dtensor(tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def can_step_locally(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether :func:`use_local_step` applies: an exact Adam/AdamW/SGD whose parameters are all DTensors and whose
+    groups are not ``differentiable``."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return (type(optimizer) in ELEMENTWISE_STATES and bool(params) and all(_is_dtensor(p) for p in params)
+            and not any(group.get("differentiable", False) for group in optimizer.param_groups))
+
+
+def is_local_step(optimizer: torch.optim.Optimizer) -> bool:
+    return hasattr(type(optimizer), _MARK)
+
+
+def use_local_step(optimizer: torch.optim.Optimizer) -> bool:
+    """Make ``optimizer`` step the local shards of its DTensor parameters (see the module docstring); returns
+    whether it did (False: :func:`can_step_locally` does not hold, the optimizer is left unchanged). Undo with
+    :func:`restore_step`. The optimizer keeps its identity, ``param_groups``, hooks and the name of its class."""
+    if is_local_step(optimizer) or not can_step_locally(optimizer):
+        return False
+    base_cls = type(optimizer)
+    base_step = getattr(base_cls.step, "__wrapped__", base_cls.step)  # without torch's hook wrapper: ours has it
+    per_element = ELEMENTWISE_STATES[base_cls]
+
+    def step(self, closure=None):
+        if closure is not None:
+            # torch runs the closure inside step(); the gradients it makes are read after it, on the DTensor path
+            return base_step(self, closure)
+        swap = _swap_in(self, per_element)
+        if swap is None:
+            return base_step(self)
+        try:
+            return base_step(self)
+        finally:
+            _swap_out(self, swap, per_element)
+
+    wrapped = torch.optim.Optimizer.profile_hook_step(step)  # pre/post step hooks run around the whole swap
+    wrapped.hooked = True
+    local_cls = type(base_cls.__name__, (base_cls,), {"step": wrapped, _MARK: base_cls})
+    local_cls.__module__, local_cls.__qualname__ = base_cls.__module__, base_cls.__qualname__
+    optimizer.__class__ = local_cls
+    # [Note: an LR scheduler's step wrapper] A scheduler built before this call put a wrapper on the instance that
+    # calls the old class's step function; replace it by one that records the same flag and calls ours.
+    instance_step = optimizer.__dict__.get("step")
+    if instance_step is not None:
+        def scheduler_aware_step(self, *args, **kwargs):
+            self._opt_called = True  # what torch's scheduler wrapper records
+            return local_cls.step(self, *args, **kwargs)
+
+        scheduler_aware_step._wrapped_by_lr_sched = True
+        scheduler_aware_step._lightning_zero_replaced = instance_step
+        optimizer.step = types.MethodType(scheduler_aware_step, optimizer)
+    return True
+
+
+def restore_step(optimizer: torch.optim.Optimizer) -> None:
+    """Undo :func:`use_local_step` (no-op when it was not applied)."""
+    base_cls = getattr(type(optimizer), _MARK, None)
+    if base_cls is None:
+        return
+    optimizer.__class__ = base_cls
+    instance_step = optimizer.__dict__.get("step")
+    replaced = getattr(getattr(instance_step, "__func__", None), "_lightning_zero_replaced", None)
+    if replaced is not None:
+        optimizer.step = replaced
+
+
+class _Swap:
+    __slots__ = ("params", "state", "locals")
+
+    def __init__(self, params, state, locals_):
+        self.params, self.state, self.locals = params, state, locals_
+
+
+def _swap_in(optimizer, per_element) -> Optional[_Swap]:
+    """Put local tensors into ``param_groups`` and ``state``; None (nothing swapped) when a gradient is not laid
+    out like its parameter, so the DTensor path decides."""
+    params = [group["params"] for group in optimizer.param_groups]
+    local_state: defaultdict = defaultdict(dict)
+    locals_ = []
+    for group_params in params:
+        group_locals = []
+        for param in group_params:
+            local = param._local_tensor.detach()  # an alias of the shard: in-place updates reach the parameter
+            grad = param.grad
+            if grad is not None:
+                if (not _is_dtensor(grad) or grad.placements != param.placements
+                        or grad._local_tensor.shape != local.shape):
+                    return None
+                local.grad = grad._local_tensor
+            state = optimizer.state.get(param)
+            if state:
+                local_state[local] = {key: (value._local_tensor if key in per_element and _is_dtensor(value)
+                                            else value) for key, value in state.items()}
+            group_locals.append(local)
+        locals_.append(group_locals)
+    for group, group_locals in zip(optimizer.param_groups, locals_):
+        group["params"] = group_locals
+    swap = _Swap(params, optimizer.state, locals_)
+    optimizer.state = local_state
+    return swap
+
+
+def _swap_out(optimizer, swap: _Swap, per_element) -> None:
+    """Put the DTensor parameters back and carry the states over: a state that is still the local tensor of the
+    DTensor it came from keeps that DTensor; a new one is wrapped like its parameter."""
+    from torch.distributed.tensor import DTensor
+
+    local_state = optimizer.state
+    optimizer.state = swap.state
+    for group, params, group_locals in zip(optimizer.param_groups, swap.params, swap.locals):
+        group["params"] = params
+        for param, local in zip(params, group_locals):
+            local.grad = None
+            new = local_state.get(local)
+            if new is None:
+                continue
+            old = swap.state.get(param, {})
+            merged = {}
+            for key, value in new.items():
+                previous = old.get(key)
+                if key in per_element and isinstance(value, torch.Tensor) and not _is_dtensor(value):
+                    if _is_dtensor(previous) and previous._local_tensor is value:
+                        value = previous
+                    else:
+                        value = DTensor.from_local(value, param.device_mesh, param.placements, run_check=False,
+                                                   shape=param.shape, stride=param.stride())
+                merged[key] = value
+            swap.state[param].update(merged)  # the same dict object: nothing holding it goes stale
