@@ -1,6 +1,7 @@
 """One measured configuration of ``bench_stages.py``: fresh spawned ranks train one model under one strategy.
 
-A job is ``{"model", "precision", "kind"}``; ``kind`` is ``zero:<stage>[+cpu]`` (ZeroStrategy),
+A job is ``{"model", "precision", "kind"}`` (plus optional ``"options"``: extra ``ZeroStrategy`` keyword
+arguments, for side-by-side comparisons of one option); ``kind`` is ``zero:<stage>[+cpu]`` (ZeroStrategy),
 ``deepspeed:<stage>[+cpu]``, ``ddp``, ``modelparallel:<2|3>`` (Lightning's FSDP2 strategy; 2 keeps the gathered
 parameters after forward, 3 reshards them) or ``fsdp:<sharding strategy>`` (Lightning's FSDP1 strategy, opt-in).
 
@@ -118,7 +119,7 @@ def run_lightning(rank, world, args, job, out):
 
     if strategy_name == "zero":
         stage, _, offload = option.partition("+")
-        strategy = ZeroStrategy(stage=int(stage), offload=offload or None)
+        strategy = ZeroStrategy(stage=int(stage), offload=offload or None, **job.get("options", {}))
     elif strategy_name == "ddp":
         strategy = pl.strategies.DDPStrategy()
     elif strategy_name == "fsdp":

@@ -9,6 +9,9 @@ A ds_config's ``zero_optimization.reduce_bucket_size`` (DeepSpeed's gradient buc
 DDP's ``bucket_cap_mb`` (counted in MiB) at stages 0-1, converted with the gradients' element size; an explicit
 ``bucket_cap_mb`` wins.
 
+Unlike ``DDPStrategy``, stages 0-1 default to ``gradient_as_bucket_view=True`` (one gradient buffer per rank, as
+DeepSpeed keeps; see :func:`lightning_zero.distributed.zero.ddp_defaults`); an explicit False wins.
+
 Stages 2-3 run FSDP2, which has none of these knobs (it reduce-scatters per unit and tolerates parameters a step
 does not use), so setting any of them there is refused rather than ignored.
 """
@@ -30,7 +33,9 @@ class DDPOptions:
             step leaves parameters without gradients: DDP otherwise errors at the next step).
         static_graph: the set of used parameters and the graph do not change between steps (DDP can then skip the
             unused-parameter search and supports re-entrant activation checkpointing).
-        gradient_as_bucket_view: gradients are views into DDP's buckets (saves one gradient-sized copy).
+        gradient_as_bucket_view: gradients are views into DDP's buckets (saves one gradient-sized copy). ``None``
+            means ZeRO's default, True (unlike DDP's False; see ``distributed.zero.ddp_defaults``); pass False
+            for DDP's separate ``.grad`` tensors.
         bucket_cap_mb: DDP's gradient bucket size in MiB (torch's default: 25).
     """
 

@@ -116,7 +116,8 @@ class ZeroStrategy(ParallelStrategy):
             ``PipelineModule`` held by the LightningModule, with the ZeRO stage on the data-parallel dimension
             (:mod:`lightning_zero.fabric.pipeline_binding`, ``docs/pipeline.md``).
         find_unused_parameters, static_graph, gradient_as_bucket_view, bucket_cap_mb: ``DDPStrategy``'s options for
-            the DDP of stages 0-1 (:mod:`lightning_zero.fabric.ddp_options`).
+            the DDP of stages 0-1 (:mod:`lightning_zero.fabric.ddp_options`); unlike ``DDPStrategy``,
+            ``gradient_as_bucket_view`` defaults to True (one gradient buffer per rank).
         exclude_frozen_parameters, verbose: frozen parameters stay out of checkpoints; print the whole ds_config.
         hang_timeout: seconds (or ``timedelta``) a step, validation batch, checkpoint save/load or teardown may last
             before the job exits naming the stuck rank(s) with every rank's stacks (default 600; ``None``: off).

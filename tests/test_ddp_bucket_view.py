@@ -1,0 +1,105 @@
+"""Stages 0-1: gradients are views of DDP's all-reduce buckets unless ``gradient_as_bucket_view=False`` was passed
+(``distributed.zero.ddp_defaults``), so a rank holds one gradient buffer, as DeepSpeed's stage 0 does."""
+
+from __future__ import annotations
+
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+
+from lightning_zero import ZeroConfig, ZeroStrategy, apply_zero
+from lightning_zero.distributed.optimizer import shard_optimizer
+from tests.distributed import run_distributed
+from tests.lightning_models import RegressionModule, quiet_trainer
+
+WIDTH, DEPTH, BATCH = 256, 6, 4
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[layer for _ in range(DEPTH) for layer in (nn.Linear(WIDTH, WIDTH), nn.GELU())])
+
+
+def _grad_storages(module: nn.Module) -> set[int]:
+    return {p.grad.untyped_storage().data_ptr() for p in module.parameters() if p.grad is not None}
+
+
+def _allocated_peak(step) -> int:
+    """Peak growth of the bytes torch's CPU allocator holds while ``step()`` runs, from the profiler's memory events
+    (allocation and free sizes, in order): bytes, independent of machine load and of glibc's heap."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    live = peak = 0
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        live += event.nbytes()  # negative for a free
+        peak = max(peak, live)
+    return peak
+
+
+def _train(model, opt, steps: int, set_to_none: bool) -> None:
+    x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(torch.distributed.get_rank()))
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=set_to_none)
+        model(x).square().mean().backward()
+        opt.step()
+
+
+def _views_worker(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    params_per_layer = WIDTH * WIDTH + WIDTH
+    results = {}
+    for stage in (0, 1):
+        for explicit in (None, False):
+            module = _model()
+            kwargs = {} if explicit is None else {"gradient_as_bucket_view": explicit}
+            config = ZeroConfig(stage=stage)
+            model = apply_zero(module, mesh, config, ddp_kwargs=kwargs)
+            opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
+            shard_optimizer(opt, config, group=mesh.get_group())
+            _train(model, opt, 2, set_to_none=True)  # grads become bucket views after the first iteration
+            storages = _grad_storages(module)
+            # the step after the states exist: what one more training step allocates, in bytes
+            peak = _allocated_peak(lambda: _train(model, opt, 1, set_to_none=True))
+            results[(stage, explicit)] = peak
+            if explicit is None:
+                assert model.gradient_as_bucket_view is True
+                # every gradient lives in one of DDP's few bucket storages, not in a storage of its own
+                assert len(storages) < DEPTH, (stage, len(storages))
+                # zero_grad(set_to_none=False) zeroes the buckets in place: the gradients stay their views
+                _train(model, opt, 1, set_to_none=False)
+                assert _grad_storages(module) == storages
+            else:
+                assert model.gradient_as_bucket_view is False
+                assert len(storages) >= DEPTH, (stage, len(storages))  # separate gradient tensors
+    grad_bytes = DEPTH * params_per_layer * 4
+    for stage in (0, 1):
+        saved = results[(stage, False)] - results[(stage, None)]
+        # one gradient-sized buffer less at the peak (the transient per-parameter gradient autograd hands DDP is
+        # freed right after its copy into the bucket)
+        assert saved >= 0.7 * grad_bytes, (stage, results, grad_bytes)
+
+
+def test_stage_0_and_1_gradients_are_bucket_views_and_one_gradient_buffer_smaller():
+    run_distributed(_views_worker, 2)
+
+
+class _Record(Callback):
+    def on_train_start(self, trainer, pl_module):
+        self.seen = trainer.strategy.model.gradient_as_bucket_view
+
+
+def _trainer_worker(rank, world_size):
+    for stage, kwargs, expected in ((0, {}, True), (1, {"gradient_as_bucket_view": False}, False)):
+        record = _Record()
+        quiet_trainer(ZeroStrategy(stage=stage, **kwargs), world_size, max_steps=1, callbacks=[record]).fit(
+            RegressionModule(batch_size=4))
+        assert record.seen is expected, (stage, kwargs, record.seen)
+
+
+def test_zero_strategy_defaults_to_bucket_views_and_an_explicit_false_wins():
+    run_distributed(_trainer_worker, 2)
