@@ -430,6 +430,16 @@ def _disk_full_worker(rank, world_size, root):
             optimizer.step()  # the write-back after the step finds the disk full
     finally:
         aio_module.os.pwritev = real
+    # the unit whose write-back failed lost its memory and its file is stale: reading it back must fail, not return
+    # the weights before the step (other units' failed writes may surface first)
+    errors = []
+    for _ in range(len(swapper.units) + 1):
+        try:
+            swapper.make_resident()
+            break
+        except SwapIOError as error:
+            errors.append(str(error))
+    assert any("were lost" in error for error in errors), errors
     folder = swapper.run_folder
     with pytest.warns(RuntimeWarning, match="could not be read back"):
         detach_param_swapper(model)
