@@ -181,7 +181,7 @@ def same_model_as_deepspeed(args) -> None:
     width = 1024
     model = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(max(1, int(args.params) // width ** 2))])
     numel = sum(p.numel() for p in model.parameters())
-    nvme = NvmeConfig(folder, sub_group_size=int(args.sub_group_size), buffer_count=4,
+    nvme = NvmeConfig(folder, sub_group_size=int(args.sub_group_size), buffer_count=4, max_in_cpu=int(args.max_in_cpu),
                       aio=dict(thread_count=args.threads, queue_depth=args.queue_depth, block_size=args.block_size))
     config = ZeroConfig(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme=nvme, unit_bytes=0)
     try:
@@ -203,7 +203,8 @@ def same_model_as_deepspeed(args) -> None:
               f"{2 * on_disk / step / GB:.2f} GB/s if every file is read and written once per step (its engine: "
               f"optimizer states read {states.io.throughput('read') / GB:.2f}, written "
               f"{states.io.throughput('write') / GB:.2f} GB/s; parameters read {params.bytes_read >> 20} MiB in "
-              f"{args.steps + 1} steps)", flush=True)
+              f"{args.steps + 1} steps: the model's shards read {params.bytes_read / params.disk_bytes():.1f} times)",
+              flush=True)
         detach_swapper(optimizer, restore=False)
         detach_param_step(optimizer)
         detach_param_swapper(model, restore=False)

@@ -305,7 +305,8 @@ def deepspeed_zero3_child(args) -> None:
                   "stage": 3, "sub_group_size": int(args.sub_group_size),
                   "offload_optimizer": {"device": "nvme", "nvme_path": folder, "pin_memory": False,
                                         "buffer_count": 4},
-                  "offload_param": {"device": "nvme", "nvme_path": folder, "pin_memory": False}}}
+                  "offload_param": {"device": "nvme", "nvme_path": folder, "pin_memory": False,
+                                    "max_in_cpu": int(args.max_in_cpu)}}}
     try:
         engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4),
                                           config=config)
@@ -343,6 +344,7 @@ def main() -> None:
     parser.add_argument("--cap-gib", type=float, default=2.95)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--capped-steps", type=int, default=3)
+    parser.add_argument("--max-in-cpu", type=float, default=1e9, help="deepspeed section: offload_param max_in_cpu")
     parser.add_argument("--rank-child", choices=("nvme", "cpu"), help=argparse.SUPPRESS)
     parser.add_argument("--stage3-child", choices=("nvme", "cpu"), help=argparse.SUPPRESS)
     parser.add_argument("--ours-child", action="store_true", help=argparse.SUPPRESS)
@@ -407,7 +409,7 @@ def main() -> None:
         command = [sys.executable, os.path.abspath(__file__), "--ds-child", "--nvme-path", args.nvme_path,
                    "--params", str(args.params), "--sub-group-size", str(args.sub_group_size), "--steps",
                    str(args.steps), "--threads", str(args.threads), "--queue-depth", str(args.queue_depth),
-                   "--block-size", str(args.block_size)]
+                   "--block-size", str(args.block_size), "--max-in-cpu", str(args.max_in_cpu)]
         for label, flag in (("DeepSpeed", "--ds-child"), ("lightning-zero", "--ours-child")):  # the same model
             child = subprocess.run([*command[:2], flag, *command[3:]], capture_output=True, text=True)
             lines = [line for line in child.stdout.splitlines() if line.startswith("  ")]

@@ -24,8 +24,8 @@ MAX_IN_CPU = 300
 
 
 class _ParamSwapWitness(Callback):
-    """During training: every unit's file exists with the bytes its layout says, no unit is resident between
-    batches, the residency never exceeded max_in_cpu, and bytes really went through the disk."""
+    """During training: every unit's file exists with the bytes its layout says, a unit not resident holds no
+    memory, the residency never exceeded max_in_cpu, and bytes really went through the disk."""
 
     def __init__(self):
         self.checked = 0
@@ -42,9 +42,10 @@ class _ParamSwapWitness(Callback):
         assert swapper.folder.startswith(swapper.nvme.nvme_path)
         for unit in swapper.units:
             assert os.path.getsize(unit.path) == sum(align_up(c[2]) for c in unit.chunks), unit.name
-            assert not unit.resident, f"unit {unit.name} stayed in memory after its use"
-            assert all(s.nbytes() == 0 for s in unit.storages()), f"unit {unit.name} still holds memory"
-        assert swapper.resident_elements == 0
+            if not unit.resident:
+                assert all(s.nbytes() == 0 for s in unit.storages()), f"unit {unit.name} still holds memory"
+        assert swapper.resident_elements == sum(u.elements for u in swapper.units if u.resident)
+        assert swapper.resident_elements <= swapper.nvme.max_in_cpu
         assert 0 < swapper.peak_resident_elements <= swapper.nvme.max_in_cpu
         assert swapper.peak_buffers <= swapper.nvme.buffer_count
         self.peak = swapper.peak_resident_elements
@@ -112,7 +113,7 @@ class _SaveWhileSwapping(Callback):
 
     def on_train_epoch_end(self, trainer, module):
         swapper = get_param_swapper(module)
-        assert swapper is None or swapper.resident_elements == 0, "the shards should be on disk before the save"
+        assert swapper is None or any(not u.resident for u in swapper.units), "some shards should be on disk"
         trainer.save_checkpoint(self.path)
 
 
@@ -293,7 +294,7 @@ def _core_worker(rank, world_size, root):
             torch.nn.utils.clip_grad_norm_(models[label].parameters(), 0.01)
             optimizers[label].step()
             optimizers[label].zero_grad()
-        assert swapper.resident_elements == 0 and swapper.peak_resident_elements <= 2600
+        assert swapper.resident_elements <= 2600 and swapper.peak_resident_elements <= 2600
     assert swapper.chunks_read_ahead > 0
     # state_dict() makes the shards readable (a save); load_state_dict() writes through to the files (a load)
     states = {label: {k: v.full_tensor() for k, v in models[label].state_dict().items()} for label in models}
@@ -307,7 +308,9 @@ def _core_worker(rank, world_size, root):
         models[label].load_state_dict({k: distribute_tensor(fresh[k], mesh, own[k].placements) for k in own})
     x = torch.randn(4, 48, generator=gen)
     assert torch.equal(models["cpu"](x), models["nvme"](x)), "the loaded weights must reach the swapped shards"
-    assert swapper.resident_elements == 0, "the forward after a load writes the units back and releases them"
+    # the forward after a load trims the residency to max_in_cpu again, writing back what it evicts (the reads at
+    # teardown below and the comparison after it prove the files got the loaded weights)
+    assert swapper.resident_elements <= 2600 and any(not u.resident for u in swapper.units)
     folder = swapper.run_folder
     detach_param_swapper(models["nvme"])
     assert not os.path.exists(folder) and get_param_swapper(models["nvme"]) is None
@@ -348,7 +351,7 @@ def _fabric_worker(rank, world_size, root):
                                             sub_group_size=64))
     model, optimizer = fabric_train(fabric, rank, world_size, accumulate=2, clip=0.05, steps=range(STEPS - 1))
     swapper = get_param_swapper(model._forward_module)
-    assert swapper is not None and swapper.bytes_read > 0 and swapper.resident_elements == 0
+    assert swapper is not None and swapper.bytes_read > 0 and swapper.resident_elements <= 2000
     path = os.path.join(root, "ckpt")
     fabric.save(path, {"model": model, "optimizer": optimizer})
     torch.manual_seed(5)
@@ -408,7 +411,9 @@ def _disk_full_worker(rank, world_size, root):
     from lightning_zero.offload.config import NvmeConfig
     from lightning_zero.offload.param_swapper import detach_param_swapper
 
-    config = ZeroConfig(stage=3, offload_optimizer="cpu", offload_params="nvme", nvme=NvmeConfig(root))
+    # max_in_cpu holds two of the three blocks: the step evicts (writes back) a unit it stepped
+    config = ZeroConfig(stage=3, offload_optimizer="cpu", offload_params="nvme", nvme=NvmeConfig(root, max_in_cpu=2600),
+                        unit_bytes=0)
     model = apply_zero(_Wide(), init_device_mesh("cpu", (world_size,)), config)
     optimizer = torch.optim.Adam(model.parameters())
     shard_optimizer(optimizer, config)
@@ -425,6 +430,16 @@ def _disk_full_worker(rank, world_size, root):
             optimizer.step()  # the write-back after the step finds the disk full
     finally:
         aio_module.os.pwritev = real
+    # the unit whose write-back failed lost its memory and its file is stale: reading it back must fail, not return
+    # the weights before the step (other units' failed writes may surface first)
+    errors = []
+    for _ in range(len(swapper.units) + 1):
+        try:
+            swapper.make_resident()
+            break
+        except SwapIOError as error:
+            errors.append(str(error))
+    assert any("were lost" in error for error in errors), errors
     folder = swapper.run_folder
     with pytest.warns(RuntimeWarning, match="could not be read back"):
         detach_param_swapper(model)

@@ -32,7 +32,8 @@ class NvmeConfig:
         buffer_size: parameter swapping's staging buffers, in 4-byte elements (a unit's shards stream through
             them in pieces of this size).
         max_in_cpu: parameter elements (this rank's padded FSDP2 shards) resident in host memory at once under
-            parameter swapping (see :mod:`lightning_zero.offload.param_swapper`).
+            parameter swapping, a budget: units that fit stay resident between uses and are not read again
+            (see :mod:`lightning_zero.offload.param_swapper`).
         aio: the I/O engine's knobs (see :class:`~lightning_zero.offload.aio.AioSettings`).
     """
 

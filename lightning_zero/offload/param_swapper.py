@@ -1,5 +1,5 @@
 """Stage-3 parameter swapping to NVMe (ZeRO-Infinity's ``offload_param.device: nvme``): each rank's FSDP2 local
-shards live in files and are in memory only around their use, at most ``max_in_cpu`` elements at a time.
+shards live in files and are in memory around their use, at most ``max_in_cpu`` elements at a time.
 
 [Note: what is swapped, and how]
 Under FSDP2's ``CPUOffloadPolicy`` each parameter's local shard is a padded CPU tensor whose storage FSDP2 reads
@@ -12,25 +12,27 @@ paths below crashes loudly instead of computing on stale values; call :meth:`Par
 (``module.state_dict()`` and ``module.load_state_dict()`` do, through hooks).
 
 [Note: when a unit is in memory]
-- Forward/backward: each FSDP2 param group's ``unshard`` is wrapped: the unit is read right before its all-gather
-  (forward, the backward re-gather and FSDP2's backward prefetch alike) and released right after
-  ``wait_for_unshard`` (the all-gather has copied the shard out). A clean unit is dropped; only a modified one is
-  written. While the unit computes, the next unit in the execution order (learned during the first step) is read
-  ahead into staging buffers.
-- Optimizer step (:func:`attach_param_step`): the optimizer steps one unit at a time: read shard, step (the user's
-  optimizer on that unit's parameters), write back; the next unit is read ahead meanwhile. Under an optimizer-state
-  swapper too (``offload_optimizer="nvme"``) this runs inside each of its sub-groups.
+- Forward/backward: each FSDP2 param group's ``unshard`` is wrapped: a unit not resident is read right before its
+  all-gather (forward, the backward re-gather and FSDP2's backward prefetch alike). While the unit computes, the
+  next unit in the execution order (learned during the first step) is read ahead into staging buffers.
+- Optimizer step (:func:`attach_param_step`): the optimizer steps one unit at a time (the user's optimizer on that
+  unit's parameters), reading it first if it is not resident; the next unit is read ahead meanwhile. Under an
+  optimizer-state swapper too (``offload_optimizer="nvme"``) this runs inside each of its sub-groups.
+- Release: a unit stays resident after its use while ``max_in_cpu`` allows (it is a residency budget, as in
+  DeepSpeed: units that fit are not read again for the backward or the step). Making room evicts a unit that no
+  all-gather or step is using: once the first step has shown one step's sequence of uses (gathers, then the step's
+  units), the unit needed again last (Belady's choice; with this cyclic order least-recently-used evicts the unit
+  needed next: 8 reads a step instead of 3 in tests/test_nvme_param_reads.py), before that the least recently
+  used. A clean unit is dropped; only a modified one (stepped, or loaded) is written.
 - ``state_dict()``/``load_state_dict()`` (checkpoint save and load): every unit is made resident and kept so until
-  the next forward, then written back (a load may have changed it). Only then may residency exceed ``max_in_cpu``.
+  the next forward (it may exceed ``max_in_cpu`` only then), marked modified (a load may change it).
 
 [Note: the bounds]
-``max_in_cpu``: parameter elements (padded shards) resident in the module at once, outside checkpoint save/load.
-A unit larger than it is refused at setup; units in an all-gather cannot be released, so if FSDP2 holds more at
-once than ``max_in_cpu`` the run stops with an error naming it. ``buffer_count`` x ``buffer_size``: the staging
-pool. Transfers go through aligned staging buffers of ``buffer_size`` 4-byte elements (``O_DIRECT`` needs aligned
-memory; FSDP2's shards are not), at most ``buffer_count`` of them alive (DeepSpeed's parameter buffer pool).
-
-Framework-free: imports only torch.
+``max_in_cpu``: parameter elements (padded shards) resident at once, outside checkpoint save/load. A unit larger
+than it is refused at setup; units in an all-gather cannot be released, so if FSDP2 holds more at once than
+``max_in_cpu`` the run stops with an error naming it. Transfers go through aligned staging buffers of
+``buffer_size`` 4-byte elements (``O_DIRECT`` needs aligned memory; FSDP2's shards are not), at most
+``buffer_count`` of them alive (DeepSpeed's parameter buffer pool). Framework-free: imports only torch.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ from lightning_zero.offload.optimizer_swapper import _remove_folder, closure_los
 _ATTR = "_lightning_zero_param_swapper"
 _STEP_ATTR = "_lightning_zero_param_step"
 _LIVE: "weakref.WeakSet[ParamSwapper]" = weakref.WeakSet()
-_WRAPPED = ("unshard", "wait_for_unshard", "lazy_init")
+_WRAPPED = ("unshard", "lazy_init")  # no release after wait_for_unshard: units stay resident within max_in_cpu
 
 
 def _param_groups(state) -> list:
@@ -78,6 +80,9 @@ class _Unit:
     resident: bool = True
     dirty: bool = True      # memory is newer than the file (or there is no file yet)
     held: int = 0
+    reads: int = 0          # times the unit was read from its file (tests and benchmarks count them per step)
+    writes: int = 0         # times it was written back
+    lost: bool = False      # a write-back failed after its memory was released: the file is stale
     pending_writes: int = 0
     prefetched: deque = field(default_factory=deque)  # (chunk number, buffer, future), chunks 0..k-1
     state: object = None    # the FSDP2 state of the unit's fully_shard call (shared by a grouped call's modules)
@@ -168,17 +173,14 @@ class ParamSwapper:
         self.peak_buffers = 0
         self.chunks_read_ahead = 0  # chunks that were read while the previous unit computed
         self._free: list[Tensor] = []
-        self._alive = 0
-        self._prefetch_buffers = 0
+        self._alive = self._prefetch_buffers = self._cursor = self._clock = 0
         self._writes: deque = deque()  # (unit, buffer, future) in issue order
         self._order: list[int] = []
-        self._recording = True
-        self._cursor = 0
-        self._hold_all = False
-        self._clock = 0
+        self._cycle: list[int] = []  # one step's unit uses in order, once learned (see _victim)
+        self._pos = 0  # the position in _cycle after the use in progress
+        self._recording, self._hold_all, self.closed = True, False, False
         self._last_use: dict[int, int] = {}
         self._restore: list = []
-        self.closed = False
         self.check_free_space()
         try:
             self._install()
@@ -241,6 +243,9 @@ class ParamSwapper:
         unit, buf, future = item
         try:
             future.result()
+        except BaseException:
+            unit.lost = True
+            raise
         finally:
             unit.pending_writes -= 1
             self._release(buf)
@@ -268,10 +273,15 @@ class ParamSwapper:
             self._writes.append((unit, buf, self.io.write(unit.path, buf[:nbytes], offset)))
             unit.pending_writes += 1
             self.bytes_written += nbytes
+        unit.writes += 1
         unit.dirty = False
 
     def _read(self, unit: _Unit) -> None:
         self._drain_writes(unit)
+        if unit.lost:  # never read the stale file in its place
+            raise SwapIOError(5, f"the parameters of unit {unit.name!r} were lost: writing them to {unit.path!r} "
+                                 "failed after their memory was released")
+        unit.reads += 1
         for storage, size in zip(unit.storages(), unit.sizes):
             storage.resize_(size)
         views = [_bytes_view(s) for s in unit.storages()]
@@ -319,20 +329,38 @@ class ParamSwapper:
         unit.resident = False
         self.resident_elements -= unit.elements
 
+    def _victim(self, candidates: list) -> _Unit:
+        """The resident unit to evict: once the step's cycle of uses is known, the one needed again last
+        (Belady's choice: with a cyclic order, least-recently-used would evict the unit needed next); before that,
+        the least recently used."""
+        cycle = self._cycle
+        if not cycle:
+            return min(candidates, key=lambda u: self._last_use.get(u.index, 0))
+
+        def distance(u: _Unit) -> int:
+            for step in range(len(cycle)):
+                if cycle[(self._pos + step) % len(cycle)] == u.index:
+                    return step
+            return len(cycle)  # not used again in a step: the best victim
+        return max(candidates, key=lambda u: (distance(u), -self._last_use.get(u.index, 0)))
+
     def _load(self, unit: _Unit) -> None:
         self._check_open()
         self._clock += 1
         self._last_use[unit.index] = self._clock
-        if unit.resident:
-            return
-        while self.resident_elements + unit.elements > self.nvme.max_in_cpu:
+        needed = 0 if unit.resident else unit.elements
+        while self.resident_elements + needed > self.nvme.max_in_cpu:
             candidates = [u for u in self.units if u is not unit and self._evictable(u)]
             if not candidates:
+                if unit.resident:  # over the budget after a checkpoint hold: trimmed at a later use
+                    break
                 busy = sum(u.elements for u in self.units if u.resident)
                 raise RuntimeError(f"max_in_cpu={self.nvme.max_in_cpu} parameter elements cannot hold the FSDP unit "
                                    f"{unit.name!r} ({unit.elements} elements) next to the {busy} elements FSDP2 "
                                    "is using at this moment (all-gathers in flight, prefetches): raise max_in_cpu")
-            self._evict(min(candidates, key=lambda u: self._last_use.get(u.index, 0)))
+            self._evict(self._victim(candidates))
+        if unit.resident:
+            return
         self._read(unit)
         unit.resident, unit.dirty = True, False
         self.resident_elements += unit.elements
@@ -349,7 +377,6 @@ class ParamSwapper:
             for group in unit.groups:
                 originals = {name: getattr(group, name) for name in _WRAPPED}
                 group.unshard = self._wrap_unshard(unit, group, originals["unshard"])
-                group.wait_for_unshard = self._wrap_wait(unit, originals["wait_for_unshard"])
                 group.lazy_init = self._wrap_lazy_init(unit, originals["lazy_init"])
                 self._restore.append(group)
         self._hooks = [self.module.register_state_dict_pre_hook(lambda *args: self.make_resident()),
@@ -362,14 +389,6 @@ class ParamSwapper:
             return original(*args, **kwargs)
         return unshard
 
-    def _wrap_wait(self, unit: _Unit, original):
-        def wait_for_unshard(*args, **kwargs):
-            result = original(*args, **kwargs)
-            if not self.closed:
-                self._evict(unit)  # the all-gather copied the shards out: release them
-            return result
-        return wait_for_unshard
-
     def _wrap_lazy_init(self, unit: _Unit, original):
         def lazy_init(*args, **kwargs):
             if not self.closed:
@@ -381,15 +400,16 @@ class ParamSwapper:
         if self.closed:
             return
         self._hold_all = False  # a new forward: checkpoint holds end, the budget applies again
+        position = None
+        if not self._recording and self._order:
+            position = self._find(unit.index)
+            if position is not None:
+                self._cursor = self._pos = position + 1
         self._load(unit)
         if self._recording:
             self._order.append(unit.index)
-        elif self._order:
-            position = self._find(unit.index)
-            if position is not None:
-                self._cursor = position + 1
-                if self._cursor < len(self._order):
-                    self._prefetch(self.units[self._order[self._cursor]])
+        elif position is not None and self._cursor < len(self._order):
+            self._prefetch(self.units[self._order[self._cursor]])
 
     def _find(self, index: int) -> Optional[int]:
         order, start = self._order, self._cursor
@@ -412,10 +432,15 @@ class ParamSwapper:
                 unit = self._unit_of.get(id(param))
                 plan.setdefault(None if unit is None else unit.index, set()).add(id(param))
         keys = sorted(plan, key=lambda k: -1 if k is None else k)
+        stepped = [k for k in keys if k is not None]
+        if not self._recording:
+            # one step's uses, in order: forward and backward gathers, then this step (for _victim)
+            self._cycle = self._order + stepped
         try:
             for position, key in enumerate(keys):
                 unit = None if key is None else self.units[key]
                 if unit is not None:
+                    self._pos = len(self._order) + stepped.index(key) + 1
                     self._load(unit)
                     unit.held += 1
                     following = keys[position + 1] if position + 1 < len(keys) else None
@@ -431,9 +456,7 @@ class ParamSwapper:
                         g["params"] = params
                     if unit is not None:
                         unit.held -= 1
-                        unit.dirty = True
-                if unit is not None:
-                    self._evict(unit)
+                        unit.dirty = True  # stays resident (max_in_cpu), written back only when evicted
             self._drain_writes()
         finally:
             for g, params in zip(optimizer.param_groups, saved):
