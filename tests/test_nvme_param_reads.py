@@ -7,7 +7,7 @@ import torch
 
 from lightning_zero.offload.param_swapper import get_param_swapper
 from tests.distributed import run_distributed
-from tests.test_nvme_params import _Wide
+from tests.test_nvme_params import cpu_and_nvme_models
 
 STEPS = 4
 
@@ -15,9 +15,6 @@ STEPS = 4
 def _reads_worker(rank, world_size, root, budget):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_zero.config import ZeroConfig
-    from lightning_zero.distributed.optimizer import shard_optimizer
-    from lightning_zero.distributed.zero import apply_zero
     from lightning_zero.offload.config import NvmeConfig
     from lightning_zero.offload.param_swapper import detach_param_swapper
 
@@ -26,14 +23,7 @@ def _reads_worker(rank, world_size, root, budget):
     # blocks but not the third, "all" every unit
     max_in_cpu = {"all": 10_000, "tight": 2 * 2352 + 98}[budget]
     nvme = NvmeConfig(root, max_in_cpu=max_in_cpu, buffer_size=512, buffer_count=3)
-    models, optimizers = {}, {}
-    for label, config in (("cpu", ZeroConfig(stage=3, offload="cpu", unit_bytes=0)),
-                          ("nvme", ZeroConfig(stage=3, offload_optimizer="cpu", offload_params="nvme", nvme=nvme,
-                                              unit_bytes=0))):
-        torch.manual_seed(0)
-        models[label] = apply_zero(_Wide(), mesh, config)
-        optimizers[label] = torch.optim.AdamW(models[label].parameters(), lr=1e-2, weight_decay=0.1)
-        shard_optimizer(optimizers[label], config)
+    models, optimizers = cpu_and_nvme_models(mesh, nvme)
     swapper = get_param_swapper(models["nvme"])
     assert len(swapper.units) == 4
     gen = torch.Generator().manual_seed(rank)

@@ -260,13 +260,30 @@ class _Wide(torch.nn.Module):
         return self.head(x)
 
 
+def cpu_and_nvme_models(mesh, nvme):
+    """The same ``_Wide`` (seed 0) at stage 3, one unit per block, with CPU offload and with NVMe parameter swapping;
+    AdamW over each. Returns ``({"cpu": model, "nvme": model}, {"cpu": optimizer, "nvme": optimizer})``."""
+    from lightning_zero.config import ZeroConfig
+    from lightning_zero.distributed.optimizer import shard_optimizer
+    from lightning_zero.distributed.zero import apply_zero
+
+    models, optimizers = {}, {}
+    for label, config in (("cpu", ZeroConfig(stage=3, offload="cpu", unit_bytes=0)),
+                          ("nvme", ZeroConfig(stage=3, offload_optimizer="cpu", offload_params="nvme", nvme=nvme,
+                                              unit_bytes=0))):
+        torch.manual_seed(0)
+        models[label] = apply_zero(_Wide(), mesh, config)
+        optimizers[label] = torch.optim.AdamW(models[label].parameters(), lr=1e-2, weight_decay=0.1)
+        shard_optimizer(optimizers[label], config)
+    return models, optimizers
+
+
 def _core_worker(rank, world_size, root):
     import shutil
 
     from torch.distributed.device_mesh import init_device_mesh
 
     from lightning_zero.config import ZeroConfig
-    from lightning_zero.distributed.optimizer import shard_optimizer
     from lightning_zero.distributed.zero import apply_zero
     from lightning_zero.offload.aio import SwapIOError
     from lightning_zero.offload.config import NvmeConfig
@@ -276,14 +293,7 @@ def _core_worker(rank, world_size, root):
     # 48x48+48 elements per block, 1176 per rank at 2 ranks: buffer_size=256 (1 KiB, aligned to 4 KiB pieces) -> 2
     # pieces per block. One unit per block (unit_bytes=0): max_in_cpu holds two blocks but not all three.
     nvme = NvmeConfig(root, max_in_cpu=2600, buffer_size=512, buffer_count=3)
-    models, optimizers = {}, {}
-    for label, config in (("cpu", ZeroConfig(stage=3, offload="cpu", unit_bytes=0)),
-                          ("nvme", ZeroConfig(stage=3, offload_optimizer="cpu", offload_params="nvme", nvme=nvme,
-                                              unit_bytes=0))):
-        torch.manual_seed(0)
-        models[label] = apply_zero(_Wide(), mesh, config)
-        optimizers[label] = torch.optim.AdamW(models[label].parameters(), lr=1e-2, weight_decay=0.1)
-        shard_optimizer(optimizers[label], config)
+    models, optimizers = cpu_and_nvme_models(mesh, nvme)
     swapper = get_param_swapper(models["nvme"])
     assert all(len(u.chunks) > 1 for u in swapper.units if u.name.startswith("blocks")), "units must be chunked"
     gen = torch.Generator().manual_seed(rank)

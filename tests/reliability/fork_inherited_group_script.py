@@ -3,29 +3,11 @@ group in an unreachable cycle (as an earlier fit can), then ``ZeroStrategy(start
 whose training step runs the garbage collector. Prints "ranks finished" when both ranks are done."""
 
 import gc
-import os
 import sys
 
 import torch
-import torch.distributed as dist
 
-from tests.distributed import free_port
-
-
-class _Holder:
-    pass
-
-
-def _leave_an_unreachable_group() -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    holder = _Holder()
-    holder.group, holder.cycle = dist.new_group(backend="gloo"), holder
-    dist.all_reduce(torch.ones(1), group=holder.group)
-    del holder
-    dist.destroy_process_group()
-    for name in ("MASTER_ADDR", "MASTER_PORT"):
-        del os.environ[name]
+from tests.reliability.inherited_group_script import leave_an_unreachable_gloo_group
 
 
 def _trainer() -> None:
@@ -64,7 +46,7 @@ def _fabric() -> None:
 
 
 if __name__ == "__main__":
-    _leave_an_unreachable_group()
+    leave_an_unreachable_gloo_group()
     gc.disable()  # keep the cycle alive until the fork, as a busy process does by chance
     {"trainer": _trainer, "fabric": _fabric}[sys.argv[1]]()
     print("ranks finished")

@@ -19,7 +19,9 @@ def _collect(rank, world_size):
     gc.collect()  # DCP's object collectives, or any allocation, can trigger this inside a rank
 
 
-def main() -> None:
+def leave_an_unreachable_gloo_group() -> None:
+    """A gloo group in a reference cycle nothing else reaches (what an earlier test or fit can leave); the default
+    group and ``MASTER_ADDR``/``MASTER_PORT`` are gone again afterwards."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     holder = _Holder()
@@ -27,6 +29,12 @@ def main() -> None:
     dist.all_reduce(torch.ones(1), group=holder.group)
     del holder
     dist.destroy_process_group()
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        del os.environ[name]
+
+
+def main() -> None:
+    leave_an_unreachable_gloo_group()
     gc.disable()  # keep the cycle alive until the fork, as a busy test process does by chance
     run_distributed(_collect, 2)
     print("ranks finished")
