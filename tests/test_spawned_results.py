@@ -6,10 +6,14 @@ import torch
 from lightning.pytorch import Trainer, seed_everything
 
 from lightning_zero import ZeroStrategy
+from tests.distributed import free_port
 from tests.lightning_models import RegressionModule
 
 
-def _fit_in_started_ranks(stage, start_method="fork"):
+def _fit_in_started_ranks(monkeypatch, stage, start_method="fork"):
+    # A fresh rendezvous port per fit: Lightning's launcher reuses MASTER_PORT from the environment, and in one CI run
+    # the ranks of a later fit read gloo addresses that were no longer listening (connectFullMesh refused).
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     seed_everything(0)
     model = RegressionModule()
     trainer = Trainer(accelerator="cpu", devices=2, strategy=ZeroStrategy(stage=stage, start_method=start_method),
@@ -21,12 +25,12 @@ def _fit_in_started_ranks(stage, start_method="fork"):
 
 
 @pytest.mark.slow  # four 2-rank fits, one of them in spawned interpreters
-def test_launching_process_gets_the_full_trained_weights_at_every_stage():
-    before, reference = _fit_in_started_ranks(0)  # DDP: Lightning's own transfer of full tensors
+def test_launching_process_gets_the_full_trained_weights_at_every_stage(monkeypatch):
+    before, reference = _fit_in_started_ranks(monkeypatch, 0)  # DDP: Lightning's own transfer of full tensors
     assert any(not torch.equal(before[k], v) for k, v in reference.items()), "the DDP fit did not train"
     # spawn pickles the launcher into each rank: ZeroStrategy(start_method="spawn") failed there before any rank ran
     for stage, start_method in ((2, "fork"), (3, "fork"), (2, "spawn")):
-        _, got = _fit_in_started_ranks(stage, start_method)
+        _, got = _fit_in_started_ranks(monkeypatch, stage, start_method)
         assert got.keys() == reference.keys(), stage
         for key, value in reference.items():
             assert type(got[key]) is torch.Tensor and got[key].shape == value.shape, (stage, start_method, key)
