@@ -46,6 +46,17 @@ def _is_dtensor(tensor) -> bool:
     return isinstance(tensor, DTensor)
 
 
+def wrap_like(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``local`` as the local shard of a DTensor with ``like``'s mesh, placements, global shape and stride (FSDP2's
+    uneven last shard included); ``local`` itself when ``like`` is a plain tensor."""
+    if not _is_dtensor(like):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                              stride=like.stride())
+
+
 def can_step_locally(optimizer: torch.optim.Optimizer) -> bool:
     """Whether :func:`use_local_step` applies: an exact Adam/AdamW/SGD whose parameters are all DTensors and whose
     groups are not ``differentiable``."""
@@ -150,8 +161,6 @@ def _swap_in(optimizer, per_element) -> Optional[_Swap]:
 def _swap_out(optimizer, swap: _Swap, per_element) -> None:
     """Put the DTensor parameters back and carry the states over: a state that is still the local tensor of the
     DTensor it came from keeps that DTensor; a new one is wrapped like its parameter."""
-    from torch.distributed.tensor import DTensor
-
     local_state = optimizer.state
     optimizer.state = swap.state
     for group, params, group_locals in zip(optimizer.param_groups, swap.params, swap.locals):
@@ -166,10 +175,7 @@ def _swap_out(optimizer, swap: _Swap, per_element) -> None:
             for key, value in new.items():
                 previous = old.get(key)
                 if key in per_element and isinstance(value, torch.Tensor) and not _is_dtensor(value):
-                    if _is_dtensor(previous) and previous._local_tensor is value:
-                        value = previous
-                    else:
-                        value = DTensor.from_local(value, param.device_mesh, param.placements, run_check=False,
-                                                   shape=param.shape, stride=param.stride())
+                    kept = _is_dtensor(previous) and previous._local_tensor is value
+                    value = previous if kept else wrap_like(value, param)
                 merged[key] = value
             swap.state[param].update(merged)  # the same dict object: nothing holding it goes stale

@@ -41,7 +41,7 @@ from torch import Tensor
 
 from lightning_zero.config import ZeroConfig
 from lightning_zero.diagnostics.timing import collective_timer
-from lightning_zero.distributed.local_step import restore_step, use_local_step
+from lightning_zero.distributed.local_step import restore_step, use_local_step, wrap_like
 from lightning_zero.offload.optimizer_swapper import OptimizerStateSwapper, attach_swapper, detach_swapper
 from lightning_zero.offload.param_swapper import attach_param_step, detach_param_step, find_param_swapper
 
@@ -249,26 +249,14 @@ def _cpu_like(tensor: Tensor, pin: bool) -> Tensor:
     DTensor with the same mesh, placements and global shape when ``tensor`` is one (FSDP2's uneven last shard
     included)."""
     local = _local(tensor)
-    buffer = torch.empty(local.shape, dtype=torch.promote_types(local.dtype, torch.float32), device="cpu",
-                         pin_memory=pin)
-    if local is tensor:
-        return buffer
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(buffer, tensor.device_mesh, tensor.placements, run_check=False, shape=tensor.shape,
-                              stride=tensor.stride())
+    return wrap_like(torch.empty(local.shape, dtype=torch.promote_types(local.dtype, torch.float32), device="cpu",
+                                 pin_memory=pin), tensor)
 
 
 def _empty_master(param: Tensor) -> Tensor:
     """A placeholder fp32 master for ``param`` that holds no memory (an empty local tensor; a DTensor with
     ``param``'s mesh, placements and global shape when ``param`` is one): the NVMe swapper fills it."""
-    empty = torch.empty(0, dtype=torch.float32, device="cpu")
-    if _local(param) is param:
-        return empty
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(empty, param.device_mesh, param.placements, run_check=False, shape=param.shape,
-                              stride=param.stride())
+    return wrap_like(torch.empty(0, dtype=torch.float32, device="cpu"), param)
 
 
 def broadcast_from_owners(sharding: OptimizerSharding, bucket_bytes: int = BROADCAST_BUCKET_BYTES) -> None:

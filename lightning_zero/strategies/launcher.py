@@ -23,19 +23,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from torch.distributed.tensor import DTensor
 
 from lightning_zero.fabric.fork_safety import collect_before_fork, freeze_inherited
 from lightning_zero.fabric.validation import check_ckpt_path
 from lightning_zero.offload.param_swapper import resident_parameters
-
-
-def _full_state_dict(module: torch.nn.Module) -> dict[str, Any]:
-    resident_parameters(module)
-    return {name: value.full_tensor().cpu() if isinstance(value, DTensor) else value
-            for name, value in module.state_dict().items()}
 
 
 class ZeroMultiProcessingLauncher(_MultiProcessingLauncher):
@@ -52,9 +45,13 @@ class ZeroMultiProcessingLauncher(_MultiProcessingLauncher):
 
     def _collect_rank_zero_results(self, trainer, results):
         module = trainer.lightning_module
-        if not any(isinstance(value, DTensor) for value in module.state_dict().values()):
+        resident_parameters(module)
+        state = module.state_dict()
+        if not any(isinstance(value, DTensor) for value in state.values()):
             return super()._collect_rank_zero_results(trainer, results)
-        full = _full_state_dict(module)  # collective: _collect_rank_zero_results runs in every rank
+        # collective, in state-dict order: _collect_rank_zero_results runs in every rank
+        full = {name: value.full_tensor().cpu() if isinstance(value, DTensor) else value
+                for name, value in state.items()}
         module.state_dict = lambda *args, **kwargs: full  # what Lightning's collection reads, for this call only
         try:
             return super()._collect_rank_zero_results(trainer, results)
