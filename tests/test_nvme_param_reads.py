@@ -7,7 +7,7 @@ import torch
 
 from lightning_zero.offload.param_swapper import get_param_swapper
 from tests.distributed import run_distributed
-from tests.test_nvme_params import cpu_and_nvme_models
+from tests.test_nvme_params import cpu_and_nvme_models, step_both
 
 STEPS = 4
 
@@ -31,11 +31,7 @@ def _reads_worker(rank, world_size, root, budget):
     for _ in range(STEPS):
         before = [(u.reads, u.writes) for u in swapper.units]
         x = torch.randn(8, 48, generator=gen)
-        for label in ("cpu", "nvme"):
-            models[label](x).square().mean().backward()
-            torch.nn.utils.clip_grad_norm_(models[label].parameters(), 0.01)
-            optimizers[label].step()
-            optimizers[label].zero_grad()
+        step_both(models, optimizers, x)
         per_step.append([(u.reads - r, u.writes - w) for u, (r, w) in zip(swapper.units, before)])
         assert swapper.peak_resident_elements <= max_in_cpu
     steady = per_step[1:]  # the first step learns the execution order

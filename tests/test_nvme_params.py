@@ -13,7 +13,7 @@ from lightning_zero.offload.aio import align_up
 from lightning_zero.offload.optimizer_swapper import get_swapper
 from lightning_zero.offload.param_swapper import get_param_swapper
 from tests.distributed import run_distributed
-from tests.lightning_models import WIDTH, RegressionModule, full_state, quiet_trainer, reference_weights
+from tests.lightning_models import RegressionModule, full_state, quiet_trainer, reference_weights
 
 BATCH = 4
 STEPS = 4
@@ -278,6 +278,15 @@ def cpu_and_nvme_models(mesh, nvme):
     return models, optimizers
 
 
+def step_both(models, optimizers, x):
+    """One training step of each model of :func:`cpu_and_nvme_models` on ``x``, gradients clipped to 0.01."""
+    for label in ("cpu", "nvme"):
+        models[label](x).square().mean().backward()
+        torch.nn.utils.clip_grad_norm_(models[label].parameters(), 0.01)
+        optimizers[label].step()
+        optimizers[label].zero_grad()
+
+
 def _core_worker(rank, world_size, root):
     import shutil
 
@@ -299,11 +308,7 @@ def _core_worker(rank, world_size, root):
     gen = torch.Generator().manual_seed(rank)
     for _ in range(3):
         x = torch.randn(8, 48, generator=gen)
-        for label in ("cpu", "nvme"):
-            models[label](x).square().mean().backward()
-            torch.nn.utils.clip_grad_norm_(models[label].parameters(), 0.01)
-            optimizers[label].step()
-            optimizers[label].zero_grad()
+        step_both(models, optimizers, x)
         assert swapper.resident_elements <= 2600 and swapper.peak_resident_elements <= 2600
     assert swapper.chunks_read_ahead > 0
     # state_dict() makes the shards readable (a save); load_state_dict() writes through to the files (a load)
