@@ -117,6 +117,25 @@ def loss(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch
     return F.cross_entropy(out.float().reshape(-1, out.size(-1)), y.reshape(-1))
 
 
+def lightning_module(name: str, args):
+    """A LightningModule class training model ``name`` (built in ``__init__``) with AdamW, lr 1e-4: the module every
+    benchmark worker times (subclass it to add ``configure_model``)."""
+    import lightning.pytorch as pl
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = build(name, args)
+
+        def training_step(self, batch, batch_idx):
+            return loss(name, self.net, *batch)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    return Module
+
+
 def describe(name: str, args) -> str:
     """One line: the model, its shape and parameter count."""
     s = shape(name, args)

@@ -83,14 +83,7 @@ def run_lightning(rank, world, args, job, out):
     flag, low_dtype = PRECISIONS[job["precision"]]
     strategy_name, _, option = kind.partition(":")
 
-    class Module(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = models.build(name, args)
-
-        def training_step(self, batch, batch_idx):
-            return models.loss(name, self.net, *batch)
-
+    class Module(models.lightning_module(name, args)):
         def configure_model(self):
             if strategy_name != "modelparallel":
                 return
@@ -103,9 +96,6 @@ def run_lightning(rank, world, args, job, out):
             for unit in models.units(name, self.net):
                 fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
             fully_shard(self.net, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
     profiler = _StepProfiler(args, rank, job)
 

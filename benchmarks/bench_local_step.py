@@ -44,16 +44,7 @@ def _worker(rank, world, port, job, out) -> None:
     args = argparse.Namespace(quick=False, width=None, depth=None, batch=8, warmup=job["warmup"], steps=job["steps"])
     name, times, cpu = job["model"], [], []
 
-    class Module(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = models.build(name, args)
-
-        def training_step(self, batch, batch_idx):
-            return models.loss(name, self.net, *batch)
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+    Module = models.lightning_module(name, args)
 
     class Timer(pl.Callback):
         def on_train_batch_start(self, *a):
