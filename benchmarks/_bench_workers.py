@@ -3,7 +3,8 @@
 A job is ``{"model", "precision", "kind"}`` (plus optional ``"options"``: extra ``ZeroStrategy`` keyword
 arguments, for side-by-side comparisons of one option); ``kind`` is ``zero:<stage>[+cpu]`` (ZeroStrategy),
 ``deepspeed:<stage>[+cpu]``, ``ddp``, ``modelparallel:<2|3>`` (Lightning's FSDP2 strategy; 2 keeps the gathered
-parameters after forward, 3 reshards them) or ``fsdp:<sharding strategy>`` (Lightning's FSDP1 strategy, opt-in).
+parameters after forward, 3 reshards them), ``fsdp:<sharding strategy>`` (Lightning's FSDP1 strategy, opt-in) or
+``floor:<stage>`` (no strategy: the computation any data-parallel step at that stage must do, see ``run_floor``).
 
 Each rank reports the median wall time of a full training step (forward, backward, optimizer step) after warm-up,
 and the growth of its peak memory (``VmHWM`` reset after imports on CPU; the CUDA allocator's peak on GPU).
@@ -144,6 +145,38 @@ def deepspeed_config(args, job) -> dict:
     return config
 
 
+def run_floor(rank, world, args, job, out):
+    """The compute floor of a cell: each rank runs forward and backward on its own micro-batch and AdamW on its
+    share of the parameters (all of them at stage 0, about ``1/world`` of the elements at stages 1-3), in a plain
+    torch loop with no collective and no framework. Any data-parallel step at that stage does at least this work on
+    the same cores, so ``peer step / floor step`` bounds what any implementation can gain over the peer: a step-time
+    target below ``floor / peer`` cannot be met by anyone. Under ``bf16`` the forward runs under CPU autocast, the
+    precision ZeroStrategy's ``bf16-mixed`` computes in."""
+    baseline = _reset_peak()
+    name, stage = job["model"], job["kind"].partition(":")[2].partition("+")[0]
+    model = models.build(name, args)
+    params = list(model.parameters())
+    if stage != "0":  # a greedy split by elements: this rank's share of the optimizer step
+        loads, owner = [0] * world, []
+        for p in sorted(params, key=lambda p: -p.numel()):
+            k = loads.index(min(loads))
+            loads[k] += p.numel()
+            owner.append((p, k))
+        params = [p for p, k in owner if k == rank]
+    optimizer = torch.optim.AdamW(params, lr=1e-4)
+    low_dtype = PRECISIONS[job["precision"]][1]
+    times = []
+    for x, y in models.batches(name, args, rank):
+        start = time.perf_counter()
+        with torch.autocast("cpu", dtype=low_dtype or torch.bfloat16, enabled=low_dtype is not None):
+            value = models.loss(name, model, x, y)
+        value.backward()
+        optimizer.step()
+        model.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - start)
+    _write(out, rank, times[args.warmup:], _peak(baseline))
+
+
 def run_deepspeed(rank, world, args, job, out):
     import deepspeed
 
@@ -220,7 +253,8 @@ def _entry(rank, world, port, args, job, out):
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     if args.device == "cuda":
         torch.cuda.set_device(rank)
-    (run_deepspeed if job["kind"].startswith("deepspeed") else run_lightning)(rank, world, args, job, out)
+    runner = {"deepspeed": run_deepspeed, "floor": run_floor}.get(job["kind"].partition(":")[0], run_lightning)
+    runner(rank, world, args, job, out)
 
 
 def measure(job: dict, args) -> tuple[float, int]:

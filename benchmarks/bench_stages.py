@@ -49,9 +49,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _bench_models as models  # noqa: E402
 
 STAGES = ("0", "1", "2", "3", "1+cpu", "2+cpu", "3+cpu")
-PEERS = ("deepspeed", "ddp", "modelparallel", "fsdp")
+PEERS = ("deepspeed", "ddp", "modelparallel", "fsdp", "floor")
 LABELS = {"deepspeed": "DeepSpeed", "ddp": "Lightning DDP", "modelparallel": "Lightning ModelParallel (FSDP2)",
-          "fsdp": "Lightning FSDP (FSDP1)"}
+          "fsdp": "Lightning FSDP (FSDP1)", "floor": "compute floor (no collectives)"}
 DEFAULT_PLOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "docs", "img", "bench_stages.png")
 
 
@@ -68,6 +68,8 @@ def peer_kinds(stage: str, peers) -> list[tuple[str, str]]:
             out.append((peer, f"modelparallel:{stage}"))
         elif peer == "fsdp" and stage in ("2", "3"):
             out.append((peer, "fsdp:" + ("SHARD_GRAD_OP" if stage == "2" else "FULL_SHARD")))
+        elif peer == "floor":
+            out.append((peer, f"floor:{stage}"))
     return out
 
 
@@ -167,7 +169,8 @@ def plot(rows: list[dict], path: str) -> bool:
         return False
     labels = [f"{r['model']} {r['precision']} stage {r['stage']}\nvs {LABELS[r['peer']].replace('Lightning ', 'L. ')}"
               for r in rows]
-    colors = {"deepspeed": "tab:blue", "ddp": "tab:orange", "modelparallel": "tab:green", "fsdp": "tab:gray"}
+    colors = {"deepspeed": "tab:blue", "ddp": "tab:orange", "modelparallel": "tab:green", "fsdp": "tab:gray",
+              "floor": "tab:purple"}
     fig, axes = plt.subplots(2, 1, figsize=(max(8.0, 0.55 * len(rows)), 8), sharex=True)
     for ax, key, title in ((axes[0], "time_ratio", "step time, ours / peer"),
                            (axes[1], "mem_ratio", "peak RSS per rank, ours / peer")):
@@ -197,7 +200,8 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--stages", nargs="+", default=["0", "1", "2", "3", "2+cpu", "3+cpu"], choices=STAGES,
                         help="ZeRO configurations (default: 0 1 2 3 2+cpu 3+cpu)")
     parser.add_argument("--peers", nargs="+", default=["deepspeed", "ddp", "modelparallel"], choices=PEERS,
-                        help="peers to compare with (default: deepspeed ddp modelparallel; fsdp is opt-in)")
+                        help="peers to compare with (default: deepspeed ddp modelparallel; fsdp and floor are opt-in; "
+                             "floor: the computation alone, no collectives, see _bench_workers.run_floor)")
     parser.add_argument("--no-deepspeed", action="store_true", help="drop the DeepSpeed peer")
     parser.add_argument("--no-lightning", action="store_true", help="drop Lightning's strategies as peers")
     parser.add_argument("--repeat", type=int, default=None, help="alternated runs per cell (default 3; quick: 1)")
