@@ -25,7 +25,9 @@ import torch.multiprocessing as mp
 
 import _bench_models as models
 
-PRECISIONS = {"fp32": ("32-true", None), "bf16": ("bf16-mixed", torch.bfloat16)}
+# bf16t: ZeroStrategy's "bf16-true", whose stages 2-3 compute every op in bf16 over fp32 sharded masters: the numerics
+# of DeepSpeed's bf16 engine (bf16.enabled), which both bf16 columns run on the DeepSpeed side.
+PRECISIONS = {"fp32": ("32-true", None), "bf16": ("bf16-mixed", torch.bfloat16), "bf16t": ("bf16-true", torch.bfloat16)}
 
 
 # Imported by every worker before its memory baseline. DeepSpeed's initialize imports torch._dynamo, torch._inductor
@@ -140,7 +142,7 @@ def deepspeed_config(args, job) -> dict:
     config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
               "zero_optimization": zero, "zero_force_ds_cpu_optimizer": False, "steps_per_print": 10 ** 9}
-    if job["precision"] == "bf16":
+    if job["precision"] in ("bf16", "bf16t"):
         config["bf16"] = {"enabled": True}  # bf16 weights and compute, fp32 masters in the optimizer
     return config
 
@@ -148,31 +150,50 @@ def deepspeed_config(args, job) -> dict:
 def run_floor(rank, world, args, job, out):
     """The compute floor of a cell: each rank runs forward and backward on its own micro-batch and AdamW on its
     share of the parameters (all of them at stage 0, about ``1/world`` of the elements at stages 1-3), in a plain
-    torch loop with no collective and no framework. Any data-parallel step at that stage does at least this work on
-    the same cores, so ``peer step / floor step`` bounds what any implementation can gain over the peer: a step-time
-    target below ``floor / peer`` cannot be met by anyone. Under ``bf16`` the forward runs under CPU autocast, the
-    precision ZeroStrategy's ``bf16-mixed`` computes in."""
+    torch loop with no collective and no framework. Any data-parallel step at that stage, in that precision, does at
+    least this work on the same cores, so ``floor step / peer step`` is the lowest ratio to the peer that any
+    implementation can reach: a step-time target below it cannot be met by anyone.
+
+    Precision as ZeroStrategy computes (``fabric/precision_policy.py``): at stages 0-1 both bf16 flags run the fp32
+    model under CPU autocast; at stages 2-3 the fp32 masters are cast once per step into a bf16 compute copy (FSDP2's
+    ``param_dtype`` cast, done before its all-gather), which runs under autocast for ``bf16`` (``bf16-mixed``) and
+    without it for ``bf16t`` (``bf16-true``), and the bf16 gradients are cast to fp32 for the master step."""
+    import copy
+
     baseline = _reset_peak()
     name, stage = job["model"], job["kind"].partition(":")[2].partition("+")[0]
     model = models.build(name, args)
-    params = list(model.parameters())
-    if stage != "0":  # a greedy split by elements: this rank's share of the optimizer step
-        loads, owner = [0] * world, []
-        for p in sorted(params, key=lambda p: -p.numel()):
-            k = loads.index(min(loads))
-            loads[k] += p.numel()
-            owner.append((p, k))
-        params = [p for p, k in owner if k == rank]
-    optimizer = torch.optim.AdamW(params, lr=1e-4)
     low_dtype = PRECISIONS[job["precision"]][1]
+    compute = model
+    if low_dtype is not None and stage in ("2", "3"):
+        compute = copy.deepcopy(model).to(low_dtype)
+    pairs = list(zip(model.parameters(), compute.parameters()))
+    if stage != "0":  # a greedy split by elements: this rank's share of the optimizer step
+        loads, owned = [0] * world, []
+        for master, low in sorted(pairs, key=lambda pair: -pair[0].numel()):
+            k = loads.index(min(loads))
+            loads[k] += master.numel()
+            if k == rank:
+                owned.append((master, low))
+        pairs = owned
+    optimizer = torch.optim.AdamW([master for master, _ in pairs], lr=1e-4)
+    autocast = low_dtype is not None and (job["precision"] == "bf16" or compute is model)
     times = []
     for x, y in models.batches(name, args, rank):
         start = time.perf_counter()
-        with torch.autocast("cpu", dtype=low_dtype or torch.bfloat16, enabled=low_dtype is not None):
-            value = models.loss(name, model, x, y)
+        if compute is not model:
+            with torch.no_grad():
+                for master, low in zip(model.parameters(), compute.parameters()):
+                    low.copy_(master)
+        with torch.autocast("cpu", dtype=low_dtype or torch.bfloat16, enabled=autocast):
+            value = models.loss(name, compute, x, y)
         value.backward()
+        if compute is not model:
+            for master, low in pairs:
+                master.grad = low.grad.float()
         optimizer.step()
         model.zero_grad(set_to_none=True)
+        compute.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
     _write(out, rank, times[args.warmup:], _peak(baseline))
 

@@ -8,10 +8,14 @@
     python benchmarks/bench_stages.py --device cuda --nproc 1          # on a GPU
 
 Cells are model (``gpt``: examples/gpt.py's GPT; ``mlp``: flat Linear+GELU; ``llama``: a tiny Hugging Face Llama,
-see ``_bench_models.py``) x precision (``fp32``: ``precision="32-true"``; ``bf16``: ``"bf16-mixed"``, DeepSpeed's
-``bf16.enabled``) x ZeRO configuration (stage 0-3, ``2+cpu``/``3+cpu`` offload). Each cell runs ZeroStrategy and its
+see ``_bench_models.py``) x precision (``fp32``: ``precision="32-true"``; ``bf16``: ``"bf16-mixed"``; opt-in ``bf16t``:
+``"bf16-true"``; DeepSpeed runs ``bf16.enabled`` for both bf16 columns, whose all-bf16 forward over fp32 masters is what
+our ``bf16-true`` computes at stages 2-3) x ZeRO configuration (stage 0-3, ``2+cpu``/``3+cpu`` offload). Each cell runs ZeroStrategy and its
 peers: DeepSpeed at the same stage/precision/offload, Lightning's DDPStrategy for stage 0 and Lightning's
-ModelParallelStrategy (FSDP2, the blocks sharded by hand, bf16 compute copies under bf16) for stages 2 and 3.
+ModelParallelStrategy (FSDP2, the blocks sharded by hand, bf16 compute copies under bf16) for stages 2 and 3, and,
+opt-in, the compute floor (``--peers floor``: the same computation with no collectives and no framework, see
+``_bench_workers.run_floor``): ``floor / peer`` is the lowest step-time ratio to that peer any implementation can
+reach.
 
 Method. Every configuration runs in fresh spawned processes with the same model, seed, batches and optimizer (AdamW).
 Time is the median wall time of a full training step (forward, backward, optimizer step) after warm-up; memory is
@@ -142,12 +146,12 @@ def render(cells: list[dict], out=sys.stdout) -> list[dict]:
               f"{_value(r['ours_mib'], '.0f')} | {_value(r['theirs_mib'], '.0f')} |", file=out)
     # bf16 against fp32 for ZeroStrategy itself: medians of separate cells (not paired runs), so read it loosely.
     ours = {(c["model"], c["precision"], c["stage"]): _stats([a[0] for a in c["runs"]["ours"] if a]) for c in cells}
-    pairs = [(m, s, ours[(m, "bf16", s)], ours.get((m, "fp32", s))) for m, p, s in ours if p == "bf16"]
-    pairs = [(m, s, b[0] / f[0]) for m, s, b, f in pairs if b and f]
+    pairs = [(m, p, s, ours[(m, p, s)], ours.get((m, "fp32", s))) for m, p, s in ours if p != "fp32"]
+    pairs = [(m, p, s, b[0] / f[0]) for m, p, s, b, f in pairs if b and f]
     if pairs:
         print("\n| ZeroStrategy bf16 / fp32 step time (medians of separate cells) | ratio |\n|---|---|", file=out)
-        for model, stage, ratio in pairs:
-            print(f"| {model} stage {stage} | {ratio:.2f} |", file=out)
+        for model, precision, stage, ratio in pairs:
+            print(f"| {model} {precision} stage {stage} | {ratio:.2f} |", file=out)
     return rows
 
 
@@ -196,7 +200,9 @@ def parse(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", nargs="+", default=["all"], choices=[*models.MODELS, "all"],
                         help="models to run (default: all)")
-    parser.add_argument("--precision", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    parser.add_argument("--precision", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16", "bf16t"],
+                        help="fp32: 32-true; bf16: bf16-mixed; bf16t: bf16-true (opt-in), at stages 2-3 the "
+                             "numerics of DeepSpeed's bf16 engine (every op in bf16, fp32 masters)")
     parser.add_argument("--stages", nargs="+", default=["0", "1", "2", "3", "2+cpu", "3+cpu"], choices=STAGES,
                         help="ZeRO configurations (default: 0 1 2 3 2+cpu 3+cpu)")
     parser.add_argument("--peers", nargs="+", default=["deepspeed", "ddp", "modelparallel"], choices=PEERS,
