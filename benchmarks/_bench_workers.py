@@ -147,6 +147,16 @@ def deepspeed_config(args, job) -> dict:
     return config
 
 
+def floor_owners(sizes: list[int], world: int) -> list[int]:
+    """The rank that steps each parameter in the compute floor at stages 1-3: largest first onto the least loaded
+    rank, so every rank steps about ``1/world`` of the elements (what ZeRO's partitioning gives each rank)."""
+    loads, owners = [0] * world, [0] * len(sizes)
+    for index in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        owners[index] = loads.index(min(loads))
+        loads[owners[index]] += sizes[index]
+    return owners
+
+
 def run_floor(rank, world, args, job, out):
     """The compute floor of a cell: each rank runs forward and backward on its own micro-batch and AdamW on its
     share of the parameters (all of them at stage 0, about ``1/world`` of the elements at stages 1-3), in a plain
@@ -168,14 +178,9 @@ def run_floor(rank, world, args, job, out):
     if low_dtype is not None and stage in ("2", "3"):
         compute = copy.deepcopy(model).to(low_dtype)
     pairs = list(zip(model.parameters(), compute.parameters()))
-    if stage != "0":  # a greedy split by elements: this rank's share of the optimizer step
-        loads, owned = [0] * world, []
-        for master, low in sorted(pairs, key=lambda pair: -pair[0].numel()):
-            k = loads.index(min(loads))
-            loads[k] += master.numel()
-            if k == rank:
-                owned.append((master, low))
-        pairs = owned
+    if stage != "0":  # this rank's share of the optimizer step
+        owners = floor_owners([master.numel() for master, _ in pairs], world)
+        pairs = [pair for pair, owner in zip(pairs, owners) if owner == rank]
     optimizer = torch.optim.AdamW([master for master, _ in pairs], lr=1e-4)
     autocast = low_dtype is not None and (job["precision"] == "bf16" or compute is model)
     times = []

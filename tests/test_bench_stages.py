@@ -27,6 +27,24 @@ def test_peers_per_stage():
     assert bench.peer_kinds("2", peers) == [("deepspeed", "deepspeed:2"), ("modelparallel", "modelparallel:2")]
     assert bench.peer_kinds("3", peers) == [("deepspeed", "deepspeed:3"), ("modelparallel", "modelparallel:3")]
     assert bench.peer_kinds("3+cpu", peers) == [("deepspeed", "deepspeed:3+cpu")]
+    assert bench.peer_kinds("2", ["floor"]) == [("floor", "floor:2")]  # opt-in, at every stage
+    assert "floor" not in bench.parse([]).peers
+
+
+def test_compute_floor_runs_without_collectives_and_steps_a_share():
+    """The floor peer: each rank steps about 1/world of the elements at stages 1-3 (all of them at stage 0), in a
+    plain loop that never initializes a process group (a collective would raise)."""
+    bench = _bench()
+    import _bench_workers as workers
+
+    sizes = [100, 7, 60, 40, 3, 1]
+    owners = workers.floor_owners(sizes, 2)
+    loads = [sum(s for s, o in zip(sizes, owners) if o == r) for r in range(2)]
+    assert sorted(set(owners)) == [0, 1] and abs(loads[0] - loads[1]) <= max(sizes) and sum(loads) == sum(sizes)
+    args = bench.parse(["--quick", "--nproc", "2"])
+    for precision in ("bf16t",):  # the compute-copy path (stages 2-3 in bf16); fp32 is the same loop without it
+        step, peak = workers.measure({"model": "gpt", "precision": precision, "kind": "floor:2"}, args)
+        assert step > 0 and peak >= 0, precision
 
 
 def test_runs_alternate_and_ratios_are_paired(capsys):
