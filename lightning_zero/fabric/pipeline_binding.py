@@ -15,8 +15,8 @@ stage    data-parallel engine under the pipeline
 3        as 2 with ``reshard_after_forward=True``
 =======  ==========================================================================================================
 
-DeepSpeed allows only stages 0-1 with pipelines. Not supported here (each raises with this list): CPU offload at
-stages 2-3 (FSDP2's offload policy is not applied to stage modules), fp16/bf16 (the schedule runs backward itself,
+DeepSpeed allows only stages 0-1 with pipelines. Not supported here (each raises with this list): offload at
+stages 2-3 (neither ``offload_optimizer`` nor ``offload_params`` is applied to the FSDP2-sharded stage modules), fp16/bf16 (the schedule runs backward itself,
 outside the precision plugin's loss scaling), FSDP2 with a tied module used by two stages of one rank (see
 :class:`~lightning_zero.pipeline.schedules.PipelineRunner`), and parameters of the LightningModule outside its
 PipelineModule.
@@ -83,7 +83,7 @@ class PipelineSettings:
 
 
 def make_pipeline_settings(pipeline_parallel_size, micro_batches, schedule, virtual_stages, *, stage: int,
-                           offload: str) -> PipelineSettings:
+                           offload_optimizer: str, offload_params: str) -> PipelineSettings:
     """Validate the strategy's pipeline arguments together with the ZeRO settings (constructor time)."""
     if pipeline_parallel_size is None or (pipeline_parallel_size == 1 and not isinstance(pipeline_parallel_size, bool)):
         given = {k: v for k, v in dict(micro_batches=micro_batches, pipeline_schedule=schedule,
@@ -92,11 +92,14 @@ def make_pipeline_settings(pipeline_parallel_size, micro_batches, schedule, virt
             raise ValueError(f"{sorted(given)} only apply with pipeline_parallel_size > 1")
         return PipelineSettings()
     settings = PipelineSettings(pipeline_parallel_size, micro_batches, schedule or "1f1b", virtual_stages)
-    if stage >= 2 and offload != "none":
+    offloads = {name: value for name, value in (("offload_optimizer", offload_optimizer),
+                                                ("offload_params", offload_params)) if value != "none"}
+    if stage >= 2 and offloads:
+        given = ", ".join(f"{name}={value!r}" for name, value in offloads.items())
         raise NotImplementedError(
-            f"pipeline_parallel_size > 1 with offload={offload!r} at stage {stage} is not supported: FSDP2's "
-            "CPUOffloadPolicy is not applied to pipeline stage modules. Use stage 1 with offload='cpu', or no offload."
-        )
+            f"pipeline_parallel_size > 1 with {given} at stage {stage} is not supported: offload is not applied to "
+            "the FSDP2-sharded pipeline stage modules. Use stage 1 with offload_optimizer='cpu' or 'nvme', or no "
+            "offload.")
     return settings
 
 

@@ -161,7 +161,8 @@ def resolve_settings(
         hysteresis=hysteresis, consecutive_hysteresis=consecutive_hysteresis, min_loss_scale=min_loss_scale)
     parse_communication_data_type(communication_data_type)
     pipeline = make_pipeline_settings(pipeline_parallel_size, micro_batches, pipeline_schedule, virtual_stages,
-                                      stage=zero_config.stage, offload=zero_config.offload)
+                                      stage=zero_config.stage, offload_optimizer=zero_config.offload_optimizer,
+                                      offload_params=zero_config.offload_params)
     ddp_options = DDPOptions(find_unused_parameters, static_graph, gradient_as_bucket_view, bucket_cap_mb)
     ddp_options.check_stage(zero_config.stage, pipeline=pipeline.enabled)
     exclude_frozen_parameters, verbose = require_flags(
