@@ -30,14 +30,14 @@ def test_ladder_follows_the_documented_order_and_names_what_is_missing(monkeypat
     monkeypatch.setattr(ladder_mod, "strategy_supports", lambda *names: "activation_checkpointing" not in names)
     rungs = ladder(4)
     steps = [r.step for r in rungs]
-    assert steps[:11] == ["data parallel", "+ activation checkpointing", "ZeRO-2", "ZeRO-2 + optimizer offload",
-                          "ZeRO-3", "+ parameter offload", "+ optimizer offload", "+ checkpoints in CPU memory",
-                          "smaller micro-batch", "smaller micro-batch", "NVMe offload"]
-    assert [r.micro_batch for r in rungs[8:10]] == [2, 1]
-    assert rungs[10].reason.startswith("not picked, it needs nvme_path") and rungs[10].offload == "nvme"
+    assert steps[:12] == ["data parallel", "+ activation checkpointing", "ZeRO-2", "ZeRO-2 + optimizer offload",
+                          "ZeRO-3", "+ parameter offload", "+ optimizer offload", "+ parameter and optimizer offload",
+                          "+ checkpoints in CPU memory", "smaller micro-batch", "smaller micro-batch", "NVMe offload"]
+    assert [r.micro_batch for r in rungs[9:11]] == [2, 1]
+    assert rungs[11].reason.startswith("not picked, it needs nvme_path") and rungs[11].offload == "nvme"
     assert rungs[1].reason == "needs activation checkpointing support" and rungs[0].reason == ""
     grid = {(r.stage, r.offload, r.checkpointing) for r in rungs
-            if r.micro_batch == 4 and r.step != "+ parameter offload"}
+            if r.micro_batch == 4 and r.step != "+ parameter offload" and not r.optimizer_only}
     assert len(grid) == 21  # stage 0-3 x offload (none, cpu; stage 0: none) x checkpointing (none, full, full+cpu)
 
 
@@ -55,6 +55,31 @@ def test_first_fitting_runnable_rung_wins(with_checkpointing):
     assert peaks[0] == max(peaks) and peaks[-1] == min(peaks) and len(set(peaks)) == len(peaks)
     tiny = predict(rungs, 800_000, SHAPE, Machine(2, 1, 64 * GIB, "cuda"), "32-true")
     assert predicted_winner(tiny) is None
+
+
+def test_stage_3_with_the_optimizer_alone_offloaded_wins_where_it_is_enough(with_checkpointing):
+    """Between ZeRO-3 and offloading everything: the optimizer alone in CPU memory, parameters on the device
+    (DeepSpeed's offload_optimizer without offload_param). It is the winner where ZeRO-3 does not fit and it does,
+    and its configuration keeps the parameters on the device in every form advise writes."""
+    from lightning_zero import ZeroStrategy
+
+    rungs = ladder(16)
+    opt_only = next(r for r in rungs if r.optimizer_only)
+    assert opt_only.step == "+ optimizer offload"
+    assert rungs.index(opt_only) == [r.step for r in rungs].index("ZeRO-3") + 2
+    assert opt_only.strategy_kwargs() == {"stage": 3, "offload_optimizer": "cpu", "activation_checkpointing": True}
+    assert ds_config(opt_only, "32-true")["zero_optimization"] == {"stage": 3, "offload_optimizer": {"device": "cpu"}}
+    config = ZeroStrategy(**opt_only.strategy_kwargs()).zero_config
+    assert (config.offload_optimizer, config.offload_params) == ("cpu", "none")
+    # A device between the two rungs' predicted peaks: ZeRO-3 does not fit, optimizer offload does.
+    machine = lambda memory: Machine(8, memory, 64 * GIB, "cuda")  # noqa: E731  (8 ranks: ZeRO-3 holds less than ZeRO-2 + offload)
+    unit = 500_000  # 16 units: ZeRO-3 gathers one at a time
+    zero3, = predict([next(r for r in rungs if r.step == "ZeRO-3")], 8_000_000, SHAPE, machine(GIB), "32-true", unit)
+    offloaded, = predict([opt_only], 8_000_000, SHAPE, machine(GIB), "32-true", unit)
+    assert offloaded.estimate.accelerator_peak < zero3.estimate.accelerator_peak
+    between = int((offloaded.estimate.accelerator_peak + zero3.estimate.accelerator_peak) / 2 / 0.9)
+    winner = predicted_winner(predict(rungs, 8_000_000, SHAPE, machine(between), "32-true", unit))
+    assert winner is not None and winner.rung == opt_only, winner and winner.rung.label
 
 
 def test_ds_config_refuses_a_precision_it_cannot_express():

@@ -1,8 +1,8 @@
 """The memory ladder of ``lightning-zero advise``: the configurations to try, fastest first, and what each needs.
 
 The order follows the usual DeepSpeed advice (``docs/memory.md``): start from plain data parallelism, enable
-activation checkpointing, move to ZeRO-2, offload the optimizer, ZeRO-3, offload parameters and optimizer, keep the
-checkpointed activations in CPU memory, shrink the micro-batch, and finally NVMe. Each step saves memory and, as a
+activation checkpointing, move to ZeRO-2, offload the optimizer, ZeRO-3, offload its optimizer, then its parameters
+too, keep the checkpointed activations in CPU memory, shrink the micro-batch, and finally NVMe. Each step saves memory and, as a
 rule, costs speed, so the first rung that fits is the predicted winner. The rest of the grid (stage 0-3 x offload x
 checkpointing) follows the ladder.
 """
@@ -23,12 +23,15 @@ from lightning_zero.distributed.memory import PRECISIONS, FullEstimate, estimate
 NVME_REASON = ("not picked, it needs nvme_path: ZeroStrategy(stage=3, offload='nvme', nvme_path=<a directory on "
                "a local NVMe disk>) swaps parameters and optimizer states there")
 PARAM_ONLY_REASON = ("not available separately: offload_params needs offload_optimizer (the sharded fp32 parameters "
-                     "are the optimizer's masters), so the next rung offloads both")
+                     "are the optimizer's masters), so the next rungs offload the optimizer, then both")
 
 
 @dataclass(frozen=True)
 class Rung:
-    """One configuration. ``reason`` set means the rung cannot run (it is shown, not predicted to fit)."""
+    """One configuration. ``reason`` set means the rung cannot run (it is shown, not predicted to fit).
+
+    ``offload`` is the strategy's shorthand (at stage 3 it moves the parameters too); ``optimizer_only`` keeps the
+    parameters on the device at stage 3 and offloads the optimizer alone (``offload_optimizer``)."""
 
     step: str
     stage: int = 0
@@ -36,21 +39,34 @@ class Rung:
     checkpointing: str = "none"
     micro_batch: int = 1
     reason: str = ""
+    optimizer_only: bool = False
+
+    def __post_init__(self) -> None:
+        if self.optimizer_only and not self.offload:
+            raise ValueError("Rung.optimizer_only needs an offload device")
+
+    @property
+    def offload_kwargs(self) -> dict:
+        """Where the optimizer and the parameters go, as ``ZeroStrategy``/the estimator take them."""
+        if not self.offload:
+            return {}
+        if self.optimizer_only:
+            return {"offload_optimizer": self.offload}
+        return {"offload": self.offload}
 
     @property
     def label(self) -> str:
         parts = [f"ZeRO-{self.stage}"]
         if self.offload:
-            parts.append("offload" if self.offload == "cpu" else f"offload to {self.offload}")
+            what = "optimizer offload" if self.optimizer_only else "offload"
+            parts.append(what if self.offload == "cpu" else f"{what} to {self.offload}")
         if self.checkpointing != "none":
             parts.append("ckpt" + (" in cpu" if self.checkpointing == "full+cpu" else ""))
         return " + ".join(parts) + f", mb {self.micro_batch}"
 
     def strategy_kwargs(self) -> dict:
         """The ``ZeroStrategy`` arguments of this rung."""
-        kwargs: dict = {"stage": self.stage}
-        if self.offload:
-            kwargs["offload"] = self.offload
+        kwargs: dict = {"stage": self.stage, **self.offload_kwargs}
         if self.checkpointing != "none":
             kwargs["activation_checkpointing"] = True
         if self.checkpointing == "full+cpu":
@@ -137,7 +153,8 @@ def ladder(micro_batch: int) -> list[Rung]:
         Rung("ZeRO-2 + optimizer offload", 2, "cpu", "full", mb),
         Rung("ZeRO-3", 3, None, "full", mb),
         Rung("+ parameter offload", 3, None, "full", mb, reason=PARAM_ONLY_REASON),
-        Rung("+ optimizer offload", 3, "cpu", "full", mb),
+        Rung("+ optimizer offload", 3, "cpu", "full", mb, optimizer_only=True),
+        Rung("+ parameter and optimizer offload", 3, "cpu", "full", mb),
         Rung("+ checkpoints in CPU memory", 3, "cpu", "full+cpu", mb),
     ]
     smaller = mb // 2
@@ -147,7 +164,7 @@ def ladder(micro_batch: int) -> list[Rung]:
     rungs.append(Rung("NVMe offload", 3, "nvme", "full+cpu", 1, reason=NVME_REASON))
     # The rest of the grid, cheapest first by the same rule (offload costs most, then checkpointing, then stage):
     # where checkpointing is not available these are the runnable alternatives to the ladder's later rungs.
-    named = {(r.stage, r.offload, r.checkpointing, r.micro_batch) for r in rungs if not r.reason}
+    named = {(r.stage, r.offload, r.checkpointing, r.micro_batch) for r in rungs if not r.reason and not r.optimizer_only}
     grid = [(stage, offload, ckpt) for stage in (0, 1, 2, 3) for offload in ((None,) if stage == 0 else (None, "cpu"))
             for ckpt in CHECKPOINTING]
     grid.sort(key=lambda c: (c[1] is not None, CHECKPOINTING.index(c[2]), c[0]))
@@ -187,9 +204,9 @@ def predict(rungs: list[Rung], model_or_num_params, shape: TransformerShape, mac
         if rung.reason.startswith("not available"):
             out.append(Prediction(rung))
             continue
-        est = estimate_memory(model_or_num_params, rung.stage, machine.world_size, rung.offload, precision,
+        est = estimate_memory(model_or_num_params, rung.stage, machine.world_size, precision=precision,
                               shape=replace(shape, micro_batch=rung.micro_batch), checkpointing=rung.checkpointing,
-                              largest_unit_params=largest_unit_params)
+                              largest_unit_params=largest_unit_params, **rung.offload_kwargs)
         if machine.accelerator == "cpu":  # device memory is CPU memory: every rank's whole footprint shares it
             fits = (est.accelerator_peak + est.cpu_peak) * machine.devices <= usable * machine.cpu_memory
         else:
@@ -230,7 +247,7 @@ def ds_config(rung: Rung, precision: str) -> dict:
     zero: dict = {"stage": rung.stage}
     if rung.offload:
         zero["offload_optimizer"] = {"device": rung.offload}
-        if rung.stage == 3:
+        if rung.stage == 3 and not rung.optimizer_only:
             zero["offload_param"] = {"device": rung.offload}
     config: dict = {"train_micro_batch_size_per_gpu": rung.micro_batch, "gradient_accumulation_steps": 1,
                     "zero_optimization": zero}
