@@ -26,7 +26,8 @@ from torch import nn
 # Profiler event names (substrings, lower case) grouped into the counts we report.
 COUNTED = {
     "all_gather": ("allgather", "all_gather"),
-    "reduce_scatter": ("reduce_scatter", "reducescatter"),
+    # on CPU the pooled reduce-scatter is an all-to-all (lightning_zero/distributed/buffers.py)
+    "reduce_scatter": ("reduce_scatter", "reducescatter", "alltoall", "all_to_all"),
     "all_reduce": ("allreduce", "all_reduce"),
     "broadcast": ("broadcast",),
 }
@@ -125,7 +126,8 @@ def _trace_collectives() -> None:
     """Record which caller (outside torch.distributed) issues each all-reduce/broadcast/all-gather."""
     import traceback
 
-    for name in ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor"):
+    for name in ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+                 "all_to_all_single"):
         original = getattr(dist, name)
 
         def traced(*a, _original=original, _name=name, **k):

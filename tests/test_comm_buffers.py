@@ -1,7 +1,7 @@
 """The CPU buffer pool behind FSDP2's collectives (lightning_zero.distributed.buffers).
 
 Reuse must never alias a live tensor: a buffer comes back only once nothing but the pool holds it. The in-place
-reduce-scatter must equal gloo's own. And at stages 2-3 on CPU, the buffer count stays bounded over steps.
+all-to-all reduce-scatter must equal gloo's own. And at stages 2-3 on CPU, the buffer count stays bounded over steps.
 """
 
 import torch
@@ -38,13 +38,26 @@ def _reduce_scatter_worker(rank, world_size):
     _, reduce_scatter_cls = _comm_classes()
     reduce_scatter = reduce_scatter_cls(CommBufferPool())
     group = dist.group.WORLD
+    real_all_reduce = dist.all_reduce
+
+    def no_all_reduce(*args, **kwargs):
+        raise AssertionError("the reduce-scatter all-reduced: twice the bytes of an all-to-all")
+
+    gen = torch.Generator().manual_seed(rank)
     for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-        data = torch.arange(world_size * 6, dtype=torch.float32) * (rank + 1)
-        expected = torch.empty(6)
-        dist.reduce_scatter_tensor(expected, data.clone(), op=op, group=group)
-        got = torch.empty(6)
-        assert reduce_scatter(got, data.clone(), group, op) is None
-        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        for numel in (6, 1000):
+            data = torch.randn(world_size * numel, generator=gen)
+            expected = torch.empty(numel)
+            dist.reduce_scatter_tensor(expected, data.clone(), op=op, group=group)
+            got = torch.empty(numel)
+            dist.all_reduce = no_all_reduce
+            try:
+                assert reduce_scatter(got, data.clone(), group, op) is None
+            finally:
+                dist.all_reduce = real_all_reduce
+            # 2 ranks: a + b in either order, bitwise; 3 ranks: another summation order, last-bit differences
+            tolerance = dict(rtol=0, atol=0) if world_size == 2 else dict(rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(got, expected, **tolerance)
     # An op the in-place path does not cover goes to torch's reduce-scatter unchanged.
     data = torch.ones(world_size * 3) * (rank + 1)
     got = torch.empty(3)
@@ -52,8 +65,9 @@ def _reduce_scatter_worker(rank, world_size):
     torch.testing.assert_close(got, torch.full((3,), float(world_size)))
 
 
-def test_in_place_reduce_scatter_equals_gloos():
+def test_all_to_all_reduce_scatter_equals_gloos():
     run_distributed(_reduce_scatter_worker, 2)
+    run_distributed(_reduce_scatter_worker, 3)
 
 
 def _steady_state_worker(rank, world_size):

@@ -138,8 +138,9 @@ def _no_sync_worker(rank, world_size):
     from torch.distributed.device_mesh import init_device_mesh
 
     calls = []
-    # FSDP2 reduces with reduce_scatter_single in torch 2.13 and reduce_scatter_tensor before it.
-    names = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_single")
+    # FSDP2 reduces with reduce_scatter_single in torch 2.13 and reduce_scatter_tensor before it; on CPU the pooled
+    # reduce-scatter (distributed/buffers.py) is an all_to_all_single.
+    names = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all_single")
     originals = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
 
     def counting(name):
