@@ -186,7 +186,7 @@ def same_model_as_deepspeed(args) -> None:
     config = ZeroConfig(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme=nvme, unit_bytes=0)
     try:
         model = apply_zero(model, init_device_mesh("cpu", (1,)), config)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=args.optimizer_fused)
         shard_optimizer(optimizer, config)
         times = []
         for _ in range(args.steps + 1):
