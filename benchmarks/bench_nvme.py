@@ -312,17 +312,19 @@ def deepspeed_zero3_child(args) -> None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=args.optimizer_fused)
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
                                           config=config)
-        times = []
+        times, cpu = [], []
         for _ in range(args.steps + 1):
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             loss = engine(torch.randn(4, width)).square().mean()
             engine.backward(loss)
             engine.step()
             times.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - start_cpu)
         on_disk = sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(folder) for f in files)
         step = _median(times[1:])
         print(f"  DeepSpeed ZeRO-3 NVMe (optimizer + parameters), {numel / 1e6:.0f}M "
-              f"fp32 parameters: train step {step * 1e3:.0f} ms (median of {args.steps}), swap files {on_disk >> 20} "
+              f"fp32 parameters: train step {step * 1e3:.0f} ms (median of {args.steps}; process CPU time "
+              f"{_median(cpu[1:]) * 1e3:.0f} ms), swap files {on_disk >> 20} "
               f"MiB; at least {2 * on_disk / step / GB:.2f} GB/s if every file is read and written once per step",
               flush=True)
     except Exception as error:
