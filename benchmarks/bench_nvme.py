@@ -146,11 +146,12 @@ def raw_concurrent(folder: str, mib: int, aio: AioSettings) -> float:
 
 
 # ---------------------------------------------------------------- the swapped step
-def step_bandwidth(params: list[torch.Tensor], steps: int, nvme, io_only: bool = False):
+def step_bandwidth(params: list[torch.Tensor], steps: int, nvme, io_only: bool = False, fused: bool = False):
     """Time ``steps`` AdamW steps over ``params`` with the states swapped (``nvme``) or in memory (``None``).
     ``io_only``: the timed steps run the swapper's pipeline (the same reads, writes, buffers and order) with the
-    optimizer's own update replaced by nothing: the I/O side of the step without the CPU Adam compute."""
-    opt = torch.optim.AdamW(params, lr=1e-3)
+    optimizer's own update replaced by nothing: the I/O side of the step without the CPU Adam compute.
+    ``fused``: ``torch.optim.AdamW(fused=True)`` (torch's one-pass CPU kernel) instead of the default."""
+    opt = torch.optim.AdamW(params, lr=1e-3, fused=fused)
     swapper = attach_swapper(opt, nvme) if nvme is not None else None
     for p in params:
         p.grad = torch.randn_like(p)
@@ -308,19 +309,22 @@ def deepspeed_zero3_child(args) -> None:
                   "offload_param": {"device": "nvme", "nvme_path": folder, "pin_memory": False,
                                     "max_in_cpu": int(args.max_in_cpu)}}}
     try:
-        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4),
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=args.optimizer_fused)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
                                           config=config)
-        times = []
+        times, cpu = [], []
         for _ in range(args.steps + 1):
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             loss = engine(torch.randn(4, width)).square().mean()
             engine.backward(loss)
             engine.step()
             times.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - start_cpu)
         on_disk = sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(folder) for f in files)
         step = _median(times[1:])
         print(f"  DeepSpeed ZeRO-3 NVMe (optimizer + parameters), {numel / 1e6:.0f}M "
-              f"fp32 parameters: train step {step * 1e3:.0f} ms (median of {args.steps}), swap files {on_disk >> 20} "
+              f"fp32 parameters: train step {step * 1e3:.0f} ms (median of {args.steps}; process CPU time "
+              f"{_median(cpu[1:]) * 1e3:.0f} ms), swap files {on_disk >> 20} "
               f"MiB; at least {2 * on_disk / step / GB:.2f} GB/s if every file is read and written once per step",
               flush=True)
     except Exception as error:
@@ -345,6 +349,8 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--capped-steps", type=int, default=3)
     parser.add_argument("--max-in-cpu", type=float, default=1e9, help="deepspeed section: offload_param max_in_cpu")
+    parser.add_argument("--optimizer-fused", action="store_true",
+                        help="step and deepspeed sections: torch.optim.AdamW(fused=True) instead of the default")
     parser.add_argument("--rank-child", choices=("nvme", "cpu"), help=argparse.SUPPRESS)
     parser.add_argument("--stage3-child", choices=("nvme", "cpu"), help=argparse.SUPPRESS)
     parser.add_argument("--ours-child", action="store_true", help=argparse.SUPPRESS)
@@ -380,11 +386,12 @@ def main() -> None:
     if "step" in sections:
         numel = int(args.params) // args.tensors
         params = [torch.zeros(numel) for _ in range(args.tensors)]
-        plain = step_bandwidth(params, args.steps, None)
+        fused = args.optimizer_fused
+        plain = step_bandwidth(params, args.steps, None, fused=fused)
         nvme = NvmeConfig(args.nvme_path, sub_group_size=int(args.sub_group_size), buffer_count=4, aio=aio)
-        swapped = step_bandwidth(params, args.steps, nvme)
+        swapped = step_bandwidth(params, args.steps, nvme, fused=fused)
         read, write = _median(swapped["read"]), _median(swapped["write"])
-        print(f"swapped AdamW step: {int(args.params) * 8 >> 20} MiB of states, sub-groups of "
+        print(f"swapped AdamW{'(fused=True)' if fused else ''} step: {int(args.params) * 8 >> 20} MiB of states, sub-groups of "
               f"{int(args.sub_group_size):.3g} elements, peak {swapped['peak_buffers']} buffers of "
               f"{swapped['peak_buffer_bytes'] >> 20} MiB, {swapped['bytes'] >> 20} MiB moved per step")
         io_only = step_bandwidth(params, args.steps, nvme, io_only=True)
@@ -409,7 +416,8 @@ def main() -> None:
         command = [sys.executable, os.path.abspath(__file__), "--ds-child", "--nvme-path", args.nvme_path,
                    "--params", str(args.params), "--sub-group-size", str(args.sub_group_size), "--steps",
                    str(args.steps), "--threads", str(args.threads), "--queue-depth", str(args.queue_depth),
-                   "--block-size", str(args.block_size), "--max-in-cpu", str(args.max_in_cpu)]
+                   "--block-size", str(args.block_size), "--max-in-cpu", str(args.max_in_cpu),
+                   *(["--optimizer-fused"] if args.optimizer_fused else [])]
         for label, flag in (("DeepSpeed", "--ds-child"), ("lightning-zero", "--ours-child")):  # the same model
             child = subprocess.run([*command[:2], flag, *command[3:]], capture_output=True, text=True)
             lines = [line for line in child.stdout.splitlines() if line.startswith("  ")]

@@ -104,9 +104,6 @@ class OptimizerSharding:
     def remove(self) -> None:
         """Remove the step hooks and stop swapping (states back in memory, swap files removed); the optimizer
         steps through torch's DTensor path again."""
-        if self.local_step_of is not None:
-            restore_step(self.local_step_of)
-            self.local_step_of = None
         for handle in self.hooks:
             handle.remove()
         self.hooks.clear()
@@ -116,6 +113,9 @@ class OptimizerSharding:
         if self.param_step_of is not None:  # after the state swapper, which steps through it
             detach_param_step(self.param_step_of)
             self.param_step_of = None
+        if self.local_step_of is not None:  # last: the swappers' classes derive from the local-step class
+            restore_step(self.local_step_of)
+            self.local_step_of = None
 
 
 def get_sharding(optimizer: torch.optim.Optimizer) -> Optional[OptimizerSharding]:
@@ -172,6 +172,12 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, config: ZeroConfig, *, gro
     if config.stage == 1 or sharding.masters:
         sharding.hooks.append(optimizer.register_step_pre_hook(_pre_step))
         sharding.hooks.append(optimizer.register_step_post_hook(_post_step))
+    # [Note: the local step under NVMe swapping] First, so that it is the innermost step: the swappers narrow
+    # ``param_groups`` to a sub-group (and a unit) with its states and masters resident, then call the class step
+    # they derive from, which steps exactly those on their local shards. Without it every elementwise op of the
+    # swapped step went through DTensor's Python dispatch.
+    if use_local_step(optimizer):
+        sharding.local_step_of = optimizer
     if config.swaps_parameters:
         # Before the state swapper: it steps each of its sub-groups through this unit-by-unit step.
         param_swapper = find_param_swapper(sharding.all_model_params())
@@ -185,10 +191,6 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, config: ZeroConfig, *, gro
         companions = {id(master): p for p in sharding.owned_model_params()
                       if swap_masters and (master := sharding.masters.get(id(p))) is not None}
         sharding.swapper = attach_swapper(optimizer, config.nvme, rank=rank, pin_memory=pin, masters=companions)
-    if not config.swaps_optimizer_states and not config.swaps_parameters:
-        # NVMe swapping replaces the step itself; otherwise DTensor parameters step on their local shards
-        if use_local_step(optimizer):
-            sharding.local_step_of = optimizer
     setattr(optimizer, _ATTR, sharding)
     return sharding
 

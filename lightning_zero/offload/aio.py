@@ -19,6 +19,7 @@ Framework-free: imports only torch and the standard library.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import threading
@@ -100,7 +101,12 @@ class AioSettings:
 def _memoryview(buffer: torch.Tensor) -> memoryview:
     if buffer.dtype != torch.uint8 or buffer.device.type != "cpu" or not buffer.is_contiguous():
         raise ValueError("swap I/O buffers must be contiguous uint8 CPU tensors (see aligned_buffer)")
-    return memoryview(buffer.numpy()).cast("B")
+    if buffer.numel() == 0:
+        return memoryview(bytearray())
+    # ctypes, not ``buffer.numpy()``: exporting to numpy marks the storage as not resizable for good, and a shard
+    # read in place (lightning_zero.offload.shard_memory) is freed at eviction by resizing its storage to zero.
+    # The view does not keep ``buffer`` alive: the transfer holds it until its requests end.
+    return memoryview((ctypes.c_char * buffer.numel()).from_address(buffer.data_ptr())).cast("B")
 
 
 class AsyncFileIO:
@@ -201,7 +207,7 @@ class AsyncFileIO:
                 else:
                     done.set_result(len(view))
 
-        def run(start: int, end: int) -> None:
+        def run(start: int, end: int, keep: torch.Tensor = buffer) -> None:  # keep: the memory of ``view``
             try:
                 _io_all(kind, fd, view[start:end], offset + start, path)
             except BaseException as error:  # reported through the future

@@ -368,14 +368,15 @@ class OptimizerStateSwapper:
             if param is not None:
                 grad = param.grad
                 master.grad = None if grad is None else _rebuild(
-                    self._master_markers[id(master)], _local(grad.detach()).to("cpu", torch.float32, copy=True))
+                    self._master_markers[id(master)], _local(grad).detach().to("cpu", torch.float32, copy=True))
 
     def _masters_to_module(self, group: list[Tensor]) -> None:
         """Stepped masters back into the module's parameters (the stage-1 post-step copy); gradients dropped."""
         for master in group:
             param = self.companions.get(id(master))
             if param is not None:
-                _local(param.detach()).copy_(_local(master))
+                # the local tensors' own detach: a DTensor's would go through DTensor's Python dispatch
+                _local(param).detach().copy_(_local(master))
                 master.grad = None
 
     def write_initial_masters(self) -> None:

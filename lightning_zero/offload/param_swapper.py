@@ -30,9 +30,10 @@ paths below crashes loudly instead of computing on stale values; call :meth:`Par
 [Note: the bounds]
 ``max_in_cpu``: parameter elements (padded shards) resident at once, outside checkpoint save/load. A unit larger
 than it is refused at setup; units in an all-gather cannot be released, so if FSDP2 holds more at once than
-``max_in_cpu`` the run stops with an error naming it. Transfers go through aligned staging buffers of
-``buffer_size`` 4-byte elements (``O_DIRECT`` needs aligned memory; FSDP2's shards are not), at most
-``buffer_count`` of them alive (DeepSpeed's parameter buffer pool). Framework-free: imports only torch.
+``max_in_cpu`` the run stops with an error naming it. Reads land in the shards' own memory, new aligned memory each
+time (``lightning_zero.offload.shard_memory``); writes and read-ahead go through aligned staging buffers of
+``buffer_size`` 4-byte elements, at most ``buffer_count`` of them alive (DeepSpeed's parameter buffer pool); a
+read-ahead buffer holding a whole shard becomes its memory. Framework-free: imports only torch.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from torch import Tensor, nn
 from lightning_zero.offload.aio import AsyncFileIO, SwapIOError, align_up, aligned_buffer
 from lightning_zero.offload.config import NvmeConfig
 from lightning_zero.offload.optimizer_swapper import _remove_folder, closure_loss
+from lightning_zero.offload.shard_memory import can_read_in_place, shard_bytes, shard_targets
 
 _ATTR = "_lightning_zero_param_swapper"
 _STEP_ATTR = "_lightning_zero_param_step"
@@ -76,6 +78,7 @@ class _Unit:
     path: str
     sizes: list[int]        # bytes of each shard storage when resident
     elements: int           # padded shard elements
+    in_place: list = field(default_factory=list)  # per shard: read into new aligned memory (shard_memory's note)
     chunks: list = field(default_factory=list)  # (storage index, start, length, file offset)
     resident: bool = True
     dirty: bool = True      # memory is newer than the file (or there is no file yet)
@@ -102,10 +105,6 @@ def _unit_name(names: list[str]) -> str:
     if len(names) <= 3:
         return "+".join(names)
     return f"{names[0]}+...+{names[-1]} ({len(names)} modules)"
-
-
-def _bytes_view(storage) -> Tensor:
-    return torch.empty(0, dtype=torch.uint8).set_(storage)
 
 
 class ParamSwapper:
@@ -139,6 +138,7 @@ class ParamSwapper:
             for fp in unit.fsdp_params():
                 data = fp._sharded_param_data  # swapped as bytes: any dtype
                 unit.sizes.append(data.untyped_storage().nbytes())
+                unit.in_place.append(can_read_in_place(fp))
                 unit.elements += data.numel()
                 self._unit_of[id(fp.sharded_param)] = unit
             self.units.append(unit)
@@ -170,6 +170,8 @@ class ParamSwapper:
         self.peak_resident_elements = 0  # outside checkpoint holds
         self.bytes_read = 0
         self.bytes_written = 0
+        self.bytes_staged = 0  # bytes read through a staging buffer and copied into a shard (not read in place)
+        self.bytes_adopted = 0  # bytes read ahead into a staging buffer that became the shard's memory
         self.peak_buffers = 0
         self.chunks_read_ahead = 0  # chunks that were read while the previous unit computed
         self._free: list[Tensor] = []
@@ -265,7 +267,7 @@ class ParamSwapper:
     def _write(self, unit: _Unit) -> None:
         self._cancel_prefetch(unit)
         self.io.open(unit.path)  # idempotent
-        views = [_bytes_view(s) for s in unit.storages()]
+        views = [shard_bytes(fp, size) for fp, size in zip(unit.fsdp_params(), unit.sizes)]
         for index, start, length, offset in unit.chunks:
             buf = self._acquire()
             buf[:length].copy_(views[index][start:start + length])
@@ -282,22 +284,37 @@ class ParamSwapper:
             raise SwapIOError(5, f"the parameters of unit {unit.name!r} were lost: writing them to {unit.path!r} "
                                  "failed after their memory was released")
         unit.reads += 1
-        for storage, size in zip(unit.storages(), unit.sizes):
-            storage.resize_(size)
-        views = [_bytes_view(s) for s in unit.storages()]
         pending, unit.prefetched = unit.prefetched, deque()
         self._prefetch_buffers -= len(pending)
         self.chunks_read_ahead += len(pending)
-        issued = len(pending)
-        for number, (index, start, length, _) in enumerate(unit.chunks):
-            while issued < len(unit.chunks) and len(pending) < 2:  # keep the next chunk's read in flight
-                pending.append(self._issue_read(unit, issued, self._acquire()))
-                issued += 1
-            got, buf, future = pending.popleft()
-            assert got == number
-            future.result()
-            views[index][start:start + length].copy_(buf[:length])
-            self._release(buf)
+        staged = {number: (buf, future) for number, buf, future in pending}
+        try:
+            views, adopted = shard_targets(unit.fsdp_params(), unit.sizes, unit.in_place, unit.chunks, staged,
+                                           pin_memory=self.pin_memory)
+            self._alive -= len(adopted)  # those staging buffers left the pool: they are shard memory now
+            self.bytes_adopted += sum(adopted)
+            reads = []
+            for number, (index, start, length, offset) in enumerate(unit.chunks):
+                view = views[index]
+                if view is None:  # a read-ahead buffer became this shard's memory
+                    continue
+                if number not in staged and unit.in_place[index]:
+                    nbytes = align_up(length)  # inside the aligned memory: install() allocated align_up(size)
+                    self.bytes_read += nbytes
+                    reads.append(self.io.read(unit.path, view[start:start + nbytes], offset))
+                    continue
+                buf, future = staged.pop(number) if number in staged else self._issue_read(unit, number,
+                                                                                           self._acquire())[1:]
+                future.result()
+                view[start:start + length].copy_(buf[:length])
+                self.bytes_staged += length
+                self._release(buf)
+            for future in reads:
+                future.result()
+        finally:
+            for buf, future in staged.values():  # left only after an error: let the read end before reuse
+                future.exception()
+                self._release(buf)
 
     def _issue_read(self, unit: _Unit, number: int, buf: Tensor):
         nbytes = align_up(unit.chunks[number][2])
