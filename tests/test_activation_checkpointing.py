@@ -134,8 +134,11 @@ def test_cpu_checkpointing_moves_the_kept_inputs_through_save_on_cpu(monkeypatch
     _forward_backward(plain, x)
     kept_bytes = _forward_backward(kept, x)
     offloaded_bytes = _forward_backward(offloaded, x)
-    # save_on_cpu packs (device, CPU copy): exactly the six block inputs went to CPU memory.
-    assert len(packed) == 6 and all(copy.device.type == "cpu" and copy.shape == (16, WIDTH) for _, copy in packed)
+    # save_on_cpu packs (device, CPU copy): exactly the six block inputs went to CPU memory. torch 2.11's
+    # non-reentrant checkpoint also saves one empty placeholder tensor per call (torch 2.13 does not): no bytes.
+    copies = [copy for _, copy in packed if copy.numel()]
+    assert all(copy.device.type == "cpu" for _, copy in packed) and len(packed) in (6, 12)
+    assert len(copies) == 6 and all(copy.shape == (16, WIDTH) for copy in copies)
     assert offloaded_bytes == kept_bytes - 6 * 16 * WIDTH * 4, "the kept inputs must leave the device's saved set"
     for (name, p), q in zip(plain.named_parameters(), offloaded.parameters()):
         assert torch.equal(p.grad, q.grad), name

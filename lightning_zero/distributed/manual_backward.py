@@ -38,6 +38,8 @@ from typing import Generator
 import torch
 from torch import nn
 
+from lightning_zero.torch_compat import fsdp_param_groups
+
 
 class ManualBackward:
     """Lets ``backward`` run inside the FSDP2 root's forward with the gradients reduced (see the module notes).
@@ -54,11 +56,11 @@ class ManualBackward:
             raise TypeError(f"ManualBackward needs an FSDP2 root module, got {type(root).__name__}")
         self.root = root
         self._state = root._get_fsdp_state()
-        root_params = {id(p) for group in self._state._fsdp_param_groups for p in group.fsdp_params}
+        root_params = {id(p) for group in fsdp_param_groups(self._state) for p in group.fsdp_params}
         owned: dict[nn.Module, list] = {}
         for unit in root.modules():
             if isinstance(unit, FSDPModule):
-                for group in unit._get_fsdp_state()._fsdp_param_groups:
+                for group in fsdp_param_groups(unit._get_fsdp_state()):
                     for fsdp_param in group.fsdp_params:
                         owned.setdefault(fsdp_param._module_info.module, []).append(fsdp_param)
         self._suspended = False

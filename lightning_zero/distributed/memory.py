@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional, Union
 import torch
 from torch import Tensor, nn
 
+from lightning_zero.torch_compat import fsdp_param_groups
+
 if TYPE_CHECKING:
     from lightning_zero.distributed.activations import ActivationBytes, TransformerShape
 
@@ -105,10 +107,7 @@ def _fsdp_params(module: nn.Module) -> Iterable[Tensor]:
     for sub in module.modules():
         if not isinstance(sub, FSDPModule):
             continue
-        group = sub._get_fsdp_state()._fsdp_param_group
-        if group is None:
-            continue
-        for fsdp_param in group.fsdp_params:
+        for fsdp_param in (fp for group in fsdp_param_groups(sub._get_fsdp_state()) for fp in group.fsdp_params):
             yield fsdp_param.sharded_param
             unsharded = getattr(fsdp_param, "_unsharded_param", None)
             if unsharded is not None:

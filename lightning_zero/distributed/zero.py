@@ -45,6 +45,7 @@ from lightning_zero.distributed.deferred_init import materialize_module
 from lightning_zero.distributed.hybrid import check_mesh_matches, data_parallel_group
 from lightning_zero.distributed.init import broadcast_module_states, refuse_meta_tensors
 from lightning_zero.distributed.units import plan_units, set_prefetch
+from lightning_zero.torch_compat import fsdp_param_groups
 
 log = logging.getLogger(__name__)
 
@@ -277,11 +278,7 @@ def _keep_gathered_between_micro_steps(module: nn.Module, keep: bool) -> None:
         if not isinstance(sub, FSDPModule):
             continue
         state = sub._get_fsdp_state()
-        groups = getattr(state, "_fsdp_param_groups", None)  # torch >= 2.12; one group before
-        if groups is None:
-            group = getattr(state, "_fsdp_param_group", None)
-            groups = [group] if group is not None else []
-        for group in groups:
+        for group in fsdp_param_groups(state):
             # post_forward_mesh_info is None exactly when the group does not reshard after forward
             if getattr(group, "post_forward_mesh_info", ()) is None:
                 group.reshard_after_backward = not keep

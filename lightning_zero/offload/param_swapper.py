@@ -54,20 +54,12 @@ from lightning_zero.offload.aio import AsyncFileIO, SwapIOError, align_up, align
 from lightning_zero.offload.config import NvmeConfig
 from lightning_zero.offload.optimizer_swapper import _remove_folder, closure_loss
 from lightning_zero.offload.shard_memory import can_read_in_place, shard_bytes, shard_targets
+from lightning_zero.torch_compat import fsdp_param_groups
 
 _ATTR = "_lightning_zero_param_swapper"
 _STEP_ATTR = "_lightning_zero_param_step"
 _LIVE: "weakref.WeakSet[ParamSwapper]" = weakref.WeakSet()
 _WRAPPED = ("unshard", "lazy_init")  # no release after wait_for_unshard: units stay resident within max_in_cpu
-
-
-def _param_groups(state) -> list:
-    """The FSDP2 param groups of one ``fully_shard`` state (a list from torch 2.12 on, one optional group before)."""
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is None:
-        group = getattr(state, "_fsdp_param_group", None)
-        groups = [group] if group is not None else []
-    return list(groups)
 
 
 @dataclass(eq=False)
@@ -131,7 +123,7 @@ class ParamSwapper:
                 members[id(state)].append(name or "<root>")
                 continue
             members[id(state)] = [name or "<root>"]
-            groups = _param_groups(state)
+            groups = fsdp_param_groups(state)
             if not groups:
                 continue
             unit = _Unit(len(self.units), "", groups, f"unit{len(self.units)}.bin", [], 0, state=state)

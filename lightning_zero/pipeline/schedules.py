@@ -124,7 +124,7 @@ class PipelineRunner:
         if config.data_parallel == "fully_shard" and dp_mesh is not None:
             self._apply_fully_shard(dp_mesh)
         self.fully_sharded = config.data_parallel == "fully_shard" and dp_mesh is not None
-        stages = [PipelineStage(sm, s, self.num_stages, device, group=self.pp_group)
+        stages = [_no_self_warmup(PipelineStage(sm, s, self.num_stages, device, group=self.pp_group))
                   for sm, s in zip(self.stage_modules, self.local_stages)]
         m, loss_fn = config.micro_batches, module.loss_fn
         # grad_scale: a strategy's extra factor (Lightning's 1 / accumulate_grad_batches); sync_grads: whether the
@@ -274,6 +274,24 @@ class PipelineRunner:
                 dist.all_reduce(local, group=group)
 
 
+def _no_self_warmup(stage: PipelineStage) -> PipelineStage:
+    """Drop the point-to-point warm-up messages a stage would send to a neighbour stage on its own rank.
+
+    [Note: torch 2.11's warm-up to itself] Before its first step, torch 2.11's ``PipelineScheduleMulti`` sends a
+    dummy tensor from every stage to its neighbours (``_get_init_p2p_neighbors_ops``), also where the neighbour
+    lives on the same rank, which ZBV's V placement always has (stages 1 and 2 of 2 ranks). Gloo has no pair to
+    itself ("Pair is not connected"): on CPU the step failed on one rank and hung the other. torch 2.13 warms up
+    through a vote instead and calls this method only for other stage types. The messages carry nothing (stages on
+    one rank pass activations in memory): dropping them in matched pairs (each self-send has its self-receive on the
+    neighbour stage) leaves every other message as it was. A stage without the method (a later torch) is left alone.
+    """
+    original = getattr(stage, "_get_init_p2p_neighbors_ops", None)
+    if original is not None:
+        me = dist.get_rank()
+        stage._get_init_p2p_neighbors_ops = lambda: [op for op in original() if op.peer != me]
+    return stage
+
+
 def _forward_only_zbv(stage_modules, local_stages, num_stages, device, group, m, loss_fn) -> ScheduleZBVZeroBubble:
     """A ZBV schedule reduced to its forward actions, for ``eval_step``.
 
@@ -286,7 +304,8 @@ def _forward_only_zbv(stage_modules, local_stages, num_stages, device, group, m,
     """
     from torch.distributed.pipelining.schedules import _add_send_recv, _ComputationType
 
-    stages = [PipelineStage(sm, s, num_stages, device, group=group) for sm, s in zip(stage_modules, local_stages)]
+    stages = [_no_self_warmup(PipelineStage(sm, s, num_stages, device, group=group))
+              for sm, s in zip(stage_modules, local_stages)]
     schedule = ScheduleZBVZeroBubble(stages, n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
     forward_only = {rank: [a for a in actions if a is not None and a.computation_type == _ComputationType.FORWARD]
                     for rank, actions in schedule.pipeline_order.items()}

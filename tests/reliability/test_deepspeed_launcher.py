@@ -1,6 +1,7 @@
 """``deepspeed --no_local_rank`` launches: the node rank comes from the launcher's ``CROSS_RANK``/``CROSS_SIZE``."""
 
 import base64
+import importlib.util
 import json
 import os
 import signal
@@ -78,6 +79,8 @@ def test_fabric_and_trainer_take_the_deepspeed_launchers_node_rank_alike(monkeyp
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="runs DeepSpeed's launcher: deepspeed is "
+                    "not installed (pip install -e '.[test]')")
 def test_two_node_deepspeed_launch_with_no_local_rank_trains_hsdp_like_one_process(tmp_path):
     """Both "nodes" of a 2 x 2 launch run here, each through DeepSpeed's per-node launcher, as ``deepspeed`` runs
     it over pdsh. Before CROSS_RANK was read, node 1's ranks took node 0's global ranks and the job hung."""
