@@ -190,6 +190,8 @@ def run_floor(rank, world, args, job, out):
             with torch.no_grad():
                 for master, low in zip(model.parameters(), compute.parameters()):
                     low.copy_(master)
+        if compute is not model and not autocast and x.is_floating_point():
+            x = x.to(low_dtype)  # bf16-true casts float inputs (the precision plugin's convert_input)
         with torch.autocast("cpu", dtype=low_dtype or torch.bfloat16, enabled=autocast):
             value = models.loss(name, compute, x, y)
         value.backward()
