@@ -47,6 +47,13 @@ def _train(rank, stage, cls, kwargs, local, steps=3, accumulate=2, clip=0.05, cl
     assert is_local_step(optimizer) == (stage >= 2)
     if not local:
         restore_step(optimizer)  # torch's DTensor path: the comparison's reference
+    dispatches = train_counting_dispatches(rank, module, optimizer, sharding, steps, accumulate, clip, closure)
+    return module, optimizer, dispatches
+
+
+def train_counting_dispatches(rank, module, optimizer, sharding, steps, accumulate, clip, closure=False) -> int:
+    """``steps`` optimizer steps of ``Net`` on per-rank batches, with accumulation and clipping; returns the DTensor
+    Python dispatches (``PythonSubclass`` profiler events) counted inside ``optimizer.step``."""
     dispatches = 0
     for step in range(steps):
         for micro in range(accumulate):
@@ -59,7 +66,7 @@ def _train(rank, stage, cls, kwargs, local, steps=3, accumulate=2, clip=0.05, cl
             optimizer.step(closure=(lambda: None) if closure else None)
         dispatches += sum(event.name == "PythonSubclass" for event in prof.events())
         optimizer.zero_grad()
-    return module, optimizer, dispatches
+    return dispatches
 
 
 def _same(a, b) -> bool:

@@ -3,19 +3,17 @@
 bitwise the same weights and states as torch's DTensor path under the same swapping, and within 1e-6 of CPU offload; for
 the default AdamW and for AdamW(fused=True) (torch's one-pass CPU kernel, run per sub-group and unit)."""
 
-import pytest
 import torch
-from torch import nn
 
 from lightning_zero.config import ZeroConfig
 from lightning_zero.distributed import optimizer as optimizer_module
 from lightning_zero.distributed.local_step import is_local_step
 from lightning_zero.distributed.optimizer import shard_optimizer
-from lightning_zero.distributed.zero import apply_zero, set_gradient_sync
+from lightning_zero.distributed.zero import apply_zero
 from lightning_zero.offload.config import NvmeConfig
 from lightning_zero.offload.optimizer_swapper import get_swapper
 from tests.distributed import run_distributed
-from tests.test_local_step import Net, _same
+from tests.test_local_step import Net, _same, train_counting_dispatches
 
 # stage 2: optimizer states and fp32 masters swapped; stage 3: parameters and optimizer states swapped
 CASES = [(2, dict(offload_optimizer="nvme")), (3, dict(offload_optimizer="nvme", offload_params="nvme"))]
@@ -45,18 +43,7 @@ def _train(rank, root, stage, offload, cls, kwargs, local, steps=3, accumulate=2
     assert is_local_step(optimizer) == local
     swapper = get_swapper(optimizer)
     assert swapper is None or len(swapper.subgroups) > 1
-    dispatches = 0
-    for step in range(steps):
-        for micro in range(accumulate):
-            set_gradient_sync(module, micro == accumulate - 1)
-            gen = torch.Generator().manual_seed(100 * step + 10 * micro + rank)
-            x, y = torch.randn(4, 6, generator=gen), torch.randn(4, 3, generator=gen)
-            (nn.functional.mse_loss(module(x), y) / accumulate).backward()
-        torch.nn.utils.clip_grad_norm_(sharding.all_model_params(), clip)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            optimizer.step()
-        dispatches += sum(event.name == "PythonSubclass" for event in prof.events())
-        optimizer.zero_grad()
+    dispatches = train_counting_dispatches(rank, module, optimizer, sharding, steps, accumulate, clip)
     state = {key: value.full_tensor() for key, value in module.state_dict().items()}
     if swapper is not None:
         swapper.make_resident()
