@@ -2,8 +2,8 @@
 
 The order follows the usual DeepSpeed advice (``docs/memory.md``): start from plain data parallelism, enable
 activation checkpointing, move to ZeRO-2, offload the optimizer, ZeRO-3, offload its optimizer, then its parameters
-too, keep the checkpointed activations in CPU memory, shrink the micro-batch, and finally NVMe. Each step saves memory and, as a
-rule, costs speed, so the first rung that fits is the predicted winner. The rest of the grid (stage 0-3 x offload x
+too, keep the checkpointed activations in CPU memory, shrink the micro-batch, and finally NVMe. Each step saves
+memory and, as a rule, costs speed, so the first rung that fits is the predicted winner. The rest of the grid (stage 0-3 x offload x
 checkpointing) follows the ladder.
 """
 
@@ -164,7 +164,8 @@ def ladder(micro_batch: int) -> list[Rung]:
     rungs.append(Rung("NVMe offload", 3, "nvme", "full+cpu", 1, reason=NVME_REASON))
     # The rest of the grid, cheapest first by the same rule (offload costs most, then checkpointing, then stage):
     # where checkpointing is not available these are the runnable alternatives to the ladder's later rungs.
-    named = {(r.stage, r.offload, r.checkpointing, r.micro_batch) for r in rungs if not r.reason and not r.optimizer_only}
+    named = {(r.stage, r.offload, r.checkpointing, r.micro_batch) for r in rungs
+             if not r.reason and not r.optimizer_only}
     grid = [(stage, offload, ckpt) for stage in (0, 1, 2, 3) for offload in ((None,) if stage == 0 else (None, "cpu"))
             for ckpt in CHECKPOINTING]
     grid.sort(key=lambda c: (c[1] is not None, CHECKPOINTING.index(c[2]), c[0]))
