@@ -52,9 +52,11 @@ def test_compute_floor_runs_without_collectives_and_steps_a_share():
     loads = [sum(s for s, o in zip(sizes, owners) if o == r) for r in range(2)]
     assert sorted(set(owners)) == [0, 1] and abs(loads[0] - loads[1]) <= max(sizes) and sum(loads) == sum(sizes)
     args = bench.parse(["--quick", "--nproc", "2", "--peers", "floor"])  # no DeepSpeed needed
-    for precision in ("bf16t",):  # the compute-copy path (stages 2-3 in bf16); fp32 is the same loop without it
-        step, peak = workers.measure({"model": "gpt", "precision": precision, "kind": "floor:2"}, args)
-        assert step > 0 and peak >= 0, precision
+    # the compute-copy path (stages 2-3 in bf16; fp32 is the same loop without it), on token ids and on float inputs
+    # (which bf16-true casts to bf16)
+    for model in ("gpt", "mlp"):
+        step, peak = workers.measure({"model": model, "precision": "bf16t", "kind": "floor:2"}, args)
+        assert step > 0 and peak >= 0, model
 
 
 def test_runs_alternate_and_ratios_are_paired(capsys, deepspeed_listed):
