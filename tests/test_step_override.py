@@ -132,12 +132,16 @@ def test_stacked_overrides_undo_in_reverse_order_only_with_a_scheduler_built_bet
     _same_as_reference(optimizer, 3)
 
 
-def test_a_step_replaced_on_the_instance_by_the_user_is_refused():
+def test_a_step_replaced_on_the_instance_by_the_user_is_refused(tmp_path):
     optimizer = _optimizer()
     optimizer.step = lambda closure=None: None
     with pytest.raises(RuntimeError, match="replaced on the instance.*not by an LR scheduler"):
         override_step(optimizer, _counting([], "x"), marker="x")
     assert type(optimizer) is torch.optim.SGD
+    with pytest.raises(RuntimeError, match="'NVMe optimizer-state swapping' step override cannot run through it"):
+        attach_swapper(optimizer, NvmeConfig(str(tmp_path)))
+    assert type(optimizer) is torch.optim.SGD and not hasattr(optimizer, "_lightning_zero_swapper")
+    assert list(tmp_path.iterdir()) == [], "the refused swapper's folder is removed"
 
 
 # ------------------------------------------------------------------ the three users, each with its old edge case
