@@ -81,13 +81,9 @@ def _is_tracking(step, optimizer) -> bool:
     return ref is not None and ref() is optimizer
 
 
-def _markers(cls: type) -> list:
-    return [c.__dict__[_MARKER] for c in cls.__mro__ if _MARKER in c.__dict__]
-
-
 def is_overridden(optimizer: torch.optim.Optimizer, marker: str) -> bool:
     """Whether an override with ``marker`` is active on ``optimizer`` (anywhere in the stack)."""
-    return marker in _markers(type(optimizer))
+    return any(c.__dict__.get(_MARKER) == marker for c in type(optimizer).__mro__)
 
 
 def override_step(optimizer: torch.optim.Optimizer, step_fn: StepFn, *, marker: str,
@@ -143,7 +139,7 @@ def restore_step_override(optimizer: torch.optim.Optimizer, marker: str) -> bool
     if instance_step is None:
         return True
     if _is_tracking(instance_step, optimizer):
-        if saved is not None:  # installed by this override (one still below installs its own or none)
+        if saved is not None:  # this override installed it; else an override still below did, and it stays
             optimizer.step = saved
     elif getattr(instance_step, "_wrapped_by_lr_sched", False) and \
             getattr(instance_step, "__wrapped__", None) is cls.__dict__["step"]:
