@@ -24,11 +24,12 @@ parameter's, or a ``step(closure)`` keeps torch's DTensor path, never a differen
 
 from __future__ import annotations
 
-import types
 from collections import defaultdict
 from typing import Optional
 
 import torch
+
+from lightning_zero.offload.step_override import is_overridden, override_step, restore_step_override
 
 # The per-element states of each switched class: wrapped back into DTensors after the step. Any other state (the
 # scalar ``step``) stays what torch made it (a plain tensor, as on the DTensor path).
@@ -37,7 +38,7 @@ ELEMENTWISE_STATES = {
     torch.optim.AdamW: ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
     torch.optim.SGD: ("momentum_buffer",),
 }
-_MARK = "_lightning_zero_local_step_base"
+_MARK = "local step"  # the step override's marker (lightning_zero.offload.step_override)
 
 
 def _is_dtensor(tensor) -> bool:
@@ -66,20 +67,19 @@ def can_step_locally(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def is_local_step(optimizer: torch.optim.Optimizer) -> bool:
-    return hasattr(type(optimizer), _MARK)
+    return is_overridden(optimizer, _MARK)
 
 
 def use_local_step(optimizer: torch.optim.Optimizer) -> bool:
     """Make ``optimizer`` step the local shards of its DTensor parameters (see the module docstring); returns
     whether it did (False: :func:`can_step_locally` does not hold, the optimizer is left unchanged). Undo with
-    :func:`restore_step`. The optimizer keeps its identity, ``param_groups``, hooks and the name of its class."""
+    :func:`restore_step`. The optimizer keeps its identity, ``param_groups``, hooks and the name of its class
+    (``lightning_zero.offload.step_override``, which also keeps LR schedulers' step wrappers consistent)."""
     if is_local_step(optimizer) or not can_step_locally(optimizer):
         return False
-    base_cls = type(optimizer)
-    base_step = getattr(base_cls.step, "__wrapped__", base_cls.step)  # without torch's hook wrapper: ours has it
-    per_element = ELEMENTWISE_STATES[base_cls]
+    per_element = ELEMENTWISE_STATES[type(optimizer)]
 
-    def step(self, closure=None):
+    def step(self, base_step, closure):
         if closure is not None:
             # torch runs the closure inside step(); the gradients it makes are read after it, on the DTensor path
             return base_step(self, closure)
@@ -91,35 +91,13 @@ def use_local_step(optimizer: torch.optim.Optimizer) -> bool:
         finally:
             _swap_out(self, swap, per_element)
 
-    wrapped = torch.optim.Optimizer.profile_hook_step(step)  # pre/post step hooks run around the whole swap
-    wrapped.hooked = True
-    local_cls = type(base_cls.__name__, (base_cls,), {"step": wrapped, _MARK: base_cls})
-    local_cls.__module__, local_cls.__qualname__ = base_cls.__module__, base_cls.__qualname__
-    optimizer.__class__ = local_cls
-    # [Note: an LR scheduler's step wrapper] A scheduler built before this call put a wrapper on the instance that
-    # calls the old class's step function; replace it by one that records the same flag and calls ours.
-    instance_step = optimizer.__dict__.get("step")
-    if instance_step is not None:
-        def scheduler_aware_step(self, *args, **kwargs):
-            self._opt_called = True  # what torch's scheduler wrapper records
-            return local_cls.step(self, *args, **kwargs)
-
-        scheduler_aware_step._wrapped_by_lr_sched = True
-        scheduler_aware_step._lightning_zero_replaced = instance_step
-        optimizer.step = types.MethodType(scheduler_aware_step, optimizer)
+    override_step(optimizer, step, marker=_MARK)
     return True
 
 
 def restore_step(optimizer: torch.optim.Optimizer) -> None:
     """Undo :func:`use_local_step` (no-op when it was not applied)."""
-    base_cls = getattr(type(optimizer), _MARK, None)
-    if base_cls is None:
-        return
-    optimizer.__class__ = base_cls
-    instance_step = optimizer.__dict__.get("step")
-    replaced = getattr(getattr(instance_step, "__func__", None), "_lightning_zero_replaced", None)
-    if replaced is not None:
-        optimizer.step = replaced
+    restore_step_override(optimizer, _MARK)
 
 
 class _Swap:

@@ -45,7 +45,6 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-import types
 import warnings
 import weakref
 from collections import deque
@@ -57,8 +56,10 @@ from torch import Tensor
 
 from lightning_zero.offload.aio import AsyncFileIO, SwapIOError, align_up, aligned_buffer
 from lightning_zero.offload.config import NvmeConfig
+from lightning_zero.offload.step_override import override_step, restore_step_override
 
 _ATTR = "_lightning_zero_swapper"
+_MARKER = "NVMe optimizer-state swapping"  # the step override's marker (step_override)
 MASTER = "__master__"  # the key of a master's entry in a sub-group layout (not an optimizer state key)
 # An Adam-like optimizer keeps two fp32 values per parameter element (exp_avg, exp_avg_sq).
 ESTIMATED_STATE_BYTES_PER_ELEMENT = 8
@@ -151,7 +152,6 @@ class OptimizerStateSwapper:
         self.bytes_read = 0
         self.bytes_written = 0
         self.closed = False
-        self.instance_step = None  # a scheduler's wrapper found on the instance (see attach_swapper)
 
     def _split(self, params: list[Tensor]) -> list[list[Tensor]]:
         groups: list[list[Tensor]] = []
@@ -463,9 +463,8 @@ def attach_swapper(optimizer: torch.optim.Optimizer, nvme: NvmeConfig, *, rank: 
             swapper.close(restore=False)
             raise
     base_cls = type(optimizer)
-    base_step = getattr(base_cls.step, "__wrapped__", base_cls.step)
 
-    def step(self, closure=None):
+    def step(self, base_step, closure):
         loss = closure_loss(closure)
         with torch.no_grad():
             get_swapper(self).step(base_step)
@@ -475,24 +474,11 @@ def attach_swapper(optimizer: torch.optim.Optimizer, nvme: NvmeConfig, *, rank: 
         get_swapper(self).make_resident()
         return base_cls.state_dict(self)
 
-    wrapped = torch.optim.Optimizer.profile_hook_step(step)
-    wrapped.hooked = True
-    swapped_cls = type(base_cls.__name__, (base_cls,), {"step": wrapped, "state_dict": state_dict,
-                                                        "_lightning_zero_base_class": base_cls})
-    swapped_cls.__module__ = base_cls.__module__
-    swapped_cls.__qualname__ = base_cls.__qualname__
-    optimizer.__class__ = swapped_cls
-    # [Note: an LR scheduler's step wrapper] A scheduler built before this call replaced ``optimizer.step`` on the
-    # instance by a wrapper that calls the *old* class's ``step`` function (to record that the optimizer stepped).
-    # It would bypass the swapped class, so it is replaced by one that records the same flag and calls ours.
-    swapper.instance_step = optimizer.__dict__.get("step")
-    if swapper.instance_step is not None:
-        def scheduler_aware_step(self, *args, **kwargs):
-            self._opt_called = True  # what torch's scheduler wrapper records
-            return swapped_cls.step(self, *args, **kwargs)
-
-        scheduler_aware_step._wrapped_by_lr_sched = True
-        optimizer.step = types.MethodType(scheduler_aware_step, optimizer)
+    try:
+        override_step(optimizer, step, marker=_MARKER, extra={"state_dict": state_dict})
+    except BaseException:
+        swapper.close()  # masters already written are read back; the folder is removed
+        raise
     setattr(optimizer, _ATTR, swapper)
     return swapper
 
@@ -502,12 +488,10 @@ def detach_swapper(optimizer: torch.optim.Optimizer, restore: bool = True) -> No
     swapper = get_swapper(optimizer)
     if swapper is None:
         return
+    restore_step_override(optimizer, _MARKER)  # first: refused, changing nothing, under a later override
     try:
         swapper.close(restore=restore)
     finally:
-        optimizer.__class__ = type(optimizer)._lightning_zero_base_class
-        if swapper.instance_step is not None:
-            optimizer.step = swapper.instance_step
         delattr(optimizer, _ATTR)
 
 

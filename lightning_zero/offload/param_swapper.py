@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-import types
 import warnings
 import weakref
 from collections import deque
@@ -54,10 +53,12 @@ from lightning_zero.offload.aio import AsyncFileIO, SwapIOError, align_up, align
 from lightning_zero.offload.config import NvmeConfig
 from lightning_zero.offload.optimizer_swapper import _remove_folder, closure_loss
 from lightning_zero.offload.shard_memory import can_read_in_place, shard_bytes, shard_targets
+from lightning_zero.offload.step_override import override_step, restore_step_override
 from lightning_zero.torch_compat import fsdp_param_groups
 
 _ATTR = "_lightning_zero_param_swapper"
 _STEP_ATTR = "_lightning_zero_param_step"
+_STEP_MARKER = "NVMe parameter step"  # the step override's marker (step_override)
 _LIVE: "weakref.WeakSet[ParamSwapper]" = weakref.WeakSet()
 _WRAPPED = ("unshard", "lazy_init")  # no release after wait_for_unshard: units stay resident within max_in_cpu
 
@@ -568,41 +569,18 @@ def attach_param_step(optimizer: torch.optim.Optimizer, swapper: ParamSwapper) -
     :func:`detach_param_step` after detaching that one."""
     if getattr(optimizer, _STEP_ATTR, None) is not None:
         raise RuntimeError("this optimizer already steps swapped parameters")
-    base_cls = type(optimizer)
-    base_step = getattr(base_cls.step, "__wrapped__", base_cls.step)
 
-    def step(self, closure=None):
+    def step(self, base_step, closure):
         loss = closure_loss(closure)
-        getattr(self, _STEP_ATTR)[0].step(self, lambda opt: base_step(opt))
+        getattr(self, _STEP_ATTR).step(self, base_step)
         return loss
 
-    wrapped = torch.optim.Optimizer.profile_hook_step(step)
-    wrapped.hooked = True
-    cls = type(base_cls.__name__, (base_cls,), {"step": wrapped, "_lightning_zero_param_base_class": base_cls})
-    cls.__module__, cls.__qualname__ = base_cls.__module__, base_cls.__qualname__
-    optimizer.__class__ = cls
-    # An LR scheduler built earlier replaced ``optimizer.step`` on the instance by a wrapper calling the old class's
-    # function (see optimizer_swapper's note): replace it by one that records the same flag and calls ours.
-    instance_step = optimizer.__dict__.get("step")
-    if instance_step is not None:
-        def scheduler_aware_step(self, *args, **kwargs):
-            self._opt_called = True
-            return cls.step(self, *args, **kwargs)
-
-        scheduler_aware_step._wrapped_by_lr_sched = True
-        optimizer.step = types.MethodType(scheduler_aware_step, optimizer)
-    setattr(optimizer, _STEP_ATTR, (swapper, instance_step))
+    override_step(optimizer, step, marker=_STEP_MARKER)
+    setattr(optimizer, _STEP_ATTR, swapper)
 
 
 def detach_param_step(optimizer: torch.optim.Optimizer) -> None:
-    """Undo :func:`attach_param_step` (the original class and any scheduler wrapper come back)."""
-    entry = getattr(optimizer, _STEP_ATTR, None)
-    if entry is None:
-        return
-    optimizer.__class__ = type(optimizer)._lightning_zero_param_base_class
-    if entry[1] is not None:
-        optimizer.step = entry[1]
-    else:
-        optimizer.__dict__.pop("step", None)
-    delattr(optimizer, _STEP_ATTR)
-
+    """Undo :func:`attach_param_step` (the original class back, LR schedulers' step wrappers kept consistent)."""
+    if getattr(optimizer, _STEP_ATTR, None) is not None:
+        restore_step_override(optimizer, _STEP_MARKER)
+        delattr(optimizer, _STEP_ATTR)
