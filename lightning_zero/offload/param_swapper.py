@@ -53,11 +53,10 @@ from lightning_zero.offload.aio import AsyncFileIO, SwapIOError, align_up, align
 from lightning_zero.offload.config import NvmeConfig
 from lightning_zero.offload.optimizer_swapper import _remove_folder, closure_loss
 from lightning_zero.offload.shard_memory import can_read_in_place, shard_bytes, shard_targets
-from lightning_zero.offload.step_override import override_step, restore_step_override
+from lightning_zero.offload.step_override import is_overridden, override_step, restore_step_override
 from lightning_zero.torch_compat import fsdp_param_groups
 
 _ATTR = "_lightning_zero_param_swapper"
-_STEP_ATTR = "_lightning_zero_param_step"
 _STEP_MARKER = "NVMe parameter step"  # the step override's marker (step_override)
 _LIVE: "weakref.WeakSet[ParamSwapper]" = weakref.WeakSet()
 _WRAPPED = ("unshard", "lazy_init")  # no release after wait_for_unshard: units stay resident within max_in_cpu
@@ -567,20 +566,17 @@ def attach_param_step(optimizer: torch.optim.Optimizer, swapper: ParamSwapper) -
     """Make ``optimizer.step`` step one swapped unit at a time (see the module notes). Attach it before an
     optimizer-state swapper, which then calls this step for each of its sub-groups; undo with
     :func:`detach_param_step` after detaching that one."""
-    if getattr(optimizer, _STEP_ATTR, None) is not None:
+    if is_overridden(optimizer, _STEP_MARKER):
         raise RuntimeError("this optimizer already steps swapped parameters")
 
     def step(self, base_step, closure):
         loss = closure_loss(closure)
-        getattr(self, _STEP_ATTR).step(self, base_step)
+        swapper.step(self, base_step)
         return loss
 
     override_step(optimizer, step, marker=_STEP_MARKER)
-    setattr(optimizer, _STEP_ATTR, swapper)
 
 
 def detach_param_step(optimizer: torch.optim.Optimizer) -> None:
     """Undo :func:`attach_param_step` (the original class back, LR schedulers' step wrappers kept consistent)."""
-    if getattr(optimizer, _STEP_ATTR, None) is not None:
-        restore_step_override(optimizer, _STEP_MARKER)
-        delattr(optimizer, _STEP_ATTR)
+    restore_step_override(optimizer, _STEP_MARKER)  # a no-op when it was not attached
