@@ -239,6 +239,20 @@ def swap_parameters(module: nn.Module, config: ZeroConfig, device: Optional[torc
     attach_param_swapper(module, config.nvme, rank=rank, pin_memory=pin)
 
 
+def reshard_gathered(module: nn.Module) -> None:
+    """Free the gathered parameters that units kept after their last forward and put the shards back on the
+    modules (FSDP2's ``reshard``, unit by unit). A unit that does not reshard after forward (every unit at stage 2;
+    the root and the last unit at stage 3) stays gathered after a forward without backward, such as an
+    evaluation loop's last batch: its full parameters then occupy memory until the next training step, and the
+    module exposes plain tensors instead of its sharded DTensors. Teardown calls this; a no-op at stages 0-1 and
+    for units already sharded."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            sub.reshard()
+
+
 def _default_device(mesh) -> torch.device:
     if mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())

@@ -42,7 +42,7 @@ from lightning_zero.distributed.init import InitConfig, exact_init
 from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
 from lightning_zero.distributed.optimizer_check import check_optimizer_params
 from lightning_zero.distributed.process_group_exit import destroy_process_group_at_exit
-from lightning_zero.distributed.zero import apply_zero
+from lightning_zero.distributed.zero import apply_zero, reshard_gathered
 from lightning_zero.offload.param_swapper import detach_param_swapper
 from lightning_zero.fabric import checkpoint
 from lightning_zero.fabric import pipeline_steps as fabric_pipeline
@@ -416,6 +416,7 @@ class ZeroStrategy(ParallelStrategy):
 
             if (pool := comm_buffer_pool(module)) is not None:
                 pool.clear()
+            reshard_gathered(module)  # an evaluation forward leaves stage-2 units gathered
             detach_param_swapper(module)  # NVMe parameter swap files go with the run (docs/offload.md)
         self._modules.clear()
         self._runner = None

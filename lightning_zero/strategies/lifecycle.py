@@ -7,10 +7,17 @@ import torch
 
 
 def holds_sharded_parameters(module) -> bool:
-    """Whether ``module`` has FSDP2 (DTensor) parameters: stages 2-3, or a sharded pipeline stage."""
+    """Whether ``module`` is sharded by FSDP2 (stages 2-3, or a sharded pipeline stage).
+
+    Asked of the modules as well as of the parameters: a unit that keeps its parameters gathered after a forward
+    (every unit at stage 2, the root and the last unit at stage 3, for instance after an evaluation loop) exposes
+    plain tensors until it reshards, so a model whose units are all gathered has no DTensor parameter.
+    """
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-    return module is not None and any(isinstance(param, DTensor) for param in module.parameters())
+    return module is not None and (any(isinstance(sub, FSDPModule) for sub in module.modules())
+                                   or any(isinstance(param, DTensor) for param in module.parameters()))
 
 
 def teardown_in_place(strategy) -> None:

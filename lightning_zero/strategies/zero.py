@@ -44,7 +44,7 @@ from lightning_zero.distributed.manual_backward import ManualBackward
 from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
 from lightning_zero.distributed.optimizer_check import check_optimizer_params
 from lightning_zero.distributed.process_group_exit import destroy_process_group_at_exit
-from lightning_zero.distributed.zero import apply_zero, swap_parameters
+from lightning_zero.distributed.zero import apply_zero, reshard_gathered, swap_parameters
 from lightning_zero.offload.param_swapper import detach_param_swapper
 from lightning_zero.fabric.settings import SETTING_NAMES, STRATEGY_NAMES, resolve_settings
 from lightning_zero.fabric import checkpointing, gradient_sync, validation
@@ -564,6 +564,7 @@ class ZeroStrategy(ParallelStrategy):
             if sharding is not None:
                 sharding.remove()
         if lightning_module is not None:
+            reshard_gathered(lightning_module)  # an evaluation loop's last forward leaves stage-2 units gathered
             detach_param_swapper(lightning_module)  # NVMe parameter swap files go with the run (docs/offload.md)
         if lifecycle.holds_sharded_parameters(lightning_module):
             lifecycle.teardown_in_place(self)  # never .cpu() a sharded module: see teardown_in_place

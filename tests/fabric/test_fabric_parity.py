@@ -227,3 +227,23 @@ def _nvme_worker(rank, world_size, root):
 def test_nvme_optimizer_offload_trains_and_cleans_up(tmp_path):
     """offload_optimizer="nvme" goes through the shared settings: states swap to disk, parity, files gone at teardown."""
     run_distributed(_nvme_worker, 2, str(tmp_path))
+
+
+def _gathered_after_eval_worker(rank, world_size):
+    from torch.distributed.tensor import DTensor
+
+    for stage in (2, 3):
+        fabric = make_fabric(ZeroStrategy(stage=stage))
+        model, _ = fabric_train(fabric, rank, world_size, steps=range(1))
+        with torch.inference_mode():  # an evaluation forward: no backward reshards the units kept gathered
+            model(torch.randn(LOCAL_BATCH, 8))  # TinyNet's input width
+        kept = [name for name, p in model.named_parameters() if not isinstance(p, DTensor)]
+        assert kept, f"stage {stage}: no unit stayed gathered after the forward (the test would prove nothing)"
+        fabric.strategy.teardown()
+        assert all(isinstance(p, DTensor) for p in model.parameters()), f"stage {stage}: {kept} left gathered"
+
+
+def test_teardown_reshards_units_left_gathered_by_an_evaluation_forward():
+    """Units that keep their parameters after forward (stage 2, the root and last unit at stage 3) are resharded at
+    teardown: their gathered copies are freed and the module holds its shards again."""
+    run_distributed(_gathered_after_eval_worker, 2)
