@@ -21,9 +21,9 @@ paths below crashes loudly instead of computing on stale values; call :meth:`Par
 - Release: a unit stays resident after its use while ``max_in_cpu`` allows (it is a residency budget, as in
   DeepSpeed: units that fit are not read again for the backward or the step). Making room evicts a unit that no
   all-gather or step is using: once the first step has shown one step's sequence of uses (gathers, then the step's
-  units), the unit needed again last (Belady's choice; with this cyclic order least-recently-used evicts the unit
-  needed next: 8 reads a step instead of 3 in tests/test_nvme_param_reads.py), before that the least recently
-  used. A clean unit is dropped; only a modified one (stepped, or loaded) is written.
+  units), the unit needed again last among those whose release alone makes room (Belady's choice; with this
+  cyclic order least-recently-used evicts the unit needed next: 8 reads a step instead of 3 in
+  tests/test_nvme_param_reads.py), before that the least recently used. A clean unit is dropped; only a modified one (stepped, or loaded) is written.
 - ``state_dict()``/``load_state_dict()`` (checkpoint save and load): every unit is made resident and kept so until
   the next forward (it may exceed ``max_in_cpu`` only then), marked modified (a load may change it).
 
@@ -367,7 +367,11 @@ class ParamSwapper:
                 raise RuntimeError(f"max_in_cpu={self.nvme.max_in_cpu} parameter elements cannot hold the FSDP unit "
                                    f"{unit.name!r} ({unit.elements} elements) next to the {busy} elements FSDP2 "
                                    "is using at this moment (all-gathers in flight, prefetches): raise max_in_cpu")
-            self._evict(self._victim(candidates))
+            # Belady's choice among the units whose release alone makes room: evicting a small unit needed last
+            # and then a large one anyway reads the small one again for nothing (a 4th read a step in
+            # tests/test_nvme_param_reads.py once stage 3 stopped re-gathering the root and the last unit)
+            over = self.resident_elements + needed - self.nvme.max_in_cpu
+            self._evict(self._victim([u for u in candidates if u.elements >= over] or candidates))
         if unit.resident:
             return
         self._read(unit)
