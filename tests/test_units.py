@@ -265,14 +265,23 @@ def _parity(rank, world_size, mesh):
 
 
 def _count_all_gathers(rank, world_size, mesh):
-    """One step of the flat model at stage 3: all-gathers per step drop with the units (forward + backward each)."""
+    """One step at stage 3: all-gathers per step drop with the units (forward + backward each), and the root and
+    the last unit are gathered once unless every unit is told to reshard."""
     from lightning_zero.distributed import buffers
+
+    def with_root_params():  # a LayerNorm after the blocks belongs to the root unit
+        return nn.Sequential(mlp(8), nn.LayerNorm(WIDTH))
 
     counts = {}
     persistent = dict(unit_bytes=0, param_persistence_threshold=LINEAR_BYTES)
-    for name, knobs in (("per block", dict(unit_bytes=0)), ("grouped", dict(unit_bytes=4 * LINEAR_BYTES)),
-                        ("persistent", persistent)):
-        model = apply_zero(mlp(8), mesh, ZeroConfig(stage=3, **knobs))
+    for name, build, knobs in (
+            ("per block", mlp, dict(unit_bytes=0)),
+            ("per block, reshard all", mlp, dict(unit_bytes=0, reshard_after_forward=True)),
+            ("grouped", mlp, dict(unit_bytes=4 * LINEAR_BYTES)),
+            ("persistent", mlp, persistent),
+            ("root with parameters", with_root_params, dict(unit_bytes=0)),
+            ("root with parameters, reshard all", with_root_params, dict(unit_bytes=0, reshard_after_forward=True))):
+        model = apply_zero(build(), mesh, ZeroConfig(stage=3, **knobs))
         x = torch.randn(LOCAL_BATCH, WIDTH)
         model(x).sum().backward()  # FSDP2's lazy init
         calls = []
@@ -283,9 +292,12 @@ def _count_all_gathers(rank, world_size, mesh):
         finally:
             buffers._all_gather_flat = real
         counts[name] = len(calls)
-    # each unit gathers twice (forward, and again in backward); the root holds no parameter of its own here, except
-    # with persistence: then it holds them all, gathered once per step and kept through backward
-    assert counts == {"per block": 2 * 8, "grouped": 2 * 2, "persistent": 1}, counts
+    # Each unit gathers twice (forward, and again in backward) except the last one to run, which stays gathered
+    # into its backward; the root gathers once (kept through backward). With reshard_after_forward=True every unit
+    # and the root gather twice. With persistence the root holds every parameter and gathers once.
+    assert counts == {"per block": 2 * 8 - 1, "per block, reshard all": 2 * 8, "grouped": 2 * 2 - 1,
+                      "persistent": 1, "root with parameters": 1 + 2 * 8 - 1,
+                      "root with parameters, reshard all": 2 + 2 * 8}, counts
 
 
 def _checkpoint_across_groupings(rank, world_size, mesh, path):

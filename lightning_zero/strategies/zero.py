@@ -96,7 +96,8 @@ class ZeroStrategy(ParallelStrategy):
         pin_memory: pin offloaded CPU tensors (default: when computing on CUDA).
         sharded_module_classes: classes or class names that become FSDP units at stages 2-3; by default
             repeated blocks are detected (:func:`lightning_zero.distributed.zero.find_repeated_blocks`).
-        reshard_after_forward: stage-3 override of FSDP2's ``reshard_after_forward``.
+        reshard_after_forward: stage-3 override of FSDP2's ``reshard_after_forward``, for every unit: ``True``
+            also reshards the root and the last unit, which the default keeps (see ``ZeroConfig``).
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; by default chosen from the accelerator.
         timeout: process-group timeout: a positive ``timedelta`` or number of seconds.
         start_method: ``"popen"`` (re-run the script per rank, like ``DDPStrategy``), ``"spawn"``, ``"fork"``.
