@@ -98,7 +98,9 @@ def run_lightning(rank, world, args, job, out):
             policy = MixedPrecisionPolicy(param_dtype=low_dtype, reduce_dtype=torch.float32 if low_dtype else None)
             for unit in models.units(name, self.net):
                 fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
-            fully_shard(self.net, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+            # The root as Lightning's FSDP2 docs shard it, with FSDP2's default (None): at stage 3 that keeps the
+            # root gathered from forward to backward; passing True would re-gather it in backward.
+            fully_shard(self.net, mesh=mesh, reshard_after_forward=None if reshard else False, mp_policy=policy)
 
     profiler = _StepProfiler(args, rank, job)
 
