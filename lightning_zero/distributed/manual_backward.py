@@ -38,6 +38,7 @@ from typing import Generator
 import torch
 from torch import nn
 
+from lightning_zero.distributed.zero import reshard_gathered
 from lightning_zero.torch_compat import fsdp_param_groups
 
 
@@ -95,14 +96,10 @@ class ManualBackward:
 
     def step_finished(self) -> None:
         """The root's forward returned: drop gathered copies that an optimizer step may have made stale."""
-        from torch.distributed.fsdp import FSDPModule
-
         self._suspended = False
         if self._backward_ran:
             self._backward_ran = False
-            for unit in self.root.modules():
-                if isinstance(unit, FSDPModule):
-                    unit.reshard()
+            reshard_gathered(self.root)
 
     def remove(self) -> None:
         for handle in self._handles:
