@@ -93,8 +93,8 @@ class ZeroConfig:
         reshard_after_forward: stage-3 override of FSDP2's ``reshard_after_forward`` (an ``int`` reshards to a
             smaller group, as FSDP2 allows) applied to every unit, the root included. ``None`` keeps the stage's
             meaning; at stage 3 the root and the unit that runs last in forward then stay gathered from forward to
-            backward (no extra memory at the peak, one all-gather each fewer per step: see
-            :func:`lightning_zero.distributed.zero._kept_from_forward_to_backward`).
+            backward (one gathered unit more while the head and the loss run, one all-gather each fewer per step:
+            see :func:`lightning_zero.distributed.zero._kept_from_forward_to_backward`).
         hybrid_shard_size: hybrid sharding (HSDP): model states are sharded within groups of this many consecutive
             ranks and replicated across the groups, on a 2-D ``("replicate", "shard")`` mesh
             (:mod:`lightning_zero.distributed.hybrid`). Stages 1-3 only; it must divide the world size (checked

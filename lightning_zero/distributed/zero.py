@@ -223,7 +223,7 @@ def _kept_from_forward_to_backward(group: list[nn.Module], root: nn.Module, grou
       all-gather per step.
 
     Measured (``docs/performance.md``, "Stage 3: the root and the last unit kept from forward to backward"): GPT
-    stage-3 step 0.87x, Llama 0.97x of resharding both, peak RSS unchanged. An explicit
+    stage-3 step 0.85-0.92x, Llama 0.90-0.99x of resharding every unit, peak RSS unchanged. An explicit
     ``reshard_after_forward=True`` (or an ``int``) reshards every unit, the root included, for the lowest memory;
     blocks left to the root by ``param_persistence_threshold`` always keep the root gathered (see :mod:`.units`).
     If the model's execution order differs from its registration order, the unit kept is not the last to run: it

@@ -416,7 +416,7 @@ class ZeroStrategy(ParallelStrategy):
 
             if (pool := comm_buffer_pool(module)) is not None:
                 pool.clear()
-            reshard_gathered(module)  # an evaluation forward leaves stage-2 units gathered
+            reshard_gathered(module)  # an evaluation forward leaves units gathered (stage 2; root and last at 3)
             detach_param_swapper(module)  # NVMe parameter swap files go with the run (docs/offload.md)
         self._modules.clear()
         self._runner = None

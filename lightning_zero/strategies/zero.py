@@ -565,7 +565,7 @@ class ZeroStrategy(ParallelStrategy):
             if sharding is not None:
                 sharding.remove()
         if lightning_module is not None:
-            reshard_gathered(lightning_module)  # an evaluation loop's last forward leaves stage-2 units gathered
+            reshard_gathered(lightning_module)  # an evaluation's last forward leaves units gathered (see it)
             detach_param_swapper(lightning_module)  # NVMe parameter swap files go with the run (docs/offload.md)
         if lifecycle.holds_sharded_parameters(lightning_module):
             lifecycle.teardown_in_place(self)  # never .cpu() a sharded module: see teardown_in_place
