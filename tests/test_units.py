@@ -7,7 +7,6 @@ and a checkpoint saved with one grouping and loaded with another.
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lightning_zero import ZeroConfig, apply_zero
