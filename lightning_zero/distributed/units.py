@@ -25,15 +25,16 @@ that run after it (forward) or before it (backward) until their bytes reach the 
 moves the collective earlier but overlaps nothing; the knob is for CUDA.
 
 [Note: the default unit size]
-Two measurements from ``benchmarks/bench_units.py`` (2 gloo ranks on CPU; numbers in ``docs/units.md``) set
-``DEFAULT_UNIT_BYTES``. (1) One FSDP2 unit costs a fixed ~3 ms per stage-3 step beyond its bytes (hooks, copy-in/out
-and three collectives: the step-time difference between 24 one-``Linear(64, 64)`` units and one unit, fastest of 15
-steps each), while a bare gloo all-gather costs ~0.15 ms. (2) The per-byte cost of a gloo all-gather is *lowest* for
-1-4 MiB messages and rises beyond (0.33 ns/B at 2 MiB, 0.54 at 4 MiB, 1.0 at 16 MiB, 1.7 at 32 MiB: the copies fall
-out of cache). Per step a unit of ``u`` bytes then costs about ``c / u + 4 g(u)`` per byte (``c``: the fixed cost,
-``g``: the all-gather's per-byte cost, 4: two all-gathers and a reduce-scatter), smallest at 2-4 MiB; 4 MiB it is.
-Larger units are worse on CPU, smaller ones pay the fixed cost. Blocks already larger than the target stay one unit
-each, exactly as without grouping; on CUDA (NCCL) a larger ``unit_bytes`` may pay, so it is a knob.
+Whole training steps on a quiet machine set ``DEFAULT_UNIT_BYTES`` (2 gloo ranks on CPU, alternated runs; numbers in
+``docs/units.md``). A unit costs a fixed ~3 ms per stage-3 step beyond its bytes (hooks, copy-in/out and three
+collectives; a bare gloo all-gather costs ~0.15 ms), and gloo's cost per byte rises once messages leave the cache.
+On the issue-18 MLP (24 ``Linear(1024, 1024)``, 4 MiB each) the step time against 4 MiB units was 0.855 (8 MiB),
+0.80 (16 MiB) in fp32 at stage 3, 0.785 (16 MiB) in bf16, 0.88 (16 MiB) in fp32 at stage 2; 32 MiB units were
+1.23-1.36x slower than 16 MiB. So 16 MiB. What it costs is memory: at stage 3 about two units are gathered at a
+time (the current one and FSDP2's prefetch), so the peak grows with the unit (+40-70 MiB on that MLP; a tiny
+Llama's four 2.6 MB blocks become one unit, +18 MiB). Blocks larger than the target (a transformer block of a
+1B-parameter model is over 100 MB in fp32) stay one unit each, exactly as without grouping. An earlier model fitted to single collectives
+on a loaded machine (load ~10) had put the optimum at 2-4 MiB; the whole-step measurement above replaced it.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-DEFAULT_UNIT_BYTES = 4 * 2 ** 20  # see [Note: the default unit size]
+DEFAULT_UNIT_BYTES = 16 * 2 ** 20  # see [Note: the default unit size]
 DEFAULT_PARAM_PERSISTENCE_THRESHOLD = 0  # grouping already merges small blocks; see docs/units.md
 # DeepSpeed counts its bucket sizes in elements; parameters at rest are fp32 (masters) unless the run is bf16-true.
 DS_BUCKET_ELEMENT_BYTES = 4
