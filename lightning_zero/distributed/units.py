@@ -31,10 +31,11 @@ collectives; a bare gloo all-gather costs ~0.15 ms), and gloo's cost per byte ri
 On the issue-18 MLP (24 ``Linear(1024, 1024)``, 4 MiB each) the step time against 4 MiB units was 0.855 (8 MiB),
 0.80 (16 MiB) in fp32 at stage 3, 0.785 (16 MiB) in bf16, 0.88 (16 MiB) in fp32 at stage 2; 32 MiB units were
 1.23-1.36x slower than 16 MiB. So 16 MiB. What it costs is memory: at stage 3 about two units are gathered at a
-time (the current one and FSDP2's prefetch), so the peak grows with the unit (+40-70 MiB on that MLP; a tiny
-Llama's four 2.6 MB blocks become one unit, +18 MiB). Blocks larger than the target (a transformer block of a
-1B-parameter model is over 100 MB in fp32) stay one unit each, exactly as without grouping. An earlier model fitted to single collectives
-on a loaded machine (load ~10) had put the optimum at 2-4 MiB; the whole-step measurement above replaced it.
+time (the current one and FSDP2's prefetch), so the peak grows with the unit (+50-85 MiB on that MLP, medians; a
+tiny Llama's four 2.6 MB blocks become one unit, +18 MiB). Blocks larger than the target (a transformer block of a
+1B-parameter model is over 100 MB in fp32) stay one unit each, exactly as without grouping. An earlier model fitted
+to single collectives on a loaded machine (load ~10) had put the optimum at 2-4 MiB; the whole-step measurement
+above replaced it.
 """
 
 from __future__ import annotations
