@@ -39,17 +39,16 @@ def _allocated_peak(step) -> int:
     return peak
 
 
-def _train(model, opt, steps: int, set_to_none: bool) -> None:
-    x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(torch.distributed.get_rank()))
-    for _ in range(steps):
-        opt.zero_grad(set_to_none=set_to_none)
-        model(x).square().mean().backward()
-        opt.step()
-
-
 def _forward_backward(model) -> None:
     x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(torch.distributed.get_rank()))
     model(x).square().mean().backward()
+
+
+def _train(model, opt, steps: int, set_to_none: bool) -> None:
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=set_to_none)
+        _forward_backward(model)
+        opt.step()
 
 
 def _views_worker(rank, world_size):
