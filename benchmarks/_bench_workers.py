@@ -4,7 +4,9 @@ A job is ``{"model", "precision", "kind"}`` (plus optional ``"options"``: extra 
 arguments, for side-by-side comparisons of one option); ``kind`` is ``zero:<stage>[+cpu]`` (ZeroStrategy),
 ``deepspeed:<stage>[+cpu]``, ``ddp``, ``modelparallel:<2|3>`` (Lightning's FSDP2 strategy; 2 keeps the gathered
 parameters after forward, 3 reshards them), ``fsdp:<sharding strategy>`` (Lightning's FSDP1 strategy, opt-in) or
-``floor:<stage>`` (no strategy: the computation any data-parallel step at that stage must do, see ``run_floor``).
+``floor:<stage>`` (no strategy: the computation any data-parallel step at that stage must do, see ``run_floor``),
+``sync:<stage>`` (the floor plus the one synchronisation per step that any data-parallel step needs: a lower bound)
+or ``minimal:<0|1|2>`` (a framework-free loop with the stage's least communication, see ``run_minimal``).
 
 Each rank reports the median wall time of a full training step (forward, backward, optimizer step) after warm-up,
 and the growth of its peak memory (``VmHWM`` reset after imports on CPU; the CUDA allocator's peak on GPU).
@@ -169,9 +171,20 @@ def run_floor(rank, world, args, job, out):
     Precision as ZeroStrategy computes (``fabric/precision_policy.py``): at stages 0-1 both bf16 flags run the fp32
     model under CPU autocast; at stages 2-3 the fp32 masters are cast once per step into a bf16 compute copy (FSDP2's
     ``param_dtype`` cast, done before its all-gather), which runs under autocast for ``bf16`` (``bf16-mixed``) and
-    without it for ``bf16t`` (``bf16-true``), and the bf16 gradients are cast to fp32 for the master step."""
+    without it for ``bf16t`` (``bf16-true``), and the bf16 gradients are cast to fp32 for the master step.
+
+    ``sync:<stage>`` adds one collective of a single element per step, after backward. Data parallelism exchanges
+    something every step, so its ranks meet at least once per step and each step lasts as long as the slower rank's:
+    with two ranks on two shared cores, that wait alone costs more than the collective's bytes. ``sync / peer`` is
+    a lower bound on the step-time ratio that no data-parallel implementation computing this way can pass."""
     import copy
 
+    synced = job["kind"].startswith("sync:")
+    if synced:
+        import torch.distributed as dist
+
+        dist.init_process_group("nccl" if _on_cuda() else "gloo")
+        token = torch.zeros(1, device="cuda" if _on_cuda() else "cpu")
     baseline = _reset_peak()
     name, stage = job["model"], job["kind"].partition(":")[2].partition("+")[0]
     model = models.build(name, args)
@@ -197,6 +210,8 @@ def run_floor(rank, world, args, job, out):
         with torch.autocast("cpu", dtype=low_dtype or torch.bfloat16, enabled=autocast):
             value = models.loss(name, compute, x, y)
         value.backward()
+        if synced:
+            dist.all_reduce(token)
         if compute is not model:
             for master, low in pairs:
                 master.grad = low.grad.float()
@@ -205,6 +220,81 @@ def run_floor(rank, world, args, job, out):
         compute.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
     _write(out, rank, times[args.warmup:], _peak(baseline))
+
+
+def run_minimal(rank, world, args, job, out):
+    """A framework-free data-parallel loop with the least communication of its stage (``minimal:<0|1|2>``): what
+    the stage's computation plus its collectives cost on this machine with no framework at all. Not a bound (a
+    cleverer design may overlap more), a yardstick: the share of a peer's step that any engine built on these
+    collectives keeps.
+
+    - Stage 0: every gradient copied into one flat buffer, one all-reduce, every rank steps every parameter (DDP
+      with a single bucket, without its hooks or overlap).
+    - Stages 1-2: DeepSpeed's own layout without its engine: the parameters flattened, each rank owns a contiguous
+      ``1/world`` slice as one fp32 tensor that AdamW steps; per step one reduce-scatter of the flat gradients (on
+      gloo, which has none, the all-to-all plus local sum ZeroStrategy uses, ``distributed/buffers.py``) and one
+      all-gather of the updated slices, copied back into the model.
+    - bf16: the fp32 model under autocast (``bf16-mixed``'s numerics) at every stage; gradients reduced in fp32.
+
+    Each rank also reports the sum of its parameters after training: every stage trains the same model on the same
+    batches, so the sums agree across ranks and stages (``tests/test_bench_stages.py``)."""
+    import torch.distributed as dist
+
+    device = torch.device("cuda", rank) if _on_cuda() else torch.device("cpu")
+    dist.init_process_group("nccl" if _on_cuda() else "gloo")
+    baseline = _reset_peak()
+    name, stage = job["model"], int(job["kind"].partition(":")[2])
+    if stage not in (0, 1, 2):
+        raise ValueError(f"minimal:{stage}: the minimal loop covers stages 0-2")
+    model = models.build(name, args).to(device)
+    low_dtype = PRECISIONS[job["precision"]][1]
+    params = list(model.parameters())
+    sizes = [p.numel() for p in params]
+    chunk = -(-sum(sizes) // world)
+    flat = torch.zeros(chunk * world, device=device)  # the gradients, then (stages 1-2) the gathered parameters
+    if stage == 0:
+        optimizer = torch.optim.AdamW(params, lr=1e-4)
+    else:
+        with torch.no_grad():
+            whole = torch.cat([p.reshape(-1) for p in params] + [flat[sum(sizes):]])
+        master = torch.nn.Parameter(whole[rank * chunk:(rank + 1) * chunk].clone())
+        optimizer = torch.optim.AdamW([master], lr=1e-4)
+        received = torch.empty_like(flat)
+    times = []
+    for x, y in models.batches(name, args, rank):
+        start = time.perf_counter()
+        with torch.autocast(device.type, dtype=low_dtype or torch.bfloat16, enabled=low_dtype is not None):
+            value = models.loss(name, model, x.to(device), y.to(device))
+        value.backward()
+        grads = flat.split(sizes + [flat.numel() - sum(sizes)])
+        for p, g in zip(params, grads):
+            g.view_as(p).copy_(p.grad)
+        if stage == 0:
+            dist.all_reduce(flat)
+            flat.div_(world)
+            for p, g in zip(params, grads):
+                p.grad.copy_(g.view_as(p))
+            optimizer.step()
+        else:
+            if device.type == "cuda":
+                master.grad = torch.empty_like(master)
+                dist.reduce_scatter_tensor(master.grad, flat)
+            else:
+                dist.all_to_all_single(received, flat)
+                master.grad = received.view(world, chunk).sum(0)
+            master.grad.div_(world)
+            optimizer.step()
+            dist.all_gather_into_tensor(flat, master.detach())
+            with torch.no_grad():
+                for p, g in zip(params, grads):
+                    p.copy_(g.view_as(p))
+        model.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    checksum = float(sum(p.detach().double().sum() for p in params))
+    _write(out, rank, times[args.warmup:], _peak(baseline), param_sum=checksum)
+    dist.destroy_process_group()
 
 
 def run_deepspeed(rank, world, args, job, out):
@@ -270,9 +360,9 @@ class _StepProfiler:
             json.dump({"job": job, "steps": self.args.steps, "self_cpu_total_us": total, "top": rows}, f, indent=1)
 
 
-def _write(out, rank, times, peak):
+def _write(out, rank, times, peak, **extra):
     with open(f"{out}.{rank}", "w") as f:
-        json.dump({"time": statistics.median(times), "peak": peak}, f)
+        json.dump({"time": statistics.median(times), "peak": peak, **extra}, f)
 
 
 def _entry(rank, world, port, args, job, out):
@@ -283,12 +373,13 @@ def _entry(rank, world, port, args, job, out):
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     if args.device == "cuda":
         torch.cuda.set_device(rank)
-    runner = {"deepspeed": run_deepspeed, "floor": run_floor}.get(job["kind"].partition(":")[0], run_lightning)
+    runners = {"deepspeed": run_deepspeed, "floor": run_floor, "sync": run_floor, "minimal": run_minimal}
+    runner = runners.get(job["kind"].partition(":")[0], run_lightning)
     runner(rank, world, args, job, out)
 
 
-def measure(job: dict, args) -> tuple[float, int]:
-    """(step time in s, peak memory growth in bytes) of ``job``: the maximum over fresh spawned ranks."""
+def spawn(job: dict, args) -> list[dict]:
+    """Run ``job`` in fresh spawned ranks; every rank's result (``time``, ``peak``, and what its runner adds)."""
     from tests_free_port import free_port
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -299,4 +390,10 @@ def measure(job: dict, args) -> tuple[float, int]:
         for r in range(args.nproc):
             with open(f"{out}.{r}") as f:
                 results.append(json.load(f))
+    return results
+
+
+def measure(job: dict, args) -> tuple[float, int]:
+    """(step time in s, peak memory growth in bytes) of ``job``: the maximum over fresh spawned ranks."""
+    results = spawn(job, args)
     return max(r["time"] for r in results), max(r["peak"] for r in results)

@@ -15,7 +15,9 @@ cell runs ZeroStrategy and its peers: DeepSpeed at the same stage/precision/offl
 ModelParallelStrategy (FSDP2, the blocks sharded by hand, bf16 compute copies under bf16) for stages 2 and 3, and,
 opt-in, the compute floor (``--peers floor``: the same computation with no collectives and no framework, see
 ``_bench_workers.run_floor``): ``floor / peer`` is the lowest step-time ratio to that peer any implementation can
-reach.
+reach; ``--peers sync``: the floor plus one synchronisation of the ranks per step, which every data-parallel step
+has, so a tighter lower bound; ``--peers minimal`` (stages 0-2): a framework-free loop with the stage's least
+communication over flat buffers (``_bench_workers.run_minimal``), what the collectives cost without any engine.
 
 Method. Every configuration runs in fresh spawned processes with the same model, seed, batches and optimizer (AdamW).
 Time is the median wall time of a full training step (forward, backward, optimizer step) after warm-up; memory is
@@ -53,9 +55,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _bench_models as models  # noqa: E402
 
 STAGES = ("0", "1", "2", "3", "1+cpu", "2+cpu", "3+cpu")
-PEERS = ("deepspeed", "ddp", "modelparallel", "fsdp", "floor")
+PEERS = ("deepspeed", "ddp", "modelparallel", "fsdp", "floor", "sync", "minimal")
 LABELS = {"deepspeed": "DeepSpeed", "ddp": "Lightning DDP", "modelparallel": "Lightning ModelParallel (FSDP2)",
-          "fsdp": "Lightning FSDP (FSDP1)", "floor": "compute floor (no collectives)"}
+          "fsdp": "Lightning FSDP (FSDP1)", "floor": "compute floor (no collectives)",
+          "sync": "compute floor + one sync per step", "minimal": "minimal loop (no framework, flat collectives)"}
 DEFAULT_PLOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "docs", "img", "bench_stages.png")
 
 
@@ -72,8 +75,10 @@ def peer_kinds(stage: str, peers) -> list[tuple[str, str]]:
             out.append((peer, f"modelparallel:{stage}"))
         elif peer == "fsdp" and stage in ("2", "3"):
             out.append((peer, "fsdp:" + ("SHARD_GRAD_OP" if stage == "2" else "FULL_SHARD")))
-        elif peer == "floor":
-            out.append((peer, f"floor:{stage}"))
+        elif peer in ("floor", "sync"):
+            out.append((peer, f"{peer}:{stage}"))
+        elif peer == "minimal" and stage in ("0", "1", "2"):
+            out.append((peer, f"minimal:{stage}"))
     return out
 
 
@@ -174,7 +179,7 @@ def plot(rows: list[dict], path: str) -> bool:
     labels = [f"{r['model']} {r['precision']} stage {r['stage']}\nvs {LABELS[r['peer']].replace('Lightning ', 'L. ')}"
               for r in rows]
     colors = {"deepspeed": "tab:blue", "ddp": "tab:orange", "modelparallel": "tab:green", "fsdp": "tab:gray",
-              "floor": "tab:purple"}
+              "floor": "tab:purple", "sync": "tab:pink", "minimal": "tab:brown"}
     fig, axes = plt.subplots(2, 1, figsize=(max(8.0, 0.55 * len(rows)), 8), sharex=True)
     for ax, key, title in ((axes[0], "time_ratio", "step time, ours / peer"),
                            (axes[1], "mem_ratio", "peak RSS per rank, ours / peer")):
@@ -206,8 +211,11 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--stages", nargs="+", default=["0", "1", "2", "3", "2+cpu", "3+cpu"], choices=STAGES,
                         help="ZeRO configurations (default: 0 1 2 3 2+cpu 3+cpu)")
     parser.add_argument("--peers", nargs="+", default=["deepspeed", "ddp", "modelparallel"], choices=PEERS,
-                        help="peers to compare with (default: deepspeed ddp modelparallel; fsdp and floor are opt-in; "
-                             "floor: the computation alone, no collectives, see _bench_workers.run_floor)")
+                        help="peers to compare with (default: deepspeed ddp modelparallel; fsdp, floor, sync and "
+                             "minimal are opt-in; floor: the computation alone, no collectives; sync: the floor plus "
+                             "one synchronisation per step, a lower bound for any data-parallel step; minimal: a "
+                             "framework-free loop with the stage's least communication, stages 0-2; see "
+                             "_bench_workers.run_floor and run_minimal)")
     parser.add_argument("--no-deepspeed", action="store_true", help="drop the DeepSpeed peer")
     parser.add_argument("--no-lightning", action="store_true", help="drop Lightning's strategies as peers")
     parser.add_argument("--repeat", type=int, default=None, help="alternated runs per cell (default 3; quick: 1)")

@@ -38,6 +38,10 @@ def test_peers_per_stage(deepspeed_listed):
     assert bench.peer_kinds("3", peers) == [("deepspeed", "deepspeed:3"), ("modelparallel", "modelparallel:3")]
     assert bench.peer_kinds("3+cpu", peers) == [("deepspeed", "deepspeed:3+cpu")]
     assert bench.peer_kinds("2", ["floor"]) == [("floor", "floor:2")]  # opt-in, at every stage
+    assert bench.peer_kinds("3+cpu", ["sync"]) == [("sync", "sync:3+cpu")]  # opt-in, at every stage
+    assert bench.peer_kinds("1", ["minimal"]) == [("minimal", "minimal:1")]  # opt-in, stages 0-2 only
+    assert bench.peer_kinds("3", ["minimal"]) == [] and bench.peer_kinds("2+cpu", ["minimal"]) == []
+    assert not {"floor", "sync", "minimal"} & set(bench.parse([]).peers)
     assert "floor" not in bench.parse([]).peers
 
 
@@ -57,6 +61,28 @@ def test_compute_floor_runs_without_collectives_and_steps_a_share():
     for model in ("gpt", "mlp"):
         step, peak = workers.measure({"model": model, "precision": "bf16t", "kind": "floor:2"}, args)
         assert step > 0 and peak >= 0, model
+
+
+def test_minimal_loop_trains_the_same_model_at_stages_0_to_2():
+    """The minimal-loop peer does the training it stands for: its flat all-reduce (stage 0) and its flat slices with
+    reduce-scatter and all-gather (stages 1-2) end with the same weights on every rank and at every stage, and not
+    the initial ones. The sync peer (the floor plus one collective per step) runs with its process group."""
+    bench = _bench()
+    import _bench_models as models
+    import _bench_workers as workers
+
+    args = bench.parse(["--quick", "--nproc", "2", "--peers", "minimal", "--steps", "3"])
+    initial = float(sum(p.detach().double().sum() for p in models.build("gpt", args).parameters()))
+    sums = {}
+    for stage in ("0", "1", "2"):
+        results = workers.spawn({"model": "gpt", "precision": "fp32", "kind": f"minimal:{stage}"}, args)
+        assert all(r["time"] > 0 for r in results)
+        sums[stage] = [r["param_sum"] for r in results]
+    flat = [value for values in sums.values() for value in values]
+    assert max(flat) - min(flat) <= 1e-6 * max(abs(v) for v in flat), sums
+    assert abs(flat[0] - initial) > 1e-4, (flat[0], initial)  # AdamW moved every weight by about lr per step
+    step, peak = workers.measure({"model": "gpt", "precision": "bf16", "kind": "sync:2"}, args)
+    assert step > 0 and peak >= 0
 
 
 def test_runs_alternate_and_ratios_are_paired(capsys, deepspeed_listed):
