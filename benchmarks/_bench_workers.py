@@ -284,7 +284,8 @@ def run_minimal(rank, world, args, job, out):
                 master.grad = received.view(world, chunk).sum(0)
             master.grad.div_(world)
             optimizer.step()
-            dist.all_gather_into_tensor(flat, master.detach())
+            # all_gather_single from torch 2.13 (all_gather_into_tensor, deprecated there, before)
+            (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(flat, master.detach())
             with torch.no_grad():
                 for p, g in zip(params, grads):
                     p.copy_(g.view_as(p))
