@@ -240,23 +240,27 @@ def run_minimal(rank, world, args, job, out):
     batches, so the sums agree across ranks and stages (``tests/test_bench_stages.py``)."""
     import torch.distributed as dist
 
-    device = torch.device("cuda", rank) if _on_cuda() else torch.device("cpu")
-    dist.init_process_group("nccl" if _on_cuda() else "gloo")
-    baseline = _reset_peak()
+    from lightning_zero.distributed.buffers import _all_gather_flat  # torch's, under its name in this torch version
+
     name, stage = job["model"], int(job["kind"].partition(":")[2])
     if stage not in (0, 1, 2):
         raise ValueError(f"minimal:{stage}: the minimal loop covers stages 0-2")
+    device = torch.device("cuda", rank) if _on_cuda() else torch.device("cpu")
+    dist.init_process_group("nccl" if _on_cuda() else "gloo")
+    baseline = _reset_peak()
     model = models.build(name, args).to(device)
     low_dtype = PRECISIONS[job["precision"]][1]
     params = list(model.parameters())
     sizes = [p.numel() for p in params]
-    chunk = -(-sum(sizes) // world)
+    total = sum(sizes)
+    chunk = -(-total // world)
     flat = torch.zeros(chunk * world, device=device)  # the gradients, then (stages 1-2) the gathered parameters
+    grads = flat.split(sizes + [flat.numel() - total])  # each parameter's view into it, then the padding
     if stage == 0:
         optimizer = torch.optim.AdamW(params, lr=1e-4)
     else:
         with torch.no_grad():
-            whole = torch.cat([p.reshape(-1) for p in params] + [flat[sum(sizes):]])
+            whole = torch.cat([p.reshape(-1) for p in params] + [grads[-1]])
         master = torch.nn.Parameter(whole[rank * chunk:(rank + 1) * chunk].clone())
         optimizer = torch.optim.AdamW([master], lr=1e-4)
         received = torch.empty_like(flat)
@@ -266,7 +270,6 @@ def run_minimal(rank, world, args, job, out):
         with torch.autocast(device.type, dtype=low_dtype or torch.bfloat16, enabled=low_dtype is not None):
             value = models.loss(name, model, x.to(device), y.to(device))
         value.backward()
-        grads = flat.split(sizes + [flat.numel() - sum(sizes)])
         for p, g in zip(params, grads):
             g.view_as(p).copy_(p.grad)
         if stage == 0:
@@ -284,8 +287,7 @@ def run_minimal(rank, world, args, job, out):
                 master.grad = received.view(world, chunk).sum(0)
             master.grad.div_(world)
             optimizer.step()
-            # all_gather_single from torch 2.13 (all_gather_into_tensor, deprecated there, before)
-            (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(flat, master.detach())
+            _all_gather_flat(flat, master.detach())
             with torch.no_grad():
                 for p, g in zip(params, grads):
                     p.copy_(g.view_as(p))

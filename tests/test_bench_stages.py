@@ -42,7 +42,6 @@ def test_peers_per_stage(deepspeed_listed):
     assert bench.peer_kinds("1", ["minimal"]) == [("minimal", "minimal:1")]  # opt-in, stages 0-2 only
     assert bench.peer_kinds("3", ["minimal"]) == [] and bench.peer_kinds("2+cpu", ["minimal"]) == []
     assert not {"floor", "sync", "minimal"} & set(bench.parse([]).peers)
-    assert "floor" not in bench.parse([]).peers
 
 
 def test_compute_floor_runs_without_collectives_and_steps_a_share():
