@@ -246,6 +246,10 @@ def parse(argv=None) -> argparse.Namespace:
     args.model = list(models.MODELS) if "all" in args.model else list(dict.fromkeys(args.model))
     args.peers = [p for p in dict.fromkeys(args.peers) if not (args.no_deepspeed and p == "deepspeed")
                   and not (args.no_lightning and p != "deepspeed")]
+    for peer in args.peers if not args.load else []:
+        if not any(peer_kinds(stage, [peer]) for stage in args.stages):  # said, never dropped silently
+            print(f"--peers {peer}: no cell at --stages {' '.join(args.stages)} compares with it "
+                  f"(ddp: stage 0; modelparallel and fsdp: 2-3; minimal: 0-2), so it does not run", file=sys.stderr)
     if "deepspeed" in args.peers and not args.load and importlib.util.find_spec("deepspeed") is None:
         parser.error("the DeepSpeed peer needs deepspeed (pip install -e '.[bench]'), or pass --no-deepspeed")
     return args

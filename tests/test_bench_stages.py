@@ -44,6 +44,17 @@ def test_peers_per_stage(deepspeed_listed):
     assert not {"floor", "sync", "minimal"} & set(bench.parse([]).peers)
 
 
+def test_a_peer_with_no_cell_at_the_chosen_stages_is_reported(capsys, deepspeed_listed):
+    """A requested peer that compares with none of the requested stages is named on stderr, not dropped silently."""
+    bench = _bench()
+    bench.parse(["--stages", "3", "3+cpu", "--peers", "deepspeed", "minimal", "ddp"])
+    err = capsys.readouterr().err
+    assert "--peers minimal: no cell at --stages 3 3+cpu" in err and "--peers ddp: no cell" in err
+    assert "--peers deepspeed" not in err
+    bench.parse(["--stages", "0", "2", "--peers", "minimal", "ddp", "modelparallel"])
+    assert "no cell" not in capsys.readouterr().err
+
+
 def test_compute_floor_runs_without_collectives_and_steps_a_share():
     """The floor peer: each rank steps about 1/world of the elements at stages 1-3 (all of them at stage 0), in a
     plain loop that never initializes a process group (a collective would raise)."""
