@@ -52,11 +52,11 @@ def rank_main(args) -> None:
         from torch import nn
         from torch.distributed.device_mesh import init_device_mesh
 
-        from lightning_zero.config import ZeroConfig
-        from lightning_zero.distributed.init import InitConfig, exact_init
+        from lightning_zero.distributed.config import ZeroConfig
+        from lightning_zero.distributed.exact_init import InitConfig, exact_init
         from lightning_zero.distributed.optimizer import shard_optimizer
-        from lightning_zero.distributed.zero import apply_zero
-        from lightning_zero.offload.config import NvmeConfig
+        from lightning_zero.distributed.apply_zero import apply_zero
+        from lightning_zero.offload.nvme_config import NvmeConfig
         from lightning_zero.offload.optimizer_swapper import detach_swapper, get_swapper
         from lightning_zero.offload.param_swapper import detach_param_step, detach_param_swapper, get_param_swapper
 
@@ -167,10 +167,10 @@ def same_model_as_deepspeed(args) -> None:
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_zero.config import ZeroConfig
+    from lightning_zero.distributed.config import ZeroConfig
     from lightning_zero.distributed.optimizer import shard_optimizer
-    from lightning_zero.distributed.zero import apply_zero
-    from lightning_zero.offload.config import NvmeConfig
+    from lightning_zero.distributed.apply_zero import apply_zero
+    from lightning_zero.offload.nvme_config import NvmeConfig
     from lightning_zero.offload.optimizer_swapper import detach_swapper, get_swapper
     from lightning_zero.offload.param_swapper import detach_param_step, detach_param_swapper, get_param_swapper
 

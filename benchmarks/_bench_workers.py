@@ -168,7 +168,7 @@ def run_floor(rank, world, args, job, out):
     least this work on the same cores, so ``floor step / peer step`` is the lowest ratio to the peer that any
     implementation can reach: a step-time target below it cannot be met by anyone.
 
-    Precision as ZeroStrategy computes (``fabric/precision_policy.py``): at stages 0-1 both bf16 flags run the fp32
+    Precision as ZeroStrategy computes (``adapters/precision_policy.py``): at stages 0-1 both bf16 flags run the fp32
     model under CPU autocast; at stages 2-3 the fp32 masters are cast once per step into a bf16 compute copy (FSDP2's
     ``param_dtype`` cast, done before its all-gather), which runs under autocast for ``bf16`` (``bf16-mixed``) and
     without it for ``bf16t`` (``bf16-true``), and the bf16 gradients are cast to fp32 for the master step.
@@ -232,7 +232,7 @@ def run_minimal(rank, world, args, job, out):
       with a single bucket, without its hooks or overlap).
     - Stages 1-2: DeepSpeed's own layout without its engine: the parameters flattened, each rank owns a contiguous
       ``1/world`` slice as one fp32 tensor that AdamW steps; per step one reduce-scatter of the flat gradients (on
-      gloo, which has none, the all-to-all plus local sum ZeroStrategy uses, ``distributed/buffers.py``) and one
+      gloo, which has none, the all-to-all plus local sum ZeroStrategy uses, ``distributed/comm_buffers.py``) and one
       all-gather of the updated slices, copied back into the model.
     - bf16: the fp32 model under autocast (``bf16-mixed``'s numerics) at every stage; gradients reduced in fp32.
 
@@ -240,7 +240,7 @@ def run_minimal(rank, world, args, job, out):
     batches, so the sums agree across ranks and stages (``tests/test_bench_stages.py``)."""
     import torch.distributed as dist
 
-    from lightning_zero.distributed.buffers import _all_gather_flat  # torch's, under its name in this torch version
+    from lightning_zero.distributed.comm_buffers import _all_gather_flat  # torch's, under its name in this torch version
 
     name, stage = job["model"], int(job["kind"].partition(":")[2])
     if stage not in (0, 1, 2):

@@ -56,7 +56,7 @@ def _sharded(args, rank):
 
 
 def _state(model, optimizer):
-    from lightning_zero.fabric.checkpointing import optimizer_state_dict
+    from lightning_zero.checkpoint.states import optimizer_state_dict
 
     tensors = {"state_dict": model.state_dict(),
                "optimizer_states": {"0": {"state": optimizer_state_dict(model, optimizer)["state"]}}}

@@ -19,7 +19,7 @@ With activation checkpointing (``ZeroStrategy(activation_checkpointing=True[, cp
 tensors column also counts what a non-reentrant ``torch.utils.checkpoint`` keeps and rebuilds, which the plain
 saved-tensor hook cannot see: the block inputs (counted where the block receives them, also when ``save_on_cpu``
 holds CPU copies of them) and the largest block's activations, rebuilt one block at a time in backward (that block's
-forward run once without checkpoint under the hook): ``lightning_zero.distributed.activation_measure``.
+forward run once without checkpoint under the hook): ``lightning_zero.estimate.checkpointed_activations``.
 
 Then it runs ``lightning-zero advise --measure`` on the same model and reports its choice and wall time.
 """

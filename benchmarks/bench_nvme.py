@@ -71,7 +71,7 @@ import torch
 
 import _bench_nvme_stage3
 from lightning_zero.offload.aio import AioSettings, AsyncFileIO, aligned_buffer
-from lightning_zero.offload.config import NvmeConfig
+from lightning_zero.offload.nvme_config import NvmeConfig
 from lightning_zero.offload.optimizer_swapper import attach_swapper, detach_swapper
 
 GB = 1e9
@@ -188,7 +188,7 @@ def capped_rank(args) -> None:
     """One rank process: cap RLIMIT_DATA, build a bf16 model, train it a few steps with stage-1 offload."""
     from torch import nn
 
-    from lightning_zero.config import ZeroConfig
+    from lightning_zero.distributed.config import ZeroConfig
     from lightning_zero.distributed.optimizer import shard_optimizer
 
     threading.stack_size(1 << 20)

@@ -35,7 +35,7 @@ the top ops by self CPU time share as JSON into DIR (profiled runs are slower: d
 FSDP2 allocates and frees per-unit all-gather and reduce-scatter buffers every step; with glibc's dynamic mmap
 threshold those end up on the heap and fragment it (a stage-2 run's RSS used to climb for ~7 steps and settle
 ~2.6x above what the tensors need). ``apply_zero`` now pools those buffers on CPU
-(``lightning_zero.distributed.buffers``), which removes part of the climb; the gathered parameters and autograd's
+(``lightning_zero.distributed.comm_buffers``), which removes part of the climb; the gathered parameters and autograd's
 unsharded gradients still go through glibc. ``MALLOC_MMAP_THRESHOLD_=1048576`` (a fixed threshold: large blocks are
 mmapped and returned) shows the allocator-neutral figure for both sides, at the price of page faults on every step.
 On CUDA the caching allocator makes the question moot.

@@ -72,7 +72,7 @@ def _model(rank: int, world: int, stage: int, targets: list, repeat: int, width:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         states = {id(m._get_fsdp_state()) for m in model.modules() if isinstance(m, FSDPModule)}
         runs[target] = dict(model=model, opt=opt, units=len(states), times=[], gathers=0)
-    from lightning_zero.distributed import buffers
+    from lightning_zero.distributed import comm_buffers as buffers
 
     x = torch.randn(batch, width)
     real = buffers._all_gather_flat  # what FSDP2's all-gather calls on CPU (lightning_zero's pooled buffers)

@@ -26,7 +26,7 @@ from torch import nn
 # Profiler event names (substrings, lower case) grouped into the counts we report.
 COUNTED = {
     "all_gather": ("allgather", "all_gather"),
-    # on CPU the pooled reduce-scatter is an all-to-all (lightning_zero/distributed/buffers.py)
+    # on CPU the pooled reduce-scatter is an all-to-all (lightning_zero/distributed/comm_buffers.py)
     "reduce_scatter": ("reduce_scatter", "reducescatter", "alltoall", "all_to_all"),
     "all_reduce": ("allreduce", "all_reduce"),
     "broadcast": ("broadcast",),

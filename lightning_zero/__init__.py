@@ -8,14 +8,14 @@ and optimizer states swapped to NVMe; needs ``nvme_path``) with Lightning's Trai
 
 from lightning_zero.callbacks import ConsolidateCheckpoint, NCCLDiagnostics, ThroughputLogger
 from lightning_zero.checkpoint import export_hf
-from lightning_zero.config import ZeroConfig
+from lightning_zero.distributed.config import ZeroConfig
 from lightning_zero.distributed.activation_checkpointing import (
     ActivationCheckpointConfig,
     apply_activation_checkpointing,
 )
-from lightning_zero.distributed.buffers import CommBufferPool, comm_buffer_pool
-from lightning_zero.distributed.activations import TransformerShape, activation_bytes, saved_activation_bytes
-from lightning_zero.distributed.memory import (
+from lightning_zero.distributed.comm_buffers import CommBufferPool, comm_buffer_pool
+from lightning_zero.estimate.activations import TransformerShape, activation_bytes, saved_activation_bytes
+from lightning_zero.estimate.model_states import (
     MemoryEstimate,
     MemoryReport,
     StateBytes,
@@ -25,7 +25,7 @@ from lightning_zero.distributed.memory import (
     model_state_memory,
     zero_formula,
 )
-from lightning_zero.distributed.zero import apply_zero, find_repeated_blocks
+from lightning_zero.distributed.apply_zero import apply_zero, find_repeated_blocks
 from lightning_zero.pipeline import LayerSpec, PipelineModule, TiedLayerSpec, build_pipeline
 from lightning_zero.strategies import LossScaleConfig, ZeroPrecision, ZeroStrategy
 

@@ -404,7 +404,7 @@ def test_pipeline_stages_checkpoint_their_blocks(schedule, recomputes):
 
 
 def test_pipeline_policy_true_selects_the_repeated_layers_and_refuses_double_checkpointing():
-    from lightning_zero.fabric.pipeline_binding import checkpoint_pipeline_layers
+    from lightning_zero.pipeline.zero_pipeline import checkpoint_pipeline_layers
     from tests.test_pipeline_parity import SeededLinear, make_model
 
     model = make_model()  # embedding tied to the head (one module used twice), six SeededLinear blocks

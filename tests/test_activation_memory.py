@@ -1,4 +1,4 @@
-"""Activation memory: the formula of ``lightning_zero.distributed.activations`` against the tensors autograd saves,
+"""Activation memory: the formula of ``lightning_zero.estimate.activations`` against the tensors autograd saves,
 for the GPT of ``examples/gpt.py``, with and without checkpointing, and with model states at stages 0-3."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_zero import (TransformerShape, activation_bytes, estimate_memory, model_state_memory,
                             saved_activation_bytes)
-from lightning_zero.distributed.activations import layer_activation_bytes
+from lightning_zero.estimate.activations import layer_activation_bytes
 from tests.distributed import run_distributed
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))

@@ -10,7 +10,7 @@ import pytest
 from lightning_zero.cli import main
 from lightning_zero.cli import ladder as ladder_mod
 from lightning_zero.cli.ladder import Machine, Rung, ds_config, ladder, predict, predicted_winner
-from lightning_zero.distributed.activations import TransformerShape
+from lightning_zero.estimate.activations import TransformerShape
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPT_ARGS = ["--config", os.path.join(ROOT, "examples/configs/zero3.yaml"),

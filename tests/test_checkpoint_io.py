@@ -216,7 +216,7 @@ def _object_collectives_worker(rank: int, world_size: int, directory: str) -> No
     import sys
 
     from lightning_zero.checkpoint.save_guards import control_group
-    from lightning_zero.fabric import full_loading
+    from lightning_zero.checkpoint import load_full as full_loading
 
     model = sharded(make_model(seed=1), world_size)
     path = os.path.join(directory, "objects.ckpt")

@@ -1,4 +1,4 @@
-"""The CPU buffer pool behind FSDP2's collectives (lightning_zero.distributed.buffers).
+"""The CPU buffer pool behind FSDP2's collectives (lightning_zero.distributed.comm_buffers).
 
 Reuse must never alias a live tensor: a buffer comes back only once nothing but the pool holds it. The in-place
 all-to-all reduce-scatter must equal gloo's own. And at stages 2-3 on CPU, the buffer count stays bounded over steps.
@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_zero import ZeroConfig, apply_zero
-from lightning_zero.distributed.buffers import CommBufferPool, _comm_classes, comm_buffer_pool
+from lightning_zero.distributed.comm_buffers import CommBufferPool, _comm_classes, comm_buffer_pool
 from tests.distributed import run_distributed
 from tests.test_zero_parity import LOCAL_BATCH, TinyNet
 

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.ds_config import DeepSpeedConfigError, DeepSpeedConfigWarning, translate_ds_config
-from lightning_zero.fabric.ddp_options import DDPOptions
+from lightning_zero.distributed.ddp import DDPOptions
 from tests.distributed import run_distributed
 from tests.lightning_models import RegressionModule, full_state, quiet_trainer
 
@@ -235,7 +235,7 @@ def test_strategy_config_is_the_effective_config_and_refuses_writes():
 
 
 def test_startup_table_is_compact_and_the_full_one_is_saved():
-    from lightning_zero.fabric.ds_config_binding import DeepSpeedConfigBinding
+    from lightning_zero.ds_config.binding import DeepSpeedConfigBinding
 
     binding = DeepSpeedConfigBinding({"zero_optimization": {"stage": 2}, "gradient_clipping": "auto",
                                       "train_micro_batch_size_per_gpu": 4}, origin="PL_DEEPSPEED_CONFIG_PATH=/x.json")
@@ -335,7 +335,7 @@ def test_config_optimizer_wins_exclude_frozen_parameters_and_quiet_sharded_run(t
 def test_callbacks_are_exported_where_the_messages_say():
     import lightning_zero
     from lightning_zero.callbacks import ConsolidateCheckpoint, NCCLDiagnostics, ThroughputLogger
-    from lightning_zero.fabric import ds_config_binding
+    from lightning_zero.ds_config import binding as ds_config_binding
 
     assert (lightning_zero.ThroughputLogger, lightning_zero.NCCLDiagnostics, lightning_zero.ConsolidateCheckpoint) \
         == (ThroughputLogger, NCCLDiagnostics, ConsolidateCheckpoint)
@@ -360,7 +360,7 @@ def test_repeated_blocks_exclude_layers_that_also_live_inside_the_blocks():
             self.blocks = nn.ModuleList(Block() for _ in range(2))
             self.head = nn.Linear(4, 3)  # a Linear outside the blocks must not make every Linear a unit
 
-    from lightning_zero.distributed.zero import find_repeated_blocks
+    from lightning_zero.distributed.apply_zero import find_repeated_blocks
 
     assert find_repeated_blocks(GPTLike()) == {Block}
 

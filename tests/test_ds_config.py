@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 
-from lightning_zero.config import ZeroConfig
+from lightning_zero.distributed.config import ZeroConfig
 from lightning_zero.ds_config import (
     AutoContext,
     DeepSpeedConfigError,

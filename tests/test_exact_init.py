@@ -1,4 +1,4 @@
-"""Exact model initialisation at every ZeRO stage (lightning_zero.distributed.init).
+"""Exact model initialisation at every ZeRO stage (lightning_zero.distributed.exact_init).
 
 For the same seed, the initial full weights, buffers and metric states of a model built in ``configure_model`` or
 under ``Trainer.init_module`` must be bitwise those of a plain CPU build, at stages 0-3 and with offload, for a tiny
@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_zero  # noqa: F401  (registers the strategy names)
 from lightning_zero import ZeroConfig, ZeroStrategy, apply_zero
 from lightning_zero.distributed.deferred_init import is_deferred
-from lightning_zero.distributed.init import InitConfig, InitMemoryError, exact_init
+from lightning_zero.distributed.exact_init import InitConfig, InitMemoryError, exact_init
 from tests.distributed import run_distributed
 
 SEED = 1234

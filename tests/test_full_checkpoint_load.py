@@ -1,5 +1,5 @@
-"""Loading full (single-file) checkpoints into a sharded model: ``lightning_zero/checkpoint/full_load.py`` and its
-strategy glue ``lightning_zero/fabric/full_loading.py``.
+"""Loading full (single-file) checkpoints into a sharded model: ``lightning_zero/checkpoint/full_file.py`` and its
+strategy glue ``lightning_zero/checkpoint/load_full.py``.
 
 The framework-level tests load a file written by a plain single-process model (the unsharded reference) into
 ``apply_zero`` + ``shard_optimizer`` at every stage on 2 gloo ranks and compare every weight and optimizer state
@@ -17,9 +17,9 @@ from torch import nn
 
 from lightning_zero import ZeroConfig, apply_zero
 from lightning_zero.checkpoint.errors import CheckpointError
-from lightning_zero.checkpoint.full_load import FullCheckpoint, check_load_full_weights
+from lightning_zero.checkpoint.full_file import FullCheckpoint, check_load_full_weights
 from lightning_zero.distributed.optimizer import shard_optimizer
-from lightning_zero.fabric.full_loading import load_full
+from lightning_zero.checkpoint.load_full import load_full
 from tests.distributed import run_distributed
 
 # s2-offload: optimizer-only offload, DTensor CPU masters of uneven (and empty) shards; s3-offload: params too
@@ -85,7 +85,7 @@ def _sharded(stage, offload, rank):
 
 def _every_rank_state(module, opt):
     """Full optimizer state by parameter name, gathered from the owners (stage 1 keeps it on one rank)."""
-    from lightning_zero.fabric.checkpointing import optimizer_state_dict
+    from lightning_zero.checkpoint.states import optimizer_state_dict
 
     mine = {name: {k: _full(v) for k, v in state.items()}
             for name, state in optimizer_state_dict(module, opt)["state"].items()}
@@ -303,8 +303,8 @@ def test_optimizer_states_keyed_by_name(tmp_path):
 
 
 def test_which_paths_load_as_a_full_checkpoint(tmp_path):
-    from lightning_zero.fabric.full_loading import is_full_checkpoint
-    from lightning_zero.fabric.validation import check_ckpt_path
+    from lightning_zero.checkpoint.load_full import is_full_checkpoint
+    from lightning_zero.adapters.launch_checks import check_ckpt_path
 
     path, *_ = _plain(tmp_path)
     assert is_full_checkpoint(path, False) and is_full_checkpoint(path, True)
@@ -407,7 +407,7 @@ def test_validate_from_a_safetensors_file(tmp_path, precision):
 
 
 def test_a_legacy_format_file_is_read_whole_with_a_warning(tmp_path):
-    from lightning_zero.fabric.validation import check_ckpt_path
+    from lightning_zero.adapters.launch_checks import check_ckpt_path
 
     path, module, _, strategy = _plain(tmp_path)
     strategy.optimizers = []

@@ -9,7 +9,7 @@ from torch import nn
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.ds_config import AutoContext, DeepSpeedConfigError, resolve_auto
-from lightning_zero.schedulers import WarmupLR
+from lightning_zero.ops.lr_schedules import WarmupLR
 from tests.distributed import run_distributed
 from tests.lightning_models import WIDTH, RegressionModule, dataset, full_state
 
@@ -147,7 +147,7 @@ def test_warmup_zero_builds_a_working_scheduler():
               "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
                                                            "warmup_num_steps": "auto"}}}
     context = AutoContext(micro_batch_size=1, hyperparameters=dict(warmup_steps=0), estimated_stepping_batches=10)
-    from lightning_zero.optim_factory import build_optimizer, build_scheduler
+    from lightning_zero.ds_config.optimizers import build_optimizer, build_scheduler
 
     resolved = resolve_auto(config, context)
     optimizer = build_optimizer(resolved["optimizer"], [nn.Parameter(torch.zeros(1))])

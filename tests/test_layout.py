@@ -105,7 +105,7 @@ def test_allow_list_names_only_real_imports():
 
 
 @pytest.mark.parametrize(("relative", "source", "rule"), [
-    ("fabric/x.py", "from lightning_zero.strategies.precision import ZeroPrecision", "never imports strategies"),
+    ("fabric/x.py", "from lightning_zero.strategies.trainer_precision import ZeroPrecision", "never imports strategies"),
     ("fabric/x.py", "def f():\n    from ..strategies import zero\n", "never imports strategies"),
     ("fabric/x.py", "from lightning_zero import strategies", "never imports strategies"),
     ("distributed/x.py", "import lightning.fabric", "imports no Lightning"),

@@ -12,11 +12,11 @@ from lightning.pytorch import Callback, Trainer
 from torch import nn
 
 from lightning_zero import ZeroStrategy
-from lightning_zero.config import ZeroConfig
+from lightning_zero.distributed.config import ZeroConfig
 from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
 from lightning_zero.offload import aio as aio_module
 from lightning_zero.offload.aio import AioSettings, AsyncFileIO, SwapIOError, align_up, aligned_buffer
-from lightning_zero.offload.config import NvmeConfig, nvme_config_from_arguments
+from lightning_zero.offload.nvme_config import NvmeConfig, nvme_config_from_arguments
 from lightning_zero.offload.optimizer_swapper import SwappedOut, _local, attach_swapper, detach_swapper, get_swapper
 from tests.distributed import run_distributed
 from tests.lightning_models import RegressionModule, full_state, quiet_trainer, reference_weights
@@ -440,7 +440,7 @@ def test_ds_config_nvme_sections_and_aio_translate_to_the_strategy_arguments(tmp
 # ------------------------------------------------------------------ estimator
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_estimator_reports_nvme_bytes_and_the_bounded_cpu_peak(stage):
-    from lightning_zero.distributed.memory import estimate_model_states_memory
+    from lightning_zero.estimate.model_states import estimate_model_states_memory
 
     params, ranks = 7_000_000, 2
     cpu = estimate_model_states_memory(params, stage, ranks, offload="cpu")

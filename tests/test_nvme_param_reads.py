@@ -17,7 +17,7 @@ STEPS = 4
 def _reads_worker(rank, world_size, root, budget):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_zero.offload.config import NvmeConfig
+    from lightning_zero.offload.nvme_config import NvmeConfig
     from lightning_zero.offload.param_swapper import detach_param_swapper
 
     mesh = init_device_mesh("cpu", (world_size,))

@@ -263,9 +263,9 @@ class _Wide(torch.nn.Module):
 def cpu_and_nvme_models(mesh, nvme):
     """The same ``_Wide`` (seed 0) at stage 3, one unit per block, with CPU offload and with NVMe parameter swapping;
     AdamW over each. Returns ``({"cpu": model, "nvme": model}, {"cpu": optimizer, "nvme": optimizer})``."""
-    from lightning_zero.config import ZeroConfig
+    from lightning_zero.distributed.config import ZeroConfig
     from lightning_zero.distributed.optimizer import shard_optimizer
-    from lightning_zero.distributed.zero import apply_zero
+    from lightning_zero.distributed.apply_zero import apply_zero
 
     models, optimizers = {}, {}
     for label, config in (("cpu", ZeroConfig(stage=3, offload="cpu", unit_bytes=0)),
@@ -292,10 +292,10 @@ def _core_worker(rank, world_size, root):
 
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_zero.config import ZeroConfig
-    from lightning_zero.distributed.zero import apply_zero
+    from lightning_zero.distributed.config import ZeroConfig
+    from lightning_zero.distributed.apply_zero import apply_zero
     from lightning_zero.offload.aio import SwapIOError
-    from lightning_zero.offload.config import NvmeConfig
+    from lightning_zero.offload.nvme_config import NvmeConfig
     from lightning_zero.offload.param_swapper import detach_param_swapper
 
     mesh = init_device_mesh("cpu", (world_size,))
@@ -391,7 +391,7 @@ def test_fabric_stage3_nvme_trains_saves_and_loads(tmp_path):
 
 # ------------------------------------------------------------------ configuration (no process group)
 def test_nvme_parameter_configuration_is_honoured_or_refused(tmp_path):
-    from lightning_zero.fabric.settings import STRATEGY_NAMES
+    from lightning_zero.adapters.settings import STRATEGY_NAMES
 
     root = str(tmp_path)
     named = {k: v for k, v in STRATEGY_NAMES["zero_stage_3_offload_nvme"].items() if k != "description"}
@@ -418,12 +418,12 @@ def _disk_full_worker(rank, world_size, root):
 
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_zero.config import ZeroConfig
+    from lightning_zero.distributed.config import ZeroConfig
     from lightning_zero.distributed.optimizer import shard_optimizer
-    from lightning_zero.distributed.zero import apply_zero
+    from lightning_zero.distributed.apply_zero import apply_zero
     from lightning_zero.offload import aio as aio_module
     from lightning_zero.offload.aio import SwapIOError
-    from lightning_zero.offload.config import NvmeConfig
+    from lightning_zero.offload.nvme_config import NvmeConfig
     from lightning_zero.offload.param_swapper import detach_param_swapper
 
     # max_in_cpu holds two of the three blocks: the step evicts (writes back) a unit it stepped

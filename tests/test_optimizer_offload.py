@@ -14,9 +14,9 @@ from lightning.pytorch import Trainer
 from torch import nn
 
 from lightning_zero import ZeroConfig, ZeroStrategy, apply_zero
-from lightning_zero.distributed.memory import estimate_model_states_memory
+from lightning_zero.estimate.model_states import estimate_model_states_memory
 from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
-from lightning_zero.distributed.zero import set_gradient_sync
+from lightning_zero.distributed.apply_zero import set_gradient_sync
 from lightning_zero.ops import CPUAdam
 from tests.distributed import run_distributed
 from tests.test_zero_parity import LOCAL_BATCH, STEPS, TinyNet, data, make_optimizer, train_reference
@@ -282,7 +282,7 @@ def test_toggle_optimizer_freezes_the_module_parameters_behind_offloaded_masters
 def _nvme_worker(rank, world_size, root):
     import os
 
-    from lightning_zero.offload.config import NvmeConfig
+    from lightning_zero.offload.nvme_config import NvmeConfig
     from lightning_zero.offload.optimizer_swapper import get_swapper
 
     seen = []

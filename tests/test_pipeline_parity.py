@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from lightning_zero.distributed.buffers import comm_buffer_pool
+from lightning_zero.distributed.comm_buffers import comm_buffer_pool
 from lightning_zero.pipeline import LayerSpec, PipelineModule, TiedLayerSpec, build_pipeline
 from tests.distributed import run_distributed
 

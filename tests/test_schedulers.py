@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from lightning_zero.ds_config import DeepSpeedConfigError
-from lightning_zero.optim_factory import build_optimizer, build_scheduler, lightning_scheduler_config
-from lightning_zero.schedulers import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
+from lightning_zero.ds_config.optimizers import build_optimizer, build_scheduler, lightning_scheduler_config
+from lightning_zero.ops.lr_schedules import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
 
 STEPS = 400
 
@@ -245,7 +245,7 @@ def test_matches_deepspeed_when_installed():
                           decay_lr_rate=0.2, cycle_first_stair_count=3)),
         ("LRRangeTest", dict(lr_range_test_step_size=7, lr_range_test_staircase=True)),
     ]
-    import lightning_zero.schedulers as ours
+    import lightning_zero.ops.lr_schedules as ours
 
     for name, kwargs in cases:
         opt_ds, opt_ours = _optimizer(), _optimizer()
@@ -339,7 +339,7 @@ def test_build_scheduler_from_config_spec():
 def test_defines_configure_optimizers_tells_an_override_from_the_base_hook():
     import lightning.pytorch as pl
 
-    from lightning_zero.strategies.ds_config_trainer import defines_configure_optimizers
+    from lightning_zero.strategies.ds_config_fit import defines_configure_optimizers
 
     class WithOptimizers(pl.LightningModule):
         def configure_optimizers(self):

@@ -1,4 +1,4 @@
-"""One mechanism replaces an optimizer's step by a generated subclass (lightning_zero.offload.step_override): the
+"""One mechanism replaces an optimizer's step by a generated subclass (lightning_zero.ops.step_override): the
 class keeps its name, hooks run once, overrides stack and undo in reverse order only, and torch LR schedulers built
 before or after an override keep working during it and after it is undone (see the module's note)."""
 
@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 from lightning_zero.distributed.local_step import restore_step, use_local_step
-from lightning_zero.offload.config import NvmeConfig
+from lightning_zero.offload.nvme_config import NvmeConfig
 from lightning_zero.offload.optimizer_swapper import attach_swapper, detach_swapper
 from lightning_zero.offload.param_swapper import attach_param_step, detach_param_step
-from lightning_zero.offload.step_override import is_overridden, override_step, restore_step_override
+from lightning_zero.ops.step_override import is_overridden, override_step, restore_step_override
 from tests.distributed import run_distributed
 
 

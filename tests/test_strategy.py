@@ -9,7 +9,7 @@ from lightning.pytorch.callbacks import Callback
 
 import lightning_zero  # noqa: F401  (registers the strategy names)
 from lightning_zero import ZeroStrategy
-from lightning_zero.distributed.buffers import comm_buffer_pool
+from lightning_zero.distributed.comm_buffers import comm_buffer_pool
 from tests.distributed import run_distributed
 from tests.lightning_models import (
     ManualModule,

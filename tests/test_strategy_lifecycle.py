@@ -126,8 +126,8 @@ def test_teardown_keeps_user_methods_and_sharded_module_in_place_for_later_runs(
 def test_uninstall_removes_only_the_config_optimizer_hook():
     from lightning.pytorch import LightningModule
 
-    from lightning_zero.fabric.ds_config_binding import DeepSpeedConfigBinding
-    from lightning_zero.strategies.ds_config_trainer import install_config_optimizers, uninstall_config_optimizers
+    from lightning_zero.ds_config.binding import DeepSpeedConfigBinding
+    from lightning_zero.strategies.ds_config_fit import install_config_optimizers, uninstall_config_optimizers
 
     binding = DeepSpeedConfigBinding({"train_micro_batch_size_per_gpu": 1,
                                       "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}})

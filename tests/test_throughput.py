@@ -17,7 +17,7 @@ from lightning_zero.callbacks.throughput import (
     summarize,
 )
 from lightning_zero.diagnostics.timing import CollectiveTimer, collective_timer
-from lightning_zero.flops import compute_dtype_for_precision, measure_flops, mfu, peak_flops_for
+from lightning_zero.estimate.flops import compute_dtype_for_precision, measure_flops, mfu, peak_flops_for
 from tests.distributed import run_distributed
 
 D_IN, HIDDEN, D_OUT = 8, 16, 4

@@ -11,8 +11,8 @@ from torch import nn
 
 from lightning_zero import ZeroConfig, apply_zero
 from lightning_zero.distributed.units import DEFAULT_UNIT_BYTES, plan_units
-from lightning_zero.distributed.zero import set_gradient_sync, sharded_units, unit_groups
-from lightning_zero.fabric.settings import resolve_settings
+from lightning_zero.distributed.apply_zero import set_gradient_sync, sharded_units, unit_groups
+from lightning_zero.adapters.settings import resolve_settings
 from tests.distributed import run_distributed
 
 WIDTH = 16
@@ -146,8 +146,8 @@ def test_ds_config_bucket_keys_map_to_the_unit_knobs():
 
 
 def test_both_strategies_take_the_unit_knobs():
-    from lightning_zero.fabric.strategy import ZeroStrategy as FabricZero
-    from lightning_zero.strategies.zero import ZeroStrategy
+    from lightning_zero.fabric.fabric_strategy import ZeroStrategy as FabricZero
+    from lightning_zero.strategies.trainer_strategy import ZeroStrategy
 
     for cls in (ZeroStrategy, FabricZero):
         extra = {} if cls is ZeroStrategy else dict(auto_resume=False)
@@ -222,7 +222,7 @@ def _reference(kind, world_size, accumulate):
 def _train(rank, world_size, mesh, kind, stage, knobs, accumulate, steps=range(STEPS), model=None, opt=None):
     if model is None:
         from lightning_zero.distributed.activation_checkpointing import ActivationCheckpointConfig
-        from lightning_zero.distributed.init import InitConfig, exact_init
+        from lightning_zero.distributed.exact_init import InitConfig, exact_init
 
         knobs = dict(knobs)
         checkpointing = ActivationCheckpointConfig() if knobs.pop("checkpointing", False) else None
@@ -278,7 +278,7 @@ def _parity(rank, world_size, mesh):
 def _count_all_gathers(rank, world_size, mesh):
     """One step at stage 3: all-gathers per step drop with the units (forward + backward each), and the root and
     the last unit are gathered once unless every unit is told to reshard."""
-    from lightning_zero.distributed import buffers
+    from lightning_zero.distributed import comm_buffers as buffers
 
     def with_root_params():  # a LayerNorm after the blocks belongs to the root unit
         return nn.Sequential(mlp(8), nn.LayerNorm(WIDTH))

@@ -12,7 +12,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from lightning_zero import ZeroConfig, apply_zero, model_state_memory, zero_formula
 from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
-from lightning_zero.distributed.zero import find_repeated_blocks, set_gradient_sync, sharded_units
+from lightning_zero.distributed.apply_zero import find_repeated_blocks, set_gradient_sync, sharded_units
 from tests.distributed import run_distributed
 
 WIDTH = 32
@@ -139,7 +139,7 @@ def _no_sync_worker(rank, world_size):
 
     calls = []
     # FSDP2 reduces with reduce_scatter_single in torch 2.13 and reduce_scatter_tensor before it; on CPU the pooled
-    # reduce-scatter (distributed/buffers.py) is an all_to_all_single.
+    # reduce-scatter (distributed/comm_buffers.py) is an all_to_all_single.
     names = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all_single")
     originals = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
 

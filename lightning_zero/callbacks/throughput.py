@@ -37,7 +37,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_zero.diagnostics.probes import rich_console
 from lightning_zero.diagnostics.timing import CollectiveRecord, collective_timer, total_seconds
-from lightning_zero.flops import compute_dtype_for_precision, mfu, peak_flops_for
+from lightning_zero.estimate.flops import compute_dtype_for_precision, mfu, peak_flops_for
 
 FlopsSpec = Union[int, float, Callable[[Any], float]]
 PHASES = ("data", "forward", "backward", "optimizer")

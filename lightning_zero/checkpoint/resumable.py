@@ -1,7 +1,7 @@
 """A sharded checkpoint as one regular Lightning checkpoint that any strategy (e.g. ``DDPStrategy``) resumes from.
 
 A lightning-zero checkpoint keys optimizer states by parameter *name* (``[Note: one layout for every stage]`` in
-:mod:`lightning_zero.fabric.checkpointing`) and records, in ``meta.pt``'s ``optimizer_param_groups``, each param
+:mod:`lightning_zero.checkpoint.states`) and records, in ``meta.pt``'s ``optimizer_param_groups``, each param
 group's hyper-parameters and the names of its parameters in the order the optimizer was built with. Lightning's
 format is ``torch.optim.Optimizer.state_dict()``: states keyed by an integer that counts the parameters through the
 param groups in order. :func:`resumable_checkpoint` renumbers the names that way, so

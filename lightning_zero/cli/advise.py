@@ -42,7 +42,7 @@ def _key_value(text: str) -> tuple:
 
 
 def add_parser(subparsers) -> None:
-    from lightning_zero.distributed.memory import PRECISIONS
+    from lightning_zero.estimate.model_states import PRECISIONS
 
     p = subparsers.add_parser("advise", help="predict (and optionally measure) which ZeRO configuration fits best")
     p.add_argument("--config", help="a LightningCLI YAML (model, data and trainer sections)")
@@ -91,7 +91,7 @@ def _resolve(args):
                  "vocab": args.vocab}
     shape_kwargs, num_params, unit = infer_shape(module, spec, overrides)
     precision = args.precision or str(spec.trainer.get("precision", "32-true"))
-    from lightning_zero.distributed.memory import PRECISIONS
+    from lightning_zero.estimate.model_states import PRECISIONS
 
     if precision not in PRECISIONS:
         raise _fail(f"the config's trainer.precision {precision!r} is not one of {PRECISIONS}")
@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
 
     from lightning_zero.cli.advise_model import AdviseError
     from lightning_zero.cli.ladder import ladder, predict, predicted_winner
-    from lightning_zero.distributed.activations import TransformerShape
+    from lightning_zero.estimate.activations import TransformerShape
 
     start = time.perf_counter()
     try:

@@ -125,12 +125,12 @@ def measuring_callback(cuda: bool = False):
     measured. That is the model states at rest (between backward and the optimizer step) plus the tensors saved for
     backward: those autograd saves during forward, the inputs checkpointed blocks keep (also when ``save_on_cpu``
     holds them) and the largest checkpointed block's rebuilt activations, measured once after the first step
-    (``lightning_zero.distributed.activation_measure``)."""
+    (``lightning_zero.estimate.checkpointed_activations``)."""
     import lightning.pytorch as pl
     import torch
 
     from lightning_zero import model_state_memory
-    from lightning_zero.distributed.activation_measure import checkpointed_activation_bytes, recomputed_block_bytes
+    from lightning_zero.estimate.checkpointed_activations import checkpointed_activation_bytes, recomputed_block_bytes
 
     class Measure(pl.Callback):
         def __init__(self) -> None:

@@ -144,7 +144,7 @@ def infer_shape(module: Any, spec: ModelSpec, overrides: dict) -> tuple[dict, in
     """``(shape kwargs without micro_batch, parameter count, largest FSDP2 unit's parameters)``. ``overrides`` (from
     the command line) win; a size that cannot be found is refused, naming its flag."""
     from lightning_zero.ds_config.auto import infer_hidden_size
-    from lightning_zero.distributed.zero import find_repeated_blocks
+    from lightning_zero.distributed.apply_zero import find_repeated_blocks
 
     num_params = sum(p.numel() for p in module.parameters())
     if num_params == 0:
@@ -166,8 +166,8 @@ def infer_shape(module: Any, spec: ModelSpec, overrides: dict) -> tuple[dict, in
         raise AdviseError("cannot tell the model's " + ", ".join(missing) + " from its attributes, hyperparameters or "
                           "init args: pass " + ", ".join(_FLAGS[k] for k in missing))
     found["layer_params"] = layer_params
-    from lightning_zero.config import ZeroConfig
-    from lightning_zero.distributed.zero import unit_groups
+    from lightning_zero.distributed.config import ZeroConfig
+    from lightning_zero.distributed.apply_zero import unit_groups
 
     # stage 3 gathers whole FSDP2 units: consecutive blocks grouped up to the default unit_bytes, not one block
     groups, _ = unit_groups(module, ZeroConfig(stage=3))

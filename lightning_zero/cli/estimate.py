@@ -29,7 +29,7 @@ def positive_int(text: str) -> int:
 
 
 def add_parser(subparsers) -> None:
-    from lightning_zero.distributed.memory import PRECISIONS
+    from lightning_zero.estimate.model_states import PRECISIONS
 
     parser = subparsers.add_parser("estimate", help="estimate per-rank model-state memory for ZeRO stages 0-3")
     parser.add_argument("--params", type=_positive_count, required=True, help="number of parameters, e.g. 7e9")
@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from lightning_zero.distributed.memory import estimate_model_states_memory
+    from lightning_zero.estimate.model_states import estimate_model_states_memory
 
     gib = 1024 ** 3
     placement = (f"offload={args.offload}" if not any(precise.values()) else

@@ -15,8 +15,8 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-from lightning_zero.distributed.activations import CHECKPOINTING, TransformerShape
-from lightning_zero.distributed.memory import PRECISIONS, FullEstimate, estimate_memory
+from lightning_zero.estimate.activations import CHECKPOINTING, TransformerShape
+from lightning_zero.estimate.model_states import PRECISIONS, FullEstimate, estimate_memory
 
 # Predicted (parameters and optimizer states on disk, docs/offload.md) but never picked or measured: it needs a
 # directory on a fast local disk, which advise does not know.
@@ -116,7 +116,7 @@ def this_machine(devices: Optional[int] = None) -> Machine:
 def available_cpu_memory() -> int:
     """Host memory this process can still use (``distributed.init.available_host_memory``: ``MemAvailable``, capped
     by what the cgroup limit leaves after its usage); the total memory where neither can be read."""
-    from lightning_zero.distributed.init import available_host_memory
+    from lightning_zero.distributed.exact_init import available_host_memory
 
     available = available_host_memory()
     return available if available is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -124,7 +124,7 @@ def available_cpu_memory() -> int:
 
 def strategy_supports(*names: str) -> bool:
     """Whether the installed ``ZeroStrategy`` accepts these constructor arguments."""
-    from lightning_zero.strategies.zero import ZeroStrategy
+    from lightning_zero.strategies.trainer_strategy import ZeroStrategy
 
     params = inspect.signature(ZeroStrategy.__init__).parameters
     return all(name in params for name in names)

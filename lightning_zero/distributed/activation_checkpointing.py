@@ -45,7 +45,7 @@ class ActivationCheckpointConfig:
 
     Args:
         policy: ``True``: the repeated blocks the strategy detects
-            (:func:`~lightning_zero.distributed.zero.find_repeated_blocks`; under :func:`apply_zero`, the
+            (:func:`~lightning_zero.distributed.apply_zero.find_repeated_blocks`; under :func:`apply_zero`, the
             ``sharded_module_classes`` when given); a set of module classes or class names;
             or a callable ``policy(module) -> bool``. Only the outermost selected modules are checkpointed, never
             the root module.
@@ -159,7 +159,7 @@ def select_blocks(module: nn.Module, config: ActivationCheckpointConfig, *, requ
     """The modules ``config`` checkpoints, in registration (usually execution) order. Errors when none match (a
     policy that selects nothing would silently save no memory), unless ``require_match=False`` (a pipeline stage
     holding only some of the model's layers)."""
-    from lightning_zero.distributed.zero import find_repeated_blocks
+    from lightning_zero.distributed.apply_zero import find_repeated_blocks
 
     policy = config.policy
     if policy is True:

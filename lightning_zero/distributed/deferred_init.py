@@ -2,7 +2,7 @@
 
 [Note: record and replay]
 At stages 2-3 no rank should hold the full model, yet the model's own init code must run exactly as in a plain CPU
-build (see :mod:`lightning_zero.distributed.init`). :func:`deferred_build` runs construction under a
+build (see :mod:`lightning_zero.distributed.exact_init`). :func:`deferred_build` runs construction under a
 ``TorchDispatchMode`` in which every CPU tensor *created* (factory ops: ``empty``, ``zeros``, ``arange``, ``randn``
 ...) is a *deferred* tensor: a wrapper subclass that reports ``device='cpu'`` (so init code that skips meta tensors,
 as ``nn.init`` does, still runs) and holds only a meta tensor for its layout. Every aten op that writes deferred
@@ -22,7 +22,7 @@ restores the caller's state afterwards.
 Anything that needs a deferred value in Python (``.item()``, ``torch.equal``, ``bool()``, printing, ops whose output
 shape depends on data, ops without a meta kernel) runs for real on inputs replayed at that moment. When such an op
 writes deferred memory, the written bytes are kept in the log: exact, but not bounded; those bytes count against the
-host-memory budget and exceeding it raises :class:`~lightning_zero.distributed.init.InitMemoryError` naming the
+host-memory budget and exceeding it raises :class:`~lightning_zero.distributed.exact_init.InitMemoryError` naming the
 module and the op.
 
 :func:`materialize_module` replays the log restricted to what a set of tensors depends on (one reverse pass: an
@@ -326,7 +326,7 @@ class _Recorder(TorchDispatchMode):
         return _Held(value, value._version)  # the object itself: a detach() here would get its own version
 
     def _count(self, nbytes: int, what: str) -> None:
-        from lightning_zero.distributed.init import BUDGET_ENV, InitMemoryError
+        from lightning_zero.distributed.exact_init import BUDGET_ENV, InitMemoryError
 
         self.pinned += nbytes
         if self.budget is not None and self.pinned > self.budget:

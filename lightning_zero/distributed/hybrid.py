@@ -10,7 +10,7 @@ How each stage uses the mesh:
 ==========  ===========================================================================================
 stage       with ``hybrid_shard_size=K``
 ==========  ===========================================================================================
-0           refused (:class:`~lightning_zero.config.ZeroConfig`): nothing is sharded
+0           refused (:class:`~lightning_zero.distributed.config.ZeroConfig`): nothing is sharded
 1           DDP all-reduces gradients over every rank; the optimizer is partitioned over the ``K`` ranks
             of the shard group and each group steps redundantly, so the replicas stay identical
 2-3         FSDP2 ``fully_shard(mesh=<2-D mesh>)``: FSDP2's own HSDP (reduce-scatter within the shard
@@ -85,7 +85,7 @@ def data_parallel_group(mesh):
 
 
 def check_mesh_matches(mesh, hybrid_shard_size: Optional[int]) -> None:
-    """The mesh given to :func:`~lightning_zero.distributed.zero.apply_zero` must be the one the config asks for:
+    """The mesh given to :func:`~lightning_zero.distributed.apply_zero.apply_zero` must be the one the config asks for:
     a 1-D mesh with ``hybrid_shard_size`` set would shard over every rank, silently not hybrid."""
     if hybrid_shard_size is None:
         if is_hybrid(mesh):

@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from lightning_zero.offload.step_override import is_overridden, override_step, restore_step_override
+from lightning_zero.ops.step_override import is_overridden, override_step, restore_step_override
 
 # The per-element states of each switched class: wrapped back into DTensors after the step. Any other state (the
 # scalar ``step``) stays what torch made it (a plain tensor, as on the DTensor path).
@@ -38,7 +38,7 @@ ELEMENTWISE_STATES = {
     torch.optim.AdamW: ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
     torch.optim.SGD: ("momentum_buffer",),
 }
-_MARK = "local step"  # the step override's marker (lightning_zero.offload.step_override)
+_MARK = "local step"  # the step override's marker (lightning_zero.ops.step_override)
 
 
 def _is_dtensor(tensor) -> bool:
@@ -74,7 +74,7 @@ def use_local_step(optimizer: torch.optim.Optimizer) -> bool:
     """Make ``optimizer`` step the local shards of its DTensor parameters (see the module docstring); returns
     whether it did (False: :func:`can_step_locally` does not hold, the optimizer is left unchanged). Undo with
     :func:`restore_step`. The optimizer keeps its identity, ``param_groups``, hooks and the name of its class
-    (``lightning_zero.offload.step_override``, which also keeps LR schedulers' step wrappers consistent)."""
+    (``lightning_zero.ops.step_override``, which also keeps LR schedulers' step wrappers consistent)."""
     if is_local_step(optimizer) or not can_step_locally(optimizer):
         return False
     per_element = ELEMENTWISE_STATES[type(optimizer)]

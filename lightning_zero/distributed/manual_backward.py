@@ -38,14 +38,14 @@ from typing import Generator
 import torch
 from torch import nn
 
-from lightning_zero.distributed.zero import reshard_gathered
+from lightning_zero.distributed.apply_zero import reshard_gathered
 from lightning_zero.torch_compat import fsdp_param_groups
 
 
 class ManualBackward:
     """Lets ``backward`` run inside the FSDP2 root's forward with the gradients reduced (see the module notes).
 
-    Install it on the root (a module :func:`~lightning_zero.distributed.zero.apply_zero` sharded at stage 2-3)
+    Install it on the root (a module :func:`~lightning_zero.distributed.apply_zero.apply_zero` sharded at stage 2-3)
     after sharding; run every backward inside :meth:`backward`, call :meth:`step_finished` once the root's forward
     (the training step) returned, and :meth:`remove` to take the hooks off again.
     """

@@ -7,7 +7,7 @@ A class the user gives selects its instances, *subclasses included* (``isinstanc
 ``GPTBlock(Block)`` instances; exact types would silently select none of them. A class *name* is looked up among the
 classes of the model's modules (it must be the class of at least one) and then selects as that class does.
 
-The classes :func:`~lightning_zero.distributed.zero.find_repeated_blocks` *detects* select exactly
+The classes :func:`~lightning_zero.distributed.apply_zero.find_repeated_blocks` *detects* select exactly
 (``type(module) is cls``): they were counted by exact type, and a subclass of a detected class is another kind of
 layer. Example: with detected ``nn.Linear`` blocks, ``isinstance`` would also pick ``nn.MultiheadAttention``'s
 ``out_proj`` (a ``Linear`` subclass that the attention uses without calling it), making it an FSDP unit whose

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_zero.config import ZeroConfig
+from lightning_zero.distributed.config import ZeroConfig
 from lightning_zero.diagnostics.timing import collective_timer
 from lightning_zero.distributed.local_step import restore_step, use_local_step, wrap_like
 from lightning_zero.offload.optimizer_swapper import OptimizerStateSwapper, attach_swapper, detach_swapper
@@ -128,7 +128,7 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, config: ZeroConfig, *, gro
     see the module note.
 
     Must be called on a fresh optimizer (no state yet), after the model was wrapped by
-    :func:`~lightning_zero.distributed.zero.apply_zero`. Calling it twice is an error.
+    :func:`~lightning_zero.distributed.apply_zero.apply_zero`. Calling it twice is an error.
     """
     if get_sharding(optimizer) is not None:
         raise RuntimeError("shard_optimizer was already applied to this optimizer")

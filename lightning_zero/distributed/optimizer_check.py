@@ -16,7 +16,7 @@ def check_optimizer_params(optimizer: torch.optim.Optimizer, module: torch.nn.Mo
 
     Args:
         optimizer: the user's optimizer, before :func:`~lightning_zero.distributed.optimizer.shard_optimizer`.
-        module: the module after :func:`~lightning_zero.distributed.zero.apply_zero` (stages 2-3).
+        module: the module after :func:`~lightning_zero.distributed.apply_zero.apply_zero` (stages 2-3).
         index: the optimizer's position, for the message.
     """
     owned = {id(param) for param in module.parameters()}

@@ -219,8 +219,8 @@ TOP_LEVEL_KEYS: dict[str, KeySpec] = {
     "aio": KeySpec(None, STRATEGY, "-> aio (the NVMe swap engine's knobs) with an offload device 'nvme'; "
                    "no effect otherwise"),
     "gradient_clipping": KeySpec(None, TRAINER, "-> Trainer gradient_clip_val (norm clipping); 0 disables"),
-    "optimizer": KeySpec(None, RETURNED, "built by lightning_zero.optim_factory.build_optimizer"),
-    "scheduler": KeySpec(None, RETURNED, "built by lightning_zero.optim_factory.build_scheduler, stepped every "
+    "optimizer": KeySpec(None, RETURNED, "built by lightning_zero.ds_config.optimizers.build_optimizer"),
+    "scheduler": KeySpec(None, RETURNED, "built by lightning_zero.ds_config.optimizers.build_scheduler, stepped every "
                          "optimizer step"),
     "zero_optimization": KeySpec(None, STRATEGY, "see the zero_optimization table"),
     "fp16": KeySpec(None, TRAINER, "see the fp16 table"),

@@ -282,7 +282,7 @@ def _translate_zero(config: dict, out: _Collector, kwargs: dict) -> tuple[dict, 
     scalar_user = {k: v for k, v in zero.items() if k not in ("offload_optimizer", "offload_param")}
     merged = _merge_section(scalar_user, schema.ZERO_KEYS, "zero_optimization", out)
     if stage <= 1 and "reduce_bucket_size" in zero:
-        # Stages 0-1 run DDP, whose gradient bucket this is (see lightning_zero.fabric.ddp_options).
+        # Stages 0-1 run DDP, whose gradient bucket this is (see lightning_zero.distributed.ddp).
         path = "zero_optimization.reduce_bucket_size"
         out.notes = [(key, text) for key, text in out.notes if key != path]
         out.no_effect_non_default = [item for item in out.no_effect_non_default if not item.startswith(path + "=")]

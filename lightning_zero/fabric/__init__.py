@@ -7,8 +7,8 @@
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 
-from lightning_zero.fabric.precision import FabricZeroPrecision
-from lightning_zero.fabric.strategy import ZeroStrategy
+from lightning_zero.fabric.fabric_precision import FabricZeroPrecision
+from lightning_zero.fabric.fabric_strategy import ZeroStrategy
 
 ZeroStrategy.register_strategies(STRATEGY_REGISTRY)
 

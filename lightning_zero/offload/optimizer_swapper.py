@@ -55,8 +55,8 @@ import torch
 from torch import Tensor
 
 from lightning_zero.offload.aio import AsyncFileIO, SwapIOError, align_up, aligned_buffer
-from lightning_zero.offload.config import NvmeConfig
-from lightning_zero.offload.step_override import override_step, restore_step_override
+from lightning_zero.offload.nvme_config import NvmeConfig
+from lightning_zero.ops.step_override import override_step, restore_step_override
 
 _ATTR = "_lightning_zero_swapper"
 _MARKER = "NVMe optimizer-state swapping"  # the step override's marker (step_override)

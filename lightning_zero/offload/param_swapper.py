@@ -51,10 +51,10 @@ import torch
 from torch import Tensor, nn
 
 from lightning_zero.offload.aio import AsyncFileIO, SwapIOError, align_up, aligned_buffer
-from lightning_zero.offload.config import NvmeConfig
+from lightning_zero.offload.nvme_config import NvmeConfig
 from lightning_zero.offload.optimizer_swapper import _remove_folder, closure_loss
 from lightning_zero.offload.shard_memory import can_read_in_place, shard_bytes, shard_targets
-from lightning_zero.offload.step_override import is_overridden, override_step, restore_step_override
+from lightning_zero.ops.step_override import is_overridden, override_step, restore_step_override
 from lightning_zero.torch_compat import fsdp_param_groups
 
 _ATTR = "_lightning_zero_param_swapper"

@@ -28,7 +28,7 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
-from lightning_zero.distributed.buffers import CommBufferPool, install_comm_buffer_pool
+from lightning_zero.distributed.comm_buffers import CommBufferPool, install_comm_buffer_pool
 from lightning_zero.diagnostics.timing import collective_timer
 from lightning_zero.pipeline.module import PipelineModule
 from lightning_zero.pipeline.specs import TiedLayerSpec, get_parameter
@@ -205,7 +205,7 @@ class PipelineRunner:
                     fully_shard(child, mesh=dp_mesh, reshard_after_forward=self.config.reshard_after_forward)
             fully_shard(sm, mesh=dp_mesh, reshard_after_forward=self.config.reshard_after_forward)
         if torch.device(self.device).type == "cpu":
-            pool = CommBufferPool()  # CPU has no caching allocator: see lightning_zero.distributed.buffers
+            pool = CommBufferPool()  # CPU has no caching allocator: see lightning_zero.distributed.comm_buffers
             for sm in self.stage_modules:
                 install_comm_buffer_pool(sm, pool)
 

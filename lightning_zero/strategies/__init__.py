@@ -2,8 +2,8 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_zero.strategies.precision import LossScaleConfig, ZeroPrecision
-from lightning_zero.strategies.zero import ZeroStrategy
+from lightning_zero.strategies.trainer_precision import LossScaleConfig, ZeroPrecision
+from lightning_zero.strategies.trainer_strategy import ZeroStrategy
 
 ZeroStrategy.register_strategies(StrategyRegistry)
 

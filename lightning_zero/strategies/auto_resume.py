@@ -1,4 +1,4 @@
-"""Automatic resume of a restarted ``trainer.fit`` (the Trainer-only half of :mod:`lightning_zero.fabric.restarts`,
+"""Automatic resume of a restarted ``trainer.fit`` (the Trainer-only half of :mod:`lightning_zero.adapters.restarts`,
 whose ``[Note: automatic resume]`` explains it): it reads the Trainer's ``ModelCheckpoint`` callbacks and wraps its
 checkpoint connector, so it lives with the Trainer adapter."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-from lightning_zero.fabric.restarts import newest_complete_checkpoint, restart_count
+from lightning_zero.adapters.restarts import newest_complete_checkpoint, restart_count
 
 log = logging.getLogger(__name__)
 

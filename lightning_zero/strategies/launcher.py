@@ -1,7 +1,7 @@
 """The Trainer's launcher for ``start_method="spawn"|"fork"|"forkserver"``: Lightning's, plus three things.
 
-- ``ckpt_path`` is checked before any process starts (:func:`~lightning_zero.fabric.validation.check_ckpt_path`).
-- The fork start method does not let ranks destroy process groups they inherited (``fabric/fork_safety.py``).
+- ``ckpt_path`` is checked before any process starts (:func:`~lightning_zero.adapters.launch_checks.check_ckpt_path`).
+- The fork start method does not let ranks destroy process groups they inherited (``adapters/fork_safety.py``).
 - The trained weights reach the launching process whole (the note below).
 
 A subclass rather than patched instance methods: with ``spawn`` the launcher is pickled into every rank, and a
@@ -26,8 +26,8 @@ from typing import Any
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from torch.distributed.tensor import DTensor
 
-from lightning_zero.fabric.fork_safety import collect_before_fork, freeze_inherited
-from lightning_zero.fabric.validation import check_ckpt_path
+from lightning_zero.adapters.fork_safety import collect_before_fork, freeze_inherited
+from lightning_zero.adapters.launch_checks import check_ckpt_path
 from lightning_zero.offload.param_swapper import resident_parameters
 
 

@@ -16,7 +16,7 @@ from torch import nn
 import lightning_zero  # noqa: F401  (registers the strategy names)
 from lightning_zero import ZeroPrecision, ZeroStrategy
 from lightning_zero.checkpoint import CheckpointError
-from lightning_zero.fabric.checkpointing import optimizer_state_dict
+from lightning_zero.checkpoint.states import optimizer_state_dict
 from tests.conformance.models import RegressionModule, full_state, max_abs_diff, trainer, zero
 from tests.distributed import run_distributed
 from tests.lightning_models import reference_weights

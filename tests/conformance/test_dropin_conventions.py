@@ -132,7 +132,7 @@ class _CheckConfigOptimizer(Callback):
     """``test_deepspeed_config``'s callback: the config's SGD and WarmupLR are what trains, stepped per step."""
 
     def on_train_start(self, trainer, pl_module):
-        from lightning_zero.schedulers import WarmupLR
+        from lightning_zero.ops.lr_schedules import WarmupLR
 
         assert isinstance(trainer.optimizers[0], torch.optim.SGD)
         assert isinstance(trainer.lr_scheduler_configs[0].scheduler, WarmupLR)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from lightning_zero.fabric import ZeroStrategy
-from lightning_zero.fabric.checkpoint import _split
+from lightning_zero.fabric.fabric_checkpoints import _split
 from lightning_zero.strategies import ZeroStrategy as TrainerZeroStrategy
 
 
@@ -62,11 +62,11 @@ def test_checkpoint_state_with_dotted_module_keys_or_orphan_optimizers_is_refuse
 
 
 def test_both_adapters_block_gradient_sync_through_one_helper(monkeypatch):
-    # Trainer.block_backward_sync and fabric.no_backward_sync: one helper (fabric/gradient_sync.py), which switches
+    # Trainer.block_backward_sync and fabric.no_backward_sync: one helper (distributed/runtime.py), which switches
     # the module's and the pipeline runner's reductions off inside and back on after, also through an exception.
     from types import SimpleNamespace
 
-    from lightning_zero.fabric import gradient_sync
+    from lightning_zero.distributed import runtime as gradient_sync
 
     calls = []
     monkeypatch.setattr(gradient_sync, "set_gradient_sync", lambda module, enabled: calls.append((module, enabled)))

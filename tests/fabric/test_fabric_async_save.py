@@ -9,7 +9,7 @@ import torch
 from lightning_zero.checkpoint import io as checkpoint_io
 from lightning_zero.checkpoint.io import is_sharded_checkpoint, pending_save_paths, save_sharded_checkpoint
 from lightning_zero.fabric import ZeroStrategy
-from lightning_zero.fabric.checkpoint import settle_saves_at_exit
+from lightning_zero.fabric.fabric_checkpoints import settle_saves_at_exit
 from tests.distributed import run_distributed
 from tests.fabric.test_fabric_checkpoint import _unwrapped
 from tests.fabric.test_fabric_parity import fabric_train, full_weights, make_fabric

@@ -166,7 +166,7 @@ def test_load_reads_each_checkpoint_record_once(tmp_path):
 
 def test_save_states_and_load_states_take_explicit_arguments_no_strategy(tmp_path):
     # The shared checkpoint helper both adapters call, without a strategy object (Fabric used to fake one).
-    from lightning_zero.fabric import checkpointing
+    from lightning_zero.checkpoint import states as checkpointing
 
     torch.manual_seed(0)
     module = TinyNet()

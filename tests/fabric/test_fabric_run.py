@@ -40,7 +40,7 @@ def test_fabric_run_with_zero_stage_3_trains_with_parity(tmp_path, route):
         offload = "none"
     assert result.returncode == 0, job_output(result)
     saved = torch.load(out, weights_only=True)
-    assert saved["strategy"] == "lightning_zero.fabric.strategy" and saved["stage"] == 3
+    assert saved["strategy"] == "lightning_zero.fabric.fabric_strategy" and saved["stage"] == 3
     assert saved["offload"] == offload
     expected = train_reference(2)
     for key, value in expected.items():

@@ -18,7 +18,7 @@ from lightning_zero.cli import main as cli_main
 from lightning_zero.diagnostics.env_audit import audit_environment
 from lightning_zero.diagnostics.probes import COLLECTIVES, probe_collectives
 from lightning_zero.diagnostics.timing import CollectiveTimer
-from lightning_zero.flops import peak_flops_for
+from lightning_zero.estimate.flops import peak_flops_for
 
 
 class GpuMLP(LightningModule):

@@ -38,7 +38,7 @@ def test_single_gpu_fit_matches_reference(stage, offload, monkeypatch, tmp_path)
         sharding = get_sharding(getattr(trainer.optimizers[0], "_optimizer", trainer.optimizers[0]))
         masters = [m._local_tensor if hasattr(m, "_local_tensor") else m for m in sharding.masters.values()]
         assert masters and all(m.device.type == "cpu" and m.is_pinned() for m in masters)
-    from lightning_zero.distributed.buffers import comm_buffer_pool
+    from lightning_zero.distributed.comm_buffers import comm_buffer_pool
 
     assert comm_buffer_pool(module) is None, "the CPU buffer pool stays off on CUDA (its caching allocator is there)"
     got = {k: v.cpu() for k, v in full_state(module).items()}

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 from lightning_zero import ZeroStrategy
 from lightning_zero.checkpoint import CheckpointError, CheckpointSaveError
 from lightning_zero.ds_config import DeepSpeedConfigError
-from lightning_zero.fabric import validation
+from lightning_zero.adapters import launch_checks as validation
 
 from tests.lightning_models import RegressionModule, dataset
 
@@ -38,7 +38,7 @@ def no_process_group(monkeypatch):
     def reached(*args, **kwargs):
         raise AssertionError("init_process_group was reached: the bad input was not refused before it")
 
-    monkeypatch.setattr("lightning_zero.strategies.zero._init_dist_connection", reached)
+    monkeypatch.setattr("lightning_zero.strategies.trainer_strategy._init_dist_connection", reached)
     for name in ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "LOCAL_WORLD_SIZE", "RANK", "GROUP_RANK"):
         monkeypatch.delenv(name, raising=False)
     yield

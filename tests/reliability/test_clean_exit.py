@@ -40,7 +40,7 @@ def test_forked_ranks_do_not_destroy_a_gloo_group_inherited_from_the_parent():
 
 @pytest.mark.parametrize("adapter", ["trainer", "fabric"])
 def test_fork_started_ranks_do_not_destroy_a_gloo_group_the_launching_process_left(adapter):
-    # Without lightning_zero/fabric/fork_safety.py a rank's gc.collect() frees its copy of the launching process's
+    # Without lightning_zero/adapters/fork_safety.py a rank's gc.collect() frees its copy of the launching process's
     # unreachable gloo group and hangs in the destructor (the note there).
     result = subprocess.run([sys.executable, "-m", "tests.reliability.fork_inherited_group_script", adapter],
                             cwd=ROOT, capture_output=True, text=True, timeout=180,

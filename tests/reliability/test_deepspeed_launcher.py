@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_zero.fabric.validation import adopt_deepspeed_launcher_node_rank, check_deepspeed_launcher_nodes
+from lightning_zero.adapters.launch_checks import adopt_deepspeed_launcher_node_rank, check_deepspeed_launcher_nodes
 from tests.distributed import free_port
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,5 +1,5 @@
 """The ds_config's optimizer and scheduler inside a Trainer fit: the Trainer-only half of
-:mod:`lightning_zero.fabric.ds_config_binding` (it binds a LightningModule hook and builds Lightning's scheduler
+:mod:`lightning_zero.ds_config.binding` (it binds a LightningModule hook and builds Lightning's scheduler
 configs)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_zero.ds_config import DeepSpeedConfigError, DeepSpeedConfigWarning, DeepSpeedTranslation
-from lightning_zero.fabric.ds_config_binding import DeepSpeedConfigBinding, _estimated_steps
+from lightning_zero.ds_config.binding import DeepSpeedConfigBinding, _estimated_steps
 
 
 def defines_configure_optimizers(module: Any) -> bool:
@@ -19,7 +19,7 @@ def defines_configure_optimizers(module: Any) -> bool:
 
 
 def _scheduler_for(translation: DeepSpeedTranslation, trainer, optimizer) -> dict:
-    from lightning_zero.optim_factory import build_scheduler, lightning_scheduler_config
+    from lightning_zero.ds_config.optimizers import build_scheduler, lightning_scheduler_config
 
     scheduler = build_scheduler(translation.scheduler, optimizer, total_steps=_estimated_steps(trainer))
     return lightning_scheduler_config(scheduler)
@@ -39,7 +39,7 @@ def install_config_optimizers(module, binding: DeepSpeedConfigBinding) -> None:
 
     from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-    from lightning_zero.optim_factory import build_optimizer
+    from lightning_zero.ds_config.optimizers import build_optimizer
 
     if defines_configure_optimizers(module):
         spec = binding.translation.optimizer

@@ -1,8 +1,8 @@
 """Pipeline parallelism under Fabric: ``fabric.setup_module`` splits a ``PipelineModule``, ``pipeline_step`` trains.
 
 The Fabric counterpart of DeepSpeed's ``engine.train_batch()``, on the pieces the Trainer strategy uses
-(:mod:`lightning_zero.fabric.pipeline_binding`): the same ``("pp", "dp")`` mesh, the same split
-(:func:`~lightning_zero.fabric.pipeline_binding.setup_pipeline`), the ZeRO stage on ``dp``, the same global-norm
+(:mod:`lightning_zero.pipeline.zero_pipeline`): the same ``("pp", "dp")`` mesh, the same split
+(:func:`~lightning_zero.pipeline.zero_pipeline.setup_pipeline`), the ZeRO stage on ``dp``, the same global-norm
 clipping.
 
 .. code-block:: python
@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_zero.fabric.pipeline_binding import clip_by_global_norm, find_pipeline_module, setup_pipeline
+from lightning_zero.pipeline.zero_pipeline import clip_by_global_norm, find_pipeline_module, setup_pipeline
 
 
 def setup(strategy, module: nn.Module):
@@ -87,4 +87,4 @@ def clip(runner, params, max_norm, norm_type, error_if_nonfinite: bool) -> Tenso
 def refuse_backward() -> None:
     raise RuntimeError("with pipeline_parallel_size > 1 the schedule runs backward itself: use "
                        "loss = fabric.strategy.pipeline_step(model, inputs, targets, grad_scale=1/k) instead of "
-                       "fabric.backward (see lightning_zero.fabric.pipeline_steps)")
+                       "fabric.backward (see lightning_zero.fabric.fabric_pipeline)")

@@ -1,5 +1,5 @@
 """Precision under the Fabric ZeroStrategy: the shared
-:class:`~lightning_zero.fabric.precision_policy.ZeroPrecisionPolicy` (fp32 master weights, low-precision compute,
+:class:`~lightning_zero.adapters.precision_policy.ZeroPrecisionPolicy` (fp32 master weights, low-precision compute,
 DeepSpeed's fp16 loss scaling; the Trainer's ``ZeroPrecision`` is the same policy) behind Fabric's plugin calls.
 
 Fabric drives precision differently from the Trainer: ``fabric.backward(loss)`` calls ``backward(tensor, module)``
@@ -19,7 +19,7 @@ from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.plugins.precision.utils import _convert_fp_tensor
 from lightning.fabric.utilities.apply_func import apply_to_collection
 
-from lightning_zero.fabric.precision_policy import (
+from lightning_zero.adapters.precision_policy import (
     SUPPORTED_PRECISIONS,
     LossScaleConfig,
     ZeroPrecisionPolicy,

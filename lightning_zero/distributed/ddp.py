@@ -10,7 +10,7 @@ DDP's ``bucket_cap_mb`` (counted in MiB) at stages 0-1, converted with the gradi
 ``bucket_cap_mb`` wins.
 
 Unlike ``DDPStrategy``, stages 0-1 default to ``gradient_as_bucket_view=True`` (one gradient buffer per rank, as
-DeepSpeed keeps; see :func:`lightning_zero.distributed.zero.ddp_defaults`); an explicit False wins.
+DeepSpeed keeps; see :func:`lightning_zero.distributed.apply_zero.ddp_defaults`); an explicit False wins.
 
 Stages 2-3 run FSDP2, which has none of these knobs (it reduce-scatters per unit and tolerates parameters a step
 does not use), so setting any of them there is refused rather than ignored.

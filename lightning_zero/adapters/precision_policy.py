@@ -1,8 +1,8 @@
 """Precision under ZeroStrategy: fp32 master weights, low-precision compute, DeepSpeed's fp16 loss scaling.
 
 The framework-neutral half, shared by both adapters: the Trainer's
-:class:`~lightning_zero.strategies.precision.ZeroPrecision` and Fabric's
-:class:`~lightning_zero.fabric.precision.FabricZeroPrecision` are :class:`ZeroPrecisionPolicy` over their
+:class:`~lightning_zero.strategies.trainer_precision.ZeroPrecision` and Fabric's
+:class:`~lightning_zero.fabric.fabric_precision.FabricZeroPrecision` are :class:`ZeroPrecisionPolicy` over their
 framework's ``Precision`` base, and add only their framework's call signatures. Every flag keeps DeepSpeed's
 memory model: the weights the optimizer steps and its states are fp32, compute
 runs in the low dtype.

@@ -42,7 +42,7 @@ def dry_build(translation: DeepSpeedTranslation) -> None:
     Raises:
         DeepSpeedConfigError: unknown optimizer/scheduler type, or parameters the class rejects (named).
     """
-    from lightning_zero.optim_factory import build_optimizer, build_scheduler
+    from lightning_zero.ds_config.optimizers import build_optimizer, build_scheduler
 
     optimizer_spec, scheduler_spec = translation.optimizer, translation.scheduler
     if optimizer_spec is None and scheduler_spec is None:
@@ -92,7 +92,7 @@ def check_config_against_trainer(binding, trainer, precision: str, data_parallel
         DeepSpeedConfigError: precision, clipping, accumulation or ``steps_per_print`` disagree with the Trainer's
             explicit flags, or the config's batch sizes cannot add up for this data-parallel size.
     """
-    from lightning_zero.fabric.ds_config_binding import precision_from_config
+    from lightning_zero.ds_config.binding import precision_from_config
 
     precision_from_config(binding.precision, precision)
     if getattr(getattr(trainer, "state", None), "fn", None) != "fit":

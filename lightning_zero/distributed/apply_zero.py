@@ -34,16 +34,16 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
-from lightning_zero.config import ZeroConfig
+from lightning_zero.distributed.config import ZeroConfig
 from lightning_zero.distributed import module_classes
 from lightning_zero.distributed.activation_checkpointing import (
     ActivationCheckpointConfig,
     apply_activation_checkpointing,
 )
-from lightning_zero.distributed.buffers import install_comm_buffer_pool
+from lightning_zero.distributed.comm_buffers import install_comm_buffer_pool
 from lightning_zero.distributed.deferred_init import materialize_module
 from lightning_zero.distributed.hybrid import check_mesh_matches, data_parallel_group
-from lightning_zero.distributed.init import broadcast_module_states, refuse_meta_tensors
+from lightning_zero.distributed.exact_init import broadcast_module_states, refuse_meta_tensors
 from lightning_zero.distributed.units import plan_units, set_prefetch
 from lightning_zero.torch_compat import fsdp_param_groups
 
@@ -142,13 +142,13 @@ def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[
     :func:`lightning_zero.distributed.optimizer.shard_optimizer`). Stages 2-3 shard ``module`` in place with FSDP2
     and return it. Every rank starts from rank 0's parameters and buffers (DDP broadcasts them; at stages 2-3 they
     are broadcast before sharding). Tensors on the meta device are refused: build the model on real memory, e.g.
-    under :func:`lightning_zero.distributed.init.exact_init` (see its note).
+    under :func:`lightning_zero.distributed.exact_init.exact_init` (see its note).
 
     Args:
         module: the model, built on real memory (CPU or the compute device).
         mesh: a 1-D ``DeviceMesh`` over the data-parallel ranks, or with ``config.hybrid_shard_size`` the 2-D
             ``("replicate", "shard")`` mesh of :func:`lightning_zero.distributed.hybrid.data_parallel_mesh` (HSDP).
-        config: the validated :class:`~lightning_zero.config.ZeroConfig`.
+        config: the validated :class:`~lightning_zero.distributed.config.ZeroConfig`.
         device: the compute device (defaults to the mesh's device type, current index).
         mp_policy: an FSDP2 ``MixedPrecisionPolicy`` (stages 2-3 only).
         ddp_kwargs: extra keyword arguments for ``DistributedDataParallel`` (stages 0-1 only); they win over
@@ -195,7 +195,7 @@ def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[
     if config.prefetch_bytes:
         set_prefetch(list(reversed(groups)), config.prefetch_bytes)
     if device.type == "cpu":
-        install_comm_buffer_pool(module)  # see lightning_zero.distributed.buffers: CPU has no caching allocator
+        install_comm_buffer_pool(module)  # see lightning_zero.distributed.comm_buffers: CPU has no caching allocator
     if not config.offloads_params:
         module.to(device)
     swap_parameters(module, config, device)

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from lightning_zero.distributed.activation_checkpointing import is_checkpointed
-from lightning_zero.distributed.activations import SavedBytes, _storage_key, saved_activation_bytes
+from lightning_zero.estimate.activations import SavedBytes, _storage_key, saved_activation_bytes
 
 
 def checkpointed_blocks(module: nn.Module) -> list[nn.Module]:

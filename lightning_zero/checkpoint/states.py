@@ -227,14 +227,14 @@ def load(strategy, filepath: str) -> dict[str, Any]:
     """Load a sharded directory into the strategy's module and optimizers; return the rest of the checkpoint.
 
     A single file (a DDP ``.ckpt``, a consolidated file, ``.safetensors``) goes to
-    :func:`lightning_zero.fabric.full_loading.load_full`, which reads each rank's slices only.
+    :func:`lightning_zero.checkpoint.load_full.load_full`, which reads each rank's slices only.
 
     ``LightningModule.strict_loading = False`` accepts missing and unexpected keys (never shape mismatches). With
     optimizers (resuming a fit), their number and types must match the checkpoint's. Errors are
     :class:`CheckpointError` naming the file or the keys.
     """
     wait_for_pending_saves(barrier=False)
-    from lightning_zero.fabric import full_loading  # it imports this module's helpers
+    from lightning_zero.checkpoint import load_full as full_loading
 
     if full_loading.is_full_checkpoint(filepath, strategy.load_full_weights):
         return full_loading.load_full(strategy, filepath)

@@ -24,7 +24,7 @@ So, at every stage:
      per-tensor log of the aten ops that made it, with the RNG state saved before each random op. No rank holds
      the model. The budget then bounds the real values the log must keep (ops without a meta kernel).
 
-2. :func:`~lightning_zero.distributed.zero.apply_zero` replays, for one FSDP unit at a time (children first), the
+2. :func:`~lightning_zero.distributed.apply_zero.apply_zero` replays, for one FSDP unit at a time (children first), the
    part of the log that unit's tensors depend on, so the unit holds exactly what a plain build would have given
    it; then :func:`broadcast_module_states` makes the unit hold rank 0's values, as DDP does at stage 0 (ranks
    need not have drawn the same numbers), and ``fully_shard`` keeps this rank's chunk and frees the rest. The peak
@@ -177,7 +177,7 @@ class _BuildGuard:
                 f"Building the model needs more host memory than this rank may use: "
                 f"{self.counted / _GIB:.2f} GiB of parameters and buffers so far, at {type(module).__name__}.{name}, "
                 f"over the budget of {self.budget / _GIB:.2f} GiB ({where}). Every rank builds the full model on "
-                "CPU so that its own init code runs exactly, then shards it (see lightning_zero.distributed.init). "
+                "CPU so that its own init code runs exactly, then shards it (see lightning_zero.distributed.exact_init). "
                 "Use fewer processes per host (Trainer devices=) or a host with more memory; if you know the "
                 f"memory is there, raise the budget (InitConfig.host_memory_budget, or ${BUDGET_ENV} in bytes for "
                 "ZeroStrategy; 0 turns the guard off).")
@@ -188,7 +188,7 @@ def exact_init(config: InitConfig = InitConfig(), empty_init: Optional[bool] = N
     """Build modules running their own init code exactly, on CPU, with a host-memory guard.
 
     Everything created inside lands on CPU whatever the default device is, so the RNG stream is consumed exactly as
-    by a plain CPU build; shard the result with :func:`~lightning_zero.distributed.zero.apply_zero`, which takes
+    by a plain CPU build; shard the result with :func:`~lightning_zero.distributed.apply_zero.apply_zero`, which takes
     rank 0's values. Raises :class:`InitMemoryError` naming the module whose tensor crosses the budget. With
     ``config.deferred`` the build is recorded instead (see the Note above): the parameters and buffers hold no
     memory until ``apply_zero`` (or :func:`~lightning_zero.distributed.deferred_init.materialize_module`) replays
@@ -196,7 +196,7 @@ def exact_init(config: InitConfig = InitConfig(), empty_init: Optional[bool] = N
     ``empty_init=True`` (Lightning's hint that a checkpoint will be loaded) is logged and the init runs anyway.
     """
     if empty_init:
-        log.info("empty_init=True: the model's own init still runs (see lightning_zero.distributed.init), so no "
+        log.info("empty_init=True: the model's own init still runs (see lightning_zero.distributed.exact_init), so no "
                  "tensor a checkpoint does not cover starts from uninitialised memory")
     from torch.nn.modules.module import (
         register_module_buffer_registration_hook,
@@ -236,7 +236,7 @@ def refuse_meta_tensors(module: nn.Module, stage: int) -> None:
         f"ZeRO stage {stage} got tensors on the meta device: {shown} (in modules {', '.join(owners)}). They hold no "
         "values, and re-creating them with reset_parameters() would not reproduce the model's own initialisation "
         "(Hugging Face _init_weights, buffers, torchmetrics states). Build the model on real CPU memory, e.g. inside "
-        "lightning_zero.distributed.init.exact_init() (ZeroStrategy does so for configure_model and "
+        "lightning_zero.distributed.exact_init.exact_init() (ZeroStrategy does so for configure_model and "
         "Trainer.init_module), and apply_zero shards it.")
 
 

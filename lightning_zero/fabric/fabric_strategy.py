@@ -1,7 +1,7 @@
 """``lightning_zero.fabric.ZeroStrategy``: the Fabric adapter over :mod:`lightning_zero.distributed`.
 
 The same engines and the same arguments as the Trainer's :class:`lightning_zero.strategies.ZeroStrategy` (both
-validate them with :func:`lightning_zero.fabric.settings.resolve_settings`): stages 0-1 on DDP (stage 1 partitions
+validate them with :func:`lightning_zero.adapters.settings.resolve_settings`): stages 0-1 on DDP (stage 1 partitions
 the optimizer), stages 2-3 on FSDP2 ``fully_shard``, CPU offload, DeepSpeed-style fp16 loss scaling, sharded atomic
 checkpoints. This class only maps Fabric's calls onto them: ``fabric.setup`` (:meth:`setup_module_and_optimizers`),
 ``fabric.backward``, ``fabric.clip_gradients``, ``fabric.no_backward_sync``, ``fabric.save``/``fabric.load``,
@@ -38,22 +38,23 @@ from lightning_zero.checkpoint.save_guards import broadcast_object
 from lightning_zero.diagnostics.hang_guard import DEFAULT_HANG_TIMEOUT, HangGuard
 from lightning_zero.diagnostics.network import DEFAULT_RENDEZVOUS_TIMEOUT
 from lightning_zero.distributed.hybrid import data_parallel_mesh, shard_group
-from lightning_zero.distributed.init import InitConfig, exact_init
+from lightning_zero.distributed.exact_init import InitConfig, exact_init
 from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
 from lightning_zero.distributed.optimizer_check import check_optimizer_params
 from lightning_zero.distributed.process_group_exit import destroy_process_group_at_exit
-from lightning_zero.distributed.zero import apply_zero, reshard_gathered
+from lightning_zero.distributed.apply_zero import apply_zero, reshard_gathered
 from lightning_zero.offload.param_swapper import detach_param_swapper
-from lightning_zero.fabric import checkpoint
-from lightning_zero.fabric import pipeline_steps as fabric_pipeline
-from lightning_zero.fabric.pipeline_binding import pipeline_mesh
-from lightning_zero.fabric.precision import FabricZeroPrecision, PrecisionFlag, adapt_fabric_precision
-from lightning_zero.fabric.settings import SETTING_NAMES, STRATEGY_NAMES, resolve_settings
-from lightning_zero.fabric import gradient_sync, validation
-from lightning_zero.fabric.ddp_options import ddp_kwargs_for
-from lightning_zero.fabric.fork_safety import FabricMultiProcessingLauncher
-from lightning_zero.fabric.ds_config_binding import DeepSpeedConfigBinding, precision_from_config
-from lightning_zero.fabric.precision_policy import low_precision_allreduce_hook
+from lightning_zero.fabric import fabric_checkpoints as checkpoint
+from lightning_zero.fabric import fabric_pipeline
+from lightning_zero.pipeline.zero_pipeline import pipeline_mesh
+from lightning_zero.fabric.fabric_precision import FabricZeroPrecision, PrecisionFlag, adapt_fabric_precision
+from lightning_zero.adapters.settings import SETTING_NAMES, STRATEGY_NAMES, resolve_settings
+from lightning_zero.distributed import runtime as gradient_sync
+from lightning_zero.adapters import launch_checks as validation
+from lightning_zero.distributed.ddp import ddp_kwargs_for
+from lightning_zero.adapters.fork_safety import FabricMultiProcessingLauncher
+from lightning_zero.ds_config.binding import DeepSpeedConfigBinding, precision_from_config
+from lightning_zero.adapters.precision_policy import low_precision_allreduce_hook
 
 # ds_config settings that drive the Trainer's loop; in Fabric the user's loop does these, so they are refused.
 _LOOP_SETTINGS = ("optimizer", "scheduler", "gradient_clipping", "gradient_accumulation_steps", "train_batch_size",
@@ -73,16 +74,16 @@ class ZeroStrategy(ParallelStrategy):
     * ``fabric.no_backward_sync(model, enabled=...)`` skips gradient communication on accumulation micro-steps.
     * ``fabric.save(path, state)`` writes a sharded, atomic checkpoint directory;
       ``fabric.load(path, state)`` loads it in place at any stage or world size
-      (:mod:`lightning_zero.fabric.checkpoint`).
+      (:mod:`lightning_zero.fabric.fabric_checkpoints`).
     * ``fabric.init_module()`` builds the model on CPU running its own init, as the Trainer's ``configure_model``.
     * ``hang_timeout`` guards ``fabric.save``/``fabric.load`` and teardown (Fabric has no step hooks).
     * Precision: ``Fabric(precision=...)`` with ``32-true``, ``bf16-mixed``, ``16-mixed``, ``bf16-true``, ``16-true``
-      (:mod:`lightning_zero.fabric.precision`); fp16 uses DeepSpeed's loss scaling with the loss-scale arguments.
+      (:mod:`lightning_zero.fabric.fabric_precision`); fp16 uses DeepSpeed's loss scaling with the loss-scale arguments.
     * ``async_save=True``: ``fabric.save`` writes in the background, awaited by the next save/load,
       :meth:`wait_for_checkpoints`, :meth:`teardown`, and (locally, with a warning) at exit
-      (``[Note: async saves under Fabric]`` in :mod:`lightning_zero.fabric.checkpoint`).
+      (``[Note: async saves under Fabric]`` in :mod:`lightning_zero.fabric.fabric_checkpoints`).
     * ``pipeline_parallel_size > 1``: ``fabric.setup_module(pipeline_module)`` builds this rank's stages and
-      :meth:`pipeline_step` runs the schedule (:mod:`lightning_zero.fabric.pipeline_steps`); ``fabric.backward``
+      :meth:`pipeline_step` runs the schedule (:mod:`lightning_zero.fabric.fabric_pipeline`); ``fabric.backward``
       is refused under a pipeline.
 
     Refused (no Fabric meaning yet): ``auto_resume=True`` (there are no ``ModelCheckpoint`` directories to resume
@@ -165,7 +166,7 @@ class ZeroStrategy(ParallelStrategy):
         self._num_nodes = 1
         self._mesh = None
         self._pipeline, self._pp_mesh = settings.pipeline, None
-        self._runner = None  # the pipelined module's runner (see lightning_zero.fabric.pipeline_steps)
+        self._runner = None  # the pipelined module's runner (see lightning_zero.fabric.fabric_pipeline)
         self._backward_sync_control = _ZeroBackwardSyncControl(self)
         self._modules: list[nn.Module] = []  # the user's modules set up so far (unwrapped)
         self._optimizers: list[Optimizer] = []  # their partitioned optimizers (teardown stops NVMe swapping)
@@ -281,7 +282,7 @@ class ZeroStrategy(ParallelStrategy):
         """``fabric.init_module()``: the model's own init runs exactly as on CPU (``empty_init`` never skips it), as
         the Trainer strategy's ``configure_model``: at stages 2-3 the build is recorded and ``setup`` replays it one
         FSDP unit at a time (no rank holds the whole model), at stages 0-1 it is built on CPU memory. See
-        :mod:`lightning_zero.distributed.init`."""
+        :mod:`lightning_zero.distributed.exact_init`."""
         deferred = self.stage >= 2 and not self._pipeline.enabled  # a pipeline builds only its stages at setup
         return exact_init(InitConfig.from_env(max(1, self.num_processes), deferred=deferred), empty_init)
 
@@ -345,7 +346,7 @@ class ZeroStrategy(ParallelStrategy):
         """Run the pipeline schedule on one batch: forward and backward of every micro-batch, gradients of
         ``grad_scale`` x the batch's mean loss accumulated into ``.grad`` (reduced over ``dp`` unless inside
         ``fabric.no_backward_sync``). Returns this data-parallel replica's mean loss on every rank; then
-        ``fabric.clip_gradients`` and ``optimizer.step()`` as usual. See :mod:`lightning_zero.fabric.pipeline_steps`."""
+        ``fabric.clip_gradients`` and ``optimizer.step()`` as usual. See :mod:`lightning_zero.fabric.fabric_pipeline`."""
         return fabric_pipeline.step(self._runner, model, inputs, targets, grad_scale)
 
     def clip_gradients_norm(self, module: nn.Module, optimizer: Optimizer, max_norm: Union[float, int],
@@ -412,7 +413,7 @@ class ZeroStrategy(ParallelStrategy):
         with self.hang_guard.teardown():  # an async save must land before exit
             wait_for_pending_saves(barrier=_distributed_is_initialized())
         for module in self._modules:
-            from lightning_zero.distributed.buffers import comm_buffer_pool
+            from lightning_zero.distributed.comm_buffers import comm_buffer_pool
 
             if (pool := comm_buffer_pool(module)) is not None:
                 pool.clear()

@@ -8,7 +8,7 @@ Used when the LightningModule defines no ``configure_optimizers``. Names and par
   :class:`lightning_zero.ops.fused_adam.FusedAdam`, our counterpart of DeepSpeed's FusedAdam/DeepSpeedCPUAdam.
 * ``Lamb``: :class:`lightning_zero.ops.fused_lamb.FusedLamb` (DeepSpeed's FusedLamb arguments).
 * any other ``torch.optim`` class name (``SGD``, ``Adagrad``, ``RMSprop``...), matched case-insensitively.
-* schedulers: the five of :mod:`lightning_zero.schedulers`, or any ``torch.optim.lr_scheduler`` class name.
+* schedulers: the five of :mod:`lightning_zero.ops.lr_schedules`, or any ``torch.optim.lr_scheduler`` class name.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any, Iterable, Mapping, Optional
 import torch
 
 from lightning_zero.ds_config.loading import DeepSpeedConfigError
-from lightning_zero.schedulers import DEEPSPEED_SCHEDULERS
+from lightning_zero.ops.lr_schedules import DEEPSPEED_SCHEDULERS
 
 # DeepSpeed optimizers that have no counterpart here, and why.
 _UNSUPPORTED_OPTIMIZERS = {

@@ -1,5 +1,5 @@
 """``ckpt_path`` given as one file (a DDP ``.ckpt``, a consolidated file, ``.safetensors``): the strategy's glue
-over :mod:`lightning_zero.checkpoint.full_load`, which reads each rank's slices only.
+over :mod:`lightning_zero.checkpoint.full_file`, which reads each rank's slices only.
 
 Which path is a full checkpoint: a file; with ``ZeroStrategy(load_full_weights=True)`` (DeepSpeed's flag) it must
 be one, and a directory is refused naming the flag. A file inside a sharded checkpoint directory is refused naming
@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from lightning_zero.checkpoint.atomic import local_path
 from lightning_zero.checkpoint.errors import CheckpointError
-from lightning_zero.checkpoint.full_load import (
+from lightning_zero.checkpoint.full_file import (
     FullCheckpoint,
     OptimizerTarget,
     apply_full_optimizer_states,
@@ -55,7 +55,7 @@ def is_full_checkpoint(path: str, load_full_weights: bool) -> bool:
 def optimizer_target(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> OptimizerTarget:
     """The optimizer as :func:`check_full_optimizer_states` sees it: every module parameter per group, its name,
     and the tensor this rank keeps its state for (``None`` for a parameter another rank steps at stage 1)."""
-    from lightning_zero.fabric.checkpointing import _held_tensor, _model_params_per_group, _param_names
+    from lightning_zero.checkpoint.states import _held_tensor, _model_params_per_group, _param_names
 
     names = _param_names(module)
     sharding = get_sharding(optimizer)
@@ -104,7 +104,7 @@ def load_full(strategy: Any, path: str) -> dict[str, Any]:
     from lightning.fabric.utilities.rank_zero import rank_zero_warn
     from lightning.fabric import __version__ as lightning_version
 
-    from lightning_zero.fabric.checkpointing import (
+    from lightning_zero.checkpoint.states import (
         _initialise_optimizer_state,
         frozen_parameter_names,
         module_state_dict,

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from lightning_zero.torch_compat import fsdp_param_groups
 
 if TYPE_CHECKING:
-    from lightning_zero.distributed.activations import ActivationBytes, TransformerShape
+    from lightning_zero.estimate.activations import ActivationBytes, TransformerShape
 
 _MIXED = ("16-mixed", "bf16-mixed", "16-true", "bf16-true", "16", "bf16")
 PRECISIONS = ("32-true", "32") + _MIXED
@@ -230,7 +230,7 @@ def estimate_model_states_memory(model_or_num_params: Union[nn.Module, int], sta
         optimizer_bytes_fp32: fp32 optimizer-state bytes per parameter (Adam: 8, SGD with momentum: 4).
         hybrid_shard_size: HSDP shard-group size: states are partitioned over it instead of ``world_size``.
     """
-    from lightning_zero.config import ZeroConfig
+    from lightning_zero.distributed.config import ZeroConfig
 
     def no_nvme(device):  # NVMe is laid out as CPU offload plus swapped optimizer states
         return "cpu" if isinstance(device, str) and device.lower() == "nvme" else device
@@ -246,7 +246,7 @@ def estimate_model_states_memory(model_or_num_params: Union[nn.Module, int], sta
     if isinstance(model_or_num_params, nn.Module):
         num_params = sum(p.numel() for p in model_or_num_params.parameters())
         if largest_unit_params is None:
-            from lightning_zero.distributed.zero import unit_groups
+            from lightning_zero.distributed.apply_zero import unit_groups
 
             # the units apply_zero makes by default: repeated blocks, grouped up to the default unit_bytes
             groups, _ = unit_groups(model_or_num_params, ZeroConfig(stage=3))
@@ -336,12 +336,12 @@ def estimate_memory(model_or_num_params: Union[nn.Module, int], stage: int, worl
 
     The model-state part is ``estimate_model_states_memory`` (same arguments: ``state_kwargs`` are its keywords,
     ``largest_unit_params``, ``hybrid_shard_size``, the NVMe ``sub_group_size``/``buffer_count``, ...). ``shape`` (a
-    ``lightning_zero.distributed.activations.TransformerShape``: hidden size, layers, heads, sequence length,
+    ``lightning_zero.estimate.activations.TransformerShape``: hidden size, layers, heads, sequence length,
     micro-batch, vocabulary) adds the activations of one micro-batch; without it the activations are 0, which the
     result says (``activations.accelerator == 0``) rather than guessing. ``checkpointing``: ``"none"``, ``"full"``
     (activation checkpointing of every block) or ``"full+cpu"`` (checkpointed inputs kept in CPU memory).
     """
-    from lightning_zero.distributed.activations import ActivationBytes, activation_bytes, CHECKPOINTING
+    from lightning_zero.estimate.activations import ActivationBytes, activation_bytes, CHECKPOINTING
 
     if checkpointing not in CHECKPOINTING:
         raise ValueError(f"checkpointing must be one of {CHECKPOINTING}, got {checkpointing!r}")

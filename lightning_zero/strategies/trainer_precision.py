@@ -1,5 +1,5 @@
 """The Trainer's precision plugin under ZeroStrategy: :class:`ZeroPrecision` is the shared
-:class:`~lightning_zero.fabric.precision_policy.ZeroPrecisionPolicy` (what each flag means per stage, the fp16 step:
+:class:`~lightning_zero.adapters.precision_policy.ZeroPrecisionPolicy` (what each flag means per stage, the fp16 step:
 see that module) behind Lightning's Trainer ``Precision`` hooks.
 
 Lightning picks a precision plugin from the Trainer's ``precision`` flag and hands it to the strategy; the strategy
@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 import torch
 from lightning.pytorch.plugins.precision import Precision
 
-from lightning_zero.fabric.precision_policy import (  # noqa: F401  (LossScaleConfig: the package's public name)
+from lightning_zero.adapters.precision_policy import (  # noqa: F401  (LossScaleConfig: the package's public name)
     SUPPORTED_PRECISIONS,
     LossScaleConfig,
     ZeroPrecisionPolicy,

@@ -1,6 +1,6 @@
 """``ZeroStrategy``: the Lightning adapter over :mod:`lightning_zero.distributed`.
 
-All parallelism lives in plain functions (:func:`~lightning_zero.distributed.zero.apply_zero`,
+All parallelism lives in plain functions (:func:`~lightning_zero.distributed.apply_zero.apply_zero`,
 :func:`~lightning_zero.distributed.optimizer.shard_optimizer`); this class only maps Lightning's hooks onto them:
 process-group set-up, wrapping the LightningModule, partitioning the optimizers, gradient-accumulation sync,
 clipping, and checkpoints.
@@ -38,31 +38,33 @@ from lightning_zero.checkpoint.save_guards import broadcast_object
 from lightning_zero.diagnostics.hang_guard import DEFAULT_HANG_TIMEOUT, HangGuard
 from lightning_zero.distributed import hybrid
 from lightning_zero.diagnostics.network import DEFAULT_RENDEZVOUS_TIMEOUT
-from lightning_zero.distributed.buffers import comm_buffer_pool
-from lightning_zero.distributed.init import InitConfig, broadcast_module_states, exact_init
+from lightning_zero.distributed.comm_buffers import comm_buffer_pool
+from lightning_zero.distributed.exact_init import InitConfig, broadcast_module_states, exact_init
 from lightning_zero.distributed.manual_backward import ManualBackward
 from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
 from lightning_zero.distributed.optimizer_check import check_optimizer_params
 from lightning_zero.distributed.process_group_exit import destroy_process_group_at_exit
-from lightning_zero.distributed.zero import apply_zero, reshard_gathered, swap_parameters
+from lightning_zero.distributed.apply_zero import apply_zero, reshard_gathered, swap_parameters
 from lightning_zero.offload.param_swapper import detach_param_swapper
-from lightning_zero.fabric.settings import SETTING_NAMES, STRATEGY_NAMES, resolve_settings
-from lightning_zero.fabric import checkpointing, gradient_sync, validation
-from lightning_zero.fabric.ddp_options import ddp_kwargs_for, explain_unused_parameters
-from lightning_zero.fabric.ds_config_binding import DeepSpeedConfigBinding, effective_ds_config, precision_from_config
-from lightning_zero.fabric.pipeline_binding import PipelineGradients, pipeline_mesh
-from lightning_zero.fabric.pipeline_binding import setup_for_strategy as setup_pipeline_for_strategy
-from lightning_zero.fabric.precision_policy import low_precision_allreduce_hook
+from lightning_zero.adapters.settings import SETTING_NAMES, STRATEGY_NAMES, resolve_settings
+from lightning_zero.checkpoint import states as checkpointing
+from lightning_zero.distributed import runtime as gradient_sync
+from lightning_zero.adapters import launch_checks as validation
+from lightning_zero.distributed.ddp import ddp_kwargs_for, explain_unused_parameters
+from lightning_zero.ds_config.binding import DeepSpeedConfigBinding, effective_ds_config, precision_from_config
+from lightning_zero.pipeline.zero_pipeline import PipelineGradients, pipeline_mesh
+from lightning_zero.pipeline.zero_pipeline import setup_for_strategy as setup_pipeline_for_strategy
+from lightning_zero.adapters.precision_policy import low_precision_allreduce_hook
 from lightning_zero.strategies import auto_resume, lifecycle
 from lightning_zero.strategies.launcher import ZeroMultiProcessingLauncher
-from lightning_zero.strategies.ds_config_trainer import (
+from lightning_zero.strategies.ds_config_fit import (
     install_config_optimizers,
     scheduler_from_config,
     uninstall_config_optimizers,
 )
-from lightning_zero.strategies.precision import PrecisionFlag, ZeroPrecision, adapt_precision_plugin, guard_schedulers
-from lightning_zero.strategies.redirect import RootForwardRedirection
-from lightning_zero.strategies.toggle import install_partition_aware_toggle, uninstall_partition_aware_toggle
+from lightning_zero.strategies.trainer_precision import PrecisionFlag, ZeroPrecision, adapt_precision_plugin, guard_schedulers
+from lightning_zero.strategies.forward_redirection import RootForwardRedirection
+from lightning_zero.strategies.optimizer_toggle import install_partition_aware_toggle, uninstall_partition_aware_toggle
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +97,7 @@ class ZeroStrategy(ParallelStrategy):
             precise ``offload_optimizer``/``offload_params`` and the NVMe knobs: see ``docs/offload.md``.
         pin_memory: pin offloaded CPU tensors (default: when computing on CUDA).
         sharded_module_classes: classes or class names that become FSDP units at stages 2-3; by default
-            repeated blocks are detected (:func:`lightning_zero.distributed.zero.find_repeated_blocks`).
+            repeated blocks are detected (:func:`lightning_zero.distributed.apply_zero.find_repeated_blocks`).
         reshard_after_forward: stage-3 override of FSDP2's ``reshard_after_forward``, for every unit: ``True``
             also reshards the root and the last unit, which the default keeps (see ``ZeroConfig``).
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; by default chosen from the accelerator.
@@ -115,9 +117,9 @@ class ZeroStrategy(ParallelStrategy):
         strict: with ``config``, unknown keys and unsupported features are errors (``False``: warnings).
         pipeline_parallel_size, micro_batches, pipeline_schedule, virtual_stages: pipeline parallelism over a
             ``PipelineModule`` held by the LightningModule, with the ZeRO stage on the data-parallel dimension
-            (:mod:`lightning_zero.fabric.pipeline_binding`, ``docs/pipeline.md``).
+            (:mod:`lightning_zero.pipeline.zero_pipeline`, ``docs/pipeline.md``).
         find_unused_parameters, static_graph, gradient_as_bucket_view, bucket_cap_mb: ``DDPStrategy``'s options for
-            the DDP of stages 0-1 (:mod:`lightning_zero.fabric.ddp_options`); unlike ``DDPStrategy``,
+            the DDP of stages 0-1 (:mod:`lightning_zero.distributed.ddp`); unlike ``DDPStrategy``,
             ``gradient_as_bucket_view`` defaults to True (one gradient buffer per rank).
         exclude_frozen_parameters, verbose: frozen parameters stay out of checkpoints; print the whole ds_config.
         hang_timeout: seconds (or ``timedelta``) a step, validation batch, checkpoint save/load or teardown may last
@@ -139,7 +141,7 @@ class ZeroStrategy(ParallelStrategy):
 
     Precision comes from the Trainer's ``precision`` flag (``32-true``, ``bf16-mixed``, ``16-mixed``, ``bf16-true``,
     ``16-true``): fp32 master weights and optimizer states, low-precision compute, DeepSpeed's dynamic loss scaling
-    for fp16 (:mod:`lightning_zero.fabric.precision_policy`).
+    for fp16 (:mod:`lightning_zero.adapters.precision_policy`).
     """
 
     strategy_name = "zero"

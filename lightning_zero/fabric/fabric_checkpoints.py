@@ -1,7 +1,7 @@
 """``fabric.save`` / ``fabric.load`` for the Fabric ZeroStrategy, on the Trainer strategy's sharded format.
 
 A Fabric state ``{"model": module, "optimizer": optimizer, "step": 3, ...}`` is written as the Trainer strategy
-writes a Lightning checkpoint (:mod:`lightning_zero.fabric.checkpointing`): the module's weights under
+writes a Lightning checkpoint (:mod:`lightning_zero.checkpoint.states`): the module's weights under
 ``state_dict`` and the optimizers' states keyed by parameter name under ``optimizer_states`` (DCP, every rank its
 shards), everything else in ``meta.pt`` (``weights_only``). So the save is atomic and verified, a load reshards
 across world sizes and stages, and ``lightning-zero consolidate`` turns it into one file whose ``state_dict`` loads
@@ -38,7 +38,7 @@ from lightning_zero.checkpoint.io import (
     wait_for_pending_saves,
 )
 from lightning_zero.checkpoint.safe_load import load_meta
-from lightning_zero.fabric import checkpointing
+from lightning_zero.checkpoint import states as checkpointing
 
 KEYS = "fabric_state_keys"  # {"modules": [key, ...], "optimizers": [key, ...]} in meta.pt
 SCALER = "fabric_loss_scaler"  # the fp16 loss scaler's state (plain numbers)

@@ -43,7 +43,7 @@ from lightning_zero.ds_config import (
     translate_ds_config,
 )
 
-from lightning_zero.offload.config import NVME_ARGUMENTS
+from lightning_zero.offload.nvme_config import NVME_ARGUMENTS
 
 UNIT_KNOBS = ("unit_bytes", "param_persistence_threshold", "prefetch_bytes")  # lightning_zero.distributed.units
 LOSS_SCALE_KEYS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "consecutive_hysteresis",
@@ -91,7 +91,7 @@ class DeepSpeedConfigBinding:
         self.translation: DeepSpeedTranslation = translate_ds_config(self.raw, strict=strict)
         self.auto_paths = tuple(self.translation.unresolved_auto)  # shown as "auto" -> value once resolved
         self._refuse_unwired(self.translation)
-        from lightning_zero.fabric.ds_config_checks import dry_build
+        from lightning_zero.ds_config.dry_build import dry_build
 
         dry_build(self.translation)  # an unknown optimizer/scheduler or a bad param fails here, not after launch
 
@@ -118,7 +118,7 @@ class DeepSpeedConfigBinding:
         """Resolve ``"auto"`` from the Trainer and apply/check its settings (fitting only); see the module table."""
         module = trainer.lightning_module
         hparams = dict(getattr(module, "hparams", {}) or {})
-        from lightning_zero.fabric.ds_config_checks import explicit_trainer_values
+        from lightning_zero.ds_config.dry_build import explicit_trainer_values
 
         explicit = explicit_trainer_values(trainer)
         accumulation = self.raw.get("gradient_accumulation_steps")
@@ -217,7 +217,7 @@ def precision_from_config(config_precision: Optional[str], trainer_precision: st
 
 
 def _train_batch_size(trainer) -> Optional[int]:
-    from lightning_zero.fabric.ds_config_checks import loader_batch_size
+    from lightning_zero.ds_config.dry_build import loader_batch_size
 
     trainer.fit_loop.setup_data()
     return loader_batch_size(trainer.train_dataloader)

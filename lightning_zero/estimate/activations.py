@@ -116,7 +116,7 @@ def activation_bytes(shape: TransformerShape, precision: str = "32-true",
     """
     if checkpointing not in CHECKPOINTING:
         raise ValueError(f"checkpointing must be one of {CHECKPOINTING}, got {checkpointing!r}")
-    from lightning_zero.distributed.memory import PRECISIONS
+    from lightning_zero.estimate.model_states import PRECISIONS
 
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")

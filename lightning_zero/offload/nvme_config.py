@@ -88,7 +88,7 @@ def nvme_config_from_arguments(nvme_path: Any = None, buffer_count: Optional[int
     """The strategy arguments as an :class:`NvmeConfig`; ``None`` when none of them is given.
 
     A knob given without ``nvme_path`` is refused (it would have no effect), so is ``nvme_path`` given while no
-    offload goes to NVMe (checked by :class:`~lightning_zero.config.ZeroConfig`).
+    offload goes to NVMe (checked by :class:`~lightning_zero.distributed.config.ZeroConfig`).
     """
     knobs = {"buffer_count": buffer_count, "sub_group_size": sub_group_size, "buffer_size": buffer_size,
              "max_in_cpu": max_in_cpu}
@@ -110,7 +110,7 @@ def offload_arguments(from_config: dict, offload: Any = None, offload_optimizer:
                       max_in_cpu: Optional[int] = None, aio: Optional[dict] = None) -> dict:
     """The strategy's offload arguments (``offload``, ``offload_optimizer``, ``offload_params`` and the
     :data:`NVME_ARGUMENTS`) over those a translated ds_config gives (``from_config``; explicit arguments win), as
-    keyword arguments for :class:`~lightning_zero.config.ZeroConfig`: ``offload``, ``offload_optimizer``,
+    keyword arguments for :class:`~lightning_zero.distributed.config.ZeroConfig`: ``offload``, ``offload_optimizer``,
     ``offload_params`` and ``nvme`` (an :class:`NvmeConfig` or ``None``). Used by both strategies.
 
     An explicit shorthand ``offload`` replaces the config's precise pair and vice versa, so the two forms never
@@ -137,7 +137,7 @@ def config_params_offload_at_stage(offloads: dict, stage: int, explicit_offload_
     """``offloads`` (from :func:`offload_arguments`) once the stage is known: a ds_config's ``offload_param`` has no
     effect when an explicit ``stage`` below 3 overrides the config's stage 3, as DeepSpeed ignores ``offload_param``
     below stage 3 (and the translator does when the config itself says so); it is dropped with a warning. An
-    explicit ``offload_params`` is left to :class:`~lightning_zero.config.ZeroConfig`, which refuses it."""
+    explicit ``offload_params`` is left to :class:`~lightning_zero.distributed.config.ZeroConfig`, which refuses it."""
     if not isinstance(stage, int) or stage >= 3 or explicit_offload_params is not None \
             or offloads.get("offload_params") in (None, "none"):  # a bad stage is ZeroConfig's to refuse, naming it
         return offloads

@@ -8,7 +8,7 @@ from typing import Any, Generator, Optional
 
 from torch import nn
 
-from lightning_zero.distributed.zero import set_gradient_sync
+from lightning_zero.distributed.apply_zero import set_gradient_sync
 
 
 @contextmanager

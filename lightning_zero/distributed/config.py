@@ -14,7 +14,7 @@ import torch
 STAGES = (0, 1, 2, 3)
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 
-from lightning_zero.offload.config import PARAM_ONLY_KNOBS, NvmeConfig
+from lightning_zero.offload.nvme_config import PARAM_ONLY_KNOBS, NvmeConfig
 from lightning_zero.distributed.units import (
     DEFAULT_PARAM_PERSISTENCE_THRESHOLD,
     DEFAULT_UNIT_BYTES,
@@ -94,7 +94,7 @@ class ZeroConfig:
             smaller group, as FSDP2 allows) applied to every unit, the root included. ``None`` keeps the stage's
             meaning; at stage 3 the root and the unit that runs last in forward then stay gathered from forward to
             backward (one gathered unit more while the head and the loss run, one all-gather each fewer per step:
-            see :func:`lightning_zero.distributed.zero._kept_from_forward_to_backward`).
+            see :func:`lightning_zero.distributed.apply_zero._kept_from_forward_to_backward`).
         hybrid_shard_size: hybrid sharding (HSDP): model states are sharded within groups of this many consecutive
             ranks and replicated across the groups, on a 2-D ``("replicate", "shard")`` mesh
             (:mod:`lightning_zero.distributed.hybrid`). Stages 1-3 only; it must divide the world size (checked

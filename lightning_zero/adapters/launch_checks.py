@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from lightning_zero.diagnostics.hang_guard import positive_seconds
 from lightning_zero.distributed.hybrid import check_hybrid_world
-from lightning_zero.fabric.pipeline_binding import check_pipeline_world
+from lightning_zero.pipeline.zero_pipeline import check_pipeline_world
 
 # Which device type each built-in backend needs (``None``: any device).
 _BACKEND_DEVICE = {"gloo": None, "mpi": None, "ucc": None, "nccl": "cuda", "xccl": "xpu"}
@@ -189,7 +189,7 @@ def validate_before_process_group(strategy: Any) -> None:
     module = strategy.lightning_module
     trainer = getattr(module, "_trainer", None) if module is not None else None
     if strategy.ds_config is not None and trainer is not None:
-        from lightning_zero.fabric.ds_config_checks import check_config_against_trainer
+        from lightning_zero.ds_config.dry_build import check_config_against_trainer
 
         check_config_against_trainer(strategy.ds_config, trainer, strategy.precision_plugin.precision,
                                      data_parallel)
@@ -245,7 +245,7 @@ def process_group_store(strategy: Any) -> dict[str, Any]:
     than one node a store every rank checks in to first, so that rank 0 names the node ranks that never arrive
     within the strategy's ``rendezvous_timeout`` (``network.checked_store``); one node keeps torch's ``env://``."""
     from lightning_zero.diagnostics.network import DEFAULT_RENDEZVOUS_TIMEOUT
-    from lightning_zero.fabric import restarts
+    from lightning_zero.adapters import restarts
 
     timeout = strategy._timeout
     rendezvous_timeout = getattr(strategy, "_rendezvous_timeout", DEFAULT_RENDEZVOUS_TIMEOUT)
@@ -269,14 +269,14 @@ _SYMBOLIC_CKPT_PATHS = ("last", "best", "hpc", "registry")
 def check_ckpt_path(function: Any, args: tuple, kwargs: dict) -> None:
     """Refuse a ``ckpt_path`` given to ``fit/validate/test/predict`` that ZeroStrategy cannot load, before any rank
     starts: a URL, a file that is no checkpoint (neither a torch.save file nor safetensors), a path inside a sharded
-    checkpoint, an incomplete directory. A single checkpoint file is loaded (``fabric/full_loading.py``).
+    checkpoint, an incomplete directory. A single checkpoint file is loaded (``checkpoint/load_full.py``).
     Lightning passes it to the launched function only (its signature is read, not assumed); symbolic names are
     resolved later."""
     import inspect
 
     from lightning_zero.checkpoint.atomic import local_path
     from lightning_zero.checkpoint.errors import CheckpointError
-    from lightning_zero.checkpoint.full_load import describe_full_checkpoint_file
+    from lightning_zero.checkpoint.full_file import describe_full_checkpoint_file
     from lightning_zero.checkpoint.io import checkpoint_directory, is_sharded_checkpoint
 
     try:

@@ -17,15 +17,16 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Optional, Union
 
-from lightning_zero.checkpoint.full_load import check_load_full_weights
-from lightning_zero.config import ZeroConfig
+from lightning_zero.checkpoint.full_file import check_load_full_weights
+from lightning_zero.distributed.config import ZeroConfig
 from lightning_zero.diagnostics.hang_guard import DEFAULT_HANG_TIMEOUT, parse_hang_timeout
 from lightning_zero.diagnostics.network import DEFAULT_RENDEZVOUS_TIMEOUT, check_rendezvous_timeout
 from lightning_zero.distributed.activation_checkpointing import ActivationCheckpointConfig
-from lightning_zero.fabric import restarts, validation
-from lightning_zero.offload.config import config_params_offload_at_stage, offload_arguments
-from lightning_zero.fabric.ddp_options import DDPOptions, require_flags
-from lightning_zero.fabric.ds_config_binding import (
+from lightning_zero.adapters import restarts
+from lightning_zero.adapters import launch_checks as validation
+from lightning_zero.offload.nvme_config import config_params_offload_at_stage, offload_arguments
+from lightning_zero.distributed.ddp import DDPOptions, require_flags
+from lightning_zero.ds_config.binding import (
     DeepSpeedConfigBinding,
     activation_checkpointing_over_config,
     arguments_over_config,
@@ -33,8 +34,8 @@ from lightning_zero.fabric.ds_config_binding import (
     hybrid_shard_size_over_config,
     unit_knobs_over_config,
 )
-from lightning_zero.fabric.pipeline_binding import PipelineSettings, make_pipeline_settings
-from lightning_zero.fabric.precision_policy import LossScaleConfig, loss_scale_configs, parse_communication_data_type
+from lightning_zero.pipeline.zero_pipeline import PipelineSettings, make_pipeline_settings
+from lightning_zero.adapters.precision_policy import LossScaleConfig, loss_scale_configs, parse_communication_data_type
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 

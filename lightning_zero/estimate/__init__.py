@@ -1,0 +1,1 @@
+"""Memory and FLOP models: per-rank model-state bytes, activation bytes, FLOPs and MFU. Framework-free."""
