@@ -66,6 +66,6 @@ def _fabric_example_worker(rank, world_size, save):
 def test_fabric_gpt_example_trains_and_saves(tmp_path):
     save = str(tmp_path / "fabric_gpt.ckpt")
     run_distributed(_fabric_example_worker, 2, save)
-    from lightning_zero.checkpoint.io import read_checkpoint_info
+    from lightning_zero.checkpoint.directory import read_checkpoint_info
 
     assert read_checkpoint_info(save)["stage"] == 2

@@ -277,7 +277,7 @@ def check_ckpt_path(function: Any, args: tuple, kwargs: dict) -> None:
     from lightning_zero.checkpoint.atomic import local_path
     from lightning_zero.checkpoint.errors import CheckpointError
     from lightning_zero.checkpoint.full_file import describe_full_checkpoint_file
-    from lightning_zero.checkpoint.io import checkpoint_directory, is_sharded_checkpoint
+    from lightning_zero.checkpoint.directory import checkpoint_directory, is_sharded_checkpoint
 
     try:
         bound = inspect.signature(function).bind_partial(*args, **kwargs)

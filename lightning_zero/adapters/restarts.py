@@ -31,7 +31,7 @@ from typing import Any, Optional, Union
 
 import torch.distributed as dist
 
-from lightning_zero.checkpoint.io import INFO_FILE, is_sharded_checkpoint
+from lightning_zero.checkpoint.directory import INFO_FILE, is_sharded_checkpoint
 
 
 def check_auto_resume(value) -> Union[bool, str]:

@@ -4,19 +4,17 @@ checkpoint reading."""
 from lightning_zero.checkpoint.atomic import CheckpointSaveError
 from lightning_zero.checkpoint.consolidate import consolidate_checkpoint, iter_consolidated
 from lightning_zero.checkpoint.deepspeed_reader import is_deepspeed_checkpoint
+from lightning_zero.checkpoint.directory import is_sharded_checkpoint, read_checkpoint_info, verify_checkpoint
 from lightning_zero.checkpoint.errors import CheckpointError
 from lightning_zero.checkpoint.hf_export import export_hf
 from lightning_zero.checkpoint.io import (
     PendingSave,
-    is_sharded_checkpoint,
     load_sharded_checkpoint,
-    read_checkpoint_info,
     remove_sharded_checkpoint,
     save_sharded_checkpoint,
     wait_for_pending_saves,
 )
 from lightning_zero.checkpoint.safe_load import UnsafeCheckpointError, load_meta
-from lightning_zero.checkpoint.verify import verify_checkpoint
 
 __all__ = [
     "CheckpointError", "CheckpointSaveError", "PendingSave", "UnsafeCheckpointError", "consolidate_checkpoint",

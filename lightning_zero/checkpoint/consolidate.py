@@ -20,8 +20,8 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 
+from lightning_zero.checkpoint.directory import checkpoint_directory, verify_and_read
 from lightning_zero.checkpoint.errors import CheckpointError
-from lightning_zero.checkpoint.io import checkpoint_directory
 from lightning_zero.checkpoint.safe_load import load_meta, safe_torch_load
 from lightning_zero.checkpoint.streaming import TensorEntry, tensor_slot, write_safetensors, write_torch_checkpoint
 
@@ -47,8 +47,6 @@ class DCPTensorSource:
     """Reads full tensors of one top-level entry (default ``state_dict``) of a DCP checkpoint, one at a time."""
 
     def __init__(self, path: PathLike, top_key: str = "state_dict") -> None:
-        from lightning_zero.checkpoint.verify import verify_and_read
-
         self.path = checkpoint_directory(path)
         # Every file's size and checksum, and chunks that cover each tensor exactly: `load` below then never hands
         # out the uninitialised memory of `torch.empty` nor a corrupt byte. The files verification read are kept.

@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
+from lightning_zero.checkpoint.directory import is_sharded_checkpoint, read_checkpoint_info, resolve_checkpoint_dir
 from lightning_zero.checkpoint.streaming import TensorEntry, write_safetensors
 
 PathLike = Union[str, os.PathLike]
@@ -96,8 +97,6 @@ def _candidates(keys: List[str]) -> List[str]:
 def recorded_models(path: PathLike) -> List[Dict[str, Any]]:
     """The Hugging Face models recorded in the ``zero.json`` of the sharded checkpoint at ``path`` (``[]`` for any
     other checkpoint, or one saved without transformers)."""
-    from lightning_zero.checkpoint.io import is_sharded_checkpoint, read_checkpoint_info, resolve_checkpoint_dir
-
     try:
         directory = resolve_checkpoint_dir(path)
     except FileNotFoundError:

@@ -11,6 +11,7 @@ A lightning-zero checkpoint is a directory (``X.ckpt/``) holding
   other file's size and CRC-32 and is sealed with a CRC-32 of its own fields (see
   :mod:`lightning_zero.checkpoint.verify`), so that loading detects a damaged, missing or edited file.
 
+Finding and reading such a directory, and verifying it whole: :mod:`lightning_zero.checkpoint.directory`.
 Atomicity, the recovery rule after an interrupted swap, and what a save may delete: ``[Note: atomic saves]`` in
 :mod:`lightning_zero.checkpoint.atomic`. The collective checks before a save (shared directory, free space,
 replaceable path) and the errors of a failed one: :mod:`lightning_zero.checkpoint.save_guards`.
@@ -33,6 +34,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_zero.checkpoint import atomic
 from lightning_zero.checkpoint.atomic import CheckpointSaveError
+from lightning_zero.checkpoint.directory import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    INFO_FILE,
+    META_FILE,
+    checkpoint_directory,
+    read_checkpoint_info,
+)
 from lightning_zero.checkpoint.save_guards import (
     all_gather,
     control_group,
@@ -49,79 +58,13 @@ from lightning_zero.checkpoint.safe_load import (
     load_meta,
     read_dcp_metadata,
 )
-from lightning_zero.checkpoint.verify import check_files, check_metadata, check_seal, file_records, seal
+from lightning_zero.checkpoint.verify import check_files, check_metadata, file_records, seal
 
 PathLike = Union[str, os.PathLike]
-
-FORMAT_NAME = "lightning-zero-sharded"
-FORMAT_VERSION = 1
-INFO_FILE = "zero.json"
-META_FILE = "meta.pt"
-
 
 _partial_dir = atomic.partial_dir
 _old_dir = atomic.old_dir
 _norm = atomic.local_path
-
-
-def is_sharded_checkpoint(path: PathLike) -> bool:
-    """True when ``path`` is a complete lightning-zero sharded checkpoint directory."""
-    path = os.fspath(path)
-    return (
-        os.path.isdir(path)
-        and os.path.isfile(os.path.join(path, INFO_FILE))
-        and os.path.isfile(os.path.join(path, ".metadata"))
-    )
-
-
-def resolve_checkpoint_dir(path: PathLike) -> str:
-    """The directory to read for ``path``: itself, or its ``.old`` sibling left by a save interrupted mid-swap."""
-    path = _norm(path)
-    if is_sharded_checkpoint(path):
-        return path
-    if not os.path.exists(path) and is_sharded_checkpoint(_old_dir(path)):
-        return _old_dir(path)
-    if os.path.isdir(path):
-        raise FileNotFoundError(
-            f"{path} is a directory but not a complete lightning-zero checkpoint (missing {INFO_FILE} or .metadata)"
-        )
-    raise FileNotFoundError(f"no sharded checkpoint at {path}")
-
-
-def checkpoint_directory(path: PathLike) -> str:
-    """:func:`resolve_checkpoint_dir` for reading: something at ``path`` that is not a complete sharded checkpoint is
-    a :class:`CheckpointError` naming what is missing; nothing at ``path`` stays a ``FileNotFoundError``."""
-    try:
-        return resolve_checkpoint_dir(path)
-    except FileNotFoundError:
-        path = _norm(path)
-        if os.path.isdir(path):
-            lacking = [name for name in (INFO_FILE, ".metadata") if not os.path.isfile(os.path.join(path, name))]
-            raise CheckpointError(f"{os.path.join(path, lacking[0])}: file missing ({path} is a directory but not a "
-                                  f"complete lightning-zero checkpoint)", os.path.join(path, lacking[0])) from None
-        if os.path.exists(path):
-            raise CheckpointError(f"{path}: a file, not a lightning-zero sharded checkpoint (a directory holding "
-                                  f"{INFO_FILE} and .metadata)", path) from None
-        raise
-
-
-def read_checkpoint_info(path: PathLike) -> dict:
-    """The ``zero.json`` of a sharded checkpoint (format version, world size, stage, top-level keys, file records,
-    ...). Raises :class:`CheckpointError` when it is unreadable, of another format, or edited."""
-    where = os.path.join(checkpoint_directory(path), INFO_FILE)
-    try:
-        with open(where) as file:
-            info = json.load(file)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"{where}: not readable JSON (truncated or corrupt: {err})", where) from err
-    if not isinstance(info, dict) or info.get("format") != FORMAT_NAME:
-        found = info.get("format") if isinstance(info, dict) else type(info).__name__
-        raise CheckpointError(f"{where}: not a lightning-zero checkpoint record (format {found!r})", where)
-    if not isinstance(info.get("version"), int) or info["version"] > FORMAT_VERSION:
-        raise CheckpointError(f"{where}: checkpoint format version {info.get('version')!r} is not supported by this "
-                              f"lightning-zero (which reads up to {FORMAT_VERSION}); upgrade lightning-zero", where)
-    check_seal(info, where)
-    return info
 
 
 def _rank(group: Optional[dist.ProcessGroup]) -> int:

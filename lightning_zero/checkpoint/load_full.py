@@ -27,7 +27,7 @@ from lightning_zero.checkpoint.full_file import (
     check_full_state_dict,
     copy_full_state_dict,
 )
-from lightning_zero.checkpoint.io import is_sharded_checkpoint
+from lightning_zero.checkpoint.directory import is_sharded_checkpoint
 from lightning_zero.checkpoint.save_guards import all_gather, control_group
 from lightning_zero.distributed.optimizer import get_sharding
 

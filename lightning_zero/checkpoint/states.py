@@ -20,10 +20,9 @@ from torch import Tensor
 
 from lightning_zero.checkpoint.errors import CheckpointError
 from lightning_zero.checkpoint.hf_export import describe_hf_models
+from lightning_zero.checkpoint.directory import checkpoint_directory, read_checkpoint_info
 from lightning_zero.checkpoint.io import (
-    checkpoint_directory,
     load_sharded_states,
-    read_checkpoint_info,
     remove_sharded_checkpoint,
     save_sharded_checkpoint,
     wait_for_pending_saves,

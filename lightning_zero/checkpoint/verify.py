@@ -1,5 +1,7 @@
 """Self-verifying sharded checkpoints: file records in ``zero.json`` and the checks ``load``, ``consolidate`` and
-``lightning-zero verify`` run before trusting a byte of the checkpoint.
+``lightning-zero verify`` run before trusting a byte of the checkpoint. These are the pieces; the whole-checkpoint
+check that runs them in order, :func:`lightning_zero.checkpoint.directory.verify_checkpoint`, lives with the code
+that finds and reads the directory (this module imports nothing of the package above its errors).
 
 At save time :func:`file_records` records every file's size and CRC-32 in ``zero.json`` (written last), and
 :func:`seal` adds a CRC-32 of ``zero.json``'s own fields, so an edited ``zero.json`` is detected too.
@@ -24,7 +26,7 @@ import json
 import math
 import os
 import zlib
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional
 
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 
@@ -184,50 +186,14 @@ def check_metadata(directory: str, metadata: Metadata, recorded: Optional[Iterab
             problems.append(CheckpointError(
                 f"{full}: {os.path.getsize(full)} bytes, but .metadata stores {fqn!r} up to byte {end} (truncated "
                 "file or edited metadata)", full))
-    return _unique(problems)
+    return unique_problems(problems)
 
 
-def _unique(problems: List[CheckpointError]) -> List[CheckpointError]:
+def unique_problems(problems: List[CheckpointError]) -> List[CheckpointError]:
+    """``problems`` without repeated messages (the first of each kept, in order)."""
     seen, kept = set(), []
     for problem in problems:
         if str(problem) not in seen:
             seen.add(str(problem))
             kept.append(problem)
     return kept
-
-
-def verify_checkpoint(path: Any, *, checksums: bool = True) -> List[CheckpointError]:
-    """Every problem found in the sharded checkpoint at ``path`` (empty when it is intact), without loading it.
-
-    Reads ``zero.json`` and checks its seal, every recorded file's size and (``checksums=True``) CRC-32, then the
-    DCP ``.metadata`` (readable without running pickled code, chunks covering each tensor exactly, records inside
-    the files). Used by ``lightning-zero verify``; ``load`` and ``consolidate`` run the same checks.
-    """
-    return verify_and_read(path, checksums=checksums)[0]
-
-
-def verify_and_read(path: Any, *, checksums: bool = True) -> Tuple[List[CheckpointError], Dict[str, Any]]:
-    """:func:`verify_checkpoint`, and what it read on the way: ``{"metadata": <DCP Metadata>, "meta": <meta.pt
-    dict>}`` (those that were readable), so a caller that goes on to use them reads neither file again."""
-    from lightning_zero.checkpoint.io import checkpoint_directory, read_checkpoint_info
-    from lightning_zero.checkpoint.safe_load import load_meta, read_dcp_metadata
-
-    try:
-        directory = checkpoint_directory(path)
-        info = read_checkpoint_info(directory)
-    except CheckpointError as err:
-        return [err], {}
-    problems = check_files(directory, info, checksums=checksums)
-    bad = {problem.path for problem in problems}
-    read: Dict[str, Any] = {}
-    for name, reader in (("metadata", read_dcp_metadata), ("meta", load_meta)):
-        try:
-            read[name] = reader(directory)
-        except CheckpointError as err:
-            if err.path not in bad:
-                problems.append(err)
-            continue
-        if name == "metadata":
-            files = info.get("files")
-            problems += [p for p in check_metadata(directory, read[name], files) if p.path not in bad]
-    return _unique(problems), read

@@ -23,7 +23,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lightning_zero.checkpoint.verify import verify_checkpoint
+    from lightning_zero.checkpoint.directory import verify_checkpoint
 
     start = time.perf_counter()
     try:
@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"lightning-zero verify: error: {one_line(problem)}", file=sys.stderr)
     if problems:
         return 1
-    from lightning_zero.checkpoint.io import checkpoint_directory, read_checkpoint_info
+    from lightning_zero.checkpoint.directory import checkpoint_directory, read_checkpoint_info
 
     directory = checkpoint_directory(args.checkpoint)
     files = read_checkpoint_info(directory).get("files")

@@ -31,12 +31,8 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_zero.checkpoint.errors import CheckpointError
-from lightning_zero.checkpoint.io import (
-    checkpoint_directory,
-    pending_save_paths,
-    settle_pending_saves,
-    wait_for_pending_saves,
-)
+from lightning_zero.checkpoint.directory import checkpoint_directory
+from lightning_zero.checkpoint.io import pending_save_paths, settle_pending_saves, wait_for_pending_saves
 from lightning_zero.checkpoint.safe_load import load_meta
 from lightning_zero.checkpoint import states as checkpointing
 

@@ -7,7 +7,8 @@ import time
 import torch
 
 from lightning_zero.checkpoint import io as checkpoint_io
-from lightning_zero.checkpoint.io import is_sharded_checkpoint, pending_save_paths, save_sharded_checkpoint
+from lightning_zero.checkpoint.directory import is_sharded_checkpoint
+from lightning_zero.checkpoint.io import pending_save_paths, save_sharded_checkpoint
 from lightning_zero.fabric import ZeroStrategy
 from lightning_zero.fabric.fabric_checkpoints import settle_saves_at_exit
 from tests.distributed import run_distributed

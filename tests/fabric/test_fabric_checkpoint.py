@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_zero.checkpoint.consolidate import consolidate_checkpoint
-from lightning_zero.checkpoint.io import is_sharded_checkpoint, read_checkpoint_info
+from lightning_zero.checkpoint.directory import is_sharded_checkpoint, read_checkpoint_info
 from lightning_zero.checkpoint.safe_load import read_dcp_metadata
 from lightning_zero.cli import main as lightning_zero_cli
 from lightning_zero.fabric import ZeroStrategy

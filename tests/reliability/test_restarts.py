@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 import torch.distributed as dist
 from lightning_zero import ZeroStrategy
-from lightning_zero.checkpoint.io import INFO_FILE
+from lightning_zero.checkpoint.directory import INFO_FILE
 from lightning_zero.adapters.restarts import newest_complete_checkpoint, restart_count
 from tests.distributed import free_port, job_output, run_distributed
 from tests.lightning_models import RegressionModule, full_state

@@ -23,7 +23,7 @@ from lightning_zero.checkpoint import (
     save_sharded_checkpoint,
     wait_for_pending_saves,
 )
-from lightning_zero.checkpoint.io import resolve_checkpoint_dir
+from lightning_zero.checkpoint.directory import resolve_checkpoint_dir
 from tests.distributed import kill_rank_at_save_step, run_distributed
 
 ROWS, COLS = 8, 3
