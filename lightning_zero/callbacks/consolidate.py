@@ -9,8 +9,9 @@ from typing import Optional, Union
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from lightning_zero.checkpoint.consolidate import consolidate_checkpoint, options_problem, parse_dtype
+from lightning_zero.checkpoint.consolidate import consolidate_checkpoint, options_problem
 from lightning_zero.checkpoint.io import wait_for_pending_saves
+from lightning_zero.checkpoint.tensor_sources import parse_dtype
 
 
 class ConsolidateCheckpoint(Callback):

@@ -30,6 +30,7 @@ import torch
 
 from lightning_zero.checkpoint.directory import is_sharded_checkpoint, read_checkpoint_info, resolve_checkpoint_dir
 from lightning_zero.checkpoint.streaming import TensorEntry, write_safetensors
+from lightning_zero.checkpoint.tensor_sources import cast, converted, open_source, parse_dtype
 
 PathLike = Union[str, os.PathLike]
 INFO_KEY = "hf_models"
@@ -196,8 +197,6 @@ def export_hf(checkpoint: PathLike, output_dir: PathLike, strip_prefix: Optional
     ``model-0000i-of-0000n.safetensors`` files and ``model.safetensors.index.json``, as ``save_pretrained`` does, when
     they exceed it. Returns the checkpoint keys left out (those outside the prefix).
     """
-    from lightning_zero.checkpoint.consolidate import _cast, _converted, open_source, parse_dtype
-
     dtype = parse_dtype(dtype)
     max_bytes = parse_size(max_shard_size)
     output_dir = os.fspath(output_dir)
@@ -222,11 +221,11 @@ def export_hf(checkpoint: PathLike, output_dir: PathLike, strip_prefix: Optional
         chosen = [entry for entry in chosen if entry.key[len(prefix):] not in tied]
         originals = {entry.key: entry for entry in chosen}
         entries = [TensorEntry(entry.key[len(prefix):], entry.dtype, entry.shape)
-                   for entry in (_converted(e, dtype) for e in chosen)]
+                   for entry in (converted(e, dtype) for e in chosen)]
         by_new = {new.key: originals[old.key] for new, old in zip(entries, chosen)}
 
         def load(entry: TensorEntry) -> torch.Tensor:
-            return _cast(source.load(by_new[entry.key]), dtype)
+            return cast(source.load(by_new[entry.key]), dtype)
 
         shards = _plan_shards(entries, max_bytes)
         _check_output_dir(output_dir, sharded=len(shards) > 1)

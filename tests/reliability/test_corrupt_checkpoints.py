@@ -265,7 +265,7 @@ def test_cli_process_prints_no_traceback(pristine, tmp_path):
 
 @pytest.mark.parametrize("output", ["model.ckpt", "model.safetensors"])
 def test_a_consolidation_failing_midway_leaves_no_file(pristine, tmp_path, monkeypatch, output):
-    from lightning_zero.checkpoint.consolidate import DCPTensorSource
+    from lightning_zero.checkpoint.tensor_sources import DCPTensorSource
 
     def failing(self, entry):
         raise OSError("disk went away")
