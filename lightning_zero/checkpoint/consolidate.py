@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections import OrderedDict
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
@@ -124,18 +124,7 @@ def consolidate_checkpoint(
     :func:`lightning_zero.checkpoint.export_hf`.
     """
     dtype = parse_dtype(dtype)
-    if not isinstance(with_optimizer, bool):
-        raise TypeError(f"with_optimizer must be a bool, got {with_optimizer!r}")
-    problem = options_problem(output, dtype, with_optimizer, strip_prefix)
-    if problem:
-        raise ValueError(problem)
-    if output is not None:
-        _check_output(path, output)  # before the expensive work
-    source = open_source(path)
-    if with_optimizer and not isinstance(source, (DCPTensorSource, TorchFileSource)):
-        source.close()
-        raise ValueError(f"{path}: with_optimizer=True reads lightning-zero sharded checkpoints and Lightning "
-                         "checkpoint files, not DeepSpeed checkpoints")
+    source = _checked_source(path, output, dtype, with_optimizer, strip_prefix)
     try:
         entries = [converted(entry, dtype) for entry in source.entries]
         originals = {entry.key: entry for entry in source.entries}
@@ -162,22 +151,49 @@ def consolidate_checkpoint(
                 )
             write_safetensors(output, entries, load, metadata={"format": "pt"})
             return None
-        state_dict: Dict[str, Any] = OrderedDict((entry.key, tensor_slot(entry)) for entry in entries)
-        state_dict.update(extras)
-        if with_optimizer and isinstance(source, TorchFileSource):
-            checkpoint = {**source.meta(), "state_dict": state_dict, "optimizer_states": source.optimizer_states()}
-            write_torch_checkpoint(output, checkpoint, load)  # its (memory-mapped) states are written as they are
-            return None
-        if with_optimizer:
-            from lightning_zero.checkpoint.resumable import resumable_checkpoint
-
-            checkpoint, load_any = resumable_checkpoint(source, state_dict, load)
-            write_torch_checkpoint(output, checkpoint, load_any)
-            return None
-        checkpoint = dict(source.meta())
-        checkpoint.pop("state_dict", None)
-        checkpoint["state_dict"] = state_dict
-        write_torch_checkpoint(output, checkpoint, load)
+        _write_lightning_checkpoint(source, output, entries, extras, load, with_optimizer)
         return None
     finally:
         source.close()
+
+
+def _checked_source(path: PathLike, output: Optional[PathLike], dtype: Optional[torch.dtype],
+                    with_optimizer: bool, strip_prefix: Optional[str]):
+    """The source :func:`consolidate_checkpoint` reads, opened once its options pass their checks (before the
+    expensive work: an unusable ``output`` is refused before anything is read)."""
+    if not isinstance(with_optimizer, bool):
+        raise TypeError(f"with_optimizer must be a bool, got {with_optimizer!r}")
+    problem = options_problem(output, dtype, with_optimizer, strip_prefix)
+    if problem:
+        raise ValueError(problem)
+    if output is not None:
+        _check_output(path, output)  # before the expensive work
+    source = open_source(path)
+    if with_optimizer and not isinstance(source, (DCPTensorSource, TorchFileSource)):
+        source.close()
+        raise ValueError(f"{path}: with_optimizer=True reads lightning-zero sharded checkpoints and Lightning "
+                         "checkpoint files, not DeepSpeed checkpoints")
+    return source
+
+
+def _write_lightning_checkpoint(source, output: str, entries: List[TensorEntry], extras: Dict[str, Any],
+                                load: Callable[[TensorEntry], torch.Tensor], with_optimizer: bool) -> None:
+    """Write ``output`` as a Lightning checkpoint file for :func:`consolidate_checkpoint`: the model's ``entries``
+    (streamed through ``load``) and non-tensor ``extras`` as its ``state_dict``, next to the source's other keys;
+    ``with_optimizer`` adds the optimizer states so that another strategy resumes from it."""
+    state_dict: Dict[str, Any] = OrderedDict((entry.key, tensor_slot(entry)) for entry in entries)
+    state_dict.update(extras)
+    if with_optimizer and isinstance(source, TorchFileSource):
+        checkpoint = {**source.meta(), "state_dict": state_dict, "optimizer_states": source.optimizer_states()}
+        write_torch_checkpoint(output, checkpoint, load)  # its (memory-mapped) states are written as they are
+        return
+    if with_optimizer:
+        from lightning_zero.checkpoint.resumable import resumable_checkpoint
+
+        checkpoint, load_any = resumable_checkpoint(source, state_dict, load)
+        write_torch_checkpoint(output, checkpoint, load_any)
+        return
+    checkpoint = dict(source.meta())
+    checkpoint.pop("state_dict", None)
+    checkpoint["state_dict"] = state_dict
+    write_torch_checkpoint(output, checkpoint, load)
