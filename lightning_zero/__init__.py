@@ -25,7 +25,8 @@ from lightning_zero.estimate.model_states import (
     model_state_memory,
     zero_formula,
 )
-from lightning_zero.distributed.apply_zero import apply_zero, find_repeated_blocks
+from lightning_zero.distributed.apply_zero import apply_zero
+from lightning_zero.distributed.module_classes import find_repeated_blocks
 from lightning_zero.pipeline import LayerSpec, PipelineModule, TiedLayerSpec, build_pipeline
 from lightning_zero.strategies import LossScaleConfig, ZeroPrecision, ZeroStrategy
 

@@ -360,7 +360,7 @@ def test_repeated_blocks_exclude_layers_that_also_live_inside_the_blocks():
             self.blocks = nn.ModuleList(Block() for _ in range(2))
             self.head = nn.Linear(4, 3)  # a Linear outside the blocks must not make every Linear a unit
 
-    from lightning_zero.distributed.apply_zero import find_repeated_blocks
+    from lightning_zero.distributed.module_classes import find_repeated_blocks
 
     assert find_repeated_blocks(GPTLike()) == {Block}
 

@@ -144,7 +144,7 @@ def infer_shape(module: Any, spec: ModelSpec, overrides: dict) -> tuple[dict, in
     """``(shape kwargs without micro_batch, parameter count, largest FSDP2 unit's parameters)``. ``overrides`` (from
     the command line) win; a size that cannot be found is refused, naming its flag."""
     from lightning_zero.ds_config.auto import infer_hidden_size
-    from lightning_zero.distributed.apply_zero import find_repeated_blocks
+    from lightning_zero.distributed.module_classes import find_repeated_blocks
 
     num_params = sum(p.numel() for p in module.parameters())
     if num_params == 0:

@@ -7,7 +7,8 @@ keeps are held by ``torch.autograd.graph.save_on_cpu`` (DeepSpeed's ``cpu_checkp
 
 Why not ``checkpoint_wrapper``/``apply_activation_checkpointing`` (what Lightning's FSDP strategies use): they
 insert a ``CheckpointWrapper`` module, which renames every parameter below it (``_checkpoint_wrapped_module.``),
-changes ``model.blocks[0]``'s type for user code, and changes the classes :func:`find_repeated_blocks` sees.
+changes ``model.blocks[0]``'s type for user code, and changes the classes
+:func:`~lightning_zero.distributed.module_classes.find_repeated_blocks` sees.
 Replacing ``forward`` on the instance keeps the module tree, the parameter names, the state-dict keys and the
 optimizer's parameters exactly as without checkpointing, so checkpoints move freely between runs with and without
 it; :meth:`ActivationCheckpointHandle.remove` restores the original ``forward``.
@@ -45,7 +46,7 @@ class ActivationCheckpointConfig:
 
     Args:
         policy: ``True``: the repeated blocks the strategy detects
-            (:func:`~lightning_zero.distributed.apply_zero.find_repeated_blocks`; under :func:`apply_zero`, the
+            (:func:`~lightning_zero.distributed.module_classes.find_repeated_blocks`; under :func:`apply_zero`, the
             ``sharded_module_classes`` when given); a set of module classes or class names;
             or a callable ``policy(module) -> bool``. Only the outermost selected modules are checkpointed, never
             the root module.
@@ -159,11 +160,9 @@ def select_blocks(module: nn.Module, config: ActivationCheckpointConfig, *, requ
     """The modules ``config`` checkpoints, in registration (usually execution) order. Errors when none match (a
     policy that selects nothing would silently save no memory), unless ``require_match=False`` (a pipeline stage
     holding only some of the model's layers)."""
-    from lightning_zero.distributed.apply_zero import find_repeated_blocks
-
     policy = config.policy
     if policy is True:
-        classes = find_repeated_blocks(module)
+        classes = module_classes.find_repeated_blocks(module)
         if not classes:
             raise ValueError("activation_checkpointing=True checkpoints the repeated blocks (classes occurring at "
                              "least twice in a ModuleList/Sequential), but this model has none: pass the classes to "

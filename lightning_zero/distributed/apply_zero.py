@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections import Counter
 from typing import Iterable, Optional
 
 import torch
@@ -49,49 +48,11 @@ from lightning_zero.torch_compat import fsdp_param_groups
 
 log = logging.getLogger(__name__)
 
-# Containers whose repeated children are the natural FSDP units ("the blocks").
-_CONTAINERS = (nn.ModuleList, nn.Sequential)
-
-
-def find_repeated_blocks(module: nn.Module) -> set[type]:
-    """Module classes that occur at least twice as children of a ``ModuleList``/``Sequential`` and own parameters.
-
-    These are the transformer blocks, residual stages and so on that FSDP wants as units. Only the outermost
-    such classes are returned: a class nested inside another detected block is left to that block's unit.
-    """
-    counts: Counter[type] = Counter()
-    for container in module.modules():
-        if isinstance(container, _CONTAINERS):
-            for child in container.children():
-                if any(True for _ in child.parameters()):
-                    counts[type(child)] += 1
-    candidates = {cls for cls, count in counts.items() if count >= 2}
-    # A class with any instance nested inside another candidate is a layer of the blocks, not a block: drop it
-    # entirely. Keeping it because one instance also sits outside the blocks (an ``nn.Linear`` head next to blocks
-    # whose MLPs are ``Sequential(Linear, GELU, Linear)``) would make every such layer inside the blocks its own unit
-    # too: a collective per layer, and FSDP2 warns about each unit whose output is a view (``Linear`` on 3-D input).
-    nested: set[type] = set()
-    for name, sub in module.named_modules():
-        if type(sub) in candidates and _has_ancestor_of(module, name, candidates):
-            nested.add(type(sub))
-    return candidates - nested
-
-
-def _has_ancestor_of(root: nn.Module, name: str, classes: set[type]) -> bool:
-    parts = name.split(".")
-    current = root
-    for part in parts[:-1]:
-        current = getattr(current, part)
-        if type(current) in classes:
-            return True
-    return False
-
-
 def _resolve_classes(module: nn.Module, spec: Optional[Iterable]) -> module_classes.ClassSelector:
     """The FSDP unit classes: detected blocks (exact types) or the user's (subclasses included); see
     ``[Note: which modules a class selects]`` in :mod:`.module_classes`."""
     if spec is None:
-        return module_classes.detected(find_repeated_blocks(module))
+        return module_classes.detected(module_classes.find_repeated_blocks(module))
     return module_classes.given(module, spec, "sharded_module_classes")
 
 
