@@ -12,8 +12,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero import ZeroConfig, ZeroStrategy, apply_zero
-from lightning_zero.distributed.deferred_init import DeferredInitError, is_deferred, materialize_module
-from lightning_zero.distributed.exact_init import InitConfig, InitMemoryError, exact_init
+from lightning_zero.distributed.deferred_init import DeferredInitError, InitMemoryError, is_deferred, materialize_module
+from lightning_zero.distributed.exact_init import InitConfig, exact_init
 from tests.distributed import run_distributed
 from tests.test_exact_init import assert_bitwise_equal, snapshot
 

@@ -17,8 +17,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_zero  # noqa: F401  (registers the strategy names)
 from lightning_zero import ZeroConfig, ZeroStrategy, apply_zero
-from lightning_zero.distributed.deferred_init import is_deferred
-from lightning_zero.distributed.exact_init import InitConfig, InitMemoryError, exact_init
+from lightning_zero.distributed.deferred_init import InitMemoryError, is_deferred
+from lightning_zero.distributed.exact_init import InitConfig, exact_init
 from tests.distributed import run_distributed
 
 SEED = 1234

@@ -22,8 +22,7 @@ restores the caller's state afterwards.
 Anything that needs a deferred value in Python (``.item()``, ``torch.equal``, ``bool()``, printing, ops whose output
 shape depends on data, ops without a meta kernel) runs for real on inputs replayed at that moment. When such an op
 writes deferred memory, the written bytes are kept in the log: exact, but not bounded; those bytes count against the
-host-memory budget and exceeding it raises :class:`~lightning_zero.distributed.exact_init.InitMemoryError` naming the
-module and the op.
+host-memory budget and exceeding it raises :class:`InitMemoryError` naming the module and the op.
 
 :func:`materialize_module` replays the log restricted to what a set of tensors depends on (one reverse pass: an
 entry is needed when it writes a needed storage, and then its inputs are needed), in the original order, freeing
@@ -59,6 +58,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 log = logging.getLogger(__name__)
+
+# The host-memory budget of a build in bytes (0: no guard), read by exact_init's InitConfig.from_env. It bounds both
+# builds, exact_init's on real memory and the real values this log keeps, so the name and its error live here, in the
+# module exact_init imports.
+BUDGET_ENV = "LIGHTNING_ZERO_INIT_MEMORY_BUDGET"
+
+
+class InitMemoryError(MemoryError):
+    """Building the model on this rank would exceed its share of the host memory."""
+
 
 class DeferredInitError(RuntimeError):
     """The recorder met a pattern it cannot reproduce exactly; the message names the module and the op."""
@@ -326,8 +335,6 @@ class _Recorder(TorchDispatchMode):
         return _Held(value, value._version)  # the object itself: a detach() here would get its own version
 
     def _count(self, nbytes: int, what: str) -> None:
-        from lightning_zero.distributed.exact_init import BUDGET_ENV, InitMemoryError
-
         self.pinned += nbytes
         if self.budget is not None and self.pinned > self.budget:
             raise InitMemoryError(

@@ -17,8 +17,9 @@ So, at every stage:
    here: a skipped init that a checkpoint fails to cover would train on garbage.
 
    * Stages 0-1 (``InitConfig.deferred=False``; DDP keeps full replicas anyway): on real memory. A guard counts the
-     bytes of every parameter and buffer as it is registered and raises :class:`InitMemoryError`, naming the
-     module, before the build exceeds this rank's share of the host memory (every local rank builds at once).
+     bytes of every parameter and buffer as it is registered and raises :class:`~.deferred_init.InitMemoryError`,
+     naming the module, before the build exceeds this rank's share of the host memory (every local rank builds at
+     once).
    * Stages 2-3 (``deferred=True``, what ``ZeroStrategy`` passes): the build is *recorded*, not run on real
      memory (:mod:`.deferred_init`): every parameter and buffer is a deferred tensor whose value is defined by a
      per-tensor log of the aten ops that made it, with the RNG state saved before each random op. No rank holds
@@ -52,15 +53,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_zero.distributed.deferred_init import BUDGET_ENV, InitMemoryError, deferred_build, is_deferred
+
 log = logging.getLogger(__name__)
 
 _GIB = 1024 ** 3
-BUDGET_ENV = "LIGHTNING_ZERO_INIT_MEMORY_BUDGET"
 DEFERRED_ENV = "LIGHTNING_ZERO_DEFERRED_INIT"
-
-
-class InitMemoryError(MemoryError):
-    """Building the model on this rank would exceed its share of the host memory."""
 
 
 @dataclass(frozen=True)
@@ -156,8 +154,6 @@ class _BuildGuard:
         self._counted_at: dict[int, weakref.ref] = {}
 
     def __call__(self, module: nn.Module, name: str, tensor: Optional[torch.Tensor]) -> None:
-        from lightning_zero.distributed.deferred_init import is_deferred
-
         if tensor is None or tensor.is_meta or tensor.device.type != "cpu" or is_deferred(tensor):
             return
         storage = tensor.untyped_storage()
@@ -189,10 +185,10 @@ def exact_init(config: InitConfig = InitConfig(), empty_init: Optional[bool] = N
 
     Everything created inside lands on CPU whatever the default device is, so the RNG stream is consumed exactly as
     by a plain CPU build; shard the result with :func:`~lightning_zero.distributed.apply_zero.apply_zero`, which takes
-    rank 0's values. Raises :class:`InitMemoryError` naming the module whose tensor crosses the budget. With
-    ``config.deferred`` the build is recorded instead (see the Note above): the parameters and buffers hold no
-    memory until ``apply_zero`` (or :func:`~lightning_zero.distributed.deferred_init.materialize_module`) replays
-    them.
+    rank 0's values. Raises :class:`~.deferred_init.InitMemoryError` naming the module whose tensor crosses the
+    budget. With ``config.deferred`` the build is recorded instead (see the Note above): the parameters and buffers
+    hold no memory until ``apply_zero`` (or :func:`~lightning_zero.distributed.deferred_init.materialize_module`)
+    replays them.
     ``empty_init=True`` (Lightning's hint that a checkpoint will be loaded) is logged and the init runs anyway.
     """
     if empty_init:
@@ -205,8 +201,6 @@ def exact_init(config: InitConfig = InitConfig(), empty_init: Optional[bool] = N
 
     guard = _BuildGuard(config)
     if config.deferred:
-        from lightning_zero.distributed.deferred_init import deferred_build
-
         with torch.device("cpu"), deferred_build(guard.budget):
             yield
         return
