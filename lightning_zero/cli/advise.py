@@ -42,7 +42,7 @@ def _key_value(text: str) -> tuple:
 
 
 def add_parser(subparsers) -> None:
-    from lightning_zero.estimate.model_states import PRECISIONS
+    from lightning_zero.estimate.precisions import PRECISIONS
 
     p = subparsers.add_parser("advise", help="predict (and optionally measure) which ZeRO configuration fits best")
     p.add_argument("--config", help="a LightningCLI YAML (model, data and trainer sections)")
@@ -91,7 +91,7 @@ def _resolve(args):
                  "vocab": args.vocab}
     shape_kwargs, num_params, unit = infer_shape(module, spec, overrides)
     precision = args.precision or str(spec.trainer.get("precision", "32-true"))
-    from lightning_zero.estimate.model_states import PRECISIONS
+    from lightning_zero.estimate.precisions import PRECISIONS
 
     if precision not in PRECISIONS:
         raise _fail(f"the config's trainer.precision {precision!r} is not one of {PRECISIONS}")

@@ -29,7 +29,7 @@ def positive_int(text: str) -> int:
 
 
 def add_parser(subparsers) -> None:
-    from lightning_zero.estimate.model_states import PRECISIONS
+    from lightning_zero.estimate.precisions import PRECISIONS
 
     parser = subparsers.add_parser("estimate", help="estimate per-rank model-state memory for ZeRO stages 0-3")
     parser.add_argument("--params", type=_positive_count, required=True, help="number of parameters, e.g. 7e9")

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from lightning_zero.estimate.activations import CHECKPOINTING, TransformerShape
-from lightning_zero.estimate.model_states import PRECISIONS, FullEstimate, estimate_memory
+from lightning_zero.estimate.model_states import FullEstimate, estimate_memory
+from lightning_zero.estimate.precisions import PRECISIONS
 
 # Predicted (parameters and optimizer states on disk, docs/offload.md) but never picked or measured: it needs a
 # directory on a fast local disk, which advise does not know.

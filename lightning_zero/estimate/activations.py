@@ -26,6 +26,8 @@ from typing import Iterable, Iterator
 import torch
 from torch import Tensor
 
+from lightning_zero.estimate.precisions import PRECISIONS
+
 _HALF_TRUE = ("16-true", "bf16-true", "16", "bf16")
 _MIXED = ("16-mixed", "bf16-mixed")
 CHECKPOINTING = ("none", "full", "full+cpu")
@@ -116,8 +118,6 @@ def activation_bytes(shape: TransformerShape, precision: str = "32-true",
     """
     if checkpointing not in CHECKPOINTING:
         raise ValueError(f"checkpointing must be one of {CHECKPOINTING}, got {checkpointing!r}")
-    from lightning_zero.estimate.model_states import PRECISIONS
-
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     layer = layer_activation_bytes(shape, precision)

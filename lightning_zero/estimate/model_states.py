@@ -23,18 +23,14 @@ group and replicated across the ``N / S`` groups: every ``/ N`` above becomes ``
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Optional, Union
+from typing import Any, Iterable, Optional, Union
 
 import torch
 from torch import Tensor, nn
 
+from lightning_zero.estimate.activations import CHECKPOINTING, ActivationBytes, TransformerShape, activation_bytes
+from lightning_zero.estimate.precisions import LOW_PRECISIONS, PRECISIONS
 from lightning_zero.torch_compat import fsdp_param_groups
-
-if TYPE_CHECKING:
-    from lightning_zero.estimate.activations import ActivationBytes, TransformerShape
-
-_MIXED = ("16-mixed", "bf16-mixed", "16-true", "bf16-true", "16", "bf16")
-PRECISIONS = ("32-true", "32") + _MIXED
 
 
 @dataclass(frozen=True)
@@ -150,7 +146,7 @@ def precision_bytes(precision: str, optimizer_bytes_fp32: int = 8) -> tuple[int,
     """``(bp, bg, K)`` for a Trainer precision string; low precision adds the fp32 master copy to ``K``."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    if precision in _MIXED:
+    if precision in LOW_PRECISIONS:
         return 2, 2, optimizer_bytes_fp32 + 4
     return 4, 4, optimizer_bytes_fp32
 
@@ -304,7 +300,7 @@ class FullEstimate:
     """
 
     states: MemoryEstimate
-    activations: "ActivationBytes"
+    activations: ActivationBytes
     checkpointing: str = "none"
 
     @property
@@ -330,7 +326,7 @@ class FullEstimate:
 
 def estimate_memory(model_or_num_params: Union[nn.Module, int], stage: int, world_size: int,
                     offload: Optional[str] = None, precision: str = "32-true", *,
-                    shape: Optional["TransformerShape"] = None, checkpointing: str = "none",
+                    shape: Optional[TransformerShape] = None, checkpointing: str = "none",
                     **state_kwargs: Any) -> FullEstimate:
     """Estimate per-rank memory of model states plus activations (``docs/memory.md``).
 
@@ -341,8 +337,6 @@ def estimate_memory(model_or_num_params: Union[nn.Module, int], stage: int, worl
     result says (``activations.accelerator == 0``) rather than guessing. ``checkpointing``: ``"none"``, ``"full"``
     (activation checkpointing of every block) or ``"full+cpu"`` (checkpointed inputs kept in CPU memory).
     """
-    from lightning_zero.estimate.activations import ActivationBytes, activation_bytes, CHECKPOINTING
-
     if checkpointing not in CHECKPOINTING:
         raise ValueError(f"checkpointing must be one of {CHECKPOINTING}, got {checkpointing!r}")
     states = estimate_model_states_memory(model_or_num_params, stage, world_size, offload, precision, **state_kwargs)
