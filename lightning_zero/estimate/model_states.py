@@ -239,35 +239,13 @@ def estimate_model_states_memory(model_or_num_params: Union[nn.Module, int], sta
 
     swaps_optimizer = is_nvme(offload) or is_nvme(offload_optimizer)
     swaps_params = stage == 3 and (is_nvme(offload) or is_nvme(offload_params))
-    if isinstance(model_or_num_params, nn.Module):
-        num_params = sum(p.numel() for p in model_or_num_params.parameters())
-        if largest_unit_params is None:
-            from lightning_zero.distributed.apply_zero import unit_groups
-
-            # the units apply_zero makes by default: repeated blocks, grouped up to the default unit_bytes
-            groups, _ = unit_groups(model_or_num_params, ZeroConfig(stage=3))
-            sizes = [sum(p.numel() for m in group for p in m.parameters()) for group in groups]
-            largest_unit_params = max(sizes, default=num_params)
-    else:
-        num_params = int(model_or_num_params)
-    largest_unit_params = largest_unit_params or num_params
+    num_params, largest_unit_params = _parameter_counts(model_or_num_params, largest_unit_params)
     bp, bg, k = precision_bytes(precision, optimizer_bytes_fp32)
     rest = zero_formula(num_params, stage, world_size, precision=precision, optimizer_bytes_fp32=optimizer_bytes_fp32,
                         hybrid_shard_size=hybrid_shard_size)
     n, p = shard_ranks(world_size, hybrid_shard_size), num_params
-    zero = StateBytes()
-    if not config.offloads:
-        accel, cpu = rest, zero
-    elif not config.offloads_params:
-        # ZeRO-Offload: the device keeps the stage's parameters and gradients; CPU holds this rank's fp32 masters,
-        # their gradients and the optimizer states.
-        accel = StateBytes(rest.params, rest.grads, 0)
-        cpu = StateBytes(0, p * 4 // n, p * (k + (4 if bp == 4 else 0)) // n)
-    else:
-        # Stage 3 FSDP2 CPUOffloadPolicy: the sharded fp32 parameters (they are the masters), their gradients and
-        # the optimizer states all live in CPU memory.
-        accel = zero
-        cpu = StateBytes(p * 4 // n, p * 4 // n, p * optimizer_bytes_fp32 // n)
+    accel, cpu = _offload_placement(rest, p, n, bp, k, optimizer_bytes_fp32, offloads=config.offloads,
+                                    offloads_params=config.offloads_params)
     # Stage 3 gathers one unit and prefetches the next; never more than the whole model.
     gathered = {2: p * bp, 3: min(2 * largest_unit_params, p) * bp}.get(stage, 0)
     if not (swaps_optimizer or swaps_params):
@@ -289,6 +267,42 @@ def estimate_model_states_memory(model_or_num_params: Union[nn.Module, int], sta
         cpu = StateBytes(0, cpu.grads, cpu.optimizer_states)
         buffers += min(shard, max_in_cpu * 4) + min(shard, buffer_count * buffer_size * 4)
     return MemoryEstimate(accel, cpu, accel.total + gathered, cpu.total + buffers, nvme=on_disk)
+
+
+def _parameter_counts(model_or_num_params: Union[nn.Module, int], largest_unit_params: Optional[int]
+                      ) -> tuple[int, int]:
+    """``(parameters, parameters of the largest FSDP unit)`` for :func:`estimate_model_states_memory`: a module's
+    are counted, its largest unit among those ``apply_zero`` makes by default unless given; for a bare count the
+    largest unit is the whole model unless given."""
+    if isinstance(model_or_num_params, nn.Module):
+        num_params = sum(p.numel() for p in model_or_num_params.parameters())
+        if largest_unit_params is None:
+            from lightning_zero.distributed.apply_zero import unit_groups
+            from lightning_zero.distributed.config import ZeroConfig
+
+            # the units apply_zero makes by default: repeated blocks, grouped up to the default unit_bytes
+            groups, _ = unit_groups(model_or_num_params, ZeroConfig(stage=3))
+            sizes = [sum(p.numel() for m in group for p in m.parameters()) for group in groups]
+            largest_unit_params = max(sizes, default=num_params)
+    else:
+        num_params = int(model_or_num_params)
+    return num_params, largest_unit_params or num_params
+
+
+def _offload_placement(rest: StateBytes, p: int, n: int, bp: int, k: int, optimizer_bytes_fp32: int, *,
+                       offloads: bool, offloads_params: bool) -> tuple[StateBytes, StateBytes]:
+    """``(accelerator, cpu)`` bytes at rest of the stage's states ``rest`` (:func:`zero_formula`) once the offload
+    (``ZeroConfig.offloads``, ``.offloads_params``) has moved them: ``p`` parameters over ``n`` ranks, ``bp`` and
+    ``k`` as :func:`precision_bytes`."""
+    if not offloads:
+        return rest, StateBytes()
+    if not offloads_params:
+        # ZeRO-Offload: the device keeps the stage's parameters and gradients; CPU holds this rank's fp32 masters,
+        # their gradients and the optimizer states.
+        return StateBytes(rest.params, rest.grads, 0), StateBytes(0, p * 4 // n, p * (k + (4 if bp == 4 else 0)) // n)
+    # Stage 3 FSDP2 CPUOffloadPolicy: the sharded fp32 parameters (they are the masters), their gradients and
+    # the optimizer states all live in CPU memory.
+    return StateBytes(), StateBytes(p * 4 // n, p * 4 // n, p * optimizer_bytes_fp32 // n)
 
 
 @dataclass(frozen=True)
