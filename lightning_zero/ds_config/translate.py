@@ -411,6 +411,55 @@ def _translate_named_spec(config: dict, name: str, out: _Collector) -> Optional[
     return {"type": spec["type"], "params": copy.deepcopy(params)}
 
 
+def _check_top_level_keys(config: dict, out: _Collector) -> None:
+    """A problem for each top-level key that is neither a known key nor a disabled unsupported section (those get a
+    note)."""
+    for key, value in config.items():
+        if key in schema.TOP_LEVEL_KEYS:
+            continue
+        if key in schema.UNSUPPORTED_SECTIONS:
+            if _is_disabled(value):
+                out.note(key, f"disabled, so accepted ({schema.UNSUPPORTED_SECTIONS[key]} is not supported)")
+            else:
+                out.problem(key, f"not supported: {schema.UNSUPPORTED_SECTIONS[key]} is not part of lightning-zero")
+            continue
+        candidates = list(schema.TOP_LEVEL_KEYS) + list(schema.UNSUPPORTED_SECTIONS)
+        out.problem(key, f"unknown top-level key; {_suggest(key, candidates, '')}")
+
+
+def _translate_sections(config: dict, out: _Collector, kwargs: dict, effective: dict) -> None:
+    """The ``activation_checkpointing``, ``pipeline`` and ``checkpoint`` sections, merged with their defaults into
+    ``effective``; a fixed ``pipeline.stages`` becomes ``pipeline_parallel_size`` in ``kwargs``."""
+    for name in ("activation_checkpointing", "pipeline", "checkpoint"):
+        user = _section(config, name, out)
+        if user is not None:
+            effective[name] = _merge_section(user, schema.SECTION_KEYS[name], name, out)
+    pipeline_stages = effective.get("pipeline", {}).get("stages", AUTO)
+    if pipeline_stages != AUTO:
+        kwargs["pipeline_parallel_size"] = _check_number("pipeline.stages", pipeline_stages, integer=True,
+                                                         allow_auto=False, strictly_positive=True)
+
+
+def _record_top_level_settings(config: dict, out: _Collector, effective: dict) -> None:
+    """The top-level keys without a translation of their own in :func:`translate_ds_config` (batch sizes, clipping,
+    logging, no-effect switches): each gets its note (or a problem, for an unsupported value) and is copied to
+    ``effective`` as given."""
+    for key, spec in schema.TOP_LEVEL_KEYS.items():
+        if key not in config or key in schema.SECTION_KEYS or key in ("zero_optimization", "optimizer", "scheduler",
+                                                                       "fp16", "bf16", "torch_autocast"):
+            continue
+        value = config[key]
+        if spec.role == schema.NO_EFFECT:
+            out.note(key, "no effect: " + spec.note)
+            if value != spec.default:
+                out.no_effect_non_default.append(f"{key}={value!r}")
+        elif spec.role == schema.UNSUPPORTED and str(value).lower() != spec.default:
+            out.problem(key, f"{value!r} is not supported: {spec.note}")
+        else:
+            out.note(key, spec.note)
+        effective[key] = value
+
+
 def _find_auto(value: Any, path: str) -> list[str]:
     if value == AUTO and path != "pipeline.stages":  # DeepSpeed's own default: stages come from the model
         return [path]
@@ -436,32 +485,14 @@ def translate_ds_config(config: dict, *, strict: bool = True) -> DeepSpeedTransl
     out = _Collector(strict)
     config = _normalise_deprecated(config, out)
     effective: dict = {}
-    for key, value in config.items():
-        if key in schema.TOP_LEVEL_KEYS:
-            continue
-        if key in schema.UNSUPPORTED_SECTIONS:
-            if _is_disabled(value):
-                out.note(key, f"disabled, so accepted ({schema.UNSUPPORTED_SECTIONS[key]} is not supported)")
-            else:
-                out.problem(key, f"not supported: {schema.UNSUPPORTED_SECTIONS[key]} is not part of lightning-zero")
-            continue
-        candidates = list(schema.TOP_LEVEL_KEYS) + list(schema.UNSUPPORTED_SECTIONS)
-        out.problem(key, f"unknown top-level key; {_suggest(key, candidates, '')}")
+    _check_top_level_keys(config, out)
 
     kwargs: dict = {}
     effective["zero_optimization"], gather = _translate_zero(config, out, kwargs)
     _translate_aio(config, out, kwargs)
     precision, precision_effective = _translate_precision(config, out, kwargs)
     effective.update(precision_effective)
-
-    for name in ("activation_checkpointing", "pipeline", "checkpoint"):
-        user = _section(config, name, out)
-        if user is not None:
-            effective[name] = _merge_section(user, schema.SECTION_KEYS[name], name, out)
-    pipeline_stages = effective.get("pipeline", {}).get("stages", AUTO)
-    if pipeline_stages != AUTO:
-        kwargs["pipeline_parallel_size"] = _check_number("pipeline.stages", pipeline_stages, integer=True,
-                                                         allow_auto=False, strictly_positive=True)
+    _translate_sections(config, out, kwargs, effective)
 
     batch = {key: _check_number(key, config.get(key), integer=True, strictly_positive=True)
              for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")}
@@ -482,21 +513,7 @@ def translate_ds_config(config: dict, *, strict: bool = True) -> DeepSpeedTransl
 
     optimizer = _translate_named_spec(config, "optimizer", out)
     scheduler = _translate_named_spec(config, "scheduler", out)
-
-    for key, spec in schema.TOP_LEVEL_KEYS.items():
-        if key not in config or key in schema.SECTION_KEYS or key in ("zero_optimization", "optimizer", "scheduler",
-                                                                       "fp16", "bf16", "torch_autocast"):
-            continue
-        value = config[key]
-        if spec.role == schema.NO_EFFECT:
-            out.note(key, "no effect: " + spec.note)
-            if value != spec.default:
-                out.no_effect_non_default.append(f"{key}={value!r}")
-        elif spec.role == schema.UNSUPPORTED and str(value).lower() != spec.default:
-            out.problem(key, f"{value!r} is not supported: {spec.note}")
-        else:
-            out.note(key, spec.note)
-        effective[key] = value
+    _record_top_level_settings(config, out, effective)
     effective.update({key: value for key, value in batch.items() if value is not None})
     if optimizer is not None:
         effective["optimizer"] = optimizer
