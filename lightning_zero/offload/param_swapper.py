@@ -100,43 +100,49 @@ def _unit_name(names: list[str]) -> str:
     return f"{names[0]}+...+{names[-1]} ({len(names)} modules)"
 
 
+def _swap_units(module: nn.Module) -> tuple[list[_Unit], dict[int, _Unit]]:
+    """The swap units of ``module``'s FSDP2 units, not yet laid out on disk, and ``{id(sharded parameter): unit}``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units: list[_Unit] = []
+    unit_of: dict[int, _Unit] = {}
+    # [Note: one swap unit per fully_shard call] ``fully_shard([block_a, block_b])`` (byte-grouped units, see
+    # lightning_zero.distributed.units) makes every module of the list an FSDPModule sharing ONE state and
+    # param group. Units are keyed by that state: one per module would swap the same storages twice (the
+    # second write finds them already freed) and wrap the group's methods twice.
+    members: dict[int, list[str]] = {}  # id(FSDP state) -> the names of its modules
+    for name, sub in module.named_modules():
+        if not isinstance(sub, FSDPModule):
+            continue
+        state = sub._get_fsdp_state()
+        if id(state) in members:
+            members[id(state)].append(name or "<root>")
+            continue
+        members[id(state)] = [name or "<root>"]
+        groups = fsdp_param_groups(state)
+        if not groups:
+            continue
+        unit = _Unit(len(units), "", groups, f"unit{len(units)}.bin", [], 0, state=state)
+        for fp in unit.fsdp_params():
+            data = fp._sharded_param_data  # swapped as bytes: any dtype
+            unit.sizes.append(data.untyped_storage().nbytes())
+            unit.in_place.append(can_read_in_place(fp))
+            unit.elements += data.numel()
+            unit_of[id(fp.sharded_param)] = unit
+        units.append(unit)
+    for unit in units:
+        unit.name = _unit_name(members[id(unit.state)])
+    return units, unit_of
+
+
 class ParamSwapper:
     """Swaps the local shards of a stage-3 module's FSDP2 units to files (see the module notes)."""
 
     def __init__(self, module: nn.Module, nvme: NvmeConfig, rank: int = 0, pin_memory: bool = False) -> None:
-        from torch.distributed.fsdp import FSDPModule
-
         self.module = module
         self.nvme = nvme
         self.pin_memory = pin_memory
-        self.units: list[_Unit] = []
-        self._unit_of: dict[int, _Unit] = {}
-        # [Note: one swap unit per fully_shard call] ``fully_shard([block_a, block_b])`` (byte-grouped units, see
-        # lightning_zero.distributed.units) makes every module of the list an FSDPModule sharing ONE state and
-        # param group. Units are keyed by that state: one per module would swap the same storages twice (the
-        # second write finds them already freed) and wrap the group's methods twice.
-        members: dict[int, list[str]] = {}  # id(FSDP state) -> the names of its modules
-        for name, sub in module.named_modules():
-            if not isinstance(sub, FSDPModule):
-                continue
-            state = sub._get_fsdp_state()
-            if id(state) in members:
-                members[id(state)].append(name or "<root>")
-                continue
-            members[id(state)] = [name or "<root>"]
-            groups = fsdp_param_groups(state)
-            if not groups:
-                continue
-            unit = _Unit(len(self.units), "", groups, f"unit{len(self.units)}.bin", [], 0, state=state)
-            for fp in unit.fsdp_params():
-                data = fp._sharded_param_data  # swapped as bytes: any dtype
-                unit.sizes.append(data.untyped_storage().nbytes())
-                unit.in_place.append(can_read_in_place(fp))
-                unit.elements += data.numel()
-                self._unit_of[id(fp.sharded_param)] = unit
-            self.units.append(unit)
-        for unit in self.units:
-            unit.name = _unit_name(members[id(unit.state)])
+        self.units, self._unit_of = _swap_units(module)
         if not self.units:
             raise ValueError("offload_params='nvme' needs a module sharded with FSDP2 (stage 3): none was found")
         self.chunk_bytes = align_up(nvme.buffer_size * 4)
