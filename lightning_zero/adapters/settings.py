@@ -5,9 +5,8 @@ both hand them to :func:`resolve_settings`, which applies the ds_config under th
 every value before any process group exists. An argument added to the strategies belongs here (and in
 :class:`ZeroSettings`), so the two adapters cannot drift apart.
 
-The validators used here (``ds_config_binding``, ``ddp_options``, ``pipeline_binding``, ``precision_policy``,
-``validation``) live beside this module in ``fabric/``: ``strategies/`` imports them from here, never the reverse
-(``tests/test_layout.py``).
+Each setting is validated by the module that owns it (``ZeroConfig``, ``DDPOptions``, ``PipelineSettings``,
+``LossScaleConfig``, the ds_config binding, the launch checks); this module only puts them together.
 """
 
 from __future__ import annotations
@@ -17,15 +16,16 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Optional, Union
 
+from lightning.fabric.utilities.rank_zero import rank_zero_info
+
+from lightning_zero.adapters.launch_checks import check_backend_name, check_timeout
+from lightning_zero.adapters.precision_policy import LossScaleConfig, loss_scale_configs, parse_communication_data_type
 from lightning_zero.checkpoint.full_file import check_load_full_weights
-from lightning_zero.distributed.config import ZeroConfig
 from lightning_zero.diagnostics.hang_guard import DEFAULT_HANG_TIMEOUT, parse_hang_timeout
 from lightning_zero.diagnostics.network import DEFAULT_RENDEZVOUS_TIMEOUT, check_rendezvous_timeout
 from lightning_zero.distributed.activation_checkpointing import ActivationCheckpointConfig
-from lightning_zero.adapters import restarts
-from lightning_zero.adapters import launch_checks as validation
-from lightning_zero.offload.nvme_config import config_params_offload_at_stage, offload_arguments
-from lightning_zero.distributed.ddp import DDPOptions, require_flags
+from lightning_zero.distributed.config import ZeroConfig
+from lightning_zero.distributed.ddp import DDPOptions
 from lightning_zero.ds_config.binding import (
     DeepSpeedConfigBinding,
     activation_checkpointing_over_config,
@@ -34,8 +34,8 @@ from lightning_zero.ds_config.binding import (
     hybrid_shard_size_over_config,
     unit_knobs_over_config,
 )
+from lightning_zero.offload.nvme_config import config_params_offload_at_stage, offload_arguments
 from lightning_zero.pipeline.zero_pipeline import PipelineSettings, make_pipeline_settings
-from lightning_zero.adapters.precision_policy import LossScaleConfig, loss_scale_configs, parse_communication_data_type
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 
@@ -132,11 +132,64 @@ def resolve_settings(
 ) -> ZeroSettings:
     """Validate a ZeroStrategy's constructor arguments; the ds_config (``config=``, else the file
     ``PL_DEEPSPEED_CONFIG_PATH`` names) fills every argument left at ``None``, explicit arguments win."""
-    timeout = validation.check_timeout(timeout)
+    timeout = check_timeout(timeout)
     rendezvous_timeout = check_rendezvous_timeout(rendezvous_timeout)
-    validation.check_backend_name(process_group_backend)
-    ds_config = bind_ds_config(config, strict)
+    check_backend_name(process_group_backend)
+    ds_config = _bind(config, strict)
     hang_seconds = parse_hang_timeout(hang_timeout)
+    zero_config, communication_data_type, pipeline_parallel_size, micro_batches = _zero_config(
+        ds_config, stage=stage, offload=offload, offload_optimizer=offload_optimizer, offload_params=offload_params,
+        nvme_path=nvme_path, buffer_count=buffer_count, sub_group_size=sub_group_size, buffer_size=buffer_size,
+        max_in_cpu=max_in_cpu, aio=aio, pin_memory=pin_memory, sharded_module_classes=sharded_module_classes,
+        reshard_after_forward=reshard_after_forward, communication_data_type=communication_data_type,
+        pipeline_parallel_size=pipeline_parallel_size, micro_batches=micro_batches,
+        hybrid_shard_size=hybrid_shard_size, unit_bytes=unit_bytes, prefetch_bytes=prefetch_bytes,
+        param_persistence_threshold=param_persistence_threshold)
+    activation_checkpoint = activation_checkpointing_over_config(
+        ds_config, activation_checkpointing, cpu_checkpointing, activation_checkpointing_policy)
+    if start_method not in START_METHODS:
+        raise ValueError(f"start_method must be 'popen', 'spawn', 'fork' or 'forkserver', got {start_method!r}")
+    loss_scale_config, fp16_loss_scale_config = loss_scale_configs(
+        ds_config.loss_scale_kwargs() if ds_config is not None else {},
+        loss_scale=loss_scale, initial_scale_power=initial_scale_power, loss_scale_window=loss_scale_window,
+        hysteresis=hysteresis, consecutive_hysteresis=consecutive_hysteresis, min_loss_scale=min_loss_scale)
+    parse_communication_data_type(communication_data_type)
+    pipeline = make_pipeline_settings(pipeline_parallel_size, micro_batches, pipeline_schedule, virtual_stages,
+                                      stage=zero_config.stage, offload_optimizer=zero_config.offload_optimizer,
+                                      offload_params=zero_config.offload_params)
+    ddp_options = DDPOptions(find_unused_parameters, static_graph, gradient_as_bucket_view, bucket_cap_mb)
+    ddp_options.check_stage(zero_config.stage, pipeline=pipeline.enabled)
+    exclude_frozen_parameters, verbose, async_save = require_flags(
+        exclude_frozen_parameters=exclude_frozen_parameters, verbose=verbose, async_save=async_save)
+    if checkpoint_io is not None:
+        raise ValueError("ZeroStrategy writes sharded checkpoints with torch.distributed.checkpoint itself, so a "
+                         "custom checkpoint_io would be ignored; remove it")
+    return ZeroSettings(
+        zero_config=zero_config, ds_config=ds_config, loss_scale_config=loss_scale_config,
+        fp16_loss_scale_config=fp16_loss_scale_config, communication_data_type=communication_data_type,
+        pipeline=pipeline, ddp_options=ddp_options, process_group_backend=process_group_backend, timeout=timeout,
+        start_method=start_method, async_save=async_save, exclude_frozen_parameters=exclude_frozen_parameters,
+        verbose=verbose, auto_resume=check_auto_resume(auto_resume), hang_timeout=hang_seconds,
+        activation_checkpoint_config=activation_checkpoint,
+        load_full_weights=check_load_full_weights(load_full_weights), rendezvous_timeout=rendezvous_timeout,
+    )
+
+
+def _bind(config: Any, strict: bool) -> Optional[DeepSpeedConfigBinding]:
+    """The ds_config binding, saying on rank 0 when the config came from ``PL_DEEPSPEED_CONFIG_PATH``."""
+    binding = bind_ds_config(config, strict)
+    if binding is not None and binding.origin is not None:
+        rank_zero_info(f"ZeroStrategy: loading the DeepSpeed config from {binding.origin}")
+    return binding
+
+
+def _zero_config(ds_config: Optional[DeepSpeedConfigBinding], *, stage, offload, offload_optimizer, offload_params,
+                 nvme_path, buffer_count, sub_group_size, buffer_size, max_in_cpu, aio, pin_memory,
+                 sharded_module_classes, reshard_after_forward, communication_data_type, pipeline_parallel_size,
+                 micro_batches, hybrid_shard_size, unit_bytes, prefetch_bytes, param_persistence_threshold) -> tuple:
+    """The :class:`ZeroConfig` from the explicit arguments over the ds_config's, and the three arguments the config
+    may also fill that live elsewhere: ``(zero_config, communication_data_type, pipeline_parallel_size,
+    micro_batches)``."""
     offloads = offload_arguments(ds_config.strategy_kwargs() if ds_config else {}, offload, offload_optimizer,
                                  offload_params, nvme_path, buffer_count, sub_group_size, buffer_size, max_in_cpu, aio)
     offload = offloads.pop("offload") or "none"  # "none": the config's shorthand was already considered
@@ -152,38 +205,24 @@ def resolve_settings(
         **unit_knobs_over_config(ds_config, unit_bytes=unit_bytes, prefetch_bytes=prefetch_bytes,
                                  param_persistence_threshold=param_persistence_threshold),
     )
-    activation_checkpoint = activation_checkpointing_over_config(
-        ds_config, activation_checkpointing, cpu_checkpointing, activation_checkpointing_policy)
-    if start_method not in START_METHODS:
-        raise ValueError(f"start_method must be 'popen', 'spawn', 'fork' or 'forkserver', got {start_method!r}")
-    loss_scale_config, fp16_loss_scale_config = loss_scale_configs(
-        ds_config.loss_scale_kwargs() if ds_config is not None else {},
-        loss_scale=loss_scale, initial_scale_power=initial_scale_power, loss_scale_window=loss_scale_window,
-        hysteresis=hysteresis, consecutive_hysteresis=consecutive_hysteresis, min_loss_scale=min_loss_scale)
-    parse_communication_data_type(communication_data_type)
-    pipeline = make_pipeline_settings(pipeline_parallel_size, micro_batches, pipeline_schedule, virtual_stages,
-                                      stage=zero_config.stage, offload_optimizer=zero_config.offload_optimizer,
-                                      offload_params=zero_config.offload_params)
-    ddp_options = DDPOptions(find_unused_parameters, static_graph, gradient_as_bucket_view, bucket_cap_mb)
-    ddp_options.check_stage(zero_config.stage, pipeline=pipeline.enabled)
-    exclude_frozen_parameters, verbose = require_flags(
-        exclude_frozen_parameters=exclude_frozen_parameters, verbose=verbose)
-    auto_resume = restarts.check_auto_resume(auto_resume)  # True, False or "always"
-    if not isinstance(async_save, bool):
-        raise TypeError(f"async_save must be True or False, got {async_save!r}")
-    if checkpoint_io is not None:
-        raise ValueError("ZeroStrategy writes sharded checkpoints with torch.distributed.checkpoint itself, so a "
-                         "custom checkpoint_io would be ignored; remove it")
-    return ZeroSettings(
-        zero_config=zero_config, ds_config=ds_config, loss_scale_config=loss_scale_config,
-        fp16_loss_scale_config=fp16_loss_scale_config, communication_data_type=communication_data_type,
-        pipeline=pipeline, ddp_options=ddp_options, process_group_backend=process_group_backend, timeout=timeout,
-        start_method=start_method, async_save=async_save, exclude_frozen_parameters=exclude_frozen_parameters,
-        verbose=verbose, auto_resume=auto_resume, hang_timeout=hang_seconds,
-        activation_checkpoint_config=activation_checkpoint,
-        load_full_weights=check_load_full_weights(load_full_weights), rendezvous_timeout=rendezvous_timeout,
-    )
+    return zero_config, communication_data_type, pipeline_parallel_size, micro_batches
+
+
+def require_flags(**flags) -> tuple:
+    """The values of ``flags``, each checked to be a bool (a string "false" would otherwise count as true)."""
+    for name, flag in flags.items():
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True or False, got {flag!r}")
+    return tuple(flags.values())
 
 
 # The argument names resolve_settings takes: an adapter passes exactly these of its own constructor arguments.
 SETTING_NAMES = frozenset(inspect.signature(resolve_settings).parameters)
+
+
+def check_auto_resume(value) -> Union[bool, str]:
+    """``auto_resume``: ``True`` (on a restart), ``"always"`` (every fit without ``ckpt_path``) or ``False``."""
+    if isinstance(value, bool) or value == "always":
+        return value
+    raise TypeError(f"auto_resume must be True (resume on a restarted job), 'always' (resume every fit that has no "
+                    f"ckpt_path) or False, got {value!r}")

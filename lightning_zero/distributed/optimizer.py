@@ -44,6 +44,7 @@ from lightning_zero.diagnostics.timing import collective_timer
 from lightning_zero.distributed.local_step import restore_step, use_local_step, wrap_like
 from lightning_zero.offload.optimizer_swapper import OptimizerStateSwapper, attach_swapper, detach_swapper
 from lightning_zero.offload.param_swapper import attach_param_step, detach_param_step, find_param_swapper
+from lightning_zero.torch_compat import local_tensor
 
 _ATTR = "_lightning_zero_sharding"
 BROADCAST_BUCKET_BYTES = 64 * 1024 * 1024
@@ -95,7 +96,7 @@ class OptimizerSharding:
             self.swapper.make_resident()  # swapped-out masters are empty: read them back, the next step writes them
         with torch.no_grad():
             for param in self.owned_model_params():
-                _local(self.masters[id(param)]).copy_(_local(param.detach()))
+                local_tensor(self.masters[id(param)]).copy_(local_tensor(param.detach()))
 
     def swaps_masters(self) -> bool:
         """The masters live on NVMe and the swapper copies gradients and parameters per sub-group."""
@@ -162,7 +163,7 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, config: ZeroConfig, *, gro
                 else:
                     master = _cpu_like(param, pin)
                     with torch.no_grad():
-                        _local(master).copy_(_local(param.detach()))
+                        local_tensor(master).copy_(local_tensor(param.detach()))
                 master.requires_grad_(param.requires_grad)
                 sharding.masters[id(param)] = master
                 kept.append(master)
@@ -215,9 +216,9 @@ def _pre_step(optimizer, args, kwargs) -> None:
             # One grad buffer per master for the whole run: zero_grad(set_to_none) drops .grad, not the buffer.
             buffer = sharding.master_grads.get(id(param))
             if buffer is None:
-                buffer = sharding.master_grads[id(param)] = _cpu_like(master, _local(master).is_pinned())
-            pinned = pinned or _local(buffer).is_pinned()
-            _local(buffer).copy_(_local(param.grad), non_blocking=_local(buffer).is_pinned())
+                buffer = sharding.master_grads[id(param)] = _cpu_like(master, local_tensor(master).is_pinned())
+            pinned = pinned or local_tensor(buffer).is_pinned()
+            local_tensor(buffer).copy_(local_tensor(param.grad), non_blocking=local_tensor(buffer).is_pinned())
             master.grad = buffer
     if pinned:  # device-to-host copies into pinned memory are asynchronous: finish them before the CPU step
         torch.cuda.current_stream().synchronize()
@@ -228,8 +229,8 @@ def _post_step(optimizer, args, kwargs) -> None:
     with torch.no_grad():
         if sharding.masters and not sharding.swaps_masters():  # swapped: copied back per sub-group
             for param in sharding.owned_model_params():
-                _local(param).copy_(_local(sharding.masters[id(param)]), non_blocking=True)
-            if any(_local(m).is_pinned() for m in sharding.masters.values()):
+                local_tensor(param).copy_(local_tensor(sharding.masters[id(param)]), non_blocking=True)
+            if any(local_tensor(m).is_pinned() for m in sharding.masters.values()):
                 torch.cuda.current_stream().synchronize()
         with collective_timer().record("zero1_parameter_broadcast"):
             broadcast_from_owners(sharding)
@@ -240,17 +241,13 @@ def _post_step(optimizer, args, kwargs) -> None:
             param.grad = None
 
 
-def _local(tensor: Tensor) -> Tensor:
-    """The rank's own part: a DTensor's local shard, a plain tensor itself (copies go between local tensors, which
-    may sit on different devices while the DTensors share one mesh)."""
-    return tensor._local_tensor if hasattr(tensor, "_local_tensor") else tensor
 
 
 def _cpu_like(tensor: Tensor, pin: bool) -> Tensor:
     """An uninitialised CPU tensor for ``tensor``'s local part, at least fp32 (the master precision), wrapped as a
     DTensor with the same mesh, placements and global shape when ``tensor`` is one (FSDP2's uneven last shard
     included)."""
-    local = _local(tensor)
+    local = local_tensor(tensor)
     return wrap_like(torch.empty(local.shape, dtype=torch.promote_types(local.dtype, torch.float32), device="cpu",
                                  pin_memory=pin), tensor)
 
