@@ -4,7 +4,8 @@ imports inside functions and under ``TYPE_CHECKING`` count like any other:
 * no import circle between modules (a package's ``__init__.py`` is a module too);
 * each folder imports only the folders ``ALLOWED`` lists for it (the layers of ``docs/architecture.md``);
 * the framework-free core imports no Lightning, and only ``strategies/``, ``callbacks/`` and ``cli/`` import the
-  Trainer (``lightning.pytorch``).
+  Trainer (``lightning.pytorch``);
+* files stay under 600 lines and functions under 80, so each can be read in one sitting.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ ALLOWED = {
 LIGHTNING = ("lightning", "pytorch_lightning", "lightning_fabric")
 TRAINER = ("lightning.pytorch", "pytorch_lightning")
 TRAINER_SIDE = ("strategies", "callbacks", "cli", "TOP")
+MAX_FILE_LINES = 600
+MAX_FUNCTION_LINES = 80
 
 
 def _module_name(path: Path, root: Path) -> str:
@@ -189,6 +192,21 @@ def test_every_part_is_in_the_layout():
     documented = (PACKAGE.parent / "docs" / "architecture.md").read_text()
     missing = [part for part in parts - {"TOP"} if not re.search(rf"`{part}/?`", documented)]
     assert missing == [], missing
+
+
+def test_files_and_functions_stay_short():
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        source = path.read_text()
+        where = path.relative_to(PACKAGE).as_posix()
+        if len(source.splitlines()) > MAX_FILE_LINES:
+            long.append(f"{where}: {len(source.splitlines())} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    long.append(f"{where}:{node.lineno}: {node.name} is {length} lines")
+    assert long == [], "split along a seam a reader would name: " + "; ".join(long)
 
 
 @pytest.mark.parametrize(("relative", "source", "rule"), [

@@ -28,6 +28,26 @@ per-element states are swapped to disk by :mod:`lightning_zero.offload.optimizer
 (stage 1: plain tensors; stages 2-3: DTensor copies of the FSDP2 shards) with them (the swapper then does the
 gradient and parameter copies per sub-group, and the hooks below skip them). With ``offload_params`` the shards
 themselves are the masters: parameter swapping (``offload_params="nvme"``) moves those.
+
+[Note: what optimizer.step() runs]
+:func:`shard_optimizer` leaves the user's ``optimizer.step()`` running these layers, outermost first; each is added
+only when its setting asks for it, so a plain stage-2 Adam runs step 4 around step 5:
+
+1. torch's step hooks, pre-hook :func:`_pre_step`: with the optimizer offloaded, copy this rank's gradients into
+   the CPU masters' gradient buffers (stage 1 or ``offload_optimizer``);
+2. ``offload_optimizer="nvme"``: the state swapper's step (:mod:`lightning_zero.offload.optimizer_swapper`), one
+   sub-group at a time with its states (and masters) read from disk, calling the layers below per sub-group;
+3. ``offload_params="nvme"``: the parameter swapper's step (:mod:`lightning_zero.offload.param_swapper`), one FSDP2
+   unit at a time with its shards resident;
+4. Adam, AdamW or SGD over DTensors: the local-shard step (:mod:`.local_step`), which hands torch's own step the
+   local tensors;
+5. the optimizer class's own ``step`` (torch's, with the user's ``foreach``/``fused`` choice);
+6. torch's step hooks, post-hook :func:`_post_step`: copy the masters back into the module's parameters,
+   broadcast each stage-1 parameter from the rank that stepped it, drop gradients the optimizer does not hold.
+
+Layers 2-4 replace the optimizer's class by a generated subclass (:mod:`lightning_zero.ops.step_override`, which
+keeps its name, identity and LR schedulers' wrappers) and are undone in reverse order by
+:meth:`OptimizerSharding.remove`.
 """
 
 from __future__ import annotations

@@ -26,12 +26,35 @@ from lightning_zero.ds_config import (
     resolve_batch_sizes,
 )
 from lightning_zero.ds_config.auto import resolve_optimizer
-from lightning_zero.ds_config.binding import DeepSpeedConfigBinding, precision_from_config
+from lightning_zero.ds_config.binding import DeepSpeedConfigBinding, effective_ds_config, precision_from_config
 from lightning_zero.ds_config.optimizers import build_optimizer, build_scheduler, lightning_scheduler_config
 from lightning_zero.ds_config.translate import AUTO
 
 # Lightning's defaults of the Trainer settings a ds_config also sets: a Trainer value that differs was set by the user.
 _TRAINER_DEFAULTS = {"accumulate_grad_batches": 1, "gradient_clip_val": None, "log_every_n_steps": 50}
+
+
+def bind_at_setup(binding: DeepSpeedConfigBinding, trainer, precision: str, data_parallel_size: int) -> Optional[str]:
+    """At the strategy's ``setup``: when fitting, resolve the config against the Trainer (:func:`resolve_for_fit`);
+    return the precision flag to adopt from the config (``None``: keep the Trainer's ``precision``)."""
+    if trainer.training:
+        resolve_for_fit(binding, trainer, data_parallel_size)
+    return precision_from_config(binding.precision, precision)
+
+
+def effective_config_of_fit(binding: Optional[DeepSpeedConfigBinding], zero_config, communication_data_type,
+                            precision_plugin, trainer) -> dict:
+    """``ZeroStrategy.config``: :func:`~lightning_zero.ds_config.binding.effective_ds_config` with what the Trainer
+    knows of the run: the precision plugin's flag, and once attached, accumulation and norm clipping (DeepSpeed's
+    ``gradient_clipping`` is a norm clip: none is reported for value clipping)."""
+    clip = None
+    if trainer is not None and trainer.gradient_clip_algorithm in (None, "norm"):
+        clip = float(trainer.gradient_clip_val or 0.0)
+    return effective_ds_config(
+        binding, zero_config, communication_data_type=communication_data_type,
+        precision=str(getattr(precision_plugin, "precision", "")) if precision_plugin is not None else "",
+        accumulate_grad_batches=trainer.accumulate_grad_batches if trainer is not None else None,
+        gradient_clip_val=clip)
 
 
 def resolve_for_fit(binding: DeepSpeedConfigBinding, trainer, data_parallel_size: int) -> DeepSpeedTranslation:

@@ -44,19 +44,15 @@ from lightning_zero.distributed import runtime
 from lightning_zero.distributed.apply_zero import swap_parameters
 from lightning_zero.distributed.ddp import ddp_kwargs_for, explain_unused_parameters
 from lightning_zero.distributed.manual_backward import ManualBackward
-from lightning_zero.ds_config.binding import (
-    DeepSpeedConfigBinding,
-    config_reduce_bucket_size,
-    effective_ds_config,
-    precision_from_config,
-)
+from lightning_zero.ds_config.binding import DeepSpeedConfigBinding, config_reduce_bucket_size
 from lightning_zero.pipeline.zero_pipeline import setup_pipeline
 from lightning_zero.strategies import auto_resume, lifecycle, trainer_checkpoints
 from lightning_zero.strategies.ckpt_path_check import ValidatingLauncher, check_launch
 from lightning_zero.strategies.ds_config_fit import (
+    bind_at_setup,
     check_config_against_trainer,
+    effective_config_of_fit,
     install_config_optimizers,
-    resolve_for_fit,
     scheduler_from_config,
     uninstall_config_optimizers,
 )
@@ -134,7 +130,7 @@ class ZeroStrategy(ParallelStrategy):
         hybrid_shard_size: HSDP: shard within groups of this many ranks, replicate across (:mod:`.hybrid`, opt-in).
         activation_checkpointing, cpu_checkpointing, activation_checkpointing_policy: recompute blocks' activations
             in backward, optionally keeping their inputs on CPU (``docs/activation_checkpointing.md``).
-        load_full_weights: ``ckpt_path`` must be one file, which may lack optimizer states (``full_loading.py``).
+        load_full_weights: ``ckpt_path`` must be one file, which may lack optimizer states (``trainer_checkpoints.py``).
         rendezvous_timeout: seconds a multi-node start waits for every node before naming the missing ones (300).
         unit_bytes, param_persistence_threshold, prefetch_bytes: stages 2-3: consecutive blocks share one FSDP2
             unit up to ``unit_bytes`` parameter bytes (``0``: a unit per block); units under
@@ -236,16 +232,8 @@ class ZeroStrategy(ParallelStrategy):
     @property
     def config(self) -> dict:
         """The effective DeepSpeed config as a read-only dict, as ``DeepSpeedStrategy.config``."""
-        plugin = self._precision_plugin
-        trainer = getattr(self.lightning_module, "_trainer", None) if self.lightning_module is not None else None
-        clip = None
-        if trainer is not None and trainer.gradient_clip_algorithm in (None, "norm"):  # DeepSpeed clips by norm
-            clip = float(trainer.gradient_clip_val or 0.0)
-        return effective_ds_config(
-            self.ds_config, self.zero_config, communication_data_type=self.settings.communication_data_type,
-            precision=str(getattr(plugin, "precision", "")) if plugin is not None else "",
-            accumulate_grad_batches=trainer.accumulate_grad_batches if trainer is not None else None,
-            gradient_clip_val=clip)
+        return effective_config_of_fit(self.ds_config, self.zero_config, self.settings.communication_data_type,
+                                       self._precision_plugin, self._trainer())
 
     @property
     def root_device(self) -> torch.device:
@@ -304,16 +292,13 @@ class ZeroStrategy(ParallelStrategy):
 
     def _bind_ds_config(self, trainer) -> None:
         """Resolve the ds_config against the Trainer, adopt its precision, print it (see ds_config_fit)."""
-        binding = self.ds_config
-        if trainer.training:
-            # DeepSpeed's batch arithmetic counts data-parallel replicas: under a pipeline, the "dp" mesh
-            replicas = self.meshes.data_parallel.size() if self.meshes is not None else self.world_size
-            resolve_for_fit(binding, trainer, data_parallel_size=replicas)
-        adopted = precision_from_config(binding.precision, self.precision_plugin.precision)
+        # DeepSpeed's batch arithmetic counts data-parallel replicas: under a pipeline, the "dp" mesh
+        replicas = self.meshes.data_parallel.size() if self.meshes is not None else self.world_size
+        adopted = bind_at_setup(self.ds_config, trainer, self.precision_plugin.precision, replicas)
         if adopted is not None:
             self.precision_plugin = PrecisionFlag(adopted)  # adapted like Lightning's own choice would be
         if self.is_global_zero:
-            binding.print_table(verbose=self.verbose)
+            self.ds_config.print_table(verbose=self.verbose)
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
