@@ -1,7 +1,7 @@
-"""Differences between the torch versions this package supports (``torch>=2.11``), each behind feature detection.
+"""The torch internals the package has to read, in one place: differences between the torch versions it supports
+(``torch>=2.11``), each behind feature detection and naming the versions that differ, and DTensor's local shard.
 
-Only torch internals the package has to read live here: every helper names the versions that differ and how.
-Imports only torch, so every layer (``distributed/``, ``offload/``, ``checkpoint/``) may use it.
+Imports nothing of the package, so every layer (``ops/``, ``offload/``, ``distributed/``, ``checkpoint/``) may use it.
 """
 
 from __future__ import annotations
@@ -20,3 +20,10 @@ def fsdp_param_groups(state) -> list:
         group = getattr(state, "_fsdp_param_group", None)
         groups = [group] if group is not None else []
     return list(groups)
+
+
+def local_tensor(tensor):
+    """The rank's own part of ``tensor``: a DTensor's local shard, read directly (no autograd node and no copy, unlike
+    ``DTensor.to_local()``), or a plain tensor itself. Copies and in-place updates go between local tensors, which
+    may sit on different devices while the DTensors share one mesh."""
+    return tensor._local_tensor if hasattr(tensor, "_local_tensor") else tensor

@@ -386,7 +386,7 @@ def _pipeline_worker(rank, world_size, schedule, recomputes):
         _trainer(strategy, world_size, max_steps=PIPE_STEPS).fit(module)
         counts.append(calls[0])
         blocks = sum(isinstance(layer, SeededLinear) for layer in module.model.layers.values())
-        got = _gather_full_state(module, strategy._pp_mesh.get_group())
+        got = _gather_full_state(module, strategy.meshes.pipeline.get_group())
         expected = reference(PIPE_STEPS, BATCH)
         assert _worst(got, expected) <= 1e-5, f"{schedule} {kwargs}: {_worst(got, expected):.2e}"
     # Each of this rank's blocks runs once more per micro-batch (2 per step); under the zero-bubble schedules up to

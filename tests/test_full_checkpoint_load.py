@@ -1,5 +1,5 @@
-"""Loading full (single-file) checkpoints into a sharded model: ``lightning_zero/checkpoint/full_file.py`` and its
-strategy glue ``lightning_zero/checkpoint/load_full.py``.
+"""Loading full (single-file) checkpoints into a sharded model: ``lightning_zero/checkpoint/full_file.py``,
+``lightning_zero/checkpoint/load_full.py`` and the Trainer's glue ``lightning_zero/strategies/trainer_checkpoints.py``.
 
 The framework-level tests load a file written by a plain single-process model (the unsharded reference) into
 ``apply_zero`` + ``shard_optimizer`` at every stage on 2 gloo ranks and compare every weight and optimizer state
@@ -19,12 +19,21 @@ from lightning_zero import ZeroConfig, apply_zero
 from lightning_zero.checkpoint.errors import CheckpointError
 from lightning_zero.checkpoint.full_file import FullCheckpoint, check_load_full_weights
 from lightning_zero.distributed.optimizer import shard_optimizer
-from lightning_zero.checkpoint.load_full import load_full
+from lightning_zero.strategies import trainer_checkpoints
 from tests.distributed import run_distributed
 
 # s2-offload: optimizer-only offload, DTensor CPU masters of uneven (and empty) shards; s3-offload: params too
 STAGES = [(0, None), (1, None), (1, "cpu"), (2, None), (2, "cpu"), (3, None), (3, "cpu")]
 STAGE_IDS = ["s0", "s1", "s1-offload", "s2", "s2-offload", "s3", "s3-offload"]
+
+
+def load_full(strategy, path):
+    """The Trainer strategy's load of a single file, for the stand-in ``strategy`` these tests build."""
+    optimizers = trainer_checkpoints.optimizers_to_restore(getattr(strategy.lightning_module, "_trainer", None),
+                                                           strategy.optimizers)
+    return trainer_checkpoints.load_full(path, strategy.lightning_module, optimizers,
+                                         load_full_weights=strategy.load_full_weights,
+                                         exclude_frozen_parameters=strategy.exclude_frozen_parameters)
 
 
 class Model(nn.Module):
@@ -304,7 +313,7 @@ def test_optimizer_states_keyed_by_name(tmp_path):
 
 def test_which_paths_load_as_a_full_checkpoint(tmp_path):
     from lightning_zero.checkpoint.load_full import is_full_checkpoint
-    from lightning_zero.adapters.launch_checks import check_ckpt_path
+    from lightning_zero.strategies.ckpt_path_check import check_ckpt_path
 
     path, *_ = _plain(tmp_path)
     assert is_full_checkpoint(path, False) and is_full_checkpoint(path, True)
@@ -407,7 +416,7 @@ def test_validate_from_a_safetensors_file(tmp_path, precision):
 
 
 def test_a_legacy_format_file_is_read_whole_with_a_warning(tmp_path):
-    from lightning_zero.adapters.launch_checks import check_ckpt_path
+    from lightning_zero.strategies.ckpt_path_check import check_ckpt_path
 
     path, module, _, strategy = _plain(tmp_path)
     strategy.optimizers = []

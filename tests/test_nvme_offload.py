@@ -17,7 +17,8 @@ from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
 from lightning_zero.offload import aio as aio_module
 from lightning_zero.offload.aio import AioSettings, AsyncFileIO, SwapIOError, align_up, aligned_buffer
 from lightning_zero.offload.nvme_config import NvmeConfig, nvme_config_from_arguments
-from lightning_zero.offload.optimizer_swapper import SwappedOut, _local, attach_swapper, detach_swapper, get_swapper
+from lightning_zero.offload.optimizer_swapper import SwappedOut, attach_swapper, detach_swapper, get_swapper
+from lightning_zero.torch_compat import local_tensor as _local
 from tests.distributed import run_distributed
 from tests.lightning_models import RegressionModule, full_state, quiet_trainer, reference_weights
 

@@ -161,10 +161,10 @@ def test_explicit_arguments_override_the_config(tmp_path):
                                                       "offload_optimizer": {"device": "cpu"}},
                                 "communication_data_type": "bf16"}))
     strategy = ZeroStrategy(config=str(path))
-    assert (strategy.stage, strategy.zero_config.offload, strategy._communication_data_type) == (3, "cpu", "bf16")
+    assert (strategy.stage, strategy.zero_config.offload, strategy.settings.communication_data_type) == (3, "cpu", "bf16")
     with pytest.warns(UserWarning, match="offload_param has no effect at stage 2"):  # as DeepSpeed ignores it
         strategy = ZeroStrategy(config=str(path), stage=2, communication_data_type="fp32")
-    assert (strategy.stage, strategy.zero_config.offload, strategy._communication_data_type) == (2, "cpu", "fp32")
+    assert (strategy.stage, strategy.zero_config.offload, strategy.settings.communication_data_type) == (2, "cpu", "fp32")
     assert strategy.zero_config.offload_params == "none"
 
 
@@ -181,9 +181,9 @@ def test_config_errors_happen_in_the_constructor(config, message):
 def test_pipeline_section_sets_the_pipeline():
     strategy = ZeroStrategy(config={"pipeline": {"stages": 2}, "gradient_accumulation_steps": 4,
                                     "zero_optimization": {"stage": 1}})
-    settings = strategy._pipeline
+    settings = strategy.settings.pipeline
     assert (settings.pipeline_parallel_size, settings.micro_batches, strategy.stage) == (2, 4, 1)
-    assert ZeroStrategy(config={"pipeline": {"stages": 1}})._pipeline.enabled is False
+    assert ZeroStrategy(config={"pipeline": {"stages": 1}}).settings.pipeline.enabled is False
 
 
 def test_non_strict_config_warns_instead():

@@ -146,18 +146,15 @@ def test_uninstall_removes_only_the_config_optimizer_hook():
 def test_sync_batchnorm_conversion_and_evaluation_on_cpu(monkeypatch):
     """The conversion itself (torch's SyncBatchNorm cannot run a training forward on CPU), and that evaluation, where
     no statistics are synchronised, is not refused."""
-    from types import SimpleNamespace
-
     from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
 
     from lightning_zero.strategies.lifecycle import apply_layer_sync
 
     module = WithBatchNorm()
-    stub = SimpleNamespace(model=module, _layer_sync=TorchSyncBatchNorm())
-    apply_layer_sync(stub, fitting=True)
-    assert type(stub.model.norm) is nn.SyncBatchNorm
-    apply_layer_sync(stub, fitting=False)  # evaluation: nothing to do (and nothing converted twice)
-    assert type(stub.model.norm) is nn.SyncBatchNorm
+    model = apply_layer_sync(TorchSyncBatchNorm(), module, fitting=True)
+    assert type(model.norm) is nn.SyncBatchNorm
+    model = apply_layer_sync(TorchSyncBatchNorm(), model, fitting=False)  # evaluation: nothing to do (nor twice)
+    assert type(model.norm) is nn.SyncBatchNorm
 
     from tests.distributed import free_port
 

@@ -102,14 +102,14 @@ def _parity_worker(rank, world_size, cases):
         label = f"{schedule} stage {stage} world {world_size} acc {accumulate} clip {clip}"
         dp = world_size // 2
         assert strategy.distributed_sampler_kwargs["num_replicas"] == dp, label
-        got = _gather_full_state(module, strategy._pp_mesh.get_group())
+        got = _gather_full_state(module, strategy.meshes.pipeline.get_group())
         expected = reference(STEPS, BATCH * dp * accumulate, accumulate, clip)
         assert set(got) == set(expected), label
         worst = max((got[k] - expected[k]).abs().max().item() for k in expected)
         assert worst <= 1e-5, f"{label}: max abs diff {worst:.2e} from the unsplit reference"
         # the tied embedding and head stayed equal: one key, the same values on both end stages
-        runner = module.model._runner
-        for key, owner, attrs, group, src in runner._tied_groups:
+        runner = module.model.runner
+        for key, owner, attrs, group, src in runner.tied_groups:
             weight = full_state(owner)["weight"]
             copies = [torch.zeros_like(weight) for _ in range(2)]
             torch.distributed.all_gather(copies, weight.contiguous(), group=group)
@@ -179,7 +179,7 @@ def _offload_worker(rank, world_size, path):
                             nvme_path=path)
     _trainer(strategy, world_size, callbacks=[files]).fit(module)
     assert files.seen == [True] * STEPS  # the states were swapped to files at every step
-    got, expected = _gather_full_state(module, strategy._pp_mesh.get_group()), reference(STEPS, BATCH)
+    got, expected = _gather_full_state(module, strategy.meshes.pipeline.get_group()), reference(STEPS, BATCH)
     assert max((got[k] - expected[k]).abs().max().item() for k in expected) <= 1e-5
     assert not any(files for _, _, files in os.walk(path))  # removed at teardown
 

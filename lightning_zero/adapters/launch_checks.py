@@ -19,6 +19,7 @@ method only: with ``spawn``/``fork`` the strategy starts its own processes whate
 
 from __future__ import annotations
 
+import logging
 import os
 from datetime import timedelta
 from typing import Any, Optional
@@ -27,8 +28,11 @@ import torch
 import torch.distributed as dist
 
 from lightning_zero.diagnostics.hang_guard import positive_seconds
+from lightning_zero.diagnostics.network import startup_check
 from lightning_zero.distributed.hybrid import check_hybrid_world
 from lightning_zero.pipeline.zero_pipeline import check_pipeline_world
+
+log = logging.getLogger(__name__)
 
 # Which device type each built-in backend needs (``None``: any device).
 _BACKEND_DEVICE = {"gloo": None, "mpi": None, "ucc": None, "nccl": "cuda", "xccl": "xpu"}
@@ -180,48 +184,38 @@ def check_deepspeed_launcher_nodes(num_nodes: int) -> None:
                          f"num_nodes={num_nodes}: set Trainer(num_nodes={nodes})")
 
 
-def validate_before_process_group(strategy: Any) -> None:
-    """Everything the Trainer's ``ZeroStrategy`` can check on each rank before ``init_process_group``: the checks
-    both adapters share (:func:`check_before_process_group`), then the ds_config's Trainer-level settings
-    (precision, clipping, accumulation, logging cadence, the batch-size arithmetic of the numbers the config fixes).
+def check_external_launch(cluster_environment: Any, num_nodes: int, num_processes: int, start_method: str) -> None:
+    """Under an external launcher (``start_method="popen"``; spawn/fork start their own processes, whatever the
+    environment says): adopt the deepspeed launcher's node rank (``CROSS_RANK``) before anything reads the node rank
+    (so call it before reading ``node_rank`` for :func:`check_before_process_group`), and check the world and node
+    count the launcher started against the Trainer's/Fabric's."""
+    if start_method == "popen":
+        adopt_deepspeed_launcher_node_rank()
+        check_launcher_world_size(cluster_environment, num_nodes, num_processes)
+        check_deepspeed_launcher_nodes(num_nodes)
+
+
+def check_before_process_group(*, num_nodes: int, num_processes: int, node_rank: int, device: torch.device,
+                               backend: Optional[str], zero_config: Any, pipeline: Any) -> int:
+    """The checks both adapters run on each rank before ``init_process_group``, after :func:`check_external_launch`
+    (one code path, so a multi-node environment means the same under Fabric and the Trainer); returns the
+    data-parallel size.
+
+    The ``backend`` and ``zero_config.pin_memory`` against the ``device``, the ``pipeline`` (``PipelineSettings``)
+    and hybrid sizes against the world size, and the network of this node (:mod:`lightning_zero.diagnostics.network`).
     """
-    data_parallel = check_before_process_group(strategy, strategy._start_method)
-    module = strategy.lightning_module
-    trainer = getattr(module, "_trainer", None) if module is not None else None
-    if strategy.ds_config is not None and trainer is not None:
-        from lightning_zero.ds_config.dry_build import check_config_against_trainer
-
-        check_config_against_trainer(strategy.ds_config, trainer, strategy.precision_plugin.precision,
-                                     data_parallel)
-
-
-def check_before_process_group(strategy: Any, start_method: str) -> int:
-    """The checks both adapters run on each rank before ``init_process_group`` (one code path, so a multi-node
-    environment means the same under Fabric and the Trainer); returns the data-parallel size.
-
-    Under an external launcher (``start_method="popen"``): the deepspeed launcher's node rank is adopted
-    (``CROSS_RANK``, before anything reads the node rank), its world and node count checked. Then the backend and
-    ``pin_memory`` against the device, the pipeline and hybrid sizes against the world size, and the network of
-    this node (:mod:`lightning_zero.diagnostics.network`).
-    """
-    if start_method == "popen":  # spawn/fork start their own processes, whatever the environment says
-        adopt_deepspeed_launcher_node_rank()  # before set_world_ranks reads the node rank
-        check_launcher_world_size(strategy.cluster_environment, strategy.num_nodes, strategy.num_processes)
-        check_deepspeed_launcher_nodes(strategy.num_nodes)
-    world_size = strategy.num_nodes * strategy.num_processes
-    device = strategy.root_device
-    check_backend_for_device(strategy.process_group_backend, device)
-    if strategy.zero_config.pin_memory and device.type != "cuda":
+    world_size = num_nodes * num_processes
+    check_backend_for_device(backend, device)
+    if zero_config.pin_memory and device.type != "cuda":
         raise ValueError(f"pin_memory=True pins the offloaded CPU copies for fast copies to CUDA, but this run "
                          f"computes on {device.type!r}: use pin_memory=None (pin only on CUDA) or False")
-    pipeline = strategy._pipeline
     data_parallel = world_size
     if pipeline.enabled:
-        check_pipeline_world(pipeline, strategy.num_processes, strategy.num_nodes)
+        check_pipeline_world(pipeline, num_processes, num_nodes)
         data_parallel = world_size // pipeline.pipeline_parallel_size
-    check_hybrid_world(strategy.zero_config.hybrid_shard_size, world_size, pipeline=pipeline.enabled,
-                       num_nodes=strategy.num_nodes, num_processes=strategy.num_processes)
-    check_network_before_process_group(strategy.num_nodes, strategy.node_rank)
+    check_hybrid_world(zero_config.hybrid_shard_size, world_size, pipeline=pipeline.enabled, num_nodes=num_nodes,
+                       num_processes=num_processes)
+    check_network_before_process_group(num_nodes, node_rank)
     return data_parallel
 
 
@@ -229,102 +223,7 @@ def check_network_before_process_group(num_nodes: int, node_rank: int) -> None:
     """This node's network configuration (interfaces, ``*_SOCKET_IFNAME``, ``MASTER_ADDR``), before the process group:
     a ``NetworkError`` naming node rank, host, address and interface instead of a hang; warnings are logged.
     ``LIGHTNING_ZERO_SKIP_NETWORK_CHECK=1`` turns the errors into warnings (a network the check misjudges)."""
-    import logging
-
-    from lightning_zero.diagnostics.network import startup_check
-
     report = startup_check(os.environ, num_nodes, node_rank)
-    log = logging.getLogger(__name__)
     for warning in report.warnings:
         log.warning(f"lightning-zero network check on {report.who()}: {warning}")
     report.raise_errors()  # LIGHTNING_ZERO_SKIP_NETWORK_CHECK=1 turns them into a logged warning
-
-
-def process_group_store(strategy: Any) -> dict[str, Any]:
-    """``init_process_group`` keyword arguments: torchrun's agent store for this attempt (``restarts``), else on more
-    than one node a store every rank checks in to first, so that rank 0 names the node ranks that never arrive
-    within the strategy's ``rendezvous_timeout`` (``network.checked_store``); one node keeps torch's ``env://``."""
-    from lightning_zero.diagnostics.network import DEFAULT_RENDEZVOUS_TIMEOUT
-    from lightning_zero.adapters import restarts
-
-    timeout = strategy._timeout
-    rendezvous_timeout = getattr(strategy, "_rendezvous_timeout", DEFAULT_RENDEZVOUS_TIMEOUT)
-    kwargs = restarts.process_group_store(timeout)
-    if kwargs or strategy.num_nodes == 1 or dist.is_initialized():
-        return kwargs
-    from lightning_zero.diagnostics.network import checked_store, startup_check
-
-    env = strategy.cluster_environment
-    identity = startup_check(os.environ, strategy.num_nodes, strategy.node_rank).identity
-    store = checked_store(env.main_address, env.main_port, strategy.global_rank, strategy.world_size,
-                          strategy.node_rank, strategy.num_nodes, timeout or timedelta(minutes=30), rendezvous_timeout,
-                          identity)
-    return {"store": store}
-
-
-# ``ckpt_path`` values Lightning resolves itself (from callbacks, a SLURM/HPC save, a model registry) after launch.
-_SYMBOLIC_CKPT_PATHS = ("last", "best", "hpc", "registry")
-
-
-def check_ckpt_path(function: Any, args: tuple, kwargs: dict) -> None:
-    """Refuse a ``ckpt_path`` given to ``fit/validate/test/predict`` that ZeroStrategy cannot load, before any rank
-    starts: a URL, a file that is no checkpoint (neither a torch.save file nor safetensors), a path inside a sharded
-    checkpoint, an incomplete directory. A single checkpoint file is loaded (``checkpoint/load_full.py``).
-    Lightning passes it to the launched function only (its signature is read, not assumed); symbolic names are
-    resolved later."""
-    import inspect
-
-    from lightning_zero.checkpoint.atomic import local_path
-    from lightning_zero.checkpoint.errors import CheckpointError
-    from lightning_zero.checkpoint.full_file import describe_full_checkpoint_file
-    from lightning_zero.checkpoint.directory import checkpoint_directory, is_sharded_checkpoint
-
-    try:
-        bound = inspect.signature(function).bind_partial(*args, **kwargs)
-    except (TypeError, ValueError):
-        return
-    path = bound.arguments.get("ckpt_path")
-    if path is None or not isinstance(path, (str, os.PathLike)):
-        return
-    text = os.fspath(path)
-    if text in _SYMBOLIC_CKPT_PATHS or text.startswith("registry:"):
-        return
-    local = local_path(text)  # refuses remote URLs, naming them
-    parent = os.path.dirname(local.rstrip(os.sep))
-    if os.path.isfile(local) and is_sharded_checkpoint(parent):
-        raise ValueError(f"ckpt_path={text!r} is a file inside the sharded checkpoint {parent}: pass the directory, "
-                         f"ckpt_path={parent!r}")
-    if os.path.isfile(local):
-        problem = describe_full_checkpoint_file(local)
-        if problem:
-            raise CheckpointError(problem, local)
-        return
-    if os.path.exists(local) or os.path.exists(os.path.join(os.path.dirname(local), f".{os.path.basename(local)}.old")):
-        checkpoint_directory(local)  # a CheckpointError naming what is wrong (a single file, an incomplete directory)
-
-
-class ValidatingLauncher:
-    """The launcher ZeroStrategy uses where processes are started externally (torchrun, SLURM, ...), where Lightning
-    has none: it only runs :func:`check_ckpt_path` before the Trainer function, as :func:`check_launch` adds to
-    Lightning's own launchers."""
-
-    is_interactive_compatible = True
-
-    def launch(self, function, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        check_ckpt_path(function, args, kwargs)
-        return function(*args, **kwargs)
-
-    def kill(self, signum: Any) -> None:
-        pass  # the external launcher owns the processes
-
-
-def check_launch(launcher: Any) -> Any:
-    """``launcher`` (one of Lightning's), with ``ckpt_path`` checked before it starts any process."""
-    launch = launcher.launch
-
-    def checked_launch(function, *args: Any, **kwargs: Any) -> Any:
-        check_ckpt_path(function, args, {k: v for k, v in kwargs.items() if k != "trainer"})
-        return launch(function, *args, **kwargs)
-
-    launcher.launch = checked_launch  # on the instance: Lightning's isinstance checks still see its class
-    return launcher

@@ -45,10 +45,10 @@ from dataclasses import dataclass
 from typing import Any, Generator, Optional, Union
 
 import torch
-import torch.distributed as dist
 
 from lightning_zero.distributed.optimizer import get_sharding
-from lightning_zero.ops.loss_scaler import DynamicLossScaler, StaticLossScaler, _local, has_overflow
+from lightning_zero.ops.loss_scaler import DynamicLossScaler, StaticLossScaler, has_overflow
+from lightning_zero.torch_compat import local_tensor
 
 SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 COMMUNICATION_DATA_TYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -182,7 +182,7 @@ class ZeroPrecisionPolicy:
                 param.grad = None
         else:
             inverse = 1.0 / scale
-            local = [_local(g) for g in grads]
+            local = [local_tensor(g) for g in grads]
             if local:
                 torch._foreach_mul_(local, inverse)
         self._log_scaler(model)
@@ -203,27 +203,6 @@ class ZeroPrecisionPolicy:
         saved = state_dict.get("loss_scaler")
         if saved is not None and self.scaler is not None:
             self.scaler.load_state_dict(saved)
-
-
-
-
-def low_precision_allreduce_hook(dtype: torch.dtype):
-    """A DDP communication hook that all-reduces gradient buckets in ``dtype`` (any backend; torch's bf16 hook
-    refuses gloo) and writes the averaged result back into the fp32 bucket."""
-
-    def hook(process_group, bucket):
-        group = process_group if process_group is not None else dist.group.WORLD
-        buffer = bucket.buffer()
-        compressed = buffer.to(dtype).div_(dist.get_world_size(group))
-        future = dist.all_reduce(compressed, group=group, async_op=True).get_future()
-
-        def decompress(fut):
-            buffer.copy_(fut.value()[0])
-            return buffer
-
-        return future.then(decompress)
-
-    return hook
 
 
 def loss_scale_configs(config_scaling: dict, **given) -> tuple[Optional[LossScaleConfig], Optional[LossScaleConfig]]:

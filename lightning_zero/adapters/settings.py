@@ -5,27 +5,26 @@ both hand them to :func:`resolve_settings`, which applies the ds_config under th
 every value before any process group exists. An argument added to the strategies belongs here (and in
 :class:`ZeroSettings`), so the two adapters cannot drift apart.
 
-The validators used here (``ds_config_binding``, ``ddp_options``, ``pipeline_binding``, ``precision_policy``,
-``validation``) live beside this module in ``fabric/``: ``strategies/`` imports them from here, never the reverse
-(``tests/test_layout.py``).
+Each setting is validated by the module that owns it (``ZeroConfig``, ``DDPOptions``, ``PipelineSettings``,
+``LossScaleConfig``, the ds_config binding, the launch checks); this module only puts them together.
 """
 
 from __future__ import annotations
 
-import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import timedelta
 from typing import Any, Optional, Union
 
+from lightning.fabric.utilities.rank_zero import rank_zero_info
+
+from lightning_zero.adapters.launch_checks import check_backend_name, check_timeout
+from lightning_zero.adapters.precision_policy import LossScaleConfig, loss_scale_configs, parse_communication_data_type
 from lightning_zero.checkpoint.full_file import check_load_full_weights
-from lightning_zero.distributed.config import ZeroConfig
 from lightning_zero.diagnostics.hang_guard import DEFAULT_HANG_TIMEOUT, parse_hang_timeout
 from lightning_zero.diagnostics.network import DEFAULT_RENDEZVOUS_TIMEOUT, check_rendezvous_timeout
 from lightning_zero.distributed.activation_checkpointing import ActivationCheckpointConfig
-from lightning_zero.adapters import restarts
-from lightning_zero.adapters import launch_checks as validation
-from lightning_zero.offload.nvme_config import config_params_offload_at_stage, offload_arguments
-from lightning_zero.distributed.ddp import DDPOptions, require_flags
+from lightning_zero.distributed.config import ZeroConfig
+from lightning_zero.distributed.ddp import DDPOptions
 from lightning_zero.ds_config.binding import (
     DeepSpeedConfigBinding,
     activation_checkpointing_over_config,
@@ -34,8 +33,8 @@ from lightning_zero.ds_config.binding import (
     hybrid_shard_size_over_config,
     unit_knobs_over_config,
 )
+from lightning_zero.offload.nvme_config import config_params_offload_at_stage, offload_arguments
 from lightning_zero.pipeline.zero_pipeline import PipelineSettings, make_pipeline_settings
-from lightning_zero.adapters.precision_policy import LossScaleConfig, loss_scale_configs, parse_communication_data_type
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 
@@ -79,111 +78,152 @@ class ZeroSettings:
     rendezvous_timeout: float
 
 
-def resolve_settings(
-    *,
-    stage: Optional[int] = None,
-    offload: Optional[str] = None,
-    offload_optimizer: Optional[str] = None,
-    offload_params: Optional[str] = None,
-    nvme_path: Optional[str] = None,
-    buffer_count: Optional[int] = None,
-    sub_group_size: Optional[int] = None,
-    buffer_size: Optional[int] = None,
-    max_in_cpu: Optional[int] = None,
-    aio: Optional[dict] = None,
-    pin_memory: Optional[bool] = None,
-    sharded_module_classes: Optional[Union[set, list, tuple]] = None,
-    reshard_after_forward: Optional[Union[bool, int]] = None,
-    checkpoint_io: Optional[Any] = None,
-    process_group_backend: Optional[str] = None,
-    timeout: Any = None,
-    start_method: str = "popen",
-    async_save: bool = False,
-    communication_data_type: Optional[str] = None,
-    loss_scale: Optional[float] = None,
-    initial_scale_power: Optional[int] = None,
-    loss_scale_window: Optional[int] = None,
-    hysteresis: Optional[int] = None,
-    consecutive_hysteresis: Optional[bool] = None,
-    min_loss_scale: Optional[float] = None,
-    config: Optional[Union[str, dict]] = None,
-    strict: bool = True,
-    pipeline_parallel_size: Optional[int] = None,
-    micro_batches: Optional[int] = None,
-    pipeline_schedule: Optional[str] = None,
-    virtual_stages: Optional[int] = None,
-    find_unused_parameters: Optional[bool] = None,
-    static_graph: Optional[bool] = None,
-    gradient_as_bucket_view: Optional[bool] = None,
-    bucket_cap_mb: Optional[float] = None,
-    exclude_frozen_parameters: bool = False,
-    verbose: bool = False,
-    hang_timeout: Optional[Union[float, timedelta]] = DEFAULT_HANG_TIMEOUT,
-    auto_resume: Union[bool, str] = True,
-    activation_checkpointing: Any = None,
-    cpu_checkpointing: Optional[bool] = None,
-    activation_checkpointing_policy: Any = None,
-    load_full_weights: bool = False,
-    hybrid_shard_size: Optional[int] = None,
-    rendezvous_timeout: Union[float, timedelta] = DEFAULT_RENDEZVOUS_TIMEOUT,
-    unit_bytes: Optional[int] = None,
-    param_persistence_threshold: Optional[int] = None,
-    prefetch_bytes: Optional[int] = None,
-) -> ZeroSettings:
-    """Validate a ZeroStrategy's constructor arguments; the ds_config (``config=``, else the file
-    ``PL_DEEPSPEED_CONFIG_PATH`` names) fills every argument left at ``None``, explicit arguments win."""
-    timeout = validation.check_timeout(timeout)
-    rendezvous_timeout = check_rendezvous_timeout(rendezvous_timeout)
-    validation.check_backend_name(process_group_backend)
-    ds_config = bind_ds_config(config, strict)
-    hang_seconds = parse_hang_timeout(hang_timeout)
-    offloads = offload_arguments(ds_config.strategy_kwargs() if ds_config else {}, offload, offload_optimizer,
-                                 offload_params, nvme_path, buffer_count, sub_group_size, buffer_size, max_in_cpu, aio)
-    offload = offloads.pop("offload") or "none"  # "none": the config's shorthand was already considered
-    (stage, offload, pin_memory, reshard_after_forward, communication_data_type, pipeline_parallel_size,
-     micro_batches) = arguments_over_config(ds_config, stage, offload, pin_memory, reshard_after_forward,
-                                            communication_data_type, pipeline_parallel_size, micro_batches)
-    offloads = config_params_offload_at_stage(offloads, stage, offload_params)
-    zero_config = ZeroConfig(
-        stage=stage, offload=offload, pin_memory=pin_memory, **offloads,
-        sharded_module_classes=frozenset(sharded_module_classes) if sharded_module_classes else None,
-        reshard_after_forward=reshard_after_forward,
-        hybrid_shard_size=hybrid_shard_size_over_config(ds_config, hybrid_shard_size),
-        **unit_knobs_over_config(ds_config, unit_bytes=unit_bytes, prefetch_bytes=prefetch_bytes,
-                                 param_persistence_threshold=param_persistence_threshold),
-    )
+@dataclass(frozen=True)
+class ZeroArguments:
+    """A ZeroStrategy's constructor arguments as given (both adapters take these); :func:`resolve_settings`
+    validates them into :class:`ZeroSettings`. See the strategies' docstrings for each."""
+
+    stage: Optional[int] = None
+    offload: Optional[str] = None
+    offload_optimizer: Optional[str] = None
+    offload_params: Optional[str] = None
+    nvme_path: Optional[str] = None
+    buffer_count: Optional[int] = None
+    sub_group_size: Optional[int] = None
+    buffer_size: Optional[int] = None
+    max_in_cpu: Optional[int] = None
+    aio: Optional[dict] = None
+    pin_memory: Optional[bool] = None
+    sharded_module_classes: Optional[Union[set, list, tuple]] = None
+    reshard_after_forward: Optional[Union[bool, int]] = None
+    checkpoint_io: Optional[Any] = None
+    process_group_backend: Optional[str] = None
+    timeout: Any = None
+    start_method: str = "popen"
+    async_save: bool = False
+    communication_data_type: Optional[str] = None
+    loss_scale: Optional[float] = None
+    initial_scale_power: Optional[int] = None
+    loss_scale_window: Optional[int] = None
+    hysteresis: Optional[int] = None
+    consecutive_hysteresis: Optional[bool] = None
+    min_loss_scale: Optional[float] = None
+    config: Optional[Union[str, dict]] = None
+    strict: bool = True
+    pipeline_parallel_size: Optional[int] = None
+    micro_batches: Optional[int] = None
+    pipeline_schedule: Optional[str] = None
+    virtual_stages: Optional[int] = None
+    find_unused_parameters: Optional[bool] = None
+    static_graph: Optional[bool] = None
+    gradient_as_bucket_view: Optional[bool] = None
+    bucket_cap_mb: Optional[float] = None
+    exclude_frozen_parameters: bool = False
+    verbose: bool = False
+    hang_timeout: Optional[Union[float, timedelta]] = DEFAULT_HANG_TIMEOUT
+    auto_resume: Union[bool, str] = True
+    activation_checkpointing: Any = None
+    cpu_checkpointing: Optional[bool] = None
+    activation_checkpointing_policy: Any = None
+    load_full_weights: bool = False
+    hybrid_shard_size: Optional[int] = None
+    rendezvous_timeout: Union[float, timedelta] = DEFAULT_RENDEZVOUS_TIMEOUT
+    unit_bytes: Optional[int] = None
+    param_persistence_threshold: Optional[int] = None
+    prefetch_bytes: Optional[int] = None
+
+
+def resolve_settings(**arguments: Any) -> ZeroSettings:
+    """Validate a ZeroStrategy's constructor arguments (the fields of :class:`ZeroArguments`); the ds_config
+    (``config=``, else the file ``PL_DEEPSPEED_CONFIG_PATH`` names) fills every argument left at ``None``, explicit
+    arguments win."""
+    args = ZeroArguments(**arguments)
+    timeout = check_timeout(args.timeout)
+    rendezvous_timeout = check_rendezvous_timeout(args.rendezvous_timeout)
+    check_backend_name(args.process_group_backend)
+    ds_config = _bind(args.config, args.strict)
+    hang_seconds = parse_hang_timeout(args.hang_timeout)
+    zero_config, communication_data_type, pipeline_parallel_size, micro_batches = _zero_config(args, ds_config)
     activation_checkpoint = activation_checkpointing_over_config(
-        ds_config, activation_checkpointing, cpu_checkpointing, activation_checkpointing_policy)
-    if start_method not in START_METHODS:
-        raise ValueError(f"start_method must be 'popen', 'spawn', 'fork' or 'forkserver', got {start_method!r}")
+        ds_config, args.activation_checkpointing, args.cpu_checkpointing, args.activation_checkpointing_policy)
+    if args.start_method not in START_METHODS:
+        raise ValueError(f"start_method must be 'popen', 'spawn', 'fork' or 'forkserver', got {args.start_method!r}")
     loss_scale_config, fp16_loss_scale_config = loss_scale_configs(
         ds_config.loss_scale_kwargs() if ds_config is not None else {},
-        loss_scale=loss_scale, initial_scale_power=initial_scale_power, loss_scale_window=loss_scale_window,
-        hysteresis=hysteresis, consecutive_hysteresis=consecutive_hysteresis, min_loss_scale=min_loss_scale)
+        loss_scale=args.loss_scale, initial_scale_power=args.initial_scale_power,
+        loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
+        consecutive_hysteresis=args.consecutive_hysteresis, min_loss_scale=args.min_loss_scale)
     parse_communication_data_type(communication_data_type)
-    pipeline = make_pipeline_settings(pipeline_parallel_size, micro_batches, pipeline_schedule, virtual_stages,
+    pipeline = make_pipeline_settings(pipeline_parallel_size, micro_batches, args.pipeline_schedule,
+                                      args.virtual_stages,
                                       stage=zero_config.stage, offload_optimizer=zero_config.offload_optimizer,
                                       offload_params=zero_config.offload_params)
-    ddp_options = DDPOptions(find_unused_parameters, static_graph, gradient_as_bucket_view, bucket_cap_mb)
+    ddp_options = DDPOptions(args.find_unused_parameters, args.static_graph, args.gradient_as_bucket_view,
+                             args.bucket_cap_mb)
     ddp_options.check_stage(zero_config.stage, pipeline=pipeline.enabled)
-    exclude_frozen_parameters, verbose = require_flags(
-        exclude_frozen_parameters=exclude_frozen_parameters, verbose=verbose)
-    auto_resume = restarts.check_auto_resume(auto_resume)  # True, False or "always"
-    if not isinstance(async_save, bool):
-        raise TypeError(f"async_save must be True or False, got {async_save!r}")
-    if checkpoint_io is not None:
+    exclude_frozen_parameters, verbose, async_save = require_flags(
+        exclude_frozen_parameters=args.exclude_frozen_parameters, verbose=args.verbose, async_save=args.async_save)
+    if args.checkpoint_io is not None:
         raise ValueError("ZeroStrategy writes sharded checkpoints with torch.distributed.checkpoint itself, so a "
                          "custom checkpoint_io would be ignored; remove it")
     return ZeroSettings(
         zero_config=zero_config, ds_config=ds_config, loss_scale_config=loss_scale_config,
         fp16_loss_scale_config=fp16_loss_scale_config, communication_data_type=communication_data_type,
-        pipeline=pipeline, ddp_options=ddp_options, process_group_backend=process_group_backend, timeout=timeout,
-        start_method=start_method, async_save=async_save, exclude_frozen_parameters=exclude_frozen_parameters,
-        verbose=verbose, auto_resume=auto_resume, hang_timeout=hang_seconds,
+        pipeline=pipeline, ddp_options=ddp_options, process_group_backend=args.process_group_backend, timeout=timeout,
+        start_method=args.start_method, async_save=async_save, exclude_frozen_parameters=exclude_frozen_parameters,
+        verbose=verbose, auto_resume=check_auto_resume(args.auto_resume), hang_timeout=hang_seconds,
         activation_checkpoint_config=activation_checkpoint,
-        load_full_weights=check_load_full_weights(load_full_weights), rendezvous_timeout=rendezvous_timeout,
+        load_full_weights=check_load_full_weights(args.load_full_weights), rendezvous_timeout=rendezvous_timeout,
     )
 
 
+def _bind(config: Any, strict: bool) -> Optional[DeepSpeedConfigBinding]:
+    """The ds_config binding, saying on rank 0 when the config came from ``PL_DEEPSPEED_CONFIG_PATH``."""
+    binding = bind_ds_config(config, strict)
+    if binding is not None and binding.origin is not None:
+        rank_zero_info(f"ZeroStrategy: loading the DeepSpeed config from {binding.origin}")
+    return binding
+
+
+def _zero_config(args: ZeroArguments, ds_config: Optional[DeepSpeedConfigBinding]) -> tuple:
+    """The :class:`ZeroConfig` from the explicit arguments over the ds_config's, and the three arguments the config
+    may also fill that live elsewhere: ``(zero_config, communication_data_type, pipeline_parallel_size,
+    micro_batches)``."""
+    offloads = offload_arguments(ds_config.strategy_kwargs() if ds_config else {}, args.offload,
+                                 args.offload_optimizer, args.offload_params, args.nvme_path, args.buffer_count,
+                                 args.sub_group_size, args.buffer_size, args.max_in_cpu, args.aio)
+    offload = offloads.pop("offload") or "none"  # "none": the config's shorthand was already considered
+    (stage, offload, pin_memory, reshard_after_forward, communication_data_type, pipeline_parallel_size,
+     micro_batches) = arguments_over_config(ds_config, args.stage, offload, args.pin_memory,
+                                            args.reshard_after_forward, args.communication_data_type,
+                                            args.pipeline_parallel_size, args.micro_batches)
+    offloads = config_params_offload_at_stage(offloads, stage, args.offload_params)
+    zero_config = ZeroConfig(
+        stage=stage, offload=offload, pin_memory=pin_memory, **offloads,
+        sharded_module_classes=frozenset(args.sharded_module_classes) if args.sharded_module_classes else None,
+        reshard_after_forward=reshard_after_forward,
+        hybrid_shard_size=hybrid_shard_size_over_config(ds_config, args.hybrid_shard_size),
+        **unit_knobs_over_config(ds_config, unit_bytes=args.unit_bytes, prefetch_bytes=args.prefetch_bytes,
+                                 param_persistence_threshold=args.param_persistence_threshold),
+    )
+    return zero_config, communication_data_type, pipeline_parallel_size, micro_batches
+
+
+def require_flags(**flags) -> tuple:
+    """The values of ``flags``, each checked to be a bool (a string "false" would otherwise count as true)."""
+    for name, flag in flags.items():
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True or False, got {flag!r}")
+    return tuple(flags.values())
+
+
 # The argument names resolve_settings takes: an adapter passes exactly these of its own constructor arguments.
-SETTING_NAMES = frozenset(inspect.signature(resolve_settings).parameters)
+SETTING_NAMES = frozenset(field.name for field in fields(ZeroArguments))
+
+
+def check_auto_resume(value) -> Union[bool, str]:
+    """``auto_resume``: ``True`` (on a restart), ``"always"`` (every fit without ``ckpt_path``) or ``False``."""
+    if isinstance(value, bool) or value == "always":
+        return value
+    raise TypeError(f"auto_resume must be True (resume on a restarted job), 'always' (resume every fit that has no "
+                    f"ckpt_path) or False, got {value!r}")

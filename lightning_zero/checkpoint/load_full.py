@@ -1,12 +1,13 @@
-"""``ckpt_path`` given as one file (a DDP ``.ckpt``, a consolidated file, ``.safetensors``): the strategy's glue
-over :mod:`lightning_zero.checkpoint.full_file`, which reads each rank's slices only.
+"""Loading one checkpoint file (a DDP ``.ckpt``, a consolidated file, ``.safetensors``) into a sharded module and its
+optimizers, collectively, over :mod:`lightning_zero.checkpoint.full_file`, which reads each rank's slices only.
 
 Which path is a full checkpoint: a file; with ``ZeroStrategy(load_full_weights=True)`` (DeepSpeed's flag) it must
 be one, and a directory is refused naming the flag. A file inside a sharded checkpoint directory is refused naming
 the directory to pass instead.
 
-What comes back to Lightning is what ``DDPStrategy`` would hand it: the file's loops, callbacks, LR schedulers and
-hyper-parameters, with ``state_dict`` holding the loaded (sharded) weights for ``on_load_checkpoint`` hooks.
+What comes back is the rest of the file: for Lightning, what ``DDPStrategy`` would hand it (loops, callbacks, LR
+schedulers and hyper-parameters; the Trainer adapter adds ``state_dict``, the loaded sharded weights, for
+``on_load_checkpoint`` hooks).
 """
 
 from __future__ import annotations
@@ -29,6 +30,14 @@ from lightning_zero.checkpoint.full_file import (
 )
 from lightning_zero.checkpoint.directory import is_sharded_checkpoint
 from lightning_zero.checkpoint.save_guards import all_gather, control_group
+from lightning_zero.checkpoint.states import (
+    frozen_parameter_names,
+    held_tensor,
+    initialise_optimizer_state,
+    model_params_per_group,
+    module_state_dict,
+    param_names,
+)
 from lightning_zero.distributed.optimizer import get_sharding
 
 
@@ -55,18 +64,16 @@ def is_full_checkpoint(path: str, load_full_weights: bool) -> bool:
 def optimizer_target(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> OptimizerTarget:
     """The optimizer as :func:`check_full_optimizer_states` sees it: every module parameter per group, its name,
     and the tensor this rank keeps its state for (``None`` for a parameter another rank steps at stage 1)."""
-    from lightning_zero.checkpoint.states import _held_tensor, _model_params_per_group, _param_names
-
-    names = _param_names(module)
+    names = param_names(module)
     sharding = get_sharding(optimizer)
-    params = _model_params_per_group(optimizer)
+    params = model_params_per_group(optimizer)
     held = {}
     owners = sharding.owners if sharding is not None else [[-1] * len(group) for group in params]
     rank = sharding.rank if sharding is not None else 0
     for group, group_owners in zip(params, owners):
         for param, owner in zip(group, group_owners):
             if owner in (-1, rank):
-                held[id(param)] = _held_tensor(sharding, param)
+                held[id(param)] = held_tensor(sharding, param)
     return OptimizerTarget(optimizer, params, [[names[id(p)] for p in group] for group in params],
                            lambda param: held.get(id(param)))
 
@@ -91,29 +98,18 @@ def _raise_on_every_rank(error: Optional[Exception]) -> None:
         raise CheckpointError(found[0])
 
 
-def load_full(strategy: Any, path: str) -> dict[str, Any]:
-    """Load the single-file checkpoint ``path`` into the strategy's (sharded) module and optimizers; return the
-    rest of it for Lightning (loops, callbacks, LR schedulers) with ``state_dict`` holding the loaded weights.
+def load_full_checkpoint(path: str, module: torch.nn.Module, optimizers: list, *, strict: bool,
+                         exclude_frozen_parameters: bool, load_full_weights: bool) -> tuple[dict[str, Any], bool]:
+    """Load the single-file checkpoint ``path`` into the (sharded) ``module`` and ``optimizers``; return the rest of
+    the file and whether the optimizers start fresh (the file held no optimizer states).
 
-    Collective: every rank reads its own slices, after every rank's checks passed. ``LightningModule.strict_loading``
-    and ``exclude_frozen_parameters`` are honoured as for a sharded checkpoint; weights are cast to the module's
-    dtypes. When fitting, the file's optimizer states are resharded into the optimizers; a file without any
+    Collective: every rank reads its own slices, after every rank's checks passed. ``strict`` and
+    ``exclude_frozen_parameters`` are honoured as for a sharded checkpoint; weights are cast to the module's dtypes.
+    With optimizers (resuming a fit) the file's optimizer states are resharded into them; a file without any
     (``save_weights_only``, safetensors, a consolidated file) is refused unless ``load_full_weights=True``, which
-    starts the optimizers and LR schedulers fresh from the loaded weights, as DeepSpeed's flag of that name does.
+    starts the optimizers fresh from the loaded weights, as DeepSpeed's flag of that name does.
     """
-    from lightning.fabric.utilities.rank_zero import rank_zero_warn
-    from lightning.fabric import __version__ as lightning_version
-
-    from lightning_zero.checkpoint.states import (
-        _initialise_optimizer_state,
-        frozen_parameter_names,
-        module_state_dict,
-        optimizers_to_restore,
-    )
-
     path = local_path(path)
-    module = strategy.lightning_module
-    optimizers = optimizers_to_restore(strategy)  # none for validate/test, also after a fit
     own = module_state_dict(module)
     elsewhere = {key for keys in _all_ranks(sorted(own)) for key in keys}  # pipeline stages hold parts of the model
     source: Optional[FullCheckpoint] = None
@@ -123,9 +119,9 @@ def load_full(strategy: Any, path: str) -> dict[str, Any]:
         rest = source.rest()
         # Weights a save left out (exclude_frozen_parameters), or frozen weights this strategy excludes, may be absent
         optional = set(rest.pop("frozen_parameters_excluded", ()))
-        if strategy.exclude_frozen_parameters:
+        if exclude_frozen_parameters:
             optional |= set(frozen_parameter_names(module))
-        if optimizers and source.optimizer_states is None and not strategy.load_full_weights:
+        if optimizers and source.optimizer_states is None and not load_full_weights:
             raise CheckpointError(
                 f"{path}: the file holds no optimizer states (saved with save_weights_only=True, a consolidated or "
                 "safetensors file), so fit cannot resume from it. Pass ZeroStrategy(load_full_weights=True) to start "
@@ -133,27 +129,21 @@ def load_full(strategy: Any, path: str) -> dict[str, Any]:
         if optimizers and source.optimizer_states is not None:  # checked before the weights change
             for optimizer in optimizers:
                 if not optimizer.state:
-                    _initialise_optimizer_state(optimizer)
+                    initialise_optimizer_state(optimizer)
             plans = check_full_optimizer_states([optimizer_target(module, o) for o in optimizers], source)
-        check_full_state_dict(own, source, strict=module.strict_loading, optional=optional, elsewhere=elsewhere)
+        check_full_state_dict(own, source, strict=strict, optional=optional, elsewhere=elsewhere)
     except Exception as err:  # any failure (an unreadable file too) is shared, so that no rank waits alone
         error = err
     try:
         _raise_on_every_rank(error)
         copy_full_state_dict(own, source)
-        module.load_state_dict(own, strict=module.strict_loading)
+        module.load_state_dict(own, strict=strict)
         if plans is not None:
             apply_full_optimizer_states(plans)
-        elif optimizers:
-            rank_zero_warn(f"{path} holds no optimizer states: with load_full_weights=True the optimizers and LR "
-                           "schedulers start fresh from its weights (as DeepSpeed's load_full_weights)")
-            rest["lr_schedulers"] = []  # none to restore: Lightning would otherwise refuse the missing key
     finally:
         if source is not None:
             source.close()
     for optimizer in optimizers:
         if (sharding := get_sharding(optimizer)) is not None:
             sharding.sync_masters()  # offloaded stage-1 masters follow the loaded parameters
-    rest.setdefault("pytorch-lightning_version", lightning_version)  # a weights-only file has none to migrate
-    rest["state_dict"] = own
-    return rest
+    return {**rest, "state_dict": own}, bool(optimizers) and plans is None

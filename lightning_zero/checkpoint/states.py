@@ -13,21 +13,16 @@ any stage and world size loads at any other.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
 from lightning_zero.checkpoint.errors import CheckpointError
 from lightning_zero.checkpoint.hf_export import describe_hf_models
-from lightning_zero.checkpoint.directory import checkpoint_directory, read_checkpoint_info
-from lightning_zero.checkpoint.io import (
-    load_sharded_states,
-    remove_sharded_checkpoint,
-    save_sharded_checkpoint,
-    wait_for_pending_saves,
-)
-from lightning_zero.checkpoint.safe_load import load_meta, read_dcp_metadata
+from lightning_zero.checkpoint.directory import read_checkpoint_info
+from lightning_zero.checkpoint.io import load_sharded_states, save_sharded_checkpoint
+from lightning_zero.checkpoint.safe_load import read_dcp_metadata
 from lightning_zero.distributed.optimizer import get_sharding
 from lightning_zero.offload.optimizer_swapper import resident_states
 
@@ -42,21 +37,21 @@ def frozen_parameter_names(module: torch.nn.Module) -> list[str]:
     return sorted({name for name, param in module.named_parameters(remove_duplicate=False) if not param.requires_grad})
 
 
-def _param_names(module: torch.nn.Module) -> dict[int, str]:
+def param_names(module: torch.nn.Module) -> dict[int, str]:
     names: dict[int, str] = {}
     for name, param in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), name)
     return names
 
 
-def _held_tensor(sharding, param):
+def held_tensor(sharding, param):
     """The tensor the optimizer steps for a module parameter (itself, or its offloaded master)."""
     if sharding is not None and id(param) in sharding.masters:
         return sharding.masters[id(param)]
     return param
 
 
-def _model_params_per_group(optimizer) -> list[list[Tensor]]:
+def model_params_per_group(optimizer) -> list[list[Tensor]]:
     sharding = get_sharding(optimizer)
     if sharding is not None:
         return sharding.model_params
@@ -65,21 +60,21 @@ def _model_params_per_group(optimizer) -> list[list[Tensor]]:
 
 def optimizer_state_dict(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Optimizer state keyed by parameter name; param groups list names instead of positions."""
-    names = _param_names(module)
+    names = param_names(module)
     sharding = get_sharding(optimizer)
     resident_states(optimizer)  # NVMe-swapped states are read back (the next step writes them out again)
     state: dict[str, dict[str, Any]] = {}
     groups = []
-    for group, params in zip(optimizer.param_groups, _model_params_per_group(optimizer)):
+    for group, params in zip(optimizer.param_groups, model_params_per_group(optimizer)):
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": [names[id(p)] for p in params]})
         for param in params:
-            held = _held_tensor(sharding, param)
+            held = held_tensor(sharding, param)
             if held in optimizer.state:
                 state[names[id(param)]] = dict(optimizer.state[held])
     return {"state": state, "param_groups": groups}
 
 
-def _initialise_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+def initialise_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Create state tensors (zeros) so DCP has something to load into: one step with lr 0 on zero gradients.
 
     The partition/offload step hooks are bypassed: the step touches only what the optimizer holds. Masters swapped
@@ -111,40 +106,15 @@ def _initialise_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks = pre, post
 
 
-def check_checkpoint_callbacks(strategy, trainer) -> None:
-    """Refuse callback settings whose checkpoints could not be resumed from after a crash.
-
-    ``ModelCheckpoint(save_last="link")`` points ``last.ckpt`` at a checkpoint right after asking the strategy to save
-    it. With ``async_save=True`` that checkpoint is still being written, so a crash before it completes leaves
-    ``last.ckpt`` a dangling link and ``fit(ckpt_path="last")`` would start from step 0.
-    """
-    if not strategy.async_save:
-        return
-    for callback in trainer.checkpoint_callbacks:
-        if getattr(callback, "save_last", None) == "link":
-            raise ValueError(
-                'ModelCheckpoint(save_last="link") cannot be combined with ZeroStrategy(async_save=True): the link '
-                "would point at a checkpoint still being written, and a crash before it completes leaves no "
-                'resumable "last" checkpoint. Use save_last=True, or async_save=False'
-            )
-
-
-def save(strategy, checkpoint: dict[str, Any], filepath: str) -> None:
-    """Write ``checkpoint`` (Lightning's dict) as a sharded directory: :func:`save_states` with the Trainer
-    strategy's module, optimizers and settings."""
-    save_states(checkpoint, filepath, module=strategy.lightning_module, optimizers=strategy.optimizers,
-                stage=strategy.stage, offload=strategy.zero_config.offload,
-                exclude_frozen_parameters=strategy.exclude_frozen_parameters, ds_config=strategy.ds_config,
-                async_save=strategy.async_save)
-
-
 def save_states(checkpoint: dict[str, Any], filepath: str, *, module: torch.nn.Module, optimizers: list, stage: int,
-                offload: Any, exclude_frozen_parameters: bool, ds_config: Any, async_save: bool) -> None:
+                offload: Any, exclude_frozen_parameters: bool, ds_config_report: Optional[dict],
+                async_save: bool) -> None:
     """Write ``checkpoint`` (a dict holding ``state_dict`` and ``optimizer_states`` as :func:`module_state_dict` and
     :func:`optimizer_state_dict` return them, and plain values) as a sharded directory; the twin of
     :func:`load_states`, called by both adapters. ``module`` and ``optimizers`` are those the states come from
     (recorded: frozen parameter names, optimizer types, Hugging Face models); ``stage``, ``offload`` and
-    ``ds_config`` are recorded in ``zero.json``; see the module docstring for the layout.
+    ``ds_config_report`` (the effective DeepSpeed config) are recorded in ``zero.json``; see the module docstring
+    for the layout.
 
     Goes through :func:`lightning_zero.checkpoint.save_sharded_checkpoint`, so the save is atomic (a crash leaves the
     previous checkpoint at ``filepath`` loadable) and asynchronous with ``async_save=True``.
@@ -158,20 +128,10 @@ def save_states(checkpoint: dict[str, Any], filepath: str, *, module: torch.nn.M
     tensors["optimizer_states"] = {str(i): {"state": osd["state"]} for i, osd in enumerate(optimizer_states)}
     checkpoint["optimizer_param_groups"] = [osd["param_groups"] for osd in optimizer_states]
     info = {"stage": stage, "offload": offload, "optimizers": [optimizer_type(o) for o in optimizers]}
-    if ds_config is not None:
-        info["ds_config"] = ds_config.report()  # the effective DeepSpeed config, next to the weights
+    if ds_config_report is not None:
+        info["ds_config"] = ds_config_report  # the effective DeepSpeed config, next to the weights
     info.update(describe_hf_models(module))  # for `consolidate --hf` (prefix, config, ties)
     save_sharded_checkpoint(filepath, tensors, checkpoint, async_save=async_save, info=info)
-
-
-def optimizers_to_restore(strategy) -> list:
-    """The optimizers a checkpoint's states go into: the strategy's when fitting. ``validate``/``test``/``predict``
-    after a ``fit`` still have the fit's optimizers attached, but restore weights only (as Lightning does), so a
-    weights-only checkpoint is not refused there and the optimizers are left untouched."""
-    trainer = getattr(strategy.lightning_module, "_trainer", None)
-    if trainer is not None and trainer.state.fn != "fit":
-        return []
-    return [getattr(o, "_optimizer", o) for o in strategy.optimizers]
 
 
 def optimizer_type(optimizer) -> str:
@@ -210,41 +170,16 @@ def _params_with_stored_state(metadata: Any, count: int) -> list[set[str]]:
 
 
 def _forget_states_not_in_checkpoint(module: torch.nn.Module, optimizers: list, stored: list[set[str]]) -> None:
-    """Drop the placeholder states (from :func:`_initialise_optimizer_state`) of parameters the checkpoint has no
+    """Drop the placeholder states (from :func:`initialise_optimizer_state`) of parameters the checkpoint has no
     state for, so the optimizer starts them fresh, as after ``Optimizer.load_state_dict`` without them: a kept
     placeholder would step them as if one step had already been taken (Adam's bias correction)."""
-    names = _param_names(module)
+    names = param_names(module)
     for optimizer, have in zip(optimizers, stored):
         sharding = get_sharding(optimizer)
-        for params in _model_params_per_group(optimizer):
+        for params in model_params_per_group(optimizer):
             for param in params:
                 if names[id(param)] not in have:
-                    optimizer.state.pop(_held_tensor(sharding, param), None)
-
-
-def load(strategy, filepath: str) -> dict[str, Any]:
-    """Load a sharded directory into the strategy's module and optimizers; return the rest of the checkpoint.
-
-    A single file (a DDP ``.ckpt``, a consolidated file, ``.safetensors``) goes to
-    :func:`lightning_zero.checkpoint.load_full.load_full`, which reads each rank's slices only.
-
-    ``LightningModule.strict_loading = False`` accepts missing and unexpected keys (never shape mismatches). With
-    optimizers (resuming a fit), their number and types must match the checkpoint's. Errors are
-    :class:`CheckpointError` naming the file or the keys.
-    """
-    wait_for_pending_saves(barrier=False)
-    from lightning_zero.checkpoint import load_full as full_loading
-
-    if full_loading.is_full_checkpoint(filepath, strategy.load_full_weights):
-        return full_loading.load_full(strategy, filepath)
-    directory = checkpoint_directory(filepath)
-    meta = load_meta(directory)  # weights_only; raises a clear error if not a checkpoint
-    module = strategy.lightning_module
-    # Lightning hands this dict to every on_load_checkpoint hook (callbacks such as WeightAveraging read the
-    # weights from it), as it does the full checkpoint under DDP: the loaded (sharded) weights go back in.
-    meta["state_dict"] = load_states(directory, meta, module, optimizers_to_restore(strategy),
-                                     strict=module.strict_loading)
-    return meta
+                    optimizer.state.pop(held_tensor(sharding, param), None)
 
 
 def load_states(directory: str, meta: dict[str, Any], module: torch.nn.Module, optimizers: list,
@@ -265,7 +200,7 @@ def load_states(directory: str, meta: dict[str, Any], module: torch.nn.Module, o
         target["optimizer_states"] = {}
         for i, optimizer in enumerate(optimizers):
             if not optimizer.state:
-                _initialise_optimizer_state(optimizer)
+                initialise_optimizer_state(optimizer)
             states = optimizer_state_dict(module, optimizer)["state"]
             # Only the states the checkpoint holds are read; the others start fresh (see _forget_states_...).
             target["optimizer_states"][str(i)] = {"state": {name: state for name, state in states.items()
@@ -283,5 +218,3 @@ def load_states(directory: str, meta: dict[str, Any], module: torch.nn.Module, o
     return target["state_dict"]
 
 
-def remove(filepath) -> None:
-    remove_sharded_checkpoint(filepath)

@@ -1,4 +1,5 @@
-"""``DistributedDataParallel`` options for ZeRO stages 0-1, as Lightning's ``DDPStrategy`` takes them.
+"""``DistributedDataParallel`` for ZeRO stages 0-1: its options as Lightning's ``DDPStrategy`` takes them, ZeRO's
+defaults, and the low-precision all-reduce hook.
 
 ``ZeroStrategy(find_unused_parameters=True)`` (or ``static_graph``, ``gradient_as_bucket_view``, ``bucket_cap_mb``)
 is passed to the ``DistributedDataParallel`` that stages 0-1 run on, exactly as ``DDPStrategy(**kwargs)`` would, so
@@ -21,6 +22,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Optional
 
+import torch
+import torch.distributed as dist
+
 _MIB = 1024 * 1024
 
 
@@ -34,7 +38,7 @@ class DDPOptions:
         static_graph: the set of used parameters and the graph do not change between steps (DDP can then skip the
             unused-parameter search and supports re-entrant activation checkpointing).
         gradient_as_bucket_view: gradients are views into DDP's buckets (saves one gradient-sized copy). ``None``
-            means ZeRO's default, True (unlike DDP's False; see ``distributed.zero.ddp_defaults``); pass False
+            means ZeRO's default, True (unlike DDP's False; see :func:`lightning_zero.distributed.apply_zero.ddp_defaults`); pass False
             for DDP's separate ``.grad`` tensors.
         bucket_cap_mb: DDP's gradient bucket size in MiB (torch's default: 25).
     """
@@ -82,21 +86,6 @@ class DDPOptions:
         return kwargs
 
 
-def config_reduce_bucket_size(binding) -> Optional[int]:
-    """``zero_optimization.reduce_bucket_size`` when the ds_config wrote it (resolved if it was ``"auto"``).
-
-    A DeepSpeed default is not carried over: DDP's own default bucket (25 MiB) is tuned for DDP, DeepSpeed's
-    (5e8 elements) for its own reducer.
-    """
-    if binding is None:
-        return None
-    written = binding.raw.get("zero_optimization")
-    if not isinstance(written, dict) or "reduce_bucket_size" not in written:
-        return None
-    value = binding.translation.effective.get("zero_optimization", {}).get("reduce_bucket_size")
-    return value if isinstance(value, int) else None
-
-
 def grad_element_size(module) -> int:
     """Bytes per gradient element of ``module`` (its parameters' dtype: DDP's gradients have it)."""
     for param in module.parameters():
@@ -105,15 +94,16 @@ def grad_element_size(module) -> int:
     return 4
 
 
-def ddp_kwargs_for(options: DDPOptions, binding, module) -> dict:
-    """The ``DistributedDataParallel`` keyword arguments for ``module`` (see :meth:`DDPOptions.ddp_kwargs`).
+def ddp_kwargs_for(options: DDPOptions, module, reduce_bucket_size: Optional[int] = None) -> dict:
+    """The ``DistributedDataParallel`` keyword arguments for ``module`` (see :meth:`DDPOptions.ddp_kwargs`;
+    ``reduce_bucket_size``: a ds_config's, :func:`lightning_zero.ds_config.binding.config_reduce_bucket_size`).
 
     Under manual optimization a step usually back-propagates through part of the model only (a GAN's discriminator
     loss never reaches the generator; ``toggle_optimizer`` freezes the other optimizer's parameters), and DDP would
     fail on the next step ("Expected to have finished reduction"). So there ``find_unused_parameters`` defaults to
     True, as Lightning's ``ddp_find_unused_parameters_true`` would be chosen; an explicit value always wins.
     """
-    kwargs = options.ddp_kwargs(config_reduce_bucket_size(binding), grad_element_size(module))
+    kwargs = options.ddp_kwargs(reduce_bucket_size, grad_element_size(module))
     if options.find_unused_parameters is None and not getattr(module, "automatic_optimization", True):
         kwargs["find_unused_parameters"] = True
     return kwargs
@@ -134,9 +124,20 @@ def explain_unused_parameters(exception: BaseException, stage: int) -> None:
     exception.args = (hint + exception.args[0], *exception.args[1:])
 
 
-def require_flags(**flags) -> tuple:
-    """The values of ``flags``, each checked to be a bool (a string "false" would otherwise count as true)."""
-    for name, flag in flags.items():
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be True or False, got {flag!r}")
-    return tuple(flags.values())
+def low_precision_allreduce_hook(dtype: torch.dtype):
+    """A DDP communication hook that all-reduces gradient buckets in ``dtype`` (any backend; torch's bf16 hook
+    refuses gloo) and writes the averaged result back into the fp32 bucket."""
+
+    def hook(process_group, bucket):
+        group = process_group if process_group is not None else dist.group.WORLD
+        buffer = bucket.buffer()
+        compressed = buffer.to(dtype).div_(dist.get_world_size(group))
+        future = dist.all_reduce(compressed, group=group, async_op=True).get_future()
+
+        def decompress(fut):
+            buffer.copy_(fut.value()[0])
+            return buffer
+
+        return future.then(decompress)
+
+    return hook

@@ -28,6 +28,26 @@ per-element states are swapped to disk by :mod:`lightning_zero.offload.optimizer
 (stage 1: plain tensors; stages 2-3: DTensor copies of the FSDP2 shards) with them (the swapper then does the
 gradient and parameter copies per sub-group, and the hooks below skip them). With ``offload_params`` the shards
 themselves are the masters: parameter swapping (``offload_params="nvme"``) moves those.
+
+[Note: what optimizer.step() runs]
+:func:`shard_optimizer` leaves the user's ``optimizer.step()`` running these layers, outermost first; each is added
+only when its setting asks for it, so a plain stage-2 Adam runs step 4 around step 5:
+
+1. torch's step hooks, pre-hook :func:`_pre_step`: with the optimizer offloaded, copy this rank's gradients into
+   the CPU masters' gradient buffers (stage 1 or ``offload_optimizer``);
+2. ``offload_optimizer="nvme"``: the state swapper's step (:mod:`lightning_zero.offload.optimizer_swapper`), one
+   sub-group at a time with its states (and masters) read from disk, calling the layers below per sub-group;
+3. ``offload_params="nvme"``: the parameter swapper's step (:mod:`lightning_zero.offload.param_swapper`), one FSDP2
+   unit at a time with its shards resident;
+4. Adam, AdamW or SGD over DTensors: the local-shard step (:mod:`.local_step`), which hands torch's own step the
+   local tensors;
+5. the optimizer class's own ``step`` (torch's, with the user's ``foreach``/``fused`` choice);
+6. torch's step hooks, post-hook :func:`_post_step`: copy the masters back into the module's parameters,
+   broadcast each stage-1 parameter from the rank that stepped it, drop gradients the optimizer does not hold.
+
+Layers 2-4 replace the optimizer's class by a generated subclass (:mod:`lightning_zero.ops.step_override`, which
+keeps its name, identity and LR schedulers' wrappers) and are undone in reverse order by
+:meth:`OptimizerSharding.remove`.
 """
 
 from __future__ import annotations
@@ -44,6 +64,7 @@ from lightning_zero.diagnostics.timing import collective_timer
 from lightning_zero.distributed.local_step import restore_step, use_local_step, wrap_like
 from lightning_zero.offload.optimizer_swapper import OptimizerStateSwapper, attach_swapper, detach_swapper
 from lightning_zero.offload.param_swapper import attach_param_step, detach_param_step, find_param_swapper
+from lightning_zero.torch_compat import local_tensor
 
 _ATTR = "_lightning_zero_sharding"
 BROADCAST_BUCKET_BYTES = 64 * 1024 * 1024
@@ -95,7 +116,7 @@ class OptimizerSharding:
             self.swapper.make_resident()  # swapped-out masters are empty: read them back, the next step writes them
         with torch.no_grad():
             for param in self.owned_model_params():
-                _local(self.masters[id(param)]).copy_(_local(param.detach()))
+                local_tensor(self.masters[id(param)]).copy_(local_tensor(param.detach()))
 
     def swaps_masters(self) -> bool:
         """The masters live on NVMe and the swapper copies gradients and parameters per sub-group."""
@@ -162,7 +183,7 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, config: ZeroConfig, *, gro
                 else:
                     master = _cpu_like(param, pin)
                     with torch.no_grad():
-                        _local(master).copy_(_local(param.detach()))
+                        local_tensor(master).copy_(local_tensor(param.detach()))
                 master.requires_grad_(param.requires_grad)
                 sharding.masters[id(param)] = master
                 kept.append(master)
@@ -215,9 +236,9 @@ def _pre_step(optimizer, args, kwargs) -> None:
             # One grad buffer per master for the whole run: zero_grad(set_to_none) drops .grad, not the buffer.
             buffer = sharding.master_grads.get(id(param))
             if buffer is None:
-                buffer = sharding.master_grads[id(param)] = _cpu_like(master, _local(master).is_pinned())
-            pinned = pinned or _local(buffer).is_pinned()
-            _local(buffer).copy_(_local(param.grad), non_blocking=_local(buffer).is_pinned())
+                buffer = sharding.master_grads[id(param)] = _cpu_like(master, local_tensor(master).is_pinned())
+            pinned = pinned or local_tensor(buffer).is_pinned()
+            local_tensor(buffer).copy_(local_tensor(param.grad), non_blocking=local_tensor(buffer).is_pinned())
             master.grad = buffer
     if pinned:  # device-to-host copies into pinned memory are asynchronous: finish them before the CPU step
         torch.cuda.current_stream().synchronize()
@@ -228,8 +249,8 @@ def _post_step(optimizer, args, kwargs) -> None:
     with torch.no_grad():
         if sharding.masters and not sharding.swaps_masters():  # swapped: copied back per sub-group
             for param in sharding.owned_model_params():
-                _local(param).copy_(_local(sharding.masters[id(param)]), non_blocking=True)
-            if any(_local(m).is_pinned() for m in sharding.masters.values()):
+                local_tensor(param).copy_(local_tensor(sharding.masters[id(param)]), non_blocking=True)
+            if any(local_tensor(m).is_pinned() for m in sharding.masters.values()):
                 torch.cuda.current_stream().synchronize()
         with collective_timer().record("zero1_parameter_broadcast"):
             broadcast_from_owners(sharding)
@@ -240,17 +261,13 @@ def _post_step(optimizer, args, kwargs) -> None:
             param.grad = None
 
 
-def _local(tensor: Tensor) -> Tensor:
-    """The rank's own part: a DTensor's local shard, a plain tensor itself (copies go between local tensors, which
-    may sit on different devices while the DTensors share one mesh)."""
-    return tensor._local_tensor if hasattr(tensor, "_local_tensor") else tensor
 
 
 def _cpu_like(tensor: Tensor, pin: bool) -> Tensor:
     """An uninitialised CPU tensor for ``tensor``'s local part, at least fp32 (the master precision), wrapped as a
     DTensor with the same mesh, placements and global shape when ``tensor`` is one (FSDP2's uneven last shard
     included)."""
-    local = _local(tensor)
+    local = local_tensor(tensor)
     return wrap_like(torch.empty(local.shape, dtype=torch.promote_types(local.dtype, torch.float32), device="cpu",
                                  pin_memory=pin), tensor)
 

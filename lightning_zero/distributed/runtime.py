@@ -1,21 +1,161 @@
-"""Gradient accumulation's "no gradient communication in this backward", shared by both adapters (the Trainer's
-``block_backward_sync`` and Fabric's ``no_backward_sync``)."""
+"""The ZeRO runtime: every step a strategy runs, written once, in the order it runs them.
+
+Both Lightning adapters (the Trainer's :mod:`lightning_zero.strategies.trainer_strategy` and Fabric's
+:mod:`lightning_zero.fabric.fabric_strategy`) call these functions from their hooks with explicit values, the way
+torchtitan's ``parallelize`` functions call ``apply_*``; what happens inside is written here and nowhere else.
+
+==  ======================  ===========================================  ===========================================
+#   step                    function                                     Trainer hook / Fabric call
+==  ======================  ===========================================  ===========================================
+1   meshes                  :func:`build_meshes`                         ``setup_environment`` (both)
+2   build the model         :func:`init_context`                         ``configure_model`` / ``fabric.init_module``
+3   wrap the module         :func:`wrap_module`                          ``setup`` / ``fabric.setup``
+4   shard the optimizers    :func:`shard_optimizer_of`                   ``setup_optimizers`` / ``fabric.setup``
+5   accumulate              :func:`no_gradient_sync`                     ``block_backward_sync`` / ``no_backward_sync``
+6   release                 :func:`release`                              ``teardown`` (both)
+==  ======================  ===========================================  ===========================================
+
+Under a pipeline (``pipeline_parallel_size > 1``) step 3 is
+:func:`lightning_zero.pipeline.zero_pipeline.setup_pipeline`, which applies the ZeRO stage to each pipeline stage.
+Where the work of a training step then happens (forward, gradient reduction, optimizer step) is drawn in
+``docs/architecture.md``.
+"""
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Any, Generator, Optional
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
+from typing import Any, Generator, Iterable, Optional
 
+import torch
 from torch import nn
 
-from lightning_zero.distributed.apply_zero import set_gradient_sync
+from lightning_zero.distributed.apply_zero import apply_zero, reshard_gathered, set_gradient_sync
+from lightning_zero.distributed.comm_buffers import comm_buffer_pool
+from lightning_zero.distributed.config import ZeroConfig
+from lightning_zero.distributed.ddp import low_precision_allreduce_hook
+from lightning_zero.distributed.exact_init import InitConfig, broadcast_module_states, exact_init
+from lightning_zero.distributed.hybrid import data_parallel_group, data_parallel_mesh, shard_group
+from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
+from lightning_zero.offload.param_swapper import detach_param_swapper
+
+PIPELINE_MESH_DIM_NAMES = ("pp", "dp")
+
+
+@dataclass(frozen=True)
+class Meshes:
+    """The device meshes of a run.
+
+    Attributes:
+        world: every rank; the LightningModule's ``device_mesh``. Under a pipeline the 2-D ``("pp", "dp")`` mesh,
+            else the same mesh as ``data_parallel``.
+        data_parallel: the mesh ZeRO shards over: 1-D, or 2-D ``("replicate", "shard")`` with hybrid sharding
+            (:mod:`.hybrid`); under a pipeline the ``"dp"`` dimension.
+        pipeline: the ``"pp"`` dimension under a pipeline, else ``None``.
+    """
+
+    world: Any
+    data_parallel: Any
+    pipeline: Optional[Any] = None
+
+
+def build_meshes(device_type: str, world_size: int, *, pipeline_parallel_size: int = 1,
+                 hybrid_shard_size: Optional[int] = None) -> Meshes:
+    """Step 1, right after the process group exists: a ``(pp, world / pp)`` mesh under a pipeline (the ZeRO stage
+    applies on ``"dp"``), else the data-parallel mesh (:func:`~lightning_zero.distributed.hybrid.data_parallel_mesh`)."""
+    if pipeline_parallel_size > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        pp = pipeline_parallel_size
+        mesh = init_device_mesh(device_type, (pp, world_size // pp), mesh_dim_names=PIPELINE_MESH_DIM_NAMES)
+        return Meshes(world=mesh, data_parallel=mesh["dp"], pipeline=mesh["pp"])
+    mesh = data_parallel_mesh(device_type, world_size, hybrid_shard_size)
+    return Meshes(world=mesh, data_parallel=mesh)
+
+
+def sampler_kwargs(meshes: Optional[Meshes], world_size: int, global_rank: int) -> dict[str, int]:
+    """The ``DistributedSampler``'s replicas: under a pipeline the data-parallel replicas (every stage of a replica
+    reads the same batch), else every rank."""
+    if meshes is not None and meshes.pipeline is not None:
+        return {"num_replicas": meshes.data_parallel.size(), "rank": meshes.data_parallel.get_local_rank()}
+    return {"num_replicas": world_size, "rank": global_rank}
+
+
+def init_context(config: ZeroConfig, *, pipelined: bool, local_world_size: int,
+                 empty_init: Optional[bool] = None) -> AbstractContextManager:
+    """Step 2, around the user's model construction: the model's own init runs exactly as on CPU (``empty_init``
+    never skips it); at stages 2-3 the build is recorded and :func:`wrap_module` replays it one FSDP unit at a time,
+    so no rank holds the whole model (:mod:`.exact_init`, :mod:`.deferred_init`). A pipeline builds only its own
+    stages at setup, so it is never deferred."""
+    deferred = config.stage >= 2 and not pipelined
+    return exact_init(InitConfig.from_env(max(1, local_world_size), deferred=deferred), empty_init)
+
+
+def wrap_module(module: nn.Module, mesh, config: ZeroConfig, *, device: torch.device, mp_policy=None,
+                reduce_dtype: Optional[torch.dtype] = None, ddp_kwargs: Optional[dict] = None,
+                activation_checkpointing=None) -> nn.Module:
+    """Step 3: :func:`~lightning_zero.distributed.apply_zero.apply_zero` over the data-parallel ``mesh``. Stages 0-1
+    return a ``DistributedDataParallel`` wrapper that all-reduces in ``reduce_dtype`` when that is not ``None``
+    (DeepSpeed's ``communication_data_type``); stages 2-3 shard ``module`` in place with FSDP2 (``mp_policy``: its
+    ``MixedPrecisionPolicy``) and return it."""
+    if config.stage >= 2:
+        return apply_zero(module, mesh, config, device=device, mp_policy=mp_policy,
+                          activation_checkpointing=activation_checkpointing)
+    wrapped = apply_zero(module, mesh, config, device=device, ddp_kwargs=ddp_kwargs,
+                         activation_checkpointing=activation_checkpointing)
+    if reduce_dtype is not None:
+        wrapped.register_comm_hook(wrapped.process_group, low_precision_allreduce_hook(reduce_dtype))
+    return wrapped
+
+
+def replicate_for_evaluation(module: nn.Module, mesh, device: torch.device) -> nn.Module:
+    """Step 3 of an evaluation-only run at stages 0-1 (no DDP: nothing to reduce): ``module`` on ``device`` with
+    rank 0's parameters and buffers on every rank."""
+    module.to(device)
+    broadcast_module_states(module, data_parallel_group(mesh), device)
+    return module
+
+
+def check_optimizer_params(optimizer: torch.optim.Optimizer, module: nn.Module, index: int = 0) -> None:
+    """Raise if ``optimizer`` holds a tensor that is not a parameter of the (already sharded) ``module``.
+
+    At stages 2-3 ``fully_shard`` replaces every parameter of the module with a new DTensor parameter. An optimizer
+    built before that (in ``__init__`` or ``configure_model`` and merely returned by ``configure_optimizers``) keeps
+    the old tensors: they never receive a gradient, so the optimizer silently steps nothing and the model never
+    trains. Neither FSDP2 nor the optimizer can notice (both are consistent on their own), so it is checked here.
+    ``index`` is the optimizer's position, for the message.
+    """
+    owned = {id(param) for param in module.parameters()}
+    stale = sum(1 for group in optimizer.param_groups for param in group["params"] if id(param) not in owned)
+    if stale:
+        raise ValueError(
+            f"optimizer {index} ({type(optimizer).__name__}) holds {stale} tensor(s) that are not parameters of the "
+            "sharded model, so they would never be trained. At ZeRO stages 2-3 the parameters are replaced when the "
+            "model is sharded: create the optimizer inside configure_optimizers from self.parameters(), not earlier "
+            "(in __init__ or configure_model), and do not pass tensors that are not module parameters.")
+
+
+def shard_optimizer_of(optimizer: torch.optim.Optimizer, module: nn.Module, mesh, config: ZeroConfig, *,
+                       device: torch.device, pipelined: bool = False, index: int = 0) -> bool:
+    """Step 4, for one optimizer of ``module`` (wrapped by step 3): at stages 2-3 it must hold the sharded
+    parameters (:func:`check_optimizer_params`; a pipeline's stage modules hold FSDP2 units of their own, so it is
+    skipped there); then :func:`~lightning_zero.distributed.optimizer.shard_optimizer` partitions it over the shard
+    group (stage 1) and/or offloads it, in place. Returns ``False`` for an optimizer sharded before (an evaluation
+    after a fit keeps the fit's optimizers)."""
+    if get_sharding(optimizer) is not None:
+        return False
+    if config.stage >= 2 and not pipelined:
+        check_optimizer_params(optimizer, module, index)
+    shard_optimizer(optimizer, config, group=shard_group(mesh) if mesh is not None else None, device=device)
+    return True
 
 
 @contextmanager
-def blocked(module: nn.Module, runner: Optional[Any] = None) -> Generator[None, None, None]:
-    """Inside: the backward passes of ``module`` (DDP, or FSDP at stages 2-3) reduce no gradients, and a pipeline
-    ``runner`` (which reduces after its schedule when ``sync_grads`` is set) skips its data-parallel and tied-weight
-    reductions. Both are switched back on when the block exits, also through an exception."""
+def no_gradient_sync(module: nn.Module, runner: Optional[Any] = None) -> Generator[None, None, None]:
+    """Step 5, the micro-steps of gradient accumulation: inside, the backward passes of ``module`` (DDP, or FSDP2 at
+    stages 2-3) reduce no gradients, and a pipeline ``runner`` (which reduces after its schedule when ``sync_grads``
+    is set) skips its data-parallel and tied-weight reductions. Both are switched back on when the block exits, also
+    through an exception."""
     set_gradient_sync(module, False)
     if runner is not None:
         runner.sync_grads = False
@@ -25,3 +165,20 @@ def blocked(module: nn.Module, runner: Optional[Any] = None) -> Generator[None, 
         set_gradient_sync(module, True)
         if runner is not None:
             runner.sync_grads = True
+
+
+def release(modules: Iterable[nn.Module], optimizers: Iterable[torch.optim.Optimizer]) -> None:
+    """Step 6, at teardown: undo what the run attached to the user's objects, newest first. The optimizers' sharding
+    goes first (step hooks, NVMe state swapping, the local-shard step: the optimizer's step runs through the module's
+    parameter swapper); then, per module, the CPU communication buffers (refilled if the module trains again), the
+    units an evaluation forward left gathered (:func:`~lightning_zero.distributed.apply_zero.reshard_gathered`) and
+    NVMe parameter swapping with its swap files (``docs/offload.md``). The module itself stays sharded where it is:
+    a later fit, validate or test reuses it."""
+    for optimizer in optimizers:
+        if (sharding := get_sharding(optimizer)) is not None:
+            sharding.remove()
+    for module in modules:
+        if (pool := comm_buffer_pool(module)) is not None:
+            pool.clear()
+        reshard_gathered(module)
+        detach_param_swapper(module)

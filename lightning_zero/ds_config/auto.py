@@ -160,7 +160,7 @@ def _resolve_precision(config: dict, context: AutoContext) -> None:
             config[section]["enabled"] = context.precision in family
 
 
-def _resolve_optimizer(config: dict, hparams: Mapping[str, Any]) -> None:
+def resolve_optimizer(config: dict, hparams: Mapping[str, Any]) -> None:
     params = (config.get("optimizer") or {}).get("params") or {}
     lookups = {"lr": _LR_NAMES, "weight_decay": _WEIGHT_DECAY_NAMES, "eps": _EPS_NAMES}
     for key, value in list(params.items()):
@@ -293,7 +293,7 @@ def resolve_auto(config: dict, context: AutoContext) -> dict:
             f"gradient_clipping={config['gradient_clipping']} in the DeepSpeed config does not match the Trainer's "
             f'gradient_clip_val={context.gradient_clip_val}: remove one of them or set the config value to "auto"')
     _resolve_precision(config, context)
-    _resolve_optimizer(config, context.hyperparameters)
+    resolve_optimizer(config, context.hyperparameters)
     _resolve_scheduler(config, context)
     _resolve_zero(config, context)
     return config

@@ -1,8 +1,10 @@
-"""What ``ZeroStrategy(config=...)`` does with a DeepSpeed ``ds_config``: the Lightning side of :mod:`lightning_zero.ds_config`.
+"""What ``ZeroStrategy(config=...)`` does with a DeepSpeed ``ds_config``: a :class:`DeepSpeedConfigBinding` per strategy.
 
 At construction the config is loaded and translated (errors before any process group); its strategy arguments are
-merged under the explicit ones. At setup, when the Trainer, DataLoader and LightningModule are known, every ``"auto"``
-is resolved, the config is translated again, and its Trainer-level settings are applied or checked:
+merged under the explicit ones (the ``*_over_config`` functions). At setup, when the Trainer, DataLoader and
+LightningModule are known, every ``"auto"`` is resolved (:meth:`DeepSpeedConfigBinding.resolve`), the config is
+translated again, and the Trainer adapter applies or checks its Trainer-level settings
+(:mod:`lightning_zero.strategies.ds_config_fit`):
 
 ===========================  =========================================================================================
 config key                   what happens at setup
@@ -37,12 +39,12 @@ from lightning_zero.ds_config import (
     DeepSpeedTranslation,
     effective_config_dict,
     effective_config_table,
-    infer_hidden_size,
     load_ds_config,
     resolve_auto,
     translate_ds_config,
 )
-
+from lightning_zero.distributed.activation_checkpointing import activation_checkpoint_config
+from lightning_zero.ds_config.dry_build import dry_build
 from lightning_zero.offload.nvme_config import NVME_ARGUMENTS
 
 UNIT_KNOBS = ("unit_bytes", "param_persistence_threshold", "prefetch_bytes")  # lightning_zero.distributed.units
@@ -59,7 +61,8 @@ DEEPSPEED_ENV_VAR = "PL_DEEPSPEED_CONFIG_PATH"
 def bind_ds_config(config: Any, strict: bool) -> Optional["DeepSpeedConfigBinding"]:
     """The binding for ``ZeroStrategy(config=...)``; without ``config``, the file ``PL_DEEPSPEED_CONFIG_PATH`` names
     (as ``DeepSpeedStrategy`` reads it), or ``None`` when that is unset too. An explicit ``config`` wins over the
-    variable. The variable set to an empty string or a missing file is an error, not a silent fallback."""
+    variable (its ``origin`` then names it, for the caller to say where the config came from). The variable set to an
+    empty string or a missing file is an error, not a silent fallback."""
     if config is not None:
         return DeepSpeedConfigBinding(config, strict)
     path = os.environ.get(DEEPSPEED_ENV_VAR)
@@ -68,9 +71,6 @@ def bind_ds_config(config: Any, strict: bool) -> Optional["DeepSpeedConfigBindin
     if not path or not os.path.isfile(path):
         raise DeepSpeedConfigError(f"{DEEPSPEED_ENV_VAR}={path!r} does not name a DeepSpeed config file: point it at "
                                    "one, or unset it (ZeroStrategy reads it when no config= is given)")
-    from lightning.fabric.utilities.rank_zero import rank_zero_info
-
-    rank_zero_info(f"ZeroStrategy: loading the DeepSpeed config from {DEEPSPEED_ENV_VAR}={path}")
     return DeepSpeedConfigBinding(path, strict, origin=f"{DEEPSPEED_ENV_VAR}={path}")
 
 
@@ -91,8 +91,6 @@ class DeepSpeedConfigBinding:
         self.translation: DeepSpeedTranslation = translate_ds_config(self.raw, strict=strict)
         self.auto_paths = tuple(self.translation.unresolved_auto)  # shown as "auto" -> value once resolved
         self._refuse_unwired(self.translation)
-        from lightning_zero.ds_config.dry_build import dry_build
-
         dry_build(self.translation)  # an unknown optimizer/scheduler or a bad param fails here, not after launch
 
     @staticmethod
@@ -114,32 +112,11 @@ class DeepSpeedConfigBinding:
         return self.translation.precision
 
     # ------------------------------------------------------------------ setup
-    def resolve(self, trainer, data_parallel_size: int) -> DeepSpeedTranslation:
-        """Resolve ``"auto"`` from the Trainer and apply/check its settings (fitting only); see the module table."""
-        module = trainer.lightning_module
-        hparams = dict(getattr(module, "hparams", {}) or {})
-        from lightning_zero.ds_config.dry_build import explicit_trainer_values
-
-        explicit = explicit_trainer_values(trainer)
-        accumulation = self.raw.get("gradient_accumulation_steps")
-        if isinstance(accumulation, int) and "accumulate_grad_batches" not in explicit:
-            # before estimated_stepping_batches reads it: the schedule's "auto" step counts depend on it
-            trainer.accumulate_grad_batches = accumulation
-            explicit["accumulate_grad_batches"] = accumulation
-        context = AutoContext(
-            world_size=data_parallel_size,
-            micro_batch_size=_train_batch_size(trainer),
-            # "auto" takes the Trainer's value even at its default; a number in the config was applied above
-            accumulate_grad_batches=trainer.accumulate_grad_batches if accumulation == "auto"
-            else explicit.get("accumulate_grad_batches"),
-            gradient_clip_val=explicit.get("gradient_clip_val"),
-            precision=trainer.precision,
-            hyperparameters=hparams,
-            estimated_stepping_batches=_estimated_steps(trainer),
-            hidden_size=infer_hidden_size(module, hparams),
-        )
-        resolved = resolve_auto(self.raw, context)
-        translation = translate_ds_config(resolved, strict=self.strict)
+    def resolve(self, context: AutoContext) -> DeepSpeedTranslation:
+        """Resolve every ``"auto"`` from ``context`` (what the Trainer, DataLoader and LightningModule know) and make
+        the result the binding's translation. Strategy settings were chosen at construction, before the engines:
+        one an ``"auto"`` would now change is refused."""
+        translation = translate_ds_config(resolve_auto(self.raw, context), strict=self.strict)
         self._refuse_unwired(translation)
         for name in UNIT_KNOBS:  # "auto" bucket sizes were not mapped at construction, and are not now (see there)
             if name not in self.translation.strategy_kwargs:
@@ -150,39 +127,7 @@ class DeepSpeedConfigBinding:
             raise DeepSpeedConfigError(f'strategy settings may not be "auto" (resolved at setup, after the engines '
                                        f"were chosen): {changed}")
         self.translation = translation
-        self._apply_trainer_settings(trainer, translation, explicit)
-        self._point_at_replacements(trainer, translation)
         return translation
-
-    @staticmethod
-    def _point_at_replacements(trainer, translation: DeepSpeedTranslation) -> None:
-        """Keys that ask for something the Trainer's own tools do: say which tool, rather than drop them."""
-        import warnings
-
-        from lightning_zero.ds_config import DeepSpeedConfigWarning
-
-        if translation.wall_clock_breakdown and not any(type(c).__name__ == "ThroughputLogger"
-                                                        for c in trainer.callbacks):
-            warnings.warn("wall_clock_breakdown: true asks for per-phase step timings; add "
-                          "lightning_zero.callbacks.ThroughputLogger() to the Trainer's callbacks for the forward/"
-                          "backward/optimizer/collective breakdown", DeepSpeedConfigWarning)
-
-    @staticmethod
-    def _apply_trainer_settings(trainer, translation: DeepSpeedTranslation, explicit: dict) -> None:
-        settings = translation.trainer_settings()
-        if "accumulate_grad_batches" not in explicit and settings.get("accumulate_grad_batches", 1) != 1:
-            trainer.accumulate_grad_batches = settings["accumulate_grad_batches"]
-        clip = settings.get("gradient_clip_val")
-        if "gradient_clip_val" not in explicit and clip:
-            trainer.gradient_clip_val = float(clip)
-            trainer.gradient_clip_algorithm = "norm"
-        every = settings.get("log_every_n_steps")
-        if every is not None:
-            if "log_every_n_steps" in explicit and explicit["log_every_n_steps"] != every:
-                raise DeepSpeedConfigError(
-                    f"steps_per_print={every} in the DeepSpeed config does not match the Trainer's "
-                    f"log_every_n_steps={explicit['log_every_n_steps']}: make them equal or drop one")
-            trainer.log_every_n_steps = every
 
     def report(self) -> dict:
         """JSON record of the effective configuration (saved in checkpoints)."""
@@ -214,18 +159,6 @@ def precision_from_config(config_precision: Optional[str], trainer_precision: st
         f"the DeepSpeed config asks for {config_precision!r} (its fp16/bf16 sections) but the Trainer runs "
         f"precision={trainer_precision!r}: make them agree (set Trainer(precision={config_precision!r}), or leave "
         "the Trainer's precision at its default and let the config decide, or change the config)")
-
-
-def _train_batch_size(trainer) -> Optional[int]:
-    from lightning_zero.ds_config.dry_build import loader_batch_size
-
-    trainer.fit_loop.setup_data()
-    return loader_batch_size(trainer.train_dataloader)
-
-
-def _estimated_steps(trainer) -> Optional[float]:
-    steps = trainer.estimated_stepping_batches
-    return None if steps == float("inf") else steps
 
 
 class ReadOnlyConfig(dict):
@@ -274,40 +207,55 @@ def _read_only(value: Any) -> Any:
     return value
 
 
-def effective_ds_config(strategy) -> dict:
+def effective_ds_config(binding: Optional[DeepSpeedConfigBinding], zero_config: Any, *,
+                        communication_data_type: Optional[str], precision: str,
+                        accumulate_grad_batches: Optional[int] = None,
+                        gradient_clip_val: Optional[float] = None) -> dict:
     """``strategy.config``: the DeepSpeed config in effect, as a (read-only) dict, like ``DeepSpeedStrategy.config``.
 
-    With a ds_config it is the translated config (DeepSpeed's defaults filled in, ``"auto"`` values resolved once
-    setup ran), with the strategy's explicit arguments written over it; without one it holds what the strategy's
-    arguments mean in DeepSpeed's terms. Both then carry what is known of the run: the precision, and once attached
-    to a Trainer its accumulation and norm clipping.
+    With a ds_config (``binding``) it is the translated config (DeepSpeed's defaults filled in, ``"auto"`` values
+    resolved once setup ran), with the strategy's settings (``zero_config``, ``communication_data_type``) written over
+    it; without one it holds what those settings mean in DeepSpeed's terms. Both then carry what is known of the run:
+    the ``precision`` flag (``""``: not known yet), and once attached to a Trainer its accumulation and norm clipping
+    (``gradient_clip_val``: ``None`` when the Trainer clips by value, which DeepSpeed cannot express).
     """
-    binding = strategy.ds_config
     config = copy.deepcopy(binding.translation.effective) if binding is not None else {}
+    stage = zero_config.stage
     zero = config.setdefault("zero_optimization", {})
-    zero["stage"] = strategy.stage
-    devices = {"offload_optimizer": strategy.zero_config.offload_optimizer,
-               "offload_param": strategy.zero_config.offload_params}
+    zero["stage"] = stage
+    devices = {"offload_optimizer": zero_config.offload_optimizer, "offload_param": zero_config.offload_params}
     # the two sections as the strategy applies them; offload_param exists only at stage 3
-    for section in ("offload_optimizer", "offload_param") if strategy.stage == 3 else ("offload_optimizer",):
+    for section in ("offload_optimizer", "offload_param") if stage == 3 else ("offload_optimizer",):
         device = devices[section]
         if device != "none" or zero.get(section) is not None:
             zero[section] = {**(zero.get(section) or {}), "device": device}
-    if strategy._communication_data_type is not None:
-        config["communication_data_type"] = strategy._communication_data_type
-    plugin = strategy._precision_plugin
-    precision = str(getattr(plugin, "precision", "")) if plugin is not None else ""
+    if communication_data_type is not None:
+        config["communication_data_type"] = communication_data_type
     if precision:
         for section, prefix in (("fp16", "16-"), ("bf16", "bf16-")):
             if precision.startswith(prefix) or section in config:
                 config.setdefault(section, {})["enabled"] = precision.startswith(prefix)
-    module = strategy.lightning_module
-    trainer = getattr(module, "_trainer", None) if module is not None else None
-    if trainer is not None:
-        config["gradient_accumulation_steps"] = trainer.accumulate_grad_batches
-        if trainer.gradient_clip_algorithm in (None, "norm"):  # DeepSpeed's gradient_clipping is a norm clip
-            config["gradient_clipping"] = float(trainer.gradient_clip_val or 0.0)
+    if accumulate_grad_batches is not None:
+        config["gradient_accumulation_steps"] = accumulate_grad_batches
+    if gradient_clip_val is not None:
+        config["gradient_clipping"] = float(gradient_clip_val)
     return _read_only(config)
+
+
+def config_reduce_bucket_size(binding: Optional[DeepSpeedConfigBinding]) -> Optional[int]:
+    """``zero_optimization.reduce_bucket_size`` when the ds_config wrote it (resolved if it was ``"auto"``), for the
+    DDP of stages 0-1 (:func:`lightning_zero.distributed.ddp.ddp_kwargs_for`).
+
+    A DeepSpeed default is not carried over: DDP's own default bucket (25 MiB) is tuned for DDP, DeepSpeed's
+    (5e8 elements) for its own reducer.
+    """
+    if binding is None:
+        return None
+    written = binding.raw.get("zero_optimization")
+    if not isinstance(written, dict) or "reduce_bucket_size" not in written:
+        return None
+    value = binding.translation.effective.get("zero_optimization", {}).get("reduce_bucket_size")
+    return value if isinstance(value, int) else None
 
 
 def activation_checkpointing_over_config(binding, activation_checkpointing, cpu_checkpointing,
@@ -315,8 +263,6 @@ def activation_checkpointing_over_config(binding, activation_checkpointing, cpu_
     """The :class:`~lightning_zero.distributed.activation_checkpointing.ActivationCheckpointConfig` (or ``None``)
     from ZeroStrategy's three arguments over the ds_config's ``activation_checkpointing`` section (explicit
     arguments win; the section's presence turns checkpointing on)."""
-    from lightning_zero.distributed.activation_checkpointing import activation_checkpoint_config
-
     section = binding.translation.activation_checkpointing if binding is not None else None
     return activation_checkpoint_config(activation_checkpointing, cpu_checkpointing, activation_checkpointing_policy,
                                         ds_section=section)

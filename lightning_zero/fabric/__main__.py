@@ -4,14 +4,14 @@
 ``fabric run`` validates ``--strategy`` with a ``click.Choice`` whose list is read from Fabric's strategy registry
 when ``lightning.fabric.cli`` is imported, which is before any user code runs; nothing in the ``fabric`` command
 imports third-party strategies, so ``fabric run --strategy zero_stage_3`` is rejected by click. This entry point
-imports :mod:`lightning_zero` first (registering the names) and then hands the command line to Fabric's own CLI,
+imports :mod:`lightning_zero.fabric` first (registering the names) and then hands the command line to Fabric's own CLI,
 unchanged: every ``fabric run`` option works the same. The launched script must ``import lightning_zero`` before
 creating ``Fabric()`` (the names are registered per process); Fabric's CLI excludes names containing ``offload``
 from its choices, so the offload variants are chosen in the script (``Fabric(strategy="zero_stage_3_offload")``)
 or with plain ``fabric run`` and no ``--strategy``.
 """
 
-import lightning_zero  # noqa: F401  (registers the strategy names before Fabric's CLI builds its choices)
+import lightning_zero.fabric  # noqa: F401  (registers the strategy names before Fabric's CLI builds its choices)
 
 
 def main() -> None:

@@ -66,9 +66,10 @@ def _module_view(state: dict[str, Any], keys: list[str]) -> nn.Module:
     return nn.ModuleDict({key: _unwrap(state[key]) for key in keys}) if keys else nn.Module()
 
 
-def save(strategy, path: str, state: dict[str, Any],
-         filter: Optional[dict[str, Callable[[str, Any], bool]]] = None) -> None:
-    """Write ``state`` as a sharded checkpoint directory at ``path`` (collective: every rank calls it)."""
+def save(path: str, state: dict[str, Any], filter: Optional[dict[str, Callable[[str, Any], bool]]], *, precision,
+         zero_config, exclude_frozen_parameters: bool, ds_config_report: Optional[dict], async_save: bool) -> None:
+    """Write ``state`` as a sharded checkpoint directory at ``path`` (collective: every rank calls it), with the fp16
+    loss scaler of the strategy's ``precision`` plugin and the run's settings recorded (``zero.json``)."""
     module_keys, optimizer_keys = _split(state)
     if filter and set(filter) - set(module_keys):
         raise NotImplementedError(f"fabric.save(filter=...) applies to modules' weights here; the filter keys "
@@ -88,13 +89,12 @@ def save(strategy, path: str, state: dict[str, Any],
             continue
         checkpoint[key] = value.state_dict() if callable(getattr(value, "state_dict", None)) else value
     checkpoint[KEYS] = {"modules": module_keys, "optimizers": optimizer_keys}
-    if strategy.precision.scaler is not None:
-        checkpoint[SCALER] = strategy.precision.state_dict()
-    checkpointing.save_states(checkpoint, path, module=module, optimizers=optimizers, stage=strategy.stage,
-                              offload=strategy.zero_config.offload,
-                              exclude_frozen_parameters=strategy.exclude_frozen_parameters,
-                              ds_config=strategy.ds_config, async_save=strategy.async_save)
-    if strategy.async_save:
+    if precision.scaler is not None:
+        checkpoint[SCALER] = precision.state_dict()
+    checkpointing.save_states(checkpoint, path, module=module, optimizers=optimizers, stage=zero_config.stage,
+                              offload=zero_config.offload, exclude_frozen_parameters=exclude_frozen_parameters,
+                              ds_config_report=ds_config_report, async_save=async_save)
+    if async_save:
         _await_at_exit()
 
 
@@ -118,8 +118,9 @@ def settle_saves_at_exit() -> None:
         print(f"lightning-zero: an async checkpoint save FAILED: {message}", file=sys.stderr, flush=True)
 
 
-def load(strategy, path: str, state: Optional[dict[str, Any]], strict: bool = True) -> dict[str, Any]:
-    """Load the checkpoint at ``path`` into the objects of ``state`` in place; return what was not loaded.
+def load(path: str, state: Optional[dict[str, Any]], strict: bool, *, precision, async_save: bool) -> dict[str, Any]:
+    """Load the checkpoint at ``path`` into the objects of ``state`` in place (and the fp16 loss scaler into the
+    strategy's ``precision`` plugin); return what was not loaded. ``async_save``: saves may still be pending.
 
     Plain values in ``state`` are replaced by the saved ones (Fabric copies them back into the caller's dict)."""
     if not state:
@@ -128,7 +129,7 @@ def load(strategy, path: str, state: Optional[dict[str, Any]], strict: bool = Tr
                          "checkpoint in one process use `lightning-zero consolidate` and torch.load")
     # Collective with async_save (fabric.load runs on every rank): rank 0 commits an async save in the background,
     # so another rank must not read the path before that commit, or it would load the checkpoint the save replaces.
-    wait_for_pending_saves(barrier=bool(strategy.async_save))
+    wait_for_pending_saves(barrier=bool(async_save))
     directory = checkpoint_directory(path)
     meta = load_meta(directory)
     saved = meta.pop(KEYS, None)
@@ -149,8 +150,8 @@ def load(strategy, path: str, state: Optional[dict[str, Any]], strict: bool = Tr
     if module_keys:
         optimizers = [state[key] for key in optimizer_keys]
         checkpointing.load_states(directory, meta, _module_view(state, module_keys), optimizers, strict=strict)
-    if scaler_state is not None and strategy.precision.scaler is not None:
-        strategy.precision.load_state_dict(scaler_state)
+    if scaler_state is not None and precision.scaler is not None:
+        precision.load_state_dict(scaler_state)
     for key, target in state.items():
         if key in module_keys or key in optimizer_keys:
             continue

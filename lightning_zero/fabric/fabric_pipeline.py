@@ -39,14 +39,17 @@ from torch import Tensor, nn
 from lightning_zero.pipeline.zero_pipeline import clip_by_global_norm, find_pipeline_module, setup_pipeline
 
 
-def setup(strategy, module: nn.Module):
-    """``fabric.setup_module`` under a pipeline: build this rank's stages of ``module``'s ``PipelineModule``."""
-    if strategy._runner is not None:
+def setup(module: nn.Module, settings, meshes, stage: int, device: torch.device, precision, activation_checkpointing,
+          runner: Any = None):
+    """``fabric.setup_module`` under a pipeline: build this rank's stages of ``module``'s ``PipelineModule`` over the
+    ``("pp", "dp")`` ``meshes`` (:func:`~lightning_zero.pipeline.zero_pipeline.setup_pipeline`); ``runner``: the one
+    built by an earlier call (refused: one pipelined module per strategy)."""
+    if runner is not None:
         raise ValueError("with pipeline_parallel_size > 1 a ZeroStrategy runs one pipelined module; it already has "
                          "one (put every trainable layer in that PipelineModule)")
     find_pipeline_module(module)  # exactly one PipelineModule, holding every parameter (clear error otherwise)
-    return setup_pipeline(module, strategy._pipeline, strategy._pp_mesh, strategy._mesh, strategy.stage,
-                          strategy.root_device, strategy.precision, strategy.settings.activation_checkpoint_config)
+    return setup_pipeline(module, settings, meshes.pipeline, meshes.data_parallel, stage, device, precision,
+                          activation_checkpointing)
 
 
 def step(runner, model: nn.Module, inputs: Any, targets: Any, grad_scale: float) -> Tensor:
@@ -59,7 +62,7 @@ def step(runner, model: nn.Module, inputs: Any, targets: Any, grad_scale: float)
         raise ValueError(f"grad_scale must be a positive finite number (1/k to accumulate k batches), got "
                          f"{grad_scale!r}")
     module = getattr(model, "_forward_module", model)  # Fabric's wrapper
-    if find_pipeline_module(module)._runner is not runner:
+    if find_pipeline_module(module).runner is not runner:
         raise ValueError("pipeline_step got a module other than the one fabric.setup_module split for the pipeline")
     if not module.training or not torch.is_grad_enabled():
         raise RuntimeError("pipeline_step trains (forward and backward), but the model is in eval mode or gradients "

@@ -1,18 +1,20 @@
-"""``lightning_zero.fabric.ZeroStrategy``: the Fabric adapter over :mod:`lightning_zero.distributed`.
+"""``lightning_zero.fabric.ZeroStrategy``: Fabric's adapter over the ZeRO runtime (:mod:`lightning_zero.distributed.runtime`).
 
 The same engines and the same arguments as the Trainer's :class:`lightning_zero.strategies.ZeroStrategy` (both
-validate them with :func:`lightning_zero.adapters.settings.resolve_settings`): stages 0-1 on DDP (stage 1 partitions
-the optimizer), stages 2-3 on FSDP2 ``fully_shard``, CPU offload, DeepSpeed-style fp16 loss scaling, sharded atomic
-checkpoints. This class only maps Fabric's calls onto them: ``fabric.setup`` (:meth:`setup_module_and_optimizers`),
-``fabric.backward``, ``fabric.clip_gradients``, ``fabric.no_backward_sync``, ``fabric.save``/``fabric.load``,
-``fabric.init_module``.
+validate them with :func:`lightning_zero.adapters.settings.resolve_settings`). The ZeRO steps are the runtime's plain
+functions; this class calls them from Fabric's: ``setup_environment`` starts the process group and builds the meshes,
+``fabric.init_module`` records the model's build, ``fabric.setup`` (:meth:`setup_module_and_optimizers`) wraps the
+module and shards the optimizers, ``fabric.no_backward_sync`` skips gradient reduction, ``teardown`` releases what
+the run attached. Fabric's own contract: ``fabric.backward``, ``fabric.clip_gradients``, ``fabric.save``/
+``fabric.load`` (:mod:`.fabric_checkpoints`), precision (:mod:`.fabric_precision`) and pipelines
+(:mod:`.fabric_pipeline`).
 """
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -21,40 +23,28 @@ from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
+from lightning.fabric.utilities.distributed import _distributed_is_initialized, _sync_ddp_if_available
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
+from lightning_zero.adapters.fork_safety import FabricMultiProcessingLauncher
+from lightning_zero.adapters.launch_checks import check_before_process_group, check_external_launch, \
+    check_launcher_world_size
+from lightning_zero.adapters.process_group import start_process_group
+from lightning_zero.adapters.settings import SETTING_NAMES, STRATEGY_NAMES, resolve_settings
 from lightning_zero.checkpoint.io import wait_for_pending_saves
 from lightning_zero.checkpoint.save_guards import broadcast_object
 from lightning_zero.diagnostics.hang_guard import DEFAULT_HANG_TIMEOUT, HangGuard
 from lightning_zero.diagnostics.network import DEFAULT_RENDEZVOUS_TIMEOUT
-from lightning_zero.distributed.hybrid import data_parallel_mesh, shard_group
-from lightning_zero.distributed.exact_init import InitConfig, exact_init
-from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
-from lightning_zero.distributed.optimizer_check import check_optimizer_params
-from lightning_zero.distributed.process_group_exit import destroy_process_group_at_exit
-from lightning_zero.distributed.apply_zero import apply_zero, reshard_gathered
-from lightning_zero.offload.param_swapper import detach_param_swapper
-from lightning_zero.fabric import fabric_checkpoints as checkpoint
-from lightning_zero.fabric import fabric_pipeline
-from lightning_zero.pipeline.zero_pipeline import pipeline_mesh
-from lightning_zero.fabric.fabric_precision import FabricZeroPrecision, PrecisionFlag, adapt_fabric_precision
-from lightning_zero.adapters.settings import SETTING_NAMES, STRATEGY_NAMES, resolve_settings
-from lightning_zero.distributed import runtime as gradient_sync
-from lightning_zero.adapters import launch_checks as validation
+from lightning_zero.distributed import runtime
 from lightning_zero.distributed.ddp import ddp_kwargs_for
-from lightning_zero.adapters.fork_safety import FabricMultiProcessingLauncher
-from lightning_zero.ds_config.binding import DeepSpeedConfigBinding, precision_from_config
-from lightning_zero.adapters.precision_policy import low_precision_allreduce_hook
+from lightning_zero.ds_config.binding import DeepSpeedConfigBinding, config_reduce_bucket_size, precision_from_config
+from lightning_zero.fabric import fabric_checkpoints
+from lightning_zero.fabric import fabric_pipeline
+from lightning_zero.fabric.fabric_precision import FabricZeroPrecision, PrecisionFlag, adapt_fabric_precision
 
 # ds_config settings that drive the Trainer's loop; in Fabric the user's loop does these, so they are refused.
 _LOOP_SETTINGS = ("optimizer", "scheduler", "gradient_clipping", "gradient_accumulation_steps", "train_batch_size",
@@ -162,12 +152,10 @@ class ZeroStrategy(ParallelStrategy):
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, precision=precision)
         self._process_group_backend = settings.process_group_backend
-        self._timeout, self._rendezvous_timeout = settings.timeout, settings.rendezvous_timeout  # process_group_store
         self._num_nodes = 1
-        self._mesh = None
-        self._pipeline, self._pp_mesh = settings.pipeline, None
+        self.meshes: Optional[runtime.Meshes] = None  # once the process group exists
         self._runner = None  # the pipelined module's runner (see lightning_zero.fabric.fabric_pipeline)
-        self._backward_sync_control = _ZeroBackwardSyncControl(self)
+        self._backward_sync_control = _ZeroBackwardSyncControl(lambda: self._runner)
         self._modules: list[nn.Module] = []  # the user's modules set up so far (unwrapped)
         self._optimizers: list[Optimizer] = []  # their partitioned optimizers (teardown stops NVMe swapping)
 
@@ -199,9 +187,7 @@ class ZeroStrategy(ParallelStrategy):
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        if self._pipeline.enabled and self._mesh is not None:  # data-parallel replicas, not pipeline ranks
-            return {"num_replicas": self._mesh.size(), "rank": self._mesh.get_local_rank()}
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+        return runtime.sampler_kwargs(self.meshes, self.num_nodes * self.num_processes, self.global_rank)
 
     @property
     def process_group_backend(self) -> Optional[str]:
@@ -209,9 +195,9 @@ class ZeroStrategy(ParallelStrategy):
 
     @property
     def device_mesh(self):
-        if self._mesh is None:
+        if self.meshes is None:
             raise RuntimeError("The device mesh exists only after the process group was set up")
-        return self._mesh
+        return self.meshes.data_parallel
 
     @property
     def precision(self) -> FabricZeroPrecision:
@@ -233,7 +219,7 @@ class ZeroStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if self.settings.start_method == "popen":
-            validation.check_launcher_world_size(self.cluster_environment, self.num_nodes, self.num_processes)
+            check_launcher_world_size(self.cluster_environment, self.num_nodes, self.num_processes)
             if not self.cluster_environment.creates_processes_externally:
                 self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes,
                                                            self.num_nodes)
@@ -242,22 +228,23 @@ class ZeroStrategy(ParallelStrategy):
 
     def setup_environment(self) -> None:
         device = self.root_device
-        validation.check_before_process_group(self, self.settings.start_method)  # the Trainer's checks too
+        # The checks the Trainer strategy runs too, on every rank before init_process_group
+        check_external_launch(self.cluster_environment, self.num_nodes, self.num_processes,
+                              self.settings.start_method)
+        check_before_process_group(num_nodes=self.num_nodes, num_processes=self.num_processes,
+                                   node_rank=self.node_rank, device=device, backend=self.process_group_backend,
+                                   zero_config=self.zero_config, pipeline=self.settings.pipeline)
         super().setup_environment()
         reset_seed()
         self._set_world_ranks()
-        self._process_group_backend = self._process_group_backend or \
-            _get_default_process_group_backend_for_device(device)
         assert self.cluster_environment is not None
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self.settings.timeout,
-                              device_id=device if device.type == "cuda" else None,
-                              **validation.process_group_store(self))
-        destroy_process_group_at_exit()  # see distributed/process_group_exit.py
-
-        if self._pipeline.enabled:  # ("pp", "dp"); the ZeRO stage applies on "dp" (as the Trainer strategy)
-            _, self._pp_mesh, self._mesh = pipeline_mesh(device.type, self.world_size, self._pipeline)
-        else:  # 1-D, or 2-D ("replicate", "shard") with hybrid_shard_size (as the Trainer strategy)
-            self._mesh = data_parallel_mesh(device.type, self.world_size, self.zero_config.hybrid_shard_size)
+        self._process_group_backend = start_process_group(
+            self.cluster_environment, self._process_group_backend, device, timeout=self.settings.timeout,
+            rendezvous_timeout=self.settings.rendezvous_timeout, num_nodes=self.num_nodes, node_rank=self.node_rank,
+            global_rank=self.global_rank, world_size=self.world_size)
+        self.meshes = runtime.build_meshes(device.type, self.world_size,
+                                           pipeline_parallel_size=self.settings.pipeline.pipeline_parallel_size,
+                                           hybrid_shard_size=self.zero_config.hybrid_shard_size)
         self._adopt_config_precision()
 
     def _adopt_config_precision(self) -> None:
@@ -280,21 +267,19 @@ class ZeroStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ model and optimizers
     def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
         """``fabric.init_module()``: the model's own init runs exactly as on CPU (``empty_init`` never skips it), as
-        the Trainer strategy's ``configure_model``: at stages 2-3 the build is recorded and ``setup`` replays it one
-        FSDP unit at a time (no rank holds the whole model), at stages 0-1 it is built on CPU memory. See
-        :mod:`lightning_zero.distributed.exact_init`."""
-        deferred = self.stage >= 2 and not self._pipeline.enabled  # a pipeline builds only its stages at setup
-        return exact_init(InitConfig.from_env(max(1, self.num_processes), deferred=deferred), empty_init)
+        the Trainer strategy's ``configure_model`` (:func:`lightning_zero.distributed.runtime.init_context`)."""
+        return runtime.init_context(self.zero_config, pipelined=self.settings.pipeline.enabled,
+                                    local_world_size=self.num_processes, empty_init=empty_init)
 
     def module_to_device(self, module: nn.Module) -> None:
-        if self.stage <= 1 and not self._pipeline.enabled:  # apply_zero / the pipeline place the rest themselves
+        if self.stage <= 1 and not self.settings.pipeline.enabled:  # the runtime / the pipeline place the rest
             module.to(self.root_device)
 
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Optimizer],
                                     scheduler: Optional[Any] = None) -> tuple[nn.Module, list[Optimizer], Any]:
         """Shard ``module`` (:meth:`setup_module`), point the optimizers at its sharded parameters and partition
         them (:meth:`setup_optimizer`). LR schedulers keep working: the optimizers are changed in place."""
-        if self._pipeline.enabled and optimizers:
+        if self.settings.pipeline.enabled and optimizers:
             raise ValueError("with pipeline_parallel_size > 1 create the optimizer after fabric.setup_module(model): "
                              "setup builds and keeps only this rank's pipeline stages, so an optimizer made before "
                              "holds parameters the model no longer has (docs/fabric.md, Pipeline parallelism)")
@@ -305,34 +290,32 @@ class ZeroStrategy(ParallelStrategy):
         return wrapped, [self.setup_optimizer(optimizer) for optimizer in optimizers], scheduler
 
     def setup_module(self, module: nn.Module) -> nn.Module:
-        """Apply ZeRO: a ``DistributedDataParallel`` wrapper at stages 0-1, FSDP2 in place at stages 2-3."""
+        """Apply ZeRO (:func:`lightning_zero.distributed.runtime.wrap_module`): a ``DistributedDataParallel``
+        wrapper at stages 0-1, FSDP2 in place at stages 2-3; under a pipeline, this rank's stages."""
         precision = self.precision
         precision.device_type = self.root_device.type
-        if self._pipeline.enabled:
-            self._runner = fabric_pipeline.setup(self, module)
-            self._modules.append(module)
-            return module
         self._modules.append(module)
-        if self.stage >= 2:
-            return apply_zero(module, self._mesh, self.zero_config, device=self.root_device,
-                              mp_policy=precision.fsdp_mp_policy(),
-                              activation_checkpointing=self.settings.activation_checkpoint_config)
-        wrapped = apply_zero(module, self._mesh, self.zero_config, device=self.root_device,
-                             ddp_kwargs=ddp_kwargs_for(self.settings.ddp_options, self.ds_config, module),
-                             activation_checkpointing=self.settings.activation_checkpoint_config)
-        if (reduce_dtype := precision.ddp_reduce_dtype()) is not None:
-            wrapped.register_comm_hook(wrapped.process_group, low_precision_allreduce_hook(reduce_dtype))
-        return wrapped
+        if self.settings.pipeline.enabled:
+            self._runner = fabric_pipeline.setup(module, self.settings.pipeline, self.meshes, self.stage,
+                                                 self.root_device, precision,
+                                                 self.settings.activation_checkpoint_config, runner=self._runner)
+            return module
+        ddp_kwargs = ddp_kwargs_for(self.settings.ddp_options, module,
+                                    config_reduce_bucket_size(self.ds_config)) if self.stage <= 1 else None
+        return runtime.wrap_module(module, self.meshes.data_parallel, self.zero_config, device=self.root_device,
+                                   mp_policy=precision.fsdp_mp_policy() if self.stage >= 2 else None,
+                                   reduce_dtype=precision.ddp_reduce_dtype(), ddp_kwargs=ddp_kwargs,
+                                   activation_checkpointing=self.settings.activation_checkpoint_config)
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """Partition (stage 1) and/or offload the optimizer in place; at stages 2-3 it must hold the sharded
         parameters (``fabric.setup(model, optimizer)`` swaps them; after ``fabric.setup_module`` build it from
         ``model.parameters()``)."""
-        if get_sharding(optimizer) is None:
-            if self.stage >= 2 and not self._pipeline.enabled:  # stage modules hold FSDP2 units of their own
-                owners = [m for m in self._modules if _holds(m, optimizer)]
-                check_optimizer_params(optimizer, owners[0] if owners else self._modules[-1])
-            shard_optimizer(optimizer, self.zero_config, group=shard_group(self._mesh), device=self.root_device)
+        owners = [m for m in self._modules if _holds(m, optimizer)]
+        owner = owners[0] if owners else (self._modules[-1] if self._modules else None)
+        mesh = self.meshes.data_parallel if self.meshes is not None else None
+        if runtime.shard_optimizer_of(optimizer, owner, mesh, self.zero_config, device=self.root_device,
+                                      pipelined=self.settings.pipeline.enabled):
             self._optimizers.append(optimizer)
         return optimizer
 
@@ -385,7 +368,11 @@ class ZeroStrategy(ParallelStrategy):
             raise TypeError("ZeroStrategy.save_checkpoint does not take storage_options: it writes with "
                             "torch.distributed.checkpoint")
         with self.hang_guard.phase("save"):
-            checkpoint.save(self, self.broadcast(str(path)), state, filter)
+            fabric_checkpoints.save(
+                self.broadcast(str(path)), state, filter, precision=self.precision, zero_config=self.zero_config,
+                exclude_frozen_parameters=self.exclude_frozen_parameters,
+                ds_config_report=self.ds_config.report() if self.ds_config is not None else None,
+                async_save=self.async_save)
 
     def load_checkpoint(self, path, state: Optional[dict] = None, strict: bool = True,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -397,7 +384,8 @@ class ZeroStrategy(ParallelStrategy):
             raise ValueError("ZeroStrategy checkpoints are always read with weights_only=True (tensors and plain "
                              "values only); weights_only=False is not honoured")
         with self.hang_guard.phase("load"):
-            return checkpoint.load(self, self.broadcast(str(path)), state, strict)
+            return fabric_checkpoints.load(self.broadcast(str(path)), state, strict, precision=self.precision,
+                                           async_save=self.async_save)
 
     def wait_for_checkpoints(self) -> None:
         """Wait for the pending ``async_save`` writes (collective: every rank calls it); every rank then sees the
@@ -412,19 +400,10 @@ class ZeroStrategy(ParallelStrategy):
     def teardown(self) -> None:
         with self.hang_guard.teardown():  # an async save must land before exit
             wait_for_pending_saves(barrier=_distributed_is_initialized())
-        for module in self._modules:
-            from lightning_zero.distributed.comm_buffers import comm_buffer_pool
-
-            if (pool := comm_buffer_pool(module)) is not None:
-                pool.clear()
-            reshard_gathered(module)  # an evaluation forward leaves units gathered (stage 2; root and last at 3)
-            detach_param_swapper(module)  # NVMe parameter swap files go with the run (docs/offload.md)
+        runtime.release(self._modules, self._optimizers)
         self._modules.clear()
-        self._runner = None
-        for optimizer in self._optimizers:  # NVMe swap files go with the run (docs/offload.md)
-            if (sharding := get_sharding(optimizer)) is not None:
-                sharding.remove()
         self._optimizers.clear()
+        self._runner = None
         super().teardown()
 
     @classmethod
@@ -437,16 +416,14 @@ class ZeroStrategy(ParallelStrategy):
 
 
 class _ZeroBackwardSyncControl(_BackwardSyncControl):
-    def __init__(self, strategy: ZeroStrategy) -> None:
-        self._strategy = strategy
+    def __init__(self, runner: Callable[[], Any]) -> None:
+        self._runner = runner  # the strategy's pipeline runner, when it has one
 
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
         """No gradient communication in the backward passes inside (gradient accumulation micro-steps)."""
         if not enabled:
-            from contextlib import nullcontext
-
             return nullcontext()
-        return gradient_sync.blocked(module, self._strategy._runner)
+        return runtime.no_gradient_sync(module, self._runner())
 
 
 def _holds(module: nn.Module, optimizer: Optimizer) -> bool:
@@ -459,7 +436,7 @@ def _replace_parameters(optimizer: Optimizer, names: dict[int, str], sharded: di
 
     FSDP2 replaces every parameter with a new DTensor parameter; an optimizer built before ``fabric.setup`` would
     otherwise step tensors no gradient reaches. Tensors that were not the module's are left for
-    :func:`~lightning_zero.distributed.optimizer_check.check_optimizer_params` to refuse."""
+    :func:`~lightning_zero.distributed.runtime.check_optimizer_params` to refuse."""
     if optimizer.state:
         raise RuntimeError("fabric.setup needs a fresh optimizer (no state yet): its states belong to the unsharded "
                            "parameters. Load optimizer states after setup, with fabric.load")

@@ -57,6 +57,7 @@ from torch import Tensor
 from lightning_zero.offload.aio import AsyncFileIO, SwapIOError, align_up, aligned_buffer
 from lightning_zero.offload.nvme_config import NvmeConfig
 from lightning_zero.ops.step_override import override_step, restore_step_override
+from lightning_zero.torch_compat import local_tensor
 
 _ATTR = "_lightning_zero_swapper"
 _MARKER = "NVMe optimizer-state swapping"  # the step override's marker (step_override)
@@ -89,12 +90,10 @@ class _Entry:
     nbytes: int
 
 
-def _local(tensor: Tensor) -> Tensor:
-    return tensor._local_tensor if hasattr(tensor, "_local_tensor") else tensor
 
 
 def _marker(value: Tensor) -> SwappedOut:
-    local = _local(value)
+    local = local_tensor(value)
     if local is value:
         return SwappedOut(value.shape, value.dtype, value.shape)
     return SwappedOut(value.shape, value.dtype, local.shape, value.device_mesh, tuple(value.placements),
@@ -171,7 +170,7 @@ class OptimizerStateSwapper:
     def _numel(self, param: Tensor) -> int:
         """Elements this rank steps for ``param`` (a swapped-out master's own tensor is empty)."""
         marker = self._master_markers.get(id(param))
-        return torch.Size(marker.local_shape).numel() if marker is not None else _local(param).numel()
+        return torch.Size(marker.local_shape).numel() if marker is not None else local_tensor(param).numel()
 
     def path(self, index: int) -> str:
         return os.path.join(self.folder, f"subgroup{index}.bin")
@@ -255,10 +254,10 @@ class OptimizerStateSwapper:
             self.optimizer.state[entry.param][entry.key] = value
         elif isinstance(value, SwappedOut):
             # see the note on swapped fp32 masters; a DTensor master keeps its wrapper, its local tensor empties
-            _local(entry.param).data = torch.empty(0, dtype=value.dtype)
+            local_tensor(entry.param).data = torch.empty(0, dtype=value.dtype)
             self._masters_out.add(id(entry.param))
         else:
-            _local(entry.param).data = _local(value)
+            local_tensor(entry.param).data = local_tensor(value)
             self._masters_out.discard(id(entry.param))
 
     def _view(self, buf: Tensor, entry: _Entry) -> Tensor:
@@ -299,7 +298,7 @@ class OptimizerStateSwapper:
         for entry in entries:
             value = self._state(entry)
             slot = self._view(buf, entry)
-            local = _local(value).reshape(-1)
+            local = local_tensor(value).reshape(-1)
             if local.data_ptr() != slot.data_ptr():
                 slot.copy_(local)
         self._release(old)
@@ -368,7 +367,7 @@ class OptimizerStateSwapper:
             if param is not None:
                 grad = param.grad
                 master.grad = None if grad is None else _rebuild(
-                    self._master_markers[id(master)], _local(grad).detach().to("cpu", torch.float32, copy=True))
+                    self._master_markers[id(master)], local_tensor(grad).detach().to("cpu", torch.float32, copy=True))
 
     def _masters_to_module(self, group: list[Tensor]) -> None:
         """Stepped masters back into the module's parameters (the stage-1 post-step copy); gradients dropped."""
@@ -376,7 +375,7 @@ class OptimizerStateSwapper:
             param = self.companions.get(id(master))
             if param is not None:
                 # the local tensors' own detach: a DTensor's would go through DTensor's Python dispatch
-                _local(param).detach().copy_(_local(master))
+                local_tensor(param).detach().copy_(local_tensor(master))
                 master.grad = None
 
     def write_initial_masters(self) -> None:
@@ -387,7 +386,7 @@ class OptimizerStateSwapper:
                 param = self.companions.get(id(master))
                 if param is not None:
                     self._set(_Entry(master, MASTER, self._master_markers[id(master)], 0, 0),
-                              _local(param.detach()).to("cpu", torch.float32, copy=True))
+                              local_tensor(param.detach()).to("cpu", torch.float32, copy=True))
             self._start_write(index, None, writes)
         while writes:
             self._finish_write(writes.popleft())

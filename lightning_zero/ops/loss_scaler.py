@@ -42,6 +42,8 @@ from typing import Any, Iterable, Optional
 import torch
 import torch.distributed as dist
 
+from lightning_zero.torch_compat import local_tensor
+
 __all__ = ["DynamicLossScaler", "LossScaleAtMinimumError", "StaticLossScaler", "has_overflow"]
 
 
@@ -232,10 +234,6 @@ class DynamicLossScaler:
         self.skipped_steps = int(state["skipped_steps"])
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    # A DTensor (FSDP2 shard) is checked through its local shard; the collective below covers the other shards.
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if to_local is not None else tensor
 
 
 def has_overflow(tensors: Iterable[Optional[torch.Tensor]], group: Optional[dist.ProcessGroup] = None) -> bool:
@@ -245,7 +243,7 @@ def has_overflow(tensors: Iterable[Optional[torch.Tensor]], group: Optional[dist
     One max-norm per device/dtype bucket (``torch._foreach_norm`` with ``ord=inf`` propagates inf and NaN and never
     overflows, unlike the ``sum`` DeepSpeed uses) and exactly one ``all_reduce(MAX)`` of a single flag. Every rank of
     ``group`` must call it, even with no tensors (e.g. an empty shard)."""
-    local = [_local(t) for t in tensors if t is not None]
+    local = [local_tensor(t) for t in tensors if t is not None]
     local = [t for t in local if t.numel() > 0]
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
     if local:

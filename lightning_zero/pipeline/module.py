@@ -147,7 +147,7 @@ class PipelineModule(nn.Module):
             self.partition(num_stages)
         self.layers = nn.ModuleDict()
         self.built_indices: tuple = ()
-        self._runner = None  # set by build_pipeline
+        self.runner = None  # the PipelineRunner build_pipeline attaches (schedules.py)
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             self.materialize()
 
@@ -209,13 +209,13 @@ class PipelineModule(nn.Module):
 
     # ------------------------------------------------------------------------------------------------ forward
     def forward(self, inputs: Any, targets: Any = None) -> Any:
-        if self._runner is not None:
+        if self.runner is not None:
             if targets is None:
                 raise ValueError("a pipelined PipelineModule needs targets: the last stage computes the loss, "
                                  "call module(inputs, targets)")
             if self.training and torch.is_grad_enabled():
-                return self._runner.step(inputs, targets, sync_grads=self._runner.sync_grads)
-            return self._runner.eval_step(inputs, targets)
+                return self.runner.step(inputs, targets, sync_grads=self.runner.sync_grads)
+            return self.runner.eval_step(inputs, targets)
         if len(self.built_indices) != len(self.specs):
             raise RuntimeError("this PipelineModule holds only some layers (it was built for a pipeline stage); "
                                "use the pipeline runner, or call materialize() to build the whole model")

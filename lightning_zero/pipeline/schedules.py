@@ -119,7 +119,7 @@ class PipelineRunner:
         module.to(device)
         self.stage_modules = [module.stage_module(self.boundaries[s], self.boundaries[s + 1])
                               for s in self.local_stages]
-        self._tied_groups = self._make_tied_groups()
+        self.tied_groups = self._make_tied_groups()
         self._broadcast_initial_weights()
         if config.data_parallel == "fully_shard" and dp_mesh is not None:
             self._apply_fully_shard(dp_mesh)
@@ -141,7 +141,7 @@ class PipelineRunner:
         self.has_first = 0 in self.local_stages
         self.has_last = self.num_stages - 1 in self.local_stages
         self.last_rank = self.stage_ranks[-1]
-        module._runner = self
+        module.runner = self
 
     # ------------------------------------------------------------------------------------------------- setup
     def _make_tied_groups(self) -> list:
@@ -172,7 +172,7 @@ class PipelineRunner:
     @torch.no_grad()
     def _broadcast_initial_weights(self) -> None:
         """Make tied copies equal across stages and every replica equal across data-parallel ranks."""
-        for _, owner, attrs, group, src in self._tied_groups:
+        for _, owner, attrs, group, src in self.tied_groups:
             for attr in attrs:
                 dist.broadcast(get_parameter(owner, attr).data, src=src, group=group)
         if self.dp_group is not None:
@@ -264,7 +264,7 @@ class PipelineRunner:
                 for g in grads:
                     g.copy_(flat[offset:offset + g.numel()].view_as(g))
                     offset += g.numel()
-        for _, owner, attrs, group, _ in self._tied_groups:
+        for _, owner, attrs, group, _ in self.tied_groups:
             for attr in attrs:
                 grad = get_parameter(owner, attr).grad
                 if grad is None:

@@ -1,4 +1,4 @@
-"""Pipeline parallelism inside ZeroStrategy: the Lightning side of :mod:`lightning_zero.pipeline`.
+"""Pipeline parallelism inside ZeroStrategy: its settings, the split over the ``("pp", "dp")`` mesh, global clipping.
 
 With ``pipeline_parallel_size = p > 1`` the world is a 2-D mesh ``("pp", "dp")`` of shape ``(p, world / p)``. The
 LightningModule holds one :class:`~lightning_zero.pipeline.PipelineModule`; at setup :func:`build_pipeline` keeps on
@@ -20,12 +20,6 @@ stages 2-3 (neither ``offload_optimizer`` nor ``offload_params`` is applied to t
 fp16/bf16 (the schedule runs backward itself, outside the precision plugin's loss scaling), FSDP2 with a tied module used by two stages of one rank (see
 :class:`~lightning_zero.pipeline.schedules.PipelineRunner`), and parameters of the LightningModule outside its
 PipelineModule.
-
-[Note: the strategy's backward is skipped]
-Lightning calls ``backward`` on what ``training_step`` returns. Under a pipeline that loss is already
-back-propagated (detached), so :meth:`ZeroStrategy.backward` runs only the ``on_before_backward`` /
-``on_after_backward`` hooks. Lightning divides the loss by ``accumulate_grad_batches`` before that backward; the
-runner's ``grad_scale`` applies the same factor inside the schedule, so accumulation stays exact.
 """
 
 from __future__ import annotations
@@ -37,7 +31,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from lightning_zero.pipeline.schedules import SCHEDULES, SINGLE_STAGE_SCHEDULES, PipelineConfig
+from lightning_zero.distributed.activation_checkpointing import apply_activation_checkpointing
+from lightning_zero.pipeline.module import PipelineModule
+from lightning_zero.pipeline.schedules import SCHEDULES, SINGLE_STAGE_SCHEDULES, PipelineConfig, build_pipeline
+from lightning_zero.pipeline.specs import LayerSpec, get_parameter
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
 
@@ -105,8 +102,6 @@ def make_pipeline_settings(pipeline_parallel_size, micro_batches, schedule, virt
 
 def find_pipeline_module(lightning_module):
     """The one PipelineModule of the LightningModule; everything trainable must live in it."""
-    from lightning_zero.pipeline import PipelineModule
-
     found = [m for m in lightning_module.modules() if isinstance(m, PipelineModule)]
     if len(found) != 1:
         raise ValueError(f"pipeline_parallel_size > 1 needs exactly one PipelineModule in the LightningModule, "
@@ -122,11 +117,9 @@ def find_pipeline_module(lightning_module):
 def build_for_strategy(lightning_module, settings: PipelineSettings, pp_mesh, dp_mesh, stage: int, device,
                        accumulate_grad_batches: int):
     """Split the LightningModule's PipelineModule over ``pp_mesh`` with ZeRO ``stage`` on ``dp_mesh``."""
-    from lightning_zero.pipeline import build_pipeline
-
     module = find_pipeline_module(lightning_module)
-    if module._runner is not None:
-        return module._runner  # evaluation after fit reuses the split model
+    if module.runner is not None:
+        return module.runner  # evaluation after fit reuses the split model
     dp = dp_mesh if dp_mesh is not None and dp_mesh.size() > 1 else None
     runner = build_pipeline(
         module, pp_mesh, schedule=settings.schedule, micro_batches=settings.micro_batches,
@@ -145,9 +138,6 @@ def checkpoint_pipeline_layers(module, config) -> None:
     ``build_pipeline`` already made (see the note in :mod:`lightning_zero.distributed.activation_checkpointing`)."""
     import dataclasses
     from collections import Counter
-
-    from lightning_zero.distributed.activation_checkpointing import apply_activation_checkpointing
-    from lightning_zero.pipeline.specs import LayerSpec
 
     if config is None:
         return
@@ -173,10 +163,8 @@ def global_grad_norm(runner, params) -> torch.Tensor:
     duplicates = set()
     pp_rank = dist.get_rank(runner.pp_group)
     pp_ranks = dist.get_process_group_ranks(runner.pp_group)
-    for _, owner, attrs, _, src in runner._tied_groups:
+    for _, owner, attrs, _, src in runner.tied_groups:
         if pp_ranks[pp_rank] != src:  # the first stage holding the tie counts it
-            from lightning_zero.pipeline.specs import get_parameter
-
             duplicates.update(id(get_parameter(owner, attr)) for attr in attrs)
     total = torch.zeros((), dtype=torch.float64)
     for param in params:
@@ -211,15 +199,6 @@ def check_pipeline_world(pipeline: PipelineSettings, num_processes: int, num_nod
                          f"{world_size} (devices={num_processes} x num_nodes={num_nodes})")
 
 
-def pipeline_mesh(device_type: str, world_size: int, pipeline: PipelineSettings):
-    """The 2-D ``("pp", "dp")`` mesh of shape ``(p, world / p)``; returns ``(mesh, pp_mesh, dp_mesh)``."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    pp = pipeline.pipeline_parallel_size
-    mesh = init_device_mesh(device_type, (pp, world_size // pp), mesh_dim_names=("pp", "dp"))
-    return mesh, mesh["pp"], mesh["dp"]
-
-
 def setup_pipeline(root, settings: PipelineSettings, pp_mesh, dp_mesh, stage: int, device, precision,
                    activation_checkpointing, accumulate_grad_batches: int = 1):
     """Split ``root``'s one ``PipelineModule`` over the pp x dp mesh, checkpoint its layers, and clip over every
@@ -232,42 +211,3 @@ def setup_pipeline(root, settings: PipelineSettings, pp_mesh, dp_mesh, stage: in
     checkpoint_pipeline_layers(find_pipeline_module(root), activation_checkpointing)
     precision.grad_norm_clipper = lambda params, max_norm: clip_by_global_norm(runner, params, max_norm)
     return runner
-
-
-def setup_for_strategy(strategy, trainer):
-    """Split the LightningModule's ``PipelineModule`` over the strategy's pp x dp mesh; clip over every stage."""
-    return setup_pipeline(strategy.lightning_module, strategy._pipeline, strategy._pp_mesh, strategy._mesh,
-                          strategy.stage, strategy.root_device, strategy.precision_plugin,
-                          getattr(strategy, "activation_checkpoint_config", None), trainer.accumulate_grad_batches)
-
-
-class PipelineGradients:
-    """[Note: pipeline gradients and Lightning's zero_grad]
-    The schedule back-propagates inside ``training_step``, but Lightning zeroes gradients *after* ``training_step``
-    (before its backward) on the first batch of an accumulation window. So gradients are zeroed before that first
-    batch (:meth:`training_step`), moved aside after the schedule, and put back by :meth:`restore` from the
-    strategy's ``backward``."""
-
-    def __init__(self) -> None:
-        self._moved: Optional[list] = None
-
-    def training_step(self, module, run_step):
-        """Run ``run_step()`` (the schedule inside ``training_step``) and move its gradients aside."""
-        params = list(module.parameters())
-        trainer = module.trainer
-        if module.automatic_optimization and \
-                trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0:
-            for param in params:
-                param.grad = None
-        output = run_step()
-        self._moved = [(param, param.grad) for param in params]
-        for param in params:
-            param.grad = None
-        return output
-
-    def restore(self) -> None:
-        """Put the schedule's gradients back (added to what accumulation already holds)."""
-        for param, grad in self._moved or ():
-            if grad is not None:
-                param.grad = grad if param.grad is None else param.grad + grad
-        self._moved = None

@@ -1,15 +1,54 @@
-"""Automatic resume of a restarted ``trainer.fit`` (the Trainer-only half of :mod:`lightning_zero.adapters.restarts`,
-whose ``[Note: automatic resume]`` explains it): it reads the Trainer's ``ModelCheckpoint`` callbacks and wraps its
-checkpoint connector, so it lives with the Trainer adapter."""
+"""Automatic resume of a restarted ``trainer.fit`` (``torchrun --max-restarts``, SLURM requeue).
+
+[Note: automatic resume]
+A restart runs the same command again, and the same ``trainer.fit(model)`` without ``ckpt_path`` would start again
+from step 0 and overwrite the run's checkpoints. When the job is a restart (``TORCHELASTIC_RESTART_COUNT`` or
+``SLURM_RESTART_COUNT`` > 0), the fit has no ``ckpt_path`` and ``ZeroStrategy(auto_resume=True)`` (the default),
+the newest *complete* sharded checkpoint (one with ``zero.json``: interrupted saves never qualify) in the
+``ModelCheckpoint`` directories is resumed, and the log says which. Lightning has no public hook that chooses the
+checkpoint after the process group exists (rank 0 chooses, every rank loads the same one), so
+:func:`install_auto_resume` wraps the Trainer's ``_checkpoint_connector.resume_start`` for that one call and
+:func:`newest_complete_checkpoint` finds the checkpoint. A preempted job (SIGTERM/SIGUSR1) saves ``preempted.ckpt``
+there first, at a step boundary (:mod:`lightning_zero.strategies.preemption`).
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Optional
 
-from lightning_zero.adapters.restarts import newest_complete_checkpoint, restart_count
+from lightning_zero.checkpoint.directory import INFO_FILE, is_sharded_checkpoint
+from lightning_zero.strategies import preemption
 
 log = logging.getLogger(__name__)
+
+
+def restart_count() -> int:
+    """How many times this job was restarted: torchrun's ``TORCHELASTIC_RESTART_COUNT``, SLURM's requeue count."""
+    for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"):
+        value = os.environ.get(name, "").strip()
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return 0
+
+
+def newest_complete_checkpoint(directories: list[str]) -> Optional[str]:
+    """The most recently finished complete sharded checkpoint in ``directories`` (by its ``zero.json``, written
+    last), or ``None``. A checkpoint interrupted mid-swap (only ``.<name>.old`` left) counts under its name."""
+    found = []
+    for directory in directories:
+        if not os.path.isdir(directory):
+            continue
+        for entry in os.listdir(directory):
+            path = os.path.join(directory, entry)
+            if entry.startswith(".") and entry.endswith(".old"):
+                name = os.path.join(directory, entry[1:-len(".old")])
+                if not os.path.exists(name) and is_sharded_checkpoint(path):
+                    found.append((os.path.getmtime(os.path.join(path, INFO_FILE)), name))
+            elif not entry.startswith(".") and is_sharded_checkpoint(path):
+                found.append((os.path.getmtime(os.path.join(path, INFO_FILE)), path))
+    return max(found)[1] if found else None
 
 
 def _checkpoint_directories(trainer) -> list[str]:
@@ -34,18 +73,14 @@ def _choose_resume_path(trainer, broadcast) -> Optional[str]:
     return path
 
 
-def install_auto_resume(strategy) -> None:
+def install_auto_resume(trainer, auto_resume, broadcast) -> None:
     """On a restarted fit without ``ckpt_path`` (or every fit with ``auto_resume="always"``), make the Trainer resume
-    from the newest complete checkpoint; on every fit, turn preemption signals into a checkpoint at the next step
-    boundary (:mod:`.preemption`)."""
+    from the newest complete checkpoint (rank 0 chooses; ``broadcast(obj)`` shares its choice); on every fit, turn
+    preemption signals into a checkpoint at the next step boundary (:mod:`.preemption`)."""
     from lightning.pytorch.trainer.states import TrainerFn
 
-    from lightning_zero.strategies import preemption
-
-    preemption.install(strategy)
-    module = strategy.lightning_module
-    trainer = getattr(module, "_trainer", None) if module is not None else None
-    asked = restart_count() > 0 or strategy.auto_resume == "always"
+    preemption.install(trainer)
+    asked = restart_count() > 0 or auto_resume == "always"
     if trainer is None or not asked or trainer.state.fn != TrainerFn.FITTING:
         return
     connector = trainer._checkpoint_connector
@@ -54,7 +89,7 @@ def install_auto_resume(strategy) -> None:
     def resume_start(checkpoint_path=None, weights_only=None):
         del connector.resume_start  # one call only: back to the class's method
         if checkpoint_path is None:
-            checkpoint_path = _choose_resume_path(trainer, strategy.broadcast)
+            checkpoint_path = _choose_resume_path(trainer, broadcast)
         return original(checkpoint_path, weights_only=weights_only)
 
     connector.resume_start = resume_start

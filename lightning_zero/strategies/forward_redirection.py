@@ -4,7 +4,7 @@ root's ``__call__``, with nested ``self(x)`` calls that do not end the root's fo
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from lightning.pytorch.strategies.strategy import _ForwardRedirection
 
@@ -14,15 +14,15 @@ from lightning_zero.distributed.root_reentry import root_post_forward_suspended
 class RootForwardRedirection(_ForwardRedirection):
     """Lightning's redirection; the redirected method runs with the root's post-forward hook suspended.
 
-    Manual optimization is left as before: :class:`~lightning_zero.distributed.manual_backward.ManualBackward`
+    Manual optimization (``manual_backward_active()`` is true) is left as before: :class:`~lightning_zero.distributed.manual_backward.ManualBackward`
     closes and re-opens the root's forward itself around each backward inside ``training_step``.
     """
 
-    def __init__(self, strategy) -> None:
-        self._strategy = strategy
+    def __init__(self, manual_backward_active: Callable[[], bool]) -> None:
+        self._manual_backward_active = manual_backward_active
 
     def __call__(self, wrapper_module, original_module, method_name: str, *args: Any, **kwargs: Any) -> Any:
-        if self._strategy._manual_backward is not None:
+        if self._manual_backward_active():
             return super().__call__(wrapper_module, original_module, method_name, *args, **kwargs)
         real_forward = original_module.forward
 

@@ -20,7 +20,7 @@ def holds_sharded_parameters(module) -> bool:
                                    or any(isinstance(param, DTensor) for param in module.parameters()))
 
 
-def teardown_in_place(strategy) -> None:
+def teardown_in_place(cluster_environment, precision_plugin, accelerator, checkpoint_io) -> None:
     """Lightning's ``ParallelStrategy.teardown`` minus moving the module and optimizer states to CPU.
 
     Lightning's base teardown calls ``lightning_module.cpu()``. On sharded (DTensor) parameters that swaps every
@@ -29,17 +29,17 @@ def teardown_in_place(strategy) -> None:
     ``fit``/``validate``/``test`` with the same module, which keeps the sharded module as it is, would compute on
     CPU. Lightning's own FSDP2 strategy (``ModelParallelStrategy``) leaves the module in place the same way.
     """
-    assert strategy.cluster_environment is not None and strategy.accelerator is not None
-    strategy.cluster_environment.teardown()
-    strategy.precision_plugin.teardown()
-    strategy.accelerator.teardown()
-    strategy.checkpoint_io.teardown()
+    assert cluster_environment is not None and accelerator is not None
+    cluster_environment.teardown()
+    precision_plugin.teardown()
+    accelerator.teardown()
+    checkpoint_io.teardown()
 
 
 _SYNC_BATCHNORM_DEVICES = ("cuda", "xpu", "hpu")
 
 
-def check_before_process_group(strategy) -> None:
+def check_before_process_group(trainer, device, stage: int, layer_sync) -> None:
     """Refuse, before any process group starts, what this strategy would otherwise run wrongly or crash on.
 
     - ``Trainer(sync_batchnorm=True)`` off GPU: torch's ``SyncBatchNorm`` raises inside its forward on CPU input
@@ -59,18 +59,15 @@ def check_before_process_group(strategy) -> None:
     from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
     from lightning.pytorch.trainer.states import TrainerFn
 
-    module = strategy.lightning_module
-    trainer = getattr(module, "_trainer", None) if module is not None else None
     if trainer is None or trainer.state.fn != TrainerFn.FITTING:  # both only act while fitting
         return
-    device = strategy.root_device
-    if isinstance(strategy._layer_sync, TorchSyncBatchNorm) and \
+    if isinstance(layer_sync, TorchSyncBatchNorm) and \
             device.type not in (*_SYNC_BATCHNORM_DEVICES, torch._C._get_privateuse1_backend_name()):
         raise ValueError(
             f"Trainer(sync_batchnorm=True) turns BatchNorm layers into torch.nn.SyncBatchNorm, which torch runs only "
             f"on {'/'.join(_SYNC_BATCHNORM_DEVICES)} devices, but this run computes on {device.type!r}. Train on a "
             "GPU, or remove sync_batchnorm=True (each rank then normalises with its own batch statistics).")
-    if strategy.stage >= 2:
+    if stage >= 2:
         for callback in trainer.callbacks:
             if isinstance(callback, (StochasticWeightAveraging, WeightAveraging)):
                 what = "it averages copies of the parameters"
@@ -79,27 +76,30 @@ def check_before_process_group(strategy) -> None:
             else:
                 continue
             raise ValueError(
-                f"The {type(callback).__name__} callback is not supported with ZeroStrategy(stage={strategy.stage}): "
+                f"The {type(callback).__name__} callback is not supported with ZeroStrategy(stage={stage}): "
                 f"{what}, which stages 2-3 shard across ranks. Remove the callback, or use stage 0 or 1.")
 
 
-def apply_layer_sync(strategy, fitting: bool) -> None:
-    """Apply Lightning's layer sync (``Trainer(sync_batchnorm=True)``) before the module is wrapped, as DDP does.
+def apply_layer_sync(layer_sync, model, fitting: bool):
+    """Apply Lightning's layer sync (``Trainer(sync_batchnorm=True)``) to ``model`` before it is wrapped, as DDP
+    does; returns the model to use.
 
     Only when fitting; a module that is already sharded (evaluation after ``fit``) keeps the layers it trained with.
     """
     from torch.distributed.fsdp import FSDPModule
 
-    if fitting and strategy._layer_sync is not None and not isinstance(strategy.model, FSDPModule):
-        strategy.model = strategy._layer_sync.apply(strategy.model)
+    if fitting and layer_sync is not None and not isinstance(model, FSDPModule):
+        return layer_sync.apply(model)
+    return model
 
 
-def revert_layer_sync(strategy, fitting: bool) -> None:
-    """Undo :func:`apply_layer_sync` at teardown, at stages 0-1 only.
+def revert_layer_sync(layer_sync, model, fitting: bool):
+    """Undo :func:`apply_layer_sync` at teardown, at stages 0-1 only; returns the model to use.
 
     At stages 2-3 the synchronised layers' parameters are FSDP2 shards bound to those very layer objects; swapping
     the layers back would detach the shards from FSDP2, so the module keeps them (in ``eval()`` a ``SyncBatchNorm``
     normalises exactly like a ``BatchNorm``, with its running statistics).
     """
-    if fitting and strategy._layer_sync is not None and not holds_sharded_parameters(strategy.lightning_module):
-        strategy.model = strategy._layer_sync.revert(strategy.model)
+    if fitting and layer_sync is not None and not holds_sharded_parameters(model):
+        return layer_sync.revert(model)
+    return model

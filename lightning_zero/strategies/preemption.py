@@ -68,8 +68,8 @@ def _signals(trainer) -> list[int]:
 class PreemptionCheckpoint(Callback):
     """Added by :func:`install` for one fit: records preemption signals, saves and exits at a step boundary."""
 
-    def __init__(self, strategy) -> None:
-        self.strategy = strategy
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
         self.received: int = 0
         self._previous: dict[int, Any] = {}
         self._group: Optional[dist.ProcessGroup] = None
@@ -88,7 +88,7 @@ class PreemptionCheckpoint(Callback):
 
         if threading.current_thread() is not threading.main_thread():
             return  # Lightning registers nothing off the main thread either
-        for signum in _signals(self.strategy.lightning_module.trainer):
+        for signum in _signals(self.trainer):
             self._previous[signum] = original_handlers.get(signum)
             signal.signal(signum, self.handle)
 
@@ -154,16 +154,14 @@ def preemption_checkpoint_path(trainer) -> Optional[str]:
     return None
 
 
-def install(strategy) -> None:
+def install(trainer) -> None:
     """For a fit: record preemption signals and checkpoint at the next step boundary (see the module notes)."""
     from lightning.pytorch.trainer.states import TrainerFn
 
-    module = strategy.lightning_module
-    trainer = getattr(module, "_trainer", None) if module is not None else None
     if trainer is None or trainer.state.fn != TrainerFn.FITTING:
         return
     trainer.callbacks[:] = [cb for cb in trainer.callbacks if not isinstance(cb, PreemptionCheckpoint)]
-    callback = PreemptionCheckpoint(strategy)
+    callback = PreemptionCheckpoint(trainer)
     trainer.callbacks.append(callback)
     connector = trainer._signal_connector
     register = connector.register_signal_handlers

@@ -1,9 +1,11 @@
-"""``ZeroStrategy``: the Lightning adapter over :mod:`lightning_zero.distributed`.
+"""``ZeroStrategy``: the Trainer's adapter over the ZeRO runtime (:mod:`lightning_zero.distributed.runtime`).
 
-All parallelism lives in plain functions (:func:`~lightning_zero.distributed.apply_zero.apply_zero`,
-:func:`~lightning_zero.distributed.optimizer.shard_optimizer`); this class only maps Lightning's hooks onto them:
-process-group set-up, wrapping the LightningModule, partitioning the optimizers, gradient-accumulation sync,
-clipping, and checkpoints.
+The ZeRO steps are the runtime's plain functions; this class calls them from Lightning's hooks, in order:
+``setup_environment`` starts the process group and builds the meshes, ``tensor_init_context`` records the model's
+build, ``setup`` wraps the module and shards the optimizers, ``block_backward_sync`` skips gradient reduction on
+accumulation micro-steps, ``teardown`` releases what the run attached. Everything else here is Lightning's
+contract: precision (:mod:`.trainer_precision`), checkpoints (:mod:`.trainer_checkpoints`), a ds_config's Trainer
+settings (:mod:`.ds_config_fit`), launch checks, preemption and automatic resume.
 """
 
 from __future__ import annotations
@@ -16,12 +18,7 @@ from typing import Any, Generator, Literal, Optional, Union
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
+from lightning.fabric.utilities.distributed import _distributed_is_initialized, _sync_ddp_if_available
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.ddp import _DDPForwardRedirection
@@ -31,40 +28,44 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_zero.checkpoint.io import wait_for_pending_saves
-from lightning_zero.checkpoint.save_guards import broadcast_object
-from lightning_zero.diagnostics.hang_guard import DEFAULT_HANG_TIMEOUT, HangGuard
-from lightning_zero.distributed import hybrid
-from lightning_zero.diagnostics.network import DEFAULT_RENDEZVOUS_TIMEOUT
-from lightning_zero.distributed.comm_buffers import comm_buffer_pool
-from lightning_zero.distributed.exact_init import InitConfig, broadcast_module_states, exact_init
-from lightning_zero.distributed.manual_backward import ManualBackward
-from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
-from lightning_zero.distributed.optimizer_check import check_optimizer_params
-from lightning_zero.distributed.process_group_exit import destroy_process_group_at_exit
-from lightning_zero.distributed.apply_zero import apply_zero, reshard_gathered, swap_parameters
-from lightning_zero.offload.param_swapper import detach_param_swapper
+from lightning_zero.adapters.launch_checks import check_before_process_group, check_external_launch, \
+    check_launcher_world_size
+from lightning_zero.adapters.process_group import start_process_group
 from lightning_zero.adapters.settings import SETTING_NAMES, STRATEGY_NAMES, resolve_settings
-from lightning_zero.checkpoint import states as checkpointing
-from lightning_zero.distributed import runtime as gradient_sync
-from lightning_zero.adapters import launch_checks as validation
+from lightning_zero.checkpoint.io import remove_sharded_checkpoint, wait_for_pending_saves
+from lightning_zero.checkpoint.save_guards import broadcast_object
+from lightning_zero.checkpoint.states import module_state_dict, optimizer_state_dict, save_states
+from lightning_zero.diagnostics.hang_guard import DEFAULT_HANG_TIMEOUT, HangGuard
+from lightning_zero.diagnostics.network import DEFAULT_RENDEZVOUS_TIMEOUT
+from lightning_zero.distributed import runtime
+from lightning_zero.distributed.apply_zero import swap_parameters
 from lightning_zero.distributed.ddp import ddp_kwargs_for, explain_unused_parameters
-from lightning_zero.ds_config.binding import DeepSpeedConfigBinding, effective_ds_config, precision_from_config
-from lightning_zero.pipeline.zero_pipeline import PipelineGradients, pipeline_mesh
-from lightning_zero.pipeline.zero_pipeline import setup_for_strategy as setup_pipeline_for_strategy
-from lightning_zero.adapters.precision_policy import low_precision_allreduce_hook
-from lightning_zero.strategies import auto_resume, lifecycle
-from lightning_zero.strategies.launcher import ZeroMultiProcessingLauncher
+from lightning_zero.distributed.manual_backward import ManualBackward
+from lightning_zero.ds_config.binding import DeepSpeedConfigBinding, config_reduce_bucket_size
+from lightning_zero.pipeline.zero_pipeline import setup_pipeline
+from lightning_zero.strategies import auto_resume, lifecycle, trainer_checkpoints
+from lightning_zero.strategies.ckpt_path_check import ValidatingLauncher, check_launch
 from lightning_zero.strategies.ds_config_fit import (
+    bind_at_setup,
+    check_config_against_trainer,
+    effective_config_of_fit,
     install_config_optimizers,
     scheduler_from_config,
     uninstall_config_optimizers,
 )
-from lightning_zero.strategies.trainer_precision import PrecisionFlag, ZeroPrecision, adapt_precision_plugin, guard_schedulers
 from lightning_zero.strategies.forward_redirection import RootForwardRedirection
+from lightning_zero.strategies.launcher import ZeroMultiProcessingLauncher
 from lightning_zero.strategies.optimizer_toggle import install_partition_aware_toggle, uninstall_partition_aware_toggle
+from lightning_zero.strategies.pipeline_gradients import PipelineGradients
+from lightning_zero.strategies.trainer_precision import (
+    PrecisionFlag,
+    ZeroPrecision,
+    adapt_precision_plugin,
+    guard_schedulers,
+)
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +130,7 @@ class ZeroStrategy(ParallelStrategy):
         hybrid_shard_size: HSDP: shard within groups of this many ranks, replicate across (:mod:`.hybrid`, opt-in).
         activation_checkpointing, cpu_checkpointing, activation_checkpointing_policy: recompute blocks' activations
             in backward, optionally keeping their inputs on CPU (``docs/activation_checkpointing.md``).
-        load_full_weights: ``ckpt_path`` must be one file, which may lack optimizer states (``full_loading.py``).
+        load_full_weights: ``ckpt_path`` must be one file, which may lack optimizer states (``trainer_checkpoints.py``).
         rendezvous_timeout: seconds a multi-node start waits for every node before naming the missing ones (300).
         unit_bytes, param_persistence_threshold, prefetch_bytes: stages 2-3: consecutive blocks share one FSDP2
             unit up to ``unit_bytes`` parameter bytes (``0``: a unit per block); units under
@@ -197,31 +198,26 @@ class ZeroStrategy(ParallelStrategy):
         prefetch_bytes: Optional[int] = None,
     ) -> None:
         # Validate everything before Lightning (or anyone) starts a process group; shared with the Fabric strategy.
-        settings = resolve_settings(**{name: value for name, value in locals().items() if name in SETTING_NAMES})
-        self._ds_config, self.zero_config, self._pipeline = settings.ds_config, settings.zero_config, settings.pipeline
+        self.settings = settings = resolve_settings(
+            **{name: value for name, value in locals().items() if name in SETTING_NAMES})
+        self.zero_config = settings.zero_config
         self.hang_guard = HangGuard(settings.hang_timeout)
-        self._loss_scale_config, self._fp16_loss_scale_config = (settings.loss_scale_config,
-                                                                 settings.fp16_loss_scale_config)
-        self._communication_data_type, self._ddp_options = settings.communication_data_type, settings.ddp_options
         self.exclude_frozen_parameters, self.verbose, self.auto_resume = (
             settings.exclude_frozen_parameters, settings.verbose, settings.auto_resume)
         self.activation_checkpoint_config, self.load_full_weights = (settings.activation_checkpoint_config,
                                                                      settings.load_full_weights)
-        self._rendezvous_timeout = settings.rendezvous_timeout
-        self._pp_mesh = None
-        self._runner = None
-        self._pipeline_grads = PipelineGradients()
+        self.async_save = settings.async_save
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, precision_plugin=precision_plugin)
         self._process_group_backend = settings.process_group_backend
-        self._timeout = settings.timeout
-        self._start_method = settings.start_method
-        self.async_save = settings.async_save
         self._num_nodes = 1
-        self._mesh = None
+        self.meshes: Optional[runtime.Meshes] = None  # once the process group exists
+        self._runner = None  # the pipeline's runner (pipeline_parallel_size > 1)
+        self._pipeline_grads = PipelineGradients()
         self._teardown_handles: list = []  # hooks setup added to the user's module, removed at teardown
         self._manual_backward: Optional[ManualBackward] = None
-        self._forward_redirection = _DDPForwardRedirection() if self.stage <= 1 else RootForwardRedirection(self)
+        self._forward_redirection = _DDPForwardRedirection() if self.stage <= 1 else RootForwardRedirection(
+            lambda: self._manual_backward is not None)
 
     # ------------------------------------------------------------------ properties Lightning reads
     @property
@@ -231,12 +227,13 @@ class ZeroStrategy(ParallelStrategy):
     @property
     def ds_config(self) -> Optional[DeepSpeedConfigBinding]:
         """The DeepSpeed config binding (``None`` without ``config=`` or ``PL_DEEPSPEED_CONFIG_PATH``)."""
-        return self._ds_config
+        return self.settings.ds_config
 
     @property
     def config(self) -> dict:
         """The effective DeepSpeed config as a read-only dict, as ``DeepSpeedStrategy.config``."""
-        return effective_ds_config(self)
+        return effective_config_of_fit(self.ds_config, self.zero_config, self.settings.communication_data_type,
+                                       self._precision_plugin, self._trainer())
 
     @property
     def root_device(self) -> torch.device:
@@ -262,9 +259,7 @@ class ZeroStrategy(ParallelStrategy):
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        if self._pipeline.enabled and self._mesh is not None:  # data-parallel replicas, not pipeline ranks
-            return {"num_replicas": self._mesh.size(), "rank": self._mesh.get_local_rank()}
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+        return runtime.sampler_kwargs(self.meshes, self.num_nodes * self.num_processes, self.global_rank)
 
     @property
     def process_group_backend(self) -> Optional[str]:
@@ -272,9 +267,9 @@ class ZeroStrategy(ParallelStrategy):
 
     @property
     def device_mesh(self):
-        if self._mesh is None:
+        if self.meshes is None:
             raise RuntimeError("The device mesh exists only after the process group was set up")
-        return self._mesh
+        return self.meshes.data_parallel
 
     @property
     def precision_plugin(self) -> Precision:
@@ -287,25 +282,23 @@ class ZeroStrategy(ParallelStrategy):
         self._precision_plugin = self._adapt(plugin) if plugin is not None else None
 
     def _adapt(self, plugin: Precision) -> Precision:
+        settings = self.settings
         fp16 = str(getattr(plugin, "precision", "")).startswith("16-")
-        scaling = self._fp16_loss_scale_config if fp16 else self._loss_scale_config
+        scaling = settings.fp16_loss_scale_config if fp16 else settings.loss_scale_config
         if isinstance(plugin, ZeroPrecision):
-            scaling = self._loss_scale_config
+            scaling = settings.loss_scale_config
         return adapt_precision_plugin(plugin, stage=self.stage, loss_scale_config=scaling,
-                                      communication_data_type=self._communication_data_type)
+                                      communication_data_type=settings.communication_data_type)
 
     def _bind_ds_config(self, trainer) -> None:
-        """Resolve the ds_config against the Trainer, adopt its precision, print it (see ds_config_binding)."""
-        binding = self._ds_config
-        if trainer.training:
-            # DeepSpeed's batch arithmetic counts data-parallel replicas: under a pipeline, the "dp" mesh
-            replicas = self._mesh.size() if self._mesh is not None else self.world_size
-            binding.resolve(trainer, data_parallel_size=replicas)
-        adopted = precision_from_config(binding.precision, self.precision_plugin.precision)
+        """Resolve the ds_config against the Trainer, adopt its precision, print it (see ds_config_fit)."""
+        # DeepSpeed's batch arithmetic counts data-parallel replicas: under a pipeline, the "dp" mesh
+        replicas = self.meshes.data_parallel.size() if self.meshes is not None else self.world_size
+        adopted = bind_at_setup(self.ds_config, trainer, self.precision_plugin.precision, replicas)
         if adopted is not None:
             self.precision_plugin = PrecisionFlag(adopted)  # adapted like Lightning's own choice would be
         if self.is_global_zero:
-            binding.print_table(verbose=self.verbose)
+            self.ds_config.print_table(verbose=self.verbose)
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -317,45 +310,60 @@ class ZeroStrategy(ParallelStrategy):
 
     def connect(self, model) -> None:
         super().connect(model)
-        if self._ds_config is not None and self._ds_config.translation.optimizer is not None:
-            install_config_optimizers(model, self._ds_config)
+        if self.ds_config is not None and self.ds_config.translation.optimizer is not None:
+            install_config_optimizers(model, self.ds_config)
 
     # ------------------------------------------------------------------ launch and process group
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        if self._start_method == "popen":
-            validation.check_launcher_world_size(self.cluster_environment, self.num_nodes, self.num_processes)
+        if self.settings.start_method == "popen":
+            check_launcher_world_size(self.cluster_environment, self.num_nodes, self.num_processes)
             if not self.cluster_environment.creates_processes_externally:
-                self._launcher = validation.check_launch(_SubprocessScriptLauncher(
+                self._launcher = check_launch(_SubprocessScriptLauncher(
                     self.cluster_environment, self.num_processes, self.num_nodes))
-            else:  # ckpt_path is still checked before the process group (see validation.ValidatingLauncher)
-                self._launcher = validation.ValidatingLauncher()
+            else:  # ckpt_path is still checked before the process group (see ckpt_path_check.ValidatingLauncher)
+                self._launcher = ValidatingLauncher()
         else:
-            self._launcher = ZeroMultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = ZeroMultiProcessingLauncher(self, start_method=self.settings.start_method)
 
     def setup_environment(self) -> None:
-        validation.validate_before_process_group(self)  # on every rank, before init_process_group
-        lifecycle.check_before_process_group(self)  # sync_batchnorm off GPU, SWA at stages 2-3
+        self._check_before_process_group()  # on every rank, before init_process_group
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
-        self._process_group_backend = self._process_group_backend or \
-            _get_default_process_group_backend_for_device(self.root_device)
         assert self.cluster_environment is not None
-        device_id = self.root_device if self.root_device.type == "cuda" else None
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
-                              device_id=device_id, **validation.process_group_store(self))
-        destroy_process_group_at_exit()  # see distributed/process_group_exit.py
-        if self._pipeline.enabled:
-            mesh, self._pp_mesh, self._mesh = pipeline_mesh(self.root_device.type, self.world_size, self._pipeline)
-        else:  # 1-D, or 2-D ("replicate", "shard") with hybrid_shard_size
-            mesh = self._mesh = hybrid.data_parallel_mesh(self.root_device.type, self.world_size,
-                                                          self.zero_config.hybrid_shard_size)
+        self._process_group_backend = start_process_group(
+            self.cluster_environment, self._process_group_backend, self.root_device, timeout=self.settings.timeout,
+            rendezvous_timeout=self.settings.rendezvous_timeout, num_nodes=self.num_nodes, node_rank=self.node_rank,
+            global_rank=self.global_rank, world_size=self.world_size)
+        self.meshes = runtime.build_meshes(
+            self.root_device.type, self.world_size,
+            pipeline_parallel_size=self.settings.pipeline.pipeline_parallel_size,
+            hybrid_shard_size=self.zero_config.hybrid_shard_size)
         if self.lightning_module is not None:
-            self.lightning_module._device_mesh = mesh
+            self.lightning_module._device_mesh = self.meshes.world
         self.hang_guard.start(self.global_rank, self.world_size)
         if self.auto_resume:
-            auto_resume.install_auto_resume(self)
+            auto_resume.install_auto_resume(self._trainer(), self.auto_resume, self.broadcast)
+
+    def _check_before_process_group(self) -> None:
+        """Everything checkable on each rank before ``init_process_group``: the launch and the settings against the
+        devices (shared with Fabric), then the Trainer's own (``sync_batchnorm`` off GPU, callbacks stages 2-3 cannot
+        run, the ds_config's precision, clipping, accumulation and batch arithmetic against the Trainer's flags)."""
+        check_external_launch(self.cluster_environment, self.num_nodes, self.num_processes,
+                              self.settings.start_method)
+        data_parallel = check_before_process_group(
+            num_nodes=self.num_nodes, num_processes=self.num_processes, node_rank=self.node_rank,
+            device=self.root_device, backend=self.process_group_backend, zero_config=self.zero_config,
+            pipeline=self.settings.pipeline)
+        trainer = self._trainer()
+        if self.ds_config is not None and trainer is not None:
+            check_config_against_trainer(self.ds_config, trainer, self.precision_plugin.precision, data_parallel)
+        lifecycle.check_before_process_group(trainer, self.root_device, self.stage, self._layer_sync)
+
+    def _trainer(self):
+        module = self.lightning_module
+        return getattr(module, "_trainer", None) if module is not None else None
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -367,77 +375,76 @@ class ZeroStrategy(ParallelStrategy):
     @contextmanager
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
         """``configure_model`` and ``Trainer.init_module`` run the model's own init (``empty_init`` never skips it),
-        recorded at stages 2-3 and replayed per unit by ``setup``, which shards rank 0's values. See ``exact_init``."""
-        deferred = self.stage >= 2 and not self._pipeline.enabled  # see lightning_zero.distributed.deferred_init
-        with exact_init(InitConfig.from_env(max(1, self.num_processes), deferred), empty_init), \
+        recorded at stages 2-3 and replayed per unit by ``setup`` (:func:`runtime.init_context`)."""
+        with runtime.init_context(self.zero_config, pipelined=self.settings.pipeline.enabled,
+                                  local_world_size=self.num_processes, empty_init=empty_init), \
                 self.precision_plugin.tensor_init_context():
             yield
 
     def setup(self, trainer) -> None:
-        from torch.distributed.fsdp import FSDPModule
-
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
-        checkpointing.check_checkpoint_callbacks(self, trainer)
-        if self._ds_config is not None:
+        trainer_checkpoints.check_checkpoint_callbacks(self.async_save, trainer.checkpoint_callbacks)
+        if self.ds_config is not None:
             self._bind_ds_config(trainer)
         self.precision_plugin.device_type = self.root_device.type
         fitting = trainer.state.fn == TrainerFn.FITTING
-        lifecycle.apply_layer_sync(self, fitting)  # Trainer(sync_batchnorm=True), before any wrapping
+        self.model = lifecycle.apply_layer_sync(self._layer_sync, self.model, fitting)  # before any wrapping
         self.precision_plugin.convert_module(self.model)
-        if self._pipeline.enabled:
-            self._runner = setup_pipeline_for_strategy(self, trainer)
-        elif self.stage >= 2:
-            if not isinstance(self.model, FSDPModule):  # evaluation after fit reuses the sharded module
-                apply_zero(self.model, self._mesh, self.zero_config, device=self.root_device,
-                           mp_policy=self.precision_plugin.fsdp_mp_policy(),
-                           activation_checkpointing=self.activation_checkpoint_config)
-            else:  # the last teardown stopped NVMe parameter swapping
-                swap_parameters(self.model, self.zero_config, self.root_device)
-            if fitting and not self.lightning_module.automatic_optimization:
-                self._manual_backward = ManualBackward(self.model)
-                self._teardown_handles.append(self._manual_backward)
-        elif fitting:
-            self.model = apply_zero(self.model, self._mesh, self.zero_config, device=self.root_device,
-                                    ddp_kwargs=ddp_kwargs_for(self._ddp_options, self._ds_config, self.model),
-                                    activation_checkpointing=self.activation_checkpoint_config)
-            reduce_dtype = self.precision_plugin.ddp_reduce_dtype()
-            if reduce_dtype is not None:
-                self.model.register_comm_hook(self.model.process_group, low_precision_allreduce_hook(reduce_dtype))
-        else:
-            self.model.to(self.root_device)  # evaluation without DDP: every rank starts from rank 0's weights
-            broadcast_module_states(self.model, hybrid.data_parallel_group(self._mesh), self.root_device)
+        self._wrap_model(trainer, fitting)
         self.barrier()
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
 
+    def _wrap_model(self, trainer, fitting: bool) -> None:
+        """Step 3 of the runtime for the LightningModule: its pipeline, FSDP2 units or DDP wrapper."""
+        precision, meshes = self.precision_plugin, self.meshes
+        if self.settings.pipeline.enabled:
+            self._runner = setup_pipeline(
+                self.lightning_module, self.settings.pipeline, meshes.pipeline, meshes.data_parallel, self.stage,
+                self.root_device, precision, self.activation_checkpoint_config, trainer.accumulate_grad_batches)
+        elif self.stage >= 2 and isinstance(self.model, FSDPModule):
+            swap_parameters(self.model, self.zero_config, self.root_device)  # evaluation after fit: resume swapping
+        elif self.stage >= 2 or fitting:
+            ddp_kwargs = ddp_kwargs_for(self.settings.ddp_options, self.model,
+                                        config_reduce_bucket_size(self.ds_config)) if self.stage <= 1 else None
+            self.model = runtime.wrap_module(
+                self.model, meshes.data_parallel, self.zero_config, device=self.root_device,
+                mp_policy=precision.fsdp_mp_policy() if self.stage >= 2 else None,
+                reduce_dtype=precision.ddp_reduce_dtype(), ddp_kwargs=ddp_kwargs,
+                activation_checkpointing=self.activation_checkpoint_config)
+        else:  # evaluation at stages 0-1: no DDP, every rank starts from rank 0's weights
+            runtime.replicate_for_evaluation(self.model, meshes.data_parallel, self.root_device)
+        if self.stage >= 2 and fitting and self._runner is None and not self.lightning_module.automatic_optimization:
+            self._manual_backward = ManualBackward(self.model)
+            self._teardown_handles.append(self._manual_backward)
+
     def setup_optimizers(self, trainer) -> None:
         self._reset_optimizers_and_schedulers()
         super().setup_optimizers(trainer)
-        binding = self._ds_config
+        binding = self.ds_config
         if binding is not None and binding.translation.optimizer is None and binding.translation.scheduler:
             self.lr_scheduler_configs = scheduler_from_config(binding.translation, trainer, self.optimizers,
                                                               self.lr_scheduler_configs)
-        group = hybrid.shard_group(self._mesh) if self._mesh is not None else None  # stage 1: its partition
+        mesh = self.meshes.data_parallel if self.meshes is not None else None
         for index, optimizer in enumerate(self.optimizers):
-            if get_sharding(optimizer) is None:
-                if self.stage >= 2 and not self._pipeline.enabled:  # see distributed/optimizer_check.py
-                    check_optimizer_params(getattr(optimizer, "_optimizer", optimizer), self.lightning_module, index)
-                shard_optimizer(optimizer, self.zero_config, group=group, device=self.root_device)
-        install_partition_aware_toggle(self.lightning_module)  # see toggle.py's note
+            runtime.shard_optimizer_of(getattr(optimizer, "_optimizer", optimizer), self.lightning_module, mesh,
+                                       self.zero_config, device=self.root_device,
+                                       pipelined=self.settings.pipeline.enabled, index=index)
+        install_partition_aware_toggle(self.lightning_module)  # see optimizer_toggle.py's note
         guard_schedulers(self.lr_scheduler_configs, self.precision_plugin)
 
     def model_to_device(self) -> None:
         assert self.model is not None
-        if self.stage <= 1 and not self._pipeline.enabled:  # a pipeline moves only its stages (at setup)
+        if self.stage <= 1 and not self.settings.pipeline.enabled:  # a pipeline moves only its stages (at setup)
             self.model.to(self.root_device)
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
         """No gradient communication on the micro-steps of gradient accumulation."""
         assert self.model is not None
-        with gradient_sync.blocked(self.model, self._runner):
+        with runtime.no_gradient_sync(self.model, self._runner):
             yield
 
     def backward(self, closure_loss: Tensor, optimizer, *args: Any, **kwargs: Any) -> Tensor:
@@ -445,8 +452,8 @@ class ZeroStrategy(ParallelStrategy):
         if self._runner is None:  # manual_backward runs inside training_step's forward: see manual_backward's note
             with self._manual_backward.backward(closure_loss) if self._manual_backward else nullcontext():
                 return super().backward(closure_loss, optimizer, *args, **kwargs)
-        # The schedule already ran backward inside training_step (see pipeline_binding's PipelineGradients):
-        # restore its gradients and run the hooks.
+        # The schedule already ran backward inside training_step (see pipeline_gradients.py): restore its gradients
+        # and run the hooks.
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
         self._pipeline_grads.restore()
         return self.precision_plugin.post_backward(closure_loss, self.lightning_module)
@@ -459,9 +466,9 @@ class ZeroStrategy(ParallelStrategy):
                 self.model.reducer.prepare_for_backward(list(_find_tensors(closure_loss)))
 
     def _redirect(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Route a step through the root module's ``__call__`` so its DDP/FSDP2 hooks run (see zero.py's note)."""
+        """Route a step through the root module's ``__call__`` so its DDP/FSDP2 hooks run (see apply_zero's note)."""
         assert self.lightning_module is not None
-        if self.model is self.lightning_module and (self.stage <= 1 or self._pipeline.enabled):
+        if self.model is self.lightning_module and (self.stage <= 1 or self.settings.pipeline.enabled):
             return getattr(self.lightning_module, method)(*args, **kwargs)
         return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
 
@@ -515,21 +522,29 @@ class ZeroStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ checkpoints
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return checkpointing.module_state_dict(self.lightning_module)
+        return module_state_dict(self.lightning_module)
 
     def optimizer_state(self, optimizer) -> dict[str, Any]:
-        return checkpointing.optimizer_state_dict(self.lightning_module, getattr(optimizer, "_optimizer", optimizer))
+        return optimizer_state_dict(self.lightning_module, getattr(optimizer, "_optimizer", optimizer))
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
             raise TypeError("ZeroStrategy.save_checkpoint does not take storage_options: it writes with "
                             "torch.distributed.checkpoint")
         with self.hang_guard.phase("save"):
-            checkpointing.save(self, checkpoint, self.broadcast(str(filepath)))
+            save_states(checkpoint, self.broadcast(str(filepath)), module=self.lightning_module,
+                        optimizers=self.optimizers, stage=self.stage, offload=self.zero_config.offload,
+                        exclude_frozen_parameters=self.exclude_frozen_parameters,
+                        ds_config_report=self.ds_config.report() if self.ds_config is not None else None,
+                        async_save=self.async_save)
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
         with self.hang_guard.phase("load"):
-            return checkpointing.load(self, self.broadcast(str(checkpoint_path)))
+            module = self.lightning_module
+            return trainer_checkpoints.load(
+                self.broadcast(str(checkpoint_path)), module,
+                trainer_checkpoints.optimizers_to_restore(self._trainer(), self.optimizers),
+                load_full_weights=self.load_full_weights, exclude_frozen_parameters=self.exclude_frozen_parameters)
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
         pass  # load_checkpoint already loaded the (sharded) weights in place
@@ -539,7 +554,7 @@ class ZeroStrategy(ParallelStrategy):
 
     def remove_checkpoint(self, filepath) -> None:
         if self.is_global_zero:
-            checkpointing.remove(filepath)
+            remove_sharded_checkpoint(filepath)
 
     def on_exception(self, exception: BaseException) -> None:
         explain_unused_parameters(exception, self.stage)
@@ -552,25 +567,21 @@ class ZeroStrategy(ParallelStrategy):
         if lightning_module is not None:
             uninstall_config_optimizers(lightning_module)
             uninstall_partition_aware_toggle(lightning_module)
-            if (pool := comm_buffer_pool(lightning_module)) is not None:
-                pool.clear()  # the CPU communication buffers go with the run; refilled if the module trains again
         for handle in self._teardown_handles:
             handle.remove()
         self._teardown_handles.clear()
         self._manual_backward = None
         if isinstance(self.model, DistributedDataParallel):
             self.model = lightning_module
-        if lightning_module is not None and lightning_module._trainer is not None:
-            lifecycle.revert_layer_sync(self, lightning_module._trainer.state.fn == TrainerFn.FITTING)
-        for optimizer in self.optimizers:
-            sharding = get_sharding(optimizer)
-            if sharding is not None:
-                sharding.remove()
-        if lightning_module is not None:
-            reshard_gathered(lightning_module)  # an evaluation's last forward leaves units gathered (see it)
-            detach_param_swapper(lightning_module)  # NVMe parameter swap files go with the run (docs/offload.md)
+        trainer = self._trainer()
+        if trainer is not None:
+            self.model = lifecycle.revert_layer_sync(self._layer_sync, self.model,
+                                                     trainer.state.fn == TrainerFn.FITTING)
+        runtime.release([lightning_module] if lightning_module is not None else [], self.optimizers)
         if lifecycle.holds_sharded_parameters(lightning_module):
-            lifecycle.teardown_in_place(self)  # never .cpu() a sharded module: see teardown_in_place
+            # never .cpu() a sharded module: see teardown_in_place
+            lifecycle.teardown_in_place(self.cluster_environment, self.precision_plugin, self.accelerator,
+                                        self.checkpoint_io)
         else:
             super().teardown()
 
@@ -579,4 +590,3 @@ class ZeroStrategy(ParallelStrategy):
         for name, kwargs in STRATEGY_NAMES.items():  # shared with the Fabric strategy
             if name not in strategy_registry:
                 strategy_registry.register(name, cls, **kwargs)
-

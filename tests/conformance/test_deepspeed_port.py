@@ -528,7 +528,7 @@ def test_custom_precision_params_reach_the_scaler(tmp_path):
     strategy = ZeroStrategy(initial_scale_power=11, loss_scale_window=12, hysteresis=13, min_loss_scale=14)
     Trainer(strategy=strategy, accelerator="cpu", devices=1, precision="16-true", logger=False,
             default_root_dir=tmp_path)
-    config = strategy._fp16_loss_scale_config
+    config = strategy.settings.fp16_loss_scale_config
     assert (config.initial_scale_power, config.loss_scale_window, config.hysteresis, config.min_loss_scale) == \
         (11, 12, 13, 14)
     assert strategy.precision_plugin.loss_scale == 2.0 ** 11

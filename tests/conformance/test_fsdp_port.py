@@ -48,7 +48,7 @@ def test_device_mesh_before_setup_raises():
 
 # ---------------------------------------------------------------------------------------------- 2 ranks
 def _mesh_and_timeout_worker(rank, world_size):
-    import lightning_zero.strategies.trainer_strategy as zero_module
+    import lightning_zero.adapters.process_group as zero_module
 
     seen = {}
     real = zero_module._init_dist_connection

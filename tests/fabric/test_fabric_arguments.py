@@ -66,10 +66,10 @@ def test_both_adapters_block_gradient_sync_through_one_helper(monkeypatch):
     # the module's and the pipeline runner's reductions off inside and back on after, also through an exception.
     from types import SimpleNamespace
 
-    from lightning_zero.distributed import runtime as gradient_sync
+    from lightning_zero.distributed import runtime
 
     calls = []
-    monkeypatch.setattr(gradient_sync, "set_gradient_sync", lambda module, enabled: calls.append((module, enabled)))
+    monkeypatch.setattr(runtime, "set_gradient_sync", lambda module, enabled: calls.append((module, enabled)))
     module, runner = nn.Linear(2, 2), SimpleNamespace(sync_grads=True)
     trainer_strategy = TrainerZeroStrategy(stage=2)
     trainer_strategy.model, trainer_strategy._runner = module, runner

@@ -180,7 +180,7 @@ def test_save_states_and_load_states_take_explicit_arguments_no_strategy(tmp_pat
                   "optimizer_states": [checkpointing.optimizer_state_dict(module, optimizer)], "step": 1}
     path = str(tmp_path / "states.ckpt")
     checkpointing.save_states(checkpoint, path, module=module, optimizers=[optimizer], stage=0, offload=None,
-                              exclude_frozen_parameters=True, ds_config=None, async_save=False)
+                              exclude_frozen_parameters=True, ds_config_report=None, async_save=False)
     info = read_checkpoint_info(path)
     assert info["stage"] == 0 and info["optimizers"] == [checkpointing.optimizer_type(optimizer)]
     stored = read_dcp_metadata(path).state_dict_metadata

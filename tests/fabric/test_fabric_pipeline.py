@@ -79,7 +79,7 @@ def _parity_worker(rank, world_size, stage, path):
     x, y = _batches(dp)
     expected, losses = _reference(dp)
     _train(fabric, model, optimizer, x, y, range(STEPS), dp, dp_rank, losses)
-    got = _gather_full_state(pipeline, strategy._pp_mesh.get_group())
+    got = _gather_full_state(pipeline, strategy.meshes.pipeline.get_group())
     assert set(got) == set(expected)
     worst = max((got[k] - expected[k]).abs().max().item() for k in expected)
     assert worst <= 1e-5, f"stage {stage} world {world_size}: max abs diff {worst:.2e} from the unsplit reference"

@@ -12,10 +12,10 @@ def form_group_as_an_attempt(rank, world_size, port, attempt, delay, result_dir)
     """One rank of one torchrun "attempt" on an agent store that outlives attempts (as torchrun's does)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True",
                       TORCHELASTIC_RESTART_COUNT=str(attempt))
-    from lightning_zero.adapters.restarts import process_group_store
+    from lightning_zero.adapters.process_group import attempt_store
 
     time.sleep(delay)  # a rank slow to start, as on a loaded machine
-    kwargs = process_group_store(timedelta(seconds=30))  # without it: env://, a client of the agent store
+    kwargs = attempt_store(timedelta(seconds=30))  # without it: env://, a client of the agent store
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=30), **kwargs)
         total = torch.ones(1)

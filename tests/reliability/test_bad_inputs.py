@@ -38,7 +38,7 @@ def no_process_group(monkeypatch):
     def reached(*args, **kwargs):
         raise AssertionError("init_process_group was reached: the bad input was not refused before it")
 
-    monkeypatch.setattr("lightning_zero.strategies.trainer_strategy._init_dist_connection", reached)
+    monkeypatch.setattr("lightning_zero.adapters.process_group._init_dist_connection", reached)
     for name in ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "LOCAL_WORLD_SIZE", "RANK", "GROUP_RANK"):
         monkeypatch.delenv(name, raising=False)
     yield
@@ -173,8 +173,8 @@ def test_bad_config_content(config, message):
 def test_good_inputs_next_to_the_bad_ones_are_honoured(tmp_path):
     """No false alarms: seconds become a timedelta, a UTF-8 BOM and hjson-style files load, per-group scheduler
     lists and "auto" optimizer values pass the constructor's dry build."""
-    assert ZeroStrategy(timeout=30)._timeout == timedelta(seconds=30)
-    assert ZeroStrategy(timeout=timedelta(minutes=5))._timeout == timedelta(minutes=5)
+    assert ZeroStrategy(timeout=30).settings.timeout == timedelta(seconds=30)
+    assert ZeroStrategy(timeout=timedelta(minutes=5)).settings.timeout == timedelta(minutes=5)
     assert ZeroStrategy(process_group_backend="gloo").process_group_backend == "gloo"
     bom = tmp_path / "bom.json"
     bom.write_bytes(b"\xef\xbb\xbf" + b'{"zero_optimization": {"stage": 3}}')

@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 import torch.distributed as dist
 from lightning_zero import ZeroStrategy
 from lightning_zero.checkpoint.directory import INFO_FILE
-from lightning_zero.adapters.restarts import newest_complete_checkpoint, restart_count
+from lightning_zero.strategies.auto_resume import newest_complete_checkpoint, restart_count
 from tests.distributed import free_port, job_output, run_distributed
 from tests.lightning_models import RegressionModule, full_state
 from tests.reliability.restart_worker import form_group_as_an_attempt

@@ -1,0 +1,68 @@
+"""Starting the process group, one code path for both adapters: the rendezvous store, torch's init through
+Lightning's, and the clean-up registered for exit. What must be refused before it is in :mod:`.launch_checks`.
+
+[Note: why a restarted torchrun attempt failed to form its gloo group]
+Under ``torchrun`` the workers' ``env://`` rendezvous uses the *agent's* TCPStore (``TORCHELASTIC_USE_AGENT_STORE``),
+and a restarted attempt gets the same ``MASTER_ADDR:MASTER_PORT`` and the same store server, with the previous
+attempt's keys still in it (torch's rendezvous assumes a new store per attempt; the c10d rendezvous backend keeps
+one). ``init_process_group`` writes its keys under the same names every attempt, so a rank of attempt 2 that starts
+before its peers reads the *old* attempt's gloo addresses and connects to ports nobody listens on any more:
+"Connection refused" after gloo's few retries, or a hang when a stale barrier count looks complete. A rank that is
+slow to start (imports on a loaded machine) makes it likely. :func:`attempt_store` gives each attempt its own
+namespace, ``lightning_zero/attempt_<TORCHELASTIC_RESTART_COUNT>/``, on a client of the same server. Plain DDP
+(``init_process_group("gloo")`` with ``env://``) has the same failure; it is torch's to fix there.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
+
+from lightning_zero.diagnostics.network import checked_store, startup_check
+from lightning_zero.distributed.process_group_exit import destroy_process_group_at_exit
+
+
+def attempt_store(timeout: Optional[timedelta]) -> dict[str, Any]:
+    """``init_process_group`` keyword arguments: under torchrun's agent store, a store namespace of this attempt
+    (see the note); ``{}`` elsewhere."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or dist.is_initialized():
+        return {}
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                           timeout=timeout or timedelta(minutes=30))
+    return {"store": dist.PrefixStore(f"lightning_zero/attempt_{attempt}/", client)}
+
+
+def process_group_store(cluster_environment: Any, *, timeout: Optional[timedelta], rendezvous_timeout: float,
+                        num_nodes: int, node_rank: int, global_rank: int, world_size: int) -> dict[str, Any]:
+    """``init_process_group`` keyword arguments: torchrun's agent store for this attempt (:func:`attempt_store`),
+    else on more than one node a store every rank checks in to first, so that rank 0 names the node ranks that never
+    arrive within ``rendezvous_timeout`` seconds (``network.checked_store``); one node keeps torch's ``env://``."""
+    kwargs = attempt_store(timeout)
+    if kwargs or num_nodes == 1 or dist.is_initialized():
+        return kwargs
+    identity = startup_check(os.environ, num_nodes, node_rank).identity
+    store = checked_store(cluster_environment.main_address, cluster_environment.main_port, global_rank, world_size,
+                          node_rank, num_nodes, timeout or timedelta(minutes=30), rendezvous_timeout, identity)
+    return {"store": store}
+
+
+def start_process_group(cluster_environment: Any, backend: Optional[str], device: torch.device, *,
+                        timeout: Optional[timedelta], rendezvous_timeout: float, num_nodes: int, node_rank: int,
+                        global_rank: int, world_size: int) -> str:
+    """Initialise the default process group (``backend``, or the device's default) through Lightning's
+    ``_init_dist_connection`` with :func:`process_group_store`'s store, and register its destruction at a clean exit
+    (:mod:`lightning_zero.distributed.process_group_exit`). Returns the backend used."""
+    backend = backend or _get_default_process_group_backend_for_device(device)
+    store = process_group_store(cluster_environment, timeout=timeout, rendezvous_timeout=rendezvous_timeout,
+                                num_nodes=num_nodes, node_rank=node_rank, global_rank=global_rank,
+                                world_size=world_size)
+    _init_dist_connection(cluster_environment, backend, timeout=timeout,
+                          device_id=device if device.type == "cuda" else None, **store)
+    destroy_process_group_at_exit()
+    return backend

@@ -1,0 +1,74 @@
+"""``ckpt_path`` checked before any rank starts: the launchers of ``ZeroStrategy`` (the Trainer's) refuse a path it
+cannot load before the processes exist, instead of after every rank set up the model."""
+
+from __future__ import annotations
+
+import inspect
+import os
+from typing import Any
+
+from lightning_zero.checkpoint.atomic import local_path
+from lightning_zero.checkpoint.errors import CheckpointError
+from lightning_zero.checkpoint.full_file import describe_full_checkpoint_file
+from lightning_zero.checkpoint.directory import checkpoint_directory, is_sharded_checkpoint
+
+
+# ``ckpt_path`` values Lightning resolves itself (from callbacks, a SLURM/HPC save, a model registry) after launch.
+_SYMBOLIC_CKPT_PATHS = ("last", "best", "hpc", "registry")
+
+
+def check_ckpt_path(function: Any, args: tuple, kwargs: dict) -> None:
+    """Refuse a ``ckpt_path`` given to ``fit/validate/test/predict`` that ZeroStrategy cannot load, before any rank
+    starts: a URL, a file that is no checkpoint (neither a torch.save file nor safetensors), a path inside a sharded
+    checkpoint, an incomplete directory. A single checkpoint file is loaded (``checkpoint/load_full.py``).
+    Lightning passes it to the launched function only (its signature is read, not assumed); symbolic names are
+    resolved later."""
+    try:
+        bound = inspect.signature(function).bind_partial(*args, **kwargs)
+    except (TypeError, ValueError):
+        return
+    path = bound.arguments.get("ckpt_path")
+    if path is None or not isinstance(path, (str, os.PathLike)):
+        return
+    text = os.fspath(path)
+    if text in _SYMBOLIC_CKPT_PATHS or text.startswith("registry:"):
+        return
+    local = local_path(text)  # refuses remote URLs, naming them
+    parent = os.path.dirname(local.rstrip(os.sep))
+    if os.path.isfile(local) and is_sharded_checkpoint(parent):
+        raise ValueError(f"ckpt_path={text!r} is a file inside the sharded checkpoint {parent}: pass the directory, "
+                         f"ckpt_path={parent!r}")
+    if os.path.isfile(local):
+        problem = describe_full_checkpoint_file(local)
+        if problem:
+            raise CheckpointError(problem, local)
+        return
+    if os.path.exists(local) or os.path.exists(os.path.join(os.path.dirname(local), f".{os.path.basename(local)}.old")):
+        checkpoint_directory(local)  # a CheckpointError naming what is wrong (a single file, an incomplete directory)
+
+
+class ValidatingLauncher:
+    """The launcher ZeroStrategy uses where processes are started externally (torchrun, SLURM, ...), where Lightning
+    has none: it only runs :func:`check_ckpt_path` before the Trainer function, as :func:`check_launch` adds to
+    Lightning's own launchers."""
+
+    is_interactive_compatible = True
+
+    def launch(self, function, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        check_ckpt_path(function, args, kwargs)
+        return function(*args, **kwargs)
+
+    def kill(self, signum: Any) -> None:
+        pass  # the external launcher owns the processes
+
+
+def check_launch(launcher: Any) -> Any:
+    """``launcher`` (one of Lightning's), with ``ckpt_path`` checked before it starts any process."""
+    launch = launcher.launch
+
+    def checked_launch(function, *args: Any, **kwargs: Any) -> Any:
+        check_ckpt_path(function, args, {k: v for k, v in kwargs.items() if k != "trainer"})
+        return launch(function, *args, **kwargs)
+
+    launcher.launch = checked_launch  # on the instance: Lightning's isinstance checks still see its class
+    return launcher
