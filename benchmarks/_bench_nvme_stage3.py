@@ -45,17 +45,20 @@ def rank_main(args) -> None:
     cap = int(args.cap_gib * GIB)
     resource.setrlimit(resource.RLIMIT_DATA, (cap, cap))
     rank = int(os.environ["RANK"])
-    say = (lambda text: print(f"  [rank {rank}] {text}", flush=True))
+
+    def say(text):
+        print(f"  [rank {rank}] {text}", flush=True)
+
     steps_done, begin, outcome = 0, time.perf_counter(), "ok"
     try:
         import torch.distributed as dist
         from torch import nn
         from torch.distributed.device_mesh import init_device_mesh
 
+        from lightning_zero.distributed.apply_zero import apply_zero
         from lightning_zero.distributed.config import ZeroConfig
         from lightning_zero.distributed.exact_init import InitConfig, exact_init
         from lightning_zero.distributed.optimizer import shard_optimizer
-        from lightning_zero.distributed.apply_zero import apply_zero
         from lightning_zero.offload.nvme_config import NvmeConfig
         from lightning_zero.offload.optimizer_swapper import detach_swapper, get_swapper
         from lightning_zero.offload.param_swapper import detach_param_step, detach_param_swapper, get_param_swapper
@@ -84,7 +87,8 @@ def rank_main(args) -> None:
             config = ZeroConfig(stage=3, offload="cpu", unit_bytes=0)
         if rank == 0:
             say(f"model: {blocks} residual blocks of Linear({width}, {width}) fp32 = {numel / 1e6:.0f}M parameters; "
-                f"fp32 model states (4+4+8 bytes/param) {16 * numel / GIB:.2f} GiB, per rank {16 * numel / world / GIB:.2f}"
+                f"fp32 model states (4+4+8 bytes/param) {16 * numel / GIB:.2f} GiB, "
+                 f"per rank {16 * numel / world / GIB:.2f}"
                 f" GiB = {16 * numel / world / cap:.1f}x the cap of {args.cap_gib:.2f} GiB")
         torch.manual_seed(0)
         with exact_init(InitConfig(host_memory_budget=0, deferred=True)):
@@ -167,9 +171,9 @@ def same_model_as_deepspeed(args) -> None:
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
 
+    from lightning_zero.distributed.apply_zero import apply_zero
     from lightning_zero.distributed.config import ZeroConfig
     from lightning_zero.distributed.optimizer import shard_optimizer
-    from lightning_zero.distributed.apply_zero import apply_zero
     from lightning_zero.offload.nvme_config import NvmeConfig
     from lightning_zero.offload.optimizer_swapper import detach_swapper, get_swapper
     from lightning_zero.offload.param_swapper import detach_param_step, detach_param_swapper, get_param_swapper

@@ -22,10 +22,9 @@ import statistics
 import tempfile
 import time
 
+import _bench_models as models
 import torch
 import torch.multiprocessing as mp
-
-import _bench_models as models
 
 # bf16t: ZeroStrategy's "bf16-true", whose stages 2-3 compute every op in bf16 over fp32 sharded masters: the numerics
 # of DeepSpeed's bf16 engine (bf16.enabled), which both bf16 columns run on the DeepSpeed side.
@@ -240,7 +239,9 @@ def run_minimal(rank, world, args, job, out):
     batches, so the sums agree across ranks and stages (``tests/test_bench_stages.py``)."""
     import torch.distributed as dist
 
-    from lightning_zero.distributed.comm_buffers import _all_gather_flat  # torch's, under its name in this torch version
+    from lightning_zero.distributed.comm_buffers import (
+        _all_gather_flat,  # torch's, under its name in this torch version
+    )
 
     name, stage = job["model"], int(job["kind"].partition(":")[2])
     if stage not in (0, 1, 2):

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -60,7 +59,8 @@ def _state(model, optimizer):
 
     tensors = {"state_dict": model.state_dict(),
                "optimizer_states": {"0": {"state": optimizer_state_dict(model, optimizer)["state"]}}}
-    return tensors, {"global_step": 1, "optimizer_param_groups": [optimizer_state_dict(model, optimizer)["param_groups"]]}
+    groups = optimizer_state_dict(model, optimizer)["param_groups"]
+    return tensors, {"global_step": 1, "optimizer_param_groups": [groups]}
 
 
 def _worker(rank, args, path, out):
@@ -174,7 +174,8 @@ def main(argv=None):
         else:
             print(f"| {label} | {seconds:.1f} | {peak / 2**30:.2f} | {peak / 2**30 / weights:.2f} |")
     if not ours[2] and not lightning[2]:
-        print(f"\nratios (Lightning / ours): time {lightning[0] / ours[0]:.2f}, peak memory {lightning[1] / ours[1]:.2f}")
+        print(f"\nratios (Lightning / ours): time {lightning[0] / ours[0]:.2f}, "
+              f"peak memory {lightning[1] / ours[1]:.2f}")
 
 
 if __name__ == "__main__":

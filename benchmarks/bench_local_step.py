@@ -5,8 +5,10 @@
 
 Each run trains ``bench_stages.py``'s model (``_bench_models``: same shapes, batches and loss) with the Trainer and
 ``ZeroStrategy`` on 2 CPU ranks (fork, gloo, 1 thread each), AdamW, and reports the slowest rank's median step time
-over ``--steps`` steps after ``--warmup``, and the CPU time per step (``time.process_time``, all threads, summed over the
-ranks): on a loaded machine the CPU time is the steadier figure, since time spent descheduled is not counted. Arms: ``local`` (the default: Adam/AdamW/SGD step the DTensor shards'
+over ``--steps`` steps after ``--warmup``, and the CPU time per step (``time.process_time``, all threads, summed over
+the
+ranks): on a loaded machine the CPU time is the steadier figure, since time spent descheduled is not counted. Arms:
+``local`` (the default: Adam/AdamW/SGD step the DTensor shards'
 local tensors, ``lightning_zero.distributed.local_step``) and ``dtensor`` (torch's DTensor path, as before that
 change), alternated within each repeat so a shared machine's drift hits both; the ratio local/dtensor is taken per
 repeat and printed as median [min-max]. Stage 1 holds no DTensors: both arms are the same code there (a control).

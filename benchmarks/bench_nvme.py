@@ -67,9 +67,9 @@ import tempfile
 import threading
 import time
 
+import _bench_nvme_stage3
 import torch
 
-import _bench_nvme_stage3
 from lightning_zero.offload.aio import AioSettings, AsyncFileIO, aligned_buffer
 from lightning_zero.offload.nvme_config import NvmeConfig
 from lightning_zero.offload.optimizer_swapper import attach_swapper, detach_swapper
@@ -391,7 +391,8 @@ def main() -> None:
         nvme = NvmeConfig(args.nvme_path, sub_group_size=int(args.sub_group_size), buffer_count=4, aio=aio)
         swapped = step_bandwidth(params, args.steps, nvme, fused=fused)
         read, write = _median(swapped["read"]), _median(swapped["write"])
-        print(f"swapped AdamW{'(fused=True)' if fused else ''} step: {int(args.params) * 8 >> 20} MiB of states, sub-groups of "
+        print(f"swapped AdamW{'(fused=True)' if fused else ''} step: {int(args.params) * 8 >> 20} MiB of states, "
+              "sub-groups of "
               f"{int(args.sub_group_size):.3g} elements, peak {swapped['peak_buffers']} buffers of "
               f"{swapped['peak_buffer_bytes'] >> 20} MiB, {swapped['bytes'] >> 20} MiB moved per step")
         io_only = step_bandwidth(params, args.steps, nvme, io_only=True)
@@ -401,7 +402,8 @@ def main() -> None:
         print(f"| | raw (best) GB/s | swap during the step GB/s | ratio |\n|---|---|---|---|\n"
               f"| read | {raw[1]:.2f} | {read:.2f} | {read / raw[1]:.0%} |\n"
               f"| write | {raw[0]:.2f} | {write:.2f} | {write / raw[0]:.0%} |\n"
-              f"| read+write (they overlap: one disk; raw: best of one after the other and at once) | {mixed:.2f} | {both:.2f} | {both / mixed:.0%} |")
+              "| read+write (they overlap: one disk; raw: best of one after the other and at once) "
+              f"| {mixed:.2f} | {both:.2f} | {both / mixed:.0%} |")
         io_read, io_write, io_both = (_median(io_only[k]) for k in ("read", "write", "any"))
         print(f"same swapped step, I/O only (the pipeline's reads and writes, no Adam compute): read {io_read:.2f} "
               f"({io_read / raw[1]:.0%} of raw), write {io_write:.2f} ({io_write / raw[0]:.0%}), read+write "

@@ -6,7 +6,8 @@ GPU (when CUDA is present): ``FusedAdam`` and ``FusedLamb`` vs torch AdamW fused
 The floor: an elementwise optimizer step cannot be faster than moving its bytes once. Adam reads p, g, m, v and writes
 p, m, v (28 bytes per fp32 parameter; +2 for CPUAdam's bf16 copy; LAMB reads p, m, v again in its second pass: +12).
 Bandwidth is measured here with a large ``tensor.copy_`` and an in-place ``mul_`` (bytes read + written / time,
-the faster of the two). Tensors are large (default 32M params, 128 MB each) so that caches do not flatter the ratio. Reported: params/s and
+the faster of the two). Tensors are large (default 32M params, 128 MB each) so that caches do not flatter the ratio.
+Reported: params/s and
 ``floor fraction`` = floor time / measured time (1.0 = at the floor; >1 means the kernel streams better than copy_).
 
 Usage: ``python benchmarks/bench_optimizers.py [--numel 32000000] [--repeats 10] [--threads N]`` (default < 1 min).
@@ -56,8 +57,8 @@ def make_optimizer_step(factory, numel: int, device: str, low_precision: bool = 
 
 def report(title: str, rows: list[tuple[str, float, float]], numel: int) -> None:
     print(f"\n{title}")
-    print(f"| optimizer | bytes/param | params/s | floor fraction |")
-    print(f"|---|---|---|---|")
+    print("| optimizer | bytes/param | params/s | floor fraction |")
+    print("|---|---|---|---|")
     for name, bytes_per_param, seconds, bandwidth in rows:
         floor = numel * bytes_per_param / bandwidth
         print(f"| {name} | {bytes_per_param} | {numel / seconds:.3e} | {floor / seconds:.2f} |")

@@ -4,7 +4,8 @@ Every layer is a fixed-duration "compute" (``time.sleep`` in forward and in back
 depend on how many cores the machine has): each pipeline rank spends ``t = m * 2 * (t_fwd + t_bwd)`` per step on
 its two layers, whatever the schedule; ``t`` is measured in the same run without a pipeline (so sleep overshoot and
 autograd overhead count as work). The step time ``T`` is measured on rank 0 (median of several steps after warm-up)
-and ``bubble = 1 - t / T``: it includes the schedule's idle time and its own overhead (p2p, Python). Theory: ``(p - 1) / (m + p - 1)`` for GPipe and 1F1B, ``(p - 1) / (v * m + p - 1)`` for
+and ``bubble = 1 - t / T``: it includes the schedule's idle time and its own overhead (p2p, Python). Theory: ``(p - 1)
+/ (m + p - 1)`` for GPipe and 1F1B, ``(p - 1) / (v * m + p - 1)`` for
 interleaved 1F1B with ``v`` stages per rank; zero-bubble schedules aim at 0 when forward, input-backward and
 weight-backward take equal time. Here the sleep in backward is not split between input and weight gradients (torch
 re-runs one autograd node for each), so zero-bubble rows are an upper bound of what a real model would see.

@@ -11,7 +11,8 @@ Cells are model (``gpt``: examples/gpt.py's GPT; ``mlp``: flat Linear+GELU; ``ll
 see ``_bench_models.py``) x precision (``fp32``: ``precision="32-true"``; ``bf16``: ``"bf16-mixed"``; opt-in ``bf16t``:
 ``"bf16-true"``; DeepSpeed runs ``bf16.enabled`` for both bf16 columns, whose all-bf16 forward over fp32 masters is
 what our ``bf16-true`` computes at stages 2-3) x ZeRO configuration (stage 0-3, ``2+cpu``/``3+cpu`` offload). Each
-cell runs ZeroStrategy and its peers: DeepSpeed at the same stage/precision/offload, Lightning's DDPStrategy for stage 0 and Lightning's
+cell runs ZeroStrategy and its peers: DeepSpeed at the same stage/precision/offload, Lightning's DDPStrategy for stage
+0 and Lightning's
 ModelParallelStrategy (FSDP2, the blocks sharded by hand, bf16 compute copies under bf16) for stages 2 and 3, and,
 opt-in, the compute floor (``--peers floor``: the same computation with no collectives and no framework, see
 ``_bench_workers.run_floor``): ``floor / peer`` is the lowest step-time ratio to that peer any implementation can

@@ -60,9 +60,9 @@ def _mlp(width: int = 1024, depth: int = 24) -> nn.Module:
 def _model(rank: int, world: int, stage: int, targets: list, repeat: int, width: int, batch: int,
            out: dict) -> None:
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
 
     from lightning_zero import ZeroConfig, apply_zero
-    from torch.distributed.fsdp import FSDPModule
 
     mesh = init_device_mesh("cpu", (world,))
     runs = {}
@@ -83,7 +83,7 @@ def _model(rank: int, world: int, stage: int, targets: list, repeat: int, width:
         return real(*args, **kwargs)
 
     for step in range(repeat + 1):  # round-robin: every target sees the same load
-        for target, run in runs.items():
+        for _target, run in runs.items():
             dist.barrier()
             counter["n"] = 0
             buffers._all_gather_flat = counting
@@ -136,7 +136,6 @@ def main() -> None:
     args = parser.parse_args()
     if args.part == "collective":
         rows = launch(_collective, args.repeat)["rows"]
-        n = len(rows)
         # The minimum of the repeats is the least disturbed by other load on a shared machine. A least-squares
         # line is dominated by the largest messages and by load spikes, so: the fixed cost is the median time of
         # the messages up to 64 KiB (all latency), the per-byte cost the median of t/s from 1 MiB up.

@@ -122,7 +122,10 @@ class GPTModule(LightningModule):
                                        {"params": no_decay, "weight_decay": 0.0}], lr=self.hparams.lr)
         total = self.trainer.estimated_stepping_batches
         warmup = max(1, total // 10)
-        schedule = lambda step: min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(step, total) / total))
+
+        def schedule(step):  # linear warm-up, then cosine decay to 0
+            return min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(step, total) / total))
+
         return {"optimizer": optimizer,
                 "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
                                  "interval": "step"}}

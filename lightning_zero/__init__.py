@@ -8,25 +8,25 @@ and optimizer states swapped to NVMe; needs ``nvme_path``) with Lightning's Trai
 
 from lightning_zero.callbacks import ConsolidateCheckpoint, NCCLDiagnostics, ThroughputLogger
 from lightning_zero.checkpoint import export_hf
-from lightning_zero.distributed.config import ZeroConfig
 from lightning_zero.distributed.activation_checkpointing import (
     ActivationCheckpointConfig,
     apply_activation_checkpointing,
 )
+from lightning_zero.distributed.apply_zero import apply_zero
 from lightning_zero.distributed.comm_buffers import CommBufferPool, comm_buffer_pool
+from lightning_zero.distributed.config import ZeroConfig
+from lightning_zero.distributed.module_classes import find_repeated_blocks
 from lightning_zero.estimate.activations import TransformerShape, activation_bytes, saved_activation_bytes
 from lightning_zero.estimate.model_states import (
+    FullEstimate,
     MemoryEstimate,
     MemoryReport,
     StateBytes,
-    FullEstimate,
     estimate_memory,
     estimate_model_states_memory,
     model_state_memory,
     zero_formula,
 )
-from lightning_zero.distributed.apply_zero import apply_zero
-from lightning_zero.distributed.module_classes import find_repeated_blocks
 from lightning_zero.pipeline import LayerSpec, PipelineModule, TiedLayerSpec, build_pipeline
 from lightning_zero.strategies import LossScaleConfig, ZeroPrecision, ZeroStrategy
 

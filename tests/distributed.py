@@ -54,7 +54,8 @@ def job_output(result, head: int = 6000, tail: int = 3000) -> str:
     for every process the tests start), the end holds the launcher's summary."""
     err = result.stderr or ""
     shown = err if len(err) <= head + tail else err[:head] + "\n[...]\n" + err[-tail:]
-    return f"exit code {result.returncode}\n--- stdout (end) ---\n{(result.stdout or '')[-2000:]}\n--- stderr ---\n{shown}"
+    stdout = (result.stdout or "")[-2000:]
+    return f"exit code {result.returncode}\n--- stdout (end) ---\n{stdout}\n--- stderr ---\n{shown}"
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, env: dict | None = None) -> None:

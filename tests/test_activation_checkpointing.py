@@ -16,8 +16,8 @@ from lightning_zero.distributed.activation_checkpointing import (
     select_blocks,
 )
 from tests.distributed import run_distributed
-from tests.lightning_models import Block as LightningBlock, quiet_trainer
-from tests.lightning_models import ManualModule, RegressionModule, full_state, reference_weights
+from tests.lightning_models import Block as LightningBlock
+from tests.lightning_models import ManualModule, RegressionModule, full_state, quiet_trainer, reference_weights
 
 WIDTH = 32
 
@@ -366,8 +366,8 @@ def test_checkpoint_saved_with_checkpointing_resumes_without_and_back(tmp_path):
 # ---------------------------------------------------------------------------------------- the pipeline
 def _pipeline_worker(rank, world_size, schedule, recomputes):
     from tests.test_pipeline_parity import SeededLinear
-    from tests.test_strategy_pipeline import PipelinedLM, _gather_full_state, reference
     from tests.test_strategy_pipeline import STEPS as PIPE_STEPS
+    from tests.test_strategy_pipeline import PipelinedLM, _gather_full_state, reference
 
     calls = [0]
     original = SeededLinear.forward

@@ -11,8 +11,13 @@ import torch
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
-from lightning_zero import (TransformerShape, activation_bytes, estimate_memory, model_state_memory,
-                            saved_activation_bytes)
+from lightning_zero import (
+    TransformerShape,
+    activation_bytes,
+    estimate_memory,
+    model_state_memory,
+    saved_activation_bytes,
+)
 from lightning_zero.estimate.activations import layer_activation_bytes
 from tests.distributed import run_distributed
 
@@ -133,9 +138,9 @@ CKPT_SEQ, CKPT_BATCH, CKPT_STEPS = 128, 8, 2  # activations dominate the states,
 
 
 def _checkpointing_worker(rank, world_size):
+    from gpt import GPTModule
     from lightning.pytorch import Trainer
 
-    from gpt import GPTModule
     from lightning_zero import ZeroStrategy
     from lightning_zero.cli.advise_measure import measuring_callback
 

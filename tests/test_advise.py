@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from lightning_zero.cli import main
 from lightning_zero.cli import ladder as ladder_mod
+from lightning_zero.cli import main
 from lightning_zero.cli.ladder import Machine, Rung, ds_config, ladder, predict, predicted_winner
 from lightning_zero.estimate.activations import TransformerShape
 
@@ -91,7 +91,7 @@ def test_ds_config_refuses_a_precision_it_cannot_express():
 
 def _predicted(args, tmp_path):
     """CPU memory that holds stage 0 on 2 ranks only without headroom: data parallelism does not fit."""
-    from lightning_zero.cli.advise_model import instantiate, infer_shape, read_config
+    from lightning_zero.cli.advise_model import infer_shape, instantiate, read_config
 
     spec = read_config(args[1], args[3], args[5])
     module = instantiate(spec)

@@ -165,7 +165,7 @@ def test_models_build_with_the_issue_shapes(deepspeed_listed):
 
 
 def test_llama_is_skipped_with_a_message_without_transformers(monkeypatch):
-    bench = _bench()
+    _bench()  # puts benchmarks/ on sys.path
     import _bench_models as models
 
     real = importlib.util.find_spec

@@ -10,7 +10,6 @@ import textwrap
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from lightning_zero.callbacks.consolidate import ConsolidateCheckpoint
@@ -164,7 +163,8 @@ def test_streaming_peak_memory_is_bounded_by_the_largest_tensor(tmp_path):
     bound = 4 * largest + 16 * 2**20
     for output, dtype in (("out.ckpt", "fp32"), ("out.safetensors", "bf16")):
         result = subprocess.run(
-            [sys.executable, "-c", MEMORY_SCRIPT, str(path), str(tmp_path / output), dtype, str(tmp_path / "small.ckpt")],
+            [sys.executable, "-c", MEMORY_SCRIPT, str(path), str(tmp_path / output), dtype,
+             str(tmp_path / "small.ckpt")],
             capture_output=True, text=True, check=True,
             # Fixed mmap threshold: big buffers go back to the OS when freed, so the peak measures what we hold,
             # not what glibc's adaptive threshold decided to keep cached.

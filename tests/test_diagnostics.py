@@ -20,8 +20,15 @@ from lightning_zero.callbacks.diagnostics import DiagnosticsSettings, NCCLDiagno
 from lightning_zero.cli import main as cli_main
 from lightning_zero.diagnostics.env_audit import audit_environment, audit_text, infiniband_devices, nccl_warnings
 from lightning_zero.diagnostics.probes import (
-    COLLECTIVES, ProbeResult, algorithm_bandwidth, all_gather_json, bus_bandwidth, bus_bandwidth_factor, parse_size,
-    probe_collectives, slow_outliers,
+    COLLECTIVES,
+    ProbeResult,
+    algorithm_bandwidth,
+    all_gather_json,
+    bus_bandwidth,
+    bus_bandwidth_factor,
+    parse_size,
+    probe_collectives,
+    slow_outliers,
 )
 from lightning_zero.diagnostics.watchdog import HANG_EXIT_CODE, HangWatchdog, enable_flight_recorder
 from tests.distributed import run_distributed

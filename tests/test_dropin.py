@@ -16,8 +16,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero import ZeroStrategy
-from lightning_zero.ds_config import DeepSpeedConfigError, DeepSpeedConfigWarning, translate_ds_config
 from lightning_zero.distributed.ddp import DDPOptions
+from lightning_zero.ds_config import DeepSpeedConfigError, DeepSpeedConfigWarning, translate_ds_config
 from tests.distributed import run_distributed
 from tests.lightning_models import RegressionModule, full_state, quiet_trainer
 

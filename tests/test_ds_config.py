@@ -19,9 +19,9 @@ from lightning_zero.ds_config import (
     resolve_auto,
     resolve_batch_sizes,
     save_effective_config,
+    schema,
     translate_ds_config,
 )
-from lightning_zero.ds_config import schema
 
 # ---------------------------------------------------------------------------------------------------------------
 # Configs shown in ../shared/seeds (fixed into valid JSON where the seed text had missing commas or "...").
@@ -402,7 +402,8 @@ def test_auto_batch_sizes_from_dataloader_and_trainer():
     assert resolved["train_micro_batch_size_per_gpu"] == 4
     with pytest.raises(DeepSpeedConfigError, match=r"train_batch_size \(8\).*\(8\) x .*\(1\) x .*\(2\) = 16"):
         resolve_auto(SEED_GETTING_STARTED, AutoContext(world_size=2, micro_batch_size=8))
-    with pytest.raises(DeepSpeedConfigError, match="train_micro_batch_size_per_gpu=4 .* DataLoader's batch_size \\(8\\)"):
+    with pytest.raises(DeepSpeedConfigError,
+                       match="train_micro_batch_size_per_gpu=4 .* DataLoader's batch_size \\(8\\)"):
         resolve_auto(SEED_DSCHAT_TRAIN, AutoContext(world_size=4, micro_batch_size=8))
     with pytest.raises(DeepSpeedConfigError, match="gradient_accumulation_steps.*accumulate_grad_batches"):
         resolve_auto({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": "auto"},

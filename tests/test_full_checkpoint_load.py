@@ -61,7 +61,7 @@ def _reference(path, steps=2, frozen=None):
     if frozen:
         getattr(model, frozen).requires_grad_(False)
     opt = _optimizer(model)
-    for step in range(steps):
+    for _ in range(steps):
         model(torch.randn(8, 4)).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()

@@ -8,10 +8,10 @@ from lightning.pytorch import Callback
 from torch import nn
 
 from lightning_zero import ZeroStrategy
+from lightning_zero.distributed.apply_zero import apply_zero, set_gradient_sync
 from lightning_zero.distributed.config import ZeroConfig
 from lightning_zero.distributed.local_step import is_local_step, restore_step
 from lightning_zero.distributed.optimizer import shard_optimizer
-from lightning_zero.distributed.apply_zero import apply_zero, set_gradient_sync
 from tests.distributed import run_distributed
 from tests.lightning_models import RegressionModule, dataset, full_state, make_optimizer_and_scheduler, quiet_trainer
 

@@ -6,7 +6,6 @@ import types
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from lightning_zero.ops.loss_scaler import DynamicLossScaler, LossScaleAtMinimumError, StaticLossScaler, has_overflow
 from tests.distributed import run_distributed

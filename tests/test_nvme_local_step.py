@@ -5,11 +5,11 @@ the default AdamW and for AdamW(fused=True) (torch's one-pass CPU kernel, run pe
 
 import torch
 
-from lightning_zero.distributed.config import ZeroConfig
 from lightning_zero.distributed import optimizer as optimizer_module
+from lightning_zero.distributed.apply_zero import apply_zero
+from lightning_zero.distributed.config import ZeroConfig
 from lightning_zero.distributed.local_step import is_local_step
 from lightning_zero.distributed.optimizer import shard_optimizer
-from lightning_zero.distributed.apply_zero import apply_zero
 from lightning_zero.offload.nvme_config import NvmeConfig
 from lightning_zero.offload.optimizer_swapper import get_swapper
 from tests.distributed import run_distributed

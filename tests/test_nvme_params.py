@@ -263,9 +263,9 @@ class _Wide(torch.nn.Module):
 def cpu_and_nvme_models(mesh, nvme):
     """The same ``_Wide`` (seed 0) at stage 3, one unit per block, with CPU offload and with NVMe parameter swapping;
     AdamW over each. Returns ``({"cpu": model, "nvme": model}, {"cpu": optimizer, "nvme": optimizer})``."""
+    from lightning_zero.distributed.apply_zero import apply_zero
     from lightning_zero.distributed.config import ZeroConfig
     from lightning_zero.distributed.optimizer import shard_optimizer
-    from lightning_zero.distributed.apply_zero import apply_zero
 
     models, optimizers = {}, {}
     for label, config in (("cpu", ZeroConfig(stage=3, offload="cpu", unit_bytes=0)),
@@ -292,8 +292,8 @@ def _core_worker(rank, world_size, root):
 
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_zero.distributed.config import ZeroConfig
     from lightning_zero.distributed.apply_zero import apply_zero
+    from lightning_zero.distributed.config import ZeroConfig
     from lightning_zero.offload.aio import SwapIOError
     from lightning_zero.offload.nvme_config import NvmeConfig
     from lightning_zero.offload.param_swapper import detach_param_swapper
@@ -418,9 +418,9 @@ def _disk_full_worker(rank, world_size, root):
 
     from torch.distributed.device_mesh import init_device_mesh
 
+    from lightning_zero.distributed.apply_zero import apply_zero
     from lightning_zero.distributed.config import ZeroConfig
     from lightning_zero.distributed.optimizer import shard_optimizer
-    from lightning_zero.distributed.apply_zero import apply_zero
     from lightning_zero.offload import aio as aio_module
     from lightning_zero.offload.aio import SwapIOError
     from lightning_zero.offload.nvme_config import NvmeConfig

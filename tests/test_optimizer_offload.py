@@ -14,9 +14,9 @@ from lightning.pytorch import Trainer
 from torch import nn
 
 from lightning_zero import ZeroConfig, ZeroStrategy, apply_zero
-from lightning_zero.estimate.model_states import estimate_model_states_memory
-from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
 from lightning_zero.distributed.apply_zero import set_gradient_sync
+from lightning_zero.distributed.optimizer import shard_optimizer
+from lightning_zero.estimate.model_states import estimate_model_states_memory
 from lightning_zero.ops import CPUAdam
 from tests.distributed import run_distributed
 from tests.test_zero_parity import LOCAL_BATCH, STEPS, TinyNet, data, make_optimizer, train_reference
@@ -237,8 +237,7 @@ def _ckpt_save_worker(rank, world_size, path, stage, offload):
 
 def _ckpt_resume_worker(rank, world_size, path, stage, offload):
     from tests.lightning_models import RegressionModule
-    from tests.test_strategy_checkpoint import BATCH
-    from tests.test_strategy_checkpoint import STEPS_PER_EPOCH, _reference
+    from tests.test_strategy_checkpoint import BATCH, STEPS_PER_EPOCH, _reference
 
     torch.manual_seed(123)  # every weight and state must come from the checkpoint
     module = RegressionModule(batch_size=BATCH)

@@ -102,7 +102,8 @@ def test_adam_family_matches_float64_reference(cls, adam_w_mode, bias_correction
 def test_cpu_adam_writes_low_precision_copies_and_rejects_bad_ones():
     params, grads = make_case(seed=11, steps=3)
     live = [p.clone().requires_grad_() for p in params]
-    copies = [torch.empty(params[0].shape, dtype=torch.bfloat16), None, torch.empty(params[2].shape, dtype=torch.float16)]
+    copies = [torch.empty(params[0].shape, dtype=torch.bfloat16), None,
+              torch.empty(params[2].shape, dtype=torch.float16)]
     opt = CPUAdam(live, lr=1e-2)
     for step_grads in grads:
         for p, g in zip(live, step_grads):
@@ -206,8 +207,9 @@ def _triton_interpret_check():
 def test_lamb_triton_kernel_under_interpreter_matches_reference():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    result = subprocess.run([sys.executable, "-c", "from tests.test_optimizers import _triton_interpret_check as f; f()"],
-                            cwd=root, env=env, capture_output=True, text=True, timeout=240)
+    script = "from tests.test_optimizers import _triton_interpret_check as f; f()"
+    result = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True,
+                            timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
 
 

@@ -47,7 +47,8 @@ def _fit_counting(stage, precision, world_size, accumulate=ACCUMULATE, module_cl
     counter = CountOps(accumulate)
     # unit_bytes=0: one FSDP unit per block, so the counts below are per block (distributed/units.py)
     trainer = quiet_trainer(ZeroStrategy(stage=stage, unit_bytes=0, **knobs), world_size,
-                            max_steps=WARM_STEPS + COUNTED_STEPS, accumulate_grad_batches=accumulate, precision=precision, callbacks=[counter])
+                            max_steps=WARM_STEPS + COUNTED_STEPS, accumulate_grad_batches=accumulate,
+                            precision=precision, callbacks=[counter])
     trainer.fit(module)
     return module, counter.counts["c10d::_allgather_base_"] / COUNTED_STEPS
 
@@ -103,8 +104,8 @@ def test_nested_root_call_in_training_step_does_not_regather_the_root():
 
 
 def _fabric_accumulation_worker(rank, world_size):
-    from tests.fabric.test_fabric_parity import fabric_train, make_fabric
     from lightning_zero.fabric import ZeroStrategy as FabricZeroStrategy
+    from tests.fabric.test_fabric_parity import fabric_train, make_fabric
 
     gathers = {}
     for accumulate in (1, ACCUMULATE):

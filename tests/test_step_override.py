@@ -177,9 +177,10 @@ def test_detaching_the_parameter_step_keeps_a_later_schedulers_wrapper():
 
 
 def _local_step_worker(rank, world_size):
-    import lightning_zero.distributed.local_step as local_step
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
+
+    import lightning_zero.distributed.local_step as local_step
 
     mesh = init_device_mesh("cpu", (world_size,))
     swaps = []

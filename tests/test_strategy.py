@@ -1,6 +1,5 @@
 """ZeroStrategy inside a real Trainer, on gloo ranks started by the test harness (as torchrun would start them)."""
 
-import os
 
 import pytest
 import torch
@@ -96,8 +95,8 @@ class _RecordBatches(Callback):
 
 
 def _sampler_and_metrics_worker(rank, world_size):
-    import torchmetrics
     import torch.distributed as dist
+    import torchmetrics
 
     strategy = ZeroStrategy(stage=2)
     recorder = _RecordBatches()

@@ -161,10 +161,12 @@ def test_explicit_arguments_override_the_config(tmp_path):
                                                       "offload_optimizer": {"device": "cpu"}},
                                 "communication_data_type": "bf16"}))
     strategy = ZeroStrategy(config=str(path))
-    assert (strategy.stage, strategy.zero_config.offload, strategy.settings.communication_data_type) == (3, "cpu", "bf16")
+    settings = strategy.settings
+    assert (strategy.stage, strategy.zero_config.offload, settings.communication_data_type) == (3, "cpu", "bf16")
     with pytest.warns(UserWarning, match="offload_param has no effect at stage 2"):  # as DeepSpeed ignores it
         strategy = ZeroStrategy(config=str(path), stage=2, communication_data_type="fp32")
-    assert (strategy.stage, strategy.zero_config.offload, strategy.settings.communication_data_type) == (2, "cpu", "fp32")
+    settings = strategy.settings
+    assert (strategy.stage, strategy.zero_config.offload, settings.communication_data_type) == (2, "cpu", "fp32")
     assert strategy.zero_config.offload_params == "none"
 
 

@@ -10,7 +10,6 @@ from lightning.pytorch import LightningModule
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero import ZeroStrategy
-from lightning_zero.pipeline import PipelineModule
 from tests.distributed import run_distributed
 from tests.lightning_models import quiet_trainer
 from tests.test_pipeline_parity import VOCAB, full_state, make_model
@@ -109,7 +108,7 @@ def _parity_worker(rank, world_size, cases):
         assert worst <= 1e-5, f"{label}: max abs diff {worst:.2e} from the unsplit reference"
         # the tied embedding and head stayed equal: one key, the same values on both end stages
         runner = module.model.runner
-        for key, owner, attrs, group, src in runner.tied_groups:
+        for _key, owner, _attrs, group, _src in runner.tied_groups:
             weight = full_state(owner)["weight"]
             copies = [torch.zeros_like(weight) for _ in range(2)]
             torch.distributed.all_gather(copies, weight.contiguous(), group=group)

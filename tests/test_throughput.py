@@ -13,7 +13,12 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero.callbacks.throughput import (
-    RankInterval, ThroughputLogger, ThroughputSettings, default_batch_size, default_token_count, peak_memory_bytes,
+    RankInterval,
+    ThroughputLogger,
+    ThroughputSettings,
+    default_batch_size,
+    default_token_count,
+    peak_memory_bytes,
     summarize,
 )
 from lightning_zero.diagnostics.timing import CollectiveTimer, collective_timer
@@ -186,7 +191,8 @@ def _throughput_worker(rank, world_size, tmp_dir):
         assert len(logged) == 3
         for row, rep in zip(logged, reports):
             assert float(row["throughput/samples_per_sec"]) == pytest.approx(rep.samples_per_sec)
-            assert float(row["throughput/mfu"]) == pytest.approx(float(row["throughput/tflops_per_device"]) * 1e12 / 1e9)
+            tflops = float(row["throughput/tflops_per_device"])
+            assert float(row["throughput/mfu"]) == pytest.approx(tflops * 1e12 / 1e9)
             assert float(row["throughput/straggler_rank"]) == 1
             for key in ("tokens_per_sec", "step_time_median", "forward_time", "backward_time", "optimizer_time",
                         "collective_time", "peak_memory_gb_max", "step_time_max"):

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from lightning_zero import ZeroConfig, apply_zero
-from lightning_zero.distributed.units import DEFAULT_UNIT_BYTES, plan_units
-from lightning_zero.distributed.apply_zero import set_gradient_sync, sharded_units, unit_groups
 from lightning_zero.adapters.settings import resolve_settings
+from lightning_zero.distributed.apply_zero import set_gradient_sync, sharded_units, unit_groups
+from lightning_zero.distributed.units import DEFAULT_UNIT_BYTES, plan_units
 from tests.distributed import run_distributed
 
 WIDTH = 16
@@ -213,7 +213,8 @@ def _reference(kind, world_size, accumulate):
     x, y = _data(kind, world_size, accumulate)
     per_step = accumulate * world_size * LOCAL_BATCH
     for step in range(STEPS):
-        _loss(kind, model(x[step * per_step:(step + 1) * per_step]), y[step * per_step:(step + 1) * per_step]).backward()
+        batch = slice(step * per_step, (step + 1) * per_step)
+        _loss(kind, model(x[batch]), y[batch]).backward()
         opt.step()
         opt.zero_grad()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -317,8 +318,8 @@ def _checkpoint_across_groupings(rank, world_size, mesh, path):
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     expected = _full(_train(rank, world_size, mesh, "gpt", 3, dict(unit_bytes=0), 1)[0])
-    model, opt = _train(rank, world_size, mesh, "gpt", 3, dict(unit_bytes=10 ** 9,
-                                                                param_persistence_threshold=BLOCK_NUMEL + 1), 1, steps=range(2))
+    knobs = dict(unit_bytes=10 ** 9, param_persistence_threshold=BLOCK_NUMEL + 1)
+    model, opt = _train(rank, world_size, mesh, "gpt", 3, knobs, 1, steps=range(2))
     model_sd, opt_sd = get_state_dict(model, opt)
     dcp.save({"model": model_sd, "optim": opt_sd}, checkpoint_id=path)
     for knobs in (dict(unit_bytes=0), dict(unit_bytes=2 * BLOCK_BYTES, prefetch_bytes=1)):
@@ -360,7 +361,8 @@ def test_grouped_units_parity_collectives_and_checkpoints_across_groupings(tmp_p
     run_distributed(_worker, 2, str(tmp_path / "ckpt"))
 
 
-# ------------------------------------------------------------------ Trainer: save with one grouping, resume with another
+# ------------------------------------------------------------------ Trainer: save with one grouping, resume with
+# another
 
 def _trainer_resume_worker(rank, world_size, root):
     import os

@@ -11,9 +11,9 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from lightning_zero import ZeroConfig, apply_zero, model_state_memory, zero_formula
-from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
 from lightning_zero.distributed.apply_zero import set_gradient_sync, sharded_units
 from lightning_zero.distributed.module_classes import find_repeated_blocks
+from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
 from tests.distributed import run_distributed
 
 WIDTH = 32

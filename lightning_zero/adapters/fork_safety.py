@@ -41,7 +41,8 @@ def freeze_inherited(start_method: str) -> None:
 
 
 class FabricMultiProcessingLauncher(_MultiProcessingLauncher):
-    """Fabric's ``_MultiProcessingLauncher``, safe for ``fork`` (see the note); a subclass, so ``spawn`` can pickle it."""
+    """Fabric's ``_MultiProcessingLauncher``, safe for ``fork`` (see the note); a subclass, so ``spawn`` can pickle
+    it."""
 
     def launch(self, function, *args: Any, **kwargs: Any) -> Any:
         collect_before_fork(self._start_method)

@@ -23,11 +23,17 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_zero.diagnostics.env_audit import EnvAudit, audit_environment, audit_text
+from lightning_zero.diagnostics.hang_guard import HangGuard, active_watchdog
 from lightning_zero.diagnostics.network import startup_check
 from lightning_zero.diagnostics.probes import (
-    COLLECTIVES, ProbeResult, all_gather_json, probe_collectives, probe_table, rich_console, slow_outliers,
+    COLLECTIVES,
+    ProbeResult,
+    all_gather_json,
+    probe_collectives,
+    probe_table,
+    rich_console,
+    slow_outliers,
 )
-from lightning_zero.diagnostics.hang_guard import HangGuard, active_watchdog
 from lightning_zero.diagnostics.watchdog import HangWatchdog, enable_flight_recorder
 
 
@@ -159,7 +165,8 @@ class NCCLDiagnostics(Callback):
     # ----- watchdog -----
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Start the watchdog, or adopt the one already running (``ZeroStrategy`` starts one by default): one
-        mechanism, one thread; this callback's ``hang_timeout``, poll interval, grace and ``dump_dir`` then apply to it."""
+        mechanism, one thread; this callback's ``hang_timeout``, poll interval, grace and ``dump_dir`` then apply to
+        it."""
         if self.settings.hang_timeout is None:
             return
         running = active_watchdog()

@@ -42,14 +42,6 @@ from lightning_zero.checkpoint.directory import (
     checkpoint_directory,
     read_checkpoint_info,
 )
-from lightning_zero.checkpoint.save_guards import (
-    all_gather,
-    control_group,
-    describe_failure,
-    fail_collectively,
-    cached_gloo_group,
-    prepare_save,
-)
 from lightning_zero.checkpoint.errors import CheckpointError
 from lightning_zero.checkpoint.matching import check_state_matches, describe_state, merge_descriptions
 from lightning_zero.checkpoint.safe_load import (
@@ -57,6 +49,14 @@ from lightning_zero.checkpoint.safe_load import (
     SafeLoadPlanner,
     load_meta,
     read_dcp_metadata,
+)
+from lightning_zero.checkpoint.save_guards import (
+    all_gather,
+    cached_gloo_group,
+    control_group,
+    describe_failure,
+    fail_collectively,
+    prepare_save,
 )
 from lightning_zero.checkpoint.verify import check_files, check_metadata, file_records, seal
 

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_zero.checkpoint.atomic import local_path
+from lightning_zero.checkpoint.directory import is_sharded_checkpoint
 from lightning_zero.checkpoint.errors import CheckpointError
 from lightning_zero.checkpoint.full_file import (
     FullCheckpoint,
@@ -28,7 +29,6 @@ from lightning_zero.checkpoint.full_file import (
     check_full_state_dict,
     copy_full_state_dict,
 )
-from lightning_zero.checkpoint.directory import is_sharded_checkpoint
 from lightning_zero.checkpoint.save_guards import all_gather, control_group
 from lightning_zero.checkpoint.states import (
     frozen_parameter_names,

@@ -18,9 +18,9 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from lightning_zero.checkpoint.directory import read_checkpoint_info
 from lightning_zero.checkpoint.errors import CheckpointError
 from lightning_zero.checkpoint.hf_export import describe_hf_models
-from lightning_zero.checkpoint.directory import read_checkpoint_info
 from lightning_zero.checkpoint.io import load_sharded_states, save_sharded_checkpoint
 from lightning_zero.checkpoint.safe_load import read_dcp_metadata
 from lightning_zero.distributed.optimizer import get_sharding

@@ -26,7 +26,7 @@ def _gib(text: str) -> int:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GiB")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GiB") from None
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"{text!r} must be a positive number of GiB")
     return int(value * GIB)
@@ -76,7 +76,7 @@ def _resolve(args):
     """The model spec, the instantiated (meta) module, the shape kwargs, the machine, precision and micro-batch."""
     import torch
 
-    from lightning_zero.cli.advise_model import ModelSpec, instantiate, infer_shape, read_config
+    from lightning_zero.cli.advise_model import ModelSpec, infer_shape, instantiate, read_config
     from lightning_zero.cli.ladder import Machine, available_cpu_memory, this_machine
 
     if args.config:

@@ -105,7 +105,7 @@ def instantiate(spec: ModelSpec, device: Optional[str] = "meta") -> Any:
     init_args = dict(spec.init_args)
     if spec.data_class:
         data = load_object(spec.data_class)(**spec.data_args)
-        for name, param in inspect.signature(cls).parameters.items():
+        for name in inspect.signature(cls).parameters:
             if name not in init_args and hasattr(data, name):
                 init_args[name] = getattr(data, name)
     for name, value in spec.data_args.items():  # e.g. block_size linked from data to model
@@ -143,8 +143,8 @@ def _lookup(module: Any, names: tuple, extra: dict) -> Optional[int]:
 def infer_shape(module: Any, spec: ModelSpec, overrides: dict) -> tuple[dict, int, int]:
     """``(shape kwargs without micro_batch, parameter count, largest FSDP2 unit's parameters)``. ``overrides`` (from
     the command line) win; a size that cannot be found is refused, naming its flag."""
-    from lightning_zero.ds_config.auto import infer_hidden_size
     from lightning_zero.distributed.module_classes import find_repeated_blocks
+    from lightning_zero.ds_config.auto import infer_hidden_size
 
     num_params = sum(p.numel() for p in module.parameters())
     if num_params == 0:
@@ -166,8 +166,8 @@ def infer_shape(module: Any, spec: ModelSpec, overrides: dict) -> tuple[dict, in
         raise AdviseError("cannot tell the model's " + ", ".join(missing) + " from its attributes, hyperparameters or "
                           "init args: pass " + ", ".join(_FLAGS[k] for k in missing))
     found["layer_params"] = layer_params
-    from lightning_zero.distributed.config import ZeroConfig
     from lightning_zero.distributed.apply_zero import unit_groups
+    from lightning_zero.distributed.config import ZeroConfig
 
     # stage 3 gathers whole FSDP2 units: consecutive blocks grouped up to the default unit_bytes, not one block
     groups, _ = unit_groups(module, ZeroConfig(stage=3))

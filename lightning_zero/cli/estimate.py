@@ -11,7 +11,7 @@ def _positive_count(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not math.isfinite(value) or value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} must be a finite number >= 1")
     return value
@@ -22,7 +22,7 @@ def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer")
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
     return value
@@ -37,8 +37,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--stage", type=int, choices=[0, 1, 2, 3], default=None, help="default: every stage")
     parser.add_argument("--offload", choices=["cpu", "nvme"], default=None,
                         help="shorthand: the optimizer (stages 1-2), the optimizer and parameters (stage 3); nvme: "
-                             "optimizer states swapped to disk (with the optimizer alone offloaded, the fp32 masters too); at stage 3 the fp32 "
-                             "parameter shards too (ZeRO-Infinity)")
+                             "optimizer states swapped to disk (with the optimizer alone offloaded, the fp32 masters "
+                             "too); at stage 3 the fp32 parameter shards too (ZeRO-Infinity)")
     parser.add_argument("--offload-optimizer", choices=["cpu", "nvme"], default=None,
                         help="precise form: optimizer states and fp32 masters only (parameters stay on the device)")
     parser.add_argument("--offload-params", choices=["cpu", "nvme"], default=None,

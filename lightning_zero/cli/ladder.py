@@ -3,7 +3,8 @@
 The order follows the usual DeepSpeed advice (``docs/memory.md``): start from plain data parallelism, enable
 activation checkpointing, move to ZeRO-2, offload the optimizer, ZeRO-3, offload its optimizer, then its parameters
 too, keep the checkpointed activations in CPU memory, shrink the micro-batch, and finally NVMe. Each step saves
-memory and, as a rule, costs speed, so the first rung that fits is the predicted winner. The rest of the grid (stage 0-3 x offload x
+memory and, as a rule, costs speed, so the first rung that fits is the predicted winner. The rest of the grid (stage
+0-3 x offload x
 checkpointing) follows the ladder.
 """
 

@@ -301,7 +301,10 @@ def _checkin(master_addr: str, port: int, node_rank: int, num_nodes: int, nproc:
 def run_node(args, resources, environ: dict) -> int:
     """This node's part: env file, network check, check-in, then torchrun (replacing nothing the user set)."""
     from lightning_zero.diagnostics.network import (
-        DEFAULT_RENDEZVOUS_TIMEOUT, check_network, check_rendezvous_timeout, free_port,
+        DEFAULT_RENDEZVOUS_TIMEOUT,
+        check_network,
+        check_rendezvous_timeout,
+        free_port,
     )
 
     timeout = check_rendezvous_timeout(DEFAULT_RENDEZVOUS_TIMEOUT if args.rendezvous_timeout is None

@@ -38,8 +38,8 @@ import os
 import sys
 import threading
 import time
-from datetime import timedelta
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 

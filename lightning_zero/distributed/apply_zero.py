@@ -33,16 +33,16 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
-from lightning_zero.distributed.config import ZeroConfig
 from lightning_zero.distributed import module_classes
 from lightning_zero.distributed.activation_checkpointing import (
     ActivationCheckpointConfig,
     apply_activation_checkpointing,
 )
 from lightning_zero.distributed.comm_buffers import install_comm_buffer_pool
+from lightning_zero.distributed.config import ZeroConfig
 from lightning_zero.distributed.deferred_init import materialize_module
-from lightning_zero.distributed.hybrid import check_mesh_matches, data_parallel_group
 from lightning_zero.distributed.exact_init import broadcast_module_states, refuse_meta_tensors
+from lightning_zero.distributed.hybrid import check_mesh_matches, data_parallel_group
 from lightning_zero.distributed.units import plan_units, set_prefetch
 from lightning_zero.torch_compat import fsdp_param_groups
 

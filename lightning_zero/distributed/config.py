@@ -11,15 +11,15 @@ from typing import Optional, Union
 
 import torch
 
-STAGES = (0, 1, 2, 3)
-OFFLOAD_DEVICES = ("none", "cpu", "nvme")
-
-from lightning_zero.offload.nvme_config import PARAM_ONLY_KNOBS, NvmeConfig
 from lightning_zero.distributed.units import (
     DEFAULT_PARAM_PERSISTENCE_THRESHOLD,
     DEFAULT_UNIT_BYTES,
     check_unit_knobs,
 )
+from lightning_zero.offload.nvme_config import PARAM_ONLY_KNOBS, NvmeConfig
+
+STAGES = (0, 1, 2, 3)
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 
 ModuleClassSpec = Union[str, type]
 
@@ -165,7 +165,8 @@ class ZeroConfig:
             try:
                 classes = frozenset(classes)
             except TypeError:
-                raise TypeError(f"sharded_module_classes must be a set of classes or class names, got {classes!r}")
+                raise TypeError(f"sharded_module_classes must be a set of classes or class names, got {classes!r}") \
+                    from None
             for item in classes:
                 if not (isinstance(item, str) or (isinstance(item, type) and issubclass(item, torch.nn.Module))):
                     raise TypeError(f"sharded_module_classes entries must be nn.Module subclasses or class names,"

@@ -38,7 +38,8 @@ class DDPOptions:
         static_graph: the set of used parameters and the graph do not change between steps (DDP can then skip the
             unused-parameter search and supports re-entrant activation checkpointing).
         gradient_as_bucket_view: gradients are views into DDP's buckets (saves one gradient-sized copy). ``None``
-            means ZeRO's default, True (unlike DDP's False; see :func:`lightning_zero.distributed.apply_zero.ddp_defaults`); pass False
+            means ZeRO's default, True (unlike DDP's False; see
+            :func:`lightning_zero.distributed.apply_zero.ddp_defaults`); pass False
             for DDP's separate ``.grad`` tensors.
         bucket_cap_mb: DDP's gradient bucket size in MiB (torch's default: 25).
     """

@@ -173,7 +173,8 @@ class _BuildGuard:
                 f"Building the model needs more host memory than this rank may use: "
                 f"{self.counted / _GIB:.2f} GiB of parameters and buffers so far, at {type(module).__name__}.{name}, "
                 f"over the budget of {self.budget / _GIB:.2f} GiB ({where}). Every rank builds the full model on "
-                "CPU so that its own init code runs exactly, then shards it (see lightning_zero.distributed.exact_init). "
+                "CPU so that its own init code runs exactly, then shards it (see "
+                "lightning_zero.distributed.exact_init). "
                 "Use fewer processes per host (Trainer devices=) or a host with more memory; if you know the "
                 f"memory is there, raise the budget (InitConfig.host_memory_budget, or ${BUDGET_ENV} in bytes for "
                 "ZeroStrategy; 0 turns the guard off).")

@@ -26,6 +26,7 @@ from typing import Iterable, Iterator
 
 from torch import nn
 
+
 @dataclass(frozen=True)
 class ClassSelector:
     """A set of module classes and how it selects (see the module note). ``type(m) in selector``, iteration and

@@ -59,8 +59,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_zero.distributed.config import ZeroConfig
 from lightning_zero.diagnostics.timing import collective_timer
+from lightning_zero.distributed.config import ZeroConfig
 from lightning_zero.distributed.local_step import restore_step, use_local_step, wrap_like
 from lightning_zero.offload.optimizer_swapper import OptimizerStateSwapper, attach_swapper, detach_swapper
 from lightning_zero.offload.param_swapper import attach_param_step, detach_param_step, find_param_swapper

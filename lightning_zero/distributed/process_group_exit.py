@@ -7,7 +7,8 @@ finished work objects whose tensors reference Python objects, and releasing them
 down aborts the process (measured here: 5 of 10 runs of a bare ``init_process_group`` + ``all_reduce`` script under
 ``torchrun``; 0 of 10 with the group destroyed at exit). Under ``torchrun --max-restarts`` a *finished* job then
 counts as failed and is restarted. Lightning registers this clean-up only for ``nccl``; torch's own fix
-(pytorch/pytorch#179291) was withdrawn. So both strategies register it, for every backend. (A group the user created before the strategy is
+(pytorch/pytorch#179291) was withdrawn. So both strategies register it, for every backend. (A group the user created
+before the strategy is
 destroyed too: at a clean exit that is what torch asks for anyway.)
 
 [Note: gloo workers still holding the last work at teardown]

@@ -62,7 +62,8 @@ class Meshes:
 def build_meshes(device_type: str, world_size: int, *, pipeline_parallel_size: int = 1,
                  hybrid_shard_size: Optional[int] = None) -> Meshes:
     """Step 1, right after the process group exists: a ``(pp, world / pp)`` mesh under a pipeline (the ZeRO stage
-    applies on ``"dp"``), else the data-parallel mesh (:func:`~lightning_zero.distributed.hybrid.data_parallel_mesh`)."""
+    applies on ``"dp"``), else the data-parallel mesh
+    (:func:`~lightning_zero.distributed.hybrid.data_parallel_mesh`)."""
     if pipeline_parallel_size > 1:
         from torch.distributed.device_mesh import init_device_mesh
 

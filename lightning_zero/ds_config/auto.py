@@ -130,7 +130,8 @@ def _resolve_batches(config: dict, context: AutoContext) -> None:
         value = config.get(key)
         if value == AUTO:
             if known is None:
-                raise _unresolvable(key, f"{where} (AutoContext.{'micro_batch_size' if 'micro' in key else 'accumulate_grad_batches'})")
+                field = "micro_batch_size" if "micro" in key else "accumulate_grad_batches"
+                raise _unresolvable(key, f"{where} (AutoContext.{field})")
             value = known
         elif value is not None and known is not None and value != known:
             raise DeepSpeedConfigError(

@@ -1,4 +1,4 @@
-"""What ``ZeroStrategy(config=...)`` does with a DeepSpeed ``ds_config``: a :class:`DeepSpeedConfigBinding` per strategy.
+"""What ``ZeroStrategy(config=...)`` does with a DeepSpeed ``ds_config``: one :class:`DeepSpeedConfigBinding`.
 
 At construction the config is loaded and translated (errors before any process group); its strategy arguments are
 merged under the explicit ones (the ``*_over_config`` functions). At setup, when the Trainer, DataLoader and
@@ -33,6 +33,7 @@ import copy
 import os
 from typing import Any, Optional
 
+from lightning_zero.distributed.activation_checkpointing import activation_checkpoint_config
 from lightning_zero.ds_config import (
     AutoContext,
     DeepSpeedConfigError,
@@ -43,7 +44,6 @@ from lightning_zero.ds_config import (
     resolve_auto,
     translate_ds_config,
 )
-from lightning_zero.distributed.activation_checkpointing import activation_checkpoint_config
 from lightning_zero.ds_config.dry_build import dry_build
 from lightning_zero.offload.nvme_config import NVME_ARGUMENTS
 

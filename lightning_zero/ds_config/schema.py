@@ -44,7 +44,8 @@ class KeySpec:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
 
 
-_FSDP_UNITS = "FSDP2 communicates per sharded module unit (one all-gather / reduce-scatter per unit) and DDP uses its own buckets"
+_FSDP_UNITS = ("FSDP2 communicates per sharded module unit (one all-gather / reduce-scatter per unit) and DDP uses its "
+               "own buckets")
 _NVME_ONLY = "only used by NVMe offload (ZeRO-Infinity); no effect with device='cpu'"
 _PARAM_SWAP_ONLY = "-> the same-named strategy argument with offload_param.device 'nvme' (stage 3); no effect otherwise"
 

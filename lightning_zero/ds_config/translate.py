@@ -16,8 +16,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from lightning_zero.ds_config import schema
 from lightning_zero.distributed.units import DS_BUCKET_ELEMENT_BYTES
+from lightning_zero.ds_config import schema
 from lightning_zero.ds_config.loading import DeepSpeedConfigError, DeepSpeedConfigWarning
 from lightning_zero.ds_config.translate_checks import (
     AUTO,
@@ -149,7 +149,8 @@ def _translate_offload(zero: dict, stage: int, out: _Collector, kwargs: dict) ->
     devices: dict[str, str] = {}
     pins: list[bool] = []
     effective: dict = {}
-    for sub, keys in (("offload_optimizer", schema.OFFLOAD_OPTIMIZER_KEYS), ("offload_param", schema.OFFLOAD_PARAM_KEYS)):
+    for sub, keys in (("offload_optimizer", schema.OFFLOAD_OPTIMIZER_KEYS),
+                      ("offload_param", schema.OFFLOAD_PARAM_KEYS)):
         user = zero.get(sub)
         if user is None:
             continue
@@ -394,7 +395,8 @@ def _translate_named_spec(config: dict, name: str, out: _Collector) -> Optional[
     if spec is None:
         return None
     if not isinstance(spec, dict) or not isinstance(spec.get("type"), str):
-        raise DeepSpeedConfigError(f'{name!r} must be an object like {{"type": "...", "params": {{...}}}}, got {spec!r}')
+        raise DeepSpeedConfigError(f'{name!r} must be an object like {{"type": "...", "params": {{...}}}}, '
+                                   f"got {spec!r}")
     params = spec.get("params", {}) or {}
     if not isinstance(params, dict):
         raise DeepSpeedConfigError(f"{name}.params must be a JSON object, got {params!r}")

@@ -30,11 +30,11 @@ from typing import Any, Callable, Optional
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_zero.checkpoint.errors import CheckpointError
+from lightning_zero.checkpoint import states as checkpointing
 from lightning_zero.checkpoint.directory import checkpoint_directory
+from lightning_zero.checkpoint.errors import CheckpointError
 from lightning_zero.checkpoint.io import pending_save_paths, settle_pending_saves, wait_for_pending_saves
 from lightning_zero.checkpoint.safe_load import load_meta
-from lightning_zero.checkpoint import states as checkpointing
 
 KEYS = "fabric_state_keys"  # {"modules": [key, ...], "optimizers": [key, ...]} in meta.pt
 SCALER = "fabric_loss_scaler"  # the fp16 loss scaler's state (plain numbers)

@@ -1,4 +1,4 @@
-"""``lightning_zero.fabric.ZeroStrategy``: Fabric's adapter over the ZeRO runtime (:mod:`lightning_zero.distributed.runtime`).
+"""``lightning_zero.fabric.ZeroStrategy``: Fabric's adapter over the ZeRO runtime (:mod:`.distributed.runtime`).
 
 The same engines and the same arguments as the Trainer's :class:`lightning_zero.strategies.ZeroStrategy` (both
 validate them with :func:`lightning_zero.adapters.settings.resolve_settings`). The ZeRO steps are the runtime's plain
@@ -31,8 +31,11 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from lightning_zero.adapters.fork_safety import FabricMultiProcessingLauncher
-from lightning_zero.adapters.launch_checks import check_before_process_group, check_external_launch, \
-    check_launcher_world_size
+from lightning_zero.adapters.launch_checks import (
+    check_before_process_group,
+    check_external_launch,
+    check_launcher_world_size,
+)
 from lightning_zero.adapters.process_group import start_process_group
 from lightning_zero.adapters.settings import SETTING_NAMES, STRATEGY_NAMES, resolve_settings
 from lightning_zero.checkpoint.io import wait_for_pending_saves
@@ -42,8 +45,7 @@ from lightning_zero.diagnostics.network import DEFAULT_RENDEZVOUS_TIMEOUT
 from lightning_zero.distributed import runtime
 from lightning_zero.distributed.ddp import ddp_kwargs_for
 from lightning_zero.ds_config.binding import DeepSpeedConfigBinding, config_reduce_bucket_size, precision_from_config
-from lightning_zero.fabric import fabric_checkpoints
-from lightning_zero.fabric import fabric_pipeline
+from lightning_zero.fabric import fabric_checkpoints, fabric_pipeline
 from lightning_zero.fabric.fabric_precision import FabricZeroPrecision, PrecisionFlag, adapt_fabric_precision
 
 # ds_config settings that drive the Trainer's loop; in Fabric the user's loop does these, so they are refused.
@@ -329,7 +331,8 @@ class ZeroStrategy(ParallelStrategy):
         """Run the pipeline schedule on one batch: forward and backward of every micro-batch, gradients of
         ``grad_scale`` x the batch's mean loss accumulated into ``.grad`` (reduced over ``dp`` unless inside
         ``fabric.no_backward_sync``). Returns this data-parallel replica's mean loss on every rank; then
-        ``fabric.clip_gradients`` and ``optimizer.step()`` as usual. See :mod:`lightning_zero.fabric.fabric_pipeline`."""
+        ``fabric.clip_gradients`` and ``optimizer.step()`` as usual. See
+        :mod:`lightning_zero.fabric.fabric_pipeline`."""
         return fabric_pipeline.step(self._runner, model, inputs, targets, grad_scale)
 
     def clip_gradients_norm(self, module: nn.Module, optimizer: Optimizer, max_norm: Union[float, int],

@@ -518,7 +518,7 @@ class ParamSwapper:
             for handle in getattr(self, "_hooks", ()):
                 handle.remove()
             for unit in self.units:
-                for _, buf, future in unit.prefetched:
+                for _, _buffer, future in unit.prefetched:
                     future.exception()
                 unit.prefetched.clear()
             for _, _, future in self._writes:

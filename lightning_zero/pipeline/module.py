@@ -131,7 +131,8 @@ class PipelineModule(nn.Module):
                              f"least), got {num_stages!r}")
         if isinstance(activation_checkpoint_interval, bool) or not isinstance(activation_checkpoint_interval, int) \
                 or activation_checkpoint_interval < 0:
-            raise ValueError(f"activation_checkpoint_interval must be an int >= 0, got {activation_checkpoint_interval!r}")
+            raise ValueError("activation_checkpoint_interval must be an int >= 0, got "
+                             f"{activation_checkpoint_interval!r}")
         self.loss_fn = loss_fn
         self.num_stages = num_stages
         self.partition_method = partition_method

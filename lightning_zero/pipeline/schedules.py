@@ -24,12 +24,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (
-    PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
 
-from lightning_zero.distributed.comm_buffers import CommBufferPool, install_comm_buffer_pool
 from lightning_zero.diagnostics.timing import collective_timer
+from lightning_zero.distributed.comm_buffers import CommBufferPool, install_comm_buffer_pool
 from lightning_zero.pipeline.module import PipelineModule
 from lightning_zero.pipeline.specs import TiedLayerSpec, get_parameter
 
@@ -225,7 +229,7 @@ class PipelineRunner:
         else:
             with torch.no_grad():
                 self.eval_schedule.eval(*args, **kwargs)
-        loss = torch.stack([l.detach().float() for l in losses]).sum() if self.has_last else \
+        loss = torch.stack([part.detach().float() for part in losses]).sum() if self.has_last else \
             torch.zeros((), device=self.device)
         dist.broadcast(loss, group=self.pp_group, group_src=self.last_rank)
         return loss

@@ -17,7 +17,8 @@ stage    data-parallel engine under the pipeline
 
 DeepSpeed allows only stages 0-1 with pipelines. Not supported here (each raises with this list): offload at
 stages 2-3 (neither ``offload_optimizer`` nor ``offload_params`` is applied to the FSDP2-sharded stage modules),
-fp16/bf16 (the schedule runs backward itself, outside the precision plugin's loss scaling), FSDP2 with a tied module used by two stages of one rank (see
+fp16/bf16 (the schedule runs backward itself, outside the precision plugin's loss scaling), FSDP2 with a tied module
+used by two stages of one rank (see
 :class:`~lightning_zero.pipeline.schedules.PipelineRunner`), and parameters of the LightningModule outside its
 PipelineModule.
 """

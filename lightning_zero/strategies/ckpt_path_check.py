@@ -8,10 +8,9 @@ import os
 from typing import Any
 
 from lightning_zero.checkpoint.atomic import local_path
+from lightning_zero.checkpoint.directory import checkpoint_directory, is_sharded_checkpoint
 from lightning_zero.checkpoint.errors import CheckpointError
 from lightning_zero.checkpoint.full_file import describe_full_checkpoint_file
-from lightning_zero.checkpoint.directory import checkpoint_directory, is_sharded_checkpoint
-
 
 # ``ckpt_path`` values Lightning resolves itself (from callbacks, a SLURM/HPC save, a model registry) after launch.
 _SYMBOLIC_CKPT_PATHS = ("last", "best", "hpc", "registry")

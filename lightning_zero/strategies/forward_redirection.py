@@ -14,7 +14,8 @@ from lightning_zero.distributed.root_reentry import root_post_forward_suspended
 class RootForwardRedirection(_ForwardRedirection):
     """Lightning's redirection; the redirected method runs with the root's post-forward hook suspended.
 
-    Manual optimization (``manual_backward_active()`` is true) is left as before: :class:`~lightning_zero.distributed.manual_backward.ManualBackward`
+    Manual optimization (``manual_backward_active()`` is true) is left as before:
+    :class:`~lightning_zero.distributed.manual_backward.ManualBackward`
     closes and re-opens the root's forward itself around each backward inside ``training_step``.
     """
 

@@ -1,6 +1,7 @@
 """The Trainer's launcher for ``start_method="spawn"|"fork"|"forkserver"``: Lightning's, plus three things.
 
-- ``ckpt_path`` is checked before any process starts (:func:`~lightning_zero.strategies.ckpt_path_check.check_ckpt_path`).
+- ``ckpt_path`` is checked before any process starts
+(:func:`~lightning_zero.strategies.ckpt_path_check.check_ckpt_path`).
 - The fork start method does not let ranks destroy process groups they inherited (``adapters/fork_safety.py``).
 - The trained weights reach the launching process whole (the note below).
 
@@ -27,8 +28,8 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from torch.distributed.tensor import DTensor
 
 from lightning_zero.adapters.fork_safety import collect_before_fork, freeze_inherited
-from lightning_zero.strategies.ckpt_path_check import check_ckpt_path
 from lightning_zero.offload.param_swapper import resident_parameters
+from lightning_zero.strategies.ckpt_path_check import check_ckpt_path
 
 
 class ZeroMultiProcessingLauncher(_MultiProcessingLauncher):

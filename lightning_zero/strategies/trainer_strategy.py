@@ -31,8 +31,11 @@ from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_zero.adapters.launch_checks import check_before_process_group, check_external_launch, \
-    check_launcher_world_size
+from lightning_zero.adapters.launch_checks import (
+    check_before_process_group,
+    check_external_launch,
+    check_launcher_world_size,
+)
 from lightning_zero.adapters.process_group import start_process_group
 from lightning_zero.adapters.settings import SETTING_NAMES, STRATEGY_NAMES, resolve_settings
 from lightning_zero.checkpoint.io import remove_sharded_checkpoint, wait_for_pending_saves
@@ -126,7 +129,8 @@ class ZeroStrategy(ParallelStrategy):
         hang_timeout: seconds (or ``timedelta``) a step, validation batch, checkpoint save/load or teardown may last
             before the job exits naming the stuck rank(s) with every rank's stacks (default 600; ``None``: off).
         auto_resume: on a restarted job (torchrun/SLURM; ``"always"``: on every fit) without ``ckpt_path``, resume from
-            the newest complete ``ModelCheckpoint`` checkpoint; checkpoint on preemption signals (:mod:`.auto_resume`, :mod:`.preemption`).
+            the newest complete ``ModelCheckpoint`` checkpoint; checkpoint on preemption signals (:mod:`.auto_resume`,
+            :mod:`.preemption`).
         hybrid_shard_size: HSDP: shard within groups of this many ranks, replicate across (:mod:`.hybrid`, opt-in).
         activation_checkpointing, cpu_checkpointing, activation_checkpointing_policy: recompute blocks' activations
             in backward, optionally keeping their inputs on CPU (``docs/activation_checkpointing.md``).

@@ -13,12 +13,10 @@ from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
-from lightning_zero.checkpoint import CheckpointError, CheckpointSaveError
 from lightning_zero import ZeroStrategy
-from lightning_zero.checkpoint import consolidate_checkpoint
+from lightning_zero.checkpoint import CheckpointError, CheckpointSaveError, consolidate_checkpoint
 from tests.conformance.models import RegressionModule, full_state, max_abs_diff, trainer, zero
 from tests.distributed import run_distributed
-
 
 
 # ---------------------------------------------------------------------------------------------- no process group
@@ -43,7 +41,7 @@ def test_save_checkpoint_storage_options_refused(tmp_path):
 
 def test_device_mesh_before_setup_raises():
     with pytest.raises(RuntimeError, match="device mesh"):
-        ZeroStrategy().device_mesh
+        _ = ZeroStrategy().device_mesh
 
 
 # ---------------------------------------------------------------------------------------------- 2 ranks

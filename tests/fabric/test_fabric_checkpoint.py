@@ -184,7 +184,8 @@ def test_save_states_and_load_states_take_explicit_arguments_no_strategy(tmp_pat
     info = read_checkpoint_info(path)
     assert info["stage"] == 0 and info["optimizers"] == [checkpointing.optimizer_type(optimizer)]
     stored = read_dcp_metadata(path).state_dict_metadata
-    assert frozen and not any(f"state_dict.{name}" in stored for name in frozen)  # excluded (recorded in meta.pt, below)
+    # excluded (and recorded in meta.pt, below)
+    assert frozen and not any(f"state_dict.{name}" in stored for name in frozen)
 
     torch.manual_seed(1)
     fresh = TinyNet()

@@ -225,7 +225,8 @@ def _nvme_worker(rank, world_size, root):
 
 
 def test_nvme_optimizer_offload_trains_and_cleans_up(tmp_path):
-    """offload_optimizer="nvme" goes through the shared settings: states swap to disk, parity, files gone at teardown."""
+    """offload_optimizer="nvme" goes through the shared settings: states swap to disk, parity, files gone at
+    teardown."""
     run_distributed(_nvme_worker, 2, str(tmp_path))
 
 

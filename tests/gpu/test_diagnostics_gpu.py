@@ -4,7 +4,6 @@ import json
 import time
 from datetime import timedelta
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.distributed import free_port
-from tests.lightning_models import full_state, reference_weights, RegressionModule
+from tests.lightning_models import RegressionModule, full_state, reference_weights
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

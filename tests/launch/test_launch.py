@@ -16,7 +16,13 @@ import torch
 
 from lightning_zero.cli import build_parser
 from lightning_zero.cli.launch import (
-    _hosts, fanout_commands, find_env_file, parse_hostfile, read_env_file, select_resources, torchrun_command,
+    _hosts,
+    fanout_commands,
+    find_env_file,
+    parse_hostfile,
+    read_env_file,
+    select_resources,
+    torchrun_command,
 )
 from lightning_zero.diagnostics.network import free_port
 from tests.launch.hosts import LOOPBACK, make_netns_hosts, netns_unavailable, remove_netns_hosts
@@ -213,7 +219,7 @@ def test_loopback_interface_across_hosts_fails_fast_naming_it(tmp_path):
         assert time.perf_counter() - start < 60
         assert code == 1
         assert "GLOO_SOCKET_IFNAME=lo is the loopback interface on a 2-node run" in log, log
-        assert f"node rank 1 (host" in log and f"address {made.addresses[1]} on {made.ifnames[1]}" in log, log
+        assert "node rank 1 (host" in log and f"address {made.addresses[1]} on {made.ifnames[1]}" in log, log
         assert f"({made.ifnames[1]})" in log  # the interface to use instead
     finally:
         remove_netns_hosts(made)

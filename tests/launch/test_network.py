@@ -11,7 +11,13 @@ from lightning.pytorch import Trainer
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.diagnostics.network import (
-    Interface, NetworkError, check_network, check_rendezvous_timeout, checked_store, free_port, interfaces,
+    Interface,
+    NetworkError,
+    check_network,
+    check_rendezvous_timeout,
+    checked_store,
+    free_port,
+    interfaces,
     wait_for_master,
 )
 from tests.lightning_models import RegressionModule

@@ -1,5 +1,5 @@
-"""``python -m tests.reliability.exit_script <trainer|fabric> <clean|raise> <report file> [devices]``: one process sets up a
-ZeroStrategy process group and exits; an atexit handler registered *before* the strategy (so it runs after the
+"""``python -m tests.reliability.exit_script <trainer|fabric> <clean|raise> <report file> [devices]``: one process sets
+up a ZeroStrategy process group and exits; an atexit handler registered *before* the strategy (so it runs after the
 strategy's own handlers) writes whether the process group was still initialised at exit."""
 
 import atexit
@@ -18,8 +18,9 @@ def main(kind: str, how: str, report: str, devices: str = "1") -> None:
 
         from lightning_zero import ZeroStrategy
 
-        trainer = Trainer(strategy=ZeroStrategy(stage=2), accelerator="cpu", devices=int(devices), max_steps=1, logger=False,
-                          enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+        trainer = Trainer(strategy=ZeroStrategy(stage=2), accelerator="cpu", devices=int(devices), max_steps=1,
+                          logger=False, enable_progress_bar=False, enable_model_summary=False,
+                          enable_checkpointing=False)
         trainer.fit(BoringModel())
     else:
         from lightning.fabric import Fabric

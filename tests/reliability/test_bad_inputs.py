@@ -15,16 +15,14 @@ import textwrap
 from datetime import timedelta
 
 import pytest
-import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from torch.utils.data import DataLoader
 
 from lightning_zero import ZeroStrategy
+from lightning_zero.adapters import launch_checks as validation
 from lightning_zero.checkpoint import CheckpointError, CheckpointSaveError
 from lightning_zero.ds_config import DeepSpeedConfigError
-from lightning_zero.adapters import launch_checks as validation
-
 from tests.lightning_models import RegressionModule, dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -16,8 +16,12 @@ import pytest
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from lightning_zero.checkpoint import CheckpointError, consolidate_checkpoint, load_sharded_checkpoint
-from lightning_zero.checkpoint import save_sharded_checkpoint
+from lightning_zero.checkpoint import (
+    CheckpointError,
+    consolidate_checkpoint,
+    load_sharded_checkpoint,
+    save_sharded_checkpoint,
+)
 from lightning_zero.checkpoint.io import _translate
 from lightning_zero.checkpoint.safe_load import DCPMetadataUnpickler
 from lightning_zero.cli import main as cli_main

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-import torch.distributed as dist
 from lightning_zero import ZeroStrategy
 from lightning_zero.checkpoint.directory import INFO_FILE
 from lightning_zero.strategies.auto_resume import newest_complete_checkpoint, restart_count
