@@ -335,14 +335,14 @@ def test_config_optimizer_wins_exclude_frozen_parameters_and_quiet_sharded_run(t
 def test_callbacks_are_exported_where_the_messages_say():
     import lightning_zero
     from lightning_zero.callbacks import ConsolidateCheckpoint, NCCLDiagnostics, ThroughputLogger
-    from lightning_zero.ds_config import binding as ds_config_binding
+    from lightning_zero.strategies import ds_config_fit
 
     assert (lightning_zero.ThroughputLogger, lightning_zero.NCCLDiagnostics, lightning_zero.ConsolidateCheckpoint) \
         == (ThroughputLogger, NCCLDiagnostics, ConsolidateCheckpoint)
     import inspect
 
     # the wall_clock_breakdown warning tells users to import from lightning_zero.callbacks: that path must exist
-    assert "lightning_zero.callbacks.ThroughputLogger()" in inspect.getsource(ds_config_binding)
+    assert "lightning_zero.callbacks.ThroughputLogger()" in inspect.getsource(ds_config_fit)
 
 
 def test_repeated_blocks_exclude_layers_that_also_live_inside_the_blocks():

@@ -256,7 +256,7 @@ def test_low_precision_allreduce_hook_averages_in_the_given_dtype():
 def _hook_worker(rank, world_size):
     from torch.nn.parallel import DistributedDataParallel
 
-    from lightning_zero.adapters.precision_policy import low_precision_allreduce_hook
+    from lightning_zero.distributed.ddp import low_precision_allreduce_hook
 
     layer = torch.nn.Linear(3, 1, bias=False)
     with torch.no_grad():
