@@ -1,8 +1,8 @@
 """FSDP2 units sized by bytes, small units left to the root, and explicit prefetch.
 
 FSDP2 communicates once per unit: one all-gather of the unit's parameters (twice per step at stage 3: forward and
-backward, except the root and the last unit, see ``zero._kept_from_forward_to_backward``) and one reduce-scatter of
-its gradients. Units that follow the model's repeated blocks make the number of collectives a property of the module
+backward, except the root and the last unit, see ``apply_zero._kept_from_forward_to_backward``) and one reduce-scatter
+of its gradients. Units that follow the model's repeated blocks make the number of collectives a property of the module
 tree: a flat ``nn.Sequential`` of 24 small ``Linear`` layers pays 24 fixed collective costs where DeepSpeed, which
 buckets by bytes, pays a few. :func:`plan_units` groups *consecutive* blocks
 (siblings of one parent, in registration order, which is the execution order of a ``Sequential`` and of the usual
