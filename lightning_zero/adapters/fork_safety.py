@@ -6,7 +6,7 @@ that the launching process no longer uses but has not freed yet (an earlier fit'
 cycle, e.g. an FSDP module that points back at itself, until the cyclic garbage collector runs) is copied too.
 When the rank's garbage collector later frees that copy, ``~ProcessGroupGloo`` signals and joins worker threads
 that exist only in the launching process, and the rank hangs there, in whatever step happened to allocate enough
-to trigger a collection (seen in this project's own test ranks: a DCP save hung in ``gather_object``).
+to trigger a collection (observed cases: ``docs/reliability.md``, "Starting and ending rank processes").
 
 So, for the fork start method only:
 

@@ -77,8 +77,8 @@ def forget_groups_of_an_old_world(cache: Dict[Any, Any]) -> None:
     re-initialised, or a forked child of a process that had one): such groups are unusable.
 
     Groups inherited through ``fork()`` are moved aside, not released: such a gloo group blocks forever in its
-    destructor (its worker threads do not exist in the child), which hung every forked rank whose parent had saved
-    in-process. Keeping a few small objects alive is the price."""
+    destructor (its worker threads do not exist in the child), which would hang every forked rank whose parent had
+    saved in-process. Keeping a few small objects alive is the price."""
     world = dist.distributed_c10d._get_default_group()
     if cache.get("__world__") is not world:
         if cache.get("__pid__") not in (None, os.getpid()):

@@ -2,8 +2,8 @@
 
 ``audit_environment()`` only reads (environment, /sys, ``nvidia-smi``); it never initialises CUDA contexts or
 process groups, so it can run before ``init_process_group`` and inside a CLI. The warnings encode settings known
-to hurt throughput: the seeds' A800 measurements show a run ~50% slower with ``NCCL_P2P_DISABLE=1`` and a smaller
-loss with SHM/IB disabled; ``NCCL_DEBUG=INFO`` left on floods logs and slows start-up.
+to hurt throughput (the measurements behind them: ``docs/callbacks.md``, "NCCLDiagnostics"); ``NCCL_DEBUG=INFO``
+left on floods logs and slows start-up.
 """
 
 from __future__ import annotations

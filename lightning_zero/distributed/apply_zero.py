@@ -183,12 +183,11 @@ def _kept_from_forward_to_backward(group: list[nn.Module], root: nn.Module, grou
       gathered unit only while the rest of the root's forward runs (final norm, head, loss) and saves one
       all-gather per step.
 
-    Measured (``docs/performance.md``, "Stage 3: the root and the last unit kept from forward to backward"): GPT
-    stage-3 step 0.85-0.92x, Llama 0.90-0.99x of resharding every unit, peak RSS unchanged. An explicit
-    ``reshard_after_forward=True`` (or an ``int``) reshards every unit, the root included, for the lowest memory;
-    blocks left to the root by ``param_persistence_threshold`` always keep the root gathered (see :mod:`.units`).
-    If the model's execution order differs from its registration order, the unit kept is not the last to run: it
-    then holds one unit's gathered parameters longer, never a different result.
+    Step times and peaks: ``docs/performance.md``, "Stage 3: the root and the last unit kept from forward to
+    backward". An explicit ``reshard_after_forward=True`` (or an ``int``) reshards every unit, the root included, for
+    the lowest memory; blocks left to the root by ``param_persistence_threshold`` always keep the root gathered (see
+    :mod:`.units`). If the model's execution order differs from its registration order, the unit kept is not the
+    last to run: it then holds one unit's gathered parameters longer, never a different result.
     """
     if group[0] is root:
         return persistent or (config.stage == 3 and config.reshard_after_forward is None)
@@ -202,14 +201,13 @@ def ddp_defaults(ddp_kwargs: Optional[dict] = None) -> dict:
     DDP's default (``gradient_as_bucket_view=False``) keeps two gradient-sized buffers per rank: autograd's ``.grad``
     and the all-reduce buckets it copies them into and back out of. ZeRO's point is not to hold what is not needed,
     and DeepSpeed's stage 0 keeps one gradient buffer, so here the gradients *are* the buckets (torch's
-    ``gradient_as_bucket_view=True``): one gradient copy less at the peak (measured: about -21 MiB per rank of 178
-    on a 2.9M-parameter Llama, ``docs/performance_notes_stage0.md``) and no bucket-to-``.grad`` copy after the
-    reduction. Values are the same (the reduced bucket is what was copied into ``.grad`` before). What changes for
-    the user: ``.grad`` is a view, so ``p.grad.detach_()`` raises, and a ``.grad`` replaced by another tensor (not
-    ``None``) between steps makes DDP raise ("not the expected DDP bucket view"), never a silent result;
-    ``optimizer.zero_grad(set_to_none=True/False)``, in-place clipping/unscaling and accumulation work unchanged.
-    An explicit ``gradient_as_bucket_view=False`` (``ZeroStrategy`` argument or ``ddp_kwargs``) restores DDP's
-    behaviour.
+    ``gradient_as_bucket_view=True``): one gradient copy less at the peak (measured in
+    ``docs/performance_notes_stage0.md``) and no bucket-to-``.grad`` copy after the reduction. Values are the same
+    (the reduced bucket is what DDP's default copies into ``.grad``). What changes for the user: ``.grad`` is a view,
+    so ``p.grad.detach_()`` raises, and a ``.grad`` replaced by another tensor (not ``None``) between steps makes DDP
+    raise ("not the expected DDP bucket view"), never a silent result; ``optimizer.zero_grad(set_to_none=True/False)``,
+    in-place clipping/unscaling and accumulation work unchanged. An explicit ``gradient_as_bucket_view=False``
+    (``ZeroStrategy`` argument or ``ddp_kwargs``) restores DDP's behaviour.
     """
     return {"gradient_as_bucket_view": True, **(ddp_kwargs or {})}
 
@@ -267,15 +265,15 @@ def _keep_gathered_between_micro_steps(module: nn.Module, keep: bool) -> None:
 
     [Note: stage 2 under gradient accumulation]
     A unit with ``reshard_after_forward=False`` (every unit at stage 2; at stage 3 the root and the last unit, see
-    :func:`_kept_from_forward_to_backward`) holds its gathered
-    (low-precision) parameters from forward to backward anyway. FSDP2 still reshards them after every backward,
-    so each micro-step of gradient accumulation all-gathered every unit again: ``accumulate_grad_batches=4`` cost
-    four all-gathers per unit per optimizer step where one suffices, since the sharded parameters do not change
-    until the optimizer steps. On the micro-steps that do not reduce, those units skip the post-backward reshard
-    (FSDP2's ``reshard_after_backward``); the last micro-step reduces and reshards as usual, before the optimizer
-    step. The peak is unchanged (these parameters are gathered during every forward-to-backward already); only
-    the time between two micro-steps holds them too. Units that reshard after forward (stage 3) are left alone:
-    keeping them would turn stage 3 into stage 2's memory. A torch without this bookkeeping gets the default
+    :func:`_kept_from_forward_to_backward`) holds its gathered (low-precision) parameters from forward to backward
+    anyway. FSDP2 still reshards them after every backward, so left alone each micro-step of gradient accumulation would
+    all-gather every unit again: ``accumulate_grad_batches=4`` would cost four all-gathers per unit per optimizer step
+    where one suffices, since the sharded parameters do not change until the optimizer steps (counts in
+    ``docs/performance_notes_lowprec.md``, section 1). On the micro-steps that do not reduce, those units skip the
+    post-backward reshard (FSDP2's ``reshard_after_backward``); the last micro-step reduces and reshards as usual,
+    before the optimizer step. The peak is unchanged (these parameters are gathered during every forward-to-backward
+    already); only the time between two micro-steps holds them too. Units that reshard after forward (stage 3) are left
+    alone: keeping them would turn stage 3 into stage 2's memory. A torch without this bookkeeping gets the default
     (reshard), never a wrong result.
     """
     from torch.distributed.fsdp import FSDPModule

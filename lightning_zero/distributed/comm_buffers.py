@@ -4,7 +4,8 @@ FSDP2 allocates, per unit and per step, an all-gather output, a reduce-scatter i
 (the new sharded gradient), and lets them go once the collective is done. On CUDA the caching allocator recycles
 those blocks. On CPU every one of them is a ``malloc``/``free`` of a multi-megabyte block, and glibc's dynamic mmap
 threshold moves such blocks onto the heap after the first free, where the mix with long-lived allocations
-fragments it: a stage-2 run's resident set climbs for several steps and settles at 2-3x what its tensors need.
+fragments it: a stage-2 run's resident set climbs for several steps and settles well above what its tensors need
+(``docs/stages.md``, "Communication buffers on CPU").
 
 :class:`CommBufferPool` is the missing caching allocator for these three buffers, written here because torch has
 none for CPU. It is plugged in through FSDP2's own hook (``FSDPModule.set_custom_all_gather`` /
@@ -23,12 +24,11 @@ gloo's ``reduce_scatter_tensor`` clones its whole input (a full-size ``aten::clo
 profiler) and is slower than an ``all_reduce`` of the same bytes, and an ``all_reduce`` moves twice the bytes a
 reduce-scatter needs: each rank receives every other rank's copy of the whole tensor, not just of its own chunk.
 ``all_to_all_single`` sends each rank exactly the chunks it owns, ``(N-1)/N`` of the tensor per rank, into a pooled
-full-size buffer (row ``j``: rank ``j``'s copy of this rank's chunk), and a sum over the rows finishes the
-reduction locally. Measured on 2 CPU ranks side by side: 2.1 ms against 4.7 ms for an all-reduce of 3.1 MiB,
-10.0 ms against 16.6-22.1 ms at 11 MiB (``docs/performance.md``). The rows are summed in rank order; at 2 ranks
-that is bitwise the all-reduce's ``a + b``, at more ranks the summation order may differ from gloo's ring in the
-last bit, as any two all-reduce algorithms do. Ops other than SUM/AVG (``PREMUL_SUM`` from a custom gradient divide
-factor) and asynchronous calls go to ``reduce_scatter_tensor`` unchanged.
+full-size buffer (row ``j``: rank ``j``'s copy of this rank's chunk), and a sum over the rows finishes the reduction
+locally (timings against the all-reduce: ``docs/performance.md``, "Changes and what each bought"). The rows are summed
+in rank order; at 2 ranks that is bitwise the all-reduce's ``a + b``, at more ranks the summation order may differ from
+gloo's ring in the last bit, as any two all-reduce algorithms do. Ops other than SUM/AVG (``PREMUL_SUM`` from a custom
+gradient divide factor) and asynchronous calls go to ``reduce_scatter_tensor`` unchanged.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """Step torch's elementwise optimizers (Adam, AdamW, SGD) on the local shards of DTensor parameters.
 
 At stages 2-3 the optimizer holds FSDP2's sharded ``DTensor`` parameters (or their DTensor CPU masters with
-``offload_optimizer``). torch's optimizers step them through DTensor's Python dispatch: every elementwise op of
-every parameter (``mul_``, ``lerp_``, ``addcdiv_``, ``sqrt``, ...) is one ``PythonSubclass`` call that looks up a
-sharding rule before running the same op on the local shard. On a model with many small parameters that dispatch,
-not the arithmetic, is the optimizer step's cost (424 dispatches per step on the benchmark's GPT, 304 on its Llama;
-``docs/performance_notes_stage2.md``).
+``offload_optimizer``). torch's optimizers step them through DTensor's Python dispatch: every elementwise op of every
+parameter (``mul_``, ``lerp_``, ``addcdiv_``, ``sqrt``, ...) is one ``PythonSubclass`` call that looks up a sharding
+rule before running the same op on the local shard. On a model with many small parameters that dispatch, not the
+arithmetic, is the optimizer step's cost (the profile and dispatch counts: ``docs/performance_notes_stage2.md``).
 
 For Adam, AdamW and SGD every state and update is elementwise, so stepping the local shards with the same torch
 optimizer code gives bit-identical values: :func:`use_local_step` makes the optimizer's ``step`` hand torch's own
@@ -13,7 +12,7 @@ implementation (its ``step``, with the user's ``foreach``/``fused`` choice and h
 of the parameters, gradients and states, then puts the DTensor parameters and states back. Between steps nothing
 changes: ``param_groups`` hold the DTensor parameters, ``state`` holds DTensor states (new states are wrapped with
 the parameter's mesh, placements and global shape, as ``torch.zeros_like`` on the DTensor would have made them),
-so ``state_dict()``, checkpoints, resharding and consolidation see the same format as before.
+so ``state_dict()``, checkpoints, resharding and consolidation see the same format as on torch's DTensor path.
 
 Why hand-written: torch has no switch that runs an optimizer on DTensor local shards (``local_map`` wraps a
 function of tensors, not an optimizer whose state is keyed by parameter objects). Only exact ``Adam``, ``AdamW``

@@ -1,15 +1,14 @@
 """Backward passes that run *inside* the FSDP2 root's forward: manual optimization at stages 2-3.
 
 [Note: backward inside the root's forward]
-At stages 2-3 the LightningModule is the FSDP2 root unit (see :mod:`.zero`'s ``[Note: the root unit]``), and the
-strategy routes ``training_step`` through the root's ``__call__`` so the root's pre-forward hook gathers the
-parameters the root owns. FSDP2 arms gradient reduction in the root's *post*-forward hook: it registers a
-pre-backward hook on the forward's outputs, and that hook queues the end-of-backward callback which reduce-scatters
-every unit's gradients into the sharded parameters. With manual optimization the user calls ``manual_backward``
-inside ``training_step``, i.e. before the root's forward has returned, so nothing is armed: when the model has no
-sub-unit (or the loss flows through none), no reduce-scatter runs, the sharded parameters get no gradients and the
-optimizers step on nothing. Calling a submodule (``self.generator(x)``) or ``self.forward(x)`` instead of
-``self(x)`` hits exactly that.
+At stages 2-3 the LightningModule is the FSDP2 root unit (see :mod:`.apply_zero`'s ``[Note: the root unit]``), and the
+strategy routes ``training_step`` through the root's ``__call__`` so the root's pre-forward hook gathers the parameters
+the root owns. FSDP2 arms gradient reduction in the root's *post*-forward hook: it registers a pre-backward hook on the
+forward's outputs, and that hook queues the end-of-backward callback which reduce-scatters every unit's gradients into
+the sharded parameters. With manual optimization the user calls ``manual_backward`` inside ``training_step``, i.e.
+before the root's forward has returned, so nothing is armed: when the model has no sub-unit (or the loss flows through
+none), no reduce-scatter runs, the sharded parameters get no gradients and the optimizers step on nothing. Calling a
+submodule (``self.generator(x)``) or ``self.forward(x)`` instead of ``self(x)`` hits exactly that.
 
 :class:`ManualBackward` therefore closes the root's forward before each such backward, exactly as the root's own
 ``__call__`` would on return (post-forward hook on the loss, which arms the reduction), and re-opens it (pre-forward

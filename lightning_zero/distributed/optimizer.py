@@ -196,7 +196,7 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, config: ZeroConfig, *, gro
     # [Note: the local step under NVMe swapping] First, so that it is the innermost step: the swappers narrow
     # ``param_groups`` to a sub-group (and a unit) with its states and masters resident, then call the class step
     # they derive from, which steps exactly those on their local shards. Without it every elementwise op of the
-    # swapped step went through DTensor's Python dispatch.
+    # swapped step would go through DTensor's Python dispatch.
     if use_local_step(optimizer):
         sharding.local_step_of = optimizer
     if config.swaps_parameters:

@@ -1,28 +1,25 @@
 """Destroy the process group this package created when the interpreter exits cleanly.
 
 [Note: why a finished gloo job died with SIGABRT]
-With torch 2.13 a two-rank gloo job that ends without ``destroy_process_group()`` dies at exit about half the time
-with ``terminate called without an active exception`` (SIGABRT, exit code -6): gloo's C++ worker threads still hold
-finished work objects whose tensors reference Python objects, and releasing them while the interpreter is being torn
-down aborts the process (measured here: 5 of 10 runs of a bare ``init_process_group`` + ``all_reduce`` script under
-``torchrun``; 0 of 10 with the group destroyed at exit). Under ``torchrun --max-restarts`` a *finished* job then
-counts as failed and is restarted. Lightning registers this clean-up only for ``nccl``; torch's own fix
-(pytorch/pytorch#179291) was withdrawn. So both strategies register it, for every backend. (A group the user created
-before the strategy is
-destroyed too: at a clean exit that is what torch asks for anyway.)
+With torch 2.13 a two-rank gloo job that ends without ``destroy_process_group()`` can die at exit (SIGABRT, exit code
+-6, ``terminate called without an active exception``): gloo's C++ worker threads still hold finished work objects
+whose tensors reference Python objects, and releasing them while the interpreter is being torn down aborts the process
+(how often: ``docs/reliability.md``, "Starting and ending rank processes"). Under ``torchrun --max-restarts`` a
+*finished* job then counts as failed and is restarted. Lightning registers this clean-up only for ``nccl``; torch's own
+fix (pytorch/pytorch#179291) was withdrawn. So both strategies register it, for every backend. (A group the user created
+before the strategy is destroyed too: at a clean exit that is what torch asks for anyway.)
 
 [Note: gloo workers still holding the last work at teardown]
 ``destroy_process_group()`` does not stop gloo's worker threads (``pt_gloo_runloop``): they live until the last
 reference to their group dies, which for a model that keeps its groups (FSDP2, DeviceMesh) is during interpreter
-teardown. A worker drops its reference to the collective it just ran *after* the caller's ``wait()`` returned; if
-the worker is descheduled at that moment, the caller can run on into teardown first, free the Python objects of
-the collective's tensors (their ``PyObject`` then stays owned by the tensor), and the worker's late drop must take
-the GIL to release them: during teardown Python ends such a thread with ``pthread_exit``, whose unwinding through
-C++ aborts the whole process (``terminate called without an active exception``; core dump:
-``~AsyncAllreduceWork`` -> ``TensorImpl::decref_pyobject`` -> ``take_gil`` -> ``PyThread_exit_thread``). Seen in
-CI and once locally in a full suite after ``Trainer.fit`` had finished. So, after destroying the groups, the handler
-sleeps in short steps (releasing the GIL, letting any worker finish its drop) until no gloo worker thread has been
-running for three consecutive looks, at most :data:`QUIESCE_SECONDS`. A worker blocked rather than runnable is not
+teardown. A worker drops its reference to the collective it just ran *after* the caller's ``wait()`` returned; if the
+worker is descheduled at that moment, the caller can run on into teardown first, free the Python objects of the
+collective's tensors (their ``PyObject`` then stays owned by the tensor), and the worker's late drop must take the GIL
+to release them: during teardown Python ends such a thread with ``pthread_exit``, whose unwinding through C++ aborts the
+whole process (``terminate called without an active exception``; core dump: ``~AsyncAllreduceWork`` ->
+``TensorImpl::decref_pyobject`` -> ``take_gil`` -> ``PyThread_exit_thread``). So, after destroying the groups, the
+handler sleeps in short steps (releasing the GIL, letting any worker finish its drop) until no gloo worker thread has
+been running for three consecutive looks, at most :data:`QUIESCE_SECONDS`. A worker blocked rather than runnable is not
 seen by this; it narrows the window, it cannot close it (torch's fix would be to drop the work before completing it).
 
 On an exit by an uncaught exception the group is left alone: a peer may be dead with a collective in flight, and

@@ -2,12 +2,14 @@
 
 [Note: nested calls of the root]
 At stages 2-3 the LightningModule is the FSDP2 root and ``training_step`` runs inside the root's ``__call__`` (see
-:mod:`.zero`'s ``[Note: the root unit]``). The idiomatic ``self(x)`` in ``training_step`` calls the root a second
-time, nested in the first. FSDP2's post-forward hook of that inner call marks the root idle, so the *outer*
-post-forward no longer recognises the end of a forward and reshards the root's parameters, although the root (like
-every stage-2 unit) is meant to keep them from forward to backward; backward then all-gathers them again. A
-stage-2 step gathered the root twice, not once; the root usually holds the embeddings and the head, the largest
-tensors of a language model. (At stage 3 every unit, the root included, reshards after forward anyway.)
+:mod:`.apply_zero`'s ``[Note: the root unit]``). The idiomatic ``self(x)`` in ``training_step`` calls the root a second
+time, nested in the first. FSDP2's post-forward hook of that inner call marks the root idle, so the *outer* post-forward
+no longer recognises the end of a forward and reshards the root's parameters, although the root (like every stage-2
+unit) is meant to keep them from forward to backward; backward then all-gathers them again. A stage-2 step would gather
+the root twice, not once; the root usually holds the embeddings and the head, the largest tensors of a language model
+(counts: ``docs/performance_notes_lowprec.md``, section 2). Stage 3 keeps the root gathered from forward to backward
+too, unless ``reshard_after_forward`` is given: see
+``[Note: the two units stage 3 does not reshard after forward]`` in :mod:`.apply_zero`.
 
 :func:`root_post_forward_suspended` therefore turns the root's own post-forward hook into a pass-through while the
 outer forward runs: the nested calls still go through the pre-forward hook (inputs cast to the compute dtype,

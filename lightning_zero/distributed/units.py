@@ -1,8 +1,8 @@
 """FSDP2 units sized by bytes, small units left to the root, and explicit prefetch.
 
 FSDP2 communicates once per unit: one all-gather of the unit's parameters (twice per step at stage 3: forward and
-backward, except the root and the last unit, see ``zero._kept_from_forward_to_backward``) and one reduce-scatter of
-its gradients. Units that follow the model's repeated blocks make the number of collectives a property of the module
+backward, except the root and the last unit, see ``apply_zero._kept_from_forward_to_backward``) and one reduce-scatter
+of its gradients. Units that follow the model's repeated blocks make the number of collectives a property of the module
 tree: a flat ``nn.Sequential`` of 24 small ``Linear`` layers pays 24 fixed collective costs where DeepSpeed, which
 buckets by bytes, pays a few. :func:`plan_units` groups *consecutive* blocks
 (siblings of one parent, in registration order, which is the execution order of a ``Sequential`` and of the usual
@@ -25,17 +25,14 @@ that run after it (forward) or before it (backward) until their bytes reach the 
 moves the collective earlier but overlaps nothing; the knob is for CUDA.
 
 [Note: the default unit size]
-Whole training steps on a quiet machine set ``DEFAULT_UNIT_BYTES`` (2 gloo ranks on CPU, alternated runs; numbers in
-``docs/units.md``). A unit costs a fixed ~3 ms per stage-3 step beyond its bytes (hooks, copy-in/out and three
-collectives; a bare gloo all-gather costs ~0.15 ms), and gloo's cost per byte rises once messages leave the cache.
-On the issue-18 MLP (24 ``Linear(1024, 1024)``, 4 MiB each) the step time against 4 MiB units was 0.855 (8 MiB),
-0.80 (16 MiB) in fp32 at stage 3, 0.785 (16 MiB) in bf16, 0.88 (16 MiB) in fp32 at stage 2; 32 MiB units were
-1.23-1.36x slower than 16 MiB. So 16 MiB. What it costs is memory: at stage 3 about two units are gathered at a
-time (the current one and FSDP2's prefetch), so the peak grows with the unit (+50-85 MiB on that MLP, medians; a
-tiny Llama's four 2.6 MB blocks become one unit, +18 MiB). Blocks larger than the target (a transformer block of a
-1B-parameter model is over 100 MB in fp32) stay one unit each, exactly as without grouping. An earlier model fitted
-to single collectives on a loaded machine (load ~10) had put the optimum at 2-4 MiB; the whole-step measurement
-above replaced it.
+``DEFAULT_UNIT_BYTES`` comes from whole training steps on a quiet machine (2 gloo ranks on CPU, alternated runs), not
+from single collectives. A unit costs a fixed amount per step beyond its bytes (hooks, copy-in/out and three
+collectives at stage 3), so fewer units are faster, but gloo's cost per byte rises once messages leave the cache, so
+past some size larger units are slower again: 16 MiB was the fastest size measured. What a larger unit costs is
+memory: at stage 3 about two units are gathered at a time (the current one and FSDP2's prefetch), so the peak grows
+with the unit. Blocks larger than the target (a transformer block of a 1B-parameter model is over 100 MB in fp32)
+stay one unit each, exactly as without grouping. The step times and peaks behind the choice, and the 4 MiB default
+before it: ``docs/units.md``, "Why 16 MiB" and "Why 4 MiB at first".
 """
 
 from __future__ import annotations

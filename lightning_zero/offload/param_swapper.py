@@ -22,9 +22,9 @@ paths below crashes loudly instead of computing on stale values; call :meth:`Par
   DeepSpeed: units that fit are not read again for the backward or the step). Making room evicts a unit that no
   all-gather or step is using: once the first step has shown one step's sequence of uses (gathers, then the step's
   units), the unit needed again last among those whose release alone makes room (Belady's choice; with this
-  cyclic order least-recently-used evicts the unit needed next: 8 reads a step instead of 3 in
-  tests/test_nvme_param_reads.py), before that the least recently used. A clean unit is dropped; only a modified
-  one (stepped, or loaded) is written.
+  cyclic order least-recently-used evicts the unit needed next; read counts in ``docs/offload.md``, "Parameter
+  swapping"), before that the least recently used. A clean unit is dropped; only a modified one (stepped, or
+  loaded) is written.
 - ``state_dict()``/``load_state_dict()`` (checkpoint save and load): every unit is made resident and kept so until
   the next forward (it may exceed ``max_in_cpu`` only then), marked modified (a load may change it).
 

@@ -2,15 +2,15 @@
 
 [Note: in-place reads]
 ``O_DIRECT`` needs ``ALIGNMENT``-aligned memory. torch's CPU allocator aligns to 64 bytes, so a shard storage resized
-back to its size is no ``O_DIRECT`` target: every read went into an aligned staging buffer, then a copy into the
-shard (one memcpy of every byte read, a read of the model and more per step). Instead a swapped-in shard gets new
-aligned memory (:func:`~lightning_zero.offload.aio.aligned_buffer`) that the file is read into, and FSDP2's two
+back to its size is no ``O_DIRECT`` target: a read into it would have to go through an aligned staging buffer and a copy
+into the shard (one memcpy of every byte read, a read of the model and more per step). Instead a swapped-in shard gets
+new aligned memory (:func:`~lightning_zero.offload.aio.aligned_buffer`) that the file is read into, and FSDP2's two
 tensors on a shard's memory are re-pointed to it, as FSDP2's own ``FSDPParam.reset_sharded_param`` replaces them:
 ``FSDPParam._sharded_param_data`` (the padded flat shard its all-gather reads) and the sharded DTensor parameter's
 ``_local_tensor`` (the narrow view of it that the optimizer steps). Every object the optimizer, the module and the
-checkpoint code hold (the DTensor parameter, its ``grad``, the states keyed by it) stays the same. A staging buffer
-that read a whole shard ahead, of exactly the shard's aligned size, becomes the shard's memory instead of being
-copied. Eviction frees the shard's storage as before (``resize_(0)``): reading a swapped-out shard still fails loudly.
+checkpoint code hold (the DTensor parameter, its ``grad``, the states keyed by it) stays the same. A staging buffer that
+read a whole shard ahead, of exactly the shard's aligned size, becomes the shard's memory instead of being copied.
+Eviction frees the shard's storage (``resize_(0)``): reading a swapped-out shard fails loudly.
 
 Where FSDP2's layout is not the one expected (a storage offset or a storage larger than the padded shard, a tensor
 subclass, an attribute missing in another torch version), :func:`can_read_in_place` says so and the swapper keeps

@@ -3,16 +3,13 @@ parameter copy the device needs, written in the same step.
 
 [Note: why torch's fused CPU kernel and not a compiled extension]
 DeepSpeed ships ``DeepSpeedCPUAdam``, a C++/AVX extension that updates p, m, v and writes an fp16/bf16 copy of p per
-element. We ship no compiled extension. The two candidates were measured with ``benchmarks/bench_optimizers.py`` and a
-prototype on the 2-core CI machine (8M parameters, bf16 copy):
-  * torch's fused CPU Adam kernel (``torch.optim.adam.adam(fused=True)``, vectorised and threaded) followed by
-    ``low_precision.copy_(p)``: 1.3-1.5x the bandwidth floor (the floor is computed from a plain ``copy_``, which
-    streams less efficiently than the fused kernel);
-  * a ``torch.compile``d elementwise function writing p, m, v and the copy in one loop: 0.96x the floor, and 70 s
-    of compilation on that machine, paid again in every process.
-So the copy is a second (cheap: 4 bytes read, 2 written per element, against 28 for the Adam update) pass after the
-fused kernel; running both chunk by chunk so that p is still in cache was slower in practice (per-call overhead of
-the functional API). The benchmark reports the ratio to the floor; see ``docs/ops.md``.
+element. We ship no compiled extension: torch's fused CPU Adam kernel (``torch.optim.adam.adam(fused=True)``,
+vectorised and threaded) followed by ``low_precision.copy_(p)`` runs at about the bandwidth floor, and a
+``torch.compile``d elementwise function writing p, m, v and the copy in one loop would add a compilation in every
+process. So the copy is a second (cheap: 4 bytes read, 2 written per element, against 28 for the Adam update) pass
+after the fused kernel over all parameters, not a chunk-by-chunk interleaving of the two (the per-call overhead of the
+functional API outweighs the cache reuse). The measurements (``benchmarks/bench_optimizers.py``, ratios to the
+bandwidth floor) are in ``docs/ops.md``, "Why no compiled extension" and "Benchmark".
 
 Math and arguments are DeepSpeed's ``DeepSpeedCPUAdam`` (``adamw_mode``, ``bias_correction``), identical to
 :class:`lightning_zero.ops.FusedAdam`.

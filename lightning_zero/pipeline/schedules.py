@@ -284,7 +284,7 @@ def _no_self_warmup(stage: PipelineStage) -> PipelineStage:
     [Note: torch 2.11's warm-up to itself] Before its first step, torch 2.11's ``PipelineScheduleMulti`` sends a
     dummy tensor from every stage to its neighbours (``_get_init_p2p_neighbors_ops``), also where the neighbour
     lives on the same rank, which ZBV's V placement always has (stages 1 and 2 of 2 ranks). Gloo has no pair to
-    itself ("Pair is not connected"): on CPU the step failed on one rank and hung the other. torch 2.13 warms up
+    itself ("Pair is not connected"): on CPU the step fails on one rank and hangs the other. torch 2.13 warms up
     through a vote instead and calls this method only for other stage types. The messages carry nothing (stages on
     one rank pass activations in memory): dropping them in matched pairs (each self-send has its self-receive on the
     neighbour stage) leaves every other message as it was. A stage without the method (a later torch) is left alone.

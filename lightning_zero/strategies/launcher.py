@@ -6,18 +6,17 @@
 - The trained weights reach the launching process whole (the note below).
 
 A subclass rather than patched instance methods: with ``spawn`` the launcher is pickled into every rank, and a
-closure stored on the instance cannot be (``ZeroStrategy(start_method="spawn")`` failed that way before any rank
-started).
+closure stored on the instance cannot be (``docs/reliability.md``, "Starting and ending rank processes").
 
 [Note: what Lightning's multiprocessing launcher sends back]
-When the Trainer starts its own rank processes, rank 0 saves ``lightning_module.state_dict()`` to a temporary file
-at the end of ``fit`` and the launching process loads it into its copy of the module (non-strict), so that the
-user's ``model`` object holds the trained weights afterwards. At stages 2-3 that state dict holds DTensor shards:
-rank 0 would send only its shard, which the launching process cannot even load (``torch.load`` with a callable
-``map_location`` refuses DTensors) - the fit ended with an exception after training had finished. Here every rank
-gathers each sharded tensor to a full one (a collective, in state-dict order, so every rank takes part) and rank 0
-sends full CPU tensors, which load into the launching process's plain module as with DDP. Swapped-out parameters
-(NVMe) are made resident first. Stages 0-1 hold full tensors already and are left as they are.
+When the Trainer starts its own rank processes, rank 0 saves ``lightning_module.state_dict()`` to a temporary file at
+the end of ``fit`` and the launching process loads it into its copy of the module (non-strict), so that the user's
+``model`` object holds the trained weights afterwards. At stages 2-3 that state dict holds DTensor shards: rank 0 would
+send only its shard, which the launching process cannot even load (``torch.load`` with a callable ``map_location``
+refuses DTensors), so the fit would end with an exception after training. Here every rank gathers each sharded tensor to
+a full one (a collective, in state-dict order, so every rank takes part) and rank 0 sends full CPU tensors, which load
+into the launching process's plain module as with DDP. Swapped-out parameters (NVMe) are made resident first. Stages 0-1
+hold full tensors already and are left as they are.
 """
 
 from __future__ import annotations
