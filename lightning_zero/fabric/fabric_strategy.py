@@ -157,9 +157,13 @@ class ZeroStrategy(ParallelStrategy):
         self._num_nodes = 1
         self.meshes: Optional[runtime.Meshes] = None  # once the process group exists
         self._runner = None  # the pipelined module's runner (see lightning_zero.fabric.fabric_pipeline)
-        self._backward_sync_control = _ZeroBackwardSyncControl(lambda: self._runner)
+        # a bound method, not a lambda: start_method="spawn" pickles the strategy into every rank
+        self._backward_sync_control = _ZeroBackwardSyncControl(self._pipeline_runner)
         self._modules: list[nn.Module] = []  # the user's modules set up so far (unwrapped)
         self._optimizers: list[Optimizer] = []  # their partitioned optimizers (teardown stops NVMe swapping)
+
+    def _pipeline_runner(self) -> Any:
+        return self._runner
 
     # ------------------------------------------------------------------ properties
     @property

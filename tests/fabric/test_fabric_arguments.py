@@ -84,3 +84,13 @@ def test_both_adapters_block_gradient_sync_through_one_helper(monkeypatch):
                 assert calls == [(module, False)] and runner.sync_grads is False, name
                 raise RuntimeError("inside")
         assert calls == [(module, False), (module, True)] and runner.sync_grads is True, name
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_both_adapters_pickle_for_spawned_ranks(stage):
+    # start_method="spawn" pickles the strategy into every rank: nothing it holds may be a local function
+    import pickle
+
+    for cls in (TrainerZeroStrategy, ZeroStrategy):
+        restored = pickle.loads(pickle.dumps(cls(stage=stage)))
+        assert type(restored) is cls and restored.stage == stage
