@@ -18,7 +18,8 @@ So, for the fork start method only:
   launching process anyway.
 
 ``spawn``/``forkserver`` ranks start from a fresh interpreter and need neither; ``popen`` ranks are new programs.
-Both launchers use these: :class:`~lightning_zero.strategies.launcher.ZeroMultiProcessingLauncher` (Trainer) and
+Both launchers use these: the Trainer's
+:class:`~lightning_zero.strategies.multiprocessing_launcher.ZeroMultiProcessingLauncher` and
 :class:`FabricMultiProcessingLauncher` below.
 """
 

@@ -30,9 +30,9 @@ from typing import Any, Dict, Iterable, List, Optional
 
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 
+from lightning_zero.checkpoint.atomic import INFO_FILE
 from lightning_zero.checkpoint.errors import CheckpointError
 
-INFO_FILE = "zero.json"
 METADATA_FILE = ".metadata"
 _BLOCK = 1 << 20  # read in 1 MiB blocks: bounded memory whatever the file size
 

@@ -21,12 +21,12 @@ from lightning_zero.ds_config import schema
 from lightning_zero.ds_config.loading import DeepSpeedConfigError, DeepSpeedConfigWarning
 from lightning_zero.ds_config.translate_checks import (
     AUTO,
-    _check_flag,
-    _check_number,
-    _Collector,
-    _honoured,
-    _merge_section,
-    _suggest,
+    Collector,
+    check_flag,
+    check_number,
+    honoured,
+    merge_section,
+    suggest,
 )
 
 COMMUNICATION_DATA_TYPES = ("fp32", "bf16", "fp16")
@@ -93,7 +93,7 @@ def _is_disabled(value: Any) -> bool:
     return isinstance(value, dict) and value.get("enabled", True) is False
 
 
-def _section(config: dict, name: str, out: _Collector) -> Optional[dict]:
+def _section(config: dict, name: str, out: Collector) -> Optional[dict]:
     value = config.get(name)
     if value is None:
         return None
@@ -102,7 +102,7 @@ def _section(config: dict, name: str, out: _Collector) -> Optional[dict]:
     return value
 
 
-def _normalise_deprecated(config: dict, out: _Collector) -> dict:
+def _normalise_deprecated(config: dict, out: Collector) -> dict:
     """Rewrite the spellings DeepSpeed still reads into current ones, warning once per key."""
     config = copy.deepcopy(config)
     zero = config.get("zero_optimization")
@@ -143,7 +143,7 @@ def _normalise_deprecated(config: dict, out: _Collector) -> dict:
     return config
 
 
-def _translate_offload(zero: dict, stage: int, out: _Collector, kwargs: dict) -> dict:
+def _translate_offload(zero: dict, stage: int, out: Collector, kwargs: dict) -> dict:
     """DeepSpeed's two offload sections -> the strategy's ``offload_optimizer`` and ``offload_params`` (each
     honoured separately; ``offload`` also carries the shorthand, for reports)."""
     devices: dict[str, str] = {}
@@ -156,13 +156,13 @@ def _translate_offload(zero: dict, stage: int, out: _Collector, kwargs: dict) ->
             continue
         if not isinstance(user, dict):
             raise DeepSpeedConfigError(f"zero_optimization.{sub} must be a JSON object, got {user!r}")
-        merged = _merge_section(user, keys, f"zero_optimization.{sub}", out)
+        merged = merge_section(user, keys, f"zero_optimization.{sub}", out)
         device = str(merged["device"]).lower()
         if device not in ("none", "cpu", "nvme"):
             raise DeepSpeedConfigError(f"zero_optimization.{sub}.device must be 'none', 'cpu' or 'nvme', got "
                                        f"{merged['device']!r}")
         merged["device"] = device
-        pin = _check_flag(f"zero_optimization.{sub}.pin_memory", merged["pin_memory"])
+        pin = check_flag(f"zero_optimization.{sub}.pin_memory", merged["pin_memory"])
         effective[sub] = merged
         if device == "none":
             continue
@@ -200,7 +200,7 @@ def _translate_offload(zero: dict, stage: int, out: _Collector, kwargs: dict) ->
     return effective
 
 
-def _translate_nvme(zero: dict, stage: int, devices: dict, effective: dict, out: _Collector, kwargs: dict) -> None:
+def _translate_nvme(zero: dict, stage: int, devices: dict, effective: dict, out: Collector, kwargs: dict) -> None:
     """NVMe offload keeps DeepSpeed's two sections apart: ``offload_optimizer``/``offload_params`` (precise form)
     plus ``nvme_path`` and ``buffer_count`` of the section(s) on NVMe, ``sub_group_size`` of the optimizer's
     swapping, and ``buffer_size``/``max_in_cpu`` of the parameters' swapping (stage 3).
@@ -222,13 +222,13 @@ def _translate_nvme(zero: dict, stage: int, devices: dict, effective: dict, out:
                                    f"and offload_param.nvme_path ({paths['offload_param']!r}) differ: this strategy "
                                    "swaps both under one nvme_path; give the same directory")
     kwargs["nvme_path"] = paths[on_nvme[0]]
-    counts = {sub: _check_number(f"zero_optimization.{sub}.buffer_count", effective[sub]["buffer_count"],
+    counts = {sub: check_number(f"zero_optimization.{sub}.buffer_count", effective[sub]["buffer_count"],
                                  integer=True) for sub in on_nvme}
     kwargs["buffer_count"] = counts[on_nvme[0]]
     for sub in on_nvme:
-        _honoured(out, f"zero_optimization.{sub}.nvme_path", "-> nvme_path")
+        honoured(out, f"zero_optimization.{sub}.nvme_path", "-> nvme_path")
         if counts[sub] == kwargs["buffer_count"]:
-            _honoured(out, f"zero_optimization.{sub}.buffer_count", "-> buffer_count (swap buffers resident)")
+            honoured(out, f"zero_optimization.{sub}.buffer_count", "-> buffer_count (swap buffers resident)")
         else:
             # stays a no-effect key (warned, or refused under strict, when it is not DeepSpeed's default)
             path = f"zero_optimization.{sub}.buffer_count"
@@ -238,12 +238,12 @@ def _translate_nvme(zero: dict, stage: int, devices: dict, effective: dict, out:
     if "offload_param" in on_nvme:
         section = effective["offload_param"]
         for key in ("buffer_size", "max_in_cpu"):
-            kwargs[key] = _check_number(f"zero_optimization.offload_param.{key}", section[key], integer=True)
-            _honoured(out, f"zero_optimization.offload_param.{key}", f"-> {key} (parameter swapping)")
+            kwargs[key] = check_number(f"zero_optimization.offload_param.{key}", section[key], integer=True)
+            honoured(out, f"zero_optimization.offload_param.{key}", f"-> {key} (parameter swapping)")
     if "sub_group_size" in zero and "offload_optimizer" in on_nvme:
-        kwargs["sub_group_size"] = _check_number("zero_optimization.sub_group_size", zero["sub_group_size"],
+        kwargs["sub_group_size"] = check_number("zero_optimization.sub_group_size", zero["sub_group_size"],
                                                  integer=True)
-        _honoured(out, "zero_optimization.sub_group_size", "-> sub_group_size (elements per swapped sub-group)")
+        honoured(out, "zero_optimization.sub_group_size", "-> sub_group_size (elements per swapped sub-group)")
 
 
 AIO_TRANSLATION = {"block_size": "block_size", "queue_depth": "queue_depth", "thread_count": "thread_count",
@@ -251,7 +251,7 @@ AIO_TRANSLATION = {"block_size": "block_size", "queue_depth": "queue_depth", "th
                    "overlap_events": "overlap_events"}
 
 
-def _translate_aio(config: dict, out: _Collector, kwargs: dict) -> None:
+def _translate_aio(config: dict, out: Collector, kwargs: dict) -> None:
     """DeepSpeed's ``aio`` section -> the swap engine's knobs (only with an offload device on NVMe)."""
     aio = _section(config, "aio", out)
     if aio is None:
@@ -273,7 +273,7 @@ def _translate_aio(config: dict, out: _Collector, kwargs: dict) -> None:
     kwargs["aio"] = mapped
 
 
-def _translate_zero(config: dict, out: _Collector, kwargs: dict) -> tuple[dict, bool]:
+def _translate_zero(config: dict, out: Collector, kwargs: dict) -> tuple[dict, bool]:
     zero = _section(config, "zero_optimization", out) or {}
     stage = zero.get("stage", 0)
     if stage == AUTO or isinstance(stage, bool) or not isinstance(stage, int) or stage not in (0, 1, 2, 3):
@@ -281,7 +281,7 @@ def _translate_zero(config: dict, out: _Collector, kwargs: dict) -> tuple[dict, 
                                    f"{stage!r}")
     kwargs["stage"] = stage
     scalar_user = {k: v for k, v in zero.items() if k not in ("offload_optimizer", "offload_param")}
-    merged = _merge_section(scalar_user, schema.ZERO_KEYS, "zero_optimization", out)
+    merged = merge_section(scalar_user, schema.ZERO_KEYS, "zero_optimization", out)
     if stage <= 1 and "reduce_bucket_size" in zero:
         # Stages 0-1 run DDP, whose gradient bucket this is (see lightning_zero.distributed.ddp).
         path = "zero_optimization.reduce_bucket_size"
@@ -293,26 +293,26 @@ def _translate_zero(config: dict, out: _Collector, kwargs: dict) -> tuple[dict, 
     for key in ("reduce_bucket_size", "allgather_bucket_size", "sub_group_size", "stage3_prefetch_bucket_size",
                 "stage3_param_persistence_threshold", "stage3_model_persistence_threshold",
                 "stage3_max_live_parameters", "stage3_max_reuse_distance"):
-        merged[key] = _check_number(f"zero_optimization.{key}", merged[key], integer=True)
+        merged[key] = check_number(f"zero_optimization.{key}", merged[key], integer=True)
     _translate_units(zero, merged, stage, out, kwargs)
-    hpz = _check_number("zero_optimization.zero_hpz_partition_size", merged["zero_hpz_partition_size"], integer=True,
+    hpz = check_number("zero_optimization.zero_hpz_partition_size", merged["zero_hpz_partition_size"], integer=True,
                         allow_auto=False)
     if hpz > 1:
         if stage != 3:
             raise DeepSpeedConfigError(f"zero_optimization.zero_hpz_partition_size={hpz} (ZeRO++ hpZ) needs stage 3, "
                                        f"got stage {stage}")
         kwargs["reshard_after_forward"] = hpz
-    mics = _check_number("zero_optimization.mics_shard_size", merged["mics_shard_size"], integer=True,
+    mics = check_number("zero_optimization.mics_shard_size", merged["mics_shard_size"], integer=True,
                          allow_auto=False, minimum=-1)
     if mics > 0:  # MiCS is HSDP; hpZ above is not (see docs/ds_config.md, "Hybrid sharding")
         kwargs["hybrid_shard_size"] = mics
     # "auto" as Hugging Face/accelerate configs write it; resolve_auto turns it into accelerate's default (false)
-    gather = _check_flag("zero_optimization.stage3_gather_16bit_weights_on_model_save",
+    gather = check_flag("zero_optimization.stage3_gather_16bit_weights_on_model_save",
                          merged["stage3_gather_16bit_weights_on_model_save"], allow_auto=True)
     return merged, gather
 
 
-def _translate_units(zero: dict, merged: dict, stage: int, out: _Collector, kwargs: dict) -> None:
+def _translate_units(zero: dict, merged: dict, stage: int, out: Collector, kwargs: dict) -> None:
     """DeepSpeed's bucket keys -> the FSDP2 unit knobs (:mod:`lightning_zero.distributed.units`), only where the
     config wrote a number (a DeepSpeed default is tuned for DeepSpeed's buckets, not carried over). At stage 2 one
     FSDP2 unit is both DeepSpeed's reduce bucket and all-gather bucket: the smaller written size wins; at stage 3
@@ -330,20 +330,20 @@ def _translate_units(zero: dict, merged: dict, stage: int, out: _Collector, kwar
         if key not in zero:
             continue
         if zero[key] == AUTO:
-            _honoured(out, path, '"auto" -> not mapped: the FSDP2 units are planned before setup resolves "auto", '
+            honoured(out, path, '"auto" -> not mapped: the FSDP2 units are planned before setup resolves "auto", '
                       "so the strategy's default applies (docs/units.md)")
         elif key in unit_keys:
             written = [merged[k] for k in unit_keys if k in zero and zero[k] != AUTO]
             kwargs["unit_bytes"] = min(written) * element
-            _honoured(out, path, f"-> unit_bytes={kwargs['unit_bytes']} (FSDP2 units grouped to this many bytes: "
+            honoured(out, path, f"-> unit_bytes={kwargs['unit_bytes']} (FSDP2 units grouped to this many bytes: "
                       f"the smaller of {' and '.join(unit_keys)} as written, x {element} bytes)")
         else:
             name, scale = targets[key]
             kwargs[name] = merged[key] * scale
-            _honoured(out, path, f"-> {name}={kwargs[name]}")
+            honoured(out, path, f"-> {name}={kwargs[name]}")
 
 
-def _translate_precision(config: dict, out: _Collector, kwargs: dict) -> tuple[Optional[str], dict]:
+def _translate_precision(config: dict, out: Collector, kwargs: dict) -> tuple[Optional[str], dict]:
     effective: dict = {}
     enabled: dict[str, Any] = {}
     for name, keys in (("fp16", schema.FP16_KEYS), ("bf16", schema.BF16_KEYS), ("torch_autocast",
@@ -351,8 +351,8 @@ def _translate_precision(config: dict, out: _Collector, kwargs: dict) -> tuple[O
         user = _section(config, name, out)
         if user is None:
             continue
-        merged = _merge_section(user, keys, name, out)
-        enabled[name] = _check_flag(f"{name}.enabled", merged["enabled"], allow_auto=name != "torch_autocast")
+        merged = merge_section(user, keys, name, out)
+        enabled[name] = check_flag(f"{name}.enabled", merged["enabled"], allow_auto=name != "torch_autocast")
         effective[name] = merged
     if "torch_autocast" in effective and enabled["torch_autocast"]:
         dtype = str(effective["torch_autocast"]["dtype"]).replace("torch.", "").lower()
@@ -368,16 +368,16 @@ def _translate_precision(config: dict, out: _Collector, kwargs: dict) -> tuple[O
                                    "precision; set one of them to false")
     if "fp16" in effective and enabled.get("fp16") is True:
         fp16 = effective["fp16"]
-        fp16["loss_scale"] = _check_number("fp16.loss_scale", fp16["loss_scale"], allow_auto=False)
-        fp16["initial_scale_power"] = _check_number("fp16.initial_scale_power", fp16["initial_scale_power"],
+        fp16["loss_scale"] = check_number("fp16.loss_scale", fp16["loss_scale"], allow_auto=False)
+        fp16["initial_scale_power"] = check_number("fp16.initial_scale_power", fp16["initial_scale_power"],
                                                     integer=True, allow_auto=False)
-        fp16["loss_scale_window"] = _check_number("fp16.loss_scale_window", fp16["loss_scale_window"], integer=True,
+        fp16["loss_scale_window"] = check_number("fp16.loss_scale_window", fp16["loss_scale_window"], integer=True,
                                                   allow_auto=False, strictly_positive=True)
-        fp16["hysteresis"] = _check_number("fp16.hysteresis", fp16["hysteresis"], integer=True, minimum=1,
+        fp16["hysteresis"] = check_number("fp16.hysteresis", fp16["hysteresis"], integer=True, minimum=1,
                                            allow_auto=False)
-        fp16["min_loss_scale"] = _check_number("fp16.min_loss_scale", fp16["min_loss_scale"], allow_auto=False,
+        fp16["min_loss_scale"] = check_number("fp16.min_loss_scale", fp16["min_loss_scale"], allow_auto=False,
                                                strictly_positive=True)
-        _check_flag("fp16.consecutive_hysteresis", fp16["consecutive_hysteresis"])
+        check_flag("fp16.consecutive_hysteresis", fp16["consecutive_hysteresis"])
         kwargs.update({key: fp16[key] for key in _LOSS_SCALE_KWARGS})
     elif "fp16" in effective and any(key in config["fp16"] for key in _LOSS_SCALE_KWARGS):
         out.note("fp16", "fp16 is not enabled: its loss-scale keys have no effect")
@@ -390,7 +390,7 @@ def _translate_precision(config: dict, out: _Collector, kwargs: dict) -> tuple[O
     return ("32-true" if effective else None), effective
 
 
-def _translate_named_spec(config: dict, name: str, out: _Collector) -> Optional[dict]:
+def _translate_named_spec(config: dict, name: str, out: Collector) -> Optional[dict]:
     spec = config.get(name)
     if spec is None:
         return None
@@ -403,7 +403,7 @@ def _translate_named_spec(config: dict, name: str, out: _Collector) -> Optional[
     allowed = {"type", "params"} | ({"legacy_fusion"} if name == "optimizer" else set())
     for key in spec:
         if key not in allowed:
-            out.problem(f"{name}.{key}", f"unknown key; {_suggest(key, sorted(allowed), name)}")
+            out.problem(f"{name}.{key}", f"unknown key; {suggest(key, sorted(allowed), name)}")
     if "legacy_fusion" in spec:
         out.note("optimizer.legacy_fusion", "no effect: a FusedAdam-specific switch of DeepSpeed")
     if name == "optimizer" and "max_grad_norm" in params:
@@ -413,7 +413,7 @@ def _translate_named_spec(config: dict, name: str, out: _Collector) -> Optional[
     return {"type": spec["type"], "params": copy.deepcopy(params)}
 
 
-def _check_top_level_keys(config: dict, out: _Collector) -> None:
+def _check_top_level_keys(config: dict, out: Collector) -> None:
     """A problem for each top-level key that is neither a known key nor a disabled unsupported section (those get a
     note)."""
     for key, value in config.items():
@@ -426,23 +426,23 @@ def _check_top_level_keys(config: dict, out: _Collector) -> None:
                 out.problem(key, f"not supported: {schema.UNSUPPORTED_SECTIONS[key]} is not part of lightning-zero")
             continue
         candidates = list(schema.TOP_LEVEL_KEYS) + list(schema.UNSUPPORTED_SECTIONS)
-        out.problem(key, f"unknown top-level key; {_suggest(key, candidates, '')}")
+        out.problem(key, f"unknown top-level key; {suggest(key, candidates, '')}")
 
 
-def _translate_sections(config: dict, out: _Collector, kwargs: dict, effective: dict) -> None:
+def _translate_sections(config: dict, out: Collector, kwargs: dict, effective: dict) -> None:
     """The ``activation_checkpointing``, ``pipeline`` and ``checkpoint`` sections, merged with their defaults into
     ``effective``; a fixed ``pipeline.stages`` becomes ``pipeline_parallel_size`` in ``kwargs``."""
     for name in ("activation_checkpointing", "pipeline", "checkpoint"):
         user = _section(config, name, out)
         if user is not None:
-            effective[name] = _merge_section(user, schema.SECTION_KEYS[name], name, out)
+            effective[name] = merge_section(user, schema.SECTION_KEYS[name], name, out)
     pipeline_stages = effective.get("pipeline", {}).get("stages", AUTO)
     if pipeline_stages != AUTO:
-        kwargs["pipeline_parallel_size"] = _check_number("pipeline.stages", pipeline_stages, integer=True,
+        kwargs["pipeline_parallel_size"] = check_number("pipeline.stages", pipeline_stages, integer=True,
                                                          allow_auto=False, strictly_positive=True)
 
 
-def _record_top_level_settings(config: dict, out: _Collector, effective: dict) -> None:
+def _record_top_level_settings(config: dict, out: Collector, effective: dict) -> None:
     """The top-level keys without a translation of their own in :func:`translate_ds_config` (batch sizes, clipping,
     logging, no-effect switches): each gets its note (or a problem, for an unsupported value) and is copied to
     ``effective`` as given."""
@@ -484,7 +484,7 @@ def translate_ds_config(config: dict, *, strict: bool = True) -> DeepSpeedTransl
     """
     if not isinstance(config, dict):
         raise TypeError(f"config must be a dict (use load_ds_config for files), got {type(config).__name__}")
-    out = _Collector(strict)
+    out = Collector(strict)
     config = _normalise_deprecated(config, out)
     effective: dict = {}
     _check_top_level_keys(config, out)
@@ -496,15 +496,15 @@ def translate_ds_config(config: dict, *, strict: bool = True) -> DeepSpeedTransl
     effective.update(precision_effective)
     _translate_sections(config, out, kwargs, effective)
 
-    batch = {key: _check_number(key, config.get(key), integer=True, strictly_positive=True)
+    batch = {key: check_number(key, config.get(key), integer=True, strictly_positive=True)
              for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")}
     if isinstance(batch["gradient_accumulation_steps"], int) and "pipeline_parallel_size" in kwargs:
         # DeepSpeed's pipeline engine runs gradient_accumulation_steps micro-batches per optimizer step.
         kwargs["micro_batches"] = batch["gradient_accumulation_steps"]
-    clipping = _check_number("gradient_clipping", config.get("gradient_clipping"))
-    steps_per_print = _check_number("steps_per_print", config.get("steps_per_print"), integer=True,
+    clipping = check_number("gradient_clipping", config.get("gradient_clipping"))
+    steps_per_print = check_number("steps_per_print", config.get("steps_per_print"), integer=True,
                                     allow_auto=False, strictly_positive=True)
-    wall_clock = _check_flag("wall_clock_breakdown", config.get("wall_clock_breakdown", False))
+    wall_clock = check_flag("wall_clock_breakdown", config.get("wall_clock_breakdown", False))
 
     comm = config.get("communication_data_type")
     if comm is not None:

@@ -17,7 +17,7 @@ from lightning_zero.ds_config.schema import KeySpec
 AUTO = "auto"
 
 
-class _Collector:
+class Collector:
     """Gathers notes, non-default no-effect keys, and problems, so one translation reports everything at once."""
 
     def __init__(self, strict: bool) -> None:
@@ -47,7 +47,7 @@ class _Collector:
                 + ", ".join(self.no_effect_non_default), DeepSpeedConfigWarning, stacklevel=3)
 
 
-def _suggest(key: str, candidates: list[str], section: str) -> str:
+def suggest(key: str, candidates: list[str], section: str) -> str:
     """A ' did you mean' hint: the closest key of this section, or the section where this key really lives."""
     close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
     if close:
@@ -62,14 +62,14 @@ def _suggest(key: str, candidates: list[str], section: str) -> str:
     return "no similar key is known"
 
 
-def _merge_section(user: dict, keys: dict[str, KeySpec], section: str, out: _Collector) -> dict:
+def merge_section(user: dict, keys: dict[str, KeySpec], section: str, out: Collector) -> dict:
     """Defaults of ``keys`` overlaid with the known user keys; unknown keys become problems, no-effect keys notes."""
     merged = {key: spec.default for key, spec in keys.items() if spec.default is not schema.DERIVED}
     for key, value in user.items():
         path = f"{section}.{key}"
         spec = keys.get(key)
         if spec is None:
-            out.problem(path, f"unknown key; {_suggest(key, list(keys), section)}")
+            out.problem(path, f"unknown key; {suggest(key, list(keys), section)}")
             continue
         merged[key] = value
         if spec.role == schema.NO_EFFECT:
@@ -87,7 +87,7 @@ def _merge_section(user: dict, keys: dict[str, KeySpec], section: str, out: _Col
     return merged
 
 
-def _check_number(path: str, value: Any, *, integer: bool = False, minimum: float = 0, allow_auto: bool = True,
+def check_number(path: str, value: Any, *, integer: bool = False, minimum: float = 0, allow_auto: bool = True,
                   strictly_positive: bool = False) -> Any:
     """Validate a numeric value; integral floats (DeepSpeed configs write ``1e9``) become ints for integer keys."""
     if value is None or (allow_auto and value == AUTO):
@@ -105,14 +105,14 @@ def _check_number(path: str, value: Any, *, integer: bool = False, minimum: floa
     return value
 
 
-def _check_flag(path: str, value: Any, allow_auto: bool = False) -> Any:
+def check_flag(path: str, value: Any, allow_auto: bool = False) -> Any:
     if isinstance(value, bool) or (allow_auto and value == AUTO):
         return value
     allowed = 'true, false or "auto"' if allow_auto else "true or false"
     raise DeepSpeedConfigError(f"{path} must be {allowed}, got {value!r}")
 
 
-def _honoured(out: _Collector, path: str, text: str) -> None:
+def honoured(out: Collector, path: str, text: str) -> None:
     """Replace the generic no-effect note (and warning) of ``path`` by what it now maps to."""
     out.notes = [(key, note) for key, note in out.notes if key != path]
     out.no_effect_non_default = [item for item in out.no_effect_non_default if not item.startswith(path + "=")]

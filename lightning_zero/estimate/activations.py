@@ -130,7 +130,8 @@ def activation_bytes(shape: TransformerShape, precision: str = "32-true",
     return ActivationBytes(layer + head, inputs)
 
 
-def _storage_key(tensor: Tensor) -> tuple[str, int]:
+def storage_key(tensor: Tensor) -> tuple[str, int]:
+    """What identifies ``tensor``'s storage: its device and data pointer (views share it)."""
     return str(tensor.device), tensor.untyped_storage().data_ptr()
 
 
@@ -140,6 +141,13 @@ class SavedBytes:
     def __init__(self) -> None:
         self.by_device: dict[str, int] = {}
         self._seen: set[tuple[str, int]] = set()
+
+    def add(self, tensor: Tensor, device: str) -> None:
+        """Count the bytes of ``tensor``'s storage on ``device``, once per storage."""
+        key = storage_key(tensor)
+        if key not in self._seen:
+            self._seen.add(key)
+            self.by_device[device] = self.by_device.get(device, 0) + tensor.untyped_storage().nbytes()
 
     @property
     def total(self) -> int:
@@ -155,19 +163,15 @@ def saved_activation_bytes(exclude: Iterable[Tensor] = ()) -> Iterator[SavedByte
     non-reentrant ``torch.utils.checkpoint`` region go to its own hooks and are not seen; a reentrant one saves its
     inputs here.
     """
-    excluded = {_storage_key(t) for t in exclude if not t.is_meta}
+    excluded = {storage_key(t) for t in exclude if not t.is_meta}
     result = SavedBytes()
 
     def pack(tensor: Tensor) -> Tensor:
         # Parameters and their views (a linear layer saves ``weight.t()``) are model states, including the
         # parameters FSDP2 gathers for a unit, which are parameters of their own.
         is_param = isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter)
-        if not tensor.is_meta and not is_param:
-            key = _storage_key(tensor)
-            if key not in excluded and key not in result._seen:
-                result._seen.add(key)
-                device = tensor.device.type
-                result.by_device[device] = result.by_device.get(device, 0) + tensor.untyped_storage().nbytes()
+        if not tensor.is_meta and not is_param and storage_key(tensor) not in excluded:
+            result.add(tensor, tensor.device.type)
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from lightning_zero.distributed.activation_checkpointing import is_checkpointed
-from lightning_zero.estimate.activations import SavedBytes, _storage_key, saved_activation_bytes
+from lightning_zero.estimate.activations import SavedBytes, saved_activation_bytes
 
 
 def checkpointed_blocks(module: nn.Module) -> list[nn.Module]:
@@ -49,13 +49,9 @@ def checkpointed_activation_bytes(module: nn.Module) -> Iterator[SavedBytes]:
             for tensor in (*args, *kwargs.values()):
                 if not isinstance(tensor, torch.Tensor) or tensor.is_meta:
                     continue
-                key = _storage_key(tensor)
-                if key in result._seen:
-                    continue
-                result._seen.add(key)
                 # save_on_cpu keeps a CPU copy of each positional input; keyword tensors stay where they are
                 device = "cpu" if offload[id(block)] and any(tensor is a for a in args) else tensor.device.type
-                result.by_device[device] = result.by_device.get(device, 0) + tensor.untyped_storage().nbytes()
+                result.add(tensor, device)
 
         handles = [b.register_forward_pre_hook(count_inputs, with_kwargs=True) for b in blocks]
         try:

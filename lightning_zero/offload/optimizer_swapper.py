@@ -120,7 +120,7 @@ def get_swapper(optimizer) -> Optional["OptimizerStateSwapper"]:
     return getattr(optimizer, _ATTR, None)
 
 
-def _remove_folder(path: str) -> None:
+def remove_folder(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
@@ -140,7 +140,7 @@ class OptimizerStateSwapper:
         self.run_folder = tempfile.mkdtemp(prefix="lz-swap-", dir=nvme.nvme_path)
         self.folder = os.path.join(self.run_folder, f"rank{rank}")
         os.makedirs(self.folder)
-        self._finalizer = weakref.finalize(self, _remove_folder, self.run_folder)
+        self._finalizer = weakref.finalize(self, remove_folder, self.run_folder)
         self.io = AsyncFileIO(nvme.aio)
         self.subgroups = self._split([p for g in optimizer.param_groups for p in g["params"]])
         self.layouts: dict[int, list[_Entry]] = {}

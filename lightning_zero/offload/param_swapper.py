@@ -52,7 +52,7 @@ from torch import Tensor, nn
 
 from lightning_zero.offload.aio import AsyncFileIO, SwapIOError, align_up, aligned_buffer
 from lightning_zero.offload.nvme_config import NvmeConfig
-from lightning_zero.offload.optimizer_swapper import _remove_folder, closure_loss
+from lightning_zero.offload.optimizer_swapper import closure_loss, remove_folder
 from lightning_zero.offload.shard_memory import can_read_in_place, shard_bytes, shard_targets
 from lightning_zero.ops.step_override import is_overridden, override_step, restore_step_override
 from lightning_zero.torch_compat import fsdp_param_groups
@@ -158,7 +158,7 @@ class ParamSwapper:
         # Only now, when nothing can be refused any more but the disk, the run's folder exists.
         self.run_folder = tempfile.mkdtemp(prefix="lz-swap-", dir=nvme.nvme_path)
         self.folder = os.path.join(self.run_folder, f"rank{rank}", "params")
-        self._finalizer = weakref.finalize(self, _remove_folder, self.run_folder)
+        self._finalizer = weakref.finalize(self, remove_folder, self.run_folder)
         os.makedirs(self.folder)
         for unit in self.units:
             unit.path = os.path.join(self.folder, unit.path)

@@ -60,7 +60,7 @@ from lightning_zero.strategies.ds_config_fit import (
     uninstall_config_optimizers,
 )
 from lightning_zero.strategies.forward_redirection import RootForwardRedirection
-from lightning_zero.strategies.launcher import ZeroMultiProcessingLauncher
+from lightning_zero.strategies.multiprocessing_launcher import ZeroMultiProcessingLauncher
 from lightning_zero.strategies.optimizer_toggle import install_partition_aware_toggle, uninstall_partition_aware_toggle
 from lightning_zero.strategies.pipeline_gradients import PipelineGradients
 from lightning_zero.strategies.trainer_precision import (
