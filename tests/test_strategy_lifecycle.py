@@ -163,3 +163,29 @@ def test_sync_batchnorm_conversion_and_evaluation_on_cpu(monkeypatch):
     result = trainer.validate(WithBatchNorm(), verbose=False)
     assert "val_loss" in result[0]
     dist.destroy_process_group()
+
+
+class _WithLearningRate(RegressionModule):
+    def __init__(self):
+        super().__init__()
+        self.lr = 0.1
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def _lr_find_then_fit_worker(rank, world_size):
+    from lightning.pytorch.tuner import Tuner
+
+    module = _WithLearningRate()
+    trainer = make_trainer(2, devices=world_size, max_steps=3)
+    Tuner(trainer).lr_find(module, num_training=5)
+    trainer.fit(module)
+    assert trainer.global_step == 3
+    assert "register_signal_handlers" not in trainer._signal_connector.__dict__  # the class's method again
+
+
+def test_lr_find_then_fit_on_the_same_trainer():
+    # lr_find's run stops before Lightning registers its signal handlers, leaving the preemption hook's one-call
+    # replacement in place; the fit that follows installs it again and must not stack the two (AttributeError).
+    run_distributed(_lr_find_then_fit_worker, WORLD)

@@ -20,6 +20,7 @@ from typing import Optional
 
 from lightning_zero.checkpoint.directory import INFO_FILE, is_sharded_checkpoint
 from lightning_zero.strategies import preemption
+from lightning_zero.strategies.lifecycle import wrap_next_call
 
 log = logging.getLogger(__name__)
 
@@ -83,13 +84,12 @@ def install_auto_resume(trainer, auto_resume, broadcast) -> None:
     asked = restart_count() > 0 or auto_resume == "always"
     if trainer is None or not asked or trainer.state.fn != TrainerFn.FITTING:
         return
-    connector = trainer._checkpoint_connector
-    original = connector.resume_start
+    def choosing_the_checkpoint(original):
+        def resume_start(checkpoint_path=None, weights_only=None):
+            if checkpoint_path is None:
+                checkpoint_path = _choose_resume_path(trainer, broadcast)
+            return original(checkpoint_path, weights_only=weights_only)
 
-    def resume_start(checkpoint_path=None, weights_only=None):
-        del connector.resume_start  # one call only: back to the class's method
-        if checkpoint_path is None:
-            checkpoint_path = _choose_resume_path(trainer, broadcast)
-        return original(checkpoint_path, weights_only=weights_only)
+        return resume_start
 
-    connector.resume_start = resume_start
+    wrap_next_call(trainer._checkpoint_connector, "resume_start", choosing_the_checkpoint)

@@ -1,7 +1,9 @@
 """What ``ZeroStrategy`` does around training that is not ZeRO itself: Lightning's layer sync (``sync_batchnorm``),
-callbacks it refuses, and a teardown that leaves sharded modules where they are."""
+callbacks it refuses, a teardown that leaves sharded modules where they are, and one-call hooks into the Trainer."""
 
 from __future__ import annotations
+
+from typing import Any, Callable
 
 import torch
 
@@ -34,6 +36,30 @@ def teardown_in_place(cluster_environment, precision_plugin, accelerator, checkp
     precision_plugin.teardown()
     accelerator.teardown()
     checkpoint_io.teardown()
+
+
+_NEXT_CALL = "_lightning_zero_next_call"  # marks a replacement installed by wrap_next_call
+
+
+def wrap_next_call(owner: Any, name: str, wrapper_of: Callable[[Callable], Callable]) -> None:
+    """Run ``wrapper_of(original)`` instead of ``owner.<name>`` for its next call only, then the method is the class's
+    again (also if the call raises). Lightning has no public hook at some moments the strategy must act (choosing
+    the checkpoint to resume, registering signal handlers), so the strategy replaces one call on the instance.
+
+    A replacement an earlier run installed and Lightning never called (a run that stopped before that moment, such
+    as ``Tuner.lr_find``'s) is dropped first: stacked, the outer one would restore the class's method and the inner
+    one then fail to (``AttributeError``).
+    """
+    if getattr(owner.__dict__.get(name), _NEXT_CALL, False):
+        del owner.__dict__[name]
+    replacement = wrapper_of(getattr(owner, name))
+
+    def next_call(*args: Any, **kwargs: Any) -> Any:
+        owner.__dict__.pop(name, None)
+        return replacement(*args, **kwargs)
+
+    setattr(next_call, _NEXT_CALL, True)
+    setattr(owner, name, next_call)
 
 
 _SYNC_BATCHNORM_DEVICES = ("cuda", "xpu", "hpu")

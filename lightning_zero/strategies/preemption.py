@@ -49,6 +49,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_zero.checkpoint.save_guards import control_group
+from lightning_zero.strategies.lifecycle import wrap_next_call
 
 log = logging.getLogger(__name__)
 
@@ -164,11 +165,12 @@ def install(trainer) -> None:
     callback = PreemptionCheckpoint(trainer)
     trainer.callbacks.append(callback)
     connector = trainer._signal_connector
-    register = connector.register_signal_handlers
 
-    def register_signal_handlers() -> None:
-        del connector.register_signal_handlers  # one call only: back to the class's method
-        register()
-        callback.register(connector._original_handlers)
+    def after_lightning_registers(register):
+        def register_signal_handlers() -> None:
+            register()
+            callback.register(connector._original_handlers)
 
-    connector.register_signal_handlers = register_signal_handlers
+        return register_signal_handlers
+
+    wrap_next_call(connector, "register_signal_handlers", after_lightning_registers)
