@@ -210,6 +210,23 @@ def test_config_is_read_from_pl_deepspeed_config_path(tmp_path, monkeypatch):
             ZeroStrategy()
 
 
+@pytest.mark.parametrize("registry", ["trainer", "fabric"])
+def test_the_name_zero_takes_the_stage_of_the_config_in_pl_deepspeed_config_path(tmp_path, monkeypatch, registry):
+    # "zero" is DeepSpeedStrategy's "deepspeed": it names no stage, so a stage-3 config trains at stage 3 (it trained
+    # at stage 2 while the startup table said 3); a numbered name is an explicit stage and wins, as arguments do.
+    from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_REGISTRY
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    monkeypatch.setenv("PL_DEEPSPEED_CONFIG_PATH", str(path))
+    names = StrategyRegistry if registry == "trainer" else FABRIC_REGISTRY
+    assert names.get("zero").stage == 3
+    assert names.get("zero_stage_2").stage == 2
+    monkeypatch.delenv("PL_DEEPSPEED_CONFIG_PATH")
+    assert names.get("zero").stage == 2  # the default without a config
+
+
 def test_strategy_config_is_the_effective_config_and_refuses_writes():
     import copy
 

@@ -40,7 +40,10 @@ START_METHODS = ("popen", "spawn", "fork", "forkserver")
 
 # The registry names of both adapters (Trainer and Fabric): name -> description and constructor arguments.
 STRATEGY_NAMES = {
-    "zero": dict(description="ZeRO stage 2 (FSDP2, gradients and optimizer states sharded)", stage=2),
+    # "zero" names no stage: the strategy's default (2) or a ds_config's (config=, PL_DEEPSPEED_CONFIG_PATH), as
+    # DeepSpeedStrategy's "deepspeed"; the numbered names are explicit arguments and win over a config.
+    "zero": dict(description="ZeRO, stage 2 unless a DeepSpeed config sets another (FSDP2, gradients and optimizer "
+                             "states sharded)"),
     "zero_stage_1": dict(description="ZeRO stage 1: optimizer states sharded", stage=1),
     "zero_stage_2": dict(description="ZeRO stage 2: gradients and optimizer states sharded", stage=2),
     "zero_stage_2_offload": dict(description="ZeRO stage 2 with the optimizer offloaded to CPU", stage=2,
