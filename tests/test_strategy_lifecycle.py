@@ -189,3 +189,20 @@ def test_lr_find_then_fit_on_the_same_trainer():
     # lr_find's run stops before Lightning registers its signal handlers, leaving the preemption hook's one-call
     # replacement in place; the fit that follows installs it again and must not stack the two (AttributeError).
     run_distributed(_lr_find_then_fit_worker, WORLD)
+
+
+class _LeftOnMeta(RegressionModule):
+    def configure_model(self):
+        with torch.device("meta"):
+            self.extra = nn.Linear(4, 4)
+
+
+def _meta_refusal_worker(rank, world_size):
+    for stage in (0, 2, 3):
+        with pytest.raises(ValueError, match=rf"ZeRO stage {stage} got tensors on the meta device: extra.weight"):
+            make_trainer(stage, devices=world_size).fit(_LeftOnMeta())
+
+
+def test_a_model_left_on_meta_is_refused_by_name_and_teardown_does_not_bury_it():
+    # teardown's .cpu() raised NotImplementedError ("Cannot copy out of meta tensor") over the refusal
+    run_distributed(_meta_refusal_worker, WORLD)

@@ -22,6 +22,14 @@ def holds_sharded_parameters(module) -> bool:
                                    or any(isinstance(param, DTensor) for param in module.parameters()))
 
 
+def stays_in_place(module) -> bool:
+    """Whether teardown must leave ``module`` where it is (:func:`teardown_in_place`): it is sharded, or it holds
+    tensors on the meta device (refused at setup: ``.cpu()`` would raise over that refusal, burying it)."""
+    if module is None:
+        return False
+    return holds_sharded_parameters(module) or any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+
+
 def teardown_in_place(cluster_environment, precision_plugin, accelerator, checkpoint_io) -> None:
     """Lightning's ``ParallelStrategy.teardown`` minus moving the module and optimizer states to CPU.
 

@@ -586,8 +586,8 @@ class ZeroStrategy(ParallelStrategy):
             self.model = lifecycle.revert_layer_sync(self._layer_sync, self.model,
                                                      trainer.state.fn == TrainerFn.FITTING)
         runtime.release([lightning_module] if lightning_module is not None else [], self.optimizers)
-        if lifecycle.holds_sharded_parameters(lightning_module):
-            # never .cpu() a sharded module: see teardown_in_place
+        if lifecycle.stays_in_place(lightning_module):
+            # never .cpu() a sharded module (or one on the meta device): see teardown_in_place
             lifecycle.teardown_in_place(self.cluster_environment, self.precision_plugin, self.accelerator,
                                         self.checkpoint_io)
         else:
