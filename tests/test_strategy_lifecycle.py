@@ -206,3 +206,20 @@ def _meta_refusal_worker(rank, world_size):
 def test_a_model_left_on_meta_is_refused_by_name_and_teardown_does_not_bury_it():
     # teardown's .cpu() raised NotImplementedError ("Cannot copy out of meta tensor") over the refusal
     run_distributed(_meta_refusal_worker, WORLD)
+
+
+def _test_under_inference_mode_worker(rank, world_size, path):
+    for stage in (2, 3):
+        module = RegressionModule()
+        trainer = make_trainer(stage, devices=world_size)
+        trainer.fit(module)
+        trainer.save_checkpoint(path + f"-{stage}")
+        expected = trainer.test(module, verbose=False)[0]["test_loss"]
+        # Lightning's own multi-stage test loads the checkpoint for test inside inference_mode
+        with torch.inference_mode():
+            got = trainer.test(module, ckpt_path=path + f"-{stage}", verbose=False)[0]["test_loss"]
+        assert got == pytest.approx(expected), stage
+
+
+def test_test_with_ckpt_path_inside_inference_mode_at_sharded_stages(tmp_path):
+    run_distributed(_test_under_inference_mode_worker, WORLD, str(tmp_path / "model.ckpt"))

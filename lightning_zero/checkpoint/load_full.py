@@ -98,6 +98,7 @@ def _raise_on_every_rank(error: Optional[Exception]) -> None:
         raise CheckpointError(found[0])
 
 
+@torch.inference_mode(False)  # as load_states: the loaded weights stay normal tensors
 def load_full_checkpoint(path: str, module: torch.nn.Module, optimizers: list, *, strict: bool,
                          exclude_frozen_parameters: bool, load_full_weights: bool) -> tuple[dict[str, Any], bool]:
     """Load the single-file checkpoint ``path`` into the (sharded) ``module`` and ``optimizers``; return the rest of

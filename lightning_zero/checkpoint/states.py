@@ -28,8 +28,10 @@ from lightning_zero.offload.optimizer_swapper import resident_states
 
 
 def module_state_dict(module: torch.nn.Module) -> dict[str, Tensor]:
-    """The module's state dict: sharded DTensors at stages 2-3, plain tensors at stages 0-1."""
-    return module.state_dict()
+    """The module's state dict: sharded DTensors at stages 2-3, plain tensors at stages 0-1. Taken outside
+    inference mode, which Lightning's evaluation runs under (see :func:`load_states`)."""
+    with torch.inference_mode(False):
+        return module.state_dict()
 
 
 def frozen_parameter_names(module: torch.nn.Module) -> list[str]:
@@ -182,10 +184,15 @@ def _forget_states_not_in_checkpoint(module: torch.nn.Module, optimizers: list, 
                     optimizer.state.pop(held_tensor(sharding, param), None)
 
 
+@torch.inference_mode(False)
 def load_states(directory: str, meta: dict[str, Any], module: torch.nn.Module, optimizers: list,
                 strict: bool) -> dict[str, Any]:
     """Load the weights and optimizer states of a sharded checkpoint into ``module`` and ``optimizers`` in place
-    (both adapters' loads); pops the entries it consumes from ``meta`` and returns the loaded state dict."""
+    (both adapters' loads); pops the entries it consumes from ``meta`` and returns the loaded state dict.
+
+    Always outside inference mode: ``trainer.test(ckpt_path=...)`` called inside ``torch.inference_mode()`` (as
+    Lightning's own tests do) loads there, and the weights must stay normal tensors that training can update again;
+    detaching a sharded parameter inside it fails ("Cannot set version_counter for inference tensor")."""
     wrapped, optimizers = optimizers, [getattr(o, "_optimizer", o) for o in optimizers]
     own = module_state_dict(module)
     # Weights the checkpoint left out (exclude_frozen_parameters) are not in it: the module keeps its own.
