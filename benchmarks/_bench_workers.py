@@ -380,6 +380,21 @@ def _entry(rank, world, port, args, job, out):
     runners = {"deepspeed": run_deepspeed, "floor": run_floor, "sync": run_floor, "minimal": run_minimal}
     runner = runners.get(job["kind"].partition(":")[0], run_lightning)
     runner(rank, world, args, job, out)
+    _end_process_group()
+
+
+def _end_process_group() -> None:
+    """Destroy what is left of the runner's process group and let gloo's worker threads go idle before this spawned
+    rank's interpreter tears down: a worker dropping its last work then aborts the process ("terminate called
+    without an active exception", SIGABRT after the job finished). The same mitigation as the strategies' exit
+    handler (``[Note: gloo workers still holding the last work at teardown]``, process_group_exit.py)."""
+    import torch.distributed as dist
+
+    from lightning_zero.distributed.process_group_exit import quiesce_gloo_workers
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    quiesce_gloo_workers()
 
 
 def spawn(job: dict, args) -> list[dict]:
