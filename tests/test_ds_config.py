@@ -500,3 +500,13 @@ def test_docs_mapping_table_covers_every_known_key():
     missing = [prefix + key for prefix, keys in tables.items() for key in keys if f"`{prefix}{key}`" not in docs]
     missing += [section for section in schema.UNSUPPORTED_SECTIONS if f"`{section}`" not in docs]
     assert missing == []
+
+
+def test_overlap_comm_false_is_warned_about_by_name():
+    # FSDP2 and DDP always overlap communication with compute; a config asking for no overlap is told so, by name
+    with pytest.warns(DeepSpeedConfigWarning, match=r"zero_optimization\.overlap_comm=False"):
+        translate_ds_config({"zero_optimization": {"stage": 2, "overlap_comm": False}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        translate_ds_config({"zero_optimization": {"stage": 2, "overlap_comm": True}})
+        translate_ds_config({"zero_optimization": {"stage": 3}})

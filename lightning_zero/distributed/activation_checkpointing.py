@@ -54,8 +54,9 @@ class ActivationCheckpointConfig:
             on CUDA), as DeepSpeed's ``cpu_checkpointing``.
         every_k: checkpoint every ``k``-th selected block (blocks ``0, k, 2k, ...``); the others keep their
             activations (selective checkpointing: less recomputation, more memory).
-        number_checkpoints: checkpoint this many of the selected blocks, spread evenly (DeepSpeed's
-            ``number_checkpoints``); ``None``: all (or every ``k``-th). Not together with ``every_k``.
+        number_checkpoints: checkpoint this many of the selected blocks, spread evenly; ``None``: all (or every
+            ``k``-th). Not together with ``every_k``. (A ds_config's key of that name sizes a DeepSpeed buffer and
+            does not set this.)
     """
 
     policy: Any = True
@@ -121,7 +122,8 @@ def activation_checkpoint_config(activation_checkpointing: Any = None, cpu_check
         ds_section: the ds_config's ``activation_checkpointing`` section with DeepSpeed's defaults filled in. Its
             presence turns checkpointing on for the detected blocks (DeepSpeed applies it where the model calls
             its checkpoint API; a Lightning model does not, so the repeated blocks take that role);
-            ``cpu_checkpointing`` and ``number_checkpoints`` apply, the rest has no effect (reported).
+            ``cpu_checkpointing`` applies, the rest has no effect (reported). ``number_checkpoints`` too: in DeepSpeed
+            it sizes a buffer and never limits which blocks are checkpointed.
     """
     if activation_checkpointing_policy is not None:
         if activation_checkpointing is not None:
@@ -143,16 +145,12 @@ def activation_checkpoint_config(activation_checkpointing: Any = None, cpu_check
             raise ValueError("cpu_checkpointing=True keeps the inputs of checkpointed blocks in CPU memory, so it "
                              "needs activation_checkpointing (True, classes or a callable)")
         return None
-    number = None
     if cpu_checkpointing is None:
         cpu_checkpointing = bool(section.get("cpu_checkpointing", False)) if section else False
-    if section:
-        number = section.get("number_checkpoints")
-        if number is not None and (isinstance(number, bool) or not isinstance(number, int) or number < 1):
-            raise ValueError(f"activation_checkpointing.number_checkpoints must be null or an int >= 1, got "
-                             f"{number!r}")
-    return ActivationCheckpointConfig(policy=activation_checkpointing, cpu_checkpointing=cpu_checkpointing,
-                                      number_checkpoints=number)
+    number = section.get("number_checkpoints") if section else None  # DeepSpeed's type, though it selects nothing
+    if number is not None and (isinstance(number, bool) or not isinstance(number, int) or number < 1):
+        raise ValueError(f"activation_checkpointing.number_checkpoints must be null or an int >= 1, got {number!r}")
+    return ActivationCheckpointConfig(policy=activation_checkpointing, cpu_checkpointing=cpu_checkpointing)
 
 
 def select_blocks(module: nn.Module, config: ActivationCheckpointConfig, *, require_match: bool = True

@@ -185,8 +185,10 @@ ACTIVATION_CHECKPOINTING_KEYS: dict[str, KeySpec] = {
     "contiguous_memory_optimization": KeySpec(False, NO_EFFECT, "copies checkpoints into one preallocated buffer "
                                               "against fragmentation; torch.utils.checkpoint keeps each input as "
                                               "its own tensor in the caching allocator"),
-    "number_checkpoints": KeySpec(None, STRATEGY, "-> checkpoint this many of the blocks, evenly spaced (null: "
-                                  "every block)"),
+    "number_checkpoints": KeySpec(None, NO_EFFECT, "sizes the buffer DeepSpeed copies checkpoints into with "
+                                  "contiguous_memory_optimization; which blocks are checkpointed does not depend on "
+                                  "it, here as in DeepSpeed (every detected block is; to checkpoint only some, pass "
+                                  "ActivationCheckpointConfig(number_checkpoints=N) or every_k)"),
     "synchronize_checkpoint_boundary": KeySpec(False, NO_EFFECT, "a CUDA synchronize at DeepSpeed's checkpoint "
                                                "boundaries, for its profiling; torch needs none for correctness"),
     "profile": KeySpec(False, NO_EFFECT, "DeepSpeed's own timers of its checkpoint API; use Lightning's profiler"),

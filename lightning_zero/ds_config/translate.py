@@ -290,6 +290,8 @@ def _translate_zero(config: dict, out: Collector, kwargs: dict) -> tuple[dict, b
         out.note(path, "-> DDP bucket_cap_mb (elements x gradient bytes, in MiB) at stages 0-1, unless given")
     merged.update(_translate_offload(zero, stage, out, kwargs))
     merged["overlap_comm"] = zero.get("overlap_comm", stage == 3)  # DeepSpeed: on by default only at stage 3
+    if zero.get("overlap_comm") is False:  # a written False asks for what the engines never do: said by name
+        out.no_effect_non_default.append("zero_optimization.overlap_comm=False")
     for key in ("reduce_bucket_size", "allgather_bucket_size", "sub_group_size", "stage3_prefetch_bucket_size",
                 "stage3_param_persistence_threshold", "stage3_model_persistence_threshold",
                 "stage3_max_live_parameters", "stage3_max_reuse_distance"):
