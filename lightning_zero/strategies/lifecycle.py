@@ -73,7 +73,7 @@ def wrap_next_call(owner: Any, name: str, wrapper_of: Callable[[Callable], Calla
 _SYNC_BATCHNORM_DEVICES = ("cuda", "xpu", "hpu")
 
 
-def check_before_process_group(trainer, device, stage: int, layer_sync) -> None:
+def check_trainer_before_process_group(trainer, device, stage: int, layer_sync) -> None:
     """Refuse, before any process group starts, what this strategy would otherwise run wrongly or crash on.
 
     - ``Trainer(sync_batchnorm=True)`` off GPU: torch's ``SyncBatchNorm`` raises inside its forward on CPU input

@@ -367,7 +367,7 @@ class ZeroStrategy(ParallelStrategy):
         trainer = self._trainer()
         if self.ds_config is not None and trainer is not None:
             check_config_against_trainer(self.ds_config, trainer, self.precision_plugin.precision, data_parallel)
-        lifecycle.check_before_process_group(trainer, self.root_device, self.stage, self._layer_sync)
+        lifecycle.check_trainer_before_process_group(trainer, self.root_device, self.stage, self._layer_sync)
 
     def _trainer(self):
         module = self.lightning_module
