@@ -33,7 +33,7 @@ from torch import nn
 from lightning_zero.distributed.apply_zero import apply_zero, reshard_gathered, set_gradient_sync
 from lightning_zero.distributed.comm_buffers import comm_buffer_pool
 from lightning_zero.distributed.config import ZeroConfig
-from lightning_zero.distributed.ddp import low_precision_allreduce_hook
+from lightning_zero.distributed.ddp import DDPOptions, ddp_kwargs_for, low_precision_allreduce_hook
 from lightning_zero.distributed.exact_init import InitConfig, broadcast_module_states, exact_init
 from lightning_zero.distributed.hybrid import data_parallel_group, data_parallel_mesh, shard_group
 from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
@@ -93,15 +93,18 @@ def init_context(config: ZeroConfig, *, pipelined: bool, local_world_size: int,
 
 
 def wrap_module(module: nn.Module, mesh, config: ZeroConfig, *, device: torch.device, mp_policy=None,
-                reduce_dtype: Optional[torch.dtype] = None, ddp_kwargs: Optional[dict] = None,
-                activation_checkpointing=None) -> nn.Module:
+                reduce_dtype: Optional[torch.dtype] = None, ddp_options: Optional[DDPOptions] = None,
+                reduce_bucket_size: Optional[int] = None, activation_checkpointing=None) -> nn.Module:
     """Step 3: :func:`~lightning_zero.distributed.apply_zero.apply_zero` over the data-parallel ``mesh``. Stages 0-1
-    return a ``DistributedDataParallel`` wrapper that all-reduces in ``reduce_dtype`` when that is not ``None``
-    (DeepSpeed's ``communication_data_type``); stages 2-3 shard ``module`` in place with FSDP2 (``mp_policy``: its
-    ``MixedPrecisionPolicy``) and return it."""
+    return a ``DistributedDataParallel`` wrapper built with ``ddp_options`` (and a ds_config's
+    ``reduce_bucket_size``, see :func:`~lightning_zero.distributed.ddp.ddp_kwargs_for`) that all-reduces in
+    ``reduce_dtype`` when that is not ``None`` (DeepSpeed's ``communication_data_type``); stages 2-3 shard ``module``
+    in place with FSDP2 and return it, ``mp_policy`` being its ``MixedPrecisionPolicy`` (stages 0-1 compute under
+    autocast instead: the precision plugin's forward context)."""
     if config.stage >= 2:
         return apply_zero(module, mesh, config, device=device, mp_policy=mp_policy,
                           activation_checkpointing=activation_checkpointing)
+    ddp_kwargs = ddp_kwargs_for(ddp_options or DDPOptions(), module, reduce_bucket_size)
     wrapped = apply_zero(module, mesh, config, device=device, ddp_kwargs=ddp_kwargs,
                          activation_checkpointing=activation_checkpointing)
     if reduce_dtype is not None:

@@ -43,7 +43,6 @@ from lightning_zero.checkpoint.save_guards import broadcast_object
 from lightning_zero.diagnostics.hang_guard import DEFAULT_HANG_TIMEOUT, HangGuard
 from lightning_zero.diagnostics.network import DEFAULT_RENDEZVOUS_TIMEOUT
 from lightning_zero.distributed import runtime
-from lightning_zero.distributed.ddp import ddp_kwargs_for
 from lightning_zero.ds_config.binding import DeepSpeedConfigBinding, config_reduce_bucket_size, precision_from_config
 from lightning_zero.fabric import fabric_checkpoints, fabric_pipeline
 from lightning_zero.fabric.fabric_precision import FabricZeroPrecision, PrecisionFlag, adapt_fabric_precision
@@ -306,11 +305,10 @@ class ZeroStrategy(ParallelStrategy):
                                                  self.root_device, precision,
                                                  self.settings.activation_checkpoint_config, runner=self._runner)
             return module
-        ddp_kwargs = ddp_kwargs_for(self.settings.ddp_options, module,
-                                    config_reduce_bucket_size(self.ds_config)) if self.stage <= 1 else None
         return runtime.wrap_module(module, self.meshes.data_parallel, self.zero_config, device=self.root_device,
-                                   mp_policy=precision.fsdp_mp_policy() if self.stage >= 2 else None,
-                                   reduce_dtype=precision.ddp_reduce_dtype(), ddp_kwargs=ddp_kwargs,
+                                   mp_policy=precision.fsdp_mp_policy(), reduce_dtype=precision.ddp_reduce_dtype(),
+                                   ddp_options=self.settings.ddp_options,
+                                   reduce_bucket_size=config_reduce_bucket_size(self.ds_config),
                                    activation_checkpointing=self.settings.activation_checkpoint_config)
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:

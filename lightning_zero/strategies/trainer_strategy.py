@@ -45,7 +45,7 @@ from lightning_zero.diagnostics.hang_guard import DEFAULT_HANG_TIMEOUT, HangGuar
 from lightning_zero.diagnostics.network import DEFAULT_RENDEZVOUS_TIMEOUT
 from lightning_zero.distributed import runtime
 from lightning_zero.distributed.apply_zero import swap_parameters
-from lightning_zero.distributed.ddp import ddp_kwargs_for, explain_unused_parameters
+from lightning_zero.distributed.ddp import explain_unused_parameters
 from lightning_zero.distributed.manual_backward import ManualBackward
 from lightning_zero.ds_config.binding import DeepSpeedConfigBinding, config_reduce_bucket_size
 from lightning_zero.pipeline.zero_pipeline import setup_pipeline
@@ -415,12 +415,10 @@ class ZeroStrategy(ParallelStrategy):
         elif self.stage >= 2 and isinstance(self.model, FSDPModule):
             swap_parameters(self.model, self.zero_config, self.root_device)  # evaluation after fit: resume swapping
         elif self.stage >= 2 or fitting:
-            ddp_kwargs = ddp_kwargs_for(self.settings.ddp_options, self.model,
-                                        config_reduce_bucket_size(self.ds_config)) if self.stage <= 1 else None
             self.model = runtime.wrap_module(
                 self.model, meshes.data_parallel, self.zero_config, device=self.root_device,
-                mp_policy=precision.fsdp_mp_policy() if self.stage >= 2 else None,
-                reduce_dtype=precision.ddp_reduce_dtype(), ddp_kwargs=ddp_kwargs,
+                mp_policy=precision.fsdp_mp_policy(), reduce_dtype=precision.ddp_reduce_dtype(),
+                ddp_options=self.settings.ddp_options, reduce_bucket_size=config_reduce_bucket_size(self.ds_config),
                 activation_checkpointing=self.activation_checkpoint_config)
         else:  # evaluation at stages 0-1: no DDP, every rank starts from rank 0's weights
             runtime.replicate_for_evaluation(self.model, meshes.data_parallel, self.root_device)
