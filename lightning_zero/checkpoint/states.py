@@ -28,10 +28,8 @@ from lightning_zero.offload.optimizer_swapper import resident_states
 
 
 def module_state_dict(module: torch.nn.Module) -> dict[str, Tensor]:
-    """The module's state dict: sharded DTensors at stages 2-3, plain tensors at stages 0-1. Taken outside
-    inference mode, which Lightning's evaluation runs under (see :func:`load_states`)."""
-    with torch.inference_mode(False):
-        return module.state_dict()
+    """The module's state dict: sharded DTensors at stages 2-3, plain tensors at stages 0-1."""
+    return module.state_dict()
 
 
 def frozen_parameter_names(module: torch.nn.Module) -> list[str]:
