@@ -195,7 +195,6 @@ def test_selection_policies_and_selective_checkpointing():
 
 @pytest.mark.parametrize("kwargs,error,message", [
     (dict(activation_checkpointing=True, activation_checkpointing_policy=True), ValueError, "not both"),
-    (dict(cpu_checkpointing=True), ValueError, "needs activation_checkpointing"),
     (dict(activation_checkpointing=set()), ValueError, "empty set"),
     (dict(activation_checkpointing=[3]), TypeError, "nn.Module subclasses"),
     (dict(activation_checkpointing="yes please", cpu_checkpointing="no"), TypeError, "cpu_checkpointing"),
@@ -204,6 +203,15 @@ def test_selection_policies_and_selective_checkpointing():
 def test_invalid_arguments_fail_in_the_strategy_constructor(kwargs, error, message):
     with pytest.raises(error, match=message):
         ZeroStrategy(**kwargs)
+
+
+def test_cpu_checkpointing_alone_is_deepspeed_strategys_config_key():
+    # DeepSpeedStrategy(cpu_checkpointing=True) writes activation_checkpointing.cpu_checkpointing; that section turns
+    # checkpointing of the repeated blocks on here, inputs kept on CPU (issue 28: it used to be refused)
+    config = ZeroStrategy(cpu_checkpointing=True).activation_checkpoint_config
+    assert config is not None and config.cpu_checkpointing is True
+    assert config == ZeroStrategy(config={"activation_checkpointing": {"cpu_checkpointing": True}}
+                                  ).activation_checkpoint_config
 
 
 def test_config_validation_and_unmatched_policies():

@@ -11,7 +11,7 @@ Each setting is validated by the module that owns it (``ZeroConfig``, ``DDPOptio
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from datetime import timedelta
 from typing import Any, Optional, Union
 
@@ -33,6 +33,7 @@ from lightning_zero.ds_config.binding import (
     hybrid_shard_size_over_config,
     unit_knobs_over_config,
 )
+from lightning_zero.ds_config.strategy_arguments import DEEPSPEED_ARGUMENT_NAMES, DeepSpeedArguments
 from lightning_zero.offload.nvme_config import config_params_offload_at_stage, offload_arguments
 from lightning_zero.pipeline.zero_pipeline import PipelineSettings, make_pipeline_settings
 
@@ -88,7 +89,7 @@ class ZeroArguments:
 
     stage: Optional[int] = None
     offload: Optional[str] = None
-    offload_optimizer: Optional[str] = None
+    offload_optimizer: Optional[Union[str, bool]] = None
     offload_params: Optional[str] = None
     nvme_path: Optional[str] = None
     buffer_count: Optional[int] = None
@@ -140,13 +141,15 @@ def resolve_settings(**arguments: Any) -> ZeroSettings:
     """Validate a ZeroStrategy's constructor arguments (the fields of :class:`ZeroArguments`); the ds_config
     (``config=``, else the file ``PL_DEEPSPEED_CONFIG_PATH`` names) fills every argument left at ``None``, explicit
     arguments win."""
-    args = ZeroArguments(**arguments)
+    args, deepspeed_arguments = _split_arguments(arguments)
     timeout = check_timeout(args.timeout)
     rendezvous_timeout = check_rendezvous_timeout(args.rendezvous_timeout)
     check_backend_name(args.process_group_backend)
-    ds_config = _bind(args.config, args.strict)
+    deepspeed_arguments.apply_logging_level()
+    ds_config = _bind(args.config, args.strict, deepspeed_arguments, args.stage, args.nvme_path)
     hang_seconds = parse_hang_timeout(args.hang_timeout)
     zero_config, communication_data_type, pipeline_parallel_size, micro_batches = _zero_config(args, ds_config)
+    deepspeed_arguments.check_remote_device(zero_config.stage, zero_config.offload_params)
     activation_checkpoint = activation_checkpointing_over_config(
         ds_config, args.activation_checkpointing, args.cpu_checkpointing, args.activation_checkpointing_policy)
     if args.start_method not in START_METHODS:
@@ -180,9 +183,26 @@ def resolve_settings(**arguments: Any) -> ZeroSettings:
     )
 
 
-def _bind(config: Any, strict: bool) -> Optional[DeepSpeedConfigBinding]:
+def _split_arguments(arguments: dict) -> tuple[ZeroArguments, DeepSpeedArguments]:
+    """ZeroStrategy's own arguments and DeepSpeedStrategy's (:mod:`lightning_zero.ds_config.strategy_arguments`).
+    ``offload_optimizer`` is both: a bool is DeepSpeedStrategy's switch, a device name ZeroStrategy's;
+    ``cpu_checkpointing=True`` alone is DeepSpeedStrategy's config key; ``zero_optimization=False`` is ``stage=0``."""
+    deepspeed = {name: arguments.pop(name) for name in DEEPSPEED_ARGUMENT_NAMES
+                 if name not in ("offload_optimizer", "cpu_checkpointing") and name in arguments}
+    if isinstance(arguments.get("offload_optimizer"), bool):
+        deepspeed["offload_optimizer"] = arguments.pop("offload_optimizer")
+    if arguments.get("cpu_checkpointing") is True and arguments.get("activation_checkpointing") is None \
+            and arguments.get("activation_checkpointing_policy") is None:
+        deepspeed["cpu_checkpointing"] = arguments.pop("cpu_checkpointing")
+    deepspeed_arguments = DeepSpeedArguments(**deepspeed)
+    args = ZeroArguments(**arguments)
+    return replace(args, stage=deepspeed_arguments.stage_over(args.stage)), deepspeed_arguments
+
+
+def _bind(config: Any, strict: bool, deepspeed_arguments: DeepSpeedArguments,
+          stage: Optional[int], nvme_path: Any) -> Optional[DeepSpeedConfigBinding]:
     """The ds_config binding, saying on rank 0 when the config came from ``PL_DEEPSPEED_CONFIG_PATH``."""
-    binding = bind_ds_config(config, strict)
+    binding = bind_ds_config(config, strict, deepspeed_arguments, stage, nvme_path)
     if binding is not None and binding.origin is not None:
         rank_zero_info(f"ZeroStrategy: loading the DeepSpeed config from {binding.origin}")
     return binding
@@ -221,7 +241,7 @@ def require_flags(**flags) -> tuple:
 
 
 # The argument names resolve_settings takes: an adapter passes exactly these of its own constructor arguments.
-SETTING_NAMES = frozenset(field.name for field in fields(ZeroArguments))
+SETTING_NAMES = frozenset(field.name for field in fields(ZeroArguments)) | frozenset(DEEPSPEED_ARGUMENT_NAMES)
 
 
 def check_auto_resume(value) -> Union[bool, str]:

@@ -45,6 +45,7 @@ from lightning_zero.ds_config import (
     translate_ds_config,
 )
 from lightning_zero.ds_config.dry_build import dry_build
+from lightning_zero.ds_config.strategy_arguments import DeepSpeedArguments, merge_overrides, naming_arguments
 from lightning_zero.offload.nvme_config import NVME_ARGUMENTS
 
 UNIT_KNOBS = ("unit_bytes", "param_persistence_threshold", "prefetch_bytes")  # lightning_zero.distributed.units
@@ -58,20 +59,32 @@ CONFIG_STRATEGY_KEYS = ("stage", "offload", "pin_memory", "reshard_after_forward
 DEEPSPEED_ENV_VAR = "PL_DEEPSPEED_CONFIG_PATH"
 
 
-def bind_ds_config(config: Any, strict: bool) -> Optional["DeepSpeedConfigBinding"]:
+def bind_ds_config(config: Any, strict: bool, arguments: Optional[DeepSpeedArguments] = None,
+                   stage: Optional[int] = None, nvme_path: Any = None) -> Optional["DeepSpeedConfigBinding"]:
     """The binding for ``ZeroStrategy(config=...)``; without ``config``, the file ``PL_DEEPSPEED_CONFIG_PATH`` names
-    (as ``DeepSpeedStrategy`` reads it), or ``None`` when that is unset too. An explicit ``config`` wins over the
-    variable (its ``origin`` then names it, for the caller to say where the config came from). The variable set to an
-    empty string or a missing file is an error, not a silent fallback."""
-    if config is not None:
-        return DeepSpeedConfigBinding(config, strict)
-    path = os.environ.get(DEEPSPEED_ENV_VAR)
-    if path is None:
+    (as ``DeepSpeedStrategy`` reads it), or ``None`` when that is unset too and ``arguments`` write no key. An
+    explicit ``config`` wins over the variable (its ``origin`` then names it, for the caller to say where the config
+    came from). The variable set to an empty string or a missing file is an error, not a silent fallback.
+    ``arguments`` (DeepSpeedStrategy's own constructor arguments) are merged over the config as the keys they stand
+    for (:mod:`lightning_zero.ds_config.strategy_arguments`), with the explicit ``stage`` they are read at
+    and ``nvme_path``."""
+    origin = None
+    if config is None:
+        path = os.environ.get(DEEPSPEED_ENV_VAR)
+        if path is not None and (not path or not os.path.isfile(path)):
+            raise DeepSpeedConfigError(f"{DEEPSPEED_ENV_VAR}={path!r} does not name a DeepSpeed config file: point it "
+                                       "at one, or unset it (ZeroStrategy reads it when no config= is given)")
+        config, origin = path, (f"{DEEPSPEED_ENV_VAR}={path}" if path is not None else None)
+    base = None if config is None else load_ds_config(config)
+    overrides, aliases = arguments.config_overrides(base, stage, nvme_path) if arguments is not None else ({}, {})
+    if config is None and not overrides:
         return None
-    if not path or not os.path.isfile(path):
-        raise DeepSpeedConfigError(f"{DEEPSPEED_ENV_VAR}={path!r} does not name a DeepSpeed config file: point it at "
-                                   "one, or unset it (ZeroStrategy reads it when no config= is given)")
-    return DeepSpeedConfigBinding(path, strict, origin=f"{DEEPSPEED_ENV_VAR}={path}")
+    if overrides:
+        config = merge_overrides(base if base is not None else {}, overrides)
+    with naming_arguments(aliases):
+        binding = DeepSpeedConfigBinding(config, strict, origin=origin)
+    binding.argument_aliases = aliases
+    return binding
 
 
 class DeepSpeedConfigBinding:
@@ -88,6 +101,7 @@ class DeepSpeedConfigBinding:
         self.raw = load_ds_config(source)
         self.strict = strict
         self.origin = origin  # where the config came from when not from config= (named in the startup report)
+        self.argument_aliases: dict = {}  # dotted key -> the DeepSpeedStrategy argument that wrote it (messages)
         self.translation: DeepSpeedTranslation = translate_ds_config(self.raw, strict=strict)
         self.auto_paths = tuple(self.translation.unresolved_auto)  # shown as "auto" -> value once resolved
         self._refuse_unwired(self.translation)
@@ -116,7 +130,8 @@ class DeepSpeedConfigBinding:
         """Resolve every ``"auto"`` from ``context`` (what the Trainer, DataLoader and LightningModule know) and make
         the result the binding's translation. Strategy settings were chosen at construction, before the engines:
         one an ``"auto"`` would now change is refused."""
-        translation = translate_ds_config(resolve_auto(self.raw, context), strict=self.strict)
+        with naming_arguments(self.argument_aliases):
+            translation = translate_ds_config(resolve_auto(self.raw, context), strict=self.strict)
         self._refuse_unwired(translation)
         for name in UNIT_KNOBS:  # "auto" bucket sizes were not mapped at construction, and are not now (see there)
             if name not in self.translation.strategy_kwargs:

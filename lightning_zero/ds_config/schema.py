@@ -49,6 +49,9 @@ _FSDP_UNITS = ("FSDP2 communicates per sharded module unit (one all-gather / red
 _NVME_ONLY = "only used by NVMe offload (ZeRO-Infinity); no effect with device='cpu'"
 _PARAM_SWAP_ONLY = "-> the same-named strategy argument with offload_param.device 'nvme' (stage 3); no effect otherwise"
 
+# No-effect keys that only permit what our engines always do: no value of theirs is dropped, so none is warned about.
+PERMISSIONS = ("zero_allow_untested_optimizer",)
+
 ZERO_KEYS: dict[str, KeySpec] = {
     "stage": KeySpec(0, STRATEGY, "-> stage"),
     "offload_optimizer": KeySpec(None, STRATEGY, "device -> offload_optimizer (stages 1-3); pin_memory -> "
@@ -239,7 +242,9 @@ TOP_LEVEL_KEYS: dict[str, KeySpec] = {
     "gradient_predivide_factor": KeySpec(1.0, NO_EFFECT, "only moves where the average's division happens (an fp16 "
                                          "overflow guard); FSDP2 chooses its own pre/post-divide split"),
     "gradient_allreduce_op": KeySpec("mean", UNSUPPORTED, "gradients are always averaged ('mean')"),
-    "zero_allow_untested_optimizer": KeySpec(False, NO_EFFECT, "any torch.optim optimizer works with our engines"),
+    "zero_allow_untested_optimizer": KeySpec(False, NO_EFFECT, "any torch.optim optimizer works with our engines "
+                                             "(true asks for that; false only made DeepSpeed refuse the optimizers it "
+                                             "had not tested)"),
     "zero_force_ds_cpu_optimizer": KeySpec(True, NO_EFFECT, "CPU offload steps the torch optimizer on CPU"),
     "memory_breakdown": KeySpec(False, NO_EFFECT, "use Lightning's DeviceStatsMonitor"),
     "dump_state": KeySpec(False, NO_EFFECT, "DeepSpeed-internal debugging switch"),

@@ -249,6 +249,9 @@ def _translate_nvme(zero: dict, stage: int, devices: dict, effective: dict, out:
 AIO_TRANSLATION = {"block_size": "block_size", "queue_depth": "queue_depth", "thread_count": "thread_count",
                    "intra_op_parallelism": "thread_count", "single_submit": "single_submit",
                    "overlap_events": "overlap_events"}
+# DeepSpeed 0.19's aio defaults: a different value without NVMe offload is warned about (it changes nothing).
+AIO_DEFAULTS = {"block_size": 1_048_576, "queue_depth": 8, "thread_count": 1, "intra_op_parallelism": 1,
+                "single_submit": False, "overlap_events": True, "use_gds": False}
 
 
 def _translate_aio(config: dict, out: Collector, kwargs: dict) -> None:
@@ -258,6 +261,8 @@ def _translate_aio(config: dict, out: Collector, kwargs: dict) -> None:
         return
     if "nvme" not in (kwargs.get("offload_optimizer"), kwargs.get("offload_params")):
         out.note("aio", "no effect: only NVMe offload does file I/O")
+        out.no_effect_non_default.extend(f"aio.{key}={value!r} (no NVMe offload)" for key, value in aio.items()
+                                         if AIO_DEFAULTS.get(key, object()) != value)
         return
     mapped = {}
     for key, value in aio.items():
@@ -455,7 +460,7 @@ def _record_top_level_settings(config: dict, out: Collector, effective: dict) ->
         value = config[key]
         if spec.role == schema.NO_EFFECT:
             out.note(key, "no effect: " + spec.note)
-            if value != spec.default:
+            if value != spec.default and key not in schema.PERMISSIONS:
                 out.no_effect_non_default.append(f"{key}={value!r}")
         elif spec.role == schema.UNSUPPORTED and str(value).lower() != spec.default:
             out.problem(key, f"{value!r} is not supported: {spec.note}")

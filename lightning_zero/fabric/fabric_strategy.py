@@ -12,6 +12,7 @@ the run attached. Fabric's own contract: ``fabric.backward``, ``fabric.clip_grad
 
 from __future__ import annotations
 
+import warnings
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from typing import Any, Callable, Optional, Union
@@ -43,6 +44,7 @@ from lightning_zero.checkpoint.save_guards import broadcast_object
 from lightning_zero.diagnostics.hang_guard import DEFAULT_HANG_TIMEOUT, HangGuard
 from lightning_zero.diagnostics.network import DEFAULT_RENDEZVOUS_TIMEOUT
 from lightning_zero.distributed import runtime
+from lightning_zero.ds_config import DeepSpeedConfigWarning
 from lightning_zero.ds_config.binding import DeepSpeedConfigBinding, config_reduce_bucket_size, precision_from_config
 from lightning_zero.fabric import fabric_checkpoints, fabric_pipeline
 from lightning_zero.fabric.fabric_precision import FabricZeroPrecision, PrecisionFlag, adapt_fabric_precision
@@ -55,8 +57,8 @@ _LOOP_SETTINGS = ("optimizer", "scheduler", "gradient_clipping", "gradient_accum
 class ZeroStrategy(ParallelStrategy):
     """DeepSpeed's ZeRO stages 0-3 with CPU offload for Lightning Fabric, on DDP and FSDP2.
 
-    Takes the arguments of :class:`lightning_zero.strategies.ZeroStrategy` (see its docstring for each), with these
-    Fabric meanings:
+    Takes the arguments of :class:`lightning_zero.strategies.ZeroStrategy` (see its docstring for each), including
+    DeepSpeedStrategy's own (``docs/deepspeed_arguments.md``), with these Fabric meanings:
 
     * ``fabric.setup(model, optimizer)`` shards the model and partitions the optimizers; at stages 2-3 the optimizer
       may be created before ``setup``: its parameters are replaced by the sharded ones (by name).
@@ -88,53 +90,44 @@ class ZeroStrategy(ParallelStrategy):
 
     def __init__(
         self,
-        stage: Optional[int] = None,
-        offload: Optional[str] = None,
-        offload_optimizer: Optional[str] = None, offload_params: Optional[str] = None, nvme_path: Optional[str] = None,
+        stage: Optional[int] = None, offload: Optional[str] = None, offload_optimizer: Union[str, bool, None] = None,
+        offload_params: Optional[str] = None, nvme_path: Optional[str] = None,
         buffer_count: Optional[int] = None, sub_group_size: Optional[int] = None, buffer_size: Optional[int] = None,
-        max_in_cpu: Optional[int] = None, aio: Optional[dict] = None,
-        pin_memory: Optional[bool] = None,
+        max_in_cpu: Optional[int] = None, aio: Optional[dict] = None, pin_memory: Optional[bool] = None,
         sharded_module_classes: Optional[Union[set, list, tuple]] = None,
-        reshard_after_forward: Optional[Union[bool, int]] = None,
-        accelerator: Optional[Any] = None,
-        parallel_devices: Optional[list[torch.device]] = None,
-        cluster_environment: Optional[Any] = None,
-        checkpoint_io: Optional[Any] = None,
-        precision: Optional[Precision] = None,
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
-        start_method: str = "popen",
-        async_save: bool = False,
-        communication_data_type: Optional[str] = None,
-        loss_scale: Optional[float] = None,
-        initial_scale_power: Optional[int] = None,
-        loss_scale_window: Optional[int] = None,
-        hysteresis: Optional[int] = None,
-        consecutive_hysteresis: Optional[bool] = None,
-        min_loss_scale: Optional[float] = None,
-        config: Optional[Union[str, dict]] = None,
-        strict: bool = True,
-        pipeline_parallel_size: Optional[int] = None,
-        micro_batches: Optional[int] = None,
-        pipeline_schedule: Optional[str] = None,
-        virtual_stages: Optional[int] = None,
-        find_unused_parameters: Optional[bool] = None,
-        static_graph: Optional[bool] = None,
-        gradient_as_bucket_view: Optional[bool] = None,
-        bucket_cap_mb: Optional[float] = None,
-        exclude_frozen_parameters: bool = False,
-        verbose: bool = False,
-        hang_timeout: Optional[Union[float, timedelta]] = DEFAULT_HANG_TIMEOUT,
-        auto_resume: Union[bool, str] = False,
-        activation_checkpointing: Any = None,
-        cpu_checkpointing: Optional[bool] = None,
-        activation_checkpointing_policy: Any = None,
-        load_full_weights: bool = False,
+        reshard_after_forward: Optional[Union[bool, int]] = None, accelerator: Optional[Any] = None,
+        parallel_devices: Optional[list[torch.device]] = None, cluster_environment: Optional[Any] = None,
+        checkpoint_io: Optional[Any] = None, precision: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None, timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: str = "popen", async_save: bool = False, communication_data_type: Optional[str] = None,
+        loss_scale: Optional[float] = None, initial_scale_power: Optional[int] = None,
+        loss_scale_window: Optional[int] = None, hysteresis: Optional[int] = None,
+        consecutive_hysteresis: Optional[bool] = None, min_loss_scale: Optional[float] = None,
+        config: Optional[Union[str, dict]] = None, strict: bool = True, pipeline_parallel_size: Optional[int] = None,
+        micro_batches: Optional[int] = None, pipeline_schedule: Optional[str] = None,
+        virtual_stages: Optional[int] = None, find_unused_parameters: Optional[bool] = None,
+        static_graph: Optional[bool] = None, gradient_as_bucket_view: Optional[bool] = None,
+        bucket_cap_mb: Optional[float] = None, exclude_frozen_parameters: bool = False, verbose: bool = False,
+        hang_timeout: Optional[Union[float, timedelta]] = DEFAULT_HANG_TIMEOUT, auto_resume: Union[bool, str] = False,
+        activation_checkpointing: Any = None, cpu_checkpointing: Optional[bool] = None,
+        activation_checkpointing_policy: Any = None, load_full_weights: bool = False,
         hybrid_shard_size: Optional[int] = None,
-        rendezvous_timeout: Union[float, timedelta] = DEFAULT_RENDEZVOUS_TIMEOUT,
-        unit_bytes: Optional[int] = None,
-        param_persistence_threshold: Optional[int] = None,
-        prefetch_bytes: Optional[int] = None,
+        rendezvous_timeout: Union[float, timedelta] = DEFAULT_RENDEZVOUS_TIMEOUT, unit_bytes: Optional[int] = None,
+        param_persistence_threshold: Optional[int] = None, prefetch_bytes: Optional[int] = None,
+        # DeepSpeedStrategy's own arguments, same names and types (None: the config's value, else DeepSpeed's
+        # default); each becomes the ds_config key it stands for (ds_config/strategy_arguments.py)
+        zero_optimization: Optional[bool] = None, remote_device: Optional[str] = None,
+        offload_parameters: Optional[bool] = None, offload_params_device: Optional[str] = None,
+        params_buffer_count: Optional[int] = None, params_buffer_size: Optional[int] = None,
+        offload_optimizer_device: Optional[str] = None, optimizer_buffer_count: Optional[int] = None,
+        block_size: Optional[int] = None, queue_depth: Optional[int] = None, single_submit: Optional[bool] = None,
+        overlap_events: Optional[bool] = None, thread_count: Optional[int] = None,
+        contiguous_gradients: Optional[bool] = None, overlap_comm: Optional[bool] = None,
+        allgather_partitions: Optional[bool] = None, reduce_scatter: Optional[bool] = None,
+        allgather_bucket_size: Optional[int] = None, reduce_bucket_size: Optional[int] = None,
+        zero_allow_untested_optimizer: Optional[bool] = None, logging_batch_size_per_gpu: Union[str, int, None] = None,
+        logging_level: Optional[int] = None, partition_activations: Optional[bool] = None,
+        contiguous_memory_optimization: Optional[bool] = None, synchronize_checkpoint_boundary: Optional[bool] = None,
     ) -> None:
         settings = resolve_settings(**{name: value for name, value in locals().items() if name in SETTING_NAMES})
         if settings.auto_resume:
@@ -456,6 +449,10 @@ def _refuse_loop_settings(binding: Optional[DeepSpeedConfigBinding]) -> None:
     present = []
     for key in _LOOP_SETTINGS:
         value = getattr(translation, key, None)
+        if key in binding.argument_aliases:  # logging_batch_size_per_gpu: only DeepSpeed's samples/s log used it
+            warnings.warn(f"{binding.argument_aliases[key]} has no effect with Fabric: your loop sizes the batches "
+                          "(DeepSpeed only used it for its samples/s log); it is ignored", DeepSpeedConfigWarning)
+            continue
         if value in (None, "auto", {}, False) or (key == "gradient_clipping" and value == 0) or \
                 (key == "gradient_accumulation_steps" and value == 1):
             continue

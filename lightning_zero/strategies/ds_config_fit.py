@@ -28,6 +28,7 @@ from lightning_zero.ds_config import (
 from lightning_zero.ds_config.auto import resolve_optimizer
 from lightning_zero.ds_config.binding import DeepSpeedConfigBinding, effective_ds_config, precision_from_config
 from lightning_zero.ds_config.optimizers import build_optimizer, build_scheduler, lightning_scheduler_config
+from lightning_zero.ds_config.strategy_arguments import naming_arguments
 from lightning_zero.ds_config.translate import AUTO
 
 # Lightning's defaults of the Trainer settings a ds_config also sets: a Trainer value that differs was set by the user.
@@ -136,8 +137,14 @@ def check_config_against_trainer(binding, trainer, precision: str, data_parallel
 
     Raises:
         DeepSpeedConfigError: precision, clipping, accumulation or ``steps_per_print`` disagree with the Trainer's
-            explicit flags, or the config's batch sizes cannot add up for this data-parallel size.
+            explicit flags, or the config's batch sizes cannot add up for this data-parallel size. A key that a
+            DeepSpeedStrategy argument wrote is named with the argument.
     """
+    with naming_arguments(getattr(binding, "argument_aliases", {})):
+        _check_config_against_trainer(binding, trainer, precision, data_parallel_size)
+
+
+def _check_config_against_trainer(binding, trainer, precision: str, data_parallel_size: int) -> None:
     precision_from_config(binding.precision, precision)
     if getattr(getattr(trainer, "state", None), "fn", None) != "fit":
         return  # the rest is resolved only when fitting

@@ -78,21 +78,10 @@ StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 class ZeroStrategy(ParallelStrategy):
     """DeepSpeed's ZeRO stages 0-3 with CPU offload for Lightning, on DDP and FSDP2.
 
-    ==========  ==========================================================  ======================================
-    ``stage``   engine                                                      model-state bytes per rank at rest
-    ==========  ==========================================================  ======================================
-    0           DDP                                                         ``P (bp + bg + K)``
-    1           DDP + the optimizer partitioned in place (each rank steps   ``P (bp + bg) + P K / N``
-                1/N of the parameters, then broadcasts them)
-    2           FSDP2 ``fully_shard(reshard_after_forward=False)``          ``P (bp + bg + K) / N``, plus ``P bp``
-                                                                            gathered from forward to backward
-    3           FSDP2 ``fully_shard(reshard_after_forward=True)``           ``P (bp + bg + K) / N``, plus one or two
-                                                                            gathered units
-    ==========  ==========================================================  ======================================
-
-    ``P`` parameters, ``N`` ranks, ``bp``/``bg`` bytes per parameter/gradient, ``K`` optimizer-state bytes per
-    parameter (8 for fp32 Adam). ``docs/stages.md`` derives these; :func:`lightning_zero.model_state_memory`
-    measures them and :func:`lightning_zero.estimate_model_states_memory` predicts them.
+    Stage 0 is DDP; 1 is DDP with the optimizer partitioned in place; 2 and 3 are FSDP2 ``fully_shard`` with
+    ``reshard_after_forward`` False and True. ``docs/stages.md`` gives each stage's model-state bytes per rank;
+    :func:`lightning_zero.model_state_memory` measures them and :func:`lightning_zero.estimate_model_states_memory`
+    predicts them.
 
     Args:
         stage: ZeRO stage, 0-3 (default 2, or the config's).
@@ -100,18 +89,15 @@ class ZeroStrategy(ParallelStrategy):
             the sharded parameters and gradients too, as DeepSpeed's ``zero_stage_3_offload``) or ``"nvme"``; the
             precise ``offload_optimizer``/``offload_params`` and the NVMe knobs: see ``docs/offload.md``.
         pin_memory: pin offloaded CPU tensors (default: when computing on CUDA).
-        sharded_module_classes: classes or class names that become FSDP units at stages 2-3; by default
-            repeated blocks are detected (:func:`lightning_zero.distributed.apply_zero.find_repeated_blocks`).
+        sharded_module_classes: classes or class names that become FSDP units at stages 2-3 (default: repeated blocks).
         reshard_after_forward: stage-3 override of FSDP2's ``reshard_after_forward``, for every unit: ``True``
             also reshards the root and the last unit, which the default keeps (see ``ZeroConfig``).
-        process_group_backend: ``"gloo"``, ``"nccl"``, ...; by default chosen from the accelerator.
-        timeout: process-group timeout: a positive ``timedelta`` or number of seconds.
+        process_group_backend, timeout: ``"gloo"``, ``"nccl"``, ... (default: from the accelerator); the
+            process-group timeout, a positive ``timedelta`` or number of seconds.
         start_method: ``"popen"`` (re-run the script per rank, like ``DDPStrategy``), ``"spawn"``, ``"fork"``.
-        async_save: write checkpoints in the background (DCP async save; the state is staged to CPU first, so
-            training continues at once). The next save, a load and the end of training wait for it. Every save is
-            atomic either way: a crash mid-save leaves the previous checkpoint at that path loadable.
-        communication_data_type: ``"fp32"``, ``"bf16"`` or ``"fp16"``: the dtype gradients are reduced in
-            (DeepSpeed's key of the same name). Default ``None``: fp32.
+        async_save: write checkpoints in the background (staged to CPU first; the next save, a load and the end
+            of training wait for it). Every save is atomic: a crash mid-save leaves the previous one loadable.
+        communication_data_type: ``"fp32"`` (default), ``"bf16"`` or ``"fp16"``: the gradients' reduce dtype.
         loss_scale, initial_scale_power, loss_scale_window, hysteresis, consecutive_hysteresis, min_loss_scale:
             DeepSpeed's fp16 loss-scale knobs, same names, meanings and defaults (``loss_scale=0``: dynamic). Only
             valid with an fp16 Trainer precision (``16-mixed``/``16-true``); see ``docs/precision.md``.
@@ -120,18 +106,16 @@ class ZeroStrategy(ParallelStrategy):
             Trainer, DataLoader and LightningModule; see ``docs/ds_config.md``.
         strict: with ``config``, unknown keys and unsupported features are errors (``False``: warnings).
         pipeline_parallel_size, micro_batches, pipeline_schedule, virtual_stages: pipeline parallelism over a
-            ``PipelineModule`` held by the LightningModule, with the ZeRO stage on the data-parallel dimension
-            (:mod:`lightning_zero.pipeline.zero_pipeline`, ``docs/pipeline.md``).
+            ``PipelineModule``, ZeRO on the data-parallel dimension (``docs/pipeline.md``).
         find_unused_parameters, static_graph, gradient_as_bucket_view, bucket_cap_mb: ``DDPStrategy``'s options for
             the DDP of stages 0-1 (:mod:`lightning_zero.distributed.ddp`); unlike ``DDPStrategy``,
             ``gradient_as_bucket_view`` defaults to True (one gradient buffer per rank).
         exclude_frozen_parameters, verbose: frozen parameters stay out of checkpoints; print the whole ds_config.
         hang_timeout: seconds (or ``timedelta``) a step, validation batch, checkpoint save/load or teardown may last
             before the job exits naming the stuck rank(s) with every rank's stacks (default 600; ``None``: off).
-        auto_resume: on a restarted job (torchrun/SLURM; ``"always"``: on every fit) without ``ckpt_path``, resume from
-            the newest complete ``ModelCheckpoint`` checkpoint; checkpoint on preemption signals (:mod:`.auto_resume`,
-            :mod:`.preemption`).
-        hybrid_shard_size: HSDP: shard within groups of this many ranks, replicate across (:mod:`.hybrid`, opt-in).
+        auto_resume: on a restarted job (``"always"``: every fit) without ``ckpt_path``, resume from the newest
+            complete checkpoint; checkpoint on preemption signals (:mod:`.auto_resume`, :mod:`.preemption`).
+        hybrid_shard_size: HSDP: shard within groups of this many ranks, replicate across (opt-in).
         activation_checkpointing, cpu_checkpointing, activation_checkpointing_policy: recompute blocks' activations
             in backward, optionally keeping their inputs on CPU (``docs/activation_checkpointing.md``).
         load_full_weights: ``ckpt_path`` must be one file, which may lack optimizer states (``trainer_checkpoints.py``).
@@ -140,6 +124,10 @@ class ZeroStrategy(ParallelStrategy):
             unit up to ``unit_bytes`` parameter bytes (``0``: a unit per block); units under
             ``param_persistence_threshold`` elements stay in the root; prefetch of the next units' all-gathers up to
             ``prefetch_bytes`` (:mod:`lightning_zero.distributed.units`, ``docs/units.md``).
+
+    ``DeepSpeedStrategy``'s other arguments (``zero_optimization``, ``offload_parameters``, ``overlap_comm``, ...,
+    and ``offload_optimizer=True``) are taken with its names and types: each becomes the ds_config key it stands
+    for, so it is honoured, warned about or refused as that key is (``docs/deepspeed_arguments.md``).
 
     As ``DeepSpeedStrategy``: without ``config`` the file ``PL_DEEPSPEED_CONFIG_PATH`` names is read, and
     :attr:`config` is the effective ds_config as a dict.
@@ -153,53 +141,44 @@ class ZeroStrategy(ParallelStrategy):
 
     def __init__(
         self,
-        stage: Optional[int] = None,
-        offload: Optional[str] = None,
-        offload_optimizer: Optional[str] = None, offload_params: Optional[str] = None, nvme_path: Optional[str] = None,
+        stage: Optional[int] = None, offload: Optional[str] = None, offload_optimizer: Union[str, bool, None] = None,
+        offload_params: Optional[str] = None, nvme_path: Optional[str] = None,
         buffer_count: Optional[int] = None, sub_group_size: Optional[int] = None, buffer_size: Optional[int] = None,
-        max_in_cpu: Optional[int] = None, aio: Optional[dict] = None,
-        pin_memory: Optional[bool] = None,
+        max_in_cpu: Optional[int] = None, aio: Optional[dict] = None, pin_memory: Optional[bool] = None,
         sharded_module_classes: Optional[Union[set, list, tuple]] = None,
-        reshard_after_forward: Optional[Union[bool, int]] = None,
-        accelerator: Optional[Any] = None,
-        parallel_devices: Optional[list[torch.device]] = None,
-        cluster_environment: Optional[Any] = None,
-        checkpoint_io: Optional[Any] = None,
-        precision_plugin: Optional[Precision] = None,
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
-        start_method: StartMethod = "popen",
-        async_save: bool = False,
-        communication_data_type: Optional[str] = None,
-        loss_scale: Optional[float] = None,
-        initial_scale_power: Optional[int] = None,
-        loss_scale_window: Optional[int] = None,
-        hysteresis: Optional[int] = None,
-        consecutive_hysteresis: Optional[bool] = None,
-        min_loss_scale: Optional[float] = None,
-        config: Optional[Union[str, dict]] = None,
-        strict: bool = True,
-        pipeline_parallel_size: Optional[int] = None,
-        micro_batches: Optional[int] = None,
-        pipeline_schedule: Optional[str] = None,
-        virtual_stages: Optional[int] = None,
-        find_unused_parameters: Optional[bool] = None,
-        static_graph: Optional[bool] = None,
-        gradient_as_bucket_view: Optional[bool] = None,
-        bucket_cap_mb: Optional[float] = None,
-        exclude_frozen_parameters: bool = False,
-        verbose: bool = False,
-        hang_timeout: Optional[Union[float, timedelta]] = DEFAULT_HANG_TIMEOUT,
-        auto_resume: Union[bool, str] = True,
-        hybrid_shard_size: Optional[int] = None,
-        activation_checkpointing: Any = None,
-        cpu_checkpointing: Optional[bool] = None,
-        activation_checkpointing_policy: Any = None,
-        load_full_weights: bool = False,
-        rendezvous_timeout: Union[float, timedelta] = DEFAULT_RENDEZVOUS_TIMEOUT,
-        unit_bytes: Optional[int] = None,
-        param_persistence_threshold: Optional[int] = None,
+        reshard_after_forward: Optional[Union[bool, int]] = None, accelerator: Optional[Any] = None,
+        parallel_devices: Optional[list[torch.device]] = None, cluster_environment: Optional[Any] = None,
+        checkpoint_io: Optional[Any] = None, precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None, timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: StartMethod = "popen", async_save: bool = False, communication_data_type: Optional[str] = None,
+        loss_scale: Optional[float] = None, initial_scale_power: Optional[int] = None,
+        loss_scale_window: Optional[int] = None, hysteresis: Optional[int] = None,
+        consecutive_hysteresis: Optional[bool] = None, min_loss_scale: Optional[float] = None,
+        config: Optional[Union[str, dict]] = None, strict: bool = True, pipeline_parallel_size: Optional[int] = None,
+        micro_batches: Optional[int] = None, pipeline_schedule: Optional[str] = None,
+        virtual_stages: Optional[int] = None, find_unused_parameters: Optional[bool] = None,
+        static_graph: Optional[bool] = None, gradient_as_bucket_view: Optional[bool] = None,
+        bucket_cap_mb: Optional[float] = None, exclude_frozen_parameters: bool = False, verbose: bool = False,
+        hang_timeout: Optional[Union[float, timedelta]] = DEFAULT_HANG_TIMEOUT, auto_resume: Union[bool, str] = True,
+        hybrid_shard_size: Optional[int] = None, activation_checkpointing: Any = None,
+        cpu_checkpointing: Optional[bool] = None, activation_checkpointing_policy: Any = None,
+        load_full_weights: bool = False, rendezvous_timeout: Union[float, timedelta] = DEFAULT_RENDEZVOUS_TIMEOUT,
+        unit_bytes: Optional[int] = None, param_persistence_threshold: Optional[int] = None,
         prefetch_bytes: Optional[int] = None,
+        # DeepSpeedStrategy's own arguments, same names and types (None: the config's value, else DeepSpeed's
+        # default); each becomes the ds_config key it stands for (ds_config/strategy_arguments.py)
+        zero_optimization: Optional[bool] = None, remote_device: Optional[str] = None,
+        offload_parameters: Optional[bool] = None, offload_params_device: Optional[str] = None,
+        params_buffer_count: Optional[int] = None, params_buffer_size: Optional[int] = None,
+        offload_optimizer_device: Optional[str] = None, optimizer_buffer_count: Optional[int] = None,
+        block_size: Optional[int] = None, queue_depth: Optional[int] = None, single_submit: Optional[bool] = None,
+        overlap_events: Optional[bool] = None, thread_count: Optional[int] = None,
+        contiguous_gradients: Optional[bool] = None, overlap_comm: Optional[bool] = None,
+        allgather_partitions: Optional[bool] = None, reduce_scatter: Optional[bool] = None,
+        allgather_bucket_size: Optional[int] = None, reduce_bucket_size: Optional[int] = None,
+        zero_allow_untested_optimizer: Optional[bool] = None, logging_batch_size_per_gpu: Union[str, int, None] = None,
+        logging_level: Optional[int] = None, partition_activations: Optional[bool] = None,
+        contiguous_memory_optimization: Optional[bool] = None, synchronize_checkpoint_boundary: Optional[bool] = None,
     ) -> None:
         # Validate everything before Lightning (or anyone) starts a process group; shared with the Fabric strategy.
         self.settings = settings = resolve_settings(
