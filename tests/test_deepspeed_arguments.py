@@ -312,3 +312,16 @@ def test_loss_scale_arguments_are_the_fp16_section():
     by_call = ZeroStrategy(**knobs).settings.loss_scale_config
     by_config = ZeroStrategy(config={"fp16": {"enabled": True, **knobs}}).settings.fp16_loss_scale_config
     assert by_call == by_config
+
+
+def test_an_explicit_stage_over_a_config_says_so(tmp_path, monkeypatch, capsys):
+    # strategy="zero_stage_2" with PL_DEEPSPEED_CONFIG_PATH at stage 3 trained at stage 2 while the startup table
+    # printed stage 3, without a word (DeepSpeedStrategy would have used the config's stage)
+    config = {"zero_optimization": {"stage": 3}}
+    with pytest.warns(DeepSpeedConfigWarning, match=r"stage=2 over the config's 3"):
+        strategy = ZeroStrategy(config=config, stage=2)
+    assert strategy.zero_config.stage == 2
+    strategy.ds_config.print_table()
+    assert "explicit arguments win: stage=2 (config: 3)" in " ".join(capsys.readouterr().out.split())
+    with pytest.warns(DeepSpeedConfigWarning, match=r"stage=2 over the config's 3"):
+        ZeroStrategy(config=config, stage=2, overlap_comm=True)  # also when DeepSpeedStrategy arguments come along

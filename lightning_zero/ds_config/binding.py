@@ -31,12 +31,14 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 from typing import Any, Optional
 
 from lightning_zero.distributed.activation_checkpointing import activation_checkpoint_config
 from lightning_zero.ds_config import (
     AutoContext,
     DeepSpeedConfigError,
+    DeepSpeedConfigWarning,
     DeepSpeedTranslation,
     effective_config_dict,
     effective_config_table,
@@ -102,6 +104,7 @@ class DeepSpeedConfigBinding:
         self.strict = strict
         self.origin = origin  # where the config came from when not from config= (named in the startup report)
         self.argument_aliases: dict = {}  # dotted key -> the DeepSpeedStrategy argument that wrote it (messages)
+        self.overridden: dict = {}  # strategy argument -> (explicit value, the config's), for the startup table
         self.translation: DeepSpeedTranslation = translate_ds_config(self.raw, strict=strict)
         self.auto_paths = tuple(self.translation.unresolved_auto)  # shown as "auto" -> value once resolved
         self._refuse_unwired(self.translation)
@@ -153,6 +156,10 @@ class DeepSpeedConfigBinding:
         from rich.console import Console
 
         caption = f"read from {self.origin}" if self.origin else None
+        if self.overridden:
+            said = ", ".join(f"{name}={value!r} (config: {config!r})" for name, (value, config) in
+                             self.overridden.items())
+            caption = (caption + "; " if caption else "") + f"explicit arguments win: {said}"
         Console().print(effective_config_table(self.translation, verbose=verbose, auto_paths=self.auto_paths,
                                                caption=caption))
 
@@ -288,6 +295,8 @@ def arguments_over_config(binding, stage, offload, pin_memory, reshard_after_for
     """ZeroStrategy's arguments with the ds_config filling those left at ``None`` (explicit arguments win), in the
     order given. Stage defaults to 2; the config's pipeline (and its micro-batches) applies only with > 1 stages."""
     from_config = binding.strategy_kwargs() if binding is not None else {}
+    _note_overrides(binding, from_config, stage=stage, pin_memory=pin_memory,
+                    reshard_after_forward=reshard_after_forward, communication_data_type=communication_data_type)
     stage = stage if stage is not None else from_config.get("stage", 2)
     offload = offload if offload is not None else from_config.get("offload")
     pin_memory = pin_memory if pin_memory is not None else from_config.get("pin_memory")
@@ -300,6 +309,20 @@ def arguments_over_config(binding, stage, offload, pin_memory, reshard_after_for
         micro_batches = micro_batches if micro_batches is not None else from_config.get("micro_batches")
     return (stage, offload, pin_memory, reshard_after_forward, communication_data_type, pipeline_parallel_size,
             micro_batches)
+
+
+def _note_overrides(binding, from_config: dict, **explicit) -> None:
+    """Warn about each explicit argument that overrides a different value the config wrote (explicit arguments win;
+    DeepSpeedStrategy would have read the config alone), and keep them for the startup table's caption."""
+    overridden = {name: (value, from_config[name]) for name, value in explicit.items()
+                  if value is not None and name in from_config and from_config[name] != value}
+    if binding is None or not overridden:
+        return
+    binding.overridden = overridden
+    said = ", ".join(f"{name}={value!r} over the config's {config!r}" for name, (value, config) in overridden.items())
+    warnings.warn(f"explicit ZeroStrategy arguments (or a registered name such as 'zero_stage_2') win over the "
+                  f"DeepSpeed config: {said}. DeepSpeedStrategy would have used the config's values; drop the "
+                  "argument (or use the name 'zero') to follow the config", DeepSpeedConfigWarning, stacklevel=4)
 
 
 def hybrid_shard_size_over_config(binding, hybrid_shard_size):

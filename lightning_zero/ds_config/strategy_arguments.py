@@ -163,6 +163,11 @@ class DeepSpeedArguments:
         if self.logging_batch_size_per_gpu not in (None, "auto"):
             put("train_micro_batch_size_per_gpu", self.logging_batch_size_per_gpu, "logging_batch_size_per_gpu")
         if overrides and (stage is not None or base is None):
+            written = ((base or {}).get("zero_optimization") or {}).get("stage")
+            if stage is not None and written not in (None, stage) and isinstance(written, int):
+                warnings.warn(f"explicit ZeroStrategy arguments win over the DeepSpeed config: stage={stage} over the "
+                              f"config's {written}. DeepSpeedStrategy would have used the config's values; drop the "
+                              "argument to follow the config", DeepSpeedConfigWarning, stacklevel=4)
             overrides.setdefault("zero_optimization", {})["stage"] = stage if stage is not None else 2
         return overrides, aliases
 
