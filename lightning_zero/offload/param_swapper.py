@@ -44,7 +44,6 @@ import tempfile
 import warnings
 import weakref
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -53,86 +52,14 @@ from torch import Tensor, nn
 from lightning_zero.offload.aio import AsyncFileIO, SwapIOError, align_up, aligned_buffer
 from lightning_zero.offload.nvme_config import NvmeConfig
 from lightning_zero.offload.optimizer_swapper import closure_loss, remove_folder
-from lightning_zero.offload.shard_memory import can_read_in_place, shard_bytes, shard_targets
+from lightning_zero.offload.param_units import SwapUnit, swap_units
+from lightning_zero.offload.shard_memory import shard_bytes, shard_targets
 from lightning_zero.ops.step_override import is_overridden, override_step, restore_step_override
-from lightning_zero.torch_compat import fsdp_param_groups
 
 _ATTR = "_lightning_zero_param_swapper"
 _STEP_MARKER = "NVMe parameter step"  # the step override's marker (step_override)
 _LIVE: "weakref.WeakSet[ParamSwapper]" = weakref.WeakSet()
 _WRAPPED = ("unshard", "lazy_init")  # no release after wait_for_unshard: units stay resident within max_in_cpu
-
-
-@dataclass(eq=False)
-class _Unit:
-    index: int
-    name: str
-    groups: list
-    path: str
-    sizes: list[int]        # bytes of each shard storage when resident
-    elements: int           # padded shard elements
-    in_place: list = field(default_factory=list)  # per shard: read into new aligned memory (shard_memory's note)
-    chunks: list = field(default_factory=list)  # (storage index, start, length, file offset)
-    resident: bool = True
-    dirty: bool = True      # memory is newer than the file (or there is no file yet)
-    held: int = 0
-    reads: int = 0          # times the unit was read from its file (tests and benchmarks count them per step)
-    writes: int = 0         # times it was written back
-    lost: bool = False      # a write-back failed after its memory was released: the file is stale
-    pending_writes: int = 0
-    prefetched: deque = field(default_factory=deque)  # (chunk number, buffer, future), chunks 0..k-1
-    state: object = None    # the FSDP2 state of the unit's fully_shard call (shared by a grouped call's modules)
-
-    def fsdp_params(self) -> list:
-        return [fp for group in self.groups for fp in group.fsdp_params]
-
-    def storages(self) -> list:
-        return [fp._sharded_param_data.untyped_storage() for fp in self.fsdp_params()]
-
-    def gathering(self) -> bool:
-        return any(getattr(group, "_all_gather_result", None) is not None for group in self.groups)
-
-
-def _unit_name(names: list[str]) -> str:
-    """A unit's name in messages: its module, or the modules of one grouped ``fully_shard([...])`` call."""
-    if len(names) <= 3:
-        return "+".join(names)
-    return f"{names[0]}+...+{names[-1]} ({len(names)} modules)"
-
-
-def _swap_units(module: nn.Module) -> tuple[list[_Unit], dict[int, _Unit]]:
-    """The swap units of ``module``'s FSDP2 units, not yet laid out on disk, and ``{id(sharded parameter): unit}``."""
-    from torch.distributed.fsdp import FSDPModule
-
-    units: list[_Unit] = []
-    unit_of: dict[int, _Unit] = {}
-    # [Note: one swap unit per fully_shard call] ``fully_shard([block_a, block_b])`` (byte-grouped units, see
-    # lightning_zero.distributed.units) makes every module of the list an FSDPModule sharing ONE state and
-    # param group. Units are keyed by that state: one per module would swap the same storages twice (the
-    # second write finds them already freed) and wrap the group's methods twice.
-    members: dict[int, list[str]] = {}  # id(FSDP state) -> the names of its modules
-    for name, sub in module.named_modules():
-        if not isinstance(sub, FSDPModule):
-            continue
-        state = sub._get_fsdp_state()
-        if id(state) in members:
-            members[id(state)].append(name or "<root>")
-            continue
-        members[id(state)] = [name or "<root>"]
-        groups = fsdp_param_groups(state)
-        if not groups:
-            continue
-        unit = _Unit(len(units), "", groups, f"unit{len(units)}.bin", [], 0, state=state)
-        for fp in unit.fsdp_params():
-            data = fp._sharded_param_data  # swapped as bytes: any dtype
-            unit.sizes.append(data.untyped_storage().nbytes())
-            unit.in_place.append(can_read_in_place(fp))
-            unit.elements += data.numel()
-            unit_of[id(fp.sharded_param)] = unit
-        units.append(unit)
-    for unit in units:
-        unit.name = _unit_name(members[id(unit.state)])
-    return units, unit_of
 
 
 class ParamSwapper:
@@ -142,7 +69,7 @@ class ParamSwapper:
         self.module = module
         self.nvme = nvme
         self.pin_memory = pin_memory
-        self.units, self._unit_of = _swap_units(module)
+        self.units, self._unit_of = swap_units(module)
         if not self.units:
             raise ValueError("offload_params='nvme' needs a module sharded with FSDP2 (stage 3): none was found")
         self.chunk_bytes = align_up(nvme.buffer_size * 4)
@@ -194,7 +121,7 @@ class ParamSwapper:
             raise
 
     # ---------------------------------------------------------------- layout, space
-    def _lay_out(self, unit: _Unit) -> None:
+    def _lay_out(self, unit: SwapUnit) -> None:
         offset = 0
         for index, size in enumerate(unit.sizes):
             for start in range(0, size, self.chunk_bytes):
@@ -251,11 +178,11 @@ class ParamSwapper:
             unit.pending_writes -= 1
             self._release(buf)
 
-    def _drain_writes(self, unit: Optional[_Unit] = None) -> None:
+    def _drain_writes(self, unit: Optional[SwapUnit] = None) -> None:
         while self._writes and (unit is None or unit.pending_writes):
             self._finish_write(self._writes.popleft())
 
-    def _cancel_prefetch(self, unit: _Unit) -> None:
+    def _cancel_prefetch(self, unit: SwapUnit) -> None:
         while unit.prefetched:
             _, buf, future = unit.prefetched.pop()
             future.exception()  # let the read finish before its buffer is reused
@@ -263,7 +190,7 @@ class ParamSwapper:
             self._release(buf)
 
     # ---------------------------------------------------------------- transfers
-    def _write(self, unit: _Unit) -> None:
+    def _write(self, unit: SwapUnit) -> None:
         self._cancel_prefetch(unit)
         self.io.open(unit.path)  # idempotent
         views = [shard_bytes(fp, size) for fp, size in zip(unit.fsdp_params(), unit.sizes)]
@@ -277,7 +204,7 @@ class ParamSwapper:
         unit.writes += 1
         unit.dirty = False
 
-    def _read(self, unit: _Unit) -> None:
+    def _read(self, unit: SwapUnit) -> None:
         self._drain_writes(unit)
         if unit.lost:  # never read the stale file in its place
             raise SwapIOError(5, f"the parameters of unit {unit.name!r} were lost: writing them to {unit.path!r} "
@@ -315,12 +242,12 @@ class ParamSwapper:
                 future.exception()
                 self._release(buf)
 
-    def _issue_read(self, unit: _Unit, number: int, buf: Tensor):
+    def _issue_read(self, unit: SwapUnit, number: int, buf: Tensor):
         nbytes = align_up(unit.chunks[number][2])
         self.bytes_read += nbytes
         return number, buf, self.io.read(unit.path, buf[:nbytes], unit.chunks[number][3])
 
-    def _prefetch(self, unit: _Unit) -> None:
+    def _prefetch(self, unit: SwapUnit) -> None:
         """Read the first chunks of ``unit`` into free staging buffers (keeping two for the unit in use)."""
         if unit.resident or unit.dirty or unit.prefetched or unit.pending_writes:
             return
@@ -332,10 +259,10 @@ class ParamSwapper:
             self._prefetch_buffers += 1
 
     # ---------------------------------------------------------------- residency
-    def _evictable(self, unit: _Unit) -> bool:
+    def _evictable(self, unit: SwapUnit) -> bool:
         return unit.resident and not unit.held and not self._hold_all and not unit.gathering()
 
-    def _evict(self, unit: _Unit) -> None:
+    def _evict(self, unit: SwapUnit) -> None:
         if not self._evictable(unit):
             return
         if unit.dirty:
@@ -345,7 +272,7 @@ class ParamSwapper:
         unit.resident = False
         self.resident_elements -= unit.elements
 
-    def _victim(self, candidates: list) -> _Unit:
+    def _victim(self, candidates: list) -> SwapUnit:
         """The resident unit to evict: once the step's cycle of uses is known, the one needed again last
         (Belady's choice: with a cyclic order, least-recently-used would evict the unit needed next); before that,
         the least recently used."""
@@ -353,14 +280,14 @@ class ParamSwapper:
         if not cycle:
             return min(candidates, key=lambda u: self._last_use.get(u.index, 0))
 
-        def distance(u: _Unit) -> int:
+        def distance(u: SwapUnit) -> int:
             for step in range(len(cycle)):
                 if cycle[(self._pos + step) % len(cycle)] == u.index:
                     return step
             return len(cycle)  # not used again in a step: the best victim
         return max(candidates, key=lambda u: (distance(u), -self._last_use.get(u.index, 0)))
 
-    def _load(self, unit: _Unit) -> None:
+    def _load(self, unit: SwapUnit) -> None:
         self._check_open()
         self._clock += 1
         self._last_use[unit.index] = self._clock
@@ -402,21 +329,21 @@ class ParamSwapper:
         self._hooks = [self.module.register_state_dict_pre_hook(lambda *args: self.make_resident()),
                        self.module.register_load_state_dict_pre_hook(lambda *args: self.make_resident())]
 
-    def _wrap_unshard(self, unit: _Unit, group, original):
+    def _wrap_unshard(self, unit: SwapUnit, group, original):
         def unshard(*args, **kwargs):
             if getattr(group, "_all_gather_result", None) is None and not getattr(group, "is_unsharded", False):
                 self._before_gather(unit)
             return original(*args, **kwargs)
         return unshard
 
-    def _wrap_lazy_init(self, unit: _Unit, original):
+    def _wrap_lazy_init(self, unit: SwapUnit, original):
         def lazy_init(*args, **kwargs):
             if not self.closed:
                 self._load(unit)  # FSDP2 re-pads shards here once
             return original(*args, **kwargs)
         return lazy_init
 
-    def _before_gather(self, unit: _Unit) -> None:
+    def _before_gather(self, unit: SwapUnit) -> None:
         if self.closed:
             return
         self._hold_all = False  # a new forward: checkpoint holds end, the budget applies again
