@@ -1,5 +1,5 @@
 """Stage-3 parameter swapping to NVMe (ZeRO-Infinity's ``offload_param.device: nvme``): each rank's FSDP2 local
-shards live in files and are in memory around their use, at most ``max_in_cpu`` elements at a time.
+shards live in files and are in memory around their use; at most ``max_in_cpu`` elements stay resident after it.
 
 [Note: what is swapped, and how]
 Under FSDP2's ``CPUOffloadPolicy`` each parameter's local shard is a padded CPU tensor whose storage FSDP2 reads
@@ -19,22 +19,28 @@ paths below crashes loudly instead of computing on stale values; call :meth:`Par
   unit's parameters), reading it first if it is not resident; the next unit is read ahead meanwhile. Under an
   optimizer-state swapper too (``offload_optimizer="nvme"``) this runs inside each of its sub-groups.
 - Release: a unit stays resident after its use while ``max_in_cpu`` allows (it is a residency budget, as in
-  DeepSpeed: units that fit are not read again for the backward or the step). Making room evicts a unit that no
-  all-gather or step is using: once the first step has shown one step's sequence of uses (gathers, then the step's
-  units), the unit needed again last among those whose release alone makes room (Belady's choice; with this
-  cyclic order least-recently-used evicts the unit needed next; read counts in ``docs/offload.md``, "Parameter
-  swapping"), before that the least recently used. A clean unit is dropped; only a modified one (stepped, or
-  loaded) is written.
+  DeepSpeed: units that fit are not read again for the backward or the step). A unit in use is always read, even
+  one larger than the budget; the excess is released at the next unit's use, and the optimizer step ends within
+  the budget (:meth:`ParamSwapper.end_step`). Making room evicts a unit that no all-gather or step is using: once
+  the first step has shown one step's sequence of uses (gathers, then the step's units), the unit needed again
+  last among those whose release alone makes room (Belady's choice; with this cyclic order least-recently-used
+  evicts the unit needed next; read counts in ``docs/offload.md``, "Parameter swapping"), before that the least
+  recently used. A clean unit is dropped; only a modified one (stepped, or loaded) is written.
 - ``state_dict()``/``load_state_dict()`` (checkpoint save and load): every unit is made resident and kept so until
   the next forward (it may exceed ``max_in_cpu`` only then), marked modified (a load may change it).
 
 [Note: the bounds]
-``max_in_cpu``: parameter elements (padded shards) resident at once, outside checkpoint save/load. A unit larger
-than it is refused at setup; units in an all-gather cannot be released, so if FSDP2 holds more at once than
-``max_in_cpu`` the run stops with an error naming it. Reads land in the shards' own memory, new aligned memory each
-time (``lightning_zero.offload.shard_memory``); writes and read-ahead go through aligned staging buffers of
-``buffer_size`` 4-byte elements, at most ``buffer_count`` of them alive (DeepSpeed's parameter buffer pool); a
-read-ahead buffer holding a whole shard becomes its memory. Framework-free: imports only torch.
+As in DeepSpeed, ``max_in_cpu`` counts the parameter elements (padded shards) *kept* in CPU memory between uses,
+outside checkpoint save/load; DeepSpeed keeps that many resident for good and streams the rest through its pool of
+``buffer_count`` x ``buffer_size`` swap buffers, one parameter per buffer. Here the units in use (FSDP2's
+all-gathers in flight, by default the unit computing and the one it prefetches, or the unit stepping) are that
+in-flight set, read into the shards' own memory, new aligned memory each time
+(``lightning_zero.offload.shard_memory``), while writes and read-ahead go through aligned staging buffers of
+``buffer_size`` 4-byte elements, at most ``buffer_count`` of them alive (DeepSpeed's pool); a read-ahead buffer
+holding a whole shard becomes its memory. A shard larger than ``buffer_size`` (which DeepSpeed refuses) streams in
+pieces, and a unit larger than ``max_in_cpu`` (``max_in_cpu: 1`` in ZeRO-Infinity's examples) stays only while in
+use (until the next unit's use, or the step's end) and is read again at its next use. Framework-free: imports only
+torch.
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ from lightning_zero.ops.step_override import is_overridden, override_step, resto
 
 _ATTR = "_lightning_zero_param_swapper"
 _STEP_MARKER = "NVMe parameter step"  # the step override's marker (step_override)
+_END_HOOK = "_lightning_zero_param_end_step"  # on the optimizer: the handle of its end_step post-hook
 _LIVE: "weakref.WeakSet[ParamSwapper]" = weakref.WeakSet()
 _WRAPPED = ("unshard", "lazy_init")  # no release after wait_for_unshard: units stay resident within max_in_cpu
 
@@ -75,13 +82,6 @@ class ParamSwapper:
         self.chunk_bytes = align_up(nvme.buffer_size * 4)
         for unit in self.units:
             self._lay_out(unit)
-        largest = max(self.units, key=lambda u: u.elements)
-        if largest.elements > nvme.max_in_cpu:
-            raise ValueError(f"max_in_cpu={nvme.max_in_cpu} is smaller than the FSDP unit {largest.name!r}, whose "
-                             f"local shards hold {largest.elements} elements on this rank: a unit is swapped in "
-                             "whole, so raise max_in_cpu or shard the model into smaller units "
-                             "(a smaller unit_bytes, unit_bytes=0 for one unit per block, or "
-                             "sharded_module_classes)")
         # Only now, when nothing can be refused any more but the disk, the run's folder exists.
         self.run_folder = tempfile.mkdtemp(prefix="lz-swap-", dir=nvme.nvme_path)
         self.folder = os.path.join(self.run_folder, f"rank{rank}", "params")
@@ -93,7 +93,7 @@ class ParamSwapper:
         self.buffer_bytes = min(self.chunk_bytes, max((align_up(c[2]) for u in self.units for c in u.chunks),
                                                       default=align_up(1)))
         self.resident_elements = sum(u.elements for u in self.units)
-        self.peak_resident_elements = 0  # outside checkpoint holds
+        self.peak_resident_elements = 0  # outside checkpoint holds, units in use included
         self.bytes_read = 0
         self.bytes_written = 0
         self.bytes_staged = 0  # bytes read through a staging buffer and copied into a shard (not read in place)
@@ -291,27 +291,27 @@ class ParamSwapper:
         self._check_open()
         self._clock += 1
         self._last_use[unit.index] = self._clock
-        needed = 0 if unit.resident else unit.elements
-        while self.resident_elements + needed > self.nvme.max_in_cpu:
-            candidates = [u for u in self.units if u is not unit and self._evictable(u)]
-            if not candidates:
-                if unit.resident:  # over the budget after a checkpoint hold: trimmed at a later use
-                    break
-                busy = sum(u.elements for u in self.units if u.resident)
-                raise RuntimeError(f"max_in_cpu={self.nvme.max_in_cpu} parameter elements cannot hold the FSDP unit "
-                                   f"{unit.name!r} ({unit.elements} elements) next to the {busy} elements FSDP2 "
-                                   "is using at this moment (all-gathers in flight, prefetches): raise max_in_cpu")
-            # Belady's choice among the units whose release alone makes room: evicting a small unit needed last
-            # and then a large one anyway reads the small one again for nothing (a 4th read a step in
-            # tests/test_nvme_param_reads.py once stage 3 stopped re-gathering the root and the last unit)
-            over = self.resident_elements + needed - self.nvme.max_in_cpu
-            self._evict(self._victim([u for u in candidates if u.elements >= over] or candidates))
+        self._trim(unit, 0 if unit.resident else unit.elements)
         if unit.resident:
             return
         self._read(unit)
         unit.resident, unit.dirty = True, False
         self.resident_elements += unit.elements
         self.peak_resident_elements = max(self.peak_resident_elements, self.resident_elements)
+
+    def _trim(self, using: Optional[SwapUnit] = None, needed: int = 0) -> None:
+        """Evict until ``needed`` more elements fit in ``max_in_cpu`` next to the resident units, or until only
+        units in use (``using``, all-gathers, the step's unit) are left: those stay, over the budget if they must
+        (DeepSpeed streams them through its swap buffers, outside ``max_in_cpu``)."""
+        while self.resident_elements + needed > self.nvme.max_in_cpu:
+            candidates = [u for u in self.units if u is not using and self._evictable(u)]
+            if not candidates:
+                break
+            # Belady's choice among the units whose release alone makes room: evicting a small unit needed last
+            # and then a large one anyway reads the small one again for nothing (a 4th read a step in
+            # tests/test_nvme_param_reads.py once stage 3 stopped re-gathering the root and the last unit)
+            over = self.resident_elements + needed - self.nvme.max_in_cpu
+            self._evict(self._victim([u for u in candidates if u.elements >= over] or candidates))
 
     def _check_open(self) -> None:
         if self.closed:
@@ -408,6 +408,15 @@ class ParamSwapper:
         finally:
             for g, params in zip(optimizer.param_groups, saved):
                 g["params"] = params
+
+    def end_step(self) -> None:
+        """After the whole optimizer step (all its sub-groups): release what ``max_in_cpu`` does not keep, as no
+        unit is in use until the next forward; the units kept are those that forward needs first."""
+        if self.closed or self._hold_all:
+            return
+        self._pos = len(self._cycle)
+        self._trim()
+        self._drain_writes()
 
     # ---------------------------------------------------------------- whole-module residency, teardown
     def make_resident(self) -> None:
@@ -513,8 +522,13 @@ def attach_param_step(optimizer: torch.optim.Optimizer, swapper: ParamSwapper) -
         return loss
 
     override_step(optimizer, step, marker=_STEP_MARKER)
+    # A post-hook runs once after the whole step; this step runs once per sub-group under optimizer-state swapping.
+    setattr(optimizer, _END_HOOK, optimizer.register_step_post_hook(lambda *args: swapper.end_step()))
 
 
 def detach_param_step(optimizer: torch.optim.Optimizer) -> None:
     """Undo :func:`attach_param_step` (the original class back, LR schedulers' step wrappers kept consistent)."""
     restore_step_override(optimizer, _STEP_MARKER)  # a no-op when it was not attached
+    handle = optimizer.__dict__.pop(_END_HOOK, None)
+    if handle is not None:
+        handle.remove()
