@@ -456,7 +456,7 @@ def test_auto_optimizer_and_scheduler_from_hyperparameters_and_steps():
     ({"optimizer": {"type": "Adam", "params": {"momentum": "auto"}}}, "only lr, weight_decay, betas and eps"),
     ({"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto"}}},
      "estimated_stepping_batches.*max_steps"),
-    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}}}, "'warmup_steps'.*'warmup_ratio'"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto"}}}, r"warmup_max_lr.*'lr'/'learning_rate'"),
     ({"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}}, "hidden size.*hidden_size"),
     ({"zero_optimization": {"stage": 3, "sub_group_size": "auto"}}, "only reduce_bucket_size"),
 ])

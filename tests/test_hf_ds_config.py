@@ -125,6 +125,7 @@ def _warmup(hparams, total=50):
     (dict(warmup_steps=0.01), 1),         # ceil(0.5)
     (dict(warmup_ratio=0.25), 13),        # the older HF name: ceil(12.5)
     (dict(warmup_ratio=0.0), 1),
+    (dict(), 1),                          # no warm-up hyperparameter: HF's default warmup_steps=0 -> max(1, 0)
 ])
 def test_warmup_num_steps_auto_resolves_as_hugging_face(hparams, expected):
     assert _warmup(hparams) == expected
@@ -134,7 +135,6 @@ def test_warmup_num_steps_auto_resolves_as_hugging_face(hparams, expected):
     (dict(warmup_steps=-1), "warmup steps"),
     (dict(warmup_ratio=1.5), "warmup_ratio"),
     (dict(warmup_steps="ten"), "warmup steps"),
-    (dict(), "warmup_steps"),
 ])
 def test_warmup_num_steps_auto_refuses_what_hugging_face_refuses(hparams, message):
     with pytest.raises(DeepSpeedConfigError, match=message):
@@ -156,3 +156,50 @@ def test_warmup_zero_builds_a_working_scheduler():
         optimizer.step()
         scheduler.step()
     assert optimizer.param_groups[0]["lr"] == 0.5
+
+
+# transformers' docs "ds_config_zero3.json" as published (stage3_gather_16bit_weights_on_model_save true).
+HF_DOCS_ZERO3 = {**HF_ZERO3, "zero_optimization": {**HF_ZERO3["zero_optimization"],
+                                                   "stage3_gather_16bit_weights_on_model_save": True}}
+NO_WARMUP_HPARAMS = {k: v for k, v in HPARAMS.items() if k != "warmup_steps"}
+
+
+def _hf_docs_zero3_no_warmup_worker(rank, world_size, path, table_path):
+    import contextlib
+    import io
+    import os
+
+    os.environ["COLUMNS"] = "240"  # the startup table's rows on one line each
+    torch.manual_seed(0)
+    module = HFStyleModule(**NO_WARMUP_HPARAMS)
+    assert not any("warmup" in name for name in module.hparams)
+    strategy = ZeroStrategy(config=path)
+    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=world_size, max_steps=3, gradient_clip_val=1.0,
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        trainer.fit(module)
+    if rank == 0:
+        with open(table_path, "w") as f:
+            f.write(printed.getvalue())
+    effective = strategy.ds_config.translation.effective
+    # Hugging Face: TrainingArguments.warmup_steps defaults to 0, and max(1, get_warmup_steps(n)) = 1 step
+    assert effective["scheduler"]["params"] == {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 1}
+    source = strategy.ds_config.auto_defaults["scheduler.params.warmup_num_steps"]
+    assert source.startswith("TrainingArguments.warmup_steps=0 -> max(1, 0) = 1 step"), source
+    expected = _reference(3, world_size, clip=1.0)  # the same WarmupLR with 1 warm-up step
+    got = full_state(module)
+    worst = max((got[k] - expected[k]).abs().max().item() for k in expected)
+    assert worst <= 1e-5, f"HF docs config run differs from the single-process reference by {worst:.2e}"
+
+
+def test_hf_docs_zero3_config_trains_a_module_without_warmup_hyperparameter(tmp_path):
+    """Issue 28: "warmup_num_steps": "auto" with no warm-up hyperparameter on the LightningModule resolves as Hugging
+    Face's TrainingArguments default does (1 step) instead of refusing, and the startup table says so."""
+    path = tmp_path / "ds_config_zero3.json"
+    path.write_text(json.dumps(HF_DOCS_ZERO3, indent=2))
+    table = tmp_path / "table.txt"
+    run_distributed(_hf_docs_zero3_no_warmup_worker, 2, str(path), str(table))
+    row = next(line for line in table.read_text().splitlines() if "scheduler.params.warmup_num_steps" in line)
+    assert "\"auto\" -> 1 (Hugging Face's default)" in row, row

@@ -447,17 +447,18 @@ def test_estimator_reports_nvme_bytes_and_the_bounded_cpu_peak(stage):
     params, ranks = 7_000_000, 2
     cpu = estimate_model_states_memory(params, stage, ranks, offload="cpu")
     nvme = estimate_model_states_memory(params, stage, ranks, offload="nvme", sub_group_size=100_000, buffer_count=4,
-                                        max_in_cpu=500_000, buffer_size=10_000)
+                                        max_in_cpu=500_000, buffer_size=10_000, largest_unit_params=100_000)
     if stage in (1, 2):  # the fp32 masters are swapped too; their gradients exist for one sub-group at a time
         assert nvme.nvme == params * (8 + 4) // ranks and cpu.nvme == 0
         assert nvme.cpu.total == cpu.cpu.total - nvme.nvme - params * 4 // ranks
         assert nvme.cpu_peak == nvme.cpu.total + 4 * 100_000 * 12 + 100_000 * 4
     else:
-        # at stage 3 the fp32 parameter shards are on disk too; max_in_cpu of them and the staging buffers at the peak
+        # at stage 3 the fp32 parameter shards are on disk too; at the peak max_in_cpu of them kept, the units in use
+        # (two of the largest, 100_000 parameters each, sharded over the ranks) and the staging buffers
         shards = params * 4 // ranks if stage == 3 else 0
         assert nvme.nvme == params * 8 // ranks + shards and cpu.nvme == 0
         assert nvme.cpu.total == cpu.cpu.total - nvme.nvme
-        swapped_params_peak = (500_000 + 4 * 10_000) * 4 if stage == 3 else 0
+        swapped_params_peak = (500_000 + 2 * 100_000 // ranks + 4 * 10_000) * 4 if stage == 3 else 0
         assert nvme.cpu_peak == nvme.cpu.total + 4 * 100_000 * 8 + swapped_params_peak
     assert nvme.accelerator == cpu.accelerator
     assert ("nvme (GiB)", f"{nvme.nvme / 1024 ** 3:.2f}") in nvme.as_table()

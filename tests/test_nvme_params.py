@@ -260,17 +260,18 @@ class _Wide(torch.nn.Module):
         return self.head(x)
 
 
-def cpu_and_nvme_models(mesh, nvme):
-    """The same ``_Wide`` (seed 0) at stage 3, one unit per block, with CPU offload and with NVMe parameter swapping;
-    AdamW over each. Returns ``({"cpu": model, "nvme": model}, {"cpu": optimizer, "nvme": optimizer})``."""
+def cpu_and_nvme_models(mesh, nvme, unit_bytes=0):
+    """The same ``_Wide`` (seed 0) at stage 3, one unit per block (``unit_bytes=0``), with CPU offload and with NVMe
+    parameter swapping; AdamW over each. Returns ``({"cpu": model, "nvme": model}, {"cpu": optimizer, "nvme":
+    optimizer})``."""
     from lightning_zero.distributed.apply_zero import apply_zero
     from lightning_zero.distributed.config import ZeroConfig
     from lightning_zero.distributed.optimizer import shard_optimizer
 
     models, optimizers = {}, {}
-    for label, config in (("cpu", ZeroConfig(stage=3, offload="cpu", unit_bytes=0)),
+    for label, config in (("cpu", ZeroConfig(stage=3, offload="cpu", unit_bytes=unit_bytes)),
                           ("nvme", ZeroConfig(stage=3, offload_optimizer="cpu", offload_params="nvme", nvme=nvme,
-                                              unit_bytes=0))):
+                                              unit_bytes=unit_bytes))):
         torch.manual_seed(0)
         models[label] = apply_zero(_Wide(), mesh, config)
         optimizers[label] = torch.optim.AdamW(models[label].parameters(), lr=1e-2, weight_decay=0.1)
@@ -330,14 +331,8 @@ def _core_worker(rank, world_size, root):
     detach_param_swapper(models["nvme"])
     assert not os.path.exists(folder) and get_param_swapper(models["nvme"]) is None
     assert torch.equal(models["cpu"](x), models["nvme"](x)), "after teardown the shards are in memory again"
-    # refusals, each naming the knob: a unit larger than max_in_cpu, a disk smaller than the shards
-    with pytest.raises(ValueError, match=r"max_in_cpu=100 is smaller than the FSDP unit 'blocks.0'"):
-        apply_zero(_Wide(), mesh, ZeroConfig(stage=3, offload="nvme", nvme=NvmeConfig(root, max_in_cpu=100),
-                                             unit_bytes=0))
-    # the default unit_bytes groups the three blocks into one fully_shard call: one unit, named by its modules
-    with pytest.raises(ValueError, match=r"max_in_cpu=2600 is smaller than the FSDP unit 'blocks.0\+blocks.1\+"
-                                         r"blocks.2', whose local shards hold 3528 .*\(a smaller unit_bytes"):
-        apply_zero(_Wide(), mesh, ZeroConfig(stage=3, offload="nvme", nvme=nvme))
+    # the refusal naming nvme_path: a disk smaller than the shards (a unit larger than max_in_cpu is no refusal:
+    # see test_units_larger_than_max_in_cpu_stream_through_and_nothing_stays)
     real = shutil.disk_usage
     shutil.disk_usage = lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000)
     try:
@@ -353,6 +348,36 @@ def test_core_swaps_chunked_units_exactly_loads_through_and_refuses_what_cannot_
     run_distributed(_core_worker, 2, str(tmp_path))
 
 
+def _stream_worker(rank, world_size, root, unit_bytes, max_in_cpu):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_zero.offload.nvme_config import NvmeConfig
+
+    # max_in_cpu bounds what stays resident between uses, as DeepSpeed's does (its ZeRO-Infinity example sets 1):
+    # a unit larger than it (a 1176-element block, or the 3528-element unit of the three grouped blocks under the
+    # default unit_bytes) is read for each use and the step ends within the budget. It used to be refused at setup.
+    nvme = NvmeConfig(root, max_in_cpu=max_in_cpu, buffer_size=512, buffer_count=3)
+    models, optimizers = cpu_and_nvme_models(init_device_mesh("cpu", (world_size,)), nvme, unit_bytes)
+    swapper = get_param_swapper(models["nvme"])
+    assert max(u.elements for u in swapper.units) > max_in_cpu
+    gen = torch.Generator().manual_seed(rank)
+    for step in range(3):
+        step_both(models, optimizers, torch.randn(8, 48, generator=gen))
+        # after each step: within the budget, and a unit not kept holds no memory
+        assert swapper.resident_elements <= max_in_cpu, (step, swapper.resident_elements)
+        assert all(s.nbytes() == 0 for u in swapper.units if not u.resident for s in u.storages())
+    assert swapper.peak_resident_elements > max_in_cpu  # the units in use were read all the same
+    # every use of a unit that does not fit reads it: at least its forward and its step, each step
+    assert all(u.reads >= 2 * 3 for u in swapper.units if u.elements > max_in_cpu)
+    states = {label: {k: v.full_tensor() for k, v in models[label].state_dict().items()} for label in models}
+    assert all(torch.equal(states["cpu"][k], states["nvme"][k]) for k in states["cpu"]), "swapped step not exact"
+
+
+@pytest.mark.parametrize("unit_bytes,max_in_cpu", [(0, 1), (None, 2600)], ids=["per-block-1", "grouped-2600"])
+def test_units_larger_than_max_in_cpu_stream_through_and_nothing_stays(tmp_path, unit_bytes, max_in_cpu):
+    run_distributed(_stream_worker, 2, str(tmp_path), unit_bytes, max_in_cpu)
+
+
 # ------------------------------------------------------------------ Fabric: parity, fabric.save/load, teardown
 def _fabric_worker(rank, world_size, root):
     from lightning_zero.fabric import ZeroStrategy as FabricZeroStrategy
@@ -361,7 +386,7 @@ def _fabric_worker(rank, world_size, root):
 
     expected = train_reference(world_size, accumulate=2, clip=0.05)
     # TinyNet at 2 ranks: its three blocks are one unit under the default unit_bytes (1680 local elements), the
-    # root's 210: max_in_cpu must hold the grouped unit (a unit is swapped in whole)
+    # root's 210: max_in_cpu=2000 keeps the grouped unit resident between uses, not next to the root's
     fabric = make_fabric(FabricZeroStrategy(stage=3, offload="nvme", nvme_path=root, max_in_cpu=2000,
                                             sub_group_size=64))
     model, optimizer = fabric_train(fabric, rank, world_size, accumulate=2, clip=0.05, steps=range(STEPS - 1))
@@ -399,6 +424,12 @@ def test_nvme_parameter_configuration_is_honoured_or_refused(tmp_path):
     assert (config.offload_optimizer, config.offload_params) == ("nvme", "nvme"), "ZeRO-Infinity, as DeepSpeed"
     config = ZeroStrategy(stage=3, offload="nvme", nvme_path=root, max_in_cpu=1000, buffer_size=10).zero_config
     assert config.swaps_parameters and (config.nvme.max_in_cpu, config.nvme.buffer_size) == (1000, 10)
+    # DeepSpeed takes max_in_cpu >= 0: 0 keeps nothing resident between uses (the units in use are read anyway)
+    infinity = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": root},
+                                      "offload_param": {"device": "nvme", "nvme_path": root, "max_in_cpu": 0}}}
+    assert ZeroStrategy(config=infinity).zero_config.nvme.max_in_cpu == 0
+    with pytest.raises(ValueError, match="max_in_cpu must be an int >= 0, got -1"):
+        ZeroStrategy(stage=3, offload="nvme", nvme_path=root, max_in_cpu=-1)
     # a ds_config with only the parameter section on NVMe is refused like offload_params alone (DeepSpeed would keep
     # the optimizer on the accelerator; here the sharded parameters are its masters: see config._resolve_offload)
     only_params = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": root,

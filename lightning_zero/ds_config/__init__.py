@@ -3,7 +3,13 @@
 See ``docs/ds_config.md`` for the key-by-key mapping.
 """
 
-from lightning_zero.ds_config.auto import AutoContext, infer_hidden_size, resolve_auto, resolve_batch_sizes
+from lightning_zero.ds_config.auto import (
+    AutoContext,
+    infer_hidden_size,
+    resolve_auto,
+    resolve_auto_with_defaults,
+    resolve_batch_sizes,
+)
 from lightning_zero.ds_config.loading import (
     DeepSpeedConfigError,
     DeepSpeedConfigWarning,
@@ -22,6 +28,7 @@ __all__ = [
     "infer_hidden_size",
     "load_ds_config",
     "resolve_auto",
+    "resolve_auto_with_defaults",
     "resolve_batch_sizes",
     "save_effective_config",
     "translate_ds_config",

@@ -194,15 +194,26 @@ def _total_steps(context: AutoContext, path: str) -> int:
     return int(total)
 
 
-def _warmup_steps(hparams: Mapping[str, Any], context: AutoContext, path: str) -> int:
-    """Hugging Face's resolution of ``warmup_num_steps: "auto"``: ``warmup_steps >= 1`` is a step count,
-    ``0 <= warmup_steps < 1`` a fraction of the total steps (rounded up), and the result is at least 1 (DeepSpeed's
-    schedulers refuse 0 warm-up steps, so HF asks for ``max(1, ...)``). ``warmup_ratio`` (the older HF name) is a
-    fraction too."""
+# Hugging Face's TrainingArguments.warmup_steps default, used when the LightningModule names no warm-up.
+HF_DEFAULT_WARMUP_STEPS = 0
+HF_DEFAULT = "Hugging Face's default"  # the label the startup table shows next to such a value
+
+
+def _warmup_steps(hparams: Mapping[str, Any], context: AutoContext, path: str,
+                  defaults: dict[str, str]) -> int:
+    """Hugging Face's resolution of ``warmup_num_steps: "auto"``: ``max(1, TrainingArguments.get_warmup_steps(n))``,
+    where ``warmup_steps >= 1`` is a step count, ``0 <= warmup_steps < 1`` a fraction of the total steps (rounded
+    up), and the ``max(1, ...)`` keeps DeepSpeed's schedulers, which refuse 0 warm-up steps, working. ``warmup_ratio``
+    (the older HF name) is a fraction too. A LightningModule without any of these hyperparameters gets what Hugging
+    Face gets without the argument: its default ``warmup_steps=0``, so 1 step (recorded in ``defaults``)."""
     found = _first_hparam(hparams, _WARMUP_STEP_NAMES)
     ratio = _first_hparam(hparams, _WARMUP_RATIO_NAMES) if found is None else None
     if found is None and ratio is None:
-        raise _unresolvable(path, _hparam_list(_WARMUP_STEP_NAMES + _WARMUP_RATIO_NAMES))
+        steps = max(1, HF_DEFAULT_WARMUP_STEPS)
+        defaults[path] = (f"TrainingArguments.warmup_steps={HF_DEFAULT_WARMUP_STEPS} -> max(1, "
+                          f"{HF_DEFAULT_WARMUP_STEPS}) = {steps} step: the LightningModule has no hyperparameter "
+                          + "/".join(repr(n) for n in _WARMUP_STEP_NAMES + _WARMUP_RATIO_NAMES))
+        return steps
     value = found if found is not None else ratio
     name = "warmup steps" if found is not None else "warmup_ratio"
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
@@ -217,7 +228,7 @@ def _warmup_steps(hparams: Mapping[str, Any], context: AutoContext, path: str) -
     return max(1, steps)
 
 
-def _resolve_scheduler(config: dict, context: AutoContext) -> None:
+def _resolve_scheduler(config: dict, context: AutoContext, defaults: dict[str, str]) -> None:
     params = (config.get("scheduler") or {}).get("params") or {}
     hparams = context.hyperparameters
     optimizer_lr = ((config.get("optimizer") or {}).get("params") or {}).get("lr")
@@ -231,11 +242,12 @@ def _resolve_scheduler(config: dict, context: AutoContext) -> None:
                 raise _unresolvable(path, "optimizer.params.lr and " + _hparam_list(_LR_NAMES))
             params[key] = found
         elif key == "warmup_min_lr":
-            params[key] = 0.0  # Hugging Face's choice: warm up from zero
+            params[key] = 0.0  # Hugging Face's choice: warm up from zero (no TrainingArguments field feeds it)
+            defaults[path] = "warm up from 0 (Hugging Face fills 0: no TrainingArguments field feeds it)"
         elif key == "total_num_steps":
             params[key] = _total_steps(context, path)
         elif key == "warmup_num_steps":
-            params[key] = _warmup_steps(hparams, context, path)
+            params[key] = _warmup_steps(hparams, context, path, defaults)
         else:
             raise _unresolvable(path, "nothing: only warmup_min_lr, warmup_max_lr, cycle_max_lr, warmup_num_steps "
                                 'and total_num_steps can be "auto"')
@@ -274,17 +286,26 @@ def resolve_auto(config: dict, context: AutoContext) -> dict:
     arithmetic fills the rest; explicit config values must agree with them); ``gradient_clipping`` from
     ``gradient_clip_val`` (``None`` -> 0.0, no clipping); ``fp16/bf16.enabled`` from ``precision``; optimizer
     ``lr``/``weight_decay``/``betas``/``eps`` from ``hyperparameters``; scheduler warm-up/total steps from
-    ``hyperparameters`` and ``estimated_stepping_batches``; ZeRO bucket sizes from ``hidden_size``.
+    ``hyperparameters`` and ``estimated_stepping_batches`` (Hugging Face's defaults where the module has no warm-up
+    hyperparameter); ZeRO bucket sizes from ``hidden_size``. :func:`resolve_auto_with_defaults` also says which
+    values are such defaults.
 
     Raises:
         DeepSpeedConfigError: an ``"auto"`` that cannot be resolved (naming the key and where it looked), or batch
             sizes that contradict each other or the Trainer/DataLoader.
     """
+    return resolve_auto_with_defaults(config, context)[0]
+
+
+def resolve_auto_with_defaults(config: dict, context: AutoContext) -> tuple[dict, dict[str, str]]:
+    """:func:`resolve_auto`, and ``{dotted key: why}`` for each ``"auto"`` filled with Hugging Face's default
+    rather than from something Lightning knows (the startup table shows these)."""
     if not isinstance(config, dict):
         raise TypeError(f"config must be a dict, got {type(config).__name__}")
     if not isinstance(context, AutoContext):
         raise TypeError(f"context must be an AutoContext, got {type(context).__name__}")
     config = copy.deepcopy(config)
+    defaults: dict[str, str] = {}
     _resolve_batches(config, context)
     if config.get("gradient_clipping") == AUTO:
         config["gradient_clipping"] = float(context.gradient_clip_val or 0.0)
@@ -295,9 +316,9 @@ def resolve_auto(config: dict, context: AutoContext) -> dict:
             f'gradient_clip_val={context.gradient_clip_val}: remove one of them or set the config value to "auto"')
     _resolve_precision(config, context)
     resolve_optimizer(config, context.hyperparameters)
-    _resolve_scheduler(config, context)
+    _resolve_scheduler(config, context, defaults)
     _resolve_zero(config, context)
-    return config
+    return config, defaults
 
 
 def infer_hidden_size(model: Any, hyperparameters: Optional[Mapping[str, Any]] = None) -> Optional[int]:

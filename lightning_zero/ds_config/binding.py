@@ -43,7 +43,7 @@ from lightning_zero.ds_config import (
     effective_config_dict,
     effective_config_table,
     load_ds_config,
-    resolve_auto,
+    resolve_auto_with_defaults,
     translate_ds_config,
 )
 from lightning_zero.ds_config.dry_build import dry_build
@@ -107,6 +107,7 @@ class DeepSpeedConfigBinding:
         self.overridden: dict = {}  # strategy argument -> (explicit value, the config's), for the startup table
         self.translation: DeepSpeedTranslation = translate_ds_config(self.raw, strict=strict)
         self.auto_paths = tuple(self.translation.unresolved_auto)  # shown as "auto" -> value once resolved
+        self.auto_defaults: dict[str, str] = {}  # those resolved to Hugging Face's default, and why (resolve)
         self._refuse_unwired(self.translation)
         dry_build(self.translation)  # an unknown optimizer/scheduler or a bad param fails here, not after launch
 
@@ -134,7 +135,8 @@ class DeepSpeedConfigBinding:
         the result the binding's translation. Strategy settings were chosen at construction, before the engines:
         one an ``"auto"`` would now change is refused."""
         with naming_arguments(self.argument_aliases):
-            translation = translate_ds_config(resolve_auto(self.raw, context), strict=self.strict)
+            resolved, defaults = resolve_auto_with_defaults(self.raw, context)
+            translation = translate_ds_config(resolved, strict=self.strict)
         self._refuse_unwired(translation)
         for name in UNIT_KNOBS:  # "auto" bucket sizes were not mapped at construction, and are not now (see there)
             if name not in self.translation.strategy_kwargs:
@@ -144,12 +146,12 @@ class DeepSpeedConfigBinding:
         if changed:
             raise DeepSpeedConfigError(f'strategy settings may not be "auto" (resolved at setup, after the engines '
                                        f"were chosen): {changed}")
-        self.translation = translation
+        self.translation, self.auto_defaults = translation, defaults
         return translation
 
     def report(self) -> dict:
         """JSON record of the effective configuration (saved in checkpoints)."""
-        return effective_config_dict(self.translation)
+        return effective_config_dict(self.translation, self.auto_paths, self.auto_defaults)
 
     def print_table(self, verbose: bool = False) -> None:
         """Print the keys the config set and the ``"auto"`` values resolved (``verbose``: every effective key)."""
@@ -161,7 +163,7 @@ class DeepSpeedConfigBinding:
                              self.overridden.items())
             caption = (caption + "; " if caption else "") + f"explicit arguments win: {said}"
         Console().print(effective_config_table(self.translation, verbose=verbose, auto_paths=self.auto_paths,
-                                               caption=caption))
+                                               caption=caption, auto_defaults=self.auto_defaults))
 
 
 def precision_from_config(config_precision: Optional[str], trainer_precision: str) -> Optional[str]:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
+from lightning_zero.ds_config.auto import HF_DEFAULT
 from lightning_zero.ds_config.translate import DeepSpeedTranslation
 
 EFFECTIVE_CONFIG_FILENAME = "ds_config.effective.json"
@@ -29,7 +30,8 @@ def _note_for(key: str, notes: dict[str, str]) -> str:
 
 
 def effective_config_rows(translation: DeepSpeedTranslation, *, only_set: bool = False,
-                          auto_paths: Sequence[str] = ()) -> list[tuple[str, str, str]]:
+                          auto_paths: Sequence[str] = (),
+                          auto_defaults: Mapping[str, str] = {}) -> list[tuple[str, str, str]]:
     """``(key, value, what lightning-zero does with it)`` per effective key, then the strategy keyword arguments.
 
     Args:
@@ -37,6 +39,8 @@ def effective_config_rows(translation: DeepSpeedTranslation, *, only_set: bool =
             ``"auto"`` (``auto_paths``); the DeepSpeed defaults that fill the rest of the effective config are left
             out (they are most of it).
         auto_paths: dotted keys that were ``"auto"`` before resolution; their value shows as ``"auto" -> value``.
+        auto_defaults: ``{dotted key: why}`` for the ``"auto"`` values filled with Hugging Face's default (see
+            :func:`~lightning_zero.ds_config.auto.resolve_auto_with_defaults`): the value says so, the note says why.
     """
     notes: dict[str, str] = {}
     for key, text in translation.notes:
@@ -50,6 +54,8 @@ def effective_config_rows(translation: DeepSpeedTranslation, *, only_set: bool =
         shown = json.dumps(value)
         if key in auto and value != "auto":
             shown = f'"auto" -> {shown}'
+            if key in auto_defaults:
+                shown, note = f"{shown} ({HF_DEFAULT})", f"{auto_defaults[key]}; {note}"
         rows.append((key, shown, note))
     for key, value in translation.strategy_kwargs.items():
         rows.append((f"ZeroStrategy({key}=...)", json.dumps(value), "strategy keyword argument"))
@@ -57,13 +63,14 @@ def effective_config_rows(translation: DeepSpeedTranslation, *, only_set: bool =
 
 
 def effective_config_table(translation: DeepSpeedTranslation, title: str = "DeepSpeed config (effective)", *,
-                           verbose: bool = True, auto_paths: Sequence[str] = (), caption: Optional[str] = None):
+                           verbose: bool = True, auto_paths: Sequence[str] = (), caption: Optional[str] = None,
+                           auto_defaults: Mapping[str, str] = {}):
     """A ``rich.table.Table`` of :func:`effective_config_rows`: every key (``verbose``) or only those the config set
     or that ``"auto"`` resolved, with a caption saying how many defaults were left out."""
     from rich import box
     from rich.table import Table
 
-    rows = effective_config_rows(translation, only_set=not verbose, auto_paths=auto_paths)
+    rows = effective_config_rows(translation, only_set=not verbose, auto_paths=auto_paths, auto_defaults=auto_defaults)
     if not verbose:
         left_out = len(effective_config_rows(translation)) - len(rows)
         hidden = (f"{left_out} DeepSpeed defaults not shown (ZeroStrategy(verbose=True) prints them; every "
@@ -84,7 +91,8 @@ def effective_config_table(translation: DeepSpeedTranslation, title: str = "Deep
     return table
 
 
-def effective_config_dict(translation: DeepSpeedTranslation) -> dict:
+def effective_config_dict(translation: DeepSpeedTranslation, auto_paths: Sequence[str] = (),
+                          auto_defaults: Mapping[str, str] = {}) -> dict:
     """JSON-serialisable record: the effective config, the strategy kwargs, the Trainer settings, the notes and the
     full table (every row, defaults included) that the startup report shortens."""
     return {
@@ -92,7 +100,8 @@ def effective_config_dict(translation: DeepSpeedTranslation) -> dict:
         "strategy_kwargs": translation.strategy_kwargs,
         "trainer_settings": translation.trainer_settings(),
         "notes": [list(note) for note in translation.notes],
-        "table": [list(row) for row in effective_config_rows(translation)],
+        "table": [list(row) for row in effective_config_rows(translation, auto_paths=auto_paths,
+                                                             auto_defaults=auto_defaults)],
     }
 
 

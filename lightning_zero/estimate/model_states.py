@@ -215,8 +215,9 @@ def estimate_model_states_memory(model_or_num_params: Union[nn.Module, int], sta
             optimizer alone offloaded (stages 1-3) the fp32 masters too (their gradients exist for one sub-group at
             a time); the swapped step holds ``buffer_count`` sub-groups of ``sub_group_size`` elements'
             states in CPU memory at its peak). At stage 3 ``"nvme"`` swaps the fp32 parameter shards too
-            (ZeRO-Infinity): none rest in CPU memory, at most ``max_in_cpu`` elements of them are resident at the
-            peak, plus ``buffer_count`` staging buffers of ``buffer_size`` elements.
+            (ZeRO-Infinity): none rest in CPU memory; at the peak at most ``max_in_cpu`` elements of them are kept
+            resident, plus the units in use (two of the largest: one gathered, one prefetched; read whatever
+            ``max_in_cpu``), plus ``buffer_count`` staging buffers of ``buffer_size`` elements.
             ``offload`` is the strategy's shorthand: at stage 3 it offloads the parameters too.
         offload_optimizer, offload_params: the precise form instead of ``offload``, as the strategy takes them
             (``offload_optimizer`` alone keeps parameters and gradients on the accelerator; ``offload_params`` at
@@ -265,7 +266,10 @@ def estimate_model_states_memory(model_or_num_params: Union[nn.Module, int], sta
         shard = cpu.params
         on_disk += shard
         cpu = StateBytes(0, cpu.grads, cpu.optimizer_states)
-        buffers += min(shard, max_in_cpu * 4) + min(shard, buffer_count * buffer_size * 4)
+        # max_in_cpu bounds the units kept between uses; the units in use are read on top of them (as DeepSpeed
+        # streams them through its swap buffers, outside max_in_cpu)
+        in_use = min(2 * largest_unit_params, p) * 4 // n
+        buffers += min(shard, max_in_cpu * 4 + in_use) + min(shard, buffer_count * buffer_size * 4)
     return MemoryEstimate(accel, cpu, accel.total + gathered, cpu.total + buffers, nvme=on_disk)
 
 

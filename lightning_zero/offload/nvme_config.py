@@ -31,9 +31,10 @@ class NvmeConfig:
             many elements (a larger parameter is a sub-group of its own).
         buffer_size: parameter swapping's staging buffers, in 4-byte elements (a unit's shards stream through
             them in pieces of this size).
-        max_in_cpu: parameter elements (this rank's padded FSDP2 shards) resident in host memory at once under
-            parameter swapping, a budget: units that fit stay resident between uses and are not read again
-            (see :mod:`lightning_zero.offload.param_swapper`).
+        max_in_cpu: parameter elements (this rank's padded FSDP2 shards) kept in host memory between uses under
+            parameter swapping, as DeepSpeed means it: units that fit stay resident and are not read again; the
+            units in use are read whatever their size, and each optimizer step ends within the budget (see
+            :mod:`lightning_zero.offload.param_swapper`).
         aio: the I/O engine's knobs (see :class:`~lightning_zero.offload.aio.AioSettings`).
     """
 
@@ -60,8 +61,9 @@ class NvmeConfig:
         object.__setattr__(self, "nvme_path", path)
         for name in ("buffer_count", "sub_group_size", "buffer_size", "max_in_cpu"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            least = 0 if name == "max_in_cpu" else 1  # keeping nothing resident is DeepSpeed's max_in_cpu: 0 too
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
         if self.buffer_count < 3:
             raise ValueError(f"buffer_count must be at least 3 (read ahead, step, write back), got {self.buffer_count}")
         if isinstance(self.aio, dict):

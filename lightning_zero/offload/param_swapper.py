@@ -1,5 +1,5 @@
 """Stage-3 parameter swapping to NVMe (ZeRO-Infinity's ``offload_param.device: nvme``): each rank's FSDP2 local
-shards live in files and are in memory around their use, at most ``max_in_cpu`` elements at a time.
+shards live in files and are in memory around their use; at most ``max_in_cpu`` elements stay resident after it.
 
 [Note: what is swapped, and how]
 Under FSDP2's ``CPUOffloadPolicy`` each parameter's local shard is a padded CPU tensor whose storage FSDP2 reads
@@ -19,22 +19,28 @@ paths below crashes loudly instead of computing on stale values; call :meth:`Par
   unit's parameters), reading it first if it is not resident; the next unit is read ahead meanwhile. Under an
   optimizer-state swapper too (``offload_optimizer="nvme"``) this runs inside each of its sub-groups.
 - Release: a unit stays resident after its use while ``max_in_cpu`` allows (it is a residency budget, as in
-  DeepSpeed: units that fit are not read again for the backward or the step). Making room evicts a unit that no
-  all-gather or step is using: once the first step has shown one step's sequence of uses (gathers, then the step's
-  units), the unit needed again last among those whose release alone makes room (Belady's choice; with this
-  cyclic order least-recently-used evicts the unit needed next; read counts in ``docs/offload.md``, "Parameter
-  swapping"), before that the least recently used. A clean unit is dropped; only a modified one (stepped, or
-  loaded) is written.
+  DeepSpeed: units that fit are not read again for the backward or the step). A unit in use is always read, even
+  one larger than the budget; the excess is released at the next unit's use, and the optimizer step ends within
+  the budget (:meth:`ParamSwapper.end_step`). Making room evicts a unit that no all-gather or step is using: once
+  the first step has shown one step's sequence of uses (gathers, then the step's units), the unit needed again
+  last among those whose release alone makes room (Belady's choice; with this cyclic order least-recently-used
+  evicts the unit needed next; read counts in ``docs/offload.md``, "Parameter swapping"), before that the least
+  recently used. A clean unit is dropped; only a modified one (stepped, or loaded) is written.
 - ``state_dict()``/``load_state_dict()`` (checkpoint save and load): every unit is made resident and kept so until
   the next forward (it may exceed ``max_in_cpu`` only then), marked modified (a load may change it).
 
 [Note: the bounds]
-``max_in_cpu``: parameter elements (padded shards) resident at once, outside checkpoint save/load. A unit larger
-than it is refused at setup; units in an all-gather cannot be released, so if FSDP2 holds more at once than
-``max_in_cpu`` the run stops with an error naming it. Reads land in the shards' own memory, new aligned memory each
-time (``lightning_zero.offload.shard_memory``); writes and read-ahead go through aligned staging buffers of
-``buffer_size`` 4-byte elements, at most ``buffer_count`` of them alive (DeepSpeed's parameter buffer pool); a
-read-ahead buffer holding a whole shard becomes its memory. Framework-free: imports only torch.
+As in DeepSpeed, ``max_in_cpu`` counts the parameter elements (padded shards) *kept* in CPU memory between uses,
+outside checkpoint save/load; DeepSpeed keeps that many resident for good and streams the rest through its pool of
+``buffer_count`` x ``buffer_size`` swap buffers, one parameter per buffer. Here the units in use (FSDP2's
+all-gathers in flight, by default the unit computing and the one it prefetches, or the unit stepping) are that
+in-flight set, read into the shards' own memory, new aligned memory each time
+(``lightning_zero.offload.shard_memory``), while writes and read-ahead go through aligned staging buffers of
+``buffer_size`` 4-byte elements, at most ``buffer_count`` of them alive (DeepSpeed's pool); a read-ahead buffer
+holding a whole shard becomes its memory. A shard larger than ``buffer_size`` (which DeepSpeed refuses) streams in
+pieces, and a unit larger than ``max_in_cpu`` (``max_in_cpu: 1`` in ZeRO-Infinity's examples) stays only while in
+use (until the next unit's use, or the step's end) and is read again at its next use. Framework-free: imports only
+torch.
 """
 
 from __future__ import annotations
@@ -44,7 +50,6 @@ import tempfile
 import warnings
 import weakref
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -53,86 +58,15 @@ from torch import Tensor, nn
 from lightning_zero.offload.aio import AsyncFileIO, SwapIOError, align_up, aligned_buffer
 from lightning_zero.offload.nvme_config import NvmeConfig
 from lightning_zero.offload.optimizer_swapper import closure_loss, remove_folder
-from lightning_zero.offload.shard_memory import can_read_in_place, shard_bytes, shard_targets
+from lightning_zero.offload.param_units import SwapUnit, swap_units
+from lightning_zero.offload.shard_memory import shard_bytes, shard_targets
 from lightning_zero.ops.step_override import is_overridden, override_step, restore_step_override
-from lightning_zero.torch_compat import fsdp_param_groups
 
 _ATTR = "_lightning_zero_param_swapper"
 _STEP_MARKER = "NVMe parameter step"  # the step override's marker (step_override)
+_END_HOOK = "_lightning_zero_param_end_step"  # on the optimizer: the handle of its end_step post-hook
 _LIVE: "weakref.WeakSet[ParamSwapper]" = weakref.WeakSet()
 _WRAPPED = ("unshard", "lazy_init")  # no release after wait_for_unshard: units stay resident within max_in_cpu
-
-
-@dataclass(eq=False)
-class _Unit:
-    index: int
-    name: str
-    groups: list
-    path: str
-    sizes: list[int]        # bytes of each shard storage when resident
-    elements: int           # padded shard elements
-    in_place: list = field(default_factory=list)  # per shard: read into new aligned memory (shard_memory's note)
-    chunks: list = field(default_factory=list)  # (storage index, start, length, file offset)
-    resident: bool = True
-    dirty: bool = True      # memory is newer than the file (or there is no file yet)
-    held: int = 0
-    reads: int = 0          # times the unit was read from its file (tests and benchmarks count them per step)
-    writes: int = 0         # times it was written back
-    lost: bool = False      # a write-back failed after its memory was released: the file is stale
-    pending_writes: int = 0
-    prefetched: deque = field(default_factory=deque)  # (chunk number, buffer, future), chunks 0..k-1
-    state: object = None    # the FSDP2 state of the unit's fully_shard call (shared by a grouped call's modules)
-
-    def fsdp_params(self) -> list:
-        return [fp for group in self.groups for fp in group.fsdp_params]
-
-    def storages(self) -> list:
-        return [fp._sharded_param_data.untyped_storage() for fp in self.fsdp_params()]
-
-    def gathering(self) -> bool:
-        return any(getattr(group, "_all_gather_result", None) is not None for group in self.groups)
-
-
-def _unit_name(names: list[str]) -> str:
-    """A unit's name in messages: its module, or the modules of one grouped ``fully_shard([...])`` call."""
-    if len(names) <= 3:
-        return "+".join(names)
-    return f"{names[0]}+...+{names[-1]} ({len(names)} modules)"
-
-
-def _swap_units(module: nn.Module) -> tuple[list[_Unit], dict[int, _Unit]]:
-    """The swap units of ``module``'s FSDP2 units, not yet laid out on disk, and ``{id(sharded parameter): unit}``."""
-    from torch.distributed.fsdp import FSDPModule
-
-    units: list[_Unit] = []
-    unit_of: dict[int, _Unit] = {}
-    # [Note: one swap unit per fully_shard call] ``fully_shard([block_a, block_b])`` (byte-grouped units, see
-    # lightning_zero.distributed.units) makes every module of the list an FSDPModule sharing ONE state and
-    # param group. Units are keyed by that state: one per module would swap the same storages twice (the
-    # second write finds them already freed) and wrap the group's methods twice.
-    members: dict[int, list[str]] = {}  # id(FSDP state) -> the names of its modules
-    for name, sub in module.named_modules():
-        if not isinstance(sub, FSDPModule):
-            continue
-        state = sub._get_fsdp_state()
-        if id(state) in members:
-            members[id(state)].append(name or "<root>")
-            continue
-        members[id(state)] = [name or "<root>"]
-        groups = fsdp_param_groups(state)
-        if not groups:
-            continue
-        unit = _Unit(len(units), "", groups, f"unit{len(units)}.bin", [], 0, state=state)
-        for fp in unit.fsdp_params():
-            data = fp._sharded_param_data  # swapped as bytes: any dtype
-            unit.sizes.append(data.untyped_storage().nbytes())
-            unit.in_place.append(can_read_in_place(fp))
-            unit.elements += data.numel()
-            unit_of[id(fp.sharded_param)] = unit
-        units.append(unit)
-    for unit in units:
-        unit.name = _unit_name(members[id(unit.state)])
-    return units, unit_of
 
 
 class ParamSwapper:
@@ -142,19 +76,12 @@ class ParamSwapper:
         self.module = module
         self.nvme = nvme
         self.pin_memory = pin_memory
-        self.units, self._unit_of = _swap_units(module)
+        self.units, self._unit_of = swap_units(module)
         if not self.units:
             raise ValueError("offload_params='nvme' needs a module sharded with FSDP2 (stage 3): none was found")
         self.chunk_bytes = align_up(nvme.buffer_size * 4)
         for unit in self.units:
             self._lay_out(unit)
-        largest = max(self.units, key=lambda u: u.elements)
-        if largest.elements > nvme.max_in_cpu:
-            raise ValueError(f"max_in_cpu={nvme.max_in_cpu} is smaller than the FSDP unit {largest.name!r}, whose "
-                             f"local shards hold {largest.elements} elements on this rank: a unit is swapped in "
-                             "whole, so raise max_in_cpu or shard the model into smaller units "
-                             "(a smaller unit_bytes, unit_bytes=0 for one unit per block, or "
-                             "sharded_module_classes)")
         # Only now, when nothing can be refused any more but the disk, the run's folder exists.
         self.run_folder = tempfile.mkdtemp(prefix="lz-swap-", dir=nvme.nvme_path)
         self.folder = os.path.join(self.run_folder, f"rank{rank}", "params")
@@ -166,7 +93,7 @@ class ParamSwapper:
         self.buffer_bytes = min(self.chunk_bytes, max((align_up(c[2]) for u in self.units for c in u.chunks),
                                                       default=align_up(1)))
         self.resident_elements = sum(u.elements for u in self.units)
-        self.peak_resident_elements = 0  # outside checkpoint holds
+        self.peak_resident_elements = 0  # outside checkpoint holds, units in use included
         self.bytes_read = 0
         self.bytes_written = 0
         self.bytes_staged = 0  # bytes read through a staging buffer and copied into a shard (not read in place)
@@ -194,7 +121,7 @@ class ParamSwapper:
             raise
 
     # ---------------------------------------------------------------- layout, space
-    def _lay_out(self, unit: _Unit) -> None:
+    def _lay_out(self, unit: SwapUnit) -> None:
         offset = 0
         for index, size in enumerate(unit.sizes):
             for start in range(0, size, self.chunk_bytes):
@@ -251,11 +178,11 @@ class ParamSwapper:
             unit.pending_writes -= 1
             self._release(buf)
 
-    def _drain_writes(self, unit: Optional[_Unit] = None) -> None:
+    def _drain_writes(self, unit: Optional[SwapUnit] = None) -> None:
         while self._writes and (unit is None or unit.pending_writes):
             self._finish_write(self._writes.popleft())
 
-    def _cancel_prefetch(self, unit: _Unit) -> None:
+    def _cancel_prefetch(self, unit: SwapUnit) -> None:
         while unit.prefetched:
             _, buf, future = unit.prefetched.pop()
             future.exception()  # let the read finish before its buffer is reused
@@ -263,7 +190,7 @@ class ParamSwapper:
             self._release(buf)
 
     # ---------------------------------------------------------------- transfers
-    def _write(self, unit: _Unit) -> None:
+    def _write(self, unit: SwapUnit) -> None:
         self._cancel_prefetch(unit)
         self.io.open(unit.path)  # idempotent
         views = [shard_bytes(fp, size) for fp, size in zip(unit.fsdp_params(), unit.sizes)]
@@ -277,7 +204,7 @@ class ParamSwapper:
         unit.writes += 1
         unit.dirty = False
 
-    def _read(self, unit: _Unit) -> None:
+    def _read(self, unit: SwapUnit) -> None:
         self._drain_writes(unit)
         if unit.lost:  # never read the stale file in its place
             raise SwapIOError(5, f"the parameters of unit {unit.name!r} were lost: writing them to {unit.path!r} "
@@ -315,12 +242,12 @@ class ParamSwapper:
                 future.exception()
                 self._release(buf)
 
-    def _issue_read(self, unit: _Unit, number: int, buf: Tensor):
+    def _issue_read(self, unit: SwapUnit, number: int, buf: Tensor):
         nbytes = align_up(unit.chunks[number][2])
         self.bytes_read += nbytes
         return number, buf, self.io.read(unit.path, buf[:nbytes], unit.chunks[number][3])
 
-    def _prefetch(self, unit: _Unit) -> None:
+    def _prefetch(self, unit: SwapUnit) -> None:
         """Read the first chunks of ``unit`` into free staging buffers (keeping two for the unit in use)."""
         if unit.resident or unit.dirty or unit.prefetched or unit.pending_writes:
             return
@@ -332,10 +259,10 @@ class ParamSwapper:
             self._prefetch_buffers += 1
 
     # ---------------------------------------------------------------- residency
-    def _evictable(self, unit: _Unit) -> bool:
+    def _evictable(self, unit: SwapUnit) -> bool:
         return unit.resident and not unit.held and not self._hold_all and not unit.gathering()
 
-    def _evict(self, unit: _Unit) -> None:
+    def _evict(self, unit: SwapUnit) -> None:
         if not self._evictable(unit):
             return
         if unit.dirty:
@@ -345,7 +272,7 @@ class ParamSwapper:
         unit.resident = False
         self.resident_elements -= unit.elements
 
-    def _victim(self, candidates: list) -> _Unit:
+    def _victim(self, candidates: list) -> SwapUnit:
         """The resident unit to evict: once the step's cycle of uses is known, the one needed again last
         (Belady's choice: with a cyclic order, least-recently-used would evict the unit needed next); before that,
         the least recently used."""
@@ -353,38 +280,38 @@ class ParamSwapper:
         if not cycle:
             return min(candidates, key=lambda u: self._last_use.get(u.index, 0))
 
-        def distance(u: _Unit) -> int:
+        def distance(u: SwapUnit) -> int:
             for step in range(len(cycle)):
                 if cycle[(self._pos + step) % len(cycle)] == u.index:
                     return step
             return len(cycle)  # not used again in a step: the best victim
         return max(candidates, key=lambda u: (distance(u), -self._last_use.get(u.index, 0)))
 
-    def _load(self, unit: _Unit) -> None:
+    def _load(self, unit: SwapUnit) -> None:
         self._check_open()
         self._clock += 1
         self._last_use[unit.index] = self._clock
-        needed = 0 if unit.resident else unit.elements
-        while self.resident_elements + needed > self.nvme.max_in_cpu:
-            candidates = [u for u in self.units if u is not unit and self._evictable(u)]
-            if not candidates:
-                if unit.resident:  # over the budget after a checkpoint hold: trimmed at a later use
-                    break
-                busy = sum(u.elements for u in self.units if u.resident)
-                raise RuntimeError(f"max_in_cpu={self.nvme.max_in_cpu} parameter elements cannot hold the FSDP unit "
-                                   f"{unit.name!r} ({unit.elements} elements) next to the {busy} elements FSDP2 "
-                                   "is using at this moment (all-gathers in flight, prefetches): raise max_in_cpu")
-            # Belady's choice among the units whose release alone makes room: evicting a small unit needed last
-            # and then a large one anyway reads the small one again for nothing (a 4th read a step in
-            # tests/test_nvme_param_reads.py once stage 3 stopped re-gathering the root and the last unit)
-            over = self.resident_elements + needed - self.nvme.max_in_cpu
-            self._evict(self._victim([u for u in candidates if u.elements >= over] or candidates))
+        self._trim(unit, 0 if unit.resident else unit.elements)
         if unit.resident:
             return
         self._read(unit)
         unit.resident, unit.dirty = True, False
         self.resident_elements += unit.elements
         self.peak_resident_elements = max(self.peak_resident_elements, self.resident_elements)
+
+    def _trim(self, using: Optional[SwapUnit] = None, needed: int = 0) -> None:
+        """Evict until ``needed`` more elements fit in ``max_in_cpu`` next to the resident units, or until only
+        units in use (``using``, all-gathers, the step's unit) are left: those stay, over the budget if they must
+        (DeepSpeed streams them through its swap buffers, outside ``max_in_cpu``)."""
+        while self.resident_elements + needed > self.nvme.max_in_cpu:
+            candidates = [u for u in self.units if u is not using and self._evictable(u)]
+            if not candidates:
+                break
+            # Belady's choice among the units whose release alone makes room: evicting a small unit needed last
+            # and then a large one anyway reads the small one again for nothing (a 4th read a step in
+            # tests/test_nvme_param_reads.py once stage 3 stopped re-gathering the root and the last unit)
+            over = self.resident_elements + needed - self.nvme.max_in_cpu
+            self._evict(self._victim([u for u in candidates if u.elements >= over] or candidates))
 
     def _check_open(self) -> None:
         if self.closed:
@@ -402,21 +329,21 @@ class ParamSwapper:
         self._hooks = [self.module.register_state_dict_pre_hook(lambda *args: self.make_resident()),
                        self.module.register_load_state_dict_pre_hook(lambda *args: self.make_resident())]
 
-    def _wrap_unshard(self, unit: _Unit, group, original):
+    def _wrap_unshard(self, unit: SwapUnit, group, original):
         def unshard(*args, **kwargs):
             if getattr(group, "_all_gather_result", None) is None and not getattr(group, "is_unsharded", False):
                 self._before_gather(unit)
             return original(*args, **kwargs)
         return unshard
 
-    def _wrap_lazy_init(self, unit: _Unit, original):
+    def _wrap_lazy_init(self, unit: SwapUnit, original):
         def lazy_init(*args, **kwargs):
             if not self.closed:
                 self._load(unit)  # FSDP2 re-pads shards here once
             return original(*args, **kwargs)
         return lazy_init
 
-    def _before_gather(self, unit: _Unit) -> None:
+    def _before_gather(self, unit: SwapUnit) -> None:
         if self.closed:
             return
         self._hold_all = False  # a new forward: checkpoint holds end, the budget applies again
@@ -481,6 +408,15 @@ class ParamSwapper:
         finally:
             for g, params in zip(optimizer.param_groups, saved):
                 g["params"] = params
+
+    def end_step(self) -> None:
+        """After the whole optimizer step (all its sub-groups): release what ``max_in_cpu`` does not keep, as no
+        unit is in use until the next forward; the units kept are those that forward needs first."""
+        if self.closed or self._hold_all:
+            return
+        self._pos = len(self._cycle)
+        self._trim()
+        self._drain_writes()
 
     # ---------------------------------------------------------------- whole-module residency, teardown
     def make_resident(self) -> None:
@@ -586,8 +522,13 @@ def attach_param_step(optimizer: torch.optim.Optimizer, swapper: ParamSwapper) -
         return loss
 
     override_step(optimizer, step, marker=_STEP_MARKER)
+    # A post-hook runs once after the whole step; this step runs once per sub-group under optimizer-state swapping.
+    setattr(optimizer, _END_HOOK, optimizer.register_step_post_hook(lambda *args: swapper.end_step()))
 
 
 def detach_param_step(optimizer: torch.optim.Optimizer) -> None:
     """Undo :func:`attach_param_step` (the original class back, LR schedulers' step wrappers kept consistent)."""
     restore_step_override(optimizer, _STEP_MARKER)  # a no-op when it was not attached
+    handle = optimizer.__dict__.pop(_END_HOOK, None)
+    if handle is not None:
+        handle.remove()
