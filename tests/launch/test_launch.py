@@ -25,7 +25,7 @@ from lightning_zero.cli.launch import (
     torchrun_command,
 )
 from lightning_zero.diagnostics.network import free_port
-from tests.launch.hosts import LOOPBACK, make_netns_hosts, netns_unavailable, remove_netns_hosts
+from tests.launch.hosts import make_netns_hosts, netns_unavailable, remove_netns_hosts
 
 REPO = Path(__file__).resolve().parents[2]
 JOB = str(REPO / "tests" / "launch" / "launch_job.py")
@@ -144,21 +144,6 @@ def test_torchrun_command_is_a_static_rendezvous_with_a_bounded_wait():
 
 
 # ----------------------------------------------------------------------------------- real launches, two "hosts"
-@pytest.fixture
-def hosts():
-    """Two network namespaces where root and `ip netns` exist, else both "nodes" on loopback (the reason printed)."""
-    reason = netns_unavailable()
-    if reason:
-        print(f"two simulated hosts on loopback: {reason}")
-        yield LOOPBACK
-        return
-    made = make_netns_hosts(f"{os.getpid() % 10000}", subnet=os.getpid() % 200 + 1)
-    try:
-        yield made
-    finally:
-        remove_netns_hosts(made)
-
-
 def _launch(hosts, node, num_nodes, nproc, port, out, *extra, env=None, wait=True):
     command = hosts.prefix(node) + [
         sys.executable, "-m", "lightning_zero", "launch", "--no_ssh", f"--node_rank={node}", f"--num_nodes={num_nodes}",
