@@ -24,6 +24,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
 
 from lightning_zero.diagnostics.network import checked_store, startup_check
+from lightning_zero.distributed.group_timeout import set_package_group_timeout
 from lightning_zero.distributed.process_group_exit import destroy_process_group_at_exit
 
 
@@ -57,7 +58,8 @@ def start_process_group(cluster_environment: Any, backend: Optional[str], device
                         global_rank: int, world_size: int) -> str:
     """Initialise the default process group (``backend``, or the device's default) through Lightning's
     ``_init_dist_connection`` with :func:`process_group_store`'s store, and register its destruction at a clean exit
-    (:mod:`lightning_zero.distributed.process_group_exit`). Returns the backend used."""
+    (:mod:`lightning_zero.distributed.process_group_exit`); the groups the package creates later get the same
+    ``timeout`` (:mod:`lightning_zero.distributed.group_timeout`). Returns the backend used."""
     backend = backend or _get_default_process_group_backend_for_device(device)
     store = process_group_store(cluster_environment, timeout=timeout, rendezvous_timeout=rendezvous_timeout,
                                 num_nodes=num_nodes, node_rank=node_rank, global_rank=global_rank,
@@ -65,4 +67,5 @@ def start_process_group(cluster_environment: Any, backend: Optional[str], device
     _init_dist_connection(cluster_environment, backend, timeout=timeout,
                           device_id=device if device.type == "cuda" else None, **store)
     destroy_process_group_at_exit()
+    set_package_group_timeout(timeout)  # the package's own groups (save control groups...) honour it too
     return backend

@@ -36,6 +36,7 @@ from lightning_zero.checkpoint.atomic import (
     recover_interrupted_swap,
     why_not_replaceable,
 )
+from lightning_zero.distributed.group_timeout import package_group_timeout
 
 _CONTROL_GROUPS: Dict[Any, dist.ProcessGroup] = {}
 _SLACK_PER_RANK = 64 << 10  # DCP's per-file headers, .metadata, zero.json, meta.pt: small next to any model
@@ -63,7 +64,7 @@ def cached_gloo_group(cache: Dict[Any, Any], group: Optional[dist.ProcessGroup])
     key = id(group) if group is not None else "default"
     if key not in cache:
         ranks = dist.get_process_group_ranks(group) if group is not None else None
-        cache[key] = dist.new_group(ranks=ranks, backend="gloo")
+        cache[key] = dist.new_group(ranks=ranks, backend="gloo", timeout=package_group_timeout())
     return cache[key]
 
 

@@ -34,6 +34,7 @@ from torch.distributed.pipelining import (
 
 from lightning_zero.diagnostics.timing import collective_timer
 from lightning_zero.distributed.comm_buffers import CommBufferPool, install_comm_buffer_pool
+from lightning_zero.distributed.group_timeout import package_group_timeout
 from lightning_zero.pipeline.module import PipelineModule
 from lightning_zero.pipeline.specs import TiedLayerSpec, get_parameter
 
@@ -164,7 +165,7 @@ class PipelineRunner:
                 continue
             ranks = [pp_ranks[r] for r in holders]
             # Only the members create the group: other pipeline replicas build their own with their ranks.
-            group = dist.new_group(ranks, use_local_synchronization=True)
+            group = dist.new_group(ranks, use_local_synchronization=True, timeout=package_group_timeout())
             first_stage_rank = self.stage_ranks[next(s for s in range(self.num_stages)
                                                      if self.boundaries[s] <= self.module.tied_first_index[key]
                                                      < self.boundaries[s + 1])]

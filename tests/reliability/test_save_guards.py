@@ -212,3 +212,32 @@ def _async_failure_worker(rank, world_size, root):
 
 def test_a_failed_async_save_raises_on_every_rank_without_hanging(tmp_path):
     run_distributed(_async_failure_worker, 2, str(tmp_path))
+
+
+def _control_group_timeout_worker(rank, world_size):
+    import time
+    from datetime import timedelta
+
+    from lightning_zero.checkpoint.save_guards import control_group
+    from lightning_zero.distributed.group_timeout import set_package_group_timeout
+
+    set_package_group_timeout(timedelta(seconds=2))  # what start_process_group records from ZeroStrategy(timeout=)
+    try:
+        group = control_group(None)
+        if rank == 0:  # rank 1 never joins: the agreement must fail after the user's timeout, not torch's 30 minutes
+            start = time.monotonic()
+            with pytest.raises(RuntimeError):
+                dist.all_gather_object([None] * world_size, rank, group=group)
+            elapsed = time.monotonic() - start
+            assert elapsed < 10, f"the control group waited {elapsed:.0f} s for a hung peer"
+        else:
+            time.sleep(12)  # then leaves: without the timeout, rank 0's wait ends only with this exit (12 s)
+    finally:
+        set_package_group_timeout(None)
+    os._exit(0)  # the groups are broken now; their teardown is not this test's subject
+
+
+def test_the_packages_own_groups_take_the_users_timeout():
+    # Issue 30: with ZeroStrategy(timeout=30 s) and a rank hung in training_step, teardown waited for pending saves
+    # on the save control group, created with torch's 30-minute default, until the hang watchdog ended the job.
+    run_distributed(_control_group_timeout_worker, 2)
