@@ -62,7 +62,9 @@ ZERO_KEYS: dict[str, KeySpec] = {
         -1, STRATEGY, "MiCS (shard within groups of that size, replicate across them; removed from DeepSpeed 0.19) -> "
         "hybrid_shard_size=<size> (FSDP2 HSDP); -1: off"),
     "stage3_gather_16bit_weights_on_model_save": KeySpec(
-        False, RETURNED, "returned as gather_16bit_weights_on_model_save: consolidate full weights when saving"),
+        False, RETURNED, "true -> every checkpoint also holds pytorch_model.bin (DeepSpeed's save_16bit_model file): "
+        "the full weights in the run's 16-bit dtype (fp32 in an fp32 run), streamed from the saved shards on rank 0, "
+        "read by torch.load(weights_only=True); at every stage"),
     "overlap_comm": KeySpec(DERIVED, NO_EFFECT, "FSDP2 always overlaps all-gather/reduce-scatter with compute on "
                             "separate streams, and DDP overlaps its all-reduce with backward"),
     "contiguous_gradients": KeySpec(True, NO_EFFECT, "FSDP2 reduce-scatters each unit's gradients into one flat "
