@@ -15,7 +15,12 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_zero import ZeroStrategy
-from lightning_zero.checkpoint import CheckpointSaveError, save_sharded_checkpoint, verify_checkpoint
+from lightning_zero.checkpoint import (
+    CheckpointSaveError,
+    save_sharded_checkpoint,
+    verify_checkpoint,
+    wait_for_pending_saves,
+)
 from lightning_zero.checkpoint import consolidate as consolidate_module
 from lightning_zero.checkpoint.consolidate import WEIGHTS_16BIT_FILE, weights_16bit_dtype, write_16bit_weights
 from lightning_zero.checkpoint.directory import read_checkpoint_info
@@ -33,11 +38,12 @@ def _config(stage: int, gather=True) -> dict:
     return {"zero_optimization": {"stage": stage, "stage3_gather_16bit_weights_on_model_save": gather}}
 
 
-def _trainer_worker(rank, world_size, root, stage, precision, gather):
+def _trainer_worker(rank, world_size, root, stage, precision, gather, async_save=False):
     torch.manual_seed(0)
     checkpoints = ModelCheckpoint(dirpath=root, save_top_k=1, monitor="train_loss", every_n_train_steps=1,
                                   filename="step{step}")
-    trainer = Trainer(strategy=ZeroStrategy(config=_config(stage, gather)), accelerator="cpu", devices=world_size,
+    trainer = Trainer(strategy=ZeroStrategy(config=_config(stage, gather), async_save=async_save), accelerator="cpu",
+                      devices=world_size,
                       max_steps=3, precision=precision, callbacks=[checkpoints], logger=False,
                       enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                       default_root_dir=root)
@@ -45,6 +51,7 @@ def _trainer_worker(rank, world_size, root, stage, precision, gather):
     trainer.fit(module)
     path = os.path.join(root, "final.ckpt")
     trainer.save_checkpoint(path)
+    wait_for_pending_saves()  # with async_save the file is written in the background, with the shards
     trained = full_state(module)  # collective (full_tensor), on every rank
     if rank == 0:
         torch.save(trained, os.path.join(root, "trained.pt"))
@@ -64,12 +71,14 @@ def _check_weights_file(path, trained, dtype):
     assert verify_checkpoint(path) == []
 
 
-@pytest.mark.parametrize("stage,precision,dtype", [(3, "bf16-mixed", torch.bfloat16), (1, "32-true", torch.float32)])
-def test_trainer_checkpoints_hold_the_consolidated_16bit_weights(tmp_path, stage, precision, dtype):
+@pytest.mark.parametrize("stage,precision,dtype,async_save", [(3, "bf16-mixed", torch.bfloat16, False),
+                                                               (1, "32-true", torch.float32, False),
+                                                               (2, "bf16-mixed", torch.bfloat16, True)])
+def test_trainer_checkpoints_hold_the_consolidated_16bit_weights(tmp_path, stage, precision, dtype, async_save):
     # bf16 at stage 3 (sharded DTensors); an fp32 run writes fp32, as DeepSpeed's save_16bit_model writes the module's
     # dtype; stage 1 (DDP, replicated tensors) writes it too: the flag asks for the file at every stage.
     root = str(tmp_path)
-    run_distributed(_trainer_worker, 2, root, stage, precision, True)
+    run_distributed(_trainer_worker, 2, root, stage, precision, True, async_save)
     trained = torch.load(os.path.join(root, "trained.pt"), weights_only=True)
     _check_weights_file(os.path.join(root, "final.ckpt"), trained, dtype)
     kept = sorted(name for name in os.listdir(root) if name.startswith("step"))
