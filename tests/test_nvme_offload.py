@@ -435,8 +435,9 @@ def test_ds_config_nvme_sections_and_aio_translate_to_the_strategy_arguments(tmp
     with pytest.raises(Exception, match="use_gds"):
         ZeroStrategy(config=gds)
     cpu_only = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}, "aio": {"queue_depth": 2}}
-    with pytest.warns(DeepSpeedConfigWarning, match=r"aio.queue_depth=2 \(no NVMe offload\)"):
-        assert "no effect" in dict(translate_ds_config(cpu_only).notes)["aio"]
+    with pytest.warns(DeepSpeedConfigWarning, match=r"aio\.queue_depth=2"):  # DeepSpeed ignores it too: said by name
+        notes = dict(translate_ds_config(cpu_only).notes)
+    assert notes["aio.queue_depth"].startswith("no effect")
 
 
 # ------------------------------------------------------------------ estimator

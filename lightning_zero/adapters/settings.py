@@ -19,6 +19,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 
 from lightning_zero.adapters.launch_checks import check_backend_name, check_timeout
 from lightning_zero.adapters.precision_policy import LossScaleConfig, loss_scale_configs, parse_communication_data_type
+from lightning_zero.checkpoint.consolidate import weights_16bit_dtype
 from lightning_zero.checkpoint.full_file import check_load_full_weights
 from lightning_zero.diagnostics.hang_guard import DEFAULT_HANG_TIMEOUT, parse_hang_timeout
 from lightning_zero.diagnostics.network import DEFAULT_RENDEZVOUS_TIMEOUT, check_rendezvous_timeout
@@ -230,6 +231,16 @@ def _zero_config(args: ZeroArguments, ds_config: Optional[DeepSpeedConfigBinding
                                  param_persistence_threshold=args.param_persistence_threshold),
     )
     return zero_config, communication_data_type, pipeline_parallel_size, micro_batches
+
+
+def checkpoint_save_options(binding: Optional[DeepSpeedConfigBinding], precision: str) -> dict:
+    """What a checkpoint save takes from the ds_config (both adapters' ``save_checkpoint``): the effective config
+    for ``zero.json``, and with ``stage3_gather_16bit_weights_on_model_save: true`` the dtype of the consolidated
+    weights file it adds (what DeepSpeed's ``save_16bit_model`` writes at this ``precision``); ``"auto"`` left
+    unresolved is accelerate's default, false."""
+    gather = binding is not None and binding.translation.gather_16bit_weights_on_model_save is True
+    return {"ds_config_report": binding.report() if binding is not None else None,
+            "weights_16bit": weights_16bit_dtype(precision) if gather else None}
 
 
 def require_flags(**flags) -> tuple:

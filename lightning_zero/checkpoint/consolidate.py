@@ -1,5 +1,8 @@
 """Consolidate a sharded (or DeepSpeed ZeRO) checkpoint into one file, streaming tensor by tensor.
 
+The same streaming writes the 16-bit weights file a save adds with DeepSpeed's
+``stage3_gather_16bit_weights_on_model_save`` (:func:`write_16bit_weights`).
+
 Lightning's ``consolidate_checkpoint`` and DeepSpeed's ``zero_to_fp32`` materialise the whole model in memory.
 Here a *source* (:mod:`lightning_zero.checkpoint.tensor_sources`) enumerates ``TensorEntry`` (key, dtype, shape)
 from metadata alone, and loads one full tensor at a time; the writers of :mod:`lightning_zero.checkpoint.streaming`
@@ -197,3 +200,39 @@ def _write_lightning_checkpoint(source, output: str, entries: List[TensorEntry],
     checkpoint.pop("state_dict", None)
     checkpoint["state_dict"] = state_dict
     write_torch_checkpoint(output, checkpoint, load)
+
+
+#: The file :func:`write_16bit_weights` adds to a checkpoint: DeepSpeed's ``save_16bit_model`` default file name, so
+#: scripts written for DeepSpeed find it under the name they know.
+WEIGHTS_16BIT_FILE = "pytorch_model.bin"
+_DTYPE_OF_PRECISION = {"16-mixed": torch.float16, "16-true": torch.float16, "bf16-mixed": torch.bfloat16,
+                       "bf16-true": torch.bfloat16}
+
+
+def weights_16bit_dtype(precision: str) -> torch.dtype:
+    """The dtype DeepSpeed's ``save_16bit_model`` writes for a run in ``precision``: the dtype its engine keeps the
+    module in, fp16 or bf16 under fp16/bf16 training, and fp32 (despite the name) for an fp32 run."""
+    return _DTYPE_OF_PRECISION.get(precision, torch.float32)
+
+
+def write_16bit_weights(directory: str, dtype: torch.dtype) -> str:
+    """Write ``directory/pytorch_model.bin``: the full model weights of the sharded checkpoint being saved in
+    ``directory`` (its partial directory, shards and ``.metadata`` written), floating-point tensors cast to
+    ``dtype``; returns the file's path. Rank 0 calls it before ``zero.json`` is written, so the file is recorded,
+    verified and swapped into place with the rest of the checkpoint, and deleted with it.
+
+    The file is what ``torch.save(module.state_dict())`` of the unsharded model in ``dtype`` would be (the
+    LightningModule's keys; parameters and buffers, not non-tensor extra state, as DeepSpeed's
+    ``_zero3_consolidated_16bit_state_dict``), so ``module.load_state_dict(torch.load(path, weights_only=True))``
+    reads it. Streamed: each full tensor is assembled from the saved shards, written and dropped before the next
+    is read, so this rank holds one tensor at a time (about three times the largest), never the model.
+    """
+    source = DCPTensorSource(directory, being_saved=True)
+    try:
+        originals = {entry.key: entry for entry in source.entries}
+        state = OrderedDict((entry.key, tensor_slot(converted(entry, dtype))) for entry in source.entries)
+        output = os.path.join(directory, WEIGHTS_16BIT_FILE)
+        write_torch_checkpoint(output, state, lambda entry: cast(source.load(originals[entry.key]), dtype))
+    finally:
+        source.close()
+    return output

@@ -24,7 +24,7 @@ import os
 import shutil
 import threading
 from concurrent.futures import Future
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -215,11 +215,17 @@ def save_sharded_checkpoint(
     process_group: Optional[dist.ProcessGroup] = None,
     async_save: bool = False,
     info: Optional[Dict[str, Any]] = None,
+    extra_files: Optional[Callable[[str], Any]] = None,
+    extra_bytes: int = 0,
 ) -> Optional[PendingSave]:
     """Save ``state`` (tensors/DTensors, nested dicts) with DCP and ``metadata`` as ``meta.pt``, atomically.
 
     Collective: every rank of ``process_group`` (default: the world) calls it with its local shards. Works without a
     process group too (single process). ``info`` adds JSON-serialisable fields to ``zero.json`` (e.g. ``stage``).
+    ``extra_files`` is called on rank 0 with the partial directory once every rank's shards and ``.metadata`` are in
+    it, before ``zero.json``: the files it writes there are part of the checkpoint (recorded and verified, swapped
+    into place atomically, deleted with it), and a failure fails the save like any other write. ``extra_bytes``:
+    their size, for the free-space check.
 
     Returns ``None`` for a synchronous save (the checkpoint is complete on every rank on return) or a
     :class:`PendingSave` when ``async_save=True``: the state is staged to CPU before returning, so training may
@@ -237,12 +243,14 @@ def save_sharded_checkpoint(
     rank, world = _rank(process_group), _world(process_group)
     json.dumps(info or {})  # fail on every rank before writing anything if info is not JSON
     needed = prepare_save(path, state, lambda directory: torch.save(metadata, os.path.join(directory, META_FILE)),
-                          process_group, earlier_failures)
+                          process_group, earlier_failures, extra_bytes)
     writer = FileSystemWriter(partial)
 
     def finalize() -> None:
         if rank == 0:
             atomic.fault_point("after_metadata")
+            if extra_files is not None:
+                extra_files(partial)
             _write_info(partial, state, world, info)
             atomic.fault_point("after_info")
             atomic.swap_into_place(partial, path)

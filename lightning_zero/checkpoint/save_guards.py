@@ -202,17 +202,19 @@ def _probe(parent: str, rank: int) -> tuple:
 
 
 def prepare_save(path: str, state: dict, write_meta: Callable[[str], None],
-                 process_group: Optional[dist.ProcessGroup], earlier_failures: Sequence[str] = ()) -> int:
+                 process_group: Optional[dist.ProcessGroup], earlier_failures: Sequence[str] = (),
+                 extra_bytes: int = 0) -> int:
     """Run the checks of the module docstring (collective) and leave an empty ``partial`` directory with
-    ``meta.pt`` written by ``write_meta``. Returns the bytes the save needs. Raises :class:`CheckpointSaveError` on
-    every rank, having written nothing, when a check fails or when ``earlier_failures`` (of this rank's earlier
-    asynchronous saves) is not empty."""
+    ``meta.pt`` written by ``write_meta``. Returns the bytes the save needs (``extra_bytes``: what it writes besides
+    the shards, e.g. the 16-bit weights file). Raises :class:`CheckpointSaveError` on every rank, having written
+    nothing, when a check fails or when ``earlier_failures`` (of this rank's earlier asynchronous saves) is not
+    empty."""
     group = control_group(process_group)
     rank = dist.get_rank(group) if group is not None else 0
     parent = os.path.dirname(path)
     probe, error = _probe(parent, rank)
     reports = all_gather((socket.gethostname(), probe, shard_bytes(state)), group)
-    needed = sum(report[2] for report in reports) + _SLACK_PER_RANK * len(reports)
+    needed = sum(report[2] for report in reports) + _SLACK_PER_RANK * len(reports) + extra_bytes
     errors: List[str] = list(earlier_failures) + ([error] if error else [])
     unseen = [r for r, (_, other, _) in enumerate(reports) if other is not None and not os.path.exists(other)]
     if unseen:

@@ -13,11 +13,13 @@ any stage and world size loads at any other.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
+from lightning_zero.checkpoint.consolidate import WEIGHTS_16BIT_FILE, write_16bit_weights
 from lightning_zero.checkpoint.directory import read_checkpoint_info
 from lightning_zero.checkpoint.errors import CheckpointError
 from lightning_zero.checkpoint.hf_export import describe_hf_models
@@ -108,7 +110,7 @@ def initialise_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 def save_states(checkpoint: dict[str, Any], filepath: str, *, module: torch.nn.Module, optimizers: list, stage: int,
                 offload: Any, exclude_frozen_parameters: bool, ds_config_report: Optional[dict],
-                async_save: bool) -> None:
+                async_save: bool, weights_16bit: Optional[torch.dtype] = None) -> None:
     """Write ``checkpoint`` (a dict holding ``state_dict`` and ``optimizer_states`` as :func:`module_state_dict` and
     :func:`optimizer_state_dict` return them, and plain values) as a sharded directory; the twin of
     :func:`load_states`, called by both adapters. ``module`` and ``optimizers`` are those the states come from
@@ -118,6 +120,11 @@ def save_states(checkpoint: dict[str, Any], filepath: str, *, module: torch.nn.M
 
     Goes through :func:`lightning_zero.checkpoint.save_sharded_checkpoint`, so the save is atomic (a crash leaves the
     previous checkpoint at ``filepath`` loadable) and asynchronous with ``async_save=True``.
+
+    ``weights_16bit`` (a ds_config's ``stage3_gather_16bit_weights_on_model_save``): the checkpoint also holds
+    ``pytorch_model.bin``, the saved weights unsharded in that dtype
+    (:func:`~lightning_zero.checkpoint.consolidate.write_16bit_weights`, rank 0, streamed from the shards just
+    written: with ``async_save`` it is written in the background too).
     """
     tensors = {"state_dict": checkpoint.pop("state_dict")}
     if exclude_frozen_parameters:  # as DeepSpeed's exclude_frozen_parameters; recorded for load
@@ -131,7 +138,14 @@ def save_states(checkpoint: dict[str, Any], filepath: str, *, module: torch.nn.M
     if ds_config_report is not None:
         info["ds_config"] = ds_config_report  # the effective DeepSpeed config, next to the weights
     info.update(describe_hf_models(module))  # for `consolidate --hf` (prefix, config, ties)
-    save_sharded_checkpoint(filepath, tensors, checkpoint, async_save=async_save, info=info)
+    extra_files, extra_bytes = None, 0
+    if weights_16bit is not None:
+        info["weights_16bit"] = {"file": WEIGHTS_16BIT_FILE, "dtype": str(weights_16bit).replace("torch.", "")}
+        extra_files = functools.partial(write_16bit_weights, dtype=weights_16bit)
+        extra_bytes = sum(value.numel() * weights_16bit.itemsize for value in tensors["state_dict"].values()
+                          if isinstance(value, Tensor))  # DTensor.numel(): the full tensor's
+    save_sharded_checkpoint(filepath, tensors, checkpoint, async_save=async_save, info=info, extra_files=extra_files,
+                            extra_bytes=extra_bytes)
 
 
 def optimizer_type(optimizer) -> str:

@@ -25,8 +25,9 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from lightning_zero.checkpoint.deepspeed_reader import DeepSpeedTensorSource, is_deepspeed_checkpoint
 from lightning_zero.checkpoint.directory import checkpoint_directory, verify_and_read
 from lightning_zero.checkpoint.errors import CheckpointError
-from lightning_zero.checkpoint.safe_load import load_meta, safe_torch_load
+from lightning_zero.checkpoint.safe_load import load_meta, read_dcp_metadata, safe_torch_load
 from lightning_zero.checkpoint.streaming import TensorEntry
+from lightning_zero.checkpoint.verify import check_metadata
 
 PathLike = Union[str, os.PathLike]
 
@@ -49,11 +50,20 @@ def parse_dtype(dtype: Union[None, str, torch.dtype]) -> Optional[torch.dtype]:
 class DCPTensorSource:
     """Reads full tensors of one top-level entry (default ``state_dict``) of a DCP checkpoint, one at a time."""
 
-    def __init__(self, path: PathLike, top_key: str = "state_dict") -> None:
-        self.path = checkpoint_directory(path)
-        # Every file's size and checksum, and chunks that cover each tensor exactly: `load` below then never hands
-        # out the uninitialised memory of `torch.empty` nor a corrupt byte. The files verification read are kept.
-        problems, read = verify_and_read(self.path, checksums=True)
+    def __init__(self, path: PathLike, top_key: str = "state_dict", *, being_saved: bool = False) -> None:
+        """``being_saved``: ``path`` is the partial directory of a save still in progress (its shards and ``.metadata``
+        written, ``zero.json`` not yet), read by that save itself; there are no file records to check yet, so only
+        the metadata's structure is (chunks covering each tensor exactly, records inside the files)."""
+        if being_saved:
+            self.path = os.fspath(path)
+            metadata = read_dcp_metadata(self.path)
+            problems = check_metadata(self.path, metadata)
+            read: Dict[str, Any] = {"metadata": metadata, "meta": None}
+        else:
+            self.path = checkpoint_directory(path)
+            # Every file's size and checksum, and chunks that cover each tensor exactly: `load` below then never
+            # hands out the uninitialised memory of `torch.empty` nor a corrupt byte. The files read are kept.
+            problems, read = verify_and_read(self.path, checksums=True)
         if problems:
             more = f" (and {len(problems) - 1} more problems; `lightning-zero verify` lists them)" \
                 if len(problems) > 1 else ""

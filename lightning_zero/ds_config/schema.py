@@ -65,7 +65,9 @@ ZERO_KEYS: dict[str, KeySpec] = {
         -1, STRATEGY, "MiCS (shard within groups of that size, replicate across them; removed from DeepSpeed 0.19) -> "
         "hybrid_shard_size=<size> (FSDP2 HSDP); -1: off"),
     "stage3_gather_16bit_weights_on_model_save": KeySpec(
-        False, RETURNED, "returned as gather_16bit_weights_on_model_save: consolidate full weights when saving"),
+        False, RETURNED, "true -> every checkpoint also holds pytorch_model.bin (DeepSpeed's save_16bit_model file): "
+        "the full weights in the run's 16-bit dtype (fp32 in an fp32 run), streamed from the saved shards on rank 0, "
+        "read by torch.load(weights_only=True); at every stage"),
     "overlap_comm": KeySpec(DERIVED, NO_EFFECT, "FSDP2 always overlaps all-gather/reduce-scatter with compute on "
                             "separate streams, and DDP overlaps its all-reduce with backward"),
     "contiguous_gradients": KeySpec(True, NO_EFFECT, "FSDP2 reduce-scatters each unit's gradients into one flat "
@@ -114,6 +116,25 @@ ZERO_KEYS: dict[str, KeySpec] = {
                                                    "implemented"),
     "zero_quantized_gradients": KeySpec(False, UNSUPPORTED, "ZeRO++ quantized gradient reduce is not implemented"),
     "zenflow": KeySpec(None, UNSUPPORTED, "ZenFlow (stall-free offload) is not implemented"),
+    "mics_hierarchical_params_gather": KeySpec(False, UNSUPPORTED, "MiCS's hierarchical all-gather (removed from "
+                                               "DeepSpeed 0.19): mics_shard_size maps to FSDP2 HSDP, which "
+                                               "all-gathers within each shard group in one step"),
+    "zeropp_loco_param": KeySpec(None, UNSUPPORTED, "LoCo error feedback for ZeRO++ quantized gradients (removed from "
+                                 "DeepSpeed 0.19); quantized gradients are not implemented"),
+}
+
+# DeepSpeed's pydantic field names of the stage-3 keys: its models accept them as well as the documented
+# stage3_* aliases (populate_by_name), so they are the same keys under another spelling.
+ZERO_FIELD_NAMES = {
+    "prefetch_bucket_size": "stage3_prefetch_bucket_size",
+    "param_persistence_threshold": "stage3_param_persistence_threshold",
+    "model_persistence_threshold": "stage3_model_persistence_threshold",
+    "max_live_parameters": "stage3_max_live_parameters",
+    "max_reuse_distance": "stage3_max_reuse_distance",
+    "gather_16bit_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+    "module_granularity_threshold": "stage3_module_granularity_threshold",
+    "use_all_reduce_for_fetch_params": "stage3_use_all_reduce_for_fetch_params",
+    "allgather_sequential": "stage3_allgather_sequential",
 }
 
 # Deprecated spellings DeepSpeed still reads, and the key they become.
@@ -150,6 +171,17 @@ OFFLOAD_OPTIMIZER_KEYS: dict[str, KeySpec] = {
     "cpuadam_cores_perc": KeySpec(0.8, NO_EFFECT, "the CPU optimizer step uses torch's intra-op threads"),
 }
 
+_AIO = "with an offload device 'nvme' (else no effect: only NVMe offload does file I/O)"
+AIO_KEYS: dict[str, KeySpec] = {
+    "block_size": KeySpec(1_048_576, STRATEGY, "-> aio block_size " + _AIO),
+    "queue_depth": KeySpec(8, STRATEGY, "-> aio queue_depth " + _AIO),
+    "intra_op_parallelism": KeySpec(1, STRATEGY, "-> aio thread_count " + _AIO),
+    "thread_count": KeySpec(1, STRATEGY, "the older name of intra_op_parallelism -> aio thread_count " + _AIO),
+    "single_submit": KeySpec(False, STRATEGY, "-> aio single_submit " + _AIO),
+    "overlap_events": KeySpec(True, STRATEGY, "-> aio overlap_events " + _AIO),
+    "use_gds": KeySpec(False, UNSUPPORTED, "GPUDirect Storage: the engine reads into host memory"),
+}
+
 _LOSS_SCALE = "-> strategy kwarg of the same name (used when fp16 is enabled)"
 FP16_KEYS: dict[str, KeySpec] = {
     "enabled": KeySpec(False, TRAINER, "true -> precision='16-mixed'"),
@@ -175,7 +207,8 @@ BF16_KEYS: dict[str, KeySpec] = {
 TORCH_AUTOCAST_KEYS: dict[str, KeySpec] = {
     "enabled": KeySpec(False, TRAINER, "true -> precision from dtype (bfloat16 -> 'bf16-mixed', float16 -> "
                        "'16-mixed')"),
-    "dtype": KeySpec("bfloat16", TRAINER, "selects the mixed precision"),
+    "dtype": KeySpec(None, TRAINER, "selects the mixed precision (bfloat16 -> 'bf16-mixed', float16 -> '16-mixed'); "
+                     "absent: torch.autocast's default on the GPUs DeepSpeed trains on, float16"),
     "lower_precision_safe_modules": KeySpec(None, NO_EFFECT, "torch.autocast applies its own per-op lists"),
 }
 
@@ -212,7 +245,12 @@ CHECKPOINT_KEYS: dict[str, KeySpec] = {
     "load_universal": KeySpec(False, NO_EFFECT, "distributed checkpoints are universal (reshardable) by design"),
     "use_node_local_storage": KeySpec(False, UNSUPPORTED, "node-local checkpoint storage: every rank must see one "
                                       "shared checkpoint directory, else no node holds a loadable checkpoint"),
-    "parallel_write": KeySpec(None, NO_EFFECT, "every rank writes its own shard files"),
+    "parallel_write": KeySpec({"pipeline_stage": False}, NO_EFFECT, "every rank writes its own shard files"),
+    "checkpoint_serialization": KeySpec(True, NO_EFFECT, "torch.save's zip-or-legacy switch of DeepSpeed's fast "
+                                        "writer; checkpoints are written by torch.distributed.checkpoint"),
+    "writer": KeySpec(None, NO_EFFECT, "DeepSpeed's checkpoint writer engines (fast, decoupled); checkpoints are "
+                      "written by torch.distributed.checkpoint, every rank its shards; ZeroStrategy(async_save=True) "
+                      "writes in the background"),
 }
 
 TOP_LEVEL_KEYS: dict[str, KeySpec] = {
@@ -222,9 +260,9 @@ TOP_LEVEL_KEYS: dict[str, KeySpec] = {
                                            "when pipelining)"),
     "steps_per_print": KeySpec(None, TRAINER, "-> Trainer log_every_n_steps"),
     "wall_clock_breakdown": KeySpec(False, TRAINER, "returned; true asks for per-phase timings (Lightning profiler)"),
-    "aio": KeySpec(None, STRATEGY, "-> aio (the NVMe swap engine's knobs) with an offload device 'nvme'; "
-                   "no effect otherwise"),
-    "gradient_clipping": KeySpec(None, TRAINER, "-> Trainer gradient_clip_val (norm clipping); 0 disables"),
+    "aio": KeySpec(None, STRATEGY, "the NVMe swap engine's knobs; see the aio table"),
+    "gradient_clipping": KeySpec(None, TRAINER, "-> Trainer gradient_clip_val (norm clipping); 0 disables; absent: "
+                                 "the Trainer's, as DeepSpeedStrategy writes it (DeepSpeed alone would clip at 1.0)"),
     "optimizer": KeySpec(None, RETURNED, "built by lightning_zero.ds_config.optimizers.build_optimizer"),
     "scheduler": KeySpec(None, RETURNED, "built by lightning_zero.ds_config.optimizers.build_scheduler, stepped every "
                          "optimizer step"),
@@ -249,13 +287,23 @@ TOP_LEVEL_KEYS: dict[str, KeySpec] = {
     "memory_breakdown": KeySpec(False, NO_EFFECT, "use Lightning's DeviceStatsMonitor"),
     "dump_state": KeySpec(False, NO_EFFECT, "DeepSpeed-internal debugging switch"),
     "disable_allgather": KeySpec(False, NO_EFFECT, "DeepSpeed-internal switch"),
-    "disable_python_gc": KeySpec(None, NO_EFFECT, "DeepSpeed-internal switch"),
+    "disable_python_gc": KeySpec(False, NO_EFFECT, "DeepSpeed-internal switch"),
     "dataloader_drop_last": KeySpec(False, NO_EFFECT, "the LightningModule owns its DataLoader; set drop_last there"),
-    "log_level": KeySpec("info", NO_EFFECT, "use Python logging for 'lightning_zero'"),
+    "log_level": KeySpec(None, NO_EFFECT, "use Python logging for 'lightning_zero'"),
     "checkpoint": KeySpec(None, NO_EFFECT, "see the checkpoint table"),
     "vocabulary_size": KeySpec(None, NO_EFFECT, "only used by DeepSpeed for an alignment warning"),
     "seed": KeySpec(None, NO_EFFECT, "use lightning.seed_everything"),
     "allgather_size": KeySpec(500_000_000, NO_EFFECT, "bucket size of the deprecated 'zero_optimization: true' form"),
+    "managed_gradient_accumulation": KeySpec(True, UNSUPPORTED, "the optimizer steps every gradient_accumulation_steps "
+                                             "micro-batches (the Trainer's accumulate_grad_batches), as DeepSpeed's "
+                                             "managed accumulation does; false (every step() updates) is not "
+                                             "supported"),
+    "seq_parallel_communication_data_type": KeySpec("fp32", NO_EFFECT, "used only by Ulysses sequence parallelism "
+                                                    "(sequence_parallel_size), which is not supported"),
+    "use_data_before_expert_parallelism": KeySpec(False, NO_EFFECT, "orders the data- and expert-parallel groups of "
+                                                  "DeepSpeed-MoE (expert_parallel), which is not supported"),
+    "data_parallel_size": KeySpec(None, NO_EFFECT, "DeepSpeed reads it only with sequence_parallel_size (not "
+                                  "supported); the data-parallel size is the world size over the pipeline stages"),
 }
 
 # Whole sections of other DeepSpeed features, and why they are not supported. A section that is present but
@@ -288,7 +336,7 @@ UNSUPPORTED_SECTIONS = {
     "sparse_gradients": "sparse embedding gradient compression",
     "graph_harvesting": "CUDA graph harvesting",
     "timers": "DeepSpeed's internal timers (use Lightning's profiler)",
-    "datastates": "DataStates asynchronous checkpointing",
+    "datastates_ckpt": "DataStates asynchronous checkpointing (use ZeroStrategy(async_save=True))",
     "zenflow": "ZenFlow stall-free offload",
 }
 
@@ -303,6 +351,7 @@ SECTION_KEYS: dict[str, dict[str, KeySpec]] = {
     "activation_checkpointing": ACTIVATION_CHECKPOINTING_KEYS,
     "pipeline": PIPELINE_KEYS,
     "checkpoint": CHECKPOINT_KEYS,
+    "aio": AIO_KEYS,
 }
 
 

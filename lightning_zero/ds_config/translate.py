@@ -18,16 +18,21 @@ from typing import Any, Optional
 
 from lightning_zero.distributed.units import DS_BUCKET_ELEMENT_BYTES
 from lightning_zero.ds_config import schema
-from lightning_zero.ds_config.loading import DeepSpeedConfigError, DeepSpeedConfigWarning
+from lightning_zero.ds_config.loading import DeepSpeedConfigError
 from lightning_zero.ds_config.translate_checks import (
     AUTO,
     Collector,
+    at_default,
     check_flag,
     check_number,
     honoured,
     merge_section,
+    no_effect,
+    section_of,
+    shown,
     suggest,
 )
+from lightning_zero.ds_config.translate_offload import translate_aio, translate_offload
 
 COMMUNICATION_DATA_TYPES = ("fp32", "bf16", "fp16")
 _LOSS_SCALE_KWARGS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
@@ -87,19 +92,11 @@ class DeepSpeedTranslation:
 
 
 def _is_disabled(value: Any) -> bool:
-    """A section of another feature that asks for nothing: false/null/0/1 or ``{"enabled": false}``."""
-    if value is None or value is False or (isinstance(value, (int, float)) and value in (0, 1)):
+    """A section of another feature that asks for nothing: false/null, a size of 0 or 1, or ``{"enabled": false}``
+    (``true`` asks for the feature)."""
+    if value is None or value is False or (type(value) in (int, float) and value in (0, 1)):
         return True
     return isinstance(value, dict) and value.get("enabled", True) is False
-
-
-def _section(config: dict, name: str, out: Collector) -> Optional[dict]:
-    value = config.get(name)
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        raise DeepSpeedConfigError(f"{name!r} must be a JSON object, got {value!r}")
-    return value
 
 
 def _normalise_deprecated(config: dict, out: Collector) -> dict:
@@ -121,8 +118,10 @@ def _normalise_deprecated(config: dict, out: Collector) -> dict:
                       stacklevel=3)
         config["bf16"] = config.pop("bfloat16")
         out.note("bfloat16", 'deprecated spelling -> "bf16"')
+        out.written_as["bf16"] = "bfloat16"
     zero = config.get("zero_optimization")
     if isinstance(zero, dict):
+        _rename_field_names(zero, out)
         for old, new in schema.DEPRECATED_ZERO_KEYS.items():
             if old not in zero:
                 continue
@@ -143,143 +142,22 @@ def _normalise_deprecated(config: dict, out: Collector) -> dict:
     return config
 
 
-def _translate_offload(zero: dict, stage: int, out: Collector, kwargs: dict) -> dict:
-    """DeepSpeed's two offload sections -> the strategy's ``offload_optimizer`` and ``offload_params`` (each
-    honoured separately; ``offload`` also carries the shorthand, for reports)."""
-    devices: dict[str, str] = {}
-    pins: list[bool] = []
-    effective: dict = {}
-    for sub, keys in (("offload_optimizer", schema.OFFLOAD_OPTIMIZER_KEYS),
-                      ("offload_param", schema.OFFLOAD_PARAM_KEYS)):
-        user = zero.get(sub)
-        if user is None:
+def _rename_field_names(zero: dict, out: Collector) -> None:
+    """DeepSpeed's field names of the stage-3 keys (``prefetch_bucket_size`` for ``stage3_prefetch_bucket_size``...)
+    -> the documented names: both are DeepSpeed keys for one setting, so no warning; both at once is ambiguous."""
+    for field_name, name in schema.ZERO_FIELD_NAMES.items():
+        if field_name not in zero:
             continue
-        if not isinstance(user, dict):
-            raise DeepSpeedConfigError(f"zero_optimization.{sub} must be a JSON object, got {user!r}")
-        merged = merge_section(user, keys, f"zero_optimization.{sub}", out)
-        device = str(merged["device"]).lower()
-        if device not in ("none", "cpu", "nvme"):
-            raise DeepSpeedConfigError(f"zero_optimization.{sub}.device must be 'none', 'cpu' or 'nvme', got "
-                                       f"{merged['device']!r}")
-        merged["device"] = device
-        pin = check_flag(f"zero_optimization.{sub}.pin_memory", merged["pin_memory"])
-        effective[sub] = merged
-        if device == "none":
-            continue
-        if sub == "offload_param" and stage < 3:
-            out.note("zero_optimization.offload_param", f"no effect at stage {stage}: parameters are only offloaded "
-                     "at stage 3 (DeepSpeed ignores it too)")
-            warnings.warn(f"zero_optimization.offload_param has no effect at stage {stage} (only stage 3 offloads "
-                          "parameters); it is ignored, as DeepSpeed does", DeepSpeedConfigWarning, stacklevel=4)
-            continue
-        devices[sub] = device
-        pins.append(pin)
-    if not devices:
-        kwargs["offload"] = None
-        return effective
-    if stage == 0:
-        raise DeepSpeedConfigError(
-            f"zero_optimization.{next(iter(devices))} asks for offload but stage is 0: offload needs ZeRO stage 1, 2 "
-            "or 3 (stage 0 keeps everything replicated on the device). Set zero_optimization.stage or remove it.")
-    # The shorthand is kept for reports; the precise pair is what the strategy applies (docs/offload.md).
-    kwargs["offload"] = "nvme" if "nvme" in devices.values() else "cpu"
-    kwargs["offload_optimizer"] = devices.get("offload_optimizer", "none")
-    kwargs["offload_params"] = devices.get("offload_param", "none") if stage == 3 else None
-    if "nvme" in devices.values():
-        _translate_nvme(zero, stage, devices, effective, out, kwargs)
-    if "offload_param" not in devices:
-        out.note("zero_optimization.offload_optimizer", f"-> offload_optimizer={kwargs['offload_optimizer']!r}: only "
-                 "optimizer states and fp32 masters move to CPU; parameters and gradients stay on the accelerator "
-                 "(DeepSpeed's ZeRO-Offload)")
-    elif "offload_optimizer" not in devices:
-        out.note("zero_optimization.offload_param", f"-> offload_params={kwargs['offload_params']!r} without "
-                 "offload_optimizer: refused by the strategy (here the sharded fp32 parameters are the optimizer's "
-                 "masters, so they cannot leave without the optimizer step); add offload_optimizer")
-    if not all(pins):
-        kwargs["pin_memory"] = False
-    return effective
-
-
-def _translate_nvme(zero: dict, stage: int, devices: dict, effective: dict, out: Collector, kwargs: dict) -> None:
-    """NVMe offload keeps DeepSpeed's two sections apart: ``offload_optimizer``/``offload_params`` (precise form)
-    plus ``nvme_path`` and ``buffer_count`` of the section(s) on NVMe, ``sub_group_size`` of the optimizer's
-    swapping, and ``buffer_size``/``max_in_cpu`` of the parameters' swapping (stage 3).
-
-    The strategy has one ``nvme_path`` and one ``buffer_count``: two NVMe sections naming different paths are
-    refused; with different buffer counts the optimizer section's is used for both (the parameter section's is
-    reported as having no effect)."""
-    on_nvme = [sub for sub in ("offload_optimizer", "offload_param") if devices.get(sub) == "nvme"]
-    if not on_nvme:
-        return
-    paths = {}
-    for sub in on_nvme:
-        if effective[sub].get("nvme_path") is None:
-            raise DeepSpeedConfigError(f"zero_optimization.{sub}.device is 'nvme' but nvme_path is missing: give the "
-                                       "directory on a fast local disk where the swapped states live")
-        paths[sub] = str(effective[sub]["nvme_path"])
-    if len(set(paths.values())) > 1:
-        raise DeepSpeedConfigError(f"zero_optimization.offload_optimizer.nvme_path ({paths['offload_optimizer']!r}) "
-                                   f"and offload_param.nvme_path ({paths['offload_param']!r}) differ: this strategy "
-                                   "swaps both under one nvme_path; give the same directory")
-    kwargs["nvme_path"] = paths[on_nvme[0]]
-    counts = {sub: check_number(f"zero_optimization.{sub}.buffer_count", effective[sub]["buffer_count"],
-                                 integer=True) for sub in on_nvme}
-    kwargs["buffer_count"] = counts[on_nvme[0]]
-    for sub in on_nvme:
-        honoured(out, f"zero_optimization.{sub}.nvme_path", "-> nvme_path")
-        if counts[sub] == kwargs["buffer_count"]:
-            honoured(out, f"zero_optimization.{sub}.buffer_count", "-> buffer_count (swap buffers resident)")
-        else:
-            # stays a no-effect key (warned, or refused under strict, when it is not DeepSpeed's default)
-            path = f"zero_optimization.{sub}.buffer_count"
-            out.notes = [(key, note) for key, note in out.notes if key != path]
-            out.note(path, f"no effect: the strategy has one buffer_count for both swappers; the optimizer "
-                     f"section's ({kwargs['buffer_count']}) is used")
-    if "offload_param" in on_nvme:
-        section = effective["offload_param"]
-        for key in ("buffer_size", "max_in_cpu"):
-            kwargs[key] = check_number(f"zero_optimization.offload_param.{key}", section[key], integer=True)
-            honoured(out, f"zero_optimization.offload_param.{key}", f"-> {key} (parameter swapping)")
-    if "sub_group_size" in zero and "offload_optimizer" in on_nvme:
-        kwargs["sub_group_size"] = check_number("zero_optimization.sub_group_size", zero["sub_group_size"],
-                                                 integer=True)
-        honoured(out, "zero_optimization.sub_group_size", "-> sub_group_size (elements per swapped sub-group)")
-
-
-AIO_TRANSLATION = {"block_size": "block_size", "queue_depth": "queue_depth", "thread_count": "thread_count",
-                   "intra_op_parallelism": "thread_count", "single_submit": "single_submit",
-                   "overlap_events": "overlap_events"}
-# DeepSpeed 0.19's aio defaults: a different value without NVMe offload is warned about (it changes nothing).
-AIO_DEFAULTS = {"block_size": 1_048_576, "queue_depth": 8, "thread_count": 1, "intra_op_parallelism": 1,
-                "single_submit": False, "overlap_events": True, "use_gds": False}
-
-
-def _translate_aio(config: dict, out: Collector, kwargs: dict) -> None:
-    """DeepSpeed's ``aio`` section -> the swap engine's knobs (only with an offload device on NVMe)."""
-    aio = _section(config, "aio", out)
-    if aio is None:
-        return
-    if "nvme" not in (kwargs.get("offload_optimizer"), kwargs.get("offload_params")):
-        out.note("aio", "no effect: only NVMe offload does file I/O")
-        out.no_effect_non_default.extend(f"aio.{key}={value!r} (no NVMe offload)" for key, value in aio.items()
-                                         if AIO_DEFAULTS.get(key, object()) != value)
-        return
-    mapped = {}
-    for key, value in aio.items():
-        if key == "use_gds":
-            if value:
-                out.problem("aio.use_gds", "GPUDirect Storage is not supported: the engine reads into host memory")
-            continue
-        if key not in AIO_TRANSLATION:
-            out.problem(f"aio.{key}", f"unknown key; known: {sorted(AIO_TRANSLATION) + ['use_gds']}")
-            continue
-        mapped[AIO_TRANSLATION[key]] = value
-        out.note(f"aio.{key}", f"-> aio {AIO_TRANSLATION[key]}")
-    kwargs["aio"] = mapped
+        if name in zero:
+            raise DeepSpeedConfigError(f"zero_optimization.{field_name} and zero_optimization.{name} are one setting "
+                                       "(DeepSpeed's field name and its alias): give only one")
+        zero[name] = zero.pop(field_name)
+        out.note(f"zero_optimization.{field_name}", f"DeepSpeed's field name of {name} -> {name}")
+        out.written_as[f"zero_optimization.{name}"] = f"zero_optimization.{field_name}"
 
 
 def _translate_zero(config: dict, out: Collector, kwargs: dict) -> tuple[dict, bool]:
-    zero = _section(config, "zero_optimization", out) or {}
+    zero = section_of(config, "zero_optimization") or {}
     stage = zero.get("stage", 0)
     if stage == AUTO or isinstance(stage, bool) or not isinstance(stage, int) or stage not in (0, 1, 2, 3):
         raise DeepSpeedConfigError(f"zero_optimization.stage must be 0, 1, 2 or 3 (\"auto\" is not allowed), got "
@@ -293,7 +171,7 @@ def _translate_zero(config: dict, out: Collector, kwargs: dict) -> tuple[dict, b
         out.notes = [(key, text) for key, text in out.notes if key != path]
         out.no_effect_non_default = [item for item in out.no_effect_non_default if not item.startswith(path + "=")]
         out.note(path, "-> DDP bucket_cap_mb (elements x gradient bytes, in MiB) at stages 0-1, unless given")
-    merged.update(_translate_offload(zero, stage, out, kwargs))
+    merged.update(translate_offload(zero, stage, out, kwargs))
     merged["overlap_comm"] = zero.get("overlap_comm", stage == 3)  # DeepSpeed: on by default only at stage 3
     if zero.get("overlap_comm") is False:  # a written False asks for what the engines never do: said by name
         out.no_effect_non_default.append("zero_optimization.overlap_comm=False")
@@ -355,14 +233,15 @@ def _translate_precision(config: dict, out: Collector, kwargs: dict) -> tuple[Op
     enabled: dict[str, Any] = {}
     for name, keys in (("fp16", schema.FP16_KEYS), ("bf16", schema.BF16_KEYS), ("torch_autocast",
                                                                                   schema.TORCH_AUTOCAST_KEYS)):
-        user = _section(config, name, out)
+        user = section_of(config, name)
         if user is None:
             continue
         merged = merge_section(user, keys, name, out)
         enabled[name] = check_flag(f"{name}.enabled", merged["enabled"], allow_auto=name != "torch_autocast")
         effective[name] = merged
     if "torch_autocast" in effective and enabled["torch_autocast"]:
-        dtype = str(effective["torch_autocast"]["dtype"]).replace("torch.", "").lower()
+        written = effective["torch_autocast"]["dtype"]  # absent: torch.autocast's CUDA default, as DeepSpeed gets it
+        dtype = "float16" if written is None else str(written).replace("torch.", "").lower()
         target = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16", "half": "fp16"}.get(dtype)
         if target is None:
             raise DeepSpeedConfigError(f"torch_autocast.dtype must be bfloat16 or float16, got {dtype!r}")
@@ -386,8 +265,14 @@ def _translate_precision(config: dict, out: Collector, kwargs: dict) -> tuple[Op
                                                strictly_positive=True)
         check_flag("fp16.consecutive_hysteresis", fp16["consecutive_hysteresis"])
         kwargs.update({key: fp16[key] for key in _LOSS_SCALE_KWARGS})
-    elif "fp16" in effective and any(key in config["fp16"] for key in _LOSS_SCALE_KWARGS):
-        out.note("fp16", "fp16 is not enabled: its loss-scale keys have no effect")
+    elif "fp16" in effective:  # DeepSpeed ignores them too; a value it would have used is said
+        for key in _LOSS_SCALE_KWARGS:
+            if key in config["fp16"]:
+                no_effect(out, f"fp16.{key}", config["fp16"][key], schema.FP16_KEYS[key].default,
+                          "fp16 is not enabled")
+    if "torch_autocast" in effective and enabled["torch_autocast"] is False and "dtype" in config["torch_autocast"]:
+        no_effect(out, "torch_autocast.dtype", config["torch_autocast"]["dtype"], schema.TORCH_AUTOCAST_KEYS[
+            "dtype"].default, "torch_autocast is not enabled")
     if AUTO in (enabled.get("fp16"), enabled.get("bf16")):
         return None, effective
     if enabled.get("fp16"):
@@ -412,7 +297,8 @@ def _translate_named_spec(config: dict, name: str, out: Collector) -> Optional[d
         if key not in allowed:
             out.problem(f"{name}.{key}", f"unknown key; {suggest(key, sorted(allowed), name)}")
     if "legacy_fusion" in spec:
-        out.note("optimizer.legacy_fusion", "no effect: a FusedAdam-specific switch of DeepSpeed")
+        no_effect(out, "optimizer.legacy_fusion", spec["legacy_fusion"], False, "a switch of DeepSpeed's fp16 "
+                  "optimizer wrapper (its fused unscale-and-clip); the loss scaler here has one implementation")
     if name == "optimizer" and "max_grad_norm" in params:
         raise DeepSpeedConfigError("optimizer.params.max_grad_norm is not an optimizer parameter (DeepSpeed rejects "
                                    "it too): use the top-level \"gradient_clipping\" instead")
@@ -430,7 +316,9 @@ def _check_top_level_keys(config: dict, out: Collector) -> None:
             if _is_disabled(value):
                 out.note(key, f"disabled, so accepted ({schema.UNSUPPORTED_SECTIONS[key]} is not supported)")
             else:
-                out.problem(key, f"not supported: {schema.UNSUPPORTED_SECTIONS[key]} is not part of lightning-zero")
+                written = f" (refused with it: {shown(key, value)})" if isinstance(value, dict) and value else ""
+                out.problem(key, f"not supported: {schema.UNSUPPORTED_SECTIONS[key]} is not part of lightning-zero"
+                            f"{written}")
             continue
         candidates = list(schema.TOP_LEVEL_KEYS) + list(schema.UNSUPPORTED_SECTIONS)
         out.problem(key, f"unknown top-level key; {suggest(key, candidates, '')}")
@@ -440,7 +328,7 @@ def _translate_sections(config: dict, out: Collector, kwargs: dict, effective: d
     """The ``activation_checkpointing``, ``pipeline`` and ``checkpoint`` sections, merged with their defaults into
     ``effective``; a fixed ``pipeline.stages`` becomes ``pipeline_parallel_size`` in ``kwargs``."""
     for name in ("activation_checkpointing", "pipeline", "checkpoint"):
-        user = _section(config, name, out)
+        user = section_of(config, name)
         if user is not None:
             effective[name] = merge_section(user, schema.SECTION_KEYS[name], name, out)
     pipeline_stages = effective.get("pipeline", {}).get("stages", AUTO)
@@ -462,7 +350,7 @@ def _record_top_level_settings(config: dict, out: Collector, effective: dict) ->
             out.note(key, "no effect: " + spec.note)
             if value != spec.default and key not in schema.PERMISSIONS:
                 out.no_effect_non_default.append(f"{key}={value!r}")
-        elif spec.role == schema.UNSUPPORTED and str(value).lower() != spec.default:
+        elif spec.role == schema.UNSUPPORTED and not at_default(value, spec.default):
             out.problem(key, f"{value!r} is not supported: {spec.note}")
         else:
             out.note(key, spec.note)
@@ -498,7 +386,9 @@ def translate_ds_config(config: dict, *, strict: bool = True) -> DeepSpeedTransl
 
     kwargs: dict = {}
     effective["zero_optimization"], gather = _translate_zero(config, out, kwargs)
-    _translate_aio(config, out, kwargs)
+    aio = translate_aio(config, out, kwargs)
+    if aio is not None:
+        effective["aio"] = aio
     precision, precision_effective = _translate_precision(config, out, kwargs)
     effective.update(precision_effective)
     _translate_sections(config, out, kwargs, effective)

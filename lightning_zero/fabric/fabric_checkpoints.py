@@ -27,6 +27,7 @@ import atexit
 import sys
 from typing import Any, Callable, Optional
 
+import torch
 from torch import nn
 from torch.optim import Optimizer
 
@@ -67,9 +68,12 @@ def _module_view(state: dict[str, Any], keys: list[str]) -> nn.Module:
 
 
 def save(path: str, state: dict[str, Any], filter: Optional[dict[str, Callable[[str, Any], bool]]], *, precision,
-         zero_config, exclude_frozen_parameters: bool, ds_config_report: Optional[dict], async_save: bool) -> None:
+         zero_config, exclude_frozen_parameters: bool, ds_config_report: Optional[dict], async_save: bool,
+         weights_16bit: Optional[torch.dtype] = None) -> None:
     """Write ``state`` as a sharded checkpoint directory at ``path`` (collective: every rank calls it), with the fp16
-    loss scaler of the strategy's ``precision`` plugin and the run's settings recorded (``zero.json``)."""
+    loss scaler of the strategy's ``precision`` plugin and the run's settings recorded (``zero.json``).
+    ``weights_16bit``: also write the saved (filtered) weights unsharded in that dtype, as ``pytorch_model.bin``
+    (:func:`lightning_zero.checkpoint.states.save_states`)."""
     module_keys, optimizer_keys = _split(state)
     if filter and set(filter) - set(module_keys):
         raise NotImplementedError(f"fabric.save(filter=...) applies to modules' weights here; the filter keys "
@@ -93,7 +97,7 @@ def save(path: str, state: dict[str, Any], filter: Optional[dict[str, Callable[[
         checkpoint[SCALER] = precision.state_dict()
     checkpointing.save_states(checkpoint, path, module=module, optimizers=optimizers, stage=zero_config.stage,
                               offload=zero_config.offload, exclude_frozen_parameters=exclude_frozen_parameters,
-                              ds_config_report=ds_config_report, async_save=async_save)
+                              ds_config_report=ds_config_report, async_save=async_save, weights_16bit=weights_16bit)
     if async_save:
         _await_at_exit()
 

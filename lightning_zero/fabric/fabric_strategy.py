@@ -38,7 +38,7 @@ from lightning_zero.adapters.launch_checks import (
     check_launcher_world_size,
 )
 from lightning_zero.adapters.process_group import start_process_group
-from lightning_zero.adapters.settings import SETTING_NAMES, STRATEGY_NAMES, resolve_settings
+from lightning_zero.adapters.settings import SETTING_NAMES, STRATEGY_NAMES, checkpoint_save_options, resolve_settings
 from lightning_zero.checkpoint.io import wait_for_pending_saves
 from lightning_zero.checkpoint.save_guards import broadcast_object
 from lightning_zero.diagnostics.hang_guard import DEFAULT_HANG_TIMEOUT, HangGuard
@@ -368,9 +368,8 @@ class ZeroStrategy(ParallelStrategy):
         with self.hang_guard.phase("save"):
             fabric_checkpoints.save(
                 self.broadcast(str(path)), state, filter, precision=self.precision, zero_config=self.zero_config,
-                exclude_frozen_parameters=self.exclude_frozen_parameters,
-                ds_config_report=self.ds_config.report() if self.ds_config is not None else None,
-                async_save=self.async_save)
+                exclude_frozen_parameters=self.exclude_frozen_parameters, async_save=self.async_save,
+                **checkpoint_save_options(self.ds_config, self.precision.precision))
 
     def load_checkpoint(self, path, state: Optional[dict] = None, strict: bool = True,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:

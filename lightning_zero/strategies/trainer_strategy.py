@@ -37,7 +37,7 @@ from lightning_zero.adapters.launch_checks import (
     check_launcher_world_size,
 )
 from lightning_zero.adapters.process_group import start_process_group
-from lightning_zero.adapters.settings import SETTING_NAMES, STRATEGY_NAMES, resolve_settings
+from lightning_zero.adapters.settings import SETTING_NAMES, STRATEGY_NAMES, checkpoint_save_options, resolve_settings
 from lightning_zero.checkpoint.io import remove_sharded_checkpoint, wait_for_pending_saves
 from lightning_zero.checkpoint.save_guards import broadcast_object
 from lightning_zero.checkpoint.states import module_state_dict, optimizer_state_dict, save_states
@@ -519,9 +519,8 @@ class ZeroStrategy(ParallelStrategy):
         with self.hang_guard.phase("save"):
             save_states(checkpoint, self.broadcast(str(filepath)), module=self.lightning_module,
                         optimizers=self.optimizers, stage=self.stage, offload=self.zero_config.offload,
-                        exclude_frozen_parameters=self.exclude_frozen_parameters,
-                        ds_config_report=self.ds_config.report() if self.ds_config is not None else None,
-                        async_save=self.async_save)
+                        exclude_frozen_parameters=self.exclude_frozen_parameters, async_save=self.async_save,
+                        **checkpoint_save_options(self.ds_config, self.precision_plugin.precision))
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
         with self.hang_guard.phase("load"):
