@@ -1,6 +1,6 @@
 """The Trainer's checkpoints under ZeroStrategy: Lightning's checkpoint dict in and out of the sharded format
-(:mod:`lightning_zero.checkpoint.states`), or from one full file (:mod:`lightning_zero.checkpoint.load_full`), and
-the callback settings whose checkpoints could not be resumed from.
+(:mod:`lightning_zero.checkpoint.states`), or from one full file or a DeepSpeed ZeRO checkpoint directory
+(:mod:`lightning_zero.checkpoint.load_full`), and the callback settings whose checkpoints could not be resumed from.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ import torch
 from lightning.fabric import __version__ as lightning_version
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
+from lightning_zero.checkpoint.deepspeed_reader import is_deepspeed_checkpoint
+from lightning_zero.checkpoint.deepspeed_resume import LOSS_SCALER_KEY
 from lightning_zero.checkpoint.directory import checkpoint_directory
 from lightning_zero.checkpoint.io import wait_for_pending_saves
 from lightning_zero.checkpoint.load_full import is_full_checkpoint, load_full_checkpoint
@@ -46,7 +48,7 @@ def optimizers_to_restore(trainer: Any, optimizers: list) -> list:
 
 
 def load(filepath: str, module: torch.nn.Module, optimizers: list, *, load_full_weights: bool,
-         exclude_frozen_parameters: bool) -> dict[str, Any]:
+         exclude_frozen_parameters: bool, precision_key: str) -> dict[str, Any]:
     """Load a checkpoint into the LightningModule ``module`` and ``optimizers`` (:func:`optimizers_to_restore`);
     return the rest of it for Lightning, with ``state_dict`` holding the loaded (sharded) weights: Lightning hands
     this dict to every ``on_load_checkpoint`` hook (callbacks such as ``WeightAveraging`` read the weights from it),
@@ -54,15 +56,20 @@ def load(filepath: str, module: torch.nn.Module, optimizers: list, *, load_full_
 
     A sharded directory is loaded in place (:func:`~lightning_zero.checkpoint.states.load_states`); a single file (a
     DDP ``.ckpt``, a consolidated file, ``.safetensors``) by
-    :func:`~lightning_zero.checkpoint.load_full.load_full_checkpoint`, each rank reading its slices only.
+    :func:`~lightning_zero.checkpoint.load_full.load_full_checkpoint`, each rank reading its slices only, and so is a
+    DeepSpeed ZeRO checkpoint directory (``DeepSpeedStrategy``'s), whose fp16 loss-scaler state goes to the
+    precision plugin, stored under ``precision_key`` (its class's ``__qualname__``, where Lightning looks).
     ``LightningModule.strict_loading = False`` accepts missing and unexpected keys (never shape mismatches). With
     optimizers (resuming a fit), their number and types must match the checkpoint's. Errors are
     :class:`~lightning_zero.checkpoint.errors.CheckpointError` naming the file or the keys.
     """
     wait_for_pending_saves(barrier=False)
-    if is_full_checkpoint(filepath, load_full_weights):
-        return load_full(filepath, module, optimizers, load_full_weights=load_full_weights,
-                          exclude_frozen_parameters=exclude_frozen_parameters)
+    if is_full_checkpoint(filepath, load_full_weights) or is_deepspeed_checkpoint(filepath):
+        rest = load_full(filepath, module, optimizers, load_full_weights=load_full_weights,
+                         exclude_frozen_parameters=exclude_frozen_parameters)
+        if (scaler := rest.pop(LOSS_SCALER_KEY, None)) is not None:
+            rest.setdefault(precision_key, {})["loss_scaler"] = scaler
+        return rest
     directory = checkpoint_directory(filepath)
     meta = load_meta(directory)  # weights_only; raises a clear error if not a checkpoint
     meta["state_dict"] = load_states(directory, meta, module, optimizers, strict=module.strict_loading)
