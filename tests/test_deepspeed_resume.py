@@ -8,6 +8,7 @@ first save and trains the second epoch; its weights must equal the second save's
 LR scheduler), as a Lightning user's DeepSpeed run does.
 """
 
+import contextlib
 import os
 
 import pytest
@@ -18,7 +19,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_zero import ZeroStrategy
 from lightning_zero.checkpoint.errors import CheckpointError
 from tests.distributed import run_distributed
-from tests.lightning_models import RegressionModule, full_state
+from tests.lightning_models import RegressionModule, dataset, full_state, make_optimizer_and_scheduler
 
 deepspeed = pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install -e '.[bench]')")
 
@@ -223,6 +224,73 @@ def _elastic_worker(rank, world_size, path, weights0):
 def test_an_elastic_deepspeed_checkpoint_loads_with_a_warning_about_its_missing_hyperparameters(deepspeed_runs):
     path, weights0, _ = deepspeed_runs("elastic")
     run_distributed(_elastic_worker, 1, path, weights0)
+
+
+class NoSchedulerModule(RegressionModule):
+    def configure_optimizers(self):
+        return make_optimizer_and_scheduler(self.named_parameters())[0]
+
+
+def _engine_worker(rank, world_size, root):
+    """DeepSpeedEngine.save_checkpoint outside Lightning (no client state), after the two batches Lightning's first
+    epoch starts with; then those two again, as a resumed run with fresh loops sees them: the reference."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    torch.manual_seed(0)
+    module = NoSchedulerModule()
+    config = {"train_micro_batch_size_per_gpu": BATCH, "zero_optimization": {"stage": 2},
+              "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0}  # unset, ZeRO clips at 1.0
+    engine, *_ = deepspeed.initialize(model=module, optimizer=module.configure_optimizers(), config=config)
+    sampler = DistributedSampler(dataset(), num_replicas=world_size, rank=rank, shuffle=True, seed=0)
+    batches = list(DataLoader(dataset(), batch_size=BATCH, sampler=sampler))[:STEPS_PER_EPOCH]
+    for step, (x, y) in enumerate(batches + batches):
+        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+        engine.step()
+        if step == STEPS_PER_EPOCH - 1:
+            engine.save_checkpoint(os.path.join(root, "engine"), tag="mid")
+    engine.save_checkpoint(os.path.join(root, "engine-end"), tag="end")
+
+
+def _engine_resume_worker(rank, world_size, root, expected_path):
+    torch.manual_seed(123)
+    module = NoSchedulerModule(batch_size=BATCH)
+    trainer = _trainer(ZeroStrategy(stage=3), world_size, root, enable_checkpointing=False, max_epochs=1)
+    warned = pytest.warns(UserWarning, match="holds no Lightning training state .* start fresh")
+    with warned if rank == 0 else contextlib.nullcontext():  # Lightning warns on rank 0
+        trainer.fit(module, ckpt_path=os.path.join(root, "engine"))
+    assert trainer.global_step == STEPS_PER_EPOCH  # the loops started fresh
+    worst = _worst(module, expected_path)
+    assert worst <= 1e-6, f"max abs diff {worst:.2e} from DeepSpeed"
+
+
+def test_a_checkpoint_of_a_deepspeed_engine_outside_lightning_resumes_with_fresh_loops(tmp_path):
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    root = str(tmp_path)
+    run_distributed(_engine_worker, DS_WORLD, root)
+    expected = os.path.join(root, "expected.pt")
+    torch.save(get_fp32_state_dict_from_zero_checkpoint(os.path.join(root, "engine-end")), expected)
+    run_distributed(_engine_resume_worker, DS_WORLD, root, expected)
+
+
+@pytest.mark.parametrize("edit,message", [
+    ({"mp_world_size": 2}, "model \\(tensor\\) parallelism, mp_world_size=2"),
+    ({"checkpoint_parallel_dimensions": {"pp_degree": 2}}, "pipeline parallelism \\(pp_degree=2\\)"),
+], ids=["tensor-parallel", "pipeline-parallel"])
+def test_a_deepspeed_checkpoint_of_another_parallelism_is_refused_by_name(deepspeed_runs, monkeypatch, edit, message):
+    from lightning_zero.checkpoint import deepspeed_reader
+
+    path = deepspeed_runs(2)[0]
+    load = deepspeed_reader._load
+
+    def edited(where):
+        loaded = load(where)
+        return {**loaded, **edit} if where.endswith("mp_rank_00_model_states.pt") else loaded
+
+    monkeypatch.setattr(deepspeed_reader, "_load", edited)
+    with pytest.raises(ValueError, match=message):
+        deepspeed_reader.DeepSpeedFiles(path)
 
 
 def test_the_fp16_loss_scaler_state_is_carried_over(deepspeed_runs, monkeypatch):

@@ -64,12 +64,12 @@ def load(filepath: str, module: torch.nn.Module, optimizers: list, *, load_full_
     :class:`~lightning_zero.checkpoint.errors.CheckpointError` naming the file or the keys.
     """
     wait_for_pending_saves(barrier=False)
-    if is_full_checkpoint(filepath, load_full_weights) or is_deepspeed_checkpoint(filepath):
-        rest = load_full(filepath, module, optimizers, load_full_weights=load_full_weights,
+    if is_full_checkpoint(filepath, load_full_weights):
+        return load_full(filepath, module, optimizers, load_full_weights=load_full_weights,
                          exclude_frozen_parameters=exclude_frozen_parameters)
-        if (scaler := rest.pop(LOSS_SCALER_KEY, None)) is not None:
-            rest.setdefault(precision_key, {})["loss_scaler"] = scaler
-        return rest
+    if is_deepspeed_checkpoint(filepath):
+        return load_deepspeed(filepath, module, optimizers, exclude_frozen_parameters=exclude_frozen_parameters,
+                              precision_key=precision_key)
     directory = checkpoint_directory(filepath)
     meta = load_meta(directory)  # weights_only; raises a clear error if not a checkpoint
     meta["state_dict"] = load_states(directory, meta, module, optimizers, strict=module.strict_loading)
@@ -88,4 +88,21 @@ def load_full(path: str, module: torch.nn.Module, optimizers: list, *, load_full
                        "schedulers start fresh from its weights (as DeepSpeed's load_full_weights)")
         rest["lr_schedulers"] = []  # none to restore: Lightning would otherwise refuse the missing key
     rest.setdefault("pytorch-lightning_version", lightning_version)  # a weights-only file has none to migrate
+    return rest
+
+
+def load_deepspeed(path: str, module: torch.nn.Module, optimizers: list, *, exclude_frozen_parameters: bool,
+                   precision_key: str) -> dict[str, Any]:
+    """A DeepSpeed ZeRO checkpoint directory: as a full file, its client state for Lightning. One that
+    ``DeepSpeedEngine.save_checkpoint`` wrote outside Lightning holds no loops or LR schedulers: those start fresh
+    (Lightning would otherwise refuse it as a weights-only checkpoint), with a warning."""
+    rest = load_full(path, module, optimizers, load_full_weights=False,
+                     exclude_frozen_parameters=exclude_frozen_parameters)
+    if (scaler := rest.pop(LOSS_SCALER_KEY, None)) is not None:
+        rest.setdefault(precision_key, {})["loss_scaler"] = scaler
+    if optimizers and "lr_schedulers" not in rest:
+        rank_zero_warn(f"{path} holds no Lightning training state (saved by DeepSpeedEngine.save_checkpoint, not by "
+                       "DeepSpeedStrategy): the weights and optimizer states are restored; loops, epoch, global step "
+                       "and LR schedulers start fresh")
+        rest["lr_schedulers"] = []
     return rest
