@@ -460,3 +460,37 @@ def _validate_after_fit_worker(rank, world_size, root):
 
 def test_validate_after_fit_loads_weights_only(tmp_path):
     run_distributed(_validate_after_fit_worker, 2, str(tmp_path))
+
+
+def test_states_read_by_range_and_a_step_counted_in_a_plain_number_load():
+    """An optimizer state may be a RangeTensor (read a range at a time: a DeepSpeed checkpoint's flat buffers), and
+    a saved tensor step goes into an optimizer that counts in a plain number as that number."""
+    from lightning_zero.checkpoint.full_file import (
+        OptimizerTarget,
+        RangeTensor,
+        apply_full_optimizer_states,
+        check_full_optimizer_states,
+    )
+
+    flat, reads = torch.arange(20.0), []
+
+    def read(start, length):
+        reads.append((start, length))
+        return flat[4 + start:4 + start + length]  # the parameter lies 4 elements into a flat buffer
+
+    lazy = RangeTensor((3, 2), torch.float32, read)
+    assert torch.equal(lazy.rect((1, 1), (2, 1)), flat[4:10].reshape(3, 2)[1:3, 1:2]) and reads == [(2, 4)]
+    param = nn.Parameter(torch.zeros(3, 2))
+    optimizer = torch.optim.SGD([param], lr=0.1, momentum=0.9)
+    optimizer.state[param] = {"momentum_buffer": torch.zeros(3, 2), "count": 0}
+    source = SimpleNamespace(path="ds", optimizer_states=[{
+        "state": {"w": {"momentum_buffer": lazy, "count": torch.tensor(5.0)}},
+        "param_groups": [{"lr": 0.5, "params": ["w"]}]}])
+    with pytest.raises(CheckpointError, match="has shape \\[3, 2\\], the parameter \\[6\\]"):
+        other = nn.Parameter(torch.zeros(6))
+        check_full_optimizer_states([OptimizerTarget(optimizer, [[other]], [["w"]], lambda p: p)], source)
+    target = OptimizerTarget(optimizer, [[param]], [["w"]], lambda p: p)
+    apply_full_optimizer_states(check_full_optimizer_states([target], source))
+    assert torch.equal(optimizer.state[param]["momentum_buffer"], flat[4:10].reshape(3, 2))
+    assert optimizer.state[param]["count"] == 5 and type(optimizer.state[param]["count"]) is int
+    assert optimizer.param_groups[0]["lr"] == 0.5

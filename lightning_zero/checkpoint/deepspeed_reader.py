@@ -6,15 +6,22 @@ Layout of ``DIR`` as written by ``DeepSpeedEngine.save_checkpoint(DIR, tag)`` (a
 * ``DIR/latest`` holds the tag; ``DIR/<tag>/`` the files. ``path`` may be ``DIR`` or ``DIR/<tag>``.
 * model states: ``mp_rank_00_model_states.pt`` (stages 1-2) or ``zero_pp_rank_<r>_mp_rank_00_model_states.pt``
   (stage 3): ``module`` (the module's state dict; at stage 3 parameters are empty placeholders), ``buffer_names``,
-  ``param_shapes`` (one ordered ``{name: torch.Size}`` per optimizer param group), ``shared_params``
+  ``param_shapes`` (one ordered ``{name: torch.Size}`` per flat group, see below), ``shared_params``
   (``{alias: source}``), ``frozen_param_shapes``/``frozen_param_fragments`` and the client state (for checkpoints
   written by Lightning: ``epoch``, ``global_step``, ``hyper_parameters``, ...).
 * ``*zero_pp_rank_<r>_mp_rank_00_optim_states.pt``: ``optimizer_state_dict`` with ``zero_stage``,
   ``partition_count`` and the fp32 master weights of rank ``r``:
   - stages 1-2, ``single_partition_of_fp32_groups[g]``: rank r's contiguous slice of group g's flat buffer (all
     parameters of g back to back, optionally separated by ``param_alignment_paddings[g]``, padded at the end);
-  - stage 3, ``fp32_flat_groups[g]``: for every parameter of g in order, rank r's ``ceil(numel / world)``
-    elements of it (the last rank's piece zero-padded).
+  - stage 3, ``fp32_flat_groups[s]`` per sub-group ``s`` (a param group cut into pieces of at most
+    ``sub_group_size`` elements; ``param_shapes`` then holds one entry per sub-group): for every parameter of s in
+    order, rank r's ``ceil(numel / world)`` elements of it (the last rank's piece zero-padded).
+
+  The optimizer's own state follows the same layout: the wrapped torch optimizer steps one flat tensor per flat
+  group, so its ``exp_avg``/``exp_avg_sq`` are flat pieces like the masters (``base_optimizer_state`` at stages 1-2,
+  with the group's end padding; ``optimizer_state_dict`` at stage 3). :class:`DeepSpeedFiles` records where each
+  parameter lies (:class:`Slot`), for the masters here and for those states in
+  :mod:`lightning_zero.checkpoint.deepspeed_resume`.
 
 DeepSpeed pickles a few of its own classes into these files (``LossScaler``/``DynamicLossScaler``,
 ``ZeroStageEnum``, ``fragment_address``). We load with ``torch.load(weights_only=True, mmap=True)`` and allow-list
@@ -31,6 +38,7 @@ import math
 import os
 import re
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -131,8 +139,43 @@ def _slice_of(pieces: List[torch.Tensor], start: int, length: int) -> torch.Tens
     return out
 
 
-class DeepSpeedTensorSource:
-    """Full fp32 weights of a DeepSpeed ZeRO checkpoint, one tensor at a time (same interface as DCPTensorSource)."""
+@dataclass(frozen=True)
+class Slot:
+    """Where one parameter lies in the ranks' 1-D pieces of its flat group (``group``).
+
+    Stages 1-2 (``part == 0``): the pieces concatenated in rank order are the group's flat buffer, and the parameter
+    is ``offset`` elements into it. Stage 3: every rank holds ``part = ceil(numel / world)`` elements of it at
+    ``offset`` in its own piece, rank ``r`` the elements ``[r * part, (r + 1) * part)`` (the last rank's zero-padded).
+    """
+
+    group: int
+    offset: int
+    part: int = 0
+
+    def read(self, pieces: List[torch.Tensor], start: int, length: int) -> torch.Tensor:
+        """Elements ``[start, start + length)`` of the flattened parameter, copied out of ``pieces`` (one per rank;
+        memory-mapped, so only the pages of that range are read)."""
+        if not self.part:
+            return _slice_of(pieces, self.offset + start, length)
+        out = torch.empty(length, dtype=pieces[0].dtype)
+        position, end = start, start + length
+        while position < end:
+            rank, within = divmod(position, self.part)
+            take = min(self.part - within, end - position)
+            out[position - start:position - start + take].copy_(
+                pieces[rank][self.offset + within:self.offset + within + take])
+            position += take
+        return out
+
+
+class DeepSpeedFiles:
+    """The files of one DeepSpeed ZeRO checkpoint, memory-mapped, and where each trainable parameter lies in them.
+
+    ``stage``, ``world_size``; ``model_states`` (one per rank at stage 3, else one); ``optimizer``: each rank's
+    ``optimizer_state_dict``; ``fp32``: ``[rank][flat group]`` master pieces; ``slots``: ``{name: Slot}`` for every
+    trainable parameter, in DeepSpeed's order. A flat group is a param group at stages 1-2 and a sub-group (of at
+    most ``sub_group_size`` elements) at stage 3. Names are the engine module's (see ``public_name``).
+    """
 
     def __init__(self, path: PathLike) -> None:
         directory = resolve_deepspeed_dir(path)
@@ -140,8 +183,8 @@ class DeepSpeedTensorSource:
             raise FileNotFoundError(f"{path} is not a DeepSpeed checkpoint (no latest tag / *_optim_states.pt)")
         self.path = directory
         optim_files = sorted(glob.glob(os.path.join(directory, "*_optim_states.pt")), key=_natural_key)
-        optim = [_load(f)["optimizer_state_dict"] for f in optim_files]
-        first = optim[0]
+        self.optimizer = [_load(f)["optimizer_state_dict"] for f in optim_files]
+        first = self.optimizer[0]
         if "zero_stage" not in first:
             raise ValueError(f"{optim_files[0]} is not a ZeRO optimizer state file (no zero_stage)")
         self.stage = int(first["zero_stage"])
@@ -159,9 +202,85 @@ class DeepSpeedTensorSource:
             groups_key = "single_partition_of_fp32_groups"
         else:
             raise ValueError(f"{directory}: unsupported ZeRO stage {self.stage} (stages 1-3 are supported)")
-        self._model_states = [_load(f) for f in model_files]
-        model = self._model_states[0]
-        self._flat = [list(state[groups_key]) for state in optim]  # [rank][group] 1-D fp32, memory-mapped
+        self.model_states = [_load(f) for f in model_files]
+        self._refuse_other_parallelism()
+        self.fp32 = [[g.reshape(-1) for g in state[groups_key]] for state in self.optimizer]  # [rank][group]
+        self.slots: Dict[str, Slot] = {}
+        self.shapes: Dict[str, Tuple[int, ...]] = {}
+        if self.stage == 3:
+            self._lay_out_stage3()
+        else:
+            self._lay_out_stages12()
+
+    def _refuse_other_parallelism(self) -> None:
+        """Only data parallelism is read: a tensor- or pipeline-parallel checkpoint, or ZeRO-3 sub-groups
+        partitioned over other process groups (expert parallelism), would be silently misread."""
+        model = self.model_states[0]
+        if int(model.get("mp_world_size") or 1) != 1:
+            raise ValueError(f"{self.path}: written with model (tensor) parallelism, mp_world_size="
+                             f"{model['mp_world_size']}; only data-parallel ZeRO checkpoints are read")
+        pipeline = (model.get("checkpoint_parallel_dimensions") or {}).get("pp_degree", 1)
+        if int(pipeline or 1) != 1:
+            raise ValueError(f"{self.path}: written with pipeline parallelism (pp_degree={pipeline}); only "
+                             "data-parallel ZeRO checkpoints are read")
+        if self.optimizer[0].get("ds_zero_partition_groups") is not None:
+            raise ValueError(f"{self.path}: ZeRO-3 sub-groups partitioned over other process groups (expert "
+                             "parallelism); only data-parallel ZeRO checkpoints are read")
+
+    def _lay_out_stages12(self) -> None:
+        paddings = self.optimizer[0].get("param_alignment_paddings")
+        for group, shapes in enumerate(self.model_states[0]["param_shapes"]):
+            offset = 0
+            for index, (name, shape) in enumerate(shapes.items()):
+                self.slots[name], self.shapes[name] = Slot(group, offset), tuple(shape)
+                offset += math.prod(shape) + (paddings[group][index] if paddings is not None else 0)
+            available = sum(ranks[group].numel() for ranks in self.fp32)
+            if offset > available:
+                raise ValueError(f"{self.path}: group {group} needs {offset} elements, the partitions hold {available}")
+
+    def _lay_out_stage3(self) -> None:
+        """Parameters fill the sub-groups in order, each taking ``ceil(numel / world)`` elements of every rank's
+        piece (``param_shapes`` holds one entry per sub-group; walked as one sequence so either layout reads)."""
+        sizes = [piece.numel() for piece in self.fp32[0]]
+        if any([piece.numel() for piece in ranks] != sizes for ranks in self.fp32):
+            raise ValueError(f"{self.path}: the ranks' fp32 partitions differ in size")
+        group, offset = 0, 0
+        for shapes in self.model_states[0]["param_shapes"]:
+            for name, shape in shapes.items():
+                while group < len(sizes) and offset == sizes[group]:
+                    group, offset = group + 1, 0
+                part = math.ceil(math.prod(shape) / self.world_size)
+                if group == len(sizes) or offset + part > sizes[group]:
+                    raise ValueError(f"{self.path}: parameter {name} does not fit the fp32 partitions: "
+                                     "param_shapes and optimizer files disagree")
+                self.slots[name], self.shapes[name] = Slot(group, offset, part), tuple(shape)
+                offset += part
+        if group != len(sizes) - 1 or offset != sizes[group]:
+            raise ValueError(f"{self.path}: the parameters use {sum(sizes[:group]) + offset} elements per rank, the "
+                             f"files hold {sum(sizes)}: param_shapes and optimizer files disagree")
+
+    def pieces(self, per_rank: List[List[torch.Tensor]], group: int) -> List[torch.Tensor]:
+        """The ranks' pieces of flat group ``group`` of ``per_rank`` (``[rank][group]``, such as :attr:`fp32`)."""
+        return [groups[group] for groups in per_rank]
+
+    def client_state(self) -> Dict[str, Any]:
+        """What the saving script added to the model file (Lightning's loops, epoch, global_step, ...)."""
+        return OrderedDict((k, v) for k, v in self.model_states[0].items() if k not in _DEEPSPEED_MODEL_KEYS)
+
+
+def public_name(key: str) -> str:
+    """``key`` of the engine's module as the user's module names it (without Lightning's Fabric wrapper prefix)."""
+    return key[len(_LIGHTNING_WRAPPER_PREFIX):] if key.startswith(_LIGHTNING_WRAPPER_PREFIX) else key
+
+
+class DeepSpeedTensorSource:
+    """Full fp32 weights of a DeepSpeed ZeRO checkpoint, one tensor at a time (same interface as DCPTensorSource);
+    :meth:`read_range` reads any range of one, flattened."""
+
+    def __init__(self, path: PathLike) -> None:
+        self.files = files = DeepSpeedFiles(path)
+        self.path, self.stage, self.world_size = files.path, files.stage, files.world_size
+        model = files.model_states[0]
         self._sources: Dict[str, Tuple[str, Any]] = {}
         entries: Dict[str, TensorEntry] = {}
         module = model.get("module") or {}
@@ -169,87 +288,50 @@ class DeepSpeedTensorSource:
             tensor = module[name]
             dtype = torch.float32 if tensor.is_floating_point() else tensor.dtype
             entries[name] = TensorEntry(name, dtype, tuple(tensor.shape))
-            self._sources[name] = ("buffer", tensor)
+            self._sources[name] = ("tensor", tensor)
         self._add_frozen(model, entries)
-        self._add_trainable(model, optim, entries)
+        for name, slot in files.slots.items():
+            entries[name] = TensorEntry(name, torch.float32, files.shapes[name])
+            self._sources[name] = ("slot", (slot, files.pieces(files.fp32, slot.group)))
         for alias, source in (model.get("shared_params") or {}).items():
             if source in entries:
                 entries[alias] = TensorEntry(alias, entries[source].dtype, entries[source].shape)
                 self._sources[alias] = ("alias", source)
         order = [k for k in module if k in entries] + [k for k in entries if k not in module]
-        self._renamed = {self._public(k): k for k in order}
-        self.entries = [TensorEntry(self._public(k), entries[k].dtype, entries[k].shape) for k in order]
-
-    @staticmethod
-    def _public(key: str) -> str:
-        return key[len(_LIGHTNING_WRAPPER_PREFIX):] if key.startswith(_LIGHTNING_WRAPPER_PREFIX) else key
+        self._renamed = {public_name(k): k for k in order}
+        self.entries = [TensorEntry(public_name(k), entries[k].dtype, entries[k].shape) for k in order]
+        self._extras = {public_name(k): v for k, v in module.items() if not isinstance(v, torch.Tensor)}
 
     def _add_frozen(self, model: dict, entries: Dict[str, TensorEntry]) -> None:
-        shapes = model.get("frozen_param_shapes") or {}
-        for name, shape in shapes.items():
+        for name, shape in (model.get("frozen_param_shapes") or {}).items():
             entries[name] = TensorEntry(name, torch.float32, tuple(shape))
-            if self.stage == 3:
-                pieces = [state["frozen_param_fragments"][name].reshape(-1) for state in self._model_states]
-                self._sources[name] = ("pieces", (pieces, 0))
+            if self.stage == 3:  # every rank holds its ceil(numel / world) elements, as for trainable ones
+                pieces = [state["frozen_param_fragments"][name].reshape(-1) for state in self.files.model_states]
+                self._sources[name] = ("slot", (Slot(0, 0, math.ceil(math.prod(shape) / self.world_size)), pieces))
             else:
-                self._sources[name] = ("buffer", model["frozen_param_fragments"][name])
+                self._sources[name] = ("tensor", model["frozen_param_fragments"][name])
 
-    def _add_trainable(self, model: dict, optim: List[dict], entries: Dict[str, TensorEntry]) -> None:
-        param_shapes = model["param_shapes"]
-        if self.stage == 3:
-            # Every rank's flat buffer is all its groups back to back; each parameter takes ceil(n / world) of it.
-            per_rank = [torch.cat([g.reshape(-1) for g in groups]) if len(groups) > 1 else groups[0].reshape(-1)
-                        for groups in self._flat]
-            offset = 0
-            for shapes in param_shapes:
-                for name, shape in shapes.items():
-                    numel = math.prod(shape)
-                    part = math.ceil(numel / self.world_size)
-                    entries[name] = TensorEntry(name, torch.float32, tuple(shape))
-                    self._sources[name] = ("zero3", (per_rank, offset, part))
-                    offset += part
-            if offset != per_rank[0].numel():
-                raise ValueError(f"{self.path}: parameters use {offset} elements per rank, file has "
-                                 f"{per_rank[0].numel()}: param_shapes and optimizer files disagree")
-            return
-        paddings = optim[0].get("param_alignment_paddings")
-        for group, shapes in enumerate(param_shapes):
-            pieces = [self._flat[rank][group].reshape(-1) for rank in range(self.world_size)]
-            offset = 0
-            for index, (name, shape) in enumerate(shapes.items()):
-                entries[name] = TensorEntry(name, torch.float32, tuple(shape))
-                self._sources[name] = ("pieces", (pieces, offset))
-                offset += math.prod(shape)
-                if paddings is not None:
-                    offset += paddings[group][index]
-            available = sum(piece.numel() for piece in pieces)
-            if offset > available:
-                raise ValueError(f"{self.path}: group {group} needs {offset} elements, the partitions hold {available}")
+    def read_range(self, key: str, start: int, length: int) -> torch.Tensor:
+        """Elements ``[start, start + length)`` of tensor ``key`` (a public name) flattened, in its stored dtype."""
+        kind, data = self._sources[self._renamed[key]]
+        while kind == "alias":
+            kind, data = self._sources[data]
+        if kind == "tensor":
+            return data.reshape(-1)[start:start + length].clone()
+        slot, pieces = data
+        return slot.read(pieces, start, length)
 
     def load(self, entry: TensorEntry) -> torch.Tensor:
-        key = self._renamed[entry.key]
-        kind, data = self._sources[key]
-        if kind == "alias":
-            return self.load(TensorEntry(self._public(data), entry.dtype, entry.shape))
-        if kind == "buffer":
-            tensor = data.detach().clone()
-            return tensor.float() if tensor.is_floating_point() else tensor
-        numel = math.prod(entry.shape)
-        if kind == "pieces":
-            pieces, offset = data
-            return _slice_of(pieces, offset, numel).reshape(entry.shape).float()
-        per_rank, offset, part = data
-        out = torch.empty(self.world_size * part, dtype=per_rank[0].dtype)
-        for rank, flat in enumerate(per_rank):
-            out[rank * part:(rank + 1) * part].copy_(flat[offset:offset + part])
-        return out[:numel].reshape(entry.shape).float()
+        tensor = self.read_range(entry.key, 0, math.prod(entry.shape)).reshape(entry.shape)
+        return tensor.float() if tensor.is_floating_point() else tensor
 
     def extras(self) -> Dict[str, Any]:
-        return {}
+        return dict(self._extras)
 
     def meta(self) -> Dict[str, Any]:
         """Client state of the model file (Lightning's epoch, global_step, hyper_parameters, ... when present)."""
-        return OrderedDict((k, v) for k, v in self._model_states[0].items() if k not in _DEEPSPEED_MODEL_KEYS)
+        return self.files.client_state()
 
     def close(self) -> None:
-        self._flat, self._model_states = [], []
+        self.files = None
+        self._sources = {}

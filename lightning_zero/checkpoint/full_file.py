@@ -29,6 +29,7 @@ wrong parameters silently.
 from __future__ import annotations
 
 import copy
+import math
 import os
 import warnings
 from dataclasses import dataclass
@@ -74,6 +75,39 @@ def describe_full_checkpoint_file(path: PathLike) -> Optional[str]:
         return None
     return (f"{path}: not a checkpoint file (neither a torch.save file nor safetensors); pass a Lightning .ckpt, "
             "a consolidated file, a .safetensors file or a lightning-zero sharded checkpoint directory")
+
+
+class RangeTensor:
+    """A checkpoint tensor read one range at a time, never whole: ``shape``, ``dtype`` and ``read_flat(start,
+    length)``, the elements ``[start, start + length)`` of the tensor flattened. A DeepSpeed checkpoint's weights
+    and optimizer states are these: each parameter's part of flat buffers partitioned over the saving ranks
+    (:mod:`lightning_zero.checkpoint.deepspeed_resume`)."""
+
+    def __init__(self, shape: Sequence[int], dtype: torch.dtype, read_flat: Callable[[int, int], Tensor]) -> None:
+        self.shape, self.dtype, self.read_flat = tuple(shape), dtype, read_flat
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def rect(self, offsets: Sequence[int], sizes: Sequence[int]) -> Tensor:
+        """``tensor[offsets : offsets + sizes]`` per dimension: the rows of the range are one flat range (every
+        layout here cuts dimension 0 only), the other dimensions are cut from them."""
+        if not self.shape:
+            return self.read_flat(0, 1).reshape(())
+        row = math.prod(self.shape[1:])
+        rows = self.read_flat(offsets[0] * row, sizes[0] * row).reshape(sizes[0], *self.shape[1:])
+        return rows[(slice(None),) + tuple(slice(o, o + n) for o, n in zip(offsets[1:], sizes[1:]))]
+
+
+def _is_array(value: Any) -> bool:
+    """A state value with the parameter's shape (``exp_avg``), as opposed to a scalar (``step``)."""
+    return isinstance(value, RangeTensor) or (isinstance(value, Tensor) and value.dim() > 0)
+
+
+def _rect(value: Union[Tensor, RangeTensor], offsets: Sequence[int], sizes: Sequence[int]) -> Tensor:
+    if isinstance(value, RangeTensor):
+        return value.rect(offsets, sizes)
+    return value[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))]
 
 
 class FullCheckpoint:
@@ -277,7 +311,7 @@ def check_full_optimizer_states(targets: List[OptimizerTarget], source: FullChec
                 if not isinstance(values, dict):
                     raise CheckpointError(f"{where}: the state of {name!r} is not a dict", source.path)
                 for key, value in values.items():
-                    if isinstance(value, Tensor) and value.dim() > 0 and tuple(value.shape) != tuple(param.shape):
+                    if _is_array(value) and tuple(value.shape) != tuple(param.shape):
                         raise CheckpointError(f"{where}: state {key!r} of {name!r} has shape {list(value.shape)}, "
                                               f"the parameter {list(param.shape)}", source.path)
                 own = target.optimizer.state.get(held) if held is not None else None
@@ -305,14 +339,15 @@ def apply_full_optimizer_states(plans: List[list]) -> None:
             own = optimizer.state.setdefault(held, {})
             for key, value in values.items():
                 mine = own.get(key)
-                if mine is None and isinstance(value, Tensor) and value.dim() > 0:
-                    mine = own[key] = torch.empty_like(held, dtype=value.dtype)  # the parameter's layout
-                if isinstance(value, Tensor) and isinstance(mine, Tensor) and value.dim() > 0:
-                    copy_into(mine, lambda offsets, sizes, value=value: value[tuple(
-                        slice(o, o + s) for o, s in zip(offsets, sizes))])
+                if _is_array(value):
+                    if not isinstance(mine, Tensor):
+                        mine = own[key] = torch.empty_like(held, dtype=value.dtype)  # the parameter's layout
+                    copy_into(mine, lambda offsets, sizes, value=value: _rect(value, offsets, sizes))
                 elif isinstance(value, Tensor) and isinstance(mine, Tensor):
                     with torch.no_grad():
                         mine.copy_(value)  # a scalar such as Adam's step, kept on the device the optimizer chose
+                elif isinstance(value, Tensor) and type(mine) in (int, float):
+                    own[key] = type(mine)(value.item())  # an optimizer that counts its steps in a plain number
                 else:
                     own[key] = value.clone() if isinstance(value, Tensor) else copy.deepcopy(value)
         for group, saved_group in zip(optimizer.param_groups, saved_groups):

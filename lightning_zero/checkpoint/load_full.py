@@ -5,6 +5,9 @@ Which path is a full checkpoint: a file; with ``ZeroStrategy(load_full_weights=T
 be one, and a directory is refused naming the flag. A file inside a sharded checkpoint directory is refused naming
 the directory to pass instead.
 
+A DeepSpeed ZeRO checkpoint directory is loaded the same way, read by
+:class:`~lightning_zero.checkpoint.deepspeed_resume.DeepSpeedCheckpoint` (its client state is the rest).
+
 What comes back is the rest of the file: for Lightning, what ``DDPStrategy`` would hand it (loops, callbacks, LR
 schedulers and hyper-parameters; the Trainer adapter adds ``state_dict``, the loaded sharded weights, for
 ``on_load_checkpoint`` hooks).
@@ -13,12 +16,14 @@ schedulers and hyper-parameters; the Trainer adapter adds ``state_dict``, the lo
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from lightning_zero.checkpoint.atomic import local_path
+from lightning_zero.checkpoint.deepspeed_reader import is_deepspeed_checkpoint
+from lightning_zero.checkpoint.deepspeed_resume import DeepSpeedCheckpoint
 from lightning_zero.checkpoint.directory import is_sharded_checkpoint
 from lightning_zero.checkpoint.errors import CheckpointError
 from lightning_zero.checkpoint.full_file import (
@@ -59,6 +64,13 @@ def is_full_checkpoint(path: str, load_full_weights: bool) -> bool:
                               "single checkpoint file: pass the file, or load_full_weights=False to load a sharded "
                               "checkpoint directory", path)
     return os.path.isfile(path)
+
+
+def open_full_checkpoint(path: str) -> Union[FullCheckpoint, DeepSpeedCheckpoint]:
+    """The reader of ``path``: a DeepSpeed ZeRO checkpoint directory, or one file."""
+    if os.path.isdir(path) and is_deepspeed_checkpoint(path):
+        return DeepSpeedCheckpoint(path)
+    return FullCheckpoint(path)
 
 
 def optimizer_target(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> OptimizerTarget:
@@ -113,10 +125,10 @@ def load_full_checkpoint(path: str, module: torch.nn.Module, optimizers: list, *
     path = local_path(path)
     own = module_state_dict(module)
     elsewhere = {key for keys in _all_ranks(sorted(own)) for key in keys}  # pipeline stages hold parts of the model
-    source: Optional[FullCheckpoint] = None
+    source: Optional[Union[FullCheckpoint, DeepSpeedCheckpoint]] = None
     error, plans, rest = None, None, {}
     try:
-        source = FullCheckpoint(path)
+        source = open_full_checkpoint(path)
         rest = source.rest()
         # Weights a save left out (exclude_frozen_parameters), or frozen weights this strategy excludes, may be absent
         optional = set(rest.pop("frozen_parameters_excluded", ()))
@@ -131,7 +143,10 @@ def load_full_checkpoint(path: str, module: torch.nn.Module, optimizers: list, *
             for optimizer in optimizers:
                 if not optimizer.state:
                     initialise_optimizer_state(optimizer)
-            plans = check_full_optimizer_states([optimizer_target(module, o) for o in optimizers], source)
+            targets = [optimizer_target(module, o) for o in optimizers]
+            if isinstance(source, DeepSpeedCheckpoint):
+                source.align_to(targets)  # its states listed in these optimizers' groups, after checking them
+            plans = check_full_optimizer_states(targets, source)
         check_full_state_dict(own, source, strict=strict, optional=optional, elsewhere=elsewhere)
     except Exception as err:  # any failure (an unreadable file too) is shared, so that no rank waits alone
         error = err

@@ -11,6 +11,10 @@ Several modules in one state (a GAN's generator and discriminator) are stored as
 under ``<key>.<name>``. ``meta.pt`` records which state keys held the modules and the optimizers
 (``fabric_state_keys``), so a load puts each back into the object of the same key.
 
+``fabric.load`` also reads a directory that Fabric's ``DeepSpeedStrategy`` saved (one module, at most one
+optimizer, the rest as DeepSpeed's client state): :mod:`lightning_zero.checkpoint.deepspeed_resume`, through the
+full-checkpoint loader, each rank reading its slices at any stage and world size.
+
 [Note: async saves under Fabric]
 With ``async_save=True`` ``fabric.save`` returns once the state is staged to CPU; DCP writes on a background thread
 and rank 0 commits ``zero.json`` (atomic swap) in the background once every rank's shards are written. The write
@@ -32,9 +36,12 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_zero.checkpoint import states as checkpointing
+from lightning_zero.checkpoint.deepspeed_reader import is_deepspeed_checkpoint
+from lightning_zero.checkpoint.deepspeed_resume import LOSS_SCALER_KEY
 from lightning_zero.checkpoint.directory import checkpoint_directory
 from lightning_zero.checkpoint.errors import CheckpointError
 from lightning_zero.checkpoint.io import pending_save_paths, settle_pending_saves, wait_for_pending_saves
+from lightning_zero.checkpoint.load_full import load_full_checkpoint
 from lightning_zero.checkpoint.safe_load import load_meta
 
 KEYS = "fabric_state_keys"  # {"modules": [key, ...], "optimizers": [key, ...]} in meta.pt
@@ -122,7 +129,8 @@ def settle_saves_at_exit() -> None:
         print(f"lightning-zero: an async checkpoint save FAILED: {message}", file=sys.stderr, flush=True)
 
 
-def load(path: str, state: Optional[dict[str, Any]], strict: bool, *, precision, async_save: bool) -> dict[str, Any]:
+def load(path: str, state: Optional[dict[str, Any]], strict: bool, *, precision, async_save: bool,
+         exclude_frozen_parameters: bool) -> dict[str, Any]:
     """Load the checkpoint at ``path`` into the objects of ``state`` in place (and the fp16 loss scaler into the
     strategy's ``precision`` plugin); return what was not loaded. ``async_save``: saves may still be pending.
 
@@ -134,6 +142,9 @@ def load(path: str, state: Optional[dict[str, Any]], strict: bool, *, precision,
     # Collective with async_save (fabric.load runs on every rank): rank 0 commits an async save in the background,
     # so another rank must not read the path before that commit, or it would load the checkpoint the save replaces.
     wait_for_pending_saves(barrier=bool(async_save))
+    if is_deepspeed_checkpoint(path):
+        return _load_deepspeed(path, state, strict, precision=precision,
+                               exclude_frozen_parameters=exclude_frozen_parameters)
     directory = checkpoint_directory(path)
     meta = load_meta(directory)
     saved = meta.pop(KEYS, None)
@@ -156,16 +167,41 @@ def load(path: str, state: Optional[dict[str, Any]], strict: bool, *, precision,
         checkpointing.load_states(directory, meta, _module_view(state, module_keys), optimizers, strict=strict)
     if scaler_state is not None and precision.scaler is not None:
         precision.load_state_dict(scaler_state)
+    _restore_values(directory, state, meta, module_keys + optimizer_keys, strict)
+    return meta
+
+
+def _restore_values(where: str, state: dict[str, Any], saved: dict[str, Any], loaded: list[str], strict: bool) -> None:
+    """Put the saved values into ``state``'s other entries (stateful objects through ``load_state_dict``), popping
+    them from ``saved``; with ``strict``, one the checkpoint lacks is an error."""
     for key, target in state.items():
-        if key in module_keys or key in optimizer_keys:
+        if key in loaded:
             continue
-        if key not in meta:
+        if key not in saved:
             if strict:
-                raise KeyError(f"{key!r} is not in the checkpoint {directory} (it holds {sorted(meta)})")
+                raise KeyError(f"{key!r} is not in the checkpoint {where} (it holds {sorted(saved)})")
             continue
-        value = meta.pop(key)
+        value = saved.pop(key)
         if callable(getattr(target, "load_state_dict", None)):
             target.load_state_dict(value)
         else:
             state[key] = value
-    return meta
+
+
+def _load_deepspeed(path: str, state: dict[str, Any], strict: bool, *, precision,
+                    exclude_frozen_parameters: bool) -> dict[str, Any]:
+    """A directory that Fabric's ``DeepSpeedStrategy`` saved: its one engine's weights and optimizer states into the
+    state's one module and optimizer, its client state into the other entries."""
+    module_keys, optimizer_keys = _split(state)
+    if len(module_keys) != 1 or len(optimizer_keys) > 1:
+        raise ValueError(f"{path} is a DeepSpeed checkpoint, which holds one module and at most one optimizer: pass "
+                         f"exactly those (the state holds the modules {module_keys} and optimizers {optimizer_keys})")
+    rest, _ = load_full_checkpoint(path, _unwrap(state[module_keys[0]]), [state[key] for key in optimizer_keys],
+                                   strict=strict, exclude_frozen_parameters=exclude_frozen_parameters,
+                                   load_full_weights=False)
+    rest.pop("state_dict")
+    scaler_state = rest.pop(LOSS_SCALER_KEY, None)
+    if scaler_state is not None and precision.scaler is not None:
+        precision.load_state_dict({"loss_scaler": scaler_state})
+    _restore_values(path, state, rest, module_keys + optimizer_keys, strict)
+    return rest

@@ -382,7 +382,8 @@ class ZeroStrategy(ParallelStrategy):
                              "values only); weights_only=False is not honoured")
         with self.hang_guard.phase("load"):
             return fabric_checkpoints.load(self.broadcast(str(path)), state, strict, precision=self.precision,
-                                           async_save=self.async_save)
+                                           async_save=self.async_save,
+                                           exclude_frozen_parameters=self.exclude_frozen_parameters)
 
     def wait_for_checkpoints(self) -> None:
         """Wait for the pending ``async_save`` writes (collective: every rank calls it); every rank then sees the

@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 from lightning_zero.checkpoint.atomic import local_path
+from lightning_zero.checkpoint.deepspeed_reader import is_deepspeed_checkpoint
 from lightning_zero.checkpoint.directory import checkpoint_directory, is_sharded_checkpoint
 from lightning_zero.checkpoint.errors import CheckpointError
 from lightning_zero.checkpoint.full_file import describe_full_checkpoint_file
@@ -19,7 +20,8 @@ _SYMBOLIC_CKPT_PATHS = ("last", "best", "hpc", "registry")
 def check_ckpt_path(function: Any, args: tuple, kwargs: dict) -> None:
     """Refuse a ``ckpt_path`` given to ``fit/validate/test/predict`` that ZeroStrategy cannot load, before any rank
     starts: a URL, a file that is no checkpoint (neither a torch.save file nor safetensors), a path inside a sharded
-    checkpoint, an incomplete directory. A single checkpoint file is loaded (``checkpoint/load_full.py``).
+    checkpoint, an incomplete directory. A single checkpoint file and a DeepSpeed ZeRO checkpoint directory are loaded
+    (``checkpoint/load_full.py``).
     Lightning passes it to the launched function only (its signature is read, not assumed); symbolic names are
     resolved later."""
     try:
@@ -41,6 +43,8 @@ def check_ckpt_path(function: Any, args: tuple, kwargs: dict) -> None:
         problem = describe_full_checkpoint_file(local)
         if problem:
             raise CheckpointError(problem, local)
+        return
+    if is_deepspeed_checkpoint(local):
         return
     if os.path.exists(local) or os.path.exists(os.path.join(os.path.dirname(local), f".{os.path.basename(local)}.old")):
         checkpoint_directory(local)  # a CheckpointError naming what is wrong (a single file, an incomplete directory)

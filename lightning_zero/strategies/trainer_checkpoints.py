@@ -1,6 +1,6 @@
 """The Trainer's checkpoints under ZeroStrategy: Lightning's checkpoint dict in and out of the sharded format
-(:mod:`lightning_zero.checkpoint.states`), or from one full file (:mod:`lightning_zero.checkpoint.load_full`), and
-the callback settings whose checkpoints could not be resumed from.
+(:mod:`lightning_zero.checkpoint.states`), or from one full file or a DeepSpeed ZeRO checkpoint directory
+(:mod:`lightning_zero.checkpoint.load_full`), and the callback settings whose checkpoints could not be resumed from.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ import torch
 from lightning.fabric import __version__ as lightning_version
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
+from lightning_zero.checkpoint.deepspeed_reader import is_deepspeed_checkpoint
+from lightning_zero.checkpoint.deepspeed_resume import LOSS_SCALER_KEY
 from lightning_zero.checkpoint.directory import checkpoint_directory
 from lightning_zero.checkpoint.io import wait_for_pending_saves
 from lightning_zero.checkpoint.load_full import is_full_checkpoint, load_full_checkpoint
@@ -46,7 +48,7 @@ def optimizers_to_restore(trainer: Any, optimizers: list) -> list:
 
 
 def load(filepath: str, module: torch.nn.Module, optimizers: list, *, load_full_weights: bool,
-         exclude_frozen_parameters: bool) -> dict[str, Any]:
+         exclude_frozen_parameters: bool, precision_key: str) -> dict[str, Any]:
     """Load a checkpoint into the LightningModule ``module`` and ``optimizers`` (:func:`optimizers_to_restore`);
     return the rest of it for Lightning, with ``state_dict`` holding the loaded (sharded) weights: Lightning hands
     this dict to every ``on_load_checkpoint`` hook (callbacks such as ``WeightAveraging`` read the weights from it),
@@ -54,7 +56,9 @@ def load(filepath: str, module: torch.nn.Module, optimizers: list, *, load_full_
 
     A sharded directory is loaded in place (:func:`~lightning_zero.checkpoint.states.load_states`); a single file (a
     DDP ``.ckpt``, a consolidated file, ``.safetensors``) by
-    :func:`~lightning_zero.checkpoint.load_full.load_full_checkpoint`, each rank reading its slices only.
+    :func:`~lightning_zero.checkpoint.load_full.load_full_checkpoint`, each rank reading its slices only, and so is a
+    DeepSpeed ZeRO checkpoint directory (``DeepSpeedStrategy``'s), whose fp16 loss-scaler state goes to the
+    precision plugin, stored under ``precision_key`` (its class's ``__qualname__``, where Lightning looks).
     ``LightningModule.strict_loading = False`` accepts missing and unexpected keys (never shape mismatches). With
     optimizers (resuming a fit), their number and types must match the checkpoint's. Errors are
     :class:`~lightning_zero.checkpoint.errors.CheckpointError` naming the file or the keys.
@@ -62,7 +66,10 @@ def load(filepath: str, module: torch.nn.Module, optimizers: list, *, load_full_
     wait_for_pending_saves(barrier=False)
     if is_full_checkpoint(filepath, load_full_weights):
         return load_full(filepath, module, optimizers, load_full_weights=load_full_weights,
-                          exclude_frozen_parameters=exclude_frozen_parameters)
+                         exclude_frozen_parameters=exclude_frozen_parameters)
+    if is_deepspeed_checkpoint(filepath):
+        return load_deepspeed(filepath, module, optimizers, exclude_frozen_parameters=exclude_frozen_parameters,
+                              precision_key=precision_key)
     directory = checkpoint_directory(filepath)
     meta = load_meta(directory)  # weights_only; raises a clear error if not a checkpoint
     meta["state_dict"] = load_states(directory, meta, module, optimizers, strict=module.strict_loading)
@@ -81,4 +88,21 @@ def load_full(path: str, module: torch.nn.Module, optimizers: list, *, load_full
                        "schedulers start fresh from its weights (as DeepSpeed's load_full_weights)")
         rest["lr_schedulers"] = []  # none to restore: Lightning would otherwise refuse the missing key
     rest.setdefault("pytorch-lightning_version", lightning_version)  # a weights-only file has none to migrate
+    return rest
+
+
+def load_deepspeed(path: str, module: torch.nn.Module, optimizers: list, *, exclude_frozen_parameters: bool,
+                   precision_key: str) -> dict[str, Any]:
+    """A DeepSpeed ZeRO checkpoint directory: as a full file, its client state for Lightning. One that
+    ``DeepSpeedEngine.save_checkpoint`` wrote outside Lightning holds no loops or LR schedulers: those start fresh
+    (Lightning would otherwise refuse it as a weights-only checkpoint), with a warning."""
+    rest = load_full(path, module, optimizers, load_full_weights=False,
+                     exclude_frozen_parameters=exclude_frozen_parameters)
+    if (scaler := rest.pop(LOSS_SCALER_KEY, None)) is not None:
+        rest.setdefault(precision_key, {})["loss_scaler"] = scaler
+    if optimizers and "lr_schedulers" not in rest:
+        rank_zero_warn(f"{path} holds no Lightning training state (saved by DeepSpeedEngine.save_checkpoint, not by "
+                       "DeepSpeedStrategy): the weights and optimizer states are restored; loops, epoch, global step "
+                       "and LR schedulers start fresh")
+        rest["lr_schedulers"] = []
     return rest

@@ -528,7 +528,8 @@ class ZeroStrategy(ParallelStrategy):
             return trainer_checkpoints.load(
                 self.broadcast(str(checkpoint_path)), module,
                 trainer_checkpoints.optimizers_to_restore(self._trainer(), self.optimizers),
-                load_full_weights=self.load_full_weights, exclude_frozen_parameters=self.exclude_frozen_parameters)
+                load_full_weights=self.load_full_weights, exclude_frozen_parameters=self.exclude_frozen_parameters,
+                precision_key=type(self.precision_plugin).__qualname__)
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
         pass  # load_checkpoint already loaded the (sharded) weights in place
