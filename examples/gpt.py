@@ -5,8 +5,9 @@
     torchrun --nproc-per-node 8 examples/gpt.py --accelerator gpu --devices 8 --n-layer 24 --n-embd 1024
 
 The data is a character-level corpus made of module docstrings that ship with Python, so nothing is downloaded.
-The model is built in ``configure_model``: at stages 2-3 it is created on the meta device and each rank
-materialises only its own shards, so it may be larger than one process's memory.
+The model is built in ``configure_model``: at stages 2-3 its construction is recorded, not run, and setup replays
+it one FSDP unit at a time before sharding, so each rank keeps only its own shards and the model may be larger than
+one process's memory.
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ class GPTModule(LightningModule):
         self.model = None
 
     def configure_model(self):
-        if self.model is None:  # under ZeroStrategy stages 2-3 this runs on the meta device
+        if self.model is None:  # under ZeroStrategy stages 2-3 this is recorded, replayed per unit at setup
             h = self.hparams
             self.model = GPT(h.vocab_size, h.block_size, h.n_layer, h.n_head, h.n_embd)
 

@@ -191,15 +191,22 @@ def test_lr_find_then_fit_on_the_same_trainer():
     run_distributed(_lr_find_then_fit_worker, WORLD)
 
 
+class _NoReset(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(4, 4))
+
+
 class _LeftOnMeta(RegressionModule):
     def configure_model(self):
-        with torch.device("meta"):
-            self.extra = nn.Linear(4, 4)
+        with torch.device("meta"):  # a meta model gets its values from reset_parameters(); this module has none
+            self.extra = _NoReset()
 
 
 def _meta_refusal_worker(rank, world_size):
     for stage in (0, 2, 3):
-        with pytest.raises(ValueError, match=rf"ZeRO stage {stage} got tensors on the meta device: extra.weight"):
+        with pytest.raises(ValueError, match=r"meta device in modules without a reset_parameters\(\) method: "
+                                             r"extra \(_NoReset\)"):
             make_trainer(stage, devices=world_size).fit(_LeftOnMeta())
 
 

@@ -43,6 +43,7 @@ from lightning_zero.distributed.config import ZeroConfig
 from lightning_zero.distributed.deferred_init import materialize_module
 from lightning_zero.distributed.exact_init import broadcast_module_states, refuse_meta_tensors
 from lightning_zero.distributed.hybrid import check_mesh_matches, data_parallel_group
+from lightning_zero.distributed.meta_init import init_meta_tensors
 from lightning_zero.distributed.units import plan_units, set_prefetch
 from lightning_zero.torch_compat import fsdp_param_groups
 
@@ -102,11 +103,13 @@ def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[
     Stages 0-1 return a ``DistributedDataParallel`` wrapper (stage 1's partitioning lives in the optimizer: see
     :func:`lightning_zero.distributed.optimizer.shard_optimizer`). Stages 2-3 shard ``module`` in place with FSDP2
     and return it. Every rank starts from rank 0's parameters and buffers (DDP broadcasts them; at stages 2-3 they
-    are broadcast before sharding). Tensors on the meta device are refused: build the model on real memory, e.g.
-    under :func:`lightning_zero.distributed.exact_init.exact_init` (see its note).
+    are broadcast before sharding). A model built under
+    :func:`lightning_zero.distributed.exact_init.exact_init` runs its own init; tensors on the meta device get theirs
+    from their modules' ``reset_parameters()`` (:mod:`.meta_init`), and a module without one is refused.
 
     Args:
-        module: the model, built on real memory (CPU or the compute device).
+        module: the model, built on real memory (CPU or the compute device), recorded (``exact_init``) or on the
+            meta device.
         mesh: a 1-D ``DeviceMesh`` over the data-parallel ranks, or with ``config.hybrid_shard_size`` the 2-D
             ``("replicate", "shard")`` mesh of :func:`lightning_zero.distributed.hybrid.data_parallel_mesh` (HSDP).
         config: the validated :class:`~lightning_zero.distributed.config.ZeroConfig`.
@@ -118,6 +121,7 @@ def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[
             (:mod:`.activation_checkpointing`); applied before DDP/``fully_shard``, parameter names unchanged.
     """
     device = device or _default_device(mesh)
+    init_meta_tensors(module)  # a meta-device build: reset_parameters(), recorded, replayed per unit below
     refuse_meta_tensors(module, config.stage)
     check_mesh_matches(mesh, config.hybrid_shard_size)
     if activation_checkpointing is not None:

@@ -466,6 +466,15 @@ class _Recorder(TorchDispatchMode):
                 env[ref.key] = storage
 
     # ------------------------------------------------------------------ sessions
+    def mark(self) -> int:
+        """A position in the log, for :meth:`written_since`."""
+        return len(self.entries)
+
+    def written_since(self, mark: int, tensor: "_Deferred") -> bool:
+        """Whether an op logged after ``mark`` wrote the memory of ``tensor`` (its storage, any part of it)."""
+        key = _key(tensor)
+        return any(key in entry.writes for entry in self.entries[mark:])
+
     def seal(self) -> None:
         """End of construction: tensors that are plain module attributes (torchmetrics states and defaults) get
         real values now; only parameters and buffers stay deferred until ``apply_zero`` shards them.
@@ -492,16 +501,16 @@ class _Recorder(TorchDispatchMode):
 
 
 @contextmanager
-def deferred_build(budget: Optional[int] = None) -> Generator[None, None, None]:
+def deferred_build(budget: Optional[int] = None) -> Generator["_Recorder", None, None]:
     """Record construction instead of running it on real memory (see the module Note).
 
     Every CPU tensor created inside is deferred (its value is defined by the log, no memory is allocated);
     :func:`materialize_module` (called by ``apply_zero``) gives a module real, exact values. ``budget`` bounds the
-    bytes the log may keep as real values (``None``: no bound).
+    bytes the log may keep as real values (``None``: no bound). Yields the recorder (its log).
     """
     recorder = _Recorder(budget)
     with recorder:
-        yield
+        yield recorder
     recorder.seal()
 
 

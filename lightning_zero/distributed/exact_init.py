@@ -5,16 +5,16 @@ For the same seed, the initial weights and buffers of a model must be bitwise id
 or without offload) and identical to building the model normally on CPU. That holds only if the model's own init
 code runs and consumes the RNG stream exactly as a plain CPU build does: Hugging Face's
 ``post_init``/``_init_weights``, torchmetrics' ``add_state`` defaults, custom code in ``__init__``, non-persistent
-buffers such as rotary ``inv_freq``. Building on the meta device and re-initialising the shards with
-``reset_parameters()`` cannot: modules without it (``LlamaRMSNorm``, metric states, buffers) keep uninitialised
-memory, modules with it get torch's default init instead of the model's, and each shard draws other numbers than
-the full tensor would.
+buffers such as rotary ``inv_freq``. Building on the meta device and re-initialising with ``reset_parameters()``
+cannot: modules without it (``LlamaRMSNorm``, metric states, buffers) keep uninitialised memory, modules with it get
+torch's default init instead of the model's. So the strategy never builds on the meta device itself; a model the
+user builds there (written for ``reset_parameters()``, as torchtitan's) is materialised that way by
+:mod:`.meta_init`.
 
 So, at every stage:
 
 1. :func:`exact_init` runs the build (Lightning's ``configure_model`` and ``Trainer.init_module`` both run under
-   it) with every tensor landing on CPU, whatever the default device. ``empty_init=True`` does not skip init code
-   here: a skipped init that a checkpoint fails to cover would train on garbage.
+   it) with every tensor landing on CPU, whatever the default device.
 
    * Stages 0-1 (``InitConfig.deferred=False``; DDP keeps full replicas anyway): on real memory. A guard counts the
      bytes of every parameter and buffer as it is registered and raises :class:`~.deferred_init.InitMemoryError`,
@@ -33,9 +33,35 @@ So, at every stage:
    torchmetrics states are not module buffers: they are plain attributes, made real when construction ends and,
    like DDP, left as each rank built them (their defaults are deterministic).
 
-A model that reaches ``apply_zero`` with tensors on the meta device is refused (:func:`refuse_meta_tensors`),
-naming them: there is no silent ``to_empty`` path. ``$LIGHTNING_ZERO_DEFERRED_INIT=0`` makes ``ZeroStrategy`` build
-on real memory at stages 2-3 too, for a model whose construction the recorder refuses (its error says which op).
+``$LIGHTNING_ZERO_DEFERRED_INIT=0`` makes ``ZeroStrategy`` build on real memory at stages 2-3 too, for a model whose
+construction the recorder refuses (its error says which op). A model built on the meta device is materialised by its
+modules' ``reset_parameters()`` (:mod:`.meta_init`), as Lightning's FSDP strategies do.
+
+[Note: empty_init and the script's own init]
+``empty_init=True`` (``fabric.init_module(empty_init=True)``, ``Trainer.init_module(empty_init=True)``) means what it
+means under Lightning's DDP strategy: the build skips the weight init of torch's layers, because the script
+initialises the weights itself (LitGPT's pretraining calls its own ``reset_parameters`` on every module after the
+build) or loads a checkpoint. :class:`_SkipTorchInit` skips exactly the calls Lightning's ``_EmptyInit`` skips (the
+``torch.nn.init`` functions that reach ``__torch_function__``: ``uniform_``, ``normal_``, ``constant_``,
+``kaiming_uniform_``, i.e. the init of ``nn.Linear``, ``nn.Embedding``, convolutions); everything else in the
+constructors runs as under DDP. ``empty_init=None``/``False`` runs the model's own init, as above. The tensors whose
+init was skipped hold uninitialised memory until the script writes them, exactly as under DDP.
+
+The invariant that makes the weights after the script's init bitwise those of a DDP run with the same seed (on a
+CPU-built model; DDP on a GPU builds on the GPU and draws from the CUDA generator, which ZeRO never does):
+
+* the build consumes the CPU random stream exactly as DDP's build does (both skip the same calls, and the recorder
+  advances the generator of every random op it logs by running it once on scratch memory of the same layout), so
+  the script's init starts from DDP's generator state;
+* the script's init must run *before* setup, on the full (deferred) tensors, as LitGPT does for every strategy but
+  Lightning's ``FSDPStrategy``: each random op then draws the very numbers DDP's full tensor draws, and the log keeps
+  the generator state it started from. Replaying a unit sets that state before each op and restores the caller's
+  state after, so a unit's values do not depend on which units were replayed before it, and the stream the training
+  loop sees (dropout) is the one DDP leaves. Init *after* setup, on the shards, cannot be bitwise DDP's on CPU:
+  each rank would draw the first numbers of its own stream for its slice (the CPU generator cannot skip ahead to
+  where the slice starts in the full tensor). For that pattern build on the meta device: ``reset_parameters()``
+  then runs through this same record and replay (:mod:`.meta_init`);
+* every unit then takes rank 0's values (:func:`broadcast_module_states`), as DDP does when it wraps the model.
 
 This module is framework-free: it never imports Lightning.
 """
@@ -45,13 +71,14 @@ from __future__ import annotations
 import logging
 import os
 import weakref
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Generator, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from lightning_zero.distributed.deferred_init import BUDGET_ENV, InitMemoryError, deferred_build, is_deferred
 
@@ -180,6 +207,17 @@ class _BuildGuard:
                 "ZeroStrategy; 0 turns the guard off).")
 
 
+class _SkipTorchInit(TorchFunctionMode):
+    """``empty_init=True``: a ``torch.nn.init`` function that reaches ``__torch_function__`` hands its tensor back
+    untouched, the rule of Lightning's ``_EmptyInit`` (``[Note: empty_init and the script's own init]``)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__module__", None) != "torch.nn.init":
+            return func(*args, **kwargs)
+        return kwargs["tensor"] if "tensor" in kwargs else args[0]
+
+
 @contextmanager
 def exact_init(config: InitConfig = InitConfig(), empty_init: Optional[bool] = None) -> Generator[None, None, None]:
     """Build modules running their own init code exactly, on CPU, with a host-memory guard.
@@ -189,25 +227,23 @@ def exact_init(config: InitConfig = InitConfig(), empty_init: Optional[bool] = N
     rank 0's values. Raises :class:`~.deferred_init.InitMemoryError` naming the module whose tensor crosses the
     budget. With ``config.deferred`` the build is recorded instead (see the Note above): the parameters and buffers
     hold no memory until ``apply_zero`` (or :func:`~lightning_zero.distributed.deferred_init.materialize_module`)
-    replays them.
-    ``empty_init=True`` (Lightning's hint that a checkpoint will be loaded) is logged and the init runs anyway.
+    replays them. ``empty_init=True`` skips the init of torch's layers as Lightning's DDP strategy does; the script
+    initialises the weights (or loads them) itself (``[Note: empty_init and the script's own init]``).
     """
-    if empty_init:
-        log.info("empty_init=True: the model's own init still runs (see lightning_zero.distributed.exact_init), so no "
-                 "tensor a checkpoint does not cover starts from uninitialised memory")
     from torch.nn.modules.module import (
         register_module_buffer_registration_hook,
         register_module_parameter_registration_hook,
     )
 
     guard = _BuildGuard(config)
+    skip = _SkipTorchInit() if empty_init else nullcontext()
     if config.deferred:
-        with torch.device("cpu"), deferred_build(guard.budget):
+        with torch.device("cpu"), deferred_build(guard.budget), skip:
             yield
         return
     handles = [register_module_parameter_registration_hook(guard), register_module_buffer_registration_hook(guard)]
     try:
-        with torch.device("cpu"):
+        with torch.device("cpu"), skip:
             yield
     finally:
         for handle in handles:
@@ -221,18 +257,18 @@ def _named_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def refuse_meta_tensors(module: nn.Module, stage: int) -> None:
-    """Raise naming the parameters/buffers of ``module`` that live on the meta device (no values to shard)."""
+    """Raise naming the parameters/buffers of ``module`` that still live on the meta device (no values to shard):
+    :func:`~lightning_zero.distributed.meta_init.materialize_meta_tensors` gave the others theirs."""
     meta = [name for name, tensor in _named_tensors(module) if tensor.is_meta]
     if not meta:
         return
     owners = sorted({type(module.get_submodule(name.rpartition(".")[0])).__name__ for name in meta})
     shown = ", ".join(meta[:6]) + (f" and {len(meta) - 6} more" if len(meta) > 6 else "")
     raise ValueError(
-        f"ZeRO stage {stage} got tensors on the meta device: {shown} (in modules {', '.join(owners)}). They hold no "
-        "values, and re-creating them with reset_parameters() would not reproduce the model's own initialisation "
-        "(Hugging Face _init_weights, buffers, torchmetrics states). Build the model on real CPU memory, e.g. inside "
-        "lightning_zero.distributed.exact_init.exact_init() (ZeroStrategy does so for configure_model and "
-        "Trainer.init_module), and apply_zero shards it.")
+        f"ZeRO stage {stage} got tensors on the meta device after their modules' reset_parameters() ran: {shown} "
+        f"(in modules {', '.join(owners)}). They hold no values: make reset_parameters() give them real ones, or "
+        "build the model on real CPU memory inside lightning_zero.distributed.exact_init.exact_init() (ZeroStrategy "
+        "does so for configure_model and Trainer.init_module), and apply_zero shards it.")
 
 
 def broadcast_module_states(module: nn.Module, group, device: torch.device) -> None:

@@ -34,8 +34,10 @@ from lightning_zero.distributed.apply_zero import apply_zero, reshard_gathered, 
 from lightning_zero.distributed.comm_buffers import comm_buffer_pool
 from lightning_zero.distributed.config import ZeroConfig
 from lightning_zero.distributed.ddp import DDPOptions, ddp_kwargs_for, low_precision_allreduce_hook
+from lightning_zero.distributed.deferred_init import materialize_module
 from lightning_zero.distributed.exact_init import InitConfig, broadcast_module_states, exact_init
 from lightning_zero.distributed.hybrid import data_parallel_group, data_parallel_mesh, shard_group
+from lightning_zero.distributed.meta_init import holds_meta_tensors, init_meta_tensors
 from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
 from lightning_zero.offload.param_swapper import detach_param_swapper
 
@@ -84,10 +86,12 @@ def sampler_kwargs(meshes: Optional[Meshes], world_size: int, global_rank: int) 
 
 def init_context(config: ZeroConfig, *, pipelined: bool, local_world_size: int,
                  empty_init: Optional[bool] = None) -> AbstractContextManager:
-    """Step 2, around the user's model construction: the model's own init runs exactly as on CPU (``empty_init``
-    never skips it); at stages 2-3 the build is recorded and :func:`wrap_module` replays it one FSDP unit at a time,
-    so no rank holds the whole model (:mod:`.exact_init`, :mod:`.deferred_init`). A pipeline builds only its own
-    stages at setup, so it is never deferred."""
+    """Step 2, around the user's model construction: the model's own init runs exactly as on CPU; ``empty_init=True``
+    skips the init of torch's layers, as Lightning's DDP strategy does, for a script that initialises (or loads) the
+    weights itself (``[Note: empty_init and the script's own init]`` in :mod:`.exact_init`). At stages 2-3 the
+    build is recorded and :func:`wrap_module` replays it one FSDP unit at a time, so no rank holds the whole model
+    (:mod:`.exact_init`, :mod:`.deferred_init`). A pipeline builds only its own stages at setup, so it is never
+    deferred."""
     deferred = config.stage >= 2 and not pipelined
     return exact_init(InitConfig.from_env(max(1, local_world_size), deferred=deferred), empty_init)
 
@@ -112,9 +116,19 @@ def wrap_module(module: nn.Module, mesh, config: ZeroConfig, *, device: torch.de
     return wrapped
 
 
+def needs_placing(module: nn.Module, config: ZeroConfig, pipelined: bool) -> bool:
+    """Whether an adapter moves ``module`` to the compute device itself before step 3: at stages 0-1, unless the
+    model is pipelined (the pipeline places its stages) or has tensors on the meta device (step 3 gives them values
+    first, :mod:`.meta_init`). Stages 2-3 are placed by step 3."""
+    return config.stage <= 1 and not pipelined and not holds_meta_tensors(module)
+
+
 def replicate_for_evaluation(module: nn.Module, mesh, device: torch.device) -> nn.Module:
     """Step 3 of an evaluation-only run at stages 0-1 (no DDP: nothing to reduce): ``module`` on ``device`` with
-    rank 0's parameters and buffers on every rank."""
+    rank 0's parameters and buffers on every rank (a meta-device model first gets its values from
+    ``reset_parameters()``, :mod:`.meta_init`)."""
+    if init_meta_tensors(module):
+        materialize_module(module)
     module.to(device)
     broadcast_module_states(module, data_parallel_group(mesh), device)
     return module

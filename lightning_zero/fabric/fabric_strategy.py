@@ -68,7 +68,9 @@ class ZeroStrategy(ParallelStrategy):
     * ``fabric.save(path, state)`` writes a sharded, atomic checkpoint directory;
       ``fabric.load(path, state)`` loads it in place at any stage or world size
       (:mod:`lightning_zero.fabric.fabric_checkpoints`).
-    * ``fabric.init_module()`` builds the model on CPU running its own init, as the Trainer's ``configure_model``.
+    * ``fabric.init_module()`` builds the model on CPU running its own init, as the Trainer's ``configure_model``;
+      ``empty_init=True`` skips torch's layer init as Lightning's DDP does (the script initialises the weights), and
+      a model built on the meta device gets its values from ``reset_parameters()`` at setup (``docs/fabric.md``).
     * ``hang_timeout`` guards ``fabric.save``/``fabric.load`` and teardown (Fabric has no step hooks).
     * Precision: ``Fabric(precision=...)`` with ``32-true``, ``bf16-mixed``, ``16-mixed``, ``bf16-true``, ``16-true``
       (:mod:`lightning_zero.fabric.fabric_precision`); fp16 uses DeepSpeed's loss scaling with the loss-scale arguments.
@@ -264,13 +266,14 @@ class ZeroStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ model and optimizers
     def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
-        """``fabric.init_module()``: the model's own init runs exactly as on CPU (``empty_init`` never skips it), as
-        the Trainer strategy's ``configure_model`` (:func:`lightning_zero.distributed.runtime.init_context`)."""
+        """``fabric.init_module()``: the model's own init runs exactly as on CPU, as the Trainer strategy's
+        ``configure_model``; ``empty_init=True`` skips the init of torch's layers as Lightning's DDP strategy does
+        (the script initialises the weights itself; :func:`lightning_zero.distributed.runtime.init_context`)."""
         return runtime.init_context(self.zero_config, pipelined=self.settings.pipeline.enabled,
                                     local_world_size=self.num_processes, empty_init=empty_init)
 
     def module_to_device(self, module: nn.Module) -> None:
-        if self.stage <= 1 and not self.settings.pipeline.enabled:  # the runtime / the pipeline place the rest
+        if runtime.needs_placing(module, self.zero_config, self.settings.pipeline.enabled):
             module.to(self.root_device)
 
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Optimizer],

@@ -361,8 +361,10 @@ class ZeroStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ model and optimizers
     @contextmanager
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
-        """``configure_model`` and ``Trainer.init_module`` run the model's own init (``empty_init`` never skips it),
-        recorded at stages 2-3 and replayed per unit by ``setup`` (:func:`runtime.init_context`)."""
+        """``configure_model`` and ``Trainer.init_module`` run the model's own init, recorded at stages 2-3 and
+        replayed per unit by ``setup``; ``Trainer.init_module(empty_init=True)`` skips the init of torch's layers as
+        Lightning's DDP strategy does (Lightning passes no ``empty_init`` around ``configure_model``, so that hook
+        always runs the init; :func:`runtime.init_context`)."""
         with runtime.init_context(self.zero_config, pipelined=self.settings.pipeline.enabled,
                                   local_world_size=self.num_processes, empty_init=empty_init), \
                 self.precision_plugin.tensor_init_context():
@@ -422,7 +424,7 @@ class ZeroStrategy(ParallelStrategy):
 
     def model_to_device(self) -> None:
         assert self.model is not None
-        if self.stage <= 1 and not self.settings.pipeline.enabled:  # a pipeline moves only its stages (at setup)
+        if runtime.needs_placing(self.model, self.zero_config, self.settings.pipeline.enabled):
             self.model.to(self.root_device)
 
     @contextmanager

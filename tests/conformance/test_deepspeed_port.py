@@ -466,6 +466,10 @@ def _init_module_worker(rank, world_size, stage, empty_init):
     t = trainer(zero(stage))
     with t.init_module(empty_init=empty_init):
         module = RegressionModule()
+    if empty_init:  # Lightning's meaning: the build skipped the layers' init, the script initialises (or loads)
+        for layer in module.modules():
+            if isinstance(layer, nn.Linear):
+                layer.reset_parameters()
     seed_everything(0)
     t.fit(module)
     for name, p in module.named_parameters():
