@@ -21,6 +21,7 @@ from lightning_zero.adapters.launch_checks import check_backend_name, check_time
 from lightning_zero.adapters.precision_policy import LossScaleConfig, loss_scale_configs, parse_communication_data_type
 from lightning_zero.checkpoint.consolidate import weights_16bit_dtype
 from lightning_zero.checkpoint.full_file import check_load_full_weights
+from lightning_zero.checkpoint.full_save import check_state_dict_type
 from lightning_zero.diagnostics.hang_guard import DEFAULT_HANG_TIMEOUT, parse_hang_timeout
 from lightning_zero.diagnostics.network import DEFAULT_RENDEZVOUS_TIMEOUT, check_rendezvous_timeout
 from lightning_zero.distributed.activation_checkpointing import ActivationCheckpointConfig
@@ -81,6 +82,7 @@ class ZeroSettings:
     activation_checkpoint_config: Optional[ActivationCheckpointConfig]
     load_full_weights: bool
     rendezvous_timeout: float
+    state_dict_type: str
 
 
 @dataclass(frozen=True)
@@ -136,6 +138,7 @@ class ZeroArguments:
     unit_bytes: Optional[int] = None
     param_persistence_threshold: Optional[int] = None
     prefetch_bytes: Optional[int] = None
+    state_dict_type: str = "sharded"
 
 
 def resolve_settings(**arguments: Any) -> ZeroSettings:
@@ -181,6 +184,7 @@ def resolve_settings(**arguments: Any) -> ZeroSettings:
         verbose=verbose, auto_resume=check_auto_resume(args.auto_resume), hang_timeout=hang_seconds,
         activation_checkpoint_config=activation_checkpoint,
         load_full_weights=check_load_full_weights(args.load_full_weights), rendezvous_timeout=rendezvous_timeout,
+        state_dict_type=check_state_dict_type(args.state_dict_type, async_save=async_save),
     )
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import warnings
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -116,6 +116,7 @@ class ZeroStrategy(ParallelStrategy):
         hybrid_shard_size: Optional[int] = None,
         rendezvous_timeout: Union[float, timedelta] = DEFAULT_RENDEZVOUS_TIMEOUT, unit_bytes: Optional[int] = None,
         param_persistence_threshold: Optional[int] = None, prefetch_bytes: Optional[int] = None,
+        state_dict_type: Literal["sharded", "full"] = "sharded",
         # DeepSpeedStrategy's own arguments, same names and types (None: the config's value, else DeepSpeed's
         # default); each becomes the ds_config key it stands for (ds_config/strategy_arguments.py)
         zero_optimization: Optional[bool] = None, remote_device: Optional[str] = None,
@@ -132,6 +133,9 @@ class ZeroStrategy(ParallelStrategy):
         contiguous_memory_optimization: Optional[bool] = None, synchronize_checkpoint_boundary: Optional[bool] = None,
     ) -> None:
         settings = resolve_settings(**{name: value for name, value in locals().items() if name in SETTING_NAMES})
+        if settings.state_dict_type == "full":
+            raise NotImplementedError("state_dict_type='full' is not supported by the Fabric strategy yet: fabric.save "
+                                      "writes a sharded directory; `lightning-zero consolidate DIR FILE` makes one file")
         if settings.auto_resume:
             raise ValueError("auto_resume=True resumes from the Trainer's ModelCheckpoint directories, which Fabric "
                              "has not: call fabric.load(path, state) yourself, and leave auto_resume=False")

@@ -11,6 +11,7 @@ settings (:mod:`.ds_config_fit`), launch checks, preemption and automatic resume
 from __future__ import annotations
 
 import logging
+import os
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Generator, Literal, Optional, Union
@@ -38,6 +39,7 @@ from lightning_zero.adapters.launch_checks import (
 )
 from lightning_zero.adapters.process_group import start_process_group
 from lightning_zero.adapters.settings import SETTING_NAMES, STRATEGY_NAMES, checkpoint_save_options, resolve_settings
+from lightning_zero.checkpoint.full_save import remove_full_file, save_full_file
 from lightning_zero.checkpoint.io import remove_sharded_checkpoint, wait_for_pending_saves
 from lightning_zero.checkpoint.save_guards import broadcast_object
 from lightning_zero.checkpoint.states import module_state_dict, optimizer_state_dict, save_states
@@ -120,6 +122,8 @@ class ZeroStrategy(ParallelStrategy):
             in backward, optionally keeping their inputs on CPU (``docs/activation_checkpointing.md``).
         load_full_weights: ``ckpt_path`` must be one file, which may lack optimizer states (``trainer_checkpoints.py``).
         rendezvous_timeout: seconds a multi-node start waits for every node before naming the missing ones (300).
+        state_dict_type: ``"sharded"`` (a checkpoint directory) or ``"full"`` (one torch file, streamed out of the
+            shards; :mod:`lightning_zero.checkpoint.full_save`), as Lightning's ``FSDPStrategy``.
         unit_bytes, param_persistence_threshold, prefetch_bytes: stages 2-3: consecutive blocks share one FSDP2
             unit up to ``unit_bytes`` parameter bytes (``0``: a unit per block); units under
             ``param_persistence_threshold`` elements stay in the root; prefetch of the next units' all-gathers up to
@@ -164,7 +168,7 @@ class ZeroStrategy(ParallelStrategy):
         cpu_checkpointing: Optional[bool] = None, activation_checkpointing_policy: Any = None,
         load_full_weights: bool = False, rendezvous_timeout: Union[float, timedelta] = DEFAULT_RENDEZVOUS_TIMEOUT,
         unit_bytes: Optional[int] = None, param_persistence_threshold: Optional[int] = None,
-        prefetch_bytes: Optional[int] = None,
+        prefetch_bytes: Optional[int] = None, state_dict_type: Literal["sharded", "full"] = "sharded",
         # DeepSpeedStrategy's own arguments, same names and types (None: the config's value, else DeepSpeed's
         # default); each becomes the ds_config key it stands for (ds_config/strategy_arguments.py)
         zero_optimization: Optional[bool] = None, remote_device: Optional[str] = None,
@@ -518,11 +522,19 @@ class ZeroStrategy(ParallelStrategy):
         if storage_options is not None:
             raise TypeError("ZeroStrategy.save_checkpoint does not take storage_options: it writes with "
                             "torch.distributed.checkpoint")
-        with self.hang_guard.phase("save"):
-            save_states(checkpoint, self.broadcast(str(filepath)), module=self.lightning_module,
-                        optimizers=self.optimizers, stage=self.stage, offload=self.zero_config.offload,
-                        exclude_frozen_parameters=self.exclude_frozen_parameters, async_save=self.async_save,
+        def save_sharded(state: dict, path: str) -> None:
+            save_states(state, path, module=self.lightning_module, optimizers=self.optimizers, stage=self.stage,
+                        offload=self.zero_config.offload, exclude_frozen_parameters=self.exclude_frozen_parameters,
+                        async_save=self.async_save,
                         **checkpoint_save_options(self.ds_config, self.precision_plugin.precision))
+
+        with self.hang_guard.phase("save"):
+            path = self.broadcast(str(filepath))
+            if self.settings.state_dict_type == "full":  # one file, streamed out of the shards (full_save.py)
+                save_full_file(checkpoint, path, save_sharded, rank=self.global_rank,
+                               with_optimizer=bool(checkpoint.get("optimizer_states")))
+            else:
+                save_sharded(checkpoint, path)
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
         with self.hang_guard.phase("load"):
@@ -541,7 +553,7 @@ class ZeroStrategy(ParallelStrategy):
 
     def remove_checkpoint(self, filepath) -> None:
         if self.is_global_zero:
-            remove_sharded_checkpoint(filepath)
+            (remove_full_file if os.path.isfile(filepath) else remove_sharded_checkpoint)(filepath)
 
     def on_exception(self, exception: BaseException) -> None:
         explain_unused_parameters(exception, self.stage)

@@ -1,0 +1,106 @@
+"""``state_dict_type="full"``: a checkpoint saved as one torch file, as Lightning's FSDP strategy offers.
+
+The file is what ``torch.save`` of the unsharded run's Lightning checkpoint would be (weights, and the optimizer
+states in ``Optimizer.state_dict()`` form when the checkpoint has them), so ``torch.load(path, weights_only=True)``,
+``LightningModule.load_from_checkpoint`` and any strategy's ``ckpt_path`` read it, at any stage and world size.
+
+How it is written, and why so: every rank saves its shards into a hidden staging directory beside the file (the
+ordinary atomic sharded save), then rank 0 streams the file out of the staging directory tensor by tensor
+(:func:`~lightning_zero.checkpoint.consolidate.consolidate_checkpoint`, which writes ``path.partial`` and renames it
+into place) and deletes the staging directory. No rank ever holds the whole model: gathering to rank 0 would need
+the full model in its memory, which is the reason a ZeRO run shards it. The cost is the staging directory's disk
+space and the time rank 0 spends reading it back; the other ranks wait at the end of the save.
+
+A file at ``path`` is replaced, and deleted by top-k rotation, only when it is one of these files (it carries
+:data:`FULL_FILE_MARKER`); any other file is refused, as a sharded save refuses a directory that is not its own.
+"""
+
+from __future__ import annotations
+
+import os
+import zipfile
+from typing import Callable, Optional
+
+import torch
+
+from lightning_zero.checkpoint.atomic import CheckpointSaveError
+from lightning_zero.checkpoint.consolidate import consolidate_checkpoint
+from lightning_zero.checkpoint.io import remove_sharded_checkpoint
+from lightning_zero.checkpoint.save_guards import broadcast_object
+
+#: The key a full file carries so that a later save may replace it and rotation may delete it.
+FULL_FILE_MARKER = "lightning_zero_full_checkpoint"
+STATE_DICT_TYPES = ("sharded", "full")
+
+
+def check_state_dict_type(value: str, *, async_save: bool) -> str:
+    """``"sharded"`` (a directory, the default) or ``"full"`` (one file); ``"full"`` is written synchronously, so
+    ``async_save=True`` with it is refused by name."""
+    if value not in STATE_DICT_TYPES:
+        raise ValueError(f"state_dict_type must be 'sharded' or 'full' (as Lightning's FSDPStrategy), got {value!r}")
+    if value == "full" and async_save:
+        raise ValueError("state_dict_type='full' writes one file through rank 0 after the shards are saved, so it is "
+                         "not asynchronous: drop async_save=True or use state_dict_type='sharded'")
+    return value
+
+
+def staging_directory(path: str) -> str:
+    """The hidden directory beside ``path`` the shards are saved into first."""
+    head, tail = os.path.split(os.path.abspath(path))
+    return os.path.join(head, f".{tail}.lz-staging")
+
+
+def is_full_file(path: str) -> bool:
+    """True if ``path`` is a file written by :func:`save_full_file` (read with ``weights_only=True``, memory-mapped:
+    the marker is found without reading the tensors)."""
+    if not os.path.isfile(path) or not zipfile.is_zipfile(path):
+        return False
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # a torch file we cannot read safely is not one of ours
+        return False
+    return isinstance(checkpoint, dict) and checkpoint.get(FULL_FILE_MARKER) is True
+
+
+def why_not_replaceable_file(path: str) -> Optional[str]:
+    """``None`` when a full save may write (or rotation delete) ``path``; otherwise why not."""
+    if not os.path.lexists(path) or is_full_file(path):
+        return None
+    kind = "directory" if os.path.isdir(path) else "file"
+    return (f"{path} is an existing {kind} that is not a lightning-zero full checkpoint file; refusing to replace it. "
+            "Choose another path or move it away")
+
+
+def save_full_file(checkpoint: dict, path: str, save_sharded: Callable[[dict, str], None], *, rank: int,
+                   with_optimizer: bool) -> None:
+    """Save ``checkpoint`` as one file at ``path`` (collective: every rank calls it). ``save_sharded(checkpoint,
+    directory)`` is the strategy's ordinary sharded save; ``with_optimizer`` puts the optimizer states in the file
+    (the checkpoint holds them). Raises :class:`CheckpointSaveError` on every rank if any step fails; a previous file
+    at ``path`` stays intact then."""
+    path = os.path.abspath(os.fspath(path))
+    staging = staging_directory(path)
+    problem = broadcast_object(why_not_replaceable_file(path) if rank == 0 else None)
+    if problem:
+        raise CheckpointSaveError(problem)
+    save_sharded({**checkpoint, FULL_FILE_MARKER: True}, staging)
+    error = None
+    if rank == 0:
+        try:
+            consolidate_checkpoint(staging, output=path, with_optimizer=with_optimizer)
+        except Exception as err:  # said on every rank below
+            error = f"{type(err).__name__}: {err}"
+        finally:
+            remove_sharded_checkpoint(staging)
+    error = broadcast_object(error)
+    if error:
+        raise CheckpointSaveError(f"writing the full checkpoint file {path} failed: {error}. The previous file at that "
+                                  "path, if any, is intact")
+
+
+def remove_full_file(path: str) -> None:
+    """Delete a full checkpoint file (top-k rotation); anything else at ``path`` is refused. Not collective."""
+    problem = why_not_replaceable_file(path)
+    if problem:
+        raise CheckpointSaveError(problem.replace("replace", "delete"))
+    if os.path.lexists(path):
+        os.remove(path)
