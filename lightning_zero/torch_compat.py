@@ -27,3 +27,21 @@ def local_tensor(tensor):
     ``DTensor.to_local()``), or a plain tensor itself. Copies and in-place updates go between local tensors, which
     may sit on different devices while the DTensors share one mesh."""
     return tensor._local_tensor if hasattr(tensor, "_local_tensor") else tensor
+
+
+def local_part(target):
+    """``(local tensor, offsets, sizes)``: the part of the global tensor ``target`` this rank holds, and where it lies
+    in the whole.
+
+    For a ``DTensor`` the chunk DCP itself would read for it (``__create_chunk_list__``, any placements: FSDP2's dim-0
+    shards with an uneven, possibly empty, last one; HSDP's replicated shards); a plain tensor is held whole.
+    """
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(target, DTensor):
+        chunks = target.__create_chunk_list__()
+        if len(chunks) != 1:  # one chunk per rank for every placement FSDP2 makes; anything else is not ours
+            raise NotImplementedError(f"a DTensor with {len(chunks)} local chunks ({target.placements}) cannot be "
+                                      "loaded from full tensors")
+        return target.to_local(), tuple(chunks[0].offsets), tuple(chunks[0].sizes)
+    return target, (0,) * target.dim(), tuple(target.shape)

@@ -41,6 +41,7 @@ from torch import Tensor
 from lightning_zero.checkpoint.errors import CheckpointError
 from lightning_zero.checkpoint.matching import raise_on_mismatch
 from lightning_zero.checkpoint.safe_load import safe_torch_load
+from lightning_zero.torch_compat import local_part
 
 PathLike = Union[str, os.PathLike]
 
@@ -55,7 +56,7 @@ def check_load_full_weights(value: Any) -> bool:
     return value
 
 
-def _is_safetensors(path: str) -> bool:
+def is_safetensors_file(path: str) -> bool:
     """A safetensors file starts with an 8-byte little-endian header length, then the JSON header."""
     with open(path, "rb") as file:
         head = file.read(9)
@@ -71,7 +72,7 @@ def describe_full_checkpoint_file(path: PathLike) -> Optional[str]:
             head = file.read(9)
     except OSError as err:
         return f"{path}: cannot be read ({err})"
-    if head[:4] == _ZIP_MAGIC or head[:2] == _LEGACY_MAGIC or _is_safetensors(path):
+    if head[:4] == _ZIP_MAGIC or head[:2] == _LEGACY_MAGIC or is_safetensors_file(path):
         return None
     return (f"{path}: not a checkpoint file (neither a torch.save file nor safetensors); pass a Lightning .ckpt, "
             "a consolidated file, a .safetensors file or a lightning-zero sharded checkpoint directory")
@@ -125,7 +126,7 @@ class FullCheckpoint:
         self._checkpoint: Dict[str, Any] = {}
         self._state: Dict[str, Any] = {}
         self.optimizer_states: Optional[List[Any]] = None
-        if _is_safetensors(self.path):
+        if is_safetensors_file(self.path):
             from safetensors import safe_open
 
             try:
@@ -184,22 +185,6 @@ class FullCheckpoint:
     def close(self) -> None:
         self._safe = None
         self._checkpoint, self._state, self.optimizer_states = {}, {}, None
-
-
-def local_part(target: Tensor) -> Tuple[Tensor, Tuple[int, ...], Tuple[int, ...]]:
-    """``(local tensor, offsets, sizes)``: the part of the global tensor ``target`` this rank holds, where it lies.
-
-    For a ``DTensor`` the chunk DCP itself would read for it (any placements); a plain tensor is held whole.
-    """
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(target, DTensor):
-        chunks = target.__create_chunk_list__()
-        if len(chunks) != 1:  # one chunk per rank for every placement FSDP2 makes; anything else is not ours
-            raise NotImplementedError(f"a DTensor with {len(chunks)} local chunks ({target.placements}) cannot be "
-                                      "loaded from a full checkpoint")
-        return target.to_local(), tuple(chunks[0].offsets), tuple(chunks[0].sizes)
-    return target, (0,) * target.dim(), tuple(target.shape)
 
 
 def copy_into(target: Tensor, read: Callable[[Tuple[int, ...], Tuple[int, ...]], Tensor]) -> None:

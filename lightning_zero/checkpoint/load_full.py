@@ -11,6 +11,10 @@ A DeepSpeed ZeRO checkpoint directory is loaded the same way, read by
 What comes back is the rest of the file: for Lightning, what ``DDPStrategy`` would hand it (loops, callbacks, LR
 schedulers and hyper-parameters; the Trainer adapter adds ``state_dict``, the loaded sharded weights, for
 ``on_load_checkpoint`` hooks).
+
+Fabric's ``fabric.load_raw(path, module_or_optimizer)`` goes through the same readers: :func:`load_raw_module` (a
+``torch.save(model.state_dict())`` file or ``.safetensors``) and :func:`load_raw_optimizer` (a
+``torch.save(optimizer.state_dict())`` file, or a full optimizer state dict keyed by parameter names).
 """
 
 from __future__ import annotations
@@ -29,11 +33,15 @@ from lightning_zero.checkpoint.errors import CheckpointError
 from lightning_zero.checkpoint.full_file import (
     FullCheckpoint,
     OptimizerTarget,
+    PathLike,
     apply_full_optimizer_states,
     check_full_optimizer_states,
     check_full_state_dict,
     copy_full_state_dict,
+    describe_full_checkpoint_file,
+    is_safetensors_file,
 )
+from lightning_zero.checkpoint.safe_load import safe_torch_load
 from lightning_zero.checkpoint.save_guards import all_gather, control_group
 from lightning_zero.checkpoint.states import (
     frozen_parameter_names,
@@ -163,3 +171,61 @@ def load_full_checkpoint(path: str, module: torch.nn.Module, optimizers: list, *
         if (sharding := get_sharding(optimizer)) is not None:
             sharding.sync_masters()  # offloaded stage-1 masters follow the loaded parameters
     return {**rest, "state_dict": own}, bool(optimizers) and plans is None
+
+
+def _raw_file(path: PathLike, what: str) -> str:
+    path = local_path(os.fspath(path))
+    if os.path.isdir(path):
+        raise CheckpointError(f"fabric.load_raw({path!r}, {what}) reads one file (a torch.save state dict or a "
+                              ".safetensors file); this is a directory: load a sharded checkpoint with "
+                              "fabric.load(path, {'model': model, 'optimizer': optimizer})", path)
+    return path
+
+
+def load_raw_module(path: PathLike, module: torch.nn.Module, *, strict: bool) -> None:
+    """``fabric.load_raw(path, module)``: the weights of one file (``torch.save(model.state_dict())``, a Lightning
+    or consolidated checkpoint's ``state_dict``, ``.safetensors``) into the (sharded) ``module``, each rank reading
+    its slices. Collective; ``strict`` as ``Module.load_state_dict`` (shape mismatches always refused)."""
+    load_full_checkpoint(_raw_file(path, "module"), module, [], strict=strict, exclude_frozen_parameters=False,
+                         load_full_weights=True)
+
+
+class _OptimizerFile:
+    """A ``torch.save(optimizer.state_dict())`` file as :func:`check_full_optimizer_states` reads a full checkpoint:
+    its ``path`` and ``optimizer_states`` (a list of one). Read with ``weights_only`` and memory-mapped, so a
+    rank copies only the slices of the states it keeps."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        problem = describe_full_checkpoint_file(path) or (
+            f"{path}: a .safetensors file holds no optimizer state; fabric.load_raw(path, optimizer) reads a "
+            "torch.save(optimizer.state_dict()) file" if is_safetensors_file(path) else None)
+        if problem:
+            raise CheckpointError(problem, path)
+        loaded = safe_torch_load(path, what=path, mmap=True)
+        if not isinstance(loaded, dict) or not {"state", "param_groups"} <= set(loaded):
+            keys = sorted(map(str, loaded))[:8] if isinstance(loaded, dict) else type(loaded).__name__
+            raise CheckpointError(f"{path}: not an optimizer state dict ('state' and 'param_groups' expected, found "
+                                  f"{keys}); fabric.load_raw(path, optimizer) reads a "
+                                  "torch.save(optimizer.state_dict()) file", path)
+        self.optimizer_states = [loaded]
+
+
+@torch.inference_mode(False)
+def load_raw_optimizer(path: PathLike, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """``fabric.load_raw(path, optimizer)``: a full optimizer state dict (positions, as
+    ``Optimizer.state_dict()`` writes them, or parameter names) into the partitioned/sharded ``optimizer`` of
+    ``module``, as ``Optimizer.load_state_dict`` would load it into the unsharded one: each rank keeps the states
+    (slices) of what it steps, parameters the file has no state for start fresh, param-group hyper-parameters are
+    restored. Every disagreement is refused naming the file (see [Note: optimizer states of a full checkpoint] in
+    :mod:`lightning_zero.checkpoint.full_file`). Collective."""
+    error, plans = None, None
+    try:
+        source = _OptimizerFile(_raw_file(path, "optimizer"))
+        if not optimizer.state:
+            initialise_optimizer_state(optimizer)  # placeholders give each state's layout (see the check)
+        plans = check_full_optimizer_states([optimizer_target(module, optimizer)], source)
+    except Exception as err:  # shared, so that no rank waits alone in the next collective
+        error = err
+    _raise_on_every_rank(error)
+    apply_full_optimizer_states(plans)

@@ -42,6 +42,7 @@ from lightning_zero.distributed.comm_buffers import install_comm_buffer_pool
 from lightning_zero.distributed.config import ZeroConfig
 from lightning_zero.distributed.deferred_init import materialize_module
 from lightning_zero.distributed.exact_init import broadcast_module_states, refuse_meta_tensors
+from lightning_zero.distributed.full_tensor_load import accept_full_tensors
 from lightning_zero.distributed.hybrid import check_mesh_matches, data_parallel_group
 from lightning_zero.distributed.meta_init import init_meta_tensors
 from lightning_zero.distributed.units import plan_units, set_prefetch
@@ -164,6 +165,7 @@ def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[
     if not config.offloads_params:
         module.to(device)
     swap_parameters(module, config, device)
+    accept_full_tensors(module)  # model.load_state_dict(full_state_dict) after setup, as at stages 0-1
     return module
 
 

@@ -107,16 +107,44 @@ class OptimizerSharding:
         return [p for params, owners in zip(self.model_params, self.owners)
                 for p, owner in zip(params, owners) if owner in (-1, self.rank)]
 
-    def sync_masters(self) -> None:
+    def sync_masters(self, params: Optional[list[Tensor]] = None) -> None:
         """After the module's parameters were loaded, the offloaded CPU masters (optimizer offload) take their
-        values: the optimizer steps the masters, so stale ones would undo the load at the next step."""
-        if not self.masters:
+        values: the optimizer steps the masters, so stale ones would undo the load at the next step. ``params``:
+        only these module parameters (those without a master here are skipped); default every owned one."""
+        chosen = self.owned_model_params() if params is None else [p for p in params if id(p) in self.masters]
+        if not self.masters or not chosen:
             return
         if self.swapper is not None:
             self.swapper.make_resident()  # swapped-out masters are empty: read them back, the next step writes them
         with torch.no_grad():
-            for param in self.owned_model_params():
+            for param in chosen:
                 local_tensor(self.masters[id(param)]).copy_(local_tensor(param.detach()))
+
+    def follow_module_loads(self, module: torch.nn.Module) -> None:
+        """Make the masters follow every ``load_state_dict`` into ``module`` or any of its submodules (a user's
+        ``model.load_state_dict(base_weights)`` after setup, as LitGPT's fine-tuning does); without it the next
+        step would put the old weights back. On each submodule that directly holds parameters with a master, a
+        pre-hook notes which of them the state dict holds and a post-hook syncs just those: a partial load
+        (``strict=False``) leaves the other masters alone, which matters where they are more precise than their
+        parameters (``bf16-true`` with the optimizer offloaded). Removed by :meth:`remove`."""
+        if not self.masters:
+            return
+        for sub in module.modules():
+            own = {name: p for name, p in sub.named_parameters(recurse=False) if id(p) in self.masters}
+            if own:
+                self.hooks.extend(self._follow_loads_of(sub, own))
+
+    def _follow_loads_of(self, sub: torch.nn.Module, own: dict[str, Tensor]) -> list:
+        loaded: list[Tensor] = []
+
+        def note(_module, state_dict, prefix, *args) -> None:
+            loaded[:] = [param for name, param in own.items() if prefix + name in state_dict]
+
+        def sync(_module, _incompatible_keys) -> None:
+            self.sync_masters(loaded)
+            loaded.clear()
+
+        return [sub.register_load_state_dict_pre_hook(note), sub.register_load_state_dict_post_hook(sync)]
 
     def swaps_masters(self) -> bool:
         """The masters live on NVMe and the swapper copies gradients and parameters per sub-group."""

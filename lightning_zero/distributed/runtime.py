@@ -165,6 +165,8 @@ def shard_optimizer_of(optimizer: torch.optim.Optimizer, module: nn.Module, mesh
     if config.stage >= 2 and not pipelined:
         check_optimizer_params(optimizer, module, index)
     shard_optimizer(optimizer, config, group=shard_group(mesh) if mesh is not None else None, device=device)
+    if module is not None:
+        get_sharding(optimizer).follow_module_loads(module)  # offloaded masters take loaded weights
     return True
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import atexit
 import sys
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -41,11 +41,19 @@ from lightning_zero.checkpoint.deepspeed_resume import LOSS_SCALER_KEY
 from lightning_zero.checkpoint.directory import checkpoint_directory
 from lightning_zero.checkpoint.errors import CheckpointError
 from lightning_zero.checkpoint.io import pending_save_paths, settle_pending_saves, wait_for_pending_saves
-from lightning_zero.checkpoint.load_full import load_full_checkpoint
+from lightning_zero.checkpoint.load_full import load_full_checkpoint, load_raw_module, load_raw_optimizer
 from lightning_zero.checkpoint.safe_load import load_meta
+from lightning_zero.checkpoint.states import model_params_per_group
 
 KEYS = "fabric_state_keys"  # {"modules": [key, ...], "optimizers": [key, ...]} in meta.pt
 SCALER = "fabric_loss_scaler"  # the fp16 loss scaler's state (plain numbers)
+# Every top-level key the checkpoint holds besides the user's plain values, and what it holds: a plain value under
+# one of these names would be written over (or crash the save), so it is refused by name, on save and on load.
+# (states.save_states writes the last two; tests/fabric/test_fabric_raw_loads.py checks that this list is complete.)
+RESERVED = {"state_dict": "the modules' weights", "optimizer_states": "the optimizers' states",
+            KEYS: "which keys held modules and optimizers", SCALER: "the fp16 loss scaler",
+            "optimizer_param_groups": "the optimizers' param groups",
+            "frozen_parameters_excluded": "the frozen weights left out (exclude_frozen_parameters)"}
 
 
 def _unwrap(module: nn.Module) -> nn.Module:
@@ -66,6 +74,16 @@ def _split(state: dict[str, Any]) -> tuple[list[str], list[str]]:
     return modules, optimizers
 
 
+def _refuse_reserved_keys(state: dict[str, Any], modules: list[str], optimizers: list[str], call: str) -> None:
+    """A plain value whose key the checkpoint uses itself is refused, naming it (modules and optimizers are stored
+    by kind, so any key is theirs to take)."""
+    taken = [key for key in state if key in RESERVED and key not in modules and key not in optimizers]
+    if taken:
+        held = "; ".join(f"{key!r} holds {RESERVED[key]}" for key in taken)
+        raise ValueError(f"{call} with a ZeroStrategy: the state key(s) {taken} are names the checkpoint uses "
+                         f"itself ({held}), so the value would be lost or break the checkpoint; rename the key(s)")
+
+
 def _module_view(state: dict[str, Any], keys: list[str]) -> nn.Module:
     """The module whose state dict is the checkpoint's ``state_dict``: the state's one module (its own parameter
     names, so a consolidated file loads straight into it), or several as a ``ModuleDict`` (``<key>.<name>``)."""
@@ -82,6 +100,7 @@ def save(path: str, state: dict[str, Any], filter: Optional[dict[str, Callable[[
     ``weights_16bit``: also write the saved (filtered) weights unsharded in that dtype, as ``pytorch_model.bin``
     (:func:`lightning_zero.checkpoint.states.save_states`)."""
     module_keys, optimizer_keys = _split(state)
+    _refuse_reserved_keys(state, module_keys, optimizer_keys, "fabric.save")
     if filter and set(filter) - set(module_keys):
         raise NotImplementedError(f"fabric.save(filter=...) applies to modules' weights here; the filter keys "
                                   f"{sorted(set(filter) - set(module_keys))} are not modules")
@@ -139,6 +158,7 @@ def load(path: str, state: Optional[dict[str, Any]], strict: bool, *, precision,
         raise ValueError("fabric.load with a ZeroStrategy loads sharded states into existing objects: pass them, "
                          "e.g. fabric.load(path, {'model': model, 'optimizer': optimizer}); to read the whole "
                          "checkpoint in one process use `lightning-zero consolidate` and torch.load")
+    _refuse_reserved_keys(state, *_split(state), "fabric.load")
     # Collective with async_save (fabric.load runs on every rank): rank 0 commits an async save in the background,
     # so another rank must not read the path before that commit, or it would load the checkpoint the save replaces.
     wait_for_pending_saves(barrier=bool(async_save))
@@ -205,3 +225,19 @@ def _load_deepspeed(path: str, state: dict[str, Any], strict: bool, *, precision
         precision.load_state_dict({"loss_scaler": scaler_state})
     _restore_values(path, state, rest, module_keys + optimizer_keys, strict)
     return rest
+
+
+def load_raw(path: str, obj: Union[nn.Module, Optimizer], strict: bool, modules: list[nn.Module]) -> None:
+    """``fabric.load_raw(path, obj)``: one file's state dict into a module or an optimizer set up by the strategy
+    (``modules``: the modules set up so far, one of which owns the optimizer's parameters), each rank reading its
+    slices (:func:`lightning_zero.checkpoint.load_full.load_raw_module` and ``load_raw_optimizer``). ``strict``
+    applies to modules, as in Fabric."""
+    if isinstance(obj, nn.Module):
+        load_raw_module(path, _unwrap(obj), strict=strict)
+        return
+    held = {id(param) for group in model_params_per_group(obj) for param in group}
+    owners = [module for module in modules if any(id(param) in held for param in module.parameters())]
+    if not owners:
+        raise ValueError("fabric.load_raw(path, optimizer): the optimizer holds no parameter of a module set up with "
+                         "fabric.setup; set up the model (and the optimizer with it) first")
+    load_raw_optimizer(path, owners[0], obj)

@@ -67,7 +67,11 @@ class ZeroStrategy(ParallelStrategy):
     * ``fabric.no_backward_sync(model, enabled=...)`` skips gradient communication on accumulation micro-steps.
     * ``fabric.save(path, state)`` writes a sharded, atomic checkpoint directory;
       ``fabric.load(path, state)`` loads it in place at any stage or world size
-      (:mod:`lightning_zero.fabric.fabric_checkpoints`).
+      (:mod:`lightning_zero.fabric.fabric_checkpoints`); a plain value under a key the checkpoint uses itself
+      (``state_dict``, ``fabric_state_keys``, ...) is refused by name.
+    * ``fabric.load_raw(path, model_or_optimizer)`` reads one ``torch.save`` or ``.safetensors`` file, each rank its
+      slices; ``model.load_state_dict(full_state_dict)`` works after setup at every stage
+      (:mod:`lightning_zero.distributed.full_tensor_load`).
     * ``fabric.init_module()`` builds the model on CPU running its own init, as the Trainer's ``configure_model``;
       ``empty_init=True`` skips torch's layer init as Lightning's DDP does (the script initialises the weights), and
       a model built on the meta device gets its values from ``reset_parameters()`` at setup (``docs/fabric.md``).
@@ -84,8 +88,8 @@ class ZeroStrategy(ParallelStrategy):
     Refused (no Fabric meaning yet): ``auto_resume=True`` (there are no ``ModelCheckpoint`` directories to resume
     from), and a ds_config that sets loop settings (``optimizer``, ``scheduler``, ``gradient_clipping``,
     accumulation, batch sizes, ``steps_per_print``, ``wall_clock_breakdown``): write them in the loop;
-    ``load_full_weights=True``
-    (``fabric.load`` reads sharded directories).
+    ``load_full_weights=True`` (``fabric.load`` reads sharded directories, ``fabric.load_raw`` one file); a
+    CheckpointIO plugin, given here or through ``Fabric(plugins=...)`` (saves never call it).
     """
 
     strategy_name = "zero"
@@ -134,15 +138,17 @@ class ZeroStrategy(ParallelStrategy):
     ) -> None:
         settings = resolve_settings(**{name: value for name, value in locals().items() if name in SETTING_NAMES})
         if settings.state_dict_type == "full":
-            raise NotImplementedError("state_dict_type='full' is not supported by the Fabric strategy yet: fabric.save "
-                                      "writes a sharded directory; `lightning-zero consolidate DIR FILE` makes one file")
+            raise NotImplementedError("state_dict_type='full' is not supported by the Fabric strategy yet: "
+                                      "fabric.save writes a sharded directory; `lightning-zero consolidate DIR FILE` "
+                                      "makes one file")
         if settings.auto_resume:
             raise ValueError("auto_resume=True resumes from the Trainer's ModelCheckpoint directories, which Fabric "
                              "has not: call fabric.load(path, state) yourself, and leave auto_resume=False")
         if settings.load_full_weights:
             raise NotImplementedError("load_full_weights=True is not supported with Fabric: fabric.load reads sharded "
-                                      "checkpoint directories. Load a single-file state dict into the module before "
-                                      "fabric.setup, and leave load_full_weights=False")
+                                      "checkpoint directories. Load a single-file state dict with "
+                                      "fabric.load_raw(path, model) or model.load_state_dict, and leave "
+                                      "load_full_weights=False")
         _refuse_loop_settings(settings.ds_config)
         self.settings = settings
         self.zero_config = settings.zero_config
@@ -202,6 +208,19 @@ class ZeroStrategy(ParallelStrategy):
         if self.meshes is None:
             raise RuntimeError("The device mesh exists only after the process group was set up")
         return self.meshes.data_parallel
+
+    @property
+    def checkpoint_io(self):
+        return super().checkpoint_io  # Lightning's default, which only teardown reaches: saves never use it
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io) -> None:
+        # Fabric(plugins=[MyCheckpointIO()]) sets this; the constructor's checkpoint_io is refused in resolve_settings
+        if io is not None:
+            raise NotImplementedError(
+                f"ZeroStrategy does not use a CheckpointIO plugin ({type(io).__name__}): fabric.save and fabric.load "
+                "write and read sharded checkpoint directories with torch.distributed.checkpoint themselves, so the "
+                "plugin would never be called. Remove it from Fabric(plugins=...)")
 
     @property
     def precision(self) -> FabricZeroPrecision:
@@ -380,13 +399,13 @@ class ZeroStrategy(ParallelStrategy):
 
     def load_checkpoint(self, path, state: Optional[dict] = None, strict: bool = True,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
-        if isinstance(state, (nn.Module, Optimizer)):
-            raise NotImplementedError("fabric.load_raw (one object from a single-file state dict) is not supported by "
-                                      "ZeroStrategy: use fabric.load(path, {'model': model, ...}) on a sharded "
-                                      "checkpoint, or load the file into the module before fabric.setup")
         if weights_only is False:
             raise ValueError("ZeroStrategy checkpoints are always read with weights_only=True (tensors and plain "
                              "values only); weights_only=False is not honoured")
+        if isinstance(state, (nn.Module, Optimizer)):  # fabric.load_raw: one file's state dict, each rank its slices
+            with self.hang_guard.phase("load"):
+                fabric_checkpoints.load_raw(self.broadcast(str(path)), state, strict, self._modules)
+            return {}
         with self.hang_guard.phase("load"):
             return fabric_checkpoints.load(self.broadcast(str(path)), state, strict, precision=self.precision,
                                            async_save=self.async_save,

@@ -55,8 +55,6 @@ def test_checkpoint_state_with_dotted_module_keys_or_orphan_optimizers_is_refuse
         _split({"a.x": a, "b": b})
     with pytest.raises(ValueError, match="no module"):
         _split({"opt": torch.optim.SGD(a.parameters(), lr=0.1)})
-    with pytest.raises(NotImplementedError, match="load_raw"):
-        ZeroStrategy().load_checkpoint("x", a)
     with pytest.raises(ValueError, match="weights_only=False is not honoured"):
         ZeroStrategy().load_checkpoint("x", {"a": a}, weights_only=False)
 
