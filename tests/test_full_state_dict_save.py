@@ -93,3 +93,15 @@ def test_full_and_async_save_are_refused_together_and_bad_values_named():
         ZeroStrategy(state_dict_type="full", async_save=True)
     with pytest.raises(ValueError, match="state_dict_type must be 'sharded' or 'full'"):
         ZeroStrategy(state_dict_type="FULL")
+
+
+def test_a_checkpoint_io_plugin_given_to_the_trainer_is_refused_by_name():
+    # it was accepted and never called: ZeroStrategy saves with torch.distributed.checkpoint itself
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.plugins import TorchCheckpointIO
+
+    class MyCheckpointIO(TorchCheckpointIO):
+        pass
+
+    with pytest.raises(NotImplementedError, match="CheckpointIO plugin .MyCheckpointIO."):
+        Trainer(strategy=ZeroStrategy(), plugins=[MyCheckpointIO()], accelerator="cpu", devices=1, logger=False)

@@ -81,9 +81,7 @@ class ZeroStrategy(ParallelStrategy):
     """DeepSpeed's ZeRO stages 0-3 with CPU offload for Lightning, on DDP and FSDP2.
 
     Stage 0 is DDP; 1 is DDP with the optimizer partitioned in place; 2 and 3 are FSDP2 ``fully_shard`` with
-    ``reshard_after_forward`` False and True. ``docs/stages.md`` gives each stage's model-state bytes per rank;
-    :func:`lightning_zero.model_state_memory` measures them and :func:`lightning_zero.estimate_model_states_memory`
-    predicts them.
+    ``reshard_after_forward`` False and True (bytes per rank: ``docs/stages.md``, ``lightning_zero.estimate_memory``).
 
     Args:
         stage: ZeRO stage, 0-3 (default 2, or the config's).
@@ -169,8 +167,7 @@ class ZeroStrategy(ParallelStrategy):
         load_full_weights: bool = False, rendezvous_timeout: Union[float, timedelta] = DEFAULT_RENDEZVOUS_TIMEOUT,
         unit_bytes: Optional[int] = None, param_persistence_threshold: Optional[int] = None,
         prefetch_bytes: Optional[int] = None, state_dict_type: Literal["sharded", "full"] = "sharded",
-        # DeepSpeedStrategy's own arguments, same names and types (None: the config's value, else DeepSpeed's
-        # default); each becomes the ds_config key it stands for (ds_config/strategy_arguments.py)
+        # DeepSpeedStrategy's own arguments (None: the config's, else DeepSpeed's): ds_config/strategy_arguments.py
         zero_optimization: Optional[bool] = None, remote_device: Optional[str] = None,
         offload_parameters: Optional[bool] = None, offload_params_device: Optional[str] = None,
         params_buffer_count: Optional[int] = None, params_buffer_size: Optional[int] = None,
@@ -522,11 +519,12 @@ class ZeroStrategy(ParallelStrategy):
         if storage_options is not None:
             raise TypeError("ZeroStrategy.save_checkpoint does not take storage_options: it writes with "
                             "torch.distributed.checkpoint")
+        options = checkpoint_save_options(self.ds_config, self.precision_plugin.precision)
+
         def save_sharded(state: dict, path: str) -> None:
             save_states(state, path, module=self.lightning_module, optimizers=self.optimizers, stage=self.stage,
                         offload=self.zero_config.offload, exclude_frozen_parameters=self.exclude_frozen_parameters,
-                        async_save=self.async_save,
-                        **checkpoint_save_options(self.ds_config, self.precision_plugin.precision))
+                        async_save=self.async_save, **options)
 
         with self.hang_guard.phase("save"):
             path = self.broadcast(str(filepath))
@@ -583,6 +581,17 @@ class ZeroStrategy(ParallelStrategy):
                                         self.checkpoint_io)
         else:
             super().teardown()
+
+    @property
+    def checkpoint_io(self):
+        return super().checkpoint_io  # Lightning's default, which only teardown reaches: saves never use it
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io) -> None:  # Trainer(plugins=[MyCheckpointIO()]) sets it: refused, never silently unused
+        if io is not None:  # (the constructor's checkpoint_io is refused in resolve_settings)
+            raise NotImplementedError(f"ZeroStrategy does not use a CheckpointIO plugin ({type(io).__name__}): it "
+                                      "writes and reads checkpoints with torch.distributed.checkpoint itself, so the "
+                                      "plugin would never be called. Remove it from Trainer(plugins=...)")
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
