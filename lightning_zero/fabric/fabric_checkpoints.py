@@ -32,6 +32,7 @@ import sys
 from typing import Any, Callable, Optional, Union
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
@@ -40,9 +41,10 @@ from lightning_zero.checkpoint.deepspeed_reader import is_deepspeed_checkpoint
 from lightning_zero.checkpoint.deepspeed_resume import LOSS_SCALER_KEY
 from lightning_zero.checkpoint.directory import checkpoint_directory
 from lightning_zero.checkpoint.errors import CheckpointError
+from lightning_zero.checkpoint.full_save import FULL_FILE_MARKER, is_full_file, save_full_file
 from lightning_zero.checkpoint.io import pending_save_paths, settle_pending_saves, wait_for_pending_saves
 from lightning_zero.checkpoint.load_full import load_full_checkpoint, load_raw_module, load_raw_optimizer
-from lightning_zero.checkpoint.safe_load import load_meta
+from lightning_zero.checkpoint.safe_load import load_meta, safe_torch_load
 from lightning_zero.checkpoint.states import model_params_per_group
 
 KEYS = "fabric_state_keys"  # {"modules": [key, ...], "optimizers": [key, ...]} in meta.pt
@@ -53,7 +55,8 @@ SCALER = "fabric_loss_scaler"  # the fp16 loss scaler's state (plain numbers)
 RESERVED = {"state_dict": "the modules' weights", "optimizer_states": "the optimizers' states",
             KEYS: "which keys held modules and optimizers", SCALER: "the fp16 loss scaler",
             "optimizer_param_groups": "the optimizers' param groups",
-            "frozen_parameters_excluded": "the frozen weights left out (exclude_frozen_parameters)"}
+            "frozen_parameters_excluded": "the frozen weights left out (exclude_frozen_parameters)",
+            FULL_FILE_MARKER: "the mark of a state_dict_type='full' file"}
 
 
 def _unwrap(module: nn.Module) -> nn.Module:
@@ -94,11 +97,13 @@ def _module_view(state: dict[str, Any], keys: list[str]) -> nn.Module:
 
 def save(path: str, state: dict[str, Any], filter: Optional[dict[str, Callable[[str, Any], bool]]], *, precision,
          zero_config, exclude_frozen_parameters: bool, ds_config_report: Optional[dict], async_save: bool,
-         weights_16bit: Optional[torch.dtype] = None) -> None:
+         weights_16bit: Optional[torch.dtype] = None, full: bool = False) -> None:
     """Write ``state`` as a sharded checkpoint directory at ``path`` (collective: every rank calls it), with the fp16
     loss scaler of the strategy's ``precision`` plugin and the run's settings recorded (``zero.json``).
     ``weights_16bit``: also write the saved (filtered) weights unsharded in that dtype, as ``pytorch_model.bin``
-    (:func:`lightning_zero.checkpoint.states.save_states`)."""
+    (:func:`lightning_zero.checkpoint.states.save_states`). ``full``: one file instead of a directory
+    (``state_dict_type="full"``): the same content as a Lightning checkpoint file (``state_dict``,
+    ``optimizer_states``, the state's other entries), which :func:`load` reads back."""
     module_keys, optimizer_keys = _split(state)
     _refuse_reserved_keys(state, module_keys, optimizer_keys, "fabric.save")
     if filter and set(filter) - set(module_keys):
@@ -121,9 +126,18 @@ def save(path: str, state: dict[str, Any], filter: Optional[dict[str, Callable[[
     checkpoint[KEYS] = {"modules": module_keys, "optimizers": optimizer_keys}
     if precision.scaler is not None:
         checkpoint[SCALER] = precision.state_dict()
-    checkpointing.save_states(checkpoint, path, module=module, optimizers=optimizers, stage=zero_config.stage,
-                              offload=zero_config.offload, exclude_frozen_parameters=exclude_frozen_parameters,
-                              ds_config_report=ds_config_report, async_save=async_save, weights_16bit=weights_16bit)
+
+    def save_sharded(states: dict[str, Any], directory: str) -> None:
+        checkpointing.save_states(states, directory, module=module, optimizers=optimizers, stage=zero_config.stage,
+                                  offload=zero_config.offload, exclude_frozen_parameters=exclude_frozen_parameters,
+                                  ds_config_report=ds_config_report, async_save=async_save,
+                                  weights_16bit=weights_16bit)
+
+    if full:  # one file, streamed out of the shards by rank 0 (lightning_zero.checkpoint.full_save)
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        save_full_file(checkpoint, path, save_sharded, rank=rank, with_optimizer=bool(optimizers))
+    else:
+        save_sharded(checkpoint, path)
     if async_save:
         _await_at_exit()
 
@@ -164,6 +178,9 @@ def load(path: str, state: Optional[dict[str, Any]], strict: bool, *, precision,
     wait_for_pending_saves(barrier=bool(async_save))
     if is_deepspeed_checkpoint(path):
         return _load_deepspeed(path, state, strict, precision=precision,
+                               exclude_frozen_parameters=exclude_frozen_parameters)
+    if is_full_file(path):
+        return _load_full_file(path, state, strict, precision=precision,
                                exclude_frozen_parameters=exclude_frozen_parameters)
     directory = checkpoint_directory(path)
     meta = load_meta(directory)
@@ -223,6 +240,28 @@ def _load_deepspeed(path: str, state: dict[str, Any], strict: bool, *, precision
     scaler_state = rest.pop(LOSS_SCALER_KEY, None)
     if scaler_state is not None and precision.scaler is not None:
         precision.load_state_dict({"loss_scaler": scaler_state})
+    _restore_values(path, state, rest, module_keys + optimizer_keys, strict)
+    return rest
+
+
+def _load_full_file(path: str, state: dict[str, Any], strict: bool, *, precision,
+                    exclude_frozen_parameters: bool) -> dict[str, Any]:
+    """A file ``fabric.save`` wrote with ``state_dict_type="full"``: through the full-checkpoint loader (each rank
+    reading its slices, at any stage and world size), the state's modules and optimizers matched by key as in
+    :func:`load`."""
+    saved = safe_torch_load(path, what=path, mmap=True).get(KEYS)
+    module_keys, optimizer_keys = _split(state)
+    if saved is None or module_keys != saved["modules"] or (optimizer_keys and optimizer_keys != saved["optimizers"]):
+        raise KeyError(f"{path}: the state's modules {module_keys} and optimizers {optimizer_keys} do not match the "
+                       f"file's ({saved}); pass them under the same keys (the optimizers may be left out)")
+    rest, _ = load_full_checkpoint(path, _module_view(state, module_keys), [state[key] for key in optimizer_keys],
+                                   strict=strict, exclude_frozen_parameters=exclude_frozen_parameters,
+                                   load_full_weights=not optimizer_keys)
+    for key in ("state_dict", KEYS, FULL_FILE_MARKER, "optimizer_param_groups", "frozen_parameters_excluded"):
+        rest.pop(key, None)
+    scaler_state = rest.pop(SCALER, None)
+    if scaler_state is not None and precision.scaler is not None:
+        precision.load_state_dict(scaler_state)
     _restore_values(path, state, rest, module_keys + optimizer_keys, strict)
     return rest
 

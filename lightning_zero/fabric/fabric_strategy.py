@@ -137,10 +137,6 @@ class ZeroStrategy(ParallelStrategy):
         contiguous_memory_optimization: Optional[bool] = None, synchronize_checkpoint_boundary: Optional[bool] = None,
     ) -> None:
         settings = resolve_settings(**{name: value for name, value in locals().items() if name in SETTING_NAMES})
-        if settings.state_dict_type == "full":
-            raise NotImplementedError("state_dict_type='full' is not supported by the Fabric strategy yet: "
-                                      "fabric.save writes a sharded directory; `lightning-zero consolidate DIR FILE` "
-                                      "makes one file")
         if settings.auto_resume:
             raise ValueError("auto_resume=True resumes from the Trainer's ModelCheckpoint directories, which Fabric "
                              "has not: call fabric.load(path, state) yourself, and leave auto_resume=False")
@@ -395,6 +391,7 @@ class ZeroStrategy(ParallelStrategy):
             fabric_checkpoints.save(
                 self.broadcast(str(path)), state, filter, precision=self.precision, zero_config=self.zero_config,
                 exclude_frozen_parameters=self.exclude_frozen_parameters, async_save=self.async_save,
+                full=self.settings.state_dict_type == "full",
                 **checkpoint_save_options(self.ds_config, self.precision.precision))
 
     def load_checkpoint(self, path, state: Optional[dict] = None, strict: bool = True,

@@ -212,3 +212,36 @@ def test_consolidation_reads_each_checkpoint_record_once(tmp_path):
         consolidate_checkpoint(path, str(tmp_path / "out.ckpt"))
     assert counts == {"zero.json": 1, ".metadata": 1, "meta.pt": 1}, counts
     assert torch.load(tmp_path / "out.ckpt", weights_only=True)["epoch"] == 1
+
+
+def _full_file_worker(rank, world_size, path):
+    from lightning_zero.checkpoint.full_save import FULL_FILE_MARKER, staging_directory
+
+    fabric = make_fabric(ZeroStrategy(stage=3, state_dict_type="full"))
+    model, optimizer = fabric_train(fabric, rank, world_size, steps=range(1))
+    fabric.save(path, {"model": model, "optimizer": optimizer, "step": 1})
+    at_save = full_weights(_unwrapped(model))
+    if rank == 0:
+        assert os.path.isfile(path) and not os.path.exists(staging_directory(path))
+        stored = torch.load(path, weights_only=True)
+        assert stored[FULL_FILE_MARKER] is True and stored["step"] == 1 and stored["optimizer_states"][0]["state"]
+        assert all(torch.equal(stored["state_dict"][k], v) for k, v in at_save.items())
+    fabric.save(path, {"model": model, "optimizer": optimizer, "step": 1})  # our own file is replaced
+    fabric_train(fabric, rank, world_size, steps=range(1, STEPS), model=model, optimizer=optimizer)
+    uninterrupted = full_weights(_unwrapped(model))
+    # resumed at stage 2 (the file reshards like any full checkpoint), the remaining steps as uninterrupted
+    fabric = make_fabric(ZeroStrategy(stage=2))
+    torch.manual_seed(123)
+    with fabric.init_module():
+        module = TinyNet()
+    model, optimizer = fabric.setup(module, make_optimizer(module))
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    assert fabric.load(path, state) == {} and state["step"] == 1
+    assert all(torch.equal(full_weights(_unwrapped(model))[k], v) for k, v in at_save.items())
+    fabric_train(fabric, rank, world_size, steps=range(1, STEPS), model=model, optimizer=optimizer)
+    for key, value in full_weights(_unwrapped(model)).items():
+        torch.testing.assert_close(value, uninterrupted[key], rtol=0, atol=0, msg=key)
+
+
+def test_state_dict_type_full_writes_one_file_that_resumes_at_another_stage(tmp_path):
+    run_distributed(_full_file_worker, 2, str(tmp_path / "fabric.pth"))
