@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from lightning_zero.checkpoint.errors import CheckpointError
+from lightning_zero.checkpoint.full_save import FULL_FILE_MARKER
 from lightning_zero.checkpoint.safe_load import load_meta
 from lightning_zero.fabric import ZeroStrategy, fabric_checkpoints
 from tests.distributed import run_distributed
@@ -280,6 +281,7 @@ def test_the_reserved_keys_are_every_key_a_save_writes_itself(tmp_path):
           precision=SimpleNamespace(scaler=object(), state_dict=lambda: {"scale": 1.0}),
           exclude_frozen_parameters=True)
     written = set(load_meta(str(tmp_path / "ckpt"))) | {"state_dict", "optimizer_states"}  # the last two: DCP
+    written.add(FULL_FILE_MARKER)  # what a state_dict_type="full" save adds to these (test_fabric_checkpoint.py)
     assert written == set(fabric_checkpoints.RESERVED) | set(user)
 
 
