@@ -40,7 +40,7 @@ _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 # Fault injection for the reliability tests: called with a step name at each step of a save (see FAULT_STEPS).
 FAULT_HOOK: Optional[Callable[[str], None]] = None
-FAULT_STEPS = ("before_shards", "after_metadata", "after_info", "mid_swap")
+FAULT_STEPS = ("before_shards", "after_metadata", "after_info", "mid_swap", "mid_delete")
 
 
 class CheckpointSaveError(RuntimeError):
@@ -100,9 +100,33 @@ def _made_by_us(path: str) -> bool:
 
 def _delete(path: str) -> None:
     if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path)
+        delete_checkpoint_directory(path)
     elif os.path.lexists(path):
         os.remove(path)
+
+
+def delete_checkpoint_directory(path: str) -> None:
+    """Delete a checkpoint directory of ours so that a kill at any instant leaves something recognisably ours.
+
+    [Note: deleting a checkpoint] A complete checkpoint carries no :data:`PARTIAL_MARKER`; ``shutil.rmtree`` removes
+    entries in directory order, so a kill could leave the shards without ``.metadata``/``zero.json``: a directory
+    that no longer looks like ours, which the next save then refused to delete (a crash loop under ``torchrun
+    --max-restarts``). The marker is written first and removed last, so every intermediate state is a marked
+    leftover that the next save (or rotation) deletes.
+    """
+    marker = os.path.join(path, PARTIAL_MARKER)
+    with open(marker, "a"):
+        pass
+    for entry in list(os.scandir(path)):
+        if entry.name == PARTIAL_MARKER:
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path)
+        else:
+            os.remove(entry.path)
+        fault_point("mid_delete")
+    os.remove(marker)
+    os.rmdir(path)
 
 
 def delete_leftover(path: str) -> None:
@@ -127,8 +151,8 @@ def why_not_replaceable(path: str) -> Optional[str]:
         return (f"{path} is a symlink to {os.readlink(path)!r}, which is not a complete lightning-zero checkpoint; "
                 "refusing to replace it. Remove the link or choose another path")
     if os.path.isdir(path):
-        if is_complete(path) or not os.listdir(path):
-            return None
+        if is_complete(path) or not os.listdir(path) or os.path.isfile(os.path.join(path, PARTIAL_MARKER)):
+            return None  # ours: complete, empty, or a marked leftover (a kill mid-write or mid-delete)
         return (f"{path} is an existing directory that is not a lightning-zero checkpoint (no {INFO_FILE} and "
                 ".metadata); saving would replace it and delete its contents. Refusing: choose another path or move "
                 "the directory away")

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import threading
 from concurrent.futures import Future
 from typing import Any, Callable, Dict, List, Optional, Union
@@ -399,6 +398,6 @@ def remove_sharded_checkpoint(path: PathLike) -> None:
         reason = atomic.why_not_replaceable(path)
         if reason:
             raise CheckpointSaveError(reason.replace("replace", "delete"))
-        shutil.rmtree(path)
+        atomic.delete_checkpoint_directory(path)
     for leftover in (_partial_dir(path), _old_dir(path)):
         atomic.delete_leftover(leftover)

@@ -20,6 +20,7 @@ from lightning_zero.checkpoint import (
     CheckpointSaveError,
     atomic,
     load_sharded_checkpoint,
+    remove_sharded_checkpoint,
     save_sharded_checkpoint,
     wait_for_pending_saves,
 )
@@ -126,3 +127,51 @@ def test_fallback_recovery_on_the_next_save_restores_last_before_replacing_it(tm
     with pytest.raises(CheckpointSaveError, match="reserved"):  # a save that fails at finalisation
         save_sharded_checkpoint(path, bad, META, info={"world_size": 3})
     assert saved_version(path) == 1 and lightning_last(str(tmp_path)) == {path}
+
+
+class _Killed(BaseException):
+    """Stands for a kill at a fault point: nothing after it runs, what is on disk stays as it is."""
+
+
+def _kill_at(step: str):
+    def hook(at: str) -> None:
+        if at == step:
+            raise _Killed(at)
+    return hook
+
+
+def test_a_kill_while_a_checkpoint_is_deleted_leaves_a_leftover_the_next_save_removes(tmp_path):
+    # Issue 30: killed while the swapped-out previous checkpoint was being deleted, the next run refused to save
+    # ("... .partial exists but was not written by a lightning-zero save"): a crash loop under torchrun restarts.
+    path = str(tmp_path / "last.ckpt")
+    save_sharded_checkpoint(path, plain_state(1), META)
+    atomic.FAULT_HOOK = _kill_at("mid_delete")
+    try:
+        with pytest.raises(_Killed):
+            save_sharded_checkpoint(path, plain_state(2), META)
+    finally:
+        atomic.FAULT_HOOK = None
+    assert saved_version(path) == 2  # the swap had committed
+    leftover = atomic.partial_dir(path)
+    assert os.path.isdir(leftover) and os.listdir(leftover), "the half-deleted previous checkpoint"
+    save_sharded_checkpoint(path, plain_state(1), META)
+    assert saved_version(path) == 1 and not os.path.lexists(leftover)
+    # the same for top-k rotation killed mid-delete: the half-deleted checkpoint is still ours to delete or replace
+    other = str(tmp_path / "step1.ckpt")
+    save_sharded_checkpoint(other, plain_state(1), META)
+
+    def once_incomplete(at: str) -> None:  # killed as soon as the directory no longer looks complete
+        if at == "mid_delete" and not atomic.is_complete(other):
+            raise _Killed(at)
+
+    atomic.FAULT_HOOK = once_incomplete
+    try:
+        with pytest.raises(_Killed):
+            remove_sharded_checkpoint(other)
+    finally:
+        atomic.FAULT_HOOK = None
+    assert os.path.isdir(other) and not atomic.is_complete(other)
+    save_sharded_checkpoint(other, plain_state(2), META)
+    assert saved_version(other) == 2
+    remove_sharded_checkpoint(other)
+    assert not os.path.lexists(other)
