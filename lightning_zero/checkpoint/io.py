@@ -401,3 +401,23 @@ def remove_sharded_checkpoint(path: PathLike) -> None:
         atomic.delete_checkpoint_directory(path)
     for leftover in (_partial_dir(path), _old_dir(path)):
         atomic.delete_leftover(leftover)
+
+
+def repoint_links(path: PathLike, new_target: Optional[PathLike]) -> None:
+    """Before ``path`` is deleted: each symlink in its directory that points to it is re-pointed to ``new_target``
+    (a complete checkpoint; relative, as Lightning links), atomically (a new link renamed over the old one). Without
+    this a kill between the deletion and Lightning's re-link left ``last.ckpt`` dangling, and a restart with
+    ``ckpt_path="last"`` started from step 0. Nothing happens when ``new_target`` is ``None`` or not complete."""
+    if new_target is None:
+        return
+    path, new_target = _norm(path), _norm(new_target)
+    if path == new_target or not (atomic.is_complete(new_target) or os.path.isfile(new_target)):
+        return
+    parent = os.path.dirname(path)
+    for entry in os.scandir(parent):
+        if entry.is_symlink() and os.path.realpath(entry.path) == os.path.realpath(path):
+            staging = os.path.join(parent, f".{entry.name}.lz-relink")
+            if os.path.lexists(staging):
+                os.remove(staging)
+            os.symlink(os.path.relpath(new_target, parent), staging)
+            os.replace(staging, entry.path)

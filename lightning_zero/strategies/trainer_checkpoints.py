@@ -1,11 +1,14 @@
 """The Trainer's checkpoints under ZeroStrategy: Lightning's checkpoint dict in and out of the sharded format
-(:mod:`lightning_zero.checkpoint.states`), or from one full file or a DeepSpeed ZeRO checkpoint directory
-(:mod:`lightning_zero.checkpoint.load_full`), and the callback settings whose checkpoints could not be resumed from.
+(:mod:`lightning_zero.checkpoint.states`) or one full file (``state_dict_type="full"``,
+:mod:`lightning_zero.checkpoint.full_save`), loads from one full file or a DeepSpeed ZeRO checkpoint directory
+(:mod:`lightning_zero.checkpoint.load_full`), top-k removal, and the callback settings whose checkpoints could not
+be resumed from.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from typing import Any, Optional
 
 import torch
 from lightning.fabric import __version__ as lightning_version
@@ -14,10 +17,11 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning_zero.checkpoint.deepspeed_reader import is_deepspeed_checkpoint
 from lightning_zero.checkpoint.deepspeed_resume import LOSS_SCALER_KEY
 from lightning_zero.checkpoint.directory import checkpoint_directory
-from lightning_zero.checkpoint.io import wait_for_pending_saves
+from lightning_zero.checkpoint.full_save import remove_full_file, save_full_file
+from lightning_zero.checkpoint.io import remove_sharded_checkpoint, repoint_links, wait_for_pending_saves
 from lightning_zero.checkpoint.load_full import is_full_checkpoint, load_full_checkpoint
 from lightning_zero.checkpoint.safe_load import load_meta
-from lightning_zero.checkpoint.states import load_states
+from lightning_zero.checkpoint.states import load_states, save_states
 
 
 def check_checkpoint_callbacks(async_save: bool, checkpoint_callbacks: list) -> None:
@@ -106,3 +110,27 @@ def load_deepspeed(path: str, module: torch.nn.Module, optimizers: list, *, excl
                        "and LR schedulers start fresh")
         rest["lr_schedulers"] = []
     return rest
+
+
+def save(checkpoint: dict[str, Any], path: str, module: torch.nn.Module, optimizers: list, *, rank: int, stage: int,
+         offload: str, exclude_frozen_parameters: bool, async_save: bool, full: bool, options: dict) -> str:
+    """Save Lightning's ``checkpoint`` at ``path`` (collective): a sharded directory, or with ``full`` one file
+    streamed out of the shards. ``options``: the ds_config's save options. Returns ``path``."""
+    def save_sharded(state: dict, directory: str) -> None:
+        save_states(state, directory, module=module, optimizers=optimizers, stage=stage, offload=offload,
+                    exclude_frozen_parameters=exclude_frozen_parameters, async_save=async_save, **options)
+
+    if full:
+        save_full_file(checkpoint, path, save_sharded, rank=rank,
+                       with_optimizer=bool(checkpoint.get("optimizer_states")))
+    else:
+        save_sharded(checkpoint, path)
+    return path
+
+
+def remove(path: str, newest: Optional[str]) -> None:
+    """Top-k removal of the checkpoint at ``path`` (rank 0). A link beside it that points to it (``last.ckpt`` under
+    ``save_last="link"``) is first re-pointed to ``newest``, the checkpoint saved last, so a kill during the deletion
+    never leaves it dangling; Lightning then links it to the same checkpoint."""
+    repoint_links(path, newest)
+    (remove_full_file if os.path.isfile(path) else remove_sharded_checkpoint)(path)

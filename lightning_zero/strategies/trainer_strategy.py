@@ -11,7 +11,6 @@ settings (:mod:`.ds_config_fit`), launch checks, preemption and automatic resume
 from __future__ import annotations
 
 import logging
-import os
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Generator, Literal, Optional, Union
@@ -39,10 +38,9 @@ from lightning_zero.adapters.launch_checks import (
 )
 from lightning_zero.adapters.process_group import start_process_group
 from lightning_zero.adapters.settings import SETTING_NAMES, STRATEGY_NAMES, checkpoint_save_options, resolve_settings
-from lightning_zero.checkpoint.full_save import remove_full_file, save_full_file
-from lightning_zero.checkpoint.io import remove_sharded_checkpoint, wait_for_pending_saves
+from lightning_zero.checkpoint.io import wait_for_pending_saves
 from lightning_zero.checkpoint.save_guards import broadcast_object
-from lightning_zero.checkpoint.states import module_state_dict, optimizer_state_dict, save_states
+from lightning_zero.checkpoint.states import module_state_dict, optimizer_state_dict
 from lightning_zero.diagnostics.hang_guard import DEFAULT_HANG_TIMEOUT, HangGuard
 from lightning_zero.diagnostics.network import DEFAULT_RENDEZVOUS_TIMEOUT
 from lightning_zero.distributed import runtime
@@ -519,20 +517,13 @@ class ZeroStrategy(ParallelStrategy):
         if storage_options is not None:
             raise TypeError("ZeroStrategy.save_checkpoint does not take storage_options: it writes with "
                             "torch.distributed.checkpoint")
-        options = checkpoint_save_options(self.ds_config, self.precision_plugin.precision)
-
-        def save_sharded(state: dict, path: str) -> None:
-            save_states(state, path, module=self.lightning_module, optimizers=self.optimizers, stage=self.stage,
-                        offload=self.zero_config.offload, exclude_frozen_parameters=self.exclude_frozen_parameters,
-                        async_save=self.async_save, **options)
-
         with self.hang_guard.phase("save"):
-            path = self.broadcast(str(filepath))
-            if self.settings.state_dict_type == "full":  # one file, streamed out of the shards (full_save.py)
-                save_full_file(checkpoint, path, save_sharded, rank=self.global_rank,
-                               with_optimizer=bool(checkpoint.get("optimizer_states")))
-            else:
-                save_sharded(checkpoint, path)
+            self._newest_save = trainer_checkpoints.save(
+                checkpoint, self.broadcast(str(filepath)), self.lightning_module, self.optimizers,
+                rank=self.global_rank, stage=self.stage, offload=self.zero_config.offload,
+                exclude_frozen_parameters=self.exclude_frozen_parameters, async_save=self.async_save,
+                full=self.settings.state_dict_type == "full",
+                options=checkpoint_save_options(self.ds_config, self.precision_plugin.precision))
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
         with self.hang_guard.phase("load"):
@@ -551,7 +542,7 @@ class ZeroStrategy(ParallelStrategy):
 
     def remove_checkpoint(self, filepath) -> None:
         if self.is_global_zero:
-            (remove_full_file if os.path.isfile(filepath) else remove_sharded_checkpoint)(filepath)
+            trainer_checkpoints.remove(str(filepath), newest=getattr(self, "_newest_save", None))
 
     def on_exception(self, exception: BaseException) -> None:
         explain_unused_parameters(exception, self.stage)

@@ -175,3 +175,29 @@ def test_a_kill_while_a_checkpoint_is_deleted_leaves_a_leftover_the_next_save_re
     assert saved_version(other) == 2
     remove_sharded_checkpoint(other)
     assert not os.path.lexists(other)
+
+
+def _link_kill_worker(rank, world_size, root):
+    from lightning_zero import ZeroStrategy
+    from tests.lightning_models import RegressionModule, quiet_trainer
+
+    every = ModelCheckpoint(dirpath=root, filename="{step}", every_n_train_steps=1, save_top_k=1, monitor="step",
+                            mode="max", save_last="link")
+    trainer = quiet_trainer(ZeroStrategy(stage=2), world_size, max_steps=3, enable_checkpointing=True,
+                            callbacks=[every])
+    atomic.FAULT_HOOK = _kill_at("mid_delete")  # the first deletion: step=1, which last.ckpt points to
+    try:
+        with pytest.raises(_Killed):
+            trainer.fit(RegressionModule())
+    finally:
+        atomic.FAULT_HOOK = None
+
+
+def test_a_kill_while_rotation_deletes_the_target_of_last_never_leaves_it_dangling(tmp_path):
+    # Issue 30: killed while top-k rotation deleted the checkpoint last.ckpt linked to, before Lightning re-linked
+    # it, last.ckpt dangled and the job resumed from step 0. The link now moves to the newest save first.
+    run_distributed(_link_kill_worker, 1, str(tmp_path))
+    last = tmp_path / "last.ckpt"
+    assert os.path.islink(last) and atomic.is_complete(str(last)), os.readlink(last)
+    assert os.path.realpath(last) == os.path.realpath(tmp_path / "step=2.ckpt")
+    assert lightning_last(str(tmp_path)) == {str(last)}
