@@ -22,7 +22,7 @@ import atexit
 import errno
 import os
 import socket
-import uuid
+import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -190,15 +190,38 @@ def describe_failure(path: str, err: BaseException, needed: Optional[int]) -> st
             f"The partial directory was removed and the previous checkpoint at {path}, if any, is intact")
 
 
-def _probe(parent: str, rank: int) -> tuple:
+PROBE_PREFIX = ".lightning-zero-probe-"
+STALE_PROBE_SECONDS = 600  # far longer than any save's agreement phase: such a probe's save died
+
+
+def _probe(parent: str, rank: int, path: str) -> tuple:
+    """Write this rank's probe beside the checkpoint. Its name is fixed per checkpoint name and rank, so the probe a
+    killed save left behind is overwritten and removed by the next save of that checkpoint."""
     try:
         os.makedirs(parent, exist_ok=True)
-        name = os.path.join(parent, f".lightning-zero-probe-{uuid.uuid4().hex}")
+        name = os.path.join(parent, f"{PROBE_PREFIX}{os.path.basename(path)}-r{rank}")
         with open(name, "w") as file:
             file.write(str(rank))
         return name, None
     except OSError as err:
         return None, f"rank {rank} cannot write to {parent}: {err}"
+
+
+def _remove_stale_probes(parent: str) -> None:
+    """Remove probes older than :data:`STALE_PROBE_SECONDS` (of saves killed before their clean-up, under another
+    checkpoint name or world size); a fresh one may belong to a save in progress and is left alone."""
+    now = time.time()
+    try:
+        entries = list(os.scandir(parent))
+    except OSError:
+        return
+    for entry in entries:
+        if entry.name.startswith(PROBE_PREFIX):
+            try:
+                if now - entry.stat(follow_symlinks=False).st_mtime > STALE_PROBE_SECONDS:
+                    os.remove(entry.path)
+            except OSError:
+                pass
 
 
 def prepare_save(path: str, state: dict, write_meta: Callable[[str], None],
@@ -212,7 +235,7 @@ def prepare_save(path: str, state: dict, write_meta: Callable[[str], None],
     group = control_group(process_group)
     rank = dist.get_rank(group) if group is not None else 0
     parent = os.path.dirname(path)
-    probe, error = _probe(parent, rank)
+    probe, error = _probe(parent, rank, path)
     reports = all_gather((socket.gethostname(), probe, shard_bytes(state)), group)
     needed = sum(report[2] for report in reports) + _SLACK_PER_RANK * len(reports) + extra_bytes
     errors: List[str] = list(earlier_failures) + ([error] if error else [])
@@ -254,6 +277,8 @@ def prepare_save(path: str, state: dict, write_meta: Callable[[str], None],
             os.remove(probe)
         except OSError:
             pass
+    if rank == 0:
+        _remove_stale_probes(parent)
     failures = [message for messages in verdicts for message in messages]
     if failures:
         if created:

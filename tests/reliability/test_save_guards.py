@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import os
 import subprocess
+import time
 
 import pytest
 import torch
@@ -241,3 +242,20 @@ def test_the_packages_own_groups_take_the_users_timeout():
     # Issue 30: with ZeroStrategy(timeout=30 s) and a rank hung in training_step, teardown waited for pending saves
     # on the save control group, created with torch's 30-minute default, until the hang watchdog ended the job.
     run_distributed(_control_group_timeout_worker, 2)
+
+
+def test_probes_of_killed_saves_are_removed_by_later_saves(tmp_path):
+    # Issue 30: kills (and a full disk) left hidden .lightning-zero-probe-* files that no later save removed
+    from lightning_zero.checkpoint.save_guards import PROBE_PREFIX, STALE_PROBE_SECONDS
+
+    path = tmp_path / "last.ckpt"
+    same_name = tmp_path / f"{PROBE_PREFIX}last.ckpt-r0"  # a killed save of this checkpoint, this rank
+    other_old = tmp_path / f"{PROBE_PREFIX}epoch=1.ckpt-r3"  # another name and world size, long ago
+    other_fresh = tmp_path / f"{PROBE_PREFIX}epoch=2.ckpt-r1"  # possibly a save in progress: kept
+    for probe in (same_name, other_old, other_fresh):
+        probe.write_text("0")
+    old = time.time() - STALE_PROBE_SECONDS - 60
+    os.utime(other_old, (old, old))
+    save_sharded_checkpoint(str(path), tiny(1.0), META)
+    assert value_at(path) == 1.0
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(PROBE_PREFIX)) == [other_fresh.name]
