@@ -229,3 +229,26 @@ def swap_into_place(partial: str, path: str) -> None:
     os.rename(partial, path)
     _fsync_dir(os.path.dirname(path))
     _delete(old)
+
+
+def sweep_leftovers(directory: str, keep: str) -> None:
+    """Delete the leftovers of killed saves in ``directory``: ``.X.partial`` and ``.X.lz-staging`` directories made
+    by us (marked or complete), and ``.X.old`` once ``X`` is complete again (a lone ``.X.old`` is put back at ``X``
+    instead, as :func:`recover_interrupted_swap` does). ``keep``: the partial directory of the save in progress.
+    Called by a save's rank 0 once no earlier save of this process is pending (``save_sharded_checkpoint`` settles
+    them first), so no other save of this job is writing there; anything not ours is left alone."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(directory, name)
+        if not name.startswith(".") or path == keep or not os.path.isdir(path) or os.path.islink(path):
+            continue
+        if name.endswith(".partial") or name.endswith(".lz-staging"):
+            if _made_by_us(path):
+                delete_checkpoint_directory(path)
+        elif name.endswith(".old"):
+            target = os.path.join(directory, name[1:-len(".old")])
+            if not recover_interrupted_swap(target) and is_complete(target) and _made_by_us(path):
+                delete_checkpoint_directory(path)

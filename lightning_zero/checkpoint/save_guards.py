@@ -34,6 +34,7 @@ from lightning_zero.checkpoint.atomic import (
     delete_leftover,
     partial_dir,
     recover_interrupted_swap,
+    sweep_leftovers,
     why_not_replaceable,
 )
 from lightning_zero.distributed.group_timeout import package_group_timeout
@@ -279,6 +280,7 @@ def prepare_save(path: str, state: dict, write_meta: Callable[[str], None],
             pass
     if rank == 0:
         _remove_stale_probes(parent)
+        sweep_leftovers(parent, keep=partial_dir(path))
     failures = [message for messages in verdicts for message in messages]
     if failures:
         if created:

@@ -201,3 +201,22 @@ def test_a_kill_while_rotation_deletes_the_target_of_last_never_leaves_it_dangli
     assert os.path.islink(last) and atomic.is_complete(str(last)), os.readlink(last)
     assert os.path.realpath(last) == os.path.realpath(tmp_path / "step=2.ckpt")
     assert lightning_last(str(tmp_path)) == {str(last)}
+
+
+def test_a_later_save_sweeps_the_leftovers_of_killed_saves_of_other_names(tmp_path):
+    # A save killed mid-write leaves .X.partial (and a full-file save .X.lz-staging); if X is never saved again no
+    # later save removed it. Each save's rank 0 now sweeps its directory (nothing else of this job writes there then).
+    import shutil
+
+    save_sharded_checkpoint(str(tmp_path / "c.ckpt"), plain_state(1), META)
+    shutil.copytree(tmp_path / "c.ckpt", tmp_path / ".b.ckpt.lz-staging")  # a complete staging copy
+    shutil.copytree(tmp_path / "c.ckpt", tmp_path / ".c.ckpt.old")  # stale: c.ckpt is complete
+    shutil.copytree(tmp_path / "c.ckpt", tmp_path / ".d.ckpt.old")  # killed mid-swap: d.ckpt is missing
+    (tmp_path / ".a.ckpt.partial").mkdir()
+    (tmp_path / ".a.ckpt.partial" / atomic.PARTIAL_MARKER).write_text("")
+    (tmp_path / ".a.ckpt.partial" / "__0_0.distcp").write_text("half")
+    (tmp_path / ".e.partial").mkdir()  # not ours: no marker
+    (tmp_path / ".e.partial" / "notes.txt").write_text("mine")
+    save_sharded_checkpoint(str(tmp_path / "last.ckpt"), plain_state(2), META)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".e.partial", "c.ckpt", "d.ckpt", "last.ckpt"]
+    assert saved_version(str(tmp_path / "d.ckpt")) == 1

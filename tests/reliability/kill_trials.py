@@ -1,0 +1,174 @@
+"""Kill a saving job from outside at random instants, then resume it both ways (issue 30, item 1).
+
+    python -m tests.reliability.kill_trials --trials 20 [--seed 0] [--root DIR]
+
+Each trial starts :mod:`tests.reliability.kill_job` (2 CPU ranks, a save after every step) in the mode of its turn
+(``sync``, ``async``, ``link``), SIGKILLs its whole process group at a uniformly random instant within the span a
+calibration run took to train, copies what it left, and resumes it twice: with ``ckpt_path="last"`` and with the
+path of the newest complete checkpoint. A resume passes when it exits 0, ends at the last step, starts from the step
+of the checkpoint it was given (``last.ckpt``'s for "last", the newest complete one otherwise), and leaves no
+temporary file of a save behind (``.partial``/``.old`` directories, probes, relink and staging names).
+``tests/reliability/test_kill_trials.py`` runs a few trials; this command runs the full count and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+from lightning_zero.checkpoint.directory import is_sharded_checkpoint
+from lightning_zero.checkpoint.safe_load import load_meta
+from tests.reliability.kill_job import STEPS
+
+REPO = Path(__file__).resolve().parents[2]
+MODES = ("sync", "async", "link")
+LEFTOVER_MARKS = (".partial", ".old", ".lightning-zero-probe-", ".lz-relink", ".lz-staging")
+
+
+def _start(root: Path, mode: str, ckpt: Optional[str] = None) -> subprocess.Popen:
+    command = [sys.executable, "-m", "tests.reliability.kill_job", str(root), mode] + ([ckpt] if ckpt else [])
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def _run(root: Path, mode: str, ckpt: Optional[str] = None, timeout: float = 300) -> tuple:
+    proc = _start(root, mode, ckpt)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return -1, out
+    return proc.returncode, out
+
+
+def step_of(path: Path) -> Optional[int]:
+    """The global step a complete checkpoint holds, ``None`` if it is not one."""
+    if not is_sharded_checkpoint(str(path)):
+        return None
+    return int(load_meta(str(path)).get("global_step", -1))
+
+
+def newest_complete(directory: Path) -> tuple:
+    """``(path, step)`` of the complete checkpoint with the highest step (``(None, 0)`` without one)."""
+    best = (None, 0)
+    if directory.is_dir():
+        for entry in directory.iterdir():
+            if entry.name.startswith(".") or entry.name == "last.ckpt":
+                continue
+            step = step_of(entry)
+            if step is not None and step > best[1]:
+                best = (entry, step)
+    return best
+
+
+def leftovers(directory: Path) -> list:
+    return sorted(p.name for p in directory.iterdir() if any(mark in p.name for mark in LEFTOVER_MARKS)) \
+        if directory.is_dir() else []
+
+
+def _resume(root: Path, mode: str, ckpt: str, expected_start: int) -> dict:
+    code, out = _run(root, mode, ckpt)
+    started = json.loads((root / "started.json").read_text())["step"] if (root / "started.json").exists() else None
+    final = json.loads((root / "final.json").read_text())["step"] if (root / "final.json").exists() else None
+    left = leftovers(root / "checkpoints")
+    ok = code == 0 and final == STEPS and started == expected_start and not left
+    return {"ok": ok, "exit": code, "started": started, "expected": expected_start, "final": final, "left": left,
+            "tail": "" if ok else out[-1500:]}
+
+
+def trial(base: Path, index: int, mode: str, kill_after: float) -> dict:
+    root = base / f"trial{index}"
+    root.mkdir(parents=True)
+    proc = _start(root, mode)
+    time.sleep(kill_after)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    checkpoints = root / "checkpoints"
+    newest, newest_step = newest_complete(checkpoints)
+    last = checkpoints / "last.ckpt"
+    last_step = step_of(last) if os.path.lexists(last) else None
+    by_path = base / f"trial{index}-path"
+    shutil.copytree(root, by_path, symlinks=True)
+    for name in ("started.json", "final.json"):
+        for where in (root, by_path):
+            (where / name).unlink(missing_ok=True)
+    result = {"trial": index, "mode": mode, "kill_s": round(kill_after, 2), "newest": newest_step,
+              "last": last_step}
+    result["last_resume"] = _resume(root, mode, "last", last_step or 0)
+    explicit = str(by_path / "checkpoints" / newest.name) if newest is not None else None
+    result["path_resume"] = _resume(by_path, mode, explicit, newest_step) if explicit else {"ok": True,
+                                                                                            "skipped": "none saved"}
+    return result
+
+
+def calibrate(base: Path) -> tuple:
+    """``(first_save_s, end_s)``: when an uninterrupted run's first checkpoint appeared and when it ended."""
+    root = base / "calibration"
+    root.mkdir(parents=True)
+    start = time.perf_counter()
+    proc = _start(root, "sync")
+    first = None
+    while proc.poll() is None:
+        if first is None and (root / "checkpoints").is_dir() and any((root / "checkpoints").iterdir()):
+            first = time.perf_counter() - start
+        time.sleep(0.05)
+    end = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"the calibration run failed:\n{proc.stdout.read()[-3000:]}")
+    return (first or end * 0.5), end
+
+
+def run_trials(count: int, seed: int = 0, base: Optional[Path] = None) -> list:
+    base = Path(base or tempfile.mkdtemp(prefix="lz-kill-"))
+    first, end = calibrate(base)
+    rng = random.Random(seed)
+    # from just before the first save to the end of training: every instant of the save-heavy span can be hit
+    window = (max(0.0, first - 0.5), end)
+    return [trial(base, i, MODES[i % len(MODES)], rng.uniform(*window)) for i in range(count)]
+
+
+def table(results: list) -> str:
+    lines = ["| trial | mode | killed at (s) | newest step | last.ckpt step | resume 'last' | resume path |",
+             "|---|---|---|---|---|---|---|"]
+    for r in results:
+        def cell(res: dict) -> str:
+            if res.get("skipped"):
+                return "n/a (" + res["skipped"] + ")"
+            return "ok" if res["ok"] else f"FAIL exit={res['exit']} start={res['started']}/{res['expected']} " \
+                                         f"end={res['final']} left={res['left']}"
+        lines.append(f"| {r['trial']} | {r['mode']} | {r['kill_s']} | {r['newest']} | {r['last']} | "
+                     f"{cell(r['last_resume'])} | {cell(r['path_resume'])} |")
+    resumes = [res for r in results for res in (r["last_resume"], r["path_resume"]) if not res.get("skipped")]
+    lines.append(f"\n{sum(res['ok'] for res in resumes)}/{len(resumes)} resumes passed over {len(results)} kills")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trials", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--root", type=Path, default=None)
+    args = parser.parse_args()
+    results = run_trials(args.trials, args.seed, args.root)
+    print(table(results))
+    for r in results:
+        for res in (r["last_resume"], r["path_resume"]):
+            if not res.get("ok"):
+                print(f"\ntrial {r['trial']} ({r['mode']}):\n{res.get('tail', '')}")
+    sys.exit(0 if all(res.get("ok") for r in results for res in (r["last_resume"], r["path_resume"])) else 1)
+
+
+if __name__ == "__main__":
+    main()
