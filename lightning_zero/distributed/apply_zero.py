@@ -122,6 +122,7 @@ def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[
             (:mod:`.activation_checkpointing`); applied before DDP/``fully_shard``, parameter names unchanged.
     """
     device = device or _default_device(mesh)
+    refuse_fsdp1_modules(module)
     init_meta_tensors(module)  # a meta-device build: reset_parameters(), recorded, replayed per unit below
     refuse_meta_tensors(module, config.stage)
     check_mesh_matches(mesh, config.hybrid_shard_size)
@@ -246,6 +247,21 @@ def reshard_gathered(module: nn.Module) -> None:
     for sub in module.modules():
         if isinstance(sub, FSDPModule):
             sub.reshard()
+
+
+def refuse_fsdp1_modules(module: nn.Module) -> None:
+    """Refuse a model holding torch's legacy ``FullyShardedDataParallel`` (FSDP1) wrappers, naming them: such a module
+    already shards its parameters into flat parameters and reduces its own gradients, so wrapping it again (DDP at
+    stages 0-1, FSDP2 at stages 2-3) would shard or reduce it twice. Lightning's ModelParallelStrategy refuses them
+    too; ZeroStrategy shards the plain model itself."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    wrapped = [f"'{name}'" if name else "the model itself" for name, sub in module.named_modules()
+               if isinstance(sub, FullyShardedDataParallel)]
+    if wrapped:
+        raise TypeError(f"The model holds torch's legacy FullyShardedDataParallel (FSDP1) wrapper at "
+                        f"{', '.join(wrapped)}. ZeroStrategy shards the model itself (FSDP2 at stages 2-3, DDP at "
+                        "0-1) and would shard or reduce an FSDP1 module a second time: pass the unwrapped model.")
 
 
 def _default_device(mesh) -> torch.device:

@@ -153,16 +153,42 @@ def check_optimizer_params(optimizer: torch.optim.Optimizer, module: nn.Module, 
             "(in __init__ or configure_model), and do not pass tensors that are not module parameters.")
 
 
+def point_at_shards(optimizer: torch.optim.Optimizer, module: nn.Module) -> None:
+    """Reshard ``module``'s units and put its sharded parameters in ``optimizer`` in place of gathered ones.
+
+    [Note: an optimizer built from gathered parameters]
+    A unit that does not reshard after forward (every unit at stage 2; the root and the last unit at stage 3) keeps
+    its gathered full parameters registered on the module after a forward without backward, so
+    ``module.parameters()`` returns plain tensors there until the next reshard. An optimizer built from them
+    (``fabric.setup_module``, a forward to evaluate, then ``fabric.setup_optimizers``) held tensors FSDP2 then drops:
+    it stepped nothing and the model silently never trained. The units are resharded first, and each such tensor is
+    replaced by the shard of the parameter of the same name (what an optimizer built before ``fabric.setup`` gets).
+    """
+    names = {id(param): name for name, param in module.named_parameters(remove_duplicate=False)}
+    reshard_gathered(module)
+    sharded = dict(module.named_parameters(remove_duplicate=False))
+    gathered = [(group, i) for group in optimizer.param_groups for i, param in enumerate(group["params"])
+                if id(param) in names and sharded[names[id(param)]] is not param]
+    if gathered and optimizer.state:
+        raise RuntimeError(f"{type(optimizer).__name__} was built from the model's gathered parameters (a forward ran "
+                           "between sharding the model and building the optimizer) and has stepped already: its "
+                           "states belong to tensors that are not the model's. Build it again, before any step")
+    for group, i in gathered:
+        group["params"][i] = sharded[names[id(group["params"][i])]]
+
+
 def shard_optimizer_of(optimizer: torch.optim.Optimizer, module: nn.Module, mesh, config: ZeroConfig, *,
                        device: torch.device, pipelined: bool = False, index: int = 0) -> bool:
     """Step 4, for one optimizer of ``module`` (wrapped by step 3): at stages 2-3 it must hold the sharded
     parameters (:func:`check_optimizer_params`; a pipeline's stage modules hold FSDP2 units of their own, so it is
     skipped there); then :func:`~lightning_zero.distributed.optimizer.shard_optimizer` partitions it over the shard
-    group (stage 1) and/or offloads it, in place. Returns ``False`` for an optimizer sharded before (an evaluation
-    after a fit keeps the fit's optimizers)."""
+    group (stage 1) and/or offloads it, in place. An optimizer built from parameters a forward left gathered is
+    pointed at the shards first (:func:`point_at_shards`). Returns ``False`` for an optimizer sharded before (an
+    evaluation after a fit keeps the fit's optimizers)."""
     if get_sharding(optimizer) is not None:
         return False
     if config.stage >= 2 and not pipelined:
+        point_at_shards(optimizer, module)
         check_optimizer_params(optimizer, module, index)
     shard_optimizer(optimizer, config, group=shard_group(mesh) if mesh is not None else None, device=device)
     if module is not None:

@@ -28,6 +28,7 @@ save was still pending and reports a failed one on stderr instead of losing it s
 from __future__ import annotations
 
 import atexit
+import os
 import sys
 from typing import Any, Callable, Optional, Union
 
@@ -37,9 +38,10 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_zero.checkpoint import states as checkpointing
+from lightning_zero.checkpoint.atomic import local_path
 from lightning_zero.checkpoint.deepspeed_reader import is_deepspeed_checkpoint
 from lightning_zero.checkpoint.deepspeed_resume import LOSS_SCALER_KEY
-from lightning_zero.checkpoint.directory import checkpoint_directory
+from lightning_zero.checkpoint.directory import checkpoint_directory, is_sharded_checkpoint
 from lightning_zero.checkpoint.errors import CheckpointError
 from lightning_zero.checkpoint.full_save import FULL_FILE_MARKER, is_full_file, save_full_file
 from lightning_zero.checkpoint.io import pending_save_paths, settle_pending_saves, wait_for_pending_saves
@@ -176,6 +178,7 @@ def load(path: str, state: Optional[dict[str, Any]], strict: bool, *, precision,
     # Collective with async_save (fabric.load runs on every rank): rank 0 commits an async save in the background,
     # so another rank must not read the path before that commit, or it would load the checkpoint the save replaces.
     wait_for_pending_saves(barrier=bool(async_save))
+    _refuse_a_file(path)
     if is_deepspeed_checkpoint(path):
         return _load_deepspeed(path, state, strict, precision=precision,
                                exclude_frozen_parameters=exclude_frozen_parameters)
@@ -206,6 +209,28 @@ def load(path: str, state: Optional[dict[str, Any]], strict: bool, *, precision,
         precision.load_state_dict(scaler_state)
     _restore_values(directory, state, meta, module_keys + optimizer_keys, strict)
     return meta
+
+
+def _refuse_a_file(path: str) -> None:
+    """``fabric.load`` reads checkpoint directories. A file inside one is refused naming the directory to pass (a
+    shard or ``meta.pt`` of a sharded checkpoint, a file in a DeepSpeed checkpoint's tag folder); any other file
+    (a full state dict, as Lightning's FSDP and ModelParallel strategies save and load) names ``fabric.load_raw``."""
+    local = local_path(path)
+    if not os.path.isfile(local):
+        return
+    parent = os.path.dirname(local)
+    grandparent = os.path.dirname(parent)
+    for directory in (parent if is_sharded_checkpoint(parent) else None,
+                      grandparent if is_deepspeed_checkpoint(grandparent) else None,
+                      parent if is_deepspeed_checkpoint(parent) else None):
+        if directory is not None:
+            raise CheckpointError(f"fabric.load({path!r}): a file inside the checkpoint {directory}; pass the "
+                                  f"directory: fabric.load({directory!r}, state)", local)
+    raise CheckpointError(f"fabric.load({path!r}) with a ZeroStrategy reads checkpoint directories (fabric.save's or "
+                          "DeepSpeed's), and this is one file. Load a file's weights with fabric.load_raw(path, model) "
+                          "(a torch.save(model.state_dict()) file, or a Lightning or consolidated checkpoint's "
+                          "'state_dict'), and an optimizer's states with fabric.load_raw(path, optimizer) (a "
+                          "torch.save(optimizer.state_dict()) file)", local)
 
 
 def _restore_values(where: str, state: dict[str, Any], saved: dict[str, Any], loaded: list[str], strict: bool) -> None:
