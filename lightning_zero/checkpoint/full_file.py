@@ -120,12 +120,19 @@ class FullCheckpoint:
     schedulers, hyper-parameters).
     """
 
-    def __init__(self, path: PathLike) -> None:
+    def __init__(self, path: PathLike, state: Optional[Dict[str, Any]] = None) -> None:
         self.path = os.fspath(path)
         self._safe = None
         self._checkpoint: Dict[str, Any] = {}
         self._state: Dict[str, Any] = {}
         self.optimizer_states: Optional[List[Any]] = None
+        if state is not None:  # one entry of a file already read (a Fabric full checkpoint's {"model": ...})
+            if not isinstance(state, dict) or not any(isinstance(v, Tensor) for v in state.values()):
+                raise CheckpointError(f"{self.path}: the entry to load is not a module's state dict (got "
+                                      f"{type(state).__name__})", self.path)
+            self._state = state
+            self.state_keys = [key for key, value in state.items() if isinstance(value, Tensor)]
+            return
         if is_safetensors_file(self.path):
             from safetensors import safe_open
 

@@ -120,7 +120,8 @@ def _raise_on_every_rank(error: Optional[Exception]) -> None:
 
 @torch.inference_mode(False)  # as load_states: the loaded weights stay normal tensors
 def load_full_checkpoint(path: str, module: torch.nn.Module, optimizers: list, *, strict: bool,
-                         exclude_frozen_parameters: bool, load_full_weights: bool) -> tuple[dict[str, Any], bool]:
+                         exclude_frozen_parameters: bool, load_full_weights: bool,
+                         state: Optional[dict] = None) -> tuple[dict[str, Any], bool]:
     """Load the single-file checkpoint ``path`` into the (sharded) ``module`` and ``optimizers``; return the rest of
     the file and whether the optimizers start fresh (the file held no optimizer states).
 
@@ -128,7 +129,8 @@ def load_full_checkpoint(path: str, module: torch.nn.Module, optimizers: list, *
     ``exclude_frozen_parameters`` are honoured as for a sharded checkpoint; weights are cast to the module's dtypes.
     With optimizers (resuming a fit) the file's optimizer states are resharded into them; a file without any
     (``save_weights_only``, safetensors, a consolidated file) is refused unless ``load_full_weights=True``, which
-    starts the optimizers fresh from the loaded weights, as DeepSpeed's flag of that name does.
+    starts the optimizers fresh from the loaded weights, as DeepSpeed's flag of that name does. ``state``: the
+    module's state dict, one entry of the file already read (memory-mapped), in place of the file's own.
     """
     path = local_path(path)
     own = module_state_dict(module)
@@ -136,7 +138,7 @@ def load_full_checkpoint(path: str, module: torch.nn.Module, optimizers: list, *
     source: Optional[Union[FullCheckpoint, DeepSpeedCheckpoint]] = None
     error, plans, rest = None, None, {}
     try:
-        source = open_full_checkpoint(path)
+        source = FullCheckpoint(path, state=state) if state is not None else open_full_checkpoint(path)
         rest = source.rest()
         # Weights a save left out (exclude_frozen_parameters), or frozen weights this strategy excludes, may be absent
         optional = set(rest.pop("frozen_parameters_excluded", ()))
@@ -182,12 +184,13 @@ def _raw_file(path: PathLike, what: str) -> str:
     return path
 
 
-def load_raw_module(path: PathLike, module: torch.nn.Module, *, strict: bool) -> None:
+def load_raw_module(path: PathLike, module: torch.nn.Module, *, strict: bool, state: Optional[dict] = None) -> None:
     """``fabric.load_raw(path, module)``: the weights of one file (``torch.save(model.state_dict())``, a Lightning
     or consolidated checkpoint's ``state_dict``, ``.safetensors``) into the (sharded) ``module``, each rank reading
-    its slices. Collective; ``strict`` as ``Module.load_state_dict`` (shape mismatches always refused)."""
+    its slices. Collective; ``strict`` as ``Module.load_state_dict`` (shape mismatches always refused). ``state``:
+    the state dict, an entry of the file already read."""
     load_full_checkpoint(_raw_file(path, "module"), module, [], strict=strict, exclude_frozen_parameters=False,
-                         load_full_weights=True)
+                         load_full_weights=True, state=state)
 
 
 class _OptimizerFile:
@@ -195,24 +198,32 @@ class _OptimizerFile:
     its ``path`` and ``optimizer_states`` (a list of one). Read with ``weights_only`` and memory-mapped, so a
     rank copies only the slices of the states it keeps."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, loaded: Optional[dict] = None) -> None:
         self.path = path
+        if loaded is not None:  # an entry of a file already read
+            self._check(loaded)
+            self.optimizer_states = [loaded]
+            return
         problem = describe_full_checkpoint_file(path) or (
             f"{path}: a .safetensors file holds no optimizer state; fabric.load_raw(path, optimizer) reads a "
             "torch.save(optimizer.state_dict()) file" if is_safetensors_file(path) else None)
         if problem:
             raise CheckpointError(problem, path)
         loaded = safe_torch_load(path, what=path, mmap=True)
+        self._check(loaded)
+        self.optimizer_states = [loaded]
+
+    def _check(self, loaded: Any) -> None:
         if not isinstance(loaded, dict) or not {"state", "param_groups"} <= set(loaded):
             keys = sorted(map(str, loaded))[:8] if isinstance(loaded, dict) else type(loaded).__name__
-            raise CheckpointError(f"{path}: not an optimizer state dict ('state' and 'param_groups' expected, found "
-                                  f"{keys}); fabric.load_raw(path, optimizer) reads a "
-                                  "torch.save(optimizer.state_dict()) file", path)
-        self.optimizer_states = [loaded]
+            raise CheckpointError(f"{self.path}: not an optimizer state dict ('state' and 'param_groups' expected, "
+                                  f"found {keys}); fabric.load_raw(path, optimizer) reads a "
+                                  "torch.save(optimizer.state_dict()) file", self.path)
 
 
 @torch.inference_mode(False)
-def load_raw_optimizer(path: PathLike, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def load_raw_optimizer(path: PathLike, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                       state: Optional[dict] = None) -> None:
     """``fabric.load_raw(path, optimizer)``: a full optimizer state dict (positions, as
     ``Optimizer.state_dict()`` writes them, or parameter names) into the partitioned/sharded ``optimizer`` of
     ``module``, as ``Optimizer.load_state_dict`` would load it into the unsharded one: each rank keeps the states
@@ -221,7 +232,7 @@ def load_raw_optimizer(path: PathLike, module: torch.nn.Module, optimizer: torch
     :mod:`lightning_zero.checkpoint.full_file`). Collective."""
     error, plans = None, None
     try:
-        source = _OptimizerFile(_raw_file(path, "optimizer"))
+        source = _OptimizerFile(_raw_file(path, "optimizer"), state)
         if not optimizer.state:
             initialise_optimizer_state(optimizer)  # placeholders give each state's layout (see the check)
         plans = check_full_optimizer_states([optimizer_target(module, optimizer)], source)

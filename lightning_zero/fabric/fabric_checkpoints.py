@@ -178,12 +178,14 @@ def load(path: str, state: Optional[dict[str, Any]], strict: bool, *, precision,
     # Collective with async_save (fabric.load runs on every rank): rank 0 commits an async save in the background,
     # so another rank must not read the path before that commit, or it would load the checkpoint the save replaces.
     wait_for_pending_saves(barrier=bool(async_save))
-    _refuse_a_file(path)
-    if is_deepspeed_checkpoint(path):
-        return _load_deepspeed(path, state, strict, precision=precision,
-                               exclude_frozen_parameters=exclude_frozen_parameters)
     if is_full_file(path):
         return _load_full_file(path, state, strict, precision=precision,
+                               exclude_frozen_parameters=exclude_frozen_parameters)
+    _refuse_a_file_inside_a_checkpoint(path)
+    if os.path.isfile(local_path(path)):
+        return _load_state_file(path, state, strict)
+    if is_deepspeed_checkpoint(path):
+        return _load_deepspeed(path, state, strict, precision=precision,
                                exclude_frozen_parameters=exclude_frozen_parameters)
     directory = checkpoint_directory(path)
     meta = load_meta(directory)
@@ -211,10 +213,9 @@ def load(path: str, state: Optional[dict[str, Any]], strict: bool, *, precision,
     return meta
 
 
-def _refuse_a_file(path: str) -> None:
-    """``fabric.load`` reads checkpoint directories. A file inside one is refused naming the directory to pass (a
-    shard or ``meta.pt`` of a sharded checkpoint, a file in a DeepSpeed checkpoint's tag folder); any other file
-    (a full state dict, as Lightning's FSDP and ModelParallel strategies save and load) names ``fabric.load_raw``."""
+def _refuse_a_file_inside_a_checkpoint(path: str) -> None:
+    """A file inside a checkpoint directory (a shard or ``meta.pt`` of a sharded checkpoint, a file in a DeepSpeed
+    checkpoint's tag folder) is refused naming the directory to pass."""
     local = local_path(path)
     if not os.path.isfile(local):
         return
@@ -226,11 +227,34 @@ def _refuse_a_file(path: str) -> None:
         if directory is not None:
             raise CheckpointError(f"fabric.load({path!r}): a file inside the checkpoint {directory}; pass the "
                                   f"directory: fabric.load({directory!r}, state)", local)
-    raise CheckpointError(f"fabric.load({path!r}) with a ZeroStrategy reads checkpoint directories (fabric.save's or "
-                          "DeepSpeed's), and this is one file. Load a file's weights with fabric.load_raw(path, model) "
-                          "(a torch.save(model.state_dict()) file, or a Lightning or consolidated checkpoint's "
-                          "'state_dict'), and an optimizer's states with fabric.load_raw(path, optimizer) (a "
-                          "torch.save(optimizer.state_dict()) file)", local)
+
+
+def _load_state_file(path: str, state: dict[str, Any], strict: bool) -> dict[str, Any]:
+    """One file as Lightning's FSDP and ModelParallel strategies save a full checkpoint (and a single-device Fabric
+    does): ``{"model": <its state dict>, "optimizer": <its state dict>, "step": 3, ...}``, keyed by the state's keys.
+    Each module and optimizer of ``state`` gets its entry, each rank reading its slices (the file is memory-mapped,
+    ``weights_only``); the other entries go into the state's other objects, as :func:`load` does."""
+    loaded = safe_torch_load(path, what=path, mmap=True)
+    module_keys, optimizer_keys = _split(state)
+    if not isinstance(loaded, dict) or any(key not in loaded for key in module_keys + optimizer_keys):
+        held = sorted(map(str, loaded))[:10] if isinstance(loaded, dict) else type(loaded).__name__
+        raise CheckpointError(
+            f"fabric.load({path!r}): one file is read as a full checkpoint keyed like the state (Lightning's FSDP "
+            f"format, {{'model': state_dict, 'optimizer': state_dict, ...}}), but it holds {held}, not the state's "
+            f"modules and optimizers {module_keys + optimizer_keys}. For a bare state dict use "
+            "fabric.load_raw(path, model) or fabric.load_raw(path, optimizer)", path)
+    modules = {key: _unwrap(state[key]) for key in module_keys}
+    for key in module_keys:
+        load_raw_module(path, modules[key], strict=strict, state=loaded[key])
+    for key in optimizer_keys:
+        held = {id(param) for group in model_params_per_group(state[key]) for param in group}
+        owner = next((m for m in modules.values() if any(id(p) in held for p in m.parameters())), None)
+        if owner is None:
+            raise ValueError(f"fabric.load({path!r}): the optimizer {key!r} holds no parameter of the state's modules")
+        load_raw_optimizer(path, owner, state[key], state=loaded[key])
+    rest = {key: value for key, value in loaded.items() if key not in module_keys + optimizer_keys}
+    _restore_values(path, state, rest, module_keys + optimizer_keys, strict)
+    return rest
 
 
 def _restore_values(where: str, state: dict[str, Any], saved: dict[str, Any], loaded: list[str], strict: bool) -> None:

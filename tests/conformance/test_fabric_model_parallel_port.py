@@ -177,14 +177,19 @@ def test_save_and_load_path_checks(tmp_path):
             strategy.load_checkpoint(deepspeed, state)
 
 
-def test_a_single_file_is_not_loaded_by_fabric_load_and_the_error_names_load_raw(tmp_path):
-    """Known difference: ModelParallelStrategy's ``fabric.load`` also reads one full-state file; ZeroStrategy's reads
-    sharded directories, and points to ``fabric.load_raw`` for a file (``test_full_state_dicts`` loads one so)."""
-    path = tmp_path / "full.pt"
+def test_a_single_file_keyed_like_the_state_is_loaded_and_a_bare_state_dict_names_load_raw(tmp_path):
+    """As ModelParallelStrategy's ``fabric.load``, one full-state file keyed like the state loads (the numbers:
+    ``test_full_state_dicts``); a bare state dict, which has no such keys, is refused naming ``fabric.load_raw``."""
+    path, bare = tmp_path / "full.pt", tmp_path / "bare.pt"
     model = nn.Linear(2, 2)
     torch.save({"model": model.state_dict(), "steps": 1}, path)
-    with pytest.raises(CheckpointError, match=r"one file.*fabric.load_raw\(path, model\)"):
-        ZeroStrategy().load_checkpoint(path, {"model": model})
+    torch.save(model.state_dict(), bare)
+    target, state = nn.Linear(2, 2), {"steps": 0}
+    state["model"] = target
+    assert ZeroStrategy().load_checkpoint(path, state) == {} and state["steps"] == 1
+    assert all(torch.equal(target.state_dict()[k], v) for k, v in model.state_dict().items())
+    with pytest.raises(CheckpointError, match=r"fabric.load_raw\(path, model\)"):
+        ZeroStrategy().load_checkpoint(bare, {"model": nn.Linear(2, 2)})
 
 
 def test_states_without_a_sharded_module():
@@ -395,16 +400,23 @@ def _full_state_worker(rank, world_size, root):
     for stage in (1, 2, 3):
         fabric = launch(ZeroStrategy(stage=stage))
         model, optimizer = train(fabric, seed=7, lr=2.0)
-        with pytest.raises(CheckpointError, match="fabric.load_raw"):  # known difference: see the test above
-            fabric.load(single_file, {"model": model, "optimizer": optimizer})
-        fabric.load_raw(raw_model, model)
-        fabric.load_raw(raw_optimizer, optimizer)
-        assert_equal(full_state(model), weights, f"stage {stage}: weights from the single-device file")
-        assert_states_equal(optimizer_states(model, optimizer), moments, f"stage {stage}: single-device optimizer file")
-        assert optimizer.param_groups[0]["lr"] == 1e-3, "the file's hyper-parameters are restored"
-        train(fabric, model, optimizer, seed=11)  # the next step is the single-device run's
-        for key, value in full_state(model).items():
-            torch.testing.assert_close(value, next_weights[key], rtol=0, atol=1e-6, msg=f"stage {stage}: {key}")
+        # the single-device Fabric's file, by fabric.load (as ModelParallelStrategy reads it), then by load_raw
+        for load in ("fabric.load", "load_raw"):
+            model, optimizer = train(fabric, seed=7, lr=2.0)
+            if load == "fabric.load":
+                state = {"model": model, "optimizer": optimizer, "steps": 0}
+                assert fabric.load(single_file, state) == {} and state["steps"] == 1
+            else:
+                fabric.load_raw(raw_model, model)
+                fabric.load_raw(raw_optimizer, optimizer)
+            assert_equal(full_state(model), weights, f"stage {stage}: weights from the single-device file ({load})")
+            assert_states_equal(optimizer_states(model, optimizer), moments,
+                                f"stage {stage}: single-device optimizer states ({load})")
+            assert optimizer.param_groups[0]["lr"] == 1e-3, "the file's hyper-parameters are restored"
+            train(fabric, model, optimizer, seed=11)  # the next step is the single-device run's
+            for key, value in full_state(model).items():
+                torch.testing.assert_close(value, next_weights[key], rtol=0, atol=1e-6,
+                                           msg=f"stage {stage} ({load}): {key}")
 
         # a sharded save, consolidated into one file: plain tensors and Optimizer.state_dict() states
         path, full_file = os.path.join(root, f"sharded-{stage}"), os.path.join(root, f"full-{stage}.pt")
