@@ -106,11 +106,18 @@ def run_lightning(rank, world, args, job, out):
     profiler = _StepProfiler(args, rank, job)
 
     class Timer(pl.Callback):
+        # On CUDA the step's kernels run after the hooks return: without a synchronisation on both edges the figure
+        # would be the host's launch time, with the GPU's work charged to whichever later step waits for it.
+        # run_deepspeed synchronises the same way.
         def on_train_batch_start(self, *a):
             profiler.step_begin(len(times))
+            if _on_cuda():
+                torch.cuda.synchronize()
             self.t = time.perf_counter()
 
         def on_train_batch_end(self, *a):
+            if _on_cuda():
+                torch.cuda.synchronize()
             times.append(time.perf_counter() - self.t)
 
     if strategy_name == "zero":
