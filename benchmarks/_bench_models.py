@@ -10,6 +10,7 @@ Every builder seeds torch first, so all strategies start from the same weights; 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
@@ -45,6 +46,8 @@ def shape(name: str, args) -> dict:
     result = dict(quick if args.quick else full)
     if name == "mlp":
         result.update({k: v for k, v in (("width", args.width), ("depth", args.depth)) if v is not None})
+    if name == "gpt" and getattr(args, "gpt", None):  # gpu_suite.py's ~1B shape and its capacity search
+        result.update(args.gpt)
     return result
 
 
@@ -60,7 +63,25 @@ def _gpt_class():
 
 
 def build(name: str, args) -> nn.Module:
-    """The model, seeded so every strategy starts from the same weights."""
+    """The model in CPU memory, seeded so every strategy starts from the same weights.
+
+    ``args.init_device`` (optional, e.g. ``"cuda"``) runs the initialisation there, then moves the model to CPU
+    memory: torch's CPU random fill is serial (about 100M values/s), 12 s for a 1.2B-parameter model and most of a
+    minute for a 5B one, which a benchmark on a GPU would otherwise spend in every run. The device's peak-memory
+    statistics are reset after the move, so the transient copy never counts in a run's peak (the runner's baseline,
+    taken before, is the same)."""
+    init_device = getattr(args, "init_device", None)
+    with torch.device(init_device) if init_device else contextlib.nullcontext():
+        model = _construct(name, args)
+    if init_device and torch.device(init_device).type != "cpu":
+        model = model.to("cpu")
+        if torch.device(init_device).type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+    return model
+
+
+def _construct(name: str, args) -> nn.Module:
     s = shape(name, args)
     torch.manual_seed(0)
     if name == "gpt":
@@ -119,7 +140,8 @@ def loss(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch
 
 def lightning_module(name: str, args):
     """A LightningModule class training model ``name`` (built in ``__init__``) with AdamW, lr 1e-4: the module every
-    benchmark worker times (subclass it to add ``configure_model``)."""
+    benchmark worker times (subclass it to add ``configure_model``). ``args.optimizer == "cpu_adam"`` steps with
+    ``lightning_zero.ops.CPUAdam`` instead (offload runs set against DeepSpeed's ``DeepSpeedCPUAdam``)."""
     import lightning.pytorch as pl
 
     class Module(pl.LightningModule):
@@ -131,6 +153,10 @@ def lightning_module(name: str, args):
             return loss(name, self.net, *batch)
 
         def configure_optimizers(self):
+            if getattr(args, "optimizer", "adamw") == "cpu_adam":  # gpu_suite.py --ds-cpu-adam: each side's own
+                from lightning_zero.ops import CPUAdam
+
+                return CPUAdam(self.parameters(), lr=1e-4)
             return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
     return Module

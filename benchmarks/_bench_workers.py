@@ -106,11 +106,18 @@ def run_lightning(rank, world, args, job, out):
     profiler = _StepProfiler(args, rank, job)
 
     class Timer(pl.Callback):
+        # On CUDA the step's kernels run after the hooks return: without a synchronisation on both edges the figure
+        # would be the host's launch time, with the GPU's work charged to whichever later step waits for it.
+        # run_deepspeed synchronises the same way.
         def on_train_batch_start(self, *a):
             profiler.step_begin(len(times))
+            if _on_cuda():
+                torch.cuda.synchronize()
             self.t = time.perf_counter()
 
         def on_train_batch_end(self, *a):
+            if _on_cuda():
+                torch.cuda.synchronize()
             times.append(time.perf_counter() - self.t)
 
     if strategy_name == "zero":
@@ -147,6 +154,13 @@ def deepspeed_config(args, job) -> dict:
               "zero_optimization": zero, "zero_force_ds_cpu_optimizer": False, "steps_per_print": 10 ** 9}
     if job["precision"] in ("bf16", "bf16t"):
         config["bf16"] = {"enabled": True}  # bf16 weights and compute, fp32 masters in the optimizer
+    if job.get("ds_cpu_adam"):
+        # DeepSpeed's own offload optimizer (gpu_suite.py --ds-cpu-adam): without torch_adam, an offloaded AdamW is
+        # its DeepSpeedCPUAdam, a C++ extension built on first use (JIT, ninja); refused without offload.
+        if not offload:
+            raise ValueError(f"ds_cpu_adam needs an offloaded configuration, got {job['kind']}")
+        del config["optimizer"]["params"]["torch_adam"]
+        config["zero_force_ds_cpu_optimizer"] = True
     return config
 
 
@@ -366,7 +380,7 @@ class _StepProfiler:
 
 def _write(out, rank, times, peak, **extra):
     with open(f"{out}.{rank}", "w") as f:
-        json.dump({"time": statistics.median(times), "peak": peak, **extra}, f)
+        json.dump({"time": statistics.median(times), "peak": peak, "times": list(times), **extra}, f)
 
 
 def _entry(rank, world, port, args, job, out):
