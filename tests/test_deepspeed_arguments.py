@@ -258,7 +258,7 @@ def test_each_call_has_the_settings_of_its_config(tmp_path, fabric):
     for label, call, config, extra in LIGHTNING_CALLS:
         if fabric and ("train_micro_batch_size_per_gpu" in config or extra.get("load_full_weights")):
             continue  # Fabric refuses a config's batch keys (its loop sizes batches; the argument is warned about)
-            # and load_full_weights (fabric.load reads directories: issue 29)
+            # and load_full_weights (the state given to fabric.load says what is loaded)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeepSpeedConfigWarning)
             by_call = cls(**_with_nvme(call, tmp_path))

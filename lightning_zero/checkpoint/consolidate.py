@@ -100,6 +100,7 @@ def options_problem(output: Optional[PathLike], dtype: Any, with_optimizer: bool
 def consolidate_checkpoint(
     path: PathLike, output: Optional[PathLike] = None, dtype: Union[None, str, torch.dtype] = None,
     with_optimizer: bool = False, strip_prefix: Optional[str] = None,
+    layout: Optional[Callable[[Dict[str, Any]], Dict[str, Any]]] = None,
 ) -> Optional[Dict[str, Any]]:
     """Consolidate the checkpoint at ``path`` (lightning-zero sharded or DeepSpeed ZeRO directory; a regular
     Lightning checkpoint file is accepted too, e.g. to convert it to safetensors or another dtype).
@@ -125,6 +126,9 @@ def consolidate_checkpoint(
     ``"model"`` for ``self.model = AutoModel...``) with the prefix removed, for loading into the bare inner model;
     the keys left out are reported with a warning. For a Hugging Face directory use
     :func:`lightning_zero.checkpoint.export_hf`.
+
+    ``layout`` (a torch ``output``) rearranges the Lightning checkpoint dict before it is written (its tensors are
+    placeholders, streamed as they are): Fabric's ``state_dict_type="full"`` writes Fabric's own layout with it.
     """
     dtype = parse_dtype(dtype)
     source = _checked_source(path, output, dtype, with_optimizer, strip_prefix)
@@ -154,7 +158,7 @@ def consolidate_checkpoint(
                 )
             write_safetensors(output, entries, load, metadata={"format": "pt"})
             return None
-        _write_lightning_checkpoint(source, output, entries, extras, load, with_optimizer)
+        _write_lightning_checkpoint(source, output, entries, extras, load, with_optimizer, layout or (lambda c: c))
         return None
     finally:
         source.close()
@@ -180,26 +184,28 @@ def _checked_source(path: PathLike, output: Optional[PathLike], dtype: Optional[
 
 
 def _write_lightning_checkpoint(source, output: str, entries: List[TensorEntry], extras: Dict[str, Any],
-                                load: Callable[[TensorEntry], torch.Tensor], with_optimizer: bool) -> None:
+                                load: Callable[[TensorEntry], torch.Tensor], with_optimizer: bool,
+                                layout: Callable[[Dict[str, Any]], Dict[str, Any]]) -> None:
     """Write ``output`` as a Lightning checkpoint file for :func:`consolidate_checkpoint`: the model's ``entries``
     (streamed through ``load``) and non-tensor ``extras`` as its ``state_dict``, next to the source's other keys;
-    ``with_optimizer`` adds the optimizer states so that another strategy resumes from it."""
+    ``with_optimizer`` adds the optimizer states so that another strategy resumes from it; ``layout`` rearranges
+    the dict."""
     state_dict: Dict[str, Any] = OrderedDict((entry.key, tensor_slot(entry)) for entry in entries)
     state_dict.update(extras)
     if with_optimizer and isinstance(source, TorchFileSource):
         checkpoint = {**source.meta(), "state_dict": state_dict, "optimizer_states": source.optimizer_states()}
-        write_torch_checkpoint(output, checkpoint, load)  # its (memory-mapped) states are written as they are
+        write_torch_checkpoint(output, layout(checkpoint), load)  # its (memory-mapped) states are written as they are
         return
     if with_optimizer:
         from lightning_zero.checkpoint.resumable import resumable_checkpoint
 
         checkpoint, load_any = resumable_checkpoint(source, state_dict, load)
-        write_torch_checkpoint(output, checkpoint, load_any)
+        write_torch_checkpoint(output, layout(checkpoint), load_any)
         return
     checkpoint = dict(source.meta())
     checkpoint.pop("state_dict", None)
     checkpoint["state_dict"] = state_dict
-    write_torch_checkpoint(output, checkpoint, load)
+    write_torch_checkpoint(output, layout(checkpoint), load)
 
 
 #: The file :func:`write_16bit_weights` adds to a checkpoint: DeepSpeed's ``save_16bit_model`` default file name, so

@@ -44,6 +44,8 @@ from lightning_zero.checkpoint.safe_load import safe_torch_load
 from lightning_zero.torch_compat import local_part
 
 PathLike = Union[str, os.PathLike]
+#: How a torch file's dict holds a checkpoint: ``layout(loaded) -> (model state, optimizer states or None, rest)``.
+Layout = Callable[[Any], Tuple[Dict[str, Any], Optional[List[Any]], Dict[str, Any]]]
 
 _ZIP_MAGIC = b"PK\x03\x04"
 _LEGACY_MAGIC = b"\x80\x02"  # a pickle (protocol 2): torch's pre-1.6 serialization format
@@ -118,20 +120,26 @@ class FullCheckpoint:
     :meth:`extras` are the state's non-tensor entries (a module's ``_extra_state``); :attr:`optimizer_states` is
     Lightning's list (``None`` when the file holds none); :meth:`rest` is everything else (loops, callbacks, LR
     schedulers, hyper-parameters).
+
+    ``layout`` reads a torch file whose dict is laid out otherwise (Fabric's ``{"model": ..., "optimizer": ...}``):
+    given the loaded dict, it returns the model state, the optimizer states (or ``None``) and the rest; it raises
+    :class:`CheckpointError` for a file it cannot read that way.
     """
 
-    def __init__(self, path: PathLike, state: Optional[Dict[str, Any]] = None) -> None:
+    def __init__(self, path: PathLike, layout: Optional[Layout] = None) -> None:
         self.path = os.fspath(path)
         self._safe = None
         self._checkpoint: Dict[str, Any] = {}
+        self._rest: Optional[Dict[str, Any]] = None  # what rest() returns, when a layout said
         self._state: Dict[str, Any] = {}
         self.optimizer_states: Optional[List[Any]] = None
-        if state is not None:  # one entry of a file already read (a Fabric full checkpoint's {"model": ...})
-            if not isinstance(state, dict) or not any(isinstance(v, Tensor) for v in state.values()):
-                raise CheckpointError(f"{self.path}: the entry to load is not a module's state dict (got "
-                                      f"{type(state).__name__})", self.path)
-            self._state = state
-            self.state_keys = [key for key, value in state.items() if isinstance(value, Tensor)]
+        if layout is not None:
+            if is_safetensors_file(self.path):
+                raise CheckpointError(f"{self.path}: a .safetensors file holds one state dict of tensors, not a "
+                                      "checkpoint of named objects; load it with fabric.load_raw(path, model)",
+                                      self.path)
+            self._state, self.optimizer_states, self._rest = layout(self._load_torch())
+            self.state_keys = [key for key, value in self._state.items() if isinstance(value, Tensor)]
             return
         if is_safetensors_file(self.path):
             from safetensors import safe_open
@@ -187,11 +195,13 @@ class FullCheckpoint:
         return {key: value for key, value in self._state.items() if not isinstance(value, Tensor)}
 
     def rest(self) -> Dict[str, Any]:
+        if self._rest is not None:
+            return dict(self._rest)
         return {k: v for k, v in self._checkpoint.items() if k not in ("state_dict", "optimizer_states")}
 
     def close(self) -> None:
         self._safe = None
-        self._checkpoint, self._state, self.optimizer_states = {}, {}, None
+        self._checkpoint, self._state, self.optimizer_states, self._rest = {}, {}, None, None
 
 
 def copy_into(target: Tensor, read: Callable[[Tuple[int, ...], Tuple[int, ...]], Tensor]) -> None:

@@ -3,6 +3,8 @@
 The file is what ``torch.save`` of the unsharded run's Lightning checkpoint would be (weights, and the optimizer
 states in ``Optimizer.state_dict()`` form when the checkpoint has them), so ``torch.load(path, weights_only=True)``,
 ``LightningModule.load_from_checkpoint`` and any strategy's ``ckpt_path`` read it, at any stage and world size.
+The Fabric strategy lays the same content out as Fabric's own one-file checkpoints
+(:func:`lightning_zero.fabric.fabric_checkpoints.as_fabric_file`).
 
 How it is written, and why so: every rank saves its shards into a hidden staging directory beside the file (the
 ordinary atomic sharded save), then rank 0 streams the file out of the staging directory tensor by tensor
@@ -72,11 +74,12 @@ def why_not_replaceable_file(path: str) -> Optional[str]:
 
 
 def save_full_file(checkpoint: dict, path: str, save_sharded: Callable[[dict, str], None], *, rank: int,
-                   with_optimizer: bool) -> None:
+                   with_optimizer: bool, layout: Optional[Callable[[dict], dict]] = None) -> None:
     """Save ``checkpoint`` as one file at ``path`` (collective: every rank calls it). ``save_sharded(checkpoint,
     directory)`` is the strategy's ordinary sharded save; ``with_optimizer`` puts the optimizer states in the file
-    (the checkpoint holds them). Raises :class:`CheckpointSaveError` on every rank if any step fails; a previous file
-    at ``path`` stays intact then."""
+    (the checkpoint holds them); ``layout`` rearranges the Lightning checkpoint dict before it is written (Fabric's
+    own layout). Raises :class:`CheckpointSaveError` on every rank if any step fails; a previous file at ``path``
+    stays intact then."""
     path = os.path.abspath(os.fspath(path))
     staging = staging_directory(path)
     problem = broadcast_object(why_not_replaceable_file(path) if rank == 0 else None)
@@ -86,7 +89,7 @@ def save_full_file(checkpoint: dict, path: str, save_sharded: Callable[[dict, st
     error = None
     if rank == 0:
         try:
-            consolidate_checkpoint(staging, output=path, with_optimizer=with_optimizer)
+            consolidate_checkpoint(staging, output=path, with_optimizer=with_optimizer, layout=layout)
         except Exception as err:  # said on every rank below
             error = f"{type(err).__name__}: {err}"
         finally:

@@ -32,6 +32,7 @@ from lightning_zero.checkpoint.directory import is_sharded_checkpoint
 from lightning_zero.checkpoint.errors import CheckpointError
 from lightning_zero.checkpoint.full_file import (
     FullCheckpoint,
+    Layout,
     OptimizerTarget,
     PathLike,
     apply_full_optimizer_states,
@@ -74,11 +75,12 @@ def is_full_checkpoint(path: str, load_full_weights: bool) -> bool:
     return os.path.isfile(path)
 
 
-def open_full_checkpoint(path: str) -> Union[FullCheckpoint, DeepSpeedCheckpoint]:
-    """The reader of ``path``: a DeepSpeed ZeRO checkpoint directory, or one file."""
+def open_full_checkpoint(path: str, layout: Optional[Layout] = None) -> Union[FullCheckpoint, DeepSpeedCheckpoint]:
+    """The reader of ``path``: a DeepSpeed ZeRO checkpoint directory, or one file (read through ``layout``, see
+    :class:`~lightning_zero.checkpoint.full_file.FullCheckpoint`)."""
     if os.path.isdir(path) and is_deepspeed_checkpoint(path):
         return DeepSpeedCheckpoint(path)
-    return FullCheckpoint(path)
+    return FullCheckpoint(path, layout)
 
 
 def optimizer_target(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> OptimizerTarget:
@@ -121,7 +123,7 @@ def _raise_on_every_rank(error: Optional[Exception]) -> None:
 @torch.inference_mode(False)  # as load_states: the loaded weights stay normal tensors
 def load_full_checkpoint(path: str, module: torch.nn.Module, optimizers: list, *, strict: bool,
                          exclude_frozen_parameters: bool, load_full_weights: bool,
-                         state: Optional[dict] = None) -> tuple[dict[str, Any], bool]:
+                         layout: Optional[Layout] = None) -> tuple[dict[str, Any], bool]:
     """Load the single-file checkpoint ``path`` into the (sharded) ``module`` and ``optimizers``; return the rest of
     the file and whether the optimizers start fresh (the file held no optimizer states).
 
@@ -129,8 +131,8 @@ def load_full_checkpoint(path: str, module: torch.nn.Module, optimizers: list, *
     ``exclude_frozen_parameters`` are honoured as for a sharded checkpoint; weights are cast to the module's dtypes.
     With optimizers (resuming a fit) the file's optimizer states are resharded into them; a file without any
     (``save_weights_only``, safetensors, a consolidated file) is refused unless ``load_full_weights=True``, which
-    starts the optimizers fresh from the loaded weights, as DeepSpeed's flag of that name does. ``state``: the
-    module's state dict, one entry of the file already read (memory-mapped), in place of the file's own.
+    starts the optimizers fresh from the loaded weights, as DeepSpeed's flag of that name does. ``layout``: how
+    the file's dict holds the checkpoint when it is not Lightning's (``fabric.load`` of a Fabric checkpoint file).
     """
     path = local_path(path)
     own = module_state_dict(module)
@@ -138,7 +140,7 @@ def load_full_checkpoint(path: str, module: torch.nn.Module, optimizers: list, *
     source: Optional[Union[FullCheckpoint, DeepSpeedCheckpoint]] = None
     error, plans, rest = None, None, {}
     try:
-        source = FullCheckpoint(path, state=state) if state is not None else open_full_checkpoint(path)
+        source = open_full_checkpoint(path, layout)
         rest = source.rest()
         # Weights a save left out (exclude_frozen_parameters), or frozen weights this strategy excludes, may be absent
         optional = set(rest.pop("frozen_parameters_excluded", ()))

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import warnings
 from typing import Iterable, Optional
 
 import torch
@@ -59,12 +60,69 @@ def _resolve_classes(module: nn.Module, spec: Optional[Iterable]) -> module_clas
 
 
 def sharded_units(module: nn.Module, config: ZeroConfig) -> list[nn.Module]:
-    """The submodules that get their own FSDP unit, outermost first is not required (post-order is used)."""
+    """The submodules that get their own FSDP unit, outermost first is not required (post-order is used); a module
+    sharing a parameter with one outside it is left to the enclosing unit (:func:`_keep_shared_parameters_together`)."""
     classes = _resolve_classes(module, config.sharded_module_classes)
     units = [sub for sub in module.modules() if type(sub) in classes and sub is not module]
+    units = _keep_shared_parameters_together(module, units, named=config.sharded_module_classes is not None)
     log.info("ZeRO-%d: %d sharded units of classes %s", config.stage, len(units),
              sorted(c.__name__ for c in classes))
     return units
+
+
+def refuse_sharded_modules(module: nn.Module) -> None:
+    """Refuse a model the user already sharded (``fully_shard`` on submodules, as Lightning's ModelParallelStrategy
+    scripts do in ``configure_model``/``parallelize_fn``, or DTensor parameters from a tensor-parallel plan), naming
+    what is sharded. ZeroStrategy shards the model itself, with its own mesh, precision and offload: DDP (stages
+    0-1) cannot wrap DTensors, and at stages 2-3 the user's units would keep settings of their own and leave the
+    ranks out of step (seen as a hang)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    units = [name or "the model itself" for name, sub in module.named_modules() if isinstance(sub, FSDPModule)]
+    distributed = [name for name, param in module.named_parameters() if isinstance(param, DTensor)]
+    if not units and not distributed:
+        return
+    what = (f"FSDP2 units {units[:6]}" if units else f"DTensor parameters {distributed[:6]}")
+    raise ValueError(f"the model is already sharded ({what}), by fully_shard/parallelize calls or an earlier "
+                     "setup: ZeroStrategy applies the ZeRO stage itself. Pass the model unsharded; to choose the FSDP2 "
+                     "units use ZeroStrategy(sharded_module_classes={...})")
+
+
+def _keep_shared_parameters_together(root: nn.Module, units: list[nn.Module], *, named: bool) -> list[nn.Module]:
+    """``units`` without those holding a parameter that a module outside them holds too (tied embedding and output
+    head, as Llama's and GPT-2's).
+
+    [Note: a parameter shared across units]
+    ``fully_shard`` replaces each parameter of a unit by a new sharded parameter on that unit's modules only; a module
+    outside the unit would keep the old tensor, so the tie would break (torch refuses it at the first forward,
+    pointing to ``fully_shard([a, b])``, which the strategy's user cannot call). Such a unit is left to the unit that
+    encloses it (the root at last), where both holders are. ``named``: the classes came from
+    ``sharded_module_classes``, so the unit left out is warned about by name (as Lightning's FSDP warns about its
+    wrap policy); detected blocks are only logged.
+    """
+    holders: dict[int, list[tuple[str, nn.Module]]] = {}
+    for name, sub in root.named_modules(remove_duplicate=False):
+        for param_name, param in sub.named_parameters(recurse=False):
+            holders.setdefault(id(param), []).append((f"{name}.{param_name}" if name else param_name, sub))
+    names = {id(sub): name for name, sub in root.named_modules()}
+    kept = []
+    for unit in units:
+        inside = {id(sub) for sub in unit.modules()}
+        shared = [(param_name, outside) for param_name, param in unit.named_parameters()
+                  for outside, holder in holders[id(param)] if id(holder) not in inside]
+        if not shared:
+            kept.append(unit)
+            continue
+        name = names[id(unit)]
+        message = (f"{name} ({type(unit).__name__}) shares its parameter {name}.{shared[0][0]} with {shared[0][1]} "
+                   "outside it, so it is not made an FSDP unit of its own: it stays in the enclosing unit, which holds "
+                   "both (a tie cannot span two units)")
+        if named:
+            warnings.warn(f"sharded_module_classes: {message}", UserWarning, stacklevel=2)
+        else:
+            log.info(message)
+    return kept
 
 
 def unit_groups(module: nn.Module, config: ZeroConfig) -> tuple[list[list[nn.Module]], bool]:
@@ -121,6 +179,7 @@ def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[
         activation_checkpointing: recompute the selected blocks' activations in backward
             (:mod:`.activation_checkpointing`); applied before DDP/``fully_shard``, parameter names unchanged.
     """
+    refuse_sharded_modules(module)  # before any collective: every rank refuses alike
     device = device or _default_device(mesh)
     refuse_fsdp1_modules(module)
     init_meta_tensors(module)  # a meta-device build: reset_parameters(), recorded, replayed per unit below

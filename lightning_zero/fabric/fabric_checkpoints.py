@@ -11,6 +11,16 @@ Several modules in one state (a GAN's generator and discriminator) are stored as
 under ``<key>.<name>``. ``meta.pt`` records which state keys held the modules and the optimizers
 (``fabric_state_keys``), so a load puts each back into the object of the same key.
 
+[Note: Fabric checkpoint files]
+``fabric.load`` also reads one file into the state's sharded objects, each rank reading its slices
+(:func:`lightning_zero.checkpoint.load_full.load_full_checkpoint`), as Lightning's FSDP strategy does. Two layouts:
+Fabric's own, what ``fabric.save`` writes under a single-device or DDP strategy (each module's state dict and each
+optimizer's ``Optimizer.state_dict()`` under its state key, the plain values beside them), which
+``ZeroStrategy(state_dict_type="full")`` writes too (:func:`as_fabric_file`, so a single-device Fabric loads it);
+and a ZeroStrategy checkpoint consolidated by ``lightning-zero consolidate`` (Lightning's ``state_dict`` and
+``optimizer_states``, with ``fabric_state_keys``). A module or optimizer of the state the file lacks is refused by
+name; its other entries are returned, or put into the state's plain values.
+
 ``fabric.load`` also reads a directory that Fabric's ``DeepSpeedStrategy`` saved (one module, at most one
 optimizer, the rest as DeepSpeed's client state): :mod:`lightning_zero.checkpoint.deepspeed_resume`, through the
 full-checkpoint loader, each rank reading its slices at any stage and world size.
@@ -43,10 +53,16 @@ from lightning_zero.checkpoint.deepspeed_reader import is_deepspeed_checkpoint
 from lightning_zero.checkpoint.deepspeed_resume import LOSS_SCALER_KEY
 from lightning_zero.checkpoint.directory import checkpoint_directory, is_sharded_checkpoint
 from lightning_zero.checkpoint.errors import CheckpointError
-from lightning_zero.checkpoint.full_save import FULL_FILE_MARKER, is_full_file, save_full_file
+from lightning_zero.checkpoint.full_file import FullCheckpoint, Layout
+from lightning_zero.checkpoint.full_save import FULL_FILE_MARKER, save_full_file
 from lightning_zero.checkpoint.io import pending_save_paths, settle_pending_saves, wait_for_pending_saves
-from lightning_zero.checkpoint.load_full import load_full_checkpoint, load_raw_module, load_raw_optimizer
-from lightning_zero.checkpoint.safe_load import load_meta, safe_torch_load
+from lightning_zero.checkpoint.load_full import (
+    is_full_checkpoint,
+    load_full_checkpoint,
+    load_raw_module,
+    load_raw_optimizer,
+)
+from lightning_zero.checkpoint.safe_load import load_meta
 from lightning_zero.checkpoint.states import model_params_per_group
 
 KEYS = "fabric_state_keys"  # {"modules": [key, ...], "optimizers": [key, ...]} in meta.pt
@@ -99,13 +115,12 @@ def _module_view(state: dict[str, Any], keys: list[str]) -> nn.Module:
 
 def save(path: str, state: dict[str, Any], filter: Optional[dict[str, Callable[[str, Any], bool]]], *, precision,
          zero_config, exclude_frozen_parameters: bool, ds_config_report: Optional[dict], async_save: bool,
-         weights_16bit: Optional[torch.dtype] = None, full: bool = False) -> None:
+         weights_16bit: Optional[torch.dtype] = None, state_dict_type: str = "sharded", rank: int = 0) -> None:
     """Write ``state`` as a sharded checkpoint directory at ``path`` (collective: every rank calls it), with the fp16
     loss scaler of the strategy's ``precision`` plugin and the run's settings recorded (``zero.json``).
     ``weights_16bit``: also write the saved (filtered) weights unsharded in that dtype, as ``pytorch_model.bin``
-    (:func:`lightning_zero.checkpoint.states.save_states`). ``full``: one file instead of a directory
-    (``state_dict_type="full"``): the same content as a Lightning checkpoint file (``state_dict``,
-    ``optimizer_states``, the state's other entries), which :func:`load` reads back."""
+    (:func:`lightning_zero.checkpoint.states.save_states`). ``state_dict_type="full"``: one file in Fabric's layout
+    instead, written by ``rank`` 0 (:func:`lightning_zero.checkpoint.full_save.save_full_file`)."""
     module_keys, optimizer_keys = _split(state)
     _refuse_reserved_keys(state, module_keys, optimizer_keys, "fabric.save")
     if filter and set(filter) - set(module_keys):
@@ -135,13 +150,37 @@ def save(path: str, state: dict[str, Any], filter: Optional[dict[str, Callable[[
                                   ds_config_report=ds_config_report, async_save=async_save,
                                   weights_16bit=weights_16bit)
 
-    if full:  # one file, streamed out of the shards by rank 0 (lightning_zero.checkpoint.full_save)
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        save_full_file(checkpoint, path, save_sharded, rank=rank, with_optimizer=bool(optimizers))
-    else:
-        save_sharded(checkpoint, path)
+    if state_dict_type == "full":  # one file in Fabric's layout, streamed out of the shards (full_save.py)
+        save_full_file(checkpoint, path, save_sharded, rank=rank, with_optimizer=bool(optimizers),
+                       layout=as_fabric_file)
+        return
+    save_sharded(checkpoint, path)
     if async_save:
         _await_at_exit()
+
+
+def as_fabric_file(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """The Lightning checkpoint dict a consolidation builds (weights under ``state_dict``, optimizer states in
+    ``Optimizer.state_dict()`` form under ``optimizer_states``) laid out as Fabric's one-file checkpoint: each module's
+    state dict and each optimizer's state under the key the state gave it, the plain values beside them (see
+    [Note: Fabric checkpoint files])."""
+    keys = checkpoint.pop(KEYS)
+    weights = checkpoint.pop("state_dict")
+    states = checkpoint.pop("optimizer_states", None) or []
+    checkpoint.pop("optimizer_param_groups", None)  # lightning-zero's own record, now in the optimizers' states
+    if not checkpoint.get("frozen_parameters_excluded"):
+        checkpoint.pop("frozen_parameters_excluded", None)
+    laid_out: dict[str, Any] = {}
+    modules = keys["modules"]
+    if len(modules) == 1:
+        laid_out[modules[0]] = weights
+    else:  # several modules are stored under <key>.<name>
+        for key in modules:
+            laid_out[key] = {name[len(key) + 1:]: value for name, value in weights.items()
+                             if name.startswith(key + ".")}
+    laid_out.update(zip(keys["optimizers"], states))
+    laid_out.update(checkpoint)
+    return laid_out
 
 
 def _await_at_exit() -> None:
@@ -166,8 +205,9 @@ def settle_saves_at_exit() -> None:
 
 def load(path: str, state: Optional[dict[str, Any]], strict: bool, *, precision, async_save: bool,
          exclude_frozen_parameters: bool) -> dict[str, Any]:
-    """Load the checkpoint at ``path`` into the objects of ``state`` in place (and the fp16 loss scaler into the
-    strategy's ``precision`` plugin); return what was not loaded. ``async_save``: saves may still be pending.
+    """Load the checkpoint at ``path`` (a sharded directory, one file: see [Note: Fabric checkpoint files], or a
+    DeepSpeed directory) into the objects of ``state`` in place (and the fp16 loss scaler into the strategy's
+    ``precision`` plugin); return what was not loaded. ``async_save``: saves may still be pending.
 
     Plain values in ``state`` are replaced by the saved ones (Fabric copies them back into the caller's dict)."""
     if not state:
@@ -187,6 +227,9 @@ def load(path: str, state: Optional[dict[str, Any]], strict: bool, *, precision,
     if is_deepspeed_checkpoint(path):
         return _load_deepspeed(path, state, strict, precision=precision,
                                exclude_frozen_parameters=exclude_frozen_parameters)
+    if is_full_checkpoint(path, load_full_weights=False):
+        return _load_file(local_path(path), state, strict, precision=precision,
+                          exclude_frozen_parameters=exclude_frozen_parameters)
     directory = checkpoint_directory(path)
     meta = load_meta(directory)
     saved = meta.pop(KEYS, None)
@@ -213,46 +256,66 @@ def load(path: str, state: Optional[dict[str, Any]], strict: bool, *, precision,
     return meta
 
 
-def _refuse_a_file_inside_a_checkpoint(path: str) -> None:
-    """A file inside a checkpoint directory (a shard or ``meta.pt`` of a sharded checkpoint, a file in a DeepSpeed
-    checkpoint's tag folder) is refused naming the directory to pass."""
-    local = local_path(path)
-    if not os.path.isfile(local):
-        return
-    parent = os.path.dirname(local)
-    grandparent = os.path.dirname(parent)
-    for directory in (parent if is_sharded_checkpoint(parent) else None,
-                      grandparent if is_deepspeed_checkpoint(grandparent) else None,
-                      parent if is_deepspeed_checkpoint(parent) else None):
-        if directory is not None:
-            raise CheckpointError(f"fabric.load({path!r}): a file inside the checkpoint {directory}; pass the "
-                                  f"directory: fabric.load({directory!r}, state)", local)
+def _file_layout(path: str, module_keys: list[str], optimizer_keys: list[str]) -> Layout:
+    """How one checkpoint file holds the state's objects (see [Note: Fabric checkpoint files])."""
+
+    def layout(loaded: Any) -> tuple[dict[str, Any], Optional[list], dict[str, Any]]:
+        if not isinstance(loaded, dict):
+            raise CheckpointError(f"{path}: not a Fabric checkpoint (a dict of the saved objects), got "
+                                  f"{type(loaded).__name__}", path)
+        if isinstance(loaded.get(KEYS), dict) and isinstance(loaded.get("state_dict"), dict):
+            return _consolidated_layout(path, loaded, module_keys, optimizer_keys)
+        absent = [key for key in module_keys + optimizer_keys if not isinstance(loaded.get(key), dict)]
+        if absent:
+            raise CheckpointError(f"{path} holds no state dict under {absent} (its keys: {sorted(map(str, loaded))[:8]}"
+                                  "); fabric.load(path, state) needs each module and optimizer under the key it was "
+                                  "saved with, and fabric.load_raw(path, model) reads a bare state dict file", path)
+        if len(module_keys) == 1:
+            weights = loaded[module_keys[0]]
+        else:  # several modules: as the sharded layout's ModuleDict view, <key>.<name>
+            weights = {f"{key}.{name}": value for key in module_keys for name, value in loaded[key].items()}
+        states = [loaded[key] for key in optimizer_keys] if optimizer_keys else None
+        rest = {key: value for key, value in loaded.items() if key not in module_keys and key not in optimizer_keys}
+        return weights, states, rest
+
+    return layout
 
 
-def _load_state_file(path: str, state: dict[str, Any], strict: bool) -> dict[str, Any]:
-    """One file as Lightning's FSDP and ModelParallel strategies save a full checkpoint (and a single-device Fabric
-    does): ``{"model": <its state dict>, "optimizer": <its state dict>, "step": 3, ...}``, keyed by the state's keys.
-    Each module and optimizer of ``state`` gets its entry, each rank reading its slices (the file is memory-mapped,
-    ``weights_only``); the other entries go into the state's other objects, as :func:`load` does."""
-    loaded = safe_torch_load(path, what=path, mmap=True)
+def _consolidated_layout(path: str, loaded: dict, module_keys: list[str], optimizer_keys: list[str]):
+    """A ZeroStrategy checkpoint consolidated into one file: Lightning's keys, and which state keys held what."""
+    saved = loaded[KEYS]
+    if (module_keys and module_keys != saved.get("modules")) or \
+            (optimizer_keys and optimizer_keys != saved.get("optimizers")):
+        raise CheckpointError(f"{path} holds the modules {saved.get('modules')} and optimizers "
+                              f"{saved.get('optimizers')}; the state passes {module_keys} and {optimizer_keys} (pass "
+                              "all the modules or none, and all the optimizers or none, under the same keys)", path)
+    states = loaded.get("optimizer_states")
+    if optimizer_keys and not isinstance(states, list):
+        raise CheckpointError(f"{path} holds no optimizer states (consolidated without with_optimizer=True): load "
+                              "the modules alone", path)
+    rest = {key: value for key, value in loaded.items() if key not in ("state_dict", "optimizer_states", KEYS)}
+    return loaded["state_dict"], (states if optimizer_keys else None), rest
+
+
+def _load_file(path: str, state: dict[str, Any], strict: bool, *, precision,
+               exclude_frozen_parameters: bool) -> dict[str, Any]:
+    """``fabric.load`` of one file into the state's (sharded) objects, each rank reading its slices; returns the
+    file's other entries."""
     module_keys, optimizer_keys = _split(state)
-    if not isinstance(loaded, dict) or any(key not in loaded for key in module_keys + optimizer_keys):
-        held = sorted(map(str, loaded))[:10] if isinstance(loaded, dict) else type(loaded).__name__
-        raise CheckpointError(
-            f"fabric.load({path!r}): one file is read as a full checkpoint keyed like the state (Lightning's FSDP "
-            f"format, {{'model': state_dict, 'optimizer': state_dict, ...}}), but it holds {held}, not the state's "
-            f"modules and optimizers {module_keys + optimizer_keys}. For a bare state dict use "
-            "fabric.load_raw(path, model) or fabric.load_raw(path, optimizer)", path)
-    modules = {key: _unwrap(state[key]) for key in module_keys}
-    for key in module_keys:
-        load_raw_module(path, modules[key], strict=strict, state=loaded[key])
-    for key in optimizer_keys:
-        held = {id(param) for group in model_params_per_group(state[key]) for param in group}
-        owner = next((m for m in modules.values() if any(id(p) in held for p in m.parameters())), None)
-        if owner is None:
-            raise ValueError(f"fabric.load({path!r}): the optimizer {key!r} holds no parameter of the state's modules")
-        load_raw_optimizer(path, owner, state[key], state=loaded[key])
-    rest = {key: value for key, value in loaded.items() if key not in module_keys + optimizer_keys}
+    layout = _file_layout(path, module_keys, optimizer_keys)
+    if module_keys:
+        rest, _ = load_full_checkpoint(path, _module_view(state, module_keys), [state[key] for key in optimizer_keys],
+                                       strict=strict, exclude_frozen_parameters=exclude_frozen_parameters,
+                                       load_full_weights=False, layout=layout)
+        rest.pop("state_dict")
+    else:
+        source = FullCheckpoint(path, layout)
+        rest = source.rest()
+        source.close()
+    rest.pop(FULL_FILE_MARKER, None)
+    scaler_state = rest.pop(SCALER, None)
+    if scaler_state is not None and precision.scaler is not None:
+        precision.load_state_dict(scaler_state)
     _restore_values(path, state, rest, module_keys + optimizer_keys, strict)
     return rest
 

@@ -65,8 +65,9 @@ class ZeroStrategy(ParallelStrategy):
     * ``fabric.clip_gradients(model, optimizer, max_norm=...)`` clips the global norm over every rank's shards;
       with fp16 it first unscales (and detects overflow), as DeepSpeed does before clipping.
     * ``fabric.no_backward_sync(model, enabled=...)`` skips gradient communication on accumulation micro-steps.
-    * ``fabric.save(path, state)`` writes a sharded, atomic checkpoint directory;
-      ``fabric.load(path, state)`` loads it in place at any stage or world size
+    * ``fabric.save(path, state)`` writes a sharded, atomic checkpoint directory (``state_dict_type="full"``: one
+      file in Fabric's own layout, which a single-device Fabric loads too); ``fabric.load(path, state)`` loads
+      either, or a single-device/DDP Fabric checkpoint file, in place at any stage or world size
       (:mod:`lightning_zero.fabric.fabric_checkpoints`); a plain value under a key the checkpoint uses itself
       (``state_dict``, ``fabric_state_keys``, ...) is refused by name.
     * ``fabric.load_raw(path, model_or_optimizer)`` reads one ``torch.save`` or ``.safetensors`` file, each rank its
@@ -88,7 +89,8 @@ class ZeroStrategy(ParallelStrategy):
     Refused (no Fabric meaning yet): ``auto_resume=True`` (there are no ``ModelCheckpoint`` directories to resume
     from), and a ds_config that sets loop settings (``optimizer``, ``scheduler``, ``gradient_clipping``,
     accumulation, batch sizes, ``steps_per_print``, ``wall_clock_breakdown``): write them in the loop;
-    ``load_full_weights=True`` (``fabric.load`` reads sharded directories, ``fabric.load_raw`` one file); a
+    ``load_full_weights=True`` (the state passed to ``fabric.load`` says what is loaded: leave the optimizer out to
+    load the weights alone); a
     CheckpointIO plugin, given here or through ``Fabric(plugins=...)`` (saves never call it).
     """
 
@@ -141,10 +143,10 @@ class ZeroStrategy(ParallelStrategy):
             raise ValueError("auto_resume=True resumes from the Trainer's ModelCheckpoint directories, which Fabric "
                              "has not: call fabric.load(path, state) yourself, and leave auto_resume=False")
         if settings.load_full_weights:
-            raise NotImplementedError("load_full_weights=True is not supported with Fabric: fabric.load reads sharded "
-                                      "checkpoint directories. Load a single-file state dict with "
-                                      "fabric.load_raw(path, model) or model.load_state_dict, and leave "
-                                      "load_full_weights=False")
+            raise NotImplementedError("load_full_weights=True is not supported with Fabric: the state given to "
+                                      "fabric.load says what is loaded (fabric.load(path, {'model': model}) loads the "
+                                      "weights alone, from a checkpoint directory or file); a bare state dict file "
+                                      "loads with fabric.load_raw(path, model). Leave load_full_weights=False")
         _refuse_loop_settings(settings.ds_config)
         self.settings = settings
         self.zero_config = settings.zero_config
@@ -391,7 +393,7 @@ class ZeroStrategy(ParallelStrategy):
             fabric_checkpoints.save(
                 self.broadcast(str(path)), state, filter, precision=self.precision, zero_config=self.zero_config,
                 exclude_frozen_parameters=self.exclude_frozen_parameters, async_save=self.async_save,
-                full=self.settings.state_dict_type == "full",
+                state_dict_type=self.settings.state_dict_type, rank=self.global_rank,
                 **checkpoint_save_options(self.ds_config, self.precision.precision))
 
     def load_checkpoint(self, path, state: Optional[dict] = None, strict: bool = True,
