@@ -186,13 +186,12 @@ def _raw_file(path: PathLike, what: str) -> str:
     return path
 
 
-def load_raw_module(path: PathLike, module: torch.nn.Module, *, strict: bool, state: Optional[dict] = None) -> None:
+def load_raw_module(path: PathLike, module: torch.nn.Module, *, strict: bool) -> None:
     """``fabric.load_raw(path, module)``: the weights of one file (``torch.save(model.state_dict())``, a Lightning
     or consolidated checkpoint's ``state_dict``, ``.safetensors``) into the (sharded) ``module``, each rank reading
-    its slices. Collective; ``strict`` as ``Module.load_state_dict`` (shape mismatches always refused). ``state``:
-    the state dict, an entry of the file already read."""
+    its slices. Collective; ``strict`` as ``Module.load_state_dict`` (shape mismatches always refused)."""
     load_full_checkpoint(_raw_file(path, "module"), module, [], strict=strict, exclude_frozen_parameters=False,
-                         load_full_weights=True, state=state)
+                         load_full_weights=True)
 
 
 class _OptimizerFile:
@@ -200,12 +199,8 @@ class _OptimizerFile:
     its ``path`` and ``optimizer_states`` (a list of one). Read with ``weights_only`` and memory-mapped, so a
     rank copies only the slices of the states it keeps."""
 
-    def __init__(self, path: str, loaded: Optional[dict] = None) -> None:
+    def __init__(self, path: str) -> None:
         self.path = path
-        if loaded is not None:  # an entry of a file already read
-            self._check(loaded)
-            self.optimizer_states = [loaded]
-            return
         problem = describe_full_checkpoint_file(path) or (
             f"{path}: a .safetensors file holds no optimizer state; fabric.load_raw(path, optimizer) reads a "
             "torch.save(optimizer.state_dict()) file" if is_safetensors_file(path) else None)
@@ -224,8 +219,7 @@ class _OptimizerFile:
 
 
 @torch.inference_mode(False)
-def load_raw_optimizer(path: PathLike, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                       state: Optional[dict] = None) -> None:
+def load_raw_optimizer(path: PathLike, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """``fabric.load_raw(path, optimizer)``: a full optimizer state dict (positions, as
     ``Optimizer.state_dict()`` writes them, or parameter names) into the partitioned/sharded ``optimizer`` of
     ``module``, as ``Optimizer.load_state_dict`` would load it into the unsharded one: each rank keeps the states
@@ -234,7 +228,7 @@ def load_raw_optimizer(path: PathLike, module: torch.nn.Module, optimizer: torch
     :mod:`lightning_zero.checkpoint.full_file`). Collective."""
     error, plans = None, None
     try:
-        source = _OptimizerFile(_raw_file(path, "optimizer"), state)
+        source = _OptimizerFile(_raw_file(path, "optimizer"))
         if not optimizer.state:
             initialise_optimizer_state(optimizer)  # placeholders give each state's layout (see the check)
         plans = check_full_optimizer_states([optimizer_target(module, optimizer)], source)

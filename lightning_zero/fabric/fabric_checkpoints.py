@@ -43,7 +43,6 @@ import sys
 from typing import Any, Callable, Optional, Union
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
@@ -218,12 +217,7 @@ def load(path: str, state: Optional[dict[str, Any]], strict: bool, *, precision,
     # Collective with async_save (fabric.load runs on every rank): rank 0 commits an async save in the background,
     # so another rank must not read the path before that commit, or it would load the checkpoint the save replaces.
     wait_for_pending_saves(barrier=bool(async_save))
-    if is_full_file(path):
-        return _load_full_file(path, state, strict, precision=precision,
-                               exclude_frozen_parameters=exclude_frozen_parameters)
     _refuse_a_file_inside_a_checkpoint(path)
-    if os.path.isfile(local_path(path)):
-        return _load_state_file(path, state, strict)
     if is_deepspeed_checkpoint(path):
         return _load_deepspeed(path, state, strict, precision=precision,
                                exclude_frozen_parameters=exclude_frozen_parameters)
@@ -254,6 +248,22 @@ def load(path: str, state: Optional[dict[str, Any]], strict: bool, *, precision,
         precision.load_state_dict(scaler_state)
     _restore_values(directory, state, meta, module_keys + optimizer_keys, strict)
     return meta
+
+
+def _refuse_a_file_inside_a_checkpoint(path: str) -> None:
+    """A file inside a checkpoint directory (a shard or ``meta.pt`` of a sharded checkpoint, a file in a DeepSpeed
+    checkpoint's tag folder) is refused naming the directory to pass."""
+    local = local_path(path)
+    if not os.path.isfile(local):
+        return
+    parent = os.path.dirname(local)
+    grandparent = os.path.dirname(parent)
+    for directory in (parent if is_sharded_checkpoint(parent) else None,
+                      grandparent if is_deepspeed_checkpoint(grandparent) else None,
+                      parent if is_deepspeed_checkpoint(parent) else None):
+        if directory is not None:
+            raise CheckpointError(f"fabric.load({path!r}): a file inside the checkpoint {directory}; pass the "
+                                  f"directory: fabric.load({directory!r}, state)", local)
 
 
 def _file_layout(path: str, module_keys: list[str], optimizer_keys: list[str]) -> Layout:
@@ -352,28 +362,6 @@ def _load_deepspeed(path: str, state: dict[str, Any], strict: bool, *, precision
     scaler_state = rest.pop(LOSS_SCALER_KEY, None)
     if scaler_state is not None and precision.scaler is not None:
         precision.load_state_dict({"loss_scaler": scaler_state})
-    _restore_values(path, state, rest, module_keys + optimizer_keys, strict)
-    return rest
-
-
-def _load_full_file(path: str, state: dict[str, Any], strict: bool, *, precision,
-                    exclude_frozen_parameters: bool) -> dict[str, Any]:
-    """A file ``fabric.save`` wrote with ``state_dict_type="full"``: through the full-checkpoint loader (each rank
-    reading its slices, at any stage and world size), the state's modules and optimizers matched by key as in
-    :func:`load`."""
-    saved = safe_torch_load(path, what=path, mmap=True).get(KEYS)
-    module_keys, optimizer_keys = _split(state)
-    if saved is None or module_keys != saved["modules"] or (optimizer_keys and optimizer_keys != saved["optimizers"]):
-        raise KeyError(f"{path}: the state's modules {module_keys} and optimizers {optimizer_keys} do not match the "
-                       f"file's ({saved}); pass them under the same keys (the optimizers may be left out)")
-    rest, _ = load_full_checkpoint(path, _module_view(state, module_keys), [state[key] for key in optimizer_keys],
-                                   strict=strict, exclude_frozen_parameters=exclude_frozen_parameters,
-                                   load_full_weights=not optimizer_keys)
-    for key in ("state_dict", KEYS, FULL_FILE_MARKER, "optimizer_param_groups", "frozen_parameters_excluded"):
-        rest.pop(key, None)
-    scaler_state = rest.pop(SCALER, None)
-    if scaler_state is not None and precision.scaler is not None:
-        precision.load_state_dict(scaler_state)
     _restore_values(path, state, rest, module_keys + optimizer_keys, strict)
     return rest
 
