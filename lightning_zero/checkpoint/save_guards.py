@@ -22,7 +22,6 @@ import atexit
 import errno
 import os
 import socket
-import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -192,7 +191,6 @@ def describe_failure(path: str, err: BaseException, needed: Optional[int]) -> st
 
 
 PROBE_PREFIX = ".lightning-zero-probe-"
-STALE_PROBE_SECONDS = 600  # far longer than any save's agreement phase: such a probe's save died
 
 
 def _probe(parent: str, rank: int, path: str) -> tuple:
@@ -209,9 +207,9 @@ def _probe(parent: str, rank: int, path: str) -> tuple:
 
 
 def _remove_stale_probes(parent: str) -> None:
-    """Remove probes older than :data:`STALE_PROBE_SECONDS` (of saves killed before their clean-up, under another
-    checkpoint name or world size); a fresh one may belong to a save in progress and is left alone."""
-    now = time.time()
+    """Remove every probe in ``parent``, once every rank of this save has seen the others' (the all-gather of the
+    verdicts): this save's are no longer needed, and any other is a killed save's, since a job's earlier saves are
+    settled before the next one starts (a probe left under another checkpoint name or world size stayed before)."""
     try:
         entries = list(os.scandir(parent))
     except OSError:
@@ -219,8 +217,7 @@ def _remove_stale_probes(parent: str) -> None:
     for entry in entries:
         if entry.name.startswith(PROBE_PREFIX):
             try:
-                if now - entry.stat(follow_symlinks=False).st_mtime > STALE_PROBE_SECONDS:
-                    os.remove(entry.path)
+                os.remove(entry.path)
             except OSError:
                 pass
 
