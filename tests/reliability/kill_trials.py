@@ -28,6 +28,7 @@ from typing import Optional
 
 from lightning_zero.checkpoint.directory import is_sharded_checkpoint
 from lightning_zero.checkpoint.safe_load import load_meta
+from lightning_zero.diagnostics.network import free_port
 from tests.reliability.kill_job import STEPS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,7 +38,11 @@ LEFTOVER_MARKS = (".partial", ".old", ".lightning-zero-probe-", ".lz-relink", ".
 
 def _start(root: Path, mode: str, ckpt: Optional[str] = None) -> subprocess.Popen:
     command = [sys.executable, "-m", "tests.reliability.kill_job", str(root), mode] + ([ckpt] if ckpt else [])
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    # a fresh rendezvous port per job, and none of a caller's process-group variables (a test process may hold them)
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                          "NODE_RANK", "GROUP_RANK")}
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
 
@@ -132,13 +137,13 @@ def calibrate(base: Path) -> tuple:
     return (first or end * 0.5), end
 
 
-def run_trials(count: int, seed: int = 0, base: Optional[Path] = None) -> list:
+def run_trials(count: int, seed: int = 0, base: Optional[Path] = None, modes: tuple = MODES) -> list:
     base = Path(base or tempfile.mkdtemp(prefix="lz-kill-"))
     first, end = calibrate(base)
     rng = random.Random(seed)
     # from just before the first save to just before the end of training: the save-heavy span
     window = (max(0.0, first - 0.5), first + 0.9 * (end - first))
-    return [trial(base, i, MODES[i % len(MODES)], rng.uniform(*window)) for i in range(count)]
+    return [trial(base, i, modes[i % len(modes)], rng.uniform(*window)) for i in range(count)]
 
 
 def table(results: list) -> str:
