@@ -206,16 +206,17 @@ def _probe(parent: str, rank: int, path: str) -> tuple:
         return None, f"rank {rank} cannot write to {parent}: {err}"
 
 
-def _remove_stale_probes(parent: str) -> None:
-    """Remove every probe in ``parent``, once every rank of this save has seen the others' (the all-gather of the
-    verdicts): this save's are no longer needed, and any other is a killed save's, since a job's earlier saves are
-    settled before the next one starts (a probe left under another checkpoint name or world size stayed before)."""
+def _remove_stale_probes(parent: str, keep: set) -> None:
+    """Remove every probe in ``parent`` but this save's (``keep``, each rank's own, which it removes itself): any
+    other is a killed save's, since a job's earlier saves are settled before the next one starts, and no rank can
+    start its next save before this one's verdicts are gathered (a probe left under another checkpoint name or world
+    size stayed before)."""
     try:
         entries = list(os.scandir(parent))
     except OSError:
         return
     for entry in entries:
-        if entry.name.startswith(PROBE_PREFIX):
+        if entry.name.startswith(PROBE_PREFIX) and entry.path not in keep:
             try:
                 os.remove(entry.path)
             except OSError:
@@ -235,6 +236,8 @@ def prepare_save(path: str, state: dict, write_meta: Callable[[str], None],
     parent = os.path.dirname(path)
     probe, error = _probe(parent, rank, path)
     reports = all_gather((socket.gethostname(), probe, shard_bytes(state)), group)
+    if rank == 0:  # here, not after the verdicts: a rank past them may already have written its next save's probe
+        _remove_stale_probes(parent, keep={report[1] for report in reports})
     needed = sum(report[2] for report in reports) + _SLACK_PER_RANK * len(reports) + extra_bytes
     errors: List[str] = list(earlier_failures) + ([error] if error else [])
     unseen = [r for r, (_, other, _) in enumerate(reports) if other is not None and not os.path.exists(other)]
@@ -276,7 +279,6 @@ def prepare_save(path: str, state: dict, write_meta: Callable[[str], None],
         except OSError:
             pass
     if rank == 0:
-        _remove_stale_probes(parent)
         sweep_leftovers(parent, keep=partial_dir(path))
     failures = [message for messages in verdicts for message in messages]
     if failures:
