@@ -10,6 +10,16 @@ checkpoint after the process group exists (rank 0 chooses, every rank loads the 
 :func:`install_auto_resume` wraps the Trainer's ``_checkpoint_connector.resume_start`` for that one call and
 :func:`newest_complete_checkpoint` finds the checkpoint. A preempted job (SIGTERM/SIGUSR1) saves ``preempted.ckpt``
 there first, at a step boundary (:mod:`lightning_zero.strategies.preemption`).
+
+[Note: "last" after a preemption]
+Lightning resolves ``ckpt_path="last"`` to the newest ``last*.ckpt`` of the ``ModelCheckpoint`` directories (and
+``OnExceptionCheckpoint``'s file), so it never sees ``preempted.ckpt``: a job preempted between two saves and
+resumed with ``"last"`` silently started again from the previous save, redoing the steps since (with preemptions
+more frequent than saves, never getting further). Lightning resolves the name before the strategy exists on the
+rank, so the launchers keep the ``ckpt_path`` asked for (``strategy.ckpt_path_asked``) and, on such a fit,
+``resume_start`` takes the preemption checkpoint instead when its ``zero.json`` was written after that of
+Lightning's choice (or Lightning found none), and the log says so. A preemption checkpoint older than the last
+save is left alone.
 """
 
 from __future__ import annotations
@@ -74,19 +84,54 @@ def _choose_resume_path(trainer, broadcast) -> Optional[str]:
     return path
 
 
-def install_auto_resume(trainer, auto_resume, broadcast) -> None:
+def _finished_at(path: str) -> float:
+    info = os.path.join(path, INFO_FILE)  # written last (a link is followed to its target)
+    return os.path.getmtime(info if os.path.isfile(info) else path)
+
+
+def newer_preemption_checkpoint(trainer, chosen: Optional[str]) -> Optional[str]:
+    """A complete preemption checkpoint in the ``ModelCheckpoint`` directories finished after ``chosen`` (Lightning's
+    ``ckpt_path="last"`` choice, ``None`` if it found none), or ``None``. See ``[Note: "last" after a preemption]``."""
+    candidates = [os.path.join(directory, preemption.PREEMPTED_CHECKPOINT)
+                  for directory in _checkpoint_directories(trainer)]
+    candidates = [path for path in candidates if is_sharded_checkpoint(path)]
+    if not candidates:
+        return None
+    newest = max(candidates, key=_finished_at)
+    if chosen is not None and os.path.exists(chosen) and _finished_at(chosen) >= _finished_at(newest):
+        return None
+    return newest
+
+
+def _resume_last(trainer, chosen: Optional[str], broadcast) -> Optional[str]:
+    newer = newer_preemption_checkpoint(trainer, chosen) if trainer.is_global_zero else None
+    newer = broadcast(newer)
+    if newer is None:
+        return chosen
+    if trainer.is_global_zero:
+        log.warning(f'lightning-zero: ckpt_path="last" resumes from the preemption checkpoint {newer}, saved after '
+                    f"{chosen or 'any last checkpoint'} (pass a path to choose)")
+    return newer
+
+
+def install_auto_resume(trainer, auto_resume, broadcast, ckpt_path_asked: Optional[str] = None) -> None:
     """On a restarted fit without ``ckpt_path`` (or every fit with ``auto_resume="always"``), make the Trainer resume
-    from the newest complete checkpoint (rank 0 chooses; ``broadcast(obj)`` shares its choice); on every fit, turn
-    preemption signals into a checkpoint at the next step boundary (:mod:`.preemption`)."""
+    from the newest complete checkpoint (rank 0 chooses; ``broadcast(obj)`` shares its choice); on a fit asked for
+    ``ckpt_path="last"``, from a newer preemption checkpoint if there is one; on every fit, turn preemption signals
+    into a checkpoint at the next step boundary (:mod:`.preemption`)."""
     from lightning.pytorch.trainer.states import TrainerFn
 
     preemption.install(trainer)
     asked = restart_count() > 0 or auto_resume == "always"
-    if trainer is None or not asked or trainer.state.fn != TrainerFn.FITTING:
+    last = ckpt_path_asked == "last"
+    if trainer is None or not (asked or last) or trainer.state.fn != TrainerFn.FITTING:
         return
+
     def choosing_the_checkpoint(original):
         def resume_start(checkpoint_path=None, weights_only=None):
-            if checkpoint_path is None:
+            if last:
+                checkpoint_path = _resume_last(trainer, checkpoint_path, broadcast)
+            elif checkpoint_path is None and asked:
                 checkpoint_path = _choose_resume_path(trainer, broadcast)
             return original(checkpoint_path, weights_only=weights_only)
 

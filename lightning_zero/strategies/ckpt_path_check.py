@@ -17,18 +17,20 @@ from lightning_zero.checkpoint.full_file import describe_full_checkpoint_file
 _SYMBOLIC_CKPT_PATHS = ("last", "best", "hpc", "registry")
 
 
-def check_ckpt_path(function: Any, args: tuple, kwargs: dict) -> None:
+def check_ckpt_path(function: Any, args: tuple, kwargs: dict, trainer: Any = None) -> None:
     """Refuse a ``ckpt_path`` given to ``fit/validate/test/predict`` that ZeroStrategy cannot load, before any rank
     starts: a URL, a file that is no checkpoint (neither a torch.save file nor safetensors), a path inside a sharded
     checkpoint, an incomplete directory. A single checkpoint file and a DeepSpeed ZeRO checkpoint directory are loaded
     (``checkpoint/load_full.py``).
     Lightning passes it to the launched function only (its signature is read, not assumed); symbolic names are
-    resolved later."""
+    resolved later, by Lightning, before the strategy sees the path: so ``trainer.strategy.ckpt_path_asked`` keeps
+    what was asked, for ``"last"`` to also take a newer preemption checkpoint (:mod:`.auto_resume`)."""
     try:
-        bound = inspect.signature(function).bind_partial(*args, **kwargs)
+        path = inspect.signature(function).bind_partial(*args, **kwargs).arguments.get("ckpt_path")
     except (TypeError, ValueError):
-        return
-    path = bound.arguments.get("ckpt_path")
+        path = None
+    if trainer is not None:
+        trainer.strategy.ckpt_path_asked = path if isinstance(path, str) else None
     if path is None or not isinstance(path, (str, os.PathLike)):
         return
     text = os.fspath(path)
@@ -58,7 +60,7 @@ class ValidatingLauncher:
     is_interactive_compatible = True
 
     def launch(self, function, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        check_ckpt_path(function, args, kwargs)
+        check_ckpt_path(function, args, kwargs, trainer)
         return function(*args, **kwargs)
 
     def kill(self, signum: Any) -> None:
@@ -70,7 +72,7 @@ def check_launch(launcher: Any) -> Any:
     launch = launcher.launch
 
     def checked_launch(function, *args: Any, **kwargs: Any) -> Any:
-        check_ckpt_path(function, args, {k: v for k, v in kwargs.items() if k != "trainer"})
+        check_ckpt_path(function, args, {k: v for k, v in kwargs.items() if k != "trainer"}, kwargs.get("trainer"))
         return launch(function, *args, **kwargs)
 
     launcher.launch = checked_launch  # on the instance: Lightning's isinstance checks still see its class

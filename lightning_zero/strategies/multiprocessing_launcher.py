@@ -35,7 +35,7 @@ class ZeroMultiProcessingLauncher(_MultiProcessingLauncher):
     """Lightning's Trainer ``_MultiProcessingLauncher`` with the additions listed in the module docstring."""
 
     def launch(self, function, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        check_ckpt_path(function, args, kwargs)
+        check_ckpt_path(function, args, kwargs, trainer)
         collect_before_fork(self._start_method)
         return super().launch(function, *args, trainer=trainer, **kwargs)
 

@@ -330,7 +330,8 @@ class ZeroStrategy(ParallelStrategy):
             self.lightning_module._device_mesh = self.meshes.world
         self.hang_guard.start(self.global_rank, self.world_size)
         if self.auto_resume:
-            auto_resume.install_auto_resume(self._trainer(), self.auto_resume, self.broadcast)
+            auto_resume.install_auto_resume(self._trainer(), self.auto_resume, self.broadcast,
+                                            getattr(self, "ckpt_path_asked", None))
 
     def _check_before_process_group(self) -> None:
         """Everything checkable on each rank before ``init_process_group``: the launch and the settings against the

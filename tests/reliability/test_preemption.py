@@ -166,3 +166,37 @@ def _agreement_cost_worker(rank, world_size, root):
 
 def test_preemption_agreement_is_one_async_reduce_per_step_on_the_control_group(tmp_path):
     run_distributed(_agreement_cost_worker, 2, str(tmp_path))
+
+
+class _StartStep(Callback):
+    def on_train_start(self, trainer, pl_module):
+        self.step = trainer.global_step
+
+
+def _last_worker(rank, world_size, root):
+    checkpoints = os.path.join(root, "checkpoints")
+
+    def fit(callbacks, ckpt_path=None):
+        every_two = ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=2, save_top_k=-1, save_last=True)
+        start = _StartStep()
+        trainer = Trainer(strategy=ZeroStrategy(stage=2), accelerator="cpu", devices=2, max_epochs=EPOCHS,
+                          limit_train_batches=STEPS_PER_EPOCH, limit_val_batches=0, logger=False,
+                          enable_progress_bar=False, enable_model_summary=False,
+                          callbacks=[every_two, start, *callbacks], default_root_dir=root)
+        trainer.fit(RegressionModule(), ckpt_path=ckpt_path)
+        return trainer, start.step
+
+    with pytest.raises(SystemExit):
+        fit([SignalAt(2, 1)])  # last.ckpt holds step 2, preempted.ckpt step 3
+    preempted = os.path.join(checkpoints, PREEMPTED_CHECKPOINT)
+    trainer, start = fit([], ckpt_path="last")
+    assert (trainer.ckpt_path, start) == (preempted, 3), (trainer.ckpt_path, start)
+    # once a later save made last.ckpt newer, "last" is Lightning's choice again
+    trainer, start = fit([], ckpt_path="last")
+    assert (os.path.basename(trainer.ckpt_path), start) == ("last.ckpt", EPOCHS * STEPS_PER_EPOCH)
+
+
+def test_ckpt_path_last_resumes_from_a_newer_preemption_checkpoint(tmp_path):
+    """Lightning's "last" only knows last*.ckpt: without the strategy's help the resume silently started again from
+    the save before the preemption (``[Note: "last" after a preemption]``)."""
+    run_distributed(_last_worker, 2, str(tmp_path))
