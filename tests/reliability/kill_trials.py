@@ -37,7 +37,12 @@ LEFTOVER_MARKS = (".partial", ".old", ".lightning-zero-probe-", ".lz-relink", ".
 
 
 def _start(root: Path, mode: str, ckpt: Optional[str] = None) -> subprocess.Popen:
-    command = [sys.executable, "-m", "tests.reliability.kill_job", str(root), mode] + ([ckpt] if ckpt else [])
+    return start_job("tests.reliability.kill_job", [str(root), mode] + ([ckpt] if ckpt else []))
+
+
+def start_job(module: str, arguments: list) -> subprocess.Popen:
+    """``python -m module *arguments`` in its own session (so its whole process group can be killed)."""
+    command = [sys.executable, "-m", module, *arguments]
     # a fresh rendezvous port per job, and none of a caller's process-group variables (a test process may hold them)
     env = {key: value for key, value in os.environ.items()
            if key not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
