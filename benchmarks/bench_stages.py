@@ -29,6 +29,9 @@ both are the maximum over ranks. Within a cell the runs alternate, ours then eac
 and the table prints the median ratio and its range over the repeats. Ratios below 1 mean ZeroStrategy is faster
 (or smaller). Absolute times on a loaded machine mean little; the paired ratios are the figures to read.
 
+``--count DIR`` writes deterministic per-step counts of every run (Python calls by area, DTensor dispatches, aten
+ops, tensor allocations: ``_bench_counts.py``), the evidence that survives a loaded machine.
+
 ``--profile DIR`` records the torch profiler's CPU ops on rank 0 over the measured steps of every run and writes
 the top ops by self CPU time share as JSON into DIR (profiled runs are slower: do not read their timings).
 
@@ -235,6 +238,18 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--profile", default=None, metavar="DIR",
                         help="write the torch profiler's top ops (rank 0, measured steps) of every run into DIR")
     parser.add_argument("--profile-top", type=int, default=10)
+    parser.add_argument("--empty-model", action="store_true",
+                        help="instead of the matrix: Lightning's own per-step cost, a Trainer (and ZeroStrategy at "
+                             "stages 0-2) around a one-element model without optimizer work, against a bare loop "
+                             "(_bench_empty.py); --repeat alternated repeats")
+    parser.add_argument("--empty-steps", type=int, default=200, help="timed steps of --empty-model (default 200)")
+    parser.add_argument("--empty-counted", type=int, default=20,
+                        help="steps of --empty-model whose Python calls are counted, after the timed ones")
+    parser.add_argument("--count", default=None, metavar="DIR",
+                        help="write per-step counts (Python calls by area, DTensor dispatches, aten ops, tensor "
+                             "allocations; rank 0, full loop cycles after warm-up) of every run into DIR as JSON and "
+                             "print them as a table (_bench_counts.py; counted runs are slower: do not read their "
+                             "timings)")
     args = parser.parse_args(argv)
     quick = {"repeat": 1, "steps": 2, "warmup": 1, "batch": 2}
     full = {"repeat": 3, "steps": 8, "warmup": 3, "batch": 8}
@@ -262,8 +277,35 @@ def _save(path, header, cells) -> None:
             json.dump({"header": header, "cells": cells}, f, indent=1)
 
 
+def empty_model(args) -> dict:
+    """``--empty-model``: every loop of ``_bench_empty.KINDS`` alternated ``--repeat`` times; prints the table."""
+    import _bench_empty
+    from _bench_workers import spawn
+
+    args.steps = args.empty_steps
+    results: dict = {kind: [] for kind in _bench_empty.KINDS}
+    for repeat in range(args.repeat):
+        for kind in _bench_empty.KINDS:
+            job = {"model": "empty", "precision": "fp32", "kind": kind, "nproc": _bench_empty.world_of(kind)}
+            try:
+                ranks = spawn(job, args)
+                result = (max(r["time"] for r in ranks), ranks[0]["calls"])
+            except Exception as err:
+                print(f"{kind} repeat {repeat + 1}: failed ({type(err).__name__}: {err})", file=sys.stderr)
+                result = None
+            results[kind].append(result)
+            print(f"{kind} repeat {repeat + 1}/{args.repeat}: {result}", file=sys.stderr, flush=True)
+    print(f"\nEmpty model: {args.steps} timed steps after {args.warmup} warm-up, Python calls over "
+          f"{args.empty_counted} more; {args.repeat} alternated repeat(s)")
+    _bench_empty.table(results, sys.stdout)
+    _save(args.json, "empty model", [{"empty": results}])
+    return results
+
+
 def main(argv=None) -> list[dict]:
     args = parse(argv)
+    if args.empty_model:
+        return empty_model(args)
     if args.load:
         with open(args.load) as f:
             saved = json.load(f)
@@ -290,6 +332,10 @@ def main(argv=None) -> list[dict]:
         print("\n" + header)
         _save(args.json, header, cells)
     rows = render(cells)
+    if args.count and not args.load:
+        from _bench_counts import table
+
+        print("\nPer-step counts (rank 0):\n" + table(args.count))
     if args.plot:
         plot(rows, args.plot)
     return rows
