@@ -27,6 +27,7 @@ from collections import defaultdict
 from typing import Optional
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from lightning_zero.ops.step_override import is_overridden, override_step, restore_step_override
 
@@ -41,8 +42,8 @@ _MARK = "local step"  # the step override's marker (lightning_zero.ops.step_over
 
 
 def _is_dtensor(tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
+    # DTensor is imported with the module: a function-level import runs the import machinery on every call, and
+    # this runs for every parameter, gradient and state of every step (stop 34, docs/performance.md).
     return isinstance(tensor, DTensor)
 
 
@@ -51,8 +52,6 @@ def wrap_like(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     uneven last shard included); ``local`` itself when ``like`` is a plain tensor."""
     if not _is_dtensor(like):
         return local
-    from torch.distributed.tensor import DTensor
-
     return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape,
                               stride=like.stride())
 
