@@ -394,6 +394,10 @@ def _entry(rank, world, port, args, job, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), BENCH_DEVICE=args.device)
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if args.device == "cuda" else "cpu")
+    if job.get("src"):  # bench_stages --peers before: another checkout's lightning_zero, imported first
+        import sys
+
+        sys.path.insert(0, job["src"])
     _preload()
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     if args.device == "cuda":

@@ -59,10 +59,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _bench_models as models  # noqa: E402
 
 STAGES = ("0", "1", "2", "3", "1+cpu", "2+cpu", "3+cpu")
-PEERS = ("deepspeed", "ddp", "modelparallel", "fsdp", "floor", "sync", "minimal")
+PEERS = ("deepspeed", "ddp", "modelparallel", "fsdp", "floor", "sync", "minimal", "before")
 LABELS = {"deepspeed": "DeepSpeed", "ddp": "Lightning DDP", "modelparallel": "Lightning ModelParallel (FSDP2)",
           "fsdp": "Lightning FSDP (FSDP1)", "floor": "compute floor (no collectives)",
-          "sync": "compute floor + one sync per step", "minimal": "minimal loop (no framework, flat collectives)"}
+          "sync": "compute floor + one sync per step", "minimal": "minimal loop (no framework, flat collectives)",
+          "before": "ZeroStrategy of --before-src (before a change)"}
 DEFAULT_PLOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "docs", "img", "bench_stages.png")
 
 
@@ -83,6 +84,8 @@ def peer_kinds(stage: str, peers) -> list[tuple[str, str]]:
             out.append((peer, f"{peer}:{stage}"))
         elif peer == "minimal" and stage in ("0", "1", "2"):
             out.append((peer, f"minimal:{stage}"))
+        elif peer == "before":
+            out.append((peer, f"zero:{stage}"))
     return out
 
 
@@ -96,6 +99,8 @@ def run_cell(model: str, precision: str, stage: str, args, measure) -> dict:
     for repeat in range(args.repeat):
         for side, kind in sides:
             job = {"model": model, "precision": precision, "kind": kind}
+            if side == "before":
+                job["src"] = args.before_src
             result = None
             for attempt in range(2 if side == "deepspeed" else 1):
                 try:
@@ -183,7 +188,8 @@ def plot(rows: list[dict], path: str) -> bool:
     labels = [f"{r['model']} {r['precision']} stage {r['stage']}\nvs {LABELS[r['peer']].replace('Lightning ', 'L. ')}"
               for r in rows]
     colors = {"deepspeed": "tab:blue", "ddp": "tab:orange", "modelparallel": "tab:green", "fsdp": "tab:gray",
-              "floor": "tab:purple", "sync": "tab:pink", "minimal": "tab:brown"}
+              "floor": "tab:purple", "sync": "tab:pink", "minimal": "tab:brown",
+              "before": "tab:olive"}
     fig, axes = plt.subplots(2, 1, figsize=(max(8.0, 0.55 * len(rows)), 8), sharex=True)
     for ax, key, title in ((axes[0], "time_ratio", "step time, ours / peer"),
                            (axes[1], "mem_ratio", "peak RSS per rank, ours / peer")):
@@ -238,6 +244,10 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--profile", default=None, metavar="DIR",
                         help="write the torch profiler's top ops (rank 0, measured steps) of every run into DIR")
     parser.add_argument("--profile-top", type=int, default=10)
+    parser.add_argument("--before-src", default=None, metavar="DIR",
+                        help="with --peers before: a directory holding another version's lightning_zero package "
+                             "(e.g. `git archive <commit> lightning_zero | tar -x -C DIR`), run as a peer alternated "
+                             "with this one: a change's before and after in one run")
     parser.add_argument("--empty-model", action="store_true",
                         help="instead of the matrix: Lightning's own per-step cost, a Trainer (and ZeroStrategy at "
                              "stages 0-2) around a one-element model without optimizer work, against a bare loop "
@@ -266,6 +276,9 @@ def parse(argv=None) -> argparse.Namespace:
         if not any(peer_kinds(stage, [peer]) for stage in args.stages):  # said, never dropped silently
             print(f"--peers {peer}: no cell at --stages {' '.join(args.stages)} compares with it "
                   f"(ddp: stage 0; modelparallel and fsdp: 2-3; minimal: 0-2), so it does not run", file=sys.stderr)
+    if "before" in args.peers and not args.load and not (
+            args.before_src and os.path.isdir(os.path.join(args.before_src, "lightning_zero"))):
+        parser.error("--peers before needs --before-src DIR with a lightning_zero package in DIR")
     if "deepspeed" in args.peers and not args.load and importlib.util.find_spec("deepspeed") is None:
         parser.error("the DeepSpeed peer needs deepspeed (pip install -e '.[bench]'), or pass --no-deepspeed")
     return args
