@@ -252,6 +252,8 @@ def parse(argv=None) -> argparse.Namespace:
                         help="instead of the matrix: Lightning's own per-step cost, a Trainer (and ZeroStrategy at "
                              "stages 0-2) around a one-element model without optimizer work, against a bare loop "
                              "(_bench_empty.py); --repeat alternated repeats")
+    parser.add_argument("--empty-kinds", nargs="+", default=None, metavar="KIND",
+                        help="--empty-model: only these loops (bare trainer bare-dp zero0 zero1 zero2; default all)")
     parser.add_argument("--empty-steps", type=int, default=200, help="timed steps of --empty-model (default 200)")
     parser.add_argument("--empty-counted", type=int, default=20,
                         help="steps of --empty-model whose Python calls are counted, after the timed ones")
@@ -296,9 +298,13 @@ def empty_model(args) -> dict:
     from _bench_workers import spawn
 
     args.steps = args.empty_steps
-    results: dict = {kind: [] for kind in _bench_empty.KINDS}
+    kinds = [f"empty:{k}" for k in args.empty_kinds] if args.empty_kinds else list(_bench_empty.KINDS)
+    unknown = [k for k in kinds if k not in _bench_empty.KINDS]
+    if unknown:
+        raise SystemExit(f"--empty-kinds: unknown {unknown}; choose from {[k[6:] for k in _bench_empty.KINDS]}")
+    results: dict = {kind: [] for kind in kinds}
     for repeat in range(args.repeat):
-        for kind in _bench_empty.KINDS:
+        for kind in kinds:
             job = {"model": "empty", "precision": "fp32", "kind": kind, "nproc": _bench_empty.world_of(kind)}
             try:
                 ranks = spawn(job, args)
