@@ -72,7 +72,8 @@ class StepCounter:
         self.active = False
         job = self.job
         os.makedirs(self.args.count, exist_ok=True)
-        name = f"{job['model']}_{job['precision']}_{job['kind'].replace(':', '_').replace('+', '_')}.json"
+        before = "_before" if job.get("src") else ""  # --peers before runs the same kind from another checkout
+        name = f"{job['model']}_{job['precision']}_{job['kind'].replace(':', '_').replace('+', '_')}{before}.json"
         with open(os.path.join(self.args.count, name), "w") as f:
             json.dump({"job": job, "cycles": self.cycles, **counts}, f, indent=1)
 
@@ -120,7 +121,8 @@ def table(directory: str) -> str:
              "allocations |", "|---" * (7 + len(keys)) + "|"]
     for r in rows:
         job = r["job"]
-        lines.append(f"| {job['model']} | {job['precision']} | {job['kind']} | {r['py_calls']:.0f} | "
+        run = job["kind"] + (" (before)" if job.get("src") else "")
+        lines.append(f"| {job['model']} | {job['precision']} | {run} | {r['py_calls']:.0f} | "
                      + " | ".join(f"{r['areas'].get(k, 0):.0f}" for k in keys)
                      + f" | {r['dtensor_dispatch']:.0f} | {r['aten_ops']:.0f} | {r['allocations']:.0f} |")
     return "\n".join(lines)
