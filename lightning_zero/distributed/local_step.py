@@ -107,9 +107,13 @@ class _Swap:
 
 def _swap_in(optimizer, per_element) -> Optional[_Swap]:
     """Put local tensors into ``param_groups`` and ``state``; None (nothing swapped) when a gradient is not laid
-    out like its parameter, so the DTensor path decides."""
+    out like its parameter, so the DTensor path decides.
+
+    This runs for every parameter of every step, so it reads DTensor's fields directly (``_spec.placements``, not
+    the ``placements`` property) and tests types inline: the same checks with fewer Python calls (stop 34)."""
     params = [group["params"] for group in optimizer.param_groups]
     local_state: defaultdict = defaultdict(dict)
+    states = optimizer.state
     locals_ = []
     for group_params in params:
         group_locals = []
@@ -117,19 +121,19 @@ def _swap_in(optimizer, per_element) -> Optional[_Swap]:
             local = param._local_tensor.detach()  # an alias of the shard: in-place updates reach the parameter
             grad = param.grad
             if grad is not None:
-                if (not _is_dtensor(grad) or grad.placements != param.placements
+                if (not isinstance(grad, DTensor) or grad._spec.placements != param._spec.placements
                         or grad._local_tensor.shape != local.shape):
                     return None
                 local.grad = grad._local_tensor
-            state = optimizer.state.get(param)
+            state = states.get(param)
             if state:
-                local_state[local] = {key: (value._local_tensor if key in per_element and _is_dtensor(value)
+                local_state[local] = {key: (value._local_tensor if key in per_element and isinstance(value, DTensor)
                                             else value) for key, value in state.items()}
             group_locals.append(local)
         locals_.append(group_locals)
     for group, group_locals in zip(optimizer.param_groups, locals_):
         group["params"] = group_locals
-    swap = _Swap(params, optimizer.state, locals_)
+    swap = _Swap(params, states, locals_)
     optimizer.state = local_state
     return swap
 
@@ -150,8 +154,8 @@ def _swap_out(optimizer, swap: _Swap, per_element) -> None:
             merged = {}
             for key, value in new.items():
                 previous = old.get(key)
-                if key in per_element and isinstance(value, torch.Tensor) and not _is_dtensor(value):
-                    kept = _is_dtensor(previous) and previous._local_tensor is value
+                if key in per_element and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+                    kept = isinstance(previous, DTensor) and previous._local_tensor is value
                     value = previous if kept else wrap_like(value, param)
                 merged[key] = value
             swap.state[param].update(merged)  # the same dict object: nothing holding it goes stale
