@@ -25,6 +25,7 @@ import time
 import _bench_models as models
 import torch
 import torch.multiprocessing as mp
+from _bench_counts import StepCounter
 
 # bf16t: ZeroStrategy's "bf16-true", whose stages 2-3 compute every op in bf16 over fp32 sharded masters: the numerics
 # of DeepSpeed's bf16 engine (bf16.enabled), which both bf16 columns run on the DeepSpeed side.
@@ -103,13 +104,14 @@ def run_lightning(rank, world, args, job, out):
             # root gathered from forward to backward; passing True would re-gather it in backward.
             fully_shard(self.net, mesh=mesh, reshard_after_forward=None if reshard else False, mp_policy=policy)
 
-    profiler = _StepProfiler(args, rank, job)
+    profiler, counter = _StepProfiler(args, rank, job), StepCounter(args, rank, job)
 
     class Timer(pl.Callback):
         # On CUDA the step's kernels run after the hooks return: without a synchronisation on both edges the figure
         # would be the host's launch time, with the GPU's work charged to whichever later step waits for it.
         # run_deepspeed synchronises the same way.
         def on_train_batch_start(self, *a):
+            counter.step_begin(len(times))
             profiler.step_begin(len(times))
             if _on_cuda():
                 torch.cuda.synchronize()
@@ -138,6 +140,7 @@ def run_lightning(rank, world, args, job, out):
                          use_distributed_sampler=False)
     trainer.fit(Module(), torch.utils.data.DataLoader(data, batch_size=None))
     profiler.finish()
+    counter.finish()
     _write(out, rank, times[args.warmup:], _peak(baseline))
 
 
@@ -279,8 +282,9 @@ def run_minimal(rank, world, args, job, out):
         master = torch.nn.Parameter(whole[rank * chunk:(rank + 1) * chunk].clone())
         optimizer = torch.optim.AdamW([master], lr=1e-4)
         received = torch.empty_like(flat)
-    times = []
+    times, counter = [], StepCounter(args, rank, job)
     for x, y in models.batches(name, args, rank):
+        counter.step_begin(len(times))
         start = time.perf_counter()
         with torch.autocast(device.type, dtype=low_dtype or torch.bfloat16, enabled=low_dtype is not None):
             value = models.loss(name, model, x.to(device), y.to(device))
@@ -310,6 +314,7 @@ def run_minimal(rank, world, args, job, out):
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
+    counter.finish()
     checksum = float(sum(p.detach().double().sum() for p in params))
     _write(out, rank, times[args.warmup:], _peak(baseline), param_sum=checksum)
     dist.destroy_process_group()
@@ -325,8 +330,9 @@ def run_deepspeed(rank, world, args, job, out):
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=deepspeed_config(args, job))
     device, low_dtype = engine.device, PRECISIONS[job["precision"]][1]
-    times, profiler = [], _StepProfiler(args, rank, job)
+    times, profiler, counter = [], _StepProfiler(args, rank, job), StepCounter(args, rank, job)
     for x, y in models.batches(name, args, rank):
+        counter.step_begin(len(times))
         profiler.step_begin(len(times))
         start = time.perf_counter()
         # DeepSpeed's bf16 engine holds bf16 weights: float inputs must be bf16 too (token ids stay integers).
@@ -337,6 +343,7 @@ def run_deepspeed(rank, world, args, job, out):
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     profiler.finish()
+    counter.finish()
     _write(out, rank, times[args.warmup:], _peak(baseline))
 
 
@@ -387,13 +394,21 @@ def _entry(rank, world, port, args, job, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), BENCH_DEVICE=args.device)
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if args.device == "cuda" else "cpu")
+    if job.get("src"):  # bench_stages --peers before: another checkout's lightning_zero, imported first
+        import sys
+
+        sys.path.insert(0, job["src"])
     _preload()
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     if args.device == "cuda":
         torch.cuda.set_device(rank)
     runners = {"deepspeed": run_deepspeed, "floor": run_floor, "sync": run_floor, "minimal": run_minimal}
-    runner = runners.get(job["kind"].partition(":")[0], run_lightning)
-    runner(rank, world, args, job, out)
+    if job["kind"].startswith("empty:"):
+        from _bench_empty import run_empty
+
+        run_empty(rank, world, args, job, out, _write)
+    else:
+        runners.get(job["kind"].partition(":")[0], run_lightning)(rank, world, args, job, out)
     _end_process_group()
 
 
@@ -417,10 +432,10 @@ def spawn(job: dict, args) -> list[dict]:
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result")
-        mp.start_processes(_entry, args=(args.nproc, free_port(), args, job, out), nprocs=args.nproc,
-                           start_method="spawn")
+        nproc = job.get("nproc", args.nproc)
+        mp.start_processes(_entry, args=(nproc, free_port(), args, job, out), nprocs=nproc, start_method="spawn")
         results = []
-        for r in range(args.nproc):
+        for r in range(nproc):
             with open(f"{out}.{r}") as f:
                 results.append(json.load(f))
     return results

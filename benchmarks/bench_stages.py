@@ -29,6 +29,9 @@ both are the maximum over ranks. Within a cell the runs alternate, ours then eac
 and the table prints the median ratio and its range over the repeats. Ratios below 1 mean ZeroStrategy is faster
 (or smaller). Absolute times on a loaded machine mean little; the paired ratios are the figures to read.
 
+``--count DIR`` writes deterministic per-step counts of every run (Python calls by area, DTensor dispatches, aten
+ops, tensor allocations: ``_bench_counts.py``), the evidence that survives a loaded machine.
+
 ``--profile DIR`` records the torch profiler's CPU ops on rank 0 over the measured steps of every run and writes
 the top ops by self CPU time share as JSON into DIR (profiled runs are slower: do not read their timings).
 
@@ -56,10 +59,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _bench_models as models  # noqa: E402
 
 STAGES = ("0", "1", "2", "3", "1+cpu", "2+cpu", "3+cpu")
-PEERS = ("deepspeed", "ddp", "modelparallel", "fsdp", "floor", "sync", "minimal")
+PEERS = ("deepspeed", "ddp", "modelparallel", "fsdp", "floor", "sync", "minimal", "before")
 LABELS = {"deepspeed": "DeepSpeed", "ddp": "Lightning DDP", "modelparallel": "Lightning ModelParallel (FSDP2)",
           "fsdp": "Lightning FSDP (FSDP1)", "floor": "compute floor (no collectives)",
-          "sync": "compute floor + one sync per step", "minimal": "minimal loop (no framework, flat collectives)"}
+          "sync": "compute floor + one sync per step", "minimal": "minimal loop (no framework, flat collectives)",
+          "before": "ZeroStrategy of --before-src (before a change)"}
 DEFAULT_PLOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "docs", "img", "bench_stages.png")
 
 
@@ -80,6 +84,8 @@ def peer_kinds(stage: str, peers) -> list[tuple[str, str]]:
             out.append((peer, f"{peer}:{stage}"))
         elif peer == "minimal" and stage in ("0", "1", "2"):
             out.append((peer, f"minimal:{stage}"))
+        elif peer == "before":
+            out.append((peer, f"zero:{stage}"))
     return out
 
 
@@ -93,6 +99,8 @@ def run_cell(model: str, precision: str, stage: str, args, measure) -> dict:
     for repeat in range(args.repeat):
         for side, kind in sides:
             job = {"model": model, "precision": precision, "kind": kind}
+            if side == "before":
+                job["src"] = args.before_src
             result = None
             for attempt in range(2 if side == "deepspeed" else 1):
                 try:
@@ -180,7 +188,8 @@ def plot(rows: list[dict], path: str) -> bool:
     labels = [f"{r['model']} {r['precision']} stage {r['stage']}\nvs {LABELS[r['peer']].replace('Lightning ', 'L. ')}"
               for r in rows]
     colors = {"deepspeed": "tab:blue", "ddp": "tab:orange", "modelparallel": "tab:green", "fsdp": "tab:gray",
-              "floor": "tab:purple", "sync": "tab:pink", "minimal": "tab:brown"}
+              "floor": "tab:purple", "sync": "tab:pink", "minimal": "tab:brown",
+              "before": "tab:olive"}
     fig, axes = plt.subplots(2, 1, figsize=(max(8.0, 0.55 * len(rows)), 8), sharex=True)
     for ax, key, title in ((axes[0], "time_ratio", "step time, ours / peer"),
                            (axes[1], "mem_ratio", "peak RSS per rank, ours / peer")):
@@ -235,6 +244,24 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--profile", default=None, metavar="DIR",
                         help="write the torch profiler's top ops (rank 0, measured steps) of every run into DIR")
     parser.add_argument("--profile-top", type=int, default=10)
+    parser.add_argument("--before-src", default=None, metavar="DIR",
+                        help="with --peers before: a directory holding another version's lightning_zero package "
+                             "(e.g. `git archive <commit> lightning_zero | tar -x -C DIR`), run as a peer alternated "
+                             "with this one: a change's before and after in one run")
+    parser.add_argument("--empty-model", action="store_true",
+                        help="instead of the matrix: Lightning's own per-step cost, a Trainer (and ZeroStrategy at "
+                             "stages 0-2) around a one-element model without optimizer work, against a bare loop "
+                             "(_bench_empty.py); --repeat alternated repeats")
+    parser.add_argument("--empty-kinds", nargs="+", default=None, metavar="KIND",
+                        help="--empty-model: only these loops (bare trainer bare-dp zero0 zero1 zero2; default all)")
+    parser.add_argument("--empty-steps", type=int, default=200, help="timed steps of --empty-model (default 200)")
+    parser.add_argument("--empty-counted", type=int, default=20,
+                        help="steps of --empty-model whose Python calls are counted, after the timed ones")
+    parser.add_argument("--count", default=None, metavar="DIR",
+                        help="write per-step counts (Python calls by area, DTensor dispatches, aten ops, tensor "
+                             "allocations; rank 0, full loop cycles after warm-up) of every run into DIR as JSON and "
+                             "print them as a table (_bench_counts.py; counted runs are slower: do not read their "
+                             "timings)")
     args = parser.parse_args(argv)
     quick = {"repeat": 1, "steps": 2, "warmup": 1, "batch": 2}
     full = {"repeat": 3, "steps": 8, "warmup": 3, "batch": 8}
@@ -251,6 +278,9 @@ def parse(argv=None) -> argparse.Namespace:
         if not any(peer_kinds(stage, [peer]) for stage in args.stages):  # said, never dropped silently
             print(f"--peers {peer}: no cell at --stages {' '.join(args.stages)} compares with it "
                   f"(ddp: stage 0; modelparallel and fsdp: 2-3; minimal: 0-2), so it does not run", file=sys.stderr)
+    if "before" in args.peers and not args.load and not (
+            args.before_src and os.path.isdir(os.path.join(args.before_src, "lightning_zero"))):
+        parser.error("--peers before needs --before-src DIR with a lightning_zero package in DIR")
     if "deepspeed" in args.peers and not args.load and importlib.util.find_spec("deepspeed") is None:
         parser.error("the DeepSpeed peer needs deepspeed (pip install -e '.[bench]'), or pass --no-deepspeed")
     return args
@@ -262,8 +292,39 @@ def _save(path, header, cells) -> None:
             json.dump({"header": header, "cells": cells}, f, indent=1)
 
 
+def empty_model(args) -> dict:
+    """``--empty-model``: every loop of ``_bench_empty.KINDS`` alternated ``--repeat`` times; prints the table."""
+    import _bench_empty
+    from _bench_workers import spawn
+
+    args.steps = args.empty_steps
+    kinds = [f"empty:{k}" for k in args.empty_kinds] if args.empty_kinds else list(_bench_empty.KINDS)
+    unknown = [k for k in kinds if k not in _bench_empty.KINDS]
+    if unknown:
+        raise SystemExit(f"--empty-kinds: unknown {unknown}; choose from {[k[6:] for k in _bench_empty.KINDS]}")
+    results: dict = {kind: [] for kind in kinds}
+    for repeat in range(args.repeat):
+        for kind in kinds:
+            job = {"model": "empty", "precision": "fp32", "kind": kind, "nproc": _bench_empty.world_of(kind)}
+            try:
+                ranks = spawn(job, args)
+                result = (max(r["time"] for r in ranks), ranks[0]["calls"])
+            except Exception as err:
+                print(f"{kind} repeat {repeat + 1}: failed ({type(err).__name__}: {err})", file=sys.stderr)
+                result = None
+            results[kind].append(result)
+            print(f"{kind} repeat {repeat + 1}/{args.repeat}: {result}", file=sys.stderr, flush=True)
+    print(f"\nEmpty model: {args.steps} timed steps after {args.warmup} warm-up, Python calls over "
+          f"{args.empty_counted} more; {args.repeat} alternated repeat(s)")
+    _bench_empty.table(results, sys.stdout)
+    _save(args.json, "empty model", [{"empty": results}])
+    return results
+
+
 def main(argv=None) -> list[dict]:
     args = parse(argv)
+    if args.empty_model:
+        return empty_model(args)
     if args.load:
         with open(args.load) as f:
             saved = json.load(f)
@@ -290,6 +351,10 @@ def main(argv=None) -> list[dict]:
         print("\n" + header)
         _save(args.json, header, cells)
     rows = render(cells)
+    if args.count and not args.load:
+        from _bench_counts import table
+
+        print("\nPer-step counts (rank 0):\n" + table(args.count))
     if args.plot:
         plot(rows, args.plot)
     return rows

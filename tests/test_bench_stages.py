@@ -254,3 +254,33 @@ def test_profile_sums_fsdp_per_unit_ranges(tmp_path, deepspeed_listed):
     written = json.loads((tmp_path / "mlp_fp32_zero_3.json").read_text())
     assert written["top"] == [{"op": "FSDP::all_gather", "self_share": 0.5, "calls": 2},
                               {"op": "aten::mm", "self_share": 0.4, "calls": 10}]
+
+
+def test_before_peer_needs_a_checkout_and_runs_ours_kind(tmp_path, capsys):
+    bench = _bench()
+    with pytest.raises(SystemExit):
+        bench.parse(["--model", "gpt", "--stages", "1", "--peers", "before", "--no-deepspeed"])
+    (tmp_path / "lightning_zero").mkdir()
+    args = bench.parse(["--model", "gpt", "--stages", "1", "--peers", "before", "minimal",
+                        "--before-src", str(tmp_path)])
+    assert bench.peer_kinds("1", args.peers) == [("before", "zero:1"), ("minimal", "minimal:1")]
+
+
+def test_count_table_and_empty_table_render(tmp_path):
+    _bench()  # benchmarks/ on sys.path
+    import io
+
+    import _bench_counts
+    import _bench_empty
+
+    record = {"job": {"model": "gpt", "precision": "fp32", "kind": "zero:1", "src": "/before"}, "cycles": 3,
+              "py_calls": 10.0, "areas": {"lightning": 4.0}, "dtensor_dispatch": 0.0, "aten_ops": 7.0,
+              "allocations": 2.0}
+    (tmp_path / "a.json").write_text(json.dumps(record))
+    table = _bench_counts.table(str(tmp_path))
+    assert "| gpt | fp32 | zero:1 (before) | 10 | 4 |" in table and table.rstrip().endswith("| 0 | 7 | 2 |")
+    assert _bench_counts.area("/x/site-packages/lightning_zero/distributed/optimizer.py") == "lightning_zero"
+    assert _bench_counts.area("/x/site-packages/lightning/pytorch/trainer/trainer.py") == "lightning"
+    out = io.StringIO()
+    _bench_empty.table({"empty:bare": [(1e-5, 30)], "empty:trainer": [(1e-3, 1700)]}, out)
+    assert "| Trainer, 1 process | 1000 [1000–1000] | 1700 | 990 [990–990] |" in out.getvalue()

@@ -99,6 +99,8 @@ class OptimizerSharding:
     swapper: Optional[OptimizerStateSwapper] = None  # offload_optimizer="nvme": states swapped to disk
     param_step_of: Optional[torch.optim.Optimizer] = None  # offload_params="nvme": steps unit by unit
     local_step_of: Optional[torch.optim.Optimizer] = None  # steps DTensor local shards (.local_step)
+    broadcast_plan: Optional["_BroadcastPlan"] = None  # stage 1's buckets, made on the first step
+    not_held: Optional[tuple] = None  # (groups' identity and sizes, module params the optimizer does not hold)
 
     def all_model_params(self) -> list[Tensor]:
         return [p for params in self.model_params for p in params]
@@ -283,10 +285,19 @@ def _post_step(optimizer, args, kwargs) -> None:
         with collective_timer().record("zero1_parameter_broadcast"):
             broadcast_from_owners(sharding)
     # The optimizer's zero_grad only reaches what it holds; the module's other gradients are dead after the step.
-    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    for param in sharding.all_model_params():
-        if id(param) not in held:
-            param.grad = None
+    for param in _not_held(optimizer, sharding):
+        param.grad = None
+
+
+def _not_held(optimizer, sharding: OptimizerSharding) -> list[Tensor]:
+    """The module parameters ``optimizer`` does not hold, remembered for as long as its groups keep their identity
+    and lengths (a group added or a list replaced is seen, and the list recomputed), so a step does not rebuild a
+    set of every parameter."""
+    key = tuple((id(g), id(g["params"]), len(g["params"])) for g in optimizer.param_groups)
+    if sharding.not_held is None or sharding.not_held[0] != key:
+        held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        sharding.not_held = (key, [p for p in sharding.all_model_params() if id(p) not in held])
+    return sharding.not_held[1]
 
 
 
@@ -307,33 +318,63 @@ def _empty_master(param: Tensor) -> Tensor:
 
 
 def broadcast_from_owners(sharding: OptimizerSharding, bucket_bytes: int = BROADCAST_BUCKET_BYTES) -> None:
-    """Send each parameter from the rank that stepped it to every other rank, in flat buckets per (owner, dtype)."""
+    """Send each parameter from the rank that stepped it to every other rank, in flat buckets per (owner, dtype).
+
+    [Note: stage 1's broadcast buckets are planned once] Which parameters go in which bucket is fixed when the
+    optimizer is sharded (owners, dtypes, sizes), so the plan, one reusable flat buffer per dtype (the largest
+    bucket's size, what the per-step ``torch.cat`` used to allocate and free every step) and its per-parameter views
+    are made on the first step and kept (:class:`_BroadcastPlan`). A step then runs two ``torch._foreach_copy_``
+    per bucket (the owner packs, the others unpack) and no Python per parameter; the values sent are the same bytes.
+    """
     if not dist.is_initialized() or dist.get_world_size(sharding.group) == 1:
         return
-    per_owner: dict[tuple[int, torch.dtype], list[Tensor]] = {}
-    for params, owners in zip(sharding.model_params, sharding.owners):
-        for param, owner in zip(params, owners):
-            if owner >= 0:
-                per_owner.setdefault((owner, param.dtype), []).append(param)
-    for (owner, _), params in sorted(per_owner.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
-        src = dist.get_global_rank(sharding.group, owner) if sharding.group is not None else owner
-        bucket: list[Tensor] = []
-        size = 0
-        for param in params:
-            bucket.append(param)
-            size += param.numel() * param.element_size()
-            if size >= bucket_bytes:
-                _broadcast_bucket(bucket, src, sharding.group)
-                bucket, size = [], 0
-        if bucket:
-            _broadcast_bucket(bucket, src, sharding.group)
+    plan = sharding.broadcast_plan
+    if plan is None or plan.bucket_bytes != bucket_bytes:
+        plan = sharding.broadcast_plan = _BroadcastPlan(sharding, bucket_bytes)
+    plan.run(sharding.rank, sharding.group)
 
 
-def _broadcast_bucket(params: list[Tensor], src: int, group) -> None:
-    flat = torch.cat([p.detach().reshape(-1) for p in params])
-    dist.broadcast(flat, src=src, group=group)
-    offset = 0
-    for param in params:
-        n = param.numel()
-        param.detach().copy_(flat[offset:offset + n].view_as(param))
-        offset += n
+class _BroadcastPlan:
+    """The buckets of :func:`broadcast_from_owners`: per bucket its source rank, owner, parameters and their views
+    into a flat buffer shared by every bucket of the same dtype (the broadcasts run one after another)."""
+
+    def __init__(self, sharding: OptimizerSharding, bucket_bytes: int):
+        self.bucket_bytes = bucket_bytes
+        per_owner: dict[tuple[int, torch.dtype], list[Tensor]] = {}
+        for params, owners in zip(sharding.model_params, sharding.owners):
+            for param, owner in zip(params, owners):
+                if owner >= 0:
+                    per_owner.setdefault((owner, param.dtype), []).append(param)
+        buckets: list[tuple[int, int, torch.dtype, list[Tensor]]] = []
+        for (owner, dtype), params in sorted(per_owner.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+            src = dist.get_global_rank(sharding.group, owner) if sharding.group is not None else owner
+            bucket: list[Tensor] = []
+            size = 0
+            for param in params:
+                bucket.append(param)
+                size += param.numel() * param.element_size()
+                if size >= bucket_bytes:
+                    buckets.append((src, owner, dtype, bucket))
+                    bucket, size = [], 0
+            if bucket:
+                buckets.append((src, owner, dtype, bucket))
+        largest: dict[torch.dtype, int] = {}
+        for _, _, dtype, params in buckets:
+            largest[dtype] = max(largest.get(dtype, 0), sum(p.numel() for p in params))
+        device = next(iter(per_owner.values()))[0].device if per_owner else torch.device("cpu")
+        flats = {dtype: torch.empty(n, dtype=dtype, device=device) for dtype, n in largest.items()}
+        self.buckets = []
+        for src, owner, dtype, params in buckets:
+            flat = flats[dtype][:sum(p.numel() for p in params)]
+            views = list(flat.split([p.numel() for p in params]))
+            views = [view.view(p.shape) for view, p in zip(views, params)]
+            self.buckets.append((src, owner, flat, params, views))
+
+    def run(self, rank: int, group) -> None:
+        with torch.no_grad():
+            for src, owner, flat, params, views in self.buckets:
+                if owner == rank:
+                    torch._foreach_copy_(views, params)
+                dist.broadcast(flat, src=src, group=group)
+                if owner != rank:
+                    torch._foreach_copy_(params, views)
