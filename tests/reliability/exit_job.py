@@ -1,0 +1,64 @@
+"""The job the exit trials launch under torchrun (issue 30, item 5):
+
+    torchrun --standalone --nproc-per-node 2 -m tests.reliability.exit_job KIND STAGE ROOT
+
+Two gloo CPU ranks train a tiny model for ``STEPS`` steps with the Trainer or Fabric ``ZeroStrategy`` at ``STAGE``,
+write a final sharded checkpoint to ``ROOT/final.ckpt``, print :data:`COMPLETED` (with the rank) and return: all that
+is left is the interpreter's teardown, so a non-zero exit after that line is a teardown failure.
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tests.lightning_models import Net, RegressionModule, dataset
+
+STEPS = 2
+#: What each rank prints (``rank N: ...``) once training and the final save finished, before interpreter teardown.
+COMPLETED = "training and final save completed"
+
+
+def _trainer(stage: int, root: Path) -> int:
+    from lightning.pytorch import Trainer
+
+    from lightning_zero import ZeroStrategy
+
+    trainer = Trainer(strategy=ZeroStrategy(stage=stage), accelerator="cpu", devices=2, max_steps=STEPS,
+                      logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                      limit_val_batches=0, default_root_dir=root)
+    trainer.fit(RegressionModule())
+    trainer.save_checkpoint(root / "final.ckpt")
+    return trainer.global_rank
+
+
+def _fabric(stage: int, root: Path) -> int:
+    from lightning.fabric import Fabric
+
+    from lightning_zero.fabric import ZeroStrategy
+
+    fabric = Fabric(strategy=ZeroStrategy(stage=stage), accelerator="cpu", devices=2)
+    fabric.launch()
+    with fabric.init_module():
+        module = Net()
+    model, optimizer = fabric.setup(module, torch.optim.AdamW(module.parameters(), lr=1e-2))
+    x, y = dataset(n=4 * STEPS).tensors
+    for step in range(STEPS):
+        batch = slice(4 * step + 2 * fabric.global_rank, 4 * step + 2 * fabric.global_rank + 2)
+        fabric.backward(nn.functional.mse_loss(model(x[batch]), y[batch]))
+        optimizer.step()
+        optimizer.zero_grad()
+    fabric.save(root / "final.ckpt", {"model": model, "optimizer": optimizer, "step": STEPS})
+    return fabric.global_rank
+
+
+def main(kind: str, stage: str, root: str) -> None:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    rank = (_trainer if kind == "trainer" else _fabric)(int(stage), Path(root))
+    print(f"rank {rank}: {COMPLETED}", flush=True)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

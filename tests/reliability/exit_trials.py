@@ -1,0 +1,135 @@
+"""Launch many finished two-rank jobs and count the ones that exit non-zero after training (issue 30, item 5).
+
+    python -m tests.reliability.exit_trials --jobs 200 [--concurrency 2] [--out results.jsonl]
+
+Each job is ``torchrun --standalone --nproc-per-node 2 -m tests.reliability.exit_job KIND STAGE ROOT`` (gloo, CPU),
+cycling over Trainer and Fabric and stages 0-3. A job *finished* when both ranks printed the completed line
+(:data:`tests.reliability.exit_job.COMPLETED`); a finished job whose torchrun exits non-zero failed at interpreter
+teardown, the failure this counts (target: none). The exit codes and signals torchrun reports per rank are parsed
+from its failure summary. One JSON line per job goes to ``--out`` as it ends; the table is printed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Optional
+
+from tests.reliability.exit_job import COMPLETED
+
+REPO = Path(__file__).resolve().parents[2]
+KINDS = ("trainer", "fabric")
+STAGES = (0, 1, 2, 3)
+_RANK_EXIT = re.compile(r"rank\s*:\s*(\d+).*?\n\s*exitcode\s*:\s*(-?\d+)", re.S)
+
+
+def _env() -> dict:
+    # none of a caller's process-group variables (a test process may hold them): torchrun sets its own
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                          "NODE_RANK", "GROUP_RANK", "TORCHELASTIC_RUN_ID")}
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    return env
+
+
+def run_job(root: Path, kind: str, stage: int, timeout: float = 300) -> dict:
+    """One torchrun job; ``finished`` (both ranks completed), torchrun's exit code and the per-rank failures."""
+    root.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "-m", "tests.reliability.exit_job", kind, str(stage), str(root)]
+    start = time.perf_counter()
+    proc = subprocess.Popen(command, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        code = "timeout"
+    completed = sorted(int(rank) for rank in re.findall(rf"rank (\d+): {COMPLETED}", out))
+    failures = {int(rank): int(exit_code) for rank, exit_code in _RANK_EXIT.findall(out)}
+    finished = completed == [0, 1]
+    return {"kind": kind, "stage": stage, "finished": finished, "exit": code, "ranks_failed": failures,
+            "seconds": round(time.perf_counter() - start, 1),
+            "tail": "" if code == 0 else out[-2500:]}
+
+
+def describe_exit(code: int) -> str:
+    """``-6`` -> ``SIGABRT``; ``1`` -> ``exit 1``."""
+    if code < 0:
+        try:
+            return signal.Signals(-code).name
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit {code}"
+
+
+def run_trials(jobs: int, concurrency: int = 2, base: Optional[Path] = None, out: Optional[Path] = None,
+               kinds: tuple = KINDS, stages: tuple = STAGES) -> list:
+    base = Path(base or tempfile.mkdtemp(prefix="lz-exit-"))
+    plan = [(i, kinds[i % len(kinds)], stages[(i // len(kinds)) % len(stages)]) for i in range(jobs)]
+
+    def one(entry):
+        index, kind, stage = entry
+        result = {"job": index, **run_job(base / f"job{index}", kind, stage)}
+        if out is not None:
+            with open(out, "a") as handle:
+                handle.write(json.dumps(result) + "\n")
+        return result
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(one, plan))
+
+
+def table(results: list) -> str:
+    rows = defaultdict(list)
+    for result in results:
+        rows[(result["kind"], result["stage"])].append(result)
+    lines = ["| kind | stage | jobs | finished | non-zero exit after finishing | exits (rank: signal/code) |"
+             " failed before finishing |",
+             "|---|---|---|---|---|---|---|"]
+    totals = [0, 0, 0, 0]
+    for (kind, stage), group in sorted(rows.items()):
+        finished = [r for r in group if r["finished"]]
+        bad = [r for r in finished if r["exit"] != 0]
+        before = [r for r in group if not r["finished"]]
+        codes = sorted({f"{rank}: {describe_exit(code)}" for r in bad + before
+                        for rank, code in r["ranks_failed"].items()} | {str(r["exit"]) for r in bad + before
+                                                                        if r["exit"] == "timeout"})
+        lines.append(f"| {kind} | {stage} | {len(group)} | {len(finished)} | {len(bad)} | {', '.join(codes) or '-'} |"
+                     f" {len(before)} |")
+        for i, value in enumerate((len(group), len(finished), len(bad), len(before))):
+            totals[i] += value
+    lines.append(f"| **all** | | **{totals[0]}** | **{totals[1]}** | **{totals[2]}** | | **{totals[3]}** |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=200)
+    parser.add_argument("--concurrency", type=int, default=2)
+    parser.add_argument("--root", type=Path, default=None, help="where the jobs write (default: a new temp dir)")
+    parser.add_argument("--out", type=Path, default=None, help="append one JSON line per job here")
+    args = parser.parse_args(argv)
+    results = run_trials(args.jobs, args.concurrency, args.root, args.out)
+    for result in results:
+        if result["exit"] != 0:
+            print(f"--- job {result['job']} ({result['kind']}, stage {result['stage']}): exit {result['exit']}\n"
+                  f"{result['tail']}")
+    print(table(results))
+    return 0 if all(r["finished"] and r["exit"] == 0 for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
