@@ -5,8 +5,13 @@
 Two gloo CPU ranks train a tiny model for ``STEPS`` steps with the Trainer or Fabric ``ZeroStrategy`` at ``STAGE``,
 write a final sharded checkpoint to ``ROOT/final.ckpt``, print :data:`COMPLETED` (with the rank) and return: all that
 is left is the interpreter's teardown, so a non-zero exit after that line is a teardown failure.
+
+``LZ_EXIT_JOB_ABORT_KIND=KIND`` makes jobs of that kind abort (SIGABRT) at interpreter exit after the line, as the
+teardown abort did: the check that the trials count such a job (``tests/reliability/test_exit_trials.py``).
 """
 
+import atexit
+import os
 import sys
 from pathlib import Path
 
@@ -58,6 +63,8 @@ def main(kind: str, stage: str, root: str) -> None:
     torch.manual_seed(0)
     rank = (_trainer if kind == "trainer" else _fabric)(int(stage), Path(root))
     print(f"rank {rank}: {COMPLETED}", flush=True)
+    if os.environ.get("LZ_EXIT_JOB_ABORT_KIND") == kind:
+        atexit.register(os.abort)
 
 
 if __name__ == "__main__":

@@ -70,12 +70,16 @@ def run_job(root: Path, kind: str, stage: int, timeout: float = 300) -> dict:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         code = "timeout"
-    completed = sorted(int(rank) for rank in re.findall(rf"rank (\d+): {COMPLETED}", out))
-    failures = {int(rank): int(exit_code) for rank, exit_code in _RANK_EXIT.findall(out)}
-    finished = completed == [0, 1]
-    return {"kind": kind, "stage": stage, "finished": finished, "exit": code, "ranks_failed": failures,
+    completed, failures = parse_output(out)
+    return {"kind": kind, "stage": stage, "finished": completed == [0, 1], "exit": code, "ranks_failed": failures,
             "seconds": round(time.perf_counter() - start, 1),
             "tail": "" if code == 0 else out[-2500:]}
+
+
+def parse_output(out: str) -> tuple:
+    """``(ranks that printed the completed line, {rank: exit code} from torchrun's failure summary)``."""
+    completed = sorted(int(rank) for rank in re.findall(rf"rank (\d+): {COMPLETED}", out))
+    return completed, {int(rank): int(code) for rank, code in _RANK_EXIT.findall(out)}
 
 
 def _fork_rank(kind: str, stage: int, root: Path, rank: int, port: int) -> int:
@@ -124,7 +128,7 @@ def run_job_forked(root: Path, kind: str, stage: int, timeout: float = 300) -> d
                     codes[rank] = "timeout"
         time.sleep(0.05)
     out = "".join((root / f"rank{rank}.log").read_text(errors="replace") for rank in range(2))
-    completed = sorted(int(rank) for rank in re.findall(rf"rank (\d+): {COMPLETED}", out))
+    completed = parse_output(out)[0]
     failures = {rank: code for rank, code in codes.items() if code != 0}
     code = next((c for c in codes.values() if c == "timeout"), None) or (1 if failures else 0)
     return {"kind": kind, "stage": stage, "finished": completed == [0, 1], "exit": code,
