@@ -8,6 +8,8 @@ is left is the interpreter's teardown, so a non-zero exit after that line is a t
 
 ``LZ_EXIT_JOB_ABORT_KIND=KIND`` makes jobs of that kind abort (SIGABRT) at interpreter exit after the line, as the
 teardown abort did: the check that the trials count such a job (``tests/reliability/test_exit_trials.py``).
+``LZ_EXIT_JOB_KEEP_GROUP=1`` unregisters the strategies' exit handler (``distributed/process_group_exit.py``): the
+control run, a job as it ended before that handler existed.
 """
 
 import atexit
@@ -18,6 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lightning_zero.distributed import process_group_exit
 from tests.lightning_models import Net, RegressionModule, dataset
 
 STEPS = 2
@@ -63,6 +66,8 @@ def main(kind: str, stage: str, root: str) -> None:
     torch.manual_seed(0)
     rank = (_trainer if kind == "trainer" else _fabric)(int(stage), Path(root))
     print(f"rank {rank}: {COMPLETED}", flush=True)
+    if os.environ.get("LZ_EXIT_JOB_KEEP_GROUP") == "1":
+        atexit.unregister(process_group_exit._destroy_at_exit)
     if os.environ.get("LZ_EXIT_JOB_ABORT_KIND") == kind:
         atexit.register(os.abort)
 
