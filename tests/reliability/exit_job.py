@@ -8,6 +8,7 @@ is left is the interpreter's teardown, so a non-zero exit after that line is a t
 
 ``LZ_EXIT_JOB_ABORT_KIND=KIND`` makes jobs of that kind abort (SIGABRT) at interpreter exit after the line, as the
 teardown abort did: the check that the trials count such a job (``tests/reliability/test_exit_trials.py``).
+``KIND`` ``bare`` is the control without this package (a gloo group, one all-reduce, no destroy).
 ``LZ_EXIT_JOB_KEEP_GROUP=1`` unregisters the strategies' exit handler (``distributed/process_group_exit.py``): the
 control run, a job as it ended before that handler existed.
 """
@@ -61,10 +62,19 @@ def _fabric(stage: int, root: Path) -> int:
     return fabric.global_rank
 
 
+def _bare(stage: int, root: Path) -> int:
+    """The control without this package: a gloo group, one all-reduce, and no ``destroy_process_group()``."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    dist.all_reduce(torch.ones(4))
+    return dist.get_rank()
+
+
 def main(kind: str, stage: str, root: str) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    rank = (_trainer if kind == "trainer" else _fabric)(int(stage), Path(root))
+    rank = {"trainer": _trainer, "fabric": _fabric, "bare": _bare}[kind](int(stage), Path(root))
     print(f"rank {rank}: {COMPLETED}", flush=True)
     if os.environ.get("LZ_EXIT_JOB_KEEP_GROUP") == "1":
         atexit.unregister(process_group_exit._destroy_at_exit)

@@ -196,11 +196,14 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=200)
     parser.add_argument("--launcher", choices=("torchrun", "fork"), default="torchrun")
+    parser.add_argument("--kinds", default=",".join(KINDS), help="comma-separated: trainer, fabric, bare (the "
+                        "control: a gloo group without this package and without destroy_process_group)")
     parser.add_argument("--concurrency", type=int, default=2, help="jobs at once (torchrun only)")
     parser.add_argument("--root", type=Path, default=None, help="where the jobs write (default: a new temp dir)")
     parser.add_argument("--out", type=Path, default=None, help="append one JSON line per job here")
     args = parser.parse_args(argv)
-    results = run_trials(args.jobs, args.concurrency, args.root, args.out, launcher=args.launcher)
+    results = run_trials(args.jobs, args.concurrency, args.root, args.out,
+                         kinds=tuple(args.kinds.split(",")), launcher=args.launcher)
     for result in results:
         if result["exit"] != 0:
             print(f"--- job {result['job']} ({result['kind']}, stage {result['stage']}): exit {result['exit']}\n"
