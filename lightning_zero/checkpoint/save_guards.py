@@ -31,6 +31,7 @@ from lightning_zero.checkpoint.atomic import (
     PARTIAL_MARKER,
     CheckpointSaveError,
     delete_leftover,
+    is_complete,
     partial_dir,
     recover_interrupted_swap,
     sweep_leftovers,
@@ -183,11 +184,25 @@ def describe_failure(path: str, err: BaseException, needed: Optional[int]) -> st
     elif oserror is not None:
         reason = f"I/O error ({_short(oserror)})"
     else:
-        return (f"saving the checkpoint {path} failed: {_short(err)}. The partial directory was removed and the "
-                f"previous checkpoint at {path}, if any, is intact")
+        return (f"saving the checkpoint {path} failed: {_short(err)}. The partial directory is removed; "
+                f"{what_a_failed_save_left(path)}")
     sizes = f"needs about {needed} bytes, " if needed is not None else ""
     return (f"saving the checkpoint {path} failed: {reason}; {sizes}{free} bytes free on {os.path.dirname(path)}. "
-            f"The partial directory was removed and the previous checkpoint at {path}, if any, is intact")
+            f"The partial directory is removed; {what_a_failed_save_left(path)}")
+
+
+def what_a_failed_save_left(path: str) -> str:
+    """The end of a failed save's message: the checkpoint that was at ``path`` before the save is intact (a failed
+    save never touches it: it writes beside it and swaps only when complete), or there was none.
+
+    Said concretely, not "if any": a user reading "disk full" must know at once whether a checkpoint to resume from
+    survived, without inspecting the directory."""
+    if is_complete(path):
+        target = f" (a link to {os.path.realpath(path)})" if os.path.islink(path) else ""
+        return f"the previous checkpoint at {path}{target} is intact"
+    if os.path.lexists(path):
+        return f"what was at {path} before is untouched"
+    return f"there was no previous checkpoint at {path}, and none is left there"
 
 
 PROBE_PREFIX = ".lightning-zero-probe-"
@@ -196,14 +211,38 @@ PROBE_PREFIX = ".lightning-zero-probe-"
 def _probe(parent: str, rank: int, path: str) -> tuple:
     """Write this rank's probe beside the checkpoint. Its name is fixed per checkpoint name and rank, so the probe a
     killed save left behind is overwritten and removed by the next save of that checkpoint."""
+    name = os.path.join(parent, f"{PROBE_PREFIX}{os.path.basename(path)}-r{rank}")
     try:
         os.makedirs(parent, exist_ok=True)
-        name = os.path.join(parent, f"{PROBE_PREFIX}{os.path.basename(path)}-r{rank}")
         with open(name, "w") as file:
             file.write(str(rank))
         return name, None
     except OSError as err:
-        return None, f"rank {rank} cannot write to {parent}: {err}"
+        try:  # on a full disk the file is created and its write fails: no litter
+            os.remove(name)
+        except OSError:
+            pass
+        return None, err
+
+
+def _probe_failure(path: str, rank: int, err: OSError, needed: int) -> str:
+    """The message for a probe that could not be written: on a full disk (the usual reason) the same as the space
+    check's, since the user's question is the same (which path, how much space)."""
+    parent = os.path.dirname(path)
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return not_enough_space(path, needed, free_bytes(parent),
+                                f"rank {rank} could not write even a probe file there: {err.strerror}")
+    return f"rank {rank} cannot write to {parent}: {err}. Nothing was written; {what_a_failed_save_left(path)}"
+
+
+def not_enough_space(path: str, needed: int, free: Optional[int], detail: str = "") -> str:
+    """Refusing a save for lack of space: the path, the bytes needed, free and missing, and what is left at ``path``."""
+    parent = os.path.dirname(path)
+    missing = f"free at least {needed - free} more bytes" if free is not None and free < needed else "free space"
+    detail = f"; {detail}" if detail else ""
+    return (f"not enough space to save the checkpoint {path}: it needs about {needed} bytes and {parent} has {free} "
+            f"bytes free ({missing} or choose another directory{detail}). Nothing was written; "
+            f"{what_a_failed_save_left(path)}")
 
 
 def _remove_stale_probes(parent: str, keep: set) -> None:
@@ -239,7 +278,7 @@ def prepare_save(path: str, state: dict, write_meta: Callable[[str], None],
     if rank == 0:  # here, not after the verdicts: a rank past them may already have written its next save's probe
         _remove_stale_probes(parent, keep={report[1] for report in reports})
     needed = sum(report[2] for report in reports) + _SLACK_PER_RANK * len(reports) + extra_bytes
-    errors: List[str] = list(earlier_failures) + ([error] if error else [])
+    errors: List[str] = list(earlier_failures) + ([_probe_failure(path, rank, error, needed)] if error else [])
     unseen = [r for r, (_, other, _) in enumerate(reports) if other is not None and not os.path.exists(other)]
     if unseen:
         hosts = sorted({reports[r][0] for r in unseen})
@@ -254,10 +293,7 @@ def prepare_save(path: str, state: dict, write_meta: Callable[[str], None],
         try:
             free = free_bytes(parent)
             if free is not None and free < needed:
-                raise CheckpointSaveError(
-                    f"not enough space to save the checkpoint {path}: it needs about {needed} bytes and {parent} has "
-                    f"{free} bytes free. Nothing was written; free space or choose another directory"
-                )
+                raise CheckpointSaveError(not_enough_space(path, needed, free))
             recover_interrupted_swap(path)
             reason = why_not_replaceable(path)
             if reason:

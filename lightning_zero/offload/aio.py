@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import shutil
 import threading
 import time
 import warnings
@@ -276,8 +277,12 @@ def _io_all(kind: str, fd: int, view: memoryview, offset: int, path: str) -> Non
 
 def _io_error(error: OSError, kind: str, path: str, nbytes: int) -> SwapIOError:
     folder = os.path.dirname(path)
-    if error.errno == errno.ENOSPC:
-        hint = f"the disk of nvme_path ({folder!r}) is full ({nbytes} more bytes were being written)"
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        try:  # what is left now: another process may be what filled the disk
+            free = f", {shutil.disk_usage(folder).free} bytes free"
+        except OSError:
+            free = ""
+        hint = f"the disk of nvme_path ({folder!r}) is full ({nbytes} more bytes were being written{free})"
     elif error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         hint = f"no permission to {kind} swap files under nvme_path ({folder!r})"
     else:
