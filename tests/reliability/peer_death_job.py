@@ -122,17 +122,32 @@ def _patch_save(killer: KillNode) -> None:
     ckpt_io.FileSystemWriter = DyingWriter
 
 
+def make_trainer(root: Path, devices: int, num_nodes: int, callbacks=()) -> Trainer:
+    """The job's Trainer (also the in-process reference's, with ``devices=2, num_nodes=1``)."""
+    checkpoints = ModelCheckpoint(dirpath=root / "checkpoints", save_top_k=-1)  # every epoch
+    return Trainer(strategy=ZeroStrategy(stage=2, hang_timeout=HANG_TIMEOUT), accelerator="cpu", devices=devices,
+                   num_nodes=num_nodes, max_epochs=EPOCHS, limit_train_batches=STEPS_PER_EPOCH, logger=False,
+                   enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                   callbacks=[checkpoints, *callbacks], default_root_dir=str(root))
+
+
+def reference_worker(rank: int, world_size: int, out: str) -> None:
+    """An uninterrupted run on forked ranks (``tests.distributed.run_distributed``): rank 0 writes the weights."""
+    torch.manual_seed(0)
+    module = RegressionModule()
+    trainer = make_trainer(Path(out).parent, world_size, 1)
+    trainer.fit(module)
+    state = full_state(module)
+    if trainer.global_rank == 0:
+        torch.save({"weights": state, "global_step": trainer.global_step}, out)
+
+
 def main(root: str) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     root_path = Path(root)
     nproc = int(os.environ["LOCAL_WORLD_SIZE"])
-    checkpoints = ModelCheckpoint(dirpath=root_path / "checkpoints", save_top_k=-1)  # every epoch
-    trainer = Trainer(strategy=ZeroStrategy(stage=2, hang_timeout=HANG_TIMEOUT), accelerator="cpu", devices=nproc,
-                      num_nodes=int(os.environ["WORLD_SIZE"]) // nproc, max_epochs=EPOCHS,
-                      limit_train_batches=STEPS_PER_EPOCH, logger=False, enable_progress_bar=False,
-                      enable_model_summary=False, limit_val_batches=0,
-                      callbacks=[checkpoints, KillNode(root_path)], default_root_dir=root)
+    trainer = make_trainer(root_path, nproc, int(os.environ["WORLD_SIZE"]) // nproc, [KillNode(root_path)])
     module = RegressionModule()
     try:
         trainer.fit(module)

@@ -152,8 +152,9 @@ def draw(rng: random.Random, index: int) -> tuple:
     return point, step, rng.randrange(2)
 
 
-def run_trials(count: int, seed: int = 0, base: Optional[Path] = None) -> tuple:
-    """``(results, where)``: ``where`` says whether the hosts were namespaces or loopback (and why)."""
+def run_trials(count: int, seed: int = 0, base: Optional[Path] = None, reference: Optional[dict] = None) -> tuple:
+    """``(results, where)``: ``where`` says whether the hosts were namespaces or loopback (and why). ``reference``:
+    the uninterrupted run's ``final.pt`` (else one is run first on the same two hosts)."""
     base = Path(base or tempfile.mkdtemp(prefix="lz-peer-death-"))
     rng = random.Random(seed)
     reason = netns_unavailable()
@@ -161,10 +162,11 @@ def run_trials(count: int, seed: int = 0, base: Optional[Path] = None) -> tuple:
     where = f"loopback ({reason})" if reason else f"network namespaces {hosts.namespaces} {hosts.addresses}"
     port = 29400 + rng.randrange(500) * 2
     try:
-        ref = run_job(hosts, base / "reference", port)
-        if ref["codes"] != [0, 0]:
-            raise RuntimeError("the uninterrupted run failed:\n" + (base / "reference" / "agent0.log").read_text())
-        reference = torch.load(base / "reference" / "final.pt", weights_only=True)
+        if reference is None:
+            ref = run_job(hosts, base / "reference", port)
+            if ref["codes"] != [0, 0]:
+                raise RuntimeError("the uninterrupted run failed:\n" + (base / "reference" / "agent0.log").read_text())
+            reference = torch.load(base / "reference" / "final.pt", weights_only=True)
         results = []
         for index in range(count):
             point, step, node = draw(rng, index)
