@@ -5,7 +5,8 @@
 
 ZeRO-2 on CPU ranks (gloo), a checkpoint at every epoch end (2 steps; epoch ends, because a plain ``DataLoader`` does
 not resume mid-epoch exactly). In the first attempt only, the ranks of node ``PEER_DEATH_NODE`` SIGKILL themselves at
-``PEER_DEATH_POINT`` (``forward``, ``backward``, ``collective``: the first reduce-scatter/all-reduce inside backward,
+``PEER_DEATH_POINT`` (``forward``, ``backward``, ``collective``: the first gradient reduce-scatter (an all-to-all on
+gloo) or all-reduce inside backward,
 ``optimizer``: inside ``optimizer.step``, ``save``: inside the checkpoint's shard write) of global step
 ``PEER_DEATH_STEP`` (for ``save``: the save after that step), after writing ``killed.json`` (the instant, for the
 trial's clock). Every rank of the first attempt writes its pid to ``pids/``; a rank whose fit fails writes the error
@@ -97,17 +98,22 @@ class KillNode(Callback):
 def _patch_collectives(killer: KillNode) -> None:
     """Die on the first reduce-scatter/all-reduce after the armed step's forward: a gradient collective of backward,
     so the other ranks are left inside it."""
-    for name in ("reduce_scatter_single", "reduce_scatter_tensor", "all_reduce"):
-        original = getattr(dist, name, None)
+    # FSDP2's reduce-scatter on CPU goes through the package's buffer pool: an all-to-all on gloo
+    # (lightning_zero.distributed.comm_buffers), its own reduce-scatter reference otherwise
+    from lightning_zero.distributed import comm_buffers
+
+    for module, name in ((dist, "reduce_scatter_single"), (dist, "reduce_scatter_tensor"), (dist, "all_reduce"),
+                         (dist, "all_to_all_single"), (comm_buffers, "_reduce_scatter_flat")):
+        original = getattr(module, name, None)
         if original is None:
             continue
 
         def wrapped(*args, _original=original, _name=name, **kwargs):
             if killer.armed_for == "collective":
-                killer.die(killer.trainer, f"collective ({_name} in backward)")
+                killer.die(killer.trainer, f"collective ({_name.strip('_')} in backward)")
             return _original(*args, **kwargs)
 
-        setattr(dist, name, wrapped)
+        setattr(module, name, wrapped)
 
 
 def _patch_save(killer: KillNode) -> None:
