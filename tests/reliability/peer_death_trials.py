@@ -152,9 +152,11 @@ def draw(rng: random.Random, index: int) -> tuple:
     return point, step, rng.randrange(2)
 
 
-def run_trials(count: int, seed: int = 0, base: Optional[Path] = None, reference: Optional[dict] = None) -> tuple:
+def run_trials(count: int, seed: int = 0, base: Optional[Path] = None, reference: Optional[dict] = None,
+               only: Optional[list] = None) -> tuple:
     """``(results, where)``: ``where`` says whether the hosts were namespaces or loopback (and why). ``reference``:
-    the uninterrupted run's ``final.pt`` (else one is run first on the same two hosts)."""
+    the uninterrupted run's ``final.pt`` (else one is run first on the same two hosts). ``only``: run just these
+    trials of the ``count`` drawn (the same draws as the full campaign)."""
     base = Path(base or tempfile.mkdtemp(prefix="lz-peer-death-"))
     rng = random.Random(seed)
     reason = netns_unavailable()
@@ -170,6 +172,8 @@ def run_trials(count: int, seed: int = 0, base: Optional[Path] = None, reference
         results = []
         for index in range(count):
             point, step, node = draw(rng, index)
+            if only is not None and index not in only:
+                continue
             results.append(trial(hosts, base, index, point, step, node, port + 1 + index, reference))
             print(row(results[-1]), flush=True)
     finally:
@@ -198,8 +202,11 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--root", type=Path, default=None)
+    parser.add_argument("--only", type=int, nargs="+", default=None, help="rerun just these trials of the campaign")
+    parser.add_argument("--reference", type=Path, default=None, help="an uninterrupted run's final.pt to reuse")
     args = parser.parse_args()
-    results, where = run_trials(args.trials, args.seed, args.root)
+    reference = torch.load(args.reference, weights_only=True) if args.reference else None
+    results, where = run_trials(args.trials, args.seed, args.root, reference, args.only)
     print(table(results, where))
     for r in results:
         if not r["ok"]:
