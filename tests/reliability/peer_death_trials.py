@@ -91,7 +91,23 @@ def run_job(hosts: Hosts, root: Path, port: int, point: str = "none", step: int 
         if agent.poll() is None:
             os.killpg(agent.pid, signal.SIGKILL)
         agent.wait()
+    if timed_out:
+        _kill_workers_of(root)
     return {"codes": [a.returncode for a in agents], "timed_out": timed_out, "exits": exits}
+
+
+def _kill_workers_of(root: Path) -> None:
+    """SIGKILL this job's workers left behind by killed agents (torchrun starts them in sessions of their own)."""
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"tests.reliability.peer_death_job" in argv and str(root).encode() in argv:
+            try:
+                os.kill(int(entry.name), signal.SIGKILL)
+            except (OSError, ValueError):
+                pass
 
 
 def _expected_resume(point: str, step: int) -> Optional[str]:
