@@ -9,7 +9,8 @@ one). ``init_process_group`` writes its keys under the same names every attempt,
 before its peers reads the *old* attempt's gloo addresses and connects to ports nobody listens on any more:
 "Connection refused" after gloo's few retries, or a hang when a stale barrier count looks complete. A rank that is
 slow to start (imports on a loaded machine) makes it likely. :func:`attempt_store` gives each attempt its own
-namespace, ``lightning_zero/attempt_<TORCHELASTIC_RESTART_COUNT>/``, on a client of the same server. Plain DDP
+namespace, ``lightning_zero/attempt_<N>/``, on a client of the same server, ``N`` agreed by the ranks (not the
+agents' restart counts, which differ between nodes after a peer's death: see ``diagnostics.peers``). Plain DDP
 (``init_process_group("gloo")`` with ``env://``) has the same failure; it is torch's to fix there.
 """
 
@@ -24,18 +25,21 @@ import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
 
 from lightning_zero.diagnostics.network import checked_store, startup_check
+from lightning_zero.diagnostics.peers import agree_attempt, publish_identity
 from lightning_zero.distributed.group_timeout import set_package_group_timeout
 from lightning_zero.distributed.process_group_exit import destroy_process_group_at_exit
 
 
 def attempt_store(timeout: Optional[timedelta]) -> dict[str, Any]:
     """``init_process_group`` keyword arguments: under torchrun's agent store, a store namespace of this attempt
-    (see the note); ``{}`` elsewhere."""
+    (see the note; the attempt is agreed by all ranks, :func:`~lightning_zero.diagnostics.peers.agree_attempt`);
+    ``{}`` elsewhere."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or dist.is_initialized():
         return {}
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    timeout = timeout or timedelta(minutes=30)
     client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                           timeout=timeout or timedelta(minutes=30))
+                           timeout=timeout)
+    attempt = agree_attempt(client, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), timeout)
     return {"store": dist.PrefixStore(f"lightning_zero/attempt_{attempt}/", client)}
 
 
@@ -67,5 +71,7 @@ def start_process_group(cluster_environment: Any, backend: Optional[str], device
     _init_dist_connection(cluster_environment, backend, timeout=timeout,
                           device_id=device if device.type == "cuda" else None, **store)
     destroy_process_group_at_exit()
+    # where this rank runs, for a survivor to name it if it dies (diagnostics.peers)
+    publish_identity(dist.distributed_c10d._get_default_store(), global_rank, node_rank)
     set_package_group_timeout(timeout)  # the package's own groups (save control groups...) honour it too
     return backend

@@ -45,6 +45,8 @@ from typing import Callable, Iterator, Optional
 
 import torch.distributed as dist
 
+from lightning_zero.diagnostics.peers import agreed_attempt
+
 HANG_EXIT_CODE = 124
 _ABORT_KEY = "abort"
 _DETECTED_KEY = "detected"
@@ -105,7 +107,8 @@ def store_for_watchdog() -> dist.Store:
     else:  # FileStore / HashStore: already safe to share
         client = base
     # A restarted torchrun attempt reuses the agent's store: its keys (an old abort flag) must not be seen again.
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    agreed = agreed_attempt()  # the restart counts of different nodes' agents can differ (diagnostics.peers)
+    attempt = str(agreed) if agreed is not None else os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"lightning_zero/watchdog/{attempt}/{next(_generation)}/", client)
 
 

@@ -29,6 +29,7 @@ import os
 from typing import Optional
 
 from lightning_zero.checkpoint.directory import INFO_FILE, is_sharded_checkpoint
+from lightning_zero.diagnostics.peers import agreed_attempt
 from lightning_zero.strategies import preemption
 from lightning_zero.strategies.lifecycle import wrap_next_call
 
@@ -36,7 +37,12 @@ log = logging.getLogger(__name__)
 
 
 def restart_count() -> int:
-    """How many times this job was restarted: torchrun's ``TORCHELASTIC_RESTART_COUNT``, SLURM's requeue count."""
+    """How many times this job was restarted: the attempt the ranks agreed on under torchrun (the agents' own
+    ``TORCHELASTIC_RESTART_COUNT`` can be 0 on a node whose workers were only stopped, see ``diagnostics.peers``),
+    else torchrun's count or SLURM's requeue count."""
+    agreed = agreed_attempt()
+    if agreed:
+        return agreed
     for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"):
         value = os.environ.get(name, "").strip()
         if value.isdigit() and int(value) > 0:

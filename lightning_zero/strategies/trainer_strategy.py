@@ -43,6 +43,7 @@ from lightning_zero.checkpoint.save_guards import broadcast_object
 from lightning_zero.checkpoint.states import module_state_dict, optimizer_state_dict
 from lightning_zero.diagnostics.hang_guard import DEFAULT_HANG_TIMEOUT, HangGuard
 from lightning_zero.diagnostics.network import DEFAULT_RENDEZVOUS_TIMEOUT
+from lightning_zero.diagnostics.peers import name_lost_peer
 from lightning_zero.distributed import runtime
 from lightning_zero.distributed.apply_zero import swap_parameters
 from lightning_zero.distributed.ddp import explain_unused_parameters
@@ -547,11 +548,16 @@ class ZeroStrategy(ParallelStrategy):
 
     def on_exception(self, exception: BaseException) -> None:
         explain_unused_parameters(exception, self.stage)
+        note = name_lost_peer(exception, self.world_size)
+        if note:  # teardown's agreement would only fail again on the lost peer, hiding this error behind its own
+            self._peer_lost = True
+            log.error(note)
 
     # ------------------------------------------------------------------ teardown and registry
     def teardown(self) -> None:
         with self.hang_guard.teardown():  # then stops the watchdog
-            wait_for_pending_saves(barrier=_distributed_is_initialized())  # an async save must land before exit
+            # an async save must land before exit; with a lost peer each rank waits for its own saves only
+            wait_for_pending_saves(barrier=_distributed_is_initialized() and not getattr(self, "_peer_lost", False))
         lightning_module = self.lightning_module
         if lightning_module is not None:
             uninstall_config_optimizers(lightning_module)

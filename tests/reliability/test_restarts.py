@@ -24,11 +24,12 @@ from tests.reliability.restart_worker import form_group_as_an_attempt
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _attempt(port, attempt, result_dir):
-    """Run one two-rank attempt; rank 0 starts 2 s late (its old keys are still in the store)."""
+def _attempt(port, attempt, result_dir, counts=(None, None)):
+    """Run one two-rank attempt; rank 0 starts 2 s late (its old keys are still in the store). ``counts``: each
+    rank's agent's restart count where it is not ``attempt``."""
     ctx = mp.get_context("fork")
     procs = [ctx.Process(target=form_group_as_an_attempt,
-                         args=(rank, 2, port, attempt, 2.0 if rank == 0 else 0.0, str(result_dir)))
+                         args=(rank, 2, port, attempt, 2.0 if rank == 0 else 0.0, str(result_dir), counts[rank]))
              for rank in range(2)]
     for proc in procs:
         proc.start()
@@ -47,6 +48,19 @@ def test_restarted_attempt_reforms_the_group_on_the_agents_store(tmp_path):
                                 timeout=timedelta(seconds=60))
     assert _attempt(port, 0, tmp_path) == ["ok 2", "ok 2"]
     assert _attempt(port, 1, tmp_path) == ["ok 2", "ok 2"]
+    del agent_store
+
+
+def test_attempt_is_agreed_when_the_agents_restart_counts_differ(tmp_path):
+    """After a peer's death torchrun's agents count differently: the node that lost its rank counts a restart, the
+    survivor's agent (its workers only stopped for the re-rendezvous) does not. Named after the counts, the two ranks
+    of one attempt waited in different namespaces until the store timeout; the agreed attempt forms the group."""
+    port = free_port()
+    agent_store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                                timeout=timedelta(seconds=60))
+    assert _attempt(port, 0, tmp_path) == ["ok 2", "ok 2"]
+    assert _attempt(port, 1, tmp_path, counts=(0, 1)) == ["ok 2", "ok 2"]
+    assert _attempt(port, 2, tmp_path, counts=(0, 2)) == ["ok 2", "ok 2"]
     del agent_store
 
 

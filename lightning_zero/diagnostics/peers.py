@@ -1,0 +1,136 @@
+"""The peers of one attempt of a job: which attempt all ranks are in, where each rank runs, and who is gone when a
+collective fails because a peer died.
+
+[Note: why the attempt is agreed, not read from TORCHELASTIC_RESTART_COUNT]
+torchrun counts restarts per node agent: an agent whose own workers failed counts one more restart, an agent whose
+workers were healthy when another node re-joined the rendezvous (a peer's node lost its ranks) restarts its workers
+*without* counting. After a peer's death the nodes of one attempt can therefore carry different counts (measured:
+1 on the node that lost its rank, 0 on the survivor's), and a store namespace named after the count puts the ranks of
+one attempt in different namespaces: the gloo group never forms and the job waits for the store timeout (30 min by
+default). :func:`agree_attempt` makes rank 0 the authority: it draws the next attempt number from the store and hands
+it to each rank, keyed by that rank's own start number (``starts/<rank>``, one more every time a process of that rank
+starts), so an offer left for a process of an earlier attempt is never read by a later one. The agents stop every
+worker before a new round starts, so the processes of two attempts never overlap.
+
+[Note: naming a lost peer]
+A rank killed mid-run (SIGKILL, OOM-kill, a node lost) closes its sockets; gloo then fails the survivors' collectives
+at once with "Connection closed by peer [ADDRESS]:PORT" or "Read error [ADDRESS]:PORT: Connection reset by peer",
+which names an address and a port, not a rank. Every rank publishes its host name and the address gloo advertises
+(:func:`publish_identity`); :func:`lost_peer_note` maps the address back to the ranks and host it belongs to.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import time
+from datetime import timedelta
+from typing import Optional
+
+import torch.distributed as dist
+
+from lightning_zero.diagnostics.network import interfaces, resolve
+
+_PREFIX = "lightning_zero/attempts/"
+_PEERS = "lightning_zero/peers/"
+_agreed: Optional[int] = None
+_GLOO_PEER = re.compile(r"(?:Connection closed by peer|Read error|Write error|Connection reset by peer|"
+                        r"Broken pipe|Socket closed)[^\[]*\[([^\]]+)\]:(\d+)")
+
+
+def agreed_attempt() -> Optional[int]:
+    """The attempt :func:`agree_attempt` settled in this process (``None`` before, or outside torchrun)."""
+    return _agreed
+
+
+def agree_attempt(store: dist.Store, rank: int, world_size: int, timeout: timedelta, poll: float = 0.05) -> int:
+    """The number of this attempt, the same on every rank (0 for the first); see the note. Collective over the store:
+    every rank of the attempt calls it once, before its process group forms."""
+    global _agreed
+    mine = store.add(f"{_PREFIX}starts/{rank}", 1)
+    if rank != 0:
+        store.wait([f"{_PREFIX}offer/{rank}/{mine}"], timeout)
+        attempt = int(store.get(f"{_PREFIX}offer/{rank}/{mine}"))
+        store.set(f"{_PREFIX}ack/{rank}/{mine}", str(attempt))
+        _agreed = attempt
+        return attempt
+    attempt = store.add(f"{_PREFIX}count", 1) - 1
+    pending, deadline = set(range(1, world_size)), time.monotonic() + timeout.total_seconds()
+    while pending:
+        for peer in sorted(pending):
+            started = store.add(f"{_PREFIX}starts/{peer}", 0)  # a stale number until that rank's process starts
+            store.set(f"{_PREFIX}offer/{peer}/{started}", str(attempt))
+            ack = f"{_PREFIX}ack/{peer}/{started}"
+            if store.check([ack]) and int(store.get(ack)) == attempt:
+                pending.discard(peer)
+        if pending and time.monotonic() > deadline:
+            raise TimeoutError(f"lightning-zero: ranks {sorted(pending)} did not start within "
+                               f"{timeout.total_seconds():g} s of rank 0 (attempt {attempt} of this job)")
+        if pending:
+            time.sleep(poll)
+    _agreed = attempt
+    return attempt
+
+
+def gloo_address() -> Optional[str]:
+    """The address gloo advertises here: ``GLOO_SOCKET_IFNAME``'s interface's, else the host name's."""
+    names = [n for n in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if n]
+    by_name = {i.name: i.address for i in interfaces()} if names else {}
+    for name in names:
+        if by_name.get(name):
+            return by_name[name]
+    return resolve(socket.gethostname())
+
+
+def publish_identity(store: dist.Store, rank: int, node_rank: int) -> None:
+    """Record where this rank runs (host name, gloo's address, node rank, pid) for the others to name it."""
+    store.set(f"{_PEERS}{rank}", json.dumps({"host": socket.gethostname(), "address": gloo_address(),
+                                             "node_rank": node_rank, "pid": os.getpid()}))
+
+
+def lost_peer_note(error: BaseException, store: Optional[dist.Store], world_size: int) -> Optional[str]:
+    """A sentence naming the ranks and host a failed gloo collective lost (``None`` when ``error`` is not one)."""
+    found = {m.group(1) for e in _chain(error) for m in _GLOO_PEER.finditer(str(e))}
+    if not found:
+        return None
+    peers = {}
+    try:
+        for rank in range(world_size):
+            key = f"{_PEERS}{rank}"
+            if store is not None and store.check([key]):
+                peers[rank] = json.loads(store.get(key))
+    except Exception as err:  # noqa: BLE001 - the store's host may be the peer that died
+        return (f"lightning-zero: a peer at {', '.join(sorted(found))} is gone (its process died or its host is "
+                f"unreachable); the job's store is unreachable too ({type(err).__name__}), so its rank is unknown")
+    named = []
+    for address in sorted(found):
+        ranks = sorted(r for r, p in peers.items() if p.get("address") == address)
+        hosts = sorted({peers[r]["host"] for r in ranks})
+        nodes = sorted({peers[r]["node_rank"] for r in ranks})
+        named.append(f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}")
+        named[-1] += f" (node rank {', '.join(map(str, nodes))}, host {', '.join(hosts)}, address {address})" \
+            if ranks else f" at address {address} (no published rank has that address)"
+    return (f"lightning-zero: lost peer: {'; '.join(named)} is gone (its process died or its host is unreachable) "
+            f"and the collective this rank was in cannot complete. Check that node's logs (OOM-killer, signals).")
+
+
+def _chain(error: BaseException):
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__cause__ or error.__context__
+
+
+def name_lost_peer(error: BaseException, world_size: int) -> Optional[str]:
+    """Put :func:`lost_peer_note` in front of ``error``'s message (its own text is kept); returns the note."""
+    try:
+        store = dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
+    except Exception:  # noqa: BLE001 - a group without a store: the address alone is named
+        store = None
+    note = lost_peer_note(error, store, world_size)
+    if note and error.args and isinstance(error.args[0], str):
+        error.args = (f"{note}\n\n{error.args[0]}", *error.args[1:])
+    return note
