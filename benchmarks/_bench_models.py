@@ -3,7 +3,10 @@
 - ``gpt``: the GPT of ``examples/gpt.py`` (imported from the file, so the benchmark follows the example);
 - ``mlp``: a flat ``nn.Sequential`` of ``Linear(width, width)`` + ``GELU``, ``depth`` times: the repeated unit is
   a single small ``Linear``, which is where per-module communication granularity hurts most;
-- ``llama``: a tiny Hugging Face ``LlamaForCausalLM`` built from a ``LlamaConfig`` (no download, tied embeddings).
+- ``llama``: a tiny Hugging Face ``LlamaForCausalLM`` built from a ``LlamaConfig`` (no download, tied embeddings);
+- ``gpt2`` (opt-in, never in ``all``): the same GPT class at GPT-2 small's shape (12 layers, width 768, 12 heads,
+  50257-token vocabulary, 256 positions) with the output head tied to the token embedding as GPT-2 ties them:
+  123.85M parameters, a size where ZeRO's partitioning decides the memory a rank needs.
 
 Every builder seeds torch first, so all strategies start from the same weights; every batch list is seeded by rank.
 """
@@ -20,6 +23,7 @@ from torch import nn
 from torch.nn import functional as F
 
 MODELS = ("gpt", "mlp", "llama")
+LARGE = ("gpt2",)  # opt-in: minutes per step on 2 CPU ranks, so ``--model all`` (the small matrix) leaves it out
 _EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "examples")
 
 # (full, quick) shapes. The full shapes are the issue's: GPT as the example's defaults, the 25M-parameter MLP,
@@ -30,6 +34,8 @@ SHAPES = {
     "mlp": ({"width": 1024, "depth": 24}, {"width": 64, "depth": 4}),
     "llama": ({"hidden": 256, "intermediate": 512, "layers": 4, "heads": 4, "vocab": 1024, "seq": 64},
               {"hidden": 32, "intermediate": 64, "layers": 2, "heads": 2, "vocab": 64, "seq": 8}),
+    "gpt2": ({"n_layer": 12, "n_embd": 768, "n_head": 12, "block_size": 256, "vocab": 50257},
+             {"n_layer": 2, "n_embd": 32, "n_head": 2, "block_size": 16, "vocab": 64}),
 }
 
 
@@ -86,6 +92,10 @@ def _construct(name: str, args) -> nn.Module:
     torch.manual_seed(0)
     if name == "gpt":
         return _gpt_class()(s["vocab"], s["block_size"], s["n_layer"], s["n_head"], s["n_embd"])
+    if name == "gpt2":
+        model = _gpt_class()(s["vocab"], s["block_size"], s["n_layer"], s["n_head"], s["n_embd"])
+        model.head.weight = model.tok.weight  # GPT-2 ties them: untied, the head alone would add 38.6M parameters
+        return model
     if name == "mlp":
         layers = []
         for _ in range(s["depth"]):
@@ -104,7 +114,7 @@ def _construct(name: str, args) -> nn.Module:
 
 def units(name: str, model: nn.Module) -> list[nn.Module]:
     """The modules a user of Lightning's ModelParallelStrategy would ``fully_shard`` (the repeated blocks)."""
-    if name == "gpt":
+    if name in ("gpt", "gpt2"):
         return list(model.blocks)
     if name == "mlp":
         return [m for m in model if isinstance(m, nn.Linear)]

@@ -6,13 +6,14 @@
     python benchmarks/bench_stages.py --model gpt --plot               # also docs/img/bench_stages.png
     python benchmarks/bench_stages.py --load results.json --plot       # re-render a saved --json run
     python benchmarks/bench_stages.py --device cuda --nproc 1          # on a GPU
+    python benchmarks/bench_stages.py --model gpt2 --peers deepspeed --batch 1 --warmup 1 --steps 2  # GPT-2 small
 
 Cells are model (``gpt``: examples/gpt.py's GPT; ``mlp``: flat Linear+GELU; ``llama``: a tiny Hugging Face Llama,
-see ``_bench_models.py``) x precision (``fp32``: ``precision="32-true"``; ``bf16``: ``"bf16-mixed"``; opt-in ``bf16t``:
-``"bf16-true"``; DeepSpeed runs ``bf16.enabled`` for both bf16 columns, whose all-bf16 forward over fp32 masters is
-what our ``bf16-true`` computes at stages 2-3) x ZeRO configuration (stage 0-3, ``2+cpu``/``3+cpu`` offload). Each
-cell runs ZeroStrategy and its peers: DeepSpeed at the same stage/precision/offload, Lightning's DDPStrategy for stage
-0 and Lightning's
+see ``_bench_models.py``; opt-in ``gpt2``: GPT-2 small's shape, 124M parameters) x precision (``fp32``:
+``precision="32-true"``; ``bf16``: ``"bf16-mixed"``; opt-in ``bf16t``: ``"bf16-true"``; DeepSpeed runs
+``bf16.enabled`` for both bf16 columns, whose all-bf16 forward over fp32 masters is what our ``bf16-true`` computes
+at stages 2-3) x ZeRO configuration (stage 0-3, ``2+cpu``/``3+cpu`` offload). Each cell runs ZeroStrategy and its
+peers: DeepSpeed at the same stage/precision/offload, Lightning's DDPStrategy for stage 0 and Lightning's
 ModelParallelStrategy (FSDP2, the blocks sharded by hand, bf16 compute copies under bf16) for stages 2 and 3, and,
 opt-in, the compute floor (``--peers floor``: the same computation with no collectives and no framework, see
 ``_bench_workers.run_floor``): ``floor / peer`` is the lowest step-time ratio to that peer any implementation can
@@ -213,8 +214,9 @@ def plot(rows: list[dict], path: str) -> bool:
 
 def parse(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", nargs="+", default=["all"], choices=[*models.MODELS, "all"],
-                        help="models to run (default: all)")
+    parser.add_argument("--model", nargs="+", default=["all"], choices=[*models.MODELS, *models.LARGE, "all"],
+                        help="models to run (default: all, the small matrix gpt mlp llama; gpt2, GPT-2 small's "
+                             "124M parameters, is opt-in: run it with --batch 1 and few steps on CPU)")
     parser.add_argument("--precision", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16", "bf16t"],
                         help="fp32: 32-true; bf16: bf16-mixed; bf16t: bf16-true (opt-in), at stages 2-3 the "
                              "numerics of DeepSpeed's bf16 engine (every op in bf16, fp32 masters)")

@@ -284,3 +284,24 @@ def test_count_table_and_empty_table_render(tmp_path):
     out = io.StringIO()
     _bench_empty.table({"empty:bare": [(1e-5, 30)], "empty:trainer": [(1e-3, 1700)]}, out)
     assert "| Trainer, 1 process | 1000 [1000–1000] | 1700 | 990 [990–990] |" in out.getvalue()
+
+
+def test_gpt2_is_gpt2_small_and_opt_in(deepspeed_listed):
+    """``--model gpt2``: GPT-2 small's shape with the head tied to the token embedding (123.85M parameters, built
+    on the meta device here so the test allocates nothing), accepted by the CLI and never part of ``all``."""
+    bench = _bench()
+    import _bench_models as models
+    import torch
+
+    args = bench.parse(["--model", "gpt2", "--batch", "1"])
+    assert args.model == ["gpt2"] and "gpt2" not in bench.parse(["--model", "all"]).model
+    assert models.shape("gpt2", args) == {"n_layer": 12, "n_embd": 768, "n_head": 12, "block_size": 256,
+                                          "vocab": 50257}
+    with torch.device("meta"):
+        gpt2 = models.build("gpt2", args)
+    assert gpt2.head.weight is gpt2.tok.weight
+    assert sum(p.numel() for p in gpt2.parameters()) == 123_849_984  # GPT-2 small (124.4M) with 256 positions
+    assert "123.85M params" in models.describe("gpt2", args)
+    assert len(models.units("gpt2", gpt2)) == 12
+    (x, y), = models.batches("gpt2", bench.parse(["--model", "gpt2", "--quick", "--warmup", "0", "--steps", "1"]), 0)
+    assert x.shape == y.shape == (2, 16)  # the quick shape: what the CLI's --quick runs

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_zero import ZeroConfig, apply_zero
-from lightning_zero.distributed.comm_buffers import CommBufferPool, _comm_classes, comm_buffer_pool
+from lightning_zero.distributed.comm_buffers import POOL_MAX_BYTES, CommBufferPool, _comm_classes, comm_buffer_pool
 from tests.distributed import run_distributed
 from tests.test_zero_parity import LOCAL_BATCH, TinyNet
 
@@ -32,6 +32,21 @@ def test_pool_hands_a_buffer_out_again_only_once_released():
     assert pool.nbytes == 3 * 24 * 4 + 24 * 2
     pool.clear()
     assert pool.nbytes == 0
+
+
+def test_buffers_above_glibcs_mmap_ceiling_are_never_kept():
+    """A block above 32 MiB is mapped and unmapped by glibc itself, so it cannot fragment the heap: the pool hands
+    it out fresh and keeps none (GPT-2 small's embedding unit used to keep ~0.4 GB per rank resident this way)."""
+    assert POOL_MAX_BYTES == 32 * 2 ** 20
+    pool = CommBufferPool()
+    big = pool.allocate((2, POOL_MAX_BYTES // 8 + 1), dtype=torch.float32, device="cpu")  # pages never touched
+    assert big.shape == (2, POOL_MAX_BYTES // 8 + 1) and pool.nbytes == 0
+    del big
+    at_limit = pool.allocate((POOL_MAX_BYTES // 2,), dtype=torch.bfloat16, device="cpu")
+    assert pool.nbytes == POOL_MAX_BYTES
+    address = at_limit.data_ptr()
+    del at_limit
+    assert pool.allocate((POOL_MAX_BYTES // 2,), dtype=torch.bfloat16, device="cpu").data_ptr() == address
 
 
 def _reduce_scatter_worker(rank, world_size):

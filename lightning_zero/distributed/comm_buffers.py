@@ -19,6 +19,16 @@ read, not guessed from FSDP's call order. A gradient that still lives in a buffe
 ``zero_grad``), an asynchronous collective's work handle or any view keeps the buffer out of circulation, and the
 pool allocates another. So reuse can never alias a live tensor; the worst case is one extra buffer per live one.
 
+[Note: buffers too large to pool]
+glibc raises its mmap threshold to the size of a freed mapped block, but never above 32 MiB (``DEFAULT_MMAP_THRESHOLD_
+MAX`` on 64-bit): a larger block is always mapped on ``malloc`` and unmapped on ``free``, so it cannot fragment the
+heap and leaves nothing resident once freed. Pooling such a block buys nothing against fragmentation and keeps it
+resident for the whole run, at every moment of the step, not only while its collective runs: GPT-2 small's root unit
+(its 50257-token embedding, 155 MB in fp32) kept its all-gather, reduce-scatter and all-to-all buffers, and its stage-2
+peak RSS per rank fell from 2647 to 2284 MiB once they were not kept (DeepSpeed: 2334; ``docs/performance.md``,
+"GPT-2 small"). So a buffer above ``POOL_MAX_BYTES`` is allocated fresh and never kept; what it costs is the page
+faults of touching a fresh mapping each step, as FSDP2's own allocation did for every buffer before the pool.
+
 [Note: reduce-scatter on gloo as an all-to-all]
 gloo's ``reduce_scatter_tensor`` clones its whole input (a full-size ``aten::clone`` inside every call, in the
 profiler) and is slower than an ``all_reduce`` of the same bytes, and an ``all_reduce`` moves twice the bytes a
@@ -50,12 +60,15 @@ log = logging.getLogger(__name__)
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
+POOL_MAX_BYTES = 32 * 2 ** 20  # glibc's mmap-threshold ceiling: see [Note: buffers too large to pool]
+
 
 class CommBufferPool:
     """Buffers keyed by (numel, dtype, device), each reused once nothing but the pool holds its storage.
 
     Every FSDP unit of one model shares a pool, so identical blocks share a handful of buffers: as many of one size
-    as are alive at once (about two: the collective in flight and the prefetched one), not one per unit.
+    as are alive at once (about two: the collective in flight and the prefetched one), not one per unit. Buffers
+    above ``POOL_MAX_BYTES`` are handed out fresh and never kept (see [Note: buffers too large to pool]).
     """
 
     def __init__(self) -> None:
@@ -63,6 +76,8 @@ class CommBufferPool:
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         numel = math.prod(int(s) for s in size)
+        if numel * dtype.itemsize > POOL_MAX_BYTES:
+            return torch.empty(tuple(int(s) for s in size), dtype=dtype, device=device)
         candidates = self._buffers[(numel, dtype, torch.device(device))]
         for buffer in candidates:
             if _only_pool_holds(buffer):
