@@ -1,0 +1,144 @@
+"""benchmarks/bench_capacity.py without launching a rank: the depth search, the tables, the targets and the chart."""
+
+import importlib.util
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _bench():
+    path = os.path.join(ROOT, "benchmarks", "bench_capacity.py")
+    spec = importlib.util.spec_from_file_location("bench_capacity_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # puts benchmarks/ on sys.path
+    return module
+
+
+def _probe(largest, base=100, slope=10, noise=0):
+    """A rung where depth ``largest`` is the deepest that fits: memory linear in depth, the cap just above it."""
+    asked = []
+
+    def probe(depth):
+        asked.append(depth)
+        if depth <= largest:
+            return {"outcome": "ok", "peak": base + slope * depth + (noise if depth % 2 else 0)}
+        return {"outcome": "oom"}
+
+    return probe, asked, base + slope * largest + slope // 2
+
+
+@pytest.mark.parametrize("largest", [1, 2, 7, 16, 17, 29, 63, 100, 191])
+def test_search_finds_the_boundary_in_few_tries(largest):
+    bench = _bench()
+    probe, asked, cap = _probe(largest)
+    found = bench.search_depth(probe, start=16, limit=192, cap=cap)
+    assert found["depth"] == largest and found["fail"] == largest + 1
+    assert len(asked) == len(set(asked)), asked  # never the same depth twice
+    assert len(asked) <= 9, asked
+    assert [d for d, _ in found["tries"]] == asked
+
+
+def test_search_tolerates_a_poor_memory_guess():
+    # the peaks wander (heap retention, buffers): the guided probe misses, the midpoint fallback still converges
+    bench = _bench()
+    probe, asked, cap = _probe(40, noise=300)
+    found = bench.search_depth(probe, start=16, limit=192, cap=cap)
+    assert (found["depth"], found["fail"]) == (40, 41) and len(asked) <= 12, asked
+
+
+def test_search_at_the_limit_and_below_one():
+    bench = _bench()
+    probe, asked, cap = _probe(500)
+    found = bench.search_depth(probe, start=16, limit=64, cap=cap)
+    assert found == {"depth": 64, "fail": None, "tries": found["tries"]} and asked[-1] == 64
+    probe, asked, cap = _probe(0)
+    found = bench.search_depth(probe, start=16, limit=64, cap=cap)
+    assert (found["depth"], found["fail"]) == (0, 1) and asked == [16, 8, 4, 2, 1]
+
+
+def test_deepspeed_configs_default_and_tuned():
+    bench = _bench()
+    default = bench.deepspeed_config("3+cpu", "deepspeed", 2, "/x")["zero_optimization"]
+    assert default == {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": False},
+                       "offload_param": {"device": "cpu", "pin_memory": False}}
+    tuned = bench.deepspeed_config("2", "deepspeed-tuned", 2, "/x")["zero_optimization"]
+    assert tuned["reduce_bucket_size"] < 5e8 and tuned["allgather_bucket_size"] < 5e8
+    assert not any(key.startswith("stage3_") for key in tuned) and "sub_group_size" not in tuned
+    nvme = bench.deepspeed_config("3+nvme", "deepspeed-tuned", 2, "/x")["zero_optimization"]
+    assert nvme["offload_param"]["nvme_path"] == "/x" and nvme["offload_param"]["buffer_size"] < 1e8
+    assert nvme["stage3_max_live_parameters"] < 1e9 and nvme["sub_group_size"] < 1e9
+
+
+def _rows():
+    def row(rung, peer, depth, params):
+        return {"rung": rung, "peer": peer, "depth": depth, "fail": depth + 1, "fail_outcome": "oom",
+                "fail_detail": "", "params": params, "peak_rss": 600 << 20, "cgroup_peak": 500 << 20,
+                "step_time": 1.5, "tries": 5, "cap": "cgroup v1"}
+
+    return [row("0", "ours", 20, 20e6), row("0", "deepspeed", 18, 18e6), row("0", "deepspeed-tuned", 21, 21e6),
+            row("3+nvme", "ours", 90, 90e6),
+            {"rung": "3+nvme", "peer": "deepspeed", "depth": None, "reason": "no async_io"},
+            {"rung": "3+nvme", "peer": "deepspeed-tuned", "depth": None, "reason": "no async_io"},
+            row("3+cpu", "ours", 30, 30e6), row("3+cpu", "deepspeed", 28, 28e6), row("3+cpu", "deepspeed-tuned", 0, 0)]
+
+
+def test_tables_and_targets(capsys):
+    bench = _bench()
+    text = bench.render(_rows(), "header")
+    assert text == capsys.readouterr().out.rstrip("\n")
+    assert "| 0 | ZeroStrategy | 20 | 20.0M | 600 | 500 | 1.50 | 21: oom | 5 |" in text
+    assert "| 3+nvme | DeepSpeed (default) | n/a | | | | | no async_io | 0 |" in text
+    by_rung = {t[0]: t for t in bench.targets(_rows())}
+    assert by_rung["0"][1:] == (pytest.approx(20 / 18), pytest.approx(20 / 21), "≥ 1.0 default, ≥ 0.9 tuned", "yes")
+    assert by_rung["3+nvme"][1:3] == (None, None) and by_rung["3+nvme"][4] == "n/a"
+    assert by_rung["3+cpu"][4] == "no"  # 30/28 is below the 1.2 asked at 3+cpu
+    assert by_rung["3+cpu"][2] == float("inf")  # the tuned peer trained nothing
+
+
+def test_chart(tmp_path):
+    pytest.importorskip("matplotlib")
+    bench = _bench()
+    path = tmp_path / "img" / "capacity.png"
+    assert bench.plot(_rows(), str(path), "title")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_load_replays_the_cached_search(tmp_path, capsys):
+    # --load redraws from the cache: the same deterministic search, answered by the cached tries
+    bench = _bench()
+    args = bench.parse(["--rungs", "1", "--peers", "ours", "--json", str(tmp_path / "c.json"), "--load"])
+    probe, _, cap = _probe(5)
+    tries = {}
+    for depth in (16, 8, 4, 5, 6):
+        result = probe(depth)
+        tries[bench.try_key({"side": "ours", "rung": "1", "depth": depth}, args)] = {
+            "outcome": result["outcome"], "cgroup_peak": result.get("peak"), "peak_rss": 1 << 20, "step_time": 0.5}
+    found = bench.search_depth(bench._cached_probe("ours", "1", args, tries), 16, 192, cap)
+    assert (found["depth"], found["fail"]) == (5, 6)
+    with pytest.raises(SystemExit, match="not in"):
+        bench._cached_probe("ours", "2", args, tries)(16)
+
+
+def test_ladder_starts_each_search_from_the_previous_answer(monkeypatch, tmp_path):
+    bench = _bench()
+    monkeypatch.setattr(bench, "unavailable", lambda peer, rung: "no aio" if rung == "3+nvme" and peer != "ours"
+                        else None)
+    monkeypatch.setattr(bench, "count_params", lambda width, heads, seq, vocab, depth: depth * 1000)
+    largest = {"0": 20, "3": 45, "3+nvme": 90}
+    asked = {}
+
+    def make(peer, rung, args, cache):
+        probe, seen, _ = _probe(largest[rung] - (peer != "ours"))
+        asked[(rung, peer)] = seen
+        return probe
+
+    args = bench.parse(["--rungs", "0", "3", "3+nvme", "--cap-gib", "1e-6", "--json", str(tmp_path / "c.json")])
+    rows = bench.ladder(args, {}, make)
+    assert [(r["rung"], r["peer"], r["depth"]) for r in rows] == [
+        ("0", "ours", 20), ("0", "deepspeed", 19), ("0", "deepspeed-tuned", 19), ("3", "ours", 45),
+        ("3", "deepspeed", 44), ("3", "deepspeed-tuned", 44), ("3+nvme", "ours", 90),
+        ("3+nvme", "deepspeed", None), ("3+nvme", "deepspeed-tuned", None)]
+    assert asked[("0", "deepspeed")][0] == 20 and asked[("3", "ours")][0] == 19
+    assert rows[0]["params"] == 20000 and rows[-1]["reason"] == "no aio"
