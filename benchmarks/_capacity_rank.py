@@ -1,20 +1,26 @@
 """One try of ``bench_capacity.py``: two rank processes, each under its own memory cap, train a GPT of one depth.
 
-``launch(job, args)`` creates one memory cgroup per rank (under this process's own cgroup, so its usage still
-counts against everything above it), starts ``world`` rank processes of this file, and watches them: the first rank
-to die (the kernel's OOM killer sends SIGKILL) ends the try, and its peers, blocked in a collective that will never
-complete, are killed by their process id. The outcome is ``ok``, ``oom`` (the cgroup's OOM kill count rose, or the
-rank raised ``MemoryError``/an allocator error under ``RLIMIT_DATA``), ``error`` (any other failure, with its last
-line) or ``timeout``.
+``launch(job, args)`` imports, once, every module either side needs (``_bench_workers._PRELOAD``: DeepSpeed's lazy
+imports are not charged to it, nor Lightning's to us), then forks the ``world`` rank processes from that state, so a
+try costs the model and its training, not the imports. Each rank copies the pages it shares with the parent
+(``_own_private_pages``), then joins its own memory cgroup (made under this process's cgroup, so its usage still
+counts against everything above it; the kernel's OOM killer ends a rank over its cap with SIGKILL and counts an
+``oom_kill``), builds the model the way each side documents for models larger than one process (ours in
+``configure_model``, replayed one unit at a time at stages 2-3; DeepSpeed's ``zero.Init`` at stage 3), trains
+``steps`` AdamW steps in fp32 and writes the growth of its resident set (``VmHWM`` after joining minus ``VmRSS`` at
+joining) and the last step's wall time. The parent watches the ranks: the first one to die ends the try, and its
+peers, blocked in a collective that will never complete, are killed by their process id. The outcome is ``ok``,
+``oom`` (the cgroup's OOM kill count rose, or a rank raised ``MemoryError``/an allocator error under
+``RLIMIT_DATA``), ``error`` (any other failure, with its last line) or ``timeout``.
 
-A rank process joins its cgroup before it imports torch, imports the same set of modules on every side
-(``_bench_workers._PRELOAD``: DeepSpeed's lazy imports are not charged to it, nor Lightning's to us), then builds the
-model the way each side documents for models larger than one process (ours in ``configure_model``, replayed one unit
-at a time at stages 2-3; DeepSpeed's ``zero.Init`` at stage 3), trains ``steps`` AdamW steps in fp32 and writes its
-peak resident set (``VmHWM``), the cgroup's peak charge and the last step's wall time as JSON.
+Why a cgroup rather than ``RLIMIT_AS``/``RLIMIT_DATA``: the cgroup charges pages actually touched (resident
+memory), the figure a machine runs out of; ``RLIMIT_AS`` counts address space reserved and never touched (glibc
+arenas, 8 MiB thread stacks, torch's reservations) and ``RLIMIT_DATA`` still counts every private writable
+reservation, so either would measure how much each side *reserves*. ``RLIMIT_DATA`` is the fallback where no
+cgroup can be made (no root, no writable memory controller), named in the table.
 
 [Note: what the cap bounds]
-The whole rank: every page it holds, imports included, parameters, gradients, optimizer states, activations,
+Everything the rank adds to the imports both sides share: parameters, gradients, optimizer states, activations,
 communication buffers and the allocator's retained heap. On a CPU-only machine "offload to CPU" moves the optimizer
 (and at stage 3 the parameters) from the device's memory to the host's, which is the same memory here, so under a
 cap on the rank's total the CPU rungs can only show what the offload machinery itself costs or saves; only NVMe
@@ -356,8 +362,32 @@ def run_deepspeed(job, rank, world) -> float:
     return times[-1]
 
 
+def _own_private_pages() -> None:
+    """Copy now every page this forked rank shares copy-on-write with its parent (``MADV_POPULATE_WRITE`` on each
+    private writable mapping, contents unchanged), so that the copies are charged before the rank joins its cgroup.
+
+    Without it a page of the parent's imports is charged to the rank that first writes it (a reference count
+    changing is enough): the side that touches more Python objects (Lightning's Trainer) would pay for imports
+    both sides hold, which a rank that imported them itself holds privately from the start on either side."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    populate_write = 23  # MADV_POPULATE_WRITE, Linux >= 5.14; older kernels refuse it and the step is skipped
+    with open("/proc/self/maps") as f:
+        regions = [line.split()[:2] for line in f]
+    for span, perms in regions:
+        if perms.startswith("rw") and perms.endswith("p"):
+            start, end = (int(x, 16) for x in span.split("-"))
+            libc.madvise(start, end - start, populate_write)
+
+
 def rank_main(spec: dict) -> None:
     """Join the cgroup (or set RLIMIT_DATA), train, write this rank's report."""
+    _own_private_pages()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM from here: the peak the rank's training adds shows as VmHWM - this VmRSS
+    base = _vm_bytes("VmRSS")
     if spec.get("cgroup"):
         with open(os.path.join(spec["cgroup"], "cgroup.procs"), "w") as f:
             f.write(str(os.getpid()))
@@ -375,5 +405,5 @@ def rank_main(spec: dict) -> None:
     runner = run_deepspeed if spec["side"].startswith("deepspeed") else run_ours
     step_time = runner(spec, rank, world)
     with open(f"{spec['out']}.{rank}", "w") as f:
-        json.dump({"step_time": step_time, "peak_rss": _vm_bytes("VmHWM")}, f)
+        json.dump({"step_time": step_time, "peak_rss": _vm_bytes("VmHWM") - base}, f)
     workers._end_process_group()

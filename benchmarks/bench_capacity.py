@@ -79,11 +79,12 @@ def unavailable(peer: str, rung: str) -> str | None:
     return None
 
 
-def search_depth(probe, start: int, limit: int, cap: float, grow: float = 2.0) -> dict:
+def search_depth(probe, start: int, limit: int, cap: float, grow: float = 2.0, resolution: float = 0.0) -> dict:
     """The largest depth in ``[1, limit]`` for which ``probe(depth)`` succeeds, assuming success is monotone.
 
     From ``start`` the depth is multiplied (or, after a failure, divided) by ``grow`` until the boundary is
-    bracketed; a search started from a neighbouring rung's answer passes a small ``grow``.
+    bracketed; a search started from a neighbouring rung's answer passes a small ``grow``. The bisection stops when
+    the bracket is one block wide, or ``resolution`` of the deepest success (a coarser answer in fewer tries).
 
     ``probe(depth)`` returns a dict with ``outcome`` (``"ok"`` or a failure) and, on success, ``peak`` (bytes, the
     figure the cap bounds). Returns ``{"depth": largest success or 0, "fail": shallowest failure or None (limit
@@ -112,7 +113,7 @@ def search_depth(probe, start: int, limit: int, cap: float, grow: float = 2.0) -
         while lo == 0 and hi > 1:
             run(max(1, min(hi - 1, int(hi / grow))))
     halved = True
-    while hi is not None and hi - lo > 1:
+    while hi is not None and hi - lo > max(1, int(lo * resolution)):
         guess = _guess(peaks, cap) if halved else None
         middle = (lo + hi) // 2
         depth = min(hi - 1, max(lo + 1, guess)) if guess else middle
@@ -151,7 +152,7 @@ def count_params(width: int, heads: int, seq: int, vocab: int, depth: int) -> in
 
 
 def try_key(job: dict, args) -> str:
-    return (f"{job['side']}|{job['rung']}|d{job['depth']}|w{args.width}h{args.heads}s{args.seq}v{args.vocab}"
+    return (f"v2|{job['side']}|{job['rung']}|d{job['depth']}|w{args.width}h{args.heads}s{args.seq}v{args.vocab}"
             f"b{args.batch}|steps{args.steps}|cap{args.cap_gib}|{args.nproc}ranks")
 
 
@@ -195,12 +196,30 @@ def ladder(args, cache: dict, make) -> list[dict]:
             if reason:
                 rows.append({"rung": rung, "peer": peer, "depth": None, "reason": reason})
                 continue
-            found = search_depth(make(peer, rung, args, cache), start, args.max_depth, args.cap_gib * (1 << 30),
-                                 grow)
+            try:
+                found = search_depth(make(peer, rung, args, cache), start, args.max_depth, args.cap_gib * (1 << 30),
+                                     grow, args.resolution)
+            except Incomplete:  # --load of a run cut short: the bracket its tries reached, marked as such
+                found = bracket(peer, rung, cache)
+                if not found["tries"]:
+                    rows.append({"rung": rung, "peer": peer, "depth": None, "reason": "not run (run cut short)"})
+                    continue
             rows.append(row_for(rung, peer, found, args, cache))
             if found["depth"]:
                 start, grow = found["depth"], 1.25
     return rows
+
+
+class Incomplete(Exception):
+    """``--load`` asked for a try the cache does not hold (the run was cut short before it)."""
+
+
+def bracket(peer: str, rung: str, cache: dict) -> dict:
+    """What the cached tries of one (peer, rung) show: the deepest success and the shallowest failure so far."""
+    tries = [(v["depth"], v["outcome"]) for v in cache.values() if v.get("peer") == peer and v.get("rung") == rung]
+    ok = [d for d, outcome in tries if outcome == "ok"]
+    failed = [d for d, outcome in tries if outcome != "ok"]
+    return {"depth": max(ok, default=0), "fail": min(failed, default=None), "tries": tries, "incomplete": True}
 
 
 def row_for(rung, peer, found, args, cache) -> dict:
@@ -214,7 +233,8 @@ def row_for(rung, peer, found, args, cache) -> dict:
             "fail_detail": failed.get("detail", ""),
             "params": count_params(args.width, args.heads, args.seq, args.vocab, depth) if depth else 0,
             "peak_rss": best.get("peak_rss"), "cgroup_peak": best.get("cgroup_peak"),
-            "step_time": best.get("step_time"), "tries": len(found["tries"]), "cap": best.get("cap")}
+            "step_time": best.get("step_time"), "tries": len(found["tries"]), "cap": best.get("cap"),
+            "incomplete": found.get("incomplete", False)}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -223,13 +243,15 @@ def row_for(rung, peer, found, args, cache) -> dict:
 
 def render(rows: list[dict], header: str, out=sys.stdout) -> str:
     """The markdown of the ladder table and the targets table; printed to ``out`` and returned."""
-    lines = [header, "", "| rung | peer | largest depth | parameters | peak RSS/rank (MiB) | cgroup peak/rank (MiB) | "
-             "step time (s) | next depth | tries |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [header, "", "| rung | peer | largest depth | parameters | peak RSS growth/rank (MiB) | "
+             "cgroup peak/rank (MiB) | step time (s) | next depth | tries |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("depth") is None:
             lines.append(f"| {r['rung']} | {LABELS[r['peer']]} | n/a | | | | | {r['reason']} | 0 |")
             continue
         fail = "≥ limit" if r["fail"] is None else f"{r['fail']}: {r['fail_outcome']}"
+        if r.get("incomplete"):
+            fail += " (search cut short)"
         step = "-" if r["step_time"] is None else f"{r['step_time']:.2f}"
         lines.append(f"| {r['rung']} | {LABELS[r['peer']]} | {r['depth']} | {r['params'] / 1e6:.1f}M | "
                      f"{_mib(r['peak_rss'])} | {_mib(r['cgroup_peak'])} | {step} | {fail} | {r['tries']} |")
@@ -320,6 +342,8 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=2, help="training steps per try (the last one is timed)")
     parser.add_argument("--start", type=int, default=8, help="first depth tried")
     parser.add_argument("--max-depth", type=int, default=256, help="deepest model tried")
+    parser.add_argument("--resolution", type=float, default=0.0,
+                        help="stop a search when its bracket is this fraction of the depth (default 0: one block)")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=900, help="seconds per try before it counts as failed")
     parser.add_argument("--json", default=DEFAULT_JSON, help="the cache of every try (read, then extended)")
@@ -338,10 +362,12 @@ def parse(argv=None) -> argparse.Namespace:
     return args
 
 
-def header_line(args) -> str:
-    return (f"Capacity per rung: {args.nproc} CPU ranks, each capped at {args.cap_gib:g} GiB (whole resident set, "
-            f"imports included); GPT width {args.width}, {args.heads} heads, sequence {args.seq}, vocabulary "
-            f"{args.vocab}, micro-batch {args.batch}/rank, fp32, AdamW, {args.steps} steps per try.")
+def header_line(args, caps=("a memory cgroup",)) -> str:
+    """The table's first line; ``caps``: how the ranks were capped (``cgroup v1``, ``RLIMIT_DATA``...)."""
+    return (f"Capacity per rung: {args.nproc} CPU ranks, each capped at {args.cap_gib:g} GiB by {' / '.join(caps)} "
+            f"(what training adds to the imports both sides share); GPT width {args.width}, {args.heads} heads, "
+            f"sequence {args.seq}, vocabulary {args.vocab}, micro-batch {args.batch}/rank, fp32, AdamW, "
+            f"{args.steps} steps per try.")
 
 
 def main(argv=None) -> list[dict]:
@@ -358,12 +384,13 @@ def main(argv=None) -> list[dict]:
 
     make = _cached_probe if args.load else (lambda peer, rung, a, c: make_probe(peer, rung, a, c, save))
     rows = ladder(args, cache, make)
-    text = render(rows, header_line(args))
+    caps = sorted({r["cap"] for r in rows if r.get("cap")}) or ["a memory cgroup"]
+    text = render(rows, header_line(args, caps))
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(text + "\n")
     if args.plot:
-        plot(rows, args.plot, header_line(args).replace("; ", ";\n", 1))
+        plot(rows, args.plot, header_line(args, caps).replace("; ", ";\n", 1))
     return rows
 
 
@@ -372,7 +399,7 @@ def _cached_probe(peer, rung, args, cache):
     def probe(depth):
         key = try_key({"side": peer, "rung": rung, "depth": depth}, args)
         if key not in cache:
-            raise SystemExit(f"--load: {key} is not in {args.json}; run without --load to measure it")
+            raise Incomplete(key)
         result = cache[key]
         return {"outcome": result["outcome"], "peak": result.get("cgroup_peak") or result.get("peak_rss")}
 

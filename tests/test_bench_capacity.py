@@ -117,7 +117,7 @@ def test_load_replays_the_cached_search(tmp_path, capsys):
             "outcome": result["outcome"], "cgroup_peak": result.get("peak"), "peak_rss": 1 << 20, "step_time": 0.5}
     found = bench.search_depth(bench._cached_probe("ours", "1", args, tries), 16, 192, cap)
     assert (found["depth"], found["fail"]) == (5, 6)
-    with pytest.raises(SystemExit, match="not in"):
+    with pytest.raises(bench.Incomplete):
         bench._cached_probe("ours", "2", args, tries)(16)
 
 
@@ -142,3 +142,25 @@ def test_ladder_starts_each_search_from_the_previous_answer(monkeypatch, tmp_pat
         ("3+nvme", "deepspeed", None), ("3+nvme", "deepspeed-tuned", None)]
     assert asked[("0", "deepspeed")][0] == 20 and asked[("3", "ours")][0] == 19
     assert rows[0]["params"] == 20000 and rows[-1]["reason"] == "no aio"
+
+
+def test_search_stops_at_the_resolution():
+    bench = _bench()
+    probe, asked, cap = _probe(100, noise=300)
+    found = bench.search_depth(probe, start=16, limit=192, cap=cap, resolution=0.05)
+    assert found["depth"] <= 100 < found["fail"] and found["fail"] - found["depth"] <= 5
+
+
+def test_load_of_a_run_cut_short(tmp_path, capsys):
+    bench = _bench()
+    args = bench.parse(["--rungs", "0", "1", "--peers", "ours", "--json", str(tmp_path / "c.json"), "--load"])
+    cache = {}
+    for depth, outcome in ((16, "ok"), (32, "oom")):
+        key = bench.try_key({"side": "ours", "rung": "0", "depth": depth}, args)
+        cache[key] = {"outcome": outcome, "depth": depth, "peer": "ours", "rung": "0", "cgroup_peak": 1 << 20,
+                      "peak_rss": 1 << 20, "step_time": 0.5 if outcome == "ok" else None}
+    rows = bench.ladder(args, cache, bench._cached_probe)
+    assert (rows[0]["depth"], rows[0]["fail"], rows[0]["incomplete"]) == (16, 32, True)
+    assert rows[1]["depth"] is None and "cut short" in rows[1]["reason"]
+    text = bench.render(rows, "h")
+    assert "32: oom (search cut short)" in text and "| 1 | ZeroStrategy | n/a |" in text
