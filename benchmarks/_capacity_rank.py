@@ -322,7 +322,8 @@ def run_ours(job, rank, world) -> float:
         def on_train_batch_end(self, *a):
             times.append(time.perf_counter() - self.t)
 
-    options = {"nvme_path": job["nvme_path"]} if offload == "nvme" else {}
+    # "options": extra ZeroStrategy arguments, for a side-by-side look at one knob (not used by the ladder)
+    options = dict(job.get("options", {}), **({"nvme_path": job["nvme_path"]} if offload == "nvme" else {}))
     strategy = ZeroStrategy(stage=stage, offload=offload, activation_checkpointing=checkpointing or None, **options)
     data = models.batches("gpt", margs, rank)
     module = Module()

@@ -16,7 +16,8 @@ The search (``search_depth``): doubling from ``--start`` until a try fails, then
 success and the shallowest failure, each probe placed where a straight line through the successes' peak memory
 meets the cap (memory grows linearly with depth), falling back to the midpoint whenever a guided probe did not halve
 the bracket, until the bracket is one block wide. Every try is cached in ``--json`` under its full configuration, so
-an interrupted run resumes where it stopped and ``--load`` redraws the table and the chart without running anything.
+an interrupted run resumes where it stopped and ``--load`` redraws the table and the chart from the cached tries
+(the bracket they show per rung and peer, whatever order of searches made them) without running anything.
 """
 
 from __future__ import annotations
@@ -196,30 +197,32 @@ def ladder(args, cache: dict, make) -> list[dict]:
             if reason:
                 rows.append({"rung": rung, "peer": peer, "depth": None, "reason": reason})
                 continue
-            try:
-                found = search_depth(make(peer, rung, args, cache), start, args.max_depth, args.cap_gib * (1 << 30),
-                                     grow, args.resolution)
-            except Incomplete:  # --load of a run cut short: the bracket its tries reached, marked as such
-                found = bracket(peer, rung, cache)
+            if args.load:  # what the cached tries show, whichever order of searches produced them
+                found = bracket(peer, rung, cache, args)
                 if not found["tries"]:
                     rows.append({"rung": rung, "peer": peer, "depth": None, "reason": "not run (run cut short)"})
                     continue
+            else:
+                found = search_depth(make(peer, rung, args, cache), start, args.max_depth, args.cap_gib * (1 << 30),
+                                     grow, args.resolution)
             rows.append(row_for(rung, peer, found, args, cache))
             if found["depth"]:
                 start, grow = found["depth"], 1.25
     return rows
 
 
-class Incomplete(Exception):
-    """``--load`` asked for a try the cache does not hold (the run was cut short before it)."""
-
-
-def bracket(peer: str, rung: str, cache: dict) -> dict:
-    """What the cached tries of one (peer, rung) show: the deepest success and the shallowest failure so far."""
-    tries = [(v["depth"], v["outcome"]) for v in cache.values() if v.get("peer") == peer and v.get("rung") == rung]
+def bracket(peer: str, rung: str, cache: dict, args) -> dict:
+    """What the cached tries of one (peer, rung) at ``args``' shape and cap show: the deepest success and the
+    shallowest failure, ``incomplete`` where that bracket is wider than the search's stopping point."""
+    prefix = try_key({"side": peer, "rung": rung, "depth": 0}, args).split("|d0|")
+    tries = [(v["depth"], v["outcome"]) for key, v in cache.items()
+             if key.startswith(prefix[0] + "|d") and key.endswith("|" + prefix[1])]
     ok = [d for d, outcome in tries if outcome == "ok"]
     failed = [d for d, outcome in tries if outcome != "ok"]
-    return {"depth": max(ok, default=0), "fail": min(failed, default=None), "tries": tries, "incomplete": True}
+    depth, fail = max(ok, default=0), min(failed, default=None)
+    done = (fail is None and depth >= args.max_depth) or (
+        fail is not None and fail - depth <= max(1, int(depth * args.resolution)))
+    return {"depth": depth, "fail": fail, "tries": tries, "incomplete": not done}
 
 
 def row_for(rung, peer, found, args, cache) -> dict:
@@ -382,8 +385,7 @@ def main(argv=None) -> list[dict]:
             with open(args.json, "w") as f:
                 json.dump({"header": header_line(args), "tries": cache}, f, indent=1, sort_keys=True)
 
-    make = _cached_probe if args.load else (lambda peer, rung, a, c: make_probe(peer, rung, a, c, save))
-    rows = ladder(args, cache, make)
+    rows = ladder(args, cache, lambda peer, rung, a, c: make_probe(peer, rung, a, c, save))
     caps = sorted({r["cap"] for r in rows if r.get("cap")}) or ["a memory cgroup"]
     text = render(rows, header_line(args, caps))
     if args.markdown:
@@ -392,18 +394,6 @@ def main(argv=None) -> list[dict]:
     if args.plot:
         plot(rows, args.plot, header_line(args, caps).replace("; ", ";\n", 1))
     return rows
-
-
-def _cached_probe(peer, rung, args, cache):
-    """``--load``: the same search replayed from the cache (deterministic, so it asks for the same depths)."""
-    def probe(depth):
-        key = try_key({"side": peer, "rung": rung, "depth": depth}, args)
-        if key not in cache:
-            raise Incomplete(key)
-        result = cache[key]
-        return {"outcome": result["outcome"], "peak": result.get("cgroup_peak") or result.get("peak_rss")}
-
-    return probe
 
 
 if __name__ == "__main__":

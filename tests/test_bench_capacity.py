@@ -105,20 +105,21 @@ def test_chart(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_load_replays_the_cached_search(tmp_path, capsys):
-    # --load redraws from the cache: the same deterministic search, answered by the cached tries
+def _cached(bench, args, rung, results):
+    return {bench.try_key({"side": "ours", "rung": rung, "depth": depth}, args): {
+        "outcome": outcome, "depth": depth, "peer": "ours", "rung": rung, "cgroup_peak": 1 << 20,
+        "peak_rss": 1 << 20, "step_time": 0.5 if outcome == "ok" else None} for depth, outcome in results}
+
+
+def test_load_reads_the_bracket_from_the_cache(tmp_path):
+    # --load redraws from the cached tries, whichever order of searches made them; other shapes are not mixed in
     bench = _bench()
     args = bench.parse(["--rungs", "1", "--peers", "ours", "--json", str(tmp_path / "c.json"), "--load"])
-    probe, _, cap = _probe(5)
-    tries = {}
-    for depth in (16, 8, 4, 5, 6):
-        result = probe(depth)
-        tries[bench.try_key({"side": "ours", "rung": "1", "depth": depth}, args)] = {
-            "outcome": result["outcome"], "cgroup_peak": result.get("peak"), "peak_rss": 1 << 20, "step_time": 0.5}
-    found = bench.search_depth(bench._cached_probe("ours", "1", args, tries), 16, 192, cap)
-    assert (found["depth"], found["fail"]) == (5, 6)
-    with pytest.raises(bench.Incomplete):
-        bench._cached_probe("ours", "2", args, tries)(16)
+    cache = _cached(bench, args, "1", [(16, "oom"), (8, "oom"), (4, "ok"), (6, "oom"), (5, "ok")])
+    other = bench.parse(["--width", "512", "--heads", "8"])
+    cache.update(_cached(bench, other, "1", [(7, "ok")]))
+    found = bench.bracket("ours", "1", cache, args)
+    assert (found["depth"], found["fail"], found["incomplete"], len(found["tries"])) == (5, 6, False, 5)
 
 
 def test_ladder_starts_each_search_from_the_previous_answer(monkeypatch, tmp_path):
@@ -154,12 +155,8 @@ def test_search_stops_at_the_resolution():
 def test_load_of_a_run_cut_short(tmp_path, capsys):
     bench = _bench()
     args = bench.parse(["--rungs", "0", "1", "--peers", "ours", "--json", str(tmp_path / "c.json"), "--load"])
-    cache = {}
-    for depth, outcome in ((16, "ok"), (32, "oom")):
-        key = bench.try_key({"side": "ours", "rung": "0", "depth": depth}, args)
-        cache[key] = {"outcome": outcome, "depth": depth, "peer": "ours", "rung": "0", "cgroup_peak": 1 << 20,
-                      "peak_rss": 1 << 20, "step_time": 0.5 if outcome == "ok" else None}
-    rows = bench.ladder(args, cache, bench._cached_probe)
+    cache = _cached(bench, args, "0", [(16, "ok"), (32, "oom")])
+    rows = bench.ladder(args, cache, None)
     assert (rows[0]["depth"], rows[0]["fail"], rows[0]["incomplete"]) == (16, 32, True)
     assert rows[1]["depth"] is None and "cut short" in rows[1]["reason"]
     text = bench.render(rows, "h")
