@@ -109,7 +109,8 @@ def search_depth(probe, start: int, limit: int, cap: float, grow: float = 2.0, r
         run(depth)
         if hi is None:
             guess = _guess(peaks, cap)
-            depth = min(limit, max(depth + 1, int(grow * depth), guess + 1 if guess else 0))
+            # never more than 4x per step: a line through nearly flat peaks points far past the boundary
+            depth = min(limit, max(depth + 1, int(grow * depth), min(guess + 1, 4 * depth) if guess else 0))
     if lo == 0 and hi is not None:  # the first try failed: shrink until one succeeds (or depth 1 fails)
         while lo == 0 and hi > 1:
             run(max(1, min(hi - 1, int(hi / grow))))
@@ -117,7 +118,8 @@ def search_depth(probe, start: int, limit: int, cap: float, grow: float = 2.0, r
     while hi is not None and hi - lo > max(1, int(lo * resolution)):
         guess = _guess(peaks, cap) if halved else None
         middle = (lo + hi) // 2
-        depth = min(hi - 1, max(lo + 1, guess)) if guess else middle
+        # a line saying that the failing depth fits is wrong near the boundary: bisect instead
+        depth = min(hi - 1, max(lo + 1, guess)) if guess and guess < hi else middle
         width = hi - lo
         run(depth)
         halved = (hi - lo) * 2 <= width
@@ -254,7 +256,7 @@ def render(rows: list[dict], header: str, out=sys.stdout) -> str:
             continue
         fail = "≥ limit" if r["fail"] is None else f"{r['fail']}: {r['fail_outcome']}"
         if r.get("incomplete"):
-            fail += " (search cut short)"
+            fail = "search cut short" if r["fail"] is None else fail + " (search cut short)"
         step = "-" if r["step_time"] is None else f"{r['step_time']:.2f}"
         lines.append(f"| {r['rung']} | {LABELS[r['peer']]} | {r['depth']} | {r['params'] / 1e6:.1f}M | "
                      f"{_mib(r['peak_rss'])} | {_mib(r['cgroup_peak'])} | {step} | {fail} | {r['tries']} |")
@@ -275,6 +277,7 @@ def targets(rows: list[dict]) -> list[tuple]:
     """Per rung: ours/DeepSpeed default and ours/DeepSpeed tuned (parameters), the issue's target, and whether it
     is met (``n/a`` where a peer did not run): ≥ 1.0 and ≥ 0.9 everywhere, ≥ 1.2 over the default at 3+cpu/3+nvme."""
     by = {(r["rung"], r["peer"]): r.get("params") if r.get("depth") is not None else None for r in rows}
+    cut = {(r["rung"], r["peer"]): r.get("incomplete") for r in rows}
     out = []
     for rung in dict.fromkeys(r["rung"] for r in rows):
         ours, default, tuned = (by.get((rung, p)) for p in PEERS)
@@ -284,6 +287,8 @@ def targets(rows: list[dict]) -> list[tuple]:
         target = f"≥ {need} default, ≥ 0.9 tuned"
         checks = [ok for ok in (ratio is None or ratio >= need, tuned_ratio is None or tuned_ratio >= 0.9)]
         met = "n/a" if ratio is None and tuned_ratio is None else ("yes" if all(checks) else "no")
+        if met != "n/a" and any(cut.get((rung, p)) for p in PEERS):
+            met += " (a search cut short: bounds, not answers)"
         out.append((rung, ratio, tuned_ratio, target, met))
     return out
 
@@ -310,11 +315,16 @@ def plot(rows: list[dict], path: str, title: str) -> bool:
         bars = ax.bar(xs, [v / 1e6 for v in values], width, label=LABELS[peer], color=colors[peer])
         for bar, rung in zip(bars, rungs):
             row = by.get((rung, peer)) or {}
-            text = "n/a" if row.get("depth") is None else str(row["depth"])
+            if row.get("depth") is None:  # not available to that peer, or never reached before the run stopped
+                text = "not run" if "not run" in row.get("reason", "") else "n/a"
+            else:  # a search cut short: its deepest success so far, a lower bound
+                text = ("≥" if row.get("incomplete") else "") + str(row["depth"])
             ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
-                        fontsize=7, xytext=(0, 1), textcoords="offset points")
+                        fontsize=7, xytext=(0, 1), textcoords="offset points", rotation=90 if row.get("depth") is None
+                        else 0)
     ax.set_xticks(range(len(rungs)), rungs)
-    ax.set_xlabel("rung (ZeRO stage, +offload, +ac = activation checkpointing); label on a bar: depth in blocks")
+    ax.set_xlabel("rung (ZeRO stage, +offload, +ac = activation checkpointing); on a bar: depth in blocks "
+                  "(≥: search cut short)")
     ax.set_ylabel("largest model trained (M parameters)")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)

@@ -161,3 +161,16 @@ def test_load_of_a_run_cut_short(tmp_path, capsys):
     assert rows[1]["depth"] is None and "cut short" in rows[1]["reason"]
     text = bench.render(rows, "h")
     assert "32: oom (search cut short)" in text and "| 1 | ZeroStrategy | n/a |" in text
+
+
+def test_a_line_through_flat_peaks_does_not_waste_tries():
+    # offload rungs: the peak barely grows with depth until it jumps; a guess past the failure bisects instead
+    bench = _bench()
+    asked = []
+
+    def probe(depth):
+        asked.append(depth)
+        return {"outcome": "ok", "peak": 300 + depth // 10} if depth <= 30 else {"outcome": "oom"}
+
+    found = bench.search_depth(probe, start=15, limit=128, cap=384, grow=1.25)
+    assert (found["depth"], found["fail"]) == (30, 31) and len(asked) <= 10, asked
