@@ -9,9 +9,9 @@ Each configuration runs on 2 CPU ranks (gloo, forked by ``tests.distributed.run_
   save_last=True)``, so every save rotates one checkpoint out. ``s3-nvme`` offloads parameters and optimizer states
   to NVMe swap files in a temporary ``nvme_path``.
 * ``fits-trainer``: ``--fits`` consecutive ``fit`` + ``validate`` calls in one process, a new Trainer and module each
-  time, stages 0-3 in turn, async saves every few steps with the same rotation.
+  time, stages 0-3 in turn, sync saves every few steps with the same rotation.
 * ``fits-fabric``: ``--fits`` consecutive Fabric set-ups in one process (new Fabric, ``launch``, ``setup``, a few
-  steps, two async ``fabric.save`` calls onto fixed names, ``fabric.load``), stages 0-3 in turn.
+  steps, four async ``fabric.save`` calls onto three fixed names, ``fabric.load``), stages 0-3 in turn.
 
 Every rank samples its resident memory (``VmRSS``), open file descriptors (``/proc/self/fd``), Python threads,
 native threads (``/proc/self/task``), the process groups ``torch.distributed`` holds, and the files under the
@@ -62,19 +62,21 @@ FIT_SAVE_EVERY = 3
 
 @dataclass(frozen=True)
 class Config:
-    """One endurance configuration. ``kind``: ``"steps"`` (one long fit), ``"fits"`` or ``"fabric"`` (loops)."""
+    """One endurance configuration. ``kind``: ``"steps"`` (one long fit at ``stage``), ``"fits"`` or ``"fabric"``
+    (loops whose fits go through ``stages`` in turn)."""
 
     name: str
     kind: str
     stage: int = 2
     nvme: bool = False
     async_save: bool = False
+    stages: tuple = (0, 1, 2, 3)
 
     def __post_init__(self):
         if self.kind not in ("steps", "fits", "fabric"):
             raise ValueError(f"Config.kind must be 'steps', 'fits' or 'fabric', got {self.kind!r}")
-        if self.stage not in (0, 1, 2, 3):
-            raise ValueError(f"Config.stage must be 0-3, got {self.stage!r}")
+        if self.stage not in (0, 1, 2, 3) or not self.stages or not set(self.stages) <= {0, 1, 2, 3}:
+            raise ValueError(f"Config.stage and Config.stages must be 0-3, got {self.stage!r} and {self.stages!r}")
         if self.nvme and self.stage != 3:
             raise ValueError("Config.nvme offloads parameters, which needs stage 3")
 
@@ -83,7 +85,7 @@ CONFIGS = {c.name: c for c in [
     *(Config(f"s{stage}-{mode}", "steps", stage, async_save=mode == "async")
       for stage in (0, 1, 2, 3) for mode in ("sync", "async")),
     Config("s3-nvme-sync", "steps", 3, nvme=True), Config("s3-nvme-async", "steps", 3, nvme=True, async_save=True),
-    Config("fits-trainer", "fits"), Config("fits-fabric", "fabric"),
+    Config("fits-trainer", "fits"), Config("fits-fabric", "fabric", async_save=True),
 ]}
 
 
@@ -188,7 +190,8 @@ def _fits_worker(rank: int, world_size: int, config: dict, root: str, fits: int)
     for index in range(fits):
         torch.manual_seed(index)
         module = EnduranceModule()
-        trainer = _trainer(_strategy(config, index % 4, nvme_path), ckpt_dir, FIT_STEPS, FIT_SAVE_EVERY, [])
+        stage = config.stages[index % len(config.stages)]
+        trainer = _trainer(_strategy(config, stage, nvme_path), ckpt_dir, FIT_STEPS, FIT_SAVE_EVERY, [])
         trainer.fit(module)
         trainer.validate(module, dataloaders=DataLoader(dataset(16, seed=8), batch_size=4), verbose=False)
         samples.append(sample(ckpt_dir, nvme_path, index + 1))
@@ -203,7 +206,8 @@ def _fabric_worker(rank: int, world_size: int, config: dict, root: str, fits: in
     x, y = dataset(FIT_STEPS * 4 * world_size).tensors
     samples = []
     for index in range(fits):
-        fabric = Fabric(accelerator="cpu", devices=world_size, strategy=_strategy(config, index % 4, None, True))
+        stage = config.stages[index % len(config.stages)]
+        fabric = Fabric(accelerator="cpu", devices=world_size, strategy=_strategy(config, stage, None, True))
         fabric.launch()  # the ranks exist already: sets up the (existing) process group and the mesh
         torch.manual_seed(index)
         with fabric.init_module():
@@ -281,7 +285,7 @@ def verdict(samples: list, rss_bound: float = 0.02, cycle: int = 1, max_entries:
 def judge(config: Config, result: dict, rss_bound: float) -> list:
     """One :func:`verdict` per rank. The long runs' last sample (after teardown) is left out of the windows: the
     Trainer then no longer holds the model; the loops' samples are all taken between fits."""
-    cycle = 4 if config.kind != "steps" else 1
+    cycle = len(config.stages) if config.kind != "steps" else 1
     # top-k + last.ckpt; the Fabric loop saves onto TOP_K fixed names
     entries = TOP_K + (1 if config.kind != "fabric" else 0)
     return [verdict(samples[:-1] if config.kind == "steps" else samples, rss_bound, cycle, entries)
