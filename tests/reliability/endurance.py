@@ -138,14 +138,18 @@ class EnduranceModule(RegressionModule):
 
 class _Sampler(Callback):
     """Samples every ``every`` steps in ``on_train_batch_end``, before ``ModelCheckpoint`` saves that step (Lightning
-    runs checkpoint callbacks last)."""
+    runs checkpoint callbacks last). With ``minutes``, stops the fit once that much time has passed (rank 0's clock,
+    broadcast, so the ranks stop at the same step): the table then says how many steps ran."""
 
-    def __init__(self, every: int, ckpt_dir: str, nvme_path: Optional[str]):
+    def __init__(self, every: int, ckpt_dir: str, nvme_path: Optional[str], minutes: Optional[float] = None):
         self.every, self.ckpt_dir, self.nvme_path, self.samples = every, ckpt_dir, nvme_path, []
+        self.deadline = time.monotonic() + minutes * 60 if minutes else None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step % self.every == 0:
             self.samples.append(sample(self.ckpt_dir, self.nvme_path, trainer.global_step))
+            if self.deadline is not None and trainer.strategy.broadcast(time.monotonic() > self.deadline, src=0):
+                trainer.should_stop = True
 
 
 def _strategy(config: Config, stage: int, nvme_path: Optional[str], fabric: bool = False):
@@ -172,11 +176,12 @@ def _paths(root: str, rank: int) -> tuple:
     return ckpt_dir, nvme_path
 
 
-def _steps_worker(rank: int, world_size: int, config: dict, root: str, steps: int, save_every: int) -> None:
+def _steps_worker(rank: int, world_size: int, config: dict, root: str, steps: int, save_every: int,
+                  minutes: Optional[float]) -> None:
     config = Config(**config)
     torch.manual_seed(0)
     ckpt_dir, nvme_path = _paths(root, rank)
-    sampler = _Sampler(save_every, ckpt_dir, nvme_path)
+    sampler = _Sampler(save_every, ckpt_dir, nvme_path, minutes)
     trainer = _trainer(_strategy(config, config.stage, nvme_path), ckpt_dir, steps, save_every, [sampler])
     trainer.fit(EnduranceModule())
     sampler.samples.append(sample(ckpt_dir, nvme_path, trainer.global_step))  # after teardown
@@ -227,12 +232,14 @@ def _fabric_worker(rank: int, world_size: int, config: dict, root: str, fits: in
     Path(root, f"samples-r{rank}.json").write_text(json.dumps(samples))
 
 
-def run_config(config: Config, root: Path, steps: int, save_every: int, fits: int) -> dict:
-    """Run one configuration in ``root``; returns ``{"seconds": ..., "ranks": [samples of rank 0, of rank 1]}``."""
+def run_config(config: Config, root: Path, steps: int, save_every: int, fits: int,
+               minutes: Optional[float] = None) -> dict:
+    """Run one configuration in ``root`` (a long run stops after ``minutes`` if given); returns ``{"seconds": ...,
+    "ranks": [samples of rank 0, of rank 1]}``."""
     root.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     if config.kind == "steps":
-        run_distributed(_steps_worker, WORLD, asdict(config), str(root), steps, save_every)
+        run_distributed(_steps_worker, WORLD, asdict(config), str(root), steps, save_every, minutes)
     else:
         worker = _fits_worker if config.kind == "fits" else _fabric_worker
         run_distributed(worker, WORLD, asdict(config), str(root), fits)
@@ -320,6 +327,8 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--save-every", type=int, default=50)
     parser.add_argument("--fits", type=int, default=50)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--minutes", type=float, default=None,
+                        help="stop each long run after this many minutes (the table says how many steps ran)")
     parser.add_argument("--rss-bound", type=float, default=0.02, help="largest RSS drift after warm-up (0.02 = 2%%)")
     parser.add_argument("--root", type=Path, default=None, help="where to run (default: a new temporary directory)")
     parser.add_argument("--json", type=Path, default=None, help="also write every sample here")
@@ -330,14 +339,20 @@ def main(argv: Optional[list] = None) -> int:
         config = CONFIGS[name]
         length = f"{args.steps} steps" if config.kind == "steps" else f"{args.fits} fits"
         try:
-            result = run_config(config, base / name, args.steps, args.save_every, args.fits)
+            result = run_config(config, base / name, args.steps, args.save_every, args.fits, args.minutes)
         except Exception as error:  # a failed run is a row of the table too; the other configurations still run
             message = str(error).strip().splitlines()[-1][:200] if str(error).strip() else type(error).__name__
             print(f"{name} failed:\n{error}", file=sys.stderr)
             rows.append((name, length, 0.0, [{"error": message}]))
             continue
         raw[name] = result
-        rows.append((name, length, result["seconds"], judge(config, result, args.rss_bound)))
+        if config.kind == "steps" and result["ranks"][0][-1]["at"] < args.steps:
+            length = f"{result['ranks'][0][-1]['at']} of {args.steps} steps (--minutes {args.minutes:g})"
+        try:
+            figures = judge(config, result, args.rss_bound)
+        except ValueError as error:  # too few samples for the windows
+            figures = [{"error": str(error)}]
+        rows.append((name, length, result["seconds"], figures))
         print("\n".join(table(rows[-1:]).splitlines()[2:]), flush=True)  # progress: this configuration's rows
     print(table(rows))
     if args.json:
