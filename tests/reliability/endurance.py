@@ -20,7 +20,8 @@ has long finished), or after each fit. The bounds (:func:`verdict`), after a war
 samples (at least 2; whole stage cycles for the fit loops):
 
 * RSS drift: the median of the last 10 % of samples is at most 2 % above the median of the first 10 % after the
-  warm-up (``--rss-bound``);
+  warm-up (``--rss-bound``), for the resident set and for its anonymous part (``RssAnon``: the kernel drops file-backed
+  pages under memory pressure, which lowers RSS and can hide a leak);
 * fds, threads, native threads, process groups, files: the smallest value over the last 10 % of samples is no larger
   than the largest over the baseline window (zero growth: a leak raises every later sample, a socket still being
   closed at one sample raises only that one), and the checkpoint directory never holds more than ``save_top_k``
@@ -92,12 +93,18 @@ CONFIGS = {c.name: c for c in [
 
 
 # ---------------------------------------------------------------------------------------------------- sampling
-def rss_bytes() -> int:
+def memory() -> dict:
+    """``{"rss": VmRSS, "anon": RssAnon}`` in bytes. RSS also counts file-backed pages (torch's libraries), which the
+    kernel drops and reads back as other processes need memory; a leak grows the anonymous part."""
+    found = {}
     with open("/proc/self/status") as status:
         for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
+            key = {"VmRSS:": "rss", "RssAnon:": "anon"}.get(line.split(":")[0] + ":")
+            if key:
+                found[key] = int(line.split()[1]) * 1024
+    if "rss" not in found:
+        raise RuntimeError("no VmRSS in /proc/self/status")
+    return found
 
 
 def live_process_groups() -> int:
@@ -119,7 +126,7 @@ def _files_under(path: Optional[str]) -> int:
 
 def sample(ckpt_dir: Optional[str], nvme_path: Optional[str], at: int) -> dict:
     entries = sorted(os.listdir(ckpt_dir)) if ckpt_dir and os.path.isdir(ckpt_dir) else []
-    return {"at": at, "rss": rss_bytes(), "fds": len(os.listdir("/proc/self/fd")),
+    return {"at": at, **memory(), "fds": len(os.listdir("/proc/self/fd")),
             "threads": threading.active_count(), "tasks": len(os.listdir("/proc/self/task")),
             "groups": live_process_groups() if dist.is_initialized() else 0,
             "ckpt_files": _files_under(ckpt_dir), "ckpt_entries": len(entries),
@@ -276,6 +283,11 @@ def verdict(samples: list, rss_bound: float = 0.02, cycle: int = 1, max_entries:
                "drift": (end_rss - base_rss) / base_rss, "failures": []}
     if figures["drift"] > rss_bound:
         figures["failures"].append(f"RSS drift {figures['drift']:+.2%} > {rss_bound:.0%}")
+    if all("anon" in s for s in samples):  # (samples taken before RssAnon was sampled have none)
+        base_anon = statistics.median(s["anon"] for s in baseline)
+        figures["anon_drift"] = (statistics.median(s["anon"] for s in last) - base_anon) / base_anon
+        if figures["anon_drift"] > rss_bound:
+            figures["failures"].append(f"anonymous RSS drift {figures['anon_drift']:+.2%} > {rss_bound:.0%}")
     for key in COUNTS:
         # A leak raises every later sample; a socket or thread that is still being closed when a sample is taken
         # raises one. So the fewest over the last window is held to the most over the baseline window.
@@ -308,17 +320,19 @@ def table(rows: list) -> str:
     def pair(values: tuple) -> str:
         return str(values[0]) if values[0] == values[1] else f"{values[0]} -> {values[1]}"
 
-    lines = ["| config | run | rank | samples | RSS base -> end (MiB) | drift | fds | threads | native threads "
-             "| groups | ckpt files | ckpt entries (max) | nvme files | Python objects | time (s) | verdict |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| config | run | rank | samples | RSS base -> end (MiB) | drift | anon drift | fds | threads "
+             "| native threads | groups | ckpt files | ckpt entries (max) | nvme files | Python objects | time (s) "
+             "| verdict |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, length, seconds, ranks in rows:
         for rank, f in enumerate(ranks):
             if "error" in f:
-                lines.append(f"| {name} | {length} | all | | | | | | | | | | | | | FAILED: {f['error']} |")
+                lines.append(f"| {name} | {length} | all | | | | | | | | | | | | | | FAILED: {f['error']} |")
                 continue
+            anon = f"{f['anon_drift']:+.2%}" if "anon_drift" in f else "n/a"
             lines.append(
                 f"| {name} | {length} | {rank} | {f['samples']} | {f['rss_base'] / 2**20:.1f} -> "
-                f"{f['rss_end'] / 2**20:.1f} | {f['drift']:+.2%} | {pair(f['fds'])} | {pair(f['threads'])} | "
+                f"{f['rss_end'] / 2**20:.1f} | {f['drift']:+.2%} | {anon} | {pair(f['fds'])} | {pair(f['threads'])} | "
                 f"{pair(f['tasks'])} | {pair(f['groups'])} | {pair(f['ckpt_files'])} | {f['ckpt_entries']} | "
                 f"{pair(f['nvme_files'])} | {f['pyobjs'][0]:.0f} -> {f['pyobjs'][1]:.0f} | {seconds:.0f} | "
                 f"{'; '.join(f['failures']) or 'ok'} |")
