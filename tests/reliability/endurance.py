@@ -24,8 +24,9 @@ samples (at least 2; whole stage cycles for the fit loops):
   pages under memory pressure, which lowers RSS and can hide a leak);
 * fds, threads, native threads, process groups, files: the smallest value over the last 10 % of samples is no larger
   than the largest over the baseline window (zero growth: a leak raises every later sample, a socket still being
-  closed at one sample raises only that one), and the checkpoint directory never holds more than ``save_top_k``
-  checkpoints + ``last.ckpt`` (three fixed names in the Fabric loop).
+  closed at one sample raises only that one), and the checkpoint directory never shows more than ``save_top_k``
+  checkpoints + ``last.ckpt`` (three fixed names in the Fabric loop; hidden ``.partial`` directories of async saves
+  still being written count among the files only).
 
 It prints a markdown table, one row per configuration and rank, and exits 1 if any bound is exceeded. ``--json``
 keeps every sample; ``--report FILE...`` prints the table again from such files.
@@ -125,7 +126,9 @@ def _files_under(path: Optional[str]) -> int:
 
 
 def sample(ckpt_dir: Optional[str], nvme_path: Optional[str], at: int) -> dict:
-    entries = sorted(os.listdir(ckpt_dir)) if ckpt_dir and os.path.isdir(ckpt_dir) else []
+    # visible entries: checkpoints and last.ckpt; a hidden .X.partial is an async save still being written (steps
+    # can outpace it), and what such saves leave behind shows in the file count
+    entries = [e for e in os.listdir(ckpt_dir) if not e.startswith(".")] if ckpt_dir and os.path.isdir(ckpt_dir) else []
     return {"at": at, **memory(), "fds": len(os.listdir("/proc/self/fd")),
             "threads": threading.active_count(), "tasks": len(os.listdir("/proc/self/task")),
             "groups": live_process_groups() if dist.is_initialized() else 0,
