@@ -30,7 +30,7 @@ def test_the_bounds_catch_a_slow_leak_of_each_kind():
     assert any("entries" in failure for failure in verdict(piling, max_entries=4)["failures"])
 
 
-@pytest.mark.slow  # two short runs on 2 ranks: 27 s of CPU in all (110 s wall with the 2 cores at load 40)
+@pytest.mark.slow  # two short runs on 2 ranks: 13 s + 8 s on the 2-core machine at load 2 (110 s at load 40)
 @pytest.mark.parametrize("name, steps, fits", [("s3-async", 300, 0), ("fits-fabric", 0, 6)])
 def test_endurance_short_run_stays_within_bounds(tmp_path, name, steps, fits):
     # the Fabric loop at stage 3 only: one stage per cycle, so 6 fits give a warm-up and two windows
