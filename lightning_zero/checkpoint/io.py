@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
 
 from lightning_zero.checkpoint import atomic
 from lightning_zero.checkpoint.atomic import CheckpointSaveError
@@ -206,6 +207,26 @@ def _async_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGro
     return cached_gloo_group(_ASYNC_GROUPS, group)
 
 
+def _stageable(value: Any) -> Any:
+    """``value`` (nested dicts/lists of the state) as DCP's async stager can copy it.
+
+    The stager deep-copies each DTensor, and ``Tensor.__deepcopy__`` clones a wrapper subclass only when the
+    wrapper's own ``data_ptr()`` is 0; otherwise it copies the wrapper's storage, which holds no memory ("Attempted
+    to call copy_() on an invalid python storage"). A DTensor's wrapper takes the storage offset of the local tensor
+    it is made from, and under NVMe parameter swapping a shard's memory is an aligned slice of a larger allocation
+    (:func:`lightning_zero.offload.aio.aligned_buffer`), so ``module.state_dict()``'s detached DTensors have a
+    non-zero ``data_ptr()``. Those are rebuilt here around a copy of their local shard (offset 0), the real
+    swapped-in data; the copy is made now, on the caller's thread, as the stager's own copies are."""
+    if isinstance(value, DTensor) and value.data_ptr() != 0:
+        return DTensor.from_local(value.to_local().clone(), value.device_mesh, value.placements, run_check=False,
+                                  shape=value.shape, stride=value.stride())
+    if isinstance(value, dict):
+        return {key: _stageable(item) for key, item in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_stageable(item) for item in value)
+    return value
+
+
 def save_sharded_checkpoint(
     path: PathLike,
     state: Dict[str, Any],
@@ -262,7 +283,7 @@ def save_sharded_checkpoint(
     atomic.fault_point("before_shards")
     if async_save:
         group = _async_group(process_group)
-        result = dcp.async_save(state, storage_writer=writer, planner=None, process_group=group)
+        result = dcp.async_save(_stageable(state), storage_writer=writer, planner=None, process_group=group)
         future = getattr(result, "upload_completion", result)
         handle = PendingSave(future, path, finalize, group, cleanup, needed)
         with _PENDING_LOCK:
