@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import weakref
 from concurrent.futures import Future
 from typing import Any, Callable, Dict, List, Optional, Union
 
@@ -116,7 +117,12 @@ class PendingSave:
         self._lock = threading.Lock()
         self._finalized = False
         self._error: Optional[BaseException] = None
-        future.add_done_callback(lambda _: self._run_finalize())
+        # A weak reference: the future keeps its callbacks after it completes, and a callback holding this handle
+        # would make a reference cycle (handle -> future -> callback -> handle) that keeps the handle, its
+        # closures and what they reference alive until the cyclic collector runs. _PENDING holds the handle
+        # until it is waited for, which runs the finalization itself.
+        handle = weakref.ref(self)
+        future.add_done_callback(lambda _: _finalize_if_alive(handle))
 
     def _run_finalize(self) -> None:
         with self._lock:
@@ -132,6 +138,8 @@ class PendingSave:
                     self._cleanup()
                 except Exception:
                     pass  # the save already failed; its error is the one to report
+            finally:
+                self._finalize = self._cleanup = None  # run once: release their closures
 
     def done(self) -> bool:
         return self._future.done() and self._finalized
@@ -152,6 +160,12 @@ class PendingSave:
             fail_collectively(self.path, self._error, self._needed, self._group, lambda: None, gather_group=True)
         elif self._error is not None:
             raise CheckpointSaveError(describe_failure(self.path, self._error, self._needed)) from self._error
+
+
+def _finalize_if_alive(handle: "weakref.ref[PendingSave]") -> None:
+    pending = handle()
+    if pending is not None:
+        pending._run_finalize()
 
 
 _PENDING: List[PendingSave] = []
@@ -265,13 +279,16 @@ def save_sharded_checkpoint(
     needed = prepare_save(path, state, lambda directory: torch.save(metadata, os.path.join(directory, META_FILE)),
                           process_group, earlier_failures, extra_bytes)
     writer = FileSystemWriter(partial)
+    # What zero.json records of the state (its keys, the count of model keys), without its tensors: finalize outlives
+    # the call with async_save, and must not keep the state alive.
+    outline = {key: dict.fromkeys(value) if isinstance(value, dict) else None for key, value in state.items()}
 
     def finalize() -> None:
         if rank == 0:
             atomic.fault_point("after_metadata")
             if extra_files is not None:
                 extra_files(partial)
-            _write_info(partial, state, world, info)
+            _write_info(partial, outline, world, info)
             atomic.fault_point("after_info")
             atomic.swap_into_place(partial, path)
 
