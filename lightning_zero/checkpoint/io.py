@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import weakref
 from concurrent.futures import Future
 from typing import Any, Callable, Dict, List, Optional, Union
 
@@ -30,6 +31,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
 
 from lightning_zero.checkpoint import atomic
 from lightning_zero.checkpoint.atomic import CheckpointSaveError
@@ -115,7 +117,12 @@ class PendingSave:
         self._lock = threading.Lock()
         self._finalized = False
         self._error: Optional[BaseException] = None
-        future.add_done_callback(lambda _: self._run_finalize())
+        # A weak reference: the future keeps its callbacks after it completes, and a callback holding this handle
+        # would make a reference cycle (handle -> future -> callback -> handle) that keeps the handle, its
+        # closures and what they reference alive until the cyclic collector runs. _PENDING holds the handle
+        # until it is waited for, which runs the finalization itself.
+        handle = weakref.ref(self)
+        future.add_done_callback(lambda _: _finalize_if_alive(handle))
 
     def _run_finalize(self) -> None:
         with self._lock:
@@ -131,6 +138,8 @@ class PendingSave:
                     self._cleanup()
                 except Exception:
                     pass  # the save already failed; its error is the one to report
+            finally:
+                self._finalize = self._cleanup = None  # run once: release their closures
 
     def done(self) -> bool:
         return self._future.done() and self._finalized
@@ -151,6 +160,12 @@ class PendingSave:
             fail_collectively(self.path, self._error, self._needed, self._group, lambda: None, gather_group=True)
         elif self._error is not None:
             raise CheckpointSaveError(describe_failure(self.path, self._error, self._needed)) from self._error
+
+
+def _finalize_if_alive(handle: "weakref.ref[PendingSave]") -> None:
+    pending = handle()
+    if pending is not None:
+        pending._run_finalize()
 
 
 _PENDING: List[PendingSave] = []
@@ -206,6 +221,26 @@ def _async_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGro
     return cached_gloo_group(_ASYNC_GROUPS, group)
 
 
+def _stageable(value: Any) -> Any:
+    """``value`` (nested dicts/lists of the state) as DCP's async stager can copy it.
+
+    The stager deep-copies each DTensor, and ``Tensor.__deepcopy__`` clones a wrapper subclass only when the
+    wrapper's own ``data_ptr()`` is 0; otherwise it copies the wrapper's storage, which holds no memory ("Attempted
+    to call copy_() on an invalid python storage"). A DTensor's wrapper takes the storage offset of the local tensor
+    it is made from, and under NVMe parameter swapping a shard's memory is an aligned slice of a larger allocation
+    (:func:`lightning_zero.offload.aio.aligned_buffer`), so ``module.state_dict()``'s detached DTensors have a
+    non-zero ``data_ptr()``. Those are rebuilt here around a copy of their local shard (offset 0), the real
+    swapped-in data; the copy is made now, on the caller's thread, as the stager's own copies are."""
+    if isinstance(value, DTensor) and value.data_ptr() != 0:
+        return DTensor.from_local(value.to_local().clone(), value.device_mesh, value.placements, run_check=False,
+                                  shape=value.shape, stride=value.stride())
+    if isinstance(value, dict):
+        return {key: _stageable(item) for key, item in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_stageable(item) for item in value)
+    return value
+
+
 def save_sharded_checkpoint(
     path: PathLike,
     state: Dict[str, Any],
@@ -244,13 +279,16 @@ def save_sharded_checkpoint(
     needed = prepare_save(path, state, lambda directory: torch.save(metadata, os.path.join(directory, META_FILE)),
                           process_group, earlier_failures, extra_bytes)
     writer = FileSystemWriter(partial)
+    # What zero.json records of the state (its keys, the count of model keys), without its tensors: finalize outlives
+    # the call with async_save, and must not keep the state alive.
+    outline = {key: dict.fromkeys(value) if isinstance(value, dict) else None for key, value in state.items()}
 
     def finalize() -> None:
         if rank == 0:
             atomic.fault_point("after_metadata")
             if extra_files is not None:
                 extra_files(partial)
-            _write_info(partial, state, world, info)
+            _write_info(partial, outline, world, info)
             atomic.fault_point("after_info")
             atomic.swap_into_place(partial, path)
 
@@ -262,7 +300,7 @@ def save_sharded_checkpoint(
     atomic.fault_point("before_shards")
     if async_save:
         group = _async_group(process_group)
-        result = dcp.async_save(state, storage_writer=writer, planner=None, process_group=group)
+        result = dcp.async_save(_stageable(state), storage_writer=writer, planner=None, process_group=group)
         future = getattr(result, "upload_completion", result)
         handle = PendingSave(future, path, finalize, group, cleanup, needed)
         with _PENDING_LOCK:
