@@ -104,6 +104,7 @@ def trial(base: Path, index: int, mode: str, kill_after: float) -> dict:
     root = base / f"trial{index}"
     root.mkdir(parents=True)
     proc = _start(root, mode)
+    _wait_for_training(root, proc)
     time.sleep(kill_after)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.communicate()
@@ -125,12 +126,23 @@ def trial(base: Path, index: int, mode: str, kill_after: float) -> dict:
     return result
 
 
+def _wait_for_training(root: Path, proc: subprocess.Popen) -> None:
+    """Until rank 0 has started the training loop (``started.json``) or the job has ended. Kill instants count from
+    here, not from the launch: start-up (imports, the process group) takes from 5 s to over 20 s with the machine's
+    load, and instants drawn from the launch landed before the first save or after the last one when the load
+    changed between the calibration and the trials."""
+    while proc.poll() is None and not (root / "started.json").exists():
+        time.sleep(0.02)
+
+
 def calibrate(base: Path) -> tuple:
-    """``(first_save_s, end_s)``: when an uninterrupted run's first checkpoint appeared and when it ended."""
+    """``(first_save_s, end_s)`` of an uninterrupted run, counted from the start of its training loop: when its first
+    checkpoint appeared and when it ended."""
     root = base / "calibration"
     root.mkdir(parents=True)
-    start = time.perf_counter()
     proc = _start(root, "sync")
+    _wait_for_training(root, proc)
+    start = time.perf_counter()
     first = None
     while proc.poll() is None:
         if first is None and (root / "checkpoints").is_dir() and any((root / "checkpoints").iterdir()):
@@ -147,12 +159,12 @@ def run_trials(count: int, seed: int = 0, base: Optional[Path] = None, modes: tu
     first, end = calibrate(base)
     rng = random.Random(seed)
     # from just before the first save to just before the end of training: the save-heavy span
-    window = (max(0.0, first - 0.5), first + 0.9 * (end - first))
+    window = (max(0.0, first - 0.2), first + 0.9 * (end - first))
     return [trial(base, i, modes[i % len(modes)], rng.uniform(*window)) for i in range(count)]
 
 
 def table(results: list) -> str:
-    lines = ["| trial | mode | killed at (s) | newest step | last.ckpt step | resume 'last' | resume path |",
+    lines = ["| trial | mode | kill (s into training) | newest step | last.ckpt step | resume 'last' | resume path |",
              "|---|---|---|---|---|---|---|"]
     for r in results:
         def cell(res: dict) -> str:
