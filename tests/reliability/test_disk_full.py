@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 
 import pytest
 import torch
@@ -17,21 +16,7 @@ from lightning_zero.checkpoint import CheckpointSaveError, atomic, wait_for_pend
 from tests.distributed import run_distributed
 from tests.lightning_models import Net, RegressionModule, full_state, quiet_trainer
 
-
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 2 MiB tmpfs at ``tmp_path/small``, unmounted afterwards."""
-    mount_point = tmp_path / "small"
-    mount_point.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount_point)], capture_output=True)
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.decode().strip()}")
-    try:
-        yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=False)
+SMALL_DISK_SIZE = "2m"  # the tmpfs the ``small_disk`` fixture (tests/reliability/conftest.py) mounts
 
 
 def fill(directory: str, leave: int) -> None:

@@ -134,20 +134,6 @@ def test_ranks_that_do_not_share_the_checkpoint_directory_are_refused(tmp_path):
 
 # ------------------------------------------------------------------ disk full
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 4 MiB tmpfs; skipped where mounting is not allowed."""
-    mount_point = tmp_path / "small"
-    mount_point.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount_point)], capture_output=True)
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.decode().strip()}")
-    try:
-        yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=False)
 
 
 def _fill_disk_before_shards(directory: str):
