@@ -66,11 +66,9 @@ def test_compute_floor_runs_without_collectives_and_steps_a_share():
     loads = [sum(s for s, o in zip(sizes, owners) if o == r) for r in range(2)]
     assert sorted(set(owners)) == [0, 1] and abs(loads[0] - loads[1]) <= max(sizes) and sum(loads) == sum(sizes)
     args = bench.parse(["--quick", "--nproc", "2", "--peers", "floor"])  # no DeepSpeed needed
-    # the compute-copy path (stages 2-3 in bf16; fp32 is the same loop without it), on token ids and on float inputs
-    # (which bf16-true casts to bf16)
-    for model in ("gpt", "mlp"):
-        step, peak = workers.measure({"model": model, "precision": "bf16t", "kind": "floor:2"}, args)
-        assert step > 0 and peak >= 0, model
+    # the compute-copy path (stages 2-3 in bf16; fp32 is the same loop without it)
+    step, peak = workers.measure({"model": "gpt", "precision": "bf16t", "kind": "floor:2"}, args)
+    assert step > 0 and peak >= 0
 
 
 def test_minimal_loop_trains_the_same_model_at_stages_0_to_2():
@@ -84,7 +82,7 @@ def test_minimal_loop_trains_the_same_model_at_stages_0_to_2():
     args = bench.parse(["--quick", "--nproc", "2", "--peers", "minimal", "--steps", "3"])
     initial = float(sum(p.detach().double().sum() for p in models.build("gpt", args).parameters()))
     sums = {}
-    for stage in ("0", "1", "2"):
+    for stage in ("0", "2"):  # stage 1 runs stage 2's slices with the same collectives
         results = workers.spawn({"model": "gpt", "precision": "fp32", "kind": f"minimal:{stage}"}, args)
         assert all(r["time"] > 0 for r in results)
         sums[stage] = [r["param_sum"] for r in results]
