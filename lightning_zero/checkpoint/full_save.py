@@ -24,11 +24,22 @@ import zipfile
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 from lightning_zero.checkpoint.atomic import CheckpointSaveError
 from lightning_zero.checkpoint.consolidate import consolidate_checkpoint
 from lightning_zero.checkpoint.io import remove_sharded_checkpoint
-from lightning_zero.checkpoint.save_guards import broadcast_object
+from lightning_zero.checkpoint.save_guards import (
+    SLACK_PER_RANK,
+    all_gather,
+    broadcast_object,
+    control_group,
+    describe_failure,
+    free_bytes,
+    not_enough_space,
+    shard_bytes,
+    what_a_failed_save_left,
+)
 
 #: The key a full file carries so that a later save may replace it and rotation may delete it.
 FULL_FILE_MARKER = "lightning_zero_full_checkpoint"
@@ -79,25 +90,69 @@ def save_full_file(checkpoint: dict, path: str, save_sharded: Callable[[dict, st
     directory)`` is the strategy's ordinary sharded save; ``with_optimizer`` puts the optimizer states in the file
     (the checkpoint holds them); ``layout`` rearranges the Lightning checkpoint dict before it is written (Fabric's
     own layout). Raises :class:`CheckpointSaveError` on every rank if any step fails; a previous file at ``path``
-    stays intact then."""
+    stays intact then.
+
+    [Note: a failed full save names the user's file]
+    The shards are written to the hidden staging directory by the ordinary sharded save, whose errors name that
+    directory. A user asked for ``path``: every error here names ``path``, its directory's free space, and what is
+    left at ``path`` (a previous file of ours is never touched before the new one is complete). The space check counts
+    the staged shards and the file together, since both exist until the staging directory is deleted."""
     path = os.path.abspath(os.fspath(path))
     staging = staging_directory(path)
     problem = broadcast_object(why_not_replaceable_file(path) if rank == 0 else None)
     if problem:
         raise CheckpointSaveError(problem)
-    save_sharded({**checkpoint, FULL_FILE_MARKER: True}, staging)
+    file_bytes = _check_space(checkpoint, path, rank)
+    try:
+        save_sharded({**checkpoint, FULL_FILE_MARKER: True}, staging)
+    except CheckpointSaveError as err:
+        raise CheckpointSaveError(_staging_failure(path, staging, str(err))) from err
     error = None
     if rank == 0:
         try:
             consolidate_checkpoint(staging, output=path, with_optimizer=with_optimizer, layout=layout)
         except Exception as err:  # said on every rank below
-            error = f"{type(err).__name__}: {err}"
+            error = describe_failure(path, err, file_bytes, left=what_is_left(path),
+                                     removed="The partial file and the staged shards are removed")
         finally:
             remove_sharded_checkpoint(staging)
     error = broadcast_object(error)
     if error:
-        raise CheckpointSaveError(f"writing the full checkpoint file {path} failed: {error}. The previous file at that "
-                                  "path, if any, is intact")
+        raise CheckpointSaveError(error)
+
+
+def what_is_left(path: str) -> str:
+    """What a failed full save left at ``path``: a previous full file of ours intact, something else untouched, or
+    nothing."""
+    return what_a_failed_save_left(path, is_checkpoint=is_full_file)
+
+
+def _check_space(checkpoint: dict, path: str, rank: int) -> int:
+    """Refuse the save on every rank, naming ``path``, when its directory cannot hold the staged shards and the file
+    at once (collective). Returns the bytes of the file (about those of the shards)."""
+    group = control_group(None)
+    shards = sum(all_gather(shard_bytes(checkpoint, writes_replicas=rank == 0), group))
+    ranks = dist.get_world_size(group) if group is not None else 1
+    needed = 2 * shards + SLACK_PER_RANK * ranks
+    problem = None
+    if rank == 0:
+        free = free_bytes(os.path.dirname(path))
+        if free is not None and free < needed:
+            problem = not_enough_space(path, needed, free, "the shards are staged beside the file, then written into "
+                                       "it", left=what_is_left(path))
+    problem = broadcast_object(problem)
+    if problem:
+        raise CheckpointSaveError(problem)
+    return shards
+
+
+def _staging_failure(path: str, staging: str, message: str) -> str:
+    """The sharded save's error, which names the staging directory, said of ``path`` (the free space it names is
+    that of ``path``'s directory: the staging directory is beside the file)."""
+    message = message.replace(staging, f"{path} (its staged shards)")
+    for tail in (". Nothing was written; ", ". The partial directory is removed; "):
+        message = message.split(tail)[0] if tail in message else message
+    return f"{message}. The staged shards are removed and nothing was written to the file; {what_is_left(path)}"
 
 
 def remove_full_file(path: str) -> None:

@@ -26,6 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from lightning_zero.checkpoint.atomic import (
     PARTIAL_MARKER,
@@ -40,7 +41,7 @@ from lightning_zero.checkpoint.atomic import (
 from lightning_zero.distributed.group_timeout import package_group_timeout
 
 _CONTROL_GROUPS: Dict[Any, dist.ProcessGroup] = {}
-_SLACK_PER_RANK = 64 << 10  # DCP's per-file headers, .metadata, zero.json, meta.pt: small next to any model
+SLACK_PER_RANK = 64 << 10  # DCP's per-file headers, .metadata, zero.json, meta.pt: small next to any model
 
 
 def _distributed() -> bool:
@@ -116,15 +117,24 @@ def broadcast_object(value: Any, src: int = 0) -> Any:
     return box[0]
 
 
-def shard_bytes(state: Any) -> int:
-    """Bytes this rank's tensors of ``state`` will occupy on disk (local shards only)."""
+def shard_bytes(state: Any, writes_replicas: bool = True) -> int:
+    """Bytes this rank's tensors of ``state`` will occupy on disk (local shards only).
+
+    A replicated tensor (a plain tensor at stages 0-1, a DTensor's copy on a ``Replicate`` mesh dimension) is written
+    once for the whole job (DCP's planner removes the duplicates), so it is counted only where ``writes_replicas``
+    (rank 0; for a DTensor, the first rank of each replicated dimension): summed over ranks, the bytes are then what
+    the save writes, not the world size times the replicated part."""
     if isinstance(state, dict):
-        return sum(shard_bytes(v) for v in state.values())
+        return sum(shard_bytes(v, writes_replicas) for v in state.values())
     if isinstance(state, (list, tuple)):
-        return sum(shard_bytes(v) for v in state)
+        return sum(shard_bytes(v, writes_replicas) for v in state)
+    if isinstance(state, DTensor):
+        mesh = state.device_mesh
+        first = all(mesh.get_local_rank(dim) == 0 for dim, p in enumerate(state.placements) if p.is_replicate())
+        local = state.to_local()
+        return local.numel() * local.element_size() if first else 0
     if isinstance(state, torch.Tensor):
-        local = state.to_local() if hasattr(state, "to_local") else state
-        return local.numel() * local.element_size()
+        return state.numel() * state.element_size() if writes_replicas else 0
     return 0
 
 
@@ -168,14 +178,17 @@ def _short(err: BaseException) -> str:
     return f"{type(err).__name__}: {lines[0] if lines else ''}"
 
 
-def describe_failure(path: str, err: BaseException, needed: Optional[int]) -> str:
-    """One message for a save that failed while writing: what failed, where, bytes needed and free.
+def describe_failure(path: str, err: BaseException, needed: Optional[int], left: Optional[str] = None,
+                     removed: str = "The partial directory is removed") -> str:
+    """One message for a save that failed while writing: what failed, where, bytes needed and free; ``left``: what
+    the failure left at ``path`` (:func:`what_a_failed_save_left` by default), ``removed``: what was cleaned up.
 
     A full disk often surfaces without an errno (``torch.save``'s zip writer: ``unexpected pos 704 vs 598``), so
     free space below what the save needs is read as "no space left" too.
     """
     oserror = _oserror_in(err)
     free = free_bytes(path)
+    left = left or what_a_failed_save_left(path)
     code = oserror.errno if oserror is not None else None
     if code in (errno.ENOSPC, errno.EDQUOT) or (needed is not None and free is not None and free < needed):
         reason = f"no space left on the device or quota exceeded ({_short(oserror or err)})"
@@ -184,20 +197,20 @@ def describe_failure(path: str, err: BaseException, needed: Optional[int]) -> st
     elif oserror is not None:
         reason = f"I/O error ({_short(oserror)})"
     else:
-        return (f"saving the checkpoint {path} failed: {_short(err)}. The partial directory is removed; "
-                f"{what_a_failed_save_left(path)}")
+        return f"saving the checkpoint {path} failed: {_short(err)}. {removed}; {left}"
     sizes = f"needs about {needed} bytes, " if needed is not None else ""
     return (f"saving the checkpoint {path} failed: {reason}; {sizes}{free} bytes free on {os.path.dirname(path)}. "
-            f"The partial directory is removed; {what_a_failed_save_left(path)}")
+            f"{removed}; {left}")
 
 
-def what_a_failed_save_left(path: str) -> str:
+def what_a_failed_save_left(path: str, is_checkpoint: Callable[[str], bool] = is_complete) -> str:
     """The end of a failed save's message: the checkpoint that was at ``path`` before the save is intact (a failed
-    save never touches it: it writes beside it and swaps only when complete), or there was none.
+    save never touches it: it writes beside it and swaps only when complete), or there was none. ``is_checkpoint``
+    tells a complete checkpoint at ``path`` (a one-file save passes its own test).
 
     Said concretely, not "if any": a user reading "disk full" must know at once whether a checkpoint to resume from
     survived, without inspecting the directory."""
-    if is_complete(path):
+    if is_checkpoint(path):
         target = f" (a link to {os.path.realpath(path)})" if os.path.islink(path) else ""
         return f"the previous checkpoint at {path}{target} is intact"
     if os.path.lexists(path):
@@ -235,14 +248,15 @@ def _probe_failure(path: str, rank: int, err: OSError, needed: int) -> str:
     return f"rank {rank} cannot write to {parent}: {err}. Nothing was written; {what_a_failed_save_left(path)}"
 
 
-def not_enough_space(path: str, needed: int, free: Optional[int], detail: str = "") -> str:
-    """Refusing a save for lack of space: the path, the bytes needed, free and missing, and what is left at ``path``."""
+def not_enough_space(path: str, needed: int, free: Optional[int], detail: str = "", left: Optional[str] = None) -> str:
+    """Refusing a save for lack of space: the path, the bytes needed, free and missing, and what is left at ``path``
+    (``left``, :func:`what_a_failed_save_left` by default)."""
     parent = os.path.dirname(path)
     missing = f"free at least {needed - free} more bytes" if free is not None and free < needed else "free space"
     detail = f"; {detail}" if detail else ""
     return (f"not enough space to save the checkpoint {path}: it needs about {needed} bytes and {parent} has {free} "
             f"bytes free ({missing} or choose another directory{detail}). Nothing was written; "
-            f"{what_a_failed_save_left(path)}")
+            f"{left or what_a_failed_save_left(path)}")
 
 
 def _remove_stale_probes(parent: str, keep: set) -> None:
@@ -274,10 +288,10 @@ def prepare_save(path: str, state: dict, write_meta: Callable[[str], None],
     rank = dist.get_rank(group) if group is not None else 0
     parent = os.path.dirname(path)
     probe, error = _probe(parent, rank, path)
-    reports = all_gather((socket.gethostname(), probe, shard_bytes(state)), group)
+    reports = all_gather((socket.gethostname(), probe, shard_bytes(state, writes_replicas=rank == 0)), group)
     if rank == 0:  # here, not after the verdicts: a rank past them may already have written its next save's probe
         _remove_stale_probes(parent, keep={report[1] for report in reports})
-    needed = sum(report[2] for report in reports) + _SLACK_PER_RANK * len(reports) + extra_bytes
+    needed = sum(report[2] for report in reports) + SLACK_PER_RANK * len(reports) + extra_bytes
     errors: List[str] = list(earlier_failures) + ([_probe_failure(path, rank, error, needed)] if error else [])
     unseen = [r for r, (_, other, _) in enumerate(reports) if other is not None and not os.path.exists(other)]
     if unseen:

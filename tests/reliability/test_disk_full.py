@@ -35,6 +35,7 @@ def _fill_while_writing(directory: str):
 
 def check_message(message: str, path: str, during_write: bool) -> None:
     assert path in message, message
+    assert ".lz-staging" not in message, message  # state_dict_type="full": the user's file, not its staging directory
     if during_write:
         assert re.search(r"no space left .* needs about \d+ bytes, \d+ bytes free on ", message), message
     else:
@@ -68,6 +69,58 @@ def _save_twice(save, disk: str, path: str) -> None:
         os.remove(os.path.join(disk, "filler"))
     dist.barrier()
     assert sorted(os.listdir(disk)) == ["last.ckpt"], "a failed save left files behind"
+
+
+def _fill_after_shards(directory: str):
+    def hook(step: str) -> None:  # the shards are staged; the one file has yet to be written
+        if step == "after_info" and dist.get_rank() == 0:
+            fill(directory, 0)
+    return hook
+
+
+def _full_file_worker(rank, world_size, disk):
+    """``state_dict_type="full"``: the shards go to a hidden staging directory first, then rank 0 writes the file.
+    Every failure must name the user's file, not the staging directory, and say the previous file is intact."""
+    from lightning_zero import ZeroStrategy
+
+    path = os.path.join(disk, "last.ckpt")
+    torch.manual_seed(0)
+    module = RegressionModule()
+    trainer = quiet_trainer(ZeroStrategy(stage=2, state_dict_type="full"), world_size, max_steps=1)
+    trainer.fit(module)
+    trainer.save_checkpoint(path)
+    saved = full_state(module)
+    with torch.no_grad():
+        for param in module.parameters():
+            param.add_(1.0)
+    _save_twice(lambda: trainer.save_checkpoint(path), disk, path)
+    # the disk fills between the staged shards and the file
+    message = _save_with_hook(lambda: trainer.save_checkpoint(path), _fill_after_shards(disk), disk)
+    check_message(message, path, during_write=True)
+    assert sorted(os.listdir(disk)) == ["last.ckpt"], "a failed save left files behind"
+    assert torch.load(path, weights_only=True)["global_step"] == 1
+    torch.manual_seed(123)
+    resumed = RegressionModule()
+    trainer = quiet_trainer(ZeroStrategy(stage=2), world_size, max_steps=1)
+    trainer.fit(resumed, ckpt_path=path)
+    got = full_state(resumed)
+    assert all(torch.equal(got[key], saved[key]) for key in saved), "the previous file did not load as saved"
+
+
+def _save_with_hook(save, hook, disk: str) -> str:
+    """The message of the error ``save()`` raises with ``hook`` as the fault hook; the filler is removed after."""
+    dist.barrier()
+    atomic.FAULT_HOOK = hook
+    try:
+        with pytest.raises(CheckpointSaveError) as failed:
+            save()
+    finally:
+        atomic.FAULT_HOOK = None
+    dist.barrier()
+    if dist.get_rank() == 0:
+        os.remove(os.path.join(disk, "filler"))
+    dist.barrier()
+    return str(failed.value)
 
 
 def _trainer_worker(rank, world_size, disk, async_save):
@@ -125,6 +178,11 @@ def _fabric_worker(rank, world_size, disk):
     assert remainder == {"step": 1}
     loaded = {key: value.full_tensor() for key, value in model.state_dict().items()}
     assert all(torch.equal(loaded[key], saved[key]) for key in saved), "the previous checkpoint did not load as saved"
+
+
+@pytest.mark.slow  # two ranks, two Trainer fits and five saves: ~15 s
+def test_full_file_on_a_full_disk_names_the_file_and_space_and_the_previous_file_loads(small_disk):
+    run_distributed(_full_file_worker, 2, str(small_disk))
 
 
 @pytest.mark.slow  # two ranks, one Fabric: ~5 s

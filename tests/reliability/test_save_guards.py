@@ -239,3 +239,26 @@ def test_probes_of_killed_saves_are_removed_by_later_saves(tmp_path):
     save_sharded_checkpoint(str(path), tiny(1.0), META)
     assert value_at(path) == 1.0
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(PROBE_PREFIX)] == []
+
+
+def _space_count_worker(rank, world_size, root):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from lightning_zero.checkpoint.save_guards import all_gather, control_group, shard_bytes
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    numel = 100_000
+    state = {"replicated": torch.zeros(numel), "sharded": distribute_tensor(torch.zeros(numel), mesh, [Shard(0)])}
+    counted = sum(all_gather(shard_bytes(state, writes_replicas=rank == 0), control_group(None)))
+    assert counted == 2 * 4 * numel, counted  # one copy of each: what DCP writes, not a replica per rank
+    path = os.path.join(root, "run.ckpt")
+    save_sharded_checkpoint(path, state, META)
+    written = sum(f.stat().st_size for f in os.scandir(path) if f.name.endswith(".distcp"))
+    assert counted <= written < 1.02 * counted, (counted, written)  # DCP's headers are a few KB
+
+
+def test_the_space_check_counts_a_replicated_tensor_once_as_dcp_writes_it(tmp_path):
+    """A stage-0/1 save on W ranks was counted as W copies of the replicated weights: on 8 ranks a save the disk
+    could hold was refused for eight times the space it needed."""
+    run_distributed(_space_count_worker, 2, str(tmp_path))
