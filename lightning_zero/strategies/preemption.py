@@ -32,6 +32,14 @@ step later than a blocking check would: at most one step. (A c10d store key was 
 round trip to the store on every step, and a rank can read it just before another rank sets it, so ranks would not
 agree on the step.)
 
+[Note: a notice after the last step]
+A signal that arrives during the last batch (or after it, before the fit ends) is in no batch's agreement. It used to
+be dropped: the fit ended normally, Lightning restored the handlers, and the process went on after ``fit`` as if
+never asked to stop, until the scheduler's SIGKILL. ``on_train_end`` (every rank, after the last batch and
+``ModelCheckpoint``'s saves) therefore agrees once more, blocking, and a signal found there is handled as at a step
+boundary: the preemption checkpoint at the final step, then ``128 + signal``. The restarted job resumes at the
+final step, its fit ends at once, and the script goes on after ``fit``.
+
 A checkpoint taken in the middle of an epoch resumes there in the loop counters, but a plain ``DataLoader`` starts
 the epoch's sampler order again from its first batch, so the resumed run equals an uninterrupted run *that resumed
 at the same step*, not one never interrupted (``docs/reliability.md``).
@@ -115,14 +123,26 @@ class PreemptionCheckpoint(Callback):
         return int(self._flag[0])
 
     def on_train_end(self, trainer, pl_module) -> None:
+        """A notice that came after the last batch's agreement started is acted on here, once, as at a step
+        boundary (see ``[Note: a notice after the last step]``)."""
         if self._pending is not None:  # a batch whose end hook did not run: finish its reduce before the fit ends
             self._pending.wait()
             self._pending = None
+        signum = self.received
+        if self._group is not None:  # blocking, once per fit: every rank is here together
+            flag = torch.tensor([self.received], dtype=torch.int64)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+            signum = int(flag[0])
+        if signum:
+            self._preempted(trainer, signum)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         signum = self.agreed_signal()
-        if not signum:
-            return
+        if signum:
+            self._preempted(trainer, signum)
+
+    def _preempted(self, trainer, signum: int) -> None:
+        """Every rank together: save the preemption checkpoint (or let SLURM requeue), then exit ``128 + signum``."""
         if _slurm_requeues(trainer, signum):
             trainer._signal_connector._slurm_sigusr_handler_fn(signum, None)  # saves hpc_ckpt, then requeues
         else:

@@ -87,6 +87,39 @@ def test_preemption_signal_checkpoints_at_the_next_step_and_the_restart_resumes_
     run_distributed(_preemption_worker, 2, str(tmp_path), signalled_rank, int(signum))
 
 
+class SignalDuringLastStep(Callback):
+    """Rank ``rank`` sends itself SIGTERM in the last batch's backward: after that batch's agreement started."""
+
+    def __init__(self, rank):
+        self.rank = rank
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        if trainer.global_step == EPOCHS * STEPS_PER_EPOCH - 1 and trainer.global_rank == self.rank:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _late_signal_worker(rank, world_size, root):
+    _, uninterrupted = _fit(os.path.join(root, "reference"))
+    run = os.path.join(root, "run")
+    with pytest.raises(SystemExit) as exit_info:  # before the fix: the fit returned and the notice was lost
+        _fit(run, [SignalDuringLastStep(rank=1)])
+    assert exit_info.value.code == 128 + signal.SIGTERM, exit_info.value.code
+    preempted = os.path.join(run, "checkpoints", PREEMPTED_CHECKPOINT)
+    assert is_sharded_checkpoint(preempted)
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = "1"
+    try:
+        trainer, resumed = _fit(run)
+    finally:
+        del os.environ["TORCHELASTIC_RESTART_COUNT"]
+    assert trainer.ckpt_path == preempted and trainer.global_step == EPOCHS * STEPS_PER_EPOCH
+    assert all(torch.equal(resumed[k], uninterrupted[k]) for k in uninterrupted)
+
+
+def test_a_signal_during_the_last_step_is_acted_on_when_the_fit_ends(tmp_path):
+    """A notice too late for the last batch's agreement is not dropped: a checkpoint at the final step, exit 143."""
+    run_distributed(_late_signal_worker, 2, str(tmp_path))
+
+
 def _torchrun(root, mode):
     import subprocess
     import sys
@@ -158,10 +191,12 @@ def _agreement_cost_worker(rank, world_size, root):
         dist.all_reduce = original
     steps = EPOCHS * STEPS_PER_EPOCH
     # One reduce per training batch, none of them blocking, all on the gloo control group (not the training
-    # communicator), each started before the batch's step and waited after it: the step overlaps it.
-    assert len(calls) == steps, calls
-    assert all(c.get("async_op") is True and c.get("group") is control_group(None) for c in calls), calls
-    assert events == ["reduce", "step", "wait"] * steps, events
+    # communicator), each started before the batch's step and waited after it: the step overlaps it. One more,
+    # blocking, when the fit ends (a notice that came during the last batch).
+    assert len(calls) == steps + 1, calls
+    assert all(c.get("async_op") is True and c.get("group") is control_group(None) for c in calls[:-1]), calls
+    assert not calls[-1].get("async_op") and calls[-1].get("group") is control_group(None), calls[-1]
+    assert events == ["reduce", "step", "wait"] * steps + ["reduce"], events
 
 
 def test_preemption_agreement_is_one_async_reduce_per_step_on_the_control_group(tmp_path):
