@@ -164,6 +164,9 @@ class HangWatchdog:
         self.hang_message: Optional[str] = None
         self.identity = identity
         self._store_host: Optional[dict] = None  # rank 0's identity (its node hosts the store), once read
+        self._probe = max(3 * self.poll_interval, 2.0)  # how long a stopped heartbeat is watched before it is named
+        self._store_answered = time.monotonic()  # when a store call last returned (see _watch_the_store)
+        self._aborted = threading.Event()
 
     # ----- training-thread side: no I/O -----
     def arm(self, label: str) -> None:
@@ -200,8 +203,11 @@ class HangWatchdog:
     def start(self) -> None:
         """Start the thread; the calling thread is the training thread whose stack locates a hang."""
         self._training_thread = threading.get_ident()
+        self._store_answered = time.monotonic()
         self._thread = threading.Thread(target=self._run, name=f"lightning-zero-watchdog-{self.rank}", daemon=True)
         self._thread.start()
+        threading.Thread(target=self._watch_the_store, name=f"lightning-zero-watchdog-store-{self.rank}",
+                         daemon=True).start()
 
     def stop(self) -> None:
         """Stop the thread and publish that this rank has left the monitored run.
@@ -224,6 +230,7 @@ class HangWatchdog:
         while not self._stop.wait(self.poll_interval):
             try:
                 self._publish_liveness()
+                self._store_answered = time.monotonic()
                 state = (self._progress, self._label)
                 if state != published:
                     self.store.set(f"hb/{self.rank}", f"{state[0]}|{state[1]}")
@@ -241,14 +248,27 @@ class HangWatchdog:
                         self.store.set(_ABORT_KEY, message)
             except Exception as err:  # noqa: BLE001 - the store's host may be gone; never die silently
                 if self._armed_since is not None and time.monotonic() - self._armed_since > self.timeout:
-                    host = self._store_host
-                    named = (f"rank 0 (node rank {host.get('node_rank')}, host {host.get('host')}, address "
-                             f"{host.get('address')}), whose node hosts the store," if host else "rank 0 (the store "
-                             "host)")
-                    self._abort(f"rank {self.rank} timed out after {self.timeout:g}s in '{self._label}' and the "
-                                f"job's store is unreachable ({type(err).__name__}: {err}): {named} died or is cut "
-                                f"off from this rank", wait_for_others=False)
+                    self._abort(self._store_lost(f"{type(err).__name__}: {err}"), wait_for_others=False)
                     return
+
+    def _watch_the_store(self) -> None:
+        """[Note: a store that stops answering] A store host cut off the network (no RST) leaves a store call of
+        ``_run`` blocked for as long as TCP retries (measured: no return while the link stayed down, whatever the
+        client's timeout). This second thread makes no store call: past ``timeout`` in an armed region with no store
+        answer for ``timeout`` + the heartbeat probe, it ends the process naming the store's host."""
+        while not self._stop.wait(self.poll_interval):
+            now, armed = time.monotonic(), self._armed_since
+            silent = now - self._store_answered
+            if armed is not None and now - armed > self.timeout and silent > self.timeout + self._probe:
+                self._abort(self._store_lost(f"no answer for {silent:.0f}s"), wait_for_others=False)
+                return
+
+    def _store_lost(self, why: str) -> str:
+        host = self._store_host
+        named = (f"rank 0 (node rank {host.get('node_rank')}, host {host.get('host')}, address "
+                 f"{host.get('address')}), whose node hosts the store," if host else "rank 0 (the store host)")
+        return (f"rank {self.rank} timed out after {self.timeout:g}s in '{self._label}' and the job's store is "
+                f"unreachable ({why}): {named} died or is cut off from this rank")
 
     def _publish_liveness(self) -> None:
         """[Note: a heartbeat that stops] Every poll adds one to ``alive/<rank>``, whatever the training thread
@@ -271,10 +291,12 @@ class HangWatchdog:
         keys = [f"alive/{r}" for r in others]
 
         def counts() -> dict[int, int]:
-            return {r: self.store.add(k, 0) for r, k in zip(others, keys)}
+            found = {r: self.store.add(k, 0) for r, k in zip(others, keys)}
+            self._store_answered = time.monotonic()
+            return found
 
         before = counts()
-        time.sleep(max(3 * self.poll_interval, 2.0))
+        time.sleep(self._probe)
         after = counts()
         stopped = {}
         for rank in (r for r in others if after[r] == before[r]):
@@ -331,6 +353,9 @@ class HangWatchdog:
                 f"completes: network, mismatched collective order or a dead peer). Progress: {where}")
 
     def _abort(self, message: str, wait_for_others: bool = True) -> None:
+        if self._aborted.is_set():  # (both threads may get here)
+            return
+        self._aborted.set()
         self.hang_message = message
         header = f"\n[lightning-zero watchdog] rank {self.rank} aborting: {message}\n" \
                  f"[lightning-zero watchdog] rank {self.rank} Python stacks:\n"
