@@ -71,6 +71,18 @@ def test_the_note_goes_in_front_of_the_error_message(monkeypatch):
     assert str(err).count("lost peer") == 1
 
 
+def test_the_trials_check_the_note_names_every_lost_rank():
+    from tests.reliability.peer_death_trials import Mode, _expected_resume, _named
+
+    plural = "lost peer: ranks [2, 3] (node rank 1, host vm, address 10.7.7.2) are gone"
+    assert _named(plural, [2, 3], ["10.7.7.2"]) and not _named(plural, [1], ["10.7.7.2"])
+    assert _named("Unreachable: rank 1 (node rank 1, host vm, address 10.7.7.2)", [1], ["10.7.7.2"])
+    assert not _named("Unreachable: rank 12 (node rank 1, host vm, address 10.7.7.2)", [1], ["10.7.7.2"])
+    assert _expected_resume("save", 5, Mode(fabric=True)) == "step=4"
+    assert _expected_resume("forward", 5, Mode()) == "epoch=1-step=4.ckpt"
+    assert _expected_resume("forward", 1, Mode(fabric=True)) is None
+
+
 def _fabric_strategy(monkeypatch):
     """A Fabric ZeroStrategy of a 2-rank job whose default store holds both ranks' identities (no process group)."""
     from lightning.fabric.accelerators import CPUAccelerator
