@@ -54,6 +54,7 @@ class Mode:
     nproc_per_node: int = 1
     fabric: bool = False
     partition: bool = False
+    hold: float = 0.0  # a partition lasts at least this long (seconds after the cut)
 
     @property
     def job(self) -> str:
@@ -122,8 +123,9 @@ def run_job(hosts: Hosts, root: Path, port: int, point: str = "none", step: int 
                     survivors += pid_node != node
                     if pid_node != node and pid_file.name not in exits and not _alive(pid):
                         exits[pid_file.name] = time.time()
+                since = time.time() - link.get("down", time.time())
                 if "down" in link and "up" not in link and (
-                        len(exits) == survivors or time.time() > link["down"] + BOUND + 10):
+                        (len(exits) == survivors and since > mode.hold) or since > max(BOUND + 10, mode.hold)):
                     _set_link(hosts, node, "up")
                     link["up"] = time.time()
             time.sleep(0.1)
@@ -291,9 +293,11 @@ def main() -> None:
     parser.add_argument("--partition", action="store_true",
                         help="cut the node's veth at the point instead of killing its ranks; restore it once the "
                              "survivors exited")
+    parser.add_argument("--hold-seconds", type=float, default=0.0,
+                        help="with --partition: keep the link down at least this long after the cut")
     args = parser.parse_args()
     reference = torch.load(args.reference, weights_only=True) if args.reference else None
-    mode = Mode(args.nproc_per_node, args.fabric, args.partition)
+    mode = Mode(args.nproc_per_node, args.fabric, args.partition, args.hold_seconds)
     results, where = run_trials(args.trials, args.seed, args.root, reference, args.only, mode)
     print(f"mode: {mode}")
     print(table(results, where))
