@@ -18,6 +18,7 @@ from typing import ContextManager, Iterator, Optional, Union
 
 import torch.distributed as dist
 
+from lightning_zero.diagnostics.peers import identity
 from lightning_zero.diagnostics.watchdog import HangWatchdog, store_for_watchdog
 
 #: Default seconds one monitored region (a step, a validation batch, a save, a load, teardown) may last.
@@ -72,16 +73,19 @@ class HangGuard:
         self._steps: dict[str, int] = {}
         self._current = "not started"
 
-    def start(self, rank: int, world_size: int) -> None:
+    def start(self, rank: int, world_size: int, node_rank: Optional[int] = None) -> None:
         """Start the thread (every rank, in the same order: the store namespace is numbered per process).
+        ``node_rank``: published with the host, to name this rank if its heartbeat stops.
 
         No-op when off, when already running, or when another watchdog runs in this process."""
         global _active
         if self.timeout is None or self.watchdog is not None or _active is not None:
             return
-        store = store_for_watchdog() if dist.is_initialized() else dist.HashStore()
+        # a store call waits at most about the timeout: a cut-off store host is named within hang_timeout + 30 s
+        store = store_for_watchdog(min(60.0, max(5.0, self.timeout / 2))) if dist.is_initialized() \
+            else dist.HashStore()
         self.watchdog = HangWatchdog(store, rank, world_size, self.timeout, poll_interval=self.poll_interval,
-                                     grace=self.grace, dump_dir=self.dump_dir)
+                                     grace=self.grace, dump_dir=self.dump_dir, identity=identity(node_rank))
         self.watchdog.start()
         _active = self.watchdog
 

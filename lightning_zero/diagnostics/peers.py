@@ -22,18 +22,22 @@ which names an address and a port, not a rank. Every rank publishes its host nam
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import socket
 import time
+from contextlib import contextmanager
 from datetime import timedelta
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch.distributed as dist
 
 from lightning_zero.diagnostics.network import interfaces, resolve
 
+log = logging.getLogger(__name__)
 _PREFIX = "lightning_zero/attempts/"
+_NOTE_HEAD = "lightning-zero: lost peer: "
 _PEERS = "lightning_zero/peers/"
 _agreed: Optional[int] = None
 _GLOO_PEER = re.compile(r"(?:Connection closed by peer|Read error|Write error|Connection reset by peer|"
@@ -84,10 +88,14 @@ def gloo_address() -> Optional[str]:
     return resolve(socket.gethostname())
 
 
+def identity(node_rank: Optional[int]) -> dict:
+    """Where this process runs: host name, gloo's address, node rank, pid."""
+    return {"host": socket.gethostname(), "address": gloo_address(), "node_rank": node_rank, "pid": os.getpid()}
+
+
 def publish_identity(store: dist.Store, rank: int, node_rank: int) -> None:
-    """Record where this rank runs (host name, gloo's address, node rank, pid) for the others to name it."""
-    store.set(f"{_PEERS}{rank}", json.dumps({"host": socket.gethostname(), "address": gloo_address(),
-                                             "node_rank": node_rank, "pid": os.getpid()}))
+    """Record where this rank runs (:func:`identity`) for the others to name it."""
+    store.set(f"{_PEERS}{rank}", json.dumps(identity(node_rank)))
 
 
 def lost_peer_note(error: BaseException, store: Optional[dist.Store], world_size: int) -> Optional[str]:
@@ -102,18 +110,21 @@ def lost_peer_note(error: BaseException, store: Optional[dist.Store], world_size
             if store is not None and store.check([key]):
                 peers[rank] = json.loads(store.get(key))
     except Exception as err:  # noqa: BLE001 - the store's host may be the peer that died
-        return (f"lightning-zero: a peer at {', '.join(sorted(found))} is gone (its process died or its host is "
+        return (f"{_NOTE_HEAD}a peer at {', '.join(sorted(found))} is gone (its process died or its host is "
                 f"unreachable); the job's store is unreachable too ({type(err).__name__}), so its rank is unknown")
-    named = []
+    named, several = [], False
     for address in sorted(found):
         ranks = sorted(r for r, p in peers.items() if p.get("address") == address)
         hosts = sorted({peers[r]["host"] for r in ranks})
         nodes = sorted({peers[r]["node_rank"] for r in ranks})
+        several = several or len(ranks) > 1
         named.append(f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}")
         named[-1] += f" (node rank {', '.join(map(str, nodes))}, host {', '.join(hosts)}, address {address})" \
             if ranks else f" at address {address} (no published rank has that address)"
-    return (f"lightning-zero: lost peer: {'; '.join(named)} is gone (its process died or its host is unreachable) "
-            f"and the collective this rank was in cannot complete. Check that node's logs (OOM-killer, signals).")
+    gone = "are gone (their processes died or their host is unreachable)" if several or len(named) > 1 else \
+        "is gone (its process died or its host is unreachable)"
+    return (f"{_NOTE_HEAD}{'; '.join(named)} {gone} and the collective this rank was in cannot complete. Check that "
+            f"node's logs (OOM-killer, signals).")
 
 
 def _chain(error: BaseException):
@@ -131,6 +142,41 @@ def name_lost_peer(error: BaseException, world_size: int) -> Optional[str]:
     except Exception:  # noqa: BLE001 - a group without a store: the address alone is named
         store = None
     note = lost_peer_note(error, store, world_size)
+    if note and str(error).startswith(_NOTE_HEAD):
+        return note  # named already, by a guard further in (a barrier inside a broadcast, the forward in a step)
     if note and error.args and isinstance(error.args[0], str):
         error.args = (f"{note}\n\n{error.args[0]}", *error.args[1:])
     return note
+
+
+class LostPeer:
+    """Whether a collective of this run failed because a peer died, for both adapters: :meth:`check` names the lost
+    peer on an error (:func:`name_lost_peer`) and logs it; :attr:`lost` then tells teardown to skip its agreement
+    with the others (it would only fail again on the lost peer and raise its own error over this one)."""
+
+    def __init__(self) -> None:
+        self.lost = False
+
+    def check(self, error: BaseException, world_size: Optional[int] = None) -> Optional[str]:
+        """Name the lost peer on ``error`` if it is a dead peer's gloo error (``None`` when it is not)."""
+        if world_size is None:  # (the forward's guard, in the precision plugin, does not know it)
+            try:
+                world_size = dist.get_world_size()
+            except Exception:  # noqa: BLE001 - no process group: only rank 0 can be looked up
+                world_size = 1
+        note = name_lost_peer(error, world_size)
+        if note:
+            if not self.lost:
+                log.error(note)
+            self.lost = True
+        return note
+
+    @contextmanager
+    def naming(self, world_size: Optional[int] = None) -> Iterator[None]:
+        """Around a call whose collectives may meet a dead peer (a frameworks' hook with no exception hook of its
+        own): its error, re-raised, names the peer."""
+        try:
+            yield
+        except Exception as err:
+            self.check(err, world_size)
+            raise

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import faulthandler
 import itertools
+import json
 import os
 import sys
 import threading
@@ -90,8 +91,9 @@ def enable_flight_recorder(buffer_size: int = 2000, dump_dir: Optional[str] = No
     return set_now
 
 
-def store_for_watchdog() -> dist.Store:
-    """A store namespace private to one watchdog run, on a fresh client connection to the default group's store.
+def store_for_watchdog(timeout: float = 60.0) -> dist.Store:
+    """A store namespace private to one watchdog run, on a fresh client connection to the default group's store
+    (each of its calls waits at most ``timeout`` seconds: a store host cut off must not hold the thread longer).
 
     Must be called by every rank in the same order (namespaces are numbered per process, so they match).
     """
@@ -103,7 +105,7 @@ def store_for_watchdog() -> dist.Store:
         inner = inner.underlying_store
     if isinstance(inner, dist.TCPStore):
         client = dist.TCPStore(inner.host, inner.port, is_master=False, wait_for_workers=False,
-                               timeout=timedelta(seconds=60))
+                               timeout=timedelta(seconds=timeout))
     else:  # FileStore / HashStore: already safe to share
         client = base
     # A restarted torchrun attempt reuses the agent's store: its keys (an old abort flag) must not be seen again.
@@ -139,11 +141,13 @@ class HangWatchdog:
         grace: seconds to wait for every rank to dump its stack before exiting.
         dump_dir: if set, each rank also writes its stack to ``dump_dir/hang_rank{rank}.txt``.
         on_exit: called with ``HANG_EXIT_CODE`` instead of ``os._exit`` (tests).
+        identity: where this rank runs (``diagnostics.peers.identity``), published for the others to name it when
+            its heartbeat stops (see [Note: a heartbeat that stops]).
     """
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, timeout: float,
                  poll_interval: Optional[float] = None, grace: float = 5.0, dump_dir: Optional[Path] = None,
-                 on_exit: Callable[[int], None] = _exit_process) -> None:
+                 on_exit: Callable[[int], None] = _exit_process, identity: Optional[dict] = None) -> None:
         if timeout <= 0:
             raise ValueError(f"timeout must be positive seconds, got {timeout}")
         if poll_interval is not None and poll_interval <= 0:
@@ -158,6 +162,11 @@ class HangWatchdog:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self.hang_message: Optional[str] = None
+        self.identity = identity
+        self._store_host: Optional[dict] = None  # rank 0's identity (its node hosts the store), once read
+        self._probe = max(3 * self.poll_interval, 2.0)  # how long a stopped heartbeat is watched before it is named
+        self._store_answered = time.monotonic()  # when a store call last returned (see _watch_the_store)
+        self._aborted = threading.Event()
 
     # ----- training-thread side: no I/O -----
     def arm(self, label: str) -> None:
@@ -194,8 +203,11 @@ class HangWatchdog:
     def start(self) -> None:
         """Start the thread; the calling thread is the training thread whose stack locates a hang."""
         self._training_thread = threading.get_ident()
+        self._store_answered = time.monotonic()
         self._thread = threading.Thread(target=self._run, name=f"lightning-zero-watchdog-{self.rank}", daemon=True)
         self._thread.start()
+        threading.Thread(target=self._watch_the_store, name=f"lightning-zero-watchdog-store-{self.rank}",
+                         daemon=True).start()
 
     def stop(self) -> None:
         """Stop the thread and publish that this rank has left the monitored run.
@@ -217,6 +229,8 @@ class HangWatchdog:
         published = None
         while not self._stop.wait(self.poll_interval):
             try:
+                self._publish_liveness()
+                self._store_answered = time.monotonic()
                 state = (self._progress, self._label)
                 if state != published:
                     self.store.set(f"hb/{self.rank}", f"{state[0]}|{state[1]}")
@@ -234,9 +248,63 @@ class HangWatchdog:
                         self.store.set(_ABORT_KEY, message)
             except Exception as err:  # noqa: BLE001 - the store's host may be gone; never die silently
                 if self._armed_since is not None and time.monotonic() - self._armed_since > self.timeout:
-                    self._abort(f"rank {self.rank} timed out after {self.timeout:g}s and the store is unreachable "
-                                f"({type(err).__name__}: {err}); rank 0 (the store host) may have died")
+                    self._abort(self._store_lost(f"{type(err).__name__}: {err}"), wait_for_others=False)
                     return
+
+    def _watch_the_store(self) -> None:
+        """[Note: a store that stops answering] A store host cut off the network (no RST) leaves a store call of
+        ``_run`` blocked for as long as TCP retries (measured: no return while the link stayed down, whatever the
+        client's timeout). This second thread makes no store call: past ``timeout`` in an armed region with no store
+        answer for ``timeout`` + the heartbeat probe, it ends the process naming the store's host."""
+        while not self._stop.wait(self.poll_interval):
+            now, armed = time.monotonic(), self._armed_since
+            silent = now - self._store_answered
+            if armed is not None and now - armed > self.timeout and silent > self.timeout + self._probe:
+                self._abort(self._store_lost(f"no answer for {silent:.0f}s"), wait_for_others=False)
+                return
+
+    def _store_lost(self, why: str) -> str:
+        host = self._store_host
+        named = (f"rank 0 (node rank {host.get('node_rank')}, host {host.get('host')}, address "
+                 f"{host.get('address')}), whose node hosts the store," if host else "rank 0 (the store host)")
+        return (f"rank {self.rank} timed out after {self.timeout:g}s in '{self._label}' and the job's store is "
+                f"unreachable ({why}): {named} died or is cut off from this rank")
+
+    def _publish_liveness(self) -> None:
+        """[Note: a heartbeat that stops] Every poll adds one to ``alive/<rank>``, whatever the training thread
+        does; a rank whose count stops moving is dead or cut off (a partition leaves gloo waiting with no error).
+        Its identity goes out once; rank 0's (the store's host) is kept, to name it when the store is cut off."""
+        if self.identity is not None:
+            self.store.set(f"id/{self.rank}", json.dumps(self.identity))
+            self.identity = None
+        self.store.add(f"alive/{self.rank}", 1)
+        if self._store_host is None and self.rank != 0 and self.store.check(["id/0"]):
+            self._store_host = json.loads(self.store.get("id/0"))
+
+    def _stopped_heartbeats(self, progress: dict[int, tuple[int, str]]) -> dict[int, str]:
+        """The ranks (other than this one, still in the run) whose liveness count did not move over a few polls,
+        each with where it runs."""
+        others = [r for r in range(self.world_size) if r != self.rank and progress.get(r, (0, ""))[0] < _LEFT
+                  and self.store.check([f"alive/{r}"])]  # (a rank that never beat is named as never reported)
+        if not others:
+            return {}
+        keys = [f"alive/{r}" for r in others]
+
+        def counts() -> dict[int, int]:
+            found = {r: self.store.add(k, 0) for r, k in zip(others, keys)}
+            self._store_answered = time.monotonic()
+            return found
+
+        before = counts()
+        time.sleep(self._probe)
+        after = counts()
+        stopped = {}
+        for rank in (r for r in others if after[r] == before[r]):
+            key = f"id/{rank}"
+            where = json.loads(self.store.get(key)) if self.store.check([key]) else {}
+            stopped[rank] = (f"rank {rank} (node rank {where.get('node_rank')}, host {where.get('host')}, address "
+                             f"{where.get('address')})" if where else f"rank {rank}")
+        return stopped
 
     def _peer_progress(self) -> dict[int, tuple[int, str]]:
         progress = {}
@@ -271,6 +339,11 @@ class HangWatchdog:
             for r, (count, label) in sorted(progress.items()))
         head = (f"lightning-zero hang watchdog: rank {self.rank} spent more than {self.timeout:g}s (hang_timeout) in "
                 f"'{self._label}' (raise hang_timeout if a rank may legitimately work that long while others wait).")
+        cut_off = self._stopped_heartbeats(progress)
+        if cut_off:
+            return (f"{head} Unreachable: {'; '.join(cut_off.values())}: "
+                    f"{'its heartbeat' if len(cut_off) == 1 else 'their heartbeats'} stopped (the process is frozen "
+                    f"or dead, or its host is cut off from the network) while this rank waits. Progress: {where}")
         if silent or behind or (stopped and len(stopped) < len(progress)):
             named = sorted(set(silent) | set(behind) | set(stopped))
             return (f"{head} Ranks that never arrived: {named} (never reported: {silent}; behind the others: "
@@ -279,7 +352,10 @@ class HangWatchdog:
         return (f"{head} All ranks are at the same point, so they are stuck together (a collective that never "
                 f"completes: network, mismatched collective order or a dead peer). Progress: {where}")
 
-    def _abort(self, message: str) -> None:
+    def _abort(self, message: str, wait_for_others: bool = True) -> None:
+        if self._aborted.is_set():  # (both threads may get here)
+            return
+        self._aborted.set()
         self.hang_message = message
         header = f"\n[lightning-zero watchdog] rank {self.rank} aborting: {message}\n" \
                  f"[lightning-zero watchdog] rank {self.rank} Python stacks:\n"
@@ -294,8 +370,9 @@ class HangWatchdog:
                 faulthandler.dump_traceback(file=handle, all_threads=True)
         deadline = time.monotonic() + self.grace
         try:
-            self.store.add(_ACK_KEY, 1)
-            while time.monotonic() < deadline and self.store.add(_ACK_KEY, 0) < self.world_size:
+            if wait_for_others:  # (without the store there is no one to wait for)
+                self.store.add(_ACK_KEY, 1)
+            while wait_for_others and time.monotonic() < deadline and self.store.add(_ACK_KEY, 0) < self.world_size:
                 time.sleep(0.05)
         except Exception:  # noqa: BLE001 - peers exiting first may take the store down; exit anyway
             pass

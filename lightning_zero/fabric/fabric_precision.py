@@ -12,7 +12,8 @@ true gradients) or dropped, and ``optimizer_step`` skips the step after an overf
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from contextlib import contextmanager
+from typing import Any, Generator, Optional
 
 import torch
 from lightning.fabric.plugins.precision import Precision
@@ -37,6 +38,17 @@ class FabricZeroPrecision(ZeroPrecisionPolicy, Precision):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._unscaled: dict[int, bool] = {}  # id(optimizer) -> overflow, for the step that follows clipping
+        self.lost_peer = None  # the strategy's LostPeer: a forward whose collective met a dead peer names it
+
+    @contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        """Fabric runs the module's forward inside this (``_FabricModule.forward``)."""
+        with super().forward_context():
+            if self.lost_peer is None:
+                yield
+            else:
+                with self.lost_peer.naming():
+                    yield
 
     def pre_backward(self, tensor: torch.Tensor, module) -> torch.Tensor:
         return tensor  # Fabric drops what pre_backward returns: the loss is scaled in backward

@@ -43,6 +43,7 @@ from lightning_zero.checkpoint.io import wait_for_pending_saves
 from lightning_zero.checkpoint.save_guards import broadcast_object
 from lightning_zero.diagnostics.hang_guard import DEFAULT_HANG_TIMEOUT, HangGuard
 from lightning_zero.diagnostics.network import DEFAULT_RENDEZVOUS_TIMEOUT
+from lightning_zero.diagnostics.peers import LostPeer
 from lightning_zero.distributed import runtime
 from lightning_zero.ds_config import DeepSpeedConfigWarning
 from lightning_zero.ds_config.binding import DeepSpeedConfigBinding, config_reduce_bucket_size, precision_from_config
@@ -151,6 +152,9 @@ class ZeroStrategy(ParallelStrategy):
         self.settings = settings
         self.zero_config = settings.zero_config
         self.hang_guard = HangGuard(settings.hang_timeout)
+        # Fabric has no exception hook: the calls whose collectives may meet a dead peer name it on their error
+        # (fabric.backward, optimizer.step, the forward through the precision plugin, the collectives, save/load)
+        self.lost_peer = LostPeer()
         self.exclude_frozen_parameters, self.verbose = settings.exclude_frozen_parameters, settings.verbose
         self.async_save = settings.async_save
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
@@ -232,9 +236,11 @@ class ZeroStrategy(ParallelStrategy):
 
     def _adapt(self, plugin: Precision) -> FabricZeroPrecision:
         s = self.settings
-        return adapt_fabric_precision(plugin, stage=self.stage, loss_scale_config=s.loss_scale_config,
-                                      fp16_loss_scale_config=s.fp16_loss_scale_config,
-                                      communication_data_type=s.communication_data_type)
+        adapted = adapt_fabric_precision(plugin, stage=self.stage, loss_scale_config=s.loss_scale_config,
+                                         fp16_loss_scale_config=s.fp16_loss_scale_config,
+                                         communication_data_type=s.communication_data_type)
+        adapted.lost_peer = self.lost_peer  # the module's forward runs in its forward_context
+        return adapted
 
     # ------------------------------------------------------------------ launch and process group
     def _configure_launcher(self) -> None:
@@ -344,7 +350,12 @@ class ZeroStrategy(ParallelStrategy):
     def backward(self, tensor: Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
         if self._runner is not None:
             fabric_pipeline.refuse_backward()
-        super().backward(tensor, module, *args, **kwargs)
+        with self.lost_peer.naming(self.world_size):
+            super().backward(tensor, module, *args, **kwargs)
+
+    def optimizer_step(self, optimizer, **kwargs: Any) -> Any:
+        with self.lost_peer.naming(self.world_size):
+            return super().optimizer_step(optimizer, **kwargs)
 
     def pipeline_step(self, model: nn.Module, inputs: Any, targets: Any, grad_scale: float = 1.0) -> Tensor:
         """Run the pipeline schedule on one batch: forward and backward of every micro-batch, gradients of
@@ -369,19 +380,22 @@ class ZeroStrategy(ParallelStrategy):
     def all_reduce(self, tensor: Tensor, group: Optional[Any] = None,
                    reduce_op: Optional[Union[dist.ReduceOp, str]] = "mean") -> Tensor:
         if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            with self.lost_peer.naming(self.world_size):
+                return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if not _distributed_is_initialized():
             return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
+        with self.lost_peer.naming(self.world_size):
+            if dist.get_backend() == "nccl":
+                dist.barrier(device_ids=[self.root_device.index])
+            else:
+                dist.barrier()
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return broadcast_object(obj, src)  # over the gloo control group (checkpoint/save_guards.py)
+        with self.lost_peer.naming(self.world_size):
+            return broadcast_object(obj, src)  # over the gloo control group (checkpoint/save_guards.py)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path, state: dict[str, Any], storage_options: Optional[Any] = None,
@@ -389,7 +403,7 @@ class ZeroStrategy(ParallelStrategy):
         if storage_options is not None:
             raise TypeError("ZeroStrategy.save_checkpoint does not take storage_options: it writes with "
                             "torch.distributed.checkpoint")
-        with self.hang_guard.phase("save"):
+        with self.hang_guard.phase("save"), self.lost_peer.naming(self.world_size):
             fabric_checkpoints.save(
                 self.broadcast(str(path)), state, filter, precision=self.precision, zero_config=self.zero_config,
                 exclude_frozen_parameters=self.exclude_frozen_parameters, async_save=self.async_save,
@@ -421,8 +435,8 @@ class ZeroStrategy(ParallelStrategy):
         return (module.module if isinstance(module, DistributedDataParallel) else module).state_dict()
 
     def teardown(self) -> None:
-        with self.hang_guard.teardown():  # an async save must land before exit
-            wait_for_pending_saves(barrier=_distributed_is_initialized())
+        with self.hang_guard.teardown():  # an async save must land before exit; after a lost peer, this rank's only
+            wait_for_pending_saves(barrier=_distributed_is_initialized() and not self.lost_peer.lost)
         runtime.release(self._modules, self._optimizers)
         self._modules.clear()
         self._optimizers.clear()

@@ -43,7 +43,7 @@ from lightning_zero.checkpoint.save_guards import broadcast_object
 from lightning_zero.checkpoint.states import module_state_dict, optimizer_state_dict
 from lightning_zero.diagnostics.hang_guard import DEFAULT_HANG_TIMEOUT, HangGuard
 from lightning_zero.diagnostics.network import DEFAULT_RENDEZVOUS_TIMEOUT
-from lightning_zero.diagnostics.peers import name_lost_peer
+from lightning_zero.diagnostics.peers import LostPeer
 from lightning_zero.distributed import runtime
 from lightning_zero.distributed.apply_zero import swap_parameters
 from lightning_zero.distributed.ddp import explain_unused_parameters
@@ -185,6 +185,7 @@ class ZeroStrategy(ParallelStrategy):
             **{name: value for name, value in locals().items() if name in SETTING_NAMES})
         self.zero_config = settings.zero_config
         self.hang_guard = HangGuard(settings.hang_timeout)
+        self.lost_peer = LostPeer()  # set when a collective failed on a dead peer: teardown then skips its agreement
         self.exclude_frozen_parameters, self.verbose, self.auto_resume = (
             settings.exclude_frozen_parameters, settings.verbose, settings.auto_resume)
         self.activation_checkpoint_config, self.load_full_weights = (settings.activation_checkpoint_config,
@@ -329,7 +330,7 @@ class ZeroStrategy(ParallelStrategy):
             hybrid_shard_size=self.zero_config.hybrid_shard_size)
         if self.lightning_module is not None:
             self.lightning_module._device_mesh = self.meshes.world
-        self.hang_guard.start(self.global_rank, self.world_size)
+        self.hang_guard.start(self.global_rank, self.world_size, self.node_rank)
         if self.auto_resume:
             auto_resume.install_auto_resume(self._trainer(), self.auto_resume, self.broadcast,
                                             getattr(self, "ckpt_path_asked", None))
@@ -548,16 +549,13 @@ class ZeroStrategy(ParallelStrategy):
 
     def on_exception(self, exception: BaseException) -> None:
         explain_unused_parameters(exception, self.stage)
-        note = name_lost_peer(exception, self.world_size)
-        if note:  # teardown's agreement would only fail again on the lost peer, hiding this error behind its own
-            self._peer_lost = True
-            log.error(note)
+        self.lost_peer.check(exception, self.world_size)  # names the peer on the error and logs it
 
     # ------------------------------------------------------------------ teardown and registry
     def teardown(self) -> None:
         with self.hang_guard.teardown():  # then stops the watchdog
             # an async save must land before exit; with a lost peer each rank waits for its own saves only
-            wait_for_pending_saves(barrier=_distributed_is_initialized() and not getattr(self, "_peer_lost", False))
+            wait_for_pending_saves(barrier=_distributed_is_initialized() and not self.lost_peer.lost)
         lightning_module = self.lightning_module
         if lightning_module is not None:
             uninstall_config_optimizers(lightning_module)

@@ -11,7 +11,9 @@ gloo) or all-reduce inside backward,
 ``PEER_DEATH_STEP`` (for ``save``: the save after that step), after writing ``killed.json`` (the instant, for the
 trial's clock). Every rank of the first attempt writes its pid to ``pids/``; a rank whose fit fails writes the error
 to ``errors/``. Rank 0 of the attempt that finishes writes ``final.pt`` (weights, step, attempt, resumed path).
-``PEER_DEATH_POINT=none`` is the uninterrupted reference."""
+``PEER_DEATH_POINT=none`` is the uninterrupted reference. ``PEER_DEATH_MODE=partition``: instead of dying, the rank
+asks the trial to cut its node off the network (``cut_request_rank<R>.json``), waits until the trial says it is
+(``cut``), and goes on into the collective that can no longer complete."""
 
 import json
 import os
@@ -52,13 +54,25 @@ class KillNode(Callback):
         self.step, self.node = int(os.environ.get("PEER_DEATH_STEP", "-1")), int(os.environ.get("PEER_DEATH_NODE", "1"))
         self.pending = None  # the point of this step, on the rank that dies
         self.armed_for = None  # what the patched functions (collectives, the shard write) die in
+        self.partition, self.fired = os.environ.get("PEER_DEATH_MODE", "kill") == "partition", False
 
     def _mine(self, trainer) -> bool:
         return self.point != "none" and _attempt() == 0 and trainer.node_rank == self.node
 
     def die(self, trainer, where: str) -> None:
+        if self.fired:  # (a partitioned rank goes on; its later collectives must not fire again)
+            return
+        self.fired = True
         record = {"time": time.time(), "point": where, "step": trainer.global_step, "rank": trainer.global_rank,
                   "node": trainer.node_rank}
+        if self.partition:
+            (self.root / f"cut_request_rank{trainer.global_rank}.json").write_text(json.dumps(record))
+            deadline = time.time() + 60
+            while not (self.root / "cut").exists() and time.time() < deadline:
+                time.sleep(0.05)
+            record["time"] = float((self.root / "cut").read_text())  # the instant the link went down
+            (self.root / f"killed_rank{trainer.global_rank}.json").write_text(json.dumps(record))
+            return
         (self.root / f"killed_rank{trainer.global_rank}.json").write_text(json.dumps(record))
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -89,7 +103,7 @@ class KillNode(Callback):
             self.die(trainer, "optimizer step")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if self.pending not in (None, "save"):
+        if self.pending not in (None, "save") and not self.fired:  # (a partitioned rank goes on past its point)
             raise RuntimeError(f"the kill at {self.pending} never happened")  # the trial must not pass silently
         if self.pending == "save":
             self.armed_for = "save"  # this step's epoch-end save (the step must be an epoch's last)
