@@ -161,6 +161,7 @@ class HangWatchdog:
         self._training_thread = threading.get_ident()  # the thread whose frames say where a hung rank is
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self._store_watcher: Optional[threading.Thread] = None
         self.hang_message: Optional[str] = None
         self.identity = identity
         self._store_host: Optional[dict] = None  # rank 0's identity (its node hosts the store), once read
@@ -206,8 +207,9 @@ class HangWatchdog:
         self._store_answered = time.monotonic()
         self._thread = threading.Thread(target=self._run, name=f"lightning-zero-watchdog-{self.rank}", daemon=True)
         self._thread.start()
-        threading.Thread(target=self._watch_the_store, name=f"lightning-zero-watchdog-store-{self.rank}",
-                         daemon=True).start()
+        self._store_watcher = threading.Thread(target=self._watch_the_store, daemon=True,
+                                               name=f"lightning-zero-watchdog-store-{self.rank}")
+        self._store_watcher.start()
 
     def stop(self) -> None:
         """Stop the thread and publish that this rank has left the monitored run.
@@ -216,6 +218,9 @@ class HangWatchdog:
         a rank still inside the run (stuck in teardown while this one already waits at a final barrier) see it as
         *behind*; a rank that finished is past every point the others can wait at."""
         self._stop.set()
+        watcher, self._store_watcher = self._store_watcher, None
+        if watcher is not None:  # it makes no store call, so it ends at once: joined, no thread outlives a fit
+            watcher.join(timeout=self.poll_interval * 4 + 1)
         if self._thread is not None:
             self._thread.join(timeout=self.poll_interval * 4 + 1)
             if not self._thread.is_alive():
