@@ -301,7 +301,12 @@ class HangWatchdog:
             return found
 
         before = counts()
-        time.sleep(self._probe)
+        # Keep beating while measuring: every rank past its timeout measures at about the same moment, and a thread
+        # that only slept here would look stopped to the others measuring it.
+        deadline = time.monotonic() + self._probe
+        while (left := deadline - time.monotonic()) > 0:
+            time.sleep(min(self.poll_interval, left))
+            self.store.add(f"alive/{self.rank}", 1)
         after = counts()
         stopped = {}
         for rank in (r for r in others if after[r] == before[r]):

@@ -196,6 +196,25 @@ def test_the_watchdog_names_a_rank_whose_heartbeat_stopped():
         dog.hang_message, dog.hang_message
 
 
+def test_ranks_that_time_out_together_do_not_name_each_other_unreachable():
+    """Every rank past its timeout measures the others' heartbeats at about the same moment: a watchdog thread that
+    only slept while measuring looked stopped to the other (a rank hung in a save was reported "unreachable")."""
+    import threading
+
+    store = dist.HashStore()
+    dogs = [HangWatchdog(store, rank=r, world_size=2, timeout=0.3, poll_interval=0.05, on_exit=lambda code: None)
+            for r in range(2)]
+    for rank in range(2):
+        store.add(f"alive/{rank}", 1)
+    found = {}
+    threads = [threading.Thread(target=lambda d=d: found.setdefault(d.rank, d._stopped_heartbeats({}))) for d in dogs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert found == {0: {}, 1: {}}, found
+
+
 @pytest.mark.parametrize("cut", ["raises", "blocks"])
 def test_the_watchdog_names_the_store_host_when_the_store_is_cut_off(cut):
     """A survivor on the far side of a partition from the store (rank 0's node) names that node, and exits without
