@@ -129,7 +129,9 @@ def _one_watchdog_worker(rank, world_size):
 
     class Check(Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            threads = [t for t in threading.enumerate() if t.name.startswith("lightning-zero-watchdog")]
+            # one watchdog: its polling thread (the store-silence thread beside it is named "-store-")
+            threads = [t for t in threading.enumerate() if t.name.startswith("lightning-zero-watchdog")
+                       and "-store-" not in t.name]
             seen.append((diagnostics.watchdog is trainer.strategy.hang_guard.watchdog, len(threads),
                          diagnostics.watchdog.timeout))
 
