@@ -186,6 +186,7 @@ class ZeroStrategy(ParallelStrategy):
         self.zero_config = settings.zero_config
         self.hang_guard = HangGuard(settings.hang_timeout)
         self.lost_peer = LostPeer()  # set when a collective failed on a dead peer: teardown then skips its agreement
+        self.ckpt_path_asked: Optional[str] = None  # the fit's ckpt_path before Lightning resolves it (launchers)
         self.exclude_frozen_parameters, self.verbose, self.auto_resume = (
             settings.exclude_frozen_parameters, settings.verbose, settings.auto_resume)
         self.activation_checkpoint_config, self.load_full_weights = (settings.activation_checkpoint_config,
@@ -333,7 +334,7 @@ class ZeroStrategy(ParallelStrategy):
         self.hang_guard.start(self.global_rank, self.world_size, self.node_rank)
         if self.auto_resume:
             auto_resume.install_auto_resume(self._trainer(), self.auto_resume, self.broadcast,
-                                            getattr(self, "ckpt_path_asked", None))
+                                            self.ckpt_path_asked)
 
     def _check_before_process_group(self) -> None:
         """Everything checkable on each rank before ``init_process_group``: the launch and the settings against the
