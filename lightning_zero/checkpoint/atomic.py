@@ -108,16 +108,20 @@ def _delete(path: str) -> None:
 def delete_checkpoint_directory(path: str) -> None:
     """Delete a checkpoint directory of ours so that a kill at any instant leaves something recognisably ours.
 
-    [Note: deleting a checkpoint] A complete checkpoint carries no :data:`PARTIAL_MARKER`; ``shutil.rmtree`` removes
-    entries in directory order, so a kill could leave the shards without ``.metadata``/``zero.json``: a directory
-    that no longer looks like ours, which the next save then refused to delete (a crash loop under ``torchrun
-    --max-restarts``). The marker is written first and removed last, so every intermediate state is a marked
-    leftover that the next save (or rotation) deletes.
+    [Note: deleting a checkpoint] ``shutil.rmtree`` removes entries in directory order, so a kill could leave the
+    shards without ``.metadata``/``zero.json``: a directory that no longer looks like ours, which the next save then
+    refused to delete (a crash loop under ``torchrun --max-restarts``). So :data:`PARTIAL_MARKER` (which a save
+    writes into its partial directory, and older checkpoints may lack) is made sure of first and removed last:
+    every intermediate state is a marked leftover that the next save (or rotation) deletes. And ``zero.json``, the
+    record a save writes last, goes first: from the first removal on the directory is no longer complete
+    (:func:`is_complete`), where a kill after a shard went used to leave ``zero.json`` and ``.metadata`` standing,
+    a half-deleted directory that passed for a checkpoint.
     """
     marker = os.path.join(path, PARTIAL_MARKER)
     with open(marker, "a"):
         pass
-    for entry in list(os.scandir(path)):
+    entries = sorted(os.scandir(path), key=lambda entry: entry.name != INFO_FILE)  # zero.json first
+    for entry in entries:
         if entry.name == PARTIAL_MARKER:
             continue
         if entry.is_dir(follow_symlinks=False):

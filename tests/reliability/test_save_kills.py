@@ -220,3 +220,31 @@ def test_a_later_save_sweeps_the_leftovers_of_killed_saves_of_other_names(tmp_pa
     save_sharded_checkpoint(str(tmp_path / "last.ckpt"), plain_state(2), META)
     assert sorted(p.name for p in tmp_path.iterdir()) == [".e.partial", "c.ckpt", "d.ckpt", "last.ckpt"]
     assert saved_version(str(tmp_path / "d.ckpt")) == 1
+
+
+def test_a_checkpoint_being_deleted_is_never_complete_at_any_kill_point(tmp_path):
+    """Killed at any step of a deletion, what is left must not pass as a complete checkpoint: the random kill trials
+    found a half-deleted ``step=2.ckpt`` with ``zero.json`` and ``.metadata`` still there and ``meta.pt`` gone, which
+    ``is_complete`` (and a resume choosing the newest complete checkpoint) took for a checkpoint."""
+    from lightning_zero.checkpoint.directory import is_sharded_checkpoint
+
+    path = str(tmp_path / "step1.ckpt")
+    save_sharded_checkpoint(path, plain_state(1), META)
+    entries = len(os.listdir(path))
+    for kill in range(1, entries):
+        save_sharded_checkpoint(path, plain_state(1), META)
+        steps = []
+
+        def kill_at(at: str, steps=steps, kill=kill) -> None:
+            if at == "mid_delete":
+                steps.append(at)
+                if len(steps) == kill:
+                    raise _Killed(at)
+
+        atomic.FAULT_HOOK = kill_at
+        try:
+            with pytest.raises(_Killed):
+                remove_sharded_checkpoint(path)
+        finally:
+            atomic.FAULT_HOOK = None
+        assert not atomic.is_complete(path) and not is_sharded_checkpoint(path), (kill, sorted(os.listdir(path)))
