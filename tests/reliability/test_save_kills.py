@@ -140,6 +140,16 @@ def _kill_at(step: str):
     return hook
 
 
+def _remove_killed(path: str, hook) -> None:
+    """Top-k removal of ``path``, killed where ``hook`` raises :class:`_Killed`."""
+    atomic.FAULT_HOOK = hook
+    try:
+        with pytest.raises(_Killed):
+            remove_sharded_checkpoint(path)
+    finally:
+        atomic.FAULT_HOOK = None
+
+
 def test_a_kill_while_a_checkpoint_is_deleted_leaves_a_leftover_the_next_save_removes(tmp_path):
     # Issue 30: killed while the swapped-out previous checkpoint was being deleted, the next run refused to save
     # ("... .partial exists but was not written by a lightning-zero save"): a crash loop under torchrun restarts.
@@ -164,12 +174,7 @@ def test_a_kill_while_a_checkpoint_is_deleted_leaves_a_leftover_the_next_save_re
         if at == "mid_delete" and not atomic.is_complete(other):
             raise _Killed(at)
 
-    atomic.FAULT_HOOK = once_incomplete
-    try:
-        with pytest.raises(_Killed):
-            remove_sharded_checkpoint(other)
-    finally:
-        atomic.FAULT_HOOK = None
+    _remove_killed(other, once_incomplete)
     assert os.path.isdir(other) and not atomic.is_complete(other)
     save_sharded_checkpoint(other, plain_state(2), META)
     assert saved_version(other) == 2
@@ -241,10 +246,5 @@ def test_a_checkpoint_being_deleted_is_never_complete_at_any_kill_point(tmp_path
                 if len(steps) == kill:
                     raise _Killed(at)
 
-        atomic.FAULT_HOOK = kill_at
-        try:
-            with pytest.raises(_Killed):
-                remove_sharded_checkpoint(path)
-        finally:
-            atomic.FAULT_HOOK = None
+        _remove_killed(path, kill_at)
         assert not atomic.is_complete(path) and not is_sharded_checkpoint(path), (kill, sorted(os.listdir(path)))
