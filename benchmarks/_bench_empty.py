@@ -9,6 +9,8 @@ to compute, so what a loop around it spends per step is the loop's own cost. Kin
   checkpointing, progress bar or model summary) running the same step; ``configure_optimizers`` returns None, so
   Lightning steps its mock optimizer;
 - ``empty:bare-dp``: two ranks, the bare loop plus one all-reduce of the gradient per step: a data-parallel floor;
+- ``empty:ddp``: two ranks, the Trainer with Lightning's own ``DDPStrategy`` and an SGD at ``lr=0``: what Lightning
+  costs per step on two ranks before any ZeroStrategy code runs, so ``zero<stage> - ddp`` is ZeroStrategy's own;
 - ``empty:zero<stage>``: two ranks, the Trainer with ``ZeroStrategy(stage)``, with an SGD at ``lr=0`` so the
   strategy's optimizer path runs.
 
@@ -27,9 +29,10 @@ import time
 
 import torch
 
-KINDS = ("empty:bare", "empty:trainer", "empty:bare-dp", "empty:zero0", "empty:zero1", "empty:zero2")
+KINDS = ("empty:bare", "empty:trainer", "empty:bare-dp", "empty:ddp", "empty:zero0", "empty:zero1", "empty:zero2")
 LABELS = {"empty:bare": "bare loop, 1 process", "empty:trainer": "Trainer, 1 process",
-          "empty:bare-dp": "bare loop + 1 all-reduce, 2 ranks", "empty:zero0": "Trainer + ZeroStrategy(0), 2 ranks",
+          "empty:bare-dp": "bare loop + 1 all-reduce, 2 ranks", "empty:ddp": "Trainer + Lightning's DDPStrategy, 2 ranks",
+          "empty:zero0": "Trainer + ZeroStrategy(0), 2 ranks",
           "empty:zero1": "Trainer + ZeroStrategy(1), 2 ranks", "empty:zero2": "Trainer + ZeroStrategy(2), 2 ranks"}
 
 
@@ -94,6 +97,7 @@ def _run_trainer(kind: str, world: int, data, clock: _Clock) -> None:
     from lightning_zero import ZeroStrategy
 
     stage = kind.removeprefix("empty:zero") if kind.startswith("empty:zero") else None
+    ddp = kind == "empty:ddp"
 
     class Empty(pl.LightningModule):
         def __init__(self):
@@ -104,13 +108,13 @@ def _run_trainer(kind: str, world: int, data, clock: _Clock) -> None:
             return (self.w * batch).sum()
 
         def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.0) if stage is not None else None
+            return torch.optim.SGD(self.parameters(), lr=0.0) if stage is not None or ddp else None
 
     class Tick(pl.Callback):
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
             clock.tick(batch_idx)
 
-    strategy = ZeroStrategy(stage=int(stage)) if stage is not None else "auto"
+    strategy = ZeroStrategy(stage=int(stage)) if stage is not None else pl.strategies.DDPStrategy() if ddp else "auto"
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=len(data), logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[Tick()], use_distributed_sampler=False)
@@ -118,22 +122,26 @@ def _run_trainer(kind: str, world: int, data, clock: _Clock) -> None:
     trainer.fit(Empty(), torch.utils.data.DataLoader(data, batch_size=None))
 
 
+def _paired_extra(runs, base) -> str:
+    """Median [range] in µs of ``runs`` minus ``base``, repeat by repeat (both alternated in the same run)."""
+    pairs = [(a[0] - b[0]) * 1e6 for a, b in zip(runs, base or []) if a and b]
+    return f"{statistics.median(pairs):.0f} [{min(pairs):.0f}–{max(pairs):.0f}]" if pairs else ""
+
+
 def table(results: dict, out) -> None:
-    """``results``: kind -> list of (time per cycle, Python calls per cycle), one per repeat."""
+    """``results``: kind -> list of (time per cycle, Python calls per cycle), one per repeat. ZeroStrategy's rows
+    also show what they cost over Lightning's own ``DDPStrategy`` on the same two ranks, when that ran."""
     bare = {1: results.get("empty:bare"), 2: results.get("empty:bare-dp")}
-    print("| loop | time per step (µs), median [range] | Python calls per step | over the bare loop (µs) |",
-          file=out)
-    print("|---|---|---|---|", file=out)
+    print("| loop | time per step (µs), median [range] | Python calls per step | over the bare loop (µs) "
+          "| over Lightning's DDP (µs) |", file=out)
+    print("|---|---|---|---|---|", file=out)
     for kind, runs in results.items():
         runs = [r for r in runs if r]
         if not runs:
-            print(f"| {LABELS[kind]} | failed | | |", file=out)
+            print(f"| {LABELS[kind]} | failed | | | |", file=out)
             continue
         times = [t * 1e6 for t, _ in runs]
-        base = bare[world_of(kind)]
-        extra = ""
-        if base and kind not in ("empty:bare", "empty:bare-dp"):
-            pairs = [(a[0] - b[0]) * 1e6 for a, b in zip(runs, base) if a and b]
-            extra = f"{statistics.median(pairs):.0f} [{min(pairs):.0f}–{max(pairs):.0f}]" if pairs else ""
+        over_bare = "" if kind in ("empty:bare", "empty:bare-dp") else _paired_extra(runs, bare[world_of(kind)])
+        over_ddp = _paired_extra(runs, results.get("empty:ddp")) if kind.startswith("empty:zero") else ""
         print(f"| {LABELS[kind]} | {statistics.median(times):.0f} [{min(times):.0f}–{max(times):.0f}] | "
-              f"{statistics.median(c for _, c in runs):.0f} | {extra} |", file=out)
+              f"{statistics.median(c for _, c in runs):.0f} | {over_bare} | {over_ddp} |", file=out)

@@ -280,8 +280,14 @@ def test_count_table_and_empty_table_render(tmp_path):
     assert _bench_counts.area("/x/site-packages/lightning_zero/distributed/optimizer.py") == "lightning_zero"
     assert _bench_counts.area("/x/site-packages/lightning/pytorch/trainer/trainer.py") == "lightning"
     out = io.StringIO()
-    _bench_empty.table({"empty:bare": [(1e-5, 30)], "empty:trainer": [(1e-3, 1700)]}, out)
-    assert "| Trainer, 1 process | 1000 [1000–1000] | 1700 | 990 [990–990] |" in out.getvalue()
+    _bench_empty.table({"empty:bare": [(1e-5, 30)], "empty:trainer": [(1e-3, 1700)],
+                        "empty:bare-dp": [(1e-4, 50), (2e-4, 50)], "empty:ddp": [(2e-3, 1900), (3e-3, 1900)],
+                        "empty:zero1": [(4e-3, 2200), (4e-3, 2200)]}, out)
+    text = out.getvalue()
+    assert "| Trainer, 1 process | 1000 [1000–1000] | 1700 | 990 [990–990] |  |" in text
+    # ZeroStrategy's own cost: paired with Lightning's DDP repeat by repeat (2000 and 1000 µs over it)
+    assert "| Trainer + ZeroStrategy(1), 2 ranks | 4000 [4000–4000] | 2200 | 3850 [3800–3900] | 1500 [1000–2000] |" in text
+    assert "| Trainer + Lightning's DDPStrategy, 2 ranks | 2500 [2000–3000] | 1900 | 2350 [1900–2800] |  |" in text
 
 
 def test_gpt2_is_gpt2_small_and_opt_in(deepspeed_listed):
