@@ -97,6 +97,27 @@ def test_tables_and_targets(capsys):
     assert by_rung["3+cpu"][2] == float("inf")  # the tuned peer trained nothing
 
 
+def test_ours_memory_tuned_runs_one_unit_per_block_and_is_not_judged(monkeypatch, tmp_path):
+    """``ours-tuned`` is ZeroStrategy with ``unit_bytes=0`` (its memory knob), shown beside the others; the targets
+    still compare ZeroStrategy's defaults, so a tuned row never turns a missed rung into a met one."""
+    bench = _bench()
+    import _capacity_rank
+
+    launched = []
+    monkeypatch.setattr(_capacity_rank, "launch", lambda job, args: launched.append(job) or {"outcome": "ok"})
+    args = bench.parse(["--json", str(tmp_path / "c.json")])
+    for peer in ("ours", "ours-tuned"):
+        bench.make_probe(peer, "2", args, {}, lambda: None)(12)
+    assert "options" not in launched[0] and launched[1]["options"] == {"unit_bytes": 0}
+    assert bench.try_key(launched[0], args) != bench.try_key(launched[1], args)
+    rows = [dict(r) for r in _rows()] + [dict(_rows()[0], peer="ours-tuned", params=99e6)]
+    assert bench.targets(rows) == bench.targets(_rows())
+    assert "| 0 | ZeroStrategy (memory-tuned) | 20 |" in bench.render(rows, "header")
+    # ZeroStrategy refuses unit_bytes at stages 0-1, where there are no units: those rungs are not tried
+    assert bench.unavailable("ours-tuned", "1") and bench.unavailable("ours-tuned", "0")
+    assert bench.unavailable("ours-tuned", "3+ac") is None and bench.unavailable("ours", "0") is None
+
+
 def test_chart(tmp_path):
     pytest.importorskip("matplotlib")
     bench = _bench()
@@ -124,8 +145,8 @@ def test_load_reads_the_bracket_from_the_cache(tmp_path):
 
 def test_ladder_starts_each_search_from_the_previous_answer(monkeypatch, tmp_path):
     bench = _bench()
-    monkeypatch.setattr(bench, "unavailable", lambda peer, rung: "no aio" if rung == "3+nvme" and peer != "ours"
-                        else None)
+    monkeypatch.setattr(bench, "unavailable", lambda peer, rung: "no aio" if rung == "3+nvme"
+                        and not peer.startswith("ours") else None)
     monkeypatch.setattr(bench, "count_params", lambda width, heads, seq, vocab, depth: depth * 1000)
     largest = {"0": 20, "3": 45, "3+nvme": 90}
     asked = {}
@@ -138,10 +159,12 @@ def test_ladder_starts_each_search_from_the_previous_answer(monkeypatch, tmp_pat
     args = bench.parse(["--rungs", "0", "3", "3+nvme", "--cap-gib", "1e-6", "--json", str(tmp_path / "c.json")])
     rows = bench.ladder(args, {}, make)
     assert [(r["rung"], r["peer"], r["depth"]) for r in rows] == [
-        ("0", "ours", 20), ("0", "deepspeed", 19), ("0", "deepspeed-tuned", 19), ("3", "ours", 45),
-        ("3", "deepspeed", 44), ("3", "deepspeed-tuned", 44), ("3+nvme", "ours", 90),
-        ("3+nvme", "deepspeed", None), ("3+nvme", "deepspeed-tuned", None)]
-    assert asked[("0", "deepspeed")][0] == 20 and asked[("3", "ours")][0] == 19
+        ("0", "ours", 20), ("0", "ours-tuned", 19), ("0", "deepspeed", 19), ("0", "deepspeed-tuned", 19),
+        ("3", "ours", 45), ("3", "ours-tuned", 44), ("3", "deepspeed", 44), ("3", "deepspeed-tuned", 44),
+        ("3+nvme", "ours", 90), ("3+nvme", "ours-tuned", 89), ("3+nvme", "deepspeed", None),
+        ("3+nvme", "deepspeed-tuned", None)]
+    assert asked[("0", "ours-tuned")][0] == 20 and asked[("0", "deepspeed")][0] == 19
+    assert asked[("3", "ours")][0] == 19
     assert rows[0]["params"] == 20000 and rows[-1]["reason"] == "no aio"
 
 
