@@ -31,7 +31,8 @@ import torch
 
 KINDS = ("empty:bare", "empty:trainer", "empty:bare-dp", "empty:ddp", "empty:zero0", "empty:zero1", "empty:zero2")
 LABELS = {"empty:bare": "bare loop, 1 process", "empty:trainer": "Trainer, 1 process",
-          "empty:bare-dp": "bare loop + 1 all-reduce, 2 ranks", "empty:ddp": "Trainer + Lightning's DDPStrategy, 2 ranks",
+          "empty:bare-dp": "bare loop + 1 all-reduce, 2 ranks",
+          "empty:ddp": "Trainer + Lightning's DDPStrategy, 2 ranks",
           "empty:zero0": "Trainer + ZeroStrategy(0), 2 ranks",
           "empty:zero1": "Trainer + ZeroStrategy(1), 2 ranks", "empty:zero2": "Trainer + ZeroStrategy(2), 2 ranks"}
 

@@ -5,12 +5,13 @@
     python benchmarks/bench_capacity.py --load capacity.json --plot        # redraw table and chart from the cache
 
 For every rung of the ladder (stages ``0 1 2 3``, ``2+cpu``, ``3+cpu``, ``3+nvme``, and ``3+ac``: stage 3 with
-activation checkpointing of every block) and every peer (``ours``: ZeroStrategy with its defaults; ``ours-tuned``: with its
-memory knob, ``OURS_TUNED``, stages 2-3 only; ``deepspeed``: DeepSpeed 0.19 with the default ``zero_optimization``
-section; ``deepspeed-tuned``: the same with the memory knobs turned down, see ``TUNED``), the depth (number of transformer blocks) of a GPT of fixed width is searched: the
-largest depth whose 2 ranks each train ``--steps`` AdamW steps (fp32) without exceeding the cap. One try is one
-fresh launch of the ranks (``_capacity_rank.py``; what the cap bounds is explained there: the rank's whole resident
-memory, so on a CPU-only machine only NVMe takes model states out of it).
+activation checkpointing of every block) and every peer (``ours``: ZeroStrategy with its defaults;
+``ours-tuned``: with its memory knob, ``OURS_TUNED``, stages 2-3 only; ``deepspeed``: DeepSpeed 0.19 with the
+default ``zero_optimization`` section; ``deepspeed-tuned``: the same with the memory knobs turned down, see
+``TUNED``), the depth (number of transformer blocks) of a GPT of fixed width is searched: the largest depth
+whose 2 ranks each train ``--steps`` AdamW steps (fp32) without exceeding the cap. One try is one fresh launch
+of the ranks (``_capacity_rank.py``; what the cap bounds is explained there: the rank's whole resident memory, so
+on a CPU-only machine only NVMe takes model states out of it).
 
 The search (``search_depth``): doubling from ``--start`` until a try fails, then a bisection between the deepest
 success and the shallowest failure, each probe placed where a straight line through the successes' peak memory
