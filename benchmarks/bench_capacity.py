@@ -76,9 +76,14 @@ def deepspeed_config(rung: str, side: str, batch: int, nvme_path: str) -> dict:
 
 def unavailable(peer: str, rung: str) -> str | None:
     """Why ``peer`` cannot run ``rung`` on this machine (shown in the table), or None."""
-    if peer == "ours-tuned" and rung.partition("+")[0] in ("0", "1"):
-        # ZeroStrategy refuses unit_bytes at stages 0-1 (no FSDP2 units there): the row would be ZeroStrategy's own
-        return "stages 0-1 have no units to tune: the ZeroStrategy row"
+    if peer == "ours-tuned":
+        from lightning_zero.distributed.units import check_unit_knobs
+
+        knobs = {"unit_bytes": None, "param_persistence_threshold": None, "prefetch_bytes": None, **OURS_TUNED}
+        try:  # ZeroStrategy's own rule (stages 0-1 have no FSDP2 units), asked rather than restated here
+            check_unit_knobs(int(rung.partition("+")[0]), **knobs)
+        except ValueError:
+            return "stages 0-1 have no units to tune: the ZeroStrategy row"
     if peer.startswith("deepspeed") and rung.endswith("+nvme"):
         try:
             from deepspeed.ops.op_builder import AsyncIOBuilder
