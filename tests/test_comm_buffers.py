@@ -1,7 +1,8 @@
 """The CPU buffer pool behind FSDP2's collectives (lightning_zero.distributed.comm_buffers).
 
-Reuse must never alias a live tensor: a buffer comes back only once nothing but the pool holds it. The in-place
-all-to-all reduce-scatter must equal gloo's own. And at stages 2-3 on CPU, the buffer count stays bounded over steps.
+Reuse must never alias a live tensor: a buffer comes back only once nothing but the pool holds it. The pairwise
+reduce-scatter must equal gloo's own and hold no unit-sized buffer of its own. And at stages 2-3 on CPU, the
+buffer count stays bounded over steps.
 """
 
 import torch
@@ -51,7 +52,8 @@ def test_buffers_above_glibcs_mmap_ceiling_are_never_kept():
 
 def _reduce_scatter_worker(rank, world_size):
     _, reduce_scatter_cls = _comm_classes()
-    reduce_scatter = reduce_scatter_cls(CommBufferPool())
+    pool = CommBufferPool()
+    reduce_scatter = reduce_scatter_cls(pool)
     group = dist.group.WORLD
     real_all_reduce = dist.all_reduce
 
@@ -65,6 +67,7 @@ def _reduce_scatter_worker(rank, world_size):
             expected = torch.empty(numel)
             dist.reduce_scatter_tensor(expected, data.clone(), op=op, group=group)
             got = torch.empty(numel)
+            pool.clear()
             dist.all_reduce = no_all_reduce
             try:
                 assert reduce_scatter(got, data.clone(), group, op) is None
@@ -73,6 +76,10 @@ def _reduce_scatter_worker(rank, world_size):
             # 2 ranks: a + b in either order, bitwise; 3 ranks: another summation order, last-bit differences
             tolerance = dict(rtol=0, atol=0) if world_size == 2 else dict(rtol=1e-6, atol=1e-6)
             torch.testing.assert_close(got, expected, **tolerance)
+            # The all-to-all it replaced received into a pooled buffer as large as the input: one more unit-sized
+            # buffer at every backward's peak. Two ranks receive into the output; more ranks into one chunk.
+            largest = max((b.numel() for kept in pool._buffers.values() for b in kept), default=0)
+            assert largest == (0 if world_size == 2 else numel), f"a pooled buffer of {largest} elements"
     # An op the in-place path does not cover goes to torch's reduce-scatter unchanged.
     data = torch.ones(world_size * 3) * (rank + 1)
     got = torch.empty(3)
@@ -80,7 +87,7 @@ def _reduce_scatter_worker(rank, world_size):
     torch.testing.assert_close(got, torch.full((3,), float(world_size)))
 
 
-def test_all_to_all_reduce_scatter_equals_gloos():
+def test_pairwise_reduce_scatter_equals_gloos():
     run_distributed(_reduce_scatter_worker, 2)
     run_distributed(_reduce_scatter_worker, 3)
 

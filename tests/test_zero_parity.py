@@ -140,8 +140,8 @@ def _no_sync_worker(rank, world_size):
 
     calls = []
     # FSDP2 reduces with reduce_scatter_single in torch 2.13 and reduce_scatter_tensor before it; on CPU the pooled
-    # reduce-scatter (distributed/comm_buffers.py) is an all_to_all_single.
-    names = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all_single")
+    # reduce-scatter (distributed/comm_buffers.py) is isend/irecv pairs.
+    names = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_single", "isend")
     originals = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
 
     def counting(name):

@@ -10,8 +10,8 @@ fragments it: a stage-2 run's resident set climbs for several steps and settles 
 :class:`CommBufferPool` is the missing caching allocator for these three buffers, written here because torch has
 none for CPU. It is plugged in through FSDP2's own hook (``FSDPModule.set_custom_all_gather`` /
 ``set_custom_reduce_scatter``, whose ``allocate`` exists for exactly this), so the collectives themselves are still
-torch's: ``all_gather_single`` (``all_gather_into_tensor`` before torch 2.13), and ``all_to_all_single`` plus a
-local sum for the reduce-scatter (see the second note).
+torch's: ``all_gather_single`` (``all_gather_into_tensor`` before torch 2.13), and ``isend``/``irecv`` plus a local
+sum for the reduce-scatter (see the last note).
 
 [Note: when a pooled buffer is free]
 A buffer is handed out again only when nothing but the pool references its storage: the storage's use count is
@@ -29,16 +29,20 @@ peak RSS per rank fell from 2647 to 2284 MiB once they were not kept (DeepSpeed:
 "GPT-2 small"). So a buffer above ``POOL_MAX_BYTES`` is allocated fresh and never kept; what it costs is the page
 faults of touching a fresh mapping each step, as FSDP2's own allocation did for every buffer before the pool.
 
-[Note: reduce-scatter on gloo as an all-to-all]
+[Note: reduce-scatter on gloo as pairwise exchanges]
 gloo's ``reduce_scatter_tensor`` clones its whole input (a full-size ``aten::clone`` inside every call, in the
 profiler) and is slower than an ``all_reduce`` of the same bytes, and an ``all_reduce`` moves twice the bytes a
 reduce-scatter needs: each rank receives every other rank's copy of the whole tensor, not just of its own chunk.
-``all_to_all_single`` sends each rank exactly the chunks it owns, ``(N-1)/N`` of the tensor per rank, into a pooled
-full-size buffer (row ``j``: rank ``j``'s copy of this rank's chunk), and a sum over the rows finishes the reduction
-locally (timings against the all-reduce: ``docs/performance.md``, "Changes and what each bought"). The rows are summed
-in rank order; at 2 ranks that is bitwise the all-reduce's ``a + b``, at more ranks the summation order may differ from
-gloo's ring in the last bit, as any two all-reduce algorithms do. Ops other than SUM/AVG (``PREMUL_SUM`` from a custom
-gradient divide factor) and asynchronous calls go to ``reduce_scatter_tensor`` unchanged.
+Each rank instead sends every peer exactly the chunk that peer owns, one peer at a time (``isend``/``irecv``, step
+``k`` to rank ``r + k`` and from rank ``r - k``), and adds what it receives into its output: ``(N-1)/N`` of the
+tensor moves per rank, as in an all-to-all. At 2 ranks the peer's chunk is received straight into the output and the
+rank's own chunk added to it, so no buffer beyond FSDP2's own input and output exists; at more ranks one chunk-sized
+pooled buffer receives each peer's chunk in turn. The all-to-all this replaced (``all_to_all_single`` into a pooled
+buffer as large as the whole input, then a sum over its rows) cost one unit-sized buffer at the peak of every
+backward (``docs/units.md``, "Stop 37"). At 2 ranks the sum is bitwise the all-reduce's ``a + b``; at more ranks
+the chunks are added own first, then ranks ``r - 1``, ``r - 2``, ..., an order that may differ from gloo's ring in
+the last bit, as any two all-reduce algorithms do. Ops other than SUM/AVG (``PREMUL_SUM`` from a custom gradient
+divide factor) and asynchronous calls go to ``reduce_scatter_tensor`` unchanged.
 """
 
 from __future__ import annotations
@@ -121,16 +125,37 @@ def _comm_classes():
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
             if async_op or op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
                 return _reduce_scatter_flat(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
-            # See [Note: reduce-scatter on gloo as an all-to-all].
-            world_size = dist.get_world_size(group)
-            received = self.pool.allocate(input_tensor.shape, dtype=input_tensor.dtype, device=input_tensor.device)
-            dist.all_to_all_single(received, input_tensor, group=group)
-            torch.sum(received.view(world_size, -1), dim=0, out=output_tensor.view(-1))
+            # See [Note: reduce-scatter on gloo as pairwise exchanges].
+            _pairwise_reduce_scatter(output_tensor, input_tensor, group, self.pool)
             if op == dist.ReduceOp.AVG:
-                output_tensor.div_(world_size)
+                output_tensor.div_(dist.get_world_size(group))
             return None
 
     return PooledAllGather, PooledReduceScatter
+
+
+def _pairwise_reduce_scatter(output: torch.Tensor, input_tensor: torch.Tensor, group, pool: CommBufferPool) -> None:
+    """Sum rank ``j``'s chunk ``r`` of ``input_tensor`` over all ``j`` into rank ``r``'s ``output``, exchanging one
+    chunk with one peer at a time (see [Note: reduce-scatter on gloo as pairwise exchanges])."""
+    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    chunks, out = input_tensor.view(world_size, -1), output.view(-1)
+    if world_size == 1:
+        out.copy_(chunks[0])
+        return
+    # Two ranks receive the peer's chunk straight into the output; more ranks need one chunk-sized buffer.
+    received = out if world_size == 2 else pool.allocate(out.shape, dtype=out.dtype, device=out.device)
+    if world_size > 2:
+        out.copy_(chunks[rank])
+    for step in range(1, world_size):
+        send_to, receive_from = (rank + step) % world_size, (rank - step) % world_size
+        works = [dist.isend(chunks[send_to], group=group, group_dst=send_to),
+                 dist.irecv(received, group=group, group_src=receive_from)]
+        for work in works:
+            work.wait()
+        if world_size > 2:
+            out.add_(received)
+    if world_size == 2:
+        out.add_(chunks[rank])
 
 
 def install_comm_buffer_pool(module: nn.Module, pool: Optional[CommBufferPool] = None) -> Optional[CommBufferPool]:

@@ -117,8 +117,8 @@ def _no_sync_worker(rank, world_size):
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     calls = []
-    # FSDP2's, per torch version; on CPU the pooled reduce-scatter (distributed/comm_buffers.py) is an all_to_all_single
-    names = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all_single")
+    # FSDP2's, per torch version; on CPU the pooled reduce-scatter (distributed/comm_buffers.py) is isend/irecv pairs
+    names = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_single", "isend")
     originals = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
 
     def counting(name):

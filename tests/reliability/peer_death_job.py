@@ -112,12 +112,12 @@ class KillNode(Callback):
 def _patch_collectives(killer: KillNode) -> None:
     """Die on the first reduce-scatter/all-reduce after the armed step's forward: a gradient collective of backward,
     so the other ranks are left inside it."""
-    # FSDP2's reduce-scatter on CPU goes through the package's buffer pool: an all-to-all on gloo
+    # FSDP2's reduce-scatter on CPU goes through the package's buffer pool: pairwise exchanges on gloo
     # (lightning_zero.distributed.comm_buffers), its own reduce-scatter reference otherwise
     from lightning_zero.distributed import comm_buffers
 
     for module, name in ((dist, "reduce_scatter_single"), (dist, "reduce_scatter_tensor"), (dist, "all_reduce"),
-                         (dist, "all_to_all_single"), (comm_buffers, "_reduce_scatter_flat")):
+                         (comm_buffers, "_pairwise_reduce_scatter"), (comm_buffers, "_reduce_scatter_flat")):
         original = getattr(module, name, None)
         if original is None:
             continue
