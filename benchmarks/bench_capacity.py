@@ -37,7 +37,7 @@ LABELS = {"ours": "ZeroStrategy", "ours-tuned": "ZeroStrategy (memory-tuned)", "
           "deepspeed-tuned": "DeepSpeed (memory-tuned)"}
 JUDGED = ("ours", "deepspeed", "deepspeed-tuned")  # the targets compare ZeroStrategy's defaults with both DeepSpeeds'
 # ZeroStrategy's memory knob, the counterpart of TUNED's smaller buckets: one FSDP2 unit per block at stages 2-3
-# instead of blocks grouped up to 16 MiB, so the per-unit communication buffers are a block's size (no effect at
+# instead of blocks grouped up to 8 MiB, so the per-unit communication buffers are a block's size (no effect at
 # stages 0-1, which have no units).
 OURS_TUNED = {"unit_bytes": 0}
 DEFAULT_JSON = os.path.join(_HERE, os.pardir, "docs", "img", "bench_capacity.json")

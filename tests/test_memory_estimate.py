@@ -39,13 +39,14 @@ def test_estimate_from_module_uses_largest_unit():
     total = sum(p.numel() for p in model.parameters())
     assert est.accelerator.total == zero_formula(total, 3, 2).total
     assert est.accelerator_peak - est.accelerator.total == min(2 * 2 * 10100, total) * 4
-    # Blocks at least as large as the default unit (16 MiB: a Linear(2048, 2048) is 16.8 MB) stay one unit each:
+    # Blocks at least as large as the default unit (8 MiB: a Linear(2048, 2048) is 16.8 MB) stay one unit each:
     # the peak is two of them. Shapes only: counted on the meta device.
     with torch.device("meta"):
         big = nn.Sequential(*(nn.Linear(2048, 2048) for _ in range(3)))
     est = estimate_model_states_memory(big, 3, 2)
     assert est.accelerator_peak - est.accelerator.total == 2 * (2048 * 2048 + 2048) * 4
-    # Smaller blocks are grouped up to the default: three 4 MiB Linears are one unit, and the peak is all of them.
+    # Smaller blocks are grouped up to the default: of three 4 MiB Linears two share a unit, the third (at least
+    # half a target) is its own, and the peak, two units gathered, is all of them.
     three = nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(3)))
     est = estimate_model_states_memory(three, 3, 2)
     assert est.accelerator_peak - est.accelerator.total == 3 * (1024 * 1024 + 1024) * 4

@@ -25,14 +25,17 @@ that run after it (forward) or before it (backward) until their bytes reach the 
 moves the collective earlier but overlaps nothing; the knob is for CUDA.
 
 [Note: the default unit size]
-``DEFAULT_UNIT_BYTES`` comes from whole training steps on a quiet machine (2 gloo ranks on CPU, alternated runs), not
-from single collectives. A unit costs a fixed amount per step beyond its bytes (hooks, copy-in/out and three
-collectives at stage 3), so fewer units are faster, but gloo's cost per byte rises once messages leave the cache, so
-past some size larger units are slower again: 16 MiB was the fastest size measured. What a larger unit costs is
-memory: at stage 3 about two units are gathered at a time (the current one and FSDP2's prefetch), so the peak grows
-with the unit. Blocks larger than the target (a transformer block of a 1B-parameter model is over 100 MB in fp32)
-stay one unit each, exactly as without grouping. The step times and peaks behind the choice, and the 4 MiB default
-before it: ``docs/units.md``, "Why 16 MiB" and "Why 4 MiB at first".
+``DEFAULT_UNIT_BYTES`` weighs two measurements on a quiet machine (2 gloo ranks on CPU, alternated runs). Time: a
+unit costs a fixed amount per step beyond its bytes (hooks, copy-in/out, its collectives), so fewer, larger units
+are faster, up to 16 MiB (32 MiB was slower again: gloo's cost per byte rises once messages leave the cache).
+Memory: at the peak of a step, a unit's gathered parameters, unsharded gradients and communication buffers are alive
+several times over (about five unit sizes at stages 2 and 3, measured), so the peak grows with the unit, and
+with 16 MiB units ZeroStrategy trained fewer blocks than DeepSpeed under the same memory cap at stage 2. 8 MiB
+keeps about half of what grouping saves over one unit per block on issue 18's MLP (its steps take a median 1.09x
+(stage 2) and 1.12x (stage 3) those of 16 MiB units) at a fifth to a half of 16 MiB's memory cost, which put stage
+2's capacity back above DeepSpeed's. Blocks larger than the target (a
+transformer block of a 1B-parameter model is over 100 MB in fp32) stay one unit each, exactly as without grouping.
+The measurements, and the 16 MiB and 4 MiB defaults before this one: ``docs/units.md``.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-DEFAULT_UNIT_BYTES = 16 * 2 ** 20  # see [Note: the default unit size]
+DEFAULT_UNIT_BYTES = 8 * 2 ** 20  # see [Note: the default unit size]
 DEFAULT_PARAM_PERSISTENCE_THRESHOLD = 0  # grouping already merges small blocks; see docs/units.md
 # DeepSpeed counts its bucket sizes in elements; parameters at rest are fp32 (masters) unless the run is bf16-true.
 DS_BUCKET_ELEMENT_BYTES = 4
