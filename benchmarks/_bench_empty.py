@@ -12,7 +12,10 @@ to compute, so what a loop around it spends per step is the loop's own cost. Kin
 - ``empty:ddp``: two ranks, the Trainer with Lightning's own ``DDPStrategy`` and an SGD at ``lr=0``: what Lightning
   costs per step on two ranks before any ZeroStrategy code runs, so ``zero<stage> - ddp`` is ZeroStrategy's own;
 - ``empty:zero<stage>``: two ranks, the Trainer with ``ZeroStrategy(stage)``, with an SGD at ``lr=0`` so the
-  strategy's optimizer path runs.
+  strategy's optimizer path runs;
+- ``empty:deepspeed<stage>``: two ranks, DeepSpeed's engine at that ZeRO stage in its own loop (``engine(x)``,
+  ``engine.backward``, ``engine.step``, as ``bench_stages.py``'s DeepSpeed peer runs), with the same SGD at
+  ``lr=0``: DeepSpeed's fixed cost per step, the counterpart of ``zero<stage>``'s (which includes Lightning's).
 
 Each run reports the time per loop cycle (step ``warmup`` to the last step's start, the work between steps
 included, median of the per-cycle times) and Python calls per cycle (``cProfile`` in a separate, uncounted-time
@@ -29,12 +32,14 @@ import time
 
 import torch
 
-KINDS = ("empty:bare", "empty:trainer", "empty:bare-dp", "empty:ddp", "empty:zero0", "empty:zero1", "empty:zero2")
+KINDS = ("empty:bare", "empty:trainer", "empty:bare-dp", "empty:ddp", "empty:zero0", "empty:zero1", "empty:zero2",
+         "empty:deepspeed0", "empty:deepspeed1", "empty:deepspeed2")
 LABELS = {"empty:bare": "bare loop, 1 process", "empty:trainer": "Trainer, 1 process",
           "empty:bare-dp": "bare loop + 1 all-reduce, 2 ranks",
           "empty:ddp": "Trainer + Lightning's DDPStrategy, 2 ranks",
           "empty:zero0": "Trainer + ZeroStrategy(0), 2 ranks",
-          "empty:zero1": "Trainer + ZeroStrategy(1), 2 ranks", "empty:zero2": "Trainer + ZeroStrategy(2), 2 ranks"}
+          "empty:zero1": "Trainer + ZeroStrategy(1), 2 ranks", "empty:zero2": "Trainer + ZeroStrategy(2), 2 ranks",
+          **{f"empty:deepspeed{s}": f"DeepSpeed engine, ZeRO {s}, 2 ranks" for s in range(3)}}
 
 
 def world_of(kind: str) -> int:
@@ -87,6 +92,8 @@ def run_empty(rank, world, args, job, out, write):
             if world > 1:
                 dist.all_reduce(w.grad)
             w.grad = None
+    elif kind.startswith("empty:deepspeed"):
+        _run_deepspeed(int(kind.removeprefix("empty:deepspeed")), data, clock)
     else:
         _run_trainer(kind, world, data, clock)
     write(out, rank, [clock.result()["time"]], 0, calls=clock.result()["calls"])
@@ -123,6 +130,30 @@ def _run_trainer(kind: str, world: int, data, clock: _Clock) -> None:
     trainer.fit(Empty(), torch.utils.data.DataLoader(data, batch_size=None))
 
 
+def _run_deepspeed(stage: int, data, clock: _Clock) -> None:
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+
+    class Empty(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(1))
+
+        def forward(self, x):
+            return (self.w * x).sum()
+
+    model = Empty()
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage},
+              "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 9}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+                                      config=config)
+    for index, x in enumerate(data):
+        clock.tick(index)
+        engine.backward(engine(x))
+        engine.step()
+
+
 def _paired_extra(runs, base) -> str:
     """Median [range] in µs of ``runs`` minus ``base``, repeat by repeat (both alternated in the same run)."""
     pairs = [(a[0] - b[0]) * 1e6 for a, b in zip(runs, base or []) if a and b]
@@ -131,18 +162,21 @@ def _paired_extra(runs, base) -> str:
 
 def table(results: dict, out) -> None:
     """``results``: kind -> list of (time per cycle, Python calls per cycle), one per repeat. ZeroStrategy's rows
-    also show what they cost over Lightning's own ``DDPStrategy`` on the same two ranks, when that ran."""
+    also show what they cost over Lightning's own ``DDPStrategy`` on the same two ranks, and over DeepSpeed's engine
+    at the same stage, when those ran."""
     bare = {1: results.get("empty:bare"), 2: results.get("empty:bare-dp")}
     print("| loop | time per step (µs), median [range] | Python calls per step | over the bare loop (µs) "
-          "| over Lightning's DDP (µs) |", file=out)
-    print("|---|---|---|---|---|", file=out)
+          "| over Lightning's DDP (µs) | over DeepSpeed, same stage (µs) |", file=out)
+    print("|---|---|---|---|---|---|", file=out)
     for kind, runs in results.items():
         runs = [r for r in runs if r]
         if not runs:
-            print(f"| {LABELS[kind]} | failed | | | |", file=out)
+            print(f"| {LABELS[kind]} | failed | | | | |", file=out)
             continue
         times = [t * 1e6 for t, _ in runs]
         over_bare = "" if kind in ("empty:bare", "empty:bare-dp") else _paired_extra(runs, bare[world_of(kind)])
-        over_ddp = _paired_extra(runs, results.get("empty:ddp")) if kind.startswith("empty:zero") else ""
+        zero = kind.startswith("empty:zero")
+        over_ddp = _paired_extra(runs, results.get("empty:ddp")) if zero else ""
+        over_ds = _paired_extra(runs, results.get(kind.replace("zero", "deepspeed"))) if zero else ""
         print(f"| {LABELS[kind]} | {statistics.median(times):.0f} [{min(times):.0f}–{max(times):.0f}] | "
-              f"{statistics.median(c for _, c in runs):.0f} | {over_bare} | {over_ddp} |", file=out)
+              f"{statistics.median(c for _, c in runs):.0f} | {over_bare} | {over_ddp} | {over_ds} |", file=out)

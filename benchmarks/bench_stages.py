@@ -255,7 +255,8 @@ def parse(argv=None) -> argparse.Namespace:
                              "stages 0-2) around a one-element model without optimizer work, against a bare loop "
                              "(_bench_empty.py); --repeat alternated repeats")
     parser.add_argument("--empty-kinds", nargs="+", default=None, metavar="KIND",
-                        help="--empty-model: only these loops (bare trainer bare-dp zero0 zero1 zero2; default all)")
+                        help="--empty-model: only these loops (bare trainer bare-dp ddp zero0-2 deepspeed0-2; "
+                             "default all)")
     parser.add_argument("--empty-steps", type=int, default=200, help="timed steps of --empty-model (default 200)")
     parser.add_argument("--empty-counted", type=int, default=20,
                         help="steps of --empty-model whose Python calls are counted, after the timed ones")

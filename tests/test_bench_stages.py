@@ -282,13 +282,16 @@ def test_count_table_and_empty_table_render(tmp_path):
     out = io.StringIO()
     _bench_empty.table({"empty:bare": [(1e-5, 30)], "empty:trainer": [(1e-3, 1700)],
                         "empty:bare-dp": [(1e-4, 50), (2e-4, 50)], "empty:ddp": [(2e-3, 1900), (3e-3, 1900)],
-                        "empty:zero1": [(4e-3, 2200), (4e-3, 2200)]}, out)
+                        "empty:zero1": [(4e-3, 2200), (4e-3, 2200)],
+                        "empty:deepspeed1": [(3.5e-3, 1200), (2.5e-3, 1200)]}, out)
     text = out.getvalue()
-    assert "| Trainer, 1 process | 1000 [1000–1000] | 1700 | 990 [990–990] |  |" in text
-    # ZeroStrategy's own cost: paired with Lightning's DDP repeat by repeat (2000 and 1000 µs over it)
+    assert "| Trainer, 1 process | 1000 [1000–1000] | 1700 | 990 [990–990] |  |  |" in text
+    # ZeroStrategy's own cost: paired with Lightning's DDP (2000 and 1000 µs over it) and with DeepSpeed's engine at
+    # the same stage (500 and 1500 µs over it), repeat by repeat
     assert ("| Trainer + ZeroStrategy(1), 2 ranks | 4000 [4000–4000] | 2200 | 3850 [3800–3900] "
-            "| 1500 [1000–2000] |") in text
-    assert "| Trainer + Lightning's DDPStrategy, 2 ranks | 2500 [2000–3000] | 1900 | 2350 [1900–2800] |  |" in text
+            "| 1500 [1000–2000] | 1000 [500–1500] |") in text
+    assert "| Trainer + Lightning's DDPStrategy, 2 ranks | 2500 [2000–3000] | 1900 | 2350 [1900–2800] |  |  |" in text
+    assert "| DeepSpeed engine, ZeRO 1, 2 ranks | 3000 [2500–3500] | 1200 | 2850 [2300–3400] |  |  |" in text
 
 
 def test_gpt2_is_gpt2_small_and_opt_in(deepspeed_listed):
