@@ -39,7 +39,7 @@ tensor moves per rank, as in an all-to-all. At 2 ranks the peer's chunk is recei
 rank's own chunk added to it, so no buffer beyond FSDP2's own input and output exists; at more ranks one chunk-sized
 pooled buffer receives each peer's chunk in turn. The all-to-all this replaced (``all_to_all_single`` into a pooled
 buffer as large as the whole input, then a sum over its rows) cost one unit-sized buffer at the peak of every
-backward (``docs/units.md``, "Stop 37"). At 2 ranks the sum is bitwise the all-reduce's ``a + b``; at more ranks
+backward (``docs/units.md``, "Why 8 MiB"). At 2 ranks the sum is bitwise the all-reduce's ``a + b``; at more ranks
 the chunks are added own first, then ranks ``r - 1``, ``r - 2``, ..., an order that may differ from gloo's ring in
 the last bit, as any two all-reduce algorithms do. Ops other than SUM/AVG (``PREMUL_SUM`` from a custom gradient
 divide factor) and asynchronous calls go to ``reduce_scatter_tensor`` unchanged.
