@@ -10,7 +10,12 @@ stages 2 and 3 with several ``unit_bytes``, counting FSDP2 units and all-gathers
 alternating the targets round-robin so machine load hits every target alike; prints each target's median step time
 as a ratio to ``unit_bytes=0`` (one unit per Linear).
 
-Usage: ``python benchmarks/bench_units.py --part collective`` / ``--part model --stage 3 --repeat 5``.
+``--part reduce-scatter``: the CPU reduce-scatter FSDP2 runs through (``comm_buffers._pairwise_reduce_scatter``,
+received straight into the output) against the all-to-all into a unit-sized buffer it replaced in stop 37, one
+collective at a time from 8 B to 20 MiB, the two alternated call by call; median ms of each.
+
+Usage: ``python benchmarks/bench_units.py --part collective`` / ``--part model --stage 3 --repeat 5`` /
+``--part reduce-scatter --repeat 60``.
 """
 
 from __future__ import annotations
@@ -46,6 +51,38 @@ def _collective(rank: int, world: int, repeat: int, out: dict) -> None:
             dist.all_gather_into_tensor(full, shard)
             times.append(time.perf_counter() - start)
         rows.append((size, min(times), statistics.median(times)))
+    if rank == 0:
+        out.update(rows=rows)
+
+
+RS_NUMELS = (2, 256, 4096, 65536, 262144, 1 << 20, 5 << 20)  # the whole reduce-scatter input: 8 B .. 20 MiB
+
+
+def _all_to_all_reduce_scatter(output, input_tensor, group, pool) -> None:
+    """The reduce-scatter before stop 37: every rank's chunks to their owner in one all-to-all, into a pooled
+    buffer as large as the input, then a sum over its rows."""
+    world = dist.get_world_size(group)
+    received = pool.allocate(input_tensor.shape, dtype=input_tensor.dtype, device=input_tensor.device)
+    dist.all_to_all_single(received, input_tensor, group=group)
+    torch.sum(received.view(world, -1), dim=0, out=output.view(-1))
+
+
+def _reduce_scatter(rank: int, world: int, repeat: int, out: dict) -> None:
+    from lightning_zero.distributed.comm_buffers import CommBufferPool, _pairwise_reduce_scatter
+
+    pool, group, rows = CommBufferPool(), dist.group.WORLD, []
+    sides = (("pairwise", _pairwise_reduce_scatter), ("all-to-all", _all_to_all_reduce_scatter))
+    for numel in RS_NUMELS:
+        data, output = torch.randn(numel), torch.empty(numel // world)
+        times: dict = {name: [] for name, _ in sides}
+        for call in range(repeat + 5):  # 5 warm-up calls
+            for name, fn in sides:
+                dist.barrier()
+                start = time.perf_counter()
+                fn(output, data, group, pool)
+                if call >= 5:
+                    times[name].append(time.perf_counter() - start)
+        rows.append((numel * 4, {name: statistics.median(t) for name, t in times.items()}))
     if rank == 0:
         out.update(rows=rows)
 
@@ -127,7 +164,7 @@ def launch(fn, *args, world: int = 2) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--part", choices=("collective", "model"), default="collective")
+    parser.add_argument("--part", choices=("collective", "model", "reduce-scatter"), default="collective")
     parser.add_argument("--stage", type=int, default=3)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--targets", default="0,4MiB,16MiB,32MiB,64MiB")
@@ -146,6 +183,12 @@ def main() -> None:
             print(f"{size:>10} {low * 1e3:>10.3f} {median * 1e3:>10.3f}")
         print(f"fit: fixed cost a = {a * 1e6:.0f} us, b = {b * 1e9:.3f} ns/byte ({1 / b / 2 ** 30:.2f} GiB/s); "
               f"10 % fixed-cost unit size 10 a / b = {10 * a / b / 2 ** 20:.1f} MiB")
+        return
+    if args.part == "reduce-scatter":
+        print(f"{'input bytes':>12} {'pairwise ms':>12} {'all-to-all ms':>14} {'ratio':>6}")
+        for nbytes, median in launch(_reduce_scatter, args.repeat)["rows"]:
+            print(f"{nbytes:>12} {median['pairwise'] * 1e3:>12.3f} {median['all-to-all'] * 1e3:>14.3f} "
+                  f"{median['pairwise'] / median['all-to-all']:>6.2f}")
         return
     targets = [int(float(t[:-3]) * 2 ** 20) if t.endswith("MiB") else int(t) for t in args.targets.split(",")]
     result = launch(_model, args.stage, targets, args.repeat, args.width, args.batch)
