@@ -141,21 +141,24 @@ def _pairwise_reduce_scatter(output: torch.Tensor, input_tensor: torch.Tensor, g
     chunks, out = input_tensor.view(world_size, -1), output.view(-1)
     if world_size == 1:
         out.copy_(chunks[0])
-        return
-    # Two ranks receive the peer's chunk straight into the output; more ranks need one chunk-sized buffer.
-    received = out if world_size == 2 else pool.allocate(out.shape, dtype=out.dtype, device=out.device)
-    if world_size > 2:
-        out.copy_(chunks[rank])
-    for step in range(1, world_size):
-        send_to, receive_from = (rank + step) % world_size, (rank - step) % world_size
-        works = [dist.isend(chunks[send_to], group=group, group_dst=send_to),
-                 dist.irecv(received, group=group, group_src=receive_from)]
-        for work in works:
-            work.wait()
-        if world_size > 2:
-            out.add_(received)
-    if world_size == 2:
+    elif world_size == 2:  # the peer's chunk lands in the output itself: no buffer of our own
+        peer = 1 - rank
+        _exchange(chunks[peer], out, peer, peer, group)
         out.add_(chunks[rank])
+    else:
+        received = pool.allocate(out.shape, dtype=out.dtype, device=out.device)
+        out.copy_(chunks[rank])
+        for step in range(1, world_size):
+            send_to, receive_from = (rank + step) % world_size, (rank - step) % world_size
+            _exchange(chunks[send_to], received, send_to, receive_from, group)
+            out.add_(received)
+
+
+def _exchange(send: torch.Tensor, receive: torch.Tensor, send_to: int, receive_from: int, group) -> None:
+    """Send ``send`` to one rank of ``group`` while receiving ``receive`` from another (group-local ranks)."""
+    works = [dist.isend(send, group=group, group_dst=send_to), dist.irecv(receive, group=group, group_src=receive_from)]
+    for work in works:
+        work.wait()
 
 
 def install_comm_buffer_pool(module: nn.Module, pool: Optional[CommBufferPool] = None) -> Optional[CommBufferPool]:

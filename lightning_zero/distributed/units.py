@@ -33,9 +33,9 @@ several times over (about five unit sizes at stages 2 and 3, measured), so the p
 with 16 MiB units ZeroStrategy trained fewer blocks than DeepSpeed under the same memory cap at stage 2. 8 MiB
 keeps about half of what grouping saves over one unit per block on issue 18's MLP (its steps take a median 1.09x
 (stage 2) and 1.12x (stage 3) those of 16 MiB units) at a fifth to a half of 16 MiB's memory cost, which put stage
-2's capacity back above DeepSpeed's. Blocks larger than the target (a
-transformer block of a 1B-parameter model is over 100 MB in fp32) stay one unit each, exactly as without grouping.
-The measurements, and the 16 MiB and 4 MiB defaults before this one: ``docs/units.md``.
+2's capacity back above DeepSpeed's. Blocks larger than the target (a transformer block of a 1B-parameter model is
+over 100 MB in fp32) stay one unit each, exactly as without grouping. The measurements, and the 16 MiB and 4 MiB
+defaults before this one: ``docs/units.md``.
 """
 
 from __future__ import annotations
