@@ -15,10 +15,21 @@ def test_fp32_adam_formulas_at_four_ranks(stage, params, grads, states):
     assert (got.params, got.grads, got.optimizer_states) == (params, grads, states)
 
 
-def test_mixed_precision_is_deepspeeds_2_2_12():
-    assert zero_formula(P, 0, 8, precision="bf16-mixed").total == 16 * P
-    assert zero_formula(P, 1, 8, precision="16-mixed").total == 4 * P + 12 * P // 8  # ZeRO paper: 4P + 12P/N
-    assert zero_formula(P, 3, 8, precision="bf16-mixed").total == 16 * P // 8
+def test_mixed_precision_keeps_fp32_masters_as_the_parameters():
+    """ZeroStrategy's 16 bytes per parameter under mixed precision are 4 + 4 + 8 (fp32 parameters are the masters),
+    not DeepSpeed's 2 + 2 + 12: the same totals where all of it is partitioned alike, more at stage 1, which
+    partitions only the optimizer states (measured: test_zero_parity's memory test)."""
+    for precision in ("bf16-mixed", "16-mixed", "bf16-true", "16-true"):
+        assert zero_formula(P, 0, 8, precision=precision) == zero_formula(P, 0, 8)
+        stage1 = zero_formula(P, 1, 8, precision=precision)
+        assert (stage1.params, stage1.grads, stage1.optimizer_states) == (4 * P, 4 * P, 8 * P // 8)
+        assert stage1.total == 8 * P + 8 * P // 8 > 4 * P + 12 * P // 8  # DeepSpeed's ZeRO-1: 4P + 12P/N
+        assert zero_formula(P, 3, 8, precision=precision).total == 16 * P // 8
+    # low precision halves only what compute reads: the parameters gathered at stage 2
+    gathered = {precision: estimate_model_states_memory(P, 2, 8, precision=precision)
+                for precision in ("32-true", "bf16-mixed")}
+    assert gathered["32-true"].accelerator.total == gathered["bf16-mixed"].accelerator.total == 16 * P // 8
+    assert gathered["32-true"].accelerator_peak - gathered["bf16-mixed"].accelerator_peak == 2 * P
 
 
 def test_estimate_places_offloaded_states_on_cpu_and_peaks():

@@ -22,7 +22,9 @@ flag            stages 0-1 (DDP)                                       stages 2-
 
 Bytes per parameter are those of DeepSpeed's ``2 + 2 + 12`` model spread differently: fp32 parameter (4, the master)
 + fp32 gradient (4) + Adam's two fp32 moments (8) = 16, divided by the world size at stages 2-3, plus the transient
-low-precision copy that compute reads.
+low-precision copy that compute reads. At stage 1, which partitions only the optimizer states, that split holds
+``8P + 8P/N`` per rank where DeepSpeed's ZeRO-1 holds ``4P + 12P/N``
+(``estimate/model_states.py``, ``[Note: ZeroStrategy's bytes under mixed precision]``).
 
 fp16 flags scale the loss with DeepSpeed's rules (:class:`~lightning_zero.ops.DynamicLossScaler`, or a static scale):
 

@@ -1,8 +1,20 @@
 """Model-state memory: what each rank actually holds, and what the ZeRO formulas say it should hold.
 
 Notation (as in the ZeRO paper): ``P`` parameters, ``N`` data-parallel ranks, ``bp``/``bg`` bytes per parameter
-and gradient element, ``K`` bytes of optimizer state per parameter (Adam in fp32: m and v, ``K = 8``; with mixed
-precision the fp32 master copy joins them, ``K = 12``, DeepSpeed's "2 + 2 + 12").
+and gradient element, ``K`` bytes of optimizer state per parameter (Adam: m and v, ``K = 8``), ``bc`` bytes per
+element of the gathered copies compute reads at stages 2-3.
+
+[Note: ZeroStrategy's bytes under mixed precision]
+DeepSpeed's mixed precision is "2 + 2 + 12": low-precision parameters and gradients (``bp = bg = 2``) and an fp32
+master beside m and v (``K = 12``). ZeroStrategy keeps the same 16 bytes per parameter in another split, at every
+stage and with every low-precision flag (``adapters/precision_policy.py``): the module's parameters are fp32 and are
+the masters, their gradients are fp32, and low precision lives only in compute copies (at stages 0-1 autocast's
+casts, counted with the activations, ``activations.layer_activation_bytes``; at stages 2-3 FSDP2's gathered
+``param_dtype`` copies, ``bc = 2``). So ``bp = bg = 4`` and ``K = 8`` whatever the precision. The totals agree with
+DeepSpeed's where everything is partitioned alike (stages 0, 2, 3: ``16P``, ``16P/N``) but not at stage 1, which
+partitions only ``K``: ZeroStrategy holds ``8P + 8P/N`` where DeepSpeed's ZeRO-1 holds ``4P + 12P/N``. Counting
+DeepSpeed's split for ZeroStrategy under-estimates a low-precision stage-1 run by ``4P - 4P/N`` per rank
+(``docs/memory.md``; ``tests/test_zero_parity.py`` measures the formula at every precision).
 
 Formulas at rest, i.e. between backward and the optimizer step, gradients allocated (``docs/stages.md``):
 
@@ -11,9 +23,9 @@ stage    held per rank                     peak during forward/backward
 =======  ================================  ==================================================================
 0        ``P (bp + bg + K)``               same
 1        ``P (bp + bg) + P K / N``         same
-2        ``P (bp + bg + K) / N``           ``+ P bp``: FSDP2 keeps the gathered parameters from forward to
+2        ``P (bp + bg + K) / N``           ``+ P bc``: FSDP2 keeps the gathered parameters from forward to
                                            backward (the ZeRO-2 paper's ``bp P + (bg + K) P / N`` plus the shard)
-3        ``P (bp + bg + K) / N``           ``+ ~2 P_unit bp``: one gathered unit and the prefetched next one
+3        ``P (bp + bg + K) / N``           ``+ ~2 P_unit bc``: one gathered unit and the prefetched next one
 =======  ================================  ==================================================================
 
 With hybrid sharding (``hybrid_shard_size=S``, :mod:`.hybrid`) states are partitioned over the ``S`` ranks of a shard
@@ -143,12 +155,22 @@ def model_state_memory(module: nn.Module, optimizers: Iterable[torch.optim.Optim
 
 
 def precision_bytes(precision: str, optimizer_bytes_fp32: int = 8) -> tuple[int, int, int]:
-    """``(bp, bg, K)`` for a Trainer precision string; low precision adds the fp32 master copy to ``K``."""
+    """``(bp, bg, K)`` at rest under a Trainer precision string: ``(4, 4, optimizer_bytes_fp32)`` for every precision,
+    since ZeroStrategy's parameters are the fp32 masters (``[Note: ZeroStrategy's bytes under mixed precision]``)."""
+    _check_precision(precision)
+    return 4, 4, optimizer_bytes_fp32
+
+
+def compute_bytes(precision: str) -> int:
+    """``bc``: bytes per element of the parameter copies FSDP2 gathers for compute at stages 2-3 (its
+    ``param_dtype``: the low dtype under a low-precision flag, else fp32)."""
+    _check_precision(precision)
+    return 2 if precision in LOW_PRECISIONS else 4
+
+
+def _check_precision(precision: str) -> None:
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    if precision in LOW_PRECISIONS:
-        return 2, 2, optimizer_bytes_fp32 + 4
-    return 4, 4, optimizer_bytes_fp32
 
 
 def shard_ranks(world_size: int, hybrid_shard_size: Optional[int] = None) -> int:
@@ -222,7 +244,9 @@ def estimate_model_states_memory(model_or_num_params: Union[nn.Module, int], sta
         offload_optimizer, offload_params: the precise form instead of ``offload``, as the strategy takes them
             (``offload_optimizer`` alone keeps parameters and gradients on the accelerator; ``offload_params`` at
             stage 3 also moves them: ``"nvme"`` swaps them as above). Validated by the same rules as the strategy.
-        precision: a Trainer precision string; low precision means ``bp = bg = 2`` and fp32 masters (``K += 4``).
+        precision: a Trainer precision string; low precision makes the gathered compute copies of stages 2-3
+            half-size (``bc = 2``); the states at rest are fp32 whatever it is (``[Note: ZeroStrategy's bytes under
+            mixed precision]``).
         largest_unit_params: parameters of the largest FSDP unit (stage-3 peak); inferred from a module.
         optimizer_bytes_fp32: fp32 optimizer-state bytes per parameter (Adam: 8, SGD with momentum: 4).
         hybrid_shard_size: HSDP shard-group size: states are partitioned over it instead of ``world_size``.
@@ -241,14 +265,14 @@ def estimate_model_states_memory(model_or_num_params: Union[nn.Module, int], sta
     swaps_optimizer = is_nvme(offload) or is_nvme(offload_optimizer)
     swaps_params = stage == 3 and (is_nvme(offload) or is_nvme(offload_params))
     num_params, largest_unit_params = _parameter_counts(model_or_num_params, largest_unit_params)
-    bp, bg, k = precision_bytes(precision, optimizer_bytes_fp32)
     rest = zero_formula(num_params, stage, world_size, precision=precision, optimizer_bytes_fp32=optimizer_bytes_fp32,
                         hybrid_shard_size=hybrid_shard_size)
     n, p = shard_ranks(world_size, hybrid_shard_size), num_params
-    accel, cpu = _offload_placement(rest, p, n, bp, k, optimizer_bytes_fp32, offloads=config.offloads,
+    accel, cpu = _offload_placement(rest, p, n, optimizer_bytes_fp32, offloads=config.offloads,
                                     offloads_params=config.offloads_params)
     # Stage 3 gathers one unit and prefetches the next; never more than the whole model.
-    gathered = {2: p * bp, 3: min(2 * largest_unit_params, p) * bp}.get(stage, 0)
+    bc = compute_bytes(precision)
+    gathered = {2: p * bc, 3: min(2 * largest_unit_params, p) * bc}.get(stage, 0)
     if not (swaps_optimizer or swaps_params):
         return MemoryEstimate(accel, cpu, accel.total + gathered, cpu.total)
     on_disk = buffers = 0
@@ -293,17 +317,16 @@ def _parameter_counts(model_or_num_params: Union[nn.Module, int], largest_unit_p
     return num_params, largest_unit_params or num_params
 
 
-def _offload_placement(rest: StateBytes, p: int, n: int, bp: int, k: int, optimizer_bytes_fp32: int, *,
+def _offload_placement(rest: StateBytes, p: int, n: int, optimizer_bytes_fp32: int, *,
                        offloads: bool, offloads_params: bool) -> tuple[StateBytes, StateBytes]:
     """``(accelerator, cpu)`` bytes at rest of the stage's states ``rest`` (:func:`zero_formula`) once the offload
-    (``ZeroConfig.offloads``, ``.offloads_params``) has moved them: ``p`` parameters over ``n`` ranks, ``bp`` and
-    ``k`` as :func:`precision_bytes`."""
+    (``ZeroConfig.offloads``, ``.offloads_params``) has moved them: ``p`` parameters over ``n`` ranks."""
     if not offloads:
         return rest, StateBytes()
     if not offloads_params:
         # ZeRO-Offload: the device keeps the stage's parameters and gradients; CPU holds this rank's fp32 masters,
         # their gradients and the optimizer states.
-        return StateBytes(rest.params, rest.grads, 0), StateBytes(0, p * 4 // n, p * (k + (4 if bp == 4 else 0)) // n)
+        return StateBytes(rest.params, rest.grads, 0), StateBytes(0, p * 4 // n, p * (optimizer_bytes_fp32 + 4) // n)
     # Stage 3 FSDP2 CPUOffloadPolicy: the sharded fp32 parameters (they are the masters), their gradients and
     # the optimizer states all live in CPU memory.
     return StateBytes(), StateBytes(p * 4 // n, p * 4 // n, p * optimizer_bytes_fp32 // n)
