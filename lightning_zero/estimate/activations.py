@@ -28,8 +28,9 @@ from torch import Tensor
 
 from lightning_zero.estimate.precisions import PRECISIONS
 
-_HALF_TRUE = ("16-true", "bf16-true", "16", "bf16")
-_MIXED = ("16-mixed", "bf16-mixed")
+_HALF_TRUE = ("16-true", "bf16-true")
+# Lightning reads the bare "16" and "bf16" as "16-mixed" and "bf16-mixed" (its precision plugins' alias table).
+_MIXED = ("16-mixed", "bf16-mixed", "16", "bf16")
 CHECKPOINTING = ("none", "full", "full+cpu")
 
 
@@ -103,6 +104,15 @@ def head_activation_bytes(shape: TransformerShape, precision: str = "32-true") -
     resid, comp = _dtype_bytes(precision)
     logits = s * b * v * (4 if precision in _MIXED else comp)
     return 2 * 8 * s * b + s * b * h * (resid + comp) + 4 * 2 * b * s + logits
+
+
+def precision_at_stage(precision: str, stage: int) -> str:
+    """The precision the activations of a ZeroStrategy run at ``stage`` follow: at stages 0-1 ``*-true`` runs as
+    autocast over the fp32 parameters (``adapters/precision_policy.py``: DDP keeps no low-precision replicas), so its
+    activations are those of ``*-mixed``; at stages 2-3, and for every other flag, the flag's own."""
+    if stage <= 1 and precision in _HALF_TRUE:
+        return precision.replace("-true", "-mixed")
+    return precision
 
 
 def activation_bytes(shape: TransformerShape, precision: str = "32-true",

@@ -40,7 +40,13 @@ from typing import Any, Iterable, Optional, Union
 import torch
 from torch import Tensor, nn
 
-from lightning_zero.estimate.activations import CHECKPOINTING, ActivationBytes, TransformerShape, activation_bytes
+from lightning_zero.estimate.activations import (
+    CHECKPOINTING,
+    ActivationBytes,
+    TransformerShape,
+    activation_bytes,
+    precision_at_stage,
+)
 from lightning_zero.estimate.precisions import LOW_PRECISIONS, PRECISIONS
 from lightning_zero.torch_compat import fsdp_param_groups
 
@@ -381,5 +387,6 @@ def estimate_memory(model_or_num_params: Union[nn.Module, int], stage: int, worl
     if checkpointing not in CHECKPOINTING:
         raise ValueError(f"checkpointing must be one of {CHECKPOINTING}, got {checkpointing!r}")
     states = estimate_model_states_memory(model_or_num_params, stage, world_size, offload, precision, **state_kwargs)
-    acts = activation_bytes(shape, precision, checkpointing) if shape is not None else ActivationBytes(0)
+    acts = (activation_bytes(shape, precision_at_stage(precision, stage), checkpointing) if shape is not None
+            else ActivationBytes(0))
     return FullEstimate(states, acts, checkpointing)
