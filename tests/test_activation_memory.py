@@ -68,7 +68,6 @@ def test_formula_matches_saved_tensors_without_checkpointing(precision):
     assert abs(saved.total - predicted) <= 0.05 * saved.total, (precision, saved.total, predicted)
 
 
-
 @pytest.mark.parametrize("stage, precision", [(0, "bf16-true"), (1, "bf16-true"), (2, "bf16"), (3, "16")])
 def test_what_zero_strategy_computes_is_what_the_estimate_counts(stage, precision):
     """At stages 0-1 ZeroStrategy runs ``bf16-true`` as autocast over fp32 parameters (DDP keeps no bf16 replicas),

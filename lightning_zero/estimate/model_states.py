@@ -160,13 +160,6 @@ def model_state_memory(module: nn.Module, optimizers: Iterable[torch.optim.Optim
     return MemoryReport({device: StateBytes(**kinds) for device, kinds in counter.bytes.items()})
 
 
-def precision_bytes(precision: str, optimizer_bytes_fp32: int = 8) -> tuple[int, int, int]:
-    """``(bp, bg, K)`` at rest under a Trainer precision string: ``(4, 4, optimizer_bytes_fp32)`` for every precision,
-    since ZeroStrategy's parameters are the fp32 masters (``[Note: ZeroStrategy's bytes under mixed precision]``)."""
-    _check_precision(precision)
-    return 4, 4, optimizer_bytes_fp32
-
-
 def compute_bytes(precision: str) -> int:
     """``bc``: bytes per element of the parameter copies FSDP2 gathers for compute at stages 2-3 (its
     ``param_dtype``: the low dtype under a low-precision flag, else fp32)."""
@@ -196,7 +189,10 @@ def zero_formula(num_params: int, stage: int, world_size: int, *, precision: str
     """Bytes per rank at rest (between backward and step) for ``stage``; see the module table."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
-    bp, bg, k = precision_bytes(precision, optimizer_bytes_fp32)
+    _check_precision(precision)
+    # fp32 parameters (the masters) and gradients at every precision: [Note: ZeroStrategy's bytes under mixed precision]
+    bp = bg = 4
+    k = optimizer_bytes_fp32
     p, n = num_params, shard_ranks(world_size, hybrid_shard_size)
     if stage == 0:
         return StateBytes(p * bp, p * bg, p * k)
