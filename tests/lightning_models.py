@@ -145,6 +145,20 @@ def reference_weights(steps, global_batch, accumulate=1, clip=None, seed=0):
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
+def trained_weights(trainer):
+    """The whole weights a checkpoint of this run holds, on every rank: the strategy's module state dict (the fp32
+    masters where the module holds bf16 replicas, each rank those it steps at stage 1), gathered and unsharded."""
+    import torch.distributed as dist
+
+    mine = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone()
+            for k, v in trainer.strategy.lightning_module_state_dict().items()}
+    if not dist.is_initialized():
+        return mine
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return {k: v for part in every for k, v in part.items()}
+
+
 def full_state(module):
     return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
             for k, v in module.state_dict().items()}

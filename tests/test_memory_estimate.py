@@ -19,12 +19,17 @@ def test_mixed_precision_keeps_fp32_masters_as_the_parameters():
     """ZeroStrategy's 16 bytes per parameter under mixed precision are 4 + 4 + 8 (fp32 parameters are the masters),
     not DeepSpeed's 2 + 2 + 12: the same totals where all of it is partitioned alike, more at stage 1, which
     partitions only the optimizer states (measured: test_zero_parity's memory test)."""
-    for precision in ("bf16-mixed", "16-mixed", "bf16-true", "16-true"):
+    for precision in ("bf16-mixed", "16-mixed", "16-true"):
         assert zero_formula(P, 0, 8, precision=precision) == zero_formula(P, 0, 8)
         stage1 = zero_formula(P, 1, 8, precision=precision)
         assert (stage1.params, stage1.grads, stage1.optimizer_states) == (4 * P, 4 * P, 8 * P // 8)
         assert stage1.total == 8 * P + 8 * P // 8 > 4 * P + 12 * P // 8  # DeepSpeed's ZeRO-1: 4P + 12P/N
         assert zero_formula(P, 3, 8, precision=precision).total == 16 * P // 8
+    # bf16-true at stages 0-1: bf16 replicas, fp32 masters beside m and v (distributed/replicas.py), DeepSpeed's split
+    stage1 = zero_formula(P, 1, 8, precision="bf16-true")
+    assert (stage1.params, stage1.grads, stage1.optimizer_states) == (2 * P, 2 * P, 12 * P // 8)
+    assert zero_formula(P, 0, 8, precision="bf16-true").total == 16 * P
+    assert zero_formula(P, 3, 8, precision="bf16-true") == zero_formula(P, 3, 8)
     # low precision halves only what compute reads: the parameters gathered at stage 2
     gathered = {precision: estimate_model_states_memory(P, 2, 8, precision=precision)
                 for precision in ("32-true", "bf16-mixed")}

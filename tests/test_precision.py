@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning_zero import LossScaleConfig, ZeroPrecision, ZeroStrategy
 from lightning_zero.ops import DynamicLossScaler, LossScaleAtMinimumError
 from tests.distributed import run_distributed
-from tests.lightning_models import RegressionModule, dataset, full_state, reference_weights
+from tests.lightning_models import RegressionModule, dataset, full_state, reference_weights, trained_weights
 
 BATCH = 4
 STEPS = 4
@@ -73,7 +73,7 @@ def _every_stage_worker(rank, world_size):
             trainer.fit(module)
             label = f"{precision} stage={stage} offload={offload}"
             assert set(module.compute_dtypes) == {dtype}, f"{label}: computed in {module.compute_dtypes}"
-            got = full_state(module)
+            got = trained_weights(trainer)
             assert all(v.dtype == torch.float32 for v in got.values()), f"{label}: masters are not fp32"
             expected = reference_weights(STEPS, BATCH * world_size)
             worst = max((got[k] - expected[k]).abs().max().item() for k in expected)

@@ -187,8 +187,8 @@ def test_accumulation_micro_steps_do_not_communicate():
 
 def _memory_worker(rank, world_size, precision):
     """What apply_zero and shard_optimizer hold per rank, measured, against zero_formula for ``precision``: under a
-    low-precision flag the policy ZeroStrategy hands the engines (``ZeroPrecisionPolicy``: autocast at stages 0-1,
-    FSDP2's ``param_dtype`` copies at stages 2-3) and still fp32 parameters, gradients and states at rest."""
+    low-precision flag the policy ZeroStrategy hands the engines (``ZeroPrecisionPolicy``: autocast at stages 0-1, or
+    bf16 replicas with fp32 masters under ``bf16-true``; FSDP2's ``param_dtype`` copies at stages 2-3)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from lightning_zero.adapters.precision_policy import ZeroPrecisionPolicy
@@ -200,11 +200,15 @@ def _memory_worker(rank, world_size, precision):
         torch.manual_seed(0)
         module = TinyNet(depth=4)
         num_params = sum(p.numel() for p in module.parameters())
+        values, replicas = {}, policy.replica_dtype()
         model = apply_zero(module, mesh, ZeroConfig(stage=stage),
-                           mp_policy=policy.fsdp_mp_policy() if stage >= 2 else None)
+                           mp_policy=policy.fsdp_mp_policy() if stage >= 2 else None,
+                           replica_dtype=replicas, fp32_values=values)
+        policy.replicas_cast = replicas is not None
         opt = torch.optim.Adam(module.parameters(), lr=1e-3)
-        shard_optimizer(opt, ZeroConfig(stage=stage), group=mesh.get_group())
-        x = torch.randn(LOCAL_BATCH, 8)
+        shard_optimizer(opt, ZeroConfig(stage=stage), group=mesh.get_group(),
+                        fp32_values=values if replicas is not None else None)
+        x = policy.convert_input(torch.randn(LOCAL_BATCH, 8))
         peak = {}
         if stage == 2:
             def snapshot(*_):

@@ -15,16 +15,19 @@ flag            stages 0-1 (DDP)                                       stages 2-
 ``16-mixed``    ``torch.autocast`` in the low dtype                    gathered as low-precision copies
                                                                        (``MixedPrecisionPolicy``) and the forward
                                                                        under ``torch.autocast``
-``bf16-true``   as ``*-mixed``: DDP's own low-precision parameter      as ``*-mixed`` without autocast: every op
-``16-true``     copies need CUDA events, so autocast is the CPU-safe   runs in the low dtype
-                equivalent
+``bf16-true``   bf16 parameters (the replicas DDP reduces, inputs      as ``*-mixed`` without autocast: every op
+                cast to bf16) and fp32 masters beside the optimizer    runs in the low dtype
+                (:mod:`lightning_zero.distributed.replicas`): every
+                op in bf16, as at stages 2-3 and in DeepSpeed
+``16-true``     as ``*-mixed`` (the loss scale comes off fp32
+                gradients)
 ==============  =====================================================  ============================================
 
 Bytes per parameter are those of DeepSpeed's ``2 + 2 + 12`` model spread differently: fp32 parameter (4, the master)
 + fp32 gradient (4) + Adam's two fp32 moments (8) = 16, divided by the world size at stages 2-3, plus the transient
 low-precision copy that compute reads. At stage 1, which partitions only the optimizer states, that split holds
-``8P + 8P/N`` per rank where DeepSpeed's ZeRO-1 holds ``4P + 12P/N``
-(``estimate/model_states.py``, ``[Note: ZeroStrategy's bytes under mixed precision]``).
+``8P + 8P/N`` per rank under ``*-mixed`` and ``16-true``; ``bf16-true`` holds DeepSpeed's ZeRO-1 split,
+``4P + 12P/N`` (``estimate/model_states.py``, ``[Note: ZeroStrategy's bytes under mixed precision]``).
 
 fp16 flags scale the loss with DeepSpeed's rules (:class:`~lightning_zero.ops.DynamicLossScaler`, or a static scale):
 
@@ -47,8 +50,10 @@ from dataclasses import dataclass
 from typing import Any, Generator, Optional, Union
 
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_zero.distributed.optimizer import get_sharding
+from lightning_zero.distributed.replicas import replica_dtype
 from lightning_zero.ops.loss_scaler import DynamicLossScaler, StaticLossScaler, has_overflow
 from lightning_zero.torch_compat import local_tensor
 
@@ -136,6 +141,8 @@ class ZeroPrecisionPolicy:
         self.device_type = "cpu"  # the strategy sets the compute device's type at setup
         self.grad_norm_clipper = None  # the strategy's global-norm clipping for pipelines (params, max_norm)
         self.last_step_skipped = False
+        self.replicas_cast = False  # the module holds bf16 replicas: no autocast, inputs cast (wrap_module_kwargs)
+        self.fp32_values: dict = {}  # their fp32 values, from step 3 until step 4 takes them (replica_fp32_values)
 
     # ------------------------------------------------------------------ what the engines are given
     def fsdp_mp_policy(self):
@@ -147,12 +154,42 @@ class ZeroPrecisionPolicy:
         return MixedPrecisionPolicy(param_dtype=self.low_dtype, reduce_dtype=self.reduce_dtype or torch.float32)
 
     def ddp_reduce_dtype(self) -> Optional[torch.dtype]:
-        """The gradient all-reduce dtype at stages 0-1 when it is not fp32."""
+        """The gradient all-reduce dtype at stages 0-1 when it is not the parameters' (fp32 over bf16 replicas)."""
+        if replica_dtype(self.precision, self.stage) is not None:
+            return self.reduce_dtype or torch.float32
         return self.reduce_dtype if self.reduce_dtype not in (None, torch.float32) else None
+
+    def replica_dtype(self) -> Optional[torch.dtype]:
+        """The dtype step 3 casts the parameters to at stages 0-1 (bf16 under ``bf16-true``, else ``None``;
+        :mod:`lightning_zero.distributed.replicas`)."""
+        return replica_dtype(self.precision, self.stage)
+
+    def wrap_module_kwargs(self) -> dict[str, Any]:
+        """What step 3 (:func:`~lightning_zero.distributed.runtime.wrap_module`) takes from the precision: FSDP2's
+        policy, DDP's reduction dtype, and under ``bf16-true`` at stages 0-1 the replicas' dtype with the dict their
+        fp32 values go to, kept for step 4 (:meth:`replica_fp32_values`)."""
+        dtype = self.replica_dtype()
+        self.replicas_cast = dtype is not None
+        return dict(mp_policy=self.fsdp_mp_policy(), reduce_dtype=self.ddp_reduce_dtype(), replica_dtype=dtype,
+                    fp32_values=self.fp32_values)
+
+    def replica_fp32_values(self) -> Optional[dict]:
+        """What step 4 (:func:`~lightning_zero.distributed.runtime.shard_optimizer_of`) makes masters of: the fp32
+        values step 3 kept, when the module holds bf16 replicas; ``None`` otherwise."""
+        return self.fp32_values if self.replicas_cast else None
+
+    def convert_input(self, data: Any) -> Any:
+        """Floating inputs in bf16 where the module holds bf16 replicas (as DeepSpeed's bf16 engine and FSDP2's
+        ``param_dtype`` cast them)."""
+        if not self.replicas_cast:
+            base = getattr(super(), "convert_input", None)  # the framework's Precision, when mixed in
+            return data if base is None else base(data)
+        return apply_to_collection(data, torch.Tensor, lambda x: x.to(self.low_dtype) if x.is_floating_point() else x)
 
     @contextmanager
     def forward_context(self) -> Generator[None, None, None]:
-        autocast = self.low_dtype is not None and (self.precision.endswith("-mixed") or self.stage <= 1)
+        autocast = self.low_dtype is not None and (
+            self.precision.endswith("-mixed") or (self.stage <= 1 and not self.replicas_cast))
         if not autocast:
             with nullcontext():
                 yield

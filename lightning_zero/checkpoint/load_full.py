@@ -135,7 +135,7 @@ def load_full_checkpoint(path: str, module: torch.nn.Module, optimizers: list, *
     the file's dict holds the checkpoint when it is not Lightning's (``fabric.load`` of a Fabric checkpoint file).
     """
     path = local_path(path)
-    own = module_state_dict(module)
+    own = module_state_dict(module, optimizers, for_load=True)
     elsewhere = {key for keys in _all_ranks(sorted(own)) for key in keys}  # pipeline stages hold parts of the model
     source: Optional[Union[FullCheckpoint, DeepSpeedCheckpoint]] = None
     error, plans, rest = None, None, {}

@@ -29,9 +29,38 @@ from lightning_zero.distributed.optimizer import get_sharding
 from lightning_zero.offload.optimizer_swapper import resident_states
 
 
-def module_state_dict(module: torch.nn.Module) -> dict[str, Tensor]:
-    """The module's state dict: sharded DTensors at stages 2-3, plain tensors at stages 0-1."""
-    return module.state_dict()
+def module_state_dict(module: torch.nn.Module, optimizers=(), *, for_load: bool = False) -> dict[str, Tensor]:
+    """The module's state dict: sharded DTensors at stages 2-3, plain tensors at stages 0-1.
+
+    Where ``optimizers`` keep fp32 masters of lower-precision parameters (``bf16-true`` at stages 0-1, the
+    ``[Note: where the fp32 values live under bf16-true at stages 0-1]``), a parameter's entry is its master: what
+    the run trains and what a checkpoint must hold. At stage 1 a rank holds only the masters it steps, so the entries
+    of the others are left to their owners (``for_load=False``: a save, which DCP assembles from every rank) or kept
+    as the replicas (``for_load=True``: a load target, which DCP casts into)."""
+    state = module.state_dict()
+    for optimizer in optimizers:
+        sharding = get_sharding(getattr(optimizer, "_optimizer", optimizer))
+        if sharding is None or not (sharding.masters or sharding.masters_elsewhere) or sharding.swaps_masters():
+            continue  # swapped masters are on disk between steps; their parameters are saved
+        names = _all_names(module)
+        for param in sharding.all_model_params():
+            if param.dtype == torch.float32:
+                continue  # an fp32 parameter equals its master after every step
+            for name in names.get(id(param), ()):
+                if name not in state:
+                    continue
+                if id(param) in sharding.masters:
+                    state[name] = sharding.masters[id(param)].detach()
+                elif id(param) in sharding.masters_elsewhere and not for_load:
+                    del state[name]  # its owner saves the fp32 value
+    return state
+
+
+def _all_names(module: torch.nn.Module) -> dict[int, list[str]]:
+    names: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return names
 
 
 def frozen_parameter_names(module: torch.nn.Module) -> list[str]:
@@ -206,7 +235,7 @@ def load_states(directory: str, meta: dict[str, Any], module: torch.nn.Module, o
     Lightning's own tests do) loads there, and the weights must stay normal tensors that training can update again;
     detaching a sharded parameter inside it fails ("Cannot set version_counter for inference tensor")."""
     wrapped, optimizers = optimizers, [getattr(o, "_optimizer", o) for o in optimizers]
-    own = module_state_dict(module)
+    own = module_state_dict(module, optimizers, for_load=True)
     # Weights the checkpoint left out (exclude_frozen_parameters) are not in it: the module keeps its own.
     excluded = set(meta.pop("frozen_parameters_excluded", ()))
     target: dict[str, Any] = {"state_dict": {k: v for k, v in own.items() if k not in excluded}}

@@ -46,6 +46,7 @@ from lightning_zero.distributed.exact_init import broadcast_module_states, refus
 from lightning_zero.distributed.full_tensor_load import accept_full_tensors
 from lightning_zero.distributed.hybrid import check_mesh_matches, data_parallel_group
 from lightning_zero.distributed.meta_init import init_meta_tensors
+from lightning_zero.distributed.replicas import keep_fp32_values
 from lightning_zero.distributed.units import plan_units, set_prefetch
 from lightning_zero.torch_compat import fsdp_param_groups
 
@@ -154,9 +155,27 @@ def _fsdp_kwargs(mesh, config: ZeroConfig, device: torch.device, mp_policy=None)
     return kwargs
 
 
+def _replicate(module: nn.Module, mesh, device: torch.device, ddp_kwargs: Optional[dict],
+               replica_dtype: Optional[torch.dtype], fp32_values: Optional[dict]) -> nn.Module:
+    """Stages 0-1: the module on ``device`` under ``DistributedDataParallel``; with ``replica_dtype`` its parameters
+    cast first, their fp32 values put in ``fp32_values`` (:mod:`.replicas`)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    materialize_module(module)  # DDP keeps full replicas: a deferred build (see exact_init) becomes real now
+    module.to(device)
+    if replica_dtype is not None:  # before DDP builds its buckets from the parameters' dtypes
+        # rank 0's fp32 values: DDP would broadcast only the bf16 replicas, leaving each rank's own masters
+        broadcast_module_states(module, data_parallel_group(mesh), device)
+        fp32_values.update(keep_fp32_values(module, replica_dtype))
+    device_ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(module, device_ids=device_ids, process_group=data_parallel_group(mesh),
+                                   **ddp_defaults(ddp_kwargs))
+
+
 def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[torch.device] = None,
                mp_policy=None, ddp_kwargs: Optional[dict] = None,
-               activation_checkpointing: Optional[ActivationCheckpointConfig] = None) -> nn.Module:
+               activation_checkpointing: Optional[ActivationCheckpointConfig] = None,
+               replica_dtype: Optional[torch.dtype] = None, fp32_values: Optional[dict] = None) -> nn.Module:
     """Apply ZeRO ``config.stage`` to ``module`` over the 1-D data-parallel ``mesh`` and return the module to run.
 
     Stages 0-1 return a ``DistributedDataParallel`` wrapper (stage 1's partitioning lives in the optimizer: see
@@ -178,7 +197,11 @@ def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[
             ZeRO's default ``gradient_as_bucket_view=True`` (see :func:`ddp_defaults`).
         activation_checkpointing: recompute the selected blocks' activations in backward
             (:mod:`.activation_checkpointing`); applied before DDP/``fully_shard``, parameter names unchanged.
+        replica_dtype: stages 0-1 only: cast the parameters to this dtype before DDP, filling ``fp32_values`` with
+            the fp32 values of the trainable ones (:mod:`.replicas`, ``bf16-true``).
     """
+    if replica_dtype is not None and (config.stage >= 2 or fp32_values is None):
+        raise ValueError("replica_dtype applies to stages 0-1 and needs a dict fp32_values to fill")
     refuse_sharded_modules(module)  # before any collective: every rank refuses alike
     device = device or _default_device(mesh)
     refuse_fsdp1_modules(module)
@@ -192,15 +215,9 @@ def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[
                                                            policy=config.sharded_module_classes)
         apply_activation_checkpointing(module, activation_checkpointing)
     if config.stage <= 1:
-        materialize_module(module)  # DDP keeps full replicas: a deferred build (see exact_init) becomes real now
         if mp_policy is not None:
             raise ValueError("mp_policy is an FSDP2 policy and applies to stages 2-3 only")
-        from torch.nn.parallel import DistributedDataParallel
-
-        module.to(device)
-        device_ids = [device.index] if device.type == "cuda" else None
-        return DistributedDataParallel(module, device_ids=device_ids, process_group=data_parallel_group(mesh),
-                                       **ddp_defaults(ddp_kwargs))
+        return _replicate(module, mesh, device, ddp_kwargs, replica_dtype, fp32_values)
     if ddp_kwargs:
         raise ValueError(f"ddp_kwargs apply to stages 0-1 only; stage {config.stage} uses FSDP2")
     from torch.distributed.fsdp import fully_shard

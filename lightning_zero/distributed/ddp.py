@@ -127,7 +127,8 @@ def explain_unused_parameters(exception: BaseException, stage: int) -> None:
 
 def low_precision_allreduce_hook(dtype: torch.dtype):
     """A DDP communication hook that all-reduces gradient buckets in ``dtype`` (any backend; torch's bf16 hook
-    refuses gloo) and writes the averaged result back into the fp32 bucket."""
+    refuses gloo) and writes the averaged result back into the bucket: a low-precision reduction of fp32 gradients
+    (``communication_data_type``), or an fp32 reduction of bf16 replicas' gradients (:mod:`.replicas`)."""
 
     def hook(process_group, bucket):
         group = process_group if process_group is not None else dist.group.WORLD

@@ -11,6 +11,8 @@ size-balanced partition of each group, a local step, then the updated parameters
 After :func:`shard_optimizer`, ``param_groups[i]["params"]`` holds exactly the tensors this rank steps:
   - stages 0, 2, 3 without offload: the module's parameters (plain tensors or FSDP2 DTensor shards);
   - stage 1: only the parameters this rank owns;
+  - ``bf16-true`` at stages 0-1 (:mod:`.replicas`): fp32 *masters* of the owned parameters on the compute device,
+    the module holding bf16 replicas;
   - with the optimizer offloaded and parameters not (``offload_optimizer="cpu"``/``"nvme"`` at stages 1-3,
     DeepSpeed's ZeRO-Offload): fp32 CPU *masters* of the owned parameters; at stages 2-3 a master is a DTensor
     with the same mesh, placements and global shape as the FSDP2 shard it mirrors, so its optimizer states are
@@ -101,6 +103,8 @@ class OptimizerSharding:
     local_step_of: Optional[torch.optim.Optimizer] = None  # steps DTensor local shards (.local_step)
     broadcast_plan: Optional["_BroadcastPlan"] = None  # stage 1's buckets, made on the first step
     not_held: Optional[tuple] = None  # (groups' identity and sizes, module params the optimizer does not hold)
+    beside_replicas: bool = False  # the masters are fp32 values of bf16 replicas on the compute device (.replicas)
+    masters_elsewhere: set[int] = field(default_factory=set)  # id(model param) whose owner (another rank) has one
 
     def all_model_params(self) -> list[Tensor]:
         return [p for params in self.model_params for p in params]
@@ -109,18 +113,33 @@ class OptimizerSharding:
         return [p for params, owners in zip(self.model_params, self.owners)
                 for p, owner in zip(params, owners) if owner in (-1, self.rank)]
 
-    def sync_masters(self, params: Optional[list[Tensor]] = None) -> None:
-        """After the module's parameters were loaded, the offloaded CPU masters (optimizer offload) take their
-        values: the optimizer steps the masters, so stale ones would undo the load at the next step. ``params``:
-        only these module parameters (those without a master here are skipped); default every owned one."""
-        chosen = self.owned_model_params() if params is None else [p for p in params if id(p) in self.masters]
-        if not self.masters or not chosen:
+    def sync_masters(self, params: Optional[list[Tensor]] = None, sources: Optional[dict[int, Tensor]] = None) -> None:
+        """After the module's parameters were loaded, the masters take their values: the optimizer steps the
+        masters, so stale ones would undo the load at the next step. ``params``: only these module parameters
+        (those without a master here are skipped); default every owned one. ``sources``: ``{id(param): the value
+        loaded into it}``, copied where it is a plain tensor of the master's shape and dtype.
+
+        [Note: a master more precise than its parameter keeps what the parameter cannot hold]
+        Under ``bf16-true`` a parameter is its master rounded. Without the loaded value itself, each element of the
+        master is kept where its rounding equals the parameter (a checkpoint loaded its fp32 value into the master
+        first: :func:`lightning_zero.checkpoint.states.module_state_dict`) and replaced by the parameter's value
+        where they differ (the parameter was loaded from elsewhere)."""
+        chosen = [p for p in (self.owned_model_params() if params is None else params) if id(p) in self.masters]
+        if not chosen:
             return
         if self.swapper is not None:
             self.swapper.make_resident()  # swapped-out masters are empty: read them back, the next step writes them
         with torch.no_grad():
             for param in chosen:
-                local_tensor(self.masters[id(param)]).copy_(local_tensor(param.detach()))
+                master, value = local_tensor(self.masters[id(param)]), local_tensor(param.detach())
+                source = (sources or {}).get(id(param))
+                if (isinstance(source, Tensor) and not hasattr(source, "to_local") and source.shape == master.shape
+                        and source.dtype == master.dtype):
+                    master.copy_(source.detach())
+                    continue
+                if master.dtype != value.dtype:
+                    value = torch.where(master.to(value.dtype) == value, master, value.to(master.dtype))
+                master.copy_(value)
 
     def follow_module_loads(self, module: torch.nn.Module) -> None:
         """Make the masters follow every ``load_state_dict`` into ``module`` or any of its submodules (a user's
@@ -139,12 +158,17 @@ class OptimizerSharding:
     def _follow_loads_of(self, sub: torch.nn.Module, own: dict[str, Tensor]) -> list:
         loaded: list[Tensor] = []
 
+        sources: dict[int, Tensor] = {}
+
         def note(_module, state_dict, prefix, *args) -> None:
             loaded[:] = [param for name, param in own.items() if prefix + name in state_dict]
+            sources.update({id(param): state_dict[prefix + name] for name, param in own.items()
+                            if prefix + name in state_dict})
 
         def sync(_module, _incompatible_keys) -> None:
-            self.sync_masters(loaded)
+            self.sync_masters(loaded, sources)
             loaded.clear()
+            sources.clear()
 
         return [sub.register_load_state_dict_pre_hook(note), sub.register_load_state_dict_post_hook(sync)]
 
@@ -174,9 +198,12 @@ def get_sharding(optimizer: torch.optim.Optimizer) -> Optional[OptimizerSharding
 
 
 def shard_optimizer(optimizer: torch.optim.Optimizer, config: ZeroConfig, *, group=None,
-                    device: Optional[torch.device] = None) -> OptimizerSharding:
+                    device: Optional[torch.device] = None,
+                    fp32_values: Optional[dict[int, Tensor]] = None) -> OptimizerSharding:
     """Partition (stage 1) and/or offload (``config.offloads_optimizer_only``: CPU masters) ``optimizer`` in place;
-    see the module note.
+    see the module note. ``fp32_values``: the fp32 values of bf16 replicas
+    (:func:`~lightning_zero.distributed.replicas.keep_fp32_values`); those of the parameters this rank steps become
+    its masters, and every entry of this optimizer's parameters is removed from the dict.
 
     Must be called on a fresh optimizer (no state yet), after the model was wrapped by
     :func:`~lightning_zero.distributed.apply_zero.apply_zero`. Calling it twice is an error.
@@ -195,6 +222,8 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, config: ZeroConfig, *, gro
         owners = [[-1] * len(params) for params in model_params]
     sharding = OptimizerSharding(config, model_params, owners, rank=rank, group=group)
     offload_here = config.offloads_optimizer_only
+    replicas = fp32_values is not None
+    sharding.beside_replicas = replicas and not offload_here
     # The masters (stage 1: plain tensors; stages 2-3: DTensors over the FSDP2 shards) are swapped with the states.
     swap_masters = offload_here and config.swaps_optimizer_states
     pin = bool(config.pin_memory if config.pin_memory is not None else (device is not None and device.type == "cuda"))
@@ -203,22 +232,15 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, config: ZeroConfig, *, gro
     for group_dict, params, group_owners in zip(optimizer.param_groups, model_params, owners):
         kept = []
         for param, owner in zip(params, group_owners):
+            value = _fp32_value(param, fp32_values, owner in (-1, rank)) if replicas else None
             if owner not in (-1, rank):
+                if offload_here or value is not None:
+                    sharding.masters_elsewhere.add(id(param))
                 continue
-            if offload_here:
-                if swap_masters:
-                    # an empty placeholder: the swapper writes the values to disk sub-group by sub-group (never all
-                    # masters resident at once)
-                    master = _empty_master(param)
-                else:
-                    master = _cpu_like(param, pin)
-                    with torch.no_grad():
-                        local_tensor(master).copy_(local_tensor(param.detach()))
-                master.requires_grad_(param.requires_grad)
+            master = _make_master(param, value, offload_here, swap_masters, pin)
+            if master is not None:
                 sharding.masters[id(param)] = master
-                kept.append(master)
-            else:
-                kept.append(param)
+            kept.append(param if master is None else master)
         group_dict["params"] = kept
     if config.stage == 1 or sharding.masters:
         sharding.hooks.append(optimizer.register_step_pre_hook(_pre_step))
@@ -256,6 +278,9 @@ def _pre_step(optimizer, args, kwargs) -> None:
                            "run the closure first and call step() without one.")
     if sharding.swaps_masters():
         return  # the swapper copies each sub-group's gradients into its masters
+    if sharding.beside_replicas:
+        _upcast_replica_grads(optimizer, sharding)
+        return
     pinned = False
     with torch.no_grad():
         for param in sharding.owned_model_params():
@@ -274,12 +299,60 @@ def _pre_step(optimizer, args, kwargs) -> None:
         torch.cuda.current_stream().synchronize()
 
 
+def _make_master(param: Tensor, value: Optional[Tensor], offload: bool, swap: bool, pin: bool) -> Optional[Tensor]:
+    """The tensor the optimizer steps for ``param`` in its place, or ``None`` (it steps ``param`` itself): a CPU fp32
+    copy with the optimizer offloaded (an empty placeholder when the swapper keeps the masters on disk: it writes
+    them sub-group by sub-group, never all resident at once), else the fp32 ``value`` of a bf16 replica."""
+    if offload:
+        if swap:
+            master = _empty_master(param)
+        else:
+            master = _cpu_like(param, pin)
+            with torch.no_grad():
+                local_tensor(master).copy_(local_tensor(param.detach() if value is None else value))
+    elif value is not None:
+        master = value  # on the compute device (.replicas)
+    else:
+        return None
+    return master.requires_grad_(param.requires_grad)
+
+
+def _fp32_value(param: Tensor, fp32_values: dict[int, Tensor], owned: bool) -> Optional[Tensor]:
+    """The fp32 value of a bf16 replica (removed from ``fp32_values``: kept only where this rank steps it); one that
+    step 3 did not record (an optimizer built after the others took theirs) starts from the replica's value, so
+    that it is still stepped in fp32 (not owned: the replica, only telling that its owner keeps a master). ``None``
+    for a parameter that is not a low-precision replica."""
+    value = fp32_values.pop(id(param), None)
+    if value is None and param.requires_grad and param.is_floating_point() and param.dtype != torch.float32:
+        value = param.detach().float() if owned else param.detach()
+    return value
+
+
+def _upcast_replica_grads(optimizer, sharding: OptimizerSharding) -> None:
+    """Step 3 of the replicas note: each owned bf16 gradient upcast into its master's gradient (a fresh fp32 tensor,
+    freed after the step as DeepSpeed frees its fp32 gradient partition), then every bf16 gradient dropped, before
+    the optimizer's states are touched (the step's peak)."""
+    with torch.no_grad():
+        for param in sharding.owned_model_params():
+            master = sharding.masters.get(id(param))
+            if master is not None:  # a parameter that was low precision already is stepped itself
+                master.grad = None if param.grad is None else param.grad.float()
+                param.grad = None
+        for param in _not_held(optimizer, sharding):
+            param.grad = None
+
+
 def _post_step(optimizer, args, kwargs) -> None:
     sharding = get_sharding(optimizer)
     with torch.no_grad():
         if sharding.masters and not sharding.swaps_masters():  # swapped: copied back per sub-group
             for param in sharding.owned_model_params():
-                local_tensor(param).copy_(local_tensor(sharding.masters[id(param)]), non_blocking=True)
+                master = sharding.masters.get(id(param))
+                if master is None:
+                    continue
+                local_tensor(param).copy_(local_tensor(master), non_blocking=True)
+                if sharding.beside_replicas:
+                    master.grad = None
             if any(local_tensor(m).is_pinned() for m in sharding.masters.values()):
                 torch.cuda.current_stream().synchronize()
         with collective_timer().record("zero1_parameter_broadcast"):

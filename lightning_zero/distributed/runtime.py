@@ -98,19 +98,22 @@ def init_context(config: ZeroConfig, *, pipelined: bool, local_world_size: int,
 
 def wrap_module(module: nn.Module, mesh, config: ZeroConfig, *, device: torch.device, mp_policy=None,
                 reduce_dtype: Optional[torch.dtype] = None, ddp_options: Optional[DDPOptions] = None,
-                reduce_bucket_size: Optional[int] = None, activation_checkpointing=None) -> nn.Module:
+                reduce_bucket_size: Optional[int] = None, activation_checkpointing=None,
+                replica_dtype: Optional[torch.dtype] = None, fp32_values: Optional[dict] = None) -> nn.Module:
     """Step 3: :func:`~lightning_zero.distributed.apply_zero.apply_zero` over the data-parallel ``mesh``. Stages 0-1
     return a ``DistributedDataParallel`` wrapper built with ``ddp_options`` (and a ds_config's
     ``reduce_bucket_size``, see :func:`~lightning_zero.distributed.ddp.ddp_kwargs_for`) that all-reduces in
     ``reduce_dtype`` when that is not ``None`` (DeepSpeed's ``communication_data_type``); stages 2-3 shard ``module``
     in place with FSDP2 and return it, ``mp_policy`` being its ``MixedPrecisionPolicy`` (stages 0-1 compute under
-    autocast instead: the precision plugin's forward context)."""
+    autocast instead: the precision plugin's forward context; or, with ``replica_dtype``, hold the parameters in
+    that dtype and fill ``fp32_values`` for step 4's masters: :mod:`.replicas`)."""
     if config.stage >= 2:
         return apply_zero(module, mesh, config, device=device, mp_policy=mp_policy,
                           activation_checkpointing=activation_checkpointing)
     ddp_kwargs = ddp_kwargs_for(ddp_options or DDPOptions(), module, reduce_bucket_size)
     wrapped = apply_zero(module, mesh, config, device=device, ddp_kwargs=ddp_kwargs,
-                         activation_checkpointing=activation_checkpointing)
+                         activation_checkpointing=activation_checkpointing, replica_dtype=replica_dtype,
+                         fp32_values=fp32_values)
     if reduce_dtype is not None:
         wrapped.register_comm_hook(wrapped.process_group, low_precision_allreduce_hook(reduce_dtype))
     return wrapped
@@ -178,19 +181,22 @@ def point_at_shards(optimizer: torch.optim.Optimizer, module: nn.Module) -> None
 
 
 def shard_optimizer_of(optimizer: torch.optim.Optimizer, module: nn.Module, mesh, config: ZeroConfig, *,
-                       device: torch.device, pipelined: bool = False, index: int = 0) -> bool:
+                       device: torch.device, pipelined: bool = False, index: int = 0,
+                       fp32_values: Optional[dict] = None) -> bool:
     """Step 4, for one optimizer of ``module`` (wrapped by step 3): at stages 2-3 it must hold the sharded
     parameters (:func:`check_optimizer_params`; a pipeline's stage modules hold FSDP2 units of their own, so it is
     skipped there); then :func:`~lightning_zero.distributed.optimizer.shard_optimizer` partitions it over the shard
     group (stage 1) and/or offloads it, in place. An optimizer built from parameters a forward left gathered is
     pointed at the shards first (:func:`point_at_shards`). Returns ``False`` for an optimizer sharded before (an
-    evaluation after a fit keeps the fit's optimizers)."""
+    evaluation after a fit keeps the fit's optimizers). ``fp32_values``: what step 3 filled under ``bf16-true``
+    (the optimizer's masters, :mod:`.replicas`)."""
     if get_sharding(optimizer) is not None:
         return False
     if config.stage >= 2 and not pipelined:
         point_at_shards(optimizer, module)
         check_optimizer_params(optimizer, module, index)
-    shard_optimizer(optimizer, config, group=shard_group(mesh) if mesh is not None else None, device=device)
+    shard_optimizer(optimizer, config, group=shard_group(mesh) if mesh is not None else None, device=device,
+                    fp32_values=fp32_values)
     if module is not None:
         get_sharding(optimizer).follow_module_loads(module)  # offloaded masters take loaded weights
     return True

@@ -26,6 +26,7 @@ from typing import Iterable, Iterator
 import torch
 from torch import Tensor
 
+from lightning_zero.distributed.replicas import replica_dtype
 from lightning_zero.estimate.precisions import PRECISIONS
 
 _HALF_TRUE = ("16-true", "bf16-true")
@@ -107,10 +108,11 @@ def head_activation_bytes(shape: TransformerShape, precision: str = "32-true") -
 
 
 def precision_at_stage(precision: str, stage: int) -> str:
-    """The precision the activations of a ZeroStrategy run at ``stage`` follow: at stages 0-1 ``*-true`` runs as
-    autocast over the fp32 parameters (``adapters/precision_policy.py``: DDP keeps no low-precision replicas), so its
-    activations are those of ``*-mixed``; at stages 2-3, and for every other flag, the flag's own."""
-    if stage <= 1 and precision in _HALF_TRUE:
+    """The precision the activations of a ZeroStrategy run at ``stage`` follow: at stages 0-1 a ``*-true`` flag that
+    keeps no low-precision replicas (``16-true``: :func:`~lightning_zero.distributed.replicas.replica_dtype`) runs as
+    autocast over the fp32 parameters, so its activations are those of ``*-mixed``; every other flag and stage, the
+    flag's own."""
+    if stage <= 1 and precision in _HALF_TRUE and replica_dtype(precision, stage) is None:
         return precision.replace("-true", "-mixed")
     return precision
 

@@ -13,8 +13,10 @@ casts, counted with the activations, ``activations.layer_activation_bytes``; at 
 ``param_dtype`` copies, ``bc = 2``). So ``bp = bg = 4`` and ``K = 8`` whatever the precision. The totals agree with
 DeepSpeed's where everything is partitioned alike (stages 0, 2, 3: ``16P``, ``16P/N``) but not at stage 1, which
 partitions only ``K``: ZeroStrategy holds ``8P + 8P/N`` where DeepSpeed's ZeRO-1 holds ``4P + 12P/N``. Counting
-DeepSpeed's split for ZeroStrategy under-estimates a low-precision stage-1 run by ``4P - 4P/N`` per rank
-(``docs/memory.md``; ``tests/test_zero_parity.py`` measures the formula at every precision).
+DeepSpeed's split for ZeroStrategy under-estimates a ``*-mixed`` stage-1 run by ``4P - 4P/N`` per rank
+(``docs/memory.md``; ``tests/test_zero_parity.py`` measures the formula at every precision). The exception is
+``bf16-true`` at stages 0-1, which holds DeepSpeed's split (``bp = bg = 2``, ``K = 8 + 4`` with the fp32 masters
+counted beside the states, as :func:`model_state_memory` counts them: ``distributed/replicas.py``).
 
 Formulas at rest, i.e. between backward and the optimizer step, gradients allocated (``docs/stages.md``):
 
@@ -40,6 +42,7 @@ from typing import Any, Iterable, Optional, Union
 import torch
 from torch import Tensor, nn
 
+from lightning_zero.distributed.replicas import replica_dtype
 from lightning_zero.estimate.activations import (
     CHECKPOINTING,
     ActivationBytes,
@@ -190,9 +193,11 @@ def zero_formula(num_params: int, stage: int, world_size: int, *, precision: str
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
     _check_precision(precision)
-    # fp32 parameters (the masters) and gradients at every precision: [Note: ZeroStrategy's bytes under mixed precision]
-    bp = bg = 4
-    k = optimizer_bytes_fp32
+    # [Note: ZeroStrategy's bytes under mixed precision]: fp32 parameters (the masters) and gradients, except for the
+    # bf16 replicas of bf16-true at stages 0-1, whose fp32 masters sit beside the optimizer's states
+    replicas = replica_dtype(precision, stage) is not None
+    bp = bg = 2 if replicas else 4
+    k = optimizer_bytes_fp32 + (4 if replicas else 0)
     p, n = num_params, shard_ranks(world_size, hybrid_shard_size)
     if stage == 0:
         return StateBytes(p * bp, p * bg, p * k)

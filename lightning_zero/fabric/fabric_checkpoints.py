@@ -127,13 +127,13 @@ def save(path: str, state: dict[str, Any], filter: Optional[dict[str, Callable[[
                                   f"{sorted(set(filter) - set(module_keys))} are not modules")
     module = _module_view(state, module_keys)
     checkpoint: dict[str, Any] = {}
-    weights = checkpointing.module_state_dict(module)
+    optimizers = [state[key] for key in optimizer_keys]
+    weights = checkpointing.module_state_dict(module, optimizers)
     for key, keep in (filter or {}).items():
         prefix = "" if len(module_keys) == 1 else f"{key}."
         weights = {name: tensor for name, tensor in weights.items()
                    if not name.startswith(prefix) or keep(name[len(prefix):], tensor)}
     checkpoint["state_dict"] = weights
-    optimizers = [state[key] for key in optimizer_keys]
     checkpoint["optimizer_states"] = [checkpointing.optimizer_state_dict(module, o) for o in optimizers]
     for key, value in state.items():
         if key in module_keys or key in optimizer_keys:

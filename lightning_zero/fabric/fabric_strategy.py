@@ -41,6 +41,7 @@ from lightning_zero.adapters.process_group import start_process_group
 from lightning_zero.adapters.settings import SETTING_NAMES, STRATEGY_NAMES, checkpoint_save_options, resolve_settings
 from lightning_zero.checkpoint.io import wait_for_pending_saves
 from lightning_zero.checkpoint.save_guards import broadcast_object
+from lightning_zero.checkpoint.states import module_state_dict
 from lightning_zero.diagnostics.hang_guard import DEFAULT_HANG_TIMEOUT, HangGuard
 from lightning_zero.diagnostics.network import DEFAULT_RENDEZVOUS_TIMEOUT
 from lightning_zero.diagnostics.peers import LostPeer
@@ -329,10 +330,10 @@ class ZeroStrategy(ParallelStrategy):
                                                  self.settings.activation_checkpoint_config, runner=self._runner)
             return module
         return runtime.wrap_module(module, self.meshes.data_parallel, self.zero_config, device=self.root_device,
-                                   mp_policy=precision.fsdp_mp_policy(), reduce_dtype=precision.ddp_reduce_dtype(),
                                    ddp_options=self.settings.ddp_options,
                                    reduce_bucket_size=config_reduce_bucket_size(self.ds_config),
-                                   activation_checkpointing=self.settings.activation_checkpoint_config)
+                                   activation_checkpointing=self.settings.activation_checkpoint_config,
+                                   **precision.wrap_module_kwargs())
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """Partition (stage 1) and/or offload the optimizer in place; at stages 2-3 it must hold the sharded
@@ -342,7 +343,8 @@ class ZeroStrategy(ParallelStrategy):
         owner = owners[0] if owners else (self._modules[-1] if self._modules else None)
         mesh = self.meshes.data_parallel if self.meshes is not None else None
         if runtime.shard_optimizer_of(optimizer, owner, mesh, self.zero_config, device=self.root_device,
-                                      pipelined=self.settings.pipeline.enabled):
+                                      pipelined=self.settings.pipeline.enabled,
+                                      fp32_values=self.precision.replica_fp32_values()):
             self._optimizers.append(optimizer)
         return optimizer
 
@@ -432,7 +434,8 @@ class ZeroStrategy(ParallelStrategy):
 
     def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
         """The module's (sharded) state dict, as ``fabric.save`` writes it."""
-        return (module.module if isinstance(module, DistributedDataParallel) else module).state_dict()
+        return module_state_dict(module.module if isinstance(module, DistributedDataParallel) else module,
+                                 self._optimizers)
 
     def teardown(self) -> None:
         with self.hang_guard.teardown():  # an async save must land before exit; after a lost peer, this rank's only
@@ -440,6 +443,7 @@ class ZeroStrategy(ParallelStrategy):
         runtime.release(self._modules, self._optimizers)
         self._modules.clear()
         self._optimizers.clear()
+        self.precision.fp32_values.clear()
         self._runner = None
         super().teardown()
 

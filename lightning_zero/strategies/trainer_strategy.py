@@ -401,9 +401,8 @@ class ZeroStrategy(ParallelStrategy):
         elif self.stage >= 2 or fitting:
             self.model = runtime.wrap_module(
                 self.model, meshes.data_parallel, self.zero_config, device=self.root_device,
-                mp_policy=precision.fsdp_mp_policy(), reduce_dtype=precision.ddp_reduce_dtype(),
                 ddp_options=self.settings.ddp_options, reduce_bucket_size=config_reduce_bucket_size(self.ds_config),
-                activation_checkpointing=self.activation_checkpoint_config)
+                activation_checkpointing=self.activation_checkpoint_config, **precision.wrap_module_kwargs())
         else:  # evaluation at stages 0-1: no DDP, every rank starts from rank 0's weights
             runtime.replicate_for_evaluation(self.model, meshes.data_parallel, self.root_device)
         if self.stage >= 2 and fitting and self._runner is None and not self.lightning_module.automatic_optimization:
@@ -421,7 +420,9 @@ class ZeroStrategy(ParallelStrategy):
         for index, optimizer in enumerate(self.optimizers):
             runtime.shard_optimizer_of(getattr(optimizer, "_optimizer", optimizer), self.lightning_module, mesh,
                                        self.zero_config, device=self.root_device,
-                                       pipelined=self.settings.pipeline.enabled, index=index)
+                                       pipelined=self.settings.pipeline.enabled, index=index,
+                                       fp32_values=self.precision_plugin.replica_fp32_values())
+        self.precision_plugin.fp32_values.clear()  # those no optimizer holds: their replicas are never stepped
         install_partition_aware_toggle(self.lightning_module)  # see optimizer_toggle.py's note
         guard_schedulers(self.lr_scheduler_configs, self.precision_plugin)
 
@@ -512,7 +513,7 @@ class ZeroStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ checkpoints
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return module_state_dict(self.lightning_module)
+        return module_state_dict(self.lightning_module, self.optimizers)
 
     def optimizer_state(self, optimizer) -> dict[str, Any]:
         return optimizer_state_dict(self.lightning_module, getattr(optimizer, "_optimizer", optimizer))
@@ -565,6 +566,7 @@ class ZeroStrategy(ParallelStrategy):
             handle.remove()
         self._teardown_handles.clear()
         self._manual_backward = None
+        self.precision_plugin.fp32_values.clear()
         if isinstance(self.model, DistributedDataParallel):
             self.model = lightning_module
         trainer = self._trainer()

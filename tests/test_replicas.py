@@ -1,0 +1,157 @@
+"""bf16-true at stages 0-1: bf16 replicas, fp32 masters beside the optimizer (lightning_zero/distributed/replicas.py).
+
+Against a single-process reference written out here step by step (each rank's micro-batch through a bf16 copy of the
+model, the bf16 gradients averaged in fp32 and rounded once, AdamW on fp32 masters), the bytes each rank holds,
+and checkpoints that keep the masters' fp32 values.
+"""
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_zero import ZeroStrategy
+from lightning_zero.distributed.optimizer import get_sharding
+from tests.distributed import run_distributed
+from tests.lightning_models import (
+    RegressionModule,
+    dataset,
+    make_optimizer_and_scheduler,
+    quiet_trainer,
+    trained_weights,
+)
+
+BATCH = 4  # per rank
+STEPS = 4
+
+
+def replica_reference(steps: int, world_size: int, batch: int = BATCH) -> dict[str, torch.Tensor]:
+    """What ``bf16-true`` at stages 0-1 computes, on one process: per step, each rank's micro-batch (Lightning's
+    DistributedSampler: every ``world_size``-th index of the shuffled epoch) forward and backward through bf16
+    parameters; the gradients divided by the world size and summed in fp32, rounded to bf16 once (the DDP hook);
+    AdamW and the scheduler on fp32 masters; the masters rounded into the parameters."""
+    torch.manual_seed(0)
+    model = RegressionModule()
+    masters = {name: p.detach().clone() for name, p in model.named_parameters()}
+    model = model.to(torch.bfloat16)
+    master_list = [nn.Parameter(masters[name]) for name, _ in model.named_parameters()]
+    optimizer, scheduler = make_optimizer_and_scheduler(zip([n for n, _ in model.named_parameters()], master_list))
+    x_all, y_all = dataset().tensors
+    order = torch.randperm(len(x_all), generator=torch.Generator().manual_seed(0))
+    for step in range(steps):
+        total = [torch.zeros_like(m) for m in master_list]
+        for rank in range(world_size):
+            index = order[rank::world_size][step * batch:(step + 1) * batch]
+            x, y = x_all[index].to(torch.bfloat16), y_all[index].to(torch.bfloat16)
+            model.zero_grad(set_to_none=True)
+            nn.functional.mse_loss(model(x), y).backward()
+            for acc, p in zip(total, model.parameters()):
+                acc.add_(p.grad.float().div_(world_size))
+        for master, reduced in zip(master_list, total):
+            master.grad = reduced.to(torch.bfloat16).float()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+        with torch.no_grad():
+            for p, master in zip(model.parameters(), master_list):
+                p.copy_(master)
+    return {name: master.detach().clone() for (name, _), master in zip(model.named_parameters(), master_list)}
+
+
+def _fit(stage, world_size, steps=STEPS, **kwargs):
+    torch.manual_seed(0)
+    module = RegressionModule(batch_size=BATCH)
+    trainer = quiet_trainer(ZeroStrategy(stage=stage), world_size, max_steps=steps, precision="bf16-true", **kwargs)
+    trainer.fit(module)
+    return module, trainer
+
+
+def _parity_worker(rank, world_size):
+    expected = replica_reference(STEPS, world_size)  # on each rank: one thread, as the ranks compute
+    results = {}
+    for stage in (0, 1):
+        module, trainer = _fit(stage, world_size)
+        assert {p.dtype for p in module.parameters()} == {torch.bfloat16}, f"stage {stage}: replicas not bf16"
+        sharding = get_sharding(trainer.optimizers[0])
+        assert sharding.beside_replicas and {m.dtype for m in sharding.masters.values()} == {torch.float32}
+        got = trained_weights(trainer)
+        worst = max((got[k] - expected[k]).abs().max().item() for k in expected)
+        assert worst <= 1e-6, f"stage {stage}: {worst:.3e} from the written-out reference"
+        for name, p in module.named_parameters():  # the replicas are the masters rounded
+            assert torch.equal(p.detach(), got[name].to(torch.bfloat16)), f"stage {stage}: replica {name}"
+        results[stage] = got
+    assert all(torch.equal(results[0][k], results[1][k]) for k in results[0]), "stage 1 differs from stage 0"
+
+
+def test_bf16_true_at_stages_0_and_1_is_the_written_out_replica_reference():
+    run_distributed(_parity_worker, 2)
+
+
+def _bytes_worker(rank, world_size):
+    module, trainer = _fit(1, world_size, steps=2)
+    total = sum(p.numel() for p in module.parameters())
+    sharding = get_sharding(trainer.optimizers[0])
+    replica_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+    master_bytes = sum(m.numel() * m.element_size() for m in sharding.masters.values())
+    state_bytes = sum(t.numel() * t.element_size() for s in trainer.optimizers[0].state.values()
+                      for t in s.values() if torch.is_tensor(t) and t.numel() > 1)
+    every = [None] * world_size
+    dist.all_gather_object(every, master_bytes)
+    assert replica_bytes == 2 * total  # DeepSpeed's 2P of bf16 parameters, not 4P of fp32
+    assert sum(every) == 4 * total  # the fp32 values exist once across the ranks: 4P/N each
+    assert state_bytes == 2 * master_bytes  # Adam's two moments of the owned masters only
+    # between steps no gradient is held: the bf16 ones go before the step, the fp32 ones after it
+    assert all(p.grad is None for p in module.parameters())
+    assert all(m.grad is None for m in sharding.masters.values())
+
+
+def test_stage_1_bf16_true_holds_deepspeed_zero1_bytes():
+    run_distributed(_bytes_worker, 2)
+
+
+class SeesRestoredWeights(RegressionModule):
+    def on_train_start(self):
+        self.restored = trained_weights(self.trainer)
+
+
+def _resume_worker(rank, world_size, root):
+    _, trainer = _fit(1, world_size, steps=2)
+    path = os.path.join(root, "half.ckpt")
+    trainer.save_checkpoint(path)
+    saved = trained_weights(trainer)
+    assert any(not torch.equal(v, v.to(torch.bfloat16).float()) for v in saved.values()), "masters hold bf16 values"
+    for stage, precision in ((1, "bf16-true"), (0, "bf16-true"), (2, "32-true")):
+        torch.manual_seed(1)
+        module = SeesRestoredWeights(batch_size=BATCH)
+        quiet_trainer(ZeroStrategy(stage=stage), world_size, max_steps=3, precision=precision).fit(
+            module, ckpt_path=path)
+        # the fp32 values, not the bf16 replicas, came back: into the masters of a bf16-true run, and into the
+        # parameters of an fp32 run at another stage
+        assert all(torch.equal(module.restored[k], saved[k]) for k in saved), f"stage {stage} {precision}"
+
+
+def test_a_resume_keeps_the_fp32_masters_and_other_stages_read_them(tmp_path):
+    run_distributed(_resume_worker, 2, str(tmp_path))
+
+
+class LoadsBaseWeights(RegressionModule):
+    """Loads fp32 weights once training starts (after setup), as a fine-tuning script loads its base model."""
+
+    def on_train_start(self):
+        torch.manual_seed(3)
+        self.loaded = {k: torch.randn(v.shape) for k, v in self.state_dict().items()}
+        self.load_state_dict(self.loaded)
+        self.seen = trained_weights(self.trainer)
+
+
+def _load_state_dict_worker(rank, world_size):
+    """A user's ``model.load_state_dict(fp32 weights)`` after setup: the masters take the fp32 values themselves."""
+    for stage in (0, 1):
+        module = LoadsBaseWeights(batch_size=BATCH)
+        quiet_trainer(ZeroStrategy(stage=stage), world_size, max_steps=1, precision="bf16-true").fit(module)
+        assert all(torch.equal(module.seen[k], module.loaded[k]) for k in module.loaded), f"stage {stage}"
+
+
+def test_a_users_load_state_dict_sets_the_masters_to_the_loaded_values():
+    run_distributed(_load_state_dict_worker, 2)
