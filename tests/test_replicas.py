@@ -13,6 +13,7 @@ from torch import nn
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.distributed.optimizer import get_sharding
+from lightning_zero.distributed.replicas import clip_replica_grads
 from tests.distributed import run_distributed
 from tests.lightning_models import (
     RegressionModule,
@@ -26,11 +27,12 @@ BATCH = 4  # per rank
 STEPS = 4
 
 
-def replica_reference(steps: int, world_size: int, batch: int = BATCH) -> dict[str, torch.Tensor]:
+def replica_reference(steps: int, world_size: int, batch: int = BATCH, clip=None) -> dict[str, torch.Tensor]:
     """What ``bf16-true`` at stages 0-1 computes, on one process: per step, each rank's micro-batch (Lightning's
     DistributedSampler: every ``world_size``-th index of the shuffled epoch) forward and backward through bf16
     parameters; the gradients divided by the world size and summed in fp32, rounded to bf16 once (the DDP hook);
-    AdamW and the scheduler on fp32 masters; the masters rounded into the parameters."""
+    with ``clip``, scaled by torch's ``clip_grads_with_norm_`` for their norm taken in fp32; AdamW and the scheduler
+    on fp32 masters; the masters rounded into the parameters."""
     torch.manual_seed(0)
     model = RegressionModule()
     masters = {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -48,8 +50,14 @@ def replica_reference(steps: int, world_size: int, batch: int = BATCH) -> dict[s
             nn.functional.mse_loss(model(x), y).backward()
             for acc, p in zip(total, model.parameters()):
                 acc.add_(p.grad.float().div_(world_size))
-        for master, reduced in zip(master_list, total):
-            master.grad = reduced.to(torch.bfloat16).float()
+        for p, reduced in zip(model.parameters(), total):
+            p.grad = reduced.to(torch.bfloat16)
+        if clip is not None:
+            norms = [torch.linalg.vector_norm(p.grad, dtype=torch.float32) for p in model.parameters()]
+            torch.nn.utils.clip_grads_with_norm_(list(model.parameters()), clip, torch.linalg.vector_norm(
+                torch.stack(norms)))
+        for master, p in zip(master_list, model.parameters()):
+            master.grad = p.grad.float()
         optimizer.step()
         optimizer.zero_grad()
         scheduler.step()
@@ -86,6 +94,36 @@ def _parity_worker(rank, world_size):
 
 def test_bf16_true_at_stages_0_and_1_is_the_written_out_replica_reference():
     run_distributed(_parity_worker, 2)
+
+
+CLIP = 0.05  # below every step's gradient norm here: each step is clipped
+
+
+def _clip_worker(rank, world_size):
+    expected = replica_reference(STEPS, world_size, clip=CLIP)
+    for stage in (0, 1):
+        _, trainer = _fit(stage, world_size, gradient_clip_val=CLIP)
+        got = trained_weights(trainer)
+        worst = max((got[k] - expected[k]).abs().max().item() for k in expected)
+        assert worst <= 1e-6, f"stage {stage}: {worst:.3e} from the written-out reference with clipping"
+
+
+def test_clipping_bf16_replicas_takes_the_norm_in_fp32():
+    run_distributed(_clip_worker, 2)
+
+
+def test_clip_replica_grads_norm_is_the_fp32_norm_of_the_bf16_gradients():
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.zeros(1000, 1000, dtype=torch.bfloat16)) for _ in range(3)]
+    for p in params:
+        p.grad = torch.randn(1000, 1000).to(torch.bfloat16)
+    grads = [p.grad.float() for p in params]
+    exact = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    assert abs(torch.nn.utils.get_total_norm([p.grad for p in params]).item() - exact.item()) > 1e-3 * exact.item()
+    norm = clip_replica_grads(params, 1.0)
+    assert norm.dtype == torch.float32 and torch.equal(norm, exact)
+    for p, g in zip(params, grads):  # scaled by torch's own rule, 1 / (norm + 1e-6)
+        assert torch.equal(p.grad, (g * (1.0 / (exact + 1e-6))).to(torch.bfloat16))
 
 
 def _bytes_worker(rank, world_size):
@@ -155,3 +193,22 @@ def _load_state_dict_worker(rank, world_size):
 
 def test_a_users_load_state_dict_sets_the_masters_to_the_loaded_values():
     run_distributed(_load_state_dict_worker, 2)
+
+
+def _fabric_clip_worker(rank, world_size):
+    from lightning_zero.fabric import ZeroStrategy as FabricZeroStrategy
+    from tests.fabric.test_fabric_parity import make_fabric
+
+    fabric = make_fabric(FabricZeroStrategy(stage=1), precision="bf16-true")
+    torch.manual_seed(0)
+    module = nn.Linear(64, 64)
+    model, optimizer = fabric.setup(module, torch.optim.AdamW(module.parameters()))
+    fabric.backward(model(torch.randn(4, 64) + rank).float().pow(2).sum())
+    grads = [p.grad.float() for p in module.parameters()]  # bf16, reduced over the ranks
+    exact = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    norm = fabric.clip_gradients(model, optimizer, max_norm=1e-3)
+    assert norm.dtype == torch.float32 and torch.equal(norm, exact)
+
+
+def test_fabric_clips_bf16_replicas_by_their_fp32_norm():
+    run_distributed(_fabric_clip_worker, 2)

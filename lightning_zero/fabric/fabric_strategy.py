@@ -46,6 +46,7 @@ from lightning_zero.diagnostics.hang_guard import DEFAULT_HANG_TIMEOUT, HangGuar
 from lightning_zero.diagnostics.network import DEFAULT_RENDEZVOUS_TIMEOUT
 from lightning_zero.diagnostics.peers import LostPeer
 from lightning_zero.distributed import runtime
+from lightning_zero.distributed.replicas import clip_replica_grads
 from lightning_zero.ds_config import DeepSpeedConfigWarning
 from lightning_zero.ds_config.binding import DeepSpeedConfigBinding, config_reduce_bucket_size, precision_from_config
 from lightning_zero.fabric import fabric_checkpoints, fabric_pipeline
@@ -375,6 +376,8 @@ class ZeroStrategy(ParallelStrategy):
         params = list(self.precision.main_params(optimizer))
         if self._runner is not None:
             return fabric_pipeline.clip(self._runner, params, max_norm, norm_type, error_if_nonfinite)
+        if self.precision.replicas_cast:  # bf16 replicas' gradients: the norm in fp32
+            return clip_replica_grads(params, max_norm, norm_type, error_if_nonfinite)
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm, norm_type=norm_type,
                                               error_if_nonfinite=error_if_nonfinite)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm

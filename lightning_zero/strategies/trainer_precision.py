@@ -22,6 +22,7 @@ from lightning_zero.adapters.precision_policy import (  # noqa: F401  (LossScale
     ZeroPrecisionPolicy,
     check_no_second_setting,
 )
+from lightning_zero.distributed.replicas import clip_replica_grads
 
 
 class ZeroPrecision(ZeroPrecisionPolicy, Precision):
@@ -45,9 +46,12 @@ class ZeroPrecision(ZeroPrecisionPolicy, Precision):
         return super().pre_backward(tensor, module)
 
     def clip_grad_by_norm(self, optimizer, clip_val) -> None:
-        if self.grad_norm_clipper is None:
-            return super().clip_grad_by_norm(optimizer, clip_val)
-        self.grad_norm_clipper(self.main_params(optimizer), clip_val)
+        if self.grad_norm_clipper is not None:  # a pipeline's: the norm over every stage
+            self.grad_norm_clipper(self.main_params(optimizer), clip_val)
+        elif self.replicas_cast:  # bf16 replicas' gradients: the norm in fp32
+            clip_replica_grads(self.main_params(optimizer), clip_val)
+        else:
+            super().clip_grad_by_norm(optimizer, clip_val)
 
     def optimizer_step(self, optimizer, model, closure: Callable[[], Any], **kwargs: Any) -> Any:
         if isinstance(optimizer, torch.optim.LBFGS):
