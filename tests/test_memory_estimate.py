@@ -30,6 +30,10 @@ def test_mixed_precision_keeps_fp32_masters_as_the_parameters():
     assert (stage1.params, stage1.grads, stage1.optimizer_states) == (2 * P, 2 * P, 12 * P // 8)
     assert zero_formula(P, 0, 8, precision="bf16-true").total == 16 * P
     assert zero_formula(P, 3, 8, precision="bf16-true") == zero_formula(P, 3, 8)
+    # ... unless the masters are swapped to NVMe: then the run keeps fp32 parameters
+    assert zero_formula(P, 1, 8, precision="bf16-true", swapped_masters=True) == zero_formula(P, 1, 8)
+    nvme = estimate_model_states_memory(P, 1, 8, offload="nvme", precision="bf16-true")
+    assert nvme.accelerator == estimate_model_states_memory(P, 1, 8, offload="nvme").accelerator
     # low precision halves only what compute reads: the parameters gathered at stage 2
     gathered = {precision: estimate_model_states_memory(P, 2, 8, precision=precision)
                 for precision in ("32-true", "bf16-mixed")}

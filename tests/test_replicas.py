@@ -212,3 +212,21 @@ def _fabric_clip_worker(rank, world_size):
 
 def test_fabric_clips_bf16_replicas_by_their_fp32_norm():
     run_distributed(_fabric_clip_worker, 2)
+
+
+def _nvme_worker(rank, world_size, root):
+    """With the masters swapped to NVMe the run keeps fp32 parameters (the swapper writes its first masters from the
+    parameters and a checkpoint saves them): bf16 replicas there would start and save bf16-rounded weights."""
+    torch.manual_seed(0)
+    module = RegressionModule(batch_size=BATCH)
+    strategy = ZeroStrategy(stage=1, offload="nvme", nvme_path=root)
+    trainer = quiet_trainer(strategy, world_size, max_steps=2, precision="bf16-true")
+    trainer.fit(module)
+    assert {p.dtype for p in module.parameters()} == {torch.float32}
+    assert not strategy.precision_plugin.replicas_cast
+    saved = trained_weights(trainer)
+    assert any(not torch.equal(v, v.to(torch.bfloat16).float()) for v in saved.values())
+
+
+def test_nvme_swapped_masters_keep_fp32_parameters(tmp_path):
+    run_distributed(_nvme_worker, 2, str(tmp_path))

@@ -200,14 +200,12 @@ def _memory_worker(rank, world_size, precision):
         torch.manual_seed(0)
         module = TinyNet(depth=4)
         num_params = sum(p.numel() for p in module.parameters())
-        values, replicas = {}, policy.replica_dtype()
+        engines = policy.wrap_module_kwargs(ZeroConfig(stage=stage))  # as the strategies hand them to step 3
         model = apply_zero(module, mesh, ZeroConfig(stage=stage),
-                           mp_policy=policy.fsdp_mp_policy() if stage >= 2 else None,
-                           replica_dtype=replicas, fp32_values=values)
-        policy.replicas_cast = replicas is not None
+                           mp_policy=engines["mp_policy"] if stage >= 2 else None,
+                           replica_dtype=engines["replica_dtype"], fp32_values=engines["fp32_values"])
         opt = torch.optim.Adam(module.parameters(), lr=1e-3)
-        shard_optimizer(opt, ZeroConfig(stage=stage), group=mesh.get_group(),
-                        fp32_values=values if replicas is not None else None)
+        shard_optimizer(opt, ZeroConfig(stage=stage), group=mesh.get_group(), fp32_values=policy.replica_fp32_values())
         x = policy.convert_input(torch.randn(LOCAL_BATCH, 8))
         peak = {}
         if stage == 2:

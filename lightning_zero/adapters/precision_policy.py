@@ -153,25 +153,22 @@ class ZeroPrecisionPolicy:
 
         return MixedPrecisionPolicy(param_dtype=self.low_dtype, reduce_dtype=self.reduce_dtype or torch.float32)
 
-    def ddp_reduce_dtype(self) -> Optional[torch.dtype]:
-        """The gradient all-reduce dtype at stages 0-1 when it is not the parameters' (fp32 over bf16 replicas)."""
-        if replica_dtype(self.precision, self.stage) is not None:
+    def ddp_reduce_dtype(self, replicas: bool = False) -> Optional[torch.dtype]:
+        """The gradient all-reduce dtype at stages 0-1 when it is not the parameters' (fp32 over bf16 ``replicas``)."""
+        if replicas:
             return self.reduce_dtype or torch.float32
         return self.reduce_dtype if self.reduce_dtype not in (None, torch.float32) else None
 
-    def replica_dtype(self) -> Optional[torch.dtype]:
-        """The dtype step 3 casts the parameters to at stages 0-1 (bf16 under ``bf16-true``, else ``None``;
+    def wrap_module_kwargs(self, config) -> dict[str, Any]:
+        """What step 3 (:func:`~lightning_zero.distributed.runtime.wrap_module`) takes from the precision for a run of
+        ``config`` (its ``ZeroConfig``): FSDP2's policy, DDP's reduction dtype, and under ``bf16-true`` at stages 0-1
+        the replicas' dtype with the dict their fp32 values go to, kept for step 4 (:meth:`replica_fp32_values`;
         :mod:`lightning_zero.distributed.replicas`)."""
-        return replica_dtype(self.precision, self.stage)
-
-    def wrap_module_kwargs(self) -> dict[str, Any]:
-        """What step 3 (:func:`~lightning_zero.distributed.runtime.wrap_module`) takes from the precision: FSDP2's
-        policy, DDP's reduction dtype, and under ``bf16-true`` at stages 0-1 the replicas' dtype with the dict their
-        fp32 values go to, kept for step 4 (:meth:`replica_fp32_values`)."""
-        dtype = self.replica_dtype()
+        dtype = replica_dtype(self.precision, self.stage, config.offloads_optimizer_only and
+                              config.swaps_optimizer_states)
         self.replicas_cast = dtype is not None
-        return dict(mp_policy=self.fsdp_mp_policy(), reduce_dtype=self.ddp_reduce_dtype(), replica_dtype=dtype,
-                    fp32_values=self.fp32_values)
+        return dict(mp_policy=self.fsdp_mp_policy(), reduce_dtype=self.ddp_reduce_dtype(self.replicas_cast),
+                    replica_dtype=dtype, fp32_values=self.fp32_values)
 
     def replica_fp32_values(self) -> Optional[dict]:
         """What step 4 (:func:`~lightning_zero.distributed.runtime.shard_optimizer_of`) makes masters of: the fp32

@@ -22,7 +22,8 @@ of stages 2-3 under ``bf16-true`` (every op in bf16 over fp32 masters) and of De
    checkpoint written here holds fp32 weights and loads at any stage, precision and world size.
 
 Frozen parameters are cast and keep no fp32 value (nothing steps them; Lightning's own ``bf16-true`` holds the whole
-model in bf16 too). ``16-true`` keeps autocast over fp32 parameters at stages 0-1: its loss scale must come off
+model in bf16 too). ``bf16-true`` with the optimizer's states and masters swapped to NVMe keeps fp32 parameters
+(:func:`replica_dtype`). ``16-true`` keeps autocast over fp32 parameters at stages 0-1: its loss scale must come off
 fp32 gradients (a tiny fp16 gradient divided by the scale in fp16 flushes to zero, which DeepSpeed avoids the same
 way, by unscaling its fp32 master gradients).
 """
@@ -33,9 +34,14 @@ import torch
 from torch import Tensor, nn
 
 
-def replica_dtype(precision: str, stage: int) -> torch.dtype | None:
-    """The dtype stages 0-1 cast the replicas to: bf16 under ``bf16-true``; ``None`` otherwise (fp32 parameters)."""
-    return torch.bfloat16 if precision == "bf16-true" and stage <= 1 else None
+def replica_dtype(precision: str, stage: int, swapped_masters: bool = False) -> torch.dtype | None:
+    """The dtype stages 0-1 cast the replicas to: bf16 under ``bf16-true``; ``None`` otherwise (fp32 parameters).
+
+    Also ``None`` with the masters swapped to NVMe (``offload_optimizer="nvme"``): the swapper writes its first
+    masters from the parameters and a checkpoint then saves the parameters (the masters are on disk between steps),
+    so bf16 replicas there would start and save bf16-rounded weights; that run keeps fp32 parameters under
+    autocast."""
+    return torch.bfloat16 if precision == "bf16-true" and stage <= 1 and not swapped_masters else None
 
 
 @torch.no_grad()

@@ -107,12 +107,12 @@ def head_activation_bytes(shape: TransformerShape, precision: str = "32-true") -
     return 2 * 8 * s * b + s * b * h * (resid + comp) + 4 * 2 * b * s + logits
 
 
-def precision_at_stage(precision: str, stage: int) -> str:
+def precision_at_stage(precision: str, stage: int, swapped_masters: bool = False) -> str:
     """The precision the activations of a ZeroStrategy run at ``stage`` follow: at stages 0-1 a ``*-true`` flag that
     keeps no low-precision replicas (``16-true``: :func:`~lightning_zero.distributed.replicas.replica_dtype`) runs as
     autocast over the fp32 parameters, so its activations are those of ``*-mixed``; every other flag and stage, the
     flag's own."""
-    if stage <= 1 and precision in _HALF_TRUE and replica_dtype(precision, stage) is None:
+    if stage <= 1 and precision in _HALF_TRUE and replica_dtype(precision, stage, swapped_masters) is None:
         return precision.replace("-true", "-mixed")
     return precision
 

@@ -188,14 +188,16 @@ def shard_ranks(world_size: int, hybrid_shard_size: Optional[int] = None) -> int
 
 
 def zero_formula(num_params: int, stage: int, world_size: int, *, precision: str = "32-true",
-                 optimizer_bytes_fp32: int = 8, hybrid_shard_size: Optional[int] = None) -> StateBytes:
-    """Bytes per rank at rest (between backward and step) for ``stage``; see the module table."""
+                 optimizer_bytes_fp32: int = 8, hybrid_shard_size: Optional[int] = None,
+                 swapped_masters: bool = False) -> StateBytes:
+    """Bytes per rank at rest (between backward and step) for ``stage``; see the module table. ``swapped_masters``:
+    the optimizer's masters are swapped to NVMe (no bf16 replicas then: ``distributed/replicas.py``)."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
     _check_precision(precision)
     # [Note: ZeroStrategy's bytes under mixed precision]: fp32 parameters (the masters) and gradients, except for the
     # bf16 replicas of bf16-true at stages 0-1, whose fp32 masters sit beside the optimizer's states
-    replicas = replica_dtype(precision, stage) is not None
+    replicas = replica_dtype(precision, stage, swapped_masters) is not None
     bp = bg = 2 if replicas else 4
     k = optimizer_bytes_fp32 + (4 if replicas else 0)
     p, n = num_params, shard_ranks(world_size, hybrid_shard_size)
@@ -273,7 +275,8 @@ def estimate_model_states_memory(model_or_num_params: Union[nn.Module, int], sta
     swaps_params = stage == 3 and (is_nvme(offload) or is_nvme(offload_params))
     num_params, largest_unit_params = _parameter_counts(model_or_num_params, largest_unit_params)
     rest = zero_formula(num_params, stage, world_size, precision=precision, optimizer_bytes_fp32=optimizer_bytes_fp32,
-                        hybrid_shard_size=hybrid_shard_size)
+                        hybrid_shard_size=hybrid_shard_size,
+                        swapped_masters=swaps_optimizer and not config.offloads_params)
     n, p = shard_ranks(world_size, hybrid_shard_size), num_params
     accel, cpu = _offload_placement(rest, p, n, optimizer_bytes_fp32, offloads=config.offloads,
                                     offloads_params=config.offloads_params)
@@ -388,6 +391,8 @@ def estimate_memory(model_or_num_params: Union[nn.Module, int], stage: int, worl
     if checkpointing not in CHECKPOINTING:
         raise ValueError(f"checkpointing must be one of {CHECKPOINTING}, got {checkpointing!r}")
     states = estimate_model_states_memory(model_or_num_params, stage, world_size, offload, precision, **state_kwargs)
-    acts = (activation_bytes(shape, precision_at_stage(precision, stage), checkpointing) if shape is not None
+    swapped = stage <= 1 and any(isinstance(d, str) and d.lower() == "nvme"
+                                 for d in (offload, state_kwargs.get("offload_optimizer")))
+    acts = (activation_bytes(shape, precision_at_stage(precision, stage, swapped), checkpointing) if shape is not None
             else ActivationBytes(0))
     return FullEstimate(states, acts, checkpointing)

@@ -334,7 +334,7 @@ class ZeroStrategy(ParallelStrategy):
                                    ddp_options=self.settings.ddp_options,
                                    reduce_bucket_size=config_reduce_bucket_size(self.ds_config),
                                    activation_checkpointing=self.settings.activation_checkpoint_config,
-                                   **precision.wrap_module_kwargs())
+                                   **precision.wrap_module_kwargs(self.zero_config))
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """Partition (stage 1) and/or offload the optimizer in place; at stages 2-3 it must hold the sharded

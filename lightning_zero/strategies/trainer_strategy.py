@@ -402,7 +402,8 @@ class ZeroStrategy(ParallelStrategy):
             self.model = runtime.wrap_module(
                 self.model, meshes.data_parallel, self.zero_config, device=self.root_device,
                 ddp_options=self.settings.ddp_options, reduce_bucket_size=config_reduce_bucket_size(self.ds_config),
-                activation_checkpointing=self.activation_checkpoint_config, **precision.wrap_module_kwargs())
+                activation_checkpointing=self.activation_checkpoint_config,
+                **precision.wrap_module_kwargs(self.zero_config))
         else:  # evaluation at stages 0-1: no DDP, every rank starts from rank 0's weights
             runtime.replicate_for_evaluation(self.model, meshes.data_parallel, self.root_device)
         if self.stage >= 2 and fitting and self._runner is None and not self.lightning_module.automatic_optimization:
