@@ -27,12 +27,14 @@ BATCH = 4  # per rank
 STEPS = 4
 
 
-def replica_reference(steps: int, world_size: int, batch: int = BATCH, clip=None) -> dict[str, torch.Tensor]:
+def replica_reference(steps: int, world_size: int, batch: int = BATCH, clip=None,
+                      accumulate: int = 1) -> dict[str, torch.Tensor]:
     """What ``bf16-true`` at stages 0-1 computes, on one process: per step, each rank's micro-batch (Lightning's
     DistributedSampler: every ``world_size``-th index of the shuffled epoch) forward and backward through bf16
     parameters; the gradients divided by the world size and summed in fp32, rounded to bf16 once (the DDP hook);
     with ``clip``, scaled by torch's ``clip_grads_with_norm_`` for their norm taken in fp32; AdamW and the scheduler
-    on fp32 masters; the masters rounded into the parameters."""
+    on fp32 masters; the masters rounded into the parameters. With ``accumulate``, each rank's micro-batches add
+    their gradients of ``loss / accumulate`` in bf16 before the reduction, as autograd does into DDP's replicas."""
     torch.manual_seed(0)
     model = RegressionModule()
     masters = {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -44,10 +46,11 @@ def replica_reference(steps: int, world_size: int, batch: int = BATCH, clip=None
     for step in range(steps):
         total = [torch.zeros_like(m) for m in master_list]
         for rank in range(world_size):
-            index = order[rank::world_size][step * batch:(step + 1) * batch]
-            x, y = x_all[index].to(torch.bfloat16), y_all[index].to(torch.bfloat16)
             model.zero_grad(set_to_none=True)
-            nn.functional.mse_loss(model(x), y).backward()
+            for micro in range(step * accumulate, (step + 1) * accumulate):
+                index = order[rank::world_size][micro * batch:(micro + 1) * batch]
+                x, y = x_all[index].to(torch.bfloat16), y_all[index].to(torch.bfloat16)
+                (nn.functional.mse_loss(model(x), y) / accumulate).backward()
             for acc, p in zip(total, model.parameters()):
                 acc.add_(p.grad.float().div_(world_size))
         for p, reduced in zip(model.parameters(), total):
@@ -94,6 +97,19 @@ def _parity_worker(rank, world_size):
 
 def test_bf16_true_at_stages_0_and_1_is_the_written_out_replica_reference():
     run_distributed(_parity_worker, 2)
+
+
+def _accumulate_worker(rank, world_size):
+    expected = replica_reference(STEPS, world_size, accumulate=2)
+    for stage in (0, 1):
+        _, trainer = _fit(stage, world_size, accumulate_grad_batches=2)
+        got = trained_weights(trainer)
+        worst = max((got[k] - expected[k]).abs().max().item() for k in expected)
+        assert worst <= 1e-6, f"stage {stage}: {worst:.3e} from the written-out reference with accumulation"
+
+
+def test_gradient_accumulation_adds_bf16_gradients_before_the_fp32_reduction():
+    run_distributed(_accumulate_worker, 2)
 
 
 CLIP = 0.05  # below every step's gradient norm here: each step is clipped
