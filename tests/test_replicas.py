@@ -246,3 +246,37 @@ def _nvme_worker(rank, world_size, root):
 
 def test_nvme_swapped_masters_keep_fp32_parameters(tmp_path):
     run_distributed(_nvme_worker, 2, str(tmp_path))
+
+
+def _gathered(mine):
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, {k: v.detach().clone() for k, v in mine.items()})
+    return {k: v for part in every for k, v in part.items()}
+
+
+def _fabric_model_only_load_worker(rank, world_size, root):
+    """``fabric.load(path, {"model": model})`` without the optimizer still loads the fp32 values into the masters."""
+    from lightning_zero.fabric import ZeroStrategy as FabricZeroStrategy
+    from tests.fabric.test_fabric_parity import make_fabric
+
+    fabric = make_fabric(FabricZeroStrategy(stage=1), precision="bf16-true")
+    models = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        module = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 8))
+        models.append((module, *fabric.setup(module, torch.optim.AdamW(module.parameters(), lr=1e-2))))
+    first, model, optimizer = models[0]
+    fabric.backward(model(torch.randn(4, 64) + rank).float().pow(2).sum())
+    optimizer.step()
+    path = os.path.join(root, "ckpt")
+    fabric.save(path, {"model": model, "optimizer": optimizer})
+    saved = _gathered(fabric.strategy.get_module_state_dict(first))
+    assert any(not torch.equal(v, v.to(torch.bfloat16).float()) for v in saved.values())
+    second, model, _ = models[1]
+    fabric.load(path, {"model": model})
+    got = _gathered(fabric.strategy.get_module_state_dict(second))
+    assert all(torch.equal(got[k], saved[k]) for k in saved), "a model-only load rounded the masters"
+
+
+def test_a_model_only_fabric_load_fills_the_masters(tmp_path):
+    run_distributed(_fabric_model_only_load_worker, 2, str(tmp_path))

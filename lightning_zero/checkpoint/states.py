@@ -25,7 +25,7 @@ from lightning_zero.checkpoint.errors import CheckpointError
 from lightning_zero.checkpoint.hf_export import describe_hf_models
 from lightning_zero.checkpoint.io import load_sharded_states, save_sharded_checkpoint
 from lightning_zero.checkpoint.safe_load import read_dcp_metadata
-from lightning_zero.distributed.optimizer import get_sharding
+from lightning_zero.distributed.optimizer import get_sharding, master_holders
 from lightning_zero.offload.optimizer_swapper import resident_states
 
 
@@ -36,13 +36,15 @@ def module_state_dict(module: torch.nn.Module, optimizers=(), *, for_load: bool 
     ``[Note: where the fp32 values live under bf16-true at stages 0-1]``), a parameter's entry is its master: what
     the run trains and what a checkpoint must hold. At stage 1 a rank holds only the masters it steps, so the entries
     of the others are left to their owners (``for_load=False``: a save, which DCP assembles from every rank) or kept
-    as the replicas (``for_load=True``: a load target, which DCP casts into)."""
+    as the replicas (``for_load=True``: a load target, which DCP casts into). The optimizers holding masters of
+    ``module`` are found without ``optimizers`` too (:func:`~lightning_zero.distributed.optimizer.master_holders`)."""
     state = module.state_dict()
-    for optimizer in optimizers:
-        sharding = get_sharding(getattr(optimizer, "_optimizer", optimizer))
+    shardings = [get_sharding(getattr(optimizer, "_optimizer", optimizer)) for optimizer in optimizers]
+    shardings += [s for s in master_holders(module) if all(s is not f for f in shardings)]
+    names = _all_names(module)
+    for sharding in shardings:
         if sharding is None or not (sharding.masters or sharding.masters_elsewhere) or sharding.swaps_masters():
             continue  # swapped masters are on disk between steps; their parameters are saved
-        names = _all_names(module)
         for param in sharding.all_model_params():
             if param.dtype == torch.float32:
                 continue  # an fp32 parameter equals its master after every step

@@ -54,6 +54,7 @@ keeps its name, identity and LR schedulers' wrappers) and are undone in reverse 
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -147,7 +148,10 @@ class OptimizerSharding:
         step would put the old weights back. On each submodule that directly holds parameters with a master, a
         pre-hook notes which of them the state dict holds and a post-hook syncs just those: a partial load
         (``strict=False``) leaves the other masters alone, which matters where they are more precise than their
-        parameters (``bf16-true`` with the optimizer offloaded). Removed by :meth:`remove`."""
+        parameters (``bf16-true``). Removed by :meth:`remove`. Also records this sharding as one holding masters of
+        ``module``'s parameters (:func:`master_holders`)."""
+        if self.masters or self.masters_elsewhere:
+            _register_holder(module, self)
         if not self.masters:
             return
         for sub in module.modules():
@@ -195,6 +199,29 @@ class OptimizerSharding:
 
 def get_sharding(optimizer: torch.optim.Optimizer) -> Optional[OptimizerSharding]:
     return getattr(optimizer, _ATTR, None)
+
+
+# module -> the shardings holding masters of its parameters: a weak table, not a module attribute, so that pickling
+# the module (torch.save(model), spawn) never carries optimizers along
+_HOLDERS: "weakref.WeakKeyDictionary[torch.nn.Module, list[OptimizerSharding]]" = weakref.WeakKeyDictionary()
+
+
+def _register_holder(module: torch.nn.Module, sharding: OptimizerSharding) -> None:
+    """Record ``sharding`` for ``module``, forgetting those of earlier runs (removed: their hooks are gone) so that a
+    new fit's masters are the only ones found; the current run's stay found after its teardown (a checkpoint saved
+    after ``fit`` returns holds the masters)."""
+    live = [s for s in _HOLDERS.get(module, []) if s.hooks and s is not sharding]
+    _HOLDERS[module] = [*live, sharding]
+
+
+def master_holders(module: torch.nn.Module) -> list[OptimizerSharding]:
+    """The shardings holding fp32 masters of ``module``'s parameters (of it or any submodule), so that a checkpoint
+    saved or loaded without its optimizers still reads and writes the masters (``fabric.load(path, {"model": m})``,
+    an evaluation's ``ckpt_path``, ``fabric.load_raw``)."""
+    found: list[OptimizerSharding] = []
+    for sub in module.modules():
+        found.extend(s for s in _HOLDERS.get(sub, ()) if all(s is not f for f in found))
+    return found
 
 
 def shard_optimizer(optimizer: torch.optim.Optimizer, config: ZeroConfig, *, group=None,
