@@ -268,15 +268,11 @@ def estimate_model_states_memory(model_or_num_params: Union[nn.Module, int], sta
     # same validation and messages as the strategy
     config = ZeroConfig(stage=stage, offload=no_nvme(offload), offload_optimizer=no_nvme(offload_optimizer),
                         offload_params=no_nvme(offload_params), hybrid_shard_size=hybrid_shard_size)
-    def is_nvme(device):
-        return isinstance(device, str) and device.lower() == "nvme"
-
-    swaps_optimizer = is_nvme(offload) or is_nvme(offload_optimizer)
-    swaps_params = stage == 3 and (is_nvme(offload) or is_nvme(offload_params))
+    swaps_optimizer = _swaps_optimizer_states(offload, offload_optimizer)
+    swaps_params = stage == 3 and (_is_nvme(offload) or _is_nvme(offload_params))
     num_params, largest_unit_params = _parameter_counts(model_or_num_params, largest_unit_params)
     rest = zero_formula(num_params, stage, world_size, precision=precision, optimizer_bytes_fp32=optimizer_bytes_fp32,
-                        hybrid_shard_size=hybrid_shard_size,
-                        swapped_masters=swaps_optimizer and not config.offloads_params)
+                        hybrid_shard_size=hybrid_shard_size, swapped_masters=swaps_optimizer)
     n, p = shard_ranks(world_size, hybrid_shard_size), num_params
     accel, cpu = _offload_placement(rest, p, n, optimizer_bytes_fp32, offloads=config.offloads,
                                     offloads_params=config.offloads_params)
@@ -305,6 +301,16 @@ def estimate_model_states_memory(model_or_num_params: Union[nn.Module, int], sta
         in_use = min(2 * largest_unit_params, p) * 4 // n
         buffers += min(shard, max_in_cpu * 4 + in_use) + min(shard, buffer_count * buffer_size * 4)
     return MemoryEstimate(accel, cpu, accel.total + gathered, cpu.total + buffers, nvme=on_disk)
+
+
+def _is_nvme(device) -> bool:
+    return isinstance(device, str) and device.lower() == "nvme"
+
+
+def _swaps_optimizer_states(offload, offload_optimizer) -> bool:
+    """The optimizer's states (and, with the parameters not offloaded, its masters) are swapped to NVMe. At stages
+    0-1, where ``bf16-true`` would keep bf16 replicas, that is what ``replica_dtype``'s ``swapped_masters`` asks."""
+    return _is_nvme(offload) or _is_nvme(offload_optimizer)
 
 
 def _parameter_counts(model_or_num_params: Union[nn.Module, int], largest_unit_params: Optional[int]
@@ -391,8 +397,7 @@ def estimate_memory(model_or_num_params: Union[nn.Module, int], stage: int, worl
     if checkpointing not in CHECKPOINTING:
         raise ValueError(f"checkpointing must be one of {CHECKPOINTING}, got {checkpointing!r}")
     states = estimate_model_states_memory(model_or_num_params, stage, world_size, offload, precision, **state_kwargs)
-    swapped = stage <= 1 and any(isinstance(d, str) and d.lower() == "nvme"
-                                 for d in (offload, state_kwargs.get("offload_optimizer")))
+    swapped = _swaps_optimizer_states(offload, state_kwargs.get("offload_optimizer"))
     acts = (activation_bytes(shape, precision_at_stage(precision, stage, swapped), checkpointing) if shape is not None
             else ActivationBytes(0))
     return FullEstimate(states, acts, checkpointing)
