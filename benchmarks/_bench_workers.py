@@ -282,9 +282,10 @@ def run_minimal(rank, world, args, job, out):
         master = torch.nn.Parameter(whole[rank * chunk:(rank + 1) * chunk].clone())
         optimizer = torch.optim.AdamW([master], lr=1e-4)
         received = torch.empty_like(flat)
-    times, counter = [], StepCounter(args, rank, job)
+    times, profiler, counter = [], _StepProfiler(args, rank, job), StepCounter(args, rank, job)
     for x, y in models.batches(name, args, rank):
         counter.step_begin(len(times))
+        profiler.step_begin(len(times))
         start = time.perf_counter()
         with torch.autocast(device.type, dtype=low_dtype or torch.bfloat16, enabled=low_dtype is not None):
             value = models.loss(name, model, x.to(device), y.to(device))
@@ -314,6 +315,7 @@ def run_minimal(rank, world, args, job, out):
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
+    profiler.finish()
     counter.finish()
     checksum = float(sum(p.detach().double().sum() for p in params))
     _write(out, rank, times[args.warmup:], _peak(baseline), param_sum=checksum)

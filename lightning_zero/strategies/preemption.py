@@ -18,7 +18,17 @@ one call and replaces the SIGTERM and requeue-signal handlers with the flag abov
 the fit still runs; Lightning restores all of them at teardown). With ``SLURMEnvironment(auto_requeue=True)`` and its
 requeue signal, Lightning's requeue handler is called at the step boundary instead (every rank together): it saves
 the ``hpc_ckpt`` Lightning restores on a requeued job and runs ``scontrol requeue``. Lightning's per-step broadcast
-of its own SIGTERM flag stays and stays quiet, as that flag is never set.
+of its own SIGTERM flag is replaced for the fit (next note).
+
+[Note: Lightning's per-step SIGTERM broadcast]
+Lightning's training loop broadcasts its SIGTERM flag from rank 0 before every batch and reads it with ``.item()``
+(``_broadcast_sigterm_tensor``): a blocking collective on the training communicator, on the training device, every
+step. On NCCL ``.item()`` waits for all queued GPU work, so the host stops running ahead of the GPU once per step;
+on any backend it makes every rank wait for the slowest at the start of the batch, a meeting the minimal loop does
+not have (``docs/performance.md``, stop 40). Under this module Lightning's SIGTERM handler is replaced, so its flag
+is never set and the broadcast always carries 0. For the fit the loop's method is replaced on the instance by one
+that makes no collective (Lightning's local checks of the flag stay); ``on_train_end`` and ``on_exception`` put
+Lightning's method back.
 
 [Note: agreeing without a per-step sync]
 The agreement runs on every training batch, so it must cost nothing a step notices. A blocking ``all_reduce`` plus
@@ -62,6 +72,7 @@ from lightning_zero.strategies.lifecycle import wrap_next_call
 log = logging.getLogger(__name__)
 
 PREEMPTED_CHECKPOINT = "preempted.ckpt"
+_LIGHTNING_BROADCAST = "_broadcast_sigterm_tensor"  # Lightning's training loop method, see the note above
 
 
 def _signals(trainer) -> list[int]:
@@ -104,6 +115,7 @@ class PreemptionCheckpoint(Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         if dist.is_available() and dist.is_initialized():
             self._group = control_group(None)  # collective on first use: every rank is here together
+        _replace_lightning_broadcast(trainer, self)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         """Start this batch's agreement (see ``[Note: agreeing without a per-step sync]``)."""
@@ -122,9 +134,16 @@ class PreemptionCheckpoint(Callback):
         self._pending = None
         return int(self._flag[0])
 
+    def agreement_stands_in(self) -> None:
+        """Lightning's per-step flag broadcast, replaced: this callback's agreement carries the signals."""
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        _restore_lightning_broadcast(trainer)
+
     def on_train_end(self, trainer, pl_module) -> None:
         """A notice that came after the last batch's agreement started is acted on here, once, as at a step
         boundary (see ``[Note: a notice after the last step]``)."""
+        _restore_lightning_broadcast(trainer)
         if self._pending is not None:  # a batch whose end hook did not run: finish its reduce before the fit ends
             self._pending.wait()
             self._pending = None
@@ -157,6 +176,21 @@ class PreemptionCheckpoint(Callback):
                     log.warning("lightning-zero: preempted (signal %d): saved %s at step %d; exiting so the job is "
                                 "restarted", signum, path, trainer.global_step)
         raise SystemExit(128 + signum)
+
+
+def _replace_lightning_broadcast(trainer, callback: PreemptionCheckpoint) -> None:
+    """Stand in for the training loop's per-step broadcast of Lightning's SIGTERM flag for this fit (see
+    ``[Note: Lightning's per-step SIGTERM broadcast]``); a Lightning without that method is left as it is."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    if loop is None or not callable(getattr(type(loop), _LIGHTNING_BROADCAST, None)):
+        return
+    setattr(loop, _LIGHTNING_BROADCAST, callback.agreement_stands_in)
+
+
+def _restore_lightning_broadcast(trainer) -> None:
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    if loop is not None and _LIGHTNING_BROADCAST in vars(loop):
+        delattr(loop, _LIGHTNING_BROADCAST)
 
 
 def _slurm_requeues(trainer, signum: int) -> bool:

@@ -235,3 +235,32 @@ def test_ckpt_path_last_resumes_from_a_newer_preemption_checkpoint(tmp_path):
     """Lightning's "last" only knows last*.ckpt: without the strategy's help the resume silently started again from
     the save before the preemption (``[Note: "last" after a preemption]``)."""
     run_distributed(_last_worker, 2, str(tmp_path))
+
+
+
+def _lightning_broadcast_worker(rank, world_size, root):
+    import sys
+
+    import torch.distributed as dist
+
+    original, from_lightning = dist.broadcast, []
+
+    def broadcast(tensor, *args, **kwargs):
+        if sys._getframe(1).f_code.co_filename.endswith(os.path.join("loops", "training_epoch_loop.py")):
+            from_lightning.append(kwargs)
+        return original(tensor, *args, **kwargs)
+
+    dist.broadcast = broadcast
+    try:
+        trainer, _ = _fit(os.path.join(root, "quiet"))
+        # No per-step meeting on the training communicator from Lightning's loop: the agreement replaces it.
+        assert from_lightning == [], from_lightning
+        assert "_broadcast_sigterm_tensor" not in vars(trainer.fit_loop.epoch_loop)  # Lightning's method is back
+    finally:
+        dist.broadcast = original
+
+
+def test_lightning_per_step_sigterm_broadcast_is_replaced_by_the_agreement(tmp_path):
+    """Lightning's loop broadcasts its SIGTERM flag before every batch (a blocking meeting, a device sync on NCCL);
+    under ZeroStrategy its handler is replaced (the flag is never set), so the agreement stands in for it."""
+    run_distributed(_lightning_broadcast_worker, 2, str(tmp_path))
