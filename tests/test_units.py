@@ -185,6 +185,13 @@ CASES = [
     # replayed one group at a time
     ("gpt", 3, dict(unit_bytes=2 * BLOCK_BYTES, checkpointing=True), 2),
     ("mlp", 3, dict(unit_bytes=3 * LINEAR_BYTES, deferred=True, checkpointing=True), 1),
+    # the default unit size: a model under one unit is one unit at stage 2 (the root), keeps its grouped blocks
+    # at stage 3, in a deferred build (made real one unit at a time) and with the units sharded_module_classes names
+    ("gpt", 2, dict(), 2),
+    ("gpt", 2, dict(deferred=True), 1),
+    ("gpt", 2, dict(checkpointing=True), 1),
+    ("gpt", 3, dict(), 1),
+    ("gpt", 2, dict(sharded_module_classes={Block}), 1),
 ]
 
 
@@ -269,11 +276,14 @@ def _parity(rank, world_size, mesh):
         worst = max((got[k] - expected[k]).abs().max().item() for k in expected)
         if not worst <= 1e-5:
             failures.append(f"{kind} stage {stage} {knobs} accumulate={accumulate}: max abs diff {worst:.2e}")
-        expected_units = {("mlp", 3 * LINEAR_BYTES): 4, ("mlp", 2 * LINEAR_BYTES): 5, ("gpt", 2 * BLOCK_BYTES): 3}
+        expected_units = {("mlp", 3 * LINEAR_BYTES): 4, ("mlp", 2 * LINEAR_BYTES): 5, ("gpt", 2 * BLOCK_BYTES): 3,
+                          ("gpt", None): 2}  # the default size: the four blocks grouped, and the root
         if knobs.get("param_persistence_threshold"):
             assert _units(model) == 1, (kind, knobs, _units(model))  # every block left to the root
+        elif stage == 2 and not {"unit_bytes", "sharded_module_classes", "deferred"} & set(knobs):
+            assert _units(model) == 1, (kind, knobs, _units(model))  # the whole model fits in one unit
         else:
-            assert _units(model) == expected_units[kind, knobs["unit_bytes"]], (kind, knobs, _units(model))
+            assert _units(model) == expected_units[kind, knobs.get("unit_bytes")], (kind, knobs, _units(model))
     assert not failures, "\n".join(failures)
 
 

@@ -41,13 +41,13 @@ from lightning_zero.distributed.activation_checkpointing import (
 )
 from lightning_zero.distributed.comm_buffers import install_comm_buffer_pool
 from lightning_zero.distributed.config import ZeroConfig
-from lightning_zero.distributed.deferred_init import materialize_module
+from lightning_zero.distributed.deferred_init import has_deferred, materialize_module
 from lightning_zero.distributed.exact_init import broadcast_module_states, refuse_meta_tensors
 from lightning_zero.distributed.full_tensor_load import accept_full_tensors
 from lightning_zero.distributed.hybrid import check_mesh_matches, data_parallel_group
 from lightning_zero.distributed.meta_init import init_meta_tensors
 from lightning_zero.distributed.replicas import keep_fp32_values
-from lightning_zero.distributed.units import plan_units, set_prefetch
+from lightning_zero.distributed.units import param_bytes, plan_units, set_prefetch
 from lightning_zero.torch_compat import fsdp_param_groups
 
 log = logging.getLogger(__name__)
@@ -130,13 +130,25 @@ def unit_groups(module: nn.Module, config: ZeroConfig) -> tuple[list[list[nn.Mod
     """The FSDP2 units below the root, as groups of modules (one ``fully_shard`` call each), in the order they
     are sharded (nested blocks before the blocks holding them), and whether any block was left to the root by
     ``param_persistence_threshold`` (:mod:`.units`)."""
-    plan = plan_units(module, sharded_units(module, config), config.effective_unit_bytes,
-                      config.effective_param_persistence_threshold)
+    blocks = sharded_units(module, config)
+    if whole_model_is_one_unit(module, config):
+        log.info("ZeRO-2: the whole model (%d blocks) fits in one unit of %d bytes: one FSDP2 unit, the root",
+                 len(blocks), config.effective_unit_bytes)
+        return [], bool(blocks)
+    plan = plan_units(module, blocks, config.effective_unit_bytes, config.effective_param_persistence_threshold)
     order = {id(m): i for i, m in enumerate(module.modules())}
     groups = sorted(plan.groups, key=lambda group: order[id(group[0])], reverse=True)
     log.info("ZeRO-%d: %d FSDP2 units below the root (unit_bytes=%d), %d blocks left to the root", config.stage,
              len(groups), config.effective_unit_bytes, len(plan.persistent))
     return groups, bool(plan.persistent)
+
+
+def whole_model_is_one_unit(module: nn.Module, config: ZeroConfig) -> bool:
+    """Stage 2 with detected blocks: the whole model's parameters fit in one unit (``unit_bytes``), so it is one
+    FSDP2 unit, the root (``[Note: one unit for a model smaller than a unit]`` in :mod:`.units`). Not for a deferred
+    build, which was asked to become real one unit at a time."""
+    return (config.stage == 2 and config.sharded_module_classes is None and config.effective_unit_bytes > 0
+            and not has_deferred(module) and param_bytes(module) <= config.effective_unit_bytes)
 
 
 def _fsdp_kwargs(mesh, config: ZeroConfig, device: torch.device, mp_policy=None) -> dict:

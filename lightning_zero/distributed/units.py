@@ -36,6 +36,16 @@ keeps about half of what grouping saves over one unit per block on issue 18's ML
 2's capacity back above DeepSpeed's. Blocks larger than the target (a transformer block of a 1B-parameter model is
 over 100 MB in fp32) stay one unit each, exactly as without grouping. The measurements, and the 16 MiB and 4 MiB
 defaults before this one: ``docs/units.md``.
+
+[Note: one unit for a model smaller than a unit]
+At stage 2 a model whose parameters all fit in one unit (``unit_bytes``, 8 MiB by default) is one FSDP2 unit, the
+root, instead of its grouped blocks plus the root (``apply_zero.whole_model_is_one_unit``). Stage 2 keeps every
+unit gathered from forward to backward, so a second unit saves no memory; it only adds its fixed cost per step
+(hooks, one all-gather and one reduce-scatter), which on such a model is a share of the step a user sees (the
+GPT of ``bench_stages.py``, 3.3 MB in two units: stop 36 measured one unit 1.04x faster, stop 40 in
+``docs/performance.md``). DeepSpeed's ZeRO-2 reduces such a model in one bucket as well. Stage 3 keeps its units
+(each unit there is resharded after forward, which is what stage 3 is for), as do ``unit_bytes=0`` (one unit per
+block, asked for) and ``sharded_module_classes`` (the units the user named).
 """
 
 from __future__ import annotations
@@ -86,6 +96,11 @@ def _param_stats(modules: list[nn.Module]) -> tuple[int, int]:
                 nbytes += param.numel() * param.element_size()
                 numel += param.numel()
     return nbytes, numel
+
+
+def param_bytes(module: nn.Module) -> int:
+    """Bytes of ``module``'s distinct parameters (meta tensors included: a deferred build counts as built)."""
+    return _param_stats([module])[0]
 
 
 def plan_units(root: nn.Module, blocks: list[nn.Module], unit_bytes: int,

@@ -72,16 +72,14 @@ def recomputed_block_bytes(module: nn.Module, counted: SavedBytes,
     call (``unshard``/``reshard``), since calling the original ``forward`` bypasses its hooks; so call this outside a
     training step, on every rank.
     """
-    from torch.distributed.fsdp import FSDPModule
-
     largest = 0
     for block in checkpointed_blocks(module):
         specs = counted.block_inputs.get(id(block))
         if specs is None:  # not run in that forward
             continue
-        sharded = isinstance(block, FSDPModule)
-        if sharded:
-            block.unshard()
+        unit = _owning_unit(module, block)
+        if unit is not None:
+            unit.unshard()
         try:
             args = [torch.randn(shape, dtype=dtype, device=device, requires_grad=True) if dtype.is_floating_point
                     else torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in specs]
@@ -90,7 +88,19 @@ def recomputed_block_bytes(module: nn.Module, counted: SavedBytes,
                     out = block.__dict__["forward"].forward(*args)  # the original forward: no checkpoint
             del out
         finally:
-            if sharded:
-                block.reshard()
+            if unit is not None:
+                unit.reshard()
         largest = max(largest, saved.total)
     return largest
+
+
+def _owning_unit(root: nn.Module, block: nn.Module):
+    """The FSDP2 unit whose parameters ``block`` uses: the block itself, or the nearest enclosing unit (a block
+    grouped into the root, as a stage-2 model smaller than one unit is); ``None`` when nothing is sharded."""
+    from torch.distributed.fsdp import FSDPModule
+
+    parents = {id(child): parent for parent in root.modules() for child in parent.children()}
+    current: Optional[nn.Module] = block
+    while current is not None and not isinstance(current, FSDPModule):
+        current = parents.get(id(current))
+    return current
