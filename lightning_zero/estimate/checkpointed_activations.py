@@ -73,11 +73,12 @@ def recomputed_block_bytes(module: nn.Module, counted: SavedBytes,
     training step, on every rank.
     """
     largest = 0
+    parents = {id(child): parent for parent in module.modules() for child in parent.children()}
     for block in checkpointed_blocks(module):
         specs = counted.block_inputs.get(id(block))
         if specs is None:  # not run in that forward
             continue
-        unit = _owning_unit(module, block)
+        unit = _owning_unit(block, parents)
         if unit is not None:
             unit.unshard()
         try:
@@ -94,12 +95,12 @@ def recomputed_block_bytes(module: nn.Module, counted: SavedBytes,
     return largest
 
 
-def _owning_unit(root: nn.Module, block: nn.Module):
+def _owning_unit(block: nn.Module, parents: dict[int, nn.Module]):
     """The FSDP2 unit whose parameters ``block`` uses: the block itself, or the nearest enclosing unit (a block
-    grouped into the root, as a stage-2 model smaller than one unit is); ``None`` when nothing is sharded."""
+    grouped into the root, as a stage-2 model smaller than one unit is; ``parents``: ``{id(child): parent}``);
+    ``None`` when nothing is sharded."""
     from torch.distributed.fsdp import FSDPModule
 
-    parents = {id(child): parent for parent in root.modules() for child in parent.children()}
     current: Optional[nn.Module] = block
     while current is not None and not isinstance(current, FSDPModule):
         current = parents.get(id(current))

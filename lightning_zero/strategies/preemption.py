@@ -115,7 +115,7 @@ class PreemptionCheckpoint(Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         if dist.is_available() and dist.is_initialized():
             self._group = control_group(None)  # collective on first use: every rank is here together
-        _replace_lightning_broadcast(trainer, self)
+        _replace_lightning_broadcast(trainer)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         """Start this batch's agreement (see ``[Note: agreeing without a per-step sync]``)."""
@@ -133,9 +133,6 @@ class PreemptionCheckpoint(Callback):
         self._pending.wait()
         self._pending = None
         return int(self._flag[0])
-
-    def agreement_stands_in(self) -> None:
-        """Lightning's per-step flag broadcast, replaced: this callback's agreement carries the signals."""
 
     def on_exception(self, trainer, pl_module, exception) -> None:
         _restore_lightning_broadcast(trainer)
@@ -178,17 +175,24 @@ class PreemptionCheckpoint(Callback):
         raise SystemExit(128 + signum)
 
 
-def _replace_lightning_broadcast(trainer, callback: PreemptionCheckpoint) -> None:
+def _epoch_loop(trainer):
+    return getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+
+
+def _agreement_stands_in() -> None:
+    """Lightning's per-step flag broadcast, replaced: :class:`PreemptionCheckpoint`'s agreement carries the signals."""
+
+
+def _replace_lightning_broadcast(trainer) -> None:
     """Stand in for the training loop's per-step broadcast of Lightning's SIGTERM flag for this fit (see
     ``[Note: Lightning's per-step SIGTERM broadcast]``); a Lightning without that method is left as it is."""
-    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
-    if loop is None or not callable(getattr(type(loop), _LIGHTNING_BROADCAST, None)):
-        return
-    setattr(loop, _LIGHTNING_BROADCAST, callback.agreement_stands_in)
+    loop = _epoch_loop(trainer)
+    if loop is not None and callable(getattr(type(loop), _LIGHTNING_BROADCAST, None)):
+        setattr(loop, _LIGHTNING_BROADCAST, _agreement_stands_in)
 
 
 def _restore_lightning_broadcast(trainer) -> None:
-    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    loop = _epoch_loop(trainer)
     if loop is not None and _LIGHTNING_BROADCAST in vars(loop):
         delattr(loop, _LIGHTNING_BROADCAST)
 
