@@ -6,7 +6,9 @@ arguments, for side-by-side comparisons of one option); ``kind`` is ``zero:<stag
 parameters after forward, 3 reshards them), ``fsdp:<sharding strategy>`` (Lightning's FSDP1 strategy, opt-in) or
 ``floor:<stage>`` (no strategy: the computation any data-parallel step at that stage must do, see ``run_floor``),
 ``sync:<stage>`` (the floor plus the one synchronisation per step that any data-parallel step needs: a lower bound)
-or ``minimal:<0|1|2>`` (a framework-free loop with the stage's least communication, see ``run_minimal``).
+``minimal:<0|1|2>`` (a framework-free loop with the stage's least communication, see ``run_minimal``) or
+``engine:<0|1|2>`` (torch's own engine for the stage, DDP, ZeroRedundancyOptimizer or FSDP2, in a bare loop, see
+``run_engine``).
 
 Each rank reports the median wall time of a full training step (forward, backward, optimizer step) after warm-up,
 and the growth of its peak memory (``VmHWM`` reset after imports on CPU; the CUDA allocator's peak on GPU).
@@ -322,6 +324,74 @@ def run_minimal(rank, world, args, job, out):
     dist.destroy_process_group()
 
 
+def run_engine(rank, world, args, job, out):
+    """torch's own engine for the stage in a bare loop, no Lightning and no lightning_zero (``engine:<0|1|2>``): what
+    any stage built on torch's engines and run under no framework costs, so ``ours / engine`` is the tax of the
+    Trainer and of lightning_zero alone, and ``engine / minimal`` the price of the engine against flat buffers.
+
+    - Stage 0: ``DistributedDataParallel`` with ``gradient_as_bucket_view=True`` (ZeroStrategy's default) and AdamW.
+    - Stage 1: the same DDP under ``torch.distributed.optim.ZeroRedundancyOptimizer`` (torch's ZeRO-1: each rank
+      steps its partition, then broadcasts it from bucket views, ``parameters_as_bucket_view=True``).
+    - Stage 2: ``fully_shard`` once, at the root, with ``reshard_after_forward=False``: the fewest FSDP2 hooks and
+      collectives (one all-gather, one reduce-scatter per step) a stage 2 built on FSDP2 can run, so a lower bound
+      for any such layout; AdamW over the shards' local tensors (as ZeroStrategy steps them, ``local_step.py``).
+    - bf16: the fp32 model under autocast (``bf16-mixed``) at every stage; at stage 2 also FSDP2's bf16 compute copy
+      with fp32 gradient reduction, as ZeroStrategy and Lightning's ModelParallelStrategy gather it."""
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    name, stage = job["model"], int(job["kind"].partition(":")[2])
+    if stage not in (0, 1, 2):
+        raise ValueError(f"engine:{stage}: the engine loop covers stages 0-2")
+    device = torch.device("cuda", rank) if _on_cuda() else torch.device("cpu")
+    dist.init_process_group("nccl" if _on_cuda() else "gloo")
+    baseline = _reset_peak()
+    model = models.build(name, args).to(device)
+    low_dtype = PRECISIONS[job["precision"]][1]
+    if stage == 2:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        policy = MixedPrecisionPolicy(param_dtype=low_dtype, reduce_dtype=torch.float32 if low_dtype else None)
+        trained = fully_shard(model, reshard_after_forward=False, mp_policy=policy)
+    else:
+        trained = DistributedDataParallel(model, device_ids=[rank] if device.type == "cuda" else None,
+                                          gradient_as_bucket_view=True)
+    params = list(model.parameters())
+    if stage == 1:
+        optimizer = ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, lr=1e-4,
+                                            parameters_as_bucket_view=True)
+    elif stage == 2:  # AdamW over the shards' local tensors (same storage): DTensor dispatch per op is not FSDP2's
+        shards = [p.to_local().detach() for p in params]
+        optimizer = torch.optim.AdamW(shards, lr=1e-4)
+    else:
+        optimizer = torch.optim.AdamW(params, lr=1e-4)
+    times, profiler, counter = [], _StepProfiler(args, rank, job), StepCounter(args, rank, job)
+    for x, y in models.batches(name, args, rank):
+        counter.step_begin(len(times))
+        profiler.step_begin(len(times))
+        start = time.perf_counter()
+        with torch.autocast(device.type, dtype=low_dtype or torch.bfloat16, enabled=low_dtype is not None):
+            value = models.loss(name, trained, x.to(device), y.to(device))
+        value.backward()
+        if stage == 2:
+            for param, shard in zip(params, shards):
+                shard.grad = param.grad.to_local()
+        optimizer.step()
+        trained.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    profiler.finish()
+    counter.finish()
+    checksum = float(sum(p.detach().full_tensor().double().sum() if hasattr(p, "full_tensor")
+                         else p.detach().double().sum() for p in model.parameters()))
+    _write(out, rank, times[args.warmup:], _peak(baseline), param_sum=checksum)
+    # The process group outlives DDP (destroyed with this frame): _end_process_group ends it afterwards. Destroying
+    # it here first hung one rank now and then in DDP's teardown.
+
+
 def run_deepspeed(rank, world, args, job, out):
     import deepspeed
 
@@ -404,7 +474,8 @@ def _entry(rank, world, port, args, job, out):
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     if args.device == "cuda":
         torch.cuda.set_device(rank)
-    runners = {"deepspeed": run_deepspeed, "floor": run_floor, "sync": run_floor, "minimal": run_minimal}
+    runners = {"deepspeed": run_deepspeed, "floor": run_floor, "sync": run_floor, "minimal": run_minimal,
+               "engine": run_engine}
     if job["kind"].startswith("empty:"):
         from _bench_empty import run_empty
 

@@ -19,7 +19,9 @@ opt-in, the compute floor (``--peers floor``: the same computation with no colle
 ``_bench_workers.run_floor``): ``floor / peer`` is the lowest step-time ratio to that peer any implementation can
 reach; ``--peers sync``: the floor plus one synchronisation of the ranks per step, which every data-parallel step
 has, so a tighter lower bound; ``--peers minimal`` (stages 0-2): a framework-free loop with the stage's least
-communication over flat buffers (``_bench_workers.run_minimal``), what the collectives cost without any engine.
+communication over flat buffers (``_bench_workers.run_minimal``), what the collectives cost without any engine;
+``--peers engine`` (stages 0-2): torch's own engine for the stage (DDP, ZeroRedundancyOptimizer, FSDP2 at the root)
+in a bare loop (``_bench_workers.run_engine``), so ``ours / engine`` is what the Trainer and lightning_zero add.
 
 Method. Every configuration runs in fresh spawned processes with the same model, seed, batches and optimizer (AdamW).
 Time is the median wall time of a full training step (forward, backward, optimizer step) after warm-up; memory is
@@ -60,10 +62,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _bench_models as models  # noqa: E402
 
 STAGES = ("0", "1", "2", "3", "1+cpu", "2+cpu", "3+cpu")
-PEERS = ("deepspeed", "ddp", "modelparallel", "fsdp", "floor", "sync", "minimal", "before")
+PEERS = ("deepspeed", "ddp", "modelparallel", "fsdp", "floor", "sync", "minimal", "engine", "before")
 LABELS = {"deepspeed": "DeepSpeed", "ddp": "Lightning DDP", "modelparallel": "Lightning ModelParallel (FSDP2)",
           "fsdp": "Lightning FSDP (FSDP1)", "floor": "compute floor (no collectives)",
           "sync": "compute floor + one sync per step", "minimal": "minimal loop (no framework, flat collectives)",
+          "engine": "torch's engine, bare loop (DDP, ZeroRedundancyOptimizer, FSDP2)",
           "before": "ZeroStrategy of --before-src (before a change)"}
 DEFAULT_PLOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "docs", "img", "bench_stages.png")
 
@@ -83,8 +86,8 @@ def peer_kinds(stage: str, peers) -> list[tuple[str, str]]:
             out.append((peer, "fsdp:" + ("SHARD_GRAD_OP" if stage == "2" else "FULL_SHARD")))
         elif peer in ("floor", "sync"):
             out.append((peer, f"{peer}:{stage}"))
-        elif peer == "minimal" and stage in ("0", "1", "2"):
-            out.append((peer, f"minimal:{stage}"))
+        elif peer in ("minimal", "engine") and stage in ("0", "1", "2"):
+            out.append((peer, f"{peer}:{stage}"))
         elif peer == "before":
             out.append((peer, f"zero:{stage}"))
     return out
@@ -189,7 +192,7 @@ def plot(rows: list[dict], path: str) -> bool:
     labels = [f"{r['model']} {r['precision']} stage {r['stage']}\nvs {LABELS[r['peer']].replace('Lightning ', 'L. ')}"
               for r in rows]
     colors = {"deepspeed": "tab:blue", "ddp": "tab:orange", "modelparallel": "tab:green", "fsdp": "tab:gray",
-              "floor": "tab:purple", "sync": "tab:pink", "minimal": "tab:brown",
+              "floor": "tab:purple", "sync": "tab:pink", "minimal": "tab:brown", "engine": "tab:cyan",
               "before": "tab:olive"}
     fig, axes = plt.subplots(2, 1, figsize=(max(8.0, 0.55 * len(rows)), 8), sharex=True)
     for ax, key, title in ((axes[0], "time_ratio", "step time, ours / peer"),
@@ -223,11 +226,12 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--stages", nargs="+", default=["0", "1", "2", "3", "2+cpu", "3+cpu"], choices=STAGES,
                         help="ZeRO configurations (default: 0 1 2 3 2+cpu 3+cpu)")
     parser.add_argument("--peers", nargs="+", default=["deepspeed", "ddp", "modelparallel"], choices=PEERS,
-                        help="peers to compare with (default: deepspeed ddp modelparallel; fsdp, floor, sync and "
-                             "minimal are opt-in; floor: the computation alone, no collectives; sync: the floor plus "
-                             "one synchronisation per step, a lower bound for any data-parallel step; minimal: a "
-                             "framework-free loop with the stage's least communication, stages 0-2; see "
-                             "_bench_workers.run_floor and run_minimal)")
+                        help="peers to compare with (default: deepspeed ddp modelparallel; fsdp, floor, sync, "
+                             "minimal and engine are opt-in; floor: the computation alone, no collectives; sync: the "
+                             "floor plus one synchronisation per step, a lower bound for any data-parallel step; "
+                             "minimal: a framework-free loop with the stage's least communication, stages 0-2; "
+                             "engine: torch's DDP, ZeroRedundancyOptimizer or FSDP2 in a bare loop, stages 0-2; see "
+                             "_bench_workers.run_floor, run_minimal and run_engine)")
     parser.add_argument("--no-deepspeed", action="store_true", help="drop the DeepSpeed peer")
     parser.add_argument("--no-lightning", action="store_true", help="drop Lightning's strategies as peers")
     parser.add_argument("--repeat", type=int, default=None, help="alternated runs per cell (default 3; quick: 1)")
@@ -280,7 +284,8 @@ def parse(argv=None) -> argparse.Namespace:
     for peer in args.peers if not args.load else []:
         if not any(peer_kinds(stage, [peer]) for stage in args.stages):  # said, never dropped silently
             print(f"--peers {peer}: no cell at --stages {' '.join(args.stages)} compares with it "
-                  f"(ddp: stage 0; modelparallel and fsdp: 2-3; minimal: 0-2), so it does not run", file=sys.stderr)
+                  f"(ddp: stage 0; modelparallel and fsdp: 2-3; minimal and engine: 0-2), so it does not run",
+                  file=sys.stderr)
     if "before" in args.peers and not args.load and not (
             args.before_src and os.path.isdir(os.path.join(args.before_src, "lightning_zero"))):
         parser.error("--peers before needs --before-src DIR with a lightning_zero package in DIR")

@@ -41,7 +41,9 @@ def test_peers_per_stage(deepspeed_listed):
     assert bench.peer_kinds("3+cpu", ["sync"]) == [("sync", "sync:3+cpu")]  # opt-in, at every stage
     assert bench.peer_kinds("1", ["minimal"]) == [("minimal", "minimal:1")]  # opt-in, stages 0-2 only
     assert bench.peer_kinds("3", ["minimal"]) == [] and bench.peer_kinds("2+cpu", ["minimal"]) == []
-    assert not {"floor", "sync", "minimal"} & set(bench.parse([]).peers)
+    assert bench.peer_kinds("2", ["engine"]) == [("engine", "engine:2")]  # opt-in, stages 0-2 only
+    assert bench.peer_kinds("3", ["engine"]) == [] and bench.peer_kinds("1+cpu", ["engine"]) == []
+    assert not {"floor", "sync", "minimal", "engine"} & set(bench.parse([]).peers)
 
 
 def test_a_peer_with_no_cell_at_the_chosen_stages_is_reported(capsys, deepspeed_listed):
@@ -91,6 +93,26 @@ def test_minimal_loop_trains_the_same_model_at_stages_0_to_2():
     assert abs(flat[0] - initial) > 1e-4, (flat[0], initial)  # AdamW moved every weight by about lr per step
     step, peak = workers.measure({"model": "gpt", "precision": "bf16", "kind": "sync:2"}, args)
     assert step > 0 and peak >= 0
+
+
+def test_engine_loop_trains_the_same_model_as_the_minimal_loop():
+    """The engine peer (torch's DDP, ZeroRedundancyOptimizer and FSDP2 at the root, in a bare loop) does the training
+    it stands for: at stages 0, 1 and 2 every rank ends with the weights of the minimal loop's flat all-reduce on
+    the same batches, and not the initial ones."""
+    bench = _bench()
+    import _bench_models as models
+    import _bench_workers as workers
+
+    args = bench.parse(["--quick", "--nproc", "2", "--peers", "engine", "--steps", "3"])
+    initial = float(sum(p.detach().double().sum() for p in models.build("gpt", args).parameters()))
+    sums = {}
+    for kind in ("minimal:0", "engine:0", "engine:1", "engine:2"):
+        results = workers.spawn({"model": "gpt", "precision": "fp32", "kind": kind}, args)
+        assert all(r["time"] > 0 for r in results)
+        sums[kind] = [r["param_sum"] for r in results]
+    flat = [value for values in sums.values() for value in values]
+    assert max(flat) - min(flat) <= 1e-6 * max(abs(v) for v in flat), sums
+    assert abs(flat[0] - initial) > 1e-4, (flat[0], initial)
 
 
 def test_runs_alternate_and_ratios_are_paired(capsys, deepspeed_listed):
