@@ -240,6 +240,38 @@ def run_floor(rank, world, args, job, out):
     _write(out, rank, times[args.warmup:], _peak(baseline))
 
 
+def _bare_loop_start(rank, args, job):
+    """What the bare loops (``minimal:<stage>``, ``engine:<stage>``) share before their first step: the stage (0-2
+    only), the device, the process group, the memory baseline, the model on the device and the compute dtype."""
+    import torch.distributed as dist
+
+    loop, _, stage = job["kind"].partition(":")
+    if stage not in ("0", "1", "2"):
+        raise ValueError(f"{job['kind']}: the {loop} loop covers stages 0-2")
+    device = torch.device("cuda", rank) if _on_cuda() else torch.device("cpu")
+    dist.init_process_group("nccl" if _on_cuda() else "gloo")
+    baseline = _reset_peak()
+    model = models.build(job["model"], args).to(device)
+    return int(stage), device, baseline, model, PRECISIONS[job["precision"]][1]
+
+
+def _timed_batches(args, rank, job, device, times: list):
+    """The bare loops' batches on ``device``, each step timed from handing its batch out to asking for the next one
+    (after a CUDA synchronisation: the step's kernels count), appended to ``times``; ``--profile`` and ``--count``
+    follow the same steps."""
+    profiler, counter = _StepProfiler(args, rank, job), StepCounter(args, rank, job)
+    for x, y in models.batches(job["model"], args, rank):
+        counter.step_begin(len(times))
+        profiler.step_begin(len(times))
+        start = time.perf_counter()
+        yield x.to(device), y.to(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    profiler.finish()
+    counter.finish()
+
+
 def run_minimal(rank, world, args, job, out):
     """A framework-free data-parallel loop with the least communication of its stage (``minimal:<0|1|2>``): what
     the stage's computation plus its collectives cost on this machine with no framework at all. Not a bound (a
@@ -262,14 +294,7 @@ def run_minimal(rank, world, args, job, out):
         _all_gather_flat,  # torch's, under its name in this torch version
     )
 
-    name, stage = job["model"], int(job["kind"].partition(":")[2])
-    if stage not in (0, 1, 2):
-        raise ValueError(f"minimal:{stage}: the minimal loop covers stages 0-2")
-    device = torch.device("cuda", rank) if _on_cuda() else torch.device("cpu")
-    dist.init_process_group("nccl" if _on_cuda() else "gloo")
-    baseline = _reset_peak()
-    model = models.build(name, args).to(device)
-    low_dtype = PRECISIONS[job["precision"]][1]
+    name, (stage, device, baseline, model, low_dtype) = job["model"], _bare_loop_start(rank, args, job)
     params = list(model.parameters())
     sizes = [p.numel() for p in params]
     total = sum(sizes)
@@ -284,13 +309,10 @@ def run_minimal(rank, world, args, job, out):
         master = torch.nn.Parameter(whole[rank * chunk:(rank + 1) * chunk].clone())
         optimizer = torch.optim.AdamW([master], lr=1e-4)
         received = torch.empty_like(flat)
-    times, profiler, counter = [], _StepProfiler(args, rank, job), StepCounter(args, rank, job)
-    for x, y in models.batches(name, args, rank):
-        counter.step_begin(len(times))
-        profiler.step_begin(len(times))
-        start = time.perf_counter()
+    times = []
+    for x, y in _timed_batches(args, rank, job, device, times):
         with torch.autocast(device.type, dtype=low_dtype or torch.bfloat16, enabled=low_dtype is not None):
-            value = models.loss(name, model, x.to(device), y.to(device))
+            value = models.loss(name, model, x, y)
         value.backward()
         for p, g in zip(params, grads):
             g.view_as(p).copy_(p.grad)
@@ -314,11 +336,6 @@ def run_minimal(rank, world, args, job, out):
                 for p, g in zip(params, grads):
                     p.copy_(g.view_as(p))
         model.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    profiler.finish()
-    counter.finish()
     checksum = float(sum(p.detach().double().sum() for p in params))
     _write(out, rank, times[args.warmup:], _peak(baseline), param_sum=checksum)
     dist.destroy_process_group()
@@ -337,18 +354,10 @@ def run_engine(rank, world, args, job, out):
       for any such layout; AdamW over the shards' local tensors (as ZeroStrategy steps them, ``local_step.py``).
     - bf16: the fp32 model under autocast (``bf16-mixed``) at every stage; at stage 2 also FSDP2's bf16 compute copy
       with fp32 gradient reduction, as ZeroStrategy and Lightning's ModelParallelStrategy gather it."""
-    import torch.distributed as dist
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
 
-    name, stage = job["model"], int(job["kind"].partition(":")[2])
-    if stage not in (0, 1, 2):
-        raise ValueError(f"engine:{stage}: the engine loop covers stages 0-2")
-    device = torch.device("cuda", rank) if _on_cuda() else torch.device("cpu")
-    dist.init_process_group("nccl" if _on_cuda() else "gloo")
-    baseline = _reset_peak()
-    model = models.build(name, args).to(device)
-    low_dtype = PRECISIONS[job["precision"]][1]
+    name, (stage, device, baseline, model, low_dtype) = job["model"], _bare_loop_start(rank, args, job)
     if stage == 2:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -366,13 +375,10 @@ def run_engine(rank, world, args, job, out):
         optimizer = torch.optim.AdamW(shards, lr=1e-4)
     else:
         optimizer = torch.optim.AdamW(params, lr=1e-4)
-    times, profiler, counter = [], _StepProfiler(args, rank, job), StepCounter(args, rank, job)
-    for x, y in models.batches(name, args, rank):
-        counter.step_begin(len(times))
-        profiler.step_begin(len(times))
-        start = time.perf_counter()
+    times = []
+    for x, y in _timed_batches(args, rank, job, device, times):
         with torch.autocast(device.type, dtype=low_dtype or torch.bfloat16, enabled=low_dtype is not None):
-            value = models.loss(name, trained, x.to(device), y.to(device))
+            value = models.loss(name, trained, x, y)
         value.backward()
         if stage == 2:
             for param, shard in zip(params, shards):
@@ -380,11 +386,6 @@ def run_engine(rank, world, args, job, out):
         optimizer.step()
         trained.zero_grad(set_to_none=True)
         optimizer.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    profiler.finish()
-    counter.finish()
     checksum = float(sum(p.detach().full_tensor().double().sum() if hasattr(p, "full_tensor")
                          else p.detach().double().sum() for p in model.parameters()))
     _write(out, rank, times[args.warmup:], _peak(baseline), param_sum=checksum)
