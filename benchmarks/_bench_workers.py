@@ -385,7 +385,8 @@ def run_engine(rank, world, args, job, out):
                 shard.grad = param.grad.to_local()
         optimizer.step()
         trained.zero_grad(set_to_none=True)
-        optimizer.zero_grad(set_to_none=True)
+        if stage == 2:  # the optimizer holds the shards' local tensors, whose gradients the module does not reach
+            optimizer.zero_grad(set_to_none=True)
     checksum = float(sum(p.detach().full_tensor().double().sum() if hasattr(p, "full_tensor")
                          else p.detach().double().sum() for p in model.parameters()))
     _write(out, rank, times[args.warmup:], _peak(baseline), param_sum=checksum)
