@@ -128,8 +128,8 @@ def _keep_shared_parameters_together(root: nn.Module, units: list[nn.Module], *,
 
 def unit_groups(module: nn.Module, config: ZeroConfig) -> tuple[list[list[nn.Module]], bool]:
     """The FSDP2 units below the root, as groups of modules (one ``fully_shard`` call each), in the order they
-    are sharded (nested blocks before the blocks holding them), and whether any block was left to the root by
-    ``param_persistence_threshold`` (:mod:`.units`)."""
+    are sharded (nested blocks before the blocks holding them), and whether any block was left to the root: by
+    ``param_persistence_threshold`` (:mod:`.units`), or every block of a stage-2 model smaller than one unit."""
     blocks = sharded_units(module, config)
     if whole_model_is_one_unit(module, config):
         log.info("ZeRO-2: the whole model (%d blocks) fits in one unit of %d bytes: one FSDP2 unit, the root",
