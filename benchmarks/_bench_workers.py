@@ -248,6 +248,8 @@ def _bare_loop_start(rank, args, job):
     loop, _, stage = job["kind"].partition(":")
     if stage not in ("0", "1", "2"):
         raise ValueError(f"{job['kind']}: the {loop} loop covers stages 0-2")
+    if job["precision"] == "bf16t":
+        raise ValueError(f"{job['kind']}: the {loop} loop computes bf16 as bf16-mixed only, not bf16-true")
     device = torch.device("cuda", rank) if _on_cuda() else torch.device("cpu")
     dist.init_process_group("nccl" if _on_cuda() else "gloo")
     baseline = _reset_peak()

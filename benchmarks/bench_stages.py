@@ -63,6 +63,8 @@ import _bench_models as models  # noqa: E402
 
 STAGES = ("0", "1", "2", "3", "1+cpu", "2+cpu", "3+cpu")
 PEERS = ("deepspeed", "ddp", "modelparallel", "fsdp", "floor", "sync", "minimal", "engine", "before")
+LIGHTNING_PEERS = ("ddp", "modelparallel", "fsdp")  # what --no-lightning drops
+BF16_MIXED_ONLY = ("minimal", "engine")  # bare loops computing bf16 as autocast over fp32 weights: no bf16t
 LABELS = {"deepspeed": "DeepSpeed", "ddp": "Lightning DDP", "modelparallel": "Lightning ModelParallel (FSDP2)",
           "fsdp": "Lightning FSDP (FSDP1)", "floor": "compute floor (no collectives)",
           "sync": "compute floor + one sync per step", "minimal": "minimal loop (no framework, flat collectives)",
@@ -233,7 +235,8 @@ def parse(argv=None) -> argparse.Namespace:
                              "engine: torch's DDP, ZeroRedundancyOptimizer or FSDP2 in a bare loop, stages 0-2; see "
                              "_bench_workers.run_floor, run_minimal and run_engine)")
     parser.add_argument("--no-deepspeed", action="store_true", help="drop the DeepSpeed peer")
-    parser.add_argument("--no-lightning", action="store_true", help="drop Lightning's strategies as peers")
+    parser.add_argument("--no-lightning", action="store_true",
+                        help="drop Lightning's strategies (ddp, modelparallel, fsdp) as peers")
     parser.add_argument("--repeat", type=int, default=None, help="alternated runs per cell (default 3; quick: 1)")
     parser.add_argument("--steps", type=int, default=None, help="measured steps (default 8; quick: 2)")
     parser.add_argument("--warmup", type=int, default=None, help="unmeasured first steps (default 3; quick: 1)")
@@ -280,7 +283,11 @@ def parse(argv=None) -> argparse.Namespace:
             parser.error(f"--{key} must be {'>= 0' if key == 'warmup' else '>= 1'}, got {getattr(args, key)}")
     args.model = list(models.MODELS) if "all" in args.model else list(dict.fromkeys(args.model))
     args.peers = [p for p in dict.fromkeys(args.peers) if not (args.no_deepspeed and p == "deepspeed")
-                  and not (args.no_lightning and p != "deepspeed")]
+                  and not (args.no_lightning and p in LIGHTNING_PEERS)]
+    unlike = [p for p in args.peers if p in BF16_MIXED_ONLY]
+    if "bf16t" in args.precision and unlike and not args.load:
+        parser.error(f"--peers {' '.join(unlike)} compute bf16 as bf16-mixed (autocast over fp32 weights), not "
+                     "bf16-true: run them with --precision fp32 bf16, and bf16t in a separate run without them")
     for peer in args.peers if not args.load else []:
         if not any(peer_kinds(stage, [peer]) for stage in args.stages):  # said, never dropped silently
             print(f"--peers {peer}: no cell at --stages {' '.join(args.stages)} compares with it "

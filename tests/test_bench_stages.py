@@ -168,6 +168,15 @@ def test_arguments_are_validated(deepspeed_listed):
     assert (quick.repeat, quick.steps, quick.warmup, quick.model) == (1, 2, 1, ["gpt", "mlp", "llama"])
     full = bench.parse(["--model", "mlp", "mlp", "--no-lightning", "--width", "256"])
     assert (full.repeat, full.model, full.peers, full.width) == (3, ["mlp"], ["deepspeed"], 256)
+    # --no-lightning drops Lightning's strategies only, not the yardsticks that run without Lightning
+    kept = bench.parse(["--stages", "2", "--no-lightning", "--peers", "modelparallel", "fsdp", "floor", "minimal",
+                        "engine"])
+    assert kept.peers == ["floor", "minimal", "engine"], kept.peers
+    # the bare loops compute bf16-mixed numerics only: with bf16t they are refused, not run as something else
+    for peer in ("minimal", "engine"):
+        with pytest.raises(SystemExit):
+            bench.parse(["--precision", "fp32", "bf16t", "--stages", "0", "--peers", peer])
+    assert bench.parse(["--precision", "bf16t", "--stages", "0", "--peers", "floor"]).peers == ["floor"]
 
 
 def test_models_build_with_the_issue_shapes(deepspeed_listed):
