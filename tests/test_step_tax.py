@@ -21,8 +21,8 @@ def _params():
     return params
 
 
-def _allocations(fn) -> tuple[int, int]:
-    """(storage allocations, aten::cat calls) while ``fn`` runs."""
+def _allocations(fn, ops=("aten::cat",)) -> tuple[int, int]:
+    """(storage allocations, calls of any of ``ops``) while ``fn`` runs."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     allocations, cats = 0, 0
@@ -32,7 +32,7 @@ def _allocations(fn) -> tuple[int, int]:
         stack.extend(event.children)
         if str(event.tag).endswith("Allocation") and event.extra_fields.alloc_size > 0:
             allocations += 1
-        elif event.name == "aten::cat":
+        elif event.name in ops:
             cats += 1
     return allocations, cats
 
@@ -72,6 +72,53 @@ def _broadcast_worker(rank, world_size):
 
 def test_stage1_broadcast_is_planned_once_and_sends_the_owners_values():
     run_distributed(_broadcast_worker, 2)
+
+
+def _bucket_worker(rank, world_size):
+    params = _params()
+    optimizer = torch.optim.AdamW(params, lr=0.1)
+    sharding = shard_optimizer(optimizer, ZeroConfig(stage=1))
+    owners = sharding.owners[0]
+    broadcast_from_owners(sharding)  # the plan: every parameter re-pointed into its bucket
+
+    def storage(param):
+        return param.untyped_storage().data_ptr()
+
+    for dtype in (torch.float32, torch.bfloat16):
+        for owner in (0, 1):
+            same = {storage(p) for p, o in zip(params, owners) if o == owner and p.dtype == dtype}
+            assert len(same) <= 1, f"owner {owner}'s {dtype} parameters are not one bucket: {len(same)} storages"
+    with torch.no_grad():
+        for index, param in enumerate(params):
+            param.fill_(10 * index + rank)
+    copies = ("aten::copy_", "aten::_foreach_copy_", "aten::_foreach_copy")
+    counts = _allocations(lambda: broadcast_from_owners(sharding), copies)
+    assert counts == (0, 0), f"a step packs or unpacks its buckets: (allocations, copies) {counts}"
+    assert all(torch.all(p == 10 * i + o) for i, (p, o) in enumerate(zip(params, owners)))
+
+    # A parameter re-pointed elsewhere (here on rank 1 only, as `param.data = ...` does) must not silently stop
+    # receiving its owner's values: the next broadcast sees it and links it into a bucket again.
+    moved = next(i for i, o in enumerate(owners) if o == 0)
+    if rank == 1:
+        params[moved].data = torch.full_like(params[moved], -1.0)
+    with torch.no_grad():
+        params[moved].fill_(-1.0 if rank == 1 else 5.0)
+    broadcast_from_owners(sharding)
+    assert torch.all(params[moved] == 5.0)
+    assert storage(params[moved]) == storage(next(p for p, o in zip(params, owners) if o == 0 and p is not params[moved]
+                                                  and p.dtype == params[moved].dtype))
+    # a dtype change (module.double()) moves every parameter: new buckets of the new dtype, values kept
+    for param in params:
+        param.data = param.data.double()
+    with torch.no_grad():
+        for index, param in enumerate(params):
+            param.fill_(10 * index + rank)
+    broadcast_from_owners(sharding)
+    assert all(p.dtype == torch.float64 and torch.all(p == 10 * i + o) for i, (p, o) in enumerate(zip(params, owners)))
+
+
+def test_stage1_parameters_live_in_their_broadcast_buckets():
+    run_distributed(_bucket_worker, 2)
 
 
 def _local_step_worker(rank, world_size):
