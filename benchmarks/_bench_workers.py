@@ -17,6 +17,7 @@ and the growth of its peak memory (``VmHWM`` reset after imports on CPU; the CUD
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -503,11 +504,32 @@ def _end_process_group() -> None:
     quiesce_gloo_workers()
 
 
+# glibc reads these when a process starts: a rank's per-step buffers below 32 MiB come from its heap, and its heap's
+# top is given back to the OS only past 128 MiB free (bench_stages.py --steady-heap).
+STEADY_HEAP = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(128 << 20)}
+
+
+@contextlib.contextmanager
+def _child_environment(extra: dict):
+    """``os.environ`` with ``extra`` while ranks are spawned (they inherit it), restored after."""
+    saved = {name: os.environ.get(name) for name in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def spawn(job: dict, args) -> list[dict]:
     """Run ``job`` in fresh spawned ranks; every rank's result (``time``, ``peak``, and what its runner adds)."""
     from tests_free_port import free_port
 
-    with tempfile.TemporaryDirectory() as tmp:
+    heap = STEADY_HEAP if getattr(args, "steady_heap", False) else {}  # bench_capacity/gpu_suite have no such flag
+    with tempfile.TemporaryDirectory() as tmp, _child_environment(heap):
         out = os.path.join(tmp, "result")
         nproc = job.get("nproc", args.nproc)
         mp.start_processes(_entry, args=(nproc, free_port(), args, job, out), nprocs=nproc, start_method="spawn")

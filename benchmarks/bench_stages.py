@@ -257,6 +257,11 @@ def parse(argv=None) -> argparse.Namespace:
                         help="with --peers before: a directory holding another version's lightning_zero package "
                              "(e.g. `git archive <commit> lightning_zero | tar -x -C DIR`), run as a peer alternated "
                              "with this one: a change's before and after in one run")
+    parser.add_argument("--steady-heap", action="store_true",
+                        help="start every side's ranks with glibc's mmap threshold at 32 MiB and its trim threshold "
+                             "at 128 MiB (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_), so that no rank hands its "
+                             "per-step buffers back to the OS and faults them in again the next step, which otherwise "
+                             "happens to one rank or another by its heap's layout (docs/performance.md, stop 42)")
     parser.add_argument("--empty-model", action="store_true",
                         help="instead of the matrix: Lightning's own per-step cost, a Trainer (and ZeroStrategy at "
                              "stages 0-2) around a one-element model without optimizer work, against a bare loop "
@@ -361,7 +366,8 @@ def main(argv=None) -> list[dict]:
                     cells.append(run_cell(model, precision, stage, args, measure))
                     _save(args.json, "partial run: " + "; ".join(header), cells)  # a cut-off run keeps its cells
         header = (f"{args.nproc} ranks, {args.device}, AdamW, batch {args.batch}/rank, median of {args.steps} steps "
-                  f"after {args.warmup} warm-up, {args.repeat} alternated repeat(s) per cell; models: "
+                  f"after {args.warmup} warm-up, {args.repeat} alternated repeat(s) per cell"
+                  f"{', steady heap (--steady-heap)' if args.steady_heap else ''}; models: "
                   + "; ".join(header))
         print("\n" + header)
         _save(args.json, header, cells)

@@ -344,3 +344,28 @@ def test_gpt2_is_gpt2_small_and_opt_in(deepspeed_listed):
     assert len(models.units("gpt2", gpt2)) == 12
     (x, y), = models.batches("gpt2", bench.parse(["--model", "gpt2", "--quick", "--warmup", "0", "--steps", "1"]), 0)
     assert x.shape == y.shape == (2, 16)  # the quick shape: what the CLI's --quick runs
+
+
+def test_steady_heap_reaches_every_spawned_rank_and_only_with_the_flag(monkeypatch, tmp_path, deepspeed_listed):
+    """--steady-heap: glibc reads its MALLOC_* variables when a process starts, so they must be in the environment
+    the ranks are spawned with (and gone afterwards, and absent without the flag)."""
+    bench = _bench()
+    import _bench_workers as workers
+
+    seen = []
+
+    def fake_start(fn, args, nprocs, start_method):
+        seen.append({name: os.environ.get(name) for name in workers.STEADY_HEAP})
+        out = args[4]
+        for rank in range(nprocs):
+            with open(f"{out}.{rank}", "w") as f:
+                json.dump({"time": 0.1, "peak": 1}, f)
+
+    monkeypatch.setattr(workers.mp, "start_processes", fake_start)
+    for name in workers.STEADY_HEAP:
+        monkeypatch.delenv(name, raising=False)
+    job = {"model": "mlp", "precision": "fp32", "kind": "zero:1"}
+    workers.spawn(job, bench.parse(["--model", "mlp", "--steady-heap"]))
+    workers.spawn(job, bench.parse(["--model", "mlp"]))
+    assert seen == [dict(workers.STEADY_HEAP), dict.fromkeys(workers.STEADY_HEAP)]
+    assert all(name not in os.environ for name in workers.STEADY_HEAP)
