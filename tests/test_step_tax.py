@@ -21,11 +21,11 @@ def _params():
     return params
 
 
-def _allocations(fn, ops=("aten::cat",)) -> tuple[int, int]:
+def _allocations_and_calls(fn, ops=("aten::cat",)) -> tuple[int, int]:
     """(storage allocations, calls of any of ``ops``) while ``fn`` runs."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    allocations, cats = 0, 0
+    allocations, calls = 0, 0
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         event = stack.pop()
@@ -33,8 +33,8 @@ def _allocations(fn, ops=("aten::cat",)) -> tuple[int, int]:
         if str(event.tag).endswith("Allocation") and event.extra_fields.alloc_size > 0:
             allocations += 1
         elif event.name in ops:
-            cats += 1
-    return allocations, cats
+            calls += 1
+    return allocations, calls
 
 
 def _broadcast_worker(rank, world_size):
@@ -48,7 +48,7 @@ def _broadcast_worker(rank, world_size):
             with torch.no_grad():  # each rank writes its own values; only the owners' must survive
                 for index, param in enumerate(params):
                     param.fill_(100 * step + 10 * index + rank)
-            counts = _allocations(lambda: broadcast_from_owners(sharding, bucket_bytes))
+            counts = _allocations_and_calls(lambda: broadcast_from_owners(sharding, bucket_bytes))
             for index, (param, owner) in enumerate(zip(params, owners)):
                 assert torch.all(param == 100 * step + 10 * index + owner), (bucket_bytes, step, index)
             if step > 0:
@@ -92,7 +92,7 @@ def _bucket_worker(rank, world_size):
         for index, param in enumerate(params):
             param.fill_(10 * index + rank)
     copies = ("aten::copy_", "aten::_foreach_copy_", "aten::_foreach_copy")
-    counts = _allocations(lambda: broadcast_from_owners(sharding), copies)
+    counts = _allocations_and_calls(lambda: broadcast_from_owners(sharding), copies)
     assert counts == (0, 0), f"a step packs or unpacks its buckets: (allocations, copies) {counts}"
     assert all(torch.all(p == 10 * i + o) for i, (p, o) in enumerate(zip(params, owners)))
 
