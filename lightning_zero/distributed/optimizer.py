@@ -43,7 +43,9 @@ only when its setting asks for it, so a plain stage-2 Adam runs step 4 around st
    unit at a time with its shards resident;
 4. Adam, AdamW or SGD over DTensors: the local-shard step (:mod:`.local_step`), which hands torch's own step the
    local tensors;
-5. the optimizer class's own ``step`` (torch's, with the user's ``foreach``/``fused`` choice);
+5. the optimizer class's own ``step`` (torch's, with the user's ``foreach``/``fused`` choice; an Adam/AdamW that
+   left it to torch steps its fp32 CPU groups with ``fused=True``, set for the step by pre/post-hooks after those
+   of layers 1 and 6: :mod:`lightning_zero.ops.cpu_fused`);
 6. torch's step hooks, post-hook :func:`_post_step`: copy the masters back into the module's parameters,
    broadcast each stage-1 parameter from the rank that stepped it, drop gradients the optimizer does not hold.
 
@@ -67,6 +69,7 @@ from lightning_zero.distributed.config import ZeroConfig
 from lightning_zero.distributed.local_step import restore_step, use_local_step, wrap_like
 from lightning_zero.offload.optimizer_swapper import OptimizerStateSwapper, attach_swapper, detach_swapper
 from lightning_zero.offload.param_swapper import attach_param_step, detach_param_step, find_param_swapper
+from lightning_zero.ops.cpu_fused import prefer_fused_on_cpu
 from lightning_zero.torch_compat import local_tensor
 
 _ATTR = "_lightning_zero_sharding"
@@ -272,6 +275,9 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, config: ZeroConfig, *, gro
     if config.stage == 1 or sharding.masters:
         sharding.hooks.append(optimizer.register_step_pre_hook(_pre_step))
         sharding.hooks.append(optimizer.register_step_post_hook(_post_step))
+    # After _pre_step, so the CPU masters have their gradients when it decides. The NVMe swappers narrow these same
+    # group dicts to each sub-group, so their resident tensors step with the flag it sets too.
+    sharding.hooks.extend(prefer_fused_on_cpu(optimizer))
     # [Note: the local step under NVMe swapping] First, so that it is the innermost step: the swappers narrow
     # ``param_groups`` to a sub-group (and a unit) with its states and masters resident, then call the class step
     # they derive from, which steps exactly those on their local shards. Without it every elementwise op of the
