@@ -352,9 +352,10 @@ def throughput_phase(args, deadline, device: dict, configs=None, optimizer="adam
             if side == "ours":  # the estimator's figure next to the measured one
                 rows[-1]["estimate"] = estimate(args, config).accelerator_peak
             print(f"throughput {kind}: {rows[-1]['status']} {rows[-1].get('tokens_per_s')}", flush=True)
-    notes = ["DeepSpeed steps with torch.optim.AdamW everywhere (`torch_adam`; offloaded: "
-             "`zero_force_ds_cpu_optimizer: false`): DeepSpeedCPUAdam is not measured here (a JIT build; "
-             "`--ds-cpu-adam` measures it)." if not ds_cpu_adam else
+    notes = ["Both sides step torch.optim.AdamW (DeepSpeed: `torch_adam`; offloaded: "
+             "`zero_force_ds_cpu_optimizer: false`); offloaded, ZeroStrategy steps its fp32 CPU masters with "
+             "torch's fused kernel (docs/ops.md) and DeepSpeed its flat partition with torch's for-loop. "
+             "DeepSpeedCPUAdam is not measured here (a JIT build; `--ds-cpu-adam` measures it)." if not ds_cpu_adam else
              "Each side's own CPU optimizer: DeepSpeedCPUAdam (JIT-built above) and lightning_zero.ops.CPUAdam."]
     return {"status": "ok", "title": title or "Throughput: ZeroStrategy against DeepSpeed",
             "description": describe_model(args, device), "rows": rows, "ratios": _ratios(rows), "notes": notes}
