@@ -2,6 +2,8 @@
 (lightning_zero.ops.cpu_fused): only then, only during the step, with the for-loop's values up to fp32 rounding, at
 every stage and through the Trainer."""
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -14,19 +16,31 @@ from tests.distributed import run_distributed
 from tests.lightning_models import RegressionModule, dataset, quiet_trainer
 
 
-@pytest.fixture
-def fused_calls(monkeypatch):
-    """How many times torch's fused Adam/AdamW kernels ran (torch.optim.adam looks them up on ``torch`` per call)."""
+@contextlib.contextmanager
+def counting_fused_kernels():
+    """Counts the calls of torch's fused Adam/AdamW kernels (torch.optim.adam looks them up on ``torch`` per call)."""
     calls = {"n": 0}
-    for name in ("_fused_adam_", "_fused_adamw_"):
-        kernel = getattr(torch, name)
+    kernels = {name: getattr(torch, name) for name in ("_fused_adam_", "_fused_adamw_")}
 
-        def counted(*args, _kernel=kernel, **kwargs):
+    def counting(kernel):
+        def counted(*args, **kwargs):
             calls["n"] += 1
-            return _kernel(*args, **kwargs)
+            return kernel(*args, **kwargs)
+        return counted
 
-        monkeypatch.setattr(torch, name, counted)
-    return calls
+    for name, kernel in kernels.items():
+        setattr(torch, name, counting(kernel))
+    try:
+        yield calls
+    finally:
+        for name, kernel in kernels.items():
+            setattr(torch, name, kernel)
+
+
+@pytest.fixture
+def fused_calls():
+    with counting_fused_kernels() as calls:
+        yield calls
 
 
 def _params(dtype=torch.float32, n=3):
@@ -122,14 +136,6 @@ def _stage_worker(rank, world_size, stage, offload):
 
     from lightning_zero.distributed.apply_zero import apply_zero
 
-    calls = {"n": 0}
-    kernel = torch._fused_adamw_
-
-    def counted(*args, **kwargs):
-        calls["n"] += 1
-        return kernel(*args, **kwargs)
-
-    torch._fused_adamw_ = counted
     config = ZeroConfig(stage=stage, offload_optimizer=offload)
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
@@ -137,18 +143,18 @@ def _stage_worker(rank, world_size, stage, offload):
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)
     sharding = shard_optimizer(optimizer, config)
     torch.manual_seed(rank)
-    for _ in range(2):
-        module(torch.randn(4, 6)).sum().backward()
+    with counting_fused_kernels() as calls:
+        for _ in range(2):
+            module(torch.randn(4, 6)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert calls["n"] == 2, "each of the two steps runs the fused kernel once"
+        assert optimizer.param_groups[0]["fused"] is None
+        sharding.remove()
+        for held in optimizer.param_groups[0]["params"]:
+            held.grad = torch.ones_like(held)
         optimizer.step()
-        optimizer.zero_grad()
-    assert calls["n"] == 2, "each of the two steps runs the fused kernel once"
-    assert optimizer.param_groups[0]["fused"] is None
-    sharding.remove()
-    for held in optimizer.param_groups[0]["params"]:
-        held.grad = torch.ones_like(held)
-    optimizer.step()
-    torch._fused_adamw_ = kernel
-    assert calls["n"] == 2, "released: torch's own choice again"
+        assert calls["n"] == 2, "released: torch's own choice again"
 
 
 @pytest.mark.parametrize("stage,offload", [(0, None), (1, None), (2, None), (3, None), (2, "cpu"), (1, "cpu")])
@@ -162,19 +168,9 @@ class _OneGroupModule(RegressionModule):
 
 
 def _trainer_worker(rank, world_size, stage):
-    calls = {"n": 0}
-    kernel = torch._fused_adamw_
-
-    def counted(*args, **kwargs):
-        calls["n"] += 1
-        return kernel(*args, **kwargs)
-
-    torch._fused_adamw_ = counted
-    try:
+    with counting_fused_kernels() as calls:
         trainer = quiet_trainer(ZeroStrategy(stage=stage), world_size, max_steps=3)
         trainer.fit(_OneGroupModule(), torch.utils.data.DataLoader(dataset(), batch_size=4))
-    finally:
-        torch._fused_adamw_ = kernel
     assert calls["n"] == 3, f"stage {stage}: the user's AdamW ran the fused kernel {calls['n']} times in 3 steps"
     assert trainer.optimizers[0].param_groups[0]["fused"] is None
 
