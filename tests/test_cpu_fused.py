@@ -94,6 +94,10 @@ class _MyAdamW(torch.optim.AdamW):
     pass
 
 
+class _Subclass(torch.Tensor):
+    pass
+
+
 def test_what_keeps_torchs_choice():
     # not fp32: the kernel's one rounding would not be the for-loop's result up to rounding
     assert steps_fused_on_cpu(torch.optim.AdamW(_params(torch.bfloat16), lr=1e-2)) == []
@@ -105,6 +109,9 @@ def test_what_keeps_torchs_choice():
     mixed = torch.optim.AdamW([{"params": _params()}, {"params": _params() + _params(torch.bfloat16, 1)}], lr=1e-2)
     assert steps_fused_on_cpu(mixed) == [0]
     assert prefer_fused_on_cpu(torch.optim.SGD(_params(), lr=1e-2)) == []
+    # a tensor subclass (other than a DTensor, whose local shard is plain) may not dispatch the kernel alike
+    subclassed = [nn.Parameter(p.detach().as_subclass(_Subclass)) for p in _params()]
+    assert steps_fused_on_cpu(torch.optim.AdamW(subclassed, lr=1e-2)) == []
     # a gradient of another dtype keeps the group on torch's choice for that step
     optimizer = torch.optim.AdamW(_params(), lr=1e-2)
     prefer_fused_on_cpu(optimizer)

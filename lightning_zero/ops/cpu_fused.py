@@ -16,9 +16,10 @@ So :func:`prefer_fused_on_cpu` makes such an optimizer step its fp32 CPU groups 
 changes: a group whose ``foreach`` or ``fused`` the user set (``foreach=False`` keeps the for-loop), a group with
 any tensor off the CPU (torch's own choice stands, e.g. ``foreach`` on CUDA) or not fp32 (for bf16/fp16 tensors the
 kernel computes in fp32 and rounds once, so its result is not the for-loop's up to rounding), ``differentiable``
-or ``capturable`` groups, subclasses of Adam/AdamW (their step may add math of its own). The flag is set by a step
-pre-hook and put back to ``None`` by the post-hook, so ``param_groups``, ``state_dict()`` and every checkpoint show
-the user's settings; a step that raised has its flags put back before the next one.
+or ``capturable`` groups, tensor subclasses other than DTensor, subclasses of Adam/AdamW (their step may add math
+of its own). The flag is set by a step pre-hook and put back to ``None`` by the post-hook, so ``param_groups``,
+``state_dict()`` and every checkpoint show the user's settings; a step that raised has its flags put back before
+the next one.
 
 Framework-free: imports only torch and :mod:`lightning_zero.torch_compat`.
 """
@@ -45,11 +46,17 @@ def _left_to_torch(group: dict) -> bool:
             and not group.get("capturable", False))
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def _fp32_on_cpu(tensor: Optional[torch.Tensor]) -> bool:
+    """A plain fp32 CPU tensor (a DTensor's local shard counts): any other tensor subclass may not dispatch the fused
+    kernel, or dispatch it differently."""
     if tensor is None:
         return True
     local = local_tensor(tensor)
-    return local.dtype == torch.float32 and local.device.type == "cpu" and local.layout == torch.strided
+    return (type(local) in _PLAIN and local.dtype == torch.float32 and local.device.type == "cpu"
+            and local.layout == torch.strided)
 
 
 def _eligible(group: dict) -> bool:
