@@ -1,6 +1,6 @@
 """An Adam/AdamW that left ``foreach``/``fused`` to torch steps its fp32 CPU tensors with torch's fused kernel
 (lightning_zero.ops.cpu_fused): only then, only during the step, with the for-loop's values up to fp32 rounding, at
-every stage and through the Trainer."""
+every stage and through the Trainer and Fabric."""
 
 import contextlib
 
@@ -185,3 +185,20 @@ def _trainer_worker(rank, world_size, stage):
 @pytest.mark.parametrize("stage", [0, 2])
 def test_trainer_steps_the_users_adamw_fused(stage):
     run_distributed(_trainer_worker, 2, stage)
+
+
+def _fabric_worker(rank, world_size, stage):
+    from lightning_zero.fabric import ZeroStrategy as FabricZeroStrategy
+    from tests.fabric.test_fabric_parity import fabric_train, make_fabric
+    from tests.test_zero_parity import STEPS
+
+    with counting_fused_kernels() as calls:
+        _, optimizer = fabric_train(make_fabric(FabricZeroStrategy(stage=stage)), rank, world_size)
+    groups = len(optimizer.param_groups)
+    assert calls["n"] == STEPS * groups, f"stage {stage}: {calls['n']} fused calls in {STEPS} steps of {groups} groups"
+    assert all(group["fused"] is None for group in optimizer.param_groups)
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_fabric_steps_the_users_adamw_fused(stage):
+    run_distributed(_fabric_worker, 2, stage)
