@@ -63,8 +63,8 @@ def test_unset_kernel_on_fp32_cpu_steps_fused_with_the_for_loops_values(cls, fus
     ours = _params()
     plain = cls(reference, lr=1e-2, weight_decay=0.1, amsgrad=True)
     optimizer = cls(ours, lr=1e-2, weight_decay=0.1, amsgrad=True)
-    handles = prefer_fused_on_cpu(optimizer)
-    assert len(handles) == 2 and steps_fused_on_cpu(optimizer) == [0]
+    attached = prefer_fused_on_cpu(optimizer)
+    assert attached is not None and steps_fused_on_cpu(optimizer) == [0]
     _step(plain, steps=5)
     assert fused_calls["n"] == 0
     _step(optimizer, steps=5)
@@ -74,8 +74,7 @@ def test_unset_kernel_on_fp32_cpu_steps_fused_with_the_for_loops_values(cls, fus
     # The flag lives only inside the step: the groups and the state dict keep the user's None.
     assert optimizer.param_groups[0]["fused"] is None
     assert optimizer.state_dict()["param_groups"][0]["fused"] is None
-    for handle in handles:
-        handle.remove()
+    attached.remove()
     _step(optimizer)
     assert fused_calls["n"] == 5
 
@@ -102,13 +101,13 @@ def test_what_keeps_torchs_choice():
     # not fp32: the kernel's one rounding would not be the for-loop's result up to rounding
     assert steps_fused_on_cpu(torch.optim.AdamW(_params(torch.bfloat16), lr=1e-2)) == []
     # a subclass may add math of its own: no hooks at all
-    assert prefer_fused_on_cpu(_MyAdamW(_params(), lr=1e-2)) == []
+    assert prefer_fused_on_cpu(_MyAdamW(_params(), lr=1e-2)) is None
     # differentiable and capturable groups; a group with one bf16 tensor; other optimizers
     assert steps_fused_on_cpu(torch.optim.AdamW(_params(), lr=1e-2, differentiable=True)) == []
     assert steps_fused_on_cpu(torch.optim.Adam(_params(), lr=1e-2, capturable=True)) == []
     mixed = torch.optim.AdamW([{"params": _params()}, {"params": _params() + _params(torch.bfloat16, 1)}], lr=1e-2)
     assert steps_fused_on_cpu(mixed) == [0]
-    assert prefer_fused_on_cpu(torch.optim.SGD(_params(), lr=1e-2)) == []
+    assert prefer_fused_on_cpu(torch.optim.SGD(_params(), lr=1e-2)) is None
     # a tensor subclass (other than a DTensor, whose local shard is plain) may not dispatch the kernel alike
     subclassed = [nn.Parameter(p.detach().as_subclass(_Subclass)) for p in _params()]
     assert steps_fused_on_cpu(torch.optim.AdamW(subclassed, lr=1e-2)) == []
@@ -122,9 +121,9 @@ def test_what_keeps_torchs_choice():
     assert steps_fused_on_cpu(optimizer) == []
 
 
-def test_a_step_that_raised_has_its_flags_put_back(fused_calls):
+def test_a_step_that_raised_never_shows_its_flag(fused_calls):
     optimizer = torch.optim.AdamW(_params(), lr=1e-2)
-    prefer_fused_on_cpu(optimizer)
+    attached = prefer_fused_on_cpu(optimizer)
 
     def fail(*_):
         raise RuntimeError("boom")
@@ -132,13 +131,64 @@ def test_a_step_that_raised_has_its_flags_put_back(fused_calls):
     failing = optimizer.register_step_pre_hook(fail)  # after ours: the flag is set when it raises
     with pytest.raises(RuntimeError, match="boom"):
         _step(optimizer)
-    assert optimizer.param_groups[0]["fused"] is True
+    assert optimizer.param_groups[0]["fused"] is True  # until the next step or remove()
+    # a checkpoint taken now (an on-exception save) shows the user's setting, not ours
+    assert optimizer.state_dict()["param_groups"][0]["fused"] is None
     failing.remove()
     _step(optimizer)
     assert optimizer.param_groups[0]["fused"] is None and fused_calls["n"] == 1
+    with pytest.raises(RuntimeError, match="boom"):
+        failing = optimizer.register_step_pre_hook(fail)
+        _step(optimizer)
+    failing.remove()
+    attached.remove()  # detaching puts the flag back too
+    assert optimizer.param_groups[0]["fused"] is None
 
 
-def _stage_worker(rank, world_size, stage, offload):
+def test_layouts_the_kernel_would_misread_keep_torchs_choice(fused_calls):
+    # The fused kernel walks a parameter and its states as flat memory; the for-loop follows strides.
+    base = torch.randn(8, 6)
+    strided = nn.Parameter(base[:, ::2])  # a view: stepping it flat would write the columns between
+    optimizer = torch.optim.Adam([strided], lr=0.1)
+    prefer_fused_on_cpu(optimizer)
+    untouched = base[:, 1::2].clone()
+    strided.grad = torch.ones(8, 3)
+    optimizer.step()
+    assert fused_calls["n"] == 0 and torch.equal(base[:, 1::2], untouched)
+    # a transposed parameter with a contiguous gradient, and contiguous states beside a transposed parameter
+    transposed = nn.Parameter(torch.randn(6, 4).t())
+    optimizer = torch.optim.AdamW([transposed], lr=0.1)
+    transposed.grad = torch.randn(4, 6)
+    assert steps_fused_on_cpu(optimizer) == []
+    # states loaded in another layout (load_state_dict keeps the saved tensors' strides): checked after every load
+    dense = nn.Parameter(torch.randn(4, 6))
+    optimizer = torch.optim.AdamW([dense], lr=0.1)
+    prefer_fused_on_cpu(optimizer)
+    for _ in range(3):
+        dense.grad = torch.randn(4, 6)
+        optimizer.step()
+    assert fused_calls["n"] == 3
+    saved = optimizer.state_dict()
+    saved["state"][0]["exp_avg"] = saved["state"][0]["exp_avg"].t().contiguous().t()  # same values, column-major
+    optimizer.load_state_dict(saved)
+    assert not optimizer.state[dense]["exp_avg"].is_contiguous()
+    dense.grad = torch.randn(4, 6)
+    optimizer.step()
+    assert fused_calls["n"] == 3 and steps_fused_on_cpu(optimizer) == []
+
+
+def test_a_step_override_keeps_the_built_class_visible():
+    from lightning_zero.ops.step_override import override_step, restore_step_override
+
+    optimizer = torch.optim.AdamW(_params(), lr=1e-2)
+    override_step(optimizer, lambda opt, base_step, closure: base_step(opt), marker="test")
+    try:
+        assert steps_fused_on_cpu(optimizer) == [0] and prefer_fused_on_cpu(optimizer) is not None
+    finally:
+        restore_step_override(optimizer, "test")
+
+
+def _two_steps(rank, world_size, stage, offload, **adam_kwargs):
     from torch.distributed.device_mesh import init_device_mesh
 
     from lightning_zero.distributed.apply_zero import apply_zero
@@ -147,14 +197,21 @@ def _stage_worker(rank, world_size, stage, offload):
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
     module = apply_zero(net, init_device_mesh("cpu", (world_size,)), config)
-    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2, **adam_kwargs)
     sharding = shard_optimizer(optimizer, config)
     torch.manual_seed(rank)
+    for _ in range(2):
+        module(torch.randn(4, 6)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    weights = {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+               for name, p in module.named_parameters()}
+    return optimizer, sharding, weights
+
+
+def _stage_worker(rank, world_size, stage, offload):
     with counting_fused_kernels() as calls:
-        for _ in range(2):
-            module(torch.randn(4, 6)).sum().backward()
-            optimizer.step()
-            optimizer.zero_grad()
+        optimizer, sharding, weights = _two_steps(rank, world_size, stage, offload)
         assert calls["n"] == 2, "each of the two steps runs the fused kernel once"
         assert optimizer.param_groups[0]["fused"] is None
         sharding.remove()
@@ -162,9 +219,14 @@ def _stage_worker(rank, world_size, stage, offload):
             held.grad = torch.ones_like(held)
         optimizer.step()
         assert calls["n"] == 2, "released: torch's own choice again"
+        _, _, for_loop = _two_steps(rank, world_size, stage, offload, foreach=False)
+        assert calls["n"] == 2, "foreach=False is the user's choice: the for-loop"
+    for name, value in for_loop.items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6, msg=f"{name} at stage {stage}")
 
 
-@pytest.mark.parametrize("stage,offload", [(0, None), (1, None), (2, None), (3, None), (2, "cpu"), (1, "cpu")])
+@pytest.mark.parametrize("stage,offload",
+                         [(0, None), (1, None), (2, None), (3, None), (1, "cpu"), (2, "cpu"), (3, "cpu")])
 def test_every_stage_steps_fused_on_cpu_until_released(stage, offload):
     run_distributed(_stage_worker, 2, stage, offload)
 

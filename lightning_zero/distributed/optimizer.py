@@ -277,7 +277,8 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, config: ZeroConfig, *, gro
         sharding.hooks.append(optimizer.register_step_post_hook(_post_step))
     # After _pre_step, so the CPU masters have their gradients when it decides. The NVMe swappers narrow these same
     # group dicts to each sub-group, so their resident tensors step with the flag it sets too.
-    sharding.hooks.extend(prefer_fused_on_cpu(optimizer))
+    if (fused := prefer_fused_on_cpu(optimizer)) is not None:
+        sharding.hooks.append(fused)  # its remove() also puts the flags back
     # [Note: the local step under NVMe swapping] First, so that it is the innermost step: the swappers narrow
     # ``param_groups`` to a sub-group (and a unit) with its states and masters resident, then call the class step
     # they derive from, which steps exactly those on their local shards. Without it every elementwise op of the

@@ -81,6 +81,14 @@ def _is_tracking(step, optimizer) -> bool:
     return ref is not None and ref() is optimizer
 
 
+def base_class(optimizer: torch.optim.Optimizer) -> type:
+    """The optimizer's class below every active override (the class it was built as)."""
+    cls = type(optimizer)
+    while _MARKER in cls.__dict__:
+        cls = cls.__dict__[_BASE]
+    return cls
+
+
 def is_overridden(optimizer: torch.optim.Optimizer, marker: str) -> bool:
     """Whether an override with ``marker`` is active on ``optimizer`` (anywhere in the stack)."""
     return any(c.__dict__.get(_MARKER) == marker for c in type(optimizer).__mro__)
