@@ -383,7 +383,7 @@ def run_engine(rank, world, args, job, out):
                                           gradient_as_bucket_view=True)
     params = list(model.parameters())
     if stage == 1:
-        fused = all(p.dtype == torch.float32 and p.device.type == "cpu" for p in params) or None
+        fused = bool(_adamw(params).param_groups[0]["fused"]) or None  # the kernel the other loops pick
         optimizer = ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, lr=1e-4, fused=fused,
                                             parameters_as_bucket_view=True)
     elif stage == 2:  # AdamW over the shards' local tensors (same storage): DTensor dispatch per op is not FSDP2's

@@ -23,7 +23,7 @@ step overrides count as the class they derive from). The flag is set by a step p
 the post-hook; a state dict taken while it is set (after a step that raised) shows ``None``, and ``remove()`` puts
 every flag back, so ``param_groups`` after teardown, ``state_dict()`` and every checkpoint show the user's settings.
 
-Framework-free: imports only torch, :mod:`lightning_zero.torch_compat` and the step-override helper.
+Framework-free: imports only torch and the step-override helper.
 """
 
 from __future__ import annotations
@@ -49,8 +49,6 @@ def _left_to_torch(group: dict) -> bool:
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
-# _eligible checks Adam/AdamW's per-element states (exp_avg, exp_avg_sq, max_exp_avg_sq): the kernel reads them,
-# like the parameter, as flat memory.
 
 
 def _flat_fp32_on_cpu(tensor: Optional[torch.Tensor]) -> bool:
@@ -69,7 +67,9 @@ def _flat_fp32_on_cpu(tensor: Optional[torch.Tensor]) -> bool:
 
 
 def _eligible(group: dict, state: Optional[dict]) -> bool:
-    """Whether ``group`` steps fused now; ``state`` None skips the per-element states (known to be flat)."""
+    """Whether ``group`` steps fused now. Adam/AdamW's per-element states (``exp_avg``, ``exp_avg_sq``,
+    ``max_exp_avg_sq``) are read by the kernel as flat memory like their parameter; ``state`` None skips them (known
+    to be flat)."""
     if not group["params"] or not _left_to_torch(group):
         return False
     flat = _flat_fp32_on_cpu
@@ -104,8 +104,7 @@ class FusedOnCpu:
     parameters)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer):
-        self.flipped: list[dict] = []
-        self.indices: list[int] = []
+        self.flipped: list[tuple[int, dict]] = []  # (index in param_groups, group) of the groups set fused
         self.states_seen = -1  # how many parameters had states when those were last checked (-1: check them)
         self.handles = [optimizer.register_step_pre_hook(self._flip),
                         optimizer.register_step_post_hook(self._put_back),
@@ -118,22 +117,20 @@ class FusedOnCpu:
         for index, group in enumerate(optimizer.param_groups):
             if _eligible(group, state):
                 group["fused"] = True
-                self.flipped.append(group)
-                self.indices.append(index)
+                self.flipped.append((index, group))
         self.states_seen = len(optimizer.state)
 
     def _states_loaded(self, optimizer) -> None:
         self.states_seen = -1
 
     def _put_back(self, *_) -> None:
-        for group in self.flipped:
+        for _, group in self.flipped:
             group["fused"] = None
         self.flipped.clear()
-        self.indices.clear()
 
     def _clean_state_dict(self, optimizer, state_dict: dict) -> dict:
         # A state dict taken while a flag is set (from inside a step, or after one that raised) shows the user's None.
-        for index in self.indices:
+        for index, _ in self.flipped:
             state_dict["param_groups"][index]["fused"] = None
         return state_dict
 
