@@ -79,7 +79,8 @@ def _bucket_worker(rank, world_size):
     optimizer = torch.optim.AdamW(params, lr=0.1)
     sharding = shard_optimizer(optimizer, ZeroConfig(stage=1))
     owners = sharding.owners[0]
-    broadcast_from_owners(sharding)  # the plan: every parameter re-pointed into its bucket
+    # Sharding made the plan: every parameter already lives in its bucket, before any gradient or state exists, so
+    # the storages it freed are reused by those rather than added to the first step's peak (the broadcast note).
 
     def storage(param):
         return param.untyped_storage().data_ptr()
@@ -93,7 +94,7 @@ def _bucket_worker(rank, world_size):
             param.fill_(10 * index + rank)
     copies = ("aten::copy_", "aten::_foreach_copy_", "aten::_foreach_copy")
     counts = _allocations_and_calls(lambda: broadcast_from_owners(sharding), copies)
-    assert counts == (0, 0), f"a step packs or unpacks its buckets: (allocations, copies) {counts}"
+    assert counts == (0, 0), f"the first step links, packs or unpacks buckets: (allocations, copies) {counts}"
     assert all(torch.all(p == 10 * i + o) for i, (p, o) in enumerate(zip(params, owners)))
 
     # A parameter re-pointed elsewhere (here on rank 1 only, as `param.data = ...` does) must not silently stop

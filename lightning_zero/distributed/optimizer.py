@@ -105,7 +105,7 @@ class OptimizerSharding:
     swapper: Optional[OptimizerStateSwapper] = None  # offload_optimizer="nvme": states swapped to disk
     param_step_of: Optional[torch.optim.Optimizer] = None  # offload_params="nvme": steps unit by unit
     local_step_of: Optional[torch.optim.Optimizer] = None  # steps DTensor local shards (.local_step)
-    broadcast_plan: Optional["_BroadcastPlan"] = None  # stage 1's buckets, made on the first step
+    broadcast_plan: Optional["_BroadcastPlan"] = None  # stage 1's buckets, made when the optimizer is sharded
     not_held: Optional[tuple] = None  # (groups' identity and sizes, module params the optimizer does not hold)
     beside_replicas: bool = False  # the masters are fp32 values of bf16 replicas on the compute device (.replicas)
     masters_elsewhere: set[int] = field(default_factory=set)  # id(model param) whose owner (another rank) has one
@@ -299,6 +299,8 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, config: ZeroConfig, *, gro
                       if swap_masters and (master := sharding.masters.get(id(p))) is not None}
         sharding.swapper = attach_swapper(optimizer, config.nvme, rank=rank, pin_memory=pin, masters=companions)
     setattr(optimizer, _ATTR, sharding)
+    if config.stage == 1:
+        plan_broadcast(sharding)  # before the gradients and states exist: see the note in broadcast_from_owners
     return sharding
 
 
@@ -437,15 +439,31 @@ def broadcast_from_owners(sharding: OptimizerSharding, bucket_bytes: int = BROAD
     parameter still lives in its slice; one whose storage was replaced since (``param.data = ...``, a
     ``module.to(...)``) would otherwise silently stop receiving its owner's values, so the plan is then made again
     from the parameters' current values.
+
+    The plan is made when the optimizer is sharded (:func:`plan_broadcast`), not at the first step: re-pointing
+    frees each parameter's old storage, and glibc keeps freed chunks inside its heap rather than handing them back,
+    so memory freed at the first step (gradients and optimizer states alive) stays charged at that peak, while
+    memory freed before them is reused by them. Planned at the first step, stage 1 trained 27 blocks of the capacity
+    ladder's GPT under its 0.375 GiB cap; planned here, 29 (docs/performance.md, "Capacity per memory rung").
     """
+    plan = plan_broadcast(sharding, bucket_bytes)
+    if plan is not None:
+        plan.run(sharding.group)
+
+
+def plan_broadcast(sharding: OptimizerSharding,
+                   bucket_bytes: int = BROADCAST_BUCKET_BYTES) -> Optional["_BroadcastPlan"]:
+    """Stage 1's broadcast plan, made (the parameters linked into their buckets) when there is none yet, when it
+    was made for another bucket size, or when a parameter moved out of its bucket; ``None`` without a second rank.
+    No collective: every rank makes the same plan from owners, dtypes and sizes."""
     if not dist.is_initialized() or dist.get_world_size(sharding.group) == 1:
-        return
+        return None
     plan = sharding.broadcast_plan
     if plan is None or plan.bucket_bytes != bucket_bytes or not plan.linked():
         # the old plan's buffers go first: each is freed once its last parameter moved to a new bucket
         sharding.broadcast_plan = plan = None
         plan = sharding.broadcast_plan = _BroadcastPlan(sharding, bucket_bytes)
-    plan.run(sharding.group)
+    return plan
 
 
 class _BroadcastPlan:
