@@ -8,6 +8,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 
 from lightning_zero import ZeroConfig, ZeroStrategy, apply_zero
+from lightning_zero.distributed.ddp import EarlyBucketRebuild
 from lightning_zero.distributed.optimizer import shard_optimizer
 from tests.distributed import run_distributed
 from tests.lightning_models import RegressionModule, quiet_trainer
@@ -115,3 +116,65 @@ def _trainer_worker(rank, world_size):
 
 def test_zero_strategy_defaults_to_bucket_views_and_an_explicit_false_wins():
     run_distributed(_trainer_worker, 2)
+
+
+def _lightning_order_step(model, opt, x, rebuild: EarlyBucketRebuild) -> None:
+    """One step in the order of Lightning's automatic optimization: training_step, then zero_grad, then backward."""
+    loss = model(x).square().mean()
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    rebuild.after_backward(loss)
+    opt.step()
+
+
+def _early_rebuild_worker(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(rank))
+    peaks, weights = {}, {}
+    for early in (False, True):
+        module = _model()
+        model = apply_zero(module, mesh, ZeroConfig(stage=0))
+        opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
+        rebuild = EarlyBucketRebuild(model if early else None)
+        _lightning_order_step(model, opt, x, rebuild)
+        assert model._has_rebuilt_buckets is early
+        # The second training_step's forward, the first step's gradients still alive (Lightning zeroes after it):
+        # where DDP rebuilds its buckets by itself, holding the old ones (the gradients' views) and the new ones.
+        peaks[early] = _allocated_peak(lambda: model(x).square().mean())
+        assert model._has_rebuilt_buckets
+        for _ in range(2):
+            _lightning_order_step(model, opt, x, rebuild)
+        weights[early] = [p.detach().clone() for p in module.parameters()]
+    grad_bytes = sum(p.numel() for p in _model().parameters()) * 4
+    assert peaks[False] - peaks[True] >= 0.7 * grad_bytes, (peaks, grad_bytes)
+    # the gradients were copied into the new buckets: the same training either way
+    assert all(torch.equal(a, b) for a, b in zip(weights[False], weights[True]))
+
+
+def test_early_bucket_rebuild_moves_ddps_second_bucket_set_off_the_second_forward():
+    run_distributed(_early_rebuild_worker, 2)
+
+
+class _RebuildRecord(Callback):
+    def __init__(self):
+        self.before_step = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.before_step.append(trainer.strategy.model._has_rebuilt_buckets)
+
+
+def _trainer_rebuild_worker(rank, world_size):
+    for stage, accumulate in ((0, 1), (1, 1), (0, 2)):
+        record = _RebuildRecord()
+        quiet_trainer(ZeroStrategy(stage=stage), world_size, max_steps=2, callbacks=[record],
+                      accumulate_grad_batches=accumulate).fit(RegressionModule(batch_size=4))
+        # Rebuilt before the first optimizer step (DDP by itself rebuilds at the next forward, after it). With
+        # accumulation, the first micro-step's backward runs under no_sync and leaves DDP nothing to rebuild from:
+        # the rebuild waits for the backward that all-reduces.
+        assert record.before_step == [True, True], (stage, accumulate, record.before_step)
+
+
+def test_trainer_rebuilds_ddps_buckets_before_the_first_optimizer_step():
+    run_distributed(_trainer_rebuild_worker, 2)

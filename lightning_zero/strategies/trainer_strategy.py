@@ -46,7 +46,7 @@ from lightning_zero.diagnostics.network import DEFAULT_RENDEZVOUS_TIMEOUT
 from lightning_zero.diagnostics.peers import LostPeer
 from lightning_zero.distributed import runtime
 from lightning_zero.distributed.apply_zero import swap_parameters
-from lightning_zero.distributed.ddp import explain_unused_parameters
+from lightning_zero.distributed.ddp import EarlyBucketRebuild, explain_unused_parameters, prepare_manual_backward
 from lightning_zero.distributed.manual_backward import ManualBackward
 from lightning_zero.ds_config.binding import DeepSpeedConfigBinding, config_reduce_bucket_size
 from lightning_zero.pipeline.zero_pipeline import setup_pipeline
@@ -406,6 +406,8 @@ class ZeroStrategy(ParallelStrategy):
                 **precision.wrap_module_kwargs(self.zero_config))
         else:  # evaluation at stages 0-1: no DDP, every rank starts from rank 0's weights
             runtime.replicate_for_evaluation(self.model, meshes.data_parallel, self.root_device)
+        automatic = fitting and self.lightning_module.automatic_optimization  # it zeroes after training_step
+        self._bucket_rebuild = EarlyBucketRebuild(self.model if automatic else None)  # DDP's only: see its note
         if self.stage >= 2 and fitting and self._runner is None and not self.lightning_module.automatic_optimization:
             self._manual_backward = ManualBackward(self.model)
             self._teardown_handles.append(self._manual_backward)
@@ -443,7 +445,8 @@ class ZeroStrategy(ParallelStrategy):
         self.hang_guard.beat("backward")
         if self._runner is None:  # manual_backward runs inside training_step's forward: see manual_backward's note
             with self._manual_backward.backward(closure_loss) if self._manual_backward else nullcontext():
-                return super().backward(closure_loss, optimizer, *args, **kwargs)
+                closure_loss = super().backward(closure_loss, optimizer, *args, **kwargs)
+            return self._bucket_rebuild.after_backward(closure_loss)
         # The schedule already ran backward inside training_step (see pipeline_gradients.py): restore its gradients
         # and run the hooks.
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
@@ -451,11 +454,8 @@ class ZeroStrategy(ParallelStrategy):
         return self.precision_plugin.post_backward(closure_loss, self.lightning_module)
 
     def pre_backward(self, closure_loss: Tensor) -> None:
-        if isinstance(self.model, DistributedDataParallel) and not self.lightning_module.automatic_optimization:
-            from torch.nn.parallel.distributed import _find_tensors
-
-            if self.model.require_backward_grad_sync:
-                self.model.reducer.prepare_for_backward(list(_find_tensors(closure_loss)))
+        if not self.lightning_module.automatic_optimization:
+            prepare_manual_backward(self.model, closure_loss)
 
     def _redirect(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Route a step through the root module's ``__call__`` so its DDP/FSDP2 hooks run (see apply_zero's note)."""
