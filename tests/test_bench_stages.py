@@ -369,3 +369,15 @@ def test_steady_heap_reaches_every_spawned_rank_and_only_with_the_flag(monkeypat
     workers.spawn(job, bench.parse(["--model", "mlp"]))
     assert seen == [dict(workers.STEADY_HEAP), dict.fromkeys(workers.STEADY_HEAP)]
     assert all(name not in os.environ for name in workers.STEADY_HEAP)
+
+
+def test_engine_split_pairs_each_repeat(capsys, deepspeed_listed):
+    bench = _bench()
+    cell = {"model": "gpt", "precision": "fp32", "stage": "2",
+            "runs": {"ours": [(1.2, 1), (2.4, 1)], "minimal": [(1.0, 1), (2.0, 1)], "engine": [(1.1, 1), (1.6, 1)]}}
+    bench.render([cell])
+    out = capsys.readouterr().out
+    # ours / engine paired per repeat: 1.2/1.1 and 2.4/1.6; engine / minimal: 1.1 and 0.8
+    assert "| gpt | fp32 | 2 | 1.20 | 1.30 [1.09–1.50] | 0.95 [0.80–1.10] |" in out
+    bench.render([dict(cell, runs={"ours": cell["runs"]["ours"], "minimal": cell["runs"]["minimal"]})])
+    assert "engine / minimal" not in capsys.readouterr().out  # only where both yardsticks ran
