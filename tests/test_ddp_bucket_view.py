@@ -178,3 +178,16 @@ def _trainer_rebuild_worker(rank, world_size):
 
 def test_trainer_rebuilds_ddps_buckets_before_the_first_optimizer_step():
     run_distributed(_trainer_rebuild_worker, 2)
+
+
+def _static_graph_worker(rank, world_size):
+    record = _RebuildRecord()
+    quiet_trainer(ZeroStrategy(stage=0, static_graph=True), world_size, max_steps=3, callbacks=[record]).fit(
+        RegressionModule(batch_size=4))
+    # A static graph's first backward marks every gradient ready at its end and records no order; DDP learns it in
+    # the second and would rebuild at the third forward, optimizer states alive. The rebuild comes before step 2.
+    assert record.before_step == [False, True, True], record.before_step
+
+
+def test_static_graph_rebuilds_after_its_second_backward():
+    run_distributed(_static_graph_worker, 2)

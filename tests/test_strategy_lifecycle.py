@@ -10,6 +10,7 @@ from lightning.pytorch.plugins.layer_sync import LayerSync
 from torch import nn
 
 from lightning_zero import ZeroStrategy
+from lightning_zero.distributed.optimizer import get_sharding
 from tests.distributed import run_distributed
 from tests.lightning_models import RegressionModule, full_state
 
@@ -230,3 +231,37 @@ def _test_under_inference_mode_worker(rank, world_size, path):
 
 def test_test_with_ckpt_path_inside_inference_mode_at_sharded_stages(tmp_path):
     run_distributed(_test_under_inference_mode_worker, WORLD, str(tmp_path / "model.ckpt"))
+
+
+class _OneOptimizerForEveryFit(RegressionModule):
+    """configure_optimizers hands out the same optimizer object at every fit."""
+
+    def configure_optimizers(self):
+        if not hasattr(self, "_optimizer"):
+            self._optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        return self._optimizer
+
+
+def _reused_optimizer_worker(rank, world_size):
+    for stage, refused in ((1, True), (0, False)):
+        module = _OneOptimizerForEveryFit()
+        make_trainer(stage, max_steps=2).fit(module)
+        # the fit's end let go of stage 1's broadcast buckets (on a GPU, Lightning's teardown moves the module to
+        # the CPU: a plan kept would hold the old device copy of every parameter)
+        assert get_sharding(module._optimizer).broadcast_plan is None
+        # The first fit partitioned it in place (stage 1: each rank's param_groups hold its own partition) and its
+        # teardown removed the step hooks: stepped again as is, each rank would update its half and broadcast
+        # nothing, and the ranks would drift apart without an error.
+        if refused:
+            with pytest.raises(RuntimeError, match="sharded by an earlier fit"):
+                make_trainer(stage, max_steps=4).fit(module)
+        else:  # stage 0 left the groups whole: a second fit trains on, every rank alike
+            make_trainer(stage, max_steps=4).fit(module)
+            mine = full_state(module)
+            theirs = [None] * world_size
+            dist.all_gather_object(theirs, mine)
+            assert all(torch.equal(mine[k], theirs[0][k]) for k in mine)
+
+
+def test_an_optimizer_sharded_by_an_earlier_fit_is_refused_where_its_groups_were_narrowed():
+    run_distributed(_reused_optimizer_worker, WORLD)

@@ -144,26 +144,36 @@ class EarlyBucketRebuild:
     has no state yet (measured: 881 MiB, below every later step). ``reducer._rebuild_buckets()`` is what DDP's
     forward calls (and torch's ``Join`` hook outside a forward); a collective of the DDP group (rank 0's bucket
     order is broadcast), so it runs at the same backward on every rank, and it does nothing when DDP will not
-    rebuild (``find_unused_parameters=True``) or already did. The gradients keep their values (copied into the new
-    buckets). Used by the Trainer's automatic optimization, whose step order makes the transient; a Fabric loop is
-    the user's own, and one that zeroes before its forward has no transient to move (there, rebuilding early would
-    hold both bucket sets at once where DDP's own rebuild frees them bucket by bucket).
+    rebuild (``find_unused_parameters=True``), already did, or has not learnt the order yet (``static_graph=True``
+    learns it in the second backward: the rebuild then comes before the second step). The gradients keep their values
+    (copied into the new buckets). Used by the Trainer's automatic optimization, whose step order makes the transient; a
+    Fabric loop is the user's own, and one that zeroes before its forward has no transient to move (there, rebuilding
+    early would hold both bucket sets at once where DDP's own rebuild frees them bucket by bucket).
     """
+
+    # DDP learns the bucket order in its first synchronised backward, or with static_graph=True in its second (the
+    # first one marks every gradient ready at its end); a try that finds no order returns False on every rank
+    # without a collective, and after two the module is let go (find_unused_parameters=True never rebuilds).
+    TRIES = 2
 
     def __init__(self, module):
         self.module = module if isinstance(module, DistributedDataParallel) else None
+        self.tries = 0
 
     def after_backward(self, loss: Tensor) -> Tensor:
-        """Call after each backward (returns ``loss``, the backward's result, for the caller to return); acts once,
-        after the first backward that synchronised the gradients (one under ``no_sync``, a micro-step of gradient
-        accumulation, leaves DDP nothing to rebuild from)."""
+        """Call after each backward (returns ``loss``, the backward's result, for the caller to return); acts after
+        the synchronised backwards (one under ``no_sync``, a micro-step of gradient accumulation, leaves DDP
+        nothing to rebuild from) until DDP rebuilt or :attr:`TRIES` found nothing to rebuild."""
         module = self.module
         if module is None or not module.require_backward_grad_sync:
             return loss
-        self.module = None
+        self.tries += 1
         rebuild = getattr(module.reducer, "_rebuild_buckets", None)
         if rebuild is not None and rebuild():
             module._has_rebuilt_buckets = True  # DDP's own record of it (logging)
+            self.module = None
+        elif rebuild is None or self.tries >= self.TRIES:
+            self.module = None
         return loss
 
 

@@ -109,6 +109,7 @@ class OptimizerSharding:
     not_held: Optional[tuple] = None  # (groups' identity and sizes, module params the optimizer does not hold)
     beside_replicas: bool = False  # the masters are fp32 values of bf16 replicas on the compute device (.replicas)
     masters_elsewhere: set[int] = field(default_factory=set)  # id(model param) whose owner (another rank) has one
+    released: bool = False  # remove() ran: the hooks are gone, the groups keep what sharding made of them
 
     def all_model_params(self) -> list[Tensor]:
         return [p for params in self.model_params for p in params]
@@ -198,6 +199,15 @@ class OptimizerSharding:
         if self.local_step_of is not None:  # last: the swappers' classes derive from the local-step class
             restore_step(self.local_step_of)
             self.local_step_of = None
+        # The buckets live on in the parameters that are still their views; one moved since (Lightning's teardown
+        # moves the module to the CPU) must not be kept on its old device by the plan.
+        self.broadcast_plan = None
+        self.released = True
+
+    def narrowed_groups(self) -> bool:
+        """Whether sharding changed what the optimizer's groups hold (stage 1: this rank's partition; offload or
+        bf16 replicas: the masters in the parameters' place), so it steps correctly only with its hooks."""
+        return self.config.stage == 1 or bool(self.masters) or bool(self.masters_elsewhere)
 
 
 def get_sharding(optimizer: torch.optim.Optimizer) -> Optional[OptimizerSharding]:

@@ -188,9 +188,16 @@ def shard_optimizer_of(optimizer: torch.optim.Optimizer, module: nn.Module, mesh
     skipped there); then :func:`~lightning_zero.distributed.optimizer.shard_optimizer` partitions it over the shard
     group (stage 1) and/or offloads it, in place. An optimizer built from parameters a forward left gathered is
     pointed at the shards first (:func:`point_at_shards`). Returns ``False`` for an optimizer sharded before (an
-    evaluation after a fit keeps the fit's optimizers). ``fp32_values``: what step 3 filled under ``bf16-true``
-    (the optimizer's masters, :mod:`.replicas`)."""
-    if get_sharding(optimizer) is not None:
+    evaluation after a fit keeps the fit's optimizers); one whose sharding an earlier fit's end released is refused
+    where sharding narrowed its groups (it cannot step correctly without the hooks), else kept as it is.
+    ``fp32_values``: what step 3 filled under ``bf16-true`` (the optimizer's masters, :mod:`.replicas`)."""
+    if (sharding := get_sharding(optimizer)) is not None:
+        if sharding.released and sharding.narrowed_groups():
+            raise RuntimeError(
+                f"Optimizer {index} ({type(optimizer).__name__}) was sharded by an earlier fit, whose end removed the "
+                "hooks it steps with: its param_groups hold this rank's partition (or CPU masters), so stepping it "
+                "again would update part of the model and tell no other rank. Create the optimizer inside "
+                "configure_optimizers (a new one for each fit), and restore its state from a checkpoint.")
         return False
     if config.stage >= 2 and not pipelined:
         point_at_shards(optimizer, module)

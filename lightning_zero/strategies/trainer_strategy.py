@@ -566,7 +566,7 @@ class ZeroStrategy(ParallelStrategy):
         for handle in self._teardown_handles:
             handle.remove()
         self._teardown_handles.clear()
-        self._manual_backward = None
+        self._manual_backward, self._bucket_rebuild = None, EarlyBucketRebuild(None)  # keep no wrapper alive
         self.precision_plugin.fp32_values.clear()
         if isinstance(self.model, DistributedDataParallel):
             self.model = lightning_module
