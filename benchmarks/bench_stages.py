@@ -164,7 +164,7 @@ def render(cells: list[dict], out=sys.stdout) -> list[dict]:
         print(f"| {r['model']} | {r['precision']} | {r['stage']} | {LABELS[r['peer']]} | {_ratio(r['time_ratio'])} | "
               f"{_ratio(r['mem_ratio'])} | {_value(r['ours'], '.3f')} | {_value(r['theirs'], '.3f')} | "
               f"{_value(r['ours_mib'], '.0f')} | {_value(r['theirs_mib'], '.0f')} |", file=out)
-    _render_engine_split(cells, out)
+    _render_engine_split(cells, rows, out)
     # bf16 against fp32 for ZeroStrategy itself: medians of separate cells (not paired runs), so read it loosely.
     ours = {(c["model"], c["precision"], c["stage"]): _stats([a[0] for a in c["runs"]["ours"] if a]) for c in cells}
     pairs = [(m, p, s, ours[(m, p, s)], ours.get((m, "fp32", s))) for m, p, s in ours if p != "fp32"]
@@ -176,20 +176,22 @@ def render(cells: list[dict], out=sys.stdout) -> list[dict]:
     return rows
 
 
-def _render_engine_split(cells: list[dict], out) -> None:
+def _render_engine_split(cells: list[dict], rows: list[dict], out) -> None:
     """Where both yardsticks ran, ``ours / minimal`` split into the adapter's tax (``ours / engine``: the Trainer and
     lightning-zero over torch's engine run bare) and the engine's price (``engine / minimal``: DDP, its ZeRO-1 and
-    FSDP2 against flat buffers), each paired within its repeat."""
+    FSDP2 against flat buffers), each paired within its repeat as :func:`summarize` pairs them (the first two are
+    its rows; the third is :func:`summarize` with the engine in ours' place)."""
     split = [c for c in cells if all(p in c["runs"] for p in ("ours", "engine", "minimal"))]
     if not split:
         return
+    time_ratio = {(r["model"], r["precision"], r["stage"], r["peer"]): r["time_ratio"] for r in rows}
     print("\n| model | precision | ZeRO | ours / minimal | ours / engine (the adapter over torch's engine) | "
           "engine / minimal (torch's engine against flat buffers) |\n|---|---|---|---|---|---|", file=out)
     for cell in split:
-        runs = cell["runs"]
-        ratios = [_ratio(_stats([x[0] / y[0] for x, y in zip(runs[a], runs[b]) if x and y and y[0] > 0]))
-                  for a, b in (("ours", "minimal"), ("ours", "engine"), ("engine", "minimal"))]
-        print(f"| {cell['model']} | {cell['precision']} | {cell['stage']} | {' | '.join(ratios)} |", file=out)
+        key = (cell["model"], cell["precision"], cell["stage"])
+        engine = summarize(dict(cell, runs={"ours": cell["runs"]["engine"], "minimal": cell["runs"]["minimal"]}))
+        ratios = [time_ratio[(*key, "minimal")], time_ratio[(*key, "engine")], engine[0]["time_ratio"]]
+        print(f"| {' | '.join(key)} | {' | '.join(_ratio(r) for r in ratios)} |", file=out)
 
 
 def plot(rows: list[dict], path: str) -> bool:
