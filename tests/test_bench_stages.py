@@ -57,6 +57,17 @@ def test_a_peer_with_no_cell_at_the_chosen_stages_is_reported(capsys, deepspeed_
     assert "no cell" not in capsys.readouterr().err
 
 
+def test_steady_heap_is_what_the_environment_audit_advises():
+    """--steady-heap starts the ranks with the glibc settings the library's environment audit names for a CPU run
+    (the bench keeps its own copy: a rank of --peers before imports the library only from the old tree)."""
+    _bench()
+    import _bench_workers as workers
+
+    from lightning_zero.diagnostics.env_audit import STEADY_HEAP
+
+    assert workers.STEADY_HEAP == STEADY_HEAP
+
+
 def test_compute_floor_runs_without_collectives_and_steps_a_share():
     """The floor peer: each rank steps about 1/world of the elements at stages 1-3 (all of them at stage 0), in a
     plain loop that never initializes a process group (a collective would raise)."""

@@ -1,5 +1,6 @@
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -18,7 +19,14 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero.callbacks.diagnostics import DiagnosticsSettings, NCCLDiagnostics
 from lightning_zero.cli import main as cli_main
-from lightning_zero.diagnostics.env_audit import audit_environment, audit_text, infiniband_devices, nccl_warnings
+from lightning_zero.diagnostics.env_audit import (
+    STEADY_HEAP,
+    audit_environment,
+    audit_text,
+    cpu_heap_warnings,
+    infiniband_devices,
+    nccl_warnings,
+)
 from lightning_zero.diagnostics.probes import (
     COLLECTIVES,
     ProbeResult,
@@ -80,6 +88,30 @@ def test_nccl_warnings_known_bad_settings():
     assert any("NCCL_DEBUG=INFO" in w for w in nccl_warnings({"NCCL_DEBUG": "info"}))
     assert any("TORCH_NCCL_BLOCKING_WAIT" in w for w in nccl_warnings({"NCCL_BLOCKING_WAIT": "1"}))
     assert any("P2P_LEVEL" in w for w in nccl_warnings({"NCCL_P2P_LEVEL": "LOC"}))
+
+
+def test_cpu_heap_warning_only_where_glibc_adjusts_the_heap_of_a_cpu_run():
+    """A CPU run under glibc with no heap setting of its own is told the thresholds to fix (docs/stages.md); a GPU
+    run, another C library, any glibc thresholds variable or a preloaded allocator is left alone."""
+    found = cpu_heap_warnings({}, computes_on_cpu=True, libc="glibc")
+    assert len(found) == 1 and "MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=134217728" in found[0]
+    assert cpu_heap_warnings({}, computes_on_cpu=False, libc="glibc") == []
+    assert cpu_heap_warnings({}, computes_on_cpu=True, libc="") == []  # musl, macOS: platform.libc_ver() says ''
+    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_"):
+        assert cpu_heap_warnings({name: "1048576"}, computes_on_cpu=True, libc="glibc") == []
+    preload = {"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"}
+    assert cpu_heap_warnings(preload, computes_on_cpu=True, libc="glibc") == []
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc" or torch.cuda.is_available(), reason="a CPU host with glibc")
+def test_audit_of_a_gloo_run_on_cpu_names_the_heap_settings(tmp_path):
+    audit = audit_environment(environ={"WORLD_SIZE": "2"}, backend="gloo", infiniband_root=tmp_path)
+    assert any("glibc's default heap" in w for w in audit.warnings)
+    assert "WARNING: training on CPU under glibc's default heap" in audit_text(audit)
+    steady = audit_environment(environ=dict(STEADY_HEAP), backend="gloo", infiniband_root=tmp_path)
+    assert not any("glibc" in w for w in steady.warnings)
+    assert steady.variables == STEADY_HEAP  # shown with the run's other variables
+    assert not any("glibc" in w for w in audit_environment(environ={}, backend="nccl").warnings)
 
 
 def test_audit_environment_reports_variables_and_infiniband(tmp_path):
