@@ -45,3 +45,19 @@ def local_part(target):
                                       "loaded from full tensors")
         return target.to_local(), tuple(chunks[0].offsets), tuple(chunks[0].sizes)
     return target, (0,) * target.dim(), tuple(target.shape)
+
+
+def backend_serving(device_type: str, group=None):
+    """The name of the backend of ``group`` (default: the world's) that serves ``device_type`` tensors, or ``None``
+    when none does: ``"nccl"`` alone serves only ``"cuda"``, ``"cpu:gloo,cuda:nccl"`` gives ``"gloo"`` for CPU
+    tensors and ``"nccl"`` for CUDA ones.
+
+    ``dist.get_backend(group)`` names a multi-backend group by its whole configuration (``"cpu:gloo,cuda:nccl"``),
+    so a test ``get_backend(group) == "nccl"`` is false for the group torch starts by default on CUDA; the
+    ``device:backend`` pairs of ``dist.get_backend_config`` (public; a single backend is listed with every device it
+    serves, e.g. ``"cpu:gloo,cuda:gloo"``) answer the question the collectives ask: which backend will carry this
+    tensor, and is there one at all."""
+    import torch.distributed as dist
+
+    pairs = dict(part.split(":", 1) for part in str(dist.get_backend_config(group)).split(","))
+    return pairs.get(device_type)

@@ -27,7 +27,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, env: dict) -> None:
+def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, env: dict, start_group: bool) -> None:
     # [Note: a forked rank must never collect what it inherited] Objects the parent left in unreachable cycles are
     # copied into the child; a gloo process group among them (an earlier in-process test's) would be destroyed by
     # the child's garbage collector, and its destructor waits on a condition variable whose waiters (the parent's
@@ -40,12 +40,15 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, env
         WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
     )
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    if start_group:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
-        dist.barrier()
+        if dist.is_initialized():
+            dist.barrier()
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def job_output(result, head: int = 6000, tail: int = 3000) -> str:
@@ -58,12 +61,14 @@ def job_output(result, head: int = 6000, tail: int = 3000) -> str:
     return f"exit code {result.returncode}\n--- stdout (end) ---\n{stdout}\n--- stderr ---\n{shown}"
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, env: dict | None = None) -> None:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; raise if any rank fails."""
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, env: dict | None = None,
+                    start_group: bool = True) -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; raise if any rank fails. With
+    ``start_group=False`` the ranks get the rendezvous variables but no process group: ``fn`` starts its own."""
     method = os.environ.get("LZ_TEST_START_METHOD", "fork")
     gc.collect()  # release the parent's garbage here, where its threads exist (see _entry)
     mp.start_processes(
-        _entry, args=(world_size, free_port(), fn, args, dict(env or {})), nprocs=world_size, join=True,
+        _entry, args=(world_size, free_port(), fn, args, dict(env or {}), start_group), nprocs=world_size, join=True,
         start_method=method,
     )
 

@@ -80,6 +80,25 @@ def check_backend_name(backend: Any) -> None:
                              + ("; on CPU use 'gloo'" if name == "nccl" else ""))
 
 
+def offloads(zero_config: Any) -> bool:
+    """The run keeps states in host memory or on NVMe (through host memory), so it communicates CPU tensors."""
+    return zero_config.offload_optimizer != "none" or zero_config.offload_params != "none"
+
+
+def check_backend_serves_offload(backend: Optional[str], zero_config: Any) -> None:
+    """A named backend that serves no CPU tensors (``"nccl"``, ``"cuda:nccl"``) cannot carry an offloading run's CPU
+    collectives (see ``adapters/process_group.py``, the note on the default group): refuse it before it starts."""
+    if backend is None or not offloads(zero_config):
+        return
+    serves_cpu = any(device == "cpu" if device is not None else "cpu" in dist.Backend.backend_capability.get(name, ())
+                     for device, name in _backend_names(backend))
+    if not serves_cpu:
+        raise ValueError(f"process_group_backend={backend!r} serves no CPU tensors, but offload_optimizer="
+                         f"{zero_config.offload_optimizer!r}, offload_params={zero_config.offload_params!r} "
+                         "communicates CPU tensors (gradient norms, overflow flags, offloaded shards): use "
+                         "'cpu:gloo,cuda:nccl' or leave process_group_backend unset (the strategy then starts that)")
+
+
 def check_backend_for_device(backend: Optional[str], device: torch.device) -> None:
     """``nccl`` needs CUDA, ``xccl`` an XPU: refuse the pair before ``init_process_group`` tries it."""
     if backend is None:

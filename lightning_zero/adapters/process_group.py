@@ -12,6 +12,19 @@ slow to start (imports on a loaded machine) makes it likely. :func:`attempt_stor
 namespace, ``lightning_zero/attempt_<N>/``, on a client of the same server, ``N`` agreed by the ranks (not the
 agents' restart counts, which differ between nodes after a peer's death: see ``diagnostics.peers``). Plain DDP
 (``init_process_group("gloo")`` with ``env://``) has the same failure; it is torch's to fix there.
+
+[Note: the default group on CUDA serves CPU tensors too]
+NCCL carries CUDA tensors only: a collective on a CPU tensor over an NCCL-only group raises "No backend type
+associated with device type cpu". A ZeRO run on GPUs still communicates CPU tensors: with CPU offload the sharded
+parameters and gradients live in host memory, so the gradient norm of clipping, fp16's overflow flag, LAMB's shard
+sums and every ``full_tensor()`` of an offloaded shard are CPU collectives over the mesh's group. On CUDA the
+default group is therefore started as ``"cpu:gloo,cuda:nccl"`` (:func:`default_backend`): CUDA tensors still go
+to NCCL, CPU tensors to gloo, and every group derived from it (``init_device_mesh``'s dimensions, ``new_group``
+without a backend) gets both. It is what torch itself starts when ``init_process_group`` is given no backend
+(``torch/distributed/distributed_c10d.py``, ``init_process_group`` and ``Backend.default_device_backend_map``).
+A backend the user names is taken as given; one that serves no CPU tensors is refused with offload before any
+group starts (``launch_checks.check_backend_serves_offload``), and a group started before the strategy (by the
+user's script) is checked the same way once it exists (:func:`check_group_serves_offload`).
 """
 
 from __future__ import annotations
@@ -28,6 +41,27 @@ from lightning_zero.diagnostics.network import checked_store, startup_check
 from lightning_zero.diagnostics.peers import agree_attempt, publish_identity
 from lightning_zero.distributed.group_timeout import set_package_group_timeout
 from lightning_zero.distributed.process_group_exit import destroy_process_group_at_exit
+from lightning_zero.torch_compat import backend_serving
+
+CPU_AND_CUDA_BACKEND = "cpu:gloo,cuda:nccl"
+
+
+def default_backend(device: torch.device) -> str:
+    """The backend the package starts the default group with when none is named: ``"cpu:gloo,cuda:nccl"`` on CUDA
+    (see the note), Lightning's choice for the device elsewhere (``gloo`` on CPU)."""
+    if device.type == "cuda":
+        return CPU_AND_CUDA_BACKEND
+    return _get_default_process_group_backend_for_device(device)
+
+
+def check_group_serves_offload(offloads: bool) -> None:
+    """Refuse an offloading run whose default group (started before the strategy, e.g. by the user's own
+    ``init_process_group("nccl")``) has no backend for CPU tensors: its first CPU collective would fail mid-step."""
+    if offloads and backend_serving("cpu") is None:
+        raise RuntimeError(
+            f"the process group was started with backend {dist.get_backend_config()!r}, which serves no CPU tensors, "
+            "but this run offloads to CPU and communicates CPU tensors (gradient norms, overflow flags, offloaded "
+            f"shards); start it with init_process_group({CPU_AND_CUDA_BACKEND!r}) or leave it to the strategy")
 
 
 def attempt_store(timeout: Optional[timedelta]) -> dict[str, Any]:
@@ -59,17 +93,19 @@ def process_group_store(cluster_environment: Any, *, timeout: Optional[timedelta
 
 def start_process_group(cluster_environment: Any, backend: Optional[str], device: torch.device, *,
                         timeout: Optional[timedelta], rendezvous_timeout: float, num_nodes: int, node_rank: int,
-                        global_rank: int, world_size: int) -> str:
-    """Initialise the default process group (``backend``, or the device's default) through Lightning's
+                        global_rank: int, world_size: int, offloads: bool = False) -> str:
+    """Initialise the default process group (``backend``, or :func:`default_backend`) through Lightning's
     ``_init_dist_connection`` with :func:`process_group_store`'s store, and register its destruction at a clean exit
     (:mod:`lightning_zero.distributed.process_group_exit`); the groups the package creates later get the same
-    ``timeout`` (:mod:`lightning_zero.distributed.group_timeout`). Returns the backend used."""
-    backend = backend or _get_default_process_group_backend_for_device(device)
+    ``timeout`` (:mod:`lightning_zero.distributed.group_timeout`). ``offloads``: the run communicates CPU tensors,
+    which a group started earlier must then serve (:func:`check_group_serves_offload`). Returns the backend used."""
+    backend = backend or default_backend(device)
     store = process_group_store(cluster_environment, timeout=timeout, rendezvous_timeout=rendezvous_timeout,
                                 num_nodes=num_nodes, node_rank=node_rank, global_rank=global_rank,
                                 world_size=world_size)
     _init_dist_connection(cluster_environment, backend, timeout=timeout,
                           device_id=device if device.type == "cuda" else None, **store)
+    check_group_serves_offload(offloads)
     destroy_process_group_at_exit()
     # where this rank runs, for a survivor to name it if it dies (diagnostics.peers)
     publish_identity(dist.distributed_c10d._get_default_store(), global_rank, node_rank)

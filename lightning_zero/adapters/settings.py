@@ -17,7 +17,7 @@ from typing import Any, Optional, Union
 
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 
-from lightning_zero.adapters.launch_checks import check_backend_name, check_timeout
+from lightning_zero.adapters.launch_checks import check_backend_name, check_backend_serves_offload, check_timeout
 from lightning_zero.adapters.precision_policy import LossScaleConfig, loss_scale_configs, parse_communication_data_type
 from lightning_zero.checkpoint.consolidate import weights_16bit_dtype
 from lightning_zero.checkpoint.full_file import check_load_full_weights
@@ -154,6 +154,7 @@ def resolve_settings(**arguments: Any) -> ZeroSettings:
     hang_seconds = parse_hang_timeout(args.hang_timeout)
     zero_config, communication_data_type, pipeline_parallel_size, micro_batches = _zero_config(args, ds_config)
     deepspeed_arguments.check_remote_device(zero_config.stage, zero_config.offload_params)
+    check_backend_serves_offload(args.process_group_backend, zero_config)
     activation_checkpoint = activation_checkpointing_over_config(
         ds_config, args.activation_checkpointing, args.cpu_checkpointing, args.activation_checkpointing_policy)
     if args.start_method not in START_METHODS:

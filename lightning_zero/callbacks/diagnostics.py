@@ -35,6 +35,7 @@ from lightning_zero.diagnostics.probes import (
     slow_outliers,
 )
 from lightning_zero.diagnostics.watchdog import HangWatchdog, enable_flight_recorder
+from lightning_zero.torch_compat import backend_serving
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,7 @@ class NCCLDiagnostics(Callback):
         self.watchdog: Optional[HangWatchdog] = None
         if flight_recorder:
             enable_flight_recorder(flight_recorder_buffer, dump_dir)
-            if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+            if dist.is_available() and dist.is_initialized() and backend_serving("cuda") == "nccl":
                 warnings.warn("NCCLDiagnostics: the NCCL process group already exists, so the flight recorder "
                               "variables set now do not apply to it; create the callback before "
                               "init_process_group (or export TORCH_NCCL_TRACE_BUFFER_SIZE yourself)")

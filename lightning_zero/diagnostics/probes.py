@@ -27,6 +27,8 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from lightning_zero.torch_compat import backend_serving
+
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 
 # Errors a backend raises for a collective it does not implement (checked identically on every rank, before any
@@ -196,7 +198,7 @@ def probe_collectives(
 
 
 def _default_device(group) -> torch.device:
-    if dist.get_backend(group) == "nccl":
+    if backend_serving("cuda", group) == "nccl":  # the probe measures NCCL, also in a "cpu:gloo,cuda:nccl" group
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

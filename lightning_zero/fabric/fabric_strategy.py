@@ -36,6 +36,7 @@ from lightning_zero.adapters.launch_checks import (
     check_before_process_group,
     check_external_launch,
     check_launcher_world_size,
+    offloads,
 )
 from lightning_zero.adapters.process_group import start_process_group
 from lightning_zero.adapters.settings import SETTING_NAMES, STRATEGY_NAMES, checkpoint_save_options, resolve_settings
@@ -270,7 +271,7 @@ class ZeroStrategy(ParallelStrategy):
         self._process_group_backend = start_process_group(
             self.cluster_environment, self._process_group_backend, device, timeout=self.settings.timeout,
             rendezvous_timeout=self.settings.rendezvous_timeout, num_nodes=self.num_nodes, node_rank=self.node_rank,
-            global_rank=self.global_rank, world_size=self.world_size)
+            global_rank=self.global_rank, world_size=self.world_size, offloads=offloads(self.zero_config))
         self.meshes = runtime.build_meshes(device.type, self.world_size,
                                            pipeline_parallel_size=self.settings.pipeline.pipeline_parallel_size,
                                            hybrid_shard_size=self.zero_config.hybrid_shard_size)

@@ -58,7 +58,10 @@ def reduce_shard_sums(sums: torch.Tensor, params: list[torch.Tensor]) -> torch.T
         mesh = getattr(p, "device_mesh", None)
         if mesh is None:
             continue
-        dims = tuple(d for d, placement in enumerate(p.placements) if not placement.is_replicate())
+        # a dimension of one rank has nothing to sum (and no collective to issue: a one-GPU run's NCCL group may
+        # not even serve the CPU tensors an offloaded shard gives)
+        dims = tuple(d for d, placement in enumerate(p.placements)
+                     if not placement.is_replicate() and mesh.size(d) > 1)
         if dims:
             buckets.setdefault((mesh, dims), []).append(row)
     for (mesh, dims), rows in buckets.items():

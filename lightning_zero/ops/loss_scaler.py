@@ -42,7 +42,7 @@ from typing import Any, Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from lightning_zero.torch_compat import local_tensor
+from lightning_zero.torch_compat import backend_serving, local_tensor
 
 __all__ = ["DynamicLossScaler", "LossScaleAtMinimumError", "StaticLossScaler", "has_overflow"]
 
@@ -248,7 +248,7 @@ def has_overflow(tensors: Iterable[Optional[torch.Tensor]], group: Optional[dist
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
     if local:
         device = local[0].device
-    elif distributed and dist.get_backend(group) == "nccl":
+    elif distributed and backend_serving("cpu", group) is None:  # NCCL alone: the flag must be a CUDA tensor
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device("cpu")
