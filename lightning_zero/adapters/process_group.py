@@ -18,13 +18,19 @@ NCCL carries CUDA tensors only: a collective on a CPU tensor over an NCCL-only g
 associated with device type cpu". A ZeRO run on GPUs still communicates CPU tensors: with CPU offload the sharded
 parameters and gradients live in host memory, so the gradient norm of clipping, fp16's overflow flag, LAMB's shard
 sums and every ``full_tensor()`` of an offloaded shard are CPU collectives over the mesh's group. On CUDA the
-default group is therefore started as ``"cpu:gloo,cuda:nccl"`` (:func:`default_backend`): CUDA tensors still go
-to NCCL, CPU tensors to gloo, and every group derived from it (``init_device_mesh``'s dimensions, ``new_group``
-without a backend) gets both. It is what torch itself starts when ``init_process_group`` is given no backend
-(``torch/distributed/distributed_c10d.py``, ``init_process_group`` and ``Backend.default_device_backend_map``).
-A backend the user names is taken as given; one that serves no CPU tensors is refused with offload before any
-group starts (``launch_checks.check_backend_serves_offload``), and a group started before the strategy (by the
-user's script) is checked the same way once it exists (:func:`check_group_serves_offload`).
+default group is therefore started as ``"cpu:gloo,cuda:nccl"`` (:func:`default_backend`), offload or not: CUDA
+tensors still go to NCCL, CPU tensors to gloo, and every group derived from it (``init_device_mesh``'s dimensions,
+``new_group`` without a backend) gets both. Lightning names ``"nccl"`` alone
+(``lightning/fabric/utilities/distributed.py``, ``_get_default_process_group_backend_for_device``), and so does torch
+2.13 when given no backend (``torch/distributed/distributed_c10d.py``, ``BackendConfig.__init__``: ``"undefined"``
+maps only the detected accelerator); torchtitan adds ``cpu:gloo`` when asked (``torchtitan/distributed/utils.py``,
+``init_distributed(enable_cpu_backend=...)``), and torch's own ``dcp.async_save`` refuses a group without one
+(``torch/distributed/checkpoint/state_dict_saver.py``). Always rather than only with offload: object collectives
+and barriers then run on CPU too (torch picks the CPU backend for them, ``_get_object_coll_device``), without a CUDA
+sync, and the cost is one gloo connection per peer at start-up (``benchmarks/bench_group_start.py``, measured in
+``docs/offload.md``). A backend the user names is taken as given; one that serves no CPU tensors is refused with
+offload before any group starts (``launch_checks.check_backend_serves_offload``), and a group started before the
+strategy (by the user's script) is checked the same way once it exists (:func:`check_group_serves_offload`).
 """
 
 from __future__ import annotations
