@@ -17,10 +17,11 @@ import torch
 from lightning_zero.ops.fused_lamb import triton_available
 from tests.test_optimizers import lamb_reference
 
-pytestmark = pytest.mark.skipif(
+needs_triton = pytest.mark.skipif(
     not triton_available(),
     reason="triton is not installed: the LAMB Triton kernel cannot be interpreted on CPU (pip install triton)",
 )
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 BLOCK = 1024
 # one block less one, exactly one, one more, several blocks and a remainder, and a 2-D tensor over three blocks
@@ -28,11 +29,10 @@ BOUNDARY_SHAPES = [(BLOCK - 1,), (BLOCK,), (BLOCK + 1,), (3 * BLOCK + 17,), (33,
 
 
 def run_interpreted(function_name: str) -> None:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     script = f"from tests.test_lamb_triton import {function_name} as f; f()"
     result = subprocess.run(
-        [sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -101,6 +101,7 @@ def _reference(start, grads, eps_inside_sqrt):
     return p, coeffs
 
 
+@needs_triton
 def test_kernels_match_float64_reference_across_block_boundaries():
     run_interpreted("_boundary_shapes_check")
 
@@ -137,6 +138,7 @@ def _far_program_check():
     assert torch.equal(p, torch.full((BLOCK,), 1.0)), "the far program wrote p inside the tensor"
 
 
+@needs_triton
 def test_offsets_are_64_bit_past_two_to_the_32_elements():
     run_interpreted("_far_program_check")
 
@@ -193,6 +195,7 @@ def _launch_both(lamb_triton, make):
     lamb_triton.lamb_apply(p, m, v, coeff, step_size=1e-2, **shared)
 
 
+@needs_triton
 def test_each_launch_runs_with_the_tensors_cuda_device_current(monkeypatch):
     """A tensor on cuda:1 launches with cuda:1 current (Triton launches on the current device). The tensors are
     fake CUDA tensors (``FakeTensorMode``): the wrappers' own code runs, the kernels and the CUDA context are fakes."""
@@ -212,7 +215,25 @@ def test_each_launch_runs_with_the_tensors_cuda_device_current(monkeypatch):
     ]
 
 
+@needs_triton
 def test_cpu_launches_enter_no_cuda_device(monkeypatch):
     lamb_triton, events = _record_launches(monkeypatch)
     _launch_both(lamb_triton, lambda n: torch.zeros(n))
     assert events == [("launch", "moments", None), ("launch", "apply", None)]
+
+
+def test_the_test_extra_pins_the_triton_that_torch_requires():
+    """Unpinned, CI would test whatever triton is newest (torch's CPU wheel declares none); a CUDA wheel of torch
+    declares the one version it was built with, and the pin must be that one."""
+    from importlib.metadata import requires
+
+    import tomllib
+    from packaging.requirements import Requirement
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        test_extra = [Requirement(r) for r in tomllib.load(f)["project"]["optional-dependencies"]["test"]]
+    (ours,) = [r for r in test_extra if r.name == "triton"]
+    assert [s.operator for s in ours.specifier] == ["=="], f"triton is not pinned in the test extra: {ours}"
+    torch_wants = [Requirement(r) for r in requires("torch") or [] if Requirement(r).name == "triton"]
+    for wanted in torch_wants:  # none on a CPU wheel
+        assert ours.specifier == wanted.specifier, f"the test extra pins {ours}, torch requires {wanted}"
