@@ -144,3 +144,36 @@ def test_audit_warns_about_gloo_where_cuda_is_available(monkeypatch):
     audit = audit_environment(environ={}, backend="gloo")
     assert any("backend is gloo although CUDA is available" in w for w in audit.warnings)
     assert not any("glibc" in w for w in audit.warnings)  # the CPU-heap advice is for runs that compute on CPU
+
+
+def test_this_machine_reads_the_smallest_cuda_device(cuda_here, monkeypatch):
+    from lightning_zero.cli.ladder import this_machine
+
+    memory = {0: 80 << 30, 1: 40 << 30, 2: 80 << 30, 3: 80 << 30}
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=memory[i]))
+    machine = this_machine()
+    assert (machine.devices, machine.device_memory, machine.accelerator) == (4, 40 << 30, "cuda")
+    assert this_machine(devices=2).devices == 2
+
+
+def test_advise_for_cuda_without_a_gpu_asks_for_its_memory(no_cuda_here, tmp_path):
+    with pytest.raises(SystemExit, match="no CUDA device here to read its memory from: pass --device-memory"):
+        cli_main(
+            ["advise", "--model", "tests.advise_models:TinyGPT", "--accelerator", "cuda", "--output-dir", str(tmp_path)]
+        )
+
+
+def test_nccl_diagnostics_warns_when_the_nccl_group_already_exists(monkeypatch):
+    import os
+
+    from lightning_zero.callbacks import diagnostics
+
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # the flight-recorder variables it sets are dropped after
+    monkeypatch.setattr(diagnostics.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(diagnostics.dist, "get_backend", lambda group=None: "nccl")
+    with pytest.warns(UserWarning, match="the NCCL process group already exists"):
+        diagnostics.NCCLDiagnostics(flight_recorder=True)
+    monkeypatch.setattr(diagnostics.dist, "get_backend", lambda group=None: "gloo")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        diagnostics.NCCLDiagnostics(flight_recorder=True)
