@@ -237,3 +237,15 @@ def test_the_test_extra_pins_the_triton_that_torch_requires():
     torch_wants = [Requirement(r) for r in requires("torch") or [] if Requirement(r).name == "triton"]
     for wanted in torch_wants:  # none on a CPU wheel
         assert ours.specifier == wanted.specifier, f"the test extra pins {ours}, torch requires {wanted}"
+
+
+@needs_triton
+def test_triton_on_cpu_tensors_without_the_interpreter_is_refused(monkeypatch):
+    from lightning_zero.ops import FusedLamb
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    param = torch.nn.Parameter(torch.ones(3))
+    param.grad = torch.ones(3)
+    with pytest.raises(RuntimeError, match="needs TRITON_INTERPRET=1"):
+        FusedLamb([param], implementation="triton").step()
+    torch.testing.assert_close(param.detach(), torch.ones(3))  # refused before anything was written
