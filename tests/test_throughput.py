@@ -1,6 +1,8 @@
 import csv
+import os
 import time
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -221,3 +223,71 @@ def _zero_strategy_worker(rank, world_size):
 
 def test_throughput_logger_reads_zero_strategy_collectives():
     run_distributed(_zero_strategy_worker, 2)
+
+
+class _FakeCudaMemory:
+    """Stands in for the CUDA allocator's counters: what is allocated now and the peak since the last reset."""
+
+    def __init__(self):
+        self.allocated = self.peak = 0
+
+    def allocate(self, nbytes):
+        self.allocated += nbytes
+        self.peak = max(self.peak, self.allocated)
+
+    def max_memory_allocated(self, device=None):
+        return self.peak
+
+    def reset_peak_memory_stats(self, device=None):
+        self.peak = self.allocated
+
+
+def test_each_interval_reports_its_own_cuda_peak(monkeypatch):
+    memory = _FakeCudaMemory()
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", memory.max_memory_allocated)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", memory.reset_peak_memory_stats)
+    memory.allocate(5000)  # before training: not part of any interval's peak...
+    memory.allocate(-4000)  # ...once freed (1000 stay allocated)
+    callback = ThroughputLogger(peak_flops=1e12)
+    trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cuda", 0)), precision="32-true")
+    callback.setup(trainer, None, "fit")
+    callback.on_train_start(trainer, None)
+    try:
+        memory.allocate(3000)
+        memory.allocate(-3000)
+        assert callback._local_interval(0).peak_memory_bytes == 4000
+        callback._reset_interval()  # what each flush does after combining the interval
+        memory.allocate(500)
+        assert callback._local_interval(0).peak_memory_bytes == 1500  # not 4000: the first interval's peak is gone
+    finally:
+        callback.on_train_end(trainer, None)
+
+
+class _OneBigStepMLP(LightningModule):
+    """Touches BIG_BYTES of memory in its first training step only."""
+
+    BIG_BYTES = 256 * 2**20
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(D_IN, D_OUT)
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 0:
+            big = torch.ones(self.BIG_BYTES // 4)  # written, so resident; freed at the end of the step
+            assert big.sum() > 0
+        return F.mse_loss(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc peak-RSS reset")
+def test_each_interval_reports_its_own_cpu_peak():
+    data = TensorDataset(torch.randn(16, D_IN), torch.randn(16, D_OUT))
+    callback = ThroughputLogger(log_every_n_steps=2, table_every_n_steps=None, peak_flops=1e9)
+    trainer = Trainer(accelerator="cpu", devices=1, max_steps=4, logger=False, callbacks=[callback],
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(_OneBigStepMLP(), DataLoader(data, batch_size=4))
+    first, second = (report.peak_memory_bytes_max for report in callback.reports)
+    assert first - second > _OneBigStepMLP.BIG_BYTES // 2, (first, second)

@@ -205,8 +205,23 @@ def default_token_count(batch: Any) -> Optional[int]:
     return None
 
 
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak: the CUDA allocator's on GPU; on Linux CPU the resident set's high-water mark (``VmHWM``),
+    which writing ``5`` to ``/proc/self/clear_refs`` sets back to the current resident set. Elsewhere the CPU peak
+    cannot be reset and stays the process's peak since it started."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+    except OSError:
+        pass
+
+
 def peak_memory_bytes(device: torch.device) -> int:
-    """Peak memory of this process: CUDA allocator peak on GPU, peak resident set size (VmHWM) on CPU."""
+    """Peak memory of this process since the last :func:`reset_peak_memory`: CUDA allocator peak on GPU, peak
+    resident set size (VmHWM) on CPU."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     try:
@@ -260,7 +275,7 @@ class ThroughputLogger(Callback):
         self._counter: Optional[FlopCounterMode] = None
         self._peak: Optional[float] = None
         self._device = torch.device("cpu")
-        self._reset_interval()
+        self._clear_counters()
 
     # ----- setup -----
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -367,6 +382,11 @@ class ThroughputLogger(Callback):
 
     # ----- combining and logging -----
     def _reset_interval(self) -> None:
+        """Start an interval: its counters and its memory peak (each interval reports its own peak)."""
+        self._clear_counters()
+        reset_peak_memory(self._device)
+
+    def _clear_counters(self) -> None:
         self._spans: list[tuple[str, Any, Any]] = []
         self._collectives: list[tuple[str, list[CollectiveRecord]]] = []
         self._phase: Optional[str] = None

@@ -51,6 +51,19 @@ def validate_adam_hyperparameters(lr, betas, eps, weight_decay) -> None:
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
 
 
+def step_counts(steps: list[torch.Tensor]) -> list[float]:
+    """The step-count tensors as Python numbers, read with one device-to-host copy per device: a ``float(step)``
+    per tensor would stall the host on the device once per parameter."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, step in enumerate(steps):
+        by_device.setdefault(step.device, []).append(i)
+    counts = [0.0] * len(steps)
+    for indices in by_device.values():
+        for i, value in zip(indices, torch.stack([steps[i] for i in indices]).tolist()):
+            counts[i] = value
+    return counts
+
+
 def adam_foreach(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, beta1, beta2, lr,
                                 eps, weight_decay, adam_w_mode, bias_correction, amsgrad) -> None:
     """Adam on lists of plain tensors with ``torch._foreach_*`` ops; used where torch's kernels cannot be
@@ -68,10 +81,11 @@ def adam_foreach(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *
         second = max_exp_avg_sqs
     if weight_decay and adam_w_mode:
         torch._foreach_mul_(params, 1 - lr * weight_decay)
-    for p, m, v, step in zip(params, exp_avgs, second, steps):
-        t = float(step)
-        bc1 = 1 - beta1**t if bias_correction else 1.0
-        bc2 = 1 - beta2**t if bias_correction else 1.0
+    if bias_correction:
+        corrections = [(1 - beta1**t, 1 - beta2**t) for t in step_counts(steps)]
+    else:
+        corrections = [(1.0, 1.0)] * len(params)
+    for p, m, v, (bc1, bc2) in zip(params, exp_avgs, second, corrections):
         denom = v.sqrt().div_(math.sqrt(bc2)).add_(eps)
         p.addcdiv_(m, denom, value=-lr / bc1)
 

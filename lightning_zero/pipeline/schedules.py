@@ -338,7 +338,7 @@ def build_pipeline(
         pp_mesh: 1-D mesh of this rank's pipeline group (``mesh["pp"]`` of a 2-D ``("pp", "dp")`` mesh).
         dp_mesh: 1-D mesh of this rank's data-parallel group (``mesh["dp"]``), or ``None``.
         schedule, micro_batches, virtual_stages, data_parallel, reshard_after_forward: see :class:`PipelineConfig`.
-        device: where the stage runs; defaults to the current CUDA device when available, else CPU.
+        device: where the stage runs; defaults to the mesh's device type (:func:`default_pipeline_device`).
 
     Call it on every rank, before creating the optimizer (it replaces parameters when ``fully_shard`` is used).
     """
@@ -349,5 +349,13 @@ def build_pipeline(
     if dp_mesh is not None and dp_mesh.ndim != 1:
         raise ValueError(f"dp_mesh must be 1-D (the data-parallel dimension), got a {dp_mesh.ndim}-D mesh")
     if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        device = default_pipeline_device(pp_mesh)
     return PipelineRunner(module, pp_mesh, dp_mesh, config, device)
+
+
+def default_pipeline_device(pp_mesh: DeviceMesh) -> torch.device:
+    """The device of the mesh's type: a CPU mesh (whose groups are gloo's) stays on CPU even where a GPU exists, and
+    an accelerator mesh runs on the current device of its type. Stages must run where their send/recv can go."""
+    if pp_mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(pp_mesh.device_type, torch.get_device_module(pp_mesh.device_type).current_device())

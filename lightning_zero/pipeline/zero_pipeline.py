@@ -167,13 +167,14 @@ def global_grad_norm(runner, params) -> torch.Tensor:
     for _, owner, attrs, _, src in runner.tied_groups:
         if pp_ranks[pp_rank] != src:  # the first stage holding the tie counts it
             duplicates.update(id(get_parameter(owner, attr)) for attr in attrs)
-    total = torch.zeros((), dtype=torch.float64)
+    # Summed where the gradients are: a host copy per parameter would stall the host on the device each time.
+    squares = []
     for param in params:
         if param.grad is None or id(param) in duplicates:
             continue
         grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
-        total += grad.detach().double().pow(2).sum().cpu()
-    total = total.to(runner.device)
+        squares.append(grad.detach().double().pow(2).sum().to(runner.device))
+    total = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64, device=runner.device)
     dist.all_reduce(total, group=runner.pp_group)
     if runner.fully_sharded and runner.dp_group is not None:
         dist.all_reduce(total, group=runner.dp_group)  # disjoint shards; replicated gradients are not summed
@@ -183,13 +184,13 @@ def global_grad_norm(runner, params) -> torch.Tensor:
 def clip_by_global_norm(runner, params, max_norm: float) -> float:
     """``torch.nn.utils.clip_grad_norm_`` over the whole pipelined model (same coefficient formula)."""
     params = list(params)
-    norm = global_grad_norm(runner, params)
-    coefficient = float(max_norm) / (float(norm) + 1e-6)
+    norm = float(global_grad_norm(runner, params))  # the step's one read of the device
+    coefficient = float(max_norm) / (norm + 1e-6)
     if coefficient < 1.0:
         for param in params:
             if param.grad is not None:
                 param.grad.mul_(coefficient)
-    return float(norm) if math.isfinite(float(norm)) else float("nan")
+    return norm if math.isfinite(norm) else float("nan")
 
 
 def check_pipeline_world(pipeline: PipelineSettings, num_processes: int, num_nodes: int) -> None:
