@@ -284,7 +284,8 @@ def worker(spec: dict) -> None:
 # --- phases -----------------------------------------------------------------------------------------------------
 
 def tests_phase(args, deadline: parts.Deadline) -> dict:
-    command = [sys.executable, "-m", "pytest", args.tests, "-q", "-p", "no:cacheprovider"]
+    # --durations: the slowest tests in the log and the report's tail, to size tests/gpu against its budget
+    command = [sys.executable, "-m", "pytest", args.tests, "-q", "-p", "no:cacheprovider", "--durations=10"]
     code, timed_out, output, _ = _run_child(command, deadline.left(), os.path.join(args.out, "gpu_tests.log"),
                                             "pytest")
     counts = parts.pytest_counts(output)
