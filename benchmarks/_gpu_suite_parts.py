@@ -52,7 +52,12 @@ class Phase:
     disabled_reason: str = ""
 
 
-def run_phases(phases: list[Phase], deadline: Deadline, reserve: float = 5.0, sections: Optional[dict] = None,
+# What the global deadline keeps back from each phase, for the report written after it.
+REPORT_RESERVE_S = 5.0
+
+
+def run_phases(phases: list[Phase], deadline: Deadline, reserve: float = REPORT_RESERVE_S,
+               sections: Optional[dict] = None,
                after: Optional[Callable[[dict, list], None]] = None) -> tuple[dict, list[dict]]:
     """Run the phases in order within ``deadline``: each gets ``min(budget, what is left - reserve)`` seconds.
 

@@ -10,8 +10,10 @@ largest GPT that trains with CPU offload, one markdown report (``gpu_report.md``
     python benchmarks/gpu_suite.py --dry-run                       # the plan, its estimates and budgets; runs nothing
     python benchmarks/gpu_suite.py --device cpu --tiny --out /tmp/gs   # the whole pipeline at a tiny size on CPU
 
-Phases, in order, each with a time budget inside one global deadline (``--deadline``, default 420 s); a phase the
-deadline leaves too little time for is skipped and the report says so, a run that outlasts its share is killed:
+Phases, in order, each with a time budget inside one global deadline (``--deadline``, default 420 s, counted from
+the start: imports included); the default budgets (120 + 170 + 110 s) leave 20 s of it for the start-up and the last
+report. A phase the deadline leaves too little time for is skipped and the report says so, a run that outlasts its
+share is killed; the report is written before the first phase and after each:
 
 1. ``tests``: ``python -m pytest tests/gpu -q``; the counts and the output's tail.
 2. ``throughput``: examples/gpt.py's GPT (width 2048, 20 layers, 16 heads, vocabulary 50304, 1024 tokens: 1.22B
@@ -23,7 +25,8 @@ deadline leaves too little time for is skipped and the report says so, a run tha
    (``lightning_zero.estimate.flops``), the CUDA allocator's ``max_memory_allocated`` and the process's peak RSS.
 3. ``capacity``: the largest depth of that GPT which trains 2 steps at stage 3 + CPU offload: the first probe is
    the depth ``lightning_zero.estimate_memory`` says fits the GPU, then bisection, never above what the host
-   memory holds (``--ram-fraction``: every state lives there), within a probe limit and the phase's time.
+   memory holds (``--ram-fraction``: every state lives there) nor above the depth whose probe is estimated to end
+   within the phase's time (the throughput phase's 3 + CPU offload run's wall time, scaled by the parameter count).
 4. ``ds_cpu_adam`` (opt-in, ``--ds-cpu-adam``): JIT-build DeepSpeed's ``DeepSpeedCPUAdam`` within the phase's
    time, then stage 3 + CPU offload with each side's own CPU optimizer (DeepSpeedCPUAdam, lightning_zero's CPUAdam).
 
@@ -57,6 +60,11 @@ FULL = {"n_layer": 20, "n_embd": 2048, "n_head": 16, "block_size": 1024, "vocab"
 TINY = {"n_layer": 2, "n_embd": 32, "n_head": 2, "block_size": 16, "vocab": 64}
 PRECISION_FLAGS = {"bf16": "bf16-mixed", "bf16t": "bf16-true"}  # as _bench_workers.PRECISIONS
 MIN_RUN_S = 20.0  # a run given less than this is not started: it could not even import its modules
+# The deadline counts from main()'s start: it also holds the start-up (importing torch, asking nvidia-smi, a few
+# seconds) and the report written after the last phase; the default budgets leave this much of it for those.
+STARTUP_S = 15.0
+# A capacity probe is planned to take at most this share of the time it may have: its time is an estimate.
+PROBE_TIME_SHARE = 0.8
 
 
 # --- arguments --------------------------------------------------------------------------------------------------
@@ -67,12 +75,15 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda when torch sees one")
     p.add_argument("--tiny", action="store_true", help="a tiny GPT and few steps: the pipeline's smoke test")
     p.add_argument("--dry-run", action="store_true", help="write the plan and its estimates; run nothing")
-    p.add_argument("--deadline", type=float, default=420.0, help="global wall-clock budget in s (default 420)")
+    p.add_argument("--deadline", type=float, default=420.0, help="global wall-clock budget in s from the start, "
+                   "imports included (default 420)")
     p.add_argument("--phases", nargs="+", default=["tests", "throughput", "capacity"],
                    choices=["tests", "throughput", "capacity"], help="phases to run (default: all three)")
     p.add_argument("--ds-cpu-adam", action="store_true", help="also the ds_cpu_adam phase (a JIT build: minutes)")
     p.add_argument("--tests", default="tests/gpu", help="what pytest runs in the tests phase")
-    for phase, seconds in (("tests", 120), ("throughput", 200), ("capacity", 180), ("ds-cpu-adam", 160)):
+    # tests + throughput + capacity + STARTUP_S + the last report's reserve = the 420 s deadline (tests/
+    # test_gpu_suite.py checks it): the device call's 540 s limit then still holds the machine's start-up.
+    for phase, seconds in (("tests", 120), ("throughput", 170), ("capacity", 110), ("ds-cpu-adam", 160)):
         p.add_argument(f"--budget-{phase}", type=float, default=seconds, help=f"s (default {seconds})")
     p.add_argument("--configs", nargs="+", default=["0", "3", "3+cpu"], choices=["0", "1", "2", "3", "2+cpu",
                                                                                  "3+cpu"])
@@ -273,7 +284,8 @@ def worker(spec: dict) -> None:
 # --- phases -----------------------------------------------------------------------------------------------------
 
 def tests_phase(args, deadline: parts.Deadline) -> dict:
-    command = [sys.executable, "-m", "pytest", args.tests, "-q", "-p", "no:cacheprovider"]
+    # --durations: the slowest tests in the log and the report's tail, to size tests/gpu against its budget
+    command = [sys.executable, "-m", "pytest", args.tests, "-q", "-p", "no:cacheprovider", "--durations=10"]
     code, timed_out, output, _ = _run_child(command, deadline.left(), os.path.join(args.out, "gpu_tests.log"),
                                             "pytest")
     counts = parts.pytest_counts(output)
@@ -361,21 +373,44 @@ def throughput_phase(args, deadline, device: dict, configs=None, optimizer="adam
             "description": describe_model(args, device), "rows": rows, "ratios": _ratios(rows), "notes": notes}
 
 
-def capacity_bounds(args, device: dict) -> dict:
-    """The search's ceiling (host memory: every state lives there; ``--capacity-max-layers``) and first probe
-    (the depth whose estimated accelerator peak fits 95% of the device's memory)."""
+def capacity_bounds(args, device: dict, timed: dict | None = None, seconds: float | None = None) -> dict:
+    """The capacity search's bounds, in layers.
+
+    ``ceiling``: what host memory holds (every state lives there; ``--capacity-max-layers`` lowers it). ``guess``:
+    the depth whose estimated accelerator peak fits 95% of the device's memory. Given the phase's ``seconds``,
+    ``in_time``: the largest depth whose probe is estimated to end within ``PROBE_TIME_SHARE`` of the time it may
+    take (``--probe-timeout``, at most ``seconds``), its wall time scaled by the parameter count from ``timed``,
+    the throughput phase's ZeroStrategy 3 + CPU offload run (``{"n_layer", "wall_s"}``); without that run, the
+    throughput depth itself. The search goes up to ``top`` (the smaller of ``ceiling`` and ``in_time``) and
+    starts at ``first`` (the smaller of ``guess`` and ``top``)."""
     flag, base = PRECISION_FLAGS[args.precision], model_shape(args)
     ceiling = parts.largest_depth(base, lambda s: parts.host_bytes(s, flag) <= args.ram_fraction * device["ram_bytes"],
                                   args.capacity_max_layers or 4096)
     guess = parts.largest_depth(base, lambda s: parts.device_bytes(s, flag, args.batch)
                                 <= 0.95 * device["memory_bytes"], max(ceiling, 1))
-    return {"ceiling": ceiling, "guess": guess}
+    bounds = {"ceiling": ceiling, "guess": guess, "in_time": None, "top": ceiling, "first": min(guess, ceiling)}
+    if seconds is None:
+        return bounds
+    if timed:
+        per_param = timed["wall_s"] / parts.gpt_params(model_shape(args, timed["n_layer"]))["total"]
+        allowed = PROBE_TIME_SHARE * min(args.probe_timeout, seconds)
+        in_time = parts.largest_depth(base, lambda s: per_param * parts.gpt_params(s)["total"] <= allowed,
+                                      max(ceiling, 1))
+    else:
+        in_time = args.n_layer
+    return {**bounds, "in_time": in_time, "top": min(ceiling, in_time), "first": min(guess, ceiling, in_time)}
+
+
+def offload_run(args, throughput: dict | None) -> dict | None:
+    """The throughput phase's ZeroStrategy 3 + CPU offload run, when it trained: its depth and wall time."""
+    row = next((r for r in (throughput or {}).get("rows", [])
+                if r["config"] == "3+cpu" and r["side"] == "ours" and r["status"] == "ok" and r.get("wall_s")), None)
+    return None if row is None else {"n_layer": args.n_layer, "wall_s": row["wall_s"]}
 
 
 def capacity_phase(args, deadline, device: dict, throughput: dict | None) -> dict:
-    bounds = capacity_bounds(args, device)
-    known = any(r["config"] == "3+cpu" and r["side"] == "ours" and r["status"] == "ok"
-                for r in (throughput or {}).get("rows", []))
+    timed = offload_run(args, throughput)
+    bounds = capacity_bounds(args, device, timed, deadline.left())
     lo = min(args.n_layer, max(bounds["ceiling"], 1))
 
     def trains(depth: int, left: float) -> dict:
@@ -389,25 +424,37 @@ def capacity_phase(args, deadline, device: dict, throughput: dict | None) -> dic
                 "params_b": parts.gpt_params(shape)["total"] / 1e9, "peak_allocated": run.get("peak_allocated"),
                 "host_peak": run.get("host_peak")}
 
-    search = parts.find_largest(lo, max(bounds["ceiling"], lo), trains, deadline, first=bounds["guess"],
-                                known_good=known and lo == args.n_layer, max_probes=args.capacity_probes,
-                                min_probe_s=MIN_RUN_S)
+    if timed and bounds["top"] <= lo:  # nothing above the depth already trained fits the phase's time
+        search = parts.Search(good=lo, bad=None, stopped=f"no depth above {lo} layers is estimated to train within "
+                                                         f"the phase's {deadline.left():.0f} s")
+    else:
+        search = parts.find_largest(lo, max(bounds["top"], lo), trains, deadline, first=bounds["first"],
+                                    known_good=timed is not None and lo == args.n_layer,
+                                    max_probes=args.capacity_probes, min_probe_s=MIN_RUN_S)
     good = parts.gpt_params(model_shape(args, search.good))["total"] / 1e9 if search.good >= 1 else 0.0
     result = (f"{search.good} layers ({good:.2f}B parameters) train" if search.good >= 1 else "no depth trained")
     result += (f"; {search.bad} layers do not" if search.bad else "") + f" ({search.stopped})."
     return {"status": "ok", "probes": search.probes, "good": search.good, "bad": search.bad,
             "stopped": search.stopped, "result": result, **bounds,
-            "description": [_capacity_text(args, device, bounds) + (f" {lo} layers trained in the throughput phase."
-                                                                    if known else "")]}
+            "description": [_capacity_text(args, device, bounds, timed)]}
 
 
-def _capacity_text(args, device: dict, bounds: dict) -> str:
+def _capacity_text(args, device: dict, bounds: dict, timed: dict | None) -> str:
+    if timed:
+        time_bound = (f"the throughput phase's 3 + CPU offload run ({timed['n_layer']} layers, "
+                      f"{timed['wall_s']:.0f} s), its time scaled by the parameter count, puts {bounds['in_time']} "
+                      f"layers within {PROBE_TIME_SHARE:.0%} of a probe's time.")
+        time_bound += f" {timed['n_layer']} layers trained in the throughput phase."
+    else:
+        time_bound = (f"with no 3 + CPU offload run measured in the throughput phase, the search stays at its "
+                      f"{args.n_layer} layers.")
     return (f"Width {args.n_embd}, {args.n_head} heads, {args.block_size} tokens, micro-batch {args.batch}, "
             f"{args.precision}, ZeroStrategy(stage=3, offload='cpu'), torch.optim.AdamW; 2 steps per probe within "
-            f"{args.probe_timeout:.0f} s. Ceiling {bounds['ceiling']} layers: what {args.ram_fraction:.0%} of the "
-            f"host's {device['ram_bytes'] / GIB:.0f} GiB holds (`lightning_zero.estimate_memory`'s CPU peak + the "
-            f"fp32 init copy + {parts.HOST_OVERHEAD / GIB:.0f} GiB); `estimate_memory` puts the GPU's limit at "
-            f"{bounds['guess']} layers (the first probe).")
+            f"{args.probe_timeout:.0f} s. Host memory: {bounds['ceiling']} layers (what {args.ram_fraction:.0%} of "
+            f"the host's {device['ram_bytes'] / GIB:.0f} GiB holds: `lightning_zero.estimate_memory`'s CPU peak + "
+            f"the fp32 init copy + {parts.HOST_OVERHEAD / GIB:.0f} GiB); GPU memory: `estimate_memory` puts the "
+            f"limit at {bounds['guess']} layers; time: {time_bound} The search goes up to {bounds['top']} layers, "
+            f"from {bounds['first']}.")
 
 
 def ds_cpu_adam_phase(args, deadline, device: dict) -> dict:
@@ -450,10 +497,18 @@ def plan(args, device: dict) -> list[str]:
         lines.append(f"ZeRO {config}: estimated accelerator peak {figures.accelerator_peak / GIB:.1f} GiB, "
                      f"CPU {figures.cpu_peak / GIB:.1f} GiB (ours).")
     bounds = capacity_bounds(args, device)
-    lines.append(f"Capacity: first probe {bounds['guess']} layers, ceiling {bounds['ceiling']} layers.")
-    lines.append(f"Budgets (s): deadline {args.deadline:.0f}; tests {args.budget_tests:.0f}, throughput "
-                 f"{args.budget_throughput:.0f}, capacity {args.budget_capacity:.0f}"
-                 + (f", ds_cpu_adam {args.budget_ds_cpu_adam:.0f}" if args.ds_cpu_adam else "") + ".")
+    lines.append(f"Capacity: ceiling {bounds['ceiling']} layers (host memory), {bounds['guess']} layers by the GPU's "
+                 f"memory estimate; at run time the probes are also kept to depths estimated to train within "
+                 f"{PROBE_TIME_SHARE:.0%} of a probe's time, scaled from the throughput phase's 3 + CPU offload run.")
+    budgets = {"tests": args.budget_tests, "throughput": args.budget_throughput, "capacity": args.budget_capacity}
+    if args.ds_cpu_adam:
+        budgets["ds_cpu_adam"] = args.budget_ds_cpu_adam
+    total = sum(budgets[p] for p in args.phases + (["ds_cpu_adam"] if args.ds_cpu_adam else []))
+    total += STARTUP_S + parts.REPORT_RESERVE_S
+    lines.append(f"Budgets (s): deadline {args.deadline:.0f} from the start; "
+                 + ", ".join(f"{name} {seconds:.0f}" for name, seconds in budgets.items())
+                 + f"; the chosen phases, start-up and last report {total:.0f}"
+                 + ("." if total <= args.deadline else ": over the deadline, the last phases get less."))
     return lines + [f"Phases: {' '.join(args.phases + (['ds_cpu_adam'] if args.ds_cpu_adam else []))}; "
                     f"shape {json.dumps(shape)}."]
 
@@ -478,8 +533,9 @@ def main(argv=None) -> dict:
     if argv[:1] == ["--worker"]:
         worker(json.loads(argv[1]))
         return {}
+    start = time.monotonic()  # the deadline holds the start-up too: parsing imports torch
     args = parse(argv)
-    start, deadline = time.monotonic(), parts.Deadline(args.deadline)
+    deadline = parts.Deadline(args.deadline - (time.monotonic() - start))
     os.makedirs(args.out, exist_ok=True)
     device = device_info(args)
     result = {"started": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -496,6 +552,7 @@ def main(argv=None) -> dict:
         for phase in phases:
             phase.enabled, phase.disabled_reason = False, "dry run" + (
                 "" if phase.enabled else f"; {phase.disabled_reason}")
+    save(sections, [])  # the plan, before any phase: a call cut off in the first phase still returns a report
     parts.run_phases(phases, deadline, sections=sections, after=save)
     md, _ = parts.write_report(result, args.out)
     print(f"report: {md}\n\n" + parts.render_report(result), flush=True)

@@ -207,6 +207,15 @@ def test_arguments(suite):
             suite.parse(["--device", "cpu", "--out", "/tmp/x", *bad])
 
 
+def test_default_budgets_fit_the_default_deadline(suite, parts):
+    """The phases' default budgets, the start-up and the last report fit the default deadline, which fits the device
+    call's limit: a default run is never cut by its own deadline before the capacity phase has had its budget."""
+    args = suite.parse(["--device", "cpu", "--out", "/tmp/x"])
+    budgets = args.budget_tests + args.budget_throughput + args.budget_capacity
+    assert budgets + suite.STARTUP_S + parts.REPORT_RESERVE_S <= args.deadline <= 420
+    assert args.phases[0] == "tests"
+
+
 def test_capacity_bounds_follow_host_and_device_memory(suite):
     args = suite.parse(["--dry-run", "--assume", H100, "--out", "/tmp/x"])
     device = suite.device_info(args)
@@ -217,6 +226,60 @@ def test_capacity_bounds_follow_host_and_device_memory(suite):
     assert suite.capacity_bounds(small, suite.device_info(small))["guess"] < bounds["guess"]  # the GPU binds
     capped = suite.parse(["--dry-run", "--assume", H100, "--out", "/tmp/x", "--capacity-max-layers", "30"])
     assert suite.capacity_bounds(capped, device)["ceiling"] == 30
+
+
+OFFLOAD_ROW = {"config": "3+cpu", "side": "ours", "status": "ok", "wall_s": 30.0}
+
+
+def test_capacity_probes_are_kept_to_what_the_phase_time_allows(suite, parts):
+    """The first probe, and every later one, is a depth whose probe is estimated (the throughput phase's 3 + CPU
+    offload wall time, scaled by the parameter count) to end within PROBE_TIME_SHARE of the time it may take; the
+    memory estimate's 93 layers on an H100 would not."""
+    args = suite.parse(["--dry-run", "--assume", H100, "--out", "/tmp/x"])
+    device = suite.device_info(args)
+    timed = {"n_layer": 20, "wall_s": 30.0}
+    bounds = suite.capacity_bounds(args, device, timed, seconds=110.0)
+    allowed = suite.PROBE_TIME_SHARE * min(args.probe_timeout, 110.0)
+
+    def seconds(depth):
+        return 30.0 * parts.gpt_params(suite.model_shape(args, depth))["total"] / parts.gpt_params(suite.FULL)["total"]
+
+    assert seconds(bounds["in_time"]) <= allowed < seconds(bounds["in_time"] + 1)
+    assert 20 < bounds["first"] == bounds["top"] == bounds["in_time"] < bounds["guess"] == 93
+    assert suite.capacity_bounds(args, device)["first"] == 93  # the plan, before any time is known
+    untimed = suite.capacity_bounds(args, device, None, seconds=110.0)
+    assert untimed["first"] == untimed["top"] == 20  # nothing measured: only the depth the throughput phase runs
+
+
+def test_the_capacity_phase_probes_no_deeper_than_its_time_allows(suite, monkeypatch):
+    args = suite.parse(["--dry-run", "--assume", H100, "--out", "/tmp/x"])
+    device, probed = suite.device_info(args), []
+
+    def fake_run(job, job_args, timeout, out_dir):
+        probed.append(job_args["gpt"]["n_layer"])
+        return {"outcome": "ok", "reason": "", "wall_s": 1.0}
+
+    monkeypatch.setattr(suite, "run_job", fake_run)
+    section = suite.capacity_phase(args, suite.parts.Deadline(110.0), device, {"rows": [OFFLOAD_ROW]})
+    top = suite.capacity_bounds(args, device, {"n_layer": 20, "wall_s": 30.0}, 110.0)["top"]
+    assert probed == [top] and section["good"] == top and "ceiling" in section["stopped"]
+    assert f"The search goes up to {top} layers" in section["description"][0]
+    probed.clear()  # a throughput run as slow as the whole phase: no deeper probe is started
+    slow = suite.capacity_phase(args, suite.parts.Deadline(110.0), device, {"rows": [{**OFFLOAD_ROW, "wall_s": 100}]})
+    assert probed == [] and slow["good"] == 20 and "no depth above 20 layers" in slow["stopped"]
+
+
+def test_the_report_is_written_before_the_first_phase_and_after_each(suite, monkeypatch, tmp_path):
+    seen = []
+
+    def fake_tests(args, deadline):
+        seen.append(json.load(open(tmp_path / "gpu_report.json"))["phases"])
+        return {"status": "passed", "counts": {"passed": 1}, "command": "pytest", "tail": ""}
+
+    monkeypatch.setattr(suite, "tests_phase", fake_tests)
+    suite.main(["--device", "cpu", "--phases", "tests", "--out", str(tmp_path)])
+    assert seen == [{}]  # the plan was on disk when the first phase began
+    assert json.load(open(tmp_path / "gpu_report.json"))["phases"]["tests"]["status"] == "passed"
 
 
 def _result():
