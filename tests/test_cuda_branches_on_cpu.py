@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from lightning_zero.cli import build_parser
 from lightning_zero.cli import main as cli_main
@@ -53,9 +54,11 @@ def test_diagnose_picks_nccl_with_cuda_and_refuses_it_without(monkeypatch):
 def test_probes_run_on_the_current_cuda_device_under_nccl(cuda_here, monkeypatch):
     from lightning_zero.diagnostics import probes
 
-    monkeypatch.setattr(probes.dist, "get_backend", lambda group=None: "nccl")
-    assert probes._default_device(None) == torch.device("cuda", 2)
-    monkeypatch.setattr(probes.dist, "get_backend", lambda group=None: "gloo")
+    # NCCL alone, and beside gloo in the group the strategy starts on CUDA: the probe measures NCCL either way
+    for config in ("cuda:nccl", "cpu:gloo,cuda:nccl"):
+        monkeypatch.setattr(dist, "get_backend_config", lambda group=None, config=config: config)
+        assert probes._default_device(None) == torch.device("cuda", 2), config
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cpu:gloo,cuda:gloo")
     assert probes._default_device(None) == torch.device("cpu")
 
 
@@ -170,10 +173,11 @@ def test_nccl_diagnostics_warns_when_the_nccl_group_already_exists(monkeypatch):
 
     monkeypatch.setattr(os, "environ", dict(os.environ))  # the flight-recorder variables it sets are dropped after
     monkeypatch.setattr(diagnostics.dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(diagnostics.dist, "get_backend", lambda group=None: "nccl")
-    with pytest.warns(UserWarning, match="the NCCL process group already exists"):
-        diagnostics.NCCLDiagnostics(flight_recorder=True)
-    monkeypatch.setattr(diagnostics.dist, "get_backend", lambda group=None: "gloo")
+    for config in ("cuda:nccl", "cpu:gloo,cuda:nccl"):
+        monkeypatch.setattr(dist, "get_backend_config", lambda group=None, config=config: config)
+        with pytest.warns(UserWarning, match="the NCCL process group already exists"):
+            diagnostics.NCCLDiagnostics(flight_recorder=True)
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cpu:gloo,cuda:gloo")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         diagnostics.NCCLDiagnostics(flight_recorder=True)

@@ -70,6 +70,17 @@ def check_group_serves_offload(offloads: bool) -> None:
             f"shards); start it with init_process_group({CPU_AND_CUDA_BACKEND!r}) or leave it to the strategy")
 
 
+def barrier(device: torch.device) -> None:
+    """Both adapters' ``barrier``: on a group that serves CPU tensors torch runs it on that backend (no device sync);
+    on NCCL alone it names this rank's device, which torch would otherwise guess from the rank."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if backend_serving("cpu") is None and backend_serving("cuda") == "nccl":
+        dist.barrier(device_ids=[device.index])
+    else:
+        dist.barrier()
+
+
 def attempt_store(timeout: Optional[timedelta]) -> dict[str, Any]:
     """``init_process_group`` keyword arguments: under torchrun's agent store, a store namespace of this attempt
     (see the note; the attempt is agreed by all ranks, :func:`~lightning_zero.diagnostics.peers.agree_attempt`);

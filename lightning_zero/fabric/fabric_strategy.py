@@ -38,7 +38,7 @@ from lightning_zero.adapters.launch_checks import (
     check_launcher_world_size,
     offloads,
 )
-from lightning_zero.adapters.process_group import start_process_group
+from lightning_zero.adapters.process_group import barrier, start_process_group
 from lightning_zero.adapters.settings import SETTING_NAMES, STRATEGY_NAMES, checkpoint_save_options, resolve_settings
 from lightning_zero.checkpoint.io import wait_for_pending_saves
 from lightning_zero.checkpoint.save_guards import broadcast_object
@@ -391,13 +391,8 @@ class ZeroStrategy(ParallelStrategy):
         return tensor
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if not _distributed_is_initialized():
-            return
         with self.lost_peer.naming(self.world_size):
-            if dist.get_backend() == "nccl":
-                dist.barrier(device_ids=[self.root_device.index])
-            else:
-                dist.barrier()
+            barrier(self.root_device)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         with self.lost_peer.naming(self.world_size):

@@ -19,7 +19,7 @@ from lightning.fabric.plugins.environments import LightningEnvironment
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from lightning_zero.adapters.process_group import start_process_group
+from lightning_zero.adapters.process_group import barrier, start_process_group
 from lightning_zero.ops import FusedLamb, has_overflow
 from lightning_zero.strategies.trainer_precision import ZeroPrecision
 from lightning_zero.torch_compat import backend_serving
@@ -133,6 +133,7 @@ def _backend_worker(rank, world_size):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))  # HSDP's mesh
     for dim in ("replicate", "shard"):
         assert backend_serving("cpu", mesh.get_group(dim)) == "gloo", dim
+    barrier(torch.device("cuda", rank))  # both adapters' barrier: over gloo, no device named
     sub = dist.new_group([0, 1])
     if rank in (0, 1):
         assert backend_serving("cpu", sub) == "gloo"
