@@ -16,6 +16,7 @@ import logging
 import os
 import pickle
 import re
+import shutil
 
 import pytest
 import torch
@@ -28,6 +29,7 @@ from lightning_zero.checkpoint.atomic import CheckpointSaveError, replace_link
 from lightning_zero.checkpoint.directory import INFO_FILE, is_sharded_checkpoint
 from lightning_zero.checkpoint.full_save import is_full_file
 from lightning_zero.strategies import last_link
+from tests.distributed import run_distributed
 from tests.lightning_models import RegressionModule
 
 SAVE_EVERY = 2
@@ -152,6 +154,44 @@ def _resumes(rank, world_size, roots, state_dict_type, results):
         json.dump(found, file)
 
 
+@pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
+def test_a_kill_at_every_step_of_a_last_link_rotation_resumes_from_the_newest_complete_checkpoint(
+    tmp_path, state_dict_type
+):
+    run_distributed(_killed_fit, 1, str(tmp_path / "whole"), state_dict_type, None)  # the calls, uninterrupted
+    with open(tmp_path / "whole" / "rotation.json") as file:
+        rotation = json.load(file)
+    assert any(call.endswith(" last.ckpt") for call in rotation), rotation  # the link is re-pointed in it
+    roots, missing = {}, []
+    for kill_after in range(len(rotation)):
+        root = tmp_path / f"k{kill_after}"
+        with pytest.raises(Exception, match=f"exit code {KILLED}"):
+            run_distributed(_killed_fit, 1, str(root), state_dict_type, kill_after)
+        roots[root.name] = f"killed before {rotation[kill_after]!r}"
+        if not _is_complete(str(root / "checkpoints" / "last.ckpt")):
+            missing.append(roots[root.name])
+    # Lightning's own "last" lookup finds nothing at all: the newest complete checkpoint is resumed instead
+    shutil.copytree(tmp_path / "whole", tmp_path / "nolast", symlinks=True)
+    os.remove(tmp_path / "nolast" / "checkpoints" / "last.ckpt")
+    roots["nolast"] = "no last.ckpt"
+    run_distributed(
+        _resumes, 1, [str(tmp_path / name) for name in roots], state_dict_type, str(tmp_path / "results.json")
+    )
+    with open(tmp_path / "results.json") as file:
+        results = json.load(file)
+    wrong = {
+        roots[name]: result
+        for name, result in results.items()
+        if not (result["resumed"] == result["newest"] == KILLED_SAVE and result["end"] == KILLED_SAVE + SAVE_EVERY)
+    }
+    assert not missing and not wrong, "\n".join(
+        [*rotation, *(f"no complete last.ckpt: {m}" for m in missing), *(f"{k}: {r}" for k, r in wrong.items())]
+    )
+    nolast = results["nolast"]
+    assert nolast["from"] == f"step={KILLED_SAVE}.ckpt", nolast
+    assert any("found no last*.ckpt" in m and f"step={KILLED_SAVE}.ckpt" in m for m in nolast["warnings"]), nolast
+
+
 def _fake_checkpoint(path, age=0.0):
     os.makedirs(path)
     for name in (".metadata", INFO_FILE):
@@ -159,6 +199,32 @@ def _fake_checkpoint(path, age=0.0):
             pass
     os.utime(os.path.join(path, INFO_FILE), (os.path.getmtime(path) - age,) * 2)
     return str(path)
+
+
+@pytest.mark.parametrize("dangling", [False, True], ids=["missing", "dangling-link"])
+def test_an_explicit_missing_last_ckpt_beside_complete_checkpoints_is_refused_naming_the_newest(tmp_path, dangling):
+    """A path is loaded as given or refused, never replaced by another checkpoint: ``"last"`` is the name that asks
+    for the newest. Refused before any process starts, where it used to fail after setup with a bare
+    ``FileNotFoundError``."""
+    directory = tmp_path / "checkpoints"
+    _fake_checkpoint(directory / "step=2.ckpt", age=10)
+    newest = _fake_checkpoint(directory / "step=4.ckpt")
+    last = directory / "last.ckpt"
+    if dangling:
+        os.symlink("step=6.ckpt", last)
+    trainer = Trainer(
+        strategy=ZeroStrategy(stage=2),
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with pytest.raises(FileNotFoundError, match=re.escape(f"ckpt_path={newest!r}")) as refused:
+        trainer.fit(RegressionModule(), ckpt_path=str(last))
+    assert "last.ckpt" in str(refused.value) and '"last"' in str(refused.value)
+    assert ("link to 'step=6.ckpt'" in str(refused.value)) == dangling
 
 
 def test_replace_link_is_one_rename_over_a_link_or_a_file_and_a_swap_over_a_directory_of_ours(tmp_path):
