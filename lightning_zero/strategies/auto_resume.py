@@ -138,7 +138,7 @@ def _resume_last(trainer, chosen: Optional[str], broadcast) -> Optional[str]:
                         f"finished after Lightning's choice {chosen} (pass a path to choose)")
         else:
             log.warning(f'lightning-zero: ckpt_path="last" found no last*.ckpt (a kill while ModelCheckpoint('
-                        f'save_last="link") re-pointed it leaves none, or save_last is off); resuming from the newest '
+                        'save_last="link") re-pointed it leaves none, or save_last is off); resuming from the newest '
                         f"complete {kind} {newer} instead of step 0 (pass a path to choose)")
     return newer
 
