@@ -235,18 +235,56 @@ def swap_into_place(partial: str, path: str) -> None:
     _delete(old)
 
 
+def relink_staging(link: str) -> str:
+    """The hidden name a new link is made under before it replaces ``link``."""
+    return os.path.join(os.path.dirname(link), f".{os.path.basename(link)}.lz-relink")
+
+
+def replace_link(target: str, link: str) -> None:
+    """Point ``link`` at ``target`` (relative, as Lightning's ``ModelCheckpoint._link_checkpoint`` links) so that at
+    no instant is there nothing at ``link``: the new link is made under :func:`relink_staging` and renamed over what is
+    at ``link`` (``os.replace``, one atomic step, over a link or a file; a directory of ours is swapped as
+    :func:`swap_into_place` swaps one; anything else is refused with :class:`CheckpointSaveError`, nothing changed).
+    Where the filesystem cannot make symlinks, a copy of ``target`` is made under that name instead (Lightning's
+    fallback is a copy too), and swapped in the same way."""
+    if os.path.isdir(link) and not os.path.islink(link) and why_not_replaceable(link):
+        raise CheckpointSaveError(why_not_replaceable(link))
+    staging = relink_staging(link)
+    _remove_staging(staging)  # a kill between the two steps of an earlier re-link
+    try:
+        os.symlink(os.path.relpath(target, os.path.dirname(link)), staging)
+    except OSError:
+        (shutil.copytree if os.path.isdir(target) else shutil.copy)(target, staging)
+    if any(os.path.isdir(path) and not os.path.islink(path) for path in (staging, link)):
+        swap_into_place(staging, link)  # rename(2) puts no directory over a non-directory, nor the reverse
+        return
+    os.replace(staging, link)
+    _fsync_dir(os.path.dirname(link))
+
+
+def _remove_staging(staging: str) -> None:
+    if os.path.isdir(staging) and not os.path.islink(staging):
+        shutil.rmtree(staging)  # the name is ours alone: a copy a kill left half made is still ours to delete
+    elif os.path.lexists(staging):
+        os.remove(staging)
+
+
 def sweep_leftovers(directory: str, keep: str) -> None:
     """Delete the leftovers of killed saves in ``directory``: ``.X.partial`` and ``.X.lz-staging`` directories made
-    by us (marked or complete), and ``.X.old`` once ``X`` is complete again (a lone ``.X.old`` is put back at ``X``
-    instead, as :func:`recover_interrupted_swap` does). ``keep``: the partial directory of the save in progress.
-    Called by a save's rank 0 once no earlier save of this process is pending (``save_sharded_checkpoint`` settles
-    them first), so no other save of this job is writing there; anything not ours is left alone."""
+    by us (marked or complete), ``.X.lz-relink`` links (:func:`replace_link`), and ``.X.old`` once ``X`` is complete
+    again (a lone ``.X.old`` is put back at ``X`` instead, as :func:`recover_interrupted_swap` does). ``keep``: the
+    partial directory of the save in progress. Called by a save's rank 0 once no earlier save of this process is
+    pending (``save_sharded_checkpoint`` settles them first), so no other save of this job is writing there; anything
+    not ours is left alone."""
     try:
         names = os.listdir(directory)
     except OSError:
         return
     for name in names:
         path = os.path.join(directory, name)
+        if name.startswith(".") and name.endswith(".lz-relink") and os.path.islink(path):
+            os.remove(path)  # a link made by replace_link, killed before it was renamed into place
+            continue
         if not name.startswith(".") or path == keep or not os.path.isdir(path) or os.path.islink(path):
             continue
         if name.endswith(".partial") or name.endswith(".lz-staging"):

@@ -454,8 +454,4 @@ def repoint_links(path: PathLike, new_target: Optional[PathLike]) -> None:
     parent = os.path.dirname(path)
     for entry in os.scandir(parent):
         if entry.is_symlink() and os.path.realpath(entry.path) == os.path.realpath(path):
-            staging = os.path.join(parent, f".{entry.name}.lz-relink")
-            if os.path.lexists(staging):
-                os.remove(staging)
-            os.symlink(os.path.relpath(new_target, parent), staging)
-            os.replace(staging, entry.path)
+            atomic.replace_link(new_target, entry.path)

@@ -22,6 +22,15 @@ from lightning_zero.checkpoint.io import remove_sharded_checkpoint, repoint_link
 from lightning_zero.checkpoint.load_full import is_full_checkpoint, load_full_checkpoint
 from lightning_zero.checkpoint.safe_load import load_meta
 from lightning_zero.checkpoint.states import load_states, save_states
+from lightning_zero.strategies import last_link
+
+
+def prepare_checkpoint_callbacks(async_save: bool, checkpoint_callbacks: list) -> None:
+    """At setup: refuse callback settings whose checkpoints could not be resumed from after a crash, and make
+    ``save_last="link"`` re-point ``last.ckpt`` atomically (``[Note: re-pointing last.ckpt]`` in
+    :mod:`lightning_zero.strategies.last_link`)."""
+    check_checkpoint_callbacks(async_save, checkpoint_callbacks)
+    last_link.install(checkpoint_callbacks)
 
 
 def check_checkpoint_callbacks(async_save: bool, checkpoint_callbacks: list) -> None:

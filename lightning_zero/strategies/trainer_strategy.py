@@ -377,7 +377,7 @@ class ZeroStrategy(ParallelStrategy):
     def setup(self, trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
-        trainer_checkpoints.check_checkpoint_callbacks(self.async_save, trainer.checkpoint_callbacks)
+        trainer_checkpoints.prepare_checkpoint_callbacks(self.async_save, trainer.checkpoint_callbacks)
         if self.ds_config is not None:
             self._bind_ds_config(trainer)
         self.precision_plugin.device_type = self.root_device.type

@@ -233,7 +233,7 @@ def _last_worker(rank, world_size, root):
 
 def test_ckpt_path_last_resumes_from_a_newer_preemption_checkpoint(tmp_path):
     """Lightning's "last" only knows last*.ckpt: without the strategy's help the resume silently started again from
-    the save before the preemption (``[Note: "last" after a preemption]``)."""
+    the save before the preemption (``[Note: "last" resumes the newest complete checkpoint]``)."""
     run_distributed(_last_worker, 2, str(tmp_path))
 
 
