@@ -70,13 +70,14 @@ def check_group_serves_offload(offloads: bool) -> None:
             f"shards); start it with init_process_group({CPU_AND_CUDA_BACKEND!r}) or leave it to the strategy")
 
 
-def barrier(device: torch.device) -> None:
+def barrier() -> None:
     """Both adapters' ``barrier``: on a group that serves CPU tensors torch runs it on that backend (no device sync);
-    on NCCL alone it names this rank's device, which torch would otherwise guess from the rank."""
+    on NCCL alone it names this rank's device (set current at setup), which torch would otherwise guess from the
+    rank."""
     if not (dist.is_available() and dist.is_initialized()):
         return
     if backend_serving("cpu") is None and backend_serving("cuda") == "nccl":
-        dist.barrier(device_ids=[device.index])
+        dist.barrier(device_ids=[torch.cuda.current_device()])
     else:
         dist.barrier()
 

@@ -392,7 +392,7 @@ class ZeroStrategy(ParallelStrategy):
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         with self.lost_peer.naming(self.world_size):
-            barrier(self.root_device)
+            barrier()
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         with self.lost_peer.naming(self.world_size):

@@ -497,7 +497,7 @@ class ZeroStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ collectives
     def barrier(self, name: Optional[str] = None) -> None:
-        barrier(self.root_device)
+        barrier()
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         return broadcast_object(obj, src)  # over the gloo control group (checkpoint/save_guards.py)

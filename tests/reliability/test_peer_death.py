@@ -132,7 +132,8 @@ def test_fabric_names_the_lost_peer_where_its_collectives_fail(monkeypatch):
         _FabricModule(Dying(), strategy)(torch.ones(1))
 
     monkeypatch.setattr(fabric_strategy, "_distributed_is_initialized", lambda: True)
-    monkeypatch.setattr(dist, "get_backend", lambda *a: "gloo")
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend_config", lambda *a: "cpu:gloo,cuda:gloo")
     monkeypatch.setattr(dist, "barrier", _gloo_failure)
     monkeypatch.setattr(fabric_strategy, "broadcast_object", _gloo_failure)
     monkeypatch.setattr(fabric_strategy, "_sync_ddp_if_available", _gloo_failure)
