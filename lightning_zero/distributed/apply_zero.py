@@ -42,6 +42,7 @@ from lightning_zero.distributed.activation_checkpointing import (
 from lightning_zero.distributed.comm_buffers import install_comm_buffer_pool
 from lightning_zero.distributed.config import ZeroConfig
 from lightning_zero.distributed.deferred_init import has_deferred, materialize_module
+from lightning_zero.distributed.empty_init import guard_first_forward, reset_unwritten_modules, skipped_names
 from lightning_zero.distributed.exact_init import broadcast_module_states, refuse_meta_tensors
 from lightning_zero.distributed.full_tensor_load import accept_full_tensors
 from lightning_zero.distributed.hybrid import check_mesh_matches, data_parallel_group
@@ -195,7 +196,9 @@ def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[
     and return it. Every rank starts from rank 0's parameters and buffers (DDP broadcasts them; at stages 2-3 they
     are broadcast before sharding). A model built under
     :func:`lightning_zero.distributed.exact_init.exact_init` runs its own init; tensors on the meta device get theirs
-    from their modules' ``reset_parameters()`` (:mod:`.meta_init`), and a module without one is refused.
+    from their modules' ``reset_parameters()`` (:mod:`.meta_init`), and a module without one is refused. Tensors an
+    ``empty_init=True`` build left unwritten get theirs from ``reset_parameters()`` at stages 2-3, and a first forward
+    that would read memory nothing wrote is refused at every stage (:mod:`.empty_init`).
 
     Args:
         module: the model, built on real memory (CPU or the compute device), recorded (``exact_init``) or on the
@@ -229,11 +232,15 @@ def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[
     if config.stage <= 1:
         if mp_policy is not None:
             raise ValueError("mp_policy is an FSDP2 policy and applies to stages 2-3 only")
-        return _replicate(module, mesh, device, ddp_kwargs, replica_dtype, fp32_values)
+        wrapped = _replicate(module, mesh, device, ddp_kwargs, replica_dtype, fp32_values)
+        # after DDP's broadcast: every rank sees rank 0's values (see lightning_zero.distributed.empty_init)
+        guard_first_forward(module, skipped_names(module), device, config.stage)
+        return wrapped
     if ddp_kwargs:
         raise ValueError(f"ddp_kwargs apply to stages 0-1 only; stage {config.stage} uses FSDP2")
     from torch.distributed.fsdp import fully_shard
 
+    unwritten = reset_unwritten_modules(module)  # empty_init: FSDP's reset_parameters() at setup, recorded
     kwargs = _fsdp_kwargs(mesh, config, device, mp_policy)
     # Children before parents: fully_shard on a parent excludes parameters already owned by a child unit. A
     # deferred build (see lightning_zero.distributed.deferred_init) becomes real one unit at a time, right before
@@ -255,6 +262,7 @@ def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[
         module.to(device)
     swap_parameters(module, config, device)
     accept_full_tensors(module)  # model.load_state_dict(full_state_dict) after setup, as at stages 0-1
+    guard_first_forward(module, unwritten, device, config.stage)
     return module
 
 

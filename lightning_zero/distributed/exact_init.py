@@ -38,14 +38,16 @@ construction the recorder refuses (its error says which op). A model built on th
 modules' ``reset_parameters()`` (:mod:`.meta_init`), as Lightning's FSDP strategies do.
 
 [Note: empty_init and the script's own init]
-``empty_init=True`` (``fabric.init_module(empty_init=True)``, ``Trainer.init_module(empty_init=True)``) means what it
-means under Lightning's DDP strategy: the build skips the weight init of torch's layers, because the script
-initialises the weights itself (LitGPT's pretraining calls its own ``reset_parameters`` on every module after the
-build) or loads a checkpoint. :class:`_SkipTorchInit` skips exactly the calls Lightning's ``_EmptyInit`` skips (the
-``torch.nn.init`` functions that reach ``__torch_function__``: ``uniform_``, ``normal_``, ``constant_``,
-``kaiming_uniform_``, i.e. the init of ``nn.Linear``, ``nn.Embedding``, convolutions); everything else in the
-constructors runs as under DDP. ``empty_init=None``/``False`` runs the model's own init, as above. The tensors whose
-init was skipped hold uninitialised memory until the script writes them, exactly as under DDP.
+``empty_init=True`` (``fabric.init_module(empty_init=True)``, ``Trainer.init_module(empty_init=True)``) skips the
+weight init of torch's layers, as Lightning's strategies do, because the script initialises the weights itself
+(LitGPT's pretraining calls its own ``reset_parameters`` on every module after the build) or loads a checkpoint:
+:class:`~.empty_init.SkipTorchInit` skips exactly the calls Lightning's ``_EmptyInit`` skips (the ``torch.nn.init``
+functions that reach ``__torch_function__``: ``uniform_``, ``normal_``, ``constant_``, ``kaiming_uniform_``, i.e.
+the init of ``nn.Linear``, ``nn.Embedding``, convolutions); everything else in the constructors runs as under DDP.
+``empty_init=None``/``False`` runs the model's own init, as above. What initialises the skipped tensors depends on
+the stage, as under Lightning's DDP (stages 0-1: the script) and FSDP/ModelParallel (stages 2-3: each module's
+``reset_parameters()`` at setup, for the modules the script left alone), and no step runs on memory nothing wrote:
+``[Note: empty_init at each stage]`` in :mod:`.empty_init`.
 
 The invariant that makes the weights after the script's init bitwise those of a DDP run with the same seed (on a
 CPU-built model; DDP on a GPU builds on the GPU and draws from the CUDA generator, which ZeRO never does):
@@ -63,6 +65,18 @@ CPU-built model; DDP on a GPU builds on the GPU and draws from the CUDA generato
   then runs through this same record and replay (:mod:`.meta_init`);
 * every unit then takes rank 0's values (:func:`broadcast_module_states`), as DDP does when it wraps the model.
 
+[Note: the build under bf16-true]
+Lightning's ``HalfPrecision`` (``lightning/fabric/plugins/precision/half.py``: ``module_init_context`` returns
+``tensor_init_context``, a ``_DtypeContextManager`` of the low dtype; ``Strategy.module_init_context`` enters it
+around the build) makes ``bf16-true`` and ``16-true`` build under that default dtype: torch's layer init draws in bf16
+(fp16), which is not the fp32 draw rounded (``normal_`` and ``uniform_`` in bf16 use fewer random bits, per element
+or per tensor size). ZeroStrategy keeps fp32 masters under every flag, and its stages 0-1 hold bf16 replicas of
+them: building in fp32 started stages 0-1 from the rounded values (the replicas) and stages 2-3 from the exact fp32
+ones. So ``init_dtype`` (the strategies pass the low dtype of a ``*-true`` flag) builds under that default dtype as
+Lightning does, and when the build ends the parameters it made in that dtype become fp32 in place (exactly: fp32
+holds every bf16/fp16 value). Every stage then starts from the same values, those of Lightning's DDP under the flag,
+and the fp32 masters hold them. Buffers keep the dtype the build gave them, as under Lightning.
+
 This module is framework-free: it never imports Lightning.
 """
 
@@ -78,9 +92,9 @@ from typing import Generator, Iterator, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from lightning_zero.distributed.deferred_init import BUDGET_ENV, InitMemoryError, deferred_build, is_deferred
+from lightning_zero.distributed.empty_init import SkipTorchInit, mark_skipped
 
 log = logging.getLogger(__name__)
 
@@ -207,19 +221,32 @@ class _BuildGuard:
                 "ZeroStrategy; 0 turns the guard off).")
 
 
-class _SkipTorchInit(TorchFunctionMode):
-    """``empty_init=True``: a ``torch.nn.init`` function that reaches ``__torch_function__`` hands its tensor back
-    untouched, the rule of Lightning's ``_EmptyInit`` (``[Note: empty_init and the script's own init]``)."""
+@contextmanager
+def _default_dtype(dtype: Optional[torch.dtype]) -> Generator[None, None, None]:
+    if dtype is None:
+        yield
+        return
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if getattr(func, "__module__", None) != "torch.nn.init":
-            return func(*args, **kwargs)
-        return kwargs["tensor"] if "tensor" in kwargs else args[0]
+
+def _to_fp32_masters(modules: list[nn.Module], dtype: torch.dtype) -> None:
+    """The parameters ``modules`` hold in the build's ``dtype`` become fp32 in place (``[Note: the build under
+    bf16-true]``); a recorded build records the conversion."""
+    with torch.no_grad():
+        for module in modules:
+            for param in module._parameters.values():
+                if param is not None and param.dtype == dtype:
+                    param.data = param.data.to(torch.float32)
 
 
 @contextmanager
-def exact_init(config: InitConfig = InitConfig(), empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+def exact_init(config: InitConfig = InitConfig(), empty_init: Optional[bool] = None,
+               init_dtype: Optional[torch.dtype] = None) -> Generator[None, None, None]:
     """Build modules running their own init code exactly, on CPU, with a host-memory guard.
 
     Everything created inside lands on CPU whatever the default device is, so the RNG stream is consumed exactly as
@@ -227,8 +254,9 @@ def exact_init(config: InitConfig = InitConfig(), empty_init: Optional[bool] = N
     rank 0's values. Raises :class:`~.deferred_init.InitMemoryError` naming the module whose tensor crosses the
     budget. With ``config.deferred`` the build is recorded instead (see the Note above): the parameters and buffers
     hold no memory until ``apply_zero`` (or :func:`~lightning_zero.distributed.deferred_init.materialize_module`)
-    replays them. ``empty_init=True`` skips the init of torch's layers as Lightning's DDP strategy does; the script
-    initialises the weights (or loads them) itself (``[Note: empty_init and the script's own init]``).
+    replays them. ``empty_init=True`` skips the init of torch's layers as Lightning's strategies do
+    (``[Note: empty_init and the script's own init]``). ``init_dtype``: build under that default dtype, then make the
+    parameters fp32 (``[Note: the build under bf16-true]``).
     """
     from torch.nn.modules.module import (
         register_module_buffer_registration_hook,
@@ -236,19 +264,30 @@ def exact_init(config: InitConfig = InitConfig(), empty_init: Optional[bool] = N
     )
 
     guard = _BuildGuard(config)
-    skip = _SkipTorchInit() if empty_init else nullcontext()
-    if config.deferred:
-        with torch.device("cpu"), deferred_build(guard.budget), skip:
-            yield
-        return
-    handles = [register_module_parameter_registration_hook(guard), register_module_buffer_registration_hook(guard)]
+    skip = SkipTorchInit(fill_nan=not config.deferred) if empty_init else None
+    built: dict[int, nn.Module] = {}  # the modules that registered a tensor during the build
+
+    def collect(module: nn.Module, name: str, tensor: Optional[torch.Tensor]) -> None:
+        built.setdefault(id(module), module)
+
+    hooks = [register_module_parameter_registration_hook(collect),
+             register_module_buffer_registration_hook(collect)]
+    if not config.deferred:
+        hooks += [register_module_parameter_registration_hook(guard),
+                  register_module_buffer_registration_hook(guard)]
     try:
-        with torch.device("cpu"), skip:
-            yield
+        with torch.device("cpu"), \
+                deferred_build(guard.budget, track_undefined=bool(empty_init)) if config.deferred else nullcontext():
+            with skip or nullcontext(), _default_dtype(init_dtype):
+                yield
+            mark_skipped(skip, iter(built.values()))  # before the fp32 conversion gives them new storages
+            if init_dtype is not None:
+                _to_fp32_masters(list(built.values()), init_dtype)
     finally:
-        for handle in handles:
+        for handle in hooks:
             handle.remove()
-    log.debug("exact_init: built %.3f GiB of parameters and buffers on CPU", guard.counted / _GIB)
+    if not config.deferred:
+        log.debug("exact_init: built %.3f GiB of parameters and buffers on CPU", guard.counted / _GIB)
 
 
 def _named_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
