@@ -43,7 +43,7 @@ from lightning_zero.distributed.comm_buffers import install_comm_buffer_pool
 from lightning_zero.distributed.config import ZeroConfig
 from lightning_zero.distributed.deferred_init import has_deferred, materialize_module
 from lightning_zero.distributed.empty_init import guard_first_forward, reset_unwritten_modules, skipped_names
-from lightning_zero.distributed.exact_init import broadcast_module_states, refuse_meta_tensors
+from lightning_zero.distributed.exact_init import broadcast_module_states, refuse_meta_tensors, to_fp32_masters
 from lightning_zero.distributed.full_tensor_load import accept_full_tensors
 from lightning_zero.distributed.hybrid import check_mesh_matches, data_parallel_group
 from lightning_zero.distributed.meta_init import init_meta_tensors
@@ -222,6 +222,9 @@ def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[
     refuse_fsdp1_modules(module)
     init_meta_tensors(module)  # a meta-device build: reset_parameters(), recorded, replayed per unit below
     refuse_meta_tensors(module, config.stage)
+    # empty_init: FSDP's reset_parameters() at setup, recorded (see lightning_zero.distributed.empty_init)
+    unwritten = reset_unwritten_modules(module) if config.stage >= 2 else []
+    to_fp32_masters(module)  # a bf16-true build's parameters (see lightning_zero.distributed.exact_init)
     check_mesh_matches(mesh, config.hybrid_shard_size)
     if activation_checkpointing is not None:
         if activation_checkpointing.policy is True and config.sharded_module_classes:
@@ -240,7 +243,6 @@ def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[
         raise ValueError(f"ddp_kwargs apply to stages 0-1 only; stage {config.stage} uses FSDP2")
     from torch.distributed.fsdp import fully_shard
 
-    unwritten = reset_unwritten_modules(module)  # empty_init: FSDP's reset_parameters() at setup, recorded
     kwargs = _fsdp_kwargs(mesh, config, device, mp_policy)
     # Children before parents: fully_shard on a parent excludes parameters already owned by a child unit. A
     # deferred build (see lightning_zero.distributed.deferred_init) becomes real one unit at a time, right before

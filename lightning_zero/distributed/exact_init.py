@@ -69,13 +69,17 @@ CPU-built model; DDP on a GPU builds on the GPU and draws from the CUDA generato
 Lightning's ``HalfPrecision`` (``lightning/fabric/plugins/precision/half.py``: ``module_init_context`` returns
 ``tensor_init_context``, a ``_DtypeContextManager`` of the low dtype; ``Strategy.module_init_context`` enters it
 around the build) makes ``bf16-true`` and ``16-true`` build under that default dtype: torch's layer init draws in bf16
-(fp16), which is not the fp32 draw rounded (``normal_`` and ``uniform_`` in bf16 use fewer random bits, per element
-or per tensor size). ZeroStrategy keeps fp32 masters under every flag, and its stages 0-1 hold bf16 replicas of
-them: building in fp32 started stages 0-1 from the rounded values (the replicas) and stages 2-3 from the exact fp32
-ones. So ``init_dtype`` (the strategies pass the low dtype of a ``*-true`` flag) builds under that default dtype as
-Lightning does, and when the build ends the parameters it made in that dtype become fp32 in place (exactly: fp32
-holds every bf16/fp16 value). Every stage then starts from the same values, those of Lightning's DDP under the flag,
-and the fp32 masters hold them. Buffers keep the dtype the build gave them, as under Lightning.
+(fp16), which is not the fp32 draw rounded (``normal_`` and ``uniform_`` in bf16 draw other numbers), and so does a
+script's own init after the build (LitGPT's). ZeroStrategy keeps fp32 masters under every flag and its stages 0-1
+compute on bf16 replicas of them: building in fp32 started stages 0-1 from rounded values (the replicas) and stages
+2-3 from the exact fp32 ones. So ``init_dtype`` (the low dtype of a ``*-true`` flag; not under a pipeline, which
+builds its stages at setup) builds under that default dtype as Lightning does; the parameters stay in it until
+setup, where :func:`to_fp32_masters` makes the ones the build made fp32 (exactly: fp32 holds every bf16/fp16 value),
+after the stage 2-3 ``reset_parameters()`` calls of ``empty_init=True``, which draw in that dtype as on Lightning's
+meta build. Every stage then starts from the same values, those of Lightning's DDP under the flag, and the fp32
+masters hold them. Buffers keep the dtype the build gave them, as under Lightning. A state dict loaded between the
+build and setup is rounded to the low dtype, as under Lightning and as DeepSpeed's bf16 engine rounds the module it
+is given; loaded after setup it reaches the fp32 masters whole.
 
 This module is framework-free: it never imports Lightning.
 """
@@ -234,14 +238,28 @@ def _default_dtype(dtype: Optional[torch.dtype]) -> Generator[None, None, None]:
         torch.set_default_dtype(previous)
 
 
-def _to_fp32_masters(modules: list[nn.Module], dtype: torch.dtype) -> None:
-    """The parameters ``modules`` hold in the build's ``dtype`` become fp32 in place (``[Note: the build under
-    bf16-true]``); a recorded build records the conversion."""
+# Parameters a build made in its init_dtype, which setup makes fp32 (id -> the parameter).
+_BUILT_LOW: dict[int, weakref.ref] = {}
+
+
+def _remember_low(modules: list[nn.Module], dtype: torch.dtype) -> None:
+    for key in [key for key, ref in _BUILT_LOW.items() if ref() is None]:
+        del _BUILT_LOW[key]
+    for module in modules:
+        for param in module._parameters.values():
+            if param is not None and param.dtype == dtype:
+                _BUILT_LOW[id(param)] = weakref.ref(param)
+
+
+def to_fp32_masters(module: nn.Module) -> None:
+    """Make fp32, in place, the parameters of ``module`` that a build under ``init_dtype`` made in that dtype
+    (``[Note: the build under bf16-true]``): exact, fp32 holds every bf16/fp16 value; a recorded build records it.
+    Setup calls it before wrapping (after the stage 2-3 ``reset_parameters()`` calls, which draw in that dtype)."""
     with torch.no_grad():
-        for module in modules:
-            for param in module._parameters.values():
-                if param is not None and param.dtype == dtype:
-                    param.data = param.data.to(torch.float32)
+        for param in module.parameters():
+            ref = _BUILT_LOW.pop(id(param), None)
+            if ref is not None and ref() is param and param.is_floating_point() and param.dtype != torch.float32:
+                param.data = param.data.to(torch.float32)
 
 
 @contextmanager
@@ -255,8 +273,8 @@ def exact_init(config: InitConfig = InitConfig(), empty_init: Optional[bool] = N
     budget. With ``config.deferred`` the build is recorded instead (see the Note above): the parameters and buffers
     hold no memory until ``apply_zero`` (or :func:`~lightning_zero.distributed.deferred_init.materialize_module`)
     replays them. ``empty_init=True`` skips the init of torch's layers as Lightning's strategies do
-    (``[Note: empty_init and the script's own init]``). ``init_dtype``: build under that default dtype, then make the
-    parameters fp32 (``[Note: the build under bf16-true]``).
+    (``[Note: empty_init and the script's own init]``). ``init_dtype``: build under that default dtype; setup makes
+    the parameters fp32 (:func:`to_fp32_masters`, ``[Note: the build under bf16-true]``).
     """
     from torch.nn.modules.module import (
         register_module_buffer_registration_hook,
@@ -280,9 +298,9 @@ def exact_init(config: InitConfig = InitConfig(), empty_init: Optional[bool] = N
                 deferred_build(guard.budget, track_undefined=bool(empty_init)) if config.deferred else nullcontext():
             with skip or nullcontext(), _default_dtype(init_dtype):
                 yield
-            mark_skipped(skip, iter(built.values()))  # before the fp32 conversion gives them new storages
+            mark_skipped(skip, iter(built.values()))
             if init_dtype is not None:
-                _to_fp32_masters(list(built.values()), init_dtype)
+                _remember_low(list(built.values()), init_dtype)
     finally:
         for handle in hooks:
             handle.remove()

@@ -36,7 +36,7 @@ from lightning_zero.distributed.config import ZeroConfig
 from lightning_zero.distributed.ddp import DDPOptions, ddp_kwargs_for, low_precision_allreduce_hook
 from lightning_zero.distributed.deferred_init import materialize_module
 from lightning_zero.distributed.empty_init import guard_first_forward, skipped_names
-from lightning_zero.distributed.exact_init import InitConfig, broadcast_module_states, exact_init
+from lightning_zero.distributed.exact_init import InitConfig, broadcast_module_states, exact_init, to_fp32_masters
 from lightning_zero.distributed.hybrid import data_parallel_group, data_parallel_mesh, shard_group
 from lightning_zero.distributed.meta_init import holds_meta_tensors, init_meta_tensors
 from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
@@ -95,7 +95,8 @@ def init_context(config: ZeroConfig, *, pipelined: bool, local_world_size: int,
     (:mod:`.exact_init`, :mod:`.deferred_init`). A pipeline builds only its own stages at setup, so it is never
     deferred. ``init_dtype``: the precision's build dtype (``[Note: the build under bf16-true]``)."""
     deferred = config.stage >= 2 and not pipelined
-    return exact_init(InitConfig.from_env(max(1, local_world_size), deferred=deferred), empty_init, init_dtype)
+    return exact_init(InitConfig.from_env(max(1, local_world_size), deferred=deferred), empty_init,
+                      None if pipelined else init_dtype)
 
 
 def wrap_module(module: nn.Module, mesh, config: ZeroConfig, *, device: torch.device, mp_policy=None,
@@ -134,9 +135,10 @@ def replicate_for_evaluation(module: nn.Module, mesh, device: torch.device) -> n
     ``reset_parameters()``, :mod:`.meta_init`)."""
     if init_meta_tensors(module):
         materialize_module(module)
+    to_fp32_masters(module)
     module.to(device)
     broadcast_module_states(module, data_parallel_group(mesh), device)
-    guard_first_forward(module, skipped_names(module), device, stage=1)  # empty_init: :mod:`.empty_init`
+    guard_first_forward(module, skipped_names(module), device, stage=1)  # see lightning_zero.distributed.empty_init
     return module
 
 
