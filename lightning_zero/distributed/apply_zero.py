@@ -222,8 +222,7 @@ def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[
     refuse_fsdp1_modules(module)
     init_meta_tensors(module)  # a meta-device build: reset_parameters(), recorded, replayed per unit below
     refuse_meta_tensors(module, config.stage)
-    # empty_init: FSDP's reset_parameters() at setup, recorded (see lightning_zero.distributed.empty_init)
-    unwritten = reset_unwritten_modules(module) if config.stage >= 2 else []
+    unwritten = reset_unwritten_modules(module) if config.stage >= 2 else []  # empty_init: FSDP's, recorded
     to_fp32_masters(module)  # a bf16-true build's parameters (see lightning_zero.distributed.exact_init)
     check_mesh_matches(mesh, config.hybrid_shard_size)
     if activation_checkpointing is not None:
@@ -236,8 +235,7 @@ def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[
         if mp_policy is not None:
             raise ValueError("mp_policy is an FSDP2 policy and applies to stages 2-3 only")
         wrapped = _replicate(module, mesh, device, ddp_kwargs, replica_dtype, fp32_values)
-        # after DDP's broadcast: every rank sees rank 0's values (see lightning_zero.distributed.empty_init)
-        guard_first_forward(module, skipped_names(module), device, config.stage)
+        guard_first_forward(module, skipped_names(module), device, config.stage)  # after DDP broadcast rank 0's
         return wrapped
     if ddp_kwargs:
         raise ValueError(f"ddp_kwargs apply to stages 0-1 only; stage {config.stage} uses FSDP2")

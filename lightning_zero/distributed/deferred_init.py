@@ -36,10 +36,8 @@ Refused rather than guessed: ``set_``/``resize_`` on a deferred tensor, assignin
 that only existed while it ran. Not detected: a write through ``.data`` of a large *real* tensor the init code read
 (``.data`` has its own version counter) between construction and setup.
 
-A build that skipped torch's layer init (``empty_init=True``) also tracks which storages hold memory nothing wrote
-(``track_undefined``): made by an ``empty`` factory, or computed from such memory, and not yet overwritten whole by
-``copy_``, ``fill_``, ``zero_`` or a random fill; its ``empty`` factories replay as NaN (floating dtypes), so memory
-nothing wrote is never silently garbage (:mod:`.empty_init` resets or refuses it).
+A build that skipped torch's layer init (``empty_init=True``) also follows which storages hold memory nothing wrote
+(``track_undefined``, the rule of :mod:`.undefined_memory`); its ``empty`` factories replay as NaN, never garbage.
 
 Why hand-written: torch has no maintained deferred init (torchdistx's ``deferred_init``, the same idea, is an
 unmaintained C++ extension for old torch releases; FSDP2 documents meta-device init plus ``reset_parameters``,
@@ -53,7 +51,6 @@ from __future__ import annotations
 import gc
 import inspect
 import logging
-import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Generator, Optional
@@ -62,6 +59,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from lightning_zero.distributed.undefined_memory import EMPTY_FACTORIES, fill_nan, follow, op_name
 
 log = logging.getLogger(__name__)
 
@@ -165,17 +164,6 @@ class _Ref:
 
 
 _COPY_BELOW = 1 << 20  # bytes: real inputs up to this size are copied into the log, larger ones held
-# Ops that make memory without writing it, and in-place ops whose result does not depend on the memory they write.
-_EMPTY_FACTORIES = frozenset({"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided",
-                              "empty_permuted"})
-_OVERWRITES = frozenset({"copy_", "fill_", "zero_", "normal_", "uniform_", "bernoulli_", "random_", "exponential_",
-                         "cauchy_", "log_normal_", "geometric_"})
-
-
-def _op_name(func) -> str:
-    return func.name().split("::")[-1].split(".")[0]
-
-
 @dataclass(frozen=True)
 class _Held:
     """A large real input of a logged op, with its version counter when it was read."""
@@ -229,6 +217,7 @@ class _Recorder(TorchDispatchMode):
         self.track_undefined = track_undefined
         self.undefined: set[int] = set()  # keys of storages holding memory nothing wrote (track_undefined)
         self.sealed_at: Optional[int] = None  # the log's length when construction ended
+        self.written_after: tuple[int, frozenset] = (-1, frozenset())  # undefined_state's cache
         self.pinned = 0
         self.bases: dict[int, torch.Tensor] = {}  # key -> a meta tensor keeping the storage (and its key) alive
         self.entries: list[_Entry] = []
@@ -290,7 +279,7 @@ class _Recorder(TorchDispatchMode):
         meta_args, meta_kwargs = tree_unflatten(meta_flat, spec)
         refs = [_Ref.of(a) if self.deferred(a) else None for a in flat]  # layouts before the op
         written_args = _written(func, args, kwargs)  # in-place, out= and list-writing ops (checked deferred)
-        if _op_name(func) in ("set_", "resize_", "resize_as_"):
+        if op_name(func) in ("set_", "resize_", "resize_as_"):
             raise DeferredInitError(
                 f"Deferred initialisation cannot follow {func} in {_innermost_module()}: it changes which memory a "
                 "tensor uses. Build without deferral (LIGHTNING_ZERO_DEFERRED_INIT=0) if the model fits on one rank.")
@@ -338,18 +327,9 @@ class _Recorder(TorchDispatchMode):
                 reads, writes, frozenset(new), rng))
         return tree_unflatten(wrapped, out_spec)
 
-    def _track(self, func, reads: set, new: set, written: list) -> None:
-        """Follow memory nothing wrote (``track_undefined``): what an ``empty`` factory makes, or is computed from
-        such memory, is undefined; a write covering a whole storage by an op that ignores its old value defines it."""
-        tainted, name = bool(reads & self.undefined), _op_name(func)
-        if tainted or name in _EMPTY_FACTORIES:
-            self.undefined |= new
-        for ref in written:
-            if tainted:
-                self.undefined.add(ref.key)
-            elif name in _OVERWRITES and math.prod(ref.size) * ref.dtype.itemsize \
-                    == self.bases[ref.key].untyped_storage().nbytes():
-                self.undefined.discard(ref.key)
+    def _track(self, func, reads: set, new: set, written: list) -> None:  # see undefined_memory
+        follow(self.undefined, op_name(func), reads, new,
+               [(r.key, r.size, r.dtype, self.bases[r.key].untyped_storage().nbytes()) for r in written])
 
     @staticmethod
     def _meta_like(tensor: torch.Tensor) -> torch.Tensor:
@@ -489,10 +469,8 @@ class _Recorder(TorchDispatchMode):
         for generator, state in entry.rng:
             generator.set_state(state)
         out = entry.func(*args, **kwargs)
-        if self.track_undefined and _op_name(entry.func) in _EMPTY_FACTORIES:  # memory nothing wrote: NaN, not garbage
-            for o in tree_flatten(out)[0]:
-                if isinstance(o, torch.Tensor) and o.is_floating_point():
-                    o.fill_(float("nan"))
+        if self.track_undefined and op_name(entry.func) in EMPTY_FACTORIES:
+            fill_nan(tree_flatten(out)[0])
         for o, ref in zip(tree_flatten(out)[0], entry.out_refs):
             if ref is None or ref.key not in entry.new:
                 continue
@@ -567,8 +545,12 @@ def undefined_state(tensor: Any) -> tuple[bool, bool]:
     if not isinstance(tensor, _Deferred) or not tensor._recorder.track_undefined:
         return False, False
     recorder, key = tensor._recorder, _key(tensor)
-    after = recorder.sealed_at is not None and recorder.written_since(recorder.sealed_at, tensor)
-    return key in recorder.undefined, after
+    if recorder.sealed_at is None:
+        return key in recorder.undefined, False
+    if recorder.written_after[0] != len(recorder.entries):  # what the log wrote after construction, once per change
+        written = frozenset().union(*(entry.writes for entry in recorder.entries[recorder.sealed_at:]))
+        recorder.written_after = (len(recorder.entries), written)
+    return key in recorder.undefined, key in recorder.written_after[1]
 
 
 @contextmanager
