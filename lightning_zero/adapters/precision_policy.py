@@ -153,6 +153,12 @@ class ZeroPrecisionPolicy:
 
         return MixedPrecisionPolicy(param_dtype=self.low_dtype, reduce_dtype=self.reduce_dtype or torch.float32)
 
+    def init_dtype(self) -> Optional[torch.dtype]:
+        """The default dtype the model is built under: the low dtype of a ``*-true`` flag, as Lightning's
+        ``HalfPrecision.module_init_context``; the build then makes the parameters fp32 masters
+        (``[Note: the build under bf16-true]`` in :mod:`lightning_zero.distributed.exact_init`)."""
+        return self.low_dtype if self.precision.endswith("-true") else None
+
     def ddp_reduce_dtype(self, replicas: bool = False) -> Optional[torch.dtype]:
         """The gradient all-reduce dtype at stages 0-1 when it is not the parameters' (fp32 over bf16 ``replicas``)."""
         if replicas:

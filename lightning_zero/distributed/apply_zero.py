@@ -42,7 +42,8 @@ from lightning_zero.distributed.activation_checkpointing import (
 from lightning_zero.distributed.comm_buffers import install_comm_buffer_pool
 from lightning_zero.distributed.config import ZeroConfig
 from lightning_zero.distributed.deferred_init import has_deferred, materialize_module
-from lightning_zero.distributed.exact_init import broadcast_module_states, refuse_meta_tensors
+from lightning_zero.distributed.empty_init import guard_first_forward, reset_unwritten_modules, skipped_names
+from lightning_zero.distributed.exact_init import broadcast_module_states, refuse_meta_tensors, to_fp32_masters
 from lightning_zero.distributed.full_tensor_load import accept_full_tensors
 from lightning_zero.distributed.hybrid import check_mesh_matches, data_parallel_group
 from lightning_zero.distributed.meta_init import init_meta_tensors
@@ -195,7 +196,9 @@ def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[
     and return it. Every rank starts from rank 0's parameters and buffers (DDP broadcasts them; at stages 2-3 they
     are broadcast before sharding). A model built under
     :func:`lightning_zero.distributed.exact_init.exact_init` runs its own init; tensors on the meta device get theirs
-    from their modules' ``reset_parameters()`` (:mod:`.meta_init`), and a module without one is refused.
+    from their modules' ``reset_parameters()`` (:mod:`.meta_init`), and a module without one is refused. Tensors an
+    ``empty_init=True`` build left unwritten get theirs from ``reset_parameters()`` at stages 2-3, and a first forward
+    that would read memory nothing wrote is refused at every stage (:mod:`.empty_init`).
 
     Args:
         module: the model, built on real memory (CPU or the compute device), recorded (``exact_init``) or on the
@@ -219,6 +222,8 @@ def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[
     refuse_fsdp1_modules(module)
     init_meta_tensors(module)  # a meta-device build: reset_parameters(), recorded, replayed per unit below
     refuse_meta_tensors(module, config.stage)
+    unwritten = reset_unwritten_modules(module) if config.stage >= 2 else []  # empty_init: FSDP's, recorded
+    to_fp32_masters(module)  # a bf16-true build's parameters (see lightning_zero.distributed.exact_init)
     check_mesh_matches(mesh, config.hybrid_shard_size)
     if activation_checkpointing is not None:
         if activation_checkpointing.policy is True and config.sharded_module_classes:
@@ -229,7 +234,9 @@ def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[
     if config.stage <= 1:
         if mp_policy is not None:
             raise ValueError("mp_policy is an FSDP2 policy and applies to stages 2-3 only")
-        return _replicate(module, mesh, device, ddp_kwargs, replica_dtype, fp32_values)
+        wrapped = _replicate(module, mesh, device, ddp_kwargs, replica_dtype, fp32_values)
+        guard_first_forward(module, skipped_names(module), device, config.stage)  # after DDP broadcast rank 0's
+        return wrapped
     if ddp_kwargs:
         raise ValueError(f"ddp_kwargs apply to stages 0-1 only; stage {config.stage} uses FSDP2")
     from torch.distributed.fsdp import fully_shard
@@ -255,6 +262,7 @@ def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[
         module.to(device)
     swap_parameters(module, config, device)
     accept_full_tensors(module)  # model.load_state_dict(full_state_dict) after setup, as at stages 0-1
+    guard_first_forward(module, unwritten, device, config.stage)
     return module
 
 

@@ -36,6 +36,9 @@ Refused rather than guessed: ``set_``/``resize_`` on a deferred tensor, assignin
 that only existed while it ran. Not detected: a write through ``.data`` of a large *real* tensor the init code read
 (``.data`` has its own version counter) between construction and setup.
 
+A build that skipped torch's layer init (``empty_init=True``) also follows which storages hold memory nothing wrote
+(``track_undefined``, the rule of :mod:`.undefined_memory`); its ``empty`` factories replay as NaN, never garbage.
+
 Why hand-written: torch has no maintained deferred init (torchdistx's ``deferred_init``, the same idea, is an
 unmaintained C++ extension for old torch releases; FSDP2 documents meta-device init plus ``reset_parameters``,
 which is not exact).
@@ -56,6 +59,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from lightning_zero.distributed.undefined_memory import EMPTY_FACTORIES, fill_nan, follow, op_name
 
 log = logging.getLogger(__name__)
 
@@ -159,8 +164,6 @@ class _Ref:
 
 
 _COPY_BELOW = 1 << 20  # bytes: real inputs up to this size are copied into the log, larger ones held
-
-
 @dataclass(frozen=True)
 class _Held:
     """A large real input of a logged op, with its version counter when it was read."""
@@ -208,9 +211,13 @@ def _recordable(func, written: list) -> bool:
 
 
 class _Recorder(TorchDispatchMode):
-    def __init__(self, budget: Optional[int]) -> None:
+    def __init__(self, budget: Optional[int], track_undefined: bool = False) -> None:
         super().__init__()
         self.budget = budget
+        self.track_undefined = track_undefined
+        self.undefined: set[int] = set()  # keys of storages holding memory nothing wrote (track_undefined)
+        self.sealed_at: Optional[int] = None  # the log's length when construction ended
+        self.written_after: tuple[int, frozenset] = (-1, frozenset())  # undefined_state's cache
         self.pinned = 0
         self.bases: dict[int, torch.Tensor] = {}  # key -> a meta tensor keeping the storage (and its key) alive
         self.entries: list[_Entry] = []
@@ -272,7 +279,7 @@ class _Recorder(TorchDispatchMode):
         meta_args, meta_kwargs = tree_unflatten(meta_flat, spec)
         refs = [_Ref.of(a) if self.deferred(a) else None for a in flat]  # layouts before the op
         written_args = _written(func, args, kwargs)  # in-place, out= and list-writing ops (checked deferred)
-        if func.name().split("::")[-1].split(".")[0] in ("set_", "resize_", "resize_as_"):
+        if op_name(func) in ("set_", "resize_", "resize_as_"):
             raise DeferredInitError(
                 f"Deferred initialisation cannot follow {func} in {_innermost_module()}: it changes which memory a "
                 "tensor uses. Build without deferral (LIGHTNING_ZERO_DEFERRED_INIT=0) if the model fits on one rank.")
@@ -311,12 +318,18 @@ class _Recorder(TorchDispatchMode):
         wrapped = [(given[id(o)] if id(o) in given else _Deferred(o, self)) if isinstance(o, torch.Tensor) else o
                    for o in out_flat]
         writes = frozenset(new | written)
+        if self.track_undefined:
+            self._track(func, reads - written, new, [ref for ref in refs if ref is not None and ref.key in written])
         if writes:  # otherwise a view: its storage, size, stride and offset say all there is to replay
             self.entries.append(_Entry(
                 func, spec, [ref if ref is not None else self._snapshot(a) for ref, a in zip(refs, flat)],
                 [_Ref.of(w) if isinstance(w, _Deferred) else None for w in wrapped],
                 reads, writes, frozenset(new), rng))
         return tree_unflatten(wrapped, out_spec)
+
+    def _track(self, func, reads: set, new: set, written: list) -> None:  # see undefined_memory
+        follow(self.undefined, op_name(func), reads, new,
+               [(r.key, r.size, r.dtype, self.bases[r.key].untyped_storage().nbytes()) for r in written])
 
     @staticmethod
     def _meta_like(tensor: torch.Tensor) -> torch.Tensor:
@@ -377,6 +390,9 @@ class _Recorder(TorchDispatchMode):
         out_flat, out_spec = tree_flatten(out)
         # What the op wrote, by its schema (an op may return nothing, or something else than what it wrote).
         written = {_key(a) for a in _written(func, args, kwargs) if self.deferred(a)}
+        if self.track_undefined:
+            self._track(func, keys - written, set(), [_Ref.of(a) for a in _written(func, args, kwargs)
+                                                      if self.deferred(a)])
         replayed = {s.data_ptr(): key for key, s in storages.items()}
         for o in out_flat:
             if isinstance(o, torch.Tensor) and replayed.get(o.untyped_storage().data_ptr()) not in (None, *written):
@@ -453,6 +469,8 @@ class _Recorder(TorchDispatchMode):
         for generator, state in entry.rng:
             generator.set_state(state)
         out = entry.func(*args, **kwargs)
+        if self.track_undefined and op_name(entry.func) in EMPTY_FACTORIES:
+            fill_nan(tree_flatten(out)[0])
         for o, ref in zip(tree_flatten(out)[0], entry.out_refs):
             if ref is None or ref.key not in entry.new:
                 continue
@@ -482,6 +500,7 @@ class _Recorder(TorchDispatchMode):
         Every live module is scanned (the garbage collector's list): a module built without parameters (a metric
         on its own) registers nothing that a hook would see.
         """
+        self.sealed_at = len(self.entries)
         for module in [obj for obj in gc.get_objects() if issubclass(type(obj), nn.Module)]:
             for name, value in list(vars(module).items()):
                 if name not in ("_parameters", "_buffers", "_modules"):
@@ -501,14 +520,15 @@ class _Recorder(TorchDispatchMode):
 
 
 @contextmanager
-def deferred_build(budget: Optional[int] = None) -> Generator["_Recorder", None, None]:
+def deferred_build(budget: Optional[int] = None, track_undefined: bool = False) -> Generator["_Recorder", None, None]:
     """Record construction instead of running it on real memory (see the module Note).
 
     Every CPU tensor created inside is deferred (its value is defined by the log, no memory is allocated);
     :func:`materialize_module` (called by ``apply_zero``) gives a module real, exact values. ``budget`` bounds the
-    bytes the log may keep as real values (``None``: no bound). Yields the recorder (its log).
+    bytes the log may keep as real values (``None``: no bound). ``track_undefined``: follow the memory nothing wrote
+    (:func:`undefined_state`). Yields the recorder (its log).
     """
-    recorder = _Recorder(budget)
+    recorder = _Recorder(budget, track_undefined)
     with recorder:
         yield recorder
     recorder.seal()
@@ -517,6 +537,28 @@ def deferred_build(budget: Optional[int] = None) -> Generator["_Recorder", None,
 def is_deferred(tensor: Any) -> bool:
     """Whether ``tensor`` is a deferred tensor (its value still lives in a construction log)."""
     return isinstance(tensor, _Deferred)
+
+
+def undefined_state(tensor: Any) -> tuple[bool, bool]:
+    """For a deferred tensor of a build that tracks it: (whether it holds memory nothing wrote, whether anything wrote
+    it after its construction ended); ``(False, False)`` for any other tensor."""
+    if not isinstance(tensor, _Deferred) or not tensor._recorder.track_undefined:
+        return False, False
+    recorder, key = tensor._recorder, _key(tensor)
+    if recorder.sealed_at is None:
+        return key in recorder.undefined, False
+    if recorder.written_after[0] != len(recorder.entries):  # what the log wrote after construction, once per change
+        written = frozenset().union(*(entry.writes for entry in recorder.entries[recorder.sealed_at:]))
+        recorder.written_after = (len(recorder.entries), written)
+    return key in recorder.undefined, key in recorder.written_after[1]
+
+
+@contextmanager
+def recording_into(tensor: torch.Tensor) -> Generator[None, None, None]:
+    """Run code (a module's ``reset_parameters()`` at setup) recorded into the log of the deferred ``tensor``, CPU
+    tensors it creates included, as during its construction."""
+    with torch.device("cpu"), tensor._recorder:
+        yield
 
 
 def has_deferred(module: nn.Module) -> bool:

@@ -38,14 +38,16 @@ construction the recorder refuses (its error says which op). A model built on th
 modules' ``reset_parameters()`` (:mod:`.meta_init`), as Lightning's FSDP strategies do.
 
 [Note: empty_init and the script's own init]
-``empty_init=True`` (``fabric.init_module(empty_init=True)``, ``Trainer.init_module(empty_init=True)``) means what it
-means under Lightning's DDP strategy: the build skips the weight init of torch's layers, because the script
-initialises the weights itself (LitGPT's pretraining calls its own ``reset_parameters`` on every module after the
-build) or loads a checkpoint. :class:`_SkipTorchInit` skips exactly the calls Lightning's ``_EmptyInit`` skips (the
-``torch.nn.init`` functions that reach ``__torch_function__``: ``uniform_``, ``normal_``, ``constant_``,
-``kaiming_uniform_``, i.e. the init of ``nn.Linear``, ``nn.Embedding``, convolutions); everything else in the
-constructors runs as under DDP. ``empty_init=None``/``False`` runs the model's own init, as above. The tensors whose
-init was skipped hold uninitialised memory until the script writes them, exactly as under DDP.
+``empty_init=True`` (``fabric.init_module(empty_init=True)``, ``Trainer.init_module(empty_init=True)``) skips the
+weight init of torch's layers, as Lightning's strategies do, because the script initialises the weights itself
+(LitGPT's pretraining calls its own ``reset_parameters`` on every module after the build) or loads a checkpoint:
+:class:`~.empty_init.SkipTorchInit` skips exactly the calls Lightning's ``_EmptyInit`` skips (the ``torch.nn.init``
+functions that reach ``__torch_function__``: ``uniform_``, ``normal_``, ``constant_``, ``kaiming_uniform_``, i.e.
+the init of ``nn.Linear``, ``nn.Embedding``, convolutions); everything else in the constructors runs as under DDP.
+``empty_init=None``/``False`` runs the model's own init, as above. What initialises the skipped tensors depends on
+the stage, as under Lightning's DDP (stages 0-1: the script) and FSDP/ModelParallel (stages 2-3: each module's
+``reset_parameters()`` at setup, for the modules the script left alone), and no step runs on memory nothing wrote:
+``[Note: empty_init at each stage]`` in :mod:`.empty_init`.
 
 The invariant that makes the weights after the script's init bitwise those of a DDP run with the same seed (on a
 CPU-built model; DDP on a GPU builds on the GPU and draws from the CUDA generator, which ZeRO never does):
@@ -63,6 +65,22 @@ CPU-built model; DDP on a GPU builds on the GPU and draws from the CUDA generato
   then runs through this same record and replay (:mod:`.meta_init`);
 * every unit then takes rank 0's values (:func:`broadcast_module_states`), as DDP does when it wraps the model.
 
+[Note: the build under bf16-true]
+Lightning's ``HalfPrecision`` (``lightning/fabric/plugins/precision/half.py``: ``module_init_context`` returns
+``tensor_init_context``, a ``_DtypeContextManager`` of the low dtype; ``Strategy.module_init_context`` enters it
+around the build) makes ``bf16-true`` and ``16-true`` build under that default dtype: torch's layer init draws in bf16
+(fp16), which is not the fp32 draw rounded (``normal_`` and ``uniform_`` in bf16 draw other numbers), and so does a
+script's own init after the build (LitGPT's). ZeroStrategy keeps fp32 masters under every flag and its stages 0-1
+compute on bf16 replicas of them: building in fp32 started stages 0-1 from rounded values (the replicas) and stages
+2-3 from the exact fp32 ones. So ``init_dtype`` (the low dtype of a ``*-true`` flag; not under a pipeline, which
+builds its stages at setup) builds under that default dtype as Lightning does; the parameters stay in it until
+setup, where :func:`to_fp32_masters` makes the ones the build made fp32 (exactly: fp32 holds every bf16/fp16 value),
+after the stage 2-3 ``reset_parameters()`` calls of ``empty_init=True``, which draw in that dtype as on Lightning's
+meta build. Every stage then starts from the same values, those of Lightning's DDP under the flag, and the fp32
+masters hold them. Buffers keep the dtype the build gave them, as under Lightning. A state dict loaded between the
+build and setup is rounded to the low dtype, as under Lightning and as DeepSpeed's bf16 engine rounds the module it
+is given; loaded after setup it reaches the fp32 masters whole.
+
 This module is framework-free: it never imports Lightning.
 """
 
@@ -78,9 +96,9 @@ from typing import Generator, Iterator, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from lightning_zero.distributed.deferred_init import BUDGET_ENV, InitMemoryError, deferred_build, is_deferred
+from lightning_zero.distributed.empty_init import SkipTorchInit, mark_skipped
 from lightning_zero.torch_compat import backend_serving
 
 log = logging.getLogger(__name__)
@@ -208,19 +226,46 @@ class _BuildGuard:
                 "ZeroStrategy; 0 turns the guard off).")
 
 
-class _SkipTorchInit(TorchFunctionMode):
-    """``empty_init=True``: a ``torch.nn.init`` function that reaches ``__torch_function__`` hands its tensor back
-    untouched, the rule of Lightning's ``_EmptyInit`` (``[Note: empty_init and the script's own init]``)."""
+@contextmanager
+def _default_dtype(dtype: Optional[torch.dtype]) -> Generator[None, None, None]:
+    if dtype is None:
+        yield
+        return
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if getattr(func, "__module__", None) != "torch.nn.init":
-            return func(*args, **kwargs)
-        return kwargs["tensor"] if "tensor" in kwargs else args[0]
+
+# Parameters a build made in its init_dtype, which setup makes fp32 (id -> the parameter).
+_BUILT_LOW: dict[int, weakref.ref] = {}
+
+
+def _remember_low(modules: list[nn.Module], dtype: torch.dtype) -> None:
+    for key in [key for key, ref in _BUILT_LOW.items() if ref() is None]:
+        del _BUILT_LOW[key]
+    for module in modules:
+        for param in module._parameters.values():
+            if param is not None and param.dtype == dtype:
+                _BUILT_LOW[id(param)] = weakref.ref(param)
+
+
+def to_fp32_masters(module: nn.Module) -> None:
+    """Make fp32, in place, the parameters of ``module`` that a build under ``init_dtype`` made in that dtype
+    (``[Note: the build under bf16-true]``): exact, fp32 holds every bf16/fp16 value; a recorded build records it.
+    Setup calls it before wrapping (after the stage 2-3 ``reset_parameters()`` calls, which draw in that dtype)."""
+    with torch.no_grad():
+        for param in module.parameters():
+            ref = _BUILT_LOW.pop(id(param), None)
+            if ref is not None and ref() is param and param.is_floating_point() and param.dtype != torch.float32:
+                param.data = param.data.to(torch.float32)
 
 
 @contextmanager
-def exact_init(config: InitConfig = InitConfig(), empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+def exact_init(config: InitConfig = InitConfig(), empty_init: Optional[bool] = None,
+               init_dtype: Optional[torch.dtype] = None) -> Generator[None, None, None]:
     """Build modules running their own init code exactly, on CPU, with a host-memory guard.
 
     Everything created inside lands on CPU whatever the default device is, so the RNG stream is consumed exactly as
@@ -228,8 +273,9 @@ def exact_init(config: InitConfig = InitConfig(), empty_init: Optional[bool] = N
     rank 0's values. Raises :class:`~.deferred_init.InitMemoryError` naming the module whose tensor crosses the
     budget. With ``config.deferred`` the build is recorded instead (see the Note above): the parameters and buffers
     hold no memory until ``apply_zero`` (or :func:`~lightning_zero.distributed.deferred_init.materialize_module`)
-    replays them. ``empty_init=True`` skips the init of torch's layers as Lightning's DDP strategy does; the script
-    initialises the weights (or loads them) itself (``[Note: empty_init and the script's own init]``).
+    replays them. ``empty_init=True`` skips the init of torch's layers as Lightning's strategies do
+    (``[Note: empty_init and the script's own init]``). ``init_dtype``: build under that default dtype; setup makes
+    the parameters fp32 (:func:`to_fp32_masters`, ``[Note: the build under bf16-true]``).
     """
     from torch.nn.modules.module import (
         register_module_buffer_registration_hook,
@@ -237,19 +283,30 @@ def exact_init(config: InitConfig = InitConfig(), empty_init: Optional[bool] = N
     )
 
     guard = _BuildGuard(config)
-    skip = _SkipTorchInit() if empty_init else nullcontext()
-    if config.deferred:
-        with torch.device("cpu"), deferred_build(guard.budget), skip:
-            yield
-        return
-    handles = [register_module_parameter_registration_hook(guard), register_module_buffer_registration_hook(guard)]
+    skip = SkipTorchInit(fill_nan=not config.deferred) if empty_init else None
+    built: dict[int, nn.Module] = {}  # the modules that registered a tensor during the build
+
+    def collect(module: nn.Module, name: str, tensor: Optional[torch.Tensor]) -> None:
+        built.setdefault(id(module), module)
+
+    hooks = [register_module_parameter_registration_hook(collect),
+             register_module_buffer_registration_hook(collect)]
+    if not config.deferred:
+        hooks += [register_module_parameter_registration_hook(guard),
+                  register_module_buffer_registration_hook(guard)]
     try:
-        with torch.device("cpu"), skip:
-            yield
+        with torch.device("cpu"), \
+                deferred_build(guard.budget, track_undefined=bool(empty_init)) if config.deferred else nullcontext():
+            with skip or nullcontext(), _default_dtype(init_dtype):
+                yield
+            mark_skipped(skip, iter(built.values()))
+            if init_dtype is not None:
+                _remember_low(list(built.values()), init_dtype)
     finally:
-        for handle in handles:
+        for handle in hooks:
             handle.remove()
-    log.debug("exact_init: built %.3f GiB of parameters and buffers on CPU", guard.counted / _GIB)
+    if not config.deferred:
+        log.debug("exact_init: built %.3f GiB of parameters and buffers on CPU", guard.counted / _GIB)
 
 
 def _named_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -35,7 +35,8 @@ from lightning_zero.distributed.comm_buffers import comm_buffer_pool
 from lightning_zero.distributed.config import ZeroConfig
 from lightning_zero.distributed.ddp import DDPOptions, ddp_kwargs_for, low_precision_allreduce_hook
 from lightning_zero.distributed.deferred_init import materialize_module
-from lightning_zero.distributed.exact_init import InitConfig, broadcast_module_states, exact_init
+from lightning_zero.distributed.empty_init import guard_first_forward, skipped_names
+from lightning_zero.distributed.exact_init import InitConfig, broadcast_module_states, exact_init, to_fp32_masters
 from lightning_zero.distributed.hybrid import data_parallel_group, data_parallel_mesh, shard_group
 from lightning_zero.distributed.meta_init import holds_meta_tensors, init_meta_tensors
 from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
@@ -85,15 +86,17 @@ def sampler_kwargs(meshes: Optional[Meshes], world_size: int, global_rank: int) 
 
 
 def init_context(config: ZeroConfig, *, pipelined: bool, local_world_size: int,
-                 empty_init: Optional[bool] = None) -> AbstractContextManager:
+                 empty_init: Optional[bool] = None, init_dtype: Optional[torch.dtype] = None) -> AbstractContextManager:
     """Step 2, around the user's model construction: the model's own init runs exactly as on CPU; ``empty_init=True``
-    skips the init of torch's layers, as Lightning's DDP strategy does, for a script that initialises (or loads) the
-    weights itself (``[Note: empty_init and the script's own init]`` in :mod:`.exact_init`). At stages 2-3 the
+    skips the init of torch's layers, as Lightning's strategies do: the script initialises (or loads) the weights at
+    stages 0-1, as under DDP, and :func:`wrap_module` calls the untouched modules' ``reset_parameters()`` at stages
+    2-3, as FSDP/ModelParallel do (``[Note: empty_init at each stage]`` in :mod:`.empty_init`). At stages 2-3 the
     build is recorded and :func:`wrap_module` replays it one FSDP unit at a time, so no rank holds the whole model
     (:mod:`.exact_init`, :mod:`.deferred_init`). A pipeline builds only its own stages at setup, so it is never
-    deferred."""
+    deferred. ``init_dtype``: the precision's build dtype (``[Note: the build under bf16-true]``)."""
     deferred = config.stage >= 2 and not pipelined
-    return exact_init(InitConfig.from_env(max(1, local_world_size), deferred=deferred), empty_init)
+    return exact_init(InitConfig.from_env(max(1, local_world_size), deferred=deferred), empty_init,
+                      None if pipelined else init_dtype)
 
 
 def wrap_module(module: nn.Module, mesh, config: ZeroConfig, *, device: torch.device, mp_policy=None,
@@ -132,8 +135,10 @@ def replicate_for_evaluation(module: nn.Module, mesh, device: torch.device) -> n
     ``reset_parameters()``, :mod:`.meta_init`)."""
     if init_meta_tensors(module):
         materialize_module(module)
+    to_fp32_masters(module)
     module.to(device)
     broadcast_module_states(module, data_parallel_group(mesh), device)
+    guard_first_forward(module, skipped_names(module), device, stage=1)  # see lightning_zero.distributed.empty_init
     return module
 
 

@@ -297,10 +297,11 @@ class ZeroStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ model and optimizers
     def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
         """``fabric.init_module()``: the model's own init runs exactly as on CPU, as the Trainer strategy's
-        ``configure_model``; ``empty_init=True`` skips the init of torch's layers as Lightning's DDP strategy does
-        (the script initialises the weights itself; :func:`lightning_zero.distributed.runtime.init_context`)."""
+        ``configure_model``; ``empty_init=True`` skips the init of torch's layers as Lightning's strategies do
+        (:func:`lightning_zero.distributed.runtime.init_context`)."""
         return runtime.init_context(self.zero_config, pipelined=self.settings.pipeline.enabled,
-                                    local_world_size=self.num_processes, empty_init=empty_init)
+                                    local_world_size=self.num_processes, empty_init=empty_init,
+                                    init_dtype=self.precision.init_dtype())
 
     def module_to_device(self, module: nn.Module) -> None:
         if runtime.needs_placing(module, self.zero_config, self.settings.pipeline.enabled):

@@ -366,11 +366,11 @@ class ZeroStrategy(ParallelStrategy):
     @contextmanager
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
         """``configure_model`` and ``Trainer.init_module`` run the model's own init, recorded at stages 2-3 and
-        replayed per unit by ``setup``; ``Trainer.init_module(empty_init=True)`` skips the init of torch's layers as
-        Lightning's DDP strategy does (Lightning passes no ``empty_init`` around ``configure_model``, so that hook
-        always runs the init; :func:`runtime.init_context`)."""
+        replayed per unit by ``setup``; ``Trainer.init_module(empty_init=True)`` skips torch's layer init as Lightning
+        does (not passed around ``configure_model``, which always runs the init; :func:`runtime.init_context`)."""
         with runtime.init_context(self.zero_config, pipelined=self.settings.pipeline.enabled,
-                                  local_world_size=self.num_processes, empty_init=empty_init), \
+                                  local_world_size=self.num_processes, empty_init=empty_init,
+                                  init_dtype=self.precision_plugin.init_dtype()), \
                 self.precision_plugin.tensor_init_context():
             yield
 

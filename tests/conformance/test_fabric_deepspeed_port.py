@@ -11,10 +11,12 @@ internals are ported to the behaviour they stand for. ``README.md`` maps every L
 import json
 import os
 import warnings
+from contextlib import nullcontext
 
 import pytest
 import torch
 from lightning.fabric import Fabric
+from lightning.fabric.plugins.precision import HalfPrecision
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
@@ -297,10 +299,13 @@ def _init_module_worker(rank, world_size):
                     module = BoringModel()
                 drawn_after = torch.rand(1)
                 torch.manual_seed(0)
-                plain = BoringModel()
+                # Lightning's build: under the low default dtype for *-true (HalfPrecision.module_init_context)
+                with HalfPrecision(precision).module_init_context() if low != torch.float32 else nullcontext():
+                    plain = BoringModel()
                 plain_after = torch.rand(1)
-                # on CPU in fp32 (the masters) until setup; recorded at stages 2-3, as DeepSpeed's zero.Init at 3
-                assert all(p.device.type == "cpu" and p.dtype == torch.float32 for p in module.parameters()), what
+                # on CPU in the flag's dtype until setup, as Lightning builds; recorded at stages 2-3, as DeepSpeed's
+                # zero.Init at 3
+                assert all(p.device.type == "cpu" and p.dtype == low for p in module.parameters()), what
                 assert has_deferred(module) == (stage >= 2), what
                 if empty_init:  # the layers' init is skipped: no random numbers are drawn
                     torch.manual_seed(0)
@@ -310,11 +315,16 @@ def _init_module_worker(rank, world_size):
                 seen = []
                 module.layer.register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
                 model = fabric.setup(module)
-                # bf16-true at stage 1 holds bf16 replicas (fp32 masters beside the optimizer), as DeepSpeed's module
+                # setup makes the fp32 masters; bf16-true at stage 1 holds bf16 replicas of them (fp32 masters beside
+                # the optimizer), as DeepSpeed's module
                 held = torch.bfloat16 if stage == 1 and precision == "bf16-true" else torch.float32
                 if not empty_init:
                     assert_equal(full_state(model), {k: v.to(held) for k, v in plain.state_dict().items()}, what)
                 assert all(p.dtype == held and p.device == fabric.device for p in model.parameters()), what
+                if empty_init and stage == 1:  # as under Lightning's DDP nothing initialises the skipped weights
+                    with pytest.raises(RuntimeError, match=r"^layer\.weight, layer\.bias hold memory that nothing"):
+                        model(torch.rand(2, 32))
+                    module.layer.reset_parameters()  # the script's init (stages 2-3 ran it at setup)
                 model(torch.rand(2, 32))
                 assert seen == [low], (what, seen)
 

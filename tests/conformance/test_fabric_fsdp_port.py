@@ -164,10 +164,10 @@ def _check_setup_module(fabric, rank):
 
 
 def _check_module_init_context(rank):
-    """``test_module_init_context``: on CPU until setup (``empty_init=True`` skips the init but builds on real memory,
-    as Lightning's DDP, not on the meta device), sharded after it. Lightning's ``*-true`` builds the weights in the
-    low dtype; ZeroStrategy keeps DeepSpeed's fp32 masters under every flag (``docs/precision.md``) and computes in
-    the flag's dtype."""
+    """``test_module_init_context``: on CPU until setup (``empty_init=True`` skips the init and records the build,
+    not on the meta device; setup gives the weights their values from ``reset_parameters()``), sharded after it.
+    Lightning's ``*-true`` builds the weights in the low dtype, and so does ZeroStrategy; setup makes them DeepSpeed's
+    fp32 masters (``docs/precision.md``) and computes in the flag's dtype."""
     from torch.distributed.tensor import DTensor
 
     for precision, dtype in (("32-true", torch.float32), ("bf16-true", torch.bfloat16), ("16-true", torch.float16)):
@@ -176,7 +176,8 @@ def _check_module_init_context(rank):
             where = (precision, empty_init)
             with fabric.init_module(empty_init=empty_init):
                 model = nn.Linear(IN, IN, bias=False)
-            assert model.weight.dtype == torch.float32 and model.weight.device.type == "cpu", where
+            assert model.weight.dtype == dtype, where
+            assert model.weight.device.type == "cpu", where
             model = fabric.setup(model)
             assert isinstance(model.weight, DTensor) and model.weight.dtype == torch.float32, where
             assert model.weight.to_local().shape == (IN // 2, IN), where
