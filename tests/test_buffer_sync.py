@@ -1,4 +1,5 @@
-"""BatchNorm buffers at every stage: broadcast from rank 0 before a forward as DDP does (``broadcast_buffers``).
+"""BatchNorm buffers at every stage: broadcast from rank 0 before a forward as DDP does (``broadcast_buffers``), and
+checkpoints that hold rank 0's copy of every replicated tensor.
 
 The model is a small conv + BatchNorm network written here (torchvision's ResNet-18 would be the natural choice, but
 torchvision's wheel for this torch does not import beside its CPU build). Every rank sees different images, so each
@@ -6,6 +7,8 @@ rank's running statistics follow its own data unless they are broadcast.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -15,7 +18,9 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_zero import ZeroConfig, ZeroStrategy
+from lightning_zero import ZeroConfig, ZeroStrategy, apply_zero
+from lightning_zero.checkpoint.io import load_sharded_checkpoint, save_sharded_checkpoint
+from lightning_zero.checkpoint.states import module_state_dict
 from lightning_zero.fabric import ZeroStrategy as FabricZeroStrategy
 from tests.distributed import run_distributed
 from tests.lightning_models import full_state
@@ -118,6 +123,41 @@ def _gathered(value) -> list:
 
 def _differ(first: dict, second: dict) -> bool:
     return any(not torch.equal(first[name], second[name]) for name in first if name.endswith("running_mean"))
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+
+
+def _checkpoint_worker(rank, world_size, path, stage, async_save):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    module = ConvBNNet()
+    apply_zero(module, init_device_mesh("cpu", (world_size,)), ZeroConfig(stage=stage, broadcast_buffers=False))
+    module(images(8, 10 + rank).tensors[0]).sum().backward()  # each rank's running statistics: its own images
+    own = _buffers(module)
+    ranks = _gathered(own)
+    assert _differ(ranks[0], ranks[1]), "the ranks' statistics should differ without broadcast_buffers"
+    pending = save_sharded_checkpoint(path, {"state_dict": module_state_dict(module)}, {}, async_save=async_save)
+    if pending is not None:
+        pending.wait()
+    # every rank reads the one copy the checkpoint holds
+    stored = {name: torch.full_like(buffer, -1) for name, buffer in own.items()}
+    load_sharded_checkpoint(path, {"state_dict": stored}, strict=False)
+    for name, value in stored.items():
+        torch.testing.assert_close(
+            value,
+            ranks[0][name],
+            atol=0,
+            rtol=0,
+            msg=lambda m, name=name: f"stage {stage}: {name} is not rank 0's: {m}",
+        )
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_checkpoint_holds_rank_zeros_buffers(tmp_path, stage, async_save):
+    run_distributed(_checkpoint_worker, 2, str(tmp_path / f"s{stage}.ckpt"), stage, async_save)
 
 
 # ---------------------------------------------------------------------------------------------- broadcast
@@ -240,6 +280,31 @@ def _fabric_worker(rank, world_size):
 
 def test_fabric_broadcasts_buffers_as_ddp():
     run_distributed(_fabric_worker, 2)
+
+
+# ---------------------------------------------------------------------------------------------- resume
+
+
+def _resume_worker(rank, world_size, root, stage):
+    whole = BNModule()
+    _trainer(ZeroStrategy(stage=stage), world_size, epochs=2, limit_val_batches=0).fit(whole)
+    first = BNModule()
+    trainer = _trainer(ZeroStrategy(stage=stage), world_size, limit_val_batches=0)
+    trainer.fit(first)
+    path = os.path.join(root, "epoch1.ckpt")
+    trainer.save_checkpoint(path)
+    resumed = BNModule()
+    _trainer(ZeroStrategy(stage=stage), world_size, epochs=2, limit_val_batches=0).fit(resumed, ckpt_path=path)
+    expected, got = full_state(whole), full_state(resumed)
+    for key, value in expected.items():
+        torch.testing.assert_close(
+            got[key], value, atol=1e-5, rtol=1e-5, msg=lambda m, key=key: f"stage {stage}, rank {rank}: {key}: {m}"
+        )
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_resume_continues_the_statistics_of_an_uninterrupted_run(tmp_path, stage):
+    run_distributed(_resume_worker, 2, str(tmp_path), stage)
 
 
 # ---------------------------------------------------------------------------------------------- arguments
