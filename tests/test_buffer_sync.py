@@ -236,6 +236,16 @@ def _ddp_option_worker(rank, world_size):
             _trainer(strategy, world_size, callbacks=[record]).fit(module)  # validation broadcasts first
             assert record.broadcast is (given is not False), f"stage {stage}, broadcast_buffers={given}"
             assert _differ(*_gathered(_buffers(module))) is (given is False), f"stage {stage}, {given}"
+    # apply_zero's own DDP arguments may not say otherwise than the config
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with pytest.raises(ValueError, match="contradict ZeroConfig"):
+        apply_zero(
+            ConvBNNet(),
+            init_device_mesh("cpu", (world_size,)),
+            ZeroConfig(stage=0),
+            ddp_kwargs={"broadcast_buffers": False},
+        )
 
 
 def test_stages_0_1_pass_broadcast_buffers_to_ddp():

@@ -37,7 +37,6 @@ class BufferBroadcast:
         self.gradient_sync = True  # FSDP2's default; set_gradient_sync keeps it current
         self.sync_next = True  # DDP's require_forward_param_sync starts True: the first forward broadcasts
         self._depth = 0
-        self._module = module
         self.handles = [
             module.register_forward_pre_hook(self._before, prepend=True),
             module.register_forward_hook(self._after, always_call=True),
@@ -53,12 +52,6 @@ class BufferBroadcast:
         if self._depth == 0:
             self.sync_next = torch.is_grad_enabled() and self.gradient_sync
 
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        if getattr(self._module, _ATTRIBUTE, None) is self:
-            delattr(self._module, _ATTRIBUTE)
-
 
 _ATTRIBUTE = "_lightning_zero_buffer_broadcast"
 
@@ -66,7 +59,7 @@ _ATTRIBUTE = "_lightning_zero_buffer_broadcast"
 def install_buffer_broadcast(module: nn.Module, group, device: torch.device) -> Optional[BufferBroadcast]:
     """Broadcast ``module``'s buffers from ``group``'s rank 0 before its forwards (module note); ``None`` where there
     is nothing to broadcast (no buffers, one rank)."""
-    if not any(True for _ in _buffers(module)) or dist.get_world_size(group) == 1:
+    if not _buffers(module) or dist.get_world_size(group) == 1:
         return None
     broadcaster = BufferBroadcast(module, group, device)
     setattr(module, _ATTRIBUTE, broadcaster)
