@@ -61,3 +61,21 @@ def backend_serving(device_type: str, group=None):
 
     pairs = dict(part.split(":", 1) for part in str(dist.get_backend_config(group)).split(","))
     return pairs.get(device_type)
+
+
+def ddp_buffer_sync_kwargs(enabled: bool) -> dict:
+    """``DistributedDataParallel``'s keyword for broadcasting rank 0's buffers before each forward.
+
+    torch 2.13 deprecated ``broadcast_buffers`` (a ``FutureWarning``) for ``forward_sync_buffers``, which leaves the
+    broadcast at construction on whatever it is set to (``broadcast_buffers=False`` skipped that one too); torch
+    2.11-2.12 have only ``broadcast_buffers``. Both start every rank from rank 0's buffers where the package calls
+    DDP, because the package broadcasts the module's states itself first when ``enabled`` is False
+    (:func:`lightning_zero.distributed.apply_zero.apply_zero`).
+    """
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return {"forward_sync_buffers": enabled}
+    return {"broadcast_buffers": enabled}

@@ -139,6 +139,7 @@ class ZeroArguments:
     param_persistence_threshold: Optional[int] = None
     prefetch_bytes: Optional[int] = None
     state_dict_type: str = "sharded"
+    broadcast_buffers: Optional[bool] = None
 
 
 def resolve_settings(**arguments: Any) -> ZeroSettings:
@@ -234,8 +235,21 @@ def _zero_config(args: ZeroArguments, ds_config: Optional[DeepSpeedConfigBinding
         hybrid_shard_size=hybrid_shard_size_over_config(ds_config, args.hybrid_shard_size),
         **unit_knobs_over_config(ds_config, unit_bytes=args.unit_bytes, prefetch_bytes=args.prefetch_bytes,
                                  param_persistence_threshold=args.param_persistence_threshold),
+        broadcast_buffers=_broadcast_buffers(args.broadcast_buffers, pipeline_parallel_size),
     )
     return zero_config, communication_data_type, pipeline_parallel_size, micro_batches
+
+
+def _broadcast_buffers(value: Optional[bool], pipeline_parallel_size: Optional[int]) -> bool:
+    """``broadcast_buffers``: ``None`` is DDP's default, True, except under a pipeline, whose schedule broadcasts
+    buffers once at setup (:mod:`lightning_zero.pipeline.schedules`) and never before a forward."""
+    pipelined = pipeline_parallel_size is not None and pipeline_parallel_size > 1
+    if value is None:
+        return not pipelined
+    if value is True and pipelined:
+        raise ValueError("broadcast_buffers=True: a pipeline (pipeline_parallel_size > 1) broadcasts buffers only at "
+                         "setup, not before every forward; leave broadcast_buffers unset or set it to False")
+    return value  # a non-bool is refused by ZeroConfig
 
 
 def checkpoint_save_options(binding: Optional[DeepSpeedConfigBinding], precision: str) -> dict:

@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.tensor import DTensor
 
 from lightning_zero.checkpoint import atomic
@@ -241,6 +242,24 @@ def _stageable(value: Any) -> Any:
     return value
 
 
+def save_planner() -> DefaultSavePlanner:
+    """DCP's default planner, except that a tensor every rank holds whole is written by the group's rank 0.
+
+    [Note: whose copy of a replicated tensor a checkpoint holds]
+    Buffers (BatchNorm's running statistics) and every other tensor that is not sharded are plain tensors on every
+    rank at every stage, and DCP writes one copy of them. Its default planner gives that copy to the rank with the
+    least planned bytes so far (torch/distributed/checkpoint/_dedup_save_plans.py, ``dedup_save_plans`` with
+    ``save_to_lowest_rank=False``, called from ``DefaultSavePlanner._dedup_save_plans``): at stages 2-3, where each
+    rank's shards weigh the same, that is often rank 1, whose buffers differ from rank 0's when the ranks do not
+    broadcast them. DDP's and DeepSpeed's checkpoints hold rank 0's (Lightning saves on global rank 0; DeepSpeed's
+    engine, ``save_checkpoint``, writes the module states from data-parallel rank 0 only), so here the copy is
+    always rank 0's: ``dedup_save_to_lowest_rank=True`` picks the lowest rank holding each item
+    (``save_to_lowest_rank=True``). Rank 0 then writes every replicated tensor: at stages 2-3 those are the buffers
+    and the few tensors FSDP2 does not shard, small beside the shards. ``save_guards.shard_bytes`` counts the same
+    rank for the free-space check."""
+    return DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+
+
 def save_sharded_checkpoint(
     path: PathLike,
     state: Dict[str, Any],
@@ -300,7 +319,8 @@ def save_sharded_checkpoint(
     atomic.fault_point("before_shards")
     if async_save:
         group = _async_group(process_group)
-        result = dcp.async_save(_stageable(state), storage_writer=writer, planner=None, process_group=group)
+        result = dcp.async_save(_stageable(state), storage_writer=writer, planner=save_planner(),
+                                process_group=group)
         future = getattr(result, "upload_completion", result)
         handle = PendingSave(future, path, finalize, group, cleanup, needed)
         with _PENDING_LOCK:
@@ -308,7 +328,7 @@ def save_sharded_checkpoint(
         return handle
     error: Optional[BaseException] = None
     try:
-        dcp.save(state, storage_writer=writer, process_group=process_group)
+        dcp.save(state, storage_writer=writer, planner=save_planner(), process_group=process_group)
         finalize()
     except (Exception, CheckpointException) as err:  # shared below so every rank raises (DCP's is a BaseException)
         error = err

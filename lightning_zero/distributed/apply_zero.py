@@ -39,6 +39,7 @@ from lightning_zero.distributed.activation_checkpointing import (
     ActivationCheckpointConfig,
     apply_activation_checkpointing,
 )
+from lightning_zero.distributed.buffer_sync import broadcast_buffers, install_buffer_broadcast, note_gradient_sync
 from lightning_zero.distributed.comm_buffers import install_comm_buffer_pool
 from lightning_zero.distributed.config import ZeroConfig
 from lightning_zero.distributed.deferred_init import has_deferred, materialize_module
@@ -49,7 +50,7 @@ from lightning_zero.distributed.hybrid import check_mesh_matches, data_parallel_
 from lightning_zero.distributed.meta_init import init_meta_tensors
 from lightning_zero.distributed.replicas import keep_fp32_values
 from lightning_zero.distributed.units import param_bytes, plan_units, set_prefetch
-from lightning_zero.torch_compat import fsdp_param_groups
+from lightning_zero.torch_compat import ddp_buffer_sync_kwargs, fsdp_param_groups
 
 log = logging.getLogger(__name__)
 
@@ -169,20 +170,27 @@ def _fsdp_kwargs(mesh, config: ZeroConfig, device: torch.device, mp_policy=None)
 
 
 def _replicate(module: nn.Module, mesh, device: torch.device, ddp_kwargs: Optional[dict],
-               replica_dtype: Optional[torch.dtype], fp32_values: Optional[dict]) -> nn.Module:
+               replica_dtype: Optional[torch.dtype], fp32_values: Optional[dict], sync_buffers: bool) -> nn.Module:
     """Stages 0-1: the module on ``device`` under ``DistributedDataParallel``; with ``replica_dtype`` its parameters
-    cast first, their fp32 values put in ``fp32_values`` (:mod:`.replicas`)."""
+    cast first, their fp32 values put in ``fp32_values`` (:mod:`.replicas`). ``sync_buffers``: DDP's buffer
+    broadcast before each forward (``ZeroConfig.broadcast_buffers``); without it every rank still starts from rank
+    0's buffers, as at stages 2-3."""
     from torch.nn.parallel import DistributedDataParallel
 
     materialize_module(module)  # DDP keeps full replicas: a deferred build (see exact_init) becomes real now
     module.to(device)
+    if not sync_buffers:  # DDP's broadcast_buffers=False (torch < 2.13) would skip them at construction too
+        broadcast_buffers(module, data_parallel_group(mesh), device)
     if replica_dtype is not None:  # before DDP builds its buckets from the parameters' dtypes
         # rank 0's fp32 values: DDP would broadcast only the bf16 replicas, leaving each rank's own masters
         broadcast_module_states(module, data_parallel_group(mesh), device)
         fp32_values.update(keep_fp32_values(module, replica_dtype))
     device_ids = [device.index] if device.type == "cuda" else None
-    return DistributedDataParallel(module, device_ids=device_ids, process_group=data_parallel_group(mesh),
-                                   **ddp_defaults(ddp_kwargs))
+    kwargs = {**ddp_buffer_sync_kwargs(sync_buffers), **ddp_defaults(ddp_kwargs)}
+    if any(kwargs.get(name, sync_buffers) != sync_buffers for name in ("broadcast_buffers", "forward_sync_buffers")):
+        raise ValueError(f"ddp_kwargs {ddp_kwargs} contradict ZeroConfig(broadcast_buffers={sync_buffers}); set it "
+                         "in the ZeroConfig only")
+    return DistributedDataParallel(module, device_ids=device_ids, process_group=data_parallel_group(mesh), **kwargs)
 
 
 def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[torch.device] = None,
@@ -234,7 +242,7 @@ def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[
     if config.stage <= 1:
         if mp_policy is not None:
             raise ValueError("mp_policy is an FSDP2 policy and applies to stages 2-3 only")
-        wrapped = _replicate(module, mesh, device, ddp_kwargs, replica_dtype, fp32_values)
+        wrapped = _replicate(module, mesh, device, ddp_kwargs, replica_dtype, fp32_values, config.broadcast_buffers)
         guard_first_forward(module, skipped_names(module), device, config.stage)  # after DDP broadcast rank 0's
         return wrapped
     if ddp_kwargs:
@@ -262,7 +270,9 @@ def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[
         module.to(device)
     swap_parameters(module, config, device)
     accept_full_tensors(module)  # model.load_state_dict(full_state_dict) after setup, as at stages 0-1
-    guard_first_forward(module, unwritten, device, config.stage)
+    if config.broadcast_buffers:  # DDP's broadcast_buffers, which FSDP2 lacks (see buffer_sync's note)
+        install_buffer_broadcast(module, data_parallel_group(mesh), device)
+    guard_first_forward(module, unwritten, device, config.stage)  # after the broadcast: it sees rank 0's buffers
     return module
 
 
@@ -375,6 +385,7 @@ def set_gradient_sync(module: nn.Module, enabled: bool) -> None:
         module.require_backward_grad_sync = enabled
     elif isinstance(module, FSDPModule):
         module.set_requires_gradient_sync(enabled)
+        note_gradient_sync(module, enabled)
         _keep_gathered_between_micro_steps(module, keep=not enabled)
 
 

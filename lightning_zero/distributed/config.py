@@ -106,6 +106,10 @@ class ZeroConfig:
             unit (gathered once per step, never re-gathered in backward). ``None``: the default (0, off).
         prefetch_bytes: stages 2-3: each unit prefetches the next units' all-gathers up to this many parameter
             bytes, in forward and backward. ``None`` or ``0``: FSDP2's own schedule.
+        broadcast_buffers: before a forward, every rank takes the data-parallel group's rank 0 buffers (BatchNorm's
+            running statistics), on DDP's schedule: DDP's own ``broadcast_buffers`` at stages 0-1, the same
+            broadcast on the FSDP2 root at stages 2-3 (:mod:`lightning_zero.distributed.buffer_sync`). ``False``:
+            each rank's buffers follow its own data (``docs/stages.md``, "Buffers").
     """
 
     stage: int = 2
@@ -120,8 +124,11 @@ class ZeroConfig:
     unit_bytes: Optional[int] = None
     param_persistence_threshold: Optional[int] = None
     prefetch_bytes: Optional[int] = None
+    broadcast_buffers: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.broadcast_buffers, bool):  # a string "false" would otherwise count as true
+            raise TypeError(f"broadcast_buffers must be True or False, got {self.broadcast_buffers!r}")
         if isinstance(self.stage, bool) or not isinstance(self.stage, int) or self.stage not in STAGES:
             raise ValueError(f"stage must be one of {STAGES} (0: DDP, 1: +optimizer states sharded, "
                              f"2: +gradients sharded, 3: +parameters sharded), got {self.stage!r}")

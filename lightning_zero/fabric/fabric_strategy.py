@@ -126,7 +126,7 @@ class ZeroStrategy(ParallelStrategy):
         hybrid_shard_size: Optional[int] = None,
         rendezvous_timeout: Union[float, timedelta] = DEFAULT_RENDEZVOUS_TIMEOUT, unit_bytes: Optional[int] = None,
         param_persistence_threshold: Optional[int] = None, prefetch_bytes: Optional[int] = None,
-        state_dict_type: Literal["sharded", "full"] = "sharded",
+        state_dict_type: Literal["sharded", "full"] = "sharded", broadcast_buffers: Optional[bool] = None,
         # DeepSpeedStrategy's own arguments, same names and types (None: the config's value, else DeepSpeed's
         # default); each becomes the ds_config key it stands for (ds_config/strategy_arguments.py)
         zero_optimization: Optional[bool] = None, remote_device: Optional[str] = None,

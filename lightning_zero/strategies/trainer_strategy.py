@@ -110,6 +110,8 @@ class ZeroStrategy(ParallelStrategy):
         find_unused_parameters, static_graph, gradient_as_bucket_view, bucket_cap_mb: ``DDPStrategy``'s options for
             the DDP of stages 0-1 (:mod:`lightning_zero.distributed.ddp`); unlike ``DDPStrategy``,
             ``gradient_as_bucket_view`` defaults to True (one gradient buffer per rank).
+        broadcast_buffers: every rank takes rank 0's buffers before a forward, on DDP's schedule, at every stage (the
+            default, except under a pipeline); ``False``: each rank keeps its own (``docs/stages.md``, "Buffers").
         exclude_frozen_parameters, verbose: frozen parameters stay out of checkpoints; print the whole ds_config.
         hang_timeout: seconds (or ``timedelta``) a step, validation batch, checkpoint save/load or teardown may last
             before the job exits naming the stuck rank(s) with every rank's stacks (default 600; ``None``: off).
@@ -167,6 +169,7 @@ class ZeroStrategy(ParallelStrategy):
         load_full_weights: bool = False, rendezvous_timeout: Union[float, timedelta] = DEFAULT_RENDEZVOUS_TIMEOUT,
         unit_bytes: Optional[int] = None, param_persistence_threshold: Optional[int] = None,
         prefetch_bytes: Optional[int] = None, state_dict_type: Literal["sharded", "full"] = "sharded",
+        broadcast_buffers: Optional[bool] = None,
         # DeepSpeedStrategy's own arguments (None: the config's, else DeepSpeed's): ds_config/strategy_arguments.py
         zero_optimization: Optional[bool] = None, remote_device: Optional[str] = None,
         offload_parameters: Optional[bool] = None, offload_params_device: Optional[str] = None,
@@ -326,23 +329,20 @@ class ZeroStrategy(ParallelStrategy):
             self.cluster_environment, self._process_group_backend, self.root_device, timeout=self.settings.timeout,
             rendezvous_timeout=self.settings.rendezvous_timeout, num_nodes=self.num_nodes, node_rank=self.node_rank,
             global_rank=self.global_rank, world_size=self.world_size, offloads=offloads(self.zero_config))
-        self.meshes = runtime.build_meshes(
-            self.root_device.type, self.world_size,
-            pipeline_parallel_size=self.settings.pipeline.pipeline_parallel_size,
-            hybrid_shard_size=self.zero_config.hybrid_shard_size)
+        self.meshes = runtime.build_meshes(self.root_device.type, self.world_size,
+                                           pipeline_parallel_size=self.settings.pipeline.pipeline_parallel_size,
+                                           hybrid_shard_size=self.zero_config.hybrid_shard_size)
         if self.lightning_module is not None:
             self.lightning_module._device_mesh = self.meshes.world
         self.hang_guard.start(self.global_rank, self.world_size, self.node_rank)
         if self.auto_resume:
-            auto_resume.install_auto_resume(self._trainer(), self.auto_resume, self.broadcast,
-                                            self.ckpt_path_asked)
+            auto_resume.install_auto_resume(self._trainer(), self.auto_resume, self.broadcast, self.ckpt_path_asked)
 
     def _check_before_process_group(self) -> None:
         """Everything checkable on each rank before ``init_process_group``: the launch and the settings against the
         devices (shared with Fabric), then the Trainer's own (``sync_batchnorm`` off GPU, callbacks stages 2-3 cannot
         run, the ds_config's precision, clipping, accumulation and batch arithmetic against the Trainer's flags)."""
-        check_external_launch(self.cluster_environment, self.num_nodes, self.num_processes,
-                              self.settings.start_method)
+        check_external_launch(self.cluster_environment, self.num_nodes, self.num_processes, self.settings.start_method)
         data_parallel = check_before_process_group(
             num_nodes=self.num_nodes, num_processes=self.num_processes, node_rank=self.node_rank,
             device=self.root_device, backend=self.process_group_backend, zero_config=self.zero_config,
