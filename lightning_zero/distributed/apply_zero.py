@@ -234,11 +234,7 @@ def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[
     to_fp32_masters(module)  # a bf16-true build's parameters (see lightning_zero.distributed.exact_init)
     check_mesh_matches(mesh, config.hybrid_shard_size)
     if activation_checkpointing is not None:
-        if activation_checkpointing.policy is True and config.sharded_module_classes:
-            # True means "the blocks": when the user named the FSDP units, those are the blocks.
-            activation_checkpointing = dataclasses.replace(activation_checkpointing,
-                                                           policy=config.sharded_module_classes)
-        apply_activation_checkpointing(module, activation_checkpointing)
+        _checkpoint_activations(module, activation_checkpointing, config)
     if config.stage <= 1:
         if mp_policy is not None:
             raise ValueError("mp_policy is an FSDP2 policy and applies to stages 2-3 only")
@@ -274,6 +270,13 @@ def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[
         install_buffer_broadcast(module, data_parallel_group(mesh), device)
     guard_first_forward(module, unwritten, device, config.stage)  # after the broadcast: it sees rank 0's buffers
     return module
+
+
+def _checkpoint_activations(module: nn.Module, settings: ActivationCheckpointConfig, config: ZeroConfig) -> None:
+    if settings.policy is True and config.sharded_module_classes:
+        # True means "the blocks": when the user named the FSDP units, those are the blocks.
+        settings = dataclasses.replace(settings, policy=config.sharded_module_classes)
+    apply_activation_checkpointing(module, settings)
 
 
 def _kept_from_forward_to_backward(group: list[nn.Module], root: nn.Module, groups: list[list[nn.Module]],
