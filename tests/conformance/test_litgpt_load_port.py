@@ -1,0 +1,201 @@
+"""LitGPT's fine-tuning load under ZeroStrategy: full state dicts of every tensor-like kind into the set-up model.
+
+``litgpt.utils.load_checkpoint(fabric, model, path)`` (Lightning-AI/litgpt, litgpt/utils.py) loads with
+``fabric.load_raw`` under Lightning's ``FSDPStrategy``, with its own DTensor conversion under
+``ModelParallelStrategy``, and for any other strategy (ours included) with ``state_dict = lazy_load(path)``
+(Lightning's ``_lazy_load``, whose values are ``_NotYetLoadedTensor``), ``state_dict.get("model", state_dict)`` and
+``model.load_state_dict(state_dict, strict=strict)``; ``litgpt/finetune/full.py`` calls it after ``fabric.setup``
+and ``fabric.setup_optimizers``. The real ``GPT`` and ``load_checkpoint`` are used when ``litgpt`` is installed;
+the same call sequence on a small model runs without it, with the other full sources a script may hand
+``load_state_dict``: a memory-mapped ``torch.load`` and a dict of safetensors slices. Each run is compared with
+Lightning's ``DDPStrategy`` running the same script on the same ranks.
+"""
+
+import os
+
+import pytest
+import torch
+from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.utilities.load import _lazy_load
+from safetensors import safe_open
+from torch import nn
+
+from lightning_zero.fabric import ZeroStrategy
+from tests.conformance.models import max_abs_diff
+from tests.distributed import run_distributed
+from tests.fabric.test_fabric_parity import full_weights, make_fabric
+from tests.fabric.test_fabric_raw_loads import _finetune, _unwrapped, _write_base
+from tests.test_zero_parity import TinyNet
+
+WORLD, VOCAB, SEQ = 2, 32, 8
+QUICK = [(0, None), (2, None), (3, None)]
+SWEEP = [(0, None), (1, None), (1, "cpu"), (2, None), (2, "cpu"), (3, None), (3, "cpu")]
+
+
+def _gathered(model):
+    return full_weights(_unwrapped(model))
+
+
+# ---------------------------------------------------------------------------------------------- LitGPT itself
+def _litgpt_config():
+    from litgpt import Config
+
+    return Config(n_layer=2, n_head=2, n_embd=16, block_size=SEQ, vocab_size=VOCAB, padded_vocab_size=VOCAB)
+
+
+def _litgpt_finetune(strategy, path, rank):
+    """litgpt/finetune/full.py's order: init_module, setup, setup_optimizers, load_checkpoint; then 2 steps."""
+    from litgpt import GPT
+    from litgpt.utils import load_checkpoint
+
+    fabric = make_fabric(strategy)
+    fabric.seed_everything(0)
+    with fabric.init_module(empty_init=fabric.world_size > 1):
+        model = GPT(_litgpt_config())
+    model = fabric.setup(model)
+    # foreach chosen: ZeroStrategy would otherwise pick torch's fused CPU kernel (lightning_zero/ops/cpu_fused.py),
+    # whose rounding Adam amplifies on the key biases (gradients that are zero but for rounding)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True))
+    load_checkpoint(fabric, model, path)
+    loaded = _gathered(model)
+    ids = torch.randint(0, VOCAB, (2 * WORLD, 2, SEQ), generator=torch.Generator().manual_seed(3))
+    for step in range(2):
+        batch = ids[step * WORLD + rank]
+        logits = model(batch)
+        loss = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    return loaded, _gathered(model)
+
+
+def _litgpt_worker(rank, world_size, path, configs):
+    base = torch.load(path, weights_only=True)
+    expected_loaded, expected = _litgpt_finetune(DDPStrategy(), path, rank)
+    assert max_abs_diff(expected_loaded, base) == 0
+    failures = []
+    for stage, offload in configs:
+        loaded, got = _litgpt_finetune(ZeroStrategy(stage=stage, offload=offload), path, rank)
+        if max_abs_diff(loaded, base) != 0:
+            failures.append(f"stage {stage} offload {offload}: loaded weights are not the checkpoint's")
+        worst = max_abs_diff(got, expected)
+        if not worst <= 1e-5:
+            failures.append(f"stage {stage} offload {offload}: max abs diff {worst:.2e} from DDP after 2 steps")
+    assert not failures, "\n".join(failures)
+
+
+def _write_litgpt_checkpoint(directory):
+    from litgpt import GPT
+
+    torch.manual_seed(5)  # "pretrained" weights, another init than the fine-tune's own
+    path = os.path.join(directory, "lit_model.pth")
+    torch.save(GPT(_litgpt_config()).state_dict(), path)
+    return path
+
+
+def test_litgpt_load_checkpoint_into_a_set_up_gpt_equals_ddp(tmp_path):
+    pytest.importorskip("litgpt")
+    run_distributed(_litgpt_worker, WORLD, _write_litgpt_checkpoint(tmp_path), QUICK)
+
+
+@pytest.mark.slow
+def test_litgpt_load_checkpoint_into_a_set_up_gpt_equals_ddp_at_every_stage(tmp_path):
+    pytest.importorskip("litgpt")
+    run_distributed(_litgpt_worker, WORLD, _write_litgpt_checkpoint(tmp_path), SWEEP)
+
+
+# ---------------------------------------------------------------------------------------------- the same calls
+def _slices(path):
+    """A dict of safetensors slices, the file kept open for the load (the form the strategy reads slices of)."""
+    handle = safe_open(path, framework="pt")
+    return {name: handle.get_slice(name) for name in handle.keys()}
+
+
+def _loaders(paths):
+    return {
+        "torch.load": lambda fabric, model: model.load_state_dict(torch.load(paths["pth"], weights_only=True)),
+        # litgpt.utils.load_checkpoint's branch for strategies other than FSDP and ModelParallel
+        "lazy_load": lambda fabric, model: model.load_state_dict(_lazy_load(paths["pth"])),
+        "mmap": lambda fabric, model: model.load_state_dict(torch.load(paths["pth"], mmap=True, weights_only=True)),
+        "safetensors slices": lambda fabric, model: model.load_state_dict(_slices(paths["safetensors"])),
+    }
+
+
+def _sources_worker(rank, world_size, paths, configs):
+    loaders = _loaders(paths)
+    expected = _finetune(make_fabric(DDPStrategy()), rank, world_size, loaders["torch.load"])
+    failures = []
+    for stage, offload in configs:
+        for name in ("lazy_load", "mmap", "safetensors slices"):
+            got = _finetune(make_fabric(ZeroStrategy(stage=stage, offload=offload)), rank, world_size, loaders[name])
+            worst = max_abs_diff(got, expected)
+            if not worst <= 1e-5:
+                failures.append(f"stage {stage} offload {offload} {name}: max abs diff {worst:.2e} from DDP")
+    assert not failures, "\n".join(failures)
+
+
+def test_lazy_mmap_and_safetensors_sources_load_like_ddp(tmp_path):
+    run_distributed(_sources_worker, WORLD, _write_base(tmp_path), QUICK)
+
+
+@pytest.mark.slow
+def test_lazy_mmap_and_safetensors_sources_load_like_ddp_at_every_stage(tmp_path):
+    run_distributed(_sources_worker, WORLD, _write_base(tmp_path), SWEEP)
+
+
+# ---------------------------------------------------------------------------------------------- what is read
+class RecordingSlice:
+    """A safetensors slice that records the parts read from it."""
+
+    def __init__(self, piece, reads, name):
+        self.piece, self.reads, self.name = piece, reads, name
+
+    def get_shape(self):
+        return self.piece.get_shape()
+
+    def __getitem__(self, index):
+        part = self.piece[index]
+        self.reads.append((self.name, part.numel()))
+        return part
+
+
+def _reads_worker(rank, world_size, paths):
+    for stage in (0, 2, 3):
+        fabric = make_fabric(ZeroStrategy(stage=stage))
+        model = fabric.setup_module(TinyNet())
+        reads = []
+        model.load_state_dict({k: RecordingSlice(v, reads, k) for k, v in _slices(paths["safetensors"]).items()})
+        sizes = {k: v.numel() for k, v in _gathered(model).items()}
+        assert sorted(name for name, _ in reads) == sorted(sizes), stage  # each entry read once
+        read = sum(numel for _, numel in reads)
+        if stage >= 2:  # every parameter is sharded over the 2 ranks: this rank reads half of the file's elements
+            assert read == sum(-(-n // WORLD) if rank == 0 else n // WORLD for n in sizes.values()), (stage, read)
+        else:
+            assert read == sum(sizes.values()), stage
+        assert max_abs_diff(_gathered(model), torch.load(paths["pth"], weights_only=True)) == 0, stage
+
+
+def test_each_rank_reads_only_its_slices_of_a_safetensors_file(tmp_path):
+    run_distributed(_reads_worker, WORLD, _write_base(tmp_path))
+
+
+# ---------------------------------------------------------------------------------------------- torch's reports
+def _reports_worker(rank, world_size, paths):
+    plain = TinyNet()
+    pth = torch.load(paths["pth"], weights_only=True)
+    partial = {k: v for k, v in pth.items() if k != "out.bias"}
+    expected = plain.load_state_dict({**partial, "head.weight": torch.zeros(3)}, strict=False)
+    for stage in (0, 2, 3):
+        model = make_fabric(ZeroStrategy(stage=stage)).setup_module(TinyNet())
+        for name, source in (("lazy_load", _lazy_load(paths["pth"])), ("slices", _slices(paths["safetensors"]))):
+            entries = {k: v for k, v in source.items() if k != "out.bias"}
+            got = model.load_state_dict({**entries, "head.weight": torch.zeros(3)}, strict=False)
+            assert got == expected, (stage, name)
+            wrong = dict(source)
+            wrong["out.weight"] = source["inp.weight"]  # another shape
+            with pytest.raises(RuntimeError, match="size mismatch for out.weight"):
+                model.load_state_dict(wrong)
+
+
+def test_missing_unexpected_and_mis_shaped_entries_are_reported_as_by_torch(tmp_path):
+    run_distributed(_reports_worker, WORLD, _write_base(tmp_path))
