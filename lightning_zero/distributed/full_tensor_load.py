@@ -7,10 +7,11 @@ dict is what fine-tuning scripts load after setup, and it loads at stages 0-1 an
 Lightning's ``FSDPStrategy`` and ``ModelParallelStrategy``, the branch ``state_dict = lazy_load(path)``
 (``lightning.fabric.utilities.load._lazy_load``) then ``model.load_state_dict(state_dict, strict=strict)``.
 
-:func:`accept_full_tensors` registers a ``load_state_dict`` pre-hook on the sharded root. Before anything is
-copied, it replaces each full value whose parameter is a DTensor of the same global shape by a DTensor that wraps
-the slice of it this rank holds (``DTensor.from_local``, no communication): the copy is then torch's own, between
-two DTensors of one layout, and casts to the parameter's dtype as usual. The full values it reads slices of:
+:func:`accept_full_tensors` registers a ``load_state_dict`` pre-hook on each module of the sharded root that holds
+tensors (see its note). Before anything is copied, it replaces each full value whose parameter is a DTensor of the
+same global shape by a DTensor that wraps the slice of it this rank holds (``DTensor.from_local``, no
+communication): the copy is then torch's own, between two DTensors of one layout, and casts to the parameter's
+dtype as usual. The full values it reads slices of:
 
 * a plain tensor (``torch.load``; with ``mmap=True, weights_only=True`` a memory-mapped one): the slice is a view,
   so a memory-mapped file's pages outside this rank's slices are never read;
@@ -30,13 +31,15 @@ missing, unexpected and mismatched keys exactly as it does for an unsharded modu
 
 [Note: gathered units]
 A unit that keeps its gathered parameters after a forward (every unit at stage 2 until backward) exposes plain,
-unsharded tensors in place of its DTensors until FSDP2's own pre-load hook puts the shards back, which runs only
-when the load reaches that unit: after this root hook has looked. So the hook first puts every unit's shards back
-itself (FSDP2's ``reshard``), and the loaded values land in the shards the next forward gathers from.
+unsharded tensors in place of its DTensors until FSDP2's own pre-load hook puts the shards back, which FSDP2
+registers lazily (at the first forward), so after this hook on the same module. So the hook first puts the shards
+of the unit the module is in back itself (FSDP2's ``reshard``, a no-op when they are back), and the loaded values
+land in the shards the next forward gathers from.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Optional
 
 import torch
@@ -51,29 +54,53 @@ Reader = Callable[[tuple], Tensor]  # the part of a full value at an index (a tu
 
 def accept_full_tensors(root: nn.Module) -> None:
     """Let ``root`` (sharded in place by FSDP2, or the module DDP wraps at stages 0-1) load full values of the kinds
-    the module docstring lists with ``load_state_dict``. Idempotent: a root set up twice gets one hook."""
+    the module docstring lists with ``load_state_dict``. Idempotent: a root set up twice gets its hooks once.
+
+    [Note: one hook per module that holds tensors]
+    Each module holding parameters or buffers of its own gets the pre-hook, for those only, rather than the root
+    for all of them: a module may rename entries in its own ``_load_from_state_dict`` before its children load
+    (LitGPT's LoRA ``GPT`` and ``CausalSelfAttention`` map a base checkpoint's ``qkv.weight`` to ``qkv.linear.weight``,
+    litgpt/lora.py), and a hook that runs as the holder starts its load sees the entries under their final names. It
+    also serves ``load_state_dict`` called on a submodule."""
     if getattr(root, _MARK, False):
         return
-    root.register_load_state_dict_pre_hook(_full_to_local_slices)
+    for holder, unit in _holders(root):
+        holder.register_load_state_dict_pre_hook(functools.partial(_full_to_local_slices, unit))
     setattr(root, _MARK, True)
 
 
-def _reshard(root: nn.Module) -> None:
+def _holders(root: nn.Module) -> list[tuple[nn.Module, Optional[nn.Module]]]:
+    """Every module under ``root`` that holds parameters or buffers itself, with the innermost FSDP2 unit it is in
+    (``None`` outside any, as at stages 0-1)."""
     from torch.distributed.fsdp import FSDPModule
 
-    for sub in root.modules():
-        if isinstance(sub, FSDPModule):
-            sub.reshard()
+    found, seen = [], set()
+
+    def visit(module: nn.Module, unit: Optional[nn.Module]) -> None:
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        unit = module if isinstance(module, FSDPModule) else unit
+        if next(module.parameters(recurse=False), None) is not None or \
+                next(module.buffers(recurse=False), None) is not None:
+            found.append((module, unit))
+        for child in module.children():
+            visit(child, unit)
+
+    visit(root, None)
+    return found
 
 
-def _full_to_local_slices(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict,
-                          *args: Any) -> None:
-    """The pre-hook: ``state_dict`` is torch's own copy of the caller's dict, so replacing entries leaves theirs."""
+def _full_to_local_slices(unit: Optional[nn.Module], module: nn.Module, state_dict: dict, prefix: str,
+                          local_metadata: dict, *args: Any) -> None:
+    """The pre-hook of ``module``: ``state_dict`` is torch's own copy of the caller's dict, so replacing entries
+    leaves theirs."""
     from torch.distributed.tensor import DTensor
 
-    _reshard(module)  # see [Note: gathered units]
-    targets = dict(module.named_parameters(remove_duplicate=False))
-    targets.update(module.named_buffers(remove_duplicate=False))
+    if unit is not None:
+        unit.reshard()  # see [Note: gathered units]
+    targets = dict(module.named_parameters(recurse=False))
+    targets.update(module.named_buffers(recurse=False))
     with torch.no_grad():
         for name, target in targets.items():
             key = prefix + name

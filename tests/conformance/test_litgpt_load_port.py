@@ -37,10 +37,13 @@ def _gathered(model):
 
 
 # ---------------------------------------------------------------------------------------------- LitGPT itself
+SIZES = dict(n_layer=2, n_head=2, n_embd=16, block_size=SEQ, vocab_size=VOCAB, padded_vocab_size=VOCAB)
+
+
 def _litgpt_config():
     from litgpt import Config
 
-    return Config(n_layer=2, n_head=2, n_embd=16, block_size=SEQ, vocab_size=VOCAB, padded_vocab_size=VOCAB)
+    return Config(**SIZES)
 
 
 def _litgpt_finetune(strategy, path, rank):
@@ -58,6 +61,42 @@ def _litgpt_finetune(strategy, path, rank):
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True))
     load_checkpoint(fabric, model, path)
     loaded = _gathered(model)
+    _train_lm(fabric, model, optimizer, rank)
+    return loaded, _gathered(model)
+
+
+def _lora_finetune(strategy, path, rank):
+    """litgpt/finetune/lora.py's order: init_module, mark_only_lora_as_trainable, setup_module, setup_optimizers,
+    load_checkpoint(strict=False), into the LoRA GPT, whose attention renames the base checkpoint's ``qkv.weight``
+    to ``qkv.linear.weight`` in its own ``_load_from_state_dict``. Built with its own init (not ``empty_init``):
+    the LoRA matrices are not in the checkpoint, and under DDP an empty init would leave them uninitialised."""
+    from litgpt.lora import GPT, Config, mark_only_lora_as_trainable
+    from litgpt.utils import load_checkpoint
+
+    fabric = make_fabric(strategy)
+    fabric.seed_everything(0)
+    with fabric.init_module(empty_init=False):
+        model = GPT(
+            Config(
+                **SIZES,
+                lora_r=4,
+                lora_alpha=8,
+                lora_query=True,
+                lora_value=True,
+                lora_projection=True,
+                lora_mlp=True,
+            )
+        )
+    mark_only_lora_as_trainable(model)
+    model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True))
+    load_checkpoint(fabric, model, path, strict=False)
+    loaded = _gathered(model)
+    _train_lm(fabric, model, optimizer, rank)
+    return loaded, _gathered(model)
+
+
+def _train_lm(fabric, model, optimizer, rank):
     ids = torch.randint(0, VOCAB, (2 * WORLD, 2, SEQ), generator=torch.Generator().manual_seed(3))
     for step in range(2):
         batch = ids[step * WORLD + rank]
@@ -66,21 +105,38 @@ def _litgpt_finetune(strategy, path, rank):
         fabric.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
-    return loaded, _gathered(model)
+
+
+def _renamed(weights: dict) -> dict:
+    """The base checkpoint's entries under the LoRA model's names, as LitGPT's LoRA modules rename them."""
+    renames = (
+        (".qkv.", ".qkv.linear."),
+        (".proj.", ".proj.linear."),
+        (".fc.", ".fc.linear."),
+        ("lm_head.", "lm_head.linear."),
+    )
+    out = {}
+    for key, value in weights.items():
+        for old, new in renames:
+            key = key.replace(old, new) if old in key and new not in key else key
+        out[key] = value
+    return out
 
 
 def _litgpt_worker(rank, world_size, path, configs):
     base = torch.load(path, weights_only=True)
-    expected_loaded, expected = _litgpt_finetune(DDPStrategy(), path, rank)
-    assert max_abs_diff(expected_loaded, base) == 0
     failures = []
-    for stage, offload in configs:
-        loaded, got = _litgpt_finetune(ZeroStrategy(stage=stage, offload=offload), path, rank)
-        if max_abs_diff(loaded, base) != 0:
-            failures.append(f"stage {stage} offload {offload}: loaded weights are not the checkpoint's")
-        worst = max_abs_diff(got, expected)
-        if not worst <= 1e-5:
-            failures.append(f"stage {stage} offload {offload}: max abs diff {worst:.2e} from DDP after 2 steps")
+    for label, finetune, names in (("GPT", _litgpt_finetune, dict), ("LoRA GPT", _lora_finetune, _renamed)):
+        expected_loaded, expected = finetune(DDPStrategy(), path, rank)
+        loaded_base = {k: v for k, v in expected_loaded.items() if "lora_" not in k}
+        assert max_abs_diff(loaded_base, names(base)) == 0, label
+        for stage, offload in configs:
+            loaded, got = finetune(ZeroStrategy(stage=stage, offload=offload), path, rank)
+            if max_abs_diff(loaded, expected_loaded) != 0:
+                failures.append(f"{label} stage {stage} offload {offload}: loaded weights are not DDP's")
+            worst = max_abs_diff(got, expected)
+            if not worst <= 1e-5:
+                failures.append(f"{label} stage {stage} offload {offload}: max abs diff {worst:.2e} after 2 steps")
     assert not failures, "\n".join(failures)
 
 
@@ -93,13 +149,13 @@ def _write_litgpt_checkpoint(directory):
     return path
 
 
-def test_litgpt_load_checkpoint_into_a_set_up_gpt_equals_ddp(tmp_path):
+def test_litgpt_load_checkpoint_into_set_up_gpt_and_lora_gpt_equals_ddp(tmp_path):
     pytest.importorskip("litgpt")
     run_distributed(_litgpt_worker, WORLD, _write_litgpt_checkpoint(tmp_path), QUICK)
 
 
 @pytest.mark.slow
-def test_litgpt_load_checkpoint_into_a_set_up_gpt_equals_ddp_at_every_stage(tmp_path):
+def test_litgpt_load_checkpoint_into_set_up_gpt_and_lora_gpt_equals_ddp_at_every_stage(tmp_path):
     pytest.importorskip("litgpt")
     run_distributed(_litgpt_worker, WORLD, _write_litgpt_checkpoint(tmp_path), SWEEP)
 
@@ -199,3 +255,77 @@ def _reports_worker(rank, world_size, paths):
 
 def test_missing_unexpected_and_mis_shaped_entries_are_reported_as_by_torch(tmp_path):
     run_distributed(_reports_worker, WORLD, _write_base(tmp_path))
+
+
+# ---------------------------------------------------------------------------------------------- renamed entries
+class Projection(nn.Module):
+    """LitGPT's ``LoRALinear`` layout: the base weight one level down, under ``linear``."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.linear(x)
+
+
+class RenamingBlock(nn.Module):
+    """Renames a base checkpoint's entries in its own ``_load_from_state_dict`` before its children load, as
+    LitGPT's LoRA ``CausalSelfAttention`` maps ``qkv.weight`` to ``qkv.linear.weight`` (litgpt/lora.py)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = Projection()
+
+    def forward(self, x):
+        return x + torch.tanh(self.proj(x))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        for name in ("weight", "bias"):
+            if prefix + f"proj.{name}" in state_dict:
+                state_dict[prefix + f"proj.linear.{name}"] = state_dict.pop(prefix + f"proj.{name}")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+class RenamingNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(RenamingBlock() for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _renaming_worker(rank, world_size, directory):
+    from safetensors.torch import save_file
+
+    torch.manual_seed(5)
+    base = {
+        f"blocks.{i}.proj.{name}": torch.randn(8, 8) if name == "weight" else torch.randn(8)
+        for i in range(2)
+        for name in ("weight", "bias")
+    }
+    expected = {k.replace("proj.", "proj.linear."): v for k, v in base.items()}
+    pth, safetensors = os.path.join(directory, "base.pth"), os.path.join(directory, "base.safetensors")
+    if rank == 0:
+        torch.save(base, pth)
+        save_file(base, safetensors)
+    torch.distributed.barrier()
+    sources = {
+        "tensors": lambda: dict(base),
+        "lazy_load": lambda: _lazy_load(pth),
+        "slices": lambda: _slices(safetensors),
+    }
+    for stage in (0, 2, 3):
+        model = make_fabric(ZeroStrategy(stage=stage)).setup_module(RenamingNet())
+        for name, source in sources.items():
+            with torch.no_grad():
+                model(torch.randn(2, 8))  # at stage 2 the units stay gathered after a forward
+            model.load_state_dict(source())
+            assert max_abs_diff(_gathered(model), expected) == 0, (stage, name)
+
+
+def test_entries_a_module_renames_while_loading_reach_the_sharded_parameters(tmp_path):
+    run_distributed(_renaming_worker, WORLD, str(tmp_path))
