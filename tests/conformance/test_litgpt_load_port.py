@@ -21,7 +21,7 @@ from safetensors import safe_open
 from torch import nn
 
 from lightning_zero.fabric import ZeroStrategy
-from tests.conformance.models import max_abs_diff
+from tests.conformance.models import RegressionModule, full_state, max_abs_diff, trainer, zero
 from tests.distributed import run_distributed
 from tests.fabric.test_fabric_parity import full_weights, make_fabric
 from tests.fabric.test_fabric_raw_loads import _finetune, _unwrapped, _write_base
@@ -329,3 +329,36 @@ def _renaming_worker(rank, world_size, directory):
 
 def test_entries_a_module_renames_while_loading_reach_the_sharded_parameters(tmp_path):
     run_distributed(_renaming_worker, WORLD, str(tmp_path))
+
+
+# ---------------------------------------------------------------------------------------------- the Trainer
+class LoadsSlicesOnStart(RegressionModule):
+    """Loads a dict of safetensors slices once the strategy has set the module up (fit, or evaluation only)."""
+
+    def __init__(self, path):
+        super().__init__()
+        self.path = path
+
+    def _load(self):
+        self.load_state_dict(_slices(self.path))
+
+    on_fit_start = on_validation_start = _load
+
+
+def _trainer_slices_worker(rank, world_size, directory):
+    from safetensors.torch import save_file
+
+    torch.manual_seed(5)
+    base = {k: v.clone() for k, v in RegressionModule().state_dict().items()}
+    path = os.path.join(directory, "base.safetensors")
+    if rank == 0:
+        save_file(base, path)
+    torch.distributed.barrier()
+    for stage in (0, 3):
+        module = LoadsSlicesOnStart(path)
+        trainer(zero(stage), limit_val_batches=1).validate(module)  # evaluation only: no DDP at stages 0-1
+        assert max_abs_diff(full_state(module), base) == 0, stage
+
+
+def test_trainer_loads_a_dict_of_safetensors_slices_in_evaluation(tmp_path):
+    run_distributed(_trainer_slices_worker, WORLD, str(tmp_path))
