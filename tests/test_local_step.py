@@ -12,6 +12,7 @@ from lightning_zero.distributed.apply_zero import apply_zero, set_gradient_sync
 from lightning_zero.distributed.config import ZeroConfig
 from lightning_zero.distributed.local_step import is_local_step, restore_step
 from lightning_zero.distributed.optimizer import shard_optimizer
+from lightning_zero.ops.step_override import base_class
 from tests.distributed import run_distributed
 from tests.lightning_models import RegressionModule, dataset, full_state, make_optimizer_and_scheduler, quiet_trainer
 
@@ -125,7 +126,8 @@ def _fallback_worker(rank, world_size):
         shard_optimizer(optimizer, config, group=mesh.get_group())
         # a subclass may add non-elementwise math, another class is not known elementwise, stage 1 has no DTensors
         assert not is_local_step(optimizer), f"{cls.__name__} at stage {stage} must keep torch's own step"
-        assert type(optimizer) is cls
+        # stage 1's class only gains the zero_grad that reaches the other ranks' gradients (optimizer.py)
+        assert (base_class(optimizer) if stage == 1 else type(optimizer)) is cls
 
 
 def test_local_step_only_switches_exact_elementwise_optimizers_on_dtensors():

@@ -185,6 +185,7 @@ def _replicate(module: nn.Module, mesh, device: torch.device, ddp_kwargs: Option
         # rank 0's fp32 values: DDP would broadcast only the bf16 replicas, leaving each rank's own masters
         broadcast_module_states(module, data_parallel_group(mesh), device)
         fp32_values.update(keep_fp32_values(module, replica_dtype))
+    accept_full_tensors(module)  # a dict of safetensors slices loads at every stage (full_tensor_load.py)
     device_ids = [device.index] if device.type == "cuda" else None
     kwargs = {**ddp_buffer_sync_kwargs(sync_buffers), **ddp_defaults(ddp_kwargs)}
     if any(kwargs.get(name, sync_buffers) != sync_buffers for name in ("broadcast_buffers", "forward_sync_buffers")):

@@ -20,6 +20,12 @@ steps, which is only right when nothing stepped after the gather. FSDP2 has no p
 forward, so this calls the root state's two forward hooks (the same functions ``__call__`` calls) and the public
 ``FSDPModule.reshard``, and only reads FSDP2's unit bookkeeping (which module owns which sharded parameter).
 
+Closing before the backward needs the root's forward still open then, so a nested ``self(z)`` (the generator of the
+GAN in Lightning's manual-optimization guide) must not close it on return: the Trainer's redirection suspends the
+root's post-forward hook during ``training_step`` in manual optimization as in automatic (:mod:`.root_reentry`).
+Otherwise that backward would reshard the root with nothing left to re-open it, and the next direct submodule call
+would compute with sharded parameters.
+
 [Note: requires_grad follows the sharded parameter]
 The optimizers hold the *sharded* parameters, while forward computes with the *unsharded* ones FSDP2 registers on
 the modules between a unit's all-gather and its reshard. FSDP2 copies ``requires_grad`` from the first to the second

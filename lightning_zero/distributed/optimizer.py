@@ -20,7 +20,8 @@ After :func:`shard_optimizer`, ``param_groups[i]["params"]`` holds exactly the t
 The module's parameters of every group are kept in :attr:`OptimizerSharding.model_params` (clipping and
 checkpoints need them). Gradient flow is: backward fills the module's ``.grad``; the step pre-hook copies owned
 gradients into the masters; the optimizer steps; the post-hook copies masters back, broadcasts from owners, and
-drops the module's gradients (``zero_grad`` on the optimizer only reaches the tensors it holds).
+drops the module's gradients (torch's ``zero_grad`` only reaches the tensors the groups hold, so the optimizer's
+class gets one that clears the module's others too: [Note: zero_grad reaches the module's gradients]).
 Why hand-written: torch has no optimizer wrapper that keeps CPU copies of device parameters (FSDP2's
 ``CPUOffloadPolicy`` moves the parameters themselves, which is DeepSpeed's ``offload_param``); the copies are plain
 ``Tensor.copy_`` (``non_blocking`` into pinned buffers when computing on CUDA, then one stream synchronisation
@@ -49,16 +50,17 @@ only when its setting asks for it, so a plain stage-2 Adam runs step 4 around st
 6. torch's step hooks, post-hook :func:`_post_step`: copy the masters back into the module's parameters,
    broadcast each stage-1 parameter from the rank that stepped it, drop gradients the optimizer does not hold.
 
-Layers 2-4 replace the optimizer's class by a generated subclass (:mod:`lightning_zero.ops.step_override`, which
-keeps its name, identity and LR schedulers' wrappers) and are undone in reverse order by
-:meth:`OptimizerSharding.remove`.
+Layers 2-4 (and, where the groups hold less than the module's parameters, a class on top of them whose step is
+the class's own and whose ``zero_grad`` clears the module's other gradients) replace the optimizer's class by a
+generated subclass (:mod:`lightning_zero.ops.step_override`, which keeps its name, identity and LR schedulers'
+wrappers) and are undone in reverse order by :meth:`OptimizerSharding.remove`.
 """
 
 from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -70,6 +72,7 @@ from lightning_zero.distributed.local_step import restore_step, use_local_step, 
 from lightning_zero.offload.optimizer_swapper import OptimizerStateSwapper, attach_swapper, detach_swapper
 from lightning_zero.offload.param_swapper import attach_param_step, detach_param_step, find_param_swapper
 from lightning_zero.ops.cpu_fused import prefer_fused_on_cpu
+from lightning_zero.ops.step_override import override_step, restore_step_override
 from lightning_zero.torch_compat import local_tensor
 
 _ATTR = "_lightning_zero_sharding"
@@ -105,6 +108,7 @@ class OptimizerSharding:
     swapper: Optional[OptimizerStateSwapper] = None  # offload_optimizer="nvme": states swapped to disk
     param_step_of: Optional[torch.optim.Optimizer] = None  # offload_params="nvme": steps unit by unit
     local_step_of: Optional[torch.optim.Optimizer] = None  # steps DTensor local shards (.local_step)
+    zero_grad_of: Optional[torch.optim.Optimizer] = None  # zero_grad reaches the module's gradients too
     broadcast_plan: Optional["_BroadcastPlan"] = None  # stage 1's buckets, made when the optimizer is sharded
     not_held: Optional[tuple] = None  # (groups' identity and sizes, module params the optimizer does not hold)
     beside_replicas: bool = False  # the masters are fp32 values of bf16 replicas on the compute device (.replicas)
@@ -190,6 +194,9 @@ class OptimizerSharding:
         for handle in self.hooks:
             handle.remove()
         self.hooks.clear()
+        if self.zero_grad_of is not None:  # first: the override applied last
+            restore_step_override(self.zero_grad_of, _ZERO_GRAD_MARK)
+            self.zero_grad_of = None
         if self.swapper is not None:
             detach_swapper(self.swapper.optimizer)
             self.swapper = None
@@ -309,6 +316,9 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, config: ZeroConfig, *, gro
                       if swap_masters and (master := sharding.masters.get(id(p))) is not None}
         sharding.swapper = attach_swapper(optimizer, config.nvme, rank=rank, pin_memory=pin, masters=companions)
     setattr(optimizer, _ATTR, sharding)
+    if sharding.narrowed_groups():  # last: see [Note: zero_grad reaches the module's gradients]
+        override_step(optimizer, _same_step, marker=_ZERO_GRAD_MARK, extra={"zero_grad": _zero_grad_of(optimizer)})
+        sharding.zero_grad_of = optimizer
     if config.stage == 1:
         plan_broadcast(sharding)  # before the gradients and states exist: see the note in broadcast_from_owners
     return sharding
@@ -417,6 +427,44 @@ def _not_held(optimizer, sharding: OptimizerSharding) -> list[Tensor]:
         held = {id(p) for g in optimizer.param_groups for p in g["params"]}
         sharding.not_held = (key, [p for p in sharding.all_model_params() if id(p) not in held])
     return sharding.not_held[1]
+
+
+_ZERO_GRAD_MARK = "zero_grad of the module's gradients"
+
+
+def _same_step(optimizer, base_step, closure):
+    return base_step(optimizer) if closure is None else base_step(optimizer, closure)
+
+
+def _zero_grad_of(optimizer) -> Callable:
+    """[Note: zero_grad reaches the module's gradients]
+    Where the groups hold less than the module's parameters (stage 1: this rank's partition; offload or bf16
+    replicas: the masters), torch's ``zero_grad`` clears only what they hold. The step drops the rest (``_post_step``),
+    but a backward not followed by this optimizer's step leaves its gradients on the other ranks' parameters (or on
+    the module's, beside the masters): the generator's loss of a GAN flowing through the discriminator, a
+    discriminator stepped every other batch. The next backward adds to them, and DDP's average hands the owner a
+    gradient no DDP run has. So ``zero_grad`` clears those too, as it clears every parameter under DDP. It is a
+    method of the optimizer's class (generated by :func:`~lightning_zero.ops.step_override.override_step`, whose
+    step is the class's own), so the wrappers Lightning and Fabric build over the optimizer's class reach it
+    (Lightning's ``Strategy.setup_precision_plugin`` builds its ``LightningOptimizer`` wrappers again after the
+    optimizers were set up, Fabric wraps what ``setup_optimizer`` returns); ``self`` may be such a wrapper."""
+    below = type(optimizer).zero_grad
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        below(self, set_to_none)
+        sharding = get_sharding(self)
+        if sharding is None or sharding.released:
+            return
+        for param in _not_held(self, sharding):
+            if param.grad is None:
+                continue
+            if set_to_none:
+                param.grad = None
+                continue
+            grad = param.grad.detach_() if param.grad.grad_fn is not None else param.grad.requires_grad_(False)
+            grad.zero_()
+
+    return zero_grad
 
 
 

@@ -37,6 +37,7 @@ from lightning_zero.distributed.ddp import DDPOptions, ddp_kwargs_for, low_preci
 from lightning_zero.distributed.deferred_init import materialize_module
 from lightning_zero.distributed.empty_init import guard_first_forward, skipped_names
 from lightning_zero.distributed.exact_init import InitConfig, broadcast_module_states, exact_init, to_fp32_masters
+from lightning_zero.distributed.full_tensor_load import accept_full_tensors
 from lightning_zero.distributed.hybrid import data_parallel_group, data_parallel_mesh, shard_group
 from lightning_zero.distributed.meta_init import holds_meta_tensors, init_meta_tensors
 from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
@@ -139,6 +140,7 @@ def replicate_for_evaluation(module: nn.Module, mesh, device: torch.device) -> n
     module.to(device)
     broadcast_module_states(module, data_parallel_group(mesh), device)
     guard_first_forward(module, skipped_names(module), device, stage=1)  # see lightning_zero.distributed.empty_init
+    accept_full_tensors(module)  # a dict of safetensors slices loads here too, as in a fit
     return module
 
 

@@ -4,7 +4,7 @@ root's ``__call__``, with nested ``self(x)`` calls that do not end the root's fo
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 from lightning.pytorch.strategies.strategy import _ForwardRedirection
 
@@ -14,17 +14,15 @@ from lightning_zero.distributed.root_reentry import root_post_forward_suspended
 class RootForwardRedirection(_ForwardRedirection):
     """Lightning's redirection; the redirected method runs with the root's post-forward hook suspended.
 
-    Manual optimization (``manual_backward_active()`` is true) is left as before:
-    :class:`~lightning_zero.distributed.manual_backward.ManualBackward`
-    closes and re-opens the root's forward itself around each backward inside ``training_step``.
+    With manual optimization too: :class:`~lightning_zero.distributed.manual_backward.ManualBackward` closes the
+    root's forward before each ``manual_backward`` and re-opens it when a module owning root parameters runs next,
+    which it can only do if the forward is still open at the backward. A nested ``self(z)`` whose post-forward hook
+    ran would have closed it already (the GAN of Lightning's manual-optimization guide, generator through
+    ``self(z)``): the backward would then reshard the root and leave it closed, and the next direct submodule call
+    would compute with sharded parameters.
     """
 
-    def __init__(self, manual_backward_active: Callable[[], bool]) -> None:
-        self._manual_backward_active = manual_backward_active
-
     def __call__(self, wrapper_module, original_module, method_name: str, *args: Any, **kwargs: Any) -> Any:
-        if self._manual_backward_active():
-            return super().__call__(wrapper_module, original_module, method_name, *args, **kwargs)
         real_forward = original_module.forward
 
         def redirected(*_args: Any, **_kwargs: Any) -> Any:

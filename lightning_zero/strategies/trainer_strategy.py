@@ -205,12 +205,7 @@ class ZeroStrategy(ParallelStrategy):
         self._pipeline_grads = PipelineGradients()
         self._teardown_handles: list = []  # hooks setup added to the user's module, removed at teardown
         self._manual_backward: Optional[ManualBackward] = None
-        # a bound method, not a lambda: start_method="spawn" pickles the strategy into every rank
-        self._forward_redirection = _DDPForwardRedirection() if self.stage <= 1 else RootForwardRedirection(
-            self._in_manual_backward)
-
-    def _in_manual_backward(self) -> bool:
-        return self._manual_backward is not None
+        self._forward_redirection = _DDPForwardRedirection() if self.stage <= 1 else RootForwardRedirection()
 
     # ------------------------------------------------------------------ properties Lightning reads
     @property
