@@ -217,6 +217,8 @@ def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[
     refuse_sharded_modules(module)  # before any collective: every rank refuses alike
     device = device or _default_device(mesh)
     refuse_fsdp1_modules(module)
+    if config.stage >= 2:
+        refuse_parameter_gradient_hooks(module)
     init_meta_tensors(module)  # a meta-device build: reset_parameters(), recorded, replayed per unit below
     refuse_meta_tensors(module, config.stage)
     check_mesh_matches(mesh, config.hybrid_shard_size)
@@ -350,6 +352,28 @@ def refuse_fsdp1_modules(module: nn.Module) -> None:
         raise TypeError(f"The model holds torch's legacy FullyShardedDataParallel (FSDP1) wrapper at "
                         f"{', '.join(wrapped)}. ZeroStrategy shards the model itself (FSDP2 at stages 2-3, DDP at "
                         "0-1) and would shard or reduce an FSDP1 module a second time: pass the unwrapped model.")
+
+
+def refuse_parameter_gradient_hooks(module: nn.Module) -> None:
+    """Refuse, at stages 2-3, parameters carrying gradient hooks (``param.register_hook``,
+    ``param.register_post_accumulate_grad_hook``), naming them.
+
+    ``fully_shard`` replaces every parameter with a new sharded DTensor parameter and runs the forward on separate
+    unsharded tensors; FSDP2's post-backward hook then assigns the reduced shard to ``param.grad`` directly, not
+    through autograd. The hooks stay on the original tensors, which no longer take part: they would never run and the
+    model would train as if they did not exist. Under DDP (stages 0-1) the parameters keep their identity and the
+    hooks run on each rank's gradient before the all-reduce (torch's ``Tensor.register_hook`` in ``torch/_tensor.py``
+    stores them in ``_backward_hooks`` on the tensor itself)."""
+    hooked = [name for name, param in module.named_parameters()
+              if param._backward_hooks or getattr(param, "_post_accumulate_grad_hooks", None)]
+    if hooked:
+        more = f" and {len(hooked) - 5} more" if len(hooked) > 5 else ""
+        shown = ", ".join(f"'{name}'" for name in hooked[:5]) + more
+        raise ValueError(
+            f"The parameters {shown} have gradient hooks (Tensor.register_hook or register_post_accumulate_grad_hook). "
+            "At stages 2-3 the parameters are replaced by shards whose gradients autograd does not compute, so the "
+            "hooks would never run. Use stage 0 or 1, or change the gradients in on_before_optimizer_step (there "
+            "param.grad is the reduced, sharded gradient).")
 
 
 def _default_device(mesh) -> torch.device:
