@@ -354,9 +354,10 @@ def refuse_fsdp1_modules(module: nn.Module) -> None:
                         "0-1) and would shard or reduce an FSDP1 module a second time: pass the unwrapped model.")
 
 
-def refuse_parameter_gradient_hooks(module: nn.Module) -> None:
+def refuse_parameter_gradient_hooks(module: nn.Module, *, sharded_only: bool = False) -> None:
     """Refuse, at stages 2-3, parameters carrying gradient hooks (``param.register_hook``,
-    ``param.register_post_accumulate_grad_hook``), naming them.
+    ``param.register_post_accumulate_grad_hook``), naming them. Before ``fully_shard`` every parameter is checked;
+    with ``sharded_only`` (after setup, where a hook on a shard is as lost) only the sharded DTensor ones.
 
     ``fully_shard`` replaces every parameter with a new sharded DTensor parameter and runs the forward on separate
     unsharded tensors; FSDP2's post-backward hook then assigns the reduced shard to ``param.grad`` directly, not
@@ -364,8 +365,11 @@ def refuse_parameter_gradient_hooks(module: nn.Module) -> None:
     model would train as if they did not exist. Under DDP (stages 0-1) the parameters keep their identity and the
     hooks run on each rank's gradient before the all-reduce (torch's ``Tensor.register_hook`` in ``torch/_tensor.py``
     stores them in ``_backward_hooks`` on the tensor itself)."""
+    from torch.distributed.tensor import DTensor
+
     hooked = [name for name, param in module.named_parameters()
-              if param._backward_hooks or getattr(param, "_post_accumulate_grad_hooks", None)]
+              if (param._backward_hooks or getattr(param, "_post_accumulate_grad_hooks", None))
+              and (not sharded_only or isinstance(param, DTensor))]
     if hooked:
         more = f" and {len(hooked) - 5} more" if len(hooked) > 5 else ""
         shown = ", ".join(f"'{name}'" for name in hooked[:5]) + more

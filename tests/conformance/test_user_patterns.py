@@ -291,14 +291,24 @@ def test_fitting_the_same_module_again_and_early_stopping(stage):
 
 # ---------------------------------------------------------------------------------------------- gradient hooks
 class GradientHook(LightningModule):
-    """Half of a weight kept fixed by a hook on its gradient, registered in ``__init__`` (gradient masking)."""
+    """Half of a weight kept fixed by a hook on its gradient (gradient masking), registered in ``__init__`` or, with
+    ``late``, in ``on_fit_start`` (after the strategy set the model up)."""
 
-    def __init__(self):
+    def __init__(self, late=False):
         super().__init__()
+        self.late = late
         self.inp, self.block, self.out = nn.Linear(6, 16), nn.Linear(16, 16), nn.Linear(16, 3)
+        if not late:
+            self._mask_gradient()
+
+    def _mask_gradient(self):
         mask = torch.ones(16, 16)
         mask[:8] = 0
         self.block.weight.register_hook(lambda grad: grad * mask)
+
+    def on_fit_start(self):
+        if self.late:
+            self._mask_gradient()
 
     def forward(self, x):
         return self.out(torch.tanh(self.block(torch.tanh(self.inp(x)))))
@@ -317,16 +327,20 @@ class GradientHook(LightningModule):
 def _gradient_hook_worker(rank, world_size):
     seed_everything(0)
     initial = GradientHook().block.weight.detach().clone()
-    for strategy in (DDPStrategy(), zero(0), zero(1)):
-        seed_everything(0)
-        module = GradientHook()
-        trainer(strategy, max_steps=3).fit(module)
-        weight = full_state(module)["block.weight"]
-        assert torch.equal(weight[:8], initial[:8]), f"{type(strategy).__name__}: the hook did not run"
-        assert not torch.equal(weight[8:], initial[8:])
-    for stage in (2, 3):  # the hook would be lost silently: refused, naming the parameter
-        with pytest.raises(ValueError, match=r"'block\.weight' have gradient hooks"):
-            trainer(zero(stage), max_steps=3).fit(GradientHook())
+    for late in (False, True):
+        for strategy in (DDPStrategy(), zero(0), zero(1)):
+            seed_everything(0)
+            module = GradientHook(late)
+            trainer(strategy, max_steps=3).fit(module)
+            weight = full_state(module)["block.weight"]
+            assert torch.equal(weight[:8], initial[:8]), f"{type(strategy).__name__} late={late}: the hook did not run"
+            assert not torch.equal(weight[8:], initial[8:])
+        for stage in (2, 3):  # the hook would be lost silently: refused, naming the parameter
+            seed_everything(0)
+            module = GradientHook(late)
+            with pytest.raises(ValueError, match=r"'block\.weight' have gradient hooks"):
+                trainer(zero(stage), max_steps=3).fit(module)
+            assert torch.equal(full_state(module)["block.weight"], initial), "refused before any step"
 
 
 def test_gradient_hooks_on_parameters_run_or_are_refused():
@@ -338,8 +352,10 @@ class AdagradModule(GradientHook):
     """torch's Adagrad creates its states in its constructor, before any step."""
 
     def __init__(self):
-        LightningModule.__init__(self)
-        self.inp, self.block, self.out = nn.Linear(6, 16), nn.Linear(16, 16), nn.Linear(16, 3)
+        super().__init__(late=True)  # no hook: on_fit_start below does not add one
+
+    def on_fit_start(self):
+        pass
 
     def configure_optimizers(self):
         return torch.optim.Adagrad(self.parameters(), lr=0.1, initial_accumulator_value=0.1)
