@@ -378,3 +378,38 @@ def _adagrad_worker(rank, world_size):
 
 def test_optimizer_states_made_by_the_constructor():
     run_distributed(_adagrad_worker, 2)
+
+
+# ---------------------------------------------------------------------------------------------- gradient hooks: Fabric
+def _fabric_gradient_hook_worker(rank, world_size, stage):
+    from tests.conformance.fabric_models import IN, OUT, full_weights, make_fabric, train_step
+
+    mask = torch.ones(OUT, IN)
+    mask[0] = 0  # the first output row keeps its weights
+    fabric = make_fabric(stage=stage)
+    for late in (False, True):
+        torch.manual_seed(0)
+        model = nn.Linear(IN, OUT)
+        initial = model.weight.detach().clone()
+        if not late:
+            model.weight.register_hook(lambda grad: grad * mask)
+        if stage >= 2 and not late:
+            with pytest.raises(ValueError, match=r"'weight' have gradient hooks"):
+                fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+            continue
+        model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        if late:  # on the parameter the set-up model holds (at stages 2-3 a shard)
+            model.weight.register_hook(lambda grad: grad * mask)
+        if stage >= 2:
+            with pytest.raises(ValueError, match=r"'weight' have gradient hooks"):
+                train_step(fabric, model, optimizer)
+            continue
+        train_step(fabric, model, optimizer)
+        weight = full_weights(model)["weight"]
+        assert torch.equal(weight[0], initial[0]), f"late={late}: the hook did not run"
+        assert not torch.equal(weight[1], initial[1])
+
+
+@pytest.mark.parametrize("stage", [pytest.param(1, id="s1"), pytest.param(3, id="s3")])
+def test_fabric_gradient_hooks_on_parameters_run_or_are_refused(stage):
+    run_distributed(_fabric_gradient_hook_worker, 2, stage)
