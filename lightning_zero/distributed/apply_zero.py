@@ -41,6 +41,7 @@ from lightning_zero.distributed.activation_checkpointing import (
 )
 from lightning_zero.distributed.comm_buffers import install_comm_buffer_pool
 from lightning_zero.distributed.config import ZeroConfig
+from lightning_zero.distributed.ddp import record_frozen_parameters
 from lightning_zero.distributed.deferred_init import has_deferred, materialize_module
 from lightning_zero.distributed.exact_init import broadcast_module_states, refuse_meta_tensors
 from lightning_zero.distributed.full_tensor_load import accept_full_tensors
@@ -180,6 +181,7 @@ def _replicate(module: nn.Module, mesh, device: torch.device, ddp_kwargs: Option
         broadcast_module_states(module, data_parallel_group(mesh), device)
         fp32_values.update(keep_fp32_values(module, replica_dtype))
     device_ids = [device.index] if device.type == "cuda" else None
+    record_frozen_parameters(module, data_parallel_group(mesh))
     return DistributedDataParallel(module, device_ids=device_ids, process_group=data_parallel_group(mesh),
                                    **ddp_defaults(ddp_kwargs))
 

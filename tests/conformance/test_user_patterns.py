@@ -413,3 +413,42 @@ def _fabric_gradient_hook_worker(rank, world_size, stage):
 @pytest.mark.parametrize("stage", [pytest.param(1, id="s1"), pytest.param(3, id="s3")])
 def test_fabric_gradient_hooks_on_parameters_run_or_are_refused(stage):
     run_distributed(_fabric_gradient_hook_worker, 2, stage)
+
+
+# ---------------------------------------------------------------------------------------------- unfreezing
+class Unfreezing(GradientHook):
+    """``block`` frozen before setup, unfrozen by the user at the second epoch (as ``BackboneFinetuning`` does)."""
+
+    def __init__(self):
+        super().__init__(late=True)
+        self.block.requires_grad_(False)
+
+    def on_fit_start(self):
+        pass
+
+    def on_train_epoch_start(self):
+        if self.current_epoch == 1:
+            self.block.requires_grad_(True)
+
+
+def _unfreezing_worker(rank, world_size):
+    def fit(stage):
+        seed_everything(0)
+        module = Unfreezing()
+        trainer(zero(stage), max_steps=-1, max_epochs=2, limit_train_batches=3).fit(module)
+        return full_state(module)
+
+    # FSDP2 (stage 3) reduces every gradient it gets; DDP (stages 0-1) only those of parameters trainable at setup
+    expected = fit(3)
+    seed_everything(0)
+    assert not torch.equal(expected["block.weight"], Unfreezing().block.weight), "the unfrozen block did not train"
+    for stage in (0, 1):
+        state = fit(stage)
+        _assert_close(state, expected, f"stage {stage}")
+        gathered = [None] * world_size
+        torch.distributed.all_gather_object(gathered, state["block.weight"])
+        assert torch.equal(gathered[0], gathered[1]), f"stage {stage}: the ranks drifted apart"
+
+
+def test_a_part_unfrozen_after_setup_trains_on_the_global_gradient():
+    run_distributed(_unfreezing_worker, 2)
