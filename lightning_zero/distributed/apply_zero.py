@@ -42,6 +42,7 @@ from lightning_zero.distributed.activation_checkpointing import (
 from lightning_zero.distributed.buffer_sync import broadcast_buffers, install_buffer_broadcast, note_gradient_sync
 from lightning_zero.distributed.comm_buffers import install_comm_buffer_pool
 from lightning_zero.distributed.config import ZeroConfig
+from lightning_zero.distributed.ddp import record_frozen_parameters
 from lightning_zero.distributed.deferred_init import has_deferred, materialize_module
 from lightning_zero.distributed.empty_init import guard_first_forward, reset_unwritten_modules, skipped_names
 from lightning_zero.distributed.exact_init import broadcast_module_states, refuse_meta_tensors, to_fp32_masters
@@ -187,6 +188,7 @@ def _replicate(module: nn.Module, mesh, device: torch.device, ddp_kwargs: Option
         fp32_values.update(keep_fp32_values(module, replica_dtype))
     accept_full_tensors(module)  # a dict of safetensors slices loads at every stage (full_tensor_load.py)
     device_ids = [device.index] if device.type == "cuda" else None
+    record_frozen_parameters(module, data_parallel_group(mesh))
     kwargs = {**ddp_buffer_sync_kwargs(sync_buffers), **ddp_defaults(ddp_kwargs)}
     if any(kwargs.get(name, sync_buffers) != sync_buffers for name in ("broadcast_buffers", "forward_sync_buffers")):
         raise ValueError(f"ddp_kwargs {ddp_kwargs} contradict ZeroConfig(broadcast_buffers={sync_buffers}); set it "
@@ -229,6 +231,8 @@ def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[
     refuse_sharded_modules(module)  # before any collective: every rank refuses alike
     device = device or _default_device(mesh)
     refuse_fsdp1_modules(module)
+    if config.stage >= 2:
+        refuse_parameter_gradient_hooks(module)
     init_meta_tensors(module)  # a meta-device build: reset_parameters(), recorded, replayed per unit below
     refuse_meta_tensors(module, config.stage)
     unwritten = reset_unwritten_modules(module) if config.stage >= 2 else []  # empty_init: FSDP's, recorded
@@ -372,6 +376,32 @@ def refuse_fsdp1_modules(module: nn.Module) -> None:
         raise TypeError(f"The model holds torch's legacy FullyShardedDataParallel (FSDP1) wrapper at "
                         f"{', '.join(wrapped)}. ZeroStrategy shards the model itself (FSDP2 at stages 2-3, DDP at "
                         "0-1) and would shard or reduce an FSDP1 module a second time: pass the unwrapped model.")
+
+
+def refuse_parameter_gradient_hooks(module: nn.Module, *, sharded_only: bool = False) -> None:
+    """Refuse, at stages 2-3, parameters carrying gradient hooks (``param.register_hook``,
+    ``param.register_post_accumulate_grad_hook``), naming them. Before ``fully_shard`` every parameter is checked;
+    with ``sharded_only`` (after setup, where a hook on a shard is as lost) only the sharded DTensor ones.
+
+    ``fully_shard`` replaces every parameter with a new sharded DTensor parameter and runs the forward on separate
+    unsharded tensors; FSDP2's post-backward hook then assigns the reduced shard to ``param.grad`` directly, not
+    through autograd. The hooks stay on the original tensors, which no longer take part: they would never run and the
+    model would train as if they did not exist. Under DDP (stages 0-1) the parameters keep their identity and the
+    hooks run on each rank's gradient before the all-reduce (torch's ``Tensor.register_hook`` in ``torch/_tensor.py``
+    stores them in ``_backward_hooks`` on the tensor itself)."""
+    from torch.distributed.tensor import DTensor
+
+    hooked = [name for name, param in module.named_parameters()
+              if (param._backward_hooks or getattr(param, "_post_accumulate_grad_hooks", None))
+              and (not sharded_only or isinstance(param, DTensor))]
+    if hooked:
+        more = f" and {len(hooked) - 5} more" if len(hooked) > 5 else ""
+        shown = ", ".join(f"'{name}'" for name in hooked[:5]) + more
+        raise ValueError(
+            f"The parameters {shown} have gradient hooks (Tensor.register_hook or register_post_accumulate_grad_hook). "
+            "At stages 2-3 the parameters are replaced by shards whose gradients autograd does not compute, so the "
+            "hooks would never run. Use stage 0 or 1, or change the gradients in on_before_optimizer_step (there "
+            "param.grad is the reduced, sharded gradient).")
 
 
 def _default_device(mesh) -> torch.device:

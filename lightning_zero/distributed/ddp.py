@@ -19,6 +19,7 @@ does not use), so setting any of them there is refused rather than ignored.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import asdict, dataclass
 from typing import Optional
 
@@ -204,3 +205,38 @@ def low_precision_allreduce_hook(dtype: torch.dtype):
         return future.then(decompress)
 
     return hook
+
+
+# [Note: parameters DDP does not reduce] torch's DistributedDataParallel builds its reducer from the parameters that
+# require gradients when it is constructed (``_build_params_for_reducer`` in ``torch/nn/parallel/distributed.py``);
+# one frozen then and unfrozen later (``requires_grad_(True)`` in a hook, Lightning's ``BackboneFinetuning``) gets
+# each rank's own gradient, never averaged: under Lightning's DDPStrategy the ranks drift apart, and at stage 1 each
+# owner steps the parameters it owns with its own rank's gradient. The strategies average those gradients before the
+# optimizer step (a no-op while nothing frozen at setup requires gradients).
+_FROZEN_AT_SETUP: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[list, object]]" = weakref.WeakKeyDictionary()
+
+
+def record_frozen_parameters(module: torch.nn.Module, group) -> None:
+    """Remember ``module``'s parameters that do not require gradients as DDP wraps it (see the note above)."""
+    frozen = [p for p in module.parameters() if not p.requires_grad]
+    if frozen:
+        _FROZEN_AT_SETUP[module] = (frozen, group)
+
+
+def average_unfrozen_gradients(module: torch.nn.Module) -> None:
+    """Average over the data-parallel ranks the gradients of the parameters that were frozen when DDP wrapped
+    ``module`` and require gradients now; a parameter without a gradient on every rank keeps ``None``."""
+    frozen, group = _FROZEN_AT_SETUP.get(module, ((), None))
+    unfrozen = [p for p in frozen if p.requires_grad]
+    if not unfrozen:
+        return
+    present = torch.tensor([p.grad is not None for p in unfrozen], dtype=torch.int32, device=unfrozen[0].device)
+    dist.all_reduce(present, group=group)  # the same parameters on every rank, in the same order
+    world = dist.get_world_size(group)
+    for param, count in zip(unfrozen, present.tolist()):
+        if count == 0:
+            continue
+        if param.grad is None:  # unused on this rank: its share is zero, as DDP counts an unused parameter
+            param.grad = torch.zeros_like(param)
+        param.grad.div_(world)
+        dist.all_reduce(param.grad, group=group)

@@ -258,8 +258,10 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, config: ZeroConfig, *, gro
     if get_sharding(optimizer) is not None:
         raise RuntimeError("shard_optimizer was already applied to this optimizer")
     if len(optimizer.state) > 0:
-        raise RuntimeError("shard_optimizer needs a fresh optimizer: this one already has state. Create the "
-                           "optimizer after the model is wrapped, and load its state after sharding.")
+        if not _only_constructor_states(optimizer):
+            raise RuntimeError("shard_optimizer needs a fresh optimizer: this one already has state. Create the "
+                               "optimizer after the model is wrapped, and load its state after sharding.")
+        optimizer.state.clear()
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     model_params = [list(g["params"]) for g in optimizer.param_groups]
@@ -322,6 +324,20 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, config: ZeroConfig, *, gro
     if config.stage == 1:
         plan_broadcast(sharding)  # before the gradients and states exist: see the note in broadcast_from_owners
     return sharding
+
+
+def _only_constructor_states(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether every state is one an optimizer's constructor made before any step (each with a ``step`` of 0).
+
+    torch's Adagrad creates its states in ``Adagrad.__init__`` (``torch/optim/adagrad.py``) and re-creates the same
+    ones in ``Adagrad._init_group`` when a parameter's state is empty, so dropping them loses nothing; kept, they
+    would be keyed by parameters this rank does not step (stage 1) or that offload replaces by CPU masters. A state
+    a step or a loaded state dict left is refused by the caller."""
+    for state in optimizer.state.values():
+        step = state.get("step")
+        if step is None or float(step) != 0:
+            return False
+    return True
 
 
 def _pre_step(optimizer, args, kwargs) -> None:

@@ -47,6 +47,7 @@ from lightning_zero.diagnostics.hang_guard import DEFAULT_HANG_TIMEOUT, HangGuar
 from lightning_zero.diagnostics.network import DEFAULT_RENDEZVOUS_TIMEOUT
 from lightning_zero.diagnostics.peers import LostPeer
 from lightning_zero.distributed import runtime
+from lightning_zero.distributed.apply_zero import refuse_parameter_gradient_hooks
 from lightning_zero.distributed.replicas import clip_replica_grads
 from lightning_zero.ds_config import DeepSpeedConfigWarning
 from lightning_zero.ds_config.binding import DeepSpeedConfigBinding, config_reduce_bucket_size, precision_from_config
@@ -170,6 +171,7 @@ class ZeroStrategy(ParallelStrategy):
         self._backward_sync_control = _ZeroBackwardSyncControl(self._pipeline_runner)
         self._modules: list[nn.Module] = []  # the user's modules set up so far (unwrapped)
         self._optimizers: list[Optimizer] = []  # their partitioned optimizers (teardown stops NVMe swapping)
+        self._gradient_hooks_checked = False  # hooks added to the shards after setup: checked at the first step
 
     def _pipeline_runner(self) -> Any:
         return self._runner
@@ -359,6 +361,10 @@ class ZeroStrategy(ParallelStrategy):
             super().backward(tensor, module, *args, **kwargs)
 
     def optimizer_step(self, optimizer, **kwargs: Any) -> Any:
+        if not self._gradient_hooks_checked:
+            for module in self._modules:
+                refuse_parameter_gradient_hooks(module, sharded_only=True)
+            self._gradient_hooks_checked = True
         with self.lost_peer.naming(self.world_size):
             return super().optimizer_step(optimizer, **kwargs)
 

@@ -22,6 +22,8 @@ from lightning_zero.adapters.precision_policy import (  # noqa: F401  (LossScale
     ZeroPrecisionPolicy,
     check_no_second_setting,
 )
+from lightning_zero.distributed.apply_zero import refuse_parameter_gradient_hooks
+from lightning_zero.distributed.ddp import average_unfrozen_gradients
 from lightning_zero.distributed.replicas import clip_replica_grads
 
 
@@ -62,8 +64,12 @@ class ZeroPrecision(ZeroPrecisionPolicy, Precision):
         automatic = getattr(model, "automatic_optimization", True)
         if automatic and closure_result is None:
             return None  # training_step returned None: Lightning skips backward and the step
+        average_unfrozen_gradients(model)  # stages 0-1: see [Note: parameters DDP does not reduce]
         if self.scaler is not None and self._skip_on_overflow(model, optimizer):
             return closure_result
+        if not getattr(self, "_gradient_hooks_checked", False):  # once: hooks added after setup (on_fit_start)
+            refuse_parameter_gradient_hooks(model, sharded_only=True)
+            self._gradient_hooks_checked = True
         self._after_closure(model, optimizer)
         return optimizer.step(**kwargs)
 
