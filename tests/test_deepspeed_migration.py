@@ -116,3 +116,12 @@ def test_consolidate_takes_zero_to_fp32_spellings(deepspeed_checkpoints, tmp_pat
     hf = tmp_path / "hf"
     assert cli_main(["consolidate", path, "--hf", str(hf), "--strip_prefix", "0", "--max_shard_size", "1MB"]) == 0
     assert load_file(str(hf / "model.safetensors"))["weight"].shape == (7, 6)
+
+
+def test_verify_names_a_deepspeed_directory_and_what_to_do_with_it(deepspeed_checkpoints, capsys):
+    from lightning_zero.cli import main as cli_main
+
+    assert cli_main(["verify", deepspeed_checkpoints[2]]) == 1
+    err = capsys.readouterr().err
+    assert "is a DeepSpeed checkpoint directory (tag step3)" in err and "not a complete" not in err
+    assert "lightning-zero consolidate" in err and "ckpt_path" in err
