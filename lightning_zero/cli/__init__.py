@@ -2,8 +2,9 @@
 
 Each subcommand lives in its own module of this package and exposes ``add_parser(subparsers)``, which registers
 its arguments and sets ``func`` (called with the parsed namespace, returning an exit code). The console script
-enters through the top-level module ``lightning_zero_cli``, which answers ``--help`` and ``--version`` without
-importing this package (and so torch), and hands each subcommand to :func:`main`.
+enters through the top-level module ``lightning_zero_cli``, which answers ``--help`` and ``--version`` from
+:mod:`lightning_zero.cli.toplevel` without importing this package (and so torch), and hands each subcommand to
+:func:`main`.
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ import importlib
 import sys
 from typing import Optional, Sequence
 
-from lightning_zero_cli import SUBCOMMANDS, top_parser
+from lightning_zero.cli.toplevel import SUBCOMMANDS, top_parser
 
 
 def build_parser():
-    """The full parser: ``lightning_zero_cli``'s top level, with every subcommand's own arguments."""
+    """The full parser: the top level of :mod:`lightning_zero.cli.toplevel`, with every subcommand's arguments."""
     parser, subparsers = top_parser()
     for name in SUBCOMMANDS:
         module = importlib.import_module(f"lightning_zero.cli.{name}")

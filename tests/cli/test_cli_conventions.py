@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import lightning_zero_cli
-from lightning_zero.cli import build_parser
+from lightning_zero.cli import build_parser, toplevel
 from lightning_zero.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,7 +32,7 @@ def test_help_and_version_import_neither_torch_nor_the_package():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    assert "usage: lightning-zero" in done.stdout and f"lightning-zero {lightning_zero_cli.__version__}" in done.stdout
+    assert "usage: lightning-zero" in done.stdout and f"lightning-zero {toplevel.__version__}" in done.stdout
 
 
 def test_the_console_script_enters_through_the_light_module():
@@ -41,7 +41,7 @@ def test_the_console_script_enters_through_the_light_module():
     import lightning_zero
 
     version = re.search(r'^version = "(.*)"$', pyproject, re.M).group(1)
-    assert lightning_zero_cli.__version__ == lightning_zero.__version__ == version
+    assert toplevel.__version__ == lightning_zero.__version__ == version
 
 
 def test_the_light_help_is_the_full_parsers_help(capsys):
