@@ -303,7 +303,8 @@ class ThroughputLogger(Callback):
         from torch.distributed.fsdp import FSDPModule
 
         # set up by now: FSDP2's fully_shard has turned the sharded modules into FSDPModules (see the note)
-        self._collective_measured = not any(isinstance(m, FSDPModule) for m in pl_module.modules())
+        modules = pl_module.modules() if isinstance(pl_module, torch.nn.Module) else ()
+        self._collective_measured = not any(isinstance(m, FSDPModule) for m in modules)
         collective_timer().enable()
         collective_timer().take()
         self._reset_interval()
