@@ -2,7 +2,7 @@
 
     python benchmarks/bench_stages.py                                  # the whole matrix (long: hours on 2 CPUs)
     python benchmarks/bench_stages.py --model mlp llama --precision bf16 --stages 2 3 --repeat 5
-    python benchmarks/bench_stages.py --quick --model mlp --stages 0   # seconds: tiny shapes, 1 repeat
+    python benchmarks/bench_stages.py --quick --model mlp --stages 0   # tiny shapes, 1 repeat: 8 cells, minutes
     python benchmarks/bench_stages.py --model gpt --plot               # also docs/img/bench_stages.png
     python benchmarks/bench_stages.py --load results.json --plot       # re-render a saved --json run
     python benchmarks/bench_stages.py --device cuda --nproc 1          # on a GPU

@@ -97,3 +97,31 @@ def test_reader_does_not_import_deepspeed(deepspeed_checkpoints):
             f"consolidate_checkpoint({deepspeed_checkpoints[3]!r}); "
             "assert 'deepspeed' not in sys.modules, 'the reader imported deepspeed'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+
+
+def test_consolidate_takes_zero_to_fp32_spellings(deepspeed_checkpoints, tmp_path, capsys):
+    """`-t/--tag`, `--safe_serialization` and `--max_shard_size` as zero_to_fp32's `main` spells them."""
+    from safetensors.torch import load_file
+
+    from lightning_zero.cli import main as cli_main
+
+    path = deepspeed_checkpoints[1]
+    expected = torch.load(os.path.join(path, "engine_weights.pt"), weights_only=True)
+    for tag in ("step3", "latest"):
+        out = str(tmp_path / f"{tag}.safetensors")
+        assert cli_main(["consolidate", path, out, "-t", tag, "--safe_serialization"]) == 0
+        assert torch.equal(load_file(out)["0.weight"], expected["0.weight"].float())
+    assert cli_main(["consolidate", path, str(tmp_path / "x.safetensors"), "--tag", "step9"]) == 1
+    assert "the tags there are ['step3']" in capsys.readouterr().err
+    hf = tmp_path / "hf"
+    assert cli_main(["consolidate", path, "--hf", str(hf), "--strip_prefix", "0", "--max_shard_size", "1MB"]) == 0
+    assert load_file(str(hf / "model.safetensors"))["weight"].shape == (7, 6)
+
+
+def test_verify_names_a_deepspeed_directory_and_what_to_do_with_it(deepspeed_checkpoints, capsys):
+    from lightning_zero.cli import main as cli_main
+
+    assert cli_main(["verify", deepspeed_checkpoints[2]]) == 1
+    err = capsys.readouterr().err
+    assert "is a DeepSpeed checkpoint directory (tag step3)" in err and "not a complete" not in err
+    assert "lightning-zero consolidate" in err and "ckpt_path" in err

@@ -510,3 +510,23 @@ def test_overlap_comm_false_is_warned_about_by_name():
         warnings.simplefilter("error")
         translate_ds_config({"zero_optimization": {"stage": 2, "overlap_comm": True}})
         translate_ds_config({"zero_optimization": {"stage": 3}})
+
+
+def test_docs_first_snippet_runs(tmp_path, monkeypatch):
+    """The first snippet of docs/ds_config.md runs as written, given the `trainer` and `model` it says it needs."""
+    import re
+    import shutil
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import torch
+
+    root = Path(__file__).resolve().parents[1]
+    snippet = re.search(r"```python\n(.*?)```", (root / "docs" / "ds_config.md").read_text(), re.S).group(1)
+    shutil.copy(root / "examples" / "configs" / "ds_config.json", tmp_path / "ds_config.json")
+    monkeypatch.chdir(tmp_path)
+    model = torch.nn.Linear(4, 4)
+    model.hparams = {"n_embd": 64}
+    namespace = {"model": model, "trainer": SimpleNamespace(estimated_stepping_batches=10)}
+    exec(compile(snippet, "docs/ds_config.md", "exec"), namespace)
+    assert namespace["translation"].strategy_kwargs["stage"] == 2

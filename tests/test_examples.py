@@ -69,3 +69,16 @@ def test_fabric_gpt_example_trains_and_saves(tmp_path):
     from lightning_zero.checkpoint.directory import read_checkpoint_info
 
     assert read_checkpoint_info(save)["stage"] == 2
+
+
+@pytest.mark.parametrize("override, named", [("--trainer.strategy.init_args.stage=4", "Literal[0, 1, 2, 3]"),
+                                             ("--trainer.strategy.init_args.offload=gpu", "Literal['none', 'cpu'")])
+def test_print_config_refuses_a_bad_stage_or_offload(override, named, capsys):
+    """`python examples/train_gpt.py fit --config ... --print_config` with a bad stage or offload: LightningCLI
+    checks ZeroStrategy's stage and offload while it parses the config (their Literal types) and exits naming the
+    choices, instead of `fit` failing inside the Trainer."""
+    config = os.path.join(ROOT, "examples", "configs", "zero3.yaml")
+    with pytest.raises(SystemExit) as exit:
+        _load_example().main(["fit", "--config", config, override, "--print_config"])
+    assert exit.value.code != 0
+    assert named in capsys.readouterr().err

@@ -166,3 +166,30 @@ def test_pipeline_config_validation():
 def test_stage_placement():
     assert stage_to_rank(4, 2, "interleaved_1f1b") == [0, 1, 0, 1]
     assert stage_to_rank(4, 2, "zbv") == [0, 1, 1, 0]
+
+
+def test_docs_first_example_trains_on_token_batches():
+    """docs/pipeline.md's first example, with its `vocab`, `width` and `Block`, takes a batch of token ids and
+    targets (B, T) and returns a scalar loss with gradients for every layer."""
+    import re
+    from pathlib import Path
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "pipeline.md").read_text()
+    snippet = re.search(r"```python\n(.*?)```", docs, re.S).group(1)
+
+    class Block(nn.Module):
+        def __init__(self, width):
+            super().__init__()
+            self.linear = nn.Linear(width, width)
+
+        def forward(self, x):
+            return x + torch.tanh(self.linear(x))
+
+    namespace = {"vocab": 50, "width": 16, "Block": Block}
+    exec(compile(snippet, "docs/pipeline.md", "exec"), namespace)
+    model = namespace["model"]
+    tokens = torch.randint(0, 50, (8, 16))
+    loss = model(tokens, torch.randint(0, 50, (8, 16)))
+    assert loss.dim() == 0
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters())

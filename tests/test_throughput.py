@@ -21,6 +21,7 @@ from lightning_zero.callbacks.throughput import (
     default_batch_size,
     default_token_count,
     peak_memory_bytes,
+    report_table,
     summarize,
 )
 from lightning_zero.diagnostics.timing import CollectiveTimer, collective_timer
@@ -205,24 +206,38 @@ def test_throughput_logger_two_rank_ddp(tmp_path):
     run_distributed(_throughput_worker, 2, str(tmp_path))
 
 
-def _zero_strategy_worker(rank, world_size):
+def _zero_strategy_worker(rank, world_size, stage=1):
     from lightning_zero import ZeroStrategy
     from tests.lightning_models import RegressionModule
 
     callback = ThroughputLogger(log_every_n_steps=1, peak_flops=1e9)
-    trainer = Trainer(accelerator="cpu", devices=world_size, strategy=ZeroStrategy(stage=1), max_steps=3,
+    trainer = Trainer(accelerator="cpu", devices=world_size, strategy=ZeroStrategy(stage=stage), max_steps=3,
                       logger=False, callbacks=[callback], enable_checkpointing=False, enable_progress_bar=False,
                       enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
     trainer.fit(RegressionModule(batch_size=4))
     assert len(callback.reports) == 3
     for report in callback.reports:
         assert report.samples_per_sec > 0 and report.flops_per_sec_per_device > 0
-        # ZeroStrategy reports the stage-1 parameter broadcast it issues after each optimizer step
-        assert report.phase_time["collective"] > 0
+        if stage == 1:  # ZeroStrategy reports the stage-1 parameter broadcast it issues after each optimizer step
+            assert report.phase_time["collective"] > 0
+        else:  # FSDP2's all-gathers and reduce-scatters are not timed: no figure rather than a near-zero one
+            assert "collective" not in report.phase_time
+            assert "throughput/collective_time" not in report.metrics()
+            assert "throughput/forward_time" in report.metrics()
+            assert "n/m" in _rendered(report_table(report, 3))
 
 
-def test_throughput_logger_reads_zero_strategy_collectives():
-    run_distributed(_zero_strategy_worker, 2)
+def _rendered(table):
+    from rich.console import Console
+
+    console = Console(width=200, record=True, file=open(os.devnull, "w"))
+    console.print(table)
+    return console.export_text()
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_throughput_logger_reads_zero_strategy_collectives(stage):
+    run_distributed(_zero_strategy_worker, 2, stage)
 
 
 class _FakeCudaMemory:

@@ -13,6 +13,10 @@ Per training batch the hooks split time into phases (CUDA events on GPU, wall cl
 
 ``collective`` is the part of those phases the strategy reported as waiting in collectives through
 ``lightning_zero.diagnostics.timing.collective_timer()``; strategies that report nothing (Lightning's DDP) show 0.
+[Note: FSDP2's collectives are not timed] A model with FSDP2 modules (ZeRO stages 2-3, Lightning's FSDP2
+strategies) spends its main waits in FSDP2's own all-gathers and reduce-scatters, which nothing records: there the
+figure is left out (``phase_time`` has no ``"collective"``, no ``collective_time`` metric, "n/m" in the table)
+rather than shown as a near-zero that reads as "no communication". Those waits are inside forward and backward.
 A *step* is an optimizer step, so with gradient accumulation one step spans several batches and the samples of
 all of them.
 
@@ -111,7 +115,7 @@ class ThroughputReport:
     step_time_min: float
     step_time_median: float
     step_time_max: float
-    phase_time: dict[str, float]  # mean over ranks, seconds per step, incl. "collective"
+    phase_time: dict[str, float]  # mean over ranks, seconds per step, incl. "collective" where it is measured
     flops_per_sec_per_device: Optional[float]
     mfu: Optional[float]
     peak_memory_bytes_max: float
@@ -139,8 +143,9 @@ class ThroughputReport:
 
 
 def summarize(ranks: Sequence[RankInterval], peak_flops: Optional[float], tolerance: float = 0.25,
-              min_gap_s: float = 0.005) -> ThroughputReport:
-    """Combine per-rank intervals: rates are summed over ranks, times summarised as min/median/max or mean."""
+              min_gap_s: float = 0.005, collective_measured: bool = True) -> ThroughputReport:
+    """Combine per-rank intervals: rates are summed over ranks, times summarised as min/median/max or mean;
+    ``collective_measured=False`` leaves the collective wait out (see the note on FSDP2)."""
     ranks = list(ranks)
     rates = [r.samples / r.seconds if r.seconds > 0 else 0.0 for r in ranks]
     has_tokens = any(r.has_tokens for r in ranks)
@@ -148,7 +153,7 @@ def summarize(ranks: Sequence[RankInterval], peak_flops: Optional[float], tolera
     step_times = [r.step_time for r in ranks]
     phase_time = {
         phase: statistics.fmean(getattr(r, phase) / max(r.steps, 1.0) for r in ranks)
-        for phase in (*PHASES, "collective")
+        for phase in (*PHASES, "collective") if phase != "collective" or collective_measured
     }
     flops = None
     if any(r.flops > 0 for r in ranks):
@@ -295,6 +300,11 @@ class ThroughputLogger(Callback):
                               f"{trainer.precision!r}; pass peak_flops=... to get MFU")
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        # set up by now: FSDP2's fully_shard has turned the sharded modules into FSDPModules (see the note)
+        modules = pl_module.modules() if isinstance(pl_module, torch.nn.Module) else ()
+        self._collective_measured = not any(isinstance(m, FSDPModule) for m in modules)
         collective_timer().enable()
         collective_timer().take()
         self._reset_interval()
@@ -426,7 +436,8 @@ class ThroughputLogger(Callback):
         else:
             rows = [dict(zip(names, vector.cpu().tolist()))]
         intervals = [RankInterval(**{**row, "rank": int(row["rank"])}) for row in rows]
-        report = summarize(intervals, self._peak, self.settings.straggler_tolerance, self.settings.straggler_min_gap_s)
+        report = summarize(intervals, self._peak, self.settings.straggler_tolerance, self.settings.straggler_min_gap_s,
+                           getattr(self, "_collective_measured", True))
         self.last_report = report
         self.reports.append(report)
         self._reset_interval()
@@ -458,9 +469,10 @@ def report_table(report: ThroughputReport, step: int, peak_flops: Optional[float
     for column in ("rank", "step", *PHASES, "collective", "compute", "peak mem GB", ""):
         table.add_column(column, justify="right")
     for r in report.ranks:
-        per_step = [getattr(r, phase) / max(r.steps, 1.0) * 1e3 for phase in (*PHASES, "collective")]
+        per_step = [f"{getattr(r, phase) / max(r.steps, 1.0) * 1e3:.1f}" for phase in PHASES]
+        per_step.append(f"{r.collective / max(r.steps, 1.0) * 1e3:.1f}" if "collective" in report.phase_time else "n/m")
         table.add_row(
-            str(r.rank), f"{r.step_time * 1e3:.1f}", *(f"{v:.1f}" for v in per_step),
+            str(r.rank), f"{r.step_time * 1e3:.1f}", *per_step,
             f"{r.compute_time_per_step * 1e3:.1f}", f"{r.peak_memory_bytes / 1e9:.2f}",
             "straggler" if r.rank in report.stragglers else "",
         )

@@ -2,6 +2,7 @@
 
     lightning-zero advise --config examples/configs/zero3.yaml --model examples/gpt.py:GPTModule \\
         --data examples/train_gpt.py:CharDataModule
+    lightning-zero advise --config path/to/llama/config.json --devices 8 --device-memory 80 --seq-len 4096
     lightning-zero advise --model mypkg.models:LitGPT --init-args n_layer=24 n_embd=2048 --seq-len 2048 \\
         --devices 8 --device-memory 80 --micro-batch 8 --precision bf16-mixed
     ... --measure            # also run a few steps of the best candidates here and rank them by throughput
@@ -45,7 +46,8 @@ def add_parser(subparsers) -> None:
     from lightning_zero.estimate.precisions import PRECISIONS
 
     p = subparsers.add_parser("advise", help="predict (and optionally measure) which ZeRO configuration fits best")
-    p.add_argument("--config", help="a LightningCLI YAML (model, data and trainer sections)")
+    p.add_argument("--config", help="a LightningCLI YAML (model, data and trainer sections), or a Hugging Face "
+                                    "model's config.json (a local file or its directory; read offline)")
     p.add_argument("--model", help="the LightningModule: package.module:Class or path/to/file.py:Class")
     p.add_argument("--data", help="the LightningDataModule (its attributes fill the model's missing init args)")
     p.add_argument("--init-args", nargs="*", type=_key_value, default=[], metavar="KEY=VALUE",
@@ -154,6 +156,9 @@ def _measure(predictions, spec, shape, machine, precision, args, console):
 
     if machine.num_nodes > 1:
         raise _fail("--measure runs on this machine only: drop --num-nodes")
+    if spec.hf_config is not None:
+        raise _fail("--measure trains a LightningModule: give one with --model module:Class (a Hugging Face "
+                    "config.json is predicted only)")
     if not shape.vocab:
         raise _fail("--measure feeds random token ids and needs the vocabulary size: pass --vocab")
     candidates = [p for p in predictions if p.fits and not p.rung.reason][:args.max_candidates]

@@ -64,6 +64,23 @@ class ModelSpec:
     data_args: dict = field(default_factory=dict)
     trainer: dict = field(default_factory=dict)
     config_batch_key: Optional[str] = None
+    hf_config: Optional[str] = None  # a transformers config.json: the model is built from it (AutoModelForCausalLM)
+
+
+#: Top-level keys only a DeepSpeed ds_config has (a LightningCLI config has model/data/trainer sections instead).
+_DS_CONFIG_KEYS = ("zero_optimization", "train_batch_size", "train_micro_batch_size_per_gpu",
+                   "gradient_accumulation_steps", "fp16", "bf16", "optimizer", "scheduler")
+
+
+def _config_kind(raw: dict) -> str:
+    """``"lightning"`` (a LightningCLI config), ``"hf"`` (a transformers ``config.json``) or ``"ds_config"``."""
+    if any(key in raw for key in ("model", "data", "trainer")):
+        return "lightning"
+    if "model_type" in raw or "architectures" in raw:
+        return "hf"
+    if any(key in raw for key in _DS_CONFIG_KEYS):
+        return "ds_config"
+    return "lightning"
 
 
 def read_config(path: str, model: Optional[str], data: Optional[str]) -> ModelSpec:
@@ -71,6 +88,8 @@ def read_config(path: str, model: Optional[str], data: Optional[str]) -> ModelSp
     ``trainer``. ``model``/``data`` name the classes when the config does not (a CLI with fixed classes)."""
     import yaml
 
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):  # a Hugging Face model directory
+        path = os.path.join(path, "config.json")
     try:
         with open(path) as f:
             raw = yaml.safe_load(f) or {}
@@ -78,6 +97,17 @@ def read_config(path: str, model: Optional[str], data: Optional[str]) -> ModelSp
         raise AdviseError(f"cannot read --config {path!r}: {err}") from err
     if not isinstance(raw, dict):
         raise AdviseError(f"--config {path!r} is not a mapping")
+    kind = _config_kind(raw)
+    if kind == "ds_config":
+        raise AdviseError(f"--config {path!r} is a DeepSpeed ds_config, which holds no model: --config takes a "
+                          "LightningCLI YAML (model/data/trainer sections) or a Hugging Face config.json; give the "
+                          "model with --model module:Class (and --init-args), and advise writes the ds_config "
+                          "(advise_ds_config.json)")
+    if kind == "hf":
+        if model is not None or data is not None:
+            raise AdviseError(f"--config {path!r} is a Hugging Face config.json, which is the model: drop "
+                              "--model/--data")
+        return ModelSpec(f"transformers config {path}", hf_config=path)
 
     def section(name: str, given: Optional[str]) -> tuple[Optional[str], dict]:
         value = raw.get(name) or {}
@@ -101,6 +131,8 @@ def instantiate(spec: ModelSpec, device: Optional[str] = "meta") -> Any:
 
     import torch
 
+    if spec.hf_config is not None:
+        return _instantiate_hf(spec.hf_config, spec.init_args, device)
     cls = load_object(spec.model_class)
     init_args = dict(spec.init_args)
     if spec.data_class:
@@ -126,6 +158,27 @@ def instantiate(spec: ModelSpec, device: Optional[str] = "meta") -> Any:
                           "(pass the missing init args with --init-args key=value)") from err
     spec.init_args = init_args
     return module
+
+
+def _instantiate_hf(path: str, overrides: dict, device: Optional[str]) -> Any:
+    """The causal-LM model of a local transformers ``config.json`` (a file or its directory; read offline), with
+    ``--init-args`` overriding config fields, its weights on ``device``."""
+    import torch
+
+    try:
+        from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+    except ImportError as err:
+        raise AdviseError(f"--config {path!r} is a Hugging Face config.json: reading it needs transformers "
+                          f"({err})") from err
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True, **overrides)
+    except (OSError, ValueError, KeyError) as err:
+        raise AdviseError(f"cannot read the Hugging Face config {path!r}: {err}") from err
+    with torch.device(device or "cpu"):
+        try:
+            return AutoModelForCausalLM.from_config(config)
+        except ValueError:  # not a causal LM (an encoder, say): its bare model
+            return AutoModel.from_config(config)
 
 
 def _lookup(module: Any, names: tuple, extra: dict) -> Optional[int]:

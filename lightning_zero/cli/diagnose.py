@@ -208,10 +208,9 @@ def _report(audits, results, options, world_size, audit_text, probe_table, slow_
 
 
 def main(argv: Optional[list] = None) -> int:  # `python -m lightning_zero.cli.diagnose`
-    parser = argparse.ArgumentParser(prog="lightning-zero")
-    add_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["diagnose", *(argv if argv is not None else sys.argv[1:])])
-    return args.func(args)
+    from lightning_zero.cli import main as cli_main
+
+    return cli_main(["diagnose", *(argv if argv is not None else sys.argv[1:])])
 
 
 if __name__ == "__main__":

@@ -44,7 +44,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--offload-params", choices=["cpu", "nvme"], default=None,
                         help="precise form, stage 3: parameters and gradients too (needs --offload-optimizer); nvme: "
                              "the fp32 parameter shards swapped to disk")
-    parser.add_argument("--precision", choices=list(PRECISIONS), default="bf16-mixed")
+    parser.add_argument("--precision", choices=list(PRECISIONS), default="32-true",
+                        help="the Trainer's precision (default: %(default)s, the Trainer's, estimate_memory's and "
+                             "advise's default)")
     parser.add_argument("--largest-unit-params", type=_positive_count, default=None,
                         help="parameters of the largest block (stage-3 peak); default: all parameters")
     parser.add_argument("--hybrid-shard-size", type=positive_int, default=None,

@@ -1,12 +1,12 @@
 """``lightning-zero launch``: DeepSpeed's launcher conventions, running ``torchrun`` on every node.
 
-    lightning-zero launch --hostfile hosts --include "node1:0,1@node2" train.py --lr 1e-4
+    lightning-zero launch --hostfile hosts --include "node1:0,1@node2:0,1" train.py --lr 1e-4
     lightning-zero launch --no_ssh --node_rank 1 --num_nodes 2 --nproc-per-node 8 --master_addr 10.0.0.1 train.py
 
 * The hostfile is DeepSpeed's: one ``host slots=N`` per line, ``#`` comments. ``--include``/``--exclude`` take
   ``host`` or ``host:slot,slot`` joined by ``@``; ``--num_nodes`` keeps the first N hosts, ``--num_gpus`` (alias
-  ``--nproc-per-node``) the first N slots of each. Slots picked by ``--include``/``--exclude`` become
-  ``CUDA_VISIBLE_DEVICES``.
+  ``--nproc-per-node``) the first N slots of each; every node must be left with the same number (``check_even``).
+  Slots picked by ``--include``/``--exclude`` become ``CUDA_VISIBLE_DEVICES``.
 * ``--no_ssh``: this command runs on each node by hand (or by a scheduler) with its ``--node_rank``. Otherwise the
   first host fans out over ``pdsh`` (when installed) or ``ssh`` to every host, running this same command there with
   ``--no_ssh --node_rank k``: one code path per node either way.
@@ -114,11 +114,29 @@ def select_resources(hosts: Mapping[str, int], include: str = "", exclude: str =
         chosen = OrderedDict((h, s[:num_gpus]) for h, s in chosen.items())
     if not chosen:
         raise ValueError("no host is left after --include/--exclude")
-    counts = {h: len(s) for h, s in chosen.items()}
-    if len(set(counts.values())) > 1:
-        raise ValueError(f"torchrun starts the same number of processes on every node, but the selection has {counts};"
-                         f" use --num_gpus or --include to make them equal")
+    check_even(chosen)
     return chosen
+
+
+def check_even(chosen: Mapping[str, list[int]]) -> None:
+    """Refuse a selection with more processes on one node than another, naming two selections that work.
+
+    torchrun itself could run one (each node's agent publishes its own ``--nproc-per-node`` and rank 0's agent
+    numbers the workers by cumulative sum: ``SimpleElasticAgent._assign_worker_ranks`` in
+    ``torch/distributed/elastic/agent/server/api.py``), but the scripts this launches could not: Lightning's Trainer
+    and Fabric run ``devices`` processes on each of ``num_nodes`` nodes and split the data ``devices x num_nodes``
+    ways (``DDPStrategy.distributed_sampler_kwargs``), and ``ZeroStrategy`` refuses a launch that differs
+    (``check_launcher_world_size``): no ``Trainer(devices=...)`` matches 4 processes on one node and 8 on another.
+    """
+    counts = {h: len(s) for h, s in chosen.items()}
+    if len(set(counts.values())) <= 1:
+        return
+    fewest = min(counts.values())
+    include = "@".join(f"{h}:{','.join(map(str, s[:fewest]))}" for h, s in chosen.items())
+    raise ValueError(
+        f"the selection runs {counts} processes per node, but Lightning's Trainer and Fabric run the same number "
+        f"(devices) on every node: select {fewest} on each, with --num_gpus {fewest} (the first {fewest} selected "
+        f"slots of each host) or --include {include!r}")
 
 
 def read_env_file(path: str) -> dict[str, str]:

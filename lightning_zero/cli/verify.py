@@ -4,6 +4,7 @@ with, and its metadata for consistency, without loading it."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -22,10 +23,25 @@ def add_parser(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
+def _deepspeed_note(path: str) -> str:
+    """What to tell of a DeepSpeed directory: not damage, but a format whose files carry no sizes or checksums."""
+    from lightning_zero.checkpoint.deepspeed_reader import resolve_deepspeed_dir
+
+    return (f"{path} is a DeepSpeed checkpoint directory (tag {os.path.basename(resolve_deepspeed_dir(path))}), "
+            "not a lightning-zero sharded checkpoint: DeepSpeed records no file sizes or checksums to verify "
+            "against. It can be read as it is: `lightning-zero consolidate "
+            f"{path} model.safetensors` for the weights, or Trainer.fit(ckpt_path=...) / fabric.load with "
+            "ZeroStrategy to carry the run on (docs/full_checkpoints.md)")
+
+
 def run(args: argparse.Namespace) -> int:
+    from lightning_zero.checkpoint.deepspeed_reader import is_deepspeed_checkpoint
     from lightning_zero.checkpoint.directory import verify_checkpoint
 
     start = time.perf_counter()
+    if is_deepspeed_checkpoint(args.checkpoint):
+        print(f"lightning-zero verify: not verified: {_deepspeed_note(args.checkpoint)}", file=sys.stderr)
+        return 1
     try:
         problems = verify_checkpoint(args.checkpoint, checksums=not args.no_checksums)
     except Exception as err:

@@ -334,6 +334,10 @@ def _missing_message(store, keys, missing, world_size, num_nodes, address, port,
 
 def identity_line(identity: dict) -> str:
     """One line naming a node: node rank, hostname, the address and interface that route to the master."""
-    return (f"node rank {identity.get('node_rank')}: host {identity.get('hostname')} "
-            f"(resolves to {identity.get('resolves_to')}), address {identity.get('address')} on "
-            f"{identity.get('interface')}")
+    where = f"node rank {identity.get('node_rank')}: host {identity.get('hostname')} " \
+            f"(resolves to {identity.get('resolves_to')})"
+    if identity.get("address") is None:  # no route was looked up: say why rather than "address None on None"
+        master = identity.get("master")
+        return where + (f", no route to MASTER_ADDR={master}" if master else
+                        ", no MASTER_ADDR set, so no route to node rank 0 was looked up")
+    return f"{where}, address {identity.get('address')} on {identity.get('interface') or 'an unlisted interface'}"

@@ -103,7 +103,9 @@ class ZeroStrategy(ParallelStrategy):
 
     def __init__(
         self,
-        stage: Optional[int] = None, offload: Optional[str] = None, offload_optimizer: Union[str, bool, None] = None,
+        # Literal: LightningCLI (jsonargparse) refuses stage=4 or offload="gpu" while it parses the config
+        stage: Optional[Literal[0, 1, 2, 3]] = None, offload: Optional[Literal["none", "cpu", "nvme"]] = None,
+        offload_optimizer: Union[str, bool, None] = None,
         offload_params: Optional[str] = None, nvme_path: Optional[str] = None,
         buffer_count: Optional[int] = None, sub_group_size: Optional[int] = None, buffer_size: Optional[int] = None,
         max_in_cpu: Optional[int] = None, aio: Optional[dict] = None, pin_memory: Optional[bool] = None,

@@ -60,7 +60,9 @@ def test_include_exclude_num_nodes_num_gpus():
         (dict(include="node1:x"), "integers"),
         (dict(num_nodes=4), "only 3 hosts"),
         (dict(num_gpus=3), "node3 have fewer"),
-        (dict(), "same number of processes"),  # 4, 4, 2: torchrun needs one count
+        # 4, 4, 2: the Trainer runs `devices` processes on every node; the error names two selections that work
+        (dict(), "--num_gpus 2 .* or --include 'node1:0,1@node2:0,1@node3:0,1'"),
+        (dict(include="node1:0,1,2,3@node2:0,1"), "--num_gpus 2 .* or --include 'node1:0,1@node2:0,1'"),
         (dict(exclude="node1@node2@node3"), "no host is left"),
     ):
         with pytest.raises(ValueError, match=match):
