@@ -9,7 +9,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_zero.distributed.config import ZeroConfig
-from lightning_zero.distributed.optimizer import broadcast_from_owners, shard_optimizer
+from lightning_zero.distributed.optimizer import shard_optimizer
+from lightning_zero.distributed.owner_broadcast import broadcast_from_owners
 from tests.distributed import run_distributed
 
 

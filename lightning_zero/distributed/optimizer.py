@@ -69,6 +69,7 @@ from torch import Tensor
 from lightning_zero.diagnostics.timing import collective_timer
 from lightning_zero.distributed.config import ZeroConfig
 from lightning_zero.distributed.local_step import restore_step, use_local_step, wrap_like
+from lightning_zero.distributed.owner_broadcast import BroadcastPlan, broadcast_from_owners, plan_broadcast
 from lightning_zero.offload.optimizer_swapper import OptimizerStateSwapper, attach_swapper, detach_swapper
 from lightning_zero.offload.param_swapper import attach_param_step, detach_param_step, find_param_swapper
 from lightning_zero.ops.cpu_fused import prefer_fused_on_cpu
@@ -76,7 +77,6 @@ from lightning_zero.ops.step_override import override_step, restore_step_overrid
 from lightning_zero.torch_compat import local_tensor
 
 _ATTR = "_lightning_zero_sharding"
-BROADCAST_BUCKET_BYTES = 64 * 1024 * 1024
 
 
 def partition_by_size(sizes: list[int], world_size: int) -> list[int]:
@@ -109,7 +109,7 @@ class OptimizerSharding:
     param_step_of: Optional[torch.optim.Optimizer] = None  # offload_params="nvme": steps unit by unit
     local_step_of: Optional[torch.optim.Optimizer] = None  # steps DTensor local shards (.local_step)
     zero_grad_of: Optional[torch.optim.Optimizer] = None  # zero_grad reaches the module's gradients too
-    broadcast_plan: Optional["_BroadcastPlan"] = None  # stage 1's buckets, made when the optimizer is sharded
+    broadcast_plan: Optional[BroadcastPlan] = None  # stage 1's buckets, made when the optimizer is sharded
     not_held: Optional[tuple] = None  # (groups' identity and sizes, module params the optimizer does not hold)
     beside_replicas: bool = False  # the masters are fp32 values of bf16 replicas on the compute device (.replicas)
     masters_elsewhere: set[int] = field(default_factory=set)  # id(model param) whose owner (another rank) has one
@@ -498,106 +498,3 @@ def _empty_master(param: Tensor) -> Tensor:
     """A placeholder fp32 master for ``param`` that holds no memory (an empty local tensor; a DTensor with
     ``param``'s mesh, placements and global shape when ``param`` is one): the NVMe swapper fills it."""
     return wrap_like(torch.empty(0, dtype=torch.float32, device="cpu"), param)
-
-
-def broadcast_from_owners(sharding: OptimizerSharding, bucket_bytes: int = BROADCAST_BUCKET_BYTES) -> None:
-    """Send each parameter from the rank that stepped it to every other rank, in flat buckets per (owner, dtype).
-
-    [Note: stage 1's buckets are planned once and the parameters live in them]
-    Which parameters go in which bucket is fixed when the optimizer is sharded (owners, dtypes, sizes), so the plan
-    is made on the first step and kept (:class:`_BroadcastPlan`). Making it re-points each parameter's storage at
-    its slice of its bucket's flat buffer (as ``ZeroRedundancyOptimizer(parameters_as_bucket_view=True)`` does):
-    the owner's step then writes the bucket itself and the broadcast delivers it in place, so a step runs one
-    broadcast per bucket and no copy (packing into a separate buffer and unpacking after cost 0.45-0.5 ms per step
-    on the bench GPT's 1.6 MB per rank, docs/performance.md). Before the broadcasts a step checks that every
-    parameter still lives in its slice; one whose storage was replaced since (``param.data = ...``, a
-    ``module.to(...)``) would otherwise silently stop receiving its owner's values, so the plan is then made again
-    from the parameters' current values.
-
-    The plan is made when the optimizer is sharded (:func:`plan_broadcast`), not at the first step: re-pointing
-    frees each parameter's old storage, and glibc keeps freed chunks inside its heap rather than handing them back,
-    so memory freed at the first step (gradients and optimizer states alive) stays charged at that peak, while
-    memory freed before them is reused by them. Planned at the first step, stage 1 trained 27 blocks of the capacity
-    ladder's GPT under its 0.375 GiB cap; planned here, 29 (docs/performance.md, "Capacity per memory rung").
-    """
-    plan = plan_broadcast(sharding, bucket_bytes)
-    if plan is not None:
-        plan.run(sharding.group)
-
-
-def plan_broadcast(sharding: OptimizerSharding,
-                   bucket_bytes: int = BROADCAST_BUCKET_BYTES) -> Optional["_BroadcastPlan"]:
-    """Stage 1's broadcast plan, made (the parameters linked into their buckets) when there is none yet, when it
-    was made for another bucket size, or when a parameter moved out of its bucket; ``None`` without a second rank.
-    No collective: every rank makes the same plan from owners, dtypes and sizes."""
-    if not dist.is_initialized() or dist.get_world_size(sharding.group) == 1:
-        return None
-    plan = sharding.broadcast_plan
-    if plan is None or plan.bucket_bytes != bucket_bytes or not plan.linked():
-        # the old plan's buffers go first: each is freed once its last parameter moved to a new bucket
-        sharding.broadcast_plan = plan = None
-        plan = sharding.broadcast_plan = _BroadcastPlan(sharding, bucket_bytes)
-    return plan
-
-
-class _BroadcastPlan:
-    """The buckets of :func:`broadcast_from_owners`: per bucket its source rank, its flat buffer and the parameters
-    whose storages are slices of it."""
-
-    def __init__(self, sharding: OptimizerSharding, bucket_bytes: int):
-        self.bucket_bytes = bucket_bytes
-        buckets = _buckets(sharding, bucket_bytes)
-        self.buckets = [(src, _link_into_flat(params)) for src, params in buckets]
-        self.params = [p for _, params in buckets for p in params]
-        self.pointers = self._pointers()
-
-    def _pointers(self) -> list[int]:
-        return [p.data_ptr() for p in self.params]
-
-    def linked(self) -> bool:
-        """Every parameter still lives in its bucket (one ``data_ptr`` per parameter: no tensor is made)."""
-        return self._pointers() == self.pointers
-
-    def run(self, group) -> None:
-        for src, flat in self.buckets:
-            dist.broadcast(flat, src=src, group=group)
-
-
-def _buckets(sharding: OptimizerSharding, bucket_bytes: int) -> list[tuple[int, list[Tensor]]]:
-    """``(source rank, parameters)`` per bucket: each owner's parameters per dtype and device type, in the user's
-    order, cut after ``bucket_bytes``; the same list on every rank (it depends only on owners, dtypes and sizes)."""
-    per_owner: dict[tuple[int, str, str], list[Tensor]] = {}
-    for params, owners in zip(sharding.model_params, sharding.owners):
-        for param, owner in zip(params, owners):
-            if owner >= 0:
-                per_owner.setdefault((owner, str(param.dtype), param.device.type), []).append(param)
-    buckets: list[tuple[int, list[Tensor]]] = []
-    for (owner, _, _), params in sorted(per_owner.items(), key=lambda kv: kv[0]):
-        src = dist.get_global_rank(sharding.group, owner) if sharding.group is not None else owner
-        bucket: list[Tensor] = []
-        size = 0
-        for param in params:
-            bucket.append(param)
-            size += param.numel() * param.element_size()
-            if size >= bucket_bytes:
-                buckets.append((src, bucket))
-                bucket, size = [], 0
-        if bucket:
-            buckets.append((src, bucket))
-    return buckets
-
-
-def _link_into_flat(params: list[Tensor]) -> Tensor:
-    """One flat buffer holding ``params``' current values, each parameter's storage re-pointed at its slice (with
-    the parameter's own dense strides, so a ``channels_last`` weight stays one). The parameters' old storages are
-    freed as they are re-pointed, so making a bucket holds at most one bucket's worth of extra memory."""
-    flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
-    offset = 0
-    with torch.no_grad():
-        for param in params:
-            strides = torch.empty_like(param, device="meta").stride()
-            view = flat.as_strided(param.shape, strides, offset)
-            view.copy_(param.detach())
-            param.data = view
-            offset += param.numel()
-    return flat
