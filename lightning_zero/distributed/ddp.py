@@ -223,6 +223,13 @@ def record_frozen_parameters(module: torch.nn.Module, group) -> None:
         _FROZEN_AT_SETUP[module] = (frozen, group)
 
 
+def average_unfrozen_gradients_after_backward(wrapper) -> None:
+    """Fabric's backward: :func:`average_unfrozen_gradients` of a ``DistributedDataParallel`` ``wrapper``'s module,
+    where DDP itself reduced (not inside ``no_sync``, whose accumulated gradients the synced backward averages)."""
+    if isinstance(wrapper, DistributedDataParallel) and wrapper.require_backward_grad_sync:
+        average_unfrozen_gradients(wrapper.module)
+
+
 def average_unfrozen_gradients(module: torch.nn.Module) -> None:
     """Average over the data-parallel ranks the gradients of the parameters that were frozen when DDP wrapped
     ``module`` and require gradients now; a parameter without a gradient on every rank keeps ``None``."""

@@ -48,6 +48,7 @@ from lightning_zero.diagnostics.network import DEFAULT_RENDEZVOUS_TIMEOUT
 from lightning_zero.diagnostics.peers import LostPeer
 from lightning_zero.distributed import runtime
 from lightning_zero.distributed.apply_zero import refuse_parameter_gradient_hooks
+from lightning_zero.distributed.ddp import average_unfrozen_gradients_after_backward
 from lightning_zero.distributed.replicas import clip_replica_grads
 from lightning_zero.ds_config import DeepSpeedConfigWarning
 from lightning_zero.ds_config.binding import DeepSpeedConfigBinding, config_reduce_bucket_size, precision_from_config
@@ -172,6 +173,7 @@ class ZeroStrategy(ParallelStrategy):
         # a bound method, not a lambda: start_method="spawn" pickles the strategy into every rank
         self._backward_sync_control = _ZeroBackwardSyncControl(self._pipeline_runner)
         self._modules: list[nn.Module] = []  # the user's modules set up so far (unwrapped)
+        self._wrapped: list[nn.Module] = []  # what setup_module returned for them (DDP wrappers at stages 0-1)
         self._optimizers: list[Optimizer] = []  # their partitioned optimizers (teardown stops NVMe swapping)
         self._gradient_hooks_checked = False  # hooks added to the shards after setup: checked at the first step
 
@@ -336,11 +338,13 @@ class ZeroStrategy(ParallelStrategy):
                                                  self.root_device, precision,
                                                  self.settings.activation_checkpoint_config, runner=self._runner)
             return module
-        return runtime.wrap_module(module, self.meshes.data_parallel, self.zero_config, device=self.root_device,
-                                   ddp_options=self.settings.ddp_options,
-                                   reduce_bucket_size=config_reduce_bucket_size(self.ds_config),
-                                   activation_checkpointing=self.settings.activation_checkpoint_config,
-                                   **precision.wrap_module_kwargs(self.zero_config))
+        wrapped = runtime.wrap_module(module, self.meshes.data_parallel, self.zero_config, device=self.root_device,
+                                      ddp_options=self.settings.ddp_options,
+                                      reduce_bucket_size=config_reduce_bucket_size(self.ds_config),
+                                      activation_checkpointing=self.settings.activation_checkpoint_config,
+                                      **precision.wrap_module_kwargs(self.zero_config))
+        self._wrapped.append(wrapped)
+        return wrapped
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """Partition (stage 1) and/or offload the optimizer in place; at stages 2-3 it must hold the sharded
@@ -361,6 +365,8 @@ class ZeroStrategy(ParallelStrategy):
             fabric_pipeline.refuse_backward()
         with self.lost_peer.naming(self.world_size):
             super().backward(tensor, module, *args, **kwargs)
+            for wrapped in self._wrapped:  # before clipping sees them: see [Note: parameters DDP does not reduce]
+                average_unfrozen_gradients_after_backward(wrapped)
 
     def optimizer_step(self, optimizer, **kwargs: Any) -> Any:
         if not self._gradient_hooks_checked:
@@ -450,6 +456,7 @@ class ZeroStrategy(ParallelStrategy):
             wait_for_pending_saves(barrier=_distributed_is_initialized() and not self.lost_peer.lost)
         runtime.release(self._modules, self._optimizers)
         self._modules.clear()
+        self._wrapped.clear()
         self._optimizers.clear()
         self.precision.fp32_values.clear()
         self._runner = None

@@ -452,3 +452,40 @@ def _unfreezing_worker(rank, world_size):
 
 def test_a_part_unfrozen_after_setup_trains_on_the_global_gradient():
     run_distributed(_unfreezing_worker, 2)
+
+
+def _fabric_unfreezing_worker(rank, world_size):
+    from lightning.fabric import Fabric
+
+    from lightning_zero.fabric import ZeroStrategy as FabricZeroStrategy
+
+    def fit(stage):
+        fabric = Fabric(accelerator="cpu", devices=world_size, strategy=FabricZeroStrategy(stage=stage))
+        fabric.launch()
+        fabric.seed_everything(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        model[0].requires_grad_(False)  # frozen at setup, unfrozen below (as BackboneFinetuning does)
+        model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        for p in model.parameters():
+            p.requires_grad_(True)
+        gen = torch.Generator().manual_seed(rank)  # each rank its own batches
+        for step in range(4):
+            x, y = torch.randn(4, 4, generator=gen), torch.randn(4, 1, generator=gen)
+            with fabric.no_backward_sync(model, enabled=step % 2 == 0):  # accumulation over two batches
+                fabric.backward(nn.functional.mse_loss(model(x), y))
+            if step % 2 == 1:
+                fabric.clip_gradients(model, optimizer, max_norm=0.05)  # sees the averaged gradients
+                optimizer.step()
+                optimizer.zero_grad()
+        state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+                 for k, v in model.state_dict().items()}
+        return state
+
+    expected = fit(3)  # FSDP2 reduces every gradient it gets
+    for stage in (0, 1):
+        state = fit(stage)
+        _assert_close(state, expected, f"fabric stage {stage}")
+
+
+def test_fabric_a_part_unfrozen_after_setup_trains_on_the_global_gradient():
+    run_distributed(_fabric_unfreezing_worker, 2)
