@@ -207,7 +207,7 @@ def test_invalid_arguments_fail_in_the_strategy_constructor(kwargs, error, messa
 
 def test_cpu_checkpointing_alone_is_deepspeed_strategys_config_key():
     # DeepSpeedStrategy(cpu_checkpointing=True) writes activation_checkpointing.cpu_checkpointing; that section turns
-    # checkpointing of the repeated blocks on here, inputs kept on CPU (issue 28: it used to be refused)
+    # checkpointing of the repeated blocks on here, inputs kept on CPU (it used to be refused)
     config = ZeroStrategy(cpu_checkpointing=True).activation_checkpoint_config
     assert config is not None and config.cpu_checkpointing is True
     assert config == ZeroStrategy(config={"activation_checkpointing": {"cpu_checkpointing": True}}

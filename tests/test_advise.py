@@ -22,7 +22,7 @@ GIB = 1024 ** 3
 
 @pytest.fixture
 def with_checkpointing(monkeypatch):
-    """As if ZeroStrategy accepted activation_checkpointing/cpu_checkpointing (issue 15 item 1)."""
+    """As if ZeroStrategy accepted activation_checkpointing/cpu_checkpointing."""
     monkeypatch.setattr(ladder_mod, "strategy_supports", lambda *names: True)
 
 

@@ -1,4 +1,4 @@
-"""A DeepSpeedStrategy user changes the class name and nothing else (issue 28, item 1).
+"""A DeepSpeedStrategy user changes the class name and nothing else.
 
 Every constructor argument of Lightning's ``DeepSpeedStrategy`` (Trainer and Fabric) is a ZeroStrategy argument with
 its name and type; each DeepSpeedStrategy-only one becomes the ds_config key it stands for, so it is honoured, warned

@@ -1,4 +1,4 @@
-"""``empty_init=True`` as Lightning means it, and models built on the meta device (issue 29, items 2 and 3).
+"""``empty_init=True`` as Lightning means it, and models built on the meta device.
 
 * ``fabric.init_module(empty_init=True)`` / ``Trainer.init_module(empty_init=True)`` skip torch's layer init, as
   Lightning's DDP strategy does: the build consumes no random numbers, stages 2-3 still record it (no rank holds the

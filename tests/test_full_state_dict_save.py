@@ -1,4 +1,4 @@
-"""``ZeroStrategy(state_dict_type="full")`` (issue 29, item 4): a Trainer checkpoint as one torch file, streamed out
+"""``ZeroStrategy(state_dict_type="full")``: a Trainer checkpoint as one torch file, streamed out
 of the shards, readable by ``torch.load(weights_only=True)`` and resumed at another stage and world size."""
 
 import os

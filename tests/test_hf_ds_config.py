@@ -1,4 +1,4 @@
-"""Hugging Face-style DeepSpeed configs ("auto" everywhere) resolve as Hugging Face resolves them (issue 17.11)."""
+"""Hugging Face-style DeepSpeed configs ("auto" everywhere) resolve as Hugging Face resolves them."""
 
 import json
 
@@ -195,7 +195,7 @@ def _hf_docs_zero3_no_warmup_worker(rank, world_size, path, table_path):
 
 
 def test_hf_docs_zero3_config_trains_a_module_without_warmup_hyperparameter(tmp_path):
-    """Issue 28: "warmup_num_steps": "auto" with no warm-up hyperparameter on the LightningModule resolves as Hugging
+    """A "warmup_num_steps": "auto" with no warm-up hyperparameter on the LightningModule resolves as Hugging
     Face's TrainingArguments default does (1 step) instead of refusing, and the startup table says so."""
     path = tmp_path / "ds_config_zero3.json"
     path.write_text(json.dumps(HF_DOCS_ZERO3, indent=2))

@@ -1,4 +1,4 @@
-"""Stage-3 NVMe parameter swapping reads each unit as few times as ``max_in_cpu`` allows (issue 14's side by side
+"""Stage-3 NVMe parameter swapping reads each unit as few times as ``max_in_cpu`` allows (the side by side
 with DeepSpeed: every unit was read three times a step, for the forward, the backward re-gather and the step, even
 when all of them fit in ``max_in_cpu``), with weights equal to CPU offload; and reads land in the shards' own
 aligned memory (lightning_zero.offload.shard_memory), copied only where a chunk was read ahead."""

@@ -1,4 +1,4 @@
-"""Per-step work the framework adds beyond a plain loop (issue 31, docs/performance.md "The framework tax"): what a
+"""Per-step work the framework adds beyond a plain loop (docs/performance.md "The framework tax"): what a
 change removed must stay removed, counted (allocations, ops, Python calls), never timed."""
 
 import cProfile

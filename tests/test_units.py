@@ -74,7 +74,7 @@ def test_consecutive_blocks_are_grouped_up_to_the_byte_target():
 
 def test_the_default_unit_groups_two_4_mib_linears_of_the_issue_mlp():
     """The default unit size is what the quiet-machine time and memory measurements chose (units.py's note): on
-    issue 18's MLP (24 x Linear(1024, 1024), 4 MiB each) it makes 12 units of 2 layers, not one unit per layer nor
+    the bench MLP (24 x Linear(1024, 1024), 4 MiB each) it makes 12 units of 2 layers, not one unit per layer nor
     the 6 of 4 layers that cost stage 2 its capacity; the shapes alone are planned (meta device), nothing is
     allocated."""
     with torch.device("meta"):

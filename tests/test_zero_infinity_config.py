@@ -1,5 +1,5 @@
 """DeepSpeed's ZeRO-Infinity example config (parameters and optimizer states on NVMe, ``max_in_cpu: 1``) trains
-unchanged under ``ZeroStrategy(config=...)`` on 2 CPU ranks (issue 28): ``max_in_cpu`` bounds what stays resident
+unchanged under ``ZeroStrategy(config=...)`` on 2 CPU ranks: ``max_in_cpu`` bounds what stays resident
 between uses, as in DeepSpeed, not the size of a unit in use."""
 
 import copy

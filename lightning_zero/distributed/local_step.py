@@ -43,7 +43,7 @@ _MARK = "local step"  # the step override's marker (lightning_zero.ops.step_over
 
 def _is_dtensor(tensor) -> bool:
     # DTensor is imported with the module: a function-level import runs the import machinery on every call, and
-    # this runs for every parameter, gradient and state of every step (stop 34, docs/performance.md).
+    # this runs for every parameter, gradient and state of every step (docs/performance.md).
     return isinstance(tensor, DTensor)
 
 
@@ -110,7 +110,7 @@ def _swap_in(optimizer, per_element) -> Optional[_Swap]:
     out like its parameter, so the DTensor path decides.
 
     This runs for every parameter of every step, so it reads DTensor's fields directly (``_spec.placements``, not
-    the ``placements`` property) and tests types inline: the same checks with fewer Python calls (stop 34)."""
+    the ``placements`` property) and tests types inline: the same checks with fewer Python calls."""
     params = [group["params"] for group in optimizer.param_groups]
     local_state: defaultdict = defaultdict(dict)
     states = optimizer.state

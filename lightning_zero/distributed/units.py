@@ -31,7 +31,7 @@ are faster, up to 16 MiB (32 MiB was slower again: gloo's cost per byte rises on
 Memory: at the peak of a step, a unit's gathered parameters, unsharded gradients and communication buffers are alive
 several times over (about five unit sizes at stages 2 and 3, measured), so the peak grows with the unit, and
 with 16 MiB units ZeroStrategy trained fewer blocks than DeepSpeed under the same memory cap at stage 2. 8 MiB
-keeps about half of what grouping saves over one unit per block on issue 18's MLP (its steps take a median 1.09x
+keeps about half of what grouping saves over one unit per block on the bench MLP (its steps take a median 1.09x
 (stage 2) and 1.12x (stage 3) those of 16 MiB units) at a fifth to a half of 16 MiB's memory cost, which put stage
 2's capacity back above DeepSpeed's. Blocks larger than the target (a transformer block of a 1B-parameter model is
 over 100 MB in fp32) stay one unit each, exactly as without grouping. The measurements, and the 16 MiB and 4 MiB
@@ -42,10 +42,10 @@ At stage 2 a model whose parameters all fit in one unit (``unit_bytes``, 8 MiB b
 root, instead of its grouped blocks plus the root (``apply_zero.whole_model_is_one_unit``). Stage 2 keeps every
 unit gathered from forward to backward, so a second unit saves no memory; it only adds its fixed cost per step
 (hooks, one all-gather and one reduce-scatter), which on such a model is a share of the step a user sees (the
-GPT of ``bench_stages.py``, 3.3 MB in two units: stop 36 measured one unit 1.04x faster, stop 40 in
-``docs/performance.md``). DeepSpeed's ZeRO-2 reduces such a model in one bucket as well. Stage 3 keeps its units
-(each unit there is resharded after forward, which is what stage 3 is for), as do ``unit_bytes=0`` (one unit per
-block, asked for) and ``sharded_module_classes`` (the units the user named).
+GPT of ``bench_stages.py``, 3.3 MB in two units: one unit measured 1.04x faster, ``docs/performance.md``).
+DeepSpeed's ZeRO-2 reduces such a model in one bucket as well. Stage 3 keeps its units (each unit there is
+resharded after forward, which is what stage 3 is for), as do ``unit_bytes=0`` (one unit per block, asked for) and
+``sharded_module_classes`` (the units the user named).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ every offloaded optimizer step (``offload_optimizer="cpu"``: fp32 masters in CPU
 C++ call for a list of tensors, vectorised, no temporaries; on CPU since torch 2.4) computes the same update: it
 differs from the for-loop only in fp32 rounding (at most a few units in the last place per step, where the for-loop
 rounds each op and the kernel each element's expression). It is 2.7-3.2x faster than the for-loop on the
-bench models' shards (``docs/performance.md``, stop 43), and it is what DeepSpeed users get there: DeepSpeed steps
+bench models' shards (``docs/performance.md``), and it is what DeepSpeed users get there: DeepSpeed steps
 one flat fp32 partition at stages 1-2 and under bf16, and its CPU offload insists on its own fused ``DeepSpeedCPUAdam``.
 torch does not make fused its default yet only to let the kernel bake in (its comment in ``torch/optim/adam.py``).
 
@@ -100,7 +100,7 @@ class FusedOnCpu:
 
     The per-element states change layout only where they are made: torch's first step (like their parameter) and
     ``load_state_dict`` (the saved tensors' strides). So they are checked at the first step and after each load, and
-    the steps between check only parameters and gradients (stop 43: 39 against 86 µs per step on the bench GPT's 53
+    the steps between check only parameters and gradients (39 against 86 µs per step on the bench GPT's 53
     parameters)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer):

@@ -25,7 +25,7 @@ Lightning's training loop broadcasts its SIGTERM flag from rank 0 before every b
 (``_broadcast_sigterm_tensor``): a blocking collective on the training communicator, on the training device, every
 step. On NCCL ``.item()`` waits for all queued GPU work, so the host stops running ahead of the GPU once per step;
 on any backend it makes every rank wait for the slowest at the start of the batch, a meeting the minimal loop does
-not have (``docs/performance.md``, stop 40). Under this module Lightning's SIGTERM handler is replaced, so its flag
+not have (``docs/performance.md``). Under this module Lightning's SIGTERM handler is replaced, so its flag
 is never set and the broadcast always carries 0. For the fit the loop's method is replaced on the instance by one
 that makes no collective (Lightning's local checks of the flag stay); ``on_train_end`` and ``on_exception`` put
 Lightning's method back.

@@ -2,7 +2,7 @@
 
 The Llama is trained at every stage and compared with the same model trained by Lightning's plain ``DDPStrategy``
 (same seed, same global batch): once built in ``__init__`` (parity of training itself) and once built in
-``configure_model`` (parity of initialisation too, which issue 17 defect 1 breaks at stages 2-3).
+``configure_model`` (parity of initialisation too, which an early defect broke at stages 2-3).
 """
 
 import pytest

@@ -1,4 +1,4 @@
-"""Fabric code as people write it (issue 29): a full state dict loaded into the set-up model (LitGPT's fine-tuning),
+"""Fabric code as people write it: a full state dict loaded into the set-up model (LitGPT's fine-tuning),
 ``fabric.load_raw`` of one file, ``fabric.save`` keys the checkpoint uses itself, and CheckpointIO plugins.
 
 The fine-tune runs are compared with the same script under Lightning's own ``DDPStrategy`` (same ranks, same data):

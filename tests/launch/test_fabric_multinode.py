@@ -1,4 +1,4 @@
-"""Multi-node Fabric (issue 29, item 5): ``python -m lightning_zero.fabric run --num-nodes 2 --node-rank K
+"""Multi-node Fabric: ``python -m lightning_zero.fabric run --num-nodes 2 --node-rank K
 --main-address A`` and plain ``fabric run`` with ``LT_STRATEGY``, one process on each of two simulated hosts (network
 namespaces where possible, loopback otherwise), train to bitwise the weights of one node with the same world size."""
 

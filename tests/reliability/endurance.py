@@ -1,4 +1,4 @@
-"""Endurance tier (issue 30, item 2): long runs and many fits in one process, watched for slow leaks.
+"""Endurance tier: long runs and many fits in one process, watched for slow leaks.
 
     python -m tests.reliability.endurance [--steps 10000] [--save-every 50] [--fits 50] [--configs NAME ...]
 

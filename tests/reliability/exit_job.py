@@ -1,4 +1,4 @@
-"""The job the exit trials launch under torchrun (issue 30, item 5):
+"""The job the exit trials launch under torchrun:
 
     torchrun --standalone --nproc-per-node 2 -m tests.reliability.exit_job KIND STAGE ROOT
 

@@ -1,4 +1,4 @@
-"""Launch many finished two-rank jobs and count the ones that exit non-zero after training (issue 30, item 5).
+"""Launch many finished two-rank jobs and count the ones that exit non-zero after training.
 
     python -m tests.reliability.exit_trials --jobs 200 [--launcher torchrun|fork] [--concurrency 2] [--out F.jsonl]
 

@@ -1,4 +1,4 @@
-"""Kill a saving job from outside at random instants, then resume it both ways (issue 30, item 1).
+"""Kill a saving job from outside at random instants, then resume it both ways.
 
     python -m tests.reliability.kill_trials --trials 20 [--seed 0] [--root DIR]
 

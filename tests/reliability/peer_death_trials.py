@@ -1,4 +1,4 @@
-"""A peer that dies (issue 30, item 3): kill one node's ranks at a random point of a 2-node job, measure how the
+"""A peer that dies: kill one node's ranks at a random point of a 2-node job, measure how the
 survivors end and whether the restarted job resumes bit-exact.
 
     python -m tests.reliability.peer_death_trials --trials 20 [--seed 0] [--root DIR]

@@ -1,4 +1,4 @@
-"""Preempt a training job with async saves at random moments, then resume it both ways (issue 30, item 4).
+"""Preempt a training job with async saves at random moments, then resume it both ways.
 
     python -m tests.reliability.preempt_trials --trials 20 [--seed 0] [--root DIR]
 

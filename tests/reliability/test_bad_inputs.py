@@ -1,4 +1,4 @@
-"""Bad inputs, table-driven: none silent, none cryptic, none late (issue 16.4, 17.3).
+"""Bad inputs, table-driven: none silent, none cryptic, none late.
 
 Every row is one bad input. The test asserts the exception type, that the message names the offending input, and
 that it surfaced before any process group existed: ``torch.distributed.is_initialized()`` is false afterwards and

@@ -1,4 +1,4 @@
-"""A full disk, met through the Trainer, Fabric and NVMe offload on a real 2 MiB tmpfs (issue 30, item 6): the error
+"""A full disk, met through the Trainer, Fabric and NVMe offload on a real 2 MiB tmpfs: the error
 names the path that filled up and the space needed and free, says the previous checkpoint is intact, and that
 checkpoint then loads. Skipped where mounting a tmpfs is not permitted (needs root)."""
 

@@ -1,4 +1,4 @@
-"""A peer that dies (issue 30, item 3): the survivors' error names the lost rank and host, and a restarted torchrun
+"""A peer that dies: the survivors' error names the lost rank and host, and a restarted torchrun
 job resumes bit-exact. The full campaign is ``python -m tests.reliability.peer_death_trials --trials 20``."""
 
 import json

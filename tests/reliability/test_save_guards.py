@@ -224,13 +224,13 @@ def _control_group_timeout_worker(rank, world_size):
 
 
 def test_the_packages_own_groups_take_the_users_timeout():
-    # Issue 30: with ZeroStrategy(timeout=30 s) and a rank hung in training_step, teardown waited for pending saves
+    # With ZeroStrategy(timeout=30 s) and a rank hung in training_step, teardown waited for pending saves
     # on the save control group, created with torch's 30-minute default, until the hang watchdog ended the job.
     run_distributed(_control_group_timeout_worker, 2)
 
 
 def test_probes_of_killed_saves_are_removed_by_later_saves(tmp_path):
-    # Issue 30: kills (and a full disk) left hidden .lightning-zero-probe-* files that no later save removed
+    # Kills (and a full disk) left hidden .lightning-zero-probe-* files that no later save removed
     from lightning_zero.checkpoint.save_guards import PROBE_PREFIX
 
     path = tmp_path / "last.ckpt"

@@ -151,7 +151,7 @@ def _remove_killed(path: str, hook) -> None:
 
 
 def test_a_kill_while_a_checkpoint_is_deleted_leaves_a_leftover_the_next_save_removes(tmp_path):
-    # Issue 30: killed while the swapped-out previous checkpoint was being deleted, the next run refused to save
+    # Killed while the swapped-out previous checkpoint was being deleted, the next run refused to save
     # ("... .partial exists but was not written by a lightning-zero save"): a crash loop under torchrun restarts.
     path = str(tmp_path / "last.ckpt")
     save_sharded_checkpoint(path, plain_state(1), META)
@@ -199,7 +199,7 @@ def _link_kill_worker(rank, world_size, root):
 
 
 def test_a_kill_while_rotation_deletes_the_target_of_last_never_leaves_it_dangling(tmp_path):
-    # Issue 30: killed while top-k rotation deleted the checkpoint last.ckpt linked to, before Lightning re-linked
+    # Killed while top-k rotation deleted the checkpoint last.ckpt linked to, before Lightning re-linked
     # it, last.ckpt dangled and the job resumed from step 0. The link now moves to the newest save first.
     run_distributed(_link_kill_worker, 1, str(tmp_path))
     last = tmp_path / "last.ckpt"
