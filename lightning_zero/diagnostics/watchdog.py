@@ -125,6 +125,27 @@ def _frame_summary(frame) -> tuple[bool, str]:
     return waiting, f"{os.path.basename(path)}:{frame.f_lineno} in {code.co_name}"
 
 
+def _rank_ranges(ranks: list[int]) -> str:
+    """``rank 3`` or ``ranks 0-5, 7`` for sorted ``ranks``."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    runs, start = [], ranks[0]
+    for previous, rank in zip(ranks, ranks[1:] + [None]):
+        if rank is None or rank != previous + 1:
+            runs.append(f"{start}-{previous}" if previous > start else str(start))
+            start = rank
+    return f"ranks {', '.join(runs)}"
+
+
+def _grouped(states: dict[int, str]) -> str:
+    """Every rank's state, ranks in the same state named together (``ranks 0-1022: training_step 7 at ...``): the
+    verdict every rank prints grows with the number of distinct states, not with the world."""
+    groups: dict[str, list[int]] = {}
+    for rank in sorted(states):
+        groups.setdefault(states[rank], []).append(rank)
+    return "; ".join(f"{_rank_ranges(ranks)}: {state}" for state, ranks in groups.items())
+
+
 def _exit_process(code: int) -> None:
     sys.stderr.flush()
     sys.stdout.flush()
@@ -356,9 +377,8 @@ class HangWatchdog:
         behind = sorted(r for r, (count, _) in progress.items() if count < furthest)
         # Equal counters: the ranks at the furthest point that are not waiting in a collective hold the others.
         stopped = [] if behind else sorted(r for r in progress if r in locations and not locations[r][0])
-        where = "; ".join(
-            f"rank {r}: {label}" + (f" at {locations[r][1]}" if r in locations and count < _LEFT else "")
-            for r, (count, label) in sorted(progress.items()))
+        where = _grouped({r: label + (f" at {locations[r][1]}" if r in locations and count < _LEFT else "")
+                          for r, (count, label) in progress.items()})
         head = (f"lightning-zero hang watchdog: rank {self.rank} spent more than {self.timeout:g}s (hang_timeout) in "
                 f"'{self._label}' (raise hang_timeout if a rank may legitimately work that long while others wait).")
         cut_off = self._stopped_heartbeats(progress)

@@ -143,3 +143,22 @@ def test_agreeing_on_the_attempt_costs_rank_0_the_same_round_trips_at_any_world_
     # two or three); one round trip per rank would already be 31
     assert small_agreed == large_agreed == {0}
     assert small <= 17 and large <= 17, (small, large)
+
+
+def test_the_verdict_names_ranks_in_the_same_state_together():
+    """Every rank prints the verdict: its progress part grows with the distinct states, not with the world."""
+    lengths = []
+    for world_size in (4, 64):
+        store = _published_world(world_size)
+        store.set(f"hb/{world_size - 1}", "2|training_step 1: forward")  # the last rank is behind
+        dog = HangWatchdog(store, rank=0, world_size=world_size, timeout=60, poll_interval=0.01)
+        dog.arm("training_step 1")
+        dog.beat("training_step 1: backward")
+        dog._probe = 0.0
+        message = dog._diagnose()
+        progress = message.partition("Progress: ")[2]
+        waiting = "training_step 1: backward at distributed_c10d.py:10 in all_reduce"
+        assert f"ranks 1-{world_size - 2}: {waiting}" in progress, progress
+        assert f"rank {world_size - 1}: training_step 1: forward at" in progress, progress
+        lengths.append(len(progress))
+    assert lengths[0] == lengths[1] - 2 * (len("62") - len("2")), lengths  # only the numbers got longer
