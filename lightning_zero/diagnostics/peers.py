@@ -34,6 +34,7 @@ from typing import Iterator, Optional
 import torch.distributed as dist
 
 from lightning_zero.diagnostics.network import interfaces, resolve
+from lightning_zero.diagnostics.store_reads import all_values, present_values
 
 log = logging.getLogger(__name__)
 _PREFIX = "lightning_zero/attempts/"
@@ -61,21 +62,37 @@ def agree_attempt(store: dist.Store, rank: int, world_size: int, timeout: timede
         _agreed = attempt
         return attempt
     attempt = store.add(f"{_PREFIX}count", 1) - 1
-    pending, deadline = set(range(1, world_size)), time.monotonic() + timeout.total_seconds()
+    pending, offered, deadline = list(range(1, world_size)), {}, time.monotonic() + timeout.total_seconds()
     while pending:
-        for peer in sorted(pending):
-            started = store.add(f"{_PREFIX}starts/{peer}", 0)  # a stale number until that rank's process starts
-            store.set(f"{_PREFIX}offer/{peer}/{started}", str(attempt))
-            ack = f"{_PREFIX}ack/{peer}/{started}"
-            if store.check([ack]) and int(store.get(ack)) == attempt:
-                pending.discard(peer)
+        # A sweep is at most five round trips whatever the world size ([Note: reading every rank's key] in
+        # store_reads): every pending rank's start number once all started, the offers that are new, the answers.
+        starts = all_values(store, [f"{_PREFIX}starts/{peer}" for peer in pending])
+        if starts is not None:
+            numbers = {peer: int(n) for peer, n in zip(pending, starts)}
+            fresh = [peer for peer in pending if offered.get(peer) != numbers[peer]]
+            if fresh:
+                offers = [f"{_PREFIX}offer/{peer}/{numbers[peer]}" for peer in fresh]
+                store.multi_set(offers, [str(attempt)] * len(offers))
+                offered.update((peer, numbers[peer]) for peer in fresh)
+            acks = all_values(store, [f"{_PREFIX}ack/{peer}/{numbers[peer]}" for peer in pending])
+            if acks is not None:
+                pending = [peer for peer, ack in zip(pending, acks) if int(ack) != attempt]
         if pending and time.monotonic() > deadline:
-            raise TimeoutError(f"lightning-zero: ranks {sorted(pending)} did not start within "
+            raise TimeoutError(f"lightning-zero: ranks {_not_answered(store, pending, attempt)} did not start within "
                                f"{timeout.total_seconds():g} s of rank 0 (attempt {attempt} of this job)")
         if pending:
             time.sleep(poll)
     _agreed = attempt
     return attempt
+
+
+def _not_answered(store: dist.Store, pending: list[int], attempt: int) -> list[int]:
+    """The ranks of ``pending`` that have not acknowledged ``attempt`` (read one by one where needed: an error path)."""
+    starts = present_values(store, [f"{_PREFIX}starts/{peer}" for peer in pending])
+    numbers = {peer: int(starts[f"{_PREFIX}starts/{peer}"]) for peer in pending if f"{_PREFIX}starts/{peer}" in starts}
+    acks = present_values(store, [f"{_PREFIX}ack/{peer}/{n}" for peer, n in numbers.items()])
+    return [peer for peer in pending
+            if int(acks.get(f"{_PREFIX}ack/{peer}/{numbers.get(peer)}", -1)) != attempt] or pending
 
 
 def gloo_address() -> Optional[str]:
@@ -105,10 +122,10 @@ def lost_peer_note(error: BaseException, store: Optional[dist.Store], world_size
         return None
     peers = {}
     try:
-        for rank in range(world_size):
-            key = f"{_PEERS}{rank}"
-            if store is not None and store.check([key]):
-                peers[rank] = json.loads(store.get(key))
+        if store is not None:  # every rank's key in a few round trips, not two per rank
+            published = present_values(store, [f"{_PEERS}{rank}" for rank in range(world_size)])
+            peers = {rank: json.loads(published[f"{_PEERS}{rank}"]) for rank in range(world_size)
+                     if f"{_PEERS}{rank}" in published}
     except Exception as err:  # noqa: BLE001 - the store's host may be the peer that died
         return (f"{_NOTE_HEAD}a peer at {', '.join(sorted(found))} is gone (its process died or its host is "
                 f"unreachable); the job's store is unreachable too ({type(err).__name__}), so its rank is unknown")

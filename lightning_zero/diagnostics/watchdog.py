@@ -47,6 +47,7 @@ from typing import Callable, Iterator, Optional
 import torch.distributed as dist
 
 from lightning_zero.diagnostics.peers import agreed_attempt
+from lightning_zero.diagnostics.store_reads import present_values
 
 HANG_EXIT_CODE = 124
 _ABORT_KEY = "abort"
@@ -122,6 +123,27 @@ def _frame_summary(frame) -> tuple[bool, str]:
     path = code.co_filename
     waiting = _COLLECTIVE_DIR in path and _NOT_COLLECTIVE_DIR not in path
     return waiting, f"{os.path.basename(path)}:{frame.f_lineno} in {code.co_name}"
+
+
+def _rank_ranges(ranks: list[int]) -> str:
+    """``rank 3`` or ``ranks 0-5, 7`` for sorted ``ranks``."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    runs, start = [], ranks[0]
+    for previous, rank in zip(ranks, ranks[1:] + [None]):
+        if rank is None or rank != previous + 1:
+            runs.append(f"{start}-{previous}" if previous > start else str(start))
+            start = rank
+    return f"ranks {', '.join(runs)}"
+
+
+def _grouped(states: dict[int, str]) -> str:
+    """Every rank's state, ranks in the same state named together (``ranks 0-1022: training_step 7 at ...``): the
+    verdict every rank prints grows with the number of distinct states, not with the world."""
+    groups: dict[str, list[int]] = {}
+    for rank in sorted(states):
+        groups.setdefault(states[rank], []).append(rank)
+    return "; ".join(f"{_rank_ranges(ranks)}: {state}" for state, ranks in groups.items())
 
 
 def _exit_process(code: int) -> None:
@@ -234,15 +256,8 @@ class HangWatchdog:
         published = None
         while not self._stop.wait(self.poll_interval):
             try:
-                self._publish_liveness()
+                published = self._publish(published)
                 self._store_answered = time.monotonic()
-                state = (self._progress, self._label)
-                if state != published:
-                    self.store.set(f"hb/{self.rank}", f"{state[0]}|{state[1]}")
-                    published = state
-                if self._armed_since is not None:
-                    waiting, where = _frame_summary(sys._current_frames().get(self._training_thread))
-                    self.store.set(f"at/{self.rank}", f"{int(waiting)}|{where}")
                 if self.store.check([_ABORT_KEY]):
                     self._abort(self.store.get(_ABORT_KEY).decode())
                     return
@@ -255,6 +270,29 @@ class HangWatchdog:
                 if self._armed_since is not None and time.monotonic() - self._armed_since > self.timeout:
                     self._abort(self._store_lost(f"{type(err).__name__}: {err}"), wait_for_others=False)
                     return
+
+    def _publish(self, published: Optional[tuple[int, str]]) -> tuple[int, str]:
+        """One poll's writes: what changed of this rank's keys (its identity once, its progress, where its training
+        thread is while armed) in one ``multi_set``, then its liveness count; returns the progress published.
+        [Note: round trips per poll] Two to three, whatever the world size: the ``multi_set``, the liveness ``add``
+        (and the abort flag's ``check`` in ``_run``); rank 0's identity is read once, on the first polls."""
+        keys, values = [], []
+        if self.identity is not None:
+            keys.append(f"id/{self.rank}")
+            values.append(json.dumps(self.identity))
+        state = (self._progress, self._label)
+        if state != published:
+            keys.append(f"hb/{self.rank}")
+            values.append(f"{state[0]}|{state[1]}")
+        if self._armed_since is not None:
+            waiting, where = _frame_summary(sys._current_frames().get(self._training_thread))
+            keys.append(f"at/{self.rank}")
+            values.append(f"{int(waiting)}|{where}")
+        if keys:
+            self.store.multi_set(keys, values)
+        self.identity = None
+        self._publish_liveness()
+        return state
 
     def _watch_the_store(self) -> None:
         """[Note: a store that stops answering] A store host cut off the network (no RST) leaves a store call of
@@ -278,75 +316,69 @@ class HangWatchdog:
     def _publish_liveness(self) -> None:
         """[Note: a heartbeat that stops] Every poll adds one to ``alive/<rank>``, whatever the training thread
         does; a rank whose count stops moving is dead or cut off (a partition leaves gloo waiting with no error).
-        Its identity goes out once; rank 0's (the store's host) is kept, to name it when the store is cut off."""
-        if self.identity is not None:
-            self.store.set(f"id/{self.rank}", json.dumps(self.identity))
-            self.identity = None
+        Its identity goes out once (``_publish``); rank 0's (the store's host) is kept, to name it when the store is
+        cut off."""
         self.store.add(f"alive/{self.rank}", 1)
         if self._store_host is None and self.rank != 0 and self.store.check(["id/0"]):
             self._store_host = json.loads(self.store.get("id/0"))
 
     def _stopped_heartbeats(self, progress: dict[int, tuple[int, str]]) -> dict[int, str]:
         """The ranks (other than this one, still in the run) whose liveness count did not move over a few polls,
-        each with where it runs."""
-        others = [r for r in range(self.world_size) if r != self.rank and progress.get(r, (0, ""))[0] < _LEFT
-                  and self.store.check([f"alive/{r}"])]  # (a rank that never beat is named as never reported)
-        if not others:
-            return {}
-        keys = [f"alive/{r}" for r in others]
+        each with where it runs. A constant number of round trips (see [Note: reading every rank's key] in
+        :mod:`lightning_zero.diagnostics.store_reads`)."""
+        candidates = [r for r in range(self.world_size) if r != self.rank and progress.get(r, (0, ""))[0] < _LEFT]
 
-        def counts() -> dict[int, int]:
-            found = {r: self.store.add(k, 0) for r, k in zip(others, keys)}
+        def counts(ranks: list[int]) -> dict[int, int]:
+            found = present_values(self.store, [f"alive/{r}" for r in ranks])
             self._store_answered = time.monotonic()
-            return found
+            return {r: int(found[f"alive/{r}"]) for r in ranks if f"alive/{r}" in found}
 
-        before = counts()
+        before = counts(candidates)  # (a rank that never beat is left out: it is named as never reported)
+        if not before:
+            return {}
         # Keep beating while measuring: every rank past its timeout measures at about the same moment, and a thread
         # that only slept here would look stopped to the others measuring it.
         deadline = time.monotonic() + self._probe
         while (left := deadline - time.monotonic()) > 0:
             time.sleep(min(self.poll_interval, left))
             self.store.add(f"alive/{self.rank}", 1)
-        after = counts()
+        after = counts(list(before))
+        still = [r for r in before if after.get(r) == before[r]]
+        identities = present_values(self.store, [f"id/{r}" for r in still])
         stopped = {}
-        for rank in (r for r in others if after[r] == before[r]):
-            key = f"id/{rank}"
-            where = json.loads(self.store.get(key)) if self.store.check([key]) else {}
+        for rank in still:
+            where = json.loads(identities[f"id/{rank}"]) if f"id/{rank}" in identities else {}
             stopped[rank] = (f"rank {rank} (node rank {where.get('node_rank')}, host {where.get('host')}, address "
                              f"{where.get('address')})" if where else f"rank {rank}")
         return stopped
 
-    def _peer_progress(self) -> dict[int, tuple[int, str]]:
-        progress = {}
-        for rank in range(self.world_size):
-            key = f"hb/{rank}"
-            if self.store.check([key]):
-                count, _, label = self.store.get(key).decode().partition("|")
+    def _peer_states(self) -> tuple[dict[int, tuple[int, str]], dict[int, tuple[bool, str]]]:
+        """Every rank's published progress and, for the others, where their training thread is: one read of all
+        ranks' keys (a constant number of round trips, see ``_stopped_heartbeats``)."""
+        ranks = range(self.world_size)
+        found = present_values(self.store, [f"hb/{r}" for r in ranks] +
+                               [f"at/{r}" for r in ranks if r != self.rank])
+        progress, locations = {}, {}
+        for rank in ranks:
+            if f"hb/{rank}" in found:
+                count, _, label = found[f"hb/{rank}"].decode().partition("|")
                 progress[rank] = (int(count), label)
-        return progress
-
-    def _peer_locations(self) -> dict[int, tuple[bool, str]]:
-        locations = {}
-        for rank in range(self.world_size):
-            key = f"at/{rank}"
-            if rank != self.rank and self.store.check([key]):
-                waiting, _, where = self.store.get(key).decode().partition("|")
+            if f"at/{rank}" in found:
+                waiting, _, where = found[f"at/{rank}"].decode().partition("|")
                 locations[rank] = (waiting == "1", where)
         locations[self.rank] = _frame_summary(sys._current_frames().get(self._training_thread))
-        return locations
+        return progress, locations
 
     def _diagnose(self) -> str:
-        progress = self._peer_progress()
+        progress, locations = self._peer_states()
         progress[self.rank] = (self._progress, self._label)  # own state is fresher than the published one
-        locations = self._peer_locations()
         silent = [r for r in range(self.world_size) if r not in progress]
         furthest = max(count for count, _ in progress.values())
         behind = sorted(r for r, (count, _) in progress.items() if count < furthest)
         # Equal counters: the ranks at the furthest point that are not waiting in a collective hold the others.
         stopped = [] if behind else sorted(r for r in progress if r in locations and not locations[r][0])
-        where = "; ".join(
-            f"rank {r}: {label}" + (f" at {locations[r][1]}" if r in locations and count < _LEFT else "")
-            for r, (count, label) in sorted(progress.items()))
+        where = _grouped({r: label + (f" at {locations[r][1]}" if r in locations and count < _LEFT else "")
+                          for r, (count, label) in progress.items()})
         head = (f"lightning-zero hang watchdog: rank {self.rank} spent more than {self.timeout:g}s (hang_timeout) in "
                 f"'{self._label}' (raise hang_timeout if a rank may legitimately work that long while others wait).")
         cut_off = self._stopped_heartbeats(progress)
