@@ -28,7 +28,9 @@ PAGES = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
 FENCE = re.compile(r"^```(python|bash)[ \t]*\n(.*?)^```[ \t]*$", re.M | re.S)
 MARKER = re.compile(r"<!--\s*snippet(-fixture)?:\s*(.*?)\s*-->")
 #: the totals this suite saw when it was written: a block added or dropped changes them, so none goes unseen
-EXPECTED = {"python": 19, "bash": 60}
+EXPECTED = {"python": 23, "bash": 65}
+#: subcommands cheap enough to run as written (no model, no process group)
+CHEAP_SUBCOMMANDS = {"estimate"}
 
 
 @dataclass(frozen=True)
@@ -177,7 +179,7 @@ def _commands(code: str) -> list[list[str]]:
 
 
 def _check_cli(words: list[str], where: str) -> None:
-    from lightning_zero.cli import build_parser
+    from lightning_zero.cli import build_parser, main
 
     parser = build_parser()
     sub = words[1] if len(words) > 1 else None
@@ -188,6 +190,8 @@ def _check_cli(words: list[str], where: str) -> None:
         parser.parse_args(words[1:])
     except SystemExit as exit_:
         raise AssertionError(f"{where}: the CLI refuses {' '.join(words)!r}") from exit_
+    if sub in CHEAP_SUBCOMMANDS:
+        assert main(words[1:]) == 0, f"{where}: {' '.join(words)!r} failed"
 
 
 def _check_script(words: list[str], where: str) -> None:
@@ -237,3 +241,27 @@ def test_reliability_hang_timeout_snippet_runs():
     namespace: dict = {}
     exec(compile(block.code, block.id, "exec"), namespace)
     assert namespace["timedelta"](minutes=20).total_seconds() == 1200
+
+
+def _slug(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_relative_links_resolve():
+    """Every link from one page to another (and to a heading of it) lands: pages were moved and renamed."""
+    broken = []
+    for page in PAGES:
+        text = FENCE.sub("", page.read_text())
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+://|mailto:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            if not file.exists():
+                broken.append(f"{page.name}: {target}")
+            elif anchor and file.suffix == ".md":
+                headings = re.findall(r"^#+ (.*)$", FENCE.sub("", file.read_text()), re.M)
+                if anchor not in {_slug(h) for h in headings}:
+                    broken.append(f"{page.name}: {target} (no such heading)")
+    assert not broken, "\n".join(broken)
