@@ -15,7 +15,10 @@ import lightning_zero.fabric  # noqa: F401  (registers the strategy names before
 
 
 def main() -> None:
-    from lightning.fabric.cli import _main
+    try:
+        from lightning.fabric.cli import _main
+    except ImportError as err:  # lightning.fabric.cli defines its click command only where click is installed
+        raise SystemExit(f"`fabric run` needs click (pip install click): {err}") from None
 
     # The choices click holds, not the registry: they were frozen when lightning.fabric.cli was first imported.
     choices = next(param.type.choices for param in _main.commands["run"].params if param.name == "strategy")
