@@ -38,6 +38,37 @@ def _vm_kib(field: str) -> int:
     return 0
 
 
+def _zero_config(args, world: int):
+    """Stage 3 with everything offloaded to NVMe (``--mode nvme``) or to CPU memory; one unit per block."""
+    from lightning_zero.distributed.config import ZeroConfig
+    from lightning_zero.offload.nvme_config import NvmeConfig
+
+    width = args.width
+    if args.mode != "nvme":
+        return ZeroConfig(stage=3, offload="cpu", unit_bytes=0)
+    nvme = NvmeConfig(args.nvme_path, sub_group_size=int(args.sub_group_size), buffer_count=3,
+                      buffer_size=width * width // world, max_in_cpu=4 * width * width,
+                      aio=dict(thread_count=args.threads, queue_depth=args.queue_depth, block_size=args.block_size))
+    return ZeroConfig(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme=nvme, unit_bytes=0)
+
+
+def _report_swap_and_detach(model, optimizer, say) -> None:
+    """Say what the NVMe swappers moved, then stop swapping without reading the states back (restore=False):
+    their files and folders are removed."""
+    from lightning_zero.offload.optimizer_swapper import detach_swapper, get_swapper
+    from lightning_zero.offload.param_swapper import detach_param_step, detach_param_swapper, get_param_swapper
+
+    params, states = get_param_swapper(model), get_swapper(optimizer)
+    say(f"swap: parameters read {params.bytes_read / GIB:.1f} GiB, written {params.bytes_written / GIB:.1f} "
+        f"GiB, peak resident {params.peak_resident_elements * 4 / 2 ** 20:.0f} MiB of shards; optimizer states "
+        f"read {states.io.stats['read'][0] / GIB:.1f} GiB at {states.io.throughput('read') / GB:.2f} GB/s, "
+        f"written {states.io.stats['write'][0] / GIB:.1f} GiB at {states.io.throughput('write') / GB:.2f} "
+        f"GB/s")
+    detach_swapper(optimizer, restore=False)
+    detach_param_step(optimizer)
+    detach_param_swapper(model, restore=False)
+
+
 def rank_main(args) -> None:
     """One rank process (see the module docstring); prints ``  ``-prefixed lines the parent collects."""
     threading.stack_size(1 << 20)  # I/O threads: 1 MiB stacks, not 8 (a stack is a private writable mapping)
@@ -56,12 +87,8 @@ def rank_main(args) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
         from lightning_zero.distributed.apply_zero import apply_zero
-        from lightning_zero.distributed.config import ZeroConfig
         from lightning_zero.distributed.exact_init import InitConfig, exact_init
         from lightning_zero.distributed.optimizer import shard_optimizer
-        from lightning_zero.offload.nvme_config import NvmeConfig
-        from lightning_zero.offload.optimizer_swapper import detach_swapper, get_swapper
-        from lightning_zero.offload.param_swapper import detach_param_step, detach_param_swapper, get_param_swapper
 
         class Block(nn.Module):
             def __init__(self, width: int) -> None:
@@ -77,14 +104,7 @@ def rank_main(args) -> None:
         width = args.width
         blocks = max(1, int(args.capped_params) // (width * width))
         numel = blocks * width * width
-        if args.mode == "nvme":
-            nvme = NvmeConfig(args.nvme_path, sub_group_size=int(args.sub_group_size), buffer_count=3,
-                              buffer_size=width * width // world, max_in_cpu=4 * width * width,
-                              aio=dict(thread_count=args.threads, queue_depth=args.queue_depth,
-                                       block_size=args.block_size))
-            config = ZeroConfig(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme=nvme, unit_bytes=0)
-        else:
-            config = ZeroConfig(stage=3, offload="cpu", unit_bytes=0)
+        config = _zero_config(args, world)
         if rank == 0:
             say(f"model: {blocks} residual blocks of Linear({width}, {width}) fp32 = {numel / 1e6:.0f}M parameters; "
                 f"fp32 model states (4+4+8 bytes/param) {16 * numel / GIB:.2f} GiB, "
@@ -109,16 +129,7 @@ def rank_main(args) -> None:
             say(f"step {steps_done}: loss {loss.item():.4f} in {time.perf_counter() - start:.0f} s, "
                 f"VmHWM {_vm_kib('VmHWM') / 2 ** 20:.2f} GiB")
         if args.mode == "nvme":
-            params, states = get_param_swapper(model), get_swapper(optimizer)
-            say(f"swap: parameters read {params.bytes_read / GIB:.1f} GiB, written {params.bytes_written / GIB:.1f} "
-                f"GiB, peak resident {params.peak_resident_elements * 4 / 2 ** 20:.0f} MiB of shards; optimizer states "
-                f"read {states.io.stats['read'][0] / GIB:.1f} GiB at {states.io.throughput('read') / GB:.2f} GB/s, "
-                f"written {states.io.stats['write'][0] / GIB:.1f} GiB at {states.io.throughput('write') / GB:.2f} "
-                f"GB/s")
-            # stop swapping without reading the states back (restore=False): files and folders removed
-            detach_swapper(optimizer, restore=False)
-            detach_param_step(optimizer)
-            detach_param_swapper(model, restore=False)
+            _report_swap_and_detach(model, optimizer, say)
     except (MemoryError, RuntimeError) as error:  # the allocator's refusal under the cap
         outcome = f"FAILED: {type(error).__name__}: {str(error).splitlines()[0][:140]}"
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB -> GiB
@@ -130,14 +141,12 @@ def rank_main(args) -> None:
 
 def run(args, script: str, world_size: int = 2) -> None:
     """Launch ``world_size`` capped ranks per offload (NVMe, then CPU) and print their lines."""
-    import socket
+    from benchmarks.common import free_port
 
     for mode in ("nvme", "cpu"):
         print(f"stage 3, {world_size} rank processes, offload={mode!r}, RLIMIT_DATA {args.cap_gib:.2f} GiB each:",
               flush=True)
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+        port = free_port()
         command = [sys.executable, script, "--stage3-child", mode, "--nvme-path", args.nvme_path,
                    "--capped-params", str(args.capped_params), "--cap-gib", str(args.cap_gib), "--width",
                    str(args.width), "--capped-steps", str(args.capped_steps), "--sub-group-size",

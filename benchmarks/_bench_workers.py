@@ -25,10 +25,11 @@ import statistics
 import tempfile
 import time
 
-import _bench_models as models
 import torch
 import torch.multiprocessing as mp
-from _bench_counts import StepCounter
+
+from benchmarks import _bench_models as models
+from benchmarks._bench_counts import StepCounter
 
 # bf16t: ZeroStrategy's "bf16-true", whose stages 2-3 compute every op in bf16 over fp32 sharded masters: the numerics
 # of DeepSpeed's bf16 engine (bf16.enabled), which both bf16 columns run on the DeepSpeed side.
@@ -495,7 +496,7 @@ def _entry(rank, world, port, args, job, out):
     runners = {"deepspeed": run_deepspeed, "floor": run_floor, "sync": run_floor, "minimal": run_minimal,
                "engine": run_engine}
     if job["kind"].startswith("empty:"):
-        from _bench_empty import run_empty
+        from benchmarks._bench_empty import run_empty
 
         run_empty(rank, world, args, job, out, _write)
     else:
@@ -541,7 +542,7 @@ def _child_environment(extra: dict):
 
 def spawn(job: dict, args) -> list[dict]:
     """Run ``job`` in fresh spawned ranks; every rank's result (``time``, ``peak``, and what its runner adds)."""
-    from tests_free_port import free_port
+    from benchmarks.common import free_port
 
     heap = STEADY_HEAP if getattr(args, "steady_heap", False) else {}  # bench_capacity/gpu_suite have no such flag
     with tempfile.TemporaryDirectory() as tmp, _child_environment(heap):

@@ -38,8 +38,39 @@ import sys
 import tempfile
 import time
 
+from benchmarks.common import free_port
+
 GIB = 1 << 30
-_HERE = os.path.dirname(os.path.abspath(__file__))
+
+# DeepSpeed's memory knobs turned down from their defaults (elements): the buckets of its gradient reduction and
+# parameter all-gather (default 5e8 each), stage 3's prefetch bucket (5e7), live-parameter budget and reuse distance
+# (1e9), its persistence threshold (1e5: parameters below it stay gathered) and the optimizer's sub-group (1e9), the
+# overlap of reduction with backward turned off (its extra buffers), and the NVMe staging buffers (1e8 x 5).
+TUNED = {"reduce_bucket_size": 2e6, "allgather_bucket_size": 2e6, "overlap_comm": False,
+         "stage3_prefetch_bucket_size": 1e6, "stage3_max_live_parameters": 1e6, "stage3_max_reuse_distance": 1e6,
+         "stage3_param_persistence_threshold": 1e4, "sub_group_size": 1e7}
+TUNED_AIO_BUFFER = {"buffer_count": 4, "buffer_size": 1e7}
+
+
+def deepspeed_config(rung: str, side: str, batch: int, nvme_path: str) -> dict:
+    """DeepSpeed's config for one rung: default ``zero_optimization`` plus, for ``deepspeed-tuned``, ``TUNED``."""
+    stage, _, extra = rung.partition("+")
+    zero = {"stage": int(stage)}
+    if extra in ("cpu", "nvme"):
+        where = {"device": extra, "pin_memory": False}
+        if extra == "nvme":
+            where["nvme_path"] = nvme_path
+        zero["offload_optimizer"] = dict(where)
+        if stage == "3":
+            zero["offload_param"] = dict(where, **(TUNED_AIO_BUFFER if side.endswith("tuned") and extra == "nvme"
+                                                   else {}))
+    if side.endswith("tuned"):
+        zero.update({k: v for k, v in TUNED.items() if int(stage) == 3 or not k.startswith("stage3_")})
+        if int(stage) != 3 or extra != "nvme":
+            zero.pop("sub_group_size")
+    return {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+            "zero_optimization": zero, "zero_force_ds_cpu_optimizer": False, "steps_per_print": 10 ** 9}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -134,23 +165,15 @@ class Cap:
 # The parent: start the ranks, watch them, classify the outcome.
 
 
-def _free_port() -> int:
-    sys.path.insert(0, _HERE)
-    from tests_free_port import free_port
-
-    return free_port()
-
-
 def preload() -> None:
     """Import, once in the parent, every module a rank of either side needs: the ranks are forked from it, so a try
     costs the model and its training, not 20 s of imports per rank. Nothing here starts a thread (checked: forking
     a process with threads could copy a held lock), and the parent runs no torch computation before forking."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ["OMP_NUM_THREADS"] = "1"
-    sys.path.insert(0, _HERE)
     import threading
 
-    import _bench_workers as workers
+    from benchmarks import _bench_workers as workers
 
     workers._preload()
     if threading.active_count() != 1:
@@ -164,7 +187,7 @@ def launch(job: dict, args) -> dict:
     ranks (``None`` where no rank reported them)."""
     preload()
     cap = Cap(int(args.cap_gib * GIB), prefer=args.cap_method)
-    port, pids = _free_port(), []
+    port, pids = free_port(), []
     with tempfile.TemporaryDirectory(prefix="lz-capacity-") as tmp:
         try:
             for rank in range(args.nproc):
@@ -297,10 +320,10 @@ def _rung(rung: str) -> tuple[int, str | None, bool]:
 
 
 def run_ours(job, rank, world) -> float:
-    import _bench_models as models
     import lightning.pytorch as pl
     import torch
 
+    from benchmarks import _bench_models as models
     from lightning_zero import ZeroStrategy
 
     margs = _model_args(job)
@@ -337,9 +360,9 @@ def run_ours(job, rank, world) -> float:
 def run_deepspeed(job, rank, world) -> float:
     import contextlib
 
-    import _bench_models as models
     import deepspeed
-    from bench_capacity import deepspeed_config
+
+    from benchmarks import _bench_models as models
 
     deepspeed.init_distributed(dist_backend="gloo")
     margs = _model_args(job)
@@ -396,8 +419,9 @@ def rank_main(spec: dict) -> None:
         resource.setrlimit(resource.RLIMIT_DATA, (spec["rlimit"], spec["rlimit"]))
     import threading
 
-    import _bench_workers as workers
     import torch
+
+    from benchmarks import _bench_workers as workers
 
     threading.stack_size(1 << 20)  # under RLIMIT_DATA a thread's 8 MiB stack reservation would count in full
     torch.set_num_threads(1)

@@ -2,7 +2,7 @@
 
     python benchmarks/bench_capacity.py                                    # the whole ladder (about an hour on 2 CPUs)
     python benchmarks/bench_capacity.py --rungs 3 3+nvme --peers ours deepspeed --cap-gib 1.5
-    python benchmarks/bench_capacity.py --load capacity.json --plot        # redraw table and chart from the cache
+    python benchmarks/bench_capacity.py --json capacity.json --load --plot  # redraw table and chart from the cache
 
 For every rung of the ladder (stages ``0 1 2 3``, ``2+cpu``, ``3+cpu``, ``3+nvme``, and ``3+ac``: stage 3 with
 activation checkpointing of every block) and every peer (``ours``: ZeroStrategy with its defaults;
@@ -28,8 +28,14 @@ import json
 import os
 import sys
 
+if not __package__:  # run by path (python benchmarks/x.py): the repository root onto sys.path
+    import _path  # noqa: F401
+
+# DeepSpeed's side of a try, defined where the rank builds its engine
+from benchmarks._capacity_rank import TUNED, TUNED_AIO_BUFFER, deepspeed_config  # noqa: E402, F401
+from benchmarks.common import dated_results  # noqa: E402
+
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, _HERE)
 
 RUNGS = ("0", "1", "2", "3", "2+cpu", "3+cpu", "3+nvme", "3+ac")
 PEERS = ("ours", "ours-tuned", "deepspeed", "deepspeed-tuned")
@@ -42,37 +48,6 @@ JUDGED = ("ours", "deepspeed", "deepspeed-tuned")  # the targets compare ZeroStr
 OURS_TUNED = {"unit_bytes": 0}
 DEFAULT_JSON = os.path.join(_HERE, os.pardir, "docs", "img", "bench_capacity.json")
 DEFAULT_PLOT = os.path.join(_HERE, os.pardir, "docs", "img", "bench_capacity.png")
-
-# DeepSpeed's memory knobs turned down from their defaults (elements): the buckets of its gradient reduction and
-# parameter all-gather (default 5e8 each), stage 3's prefetch bucket (5e7), live-parameter budget and reuse distance
-# (1e9), its persistence threshold (1e5: parameters below it stay gathered) and the optimizer's sub-group (1e9), the
-# overlap of reduction with backward turned off (its extra buffers), and the NVMe staging buffers (1e8 x 5).
-TUNED = {"reduce_bucket_size": 2e6, "allgather_bucket_size": 2e6, "overlap_comm": False,
-         "stage3_prefetch_bucket_size": 1e6, "stage3_max_live_parameters": 1e6, "stage3_max_reuse_distance": 1e6,
-         "stage3_param_persistence_threshold": 1e4, "sub_group_size": 1e7}
-TUNED_AIO_BUFFER = {"buffer_count": 4, "buffer_size": 1e7}
-
-
-def deepspeed_config(rung: str, side: str, batch: int, nvme_path: str) -> dict:
-    """DeepSpeed's config for one rung: default ``zero_optimization`` plus, for ``deepspeed-tuned``, ``TUNED``."""
-    stage, _, extra = rung.partition("+")
-    zero = {"stage": int(stage)}
-    if extra in ("cpu", "nvme"):
-        where = {"device": extra, "pin_memory": False}
-        if extra == "nvme":
-            where["nvme_path"] = nvme_path
-        zero["offload_optimizer"] = dict(where)
-        if stage == "3":
-            zero["offload_param"] = dict(where, **(TUNED_AIO_BUFFER if side.endswith("tuned") and extra == "nvme"
-                                                   else {}))
-    if side.endswith("tuned"):
-        zero.update({k: v for k, v in TUNED.items() if int(stage) == 3 or not k.startswith("stage3_")})
-        if int(stage) != 3 or extra != "nvme":
-            zero.pop("sub_group_size")
-    return {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
-            "zero_optimization": zero, "zero_force_ds_cpu_optimizer": False, "steps_per_print": 10 ** 9}
-
 
 def unavailable(peer: str, rung: str) -> str | None:
     """Why ``peer`` cannot run ``rung`` on this machine (shown in the table), or None."""
@@ -160,8 +135,9 @@ def count_params(width: int, heads: int, seq: int, vocab: int, depth: int) -> in
     """Parameters of the benchmark GPT at ``depth`` (built on the meta device: nothing allocated)."""
     from types import SimpleNamespace
 
-    import _bench_models as models
     import torch
+
+    from benchmarks import _bench_models as models
 
     args = SimpleNamespace(quick=False, gpt={"n_layer": depth, "n_embd": width, "n_head": heads, "block_size": seq,
                                              "vocab": vocab})
@@ -177,7 +153,7 @@ def try_key(job: dict, args) -> str:
 def make_probe(peer: str, rung: str, args, cache: dict, save):
     """``probe(depth)`` for ``search_depth``: a cached try, or a fresh launch (one retry of a non-memory error:
     DeepSpeed on CPU aborts now and then at teardown in runs that pass on the next launch)."""
-    from _capacity_rank import launch
+    from benchmarks._capacity_rank import launch
 
     def probe(depth):
         job = {"side": peer, "rung": rung, "depth": depth, "width": args.width, "heads": args.heads, "seq": args.seq,
@@ -263,8 +239,9 @@ def row_for(rung, peer, found, args, cache) -> dict:
 # Output: the table, the targets, the chart.
 
 
-def render(rows: list[dict], header: str, out=sys.stdout) -> str:
-    """The markdown of the ladder table and the targets table; printed to ``out`` and returned."""
+def render(rows: list[dict], header: str, out=None) -> str:
+    """The markdown of the ladder table and the targets table; printed to ``out`` (default: ``sys.stdout`` as it is
+    at the call, so a redirection made after the import counts) and returned."""
     lines = [header, "", "| rung | peer | largest depth | parameters | peak RSS growth/rank (MiB) | "
              "cgroup peak/rank (MiB) | step time (s) | next depth | tries |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -282,7 +259,7 @@ def render(rows: list[dict], header: str, out=sys.stdout) -> str:
     for rung, ratio, tuned, target, met in targets(rows):
         lines.append(f"| {rung} | {_fmt(ratio)} | {_fmt(tuned)} | {target} | {met} |")
     text = "\n".join(lines)
-    print(text, file=out)
+    print(text, file=out or sys.stdout)
     return text
 
 
@@ -381,9 +358,16 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--json", default=DEFAULT_JSON, help="the cache of every try (read, then extended)")
     parser.add_argument("--load", action="store_true", help="only render what --json holds; launch nothing")
     parser.add_argument("--markdown", default=None, help="also write the tables here")
+    parser.add_argument("--results", default=None, metavar="DIR",
+                        help="where a run that launched tries writes its dated record, "
+                             "<DIR>/bench_capacity-<date>.md (the tables) and .json (the rows); default "
+                             "benchmarks/results")
+    parser.add_argument("--no-results", action="store_true", help="write no dated record")
     parser.add_argument("--plot", nargs="?", const=DEFAULT_PLOT, default=None,
                         help="save the chart (default docs/img/bench_capacity.png)")
     args = parser.parse_args(argv)
+    if args.no_results and args.results:
+        parser.error("--results and --no-results contradict each other: pass one")
     for key in ("width", "heads", "seq", "vocab", "batch", "steps", "start", "max_depth", "nproc"):
         if getattr(args, key) < 1:
             parser.error(f"--{key.replace('_', '-')} must be >= 1")
@@ -420,6 +404,11 @@ def main(argv=None) -> list[dict]:
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(text + "\n")
+    if not args.load and not args.no_results:
+        argv = sys.argv[1:] if argv is None else argv
+        path = dated_results("bench_capacity", args.results, {"header": header_line(args, caps), "rows": rows},
+                             f"{text}\n\nCommand: `python -m benchmarks.bench_capacity {' '.join(argv)}`")
+        print(f"results written to {path} (and its .json)", file=sys.stderr)
     if args.plot:
         plot(rows, args.plot, header_line(args, caps).replace("; ", ";\n", 1))
     return rows

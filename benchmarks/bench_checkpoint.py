@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+if not __package__:  # run by path (python benchmarks/x.py): the repository root onto sys.path
+    import _path  # noqa: F401
 
 
 def build(width: int, layers: int) -> torch.nn.Module:
@@ -133,7 +133,7 @@ def main(argv=None):
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     args = parser.parse_args(argv)
-    from tests_free_port import free_port
+    from benchmarks.common import free_port
 
     args.port = free_port()
     params = args.width * args.width * args.layers
@@ -179,5 +179,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, HERE)
     main()

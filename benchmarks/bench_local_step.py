@@ -19,17 +19,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import sys
 import tempfile
 import time
 
 import torch
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _bench_models as models  # noqa: E402
+if not __package__:  # run by path (python benchmarks/x.py): the repository root onto sys.path
+    import _path  # noqa: F401
+
+from benchmarks import _bench_models as models  # noqa: E402
+from benchmarks.common import free_port  # noqa: E402
 
 
 def _worker(rank, world, port, job, out) -> None:
@@ -68,9 +69,7 @@ def _worker(rank, world, port, job, out) -> None:
 
 def run(job: dict) -> tuple[float, float]:
     """(wall, CPU) seconds per step: the slowest rank's median wall time, the ranks' summed median CPU time."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "median")
         mp.start_processes(_worker, args=(2, port, job, out), nprocs=2, start_method="fork")

@@ -33,8 +33,11 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+if not __package__:  # run by path (python benchmarks/x.py): the repository root onto sys.path
+    import _path  # noqa: F401
+
+from benchmarks.common import ROOT  # noqa: E402
+
 MIB = 2 ** 20
 
 

@@ -67,12 +67,15 @@ import tempfile
 import threading
 import time
 
-import _bench_nvme_stage3
 import torch
 
-from lightning_zero.offload.aio import AioSettings, AsyncFileIO, aligned_buffer
-from lightning_zero.offload.nvme_config import NvmeConfig
-from lightning_zero.offload.optimizer_swapper import attach_swapper, detach_swapper
+if not __package__:  # run by path (python benchmarks/x.py): the repository root onto sys.path
+    import _path  # noqa: F401
+
+from benchmarks import _bench_nvme_stage3  # noqa: E402
+from lightning_zero.offload.aio import AioSettings, AsyncFileIO, aligned_buffer  # noqa: E402
+from lightning_zero.offload.nvme_config import NvmeConfig  # noqa: E402
+from lightning_zero.offload.optimizer_swapper import attach_swapper, detach_swapper  # noqa: E402
 
 GB = 1e9
 GIB = 1 << 30
@@ -333,7 +336,37 @@ def deepspeed_zero3_child(args) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def main() -> None:
+def report_step(args, aio, raw: tuple, concurrent: float) -> None:
+    """The ``step`` section: a swapped AdamW step's read and write bandwidth against the disk's raw figures."""
+    numel = int(args.params) // args.tensors
+    params = [torch.zeros(numel) for _ in range(args.tensors)]
+    fused = args.optimizer_fused
+    plain = step_bandwidth(params, args.steps, None, fused=fused)
+    nvme = NvmeConfig(args.nvme_path, sub_group_size=int(args.sub_group_size), buffer_count=4, aio=aio)
+    swapped = step_bandwidth(params, args.steps, nvme, fused=fused)
+    read, write = _median(swapped["read"]), _median(swapped["write"])
+    print(f"swapped AdamW{'(fused=True)' if fused else ''} step: {int(args.params) * 8 >> 20} MiB of states, "
+          "sub-groups of "
+          f"{int(args.sub_group_size):.3g} elements, peak {swapped['peak_buffers']} buffers of "
+          f"{swapped['peak_buffer_bytes'] >> 20} MiB, {swapped['bytes'] >> 20} MiB moved per step")
+    io_only = step_bandwidth(params, args.steps, nvme, io_only=True)
+    both = _median(swapped["any"])
+    # equal bytes read and written: one after the other (their harmonic mean), or at once, whichever is faster
+    mixed = max(2 / (1 / raw[0] + 1 / raw[1]), concurrent)
+    print(f"| | raw (best) GB/s | swap during the step GB/s | ratio |\n|---|---|---|---|\n"
+          f"| read | {raw[1]:.2f} | {read:.2f} | {read / raw[1]:.0%} |\n"
+          f"| write | {raw[0]:.2f} | {write:.2f} | {write / raw[0]:.0%} |\n"
+          "| read+write (they overlap: one disk; raw: best of one after the other and at once) "
+          f"| {mixed:.2f} | {both:.2f} | {both / mixed:.0%} |")
+    io_read, io_write, io_both = (_median(io_only[k]) for k in ("read", "write", "any"))
+    print(f"same swapped step, I/O only (the pipeline's reads and writes, no Adam compute): read {io_read:.2f} "
+          f"({io_read / raw[1]:.0%} of raw), write {io_write:.2f} ({io_write / raw[0]:.0%}), read+write "
+          f"{io_both:.2f} GB/s ({io_both / mixed:.0%}); step {_median(io_only['step_s']) * 1e3:.0f} ms")
+    print(f"step wall time: in memory {_median(plain['step_s']) * 1e3:.0f} ms, swapped "
+          f"{_median(swapped['step_s']) * 1e3:.0f} ms (median of {args.steps})")
+
+
+def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nvme-path", default=tempfile.gettempdir())
     parser.add_argument("--sections", default="raw,step,capped,deepspeed")
@@ -355,7 +388,11 @@ def main() -> None:
     parser.add_argument("--stage3-child", choices=("nvme", "cpu"), help=argparse.SUPPRESS)
     parser.add_argument("--ours-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--ds-child", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse()
     if args.ds_child:
         return deepspeed_zero3_child(args)
     if args.rank_child:
@@ -384,32 +421,7 @@ def main() -> None:
               f"{concurrent:.2f} GB/s")
         raw = (max(raw[0], depth[0]), max(raw[1], depth[1]))  # the disk's best of the two
     if "step" in sections:
-        numel = int(args.params) // args.tensors
-        params = [torch.zeros(numel) for _ in range(args.tensors)]
-        fused = args.optimizer_fused
-        plain = step_bandwidth(params, args.steps, None, fused=fused)
-        nvme = NvmeConfig(args.nvme_path, sub_group_size=int(args.sub_group_size), buffer_count=4, aio=aio)
-        swapped = step_bandwidth(params, args.steps, nvme, fused=fused)
-        read, write = _median(swapped["read"]), _median(swapped["write"])
-        print(f"swapped AdamW{'(fused=True)' if fused else ''} step: {int(args.params) * 8 >> 20} MiB of states, "
-              "sub-groups of "
-              f"{int(args.sub_group_size):.3g} elements, peak {swapped['peak_buffers']} buffers of "
-              f"{swapped['peak_buffer_bytes'] >> 20} MiB, {swapped['bytes'] >> 20} MiB moved per step")
-        io_only = step_bandwidth(params, args.steps, nvme, io_only=True)
-        both = _median(swapped["any"])
-        # equal bytes read and written: one after the other (their harmonic mean), or at once, whichever is faster
-        mixed = max(2 / (1 / raw[0] + 1 / raw[1]), concurrent)
-        print(f"| | raw (best) GB/s | swap during the step GB/s | ratio |\n|---|---|---|---|\n"
-              f"| read | {raw[1]:.2f} | {read:.2f} | {read / raw[1]:.0%} |\n"
-              f"| write | {raw[0]:.2f} | {write:.2f} | {write / raw[0]:.0%} |\n"
-              "| read+write (they overlap: one disk; raw: best of one after the other and at once) "
-              f"| {mixed:.2f} | {both:.2f} | {both / mixed:.0%} |")
-        io_read, io_write, io_both = (_median(io_only[k]) for k in ("read", "write", "any"))
-        print(f"same swapped step, I/O only (the pipeline's reads and writes, no Adam compute): read {io_read:.2f} "
-              f"({io_read / raw[1]:.0%} of raw), write {io_write:.2f} ({io_write / raw[0]:.0%}), read+write "
-              f"{io_both:.2f} GB/s ({io_both / mixed:.0%}); step {_median(io_only['step_s']) * 1e3:.0f} ms")
-        print(f"step wall time: in memory {_median(plain['step_s']) * 1e3:.0f} ms, swapped "
-              f"{_median(swapped['step_s']) * 1e3:.0f} ms (median of {args.steps})")
+        report_step(args, aio, raw, concurrent)
     if "capped" in sections:
         run_capped(args)
     if "capped3" in sections:

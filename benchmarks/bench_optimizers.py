@@ -20,7 +20,10 @@ import time
 
 import torch
 
-from lightning_zero.ops import CPUAdam, FusedAdam, FusedLamb
+if not __package__:  # run by path (python benchmarks/x.py): the repository root onto sys.path
+    import _path  # noqa: F401
+
+from lightning_zero.ops import CPUAdam, FusedAdam, FusedLamb  # noqa: E402
 
 
 def timed(fn, repeats: int, sync=lambda: None) -> float:

@@ -26,7 +26,11 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from lightning_zero.pipeline import LayerSpec, PipelineModule, build_pipeline
+if not __package__:  # run by path (python benchmarks/x.py): the repository root onto sys.path
+    import _path  # noqa: F401
+
+from benchmarks.common import free_port  # noqa: E402
+from lightning_zero.pipeline import LayerSpec, PipelineModule, build_pipeline  # noqa: E402
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 2), ("zbv", 2)]
 
@@ -119,11 +123,7 @@ def main() -> None:
     print("|---|---|----------|---|----------------|-------------|-----------------|--------|")
     for world in args.ranks:
         queue = ctx.Queue()
-        import socket
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        mp.start_processes(_worker, args=(world, port, args.micro_batches, args.ms, args.steps, queue),
+        mp.start_processes(_worker, args=(world, free_port(), args.micro_batches, args.ms, args.steps, queue),
                            nprocs=world, join=True, start_method="spawn")
         while not queue.empty():
             p, m, schedule, v, work, step = queue.get()

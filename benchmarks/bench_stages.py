@@ -52,14 +52,17 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import io
 import json
 import os
 import statistics
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+if not __package__:  # run by path (python benchmarks/x.py): the repository root onto sys.path
+    import _path  # noqa: F401
 
-import _bench_models as models  # noqa: E402
+from benchmarks import _bench_models as models  # noqa: E402
+from benchmarks.common import dated_results  # noqa: E402
 
 STAGES = ("0", "1", "2", "3", "1+cpu", "2+cpu", "3+cpu")
 PEERS = ("deepspeed", "ddp", "modelparallel", "fsdp", "floor", "sync", "minimal", "engine", "before")
@@ -154,8 +157,10 @@ def _value(stats, fmt) -> str:
     return "failed" if stats is None else format(stats[0], fmt)
 
 
-def render(cells: list[dict], out=sys.stdout) -> list[dict]:
-    """Print the markdown tables; return the summary rows."""
+def render(cells: list[dict], out=None) -> list[dict]:
+    """Print the markdown tables to ``out`` (default: ``sys.stdout`` as it is at the call); return the summary
+    rows."""
+    out = out or sys.stdout
     rows = [row for cell in cells for row in summarize(cell)]
     print("| model | precision | ZeRO | peer | step time ratio | peak RSS/rank ratio | ours step (s) | "
           "peer step (s) | ours MiB/rank | peer MiB/rank |", file=out)
@@ -236,7 +241,7 @@ def plot(rows: list[dict], path: str) -> bool:
     return True
 
 
-def parse(argv=None) -> argparse.Namespace:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", nargs="+", default=["all"], choices=[*models.MODELS, *models.LARGE, "all"],
                         help="models to run (default: all, the small matrix gpt mlp llama; gpt2, GPT-2 small's "
@@ -266,6 +271,11 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--json", default=None, help="also write every run's raw figures here")
+    parser.add_argument("--results", default=None, metavar="DIR",
+                        help="where a measured run's dated record goes, <DIR>/bench_stages-<date>.md (the tables) "
+                             "and .json (the raw figures, for --load); default benchmarks/results, except --quick "
+                             "runs, which write one only when given --results")
+    parser.add_argument("--no-results", action="store_true", help="write no dated record")
     parser.add_argument("--load", default=None, help="render a saved --json file instead of measuring")
     parser.add_argument("--plot", nargs="?", const=DEFAULT_PLOT, default=None,
                         help="save a bar chart of the ratios (default path docs/img/bench_stages.png)")
@@ -296,7 +306,14 @@ def parse(argv=None) -> argparse.Namespace:
                              "allocations; rank 0, full loop cycles after warm-up) of every run into DIR as JSON and "
                              "print them as a table (_bench_counts.py; counted runs are slower: do not read their "
                              "timings)")
+    return parser
+
+
+def parse(argv=None) -> argparse.Namespace:
+    parser = _parser()
     args = parser.parse_args(argv)
+    if args.no_results and args.results:
+        parser.error("--results and --no-results contradict each other: pass one")
     quick = {"repeat": 1, "steps": 2, "warmup": 1, "batch": 2}
     full = {"repeat": 3, "steps": 8, "warmup": 3, "batch": 8}
     for key, value in (quick if args.quick else full).items():
@@ -333,8 +350,8 @@ def _save(path, header, cells) -> None:
 
 def empty_model(args) -> dict:
     """``--empty-model``: every loop of ``_bench_empty.KINDS`` alternated ``--repeat`` times; prints the table."""
-    import _bench_empty
-    from _bench_workers import spawn
+    from benchmarks import _bench_empty
+    from benchmarks._bench_workers import spawn
 
     args.steps = args.empty_steps
     kinds = [f"empty:{k}" for k in args.empty_kinds] if args.empty_kinds else list(_bench_empty.KINDS)
@@ -360,8 +377,23 @@ def empty_model(args) -> dict:
     return results
 
 
+def record(args, header: str, cells: list[dict]) -> str | None:
+    """The dated record of a measured run (``--results``): the header and tables as markdown, the raw figures as
+    JSON beside them (``--load`` renders it again); the markdown's path, or None where no record is asked for."""
+    if args.no_results or (args.quick and not args.results):
+        return None
+    out = io.StringIO()
+    render(cells, out)
+    path = dated_results("bench_stages", args.results, {"header": header, "cells": cells},
+                         f"{header}\n\nCommand: `python -m benchmarks.bench_stages {' '.join(args.argv)}`\n\n"
+                         + out.getvalue())
+    print(f"results written to {path} (and its .json)", file=sys.stderr)
+    return path
+
+
 def main(argv=None) -> list[dict]:
     args = parse(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.empty_model:
         return empty_model(args)
     if args.load:
@@ -370,7 +402,7 @@ def main(argv=None) -> list[dict]:
         cells = saved["cells"]
         print(saved.get("header", ""))
     else:
-        from _bench_workers import measure
+        from benchmarks._bench_workers import measure
 
         cells, header = [], []
         for model in args.model:
@@ -391,8 +423,10 @@ def main(argv=None) -> list[dict]:
         print("\n" + header)
         _save(args.json, header, cells)
     rows = render(cells)
+    if not args.load:
+        record(args, header, cells)
     if args.count and not args.load:
-        from _bench_counts import table
+        from benchmarks._bench_counts import table
 
         print("\nPer-step counts (rank 0):\n" + table(args.count))
     if args.plot:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 
 import torch
@@ -31,8 +30,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.tests_free_port import free_port  # noqa: E402
+if not __package__:  # run by path (python benchmarks/x.py): the repository root onto sys.path
+    import _path  # noqa: F401
+
+from benchmarks.common import free_port  # noqa: E402
 
 SIZES = [2 ** k for k in range(12, 26)]  # 4 KiB .. 32 MiB
 

@@ -49,11 +49,11 @@ import sys
 import tempfile
 import time
 
-BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(BENCH_DIR)
-sys.path[:0] = [p for p in (BENCH_DIR, ROOT) if p not in sys.path]
+if not __package__:  # run by path (python benchmarks/x.py): the repository root onto sys.path
+    import _path  # noqa: F401
 
-import _gpu_suite_parts as parts  # noqa: E402
+from benchmarks import _gpu_suite_parts as parts  # noqa: E402
+from benchmarks.common import ROOT  # noqa: E402
 
 GIB = parts.GIB
 FULL = {"n_layer": 20, "n_embd": 2048, "n_head": 16, "block_size": 1024, "vocab": 50304}
@@ -251,9 +251,10 @@ def run_job(job: dict, job_args: dict, timeout: float, out_dir: str) -> dict:
 
 def worker(spec: dict) -> None:
     """A child process: one job of ``_bench_workers`` at world size 1, then this process's peaks added."""
-    import _bench_workers as workers
     import torch
-    from tests_free_port import free_port
+
+    from benchmarks import _bench_workers as workers
+    from benchmarks.common import free_port
 
     args, job, out = argparse.Namespace(**spec["args"]), spec["job"], spec["out"]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0",

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import time
 from collections import Counter
 
@@ -22,6 +21,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+
+if not __package__:  # run by path (python benchmarks/x.py): the repository root onto sys.path
+    import _path  # noqa: F401
+
+from benchmarks.common import free_port  # noqa: E402
 
 # Profiler event names (substrings, lower case) grouped into the counts we report.
 COUNTED = {
@@ -39,7 +43,7 @@ def build_model(name: str) -> nn.Module:
     if name == "gpt":
         import argparse as _argparse
 
-        import _bench_models
+        from benchmarks import _bench_models
 
         return _bench_models.build("gpt", _argparse.Namespace(quick=False))
     if name == "mlp":
@@ -222,10 +226,7 @@ def main() -> None:
     parser.add_argument("--casts", action="store_true", help="group the casts (aten::_to_copy) by origin")
     parser.add_argument("--top", type=int, default=0, help="print the N operators with the most self CPU time")
     args = parser.parse_args()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mp.start_processes(_worker, args=(2, port, args), nprocs=2, start_method="fork")
+    mp.start_processes(_worker, args=(2, free_port(), args), nprocs=2, start_method="fork")
 
 
 if __name__ == "__main__":

@@ -1,19 +1,12 @@
 """benchmarks/bench_capacity.py without launching a rank: the depth search, the tables, the targets and the chart."""
 
-import importlib.util
 import os
 
 import pytest
 
+from benchmarks import bench_capacity as bench
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _bench():
-    path = os.path.join(ROOT, "benchmarks", "bench_capacity.py")
-    spec = importlib.util.spec_from_file_location("bench_capacity_under_test", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # puts benchmarks/ on sys.path
-    return module
 
 
 def _probe(largest, base=100, slope=10, noise=0):
@@ -31,7 +24,6 @@ def _probe(largest, base=100, slope=10, noise=0):
 
 @pytest.mark.parametrize("largest", [1, 2, 7, 16, 17, 29, 63, 100, 191])
 def test_search_finds_the_boundary_in_few_tries(largest):
-    bench = _bench()
     probe, asked, cap = _probe(largest)
     found = bench.search_depth(probe, start=16, limit=192, cap=cap)
     assert found["depth"] == largest and found["fail"] == largest + 1
@@ -42,14 +34,12 @@ def test_search_finds_the_boundary_in_few_tries(largest):
 
 def test_search_tolerates_a_poor_memory_guess():
     # the peaks wander (heap retention, buffers): the guided probe misses, the midpoint fallback still converges
-    bench = _bench()
     probe, asked, cap = _probe(40, noise=300)
     found = bench.search_depth(probe, start=16, limit=192, cap=cap)
     assert (found["depth"], found["fail"]) == (40, 41) and len(asked) <= 12, asked
 
 
 def test_search_at_the_limit_and_below_one():
-    bench = _bench()
     probe, asked, cap = _probe(500)
     found = bench.search_depth(probe, start=16, limit=64, cap=cap)
     assert found == {"depth": 64, "fail": None, "tries": found["tries"]} and asked[-1] == 64
@@ -59,7 +49,6 @@ def test_search_at_the_limit_and_below_one():
 
 
 def test_deepspeed_configs_default_and_tuned():
-    bench = _bench()
     default = bench.deepspeed_config("3+cpu", "deepspeed", 2, "/x")["zero_optimization"]
     assert default == {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": False},
                        "offload_param": {"device": "cpu", "pin_memory": False}}
@@ -85,7 +74,6 @@ def _rows():
 
 
 def test_tables_and_targets(capsys):
-    bench = _bench()
     text = bench.render(_rows(), "header")
     assert text == capsys.readouterr().out.rstrip("\n")
     assert "| 0 | ZeroStrategy | 20 | 20.0M | 600 | 500 | 1.50 | 21: oom | 5 |" in text
@@ -100,8 +88,7 @@ def test_tables_and_targets(capsys):
 def test_ours_memory_tuned_runs_one_unit_per_block_and_is_not_judged(monkeypatch, tmp_path):
     """``ours-tuned`` is ZeroStrategy with ``unit_bytes=0`` (its memory knob), shown beside the others; the targets
     still compare ZeroStrategy's defaults, so a tuned row never turns a missed rung into a met one."""
-    bench = _bench()
-    import _capacity_rank
+    from benchmarks import _capacity_rank
 
     launched = []
     monkeypatch.setattr(_capacity_rank, "launch", lambda job, args: launched.append(job) or {"outcome": "ok"})
@@ -120,7 +107,6 @@ def test_ours_memory_tuned_runs_one_unit_per_block_and_is_not_judged(monkeypatch
 
 def test_chart(tmp_path):
     pytest.importorskip("matplotlib")
-    bench = _bench()
     path = tmp_path / "img" / "capacity.png"
     assert bench.plot(_rows(), str(path), "title")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -134,7 +120,6 @@ def _cached(bench, args, rung, results):
 
 def test_load_reads_the_bracket_from_the_cache(tmp_path):
     # --load redraws from the cached tries, whichever order of searches made them; other shapes are not mixed in
-    bench = _bench()
     args = bench.parse(["--rungs", "1", "--peers", "ours", "--json", str(tmp_path / "c.json"), "--load"])
     cache = _cached(bench, args, "1", [(16, "oom"), (8, "oom"), (4, "ok"), (6, "oom"), (5, "ok")])
     other = bench.parse(["--width", "512", "--heads", "8"])
@@ -144,7 +129,6 @@ def test_load_reads_the_bracket_from_the_cache(tmp_path):
 
 
 def test_ladder_starts_each_search_from_the_previous_answer(monkeypatch, tmp_path):
-    bench = _bench()
     monkeypatch.setattr(bench, "unavailable", lambda peer, rung: "no aio" if rung == "3+nvme"
                         and not peer.startswith("ours") else None)
     monkeypatch.setattr(bench, "count_params", lambda width, heads, seq, vocab, depth: depth * 1000)
@@ -169,14 +153,12 @@ def test_ladder_starts_each_search_from_the_previous_answer(monkeypatch, tmp_pat
 
 
 def test_search_stops_at_the_resolution():
-    bench = _bench()
     probe, asked, cap = _probe(100, noise=300)
     found = bench.search_depth(probe, start=16, limit=192, cap=cap, resolution=0.05)
     assert found["depth"] <= 100 < found["fail"] and found["fail"] - found["depth"] <= 5
 
 
 def test_load_of_a_run_cut_short(tmp_path, capsys):
-    bench = _bench()
     args = bench.parse(["--rungs", "0", "1", "--peers", "ours", "--json", str(tmp_path / "c.json"), "--load"])
     cache = _cached(bench, args, "0", [(16, "ok"), (32, "oom")])
     rows = bench.ladder(args, cache, None)
@@ -188,7 +170,6 @@ def test_load_of_a_run_cut_short(tmp_path, capsys):
 
 def test_a_line_through_flat_peaks_does_not_waste_tries():
     # offload rungs: the peak barely grows with depth until it jumps; a guess past the failure bisects instead
-    bench = _bench()
     asked = []
 
     def probe(depth):
@@ -197,3 +178,27 @@ def test_a_line_through_flat_peaks_does_not_waste_tries():
 
     found = bench.search_depth(probe, start=15, limit=128, cap=384, grow=1.25)
     assert (found["depth"], found["fail"]) == (30, 31) and len(asked) <= 10, asked
+
+
+def test_a_run_that_launched_tries_leaves_a_dated_record(tmp_path, monkeypatch, capsys):
+    """After the tries, the tables go to ``bench_capacity-<date>.md`` with the command, the rows to the ``.json``
+    beside it; ``--load`` (nothing launched) and ``--no-results`` write none."""
+    import json
+
+    monkeypatch.setattr(bench, "ladder", lambda args, cache, make: _rows())
+    cache = str(tmp_path / "c.json")
+    bench.main(["--json", cache, "--results", str(tmp_path / "r")])
+    md, = (tmp_path / "r").glob("bench_capacity-*.md")
+    text = md.read_text()
+    assert "| 0 | ZeroStrategy | 20 | 20.0M |" in text and f"--json {cache} --results {tmp_path / 'r'}`" in text
+    assert json.loads(md.with_suffix(".json").read_text())["rows"] == _rows()
+    from benchmarks import common
+
+    monkeypatch.setattr(common, "RESULTS_DIR", str(tmp_path / "default"))
+    bench.main(["--json", cache, "--results", str(tmp_path / "r"), "--load"])
+    bench.main(["--json", cache, "--no-results"])
+    assert len(list((tmp_path / "r").iterdir())) == 2 and not (tmp_path / "default").exists()
+    bench.main(["--json", cache])
+    assert len(list((tmp_path / "default").glob("bench_capacity-*.md"))) == 1
+    with pytest.raises(SystemExit):
+        bench.parse(["--results", str(tmp_path), "--no-results"])

@@ -9,15 +9,10 @@ from importlib.machinery import ModuleSpec
 
 import pytest
 
+from benchmarks import bench_stages as bench
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks", "bench_stages.py")
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench_stages_under_test", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # puts benchmarks/ on sys.path for _bench_models
-    return module
 
 
 @pytest.fixture
@@ -30,7 +25,6 @@ def deepspeed_listed(monkeypatch):
 
 
 def test_peers_per_stage(deepspeed_listed):
-    bench = _bench()
     peers = ["deepspeed", "ddp", "modelparallel"]
     assert bench.peer_kinds("0", peers) == [("deepspeed", "deepspeed:0"), ("ddp", "ddp")]
     assert bench.peer_kinds("1", peers) == [("deepspeed", "deepspeed:1")]
@@ -48,7 +42,6 @@ def test_peers_per_stage(deepspeed_listed):
 
 def test_a_peer_with_no_cell_at_the_chosen_stages_is_reported(capsys, deepspeed_listed):
     """A requested peer that compares with none of the requested stages is named on stderr, not dropped silently."""
-    bench = _bench()
     bench.parse(["--stages", "3", "3+cpu", "--peers", "deepspeed", "minimal", "ddp"])
     err = capsys.readouterr().err
     assert "--peers minimal: no cell at --stages 3 3+cpu" in err and "--peers ddp: no cell" in err
@@ -60,9 +53,7 @@ def test_a_peer_with_no_cell_at_the_chosen_stages_is_reported(capsys, deepspeed_
 def test_steady_heap_is_what_the_environment_audit_advises():
     """--steady-heap starts the ranks with the glibc settings the library's environment audit names for a CPU run
     (the bench keeps its own copy: a rank of --peers before imports the library only from the old tree)."""
-    _bench()
-    import _bench_workers as workers
-
+    from benchmarks import _bench_workers as workers
     from lightning_zero.diagnostics.env_audit import STEADY_HEAP
 
     assert workers.STEADY_HEAP == STEADY_HEAP
@@ -71,8 +62,7 @@ def test_steady_heap_is_what_the_environment_audit_advises():
 def test_compute_floor_runs_without_collectives_and_steps_a_share():
     """The floor peer: each rank steps about 1/world of the elements at stages 1-3 (all of them at stage 0), in a
     plain loop that never initializes a process group (a collective would raise)."""
-    bench = _bench()
-    import _bench_workers as workers
+    from benchmarks import _bench_workers as workers
 
     sizes = [100, 7, 60, 40, 3, 1]
     owners = workers.floor_owners(sizes, 2)
@@ -88,9 +78,8 @@ def test_minimal_loop_trains_the_same_model_at_stages_0_to_2():
     """The minimal-loop peer does the training it stands for: its flat all-reduce (stage 0) and its flat slices with
     reduce-scatter and all-gather (stages 1-2) end with the same weights on every rank and at every stage, and not
     the initial ones. The sync peer (the floor plus one collective per step) runs with its process group."""
-    bench = _bench()
-    import _bench_models as models
-    import _bench_workers as workers
+    from benchmarks import _bench_models as models
+    from benchmarks import _bench_workers as workers
 
     args = bench.parse(["--quick", "--nproc", "2", "--peers", "minimal", "--steps", "3"])
     initial = float(sum(p.detach().double().sum() for p in models.build("gpt", args).parameters()))
@@ -110,9 +99,8 @@ def test_engine_loop_trains_the_same_model_as_the_minimal_loop():
     """The engine peer (torch's DDP, ZeroRedundancyOptimizer and FSDP2 at the root, in a bare loop) does the training
     it stands for: at stages 0, 1 and 2 every rank ends with the weights of the minimal loop's flat all-reduce on
     the same batches, and not the initial ones."""
-    bench = _bench()
-    import _bench_models as models
-    import _bench_workers as workers
+    from benchmarks import _bench_models as models
+    from benchmarks import _bench_workers as workers
 
     args = bench.parse(["--quick", "--nproc", "2", "--peers", "engine", "--steps", "3"])
     initial = float(sum(p.detach().double().sum() for p in models.build("gpt", args).parameters()))
@@ -128,7 +116,6 @@ def test_engine_loop_trains_the_same_model_as_the_minimal_loop():
 
 def test_runs_alternate_and_ratios_are_paired(capsys, deepspeed_listed):
     """A B C A B C: each repeat pairs ours with the peer runs next to it; the table shows median and range."""
-    bench = _bench()
     args = bench.parse(["--model", "mlp", "--stages", "0", "--repeat", "3", "--peers", "deepspeed", "ddp"])
     order, figures = [], iter([(1.0, 100), (2.0, 200), (0.5, 50),   # repeat 1: ours, DeepSpeed, DDP
                                (3.0, 100), (4.0, 400), (1.0, 50),   # repeat 2: a slower machine, same ratios-ish
@@ -150,7 +137,6 @@ def test_runs_alternate_and_ratios_are_paired(capsys, deepspeed_listed):
 
 
 def test_failed_deepspeed_run_is_retried_once_then_shown_as_failed(capsys, deepspeed_listed):
-    bench = _bench()
     args = bench.parse(["--model", "mlp", "--stages", "1", "--repeat", "1", "--peers", "deepspeed"])
     calls = []
 
@@ -170,7 +156,6 @@ def test_failed_deepspeed_run_is_retried_once_then_shown_as_failed(capsys, deeps
 
 
 def test_arguments_are_validated(deepspeed_listed):
-    bench = _bench()
     with pytest.raises(SystemExit):
         bench.parse(["--repeat", "0"])
     with pytest.raises(SystemExit):
@@ -191,8 +176,7 @@ def test_arguments_are_validated(deepspeed_listed):
 
 
 def test_models_build_with_the_issue_shapes(deepspeed_listed):
-    bench = _bench()
-    import _bench_models as models
+    from benchmarks import _bench_models as models
 
     args = bench.parse(["--model", "all"])
     assert "25.19M params" in models.describe("mlp", args)  # 24 x Linear(1024, 1024) with bias
@@ -205,8 +189,7 @@ def test_models_build_with_the_issue_shapes(deepspeed_listed):
 
 
 def test_llama_is_skipped_with_a_message_without_transformers(monkeypatch):
-    _bench()  # puts benchmarks/ on sys.path
-    import _bench_models as models
+    from benchmarks import _bench_models as models
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
@@ -216,7 +199,6 @@ def test_llama_is_skipped_with_a_message_without_transformers(monkeypatch):
 
 
 def test_plot_without_matplotlib_says_so(monkeypatch, tmp_path, capsys):
-    bench = _bench()
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
     row = {"model": "mlp", "precision": "fp32", "stage": "0", "peer": "deepspeed", "time_ratio": (1.0, 1.0, 1.0),
@@ -228,7 +210,6 @@ def test_plot_without_matplotlib_says_so(monkeypatch, tmp_path, capsys):
 
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib is not installed")
 def test_plot_saves_the_chart(tmp_path):
-    bench = _bench()
     row = {"model": "mlp", "precision": "fp32", "stage": "0", "peer": "deepspeed", "time_ratio": (0.9, 0.8, 1.1),
            "mem_ratio": (1.0, 1.0, 1.0)}
     assert bench.plot([row], str(tmp_path / "img" / "chart.png"))
@@ -262,8 +243,7 @@ def test_quick_run_against_deepspeed_and_lightning_ddp(tmp_path):
 def test_deepspeed_memory_is_not_charged_for_its_lazy_imports():
     """DeepSpeed's initialize imports torch._dynamo/_inductor, sympy and triton (~150 MB): every worker loads them
     before the memory baseline, so a 20K-parameter model's peak growth stays near its real size on every side."""
-    bench = _bench()
-    import _bench_workers as workers
+    from benchmarks import _bench_workers as workers
 
     args = bench.parse(["--quick", "--nproc", "1", "--peers", "deepspeed"])
     step, peak = workers.measure({"model": "mlp", "precision": "fp32", "kind": "deepspeed:0"}, args)
@@ -272,8 +252,7 @@ def test_deepspeed_memory_is_not_charged_for_its_lazy_imports():
 
 def test_profile_sums_fsdp_per_unit_ranges(tmp_path, deepspeed_listed):
     """The top-ops file gives shares of self CPU time, FSDP2's per-unit ranges summed into one line."""
-    bench = _bench()
-    import _bench_workers as workers
+    from benchmarks import _bench_workers as workers
 
     class Event:
         def __init__(self, key, us, count):
@@ -297,7 +276,6 @@ def test_profile_sums_fsdp_per_unit_ranges(tmp_path, deepspeed_listed):
 
 
 def test_before_peer_needs_a_checkout_and_runs_ours_kind(tmp_path, capsys):
-    bench = _bench()
     with pytest.raises(SystemExit):
         bench.parse(["--model", "gpt", "--stages", "1", "--peers", "before", "--no-deepspeed"])
     (tmp_path / "lightning_zero").mkdir()
@@ -307,11 +285,9 @@ def test_before_peer_needs_a_checkout_and_runs_ours_kind(tmp_path, capsys):
 
 
 def test_count_table_and_empty_table_render(tmp_path):
-    _bench()  # benchmarks/ on sys.path
     import io
 
-    import _bench_counts
-    import _bench_empty
+    from benchmarks import _bench_counts, _bench_empty
 
     record = {"job": {"model": "gpt", "precision": "fp32", "kind": "zero:1", "src": "/before"}, "cycles": 3,
               "py_calls": 10.0, "areas": {"lightning": 4.0}, "dtensor_dispatch": 0.0, "aten_ops": 7.0,
@@ -339,9 +315,9 @@ def test_count_table_and_empty_table_render(tmp_path):
 def test_gpt2_is_gpt2_small_and_opt_in(deepspeed_listed):
     """``--model gpt2``: GPT-2 small's shape with the head tied to the token embedding (123.85M parameters, built
     on the meta device here so the test allocates nothing), accepted by the CLI and never part of ``all``."""
-    bench = _bench()
-    import _bench_models as models
     import torch
+
+    from benchmarks import _bench_models as models
 
     args = bench.parse(["--model", "gpt2", "--batch", "1"])
     assert args.model == ["gpt2"] and "gpt2" not in bench.parse(["--model", "all"]).model
@@ -360,8 +336,7 @@ def test_gpt2_is_gpt2_small_and_opt_in(deepspeed_listed):
 def test_steady_heap_reaches_every_spawned_rank_and_only_with_the_flag(monkeypatch, tmp_path, deepspeed_listed):
     """--steady-heap: glibc reads its MALLOC_* variables when a process starts, so they must be in the environment
     the ranks are spawned with (and gone afterwards, and absent without the flag)."""
-    bench = _bench()
-    import _bench_workers as workers
+    from benchmarks import _bench_workers as workers
 
     seen = []
 
@@ -383,7 +358,6 @@ def test_steady_heap_reaches_every_spawned_rank_and_only_with_the_flag(monkeypat
 
 
 def test_engine_split_pairs_each_repeat(capsys, deepspeed_listed):
-    bench = _bench()
     cell = {"model": "gpt", "precision": "fp32", "stage": "2",
             "runs": {"ours": [(1.2, 1), (2.4, 1)], "minimal": [(1.0, 1), (2.0, 1)], "engine": [(1.1, 1), (1.6, 1)]}}
     bench.render([cell])
@@ -392,3 +366,36 @@ def test_engine_split_pairs_each_repeat(capsys, deepspeed_listed):
     assert "| gpt | fp32 | 2 | 1.20 | 1.30 [1.09–1.50] | 0.95 [0.80–1.10] |" in out
     bench.render([dict(cell, runs={"ours": cell["runs"]["ours"], "minimal": cell["runs"]["minimal"]})])
     assert "engine / minimal" not in capsys.readouterr().out  # only where both yardsticks ran
+
+
+def test_a_measured_run_leaves_a_dated_record_that_load_renders(tmp_path, capsys, monkeypatch, deepspeed_listed):
+    """A measured run writes ``bench_stages-<date>.md`` (its command and tables) and the ``.json`` beside it, which
+    ``--load`` renders again; a second run the same day gets its own files; ``--quick`` runs and ``--no-results``
+    leave none in the default folder."""
+    import re
+
+    from benchmarks import _bench_workers as workers
+    from benchmarks import common
+
+    monkeypatch.setattr(workers, "measure", lambda job, _args: (1.0, 100 << 20))
+    monkeypatch.setattr(common, "RESULTS_DIR", str(tmp_path / "default"))
+    argv = ["--quick", "--model", "mlp", "--precision", "fp32", "--stages", "0", "--peers", "deepspeed"]
+    bench.main([*argv, "--results", str(tmp_path)])
+    md, = tmp_path.glob("bench_stages-*.md")
+    assert re.fullmatch(r"bench_stages-\d{4}-\d{2}-\d{2}\.md", md.name)
+    text = md.read_text()
+    assert f"`python -m benchmarks.bench_stages {' '.join(argv)} --results {tmp_path}`" in text
+    assert "| mlp | fp32 | 0 | DeepSpeed | 1.00 " in text and text.startswith("2 ranks, cpu")
+    capsys.readouterr()
+    bench.main(["--load", str(md.with_suffix(".json"))])
+    assert "| mlp | fp32 | 0 | DeepSpeed | 1.00 " in capsys.readouterr().out
+    bench.main([*argv, "--results", str(tmp_path)])
+    assert sorted(p.name for p in tmp_path.glob("bench_stages-*")) == sorted(
+        [md.name, md.with_suffix(".json").name, md.stem + "-2.md", md.stem + "-2.json"])
+    bench.main(argv)
+    bench.main([*argv[1:], "--no-results"])
+    assert not (tmp_path / "default").exists()
+    bench.main(argv[1:])  # a full-size run: its record goes to benchmarks/results by default
+    assert len(list((tmp_path / "default").glob("bench_stages-*.md"))) == 1
+    with pytest.raises(SystemExit):
+        bench.parse(["--results", str(tmp_path), "--no-results"])

@@ -6,27 +6,26 @@ import json
 import math
 import os
 import re
-import sys
 
 import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SUITE = os.path.join(ROOT, "benchmarks", "gpu_suite.py")
 H100 = "NVIDIA H100 80GB HBM3,79.2,125"
 
 
 @pytest.fixture(scope="module")
 def suite():
-    spec = importlib.util.spec_from_file_location("gpu_suite_under_test", SUITE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # puts benchmarks/ on sys.path for _gpu_suite_parts
-    return module
+    from benchmarks import gpu_suite
+
+    return gpu_suite
 
 
 @pytest.fixture(scope="module")
-def parts(suite):
-    return sys.modules["_gpu_suite_parts"]
+def parts():
+    from benchmarks import _gpu_suite_parts
+
+    return _gpu_suite_parts
 
 
 class Clock:
@@ -41,7 +40,7 @@ class Clock:
 
 def test_parameter_count_matches_the_example_gpt(suite, parts):
     """gpt_params counts what examples/gpt.py builds, for the default ~1.2B shape and a tiny one."""
-    import _bench_models as models
+    from benchmarks import _bench_models as models
 
     for shape in (suite.FULL, suite.TINY, {**suite.TINY, "n_layer": 5}):
         args = type("A", (), {"quick": False, "gpt": shape})()
@@ -57,9 +56,8 @@ def test_parameter_count_matches_the_example_gpt(suite, parts):
 def test_each_sides_own_cpu_optimizer_is_asked_for_by_name(suite):
     """--ds-cpu-adam: DeepSpeed's config drops torch_adam and forces its CPU optimizer (only with offload); our module
     steps with lightning_zero.ops.CPUAdam; the default stays torch's AdamW on both sides."""
-    import _bench_models as models
-    import _bench_workers as workers
-
+    from benchmarks import _bench_models as models
+    from benchmarks import _bench_workers as workers
     from lightning_zero.ops import CPUAdam
 
     args = type("A", (), {"quick": True, "gpt": None, "batch": 2, "device": "cpu", "optimizer": "cpu_adam"})()

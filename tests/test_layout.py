@@ -180,6 +180,20 @@ def test_no_import_cycles():
                                                                                            for c in cycles)
 
 
+
+def test_benchmarks_import_each_other_as_a_package_without_circles():
+    """``benchmarks/`` is a package too (``benchmarks/README.md``): its modules name each other ``benchmarks.X``,
+    never by the bare file name a script's folder on ``sys.path`` would allow (the one exception: ``_path``, the
+    bootstrap of a script run by path), so the graph below sees every edge, and it has no circle."""
+    root = PACKAGE.parent / "benchmarks"
+    siblings = {path.stem for path in root.glob("*.py")} - {"_path"}
+    bare = [f"{path.name}:{line}: {name}" for path in sorted(root.rglob("*.py"))
+            for line, names in import_statements(path.read_text(), _module_name(path, root))
+            for name in names if name.partition(".")[0] in siblings]
+    assert bare == [], "import these as benchmarks.X: " + "; ".join(bare)
+    cycles = import_cycles(import_graph(root))
+    assert cycles == [], "import circles among the benchmarks: " + "; ".join(" <-> ".join(c) for c in cycles)
+
 def test_package_follows_the_layout():
     assert PACKAGE.joinpath("fabric").is_dir() and PACKAGE.joinpath("distributed", "runtime.py").is_file()
     assert layout_violations() == []
