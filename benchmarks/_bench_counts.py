@@ -1,4 +1,4 @@
-"""Deterministic per-step counts of a training loop, for ``bench_stages.py --count DIR`` (issue 31, the framework tax).
+"""Deterministic per-step counts of a training loop, for ``bench_stages.py --count DIR`` (the framework tax).
 
 On a machine shared with other work the step time moves by tens of percent between runs; what a step *does* does
 not. Over ``n`` full loop cycles after warm-up (from the start of step ``warmup`` to the start of step

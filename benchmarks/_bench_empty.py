@@ -1,4 +1,4 @@
-"""Lightning's own per-step cost, measured with an empty model (``bench_stages.py --empty-model``, issue 31).
+"""Lightning's own per-step cost, measured with an empty model (``bench_stages.py --empty-model``).
 
 The model is one parameter of one element and a step is ``(w * x).sum()`` plus its backward: no optimizer, nothing
 to compute, so what a loop around it spends per step is the loop's own cost. Kinds (``job["kind"]``):

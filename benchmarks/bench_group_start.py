@@ -5,36 +5,29 @@ Without a GPU, NCCL is emulated as gloo bound to CUDA tensors only (``tests/emul
 differ by exactly what a GPU run adds: one gloo backend, which connects every rank to every other at start-up.
 Runs alternate between the two, so drift on a noisy machine falls on both.
 
-    python benchmarks/bench_group_start.py --world-sizes 2 4 8 --repeat 5
+    python benchmarks/bench_group_start.py --world-sizes 2 4 8 --repeat 5   (or python -m benchmarks.bench_group_start)
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if not __package__:  # run by path (python benchmarks/x.py): the repository root onto sys.path
+    import _path  # noqa: F401
+
+from benchmarks.common import free_port  # noqa: E402
+from tests.emulation.nccl import emulated_backend  # noqa: E402
+
 BACKENDS = {"nccl alone": "nccl", "cpu:gloo,cuda:nccl": "cpu:gloo,cuda:nccl"}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _rank(rank: int, world_size: int, port: int, backend: str, out) -> None:
-    sys.path.insert(0, ROOT)
-    from tests.emulation.nccl import emulated_backend
-
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world_size, rank == 0)
     begin = time.perf_counter()
@@ -55,7 +48,7 @@ def start_seconds(world_size: int, backend: str) -> float:
     """The slowest rank's start-up, in seconds."""
     context = mp.get_context("fork")
     out = context.SimpleQueue()
-    port = _free_port()
+    port = free_port()
     procs = [context.Process(target=_rank, args=(r, world_size, port, backend, out)) for r in range(world_size)]
     for proc in procs:
         proc.start()

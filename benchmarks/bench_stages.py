@@ -229,7 +229,7 @@ def plot(rows: list[dict], path: str) -> bool:
         ax.bar(range(len(rows)), heights, yerr=errors, capsize=3, color=[colors[r["peer"]] for r in rows])
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_ylabel(title)
-    axes[0].axhline(0.8, color="red", linewidth=0.8, linestyle="--")  # issue 18's step-time target against DeepSpeed
+    axes[0].axhline(0.8, color="red", linewidth=0.8, linestyle="--")  # the step-time target against DeepSpeed
     axes[0].set_title("ZeroStrategy / peer: median over repeats, whiskers the range\n"
                       "(below 1: ours is faster or smaller; dashed: the 0.8 step-time target)", fontsize=10)
     axes[1].set_xticks(range(len(rows)), labels, rotation=90, fontsize=7)
@@ -290,7 +290,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="start every side's ranks with glibc's mmap threshold at 32 MiB and its trim threshold "
                              "at 128 MiB (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_), so that no rank hands its "
                              "per-step buffers back to the OS and faults them in again the next step, which otherwise "
-                             "happens to one rank or another by its heap's layout (docs/performance.md, stop 42)")
+                             "happens to one rank or another by its heap's layout (docs/performance.md)")
     parser.add_argument("--empty-model", action="store_true",
                         help="instead of the matrix: Lightning's own per-step cost, a Trainer (and ZeroStrategy at "
                              "stages 0-2) around a one-element model without optimizer work, against a bare loop "

@@ -5,13 +5,13 @@
 ``u`` bytes pays ``(P / u) * a`` of fixed cost on top of ``P * b`` of transfer, so the fixed cost is a fraction
 ``a / (u b)`` of the communication: ``u = 10 a / b`` keeps it at 10 %.
 
-``--part model``: the flat ``nn.Sequential`` of 24 ``Linear(1024, 1024)`` + GELU (the shape issue 18 names) at
+``--part model``: the flat ``nn.Sequential`` of 24 ``Linear(1024, 1024)`` + GELU (the bench MLP's shape) at
 stages 2 and 3 with several ``unit_bytes``, counting FSDP2 units and all-gathers per step and timing steps,
 alternating the targets round-robin so machine load hits every target alike; prints each target's median step time
 as a ratio to ``unit_bytes=0`` (one unit per Linear).
 
 ``--part reduce-scatter``: the CPU reduce-scatter FSDP2 runs through (``comm_buffers._pairwise_reduce_scatter``,
-received straight into the output) against the all-to-all into a unit-sized buffer it replaced in stop 37, one
+received straight into the output) against the all-to-all into a unit-sized buffer it replaced, one
 collective at a time from 8 B to 20 MiB, the two alternated call by call; median ms of each.
 
 Usage: ``python benchmarks/bench_units.py --part collective`` / ``--part model --stage 3 --repeat 5`` /
@@ -60,7 +60,7 @@ RS_NUMELS = (2, 256, 4096, 65536, 262144, 1 << 20, 5 << 20)  # the whole reduce-
 
 
 def _all_to_all_reduce_scatter(output, input_tensor, group, pool) -> None:
-    """The reduce-scatter before stop 37: every rank's chunks to their owner in one all-to-all, into a pooled
+    """The reduce-scatter it replaced: every rank's chunks to their owner in one all-to-all, into a pooled
     buffer as large as the input, then a sum over its rows."""
     world = dist.get_world_size(group)
     received = pool.allocate(input_tensor.shape, dtype=input_tensor.dtype, device=input_tensor.device)
