@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import math
 import pickle
@@ -156,6 +157,13 @@ def _simulated_storage(global_plans, metadata: Metadata) -> None:
     metadata.storage_data = storage
 
 
+def _hold_other_ranks() -> None:
+    """Keep the garbage collector off the objects already made (other simulated ranks' plans), which a rank of a job
+    does not hold; the coordinator's global plan is timed without this, since it holds every rank's plan in a job too.
+    """
+    gc.freeze()
+
+
 def local_save_plans(params: Shapes, buffers: Shapes, world: int) -> Tuple[list, float]:
     """Every rank's local save plan (torch's DefaultSavePlanner; the dedup flag plays no part here), and the
     slowest rank's seconds."""
@@ -163,6 +171,7 @@ def local_save_plans(params: Shapes, buffers: Shapes, world: int) -> Tuple[list,
     local_s = 0.0
     for rank in range(world):
         state = rank_state(params, buffers, rank, world)
+        _hold_other_ranks()
         begin = time.perf_counter()
         planner = DefaultSavePlanner()
         planner.set_up_planner(state, is_coordinator=rank == 0)
@@ -174,6 +183,7 @@ def local_save_plans(params: Shapes, buffers: Shapes, world: int) -> Tuple[list,
 def plan_save(params: Shapes, buffers: Shapes, local_plans: list, local_s: float, lowest_rank: bool):
     """The coordinator's global plan over every rank's local plan, timed; the row and the metadata."""
     world = len(local_plans)
+    gc.unfreeze()
     coordinator = DefaultSavePlanner(dedup_save_to_lowest_rank=lowest_rank)
     coordinator.set_up_planner(rank_state(params, buffers, 0, world), is_coordinator=True)
     begin = time.perf_counter()
@@ -241,6 +251,7 @@ def plan_load(params: Shapes, buffers: Shapes, metadata: Metadata, writers: int,
     for rank in range(readers):
         state = rank_state(params, buffers, rank, readers)
         need = local_bytes(state)
+        _hold_other_ranks()
         begin = time.perf_counter()
         planner = MetadataLoadPlanner()
         planner.set_up_planner(state, metadata, is_coordinator=rank == 0)
@@ -301,6 +312,7 @@ def main(argv=None) -> None:
                 kept[world] = metadata
             del metadata
     _table("save planning", saves)
+    gc.unfreeze()
     loads = [plan_load(params, buffers, kept[n], n, m) for n, m in pairs]
     _table("load planning (resharding)", loads)
     print(f"\n(total {time.monotonic() - begin:.0f} s)")
