@@ -55,15 +55,9 @@ def llama_config(tiny: bool = False):
             num_key_value_heads=2,
             vocab_size=250,
         )
-    return LlamaConfig(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        tie_word_embeddings=False,
-    )
+    from benchmarks.scale.memory import SHAPES
+
+    return LlamaConfig(**SHAPES["llama-3-8b"], tie_word_embeddings=False)
 
 
 def model_shapes(config) -> Tuple[Shapes, Shapes]:
