@@ -211,8 +211,9 @@ def low_precision_allreduce_hook(dtype: torch.dtype):
 # require gradients when it is constructed (``_build_params_for_reducer`` in ``torch/nn/parallel/distributed.py``);
 # one frozen then and unfrozen later (``requires_grad_(True)`` in a hook, Lightning's ``BackboneFinetuning``) gets
 # each rank's own gradient, never averaged: under Lightning's DDPStrategy the ranks drift apart, and at stage 1 each
-# owner steps the parameters it owns with its own rank's gradient. The strategies average those gradients before the
-# optimizer step (a no-op while nothing frozen at setup requires gradients).
+# owner steps the parameters it owns with its own rank's gradient. The strategies average those gradients where DDP
+# would have (the Trainer before its optimizer step, Fabric after each synced backward, so that clip_gradients sees
+# them averaged); a no-op while nothing frozen at setup requires gradients.
 _FROZEN_AT_SETUP: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[list, object]]" = weakref.WeakKeyDictionary()
 
 
