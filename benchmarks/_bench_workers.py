@@ -303,7 +303,7 @@ def run_minimal(rank, world, args, job, out):
     - bf16: the fp32 model under autocast (``bf16-mixed``'s numerics) at every stage; gradients reduced in fp32.
 
     Each rank also reports the sum of its parameters after training: every stage trains the same model on the same
-    batches, so the sums agree across ranks and stages (``tests/test_bench_stages.py``)."""
+    batches, so the sums agree across ranks and stages (``tests/benchmarks/test_bench_stages.py``)."""
     import torch.distributed as dist
 
     from lightning_zero.distributed.comm_buffers import (
@@ -520,8 +520,9 @@ def _end_process_group() -> None:
 
 # glibc reads these when a process starts: a rank's per-step buffers below 32 MiB come from its heap, and its heap's
 # top is given back to the OS only past 128 MiB free (bench_stages.py --steady-heap; the settings the environment
-# audit names for a CPU run, lightning_zero.diagnostics.env_audit, kept equal by tests/test_bench_stages.py; not
-# imported here: a rank of --peers before imports the library only after putting the old tree first on its path).
+# audit names for a CPU run, lightning_zero.diagnostics.env_audit, kept equal by
+# tests/benchmarks/test_bench_stages.py; not imported here: a rank of --peers before imports the library only after
+# putting the old tree first on its path).
 STEADY_HEAP = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(128 << 20)}
 
 

@@ -1,6 +1,6 @@
 """The parts of ``gpu_suite.py`` that need no GPU: the time budget, the FLOP and MFU arithmetic, the capacity
-search, the classification of a run's outcome, the pytest summary, and the report. ``tests/test_gpu_suite.py``
-tests them on CPU.
+search, the classification of a run's outcome, the pytest summary, and the report.
+``tests/benchmarks/test_gpu_suite.py`` tests them on CPU.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Models for ``tests/test_advise.py``'s measured runs (imported by the measuring subprocess by name)."""
+"""Models for ``tests/cli/test_advise.py``'s measured runs (imported by the measuring subprocess by name)."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _no_process_group_left_behind():
     """A test that leaves a process group in the pytest process would be inherited by every rank the next tests fork
-    (tests/distributed.py), whose copies of its gloo groups hang in their destructors. Tear it down and say which."""
+    (tests/ranks.py), whose copies of its gloo groups hang in their destructors. Tear it down and say which."""
     yield
     import torch.distributed as dist
 

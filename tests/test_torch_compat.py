@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from lightning_zero.torch_compat import fsdp_param_groups
-from tests.distributed import run_distributed
+from tests.ranks import run_distributed
 
 
 def test_fsdp_param_groups_reads_the_list_and_the_single_group_layouts():

@@ -14,8 +14,8 @@ casts, counted with the activations, ``activations.layer_activation_bytes``; at 
 DeepSpeed's where everything is partitioned alike (stages 0, 2, 3: ``16P``, ``16P/N``) but not at stage 1, which
 partitions only ``K``: ZeroStrategy holds ``8P + 8P/N`` where DeepSpeed's ZeRO-1 holds ``4P + 12P/N``. Counting
 DeepSpeed's split for ZeroStrategy under-estimates a ``*-mixed`` stage-1 run by ``4P - 4P/N`` per rank
-(``docs/memory.md``; ``tests/test_zero_parity.py`` measures the formula at every precision). The exception is
-``bf16-true`` at stages 0-1, which holds DeepSpeed's split (``bp = bg = 2``, ``K = 8 + 4`` with the fp32 masters
+(``docs/memory.md``; ``tests/distributed/test_zero_parity.py`` measures the formula at every precision). The exception
+is ``bf16-true`` at stages 0-1, which holds DeepSpeed's split (``bp = bg = 2``, ``K = 8 + 4`` with the fp32 masters
 counted beside the states, as :func:`model_state_memory` counts them: ``distributed/replicas.py``).
 
 Formulas at rest, i.e. between backward and the optimizer step, gradients allocated (``docs/stages.md``):

@@ -309,7 +309,7 @@ class ParamSwapper:
                 break
             # Belady's choice among the units whose release alone makes room: evicting a small unit needed last
             # and then a large one anyway reads the small one again for nothing (a 4th read a step in
-            # tests/test_nvme_param_reads.py once stage 3 stopped re-gathering the root and the last unit)
+            # tests/offload/test_nvme_param_reads.py once stage 3 stopped re-gathering the root and the last unit)
             over = self.resident_elements + needed - self.nvme.max_in_cpu
             self._evict(self._victim([u for u in candidates if u.elements >= over] or candidates))
 

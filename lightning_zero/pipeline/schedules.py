@@ -305,7 +305,7 @@ def _forward_only_zbv(stage_modules, local_stages, num_stages, device, group, m,
     We build a second ZBV schedule on separate ``PipelineStage`` objects (same modules) and lower only its ``F``
     actions to send/recv with torch's private ``_add_send_recv`` (its public lowering validates that every
     micro-batch has a backward). Dropping backward actions only removes dependencies, so the forward order stays
-    deadlock-free. Private API: ``tests/test_pipeline_parity.py`` runs ZBV eval to catch a torch change.
+    deadlock-free. Private API: ``tests/pipeline/test_pipeline_parity.py`` runs ZBV eval to catch a torch change.
     """
     from torch.distributed.pipelining.schedules import _add_send_recv, _ComputationType
 

@@ -15,7 +15,7 @@ IN, OUT = 32, 2  # Lightning's BoringModel under Fabric is a Linear(32, 2)
 def make_fabric(stage=3, precision="32-true", plugins=None, **kwargs):
     chosen = {"plugins": plugins} if plugins else {"precision": precision}
     fabric = Fabric(accelerator="cpu", devices=2, strategy=ZeroStrategy(stage=stage, **kwargs), **chosen)
-    fabric.launch()  # the ranks exist already (tests.distributed): joins their process group, builds the mesh
+    fabric.launch()  # the ranks exist already (tests.ranks): joins their process group, builds the mesh
     return fabric
 
 

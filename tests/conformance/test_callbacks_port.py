@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import (
 from lightning.pytorch.tuner import Tuner
 
 from tests.conformance.models import RegressionModule, full_state, max_abs_diff, trainer, zero
-from tests.distributed import run_distributed
+from tests.ranks import run_distributed
 
 
 def _saved(root):

@@ -18,8 +18,8 @@ from lightning_zero import ZeroPrecision, ZeroStrategy
 from lightning_zero.checkpoint import CheckpointError
 from lightning_zero.checkpoint.states import optimizer_state_dict
 from tests.conformance.models import RegressionModule, full_state, max_abs_diff, trainer, zero
-from tests.distributed import run_distributed
 from tests.lightning_models import reference_weights
+from tests.ranks import run_distributed
 
 
 # ---------------------------------------------------------------------------------------------- no process group

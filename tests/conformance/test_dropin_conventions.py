@@ -17,7 +17,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 import lightning_zero  # noqa: F401  (registers the strategy names)
 from lightning_zero import ZeroStrategy
 from lightning_zero.ds_config import DeepSpeedConfigError, DeepSpeedConfigWarning
-from tests.distributed import run_distributed
+from tests.ranks import run_distributed
 
 
 @pytest.fixture

@@ -35,7 +35,7 @@ from tests.conformance.test_fabric_model_parallel_port import (
     launch,
     train,
 )
-from tests.distributed import run_distributed
+from tests.ranks import run_distributed
 
 # Lightning's ``deepspeed_config`` fixture: an optimizer and a scheduler for DeepSpeed to build
 LIGHTNING_CONFIG = {

@@ -21,7 +21,7 @@ from tests.conformance.test_fabric_model_parallel_port import (
     launch,
     optimizer_states,
 )
-from tests.distributed import run_distributed
+from tests.ranks import run_distributed
 
 
 def reset_reference(seed: int) -> nn.Module:

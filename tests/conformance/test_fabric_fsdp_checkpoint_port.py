@@ -26,7 +26,7 @@ from tests.conformance.fabric_models import (
     max_diff,
     train_step,
 )
-from tests.distributed import run_distributed
+from tests.ranks import run_distributed
 
 
 class _Net(nn.Sequential):

@@ -38,7 +38,7 @@ from tests.conformance.fabric_models import (
     max_diff,
     train_step,
 )
-from tests.distributed import run_distributed
+from tests.ranks import run_distributed
 
 
 # ---------------------------------------------------------------------------------------------- no process group

@@ -27,7 +27,7 @@ from lightning_zero.checkpoint import (
 )
 from lightning_zero.checkpoint.states import optimizer_state_dict
 from lightning_zero.fabric import ZeroStrategy
-from tests.distributed import run_distributed
+from tests.ranks import run_distributed
 
 
 class FeedForward(nn.Module):
@@ -45,7 +45,7 @@ class FeedForward(nn.Module):
 
 def launch(strategy, **kwargs) -> Fabric:
     fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy, **kwargs)
-    fabric.launch()  # the ranks exist already (tests.distributed): sets up the process group and the mesh
+    fabric.launch()  # the ranks exist already (tests.ranks): sets up the process group and the mesh
     return fabric
 
 

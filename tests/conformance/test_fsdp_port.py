@@ -16,7 +16,7 @@ from torch import nn
 from lightning_zero import ZeroStrategy
 from lightning_zero.checkpoint import CheckpointError, CheckpointSaveError, consolidate_checkpoint
 from tests.conformance.models import RegressionModule, full_state, max_abs_diff, trainer, zero
-from tests.distributed import run_distributed
+from tests.ranks import run_distributed
 
 
 # ---------------------------------------------------------------------------------------------- no process group

@@ -22,10 +22,10 @@ from torch import nn
 
 from lightning_zero.fabric import ZeroStrategy
 from tests.conformance.models import RegressionModule, full_state, max_abs_diff, trainer, zero
-from tests.distributed import run_distributed
+from tests.distributed.test_zero_parity import TinyNet
 from tests.fabric.test_fabric_parity import full_weights, make_fabric
 from tests.fabric.test_fabric_raw_loads import _finetune, _unwrapped, _write_base
-from tests.test_zero_parity import TinyNet
+from tests.ranks import run_distributed
 
 WORLD, VOCAB, SEQ = 2, 32, 8
 QUICK = [(0, None), (2, None), (3, None)]

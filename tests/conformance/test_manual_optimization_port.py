@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from tests.conformance.models import full_state, max_abs_diff, trainer, zero
-from tests.distributed import run_distributed
+from tests.ranks import run_distributed
 
 WORLD, BATCHES, NOISE = 2, 3, 4
 

@@ -21,7 +21,7 @@ from tests.conformance.models import (
     trainer,
     zero,
 )
-from tests.distributed import run_distributed
+from tests.ranks import run_distributed
 
 STEPS = 3
 

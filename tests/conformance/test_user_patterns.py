@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from tests.conformance.models import full_state, trainer, zero
-from tests.distributed import run_distributed
+from tests.ranks import run_distributed
 
 TOLERANCE = 1e-5
 STAGES = [pytest.param(stage, id=f"s{stage}") for stage in range(4)]

@@ -1,7 +1,7 @@
 """Write ``deepspeed_config_keys.json``: every key path the installed DeepSpeed's configuration reader knows.
 
 Run it (from the repository root) with DeepSpeed installed; the test that reads the list
-(``tests/test_ds_config_keys.py``) does not need DeepSpeed::
+(``tests/ds_config/test_ds_config_keys.py``) does not need DeepSpeed::
 
     python tests/data/generate_deepspeed_config_keys.py
 

@@ -23,8 +23,8 @@ from lightning_zero.adapters.process_group import barrier, start_process_group
 from lightning_zero.ops import FusedLamb, has_overflow
 from lightning_zero.strategies.trainer_precision import ZeroPrecision
 from lightning_zero.torch_compat import backend_serving
-from tests.distributed import run_distributed
 from tests.emulation.nccl import emulated_backend, emulated_nccl
+from tests.ranks import run_distributed
 
 SHAPES = [(5, 3), (7,), (2, 4)]  # first dimensions that two ranks split unevenly
 

@@ -11,10 +11,10 @@ from lightning_zero.checkpoint.directory import is_sharded_checkpoint
 from lightning_zero.checkpoint.io import pending_save_paths, save_sharded_checkpoint
 from lightning_zero.fabric import ZeroStrategy
 from lightning_zero.fabric.fabric_checkpoints import settle_saves_at_exit
-from tests.distributed import run_distributed
+from tests.distributed.test_zero_parity import STEPS, TinyNet, make_optimizer
 from tests.fabric.test_fabric_checkpoint import _unwrapped
 from tests.fabric.test_fabric_parity import fabric_train, full_weights, make_fabric
-from tests.test_zero_parity import STEPS, TinyNet, make_optimizer
+from tests.ranks import run_distributed
 
 
 def _slow_commit(seconds=1.5):

@@ -12,9 +12,9 @@ from lightning_zero.checkpoint.directory import is_sharded_checkpoint, read_chec
 from lightning_zero.checkpoint.safe_load import read_dcp_metadata
 from lightning_zero.cli import main as lightning_zero_cli
 from lightning_zero.fabric import ZeroStrategy
-from tests.distributed import run_distributed
+from tests.distributed.test_zero_parity import STEPS, TinyNet, make_optimizer
 from tests.fabric.test_fabric_parity import fabric_train, full_weights, make_fabric
-from tests.test_zero_parity import STEPS, TinyNet, make_optimizer
+from tests.ranks import run_distributed
 
 
 def _unwrapped(model):

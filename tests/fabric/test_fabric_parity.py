@@ -1,6 +1,7 @@
 """The Fabric ZeroStrategy trains with parity to an unsharded single-process reference (2 gloo ranks).
 
-Same model, optimizer (two param groups), seed and global batch as tests/test_zero_parity.py; the loop is Fabric's:
+Same model, optimizer (two param groups), seed and global batch as tests/distributed/test_zero_parity.py; the loop is
+Fabric's:
 ``fabric.init_module``, ``fabric.setup(model, optimizer)`` (the optimizer built before setup), accumulation with
 ``fabric.no_backward_sync``, ``fabric.backward``, ``fabric.clip_gradients``.
 """
@@ -10,8 +11,8 @@ from lightning.fabric import Fabric
 from torch import nn
 
 from lightning_zero.fabric import ZeroStrategy
-from tests.distributed import run_distributed
-from tests.test_zero_parity import LOCAL_BATCH, STEPS, TinyNet, data, make_optimizer, train_reference
+from tests.distributed.test_zero_parity import LOCAL_BATCH, STEPS, TinyNet, data, make_optimizer, train_reference
+from tests.ranks import run_distributed
 
 CONFIGS = [(0, None), (1, None), (1, "cpu"), (2, None), (2, "cpu"), (3, None), (3, "cpu")]
 
@@ -23,7 +24,7 @@ def full_weights(module):
 
 def make_fabric(strategy, **kwargs):
     fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy, **kwargs)
-    fabric.launch()  # the ranks already exist (tests.distributed): sets up the process group and mesh
+    fabric.launch()  # the ranks already exist (tests.ranks): sets up the process group and mesh
     return fabric
 
 
@@ -160,7 +161,7 @@ def test_no_backward_sync_skips_gradient_communication():
 
 
 def _checkpointing_worker(rank, world_size):
-    from tests.test_zero_parity import Block
+    from tests.distributed.test_zero_parity import Block
 
     expected = train_reference(world_size, accumulate=2, clip=0.05)
     calls = []

@@ -7,9 +7,9 @@ import torch
 from lightning.fabric import Fabric
 
 from lightning_zero.fabric import ZeroStrategy
-from tests.distributed import run_distributed
-from tests.test_pipeline_parity import VOCAB, full_state, make_model
-from tests.test_strategy_pipeline import _gather_full_state
+from tests.pipeline.test_pipeline_parity import VOCAB, full_state, make_model
+from tests.ranks import run_distributed
+from tests.strategies.test_strategy_pipeline import _gather_full_state
 
 STEPS, BATCH, ACCUMULATE, CLIP = 3, 4, 2, 0.05  # BATCH: per data-parallel replica and micro-step
 

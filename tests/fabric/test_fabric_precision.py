@@ -13,9 +13,9 @@ from torch import nn
 from lightning_zero import LossScaleConfig
 from lightning_zero.fabric import FabricZeroPrecision, ZeroStrategy
 from lightning_zero.torch_compat import local_tensor as _local
-from tests.distributed import run_distributed
+from tests.distributed.test_zero_parity import LOCAL_BATCH, TinyNet, data, make_optimizer, train_reference
 from tests.fabric.test_fabric_parity import fabric_train, full_weights, make_fabric
-from tests.test_zero_parity import LOCAL_BATCH, TinyNet, data, make_optimizer, train_reference
+from tests.ranks import run_distributed
 
 
 def _saved_weights(fabric, module):

@@ -20,9 +20,9 @@ from lightning_zero.checkpoint.errors import CheckpointError
 from lightning_zero.checkpoint.full_save import FULL_FILE_MARKER
 from lightning_zero.checkpoint.safe_load import load_meta
 from lightning_zero.fabric import ZeroStrategy, fabric_checkpoints
-from tests.distributed import run_distributed
+from tests.distributed.test_zero_parity import LOCAL_BATCH, STEPS, TinyNet, data, make_optimizer
 from tests.fabric.test_fabric_parity import fabric_train, full_weights, make_fabric
-from tests.test_zero_parity import LOCAL_BATCH, STEPS, TinyNet, data, make_optimizer
+from tests.ranks import run_distributed
 
 QUICK = [(1, "cpu"), (2, "cpu"), (3, None)]  # stale offloaded masters; DTensor parameters; both
 SWEEP = [(0, None), (1, None), (1, "cpu"), (2, None), (2, "cpu"), (3, None), (3, "cpu")]

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed import free_port, job_output
-from tests.test_zero_parity import train_reference
+from tests.distributed.test_zero_parity import train_reference
+from tests.ranks import free_port, job_output
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed import free_port
+from tests.ranks import free_port
 
 DEVICE = os.environ.get("LZ_GPU_TESTS_DEVICE", "cuda")
 if DEVICE not in ("cuda", "cpu"):

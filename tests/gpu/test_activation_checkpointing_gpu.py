@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_zero import ActivationCheckpointConfig, apply_activation_checkpointing
-from tests.test_activation_checkpointing import WIDTH, SixBlockNet
+from tests.distributed.test_activation_checkpointing import WIDTH, SixBlockNet
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

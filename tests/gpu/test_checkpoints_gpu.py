@@ -1,8 +1,8 @@
 """Checkpoints saved and loaded on one CUDA device: the Trainer's sharded (sync and ``async_save``) and
 ``state_dict_type="full"`` checkpoints at stage 3 with the optimizer and the parameters offloaded to the CPU, and
 Fabric's ``fabric.save``/``fabric.load`` at stages 2 and 3. A reload holds exactly the weights that were saved, and
-training on from it ends where the single-process CPU reference does (tests/test_strategy_checkpoint.py's, and
-tests/test_zero_parity.py's for Fabric).
+training on from it ends where the single-process CPU reference does (tests/strategies/test_strategy_checkpoint.py's,
+and tests/distributed/test_zero_parity.py's for Fabric).
 
 Runs as `python -m pytest tests/gpu -q` on a machine with a GPU; skipped cleanly elsewhere.
 """
@@ -18,6 +18,7 @@ from torch import nn
 from lightning_zero import ZeroStrategy
 from lightning_zero.checkpoint import wait_for_pending_saves
 from lightning_zero.fabric import ZeroStrategy as FabricZeroStrategy
+from tests.distributed.test_zero_parity import LOCAL_BATCH, STEPS, TinyNet, data, make_optimizer, train_reference
 from tests.gpu.single_device import (
     DEVICE,
     TRAINER_ACCELERATOR,
@@ -29,13 +30,12 @@ from tests.gpu.single_device import (
     worst_difference,
 )
 from tests.lightning_models import RegressionModule
-from tests.test_strategy_checkpoint import _reference as trainer_reference
-from tests.test_zero_parity import LOCAL_BATCH, STEPS, TinyNet, data, make_optimizer, train_reference
+from tests.strategies.test_strategy_checkpoint import _reference as trainer_reference
 
 pytestmark = needs_device
 
 BATCH = 4
-STEPS_PER_EPOCH = 2  # as tests/test_strategy_checkpoint.py, whose reference counts epochs of this many steps
+STEPS_PER_EPOCH = 2  # as tests/strategies/test_strategy_checkpoint.py, whose reference counts epochs of this many steps
 
 
 @pytest.fixture(autouse=True)

@@ -1,5 +1,5 @@
 """CUDA paths of the fused optimizers: torch's fused Adam kernel behind FusedAdam, the Triton LAMB kernel, and
-has_overflow on device tensors. Compared with the CPU implementations, which tests/test_optimizers.py checks against
+has_overflow on device tensors. Compared with the CPU implementations, which tests/ops/test_optimizers.py checks against
 float64 references."""
 
 import pytest

@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from tests.distributed import free_port
 from tests.lightning_models import RegressionModule, full_state, reference_weights
+from tests.ranks import free_port
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

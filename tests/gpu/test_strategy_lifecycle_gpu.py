@@ -1,5 +1,5 @@
-"""CUDA side of tests/test_strategy_lifecycle.py: sync_batchnorm really converts (SyncBatchNorm runs only on GPU),
-and teardown leaves a sharded module on the GPU so a later test/fit still computes there."""
+"""CUDA side of tests/strategies/test_strategy_lifecycle.py: sync_batchnorm really converts (SyncBatchNorm runs only
+on GPU), and teardown leaves a sharded module on the GPU so a later test/fit still computes there."""
 
 import pytest
 import torch
@@ -7,9 +7,9 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import Callback
 
 from lightning_zero import ZeroStrategy
-from tests.distributed import free_port
 from tests.lightning_models import RegressionModule
-from tests.test_strategy_lifecycle import WithBatchNorm
+from tests.ranks import free_port
+from tests.strategies.test_strategy_lifecycle import WithBatchNorm
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

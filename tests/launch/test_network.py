@@ -166,7 +166,7 @@ def _two_node_audit_worker(rank, world_size):
 
 
 def test_diagnostics_callback_audits_every_node():
-    from tests.distributed import run_distributed
+    from tests.ranks import run_distributed
 
     run_distributed(_two_node_audit_worker, 2)
 

@@ -55,8 +55,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader
 
-from tests.distributed import run_distributed
 from tests.lightning_models import RegressionModule, dataset
+from tests.ranks import run_distributed
 
 WORLD = 2
 TOP_K = 3

@@ -91,7 +91,7 @@ def _fork_rank(kind: str, stage: int, root: Path, rank: int, port: int) -> int:
         return pid
     # the child: torchrun's environment, output to a log, the job, then the interpreter's own exit
     try:
-        gc.freeze()  # nothing inherited is collected here (tests/distributed.py, [Note: a forked rank ...])
+        gc.freeze()  # nothing inherited is collected here (tests/ranks.py, [Note: a forked rank ...])
         os.setpgid(0, 0)
         log = os.open(root / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(log, 1)

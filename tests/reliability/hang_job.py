@@ -10,8 +10,8 @@ import torch.distributed as dist
 from lightning.pytorch import Trainer
 
 from lightning_zero import ZeroStrategy
-from tests.distributed import run_distributed
 from tests.lightning_models import RegressionModule
+from tests.ranks import run_distributed
 
 HANG_TIMEOUT = 3.0
 _root = "."

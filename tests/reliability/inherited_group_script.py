@@ -8,7 +8,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from tests.distributed import free_port, run_distributed
+from tests.ranks import free_port, run_distributed
 
 
 class _Holder:

@@ -98,7 +98,7 @@ class Blocks(LightningModule):
 @pytest.fixture(autouse=True, scope="module")
 def _no_process_group_left_behind():
     # A one-device Trainer in this process initialises the default process group and, like Lightning's DDP, leaves
-    # it: later tests that fork ranks (tests.distributed) would inherit it.
+    # it: later tests that fork ranks (tests.ranks) would inherit it.
     yield
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed import free_port
+from tests.ranks import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,7 +31,7 @@ def test_process_group_is_destroyed_at_a_clean_exit_and_left_alone_on_a_failure(
 
 
 def test_forked_ranks_do_not_destroy_a_gloo_group_inherited_from_the_parent():
-    # Without gc.freeze() in tests/distributed.py the ranks hang in the inherited group's destructor (CI did, once).
+    # Without gc.freeze() in tests/ranks.py the ranks hang in the inherited group's destructor (CI did, once).
     result = subprocess.run([sys.executable, "-m", "tests.reliability.inherited_group_script"], cwd=ROOT,
                             capture_output=True, text=True, timeout=120,
                             env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})

@@ -25,7 +25,7 @@ from lightning_zero.checkpoint import (
 from lightning_zero.checkpoint.io import _translate
 from lightning_zero.checkpoint.safe_load import DCPMetadataUnpickler
 from lightning_zero.cli import main as cli_main
-from tests.distributed import run_distributed
+from tests.ranks import run_distributed
 from tests.reliability.tamper import reseal
 
 

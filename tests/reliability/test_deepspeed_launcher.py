@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lightning_zero.adapters.launch_checks import adopt_deepspeed_launcher_node_rank, check_deepspeed_launcher_nodes
-from tests.distributed import free_port
+from tests.ranks import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -84,7 +84,7 @@ def test_fabric_and_trainer_take_the_deepspeed_launchers_node_rank_alike(monkeyp
 def test_two_node_deepspeed_launch_with_no_local_rank_trains_hsdp_like_one_process(tmp_path):
     """Both "nodes" of a 2 x 2 launch run here, each through DeepSpeed's per-node launcher, as ``deepspeed`` runs
     it over pdsh. Before CROSS_RANK was read, node 1's ranks took node 0's global ranks and the job hung."""
-    from tests.test_strategy_checkpoint import _reference
+    from tests.strategies.test_strategy_checkpoint import _reference
 
     world_info = base64.urlsafe_b64encode(json.dumps({"nodeA": [0, 1], "nodeB": [0, 1]}).encode()).decode()
     port = free_port()

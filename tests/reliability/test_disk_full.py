@@ -13,8 +13,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_zero.checkpoint import CheckpointSaveError, atomic, wait_for_pending_saves
-from tests.distributed import run_distributed
 from tests.lightning_models import Net, RegressionModule, full_state, quiet_trainer
+from tests.ranks import run_distributed
 
 SMALL_DISK_SIZE = "2m"  # the tmpfs the ``small_disk`` fixture (tests/reliability/conftest.py) mounts
 

@@ -144,6 +144,6 @@ def _one_watchdog_worker(rank, world_size):
 
 
 def test_diagnostics_callback_adopts_the_strategy_watchdog():
-    from tests.distributed import run_distributed
+    from tests.ranks import run_distributed
 
     run_distributed(_one_watchdog_worker, 2)

@@ -29,8 +29,8 @@ from lightning_zero.checkpoint.atomic import CheckpointSaveError, replace_link
 from lightning_zero.checkpoint.directory import INFO_FILE, is_sharded_checkpoint
 from lightning_zero.checkpoint.full_save import is_full_file
 from lightning_zero.strategies import last_link
-from tests.distributed import run_distributed
 from tests.lightning_models import RegressionModule
+from tests.ranks import run_distributed
 
 SAVE_EVERY = 2
 KILLED_SAVE = 4  # the global step whose rotation is killed: step=2 is the previous checkpoint

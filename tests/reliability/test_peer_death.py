@@ -255,7 +255,7 @@ def test_a_node_killed_mid_step_is_named_and_the_restart_resumes_bit_exact(tmp_p
     reference runs on forked ranks (bit-equal to the two-host torchrun run, checked by hand), which is cheaper."""
     import torch
 
-    from tests.distributed import run_distributed
+    from tests.ranks import run_distributed
     from tests.reliability.peer_death_job import reference_worker
     from tests.reliability.peer_death_trials import row, run_trials
 

@@ -12,8 +12,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_zero import ZeroStrategy
 from lightning_zero.checkpoint.directory import is_sharded_checkpoint
 from lightning_zero.strategies.preemption import PREEMPTED_CHECKPOINT
-from tests.distributed import job_output, run_distributed
 from tests.lightning_models import RegressionModule, full_state
+from tests.ranks import job_output, run_distributed
 
 EPOCHS, STEPS_PER_EPOCH = 3, 2
 

@@ -17,8 +17,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_zero import ZeroStrategy
 from lightning_zero.checkpoint.directory import INFO_FILE
 from lightning_zero.strategies.auto_resume import newest_complete_checkpoint, restart_count
-from tests.distributed import free_port, job_output, run_distributed
 from tests.lightning_models import RegressionModule, full_state
+from tests.ranks import free_port, job_output, run_distributed
 from tests.reliability.restart_worker import form_group_as_an_attempt
 
 REPO = Path(__file__).resolve().parents[2]

@@ -13,8 +13,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.checkpoint import atomic
-from tests.distributed import run_distributed
 from tests.lightning_models import RegressionModule
+from tests.ranks import run_distributed
 
 KILLED_AT_SAVE = 3  # the third checkpoint save (global step 3) is the one rank 0 dies in
 

@@ -19,7 +19,7 @@ from lightning_zero.checkpoint import (
     save_sharded_checkpoint,
     wait_for_pending_saves,
 )
-from tests.distributed import run_distributed
+from tests.ranks import run_distributed
 
 META = {"epoch": 1}
 

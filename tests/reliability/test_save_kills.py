@@ -25,7 +25,7 @@ from lightning_zero.checkpoint import (
     wait_for_pending_saves,
 )
 from lightning_zero.checkpoint.directory import resolve_checkpoint_dir
-from tests.distributed import kill_rank_at_save_step, run_distributed
+from tests.ranks import kill_rank_at_save_step, run_distributed
 
 ROWS, COLS = 8, 3
 META = {"epoch": 1}
