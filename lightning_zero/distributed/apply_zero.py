@@ -40,8 +40,8 @@ from lightning_zero.distributed.activation_checkpointing import (
     apply_activation_checkpointing,
 )
 from lightning_zero.distributed.buffer_sync import broadcast_buffers, install_buffer_broadcast, note_gradient_sync
-from lightning_zero.distributed.comm_buffers import install_comm_buffer_pool
 from lightning_zero.distributed.config import ZeroConfig
+from lightning_zero.distributed.cpu_tuning import tune_sharded_module
 from lightning_zero.distributed.ddp import record_frozen_parameters
 from lightning_zero.distributed.deferred_init import has_deferred, materialize_module
 from lightning_zero.distributed.empty_init import guard_first_forward, reset_unwritten_modules, skipped_names
@@ -265,8 +265,7 @@ def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[
         fully_shard(group if len(group) > 1 else group[0], **{**kwargs, "reshard_after_forward": reshard})
     if config.prefetch_bytes:
         set_prefetch(list(reversed(groups)), config.prefetch_bytes)
-    if device.type == "cpu":
-        install_comm_buffer_pool(module)  # see lightning_zero.distributed.comm_buffers: CPU has no caching allocator
+    tune_sharded_module(module, device)  # CPU only: pooled buffers, pairwise reduce-scatter (cpu_tuning.py)
     if not config.offloads_params:
         module.to(device)
     swap_parameters(module, config, device)
