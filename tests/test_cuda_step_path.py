@@ -11,6 +11,7 @@ from lightning.pytorch.strategies.strategy import _ForwardRedirection
 
 from lightning_zero.distributed import cpu_tuning
 from lightning_zero.strategies.forward_redirection import RootForwardRedirection, forward_redirection_for
+from tests.distributed import run_distributed
 from tests.step_files import trace_steps
 
 # Every file of the package a stage-2 step (forward, backward, optimizer step) runs on CUDA: the Trainer's adapter,
@@ -73,3 +74,34 @@ def test_redirection_suspends_nested_root_calls_only_where_needed():
     # manual optimization needs the root's forward open at manual_backward (distributed/manual_backward.py)
     assert isinstance(forward_redirection_for(cuda, manual_optimization=True), RootForwardRedirection)
     assert isinstance(forward_redirection_for(cpu, manual_optimization=False), RootForwardRedirection)
+
+
+def _accumulation_worker(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+
+    from lightning_zero.distributed.apply_zero import apply_zero, set_gradient_sync
+    from lightning_zero.distributed.config import ZeroConfig
+    from tests.lightning_models import Net
+
+    calls = []
+    public = FSDPModule.set_reshard_after_backward
+
+    def record(self, reshard_after_backward, *, recurse=True):
+        calls.append((self, reshard_after_backward, recurse))
+        return public(self, reshard_after_backward, recurse=recurse)
+
+    FSDPModule.set_reshard_after_backward = record  # this forked rank only
+    for stage in (2, 3):
+        torch.manual_seed(0)
+        module = apply_zero(Net(), init_device_mesh("cpu", (world_size,)), ZeroConfig(stage=stage, unit_bytes=0))
+        # stage 2 keeps every unit gathered from forward to backward; stage 3 the root and the last block
+        kept = [module.blocks[1], module.blocks[0], module] if stage == 2 else [module.blocks[1], module]
+        for enabled in (False, True):
+            calls.clear()
+            set_gradient_sync(module, enabled)
+            assert calls == [(unit, enabled, False) for unit in kept], (stage, enabled, calls)
+
+
+def test_accumulation_keeps_units_gathered_through_torchs_public_switch():
+    run_distributed(_accumulation_worker, 2)
