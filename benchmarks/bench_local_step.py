@@ -39,11 +39,11 @@ def _worker(rank, world, port, job, out) -> None:
     torch.set_num_threads(1)
     import lightning.pytorch as pl
 
-    import lightning_zero.distributed.optimizer as zero_optimizer
+    import lightning_zero.distributed.cpu_tuning as cpu_tuning
     from lightning_zero import ZeroStrategy
 
     if job["arm"] == "dtensor":
-        zero_optimizer.use_local_step = lambda optimizer: False  # torch's own step on the DTensor parameters
+        cpu_tuning.use_local_step = lambda optimizer: False  # torch's own step on the DTensor parameters
     args = argparse.Namespace(quick=False, width=None, depth=None, batch=8, warmup=job["warmup"], steps=job["steps"])
     name, times, cpu = job["model"], [], []
 

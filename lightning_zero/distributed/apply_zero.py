@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import warnings
+import weakref
 from typing import Iterable, Optional
 
 import torch
@@ -40,8 +41,8 @@ from lightning_zero.distributed.activation_checkpointing import (
     apply_activation_checkpointing,
 )
 from lightning_zero.distributed.buffer_sync import broadcast_buffers, install_buffer_broadcast, note_gradient_sync
-from lightning_zero.distributed.comm_buffers import install_comm_buffer_pool
 from lightning_zero.distributed.config import ZeroConfig
+from lightning_zero.distributed.cpu_tuning import tune_sharded_module
 from lightning_zero.distributed.ddp import record_frozen_parameters
 from lightning_zero.distributed.deferred_init import has_deferred, materialize_module
 from lightning_zero.distributed.empty_init import guard_first_forward, reset_unwritten_modules, skipped_names
@@ -51,9 +52,14 @@ from lightning_zero.distributed.hybrid import check_mesh_matches, data_parallel_
 from lightning_zero.distributed.meta_init import init_meta_tensors
 from lightning_zero.distributed.replicas import keep_fp32_values
 from lightning_zero.distributed.units import param_bytes, plan_units, set_prefetch
-from lightning_zero.torch_compat import ddp_buffer_sync_kwargs, fsdp_param_groups
+from lightning_zero.torch_compat import ddp_buffer_sync_kwargs
 
 log = logging.getLogger(__name__)
+
+# root -> the units apply_zero sharded with reshard_after_forward=False (see _keep_gathered_between_micro_steps); a
+# weak table, not a module attribute, so that pickling the module never carries it along
+_KEPT_UNITS: "weakref.WeakKeyDictionary[nn.Module, list[nn.Module]]" = weakref.WeakKeyDictionary()
+
 
 def _resolve_classes(module: nn.Module, spec: Optional[Iterable]) -> module_classes.ClassSelector:
     """The FSDP unit classes: detected blocks (exact types) or the user's (subclasses included); see
@@ -248,25 +254,10 @@ def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[
         return wrapped
     if ddp_kwargs:
         raise ValueError(f"ddp_kwargs apply to stages 0-1 only; stage {config.stage} uses FSDP2")
-    from torch.distributed.fsdp import fully_shard
-
-    kwargs = _fsdp_kwargs(mesh, config, device, mp_policy)
-    # Children before parents: fully_shard on a parent excludes parameters already owned by a child unit. A
-    # deferred build (see lightning_zero.distributed.deferred_init) becomes real one unit at a time, right before
-    # that unit is sharded: the peak is one unit plus the shards. Every unit takes rank 0's values, as DDP does at
-    # stages 0-1 (broadcast_module_states skips what a child unit already sharded).
-    groups, persistent = unit_groups(module, config)
-    for group in [*groups, [module]]:
-        for unit in group:
-            materialize_module(unit)
-            broadcast_module_states(unit, data_parallel_group(mesh), device)
-        kept = _kept_from_forward_to_backward(group, module, groups, persistent, config)
-        reshard = False if kept else kwargs["reshard_after_forward"]
-        fully_shard(group if len(group) > 1 else group[0], **{**kwargs, "reshard_after_forward": reshard})
+    groups = _shard_units(module, mesh, config, device, _fsdp_kwargs(mesh, config, device, mp_policy))
     if config.prefetch_bytes:
         set_prefetch(list(reversed(groups)), config.prefetch_bytes)
-    if device.type == "cpu":
-        install_comm_buffer_pool(module)  # see lightning_zero.distributed.comm_buffers: CPU has no caching allocator
+    tune_sharded_module(module, device)  # CPU only: pooled buffers, pairwise reduce-scatter (cpu_tuning.py)
     if not config.offloads_params:
         module.to(device)
     swap_parameters(module, config, device)
@@ -275,6 +266,30 @@ def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[
         install_buffer_broadcast(module, data_parallel_group(mesh), device)
     guard_first_forward(module, unwritten, device, config.stage)  # after the broadcast: it sees rank 0's buffers
     return module
+
+
+def _shard_units(module: nn.Module, mesh, config: ZeroConfig, device: torch.device,
+                 kwargs: dict) -> list[list[nn.Module]]:
+    """``fully_shard`` each unit group below ``module`` (returned, in the order sharded), then ``module`` itself.
+
+    Children before parents: fully_shard on a parent excludes parameters already owned by a child unit. A deferred
+    build (see lightning_zero.distributed.deferred_init) becomes real one unit at a time, right before that unit is
+    sharded: the peak is one unit plus the shards. Every unit takes rank 0's values, as DDP does at stages 0-1
+    (broadcast_module_states skips what a child unit already sharded)."""
+    from torch.distributed.fsdp import fully_shard
+
+    groups, persistent = unit_groups(module, config)
+    kept_units = _KEPT_UNITS[module] = []
+    for group in [*groups, [module]]:
+        for unit in group:
+            materialize_module(unit)
+            broadcast_module_states(unit, data_parallel_group(mesh), device)
+        kept = _kept_from_forward_to_backward(group, module, groups, persistent, config)
+        reshard = False if kept else kwargs["reshard_after_forward"]
+        fully_shard(group if len(group) > 1 else group[0], **{**kwargs, "reshard_after_forward": reshard})
+        if reshard is False:
+            kept_units.append(group[0])  # the modules of a group share one FSDP2 state
+    return groups
 
 
 def _checkpoint_activations(module: nn.Module, settings: ActivationCheckpointConfig, config: ZeroConfig) -> None:
@@ -436,16 +451,9 @@ def _keep_gathered_between_micro_steps(module: nn.Module, keep: bool) -> None:
     post-backward reshard (FSDP2's ``reshard_after_backward``); the last micro-step reduces and reshards as usual,
     before the optimizer step. The peak is unchanged (these parameters are gathered during every forward-to-backward
     already); only the time between two micro-steps holds them too. Units that reshard after forward (stage 3) are left
-    alone: keeping them would turn stage 3 into stage 2's memory. A torch without this bookkeeping gets the default
-    (reshard), never a wrong result.
+    alone: keeping them would turn stage 3 into stage 2's memory. The switch is torch's public
+    ``FSDPModule.set_reshard_after_backward``, per unit that :func:`apply_zero` sharded with
+    ``reshard_after_forward=False``.
     """
-    from torch.distributed.fsdp import FSDPModule
-
-    for sub in module.modules():
-        if not isinstance(sub, FSDPModule):
-            continue
-        state = sub._get_fsdp_state()
-        for group in fsdp_param_groups(state):
-            # post_forward_mesh_info is None exactly when the group does not reshard after forward
-            if getattr(group, "post_forward_mesh_info", ()) is None:
-                group.reshard_after_backward = not keep
+    for unit in _KEPT_UNITS.get(module, ()):
+        unit.set_reshard_after_backward(not keep, recurse=False)

@@ -13,6 +13,8 @@ none for CPU. It is plugged in through FSDP2's own hook (``FSDPModule.set_custom
 torch's: ``all_gather_single`` (``all_gather_into_tensor`` before torch 2.13), and ``isend``/``irecv`` plus a local
 sum for the reduce-scatter (see the last note).
 
+CPU-only: :mod:`lightning_zero.distributed.cpu_tuning` installs it where the run computes on the CPU.
+
 [Note: when a pooled buffer is free]
 A buffer is handed out again only when nothing but the pool references its storage: the storage's use count is
 read, not guessed from FSDP's call order. A gradient that still lives in a buffer (accumulation without

@@ -5,6 +5,8 @@ At stages 2-3 the optimizer holds FSDP2's sharded ``DTensor`` parameters (or the
 parameter (``mul_``, ``lerp_``, ``addcdiv_``, ``sqrt``, ...) is one ``PythonSubclass`` call that looks up a sharding
 rule before running the same op on the local shard. On a model with many small parameters that dispatch, not the
 arithmetic, is the optimizer step's cost (the profile and dispatch counts: ``docs/performance_notes_stage2.md``).
+CPU-only: :mod:`lightning_zero.distributed.cpu_tuning` switches it on where the optimizer steps on the CPU, where torch
+picks that per-parameter loop; on CUDA torch's ``foreach`` step over the DTensors runs as shipped.
 
 For Adam, AdamW and SGD every state and update is elementwise, so stepping the local shards with the same torch
 optimizer code gives bit-identical values: :func:`use_local_step` makes the optimizer's ``step`` hand torch's own

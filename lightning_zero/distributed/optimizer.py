@@ -34,7 +34,8 @@ themselves are the masters: parameter swapping (``offload_params="nvme"``) moves
 
 [Note: what optimizer.step() runs]
 :func:`shard_optimizer` leaves the user's ``optimizer.step()`` running these layers, outermost first; each is added
-only when its setting asks for it, so a plain stage-2 Adam runs step 4 around step 5:
+only when its setting asks for it, so a plain stage-2 Adam runs step 5 alone on CUDA (torch's optimizer over the
+DTensor shards, as shipped) and step 4 around step 5 where it steps on the CPU (:mod:`.cpu_tuning`):
 
 1. torch's step hooks, pre-hook :func:`_pre_step`: with the optimizer offloaded, copy this rank's gradients into
    the CPU masters' gradient buffers (stage 1 or ``offload_optimizer``);
@@ -42,11 +43,11 @@ only when its setting asks for it, so a plain stage-2 Adam runs step 4 around st
    sub-group at a time with its states (and masters) read from disk, calling the layers below per sub-group;
 3. ``offload_params="nvme"``: the parameter swapper's step (:mod:`lightning_zero.offload.param_swapper`), one FSDP2
    unit at a time with its shards resident;
-4. Adam, AdamW or SGD over DTensors: the local-shard step (:mod:`.local_step`), which hands torch's own step the
-   local tensors;
-5. the optimizer class's own ``step`` (torch's, with the user's ``foreach``/``fused`` choice; an Adam/AdamW that
-   left it to torch steps its fp32 CPU groups with ``fused=True``, set for the step by pre/post-hooks after those
-   of layers 1 and 6: :mod:`lightning_zero.ops.cpu_fused`);
+4. an optimizer stepping on the CPU, Adam, AdamW or SGD over DTensors: the local-shard step (:mod:`.local_step`),
+   which hands torch's own step the local tensors;
+5. the optimizer class's own ``step`` (torch's, with the user's ``foreach``/``fused`` choice; on the CPU an
+   Adam/AdamW that left it to torch steps its fp32 groups with ``fused=True``, set for the step by pre/post-hooks
+   after those of layers 1 and 6: :mod:`lightning_zero.ops.cpu_fused`);
 6. torch's step hooks, post-hook :func:`_post_step`: copy the masters back into the module's parameters,
    broadcast each stage-1 parameter from the rank that stepped it, drop gradients the optimizer does not hold.
 
@@ -68,11 +69,11 @@ from torch import Tensor
 
 from lightning_zero.diagnostics.timing import collective_timer
 from lightning_zero.distributed.config import ZeroConfig
-from lightning_zero.distributed.local_step import restore_step, use_local_step, wrap_like
+from lightning_zero.distributed.cpu_tuning import tune_optimizer
+from lightning_zero.distributed.local_step import restore_step, wrap_like
 from lightning_zero.distributed.owner_broadcast import BroadcastPlan, broadcast_from_owners, plan_broadcast
 from lightning_zero.offload.optimizer_swapper import OptimizerStateSwapper, attach_swapper, detach_swapper
 from lightning_zero.offload.param_swapper import attach_param_step, detach_param_step, find_param_swapper
-from lightning_zero.ops.cpu_fused import prefer_fused_on_cpu
 from lightning_zero.ops.step_override import override_step, restore_step_override
 from lightning_zero.torch_compat import local_tensor
 
@@ -294,15 +295,15 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, config: ZeroConfig, *, gro
     if config.stage == 1 or sharding.masters:
         sharding.hooks.append(optimizer.register_step_pre_hook(_pre_step))
         sharding.hooks.append(optimizer.register_step_post_hook(_post_step))
-    # After _pre_step, so the CPU masters have their gradients when it decides. The NVMe swappers narrow these same
-    # group dicts to each sub-group, so their resident tensors step with the flag it sets too.
-    if (fused := prefer_fused_on_cpu(optimizer)) is not None:
+    # Only where it steps on the CPU (cpu_tuning.py): the fused kernel's hooks after _pre_step, so the CPU masters
+    # have their gradients when it decides (the NVMe swappers narrow these same group dicts, so their resident
+    # tensors step with its flag too). [Note: the local step under NVMe swapping] The local step first, the
+    # innermost step: the swappers narrow ``param_groups`` to a sub-group (and a unit) with its states and masters
+    # resident, then call the class step they derive from, which steps exactly those on their local shards.
+    fused, local_step = tune_optimizer(optimizer, device)
+    if fused is not None:
         sharding.hooks.append(fused)  # its remove() also puts the flags back
-    # [Note: the local step under NVMe swapping] First, so that it is the innermost step: the swappers narrow
-    # ``param_groups`` to a sub-group (and a unit) with its states and masters resident, then call the class step
-    # they derive from, which steps exactly those on their local shards. Without it every elementwise op of the
-    # swapped step would go through DTensor's Python dispatch.
-    if use_local_step(optimizer):
+    if local_step:
         sharding.local_step_of = optimizer
     if config.swaps_parameters:
         # Before the state swapper: it steps each of its sub-groups through this unit-by-unit step.

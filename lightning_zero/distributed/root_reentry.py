@@ -16,7 +16,8 @@ outer forward runs: the nested calls still go through the pre-forward hook (inpu
 parameters already gathered), and the outer call's post-forward hook closes the forward once, with the outer
 output, exactly as without nesting. FSDP2 has no public switch for this; the hook is found through the handle the
 root's FSDP state keeps for it, and anything unexpected (grouped units, another torch layout) leaves the hooks as
-they are: the extra all-gather, never a wrong result.
+they are: the extra all-gather, never a wrong result. Where it is used (under manual optimization, and in
+automatic optimization only where the CPU tuning is on): :mod:`lightning_zero.distributed.cpu_tuning`.
 """
 
 from __future__ import annotations

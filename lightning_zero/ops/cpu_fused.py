@@ -22,6 +22,7 @@ DTensor, optimizers not built as exactly Adam/AdamW (a subclass's step may add m
 step overrides count as the class they derive from). The flag is set by a step pre-hook and put back to ``None`` by
 the post-hook; a state dict taken while it is set (after a step that raised) shows ``None``, and ``remove()`` puts
 every flag back, so ``param_groups`` after teardown, ``state_dict()`` and every checkpoint show the user's settings.
+CPU-only: ``lightning_zero.distributed.cpu_tuning`` attaches it where the optimizer steps on the CPU.
 
 Framework-free: imports only torch and the step-override helper.
 """

@@ -33,7 +33,7 @@ from torch.distributed.pipelining import (
 )
 
 from lightning_zero.diagnostics.timing import collective_timer
-from lightning_zero.distributed.comm_buffers import CommBufferPool, install_comm_buffer_pool
+from lightning_zero.distributed.cpu_tuning import tune_stage_modules
 from lightning_zero.distributed.group_timeout import package_group_timeout
 from lightning_zero.pipeline.module import PipelineModule
 from lightning_zero.pipeline.specs import TiedLayerSpec, get_parameter
@@ -209,10 +209,7 @@ class PipelineRunner:
                 if any(p.requires_grad for p in child.parameters()):
                     fully_shard(child, mesh=dp_mesh, reshard_after_forward=self.config.reshard_after_forward)
             fully_shard(sm, mesh=dp_mesh, reshard_after_forward=self.config.reshard_after_forward)
-        if torch.device(self.device).type == "cpu":
-            pool = CommBufferPool()  # CPU has no caching allocator: see lightning_zero.distributed.comm_buffers
-            for sm in self.stage_modules:
-                install_comm_buffer_pool(sm, pool)
+        tune_stage_modules(self.stage_modules, torch.device(self.device))  # CPU only: see distributed/cpu_tuning.py
 
     # --------------------------------------------------------------------------------------------------- run
     def _run(self, inputs: Any, targets: Any, train: bool) -> torch.Tensor:

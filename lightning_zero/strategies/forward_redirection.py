@@ -1,13 +1,20 @@
 """The Trainer's forward redirection at stages 2-3: ``training_step`` (and the evaluation steps) through the FSDP2
-root's ``__call__``, with nested ``self(x)`` calls that do not end the root's forward
-(:mod:`lightning_zero.distributed.root_reentry`)."""
+root's ``__call__``. :func:`forward_redirection_for` chooses, at setup, between Lightning's own
+``_ForwardRedirection`` (``lightning/pytorch/strategies/strategy.py``: the method runs as the root's ``forward``, its
+hooks untouched) and :class:`RootForwardRedirection`, with nested ``self(x)`` calls that do not end the root's
+forward (:mod:`lightning_zero.distributed.root_reentry`): under manual optimization on every device, which needs it
+to be right, else only where the CPU tuning is on (:mod:`lightning_zero.distributed.cpu_tuning`). With Lightning's,
+a nested ``self(x)`` reshards the root when ``training_step`` returns and its backward gathers it again, as FSDP2
+does for any module called twice in one forward."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from lightning.pytorch.strategies.strategy import _ForwardRedirection
 
+from lightning_zero.distributed.cpu_tuning import suspend_nested_root_forward
 from lightning_zero.distributed.root_reentry import root_post_forward_suspended
 
 
@@ -36,3 +43,10 @@ class RootForwardRedirection(_ForwardRedirection):
         output = wrapper_module(*args, **kwargs)
         self.on_after_outer_forward(wrapper_module, original_module)
         return output
+
+
+def forward_redirection_for(device: torch.device, manual_optimization: bool) -> _ForwardRedirection:
+    """The redirection of a stage 2-3 module computing on ``device`` (see the module docstring)."""
+    if suspend_nested_root_forward(device, manual_optimization):
+        return RootForwardRedirection()
+    return _ForwardRedirection()

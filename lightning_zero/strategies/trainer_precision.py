@@ -64,7 +64,8 @@ class ZeroPrecision(ZeroPrecisionPolicy, Precision):
         automatic = getattr(model, "automatic_optimization", True)
         if automatic and closure_result is None:
             return None  # training_step returned None: Lightning skips backward and the step
-        average_unfrozen_gradients(model)  # stages 0-1: see [Note: parameters DDP does not reduce]
+        if self.stage <= 1:  # recorded for DDP only: see [Note: parameters DDP does not reduce]
+            average_unfrozen_gradients(model)
         if self.scaler is not None and self._skip_on_overflow(model, optimizer):
             return closure_result
         if not getattr(self, "_gradient_hooks_checked", False):  # once: hooks added after setup (on_fit_start)

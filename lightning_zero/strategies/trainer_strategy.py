@@ -61,7 +61,7 @@ from lightning_zero.strategies.ds_config_fit import (
     scheduler_from_config,
     uninstall_config_optimizers,
 )
-from lightning_zero.strategies.forward_redirection import RootForwardRedirection
+from lightning_zero.strategies.forward_redirection import RootForwardRedirection, forward_redirection_for
 from lightning_zero.strategies.multiprocessing_launcher import ZeroMultiProcessingLauncher
 from lightning_zero.strategies.optimizer_toggle import install_partition_aware_toggle, uninstall_partition_aware_toggle
 from lightning_zero.strategies.pipeline_gradients import PipelineGradients
@@ -405,10 +405,13 @@ class ZeroStrategy(ParallelStrategy):
         else:  # evaluation at stages 0-1: no DDP, every rank starts from rank 0's weights
             runtime.replicate_for_evaluation(self.model, meshes.data_parallel, self.root_device)
         automatic = fitting and self.lightning_module.automatic_optimization  # it zeroes after training_step
-        self._bucket_rebuild = EarlyBucketRebuild(self.model if automatic else None)  # DDP's only: see its note
+        ddp = isinstance(self.model, DistributedDataParallel)
+        self._bucket_rebuild = EarlyBucketRebuild(self.model) if automatic and ddp else None  # see its note
         if self.stage >= 2 and fitting and self._runner is None and not self.lightning_module.automatic_optimization:
             self._manual_backward = ManualBackward(self.model)
             self._teardown_handles.append(self._manual_backward)
+        if self.stage >= 2:
+            self._forward_redirection = forward_redirection_for(self.root_device, self._manual_backward is not None)
 
     def setup_optimizers(self, trainer) -> None:
         self._reset_optimizers_and_schedulers()
@@ -444,7 +447,7 @@ class ZeroStrategy(ParallelStrategy):
         if self._runner is None:  # manual_backward runs inside training_step's forward: see manual_backward's note
             with self._manual_backward.backward(closure_loss) if self._manual_backward else nullcontext():
                 closure_loss = super().backward(closure_loss, optimizer, *args, **kwargs)
-            return self._bucket_rebuild.after_backward(closure_loss)
+            return closure_loss if self._bucket_rebuild is None else self._bucket_rebuild.after_backward(closure_loss)
         # The schedule already ran backward inside training_step (see pipeline_gradients.py): restore its gradients
         # and run the hooks.
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
@@ -458,7 +461,7 @@ class ZeroStrategy(ParallelStrategy):
     def _redirect(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Route a step through the root module's ``__call__`` so its DDP/FSDP2 hooks run (see apply_zero's note)."""
         assert self.lightning_module is not None
-        if self.model is self.lightning_module and (self.stage <= 1 or self.settings.pipeline.enabled):
+        if self.model is self.lightning_module and (self.stage <= 1 or self._runner is not None):
             return getattr(self.lightning_module, method)(*args, **kwargs)
         return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
 
@@ -559,7 +562,7 @@ class ZeroStrategy(ParallelStrategy):
         for handle in self._teardown_handles:
             handle.remove()
         self._teardown_handles.clear()
-        self._manual_backward, self._bucket_rebuild = None, EarlyBucketRebuild(None)  # keep no wrapper alive
+        self._manual_backward, self._bucket_rebuild = None, None  # keep no wrapper alive
         self.precision_plugin.fp32_values.clear()
         if isinstance(self.model, DistributedDataParallel):
             self.model = lightning_module

@@ -5,7 +5,7 @@ the default AdamW and for AdamW(fused=True) (torch's one-pass CPU kernel, run pe
 
 import torch
 
-from lightning_zero.distributed import optimizer as optimizer_module
+from lightning_zero.distributed import cpu_tuning
 from lightning_zero.distributed.apply_zero import apply_zero
 from lightning_zero.distributed.config import ZeroConfig
 from lightning_zero.distributed.local_step import is_local_step
@@ -34,12 +34,12 @@ def _train(rank, root, stage, offload, cls, kwargs, local, steps=3, accumulate=2
     if local:
         sharding = shard_optimizer(optimizer, config)
     else:  # the reference: torch's DTensor path under the same swapping
-        original = optimizer_module.use_local_step
-        optimizer_module.use_local_step = lambda opt: False
+        original = cpu_tuning.use_local_step
+        cpu_tuning.use_local_step = lambda opt: False
         try:
             sharding = shard_optimizer(optimizer, config)
         finally:
-            optimizer_module.use_local_step = original
+            cpu_tuning.use_local_step = original
     assert is_local_step(optimizer) == local
     swapper = get_swapper(optimizer)
     assert swapper is None or len(swapper.subgroups) > 1
