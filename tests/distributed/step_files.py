@@ -18,7 +18,7 @@ import torch
 from lightning.pytorch import Callback
 
 import lightning_zero
-from tests.distributed import run_distributed
+from tests.ranks import run_distributed
 
 PACKAGE_DIR = str(Path(lightning_zero.__file__).resolve().parent)
 
@@ -100,7 +100,7 @@ def trace_steps(
     return found
 
 
-if __name__ == "__main__":  # python -m tests.step_files [--functions]: print the lists
+if __name__ == "__main__":  # python -m tests.distributed.step_files [--functions]: print the lists
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,6 +1,6 @@
 """The stage-2 training step a CUDA run takes: torch's engine as shipped, in at most six files of the package.
 
-The step is traced on CPU (``tests/step_files.py``) with the package's one switch for CPU-only tuning,
+The step is traced on CPU (``tests/distributed/step_files.py``) with the package's one switch for CPU-only tuning,
 ``lightning_zero.distributed.cpu_tuning.cpu_tuning_enabled``, answering as on CUDA; ``docs/architecture.md``, "A
 training step at stage 2", draws the same path.
 """
@@ -11,8 +11,8 @@ from lightning.pytorch.strategies.strategy import _ForwardRedirection
 
 from lightning_zero.distributed import cpu_tuning
 from lightning_zero.strategies.forward_redirection import RootForwardRedirection, forward_redirection_for
-from tests.distributed import run_distributed
-from tests.step_files import trace_steps
+from tests.ranks import run_distributed
+from tests.distributed.step_files import trace_steps
 
 # Every file of the package a stage-2 step (forward, backward, optimizer step) runs on CUDA: the Trainer's adapter,
 # its precision plugin over the shared policy, the hang watchdog's marks and the preemption agreement at the batch's
