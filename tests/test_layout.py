@@ -5,7 +5,9 @@ imports inside functions and under ``TYPE_CHECKING`` count like any other:
 * each folder imports only the folders ``ALLOWED`` lists for it (the layers of ``docs/architecture.md``);
 * the framework-free core imports no Lightning, and only ``strategies/``, ``callbacks/`` and ``cli/`` import the
   Trainer (``lightning.pytorch``);
-* files stay under 600 lines and functions under 80, so each can be read in one sitting.
+* files stay under 600 lines and functions under 80, so each can be read in one sitting;
+* each top-level function, class and public constant is defined in one module only (``DEFINED_IN_EACH``: the names
+  a convention asks several modules to define), and imported wherever else it is used.
 """
 
 from __future__ import annotations
@@ -47,6 +49,17 @@ TRAINER = ("lightning.pytorch", "pytorch_lightning")
 TRAINER_SIDE = ("strategies", "callbacks", "cli", "TOP")
 MAX_FILE_LINES = 600
 MAX_FUNCTION_LINES = 80
+# Names that several modules define on purpose, each for its own caller that reaches it through the module:
+DEFINED_IN_EACH = {
+    "ZeroStrategy": "the Trainer's and Fabric's strategy class, each registered under its framework's own name",
+    "save": "each adapter's checkpoint module (trainer_checkpoints, fabric_checkpoints), called module-qualified",
+    "load": "each adapter's checkpoint module, as save",
+    "add_parser": "every cli/ subcommand module: cli.main registers each by its module name",
+    "run": "every cli/ subcommand module: what cli.main runs for it",
+    "main": "the entry point of each module run with python -m (cli, cli.advise_measure, cli.diagnose, fabric)",
+    "log": "each module's own logger, logging.getLogger(__name__)",
+}
+
 
 
 def _module_name(path: Path, root: Path) -> str:
@@ -221,6 +234,50 @@ def test_files_and_functions_stay_short():
                 if length > MAX_FUNCTION_LINES:
                     long.append(f"{where}:{node.lineno}: {node.name} is {length} lines")
     assert long == [], "split along a seam a reader would name: " + "; ".join(long)
+
+
+def top_level_definitions(root: Path = PACKAGE) -> dict[str, list[str]]:
+    """``{name: ["file:line", ...]}`` of the functions, classes and public constants (assigned names that do not start
+    with ``_``) defined at the top level of each module under ``root``. Module-private constants are left out: no
+    module reads another's private names, so each is read only in its own file."""
+    found: dict[str, list[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        where = path.relative_to(root).as_posix()
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names = [node.name]
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names = [t.id for t in targets if isinstance(t, ast.Name) and not t.id.startswith("_")]
+            else:
+                continue
+            for name in names:
+                found.setdefault(name, []).append(f"{where}:{node.lineno}")
+    return found
+
+
+def duplicate_definitions(root: Path = PACKAGE) -> list[str]:
+    return [f"{name} in {', '.join(places)}" for name, places in top_level_definitions(root).items()
+            if len(places) > 1 and name not in DEFINED_IN_EACH]
+
+
+def test_each_helper_is_defined_once():
+    # Keep one definition in the lowest layer its users may import and import it elsewhere; two things that only
+    # share a name get names that say how they differ.
+    duplicates = duplicate_definitions()
+    assert duplicates == [], "defined in more than one module: " + "; ".join(duplicates)
+
+
+def test_a_second_definition_is_found(tmp_path):
+    root = tmp_path / "lightning_zero"
+    (root / "ops").mkdir(parents=True)
+    (root / "checkpoint").mkdir()
+    (root / "ops" / "a.py").write_text("def parse_size(text):\n    return 1\n_PRIVATE = 1\nLIMIT = 2\n")
+    (root / "checkpoint" / "b.py").write_text("class parse_size:\n    pass\n_PRIVATE = 3\nLIMIT: int = 4\n"
+                                              "def save():\n    pass\n")
+    (root / "checkpoint" / "c.py").write_text("from ..ops.a import parse_size\ndef save():\n    pass\n")
+    assert duplicate_definitions(root) == ["parse_size in checkpoint/b.py:1, ops/a.py:1",
+                                           "LIMIT in checkpoint/b.py:4, ops/a.py:4"]
 
 
 @pytest.mark.parametrize(("relative", "source", "rule"), [

@@ -229,7 +229,7 @@ def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[
     if replica_dtype is not None and (config.stage >= 2 or fp32_values is None):
         raise ValueError("replica_dtype applies to stages 0-1 and needs a dict fp32_values to fill")
     refuse_sharded_modules(module)  # before any collective: every rank refuses alike
-    device = device or _default_device(mesh)
+    device = device or _mesh_device(mesh)
     refuse_fsdp1_modules(module)
     if config.stage >= 2:
         refuse_parameter_gradient_hooks(module)
@@ -404,7 +404,7 @@ def refuse_parameter_gradient_hooks(module: nn.Module, *, sharded_only: bool = F
             "param.grad is the reduced, sharded gradient).")
 
 
-def _default_device(mesh) -> torch.device:
+def _mesh_device(mesh) -> torch.device:
     if mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(mesh.device_type)
