@@ -322,7 +322,7 @@ def ddp_defaults(ddp_kwargs: Optional[dict] = None) -> dict:
     DDP's default (``gradient_as_bucket_view=False``) keeps two gradient-sized buffers per rank: autograd's ``.grad``
     and the all-reduce buckets it copies them into and back out of. ZeRO's point is not to hold what is not needed,
     and DeepSpeed's stage 0 keeps one gradient buffer, so here the gradients *are* the buckets (torch's
-    ``gradient_as_bucket_view=True``): one gradient copy less at the peak (measured in
+    ``gradient_as_bucket_view=True``): one gradient copy less at the peak (the figures:
     ``docs/performance_notes_stage0.md``) and no bucket-to-``.grad`` copy after the reduction. Values are the same
     (the reduced bucket is what DDP's default copies into ``.grad``). What changes for the user: ``.grad`` is a view,
     so ``p.grad.detach_()`` raises, and a ``.grad`` replaced by another tensor (not ``None``) between steps makes DDP

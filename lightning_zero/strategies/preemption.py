@@ -43,9 +43,9 @@ round trip to the store on every step, and a rank can read it just before anothe
 agree on the step.)
 
 [Note: a notice after the last step]
-A signal that arrives during the last batch (or after it, before the fit ends) is in no batch's agreement. It used to
-be dropped: the fit ended normally, Lightning restored the handlers, and the process went on after ``fit`` as if
-never asked to stop, until the scheduler's SIGKILL. ``on_train_end`` (every rank, after the last batch and
+A signal that arrives during the last batch (or after it, before the fit ends) is in no batch's agreement. Left
+there it would be dropped: the fit ends normally, Lightning restores the handlers, and the process goes on after
+``fit`` as if never asked to stop, until the scheduler's SIGKILL. ``on_train_end`` (every rank, after the last batch and
 ``ModelCheckpoint``'s saves) therefore agrees once more, blocking, and a signal found there is handled as at a step
 boundary: the preemption checkpoint at the final step, then ``128 + signal``. The restarted job resumes at the
 final step, its fit ends at once, and the script goes on after ``fit``.
