@@ -8,6 +8,7 @@ and optimizer states swapped to NVMe; needs ``nvme_path``) with Lightning's Trai
 
 from lightning_zero.callbacks import ConsolidateCheckpoint, NCCLDiagnostics, ThroughputLogger
 from lightning_zero.checkpoint import export_hf
+from lightning_zero.cli.toplevel import __version__
 from lightning_zero.distributed.activation_checkpointing import (
     ActivationCheckpointConfig,
     apply_activation_checkpointing,
@@ -32,7 +33,6 @@ from lightning_zero.strategies import LossScaleConfig, ZeroPrecision, ZeroStrate
 
 import lightning_zero.fabric  # noqa: E402, F401  # isort: skip  (registers the names with Fabric, after strategies)
 
-__version__ = "0.1.0"
 __all__ = [
     "ActivationCheckpointConfig",
     "CommBufferPool",

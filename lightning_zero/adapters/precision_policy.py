@@ -52,14 +52,23 @@ from typing import Any, Generator, Optional, Union
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
+from lightning_zero.distributed.config import COMMUNICATION_DATA_TYPES
 from lightning_zero.distributed.optimizer import get_sharding
 from lightning_zero.distributed.replicas import replica_dtype
 from lightning_zero.ops.loss_scaler import DynamicLossScaler, StaticLossScaler, has_overflow
 from lightning_zero.torch_compat import local_tensor
 
 SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
-COMMUNICATION_DATA_TYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _LOW_DTYPES = {"bf16": torch.bfloat16, "16": torch.float16}
+
+
+class PrecisionFlag:
+    """A stand-in for the plugin the framework would have chosen for a ``precision`` flag (a ds_config's precision,
+    adopted at setup): each adapter turns it into its ``ZeroPrecisionPolicy`` plugin like the framework's own
+    choice, reading only ``precision``."""
+
+    def __init__(self, precision: str) -> None:
+        self.precision = precision
 
 
 @dataclass(frozen=True)

@@ -27,10 +27,11 @@ maps only the detected accelerator); torchtitan adds ``cpu:gloo`` when asked (``
 ``init_distributed(enable_cpu_backend=...)``), and torch's own ``dcp.async_save`` refuses a group without one
 (``torch/distributed/checkpoint/state_dict_saver.py``). Always rather than only with offload: object collectives
 and barriers then run on CPU too (torch picks the CPU backend for them, ``_get_object_coll_device``), without a CUDA
-sync, and the cost is one gloo connection per peer at start-up (``benchmarks/bench_group_start.py``, measured in
-``docs/offload.md``). A backend the user names is taken as given; one that serves no CPU tensors is refused with
-offload before any group starts (``launch_checks.check_backend_serves_offload``), and a group started before the
-strategy (by the user's script) is checked the same way once it exists (:func:`check_group_serves_offload`).
+sync, and the cost is one gloo connection per peer at start-up (its figures and their command,
+``benchmarks/bench_group_start.py``: ``docs/offload.md``). A backend the user names is taken as given; one that serves
+no CPU tensors is refused with offload before any group starts (``launch_checks.check_backend_serves_offload``), and a
+group started before the strategy (by the user's script) is checked the same way once it exists
+(:func:`check_group_serves_offload`).
 """
 
 from __future__ import annotations

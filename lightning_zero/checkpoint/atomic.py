@@ -109,13 +109,13 @@ def delete_checkpoint_directory(path: str) -> None:
     """Delete a checkpoint directory of ours so that a kill at any instant leaves something recognisably ours.
 
     [Note: deleting a checkpoint] ``shutil.rmtree`` removes entries in directory order, so a kill could leave the
-    shards without ``.metadata``/``zero.json``: a directory that no longer looks like ours, which the next save then
-    refused to delete (a crash loop under ``torchrun --max-restarts``). So :data:`PARTIAL_MARKER` (which a save
+    shards without ``.metadata``/``zero.json``: a directory that no longer looks like ours, which the next save would
+    refuse to delete (a crash loop under ``torchrun --max-restarts``). So :data:`PARTIAL_MARKER` (which a save
     writes into its partial directory, and older checkpoints may lack) is made sure of first and removed last:
     every intermediate state is a marked leftover that the next save (or rotation) deletes. And ``zero.json``, the
     record a save writes last, goes first: from the first removal on the directory is no longer complete
-    (:func:`is_complete`), where a kill after a shard went used to leave ``zero.json`` and ``.metadata`` standing,
-    a half-deleted directory that passed for a checkpoint.
+    (:func:`is_complete`); removed after a shard, a kill between the two would leave ``zero.json`` and ``.metadata``
+    standing, a half-deleted directory that passes for a checkpoint.
     """
     marker = os.path.join(path, PARTIAL_MARKER)
     with open(marker, "a"):

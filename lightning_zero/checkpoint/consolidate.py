@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
+from lightning_zero.checkpoint.atomic import PathLike
 from lightning_zero.checkpoint.hf_export import strip_prefix_entries
 from lightning_zero.checkpoint.streaming import TensorEntry, tensor_slot, write_safetensors, write_torch_checkpoint
 from lightning_zero.checkpoint.tensor_sources import (
@@ -29,8 +30,6 @@ from lightning_zero.checkpoint.tensor_sources import (
     open_source,
     parse_dtype,
 )
-
-PathLike = Union[str, os.PathLike]
 
 
 def iter_consolidated(path: PathLike, dtype: Union[None, str, torch.dtype] = None

@@ -39,14 +39,13 @@ import os
 import re
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from lightning_zero.checkpoint.atomic import PathLike
 from lightning_zero.checkpoint.safe_load import safe_torch_load
 from lightning_zero.checkpoint.streaming import TensorEntry
-
-PathLike = Union[str, os.PathLike]
 
 
 class DeepSpeedObject:

@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, List, Tuple, Union
+from typing import Any, Dict, List, Tuple
 
 from lightning_zero.checkpoint import atomic
-from lightning_zero.checkpoint.atomic import INFO_FILE
+from lightning_zero.checkpoint.atomic import INFO_FILE, PathLike
 from lightning_zero.checkpoint.errors import CheckpointError
 from lightning_zero.checkpoint.safe_load import load_meta, read_dcp_metadata
 from lightning_zero.checkpoint.verify import check_files, check_metadata, check_seal, unique_problems
-
-PathLike = Union[str, os.PathLike]
 
 FORMAT_NAME = "lightning-zero-sharded"
 FORMAT_VERSION = 1

@@ -38,12 +38,12 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 from torch import Tensor
 
+from lightning_zero.checkpoint.atomic import PathLike
 from lightning_zero.checkpoint.errors import CheckpointError
 from lightning_zero.checkpoint.matching import raise_on_mismatch
 from lightning_zero.checkpoint.safe_load import safe_torch_load
 from lightning_zero.torch_compat import local_part
 
-PathLike = Union[str, os.PathLike]
 #: How a torch file's dict holds a checkpoint: ``layout(loaded) -> (model state, optimizer states or None, rest)``.
 Layout = Callable[[Any], Tuple[Dict[str, Any], Optional[List[Any]], Dict[str, Any]]]
 

@@ -28,11 +28,12 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
+from lightning_zero.checkpoint.atomic import PathLike
 from lightning_zero.checkpoint.directory import is_sharded_checkpoint, read_checkpoint_info, resolve_checkpoint_dir
 from lightning_zero.checkpoint.streaming import TensorEntry, write_safetensors
 from lightning_zero.checkpoint.tensor_sources import cast, converted, open_source, parse_dtype
+from lightning_zero.diagnostics.byte_sizes import parse_size
 
-PathLike = Union[str, os.PathLike]
 INFO_KEY = "hf_models"
 WEIGHTS_NAME, CONFIG_NAME = "model.safetensors", "config.json"
 INDEX_NAME = WEIGHTS_NAME + ".index.json"
@@ -146,23 +147,6 @@ def _check_output_dir(output_dir: str, sharded: Optional[bool]) -> None:
                          "export; choose an empty directory")
 
 
-def parse_size(size: Union[None, int, str]) -> Optional[int]:
-    """``None``, a byte count, or a string such as ``"500MB"``, ``"2GB"``, ``"1GiB"``, as bytes."""
-    if size is None or isinstance(size, int) and not isinstance(size, bool) and size > 0:
-        return size
-    if isinstance(size, str):
-        text = size.strip().upper()
-        units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
-        for unit, factor in units.items():
-            if text.endswith(unit) and text[:-len(unit)].strip().replace(".", "", 1).isdigit():
-                value = int(float(text[:-len(unit)]) * factor)
-                if value > 0:
-                    return value
-        if text.isdigit() and int(text) > 0:
-            return int(text)
-    raise ValueError(f"max_shard_size must be a positive byte count or a size such as '500MB' or '2GB', got {size!r}")
-
-
 def _plan_shards(entries: List[TensorEntry], max_bytes: Optional[int]) -> List[List[TensorEntry]]:
     """Consecutive groups of at most ``max_bytes`` (a larger tensor gets a shard of its own)."""
     shards: List[List[TensorEntry]] = [[]]
@@ -198,7 +182,7 @@ def export_hf(checkpoint: PathLike, output_dir: PathLike, strip_prefix: Optional
     they exceed it. Returns the checkpoint keys left out (those outside the prefix).
     """
     dtype = parse_dtype(dtype)
-    max_bytes = parse_size(max_shard_size)
+    max_bytes = None if max_shard_size is None else parse_size(max_shard_size, "max_shard_size")
     output_dir = os.fspath(output_dir)
     _check_output_dir(output_dir, sharded=None)  # fail fast; the layout's own check follows once it is known
     where = os.fspath(checkpoint)

@@ -24,7 +24,7 @@ import os
 import threading
 import weakref
 from concurrent.futures import Future
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.tensor import DTensor
 
 from lightning_zero.checkpoint import atomic
-from lightning_zero.checkpoint.atomic import CheckpointSaveError
+from lightning_zero.checkpoint.atomic import CheckpointSaveError, PathLike
 from lightning_zero.checkpoint.directory import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -61,8 +61,6 @@ from lightning_zero.checkpoint.save_guards import (
     prepare_save,
 )
 from lightning_zero.checkpoint.verify import check_files, check_metadata, file_records, seal
-
-PathLike = Union[str, os.PathLike]
 
 _partial_dir = atomic.partial_dir
 _old_dir = atomic.old_dir

@@ -108,7 +108,7 @@ def _all_ranks(value: Any) -> list:
     return all_gather(value, control_group(None))
 
 
-def _raise_on_every_rank(error: Optional[Exception]) -> None:
+def _raise_load_error_on_every_rank(error: Optional[Exception]) -> None:
     """Raise the first problem any rank found, on every rank: at stage 1 or in a pipeline a rank checks only what it
     holds, and a rank raising alone would leave the others waiting in the next collective."""
     mine = None if error is None else str(error) if isinstance(error, CheckpointError) else \
@@ -163,7 +163,7 @@ def load_full_checkpoint(path: str, module: torch.nn.Module, optimizers: list, *
     except Exception as err:  # any failure (an unreadable file too) is shared, so that no rank waits alone
         error = err
     try:
-        _raise_on_every_rank(error)
+        _raise_load_error_on_every_rank(error)
         copy_full_state_dict(own, source)
         module.load_state_dict(own, strict=strict)
         if plans is not None:
@@ -234,5 +234,5 @@ def load_raw_optimizer(path: PathLike, module: torch.nn.Module, optimizer: torch
         plans = check_full_optimizer_states([optimizer_target(module, optimizer)], source)
     except Exception as err:  # shared, so that no rank waits alone in the next collective
         error = err
-    _raise_on_every_rank(error)
+    _raise_load_error_on_every_rank(error)
     apply_full_optimizer_states(plans)

@@ -18,16 +18,15 @@ import io
 import os
 import pickle
 import re
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from lightning_zero.checkpoint.atomic import PathLike
 from lightning_zero.checkpoint.errors import CheckpointError
-
-PathLike = Union[str, os.PathLike]
 
 # The only classes a DCP `.metadata` pickle written by torch's FileSystemWriter references (checked on torch 2.13).
 _DCP_ALLOWED = {

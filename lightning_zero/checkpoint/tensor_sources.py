@@ -22,14 +22,13 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 
+from lightning_zero.checkpoint.atomic import PathLike
 from lightning_zero.checkpoint.deepspeed_reader import DeepSpeedTensorSource, is_deepspeed_checkpoint
 from lightning_zero.checkpoint.directory import checkpoint_directory, verify_and_read
 from lightning_zero.checkpoint.errors import CheckpointError
 from lightning_zero.checkpoint.safe_load import load_meta, read_dcp_metadata, safe_torch_load
 from lightning_zero.checkpoint.streaming import TensorEntry
 from lightning_zero.checkpoint.verify import check_metadata
-
-PathLike = Union[str, os.PathLike]
 
 DTYPES = {
     "fp32": torch.float32, "float32": torch.float32, "32": torch.float32,

@@ -15,9 +15,9 @@ At save time :func:`file_records` records every file's size and CRC-32 in ``zero
   that the stored chunks of every tensor lie inside it and cover it exactly once, so consolidation never hands out
   uninitialised memory.
 
-Checksums use ``zlib.crc32`` (standard library, about 2 GB/s on one core): it detects damage, not tampering by
-someone who recomputes it, which no unkeyed checksum could. Hand-written because DCP records no checksums and no
-maintained library verifies a DCP directory.
+Checksums use ``zlib.crc32`` (standard library; its speed: ``docs/reliability.md``, "Cost"): it detects damage, not
+tampering by someone who recomputes it, which no unkeyed checksum could. Hand-written because DCP records no checksums
+and no maintained library verifies a DCP directory.
 """
 
 from __future__ import annotations

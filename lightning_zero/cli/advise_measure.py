@@ -100,7 +100,7 @@ def _peak(cuda: bool, baseline: int) -> int:
     return _proc_kib("VmHWM") * 1024 - baseline
 
 
-def _rank(rank: int, world: int, port: int, spec: dict) -> None:
+def _run_rank(rank: int, world: int, port: int, spec: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), NODE_RANK="0")
     import torch
@@ -202,7 +202,7 @@ def main(argv: Optional[list] = None) -> int:
     load_object(spec["model_class"])  # import the user's module once, before the ranks fork
     # Fork shares the imports (seconds per rank on a small CPU machine); CUDA cannot be forked.
     method = "spawn" if spec["accelerator"] == "cuda" else "fork"
-    mp.start_processes(_rank, args=(spec["devices"], free_port(), spec), nprocs=spec["devices"],
+    mp.start_processes(_run_rank, args=(spec["devices"], free_port(), spec), nprocs=spec["devices"],
                        start_method=method)
     return 0
 

@@ -23,7 +23,8 @@ import os
 import sys
 from typing import Optional
 
-from lightning_zero.diagnostics.probes import COLLECTIVES, parse_size
+from lightning_zero.diagnostics.byte_sizes import parse_size
+from lightning_zero.diagnostics.probes import COLLECTIVES
 
 DEFAULT_SIZES = ("1K", "64K", "1M", "16M")
 

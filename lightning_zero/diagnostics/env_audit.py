@@ -81,11 +81,11 @@ def cpu_heap_warnings(environ: Mapping[str, str], computes_on_cpu: bool, libc: s
 
     Where a rank's step leaves its activations free at the top of glibc's heap, glibc hands that top back to the OS
     after backward and the next forward faults it in again, every step; the other ranks wait for that rank in the
-    gradient all-reduce. Measured on the benchmark GPT at stage 0: 12-13% of the step, against none with the
-    thresholds fixed (docs/stages.md, "The mapping and its memory"). No warning where the run computes on a GPU, the
-    C library is not glibc, a thresholds variable is set, or ``LD_PRELOAD`` names anything (most often another
-    allocator; the audit does not tell which library it is): each is a choice made, except a trim threshold set
-    alone, which is measured to be worse than glibc's default (its own warning)."""
+    gradient all-reduce, a cost that fixing the thresholds removes (its share of the benchmark GPT's step:
+    docs/stages.md, "The mapping and its memory"). No warning where the run computes on a GPU, the C library is not
+    glibc, a thresholds variable is set, or ``LD_PRELOAD`` names anything (most often another allocator; the audit
+    does not tell which library it is): each is a choice made, except a trim threshold set alone, which is worse than
+    glibc's default (its own warning)."""
     if not computes_on_cpu or libc != "glibc" or environ.get("LD_PRELOAD", "").strip():
         return []
     if "MALLOC_TRIM_THRESHOLD_" in environ and not {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_"} & set(environ):

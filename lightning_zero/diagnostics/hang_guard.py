@@ -22,9 +22,10 @@ from lightning_zero.diagnostics.peers import identity
 from lightning_zero.diagnostics.watchdog import HangWatchdog, store_for_watchdog
 
 #: Default seconds one monitored region (a step, a validation batch, a save, a load, teardown) may last.
-#: [Note: why 600 s] 20-100x a slow step of a large model, well under the process-group timeout (30 min) that would
-#: otherwise end a hang with no name and no stacks, and long enough for the sharded save of a multi-billion-parameter
-#: model to local disk. Raise it for longer saves or for work one rank does alone while the others wait.
+#: [Note: the default hang timeout] Many times a slow step of a large model, well under torch's default
+#: process-group timeout that would otherwise end a hang with no name and no stacks, and long enough for the sharded
+#: save of a multi-billion-parameter model to local disk (the figures: ``docs/reliability.md``, "Choosing the
+#: default"). Raise it for longer saves or for work one rank does alone while the others wait.
 DEFAULT_HANG_TIMEOUT = 600.0
 
 _active: Optional[HangWatchdog] = None

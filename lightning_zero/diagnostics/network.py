@@ -37,9 +37,10 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Mapping, Optional
 
-#: Seconds a node waits for the master (and rank 0 for every node) before failing with names. [Note: why 300 s]
-#: Nodes of one job start up to minutes apart (container pulls, a slow shared file system); far below the 30-minute
-#: process-group timeout that ends a network misconfiguration today.
+#: Seconds a node waits for the master (and rank 0 for every node) before failing with names.
+#: [Note: the default rendezvous timeout] Nodes of one job start up to minutes apart (container pulls, a slow shared
+#: file system); far below torch's default process-group timeout, which would otherwise be what ends a network
+#: misconfiguration (``docs/launching.md``).
 DEFAULT_RENDEZVOUS_TIMEOUT = 300.0
 
 _CHECKIN = "lightning_zero/checkin/"

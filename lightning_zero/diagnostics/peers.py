@@ -4,13 +4,13 @@ collective fails because a peer died.
 [Note: why the attempt is agreed, not read from TORCHELASTIC_RESTART_COUNT]
 torchrun counts restarts per node agent: an agent whose own workers failed counts one more restart, an agent whose
 workers were healthy when another node re-joined the rendezvous (a peer's node lost its ranks) restarts its workers
-*without* counting. After a peer's death the nodes of one attempt can therefore carry different counts (measured:
-1 on the node that lost its rank, 0 on the survivor's), and a store namespace named after the count puts the ranks of
-one attempt in different namespaces: the gloo group never forms and the job waits for the store timeout (30 min by
-default). :func:`agree_attempt` makes rank 0 the authority: it draws the next attempt number from the store and hands
-it to each rank, keyed by that rank's own start number (``starts/<rank>``, one more every time a process of that rank
-starts), so an offer left for a process of an earlier attempt is never read by a later one. The agents stop every
-worker before a new round starts, so the processes of two attempts never overlap.
+*without* counting. After a peer's death the nodes of one attempt can therefore carry different counts (one more on
+the node that lost its rank than on the survivor's: ``docs/reliability.md``, "Why the restarted job hung before"),
+and a store namespace named after the count puts the ranks of one attempt in different namespaces: the gloo group
+never forms and the job waits out the store's timeout. :func:`agree_attempt` makes rank 0 the authority: it draws the
+next attempt number from the store and hands it to each rank, keyed by that rank's own start number (``starts/<rank>``,
+one more every time a process of that rank starts), so an offer left for a process of an earlier attempt is never read
+by a later one. The agents stop every worker before a new round starts, so the processes of two attempts never overlap.
 
 [Note: naming a lost peer]
 A rank killed mid-run (SIGKILL, OOM-kill, a node lost) closes its sockets; gloo then fails the survivors' collectives

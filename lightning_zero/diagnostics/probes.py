@@ -84,22 +84,6 @@ class ProbeResult:
         return asdict(self)
 
 
-def parse_size(text: str) -> int:
-    """'4K', '1M', '2G' (binary multiples) or a plain byte count -> bytes."""
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    cleaned = text.strip().upper().removesuffix("B").removesuffix("I")
-    try:
-        if cleaned and cleaned[-1] in units:
-            value = int(float(cleaned[:-1]) * units[cleaned[-1]])
-        else:
-            value = int(cleaned)
-    except ValueError:
-        raise ValueError(f"size must be bytes or a number with K/M/G, e.g. 64K or 16M; got {text!r}") from None
-    if value <= 0:
-        raise ValueError(f"size must be positive, got {text!r}")
-    return value
-
-
 def format_bytes(size: float) -> str:
     for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
         if size >= scale:
@@ -141,7 +125,7 @@ def _sync(device: torch.device) -> None:
 
 def all_gather_json(obj, device: Optional[torch.device] = None, group=None) -> list:
     """Every rank's JSON-serialisable ``obj``, exchanged as UTF-8 bytes (no pickling, unlike all_gather_object)."""
-    device = device if device is not None else _default_device(group)
+    device = device if device is not None else _probe_device(group)
     world_size = dist.get_world_size(group)
     payload = json.dumps(obj).encode()
     length = torch.tensor([len(payload)], dtype=torch.int64, device=device)
@@ -188,7 +172,7 @@ def probe_collectives(
         raise ValueError(f"unknown collectives {unknown}; allowed: {COLLECTIVES}")
     world_size = dist.get_world_size(group)
     if device is None:
-        device = _default_device(group)
+        device = _probe_device(group)
     hosts = _hostnames(world_size, device, group)
     results = []
     for collective in collectives:
@@ -197,7 +181,7 @@ def probe_collectives(
     return results
 
 
-def _default_device(group) -> torch.device:
+def _probe_device(group) -> torch.device:
     if backend_serving("cuda", group) == "nccl":  # the probe measures NCCL, also in a "cpu:gloo,cuda:nccl" group
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

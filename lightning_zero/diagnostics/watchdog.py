@@ -296,9 +296,10 @@ class HangWatchdog:
 
     def _watch_the_store(self) -> None:
         """[Note: a store that stops answering] A store host cut off the network (no RST) leaves a store call of
-        ``_run`` blocked for as long as TCP retries (measured: no return while the link stayed down, whatever the
-        client's timeout). This second thread makes no store call: past ``timeout`` in an armed region with no store
-        answer for ``timeout`` + the heartbeat probe, it ends the process naming the store's host."""
+        ``_run`` blocked for as long as TCP retries: no return while the link stays down, whatever the client's
+        timeout (``docs/reliability.md``, "The store"). This second thread makes no store call: past ``timeout`` in an
+        armed region with no store answer for ``timeout`` + the heartbeat probe, it ends the process naming the store's
+        host."""
         while not self._stop.wait(self.poll_interval):
             now, armed = time.monotonic(), self._armed_since
             silent = now - self._store_answered

@@ -235,7 +235,7 @@ def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[
     if replica_dtype is not None and (config.stage >= 2 or fp32_values is None):
         raise ValueError("replica_dtype applies to stages 0-1 and needs a dict fp32_values to fill")
     refuse_sharded_modules(module)  # before any collective: every rank refuses alike
-    device = device or _default_device(mesh)
+    device = device or _mesh_device(mesh)
     refuse_fsdp1_modules(module)
     if config.stage >= 2:
         refuse_parameter_gradient_hooks(module)
@@ -337,7 +337,7 @@ def ddp_defaults(ddp_kwargs: Optional[dict] = None) -> dict:
     DDP's default (``gradient_as_bucket_view=False``) keeps two gradient-sized buffers per rank: autograd's ``.grad``
     and the all-reduce buckets it copies them into and back out of. ZeRO's point is not to hold what is not needed,
     and DeepSpeed's stage 0 keeps one gradient buffer, so here the gradients *are* the buckets (torch's
-    ``gradient_as_bucket_view=True``): one gradient copy less at the peak (measured in
+    ``gradient_as_bucket_view=True``): one gradient copy less at the peak (the figures:
     ``docs/performance_notes_stage0.md``) and no bucket-to-``.grad`` copy after the reduction. Values are the same
     (the reduced bucket is what DDP's default copies into ``.grad``). What changes for the user: ``.grad`` is a view,
     so ``p.grad.detach_()`` raises, and a ``.grad`` replaced by another tensor (not ``None``) between steps makes DDP
@@ -419,7 +419,7 @@ def refuse_parameter_gradient_hooks(module: nn.Module, *, sharded_only: bool = F
             "param.grad is the reduced, sharded gradient).")
 
 
-def _default_device(mesh) -> torch.device:
+def _mesh_device(mesh) -> torch.device:
     if mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(mesh.device_type)

@@ -25,11 +25,11 @@ pool allocates another. So reuse can never alias a live tensor; the worst case i
 glibc raises its mmap threshold to the size of a freed mapped block, but never above 32 MiB (``DEFAULT_MMAP_THRESHOLD_
 MAX`` on 64-bit): a larger block is always mapped on ``malloc`` and unmapped on ``free``, so it cannot fragment the
 heap and leaves nothing resident once freed. Pooling such a block buys nothing against fragmentation and keeps it
-resident for the whole run, at every moment of the step, not only while its collective runs: GPT-2 small's root unit
-(its 50257-token embedding, 155 MB in fp32) kept its all-gather, reduce-scatter and all-to-all buffers, and its stage-2
-peak RSS per rank fell from 2647 to 2284 MiB once they were not kept (DeepSpeed: 2334; ``docs/performance.md``,
-"GPT-2 small"). So a buffer above ``POOL_MAX_BYTES`` is allocated fresh and never kept; what it costs is the page
-faults of touching a fresh mapping each step, as FSDP2's own allocation did for every buffer before the pool.
+resident for the whole run, at every moment of the step, not only while its collective runs: a root unit that holds
+a large embedding (GPT-2 small's) would keep its all-gather and reduce-scatter buffers, each larger than the
+threshold, on top of the stage-2 peak (the peaks with and without them: ``docs/performance.md``, "GPT-2 small").
+So a buffer above ``POOL_MAX_BYTES`` is allocated fresh and never kept; what it costs is the page faults of touching
+a fresh mapping each step, as FSDP2's own allocation does for every buffer without the pool.
 
 [Note: reduce-scatter on gloo as pairwise exchanges]
 gloo's ``reduce_scatter_tensor`` clones its whole input (a full-size ``aten::clone`` inside every call, in the
@@ -39,12 +39,12 @@ Each rank instead sends every peer exactly the chunk that peer owns, one peer at
 ``k`` to rank ``r + k`` and from rank ``r - k``), and adds what it receives into its output: ``(N-1)/N`` of the
 tensor moves per rank, as in an all-to-all. At 2 ranks the peer's chunk is received straight into the output and the
 rank's own chunk added to it, so no buffer beyond FSDP2's own input and output exists; at more ranks one chunk-sized
-pooled buffer receives each peer's chunk in turn. The all-to-all this replaced (``all_to_all_single`` into a pooled
-buffer as large as the whole input, then a sum over its rows) cost one unit-sized buffer at the peak of every
-backward (``docs/units.md``, "Why 8 MiB"). At 2 ranks the sum is bitwise the all-reduce's ``a + b``; at more ranks
-the chunks are added own first, then ranks ``r - 1``, ``r - 2``, ..., an order that may differ from gloo's ring in
-the last bit, as any two all-reduce algorithms do. Ops other than SUM/AVG (``PREMUL_SUM`` from a custom gradient
-divide factor) and asynchronous calls go to ``reduce_scatter_tensor`` unchanged.
+pooled buffer receives each peer's chunk in turn. An all-to-all (``all_to_all_single`` into a pooled buffer as large
+as the whole input, then a sum over its rows) would cost one unit-sized buffer at the peak of every backward
+(``docs/units.md``, on the default unit's memory). At 2 ranks the sum is bitwise the all-reduce's ``a + b``; at more
+ranks the chunks are added own first, then ranks ``r - 1``, ``r - 2``, ..., an order that may differ from gloo's ring in
+the last bit, as any two all-reduce algorithms do. Ops other than SUM/AVG (``PREMUL_SUM`` from a custom gradient divide
+factor) and asynchronous calls go to ``reduce_scatter_tensor`` unchanged.
 """
 
 from __future__ import annotations

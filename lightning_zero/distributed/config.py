@@ -20,6 +20,9 @@ from lightning_zero.offload.nvme_config import PARAM_ONLY_KNOBS, NvmeConfig
 
 STAGES = (0, 1, 2, 3)
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+# DeepSpeed's ``communication_data_type`` names and the dtype each reduces gradients in (DDP's comm hook at stages
+# 0-1, FSDP2's ``reduce_dtype`` at 2-3)
+COMMUNICATION_DATA_TYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 ModuleClassSpec = Union[str, type]
 

@@ -139,17 +139,17 @@ class EarlyBucketRebuild:
     views of them). A loop that zeroes the gradients before its forward holds no gradient then, but Lightning's
     automatic optimization runs ``training_step`` first and ``zero_grad`` after it, so at that forward the old
     buckets (one gradient's worth of memory), the new ones, the parameters and the optimizer states are all alive
-    at once: a peak one gradient copy above the steps that follow (measured on the bench MLP, 25M parameters, under
-    Lightning's own ``DDPStrategy`` too: 1078 MiB against 998 MiB in the steps after). Rebuilding right after the
-    first synchronised backward moves that transient to a point where the activations are freed and the optimizer
-    has no state yet (measured: 881 MiB, below every later step). ``reducer._rebuild_buckets()`` is what DDP's
-    forward calls (and torch's ``Join`` hook outside a forward); a collective of the DDP group (rank 0's bucket
-    order is broadcast), so it runs at the same backward on every rank, and it does nothing when DDP will not
-    rebuild (``find_unused_parameters=True``), already did, or has not learnt the order yet (``static_graph=True``
-    learns it in the second backward: the rebuild then comes before the second step). The gradients keep their values
-    (copied into the new buckets). Used by the Trainer's automatic optimization, whose step order makes the transient; a
-    Fabric loop is the user's own, and one that zeroes before its forward has no transient to move (there, rebuilding
-    early would hold both bucket sets at once where DDP's own rebuild frees them bucket by bucket).
+    at once: a peak one gradient copy above the steps that follow, under Lightning's own ``DDPStrategy`` too.
+    Rebuilding right after the first synchronised backward moves that transient to a point where the activations are
+    freed and the optimizer has no state yet, below every later step (the bench MLP's figures: ``docs/performance.md``,
+    "A second find: DDP's bucket rebuild"). ``reducer._rebuild_buckets()`` is what DDP's forward calls (and torch's
+    ``Join`` hook outside a forward); a collective of the DDP group (rank 0's bucket order is broadcast), so it runs at
+    the same backward on every rank, and it does nothing when DDP will not rebuild (``find_unused_parameters=True``),
+    already did, or has not learnt the order yet (``static_graph=True`` learns it in the second backward: the rebuild
+    then comes before the second step). The gradients keep their values (copied into the new buckets). Used by the
+    Trainer's automatic optimization, whose step order makes the transient; a Fabric loop is the user's own, and one
+    that zeroes before its forward has no transient to move (there, rebuilding early would hold both bucket sets at once
+    where DDP's own rebuild frees them bucket by bucket).
     """
 
     # DDP learns the bucket order in its first synchronised backward, or with static_graph=True in its second (the

@@ -173,7 +173,7 @@ class _Held:
 
 
 @dataclass
-class _Entry:
+class _RecordedOp:
     func: Any
     spec: Any
     flat: list  # _Ref, real snapshots, or plain values
@@ -220,7 +220,7 @@ class _Recorder(TorchDispatchMode):
         self.written_after: tuple[int, frozenset] = (-1, frozenset())  # undefined_state's cache
         self.pinned = 0
         self.bases: dict[int, torch.Tensor] = {}  # key -> a meta tensor keeping the storage (and its key) alive
-        self.entries: list[_Entry] = []
+        self.entries: list[_RecordedOp] = []
         self.peak_bytes = 0  # most real bytes a replay or an RNG scratch held at once (tests bound it)
 
     # ------------------------------------------------------------------ recording
@@ -321,7 +321,7 @@ class _Recorder(TorchDispatchMode):
         if self.track_undefined:
             self._track(func, reads - written, new, [ref for ref in refs if ref is not None and ref.key in written])
         if writes:  # otherwise a view: its storage, size, stride and offset say all there is to replay
-            self.entries.append(_Entry(
+            self.entries.append(_RecordedOp(
                 func, spec, [ref if ref is not None else self._snapshot(a) for ref, a in zip(refs, flat)],
                 [_Ref.of(w) if isinstance(w, _Deferred) else None for w in wrapped],
                 reads, writes, frozenset(new), rng))
@@ -407,7 +407,7 @@ class _Recorder(TorchDispatchMode):
             log.warning("deferred init: %s in %s runs on real memory; its %d bytes are kept until sharding",
                         func, _innermost_module(), data.nbytes)
             target = _Ref(key, torch.uint8, (storage.nbytes(),), (1,), 0)
-            self.entries.append(_Entry(torch.ops.aten.copy_.default, tree_flatten(((None, None), {}))[1],
+            self.entries.append(_RecordedOp(torch.ops.aten.copy_.default, tree_flatten(((None, None), {}))[1],
                                        [target, data], [target], frozenset(), frozenset({key}), frozenset(), rng))
         if not written:
             return out
@@ -451,7 +451,7 @@ class _Recorder(TorchDispatchMode):
             raise DeferredInitError(f"deferred init: {len(missing)} storages have no recorded origin")
         return {key: env[key] for key in targets}
 
-    def _replay_entry(self, entry: _Entry, env: dict) -> None:
+    def _replay_entry(self, entry: _RecordedOp, env: dict) -> None:
         real = []
         for value in entry.flat:
             if isinstance(value, _Ref):

@@ -41,6 +41,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_zero.distributed.deferred_init import is_deferred, recording_into, undefined_state
+from lightning_zero.distributed.meta_init import direct_tensors
 from lightning_zero.torch_compat import local_tensor
 
 # Parameters and buffers whose init an empty_init build on real memory skipped (filled with NaN): id -> the tensor.
@@ -79,14 +80,9 @@ class SkipTorchInit(TorchFunctionMode):
         for key in [key for key, ref in _SKIPPED.items() if ref() is None]:
             del _SKIPPED[key]
         for module in modules:
-            for tensor in _direct_tensors(module):
+            for _, _, tensor in direct_tensors(module):
                 if not is_deferred(tensor) and tensor.untyped_storage().data_ptr() in self.storages:
                     _SKIPPED[id(tensor)] = weakref.ref(tensor)
-
-
-def _direct_tensors(module: nn.Module) -> Iterator[torch.Tensor]:
-    for kind in ("_parameters", "_buffers"):
-        yield from (tensor for tensor in getattr(module, kind).values() if tensor is not None)
 
 
 def _named_floating(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -129,7 +125,7 @@ def reset_unwritten_modules(module: nn.Module) -> list[str]:
     touch since, recorded into the build's log for a recorded build. Returns the names of the floating parameters and
     buffers that may still hold memory nothing wrote (for :func:`guard_first_forward`)."""
     for sub in module.modules():
-        direct = [t for t in _direct_tensors(sub) if t.is_floating_point()]
+        direct = [t for _, _, t in direct_tensors(sub) if t.is_floating_point()]
         fresh = [t for t in direct if _untouched(t)]
         if not fresh or any(_touched_after_build(t) for t in direct):
             continue

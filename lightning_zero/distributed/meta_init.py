@@ -40,7 +40,9 @@ from lightning_zero.distributed.deferred_init import deferred_build
 _KINDS = ("_parameters", "_buffers")
 
 
-def _direct_tensors(module: nn.Module):
+def direct_tensors(module: nn.Module):
+    """``(kind, name, tensor)`` for each parameter (``kind`` ``"_parameters"``) and buffer (``"_buffers"``) that
+    ``module`` itself holds, not its submodules; a ``None`` slot is skipped."""
     for kind in _KINDS:
         for name, tensor in getattr(module, kind).items():
             if tensor is not None:
@@ -54,7 +56,7 @@ def holds_meta_tensors(module: nn.Module) -> bool:
 
 def _meta_owners(module: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(path, sub) for path, sub in module.named_modules()
-            if any(tensor.is_meta for _, _, tensor in _direct_tensors(sub))]
+            if any(tensor.is_meta for _, _, tensor in direct_tensors(sub))]
 
 
 def _shown(path: str) -> str:
@@ -88,7 +90,7 @@ def init_meta_tensors(module: nn.Module, budget: Optional[int] = None) -> bool:
     kept = []  # the meta tensors, alive until the end: their ids must not be reused by other objects meanwhile
     with torch.device("cpu"), deferred_build(budget) as recorder:
         for _, sub in owners:
-            for kind, name, tensor in list(_direct_tensors(sub)):
+            for kind, name, tensor in list(direct_tensors(sub)):
                 if not tensor.is_meta:
                     continue
                 if id(tensor) not in made:
@@ -102,7 +104,7 @@ def init_meta_tensors(module: nn.Module, budget: Optional[int] = None) -> bool:
             sub.reset_parameters()
     replacements = {id(tensor) for tensor in made.values()}
     unwritten = [f"{path + '.' if path else ''}{name} ({type(sub).__name__})" for path, sub in owners
-                 for _, name, tensor in _direct_tensors(sub)
+                 for _, name, tensor in direct_tensors(sub)
                  if id(tensor) in replacements and not recorder.written_since(mark, tensor)]
     if unwritten:
         shown = ", ".join(unwritten[:6]) + (f" and {len(unwritten) - 6} more" if len(unwritten) > 6 else "")

@@ -20,20 +20,20 @@ def broadcast_from_owners(sharding: Any, bucket_bytes: int = BROADCAST_BUCKET_BY
 
     [Note: stage 1's buckets are planned once and the parameters live in them]
     Which parameters go in which bucket is fixed when the optimizer is sharded (owners, dtypes, sizes), so the plan
-    is made on the first step and kept (:class:`BroadcastPlan`). Making it re-points each parameter's storage at
+    is made once and kept (:class:`BroadcastPlan`). Making it re-points each parameter's storage at
     its slice of its bucket's flat buffer (as ``ZeroRedundancyOptimizer(parameters_as_bucket_view=True)`` does):
     the owner's step then writes the bucket itself and the broadcast delivers it in place, so a step runs one
-    broadcast per bucket and no copy (packing into a separate buffer and unpacking after cost 0.45-0.5 ms per step
-    on the bench GPT's 1.6 MB per rank, docs/performance.md). Before the broadcasts a step checks that every
-    parameter still lives in its slice; one whose storage was replaced since (``param.data = ...``, a
-    ``module.to(...)``) would otherwise silently stop receiving its owner's values, so the plan is then made again
-    from the parameters' current values.
+    broadcast per bucket and no copy (the cost of packing into a separate buffer and unpacking after:
+    ``docs/performance.md``, "Stage 1's parameters live in their broadcast buckets"). Before the broadcasts a step
+    checks that every parameter still lives in its slice; one whose storage was replaced since (``param.data = ...``, a
+    ``module.to(...)``) would otherwise silently stop receiving its owner's values, so the plan is then made again from
+    the parameters' current values.
 
     The plan is made when the optimizer is sharded (:func:`plan_broadcast`), not at the first step: re-pointing
     frees each parameter's old storage, and glibc keeps freed chunks inside its heap rather than handing them back,
     so memory freed at the first step (gradients and optimizer states alive) stays charged at that peak, while
-    memory freed before them is reused by them. Planned at the first step, stage 1 trained 27 blocks of the capacity
-    ladder's GPT under its 0.375 GiB cap; planned here, 29 (docs/performance.md, "Capacity per memory rung").
+    memory freed before them is reused by them, and stage 1 trains more blocks of the capacity ladder's GPT under
+    the same memory cap (the blocks each way: ``docs/performance.md``, "The ladder again after the changes").
     """
     plan = plan_broadcast(sharding, bucket_bytes)
     if plan is not None:

@@ -61,9 +61,9 @@ def keep_fp32_values(module: nn.Module, dtype: torch.dtype) -> dict[int, Tensor]
 def clip_replica_grads(params, max_norm: float, norm_type: float = 2.0,
                        error_if_nonfinite: bool = False) -> Tensor:
     """``torch.nn.utils.clip_grad_norm_`` over the bf16 replicas' (already reduced) gradients, with the norm taken in
-    fp32: torch's would round each tensor's norm and the total to bf16 (0.3% off on three 1000x1000 gradients), where
-    DeepSpeed's bf16 engine, and this layout's autocast predecessor, took it from fp32 gradients. The gradients are
-    then scaled by torch's own ``clip_grads_with_norm_``. Returns the fp32 total norm."""
+    fp32: torch's would round each tensor's norm and the total to bf16 (how far off: ``docs/precision.md``), where
+    DeepSpeed's bf16 engine takes it from fp32 gradients. The gradients are then scaled by torch's own
+    ``clip_grads_with_norm_``. Returns the fp32 total norm."""
     params = [p for p in params if p.grad is not None]
     if not params:
         return torch.tensor(0.0)

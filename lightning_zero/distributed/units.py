@@ -25,27 +25,24 @@ that run after it (forward) or before it (backward) until their bytes reach the 
 moves the collective earlier but overlaps nothing; the knob is for CUDA.
 
 [Note: the default unit size]
-``DEFAULT_UNIT_BYTES`` weighs two measurements on a quiet machine (2 gloo ranks on CPU, alternated runs). Time: a
-unit costs a fixed amount per step beyond its bytes (hooks, copy-in/out, its collectives), so fewer, larger units
-are faster, up to 16 MiB (32 MiB was slower again: gloo's cost per byte rises once messages leave the cache).
-Memory: at the peak of a step, a unit's gathered parameters, unsharded gradients and communication buffers are alive
-several times over (about five unit sizes at stages 2 and 3, measured), so the peak grows with the unit, and
-with 16 MiB units ZeroStrategy trained fewer blocks than DeepSpeed under the same memory cap at stage 2. 8 MiB
-keeps about half of what grouping saves over one unit per block on the bench MLP (its steps take a median 1.09x
-(stage 2) and 1.12x (stage 3) those of 16 MiB units) at a fifth to a half of 16 MiB's memory cost, which put stage
-2's capacity back above DeepSpeed's. Blocks larger than the target (a transformer block of a 1B-parameter model is
-over 100 MB in fp32) stay one unit each, exactly as without grouping. The measurements, and the 16 MiB and 4 MiB
-defaults before this one: ``docs/units.md``.
+``DEFAULT_UNIT_BYTES`` weighs step time against peak memory. Time: a unit costs a fixed amount per step beyond its
+bytes (hooks, copy-in/out, its collectives), so fewer, larger units are faster, until messages grow past the size
+where gloo's cost per byte rises again. Memory: at the peak of a step a unit's gathered parameters, unsharded
+gradients and communication buffers are alive several times over, so the peak grows with the unit, and units too
+large let ZeroStrategy train fewer blocks than DeepSpeed under the same memory cap. The default is the size that
+keeps a good share of what grouping saves in step time while stage 2's capacity stays above DeepSpeed's. Blocks
+larger than the target (a transformer block of a billion-parameter model) stay one unit each, exactly as without
+grouping. The measurements behind the choice, the commands that repeat them, and the earlier defaults:
+``docs/units.md``.
 
 [Note: one unit for a model smaller than a unit]
-At stage 2 a model whose parameters all fit in one unit (``unit_bytes``, 8 MiB by default) is one FSDP2 unit, the
-root, instead of its grouped blocks plus the root (``apply_zero.whole_model_is_one_unit``). Stage 2 keeps every
-unit gathered from forward to backward, so a second unit saves no memory; it only adds its fixed cost per step
-(hooks, one all-gather and one reduce-scatter), which on such a model is a share of the step a user sees (the
-GPT of ``bench_stages.py``, 3.3 MB in two units: one unit measured 1.04x faster, ``docs/performance.md``).
-DeepSpeed's ZeRO-2 reduces such a model in one bucket as well. Stage 3 keeps its units (each unit there is
-resharded after forward, which is what stage 3 is for), as do ``unit_bytes=0`` (one unit per block, asked for) and
-``sharded_module_classes`` (the units the user named).
+At stage 2 a model whose parameters all fit in one unit (``unit_bytes``, ``DEFAULT_UNIT_BYTES`` by default) is one FSDP2
+unit, the root, instead of its grouped blocks plus the root (``apply_zero.whole_model_is_one_unit``). Stage 2 keeps
+every unit gathered from forward to backward, so a second unit saves no memory; it only adds its fixed cost per step
+(hooks, one all-gather and one reduce-scatter), which on such a model is a share of the step a user sees (the bench
+GPT's step times with one unit and with two: ``docs/units.md``). DeepSpeed's ZeRO-2 reduces such a model in one bucket
+as well. Stage 3 keeps its units (each unit there is resharded after forward, which is what stage 3 is for), as do
+``unit_bytes=0`` (one unit per block, asked for) and ``sharded_module_classes`` (the units the user named).
 """
 
 from __future__ import annotations

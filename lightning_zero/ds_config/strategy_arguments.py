@@ -23,15 +23,16 @@ from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from typing import Any, Iterator, Optional, Union
 
+from lightning_zero.distributed.config import OFFLOAD_DEVICES
 from lightning_zero.ds_config.loading import DeepSpeedConfigError, DeepSpeedConfigWarning
 
-OFFLOAD_DEVICES = ("cpu", "nvme", "none")
-# DeepSpeedStrategy's argument -> the zero_optimization key it writes (values as given).
-ZERO_KEYS = ("contiguous_gradients", "overlap_comm", "allgather_partitions", "reduce_scatter", "allgather_bucket_size",
-             "reduce_bucket_size")
-ACTIVATION_KEYS = ("partition_activations", "contiguous_memory_optimization", "synchronize_checkpoint_boundary",
-                   "cpu_checkpointing")
-AIO_KEYS = ("block_size", "queue_depth", "single_submit", "overlap_events", "thread_count")
+# DeepSpeedStrategy's arguments that each write the zero_optimization (activation_checkpointing, aio) key of their
+# own name (values as given).
+ZERO_ARGUMENTS = ("contiguous_gradients", "overlap_comm", "allgather_partitions", "reduce_scatter",
+                  "allgather_bucket_size", "reduce_bucket_size")
+ACTIVATION_ARGUMENTS = ("partition_activations", "contiguous_memory_optimization", "synchronize_checkpoint_boundary",
+                        "cpu_checkpointing")
+AIO_ARGUMENTS = ("block_size", "queue_depth", "single_submit", "overlap_events", "thread_count")
 # argument -> (offload section, key in it)
 OFFLOAD_KEYS = {"offload_optimizer_device": ("offload_optimizer", "device"),
                 "optimizer_buffer_count": ("offload_optimizer", "buffer_count"),
@@ -41,7 +42,7 @@ OFFLOAD_KEYS = {"offload_optimizer_device": ("offload_optimizer", "device"),
 _SWITCHES = {"offload_optimizer": "offload_optimizer", "offload_param": "offload_parameters"}
 _BOOLS = ("zero_optimization", "offload_optimizer", "offload_parameters", "zero_allow_untested_optimizer",
           "contiguous_gradients", "overlap_comm", "allgather_partitions", "reduce_scatter", "single_submit",
-          "overlap_events", *ACTIVATION_KEYS)
+          "overlap_events", *ACTIVATION_ARGUMENTS)
 _COUNTS = ("optimizer_buffer_count", "params_buffer_count", "params_buffer_size", "allgather_bucket_size",
            "reduce_bucket_size", "block_size", "queue_depth", "thread_count")
 
@@ -144,7 +145,7 @@ class DeepSpeedArguments:
             node[leaf] = value
             aliases[path] = f"{argument}={value!r}"
 
-        for name in ZERO_KEYS:
+        for name in ZERO_ARGUMENTS:
             if getattr(self, name) is not None:
                 if self.zero_optimization is False:
                     _no_effect(name, "zero_optimization=False turns ZeRO off (DeepSpeedStrategy then writes no "
@@ -152,10 +153,10 @@ class DeepSpeedArguments:
                 else:
                     put(f"zero_optimization.{name}", getattr(self, name), name)
         self._offload_overrides(base or {}, put, nvme_path)
-        for name in ACTIVATION_KEYS:
+        for name in ACTIVATION_ARGUMENTS:
             if getattr(self, name) is not None:
                 put(f"activation_checkpointing.{name}", getattr(self, name), name)
-        for name in AIO_KEYS:
+        for name in AIO_ARGUMENTS:
             if getattr(self, name) is not None:
                 put(f"aio.{name}", getattr(self, name), name)
         if self.zero_allow_untested_optimizer is not None:

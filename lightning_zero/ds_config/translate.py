@@ -16,6 +16,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from lightning_zero.distributed.config import COMMUNICATION_DATA_TYPES
 from lightning_zero.distributed.units import DS_BUCKET_ELEMENT_BYTES
 from lightning_zero.ds_config import schema
 from lightning_zero.ds_config.loading import DeepSpeedConfigError
@@ -34,7 +35,6 @@ from lightning_zero.ds_config.translate_checks import (
 )
 from lightning_zero.ds_config.translate_offload import translate_aio, translate_offload
 
-COMMUNICATION_DATA_TYPES = ("fp32", "bf16", "fp16")
 _LOSS_SCALE_KWARGS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
                       "consecutive_hysteresis", "min_loss_scale")
 
@@ -406,7 +406,7 @@ def translate_ds_config(config: dict, *, strict: bool = True) -> DeepSpeedTransl
     comm = config.get("communication_data_type")
     if comm is not None:
         if not isinstance(comm, str) or comm.lower() not in COMMUNICATION_DATA_TYPES:
-            raise DeepSpeedConfigError(f"communication_data_type must be one of {COMMUNICATION_DATA_TYPES}, got "
+            raise DeepSpeedConfigError(f"communication_data_type must be one of {tuple(COMMUNICATION_DATA_TYPES)}, got "
                                        f"{comm!r}")
         kwargs["communication_data_type"] = comm.lower()
 

@@ -23,6 +23,7 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning_zero.adapters.precision_policy import (
     SUPPORTED_PRECISIONS,
     LossScaleConfig,
+    PrecisionFlag,
     ZeroPrecisionPolicy,
     check_no_second_setting,
 )
@@ -84,14 +85,6 @@ class FabricZeroPrecision(ZeroPrecisionPolicy, Precision):
                 self.last_step_skipped = True
                 return None
         return optimizer.step(**kwargs)
-
-
-class PrecisionFlag:
-    """The plugin Fabric would have chosen for a ds_config's precision flag (adopted at setup), adapted like
-    Fabric's own choice."""
-
-    def __init__(self, precision: str) -> None:
-        self.precision = precision
 
 
 def adapt_fabric_precision(plugin, *, stage: int, loss_scale_config: Optional[LossScaleConfig],

@@ -13,7 +13,7 @@ from lightning_zero.offload.aio import AioSettings
 
 # These knobs only drive parameter swapping (stage-3 offload_params="nvme"): ZeroConfig refuses them otherwise.
 PARAM_ONLY_KNOBS = {"buffer_size": 100_000_000, "max_in_cpu": 1_000_000_000}
-AIO_KEYS = ("block_size", "queue_depth", "thread_count", "single_submit", "overlap_events", "use_direct")
+AIO_SETTING_KEYS = ("block_size", "queue_depth", "thread_count", "single_submit", "overlap_events", "use_direct")
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ class NvmeConfig:
         if isinstance(self.aio, dict):
             object.__setattr__(self, "aio", aio_settings(self.aio))
         if not isinstance(self.aio, AioSettings):
-            raise TypeError(f"aio must be a dict of {AIO_KEYS} or an AioSettings, got {self.aio!r}")
+            raise TypeError(f"aio must be a dict of {AIO_SETTING_KEYS} or an AioSettings, got {self.aio!r}")
 
 
 def aio_settings(aio: Optional[dict]) -> AioSettings:
@@ -77,10 +77,10 @@ def aio_settings(aio: Optional[dict]) -> AioSettings:
     if aio is None:
         return AioSettings()
     if not isinstance(aio, dict):
-        raise TypeError(f"aio must be a dict with keys among {AIO_KEYS}, got {aio!r}")
-    unknown = sorted(set(aio) - set(AIO_KEYS))
+        raise TypeError(f"aio must be a dict with keys among {AIO_SETTING_KEYS}, got {aio!r}")
+    unknown = sorted(set(aio) - set(AIO_SETTING_KEYS))
     if unknown:
-        raise ValueError(f"aio has unknown keys {unknown}; this engine understands {AIO_KEYS}")
+        raise ValueError(f"aio has unknown keys {unknown}; this engine understands {AIO_SETTING_KEYS}")
     return AioSettings(**aio)
 
 

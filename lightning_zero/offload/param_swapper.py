@@ -59,7 +59,7 @@ from lightning_zero.offload.aio import AsyncFileIO, SwapIOError, align_up, align
 from lightning_zero.offload.nvme_config import NvmeConfig
 from lightning_zero.offload.optimizer_swapper import closure_loss, remove_folder
 from lightning_zero.offload.param_units import SwapUnit, swap_units
-from lightning_zero.offload.shard_memory import shard_bytes, shard_targets
+from lightning_zero.offload.shard_memory import shard_byte_view, shard_targets
 from lightning_zero.ops.step_override import is_overridden, override_step, restore_step_override
 
 _ATTR = "_lightning_zero_param_swapper"
@@ -193,7 +193,7 @@ class ParamSwapper:
     def _write(self, unit: SwapUnit) -> None:
         self._cancel_prefetch(unit)
         self.io.open(unit.path)  # idempotent
-        views = [shard_bytes(fp, size) for fp, size in zip(unit.fsdp_params(), unit.sizes)]
+        views = [shard_byte_view(fp, size) for fp, size in zip(unit.fsdp_params(), unit.sizes)]
         for index, start, length, offset in unit.chunks:
             buf = self._acquire()
             buf[:length].copy_(views[index][start:start + length])
@@ -225,7 +225,7 @@ class ParamSwapper:
                 if view is None:  # a read-ahead buffer became this shard's memory
                     continue
                 if number not in staged and unit.in_place[index]:
-                    nbytes = align_up(length)  # inside the aligned memory: install() allocated align_up(size)
+                    nbytes = align_up(length)  # inside the aligned memory install_shard_memory() gave the shard
                     self.bytes_read += nbytes
                     reads.append(self.io.read(unit.path, view[start:start + nbytes], offset))
                     continue

@@ -41,7 +41,7 @@ def can_read_in_place(fsdp_param) -> bool:
             and local.storage_offset() == 0 and local.dtype == data.dtype)
 
 
-def shard_bytes(fsdp_param, nbytes: int) -> Tensor:
+def shard_byte_view(fsdp_param, nbytes: int) -> Tensor:
     """The ``nbytes`` bytes of the padded shard of ``fsdp_param`` as a ``uint8`` tensor (memory, not a copy)."""
     data = fsdp_param._sharded_param_data
     storage = data.untyped_storage()
@@ -49,7 +49,7 @@ def shard_bytes(fsdp_param, nbytes: int) -> Tensor:
     return torch.empty(0, dtype=torch.uint8, device=data.device).set_(storage, start, (nbytes,))
 
 
-def install(fsdp_param, memory: Tensor, nbytes: int) -> None:
+def install_shard_memory(fsdp_param, memory: Tensor, nbytes: int) -> None:
     """Make ``memory`` (``uint8``, at least ``nbytes``, aligned) the memory of ``fsdp_param``'s shard (see the
     note); its current contents are not copied."""
     data = fsdp_param._sharded_param_data
@@ -73,18 +73,18 @@ def shard_targets(fsdp_params, sizes, in_place, chunks, staged: dict, *, pin_mem
     for index, (fsdp_param, size) in enumerate(zip(fsdp_params, sizes)):
         if not in_place[index]:
             fsdp_param._sharded_param_data.untyped_storage().resize_(size)
-            views.append(shard_bytes(fsdp_param, size))
+            views.append(shard_byte_view(fsdp_param, size))
             continue
         numbers = [number for number, chunk in enumerate(chunks) if chunk[0] == index]
         whole = numbers[0] if len(numbers) == 1 else None
         if whole in staged and staged[whole][0].numel() == align_up(size):
             buf, future = staged.pop(whole)
             future.result()
-            install(fsdp_param, buf, size)
+            install_shard_memory(fsdp_param, buf, size)
             adopted.append(size)
             views.append(None)
         else:
             memory = aligned_buffer(size, pin_memory=pin_memory)
-            install(fsdp_param, memory, size)
+            install_shard_memory(fsdp_param, memory, size)
             views.append(memory)
     return views, adopted

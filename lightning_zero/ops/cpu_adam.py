@@ -22,7 +22,8 @@ from typing import Callable, Iterable, Optional, Sequence
 import torch
 from torch.optim.adam import adam as torch_adam
 
-from lightning_zero.ops.fused_adam import adam_foreach, local_tensor, validate_adam_hyperparameters
+from lightning_zero.ops.fused_adam import adam_foreach, validate_adam_hyperparameters
+from lightning_zero.torch_compat import local_tensor
 
 __all__ = ["CPUAdam"]
 

@@ -7,9 +7,10 @@ runs seven or eight ATen ops per parameter from Python. On CPU that is every run
 every offloaded optimizer step (``offload_optimizer="cpu"``: fp32 masters in CPU memory). torch's fused kernel (one
 C++ call for a list of tensors, vectorised, no temporaries; on CPU since torch 2.4) computes the same update: it
 differs from the for-loop only in fp32 rounding (at most a few units in the last place per step, where the for-loop
-rounds each op and the kernel each element's expression). It is 2.7-3.2x faster than the for-loop on the
-bench models' shards (``docs/performance.md``), and it is what DeepSpeed users get there: DeepSpeed steps
-one flat fp32 partition at stages 1-2 and under bf16, and its CPU offload insists on its own fused ``DeepSpeedCPUAdam``.
+rounds each op and the kernel each element's expression). It is several times faster than the for-loop on the
+bench models' shards (the step times and their command: ``docs/ops.md``), and it is what DeepSpeed users get there:
+DeepSpeed steps one flat fp32 partition at stages 1-2 and under bf16, and its CPU offload insists on its own fused
+``DeepSpeedCPUAdam``.
 torch does not make fused its default yet only to let the kernel bake in (its comment in ``torch/optim/adam.py``).
 
 So :func:`prefer_fused_on_cpu` makes such an optimizer step its fp32 CPU groups with ``fused=True``. What it never

@@ -28,15 +28,11 @@ import torch
 from torch.optim.adam import adam as torch_adam
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
-__all__ = ["FusedAdam", "local_tensor", "validate_adam_hyperparameters"]
+from lightning_zero.torch_compat import local_tensor
+
+__all__ = ["FusedAdam", "validate_adam_hyperparameters"]
 
 _FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (a view sharing storage, so in-place updates reach the DTensor), else itself."""
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if to_local is not None else tensor
 
 
 def validate_adam_hyperparameters(lr, betas, eps, weight_decay) -> None:

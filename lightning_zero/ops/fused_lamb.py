@@ -33,7 +33,8 @@ from typing import Callable, Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from lightning_zero.ops.fused_adam import local_tensor, validate_adam_hyperparameters
+from lightning_zero.ops.fused_adam import validate_adam_hyperparameters
+from lightning_zero.torch_compat import local_tensor
 
 __all__ = ["FusedLamb", "reduce_shard_sums", "triton_available"]
 

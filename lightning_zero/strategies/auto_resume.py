@@ -150,7 +150,7 @@ def install_auto_resume(trainer, auto_resume, broadcast, ckpt_path_asked: Option
     turn preemption signals into a checkpoint at the next step boundary (:mod:`.preemption`)."""
     from lightning.pytorch.trainer.states import TrainerFn
 
-    preemption.install(trainer)
+    preemption.install_preemption_checkpoint(trainer)
     asked = restart_count() > 0 or auto_resume == "always"
     last = ckpt_path_asked == "last"
     if trainer is None or not (asked or last) or trainer.state.fn != TrainerFn.FITTING:

@@ -6,13 +6,13 @@ model_checkpoint.py``, the same code in 2.4, 2.5 and 2.6): ``os.remove`` (or ``s
 ``os.symlink`` to the new checkpoint, then ``trainer.strategy.barrier()``. It calls no strategy hook before the
 removal, so a kill between the two calls left no ``last.ckpt``: ``fit(ckpt_path="last")`` started again from step 0
 with only Lightning's warning, with complete checkpoints beside it. The strategy's ``remove_checkpoint`` is not on
-that path (Lightning calls it for top-k rotation only), so at setup :func:`install` gives each ``ModelCheckpoint``
-with ``save_last="link"`` its own ``_link_checkpoint`` (an instance attribute: the class, and every other Trainer's
-callbacks, are untouched; Lightning calls it as ``self._link_checkpoint(trainer, filepath, linkpath)`` from
-``_save_last_checkpoint``). It makes the new link under a hidden name and ``os.replace``s it over ``last.ckpt``
-(:func:`lightning_zero.checkpoint.atomic.replace_link`), so ``last.ckpt`` is at every instant the previous link or
-the new one. A subclass that defines its own ``_link_checkpoint`` keeps it. Where the filesystem cannot make
-symlinks, a copy is renamed into place instead (Lightning copies too, after the removal).
+that path (Lightning calls it for top-k rotation only), so at setup :func:`install_atomic_links` gives each
+``ModelCheckpoint`` with ``save_last="link"`` its own ``_link_checkpoint`` (an instance attribute: the class, and every
+other Trainer's callbacks, are untouched; Lightning calls it as ``self._link_checkpoint(trainer, filepath, linkpath)``
+from ``_save_last_checkpoint``). It makes the new link under a hidden name and ``os.replace``s it over ``last.ckpt``
+(:func:`lightning_zero.checkpoint.atomic.replace_link`), so ``last.ckpt`` is at every instant the previous link or the
+new one. A subclass that defines its own ``_link_checkpoint`` keeps it. Where the filesystem cannot make symlinks, a
+copy is renamed into place instead (Lightning copies too, after the removal).
 
 What a resume does when ``last.ckpt`` is missing or older than the newest complete checkpoint anyway (a run killed
 by an older version, or between the save and the re-link): ``[Note: "last" resumes the newest complete checkpoint]``
@@ -28,7 +28,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_zero.checkpoint.atomic import CheckpointSaveError, replace_link
 
 
-def install(checkpoint_callbacks: list) -> None:
+def install_atomic_links(checkpoint_callbacks: list) -> None:
     """Give each ``ModelCheckpoint(save_last="link")`` in ``checkpoint_callbacks`` the atomic re-link (see the
     note above); other callbacks, and subclasses with their own ``_link_checkpoint``, are left alone."""
     lightnings = getattr(ModelCheckpoint, "_link_checkpoint", None)

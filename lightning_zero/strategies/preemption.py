@@ -13,12 +13,12 @@ restarts the job; SLURM requeues it through Lightning's requeue below). The rest
 checkpoint: it is the newest complete one in the ``ModelCheckpoint`` directory (:mod:`.restarts`).
 
 [Note: composing with Lightning]
-Lightning registers its handlers at the start of each fit, after the strategy's setup; :func:`install` wraps that
-one call and replaces the SIGTERM and requeue-signal handlers with the flag above (a handler the user had before
-the fit still runs; Lightning restores all of them at teardown). With ``SLURMEnvironment(auto_requeue=True)`` and its
-requeue signal, Lightning's requeue handler is called at the step boundary instead (every rank together): it saves
-the ``hpc_ckpt`` Lightning restores on a requeued job and runs ``scontrol requeue``. Lightning's per-step broadcast
-of its own SIGTERM flag is replaced for the fit (next note).
+Lightning registers its handlers at the start of each fit, after the strategy's setup;
+:func:`install_preemption_checkpoint` wraps that one call and replaces the SIGTERM and requeue-signal handlers with the
+flag above (a handler the user had before the fit still runs; Lightning restores all of them at teardown). With
+``SLURMEnvironment(auto_requeue=True)`` and its requeue signal, Lightning's requeue handler is called at the step
+boundary instead (every rank together): it saves the ``hpc_ckpt`` Lightning restores on a requeued job and runs
+``scontrol requeue``. Lightning's per-step broadcast of its own SIGTERM flag is replaced for the fit (next note).
 
 [Note: Lightning's per-step SIGTERM broadcast]
 Lightning's training loop broadcasts its SIGTERM flag from rank 0 before every batch and reads it with ``.item()``
@@ -43,9 +43,9 @@ round trip to the store on every step, and a rank can read it just before anothe
 agree on the step.)
 
 [Note: a notice after the last step]
-A signal that arrives during the last batch (or after it, before the fit ends) is in no batch's agreement. It used to
-be dropped: the fit ended normally, Lightning restored the handlers, and the process went on after ``fit`` as if
-never asked to stop, until the scheduler's SIGKILL. ``on_train_end`` (every rank, after the last batch and
+A signal that arrives during the last batch (or after it, before the fit ends) is in no batch's agreement. Left
+there it would be dropped: the fit ends normally, Lightning restores the handlers, and the process goes on after
+``fit`` as if never asked to stop, until the scheduler's SIGKILL. ``on_train_end`` (every rank, after the last batch and
 ``ModelCheckpoint``'s saves) therefore agrees once more, blocking, and a signal found there is handled as at a step
 boundary: the preemption checkpoint at the final step, then ``128 + signal``. The restarted job resumes at the
 final step, its fit ends at once, and the script goes on after ``fit``.
@@ -86,7 +86,8 @@ def _signals(trainer) -> list[int]:
 
 
 class PreemptionCheckpoint(Callback):
-    """Added by :func:`install` for one fit: records preemption signals, saves and exits at a step boundary."""
+    """Added by :func:`install_preemption_checkpoint` for one fit: records preemption signals, saves and exits at a
+    step boundary."""
 
     def __init__(self, trainer) -> None:
         self.trainer = trainer
@@ -213,7 +214,7 @@ def preemption_checkpoint_path(trainer) -> Optional[str]:
     return None
 
 
-def install(trainer) -> None:
+def install_preemption_checkpoint(trainer) -> None:
     """For a fit: record preemption signals and checkpoint at the next step boundary (see the module notes)."""
     from lightning.pytorch.trainer.states import TrainerFn
 

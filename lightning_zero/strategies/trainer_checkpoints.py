@@ -30,7 +30,7 @@ def prepare_checkpoint_callbacks(async_save: bool, checkpoint_callbacks: list) -
     ``save_last="link"`` re-point ``last.ckpt`` atomically (``[Note: re-pointing last.ckpt]`` in
     :mod:`lightning_zero.strategies.last_link`)."""
     check_checkpoint_callbacks(async_save, checkpoint_callbacks)
-    last_link.install(checkpoint_callbacks)
+    last_link.install_atomic_links(checkpoint_callbacks)
 
 
 def check_checkpoint_callbacks(async_save: bool, checkpoint_callbacks: list) -> None:

@@ -114,11 +114,3 @@ def adapt_precision_plugin(plugin: Precision, *, stage: int, loss_scale_config: 
         )
     return ZeroPrecision(flag, loss_scale_config=loss_scale_config, communication_data_type=communication_data_type,
                          stage=stage)
-
-
-class PrecisionFlag(Precision):
-    """A stand-in for the plugin Lightning would have chosen for a ``precision`` flag (a ds_config's precision,
-    adopted at setup); the strategy adapts it into :class:`ZeroPrecision` like Lightning's own choice."""
-
-    def __init__(self, precision: str) -> None:
-        self.precision = precision

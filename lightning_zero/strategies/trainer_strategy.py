@@ -37,6 +37,7 @@ from lightning_zero.adapters.launch_checks import (
     check_launcher_world_size,
     offloads,
 )
+from lightning_zero.adapters.precision_policy import PrecisionFlag
 from lightning_zero.adapters.process_group import barrier, start_process_group
 from lightning_zero.adapters.settings import SETTING_NAMES, STRATEGY_NAMES, checkpoint_save_options, resolve_settings
 from lightning_zero.checkpoint.io import wait_for_pending_saves
@@ -66,7 +67,6 @@ from lightning_zero.strategies.multiprocessing_launcher import ZeroMultiProcessi
 from lightning_zero.strategies.optimizer_toggle import install_partition_aware_toggle, uninstall_partition_aware_toggle
 from lightning_zero.strategies.pipeline_gradients import PipelineGradients
 from lightning_zero.strategies.trainer_precision import (
-    PrecisionFlag,
     ZeroPrecision,
     adapt_precision_plugin,
     guard_schedulers,

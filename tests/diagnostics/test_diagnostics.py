@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero.callbacks.diagnostics import DiagnosticsSettings, NCCLDiagnostics
 from lightning_zero.cli import main as cli_main
+from lightning_zero.diagnostics.byte_sizes import parse_size
 from lightning_zero.diagnostics.env_audit import (
     STEADY_HEAP,
     audit_environment,
@@ -34,7 +35,6 @@ from lightning_zero.diagnostics.probes import (
     all_gather_json,
     bus_bandwidth,
     bus_bandwidth_factor,
-    parse_size,
     probe_collectives,
     slow_outliers,
 )
@@ -61,10 +61,14 @@ def test_bus_bandwidth_matches_nccl_tests_definitions():
 
 def test_parse_size():
     assert parse_size("1K") == 1024 and parse_size("16M") == 16 << 20 and parse_size("2GiB") == 2 << 30
-    assert parse_size("100") == 100
-    for bad in ("abc", "0", "-4K"):
+    assert parse_size("100") == 100 and parse_size(4096) == 4096 and parse_size("1.5k") == 1536
+    # KB/MB/GB are decimal, as Hugging Face's max_shard_size; the one-letter suffixes binary, as nccl-tests
+    assert parse_size("500MB") == 500 * 10**6 and parse_size("2 GB") == 2 * 10**9 and parse_size("64KiB") == 64 << 10
+    for bad in ("abc", "0", "-4K", "MB", 0, True, 1.5, None):
         with pytest.raises(ValueError, match="size must be"):
             parse_size(bad)
+    with pytest.raises(ValueError, match="max_shard_size must be"):
+        parse_size("lots", "max_shard_size")
 
 
 def test_slow_outliers_names_rank_and_host():

@@ -5,7 +5,11 @@ imports inside functions and under ``TYPE_CHECKING`` count like any other:
 * each folder imports only the folders ``ALLOWED`` lists for it (the layers of ``docs/architecture.md``);
 * the framework-free core imports no Lightning, and only ``strategies/``, ``callbacks/`` and ``cli/`` import the
   Trainer (``lightning.pytorch``);
-* files stay under 600 lines and functions under 80, so each can be read in one sitting.
+* files stay under 600 lines and functions under 80, so each can be read in one sitting;
+* each top-level function, class and public constant is defined in one module only (``DEFINED_IN_EACH``: the names
+  a convention asks several modules to define), and imported wherever else it is used;
+* a ``[Note: ...]`` states an invariant and its reason: the figures measured for it live in ``docs/``, where the
+  Note points (``NOTE_FIGURES``: the few figures that are invariants themselves).
 """
 
 from __future__ import annotations
@@ -47,6 +51,26 @@ TRAINER = ("lightning.pytorch", "pytorch_lightning")
 TRAINER_SIDE = ("strategies", "callbacks", "cli", "TOP")
 MAX_FILE_LINES = 600
 MAX_FUNCTION_LINES = 80
+# Names that several modules define on purpose, each for its own caller that reaches it through the module:
+DEFINED_IN_EACH = {
+    "ZeroStrategy": "the Trainer's and Fabric's strategy class, each registered under its framework's own name",
+    "save": "each adapter's checkpoint module (trainer_checkpoints, fabric_checkpoints), called module-qualified",
+    "load": "each adapter's checkpoint module, as save",
+    "add_parser": "every cli/ subcommand module: cli.main registers each by its module name",
+    "run": "every cli/ subcommand module: what cli.main runs for it",
+    "main": "the entry point of each module run with python -m (cli, cli.advise_measure, cli.diagnose, fabric)",
+    "log": "each module's own logger, logging.getLogger(__name__)",
+}
+# A measurement in a Note: a number with a unit of size, time or ratio, a percentage, a date, or the word "measured".
+_NUMBER = r"\d(?:[\d.,]*\d)?"
+MEASUREMENT = re.compile(rf"\bmeasured\b|{_NUMBER}(?:\s?[-–]\s?{_NUMBER})?\s?(?:[KMGT]i?B|ms|us|µs|ns|s|min|x|×)(?!\w)"
+                         r"|\d\s?%|\b20\d\d-\d\d-\d\d\b")
+# Figures a Note may hold because they are invariants, not measurements: {Note title: {figure: why}}.
+NOTE_FIGURES = {
+    "buffers too large to pool": {"32 MiB": "glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit, an allocator constant"},
+}
+_NOTE = re.compile(r"\[Note: ([^\]]+)\]")
+_LEAD = re.compile(r"""^\s*(?:#:?|[rRbBuU]?\"\"\"|[rR]?\'\'\')?\s*""")
 
 
 def _module_name(path: Path, root: Path) -> str:
@@ -221,6 +245,115 @@ def test_files_and_functions_stay_short():
                 if length > MAX_FUNCTION_LINES:
                     long.append(f"{where}:{node.lineno}: {node.name} is {length} lines")
     assert long == [], "split along a seam a reader would name: " + "; ".join(long)
+
+
+def top_level_definitions(root: Path = PACKAGE) -> dict[str, list[str]]:
+    """``{name: ["file:line", ...]}`` of the functions, classes and public constants (assigned names that do not start
+    with ``_``) defined at the top level of each module under ``root``. Module-private constants are left out: no
+    module reads another's private names, so each is read only in its own file."""
+    found: dict[str, list[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        where = path.relative_to(root).as_posix()
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names = [node.name]
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names = [t.id for t in targets if isinstance(t, ast.Name) and not t.id.startswith("_")]
+            else:
+                continue
+            for name in names:
+                found.setdefault(name, []).append(f"{where}:{node.lineno}")
+    return found
+
+
+def duplicate_definitions(root: Path = PACKAGE) -> list[str]:
+    return [f"{name} in {', '.join(places)}" for name, places in top_level_definitions(root).items()
+            if len(places) > 1 and name not in DEFINED_IN_EACH]
+
+
+def test_each_helper_is_defined_once():
+    # Keep one definition in the lowest layer its users may import and import it elsewhere; two things that only
+    # share a name get names that say how they differ.
+    duplicates = duplicate_definitions()
+    assert duplicates == [], "defined in more than one module: " + "; ".join(duplicates)
+
+
+def test_a_second_definition_is_found(tmp_path):
+    root = tmp_path / "lightning_zero"
+    (root / "ops").mkdir(parents=True)
+    (root / "checkpoint").mkdir()
+    (root / "ops" / "a.py").write_text("def parse_size(text):\n    return 1\n_PRIVATE = 1\nLIMIT = 2\n")
+    (root / "checkpoint" / "b.py").write_text("class parse_size:\n    pass\n_PRIVATE = 3\nLIMIT: int = 4\n"
+                                              "def save():\n    pass\n")
+    (root / "checkpoint" / "c.py").write_text("from ..ops.a import parse_size\ndef save():\n    pass\n")
+    assert duplicate_definitions(root) == ["parse_size in checkpoint/b.py:1, ops/a.py:1",
+                                           "LIMIT in checkpoint/b.py:4, ops/a.py:4"]
+
+
+def _opens_a_note(line: str, start: int) -> bool:
+    # a Note opens a docstring, a comment or a sentence; one named inside a sentence ("see [Note: ...]") is a reference
+    before = _LEAD.sub("", line[:start], count=1).rstrip()
+    return not before or before.endswith(".")
+
+
+def note_blocks(source: str) -> Iterator[tuple[int, str, str]]:
+    """``(line, title, text)`` of each Note ``source`` holds: from its ``[Note: title]`` to the next Note, the end of
+    its docstring, or the end of its comment."""
+    lines = source.splitlines()
+    for number, line in enumerate(lines):
+        for match in _NOTE.finditer(line):
+            if not _opens_a_note(line, match.start()):
+                continue
+            text, rest = [], line[match.start():]
+            in_comment = line.lstrip().startswith("#")
+            for following in lines[number + 1:]:
+                if '"""' in rest or (in_comment and not following.lstrip().startswith("#")):
+                    break
+                text.append(rest)
+                opening = _NOTE.search(following)
+                if opening and _opens_a_note(following, opening.start()):
+                    rest = ""
+                    break
+                rest = following
+            text.append(rest.partition('"""')[0])
+            yield number + 1, match.group(1), "\n".join(text)
+
+
+def note_measurements(root: Path = PACKAGE) -> list[str]:
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for line, title, text in note_blocks(path.read_text()):
+            allowed = NOTE_FIGURES.get(title, {})
+            figures = [m.group() for m in MEASUREMENT.finditer(text) if m.group() not in allowed]
+            if figures:
+                found.append(f"{path.relative_to(root).as_posix()}:{line}: [Note: {title}] holds {figures}")
+    return found
+
+
+def test_notes_state_invariants_not_measurements():
+    # Move the figure to the docs page on the topic (with the command that measures it) and point the Note there.
+    found = note_measurements()
+    assert found == [], "measurements in Notes: " + "; ".join(found)
+
+
+def test_a_measurement_in_a_note_is_found(tmp_path):
+    root = tmp_path / "lightning_zero"
+    root.mkdir()
+    (root / "a.py").write_text(
+        '"""Module.\n\n[Note: the unit]\nEight units keep the peak low (measured: 881 MiB).\n\n'
+        'Still the note: 1.09x.\n"""\n'
+        "# [Note: a comment note] one pass, 3 ms\n"
+        "x = 1  # see [Note: the unit]: 5 MiB\n"
+        '#: Seconds. [Note: an inline note] 300 s\ny = 2  # 40 ms\n'
+        'def f():\n    """[Note: quiet] Bytes stay on the device."""\n'
+        '"""[Note: buffers too large to pool] never above 32 MiB, while 2647 MiB was the peak."""\n')
+    assert note_measurements(root) == [
+        "a.py:3: [Note: the unit] holds ['measured', '881 MiB', '1.09x']",
+        "a.py:8: [Note: a comment note] holds ['3 ms']",
+        "a.py:10: [Note: an inline note] holds ['300 s']",
+        "a.py:14: [Note: buffers too large to pool] holds ['2647 MiB']",
+    ]
 
 
 @pytest.mark.parametrize(("relative", "source", "rule"), [

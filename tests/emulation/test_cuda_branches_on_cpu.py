@@ -57,16 +57,16 @@ def test_probes_run_on_the_current_cuda_device_under_nccl(cuda_here, monkeypatch
     # NCCL alone, and beside gloo in the group the strategy starts on CUDA: the probe measures NCCL either way
     for config in ("cuda:nccl", "cpu:gloo,cuda:nccl"):
         monkeypatch.setattr(dist, "get_backend_config", lambda group=None, config=config: config)
-        assert probes._default_device(None) == torch.device("cuda", 2), config
+        assert probes._probe_device(None) == torch.device("cuda", 2), config
     monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cpu:gloo,cuda:gloo")
-    assert probes._default_device(None) == torch.device("cpu")
+    assert probes._probe_device(None) == torch.device("cpu")
 
 
 def test_apply_zero_default_device_follows_the_mesh(cuda_here):
-    from lightning_zero.distributed.apply_zero import _default_device
+    from lightning_zero.distributed.apply_zero import _mesh_device
 
-    assert _default_device(SimpleNamespace(device_type="cuda")) == torch.device("cuda", 2)
-    assert _default_device(SimpleNamespace(device_type="cpu")) == torch.device("cpu")
+    assert _mesh_device(SimpleNamespace(device_type="cuda")) == torch.device("cuda", 2)
+    assert _mesh_device(SimpleNamespace(device_type="cpu")) == torch.device("cpu")
 
 
 def test_parameter_offload_pins_only_on_cuda():

@@ -283,7 +283,7 @@ def test_install_gives_each_link_callback_its_own_atomic_link_and_leaves_the_res
             pass
 
     link, copy, own = ModelCheckpoint(save_last="link"), ModelCheckpoint(save_last=True), OwnLink(save_last="link")
-    last_link.install([link, copy, own])
+    last_link.install_atomic_links([link, copy, own])
     assert isinstance(vars(link)["_link_checkpoint"], last_link.AtomicLink)
     assert "_link_checkpoint" not in vars(copy) and "_link_checkpoint" not in vars(own)
     assert ModelCheckpoint._link_checkpoint is not vars(link)["_link_checkpoint"]  # the class is untouched
