@@ -18,7 +18,7 @@ reduce-scatter (FSDP2's custom collectives)     memory; gloo's reduce-scatter cl
 the local-shard optimizer step                  torch picks the per-parameter for-loop on   ``local_step.py``
 (Adam, AdamW, SGD on DTensor local shards)      CPU, where each op pays DTensor's Python
                                                 dispatch; on CUDA it picks ``foreach``
-torch's fused Adam/AdamW kernel for fp32 CPU    the same for-loop, several times slower      ``ops/cpu_fused.py``
+torch's fused Adam/AdamW kernel for fp32 CPU    the same for-loop, several times slower     ``ops/cpu_fused.py``
 groups that left the choice to torch            the kernel on CPU
 the root's post-forward hook suspended around   saves the second all-gather of the root a   ``root_reentry.py``
 ``training_step`` (automatic optimization)      nested ``self(x)`` causes; edits FSDP2's
