@@ -73,12 +73,16 @@ def check_seal(record: Dict[str, Any], path: str) -> None:
     """Raise :class:`CheckpointError` when ``zero.json`` was edited after it was written (a record without a seal,
     from a checkpoint written before seals existed, is accepted)."""
     if "seal" in record and record["seal"] != _seal_of(record):
-        raise CheckpointError(f"{path}: zero.json was edited after the checkpoint was written (its fields no longer "
-                              "match the checksum recorded with them)", path)
+        raise CheckpointError(
+            f"{path}: zero.json was edited after the checkpoint was written (its fields no longer "
+            "match the checksum recorded with them)",
+            path,
+        )
 
 
-def check_files(directory: str, info: Dict[str, Any], *, checksums: bool, share: tuple = (0, 1)
-                ) -> List[CheckpointError]:
+def check_files(
+    directory: str, info: Dict[str, Any], *, checksums: bool, share: tuple = (0, 1)
+) -> List[CheckpointError]:
     """The recorded files of the checkpoint that are missing or whose size (and, with ``checksums``, CRC-32) differs.
 
     ``share=(rank, world)`` checks only the files ``rank`` is responsible for (every ``world``-th), so that the ranks
@@ -98,12 +102,20 @@ def check_files(directory: str, info: Dict[str, Any], *, checksums: bool, share:
         elif not os.path.isfile(full):
             problems.append(CheckpointError(f"{full}: file missing (the checkpoint was written with it)", full))
         elif os.path.getsize(full) != record.get("size"):
-            problems.append(CheckpointError(
-                f"{full}: size is {os.path.getsize(full)} bytes, the checkpoint was written with {record.get('size')} "
-                "(truncated or modified)", full))
+            problems.append(
+                CheckpointError(
+                    f"{full}: size is {os.path.getsize(full)} bytes, the checkpoint was written with "
+                    f"{record.get('size')} (truncated or modified)",
+                    full,
+                )
+            )
         elif checksums and position % world == rank and crc32_of(full) != record.get("crc32"):
-            problems.append(CheckpointError(f"{full}: contents changed since the checkpoint was written (CRC-32 "
-                                            "mismatch: the file is corrupt)", full))
+            problems.append(
+                CheckpointError(
+                    f"{full}: contents changed since the checkpoint was written (CRC-32 mismatch: the file is corrupt)",
+                    full,
+                )
+            )
     return problems
 
 
@@ -124,8 +136,9 @@ def _overlapping(chunks: List[tuple]) -> Optional[tuple]:
     return None
 
 
-def check_metadata(directory: str, metadata: Metadata, recorded: Optional[Iterable[str]] = None
-                   ) -> List[CheckpointError]:
+def check_metadata(
+    directory: str, metadata: Metadata, recorded: Optional[Iterable[str]] = None
+) -> List[CheckpointError]:
     """Structural checks of DCP ``metadata`` against the files of ``directory``: every chunk lies inside its tensor,
     the chunks cover the tensor exactly once, and every storage record lies inside a file the checkpoint holds."""
     where = os.path.join(directory, METADATA_FILE)
@@ -135,43 +148,72 @@ def check_metadata(directory: str, metadata: Metadata, recorded: Optional[Iterab
         if isinstance(item, BytesStorageMetadata):
             if MetadataIndex(fqn) not in storage:
                 problems.append(CheckpointError(f"{where}: no stored data for {fqn!r}", where))
-            continue
-        if not isinstance(item, TensorStorageMetadata):
-            problems.append(CheckpointError(f"{where}: {fqn!r} has unknown metadata {type(item).__name__}", where))
-            continue
-        size = tuple(item.size)
-        chunks, covered = [], 0
-        for chunk in item.chunks:
-            offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
-            if len(offsets) != len(size) or len(sizes) != len(size) or any(
-                    o < 0 or s < 0 or o + s > d for o, s, d in zip(offsets, sizes, size)):
-                problems.append(CheckpointError(
-                    f"{where}: tensor {fqn!r} of size {list(size)} has a stored chunk at offsets {list(offsets)} of "
-                    f"size {list(sizes)} that lies outside it (edited or corrupt metadata)", where))
-                break
-            if MetadataIndex(fqn, offsets) not in storage:
-                problems.append(CheckpointError(f"{where}: tensor {fqn!r} has no stored data for its chunk at "
-                                                f"offsets {list(offsets)}", where))
-                break
-            chunks.append((offsets, sizes))
-            covered += math.prod(sizes)
+        elif isinstance(item, TensorStorageMetadata):
+            problems.extend(_tensor_chunk_problems(where, fqn, item, storage))
         else:
-            overlap = _overlapping(chunks)
-            if overlap is not None or covered != math.prod(size):
-                detail = (f"chunks at offsets {list(overlap[0][0])} and {list(overlap[1][0])} overlap"
-                          if overlap is not None else f"its stored chunks hold {covered} of its {math.prod(size)} "
-                                                      "elements")
-                problems.append(CheckpointError(f"{where}: tensor {fqn!r} of size {list(size)} is not covered "
-                                                f"exactly by its stored chunks: {detail} (edited or corrupt "
-                                                "metadata)", where))
+            problems.append(CheckpointError(f"{where}: {fqn!r} has unknown metadata {type(item).__name__}", where))
+    problems.extend(_storage_record_problems(directory, where, storage, recorded))
+    return unique_problems(problems)
+
+
+def _tensor_chunk_problems(where: str, fqn: str, item: TensorStorageMetadata, storage: dict) -> List[CheckpointError]:
+    """The first problem of one tensor's chunks: one outside the tensor, one without stored data, or chunks that do
+    not cover the tensor exactly once."""
+    size = tuple(item.size)
+    chunks, covered = [], 0
+    for chunk in item.chunks:
+        offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+        if (
+            len(offsets) != len(size)
+            or len(sizes) != len(size)
+            or any(o < 0 or s < 0 or o + s > d for o, s, d in zip(offsets, sizes, size))
+        ):
+            message = (
+                f"{where}: tensor {fqn!r} of size {list(size)} has a stored chunk at offsets {list(offsets)} of "
+                f"size {list(sizes)} that lies outside it (edited or corrupt metadata)"
+            )
+            return [CheckpointError(message, where)]
+        if MetadataIndex(fqn, offsets) not in storage:
+            message = f"{where}: tensor {fqn!r} has no stored data for its chunk at offsets {list(offsets)}"
+            return [CheckpointError(message, where)]
+        chunks.append((offsets, sizes))
+        covered += math.prod(sizes)
+    overlap = _overlapping(chunks)
+    if overlap is None and covered == math.prod(size):
+        return []
+    detail = (
+        f"chunks at offsets {list(overlap[0][0])} and {list(overlap[1][0])} overlap"
+        if overlap is not None
+        else f"its stored chunks hold {covered} of its {math.prod(size)} elements"
+    )
+    message = (
+        f"{where}: tensor {fqn!r} of size {list(size)} is not covered exactly by its stored chunks: {detail} (edited "
+        "or corrupt metadata)"
+    )
+    return [CheckpointError(message, where)]
+
+
+def _storage_record_problems(
+    directory: str, where: str, storage: dict, recorded: Optional[Iterable[str]]
+) -> List[CheckpointError]:
+    """Records stored in a file the checkpoint was not written with, and files missing or shorter than the records
+    ``.metadata`` places in them."""
+    problems: List[CheckpointError] = []
     recorded = set(recorded) if recorded is not None else None
     ends: Dict[str, tuple] = {}  # file -> (end of its last record, the fqn stored there)
     for index, info in storage.items():
         name = getattr(info, "relative_path", None)
-        if not isinstance(name, str) or os.path.basename(name) != name or name.startswith(INFO_FILE) \
-                or (recorded is not None and name not in recorded):
-            problems.append(CheckpointError(f"{where}: the record of {index.fqn!r} is in {name!r}, which is not a "
-                                            "data file this checkpoint was written with (edited metadata)", where))
+        if (
+            not isinstance(name, str)
+            or os.path.basename(name) != name
+            or name.startswith(INFO_FILE)
+            or (recorded is not None and name not in recorded)
+        ):
+            message = (
+                f"{where}: the record of {index.fqn!r} is in {name!r}, which is not a data file this checkpoint was "
+                "written with (edited metadata)"
+            )
+            problems.append(CheckpointError(message, where))
             continue
         end = info.offset + info.length
         if info.offset < 0 or info.length < 0:
@@ -183,10 +225,12 @@ def check_metadata(directory: str, metadata: Metadata, recorded: Optional[Iterab
         if not os.path.isfile(full):
             problems.append(CheckpointError(f"{full}: file missing (.metadata stores {fqn!r} in it)", full))
         elif end > os.path.getsize(full):
-            problems.append(CheckpointError(
+            message = (
                 f"{full}: {os.path.getsize(full)} bytes, but .metadata stores {fqn!r} up to byte {end} (truncated "
-                "file or edited metadata)", full))
-    return unique_problems(problems)
+                "file or edited metadata)"
+            )
+            problems.append(CheckpointError(message, full))
+    return problems
 
 
 def unique_problems(problems: List[CheckpointError]) -> List[CheckpointError]:

@@ -131,21 +131,26 @@ class NetworkReport:
 
     def who(self) -> str:
         i = self.identity
-        return (f"node rank {i['node_rank']} (host {i['hostname']}, address {i['address'] or '?'} on "
-                f"{i['interface'] or '?'})")
+        return (
+            f"node rank {i['node_rank']} (host {i['hostname']}, address {i['address'] or '?'} on "
+            f"{i['interface'] or '?'})"
+        )
 
     def raise_errors(self) -> None:
         """Raise the errors as one :class:`NetworkError`, unless the user overrode the check
         (``LIGHTNING_ZERO_SKIP_NETWORK_CHECK=1``, the override the message names): then log them and go on. Every
         caller (the strategies, ``diagnose``, ``launch``) goes through here, so the override holds everywhere."""
         if self.errors and os.environ.get(SKIP_ENV) == "1":
-            logging.getLogger(__name__).warning(f"{SKIP_ENV}=1: continuing despite the network check on "
-                                                f"{self.who()}: {self.errors}")
+            logging.getLogger(__name__).warning(
+                f"{SKIP_ENV}=1: continuing despite the network check on {self.who()}: {self.errors}"
+            )
             return
         if self.errors:
-            raise NetworkError(f"network check on {self.who()} failed before the process group: "
-                               + " ".join(f"({n}) {e}" for n, e in enumerate(self.errors, 1))
-                               + " (LIGHTNING_ZERO_SKIP_NETWORK_CHECK=1, or launch --skip_network_check, overrides)")
+            raise NetworkError(
+                f"network check on {self.who()} failed before the process group: "
+                + " ".join(f"({n}) {e}" for n, e in enumerate(self.errors, 1))
+                + " (LIGHTNING_ZERO_SKIP_NETWORK_CHECK=1, or launch --skip_network_check, overrides)"
+            )
 
 
 def _nccl_matches(spec: str, names: list[str]) -> list[str]:
@@ -158,8 +163,9 @@ def _nccl_matches(spec: str, names: list[str]) -> list[str]:
     return [n for n in names if n not in hit] if exclude else hit
 
 
-def check_network(environ: Mapping[str, str], num_nodes: int, node_rank: int,
-                  table: Optional[list[Interface]] = None, route=route_to) -> NetworkReport:
+def check_network(
+    environ: Mapping[str, str], num_nodes: int, node_rank: int, table: Optional[list[Interface]] = None, route=route_to
+) -> NetworkReport:
     """Check this node's network configuration for a run of ``num_nodes`` nodes (see the module docstring).
 
     ``environ`` supplies ``MASTER_ADDR``/``MASTER_PORT`` and the ``*_SOCKET_IFNAME`` variables; ``table`` the
@@ -174,9 +180,18 @@ def check_network(environ: Mapping[str, str], num_nodes: int, node_rank: int,
     master_ip = resolve(master) if master else None
     source = route(master_ip) if master_ip else None
     via = next((i.name for i in table if source and i.address == source), None)
-    report = NetworkReport({"hostname": hostname, "resolves_to": resolved, "node_rank": node_rank,
-                            "num_nodes": num_nodes, "master": master or None, "interface": via, "address": source})
-    errors, warnings = report.errors, report.warnings
+    report = NetworkReport(
+        {
+            "hostname": hostname,
+            "resolves_to": resolved,
+            "node_rank": node_rank,
+            "num_nodes": num_nodes,
+            "master": master or None,
+            "interface": via,
+            "address": source,
+        }
+    )
+    errors = report.errors
     port = environ.get("MASTER_PORT", "").strip()
     if port and not (port.isdigit() and 0 < int(port) < 65536):
         errors.append(f"MASTER_PORT={port!r} is not a port number (1-65535).")
@@ -186,42 +201,85 @@ def check_network(environ: Mapping[str, str], num_nodes: int, node_rank: int,
         errors.append(f"MASTER_ADDR={master!r} does not resolve on this host (check DNS or /etc/hosts).")
     across_hosts = num_nodes > 1 and master_ip is not None and not _is_loopback(master_ip)
     if across_hosts and source is None:
-        errors.append(f"no route from this host to MASTER_ADDR={master} ({master_ip}): check the interfaces and the "
-                      f"routing table (`ip route get {master_ip}`).")
+        errors.append(
+            f"no route from this host to MASTER_ADDR={master} ({master_ip}): check the interfaces and the "
+            f"routing table (`ip route get {master_ip}`)."
+        )
+    names = ", ".join(f"{i.name}={i.address or 'no IPv4'}" for i in table)
+    _check_gloo_interfaces(report, environ, table, names, hostname, resolved, across_hosts)
+    _check_nccl_interfaces(report, environ, by_name, names, across_hosts)
+    return report
+
+
+def _check_gloo_interfaces(
+    report: NetworkReport,
+    environ: Mapping[str, str],
+    table: list,
+    names: str,
+    hostname: str,
+    resolved: Optional[str],
+    across_hosts: bool,
+) -> None:
+    """``GLOO_SOCKET_IFNAME``'s interfaces exist, are up and reach the other nodes; without it, the address gloo
+    would advertise (the host name's) is one the other nodes can reach."""
+    errors, warnings = report.errors, report.warnings
+    by_name = {i.name: i for i in table}
+    master, via = report.identity["master"], report.identity["interface"]
+    num_nodes = report.identity["num_nodes"]
     local_addresses = {i.address for i in table if i.address and i.up}
     gloo = environ.get("GLOO_SOCKET_IFNAME", "").strip()
-    names = ", ".join(f"{i.name}={i.address or 'no IPv4'}" for i in table)
     for name in [n.strip() for n in gloo.split(",") if n.strip()]:
         iface = by_name.get(name)
         if iface is None:
-            errors.append(f"GLOO_SOCKET_IFNAME={gloo} names interface {name!r}, which this host does not have "
-                          f"(it has: {names}).")
+            errors.append(
+                f"GLOO_SOCKET_IFNAME={gloo} names interface {name!r}, which this host does not have (it has: {names})."
+            )
         elif not iface.up or iface.address is None:
-            errors.append(f"GLOO_SOCKET_IFNAME={gloo}: interface {name!r} is "
-                          f"{'down' if not iface.up else 'without an IPv4 address'}.")
+            errors.append(
+                f"GLOO_SOCKET_IFNAME={gloo}: interface {name!r} is "
+                f"{'down' if not iface.up else 'without an IPv4 address'}."
+            )
         elif across_hosts and iface.loopback:
-            errors.append(f"GLOO_SOCKET_IFNAME={gloo} is the loopback interface on a {num_nodes}-node run: gloo would "
-                          f"advertise {iface.address} to the other nodes, which cannot reach it; use the interface "
-                          f"that routes to MASTER_ADDR={master}" + (f" ({via})." if via else "."))
+            errors.append(
+                f"GLOO_SOCKET_IFNAME={gloo} is the loopback interface on a {num_nodes}-node run: gloo would "
+                f"advertise {iface.address} to the other nodes, which cannot reach it; use the interface "
+                f"that routes to MASTER_ADDR={master}" + (f" ({via})." if via else ".")
+            )
         elif across_hosts and via is not None and via != name:
-            warnings.append(f"GLOO_SOCKET_IFNAME={gloo} but the route to MASTER_ADDR={master} leaves through {via}: "
-                            f"check that the other nodes can reach {iface.address}.")
+            warnings.append(
+                f"GLOO_SOCKET_IFNAME={gloo} but the route to MASTER_ADDR={master} leaves through {via}: "
+                f"check that the other nodes can reach {iface.address}."
+            )
     if across_hosts and not gloo:
         if resolved is None or _is_loopback(resolved) or resolved not in local_addresses:
-            what = ("does not resolve" if resolved is None else f"resolves to {resolved}, "
-                    + ("a loopback address" if _is_loopback(resolved) else "which no interface of this host has"))
-            errors.append(f"hostname {hostname!r} {what}, so gloo would advertise a loopback address to the other "
-                          "nodes; set GLOO_SOCKET_IFNAME" + (f"={via}" if via else "") + " (the interface that "
-                          "routes to MASTER_ADDR) or fix the hostname's entry in DNS or /etc/hosts.")
+            what = (
+                "does not resolve"
+                if resolved is None
+                else f"resolves to {resolved}, "
+                + ("a loopback address" if _is_loopback(resolved) else "which no interface of this host has")
+            )
+            errors.append(
+                f"hostname {hostname!r} {what}, so gloo would advertise a loopback address to the other "
+                "nodes; set GLOO_SOCKET_IFNAME" + (f"={via}" if via else "") + " (the interface that "
+                "routes to MASTER_ADDR) or fix the hostname's entry in DNS or /etc/hosts."
+            )
+
+
+def _check_nccl_interfaces(
+    report: NetworkReport, environ: Mapping[str, str], by_name: dict, names: str, across_hosts: bool
+) -> None:
+    """``NCCL_SOCKET_IFNAME``'s prefixes match an interface of this host, and not only loopback across hosts."""
+    errors, num_nodes = report.errors, report.identity["num_nodes"]
     nccl = environ.get("NCCL_SOCKET_IFNAME", "").strip()
     if nccl:
         picked = _nccl_matches(nccl, list(by_name))
         if not picked:
             errors.append(f"NCCL_SOCKET_IFNAME={nccl} matches no interface of this host (it has: {names}).")
         elif across_hosts and all(by_name[n].loopback for n in picked):
-            errors.append(f"NCCL_SOCKET_IFNAME={nccl} selects only loopback ({', '.join(picked)}) on a "
-                          f"{num_nodes}-node run: the other nodes cannot reach it.")
-    return report
+            errors.append(
+                f"NCCL_SOCKET_IFNAME={nccl} selects only loopback ({', '.join(picked)}) on a "
+                f"{num_nodes}-node run: the other nodes cannot reach it."
+            )
 
 
 #: What :func:`check_network` reads from the environment; with the host name and the node ranks, the key of
@@ -272,13 +330,16 @@ def wait_for_master(address: str, port: int, deadline_s: float, who: str, interv
         if time.monotonic() >= end:
             break
         time.sleep(interval)
-    raise NetworkError(f"{who} cannot reach MASTER_ADDR:MASTER_PORT {address}:{port} "
-                       f"({type(last).__name__}: {last}) within {deadline_s:g} s: is node rank 0 started, is "
-                       f"{address} the right address, does a firewall block port {port}?")
+    raise NetworkError(
+        f"{who} cannot reach MASTER_ADDR:MASTER_PORT {address}:{port} "
+        f"({type(last).__name__}: {last}) within {deadline_s:g} s: is node rank 0 started, is "
+        f"{address} the right address, does a firewall block port {port}?"
+    )
 
 
-def rendezvous_store(master_addr: str, master_port: int, host: bool, rendezvous_timeout: float, who: str,
-                     timeout: timedelta):
+def rendezvous_store(
+    master_addr: str, master_port: int, host: bool, rendezvous_timeout: float, who: str, timeout: timedelta
+):
     """The ``TCPStore`` at ``master_addr:master_port``: hosted here when ``host``, else connected to once the master
     accepts (:func:`wait_for_master`, at most ``rendezvous_timeout`` seconds, ``NetworkError`` naming ``who``).
     ``timeout`` is the store's timeout afterwards. Shared by :func:`checked_store` and ``launch``'s node check-in."""
@@ -303,8 +364,17 @@ def missing_after(store, keys: list, deadline_s: float) -> list:
     return []
 
 
-def checked_store(master_addr: str, master_port: int, rank: int, world_size: int, node_rank: int, num_nodes: int,
-                  timeout: timedelta, rendezvous_timeout: float, identity: Optional[dict] = None):
+def checked_store(
+    master_addr: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    node_rank: int,
+    num_nodes: int,
+    timeout: timedelta,
+    rendezvous_timeout: float,
+    identity: Optional[dict] = None,
+):
     """A ``TCPStore`` for ``init_process_group(store=...)`` after every rank checked in (see the module docstring).
 
     Rank 0 hosts the store and waits at most ``rendezvous_timeout`` seconds for the others; the error names the
@@ -318,8 +388,11 @@ def checked_store(master_addr: str, master_port: int, rank: int, world_size: int
         keys = [f"{_CHECKIN}{r}" for r in range(world_size)]
         missing = missing_after(store, keys, rendezvous_timeout)
         if missing:
-            raise NetworkError(_missing_message(store, keys, missing, world_size, num_nodes, master_addr,
-                                                master_port, rendezvous_timeout))
+            raise NetworkError(
+                _missing_message(
+                    store, keys, missing, world_size, num_nodes, master_addr, master_port, rendezvous_timeout
+                )
+            )
     return store
 
 
@@ -328,17 +401,24 @@ def _missing_message(store, keys, missing, world_size, num_nodes, address, port,
     nodes = sorted({r // per_node for r in missing})
     arrived = [json.loads(store.get(k)) for r, k in enumerate(keys) if r not in missing]
     hosts = sorted({f"node rank {a['node_rank']} on {a.get('hostname', '?')}" for a in arrived})
-    return (f"rendezvous at {address}:{port}: node rank(s) {nodes} (global ranks {missing}) did not check in within "
-            f"rendezvous_timeout={waited:g} s; arrived: {', '.join(hosts)}. Check that those nodes started and can "
-            f"reach {address}:{port} (`lightning-zero diagnose --network-only` on them names the problem).")
+    return (
+        f"rendezvous at {address}:{port}: node rank(s) {nodes} (global ranks {missing}) did not check in within "
+        f"rendezvous_timeout={waited:g} s; arrived: {', '.join(hosts)}. Check that those nodes started and can "
+        f"reach {address}:{port} (`lightning-zero diagnose --network-only` on them names the problem)."
+    )
 
 
 def identity_line(identity: dict) -> str:
     """One line naming a node: node rank, hostname, the address and interface that route to the master."""
-    where = f"node rank {identity.get('node_rank')}: host {identity.get('hostname')} " \
-            f"(resolves to {identity.get('resolves_to')})"
+    where = (
+        f"node rank {identity.get('node_rank')}: host {identity.get('hostname')} "
+        f"(resolves to {identity.get('resolves_to')})"
+    )
     if identity.get("address") is None:  # no route was looked up: say why rather than "address None on None"
         master = identity.get("master")
-        return where + (f", no route to MASTER_ADDR={master}" if master else
-                        ", no MASTER_ADDR set, so no route to node rank 0 was looked up")
+        return where + (
+            f", no route to MASTER_ADDR={master}"
+            if master
+            else ", no MASTER_ADDR set, so no route to node rank 0 was looked up"
+        )
     return f"{where}, address {identity.get('address')} on {identity.get('interface') or 'an unlisted interface'}"

@@ -64,14 +64,17 @@ def _resolve_offload(stage: int, offload: str, optimizer: Optional[str], params:
     opt = _normalise_offload(optimizer, "offload_optimizer")
     par = _normalise_offload(params, "offload_params")
     if par != "none" and stage != 3:
-        raise ValueError(f"offload_params={par!r} needs stage 3 (only stage 3 shards parameters; DeepSpeed would "
-                         f"silently ignore it below stage 3); got stage {stage}. Use offload_optimizer={par!r} alone.")
+        raise ValueError(
+            f"offload_params={par!r} needs stage 3 (only stage 3 shards parameters; DeepSpeed would "
+            f"silently ignore it below stage 3); got stage {stage}. Use offload_optimizer={par!r} alone."
+        )
     if par != "none" and opt == "none":
         raise ValueError(
             f"offload_params={par!r} without offload_optimizer is not supported: the sharded fp32 parameters are the "
             "optimizer's masters, so FSDP2's CPU offload moves the optimizer step to CPU with them (DeepSpeed would "
             "keep fp32 masters and optimizer states on the accelerator). Offload both (offload_optimizer='cpu', "
-            "offload_params='cpu', i.e. offload='cpu' at stage 3) or only the optimizer (offload_optimizer='cpu').")
+            "offload_params='cpu', i.e. offload='cpu' at stage 3) or only the optimizer (offload_optimizer='cpu')."
+        )
     return opt, par
 
 
@@ -133,62 +136,24 @@ class ZeroConfig:
         if not isinstance(self.broadcast_buffers, bool):  # a string "false" would otherwise count as true
             raise TypeError(f"broadcast_buffers must be True or False, got {self.broadcast_buffers!r}")
         if isinstance(self.stage, bool) or not isinstance(self.stage, int) or self.stage not in STAGES:
-            raise ValueError(f"stage must be one of {STAGES} (0: DDP, 1: +optimizer states sharded, "
-                             f"2: +gradients sharded, 3: +parameters sharded), got {self.stage!r}")
-        opt, par = _resolve_offload(self.stage, _normalise_offload(self.offload), self.offload_optimizer,
-                                    self.offload_params)
-        object.__setattr__(self, "offload_optimizer", opt)
-        object.__setattr__(self, "offload_params", par)
-        # `offload` is where the optimizer's states live: "nvme" swaps them from the same CPU placement as "cpu".
-        offload = opt if opt != "none" else par
-        object.__setattr__(self, "offload", offload)
-        if "nvme" in (opt, par) and self.nvme is None:
-            what = " and ".join(f"{name}='nvme'" for name, value in (("offload_optimizer", opt),
-                                                                    ("offload_params", par)) if value == "nvme")
-            raise ValueError(f"{what} (offload='nvme' is the shorthand) needs nvme_path: a directory on a fast "
-                             "local disk where the swapped states live")
-        if "nvme" not in (opt, par) and self.nvme is not None:
-            raise ValueError(f"nvme_path and the NVMe knobs need offload_optimizer='nvme' (or offload='nvme') or "
-                             f"offload_params='nvme'; this "
-                             f"configuration offloads the optimizer to {opt!r}, so they would have no effect")
-        if self.nvme is not None and not isinstance(self.nvme, NvmeConfig):
-            raise TypeError(f"nvme must be an NvmeConfig, got {self.nvme!r}")
-        if self.nvme is not None and par != "nvme":
-            for name, default in PARAM_ONLY_KNOBS.items():
-                if getattr(self.nvme, name) != default:
-                    raise ValueError(f"{name}={getattr(self.nvme, name)} only drives parameter swapping "
-                                     f"(offload_params='nvme', stage 3); this configuration keeps parameters on "
-                                     f"{par!r}, so it would have no effect")
-        if offload != "none" and self.stage == 0:
             raise ValueError(
-                f"offload={offload!r} needs a ZeRO stage of 1, 2 or 3: stage 0 keeps every state replicated on "
-                "the device, so there is nothing partitioned to offload. Use stage=1/2/3 or offload=None."
+                f"stage must be one of {STAGES} (0: DDP, 1: +optimizer states sharded, "
+                f"2: +gradients sharded, 3: +parameters sharded), got {self.stage!r}"
             )
+        offload = self._resolve_offloads()
         if self.pin_memory is not None and not isinstance(self.pin_memory, bool):
             raise TypeError(f"pin_memory must be True, False or None, got {self.pin_memory!r}")
         if self.pin_memory and offload == "none":
             raise ValueError("pin_memory=True only applies with offload='cpu'; set offload='cpu' or drop pin_memory")
         if self.sharded_module_classes is not None:
-            classes = self.sharded_module_classes
-            if isinstance(classes, (str, type)):
-                classes = (classes,)
-            try:
-                classes = frozenset(classes)
-            except TypeError:
-                raise TypeError(f"sharded_module_classes must be a set of classes or class names, got {classes!r}") \
-                    from None
-            for item in classes:
-                if not (isinstance(item, str) or (isinstance(item, type) and issubclass(item, torch.nn.Module))):
-                    raise TypeError(f"sharded_module_classes entries must be nn.Module subclasses or class names,"
-                                    f" got {item!r}")
-            if self.stage < 2:
-                raise ValueError("sharded_module_classes only applies to stages 2 and 3 (FSDP2 units); "
-                                 f"stage {self.stage} does not shard parameters into units")
+            classes = _sharded_module_classes(self.sharded_module_classes, self.stage)
             object.__setattr__(self, "sharded_module_classes", classes)
         if self.reshard_after_forward is not None:
             if self.stage != 3:
-                raise ValueError("reshard_after_forward only applies to stage 3 (stage 2 never reshards after "
-                                 f"forward by definition); got stage={self.stage}")
+                raise ValueError(
+                    "reshard_after_forward only applies to stage 3 (stage 2 never reshards after "
+                    f"forward by definition); got stage={self.stage}"
+                )
             value = self.reshard_after_forward
             if not isinstance(value, (bool, int)) or (not isinstance(value, bool) and value < 1):
                 raise ValueError(f"reshard_after_forward must be a bool or a positive int, got {value!r}")
@@ -197,10 +162,56 @@ class ZeroConfig:
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise ValueError(f"hybrid_shard_size must be a positive int (ranks per shard group), got {size!r}")
             if self.stage == 0:
-                raise ValueError(f"hybrid_shard_size={size} needs ZeRO stage 1, 2 or 3: stage 0 shards nothing, so "
-                                 "there is no shard group to make hybrid. Use stage=1/2/3 or drop hybrid_shard_size.")
+                raise ValueError(
+                    f"hybrid_shard_size={size} needs ZeRO stage 1, 2 or 3: stage 0 shards nothing, so "
+                    "there is no shard group to make hybrid. Use stage=1/2/3 or drop hybrid_shard_size."
+                )
 
         check_unit_knobs(self.stage, self.unit_bytes, self.param_persistence_threshold, self.prefetch_bytes)
+
+    def _resolve_offloads(self) -> str:
+        """Resolve ``offload``/``offload_optimizer``/``offload_params`` into the two placements (stored back) and
+        check the NVMe settings against them; the placement of the optimizer's states."""
+        opt, par = _resolve_offload(
+            self.stage, _normalise_offload(self.offload), self.offload_optimizer, self.offload_params
+        )
+        object.__setattr__(self, "offload_optimizer", opt)
+        object.__setattr__(self, "offload_params", par)
+        # `offload` is where the optimizer's states live: "nvme" swaps them from the same CPU placement as "cpu".
+        offload = opt if opt != "none" else par
+        object.__setattr__(self, "offload", offload)
+        if "nvme" in (opt, par) and self.nvme is None:
+            what = " and ".join(
+                f"{name}='nvme'"
+                for name, value in (("offload_optimizer", opt), ("offload_params", par))
+                if value == "nvme"
+            )
+            raise ValueError(
+                f"{what} (offload='nvme' is the shorthand) needs nvme_path: a directory on a fast "
+                "local disk where the swapped states live"
+            )
+        if "nvme" not in (opt, par) and self.nvme is not None:
+            raise ValueError(
+                f"nvme_path and the NVMe knobs need offload_optimizer='nvme' (or offload='nvme') or "
+                f"offload_params='nvme'; this "
+                f"configuration offloads the optimizer to {opt!r}, so they would have no effect"
+            )
+        if self.nvme is not None and not isinstance(self.nvme, NvmeConfig):
+            raise TypeError(f"nvme must be an NvmeConfig, got {self.nvme!r}")
+        if self.nvme is not None and par != "nvme":
+            for name, default in PARAM_ONLY_KNOBS.items():
+                if getattr(self.nvme, name) != default:
+                    raise ValueError(
+                        f"{name}={getattr(self.nvme, name)} only drives parameter swapping "
+                        f"(offload_params='nvme', stage 3); this configuration keeps parameters on "
+                        f"{par!r}, so it would have no effect"
+                    )
+        if offload != "none" and self.stage == 0:
+            raise ValueError(
+                f"offload={offload!r} needs a ZeRO stage of 1, 2 or 3: stage 0 keeps every state replicated on "
+                "the device, so there is nothing partitioned to offload. Use stage=1/2/3 or offload=None."
+            )
+        return offload
 
     @property
     def effective_unit_bytes(self) -> int:
@@ -240,3 +251,22 @@ class ZeroConfig:
     def shards_parameters_at_rest(self) -> bool:
         """Stages 2-3 use FSDP2, whose parameters are sharded between steps."""
         return self.stage >= 2
+
+
+def _sharded_module_classes(classes, stage: int) -> frozenset:
+    """``sharded_module_classes`` as a frozenset of ``nn.Module`` subclasses or class names, at stages 2-3 only."""
+    if isinstance(classes, (str, type)):
+        classes = (classes,)
+    try:
+        classes = frozenset(classes)
+    except TypeError:
+        raise TypeError(f"sharded_module_classes must be a set of classes or class names, got {classes!r}") from None
+    for item in classes:
+        if not (isinstance(item, str) or (isinstance(item, type) and issubclass(item, torch.nn.Module))):
+            raise TypeError(f"sharded_module_classes entries must be nn.Module subclasses or class names, got {item!r}")
+    if stage < 2:
+        raise ValueError(
+            "sharded_module_classes only applies to stages 2 and 3 (FSDP2 units); "
+            f"stage {stage} does not shard parameters into units"
+        )
+    return classes

@@ -37,8 +37,9 @@ One piece runs on CUDA too, because the result depends on it, not the speed: und
 post-forward hook is suspended on every device (:mod:`.manual_backward`'s note: a nested ``self(z)`` would close
 the forward that ``manual_backward`` must close itself). Without the suspension, automatic optimization on CUDA
 pays what FSDP2 as shipped pays for a module called twice in one forward: a ``training_step`` calling ``self(x)``
-reshards the root when it returns, and backward gathers the root again. ``tests/distributed/test_cuda_step_path.py`` traces a
-stage-2 step with :func:`cpu_tuning_enabled` answering ``False`` and checks which files of the package it runs.
+reshards the root when it returns, and backward gathers the root again.
+``tests/distributed/test_cuda_step_path.py`` traces a stage-2 step with :func:`cpu_tuning_enabled` answering
+``False`` and checks which files of the package it runs.
 """
 
 from __future__ import annotations

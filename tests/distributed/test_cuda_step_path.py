@@ -11,8 +11,8 @@ from lightning.pytorch.strategies.strategy import _ForwardRedirection
 
 from lightning_zero.distributed import cpu_tuning
 from lightning_zero.strategies.forward_redirection import RootForwardRedirection, forward_redirection_for
-from tests.ranks import run_distributed
 from tests.distributed.step_files import trace_steps
+from tests.ranks import run_distributed
 
 # Every file of the package a stage-2 step (forward, backward, optimizer step) runs on CUDA: the Trainer's adapter,
 # its precision plugin over the shared policy, the hang watchdog's marks and the preemption agreement at the batch's
