@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def expected():
-    return worker.reference()
+    return worker.references()
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +36,9 @@ def test_sixteen_ranks_match_one_process_and_save_a_sharded_checkpoint(saved_at_
 
 
 def test_eight_ranks_match_one_process_and_resume_the_16_rank_checkpoint(saved_at_16, expected):
-    run_distributed(worker.resuming_world, 8, expected, saved_at_16, True, ((3, None), (2, "cpu")))
+    # accumulation and clipping over empty shards ran at 16 ranks; here the plain runs keep the world cheap
+    run_distributed(worker.resuming_world, 8, expected, saved_at_16, ("plain",), ((3, None), (2, "cpu")))
 
 
 def test_three_ranks_resume_the_16_rank_checkpoint(saved_at_16, expected):
-    run_distributed(worker.resuming_world, 3, expected, saved_at_16, False, ((3, None), (1, None), (0, None)))
+    run_distributed(worker.resuming_world, 3, expected, saved_at_16, (), ((3, None), (1, None), (0, None)))
