@@ -1,6 +1,6 @@
 """What each rank of ``tests/scale/test_many_ranks.py`` runs: the ZeRO stages through the framework-free runtime
-(``runtime.wrap_module``, ``runtime.shard_optimizer_of``) and sharded checkpoints through ``checkpoint.states``,
-compared with one unsharded process that trains on the whole global batch.
+(``runtime.init_context``, ``wrap_module``, ``shard_optimizer_of``, ``no_gradient_sync``) and sharded checkpoints
+through ``checkpoint.states``, compared with one unsharded process that trains on the whole global batch.
 
 Every parameter's first dimension is 11, 13, 7 or 3 rows, below 16 and no multiple of 8: FSDP2 gives the last ranks
 empty shards at 8 and 16 ranks (the last of 16 holds no element at all) and uneven ones at 3, and stage 1 leaves
@@ -144,10 +144,11 @@ def full_weights(module: nn.Module) -> dict[str, torch.Tensor]:
 
 def setup(stage: int, offload: Optional[str], mesh, seed: int = 0, lr_scale: float = 1.0):
     """The module (sharded in place at stages 2-3), what runs it (DDP at stages 0-1) and its sharded optimizer, the
-    way both adapters call the runtime."""
+    way both adapters call the runtime (at stages 2-3 the build is recorded and replayed one unit at a time)."""
     config = ZeroConfig(stage=stage, offload=offload, **({"unit_bytes": 0} if stage >= 2 else {}))
     torch.manual_seed(seed)
-    module = OddNet()
+    with runtime.init_context(config, pipelined=False, local_world_size=dist.get_world_size()):
+        module = OddNet()
     model = runtime.wrap_module(module, mesh, config, device=CPU)
     optimizer = make_optimizer(module, lr_scale)
     runtime.shard_optimizer_of(optimizer, module, mesh, config, device=CPU)
