@@ -15,7 +15,7 @@ buffers, a second model) are left out of the export and returned, never silently
 
 Hand-written because ``save_pretrained`` needs the whole model in memory; here tensors are read and written one at
 a time (:mod:`lightning_zero.checkpoint.streaming`). Nothing here imports transformers: the save-time half only
-looks at it when the training script already imported it.
+looks at it when the training script already imported its models (``[Note: a save imports none of transformers]``).
 """
 
 from __future__ import annotations
@@ -52,11 +52,17 @@ def describe_hf_models(module: torch.nn.Module) -> Dict[str, Any]:
     """``{"hf_models": [...]}`` for ``zero.json``: each outermost ``transformers.PreTrainedModel`` inside ``module``
     (``module`` itself included) with its state-dict ``prefix``, ``class``, ``config`` (``config.to_json_string``)
     and ``tied`` (``{name: name it is tied to}``, relative to the prefix). ``{}`` when there is none, or when
-    transformers was never imported (then there cannot be one)."""
-    transformers = sys.modules.get("transformers")
-    if transformers is None:
+    ``transformers.modeling_utils`` was never imported (then there cannot be one).
+
+    [Note: a save imports none of transformers]
+    ``PreTrainedModel`` is defined in ``transformers.modeling_utils``, so a module holding one has imported it.
+    ``transformers`` itself is no such sign: Lightning's own imports bring it in, and its ``PreTrainedModel``
+    attribute is lazy, importing the modeling code (hundreds of modules, about half a second a process) on first
+    access; read there, every rank of every run paid that at its first save, all ranks at once."""
+    modeling = sys.modules.get("transformers.modeling_utils")
+    if modeling is None:
         return {}
-    base = transformers.PreTrainedModel
+    base = modeling.PreTrainedModel
     found: List[Dict[str, Any]] = []
     inside: List[str] = []
     for name, sub in module.named_modules():

@@ -180,3 +180,24 @@ def test_bf16_checkpoint_keeps_its_dtype_and_dtype_option_converts(tmp_path):
     assert sorted(os.listdir(tmp_path / "sharded")) == files
     with pytest.raises(ValueError, match="max_shard_size"):
         export_hf(path, tmp_path / "x", max_shard_size="lots")
+
+
+def test_describing_a_model_without_hugging_face_parts_imports_no_modeling_code(monkeypatch):
+    # Lightning's imports bring in the top-level transformers, whose PreTrainedModel is a lazy attribute that imports
+    # the modeling code: a save of a plain model must not touch it (every rank did, at its first save).
+    import sys
+    import types
+
+    from lightning_zero.checkpoint.hf_export import describe_hf_models
+
+    touched = []
+
+    class LazyTransformers(types.ModuleType):
+        def __getattr__(self, name):
+            touched.append(name)
+            raise AttributeError(name)
+
+    monkeypatch.setitem(sys.modules, "transformers", LazyTransformers("transformers"))
+    monkeypatch.delitem(sys.modules, "transformers.modeling_utils", raising=False)
+    assert describe_hf_models(torch.nn.Linear(2, 2)) == {}
+    assert touched == []
