@@ -2,7 +2,7 @@
 parameters whose sizes divide no world size (empty shards at 8 and 16 ranks), and a stage-3 checkpoint saved by 16
 ranks resumes at 8 and at 3 ranks, at stage 3 and at other stages (``docs/scale.md``, "Real runs at 8 and 16 ranks").
 
-Each world starts once and runs all its cases in turn (``tests/scale/many_ranks_worker.py``): a gloo world of 16
+Each world starts once and runs all its cases in turn (``tests/distributed/many_ranks_worker.py``): a gloo world of 16
 processes on two cores costs seconds to start, its steps milliseconds.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 
 from lightning_zero.checkpoint import read_checkpoint_info
-from tests.distributed import run_distributed
-from tests.scale import many_ranks_worker as worker
+from tests.distributed import many_ranks_worker as worker
+from tests.ranks import run_distributed
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""What each rank of ``tests/scale/test_many_ranks.py`` runs: the ZeRO stages through the framework-free runtime
+"""What each rank of ``tests/distributed/test_many_ranks.py`` runs: the ZeRO stages through the framework-free runtime
 (``runtime.init_context``, ``wrap_module``, ``shard_optimizer_of``, ``no_gradient_sync``) and sharded checkpoints
 through ``checkpoint.states``, compared with one unsharded process that trains on the whole global batch.
 
