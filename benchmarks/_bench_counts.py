@@ -23,10 +23,18 @@ import pstats
 from collections import Counter
 
 # Areas by path fragment, first match wins; the lightning_zero checkout can sit anywhere, so match its package name.
-AREAS = (("lightning_zero", "/lightning_zero/"), ("lightning", "/lightning/"), ("dtensor", "torch/distributed/tensor/"),
-         ("fsdp2", "torch/distributed/fsdp/"), ("ddp", "torch/nn/parallel/"), ("c10d", "torch/distributed/"),
-         ("optim", "torch/optim/"), ("autograd", "torch/autograd/"), ("deepspeed", "/deepspeed/"),
-         ("torch_other", "/torch/"))
+AREAS = (
+    ("lightning_zero", "/lightning_zero/"),
+    ("lightning", "/lightning/"),
+    ("dtensor", "torch/distributed/tensor/"),
+    ("fsdp2", "torch/distributed/fsdp/"),
+    ("ddp", "torch/nn/parallel/"),
+    ("c10d", "torch/distributed/"),
+    ("optim", "torch/optim/"),
+    ("autograd", "torch/autograd/"),
+    ("deepspeed", "/deepspeed/"),
+    ("torch_other", "/torch/"),
+)
 
 
 def area(filename: str) -> str:
@@ -103,10 +111,15 @@ class StepCounter:
                 ops += 1
             elif tag.endswith("Allocation") and event.extra_fields.alloc_size > 0:
                 allocations += 1
-        return {"py_calls": sum(per_area.values()) / n, "areas": {k: v / n for k, v in per_area.most_common()},
-                "dtensor_dispatch": dispatch / n, "aten_ops": ops / n, "allocations": allocations / n,
-                "top_functions": {k: v / n for k, v in per_function.most_common(200)},
-                "calls_from_file": {k: v / n for k, v in per_file.most_common(60)}}
+        return {
+            "py_calls": sum(per_area.values()) / n,
+            "areas": {k: v / n for k, v in per_area.most_common()},
+            "dtensor_dispatch": dispatch / n,
+            "aten_ops": ops / n,
+            "allocations": allocations / n,
+            "top_functions": {k: v / n for k, v in per_function.most_common(200)},
+            "calls_from_file": {k: v / n for k, v in per_file.most_common(60)},
+        }
 
 
 def table(directory: str) -> str:
@@ -117,14 +130,19 @@ def table(directory: str) -> str:
             with open(os.path.join(directory, name)) as f:
                 rows.append(json.load(f))
     keys = ("lightning", "lightning_zero", "fsdp2", "ddp", "dtensor", "optim")
-    lines = ["| model | precision | run | Python calls | " + " | ".join(keys) + " | DTensor dispatches | aten ops | "
-             "allocations |", "|---" * (7 + len(keys)) + "|"]
+    lines = [
+        "| model | precision | run | Python calls | " + " | ".join(keys) + " | DTensor dispatches | aten ops | "
+        "allocations |",
+        "|---" * (7 + len(keys)) + "|",
+    ]
     for r in rows:
         job = r["job"]
         run = job["kind"] + (" (before)" if job.get("src") else "")
-        lines.append(f"| {job['model']} | {job['precision']} | {run} | {r['py_calls']:.0f} | "
-                     + " | ".join(f"{r['areas'].get(k, 0):.0f}" for k in keys)
-                     + f" | {r['dtensor_dispatch']:.0f} | {r['aten_ops']:.0f} | {r['allocations']:.0f} |")
+        lines.append(
+            f"| {job['model']} | {job['precision']} | {run} | {r['py_calls']:.0f} | "
+            + " | ".join(f"{r['areas'].get(k, 0):.0f}" for k in keys)
+            + f" | {r['dtensor_dispatch']:.0f} | {r['aten_ops']:.0f} | {r['allocations']:.0f} |"
+        )
     return "\n".join(lines)
 
 

@@ -32,14 +32,28 @@ import time
 
 import torch
 
-KINDS = ("empty:bare", "empty:trainer", "empty:bare-dp", "empty:ddp", "empty:zero0", "empty:zero1", "empty:zero2",
-         "empty:deepspeed0", "empty:deepspeed1", "empty:deepspeed2")
-LABELS = {"empty:bare": "bare loop, 1 process", "empty:trainer": "Trainer, 1 process",
-          "empty:bare-dp": "bare loop + 1 all-reduce, 2 ranks",
-          "empty:ddp": "Trainer + Lightning's DDPStrategy, 2 ranks",
-          "empty:zero0": "Trainer + ZeroStrategy(0), 2 ranks",
-          "empty:zero1": "Trainer + ZeroStrategy(1), 2 ranks", "empty:zero2": "Trainer + ZeroStrategy(2), 2 ranks",
-          **{f"empty:deepspeed{s}": f"DeepSpeed engine, ZeRO {s}, 2 ranks" for s in range(3)}}
+KINDS = (
+    "empty:bare",
+    "empty:trainer",
+    "empty:bare-dp",
+    "empty:ddp",
+    "empty:zero0",
+    "empty:zero1",
+    "empty:zero2",
+    "empty:deepspeed0",
+    "empty:deepspeed1",
+    "empty:deepspeed2",
+)
+LABELS = {
+    "empty:bare": "bare loop, 1 process",
+    "empty:trainer": "Trainer, 1 process",
+    "empty:bare-dp": "bare loop + 1 all-reduce, 2 ranks",
+    "empty:ddp": "Trainer + Lightning's DDPStrategy, 2 ranks",
+    "empty:zero0": "Trainer + ZeroStrategy(0), 2 ranks",
+    "empty:zero1": "Trainer + ZeroStrategy(1), 2 ranks",
+    "empty:zero2": "Trainer + ZeroStrategy(2), 2 ranks",
+    **{f"empty:deepspeed{s}": f"DeepSpeed engine, ZeRO {s}, 2 ranks" for s in range(3)},
+}
 
 
 def world_of(kind: str) -> int:
@@ -123,9 +137,18 @@ def _run_trainer(kind: str, world: int, data, clock: _Clock) -> None:
             clock.tick(batch_idx)
 
     strategy = ZeroStrategy(stage=int(stage)) if stage is not None else pl.strategies.DDPStrategy() if ddp else "auto"
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=len(data), logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[Tick()], use_distributed_sampler=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        max_steps=len(data),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Tick()],
+        use_distributed_sampler=False,
+    )
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     trainer.fit(Empty(), torch.utils.data.DataLoader(data, batch_size=None))
 
@@ -144,10 +167,13 @@ def _run_deepspeed(stage: int, data, clock: _Clock) -> None:
             return (self.w * x).sum()
 
     model = Empty()
-    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage},
-              "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 9}
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
-                                      config=config)
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    }
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), config=config)
     for index, x in enumerate(data):
         clock.tick(index)
         engine.backward(engine(x))
@@ -165,8 +191,11 @@ def table(results: dict, out) -> None:
     also show what they cost over Lightning's own ``DDPStrategy`` on the same two ranks, and over DeepSpeed's engine
     at the same stage, when those ran."""
     bare = {1: results.get("empty:bare"), 2: results.get("empty:bare-dp")}
-    print("| loop | time per step (µs), median [range] | Python calls per step | over the bare loop (µs) "
-          "| over Lightning's DDP (µs) | over DeepSpeed, same stage (µs) |", file=out)
+    print(
+        "| loop | time per step (µs), median [range] | Python calls per step | over the bare loop (µs) "
+        "| over Lightning's DDP (µs) | over DeepSpeed, same stage (µs) |",
+        file=out,
+    )
     print("|---|---|---|---|---|---|", file=out)
     for kind, runs in results.items():
         runs = [r for r in runs if r]
@@ -178,5 +207,8 @@ def table(results: dict, out) -> None:
         zero = kind.startswith("empty:zero")
         over_ddp = _paired_extra(runs, results.get("empty:ddp")) if zero else ""
         over_ds = _paired_extra(runs, results.get(kind.replace("zero", "deepspeed"))) if zero else ""
-        print(f"| {LABELS[kind]} | {statistics.median(times):.0f} [{min(times):.0f}–{max(times):.0f}] | "
-              f"{statistics.median(c for _, c in runs):.0f} | {over_bare} | {over_ddp} | {over_ds} |", file=out)
+        print(
+            f"| {LABELS[kind]} | {statistics.median(times):.0f} [{min(times):.0f}–{max(times):.0f}] | "
+            f"{statistics.median(c for _, c in runs):.0f} | {over_bare} | {over_ddp} | {over_ds} |",
+            file=out,
+        )

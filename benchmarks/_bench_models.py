@@ -29,13 +29,19 @@ _EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, 
 # (full, quick) shapes. The full shapes are the issue's: GPT as the example's defaults, the 25M-parameter MLP,
 # a ~2.9M-parameter Llama.
 SHAPES = {
-    "gpt": ({"n_layer": 4, "n_embd": 128, "n_head": 4, "block_size": 64, "vocab": 65},
-            {"n_layer": 2, "n_embd": 32, "n_head": 2, "block_size": 16, "vocab": 32}),
+    "gpt": (
+        {"n_layer": 4, "n_embd": 128, "n_head": 4, "block_size": 64, "vocab": 65},
+        {"n_layer": 2, "n_embd": 32, "n_head": 2, "block_size": 16, "vocab": 32},
+    ),
     "mlp": ({"width": 1024, "depth": 24}, {"width": 64, "depth": 4}),
-    "llama": ({"hidden": 256, "intermediate": 512, "layers": 4, "heads": 4, "vocab": 1024, "seq": 64},
-              {"hidden": 32, "intermediate": 64, "layers": 2, "heads": 2, "vocab": 64, "seq": 8}),
-    "gpt2": ({"n_layer": 12, "n_embd": 768, "n_head": 12, "block_size": 256, "vocab": 50257},
-             {"n_layer": 2, "n_embd": 32, "n_head": 2, "block_size": 16, "vocab": 64}),
+    "llama": (
+        {"hidden": 256, "intermediate": 512, "layers": 4, "heads": 4, "vocab": 1024, "seq": 64},
+        {"hidden": 32, "intermediate": 64, "layers": 2, "heads": 2, "vocab": 64, "seq": 8},
+    ),
+    "gpt2": (
+        {"n_layer": 12, "n_embd": 768, "n_head": 12, "block_size": 256, "vocab": 50257},
+        {"n_layer": 2, "n_embd": 32, "n_head": 2, "block_size": 16, "vocab": 64},
+    ),
 }
 
 
@@ -104,10 +110,17 @@ def _construct(name: str, args) -> nn.Module:
     if name == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        config = LlamaConfig(hidden_size=s["hidden"], intermediate_size=s["intermediate"],
-                             num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
-                             num_key_value_heads=s["heads"], vocab_size=s["vocab"], max_position_embeddings=s["seq"],
-                             tie_word_embeddings=True, attention_dropout=0.0)
+        config = LlamaConfig(
+            hidden_size=s["hidden"],
+            intermediate_size=s["intermediate"],
+            num_hidden_layers=s["layers"],
+            num_attention_heads=s["heads"],
+            num_key_value_heads=s["heads"],
+            vocab_size=s["vocab"],
+            max_position_embeddings=s["seq"],
+            tie_word_embeddings=True,
+            attention_dropout=0.0,
+        )
         return LlamaForCausalLM(config)
     raise ValueError(f"unknown model {name!r}; choose from {MODELS}")
 
@@ -128,8 +141,10 @@ def batches(name: str, args, rank: int) -> list[tuple[torch.Tensor, torch.Tensor
     s, gen = shape(name, args), torch.Generator().manual_seed(100 + rank)
     count = args.warmup + args.steps
     if name == "mlp":
-        return [(torch.randn(args.batch, s["width"], generator=gen), torch.randn(args.batch, s["width"], generator=gen))
-                for _ in range(count)]
+        return [
+            (torch.randn(args.batch, s["width"], generator=gen), torch.randn(args.batch, s["width"], generator=gen))
+            for _ in range(count)
+        ]
     vocab, seq = s["vocab"], s.get("block_size", s.get("seq"))
     out = []
     for _ in range(count):
@@ -178,4 +193,3 @@ def describe(name: str, args) -> str:
     with torch.device("meta"):
         count = sum(p.numel() for p in build(name, args).parameters())  # tied weights counted once
     return f"{name} ({', '.join(f'{k} {v}' for k, v in s.items())}; {count / 1e6:.2f}M params)"
-

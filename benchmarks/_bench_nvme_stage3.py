@@ -46,9 +46,14 @@ def _zero_config(args, world: int):
     width = args.width
     if args.mode != "nvme":
         return ZeroConfig(stage=3, offload="cpu", unit_bytes=0)
-    nvme = NvmeConfig(args.nvme_path, sub_group_size=int(args.sub_group_size), buffer_count=3,
-                      buffer_size=width * width // world, max_in_cpu=4 * width * width,
-                      aio=dict(thread_count=args.threads, queue_depth=args.queue_depth, block_size=args.block_size))
+    nvme = NvmeConfig(
+        args.nvme_path,
+        sub_group_size=int(args.sub_group_size),
+        buffer_count=3,
+        buffer_size=width * width // world,
+        max_in_cpu=4 * width * width,
+        aio=dict(thread_count=args.threads, queue_depth=args.queue_depth, block_size=args.block_size),
+    )
     return ZeroConfig(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme=nvme, unit_bytes=0)
 
 
@@ -59,11 +64,13 @@ def _report_swap_and_detach(model, optimizer, say) -> None:
     from lightning_zero.offload.param_swapper import detach_param_step, detach_param_swapper, get_param_swapper
 
     params, states = get_param_swapper(model), get_swapper(optimizer)
-    say(f"swap: parameters read {params.bytes_read / GIB:.1f} GiB, written {params.bytes_written / GIB:.1f} "
-        f"GiB, peak resident {params.peak_resident_elements * 4 / 2 ** 20:.0f} MiB of shards; optimizer states "
+    say(
+        f"swap: parameters read {params.bytes_read / GIB:.1f} GiB, written {params.bytes_written / GIB:.1f} "
+        f"GiB, peak resident {params.peak_resident_elements * 4 / 2**20:.0f} MiB of shards; optimizer states "
         f"read {states.io.stats['read'][0] / GIB:.1f} GiB at {states.io.throughput('read') / GB:.2f} GB/s, "
         f"written {states.io.stats['write'][0] / GIB:.1f} GiB at {states.io.throughput('write') / GB:.2f} "
-        f"GB/s")
+        f"GB/s"
+    )
     detach_swapper(optimizer, restore=False)
     detach_param_step(optimizer)
     detach_param_swapper(model, restore=False)
@@ -106,18 +113,22 @@ def rank_main(args) -> None:
         numel = blocks * width * width
         config = _zero_config(args, world)
         if rank == 0:
-            say(f"model: {blocks} residual blocks of Linear({width}, {width}) fp32 = {numel / 1e6:.0f}M parameters; "
+            say(
+                f"model: {blocks} residual blocks of Linear({width}, {width}) fp32 = {numel / 1e6:.0f}M parameters; "
                 f"fp32 model states (4+4+8 bytes/param) {16 * numel / GIB:.2f} GiB, "
-                 f"per rank {16 * numel / world / GIB:.2f}"
-                f" GiB = {16 * numel / world / cap:.1f}x the cap of {args.cap_gib:.2f} GiB")
+                f"per rank {16 * numel / world / GIB:.2f}"
+                f" GiB = {16 * numel / world / cap:.1f}x the cap of {args.cap_gib:.2f} GiB"
+            )
         torch.manual_seed(0)
         with exact_init(InitConfig(host_memory_budget=0, deferred=True)):
             model = nn.Sequential(*[Block(width) for _ in range(blocks)])
         model = apply_zero(model, mesh, config)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         shard_optimizer(optimizer, config)
-        say(f"set up in {time.perf_counter() - begin:.0f} s, VmHWM {_vm_kib('VmHWM') / 2 ** 20:.2f} GiB, "
-            f"VmData {_vm_kib('VmData') / 2 ** 20:.2f} GiB")
+        say(
+            f"set up in {time.perf_counter() - begin:.0f} s, VmHWM {_vm_kib('VmHWM') / 2**20:.2f} GiB, "
+            f"VmData {_vm_kib('VmData') / 2**20:.2f} GiB"
+        )
         generator = torch.Generator().manual_seed(rank)
         for _ in range(args.capped_steps):
             start = time.perf_counter()
@@ -126,15 +137,19 @@ def rank_main(args) -> None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             steps_done += 1
-            say(f"step {steps_done}: loss {loss.item():.4f} in {time.perf_counter() - start:.0f} s, "
-                f"VmHWM {_vm_kib('VmHWM') / 2 ** 20:.2f} GiB")
+            say(
+                f"step {steps_done}: loss {loss.item():.4f} in {time.perf_counter() - start:.0f} s, "
+                f"VmHWM {_vm_kib('VmHWM') / 2**20:.2f} GiB"
+            )
         if args.mode == "nvme":
             _report_swap_and_detach(model, optimizer, say)
     except (MemoryError, RuntimeError) as error:  # the allocator's refusal under the cap
         outcome = f"FAILED: {type(error).__name__}: {str(error).splitlines()[0][:140]}"
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB -> GiB
-    say(f"RESULT mode={args.mode} cap={args.cap_gib:.2f}GiB peak_rss={peak:.2f}GiB steps={steps_done} "
-        f"{time.perf_counter() - begin:.0f}s {outcome}")
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
+    say(
+        f"RESULT mode={args.mode} cap={args.cap_gib:.2f}GiB peak_rss={peak:.2f}GiB steps={steps_done} "
+        f"{time.perf_counter() - begin:.0f}s {outcome}"
+    )
     sys.stdout.flush()
     os._exit(0)  # a rank whose peer died must not wait in the process group's teardown
 
@@ -144,21 +159,51 @@ def run(args, script: str, world_size: int = 2) -> None:
     from benchmarks.common import free_port
 
     for mode in ("nvme", "cpu"):
-        print(f"stage 3, {world_size} rank processes, offload={mode!r}, RLIMIT_DATA {args.cap_gib:.2f} GiB each:",
-              flush=True)
+        print(
+            f"stage 3, {world_size} rank processes, offload={mode!r}, RLIMIT_DATA {args.cap_gib:.2f} GiB each:",
+            flush=True,
+        )
         port = free_port()
-        command = [sys.executable, script, "--stage3-child", mode, "--nvme-path", args.nvme_path,
-                   "--capped-params", str(args.capped_params), "--cap-gib", str(args.cap_gib), "--width",
-                   str(args.width), "--capped-steps", str(args.capped_steps), "--sub-group-size",
-                   str(args.sub_group_size), "--threads", str(args.threads), "--queue-depth", str(args.queue_depth),
-                   "--block-size", str(args.block_size)]
+        command = [
+            sys.executable,
+            script,
+            "--stage3-child",
+            mode,
+            "--nvme-path",
+            args.nvme_path,
+            "--capped-params",
+            str(args.capped_params),
+            "--cap-gib",
+            str(args.cap_gib),
+            "--width",
+            str(args.width),
+            "--capped-steps",
+            str(args.capped_steps),
+            "--sub-group-size",
+            str(args.sub_group_size),
+            "--threads",
+            str(args.threads),
+            "--queue-depth",
+            str(args.queue_depth),
+            "--block-size",
+            str(args.block_size),
+        ]
         children = []
         for rank in range(world_size):
-            env = {"MALLOC_MMAP_THRESHOLD_": "65536", **os.environ, "PYTHONWARNINGS": "ignore", "RANK": str(rank),
-                   "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
-                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-            children.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                             env=env))
+            env = {
+                "MALLOC_MMAP_THRESHOLD_": "65536",
+                **os.environ,
+                "PYTHONWARNINGS": "ignore",
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(world_size),
+                "LOCAL_WORLD_SIZE": str(world_size),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+            }
+            children.append(
+                subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+            )
         for child in children:
             out, err = child.communicate()
             lines = [line for line in out.splitlines() if line.startswith("  ")]
@@ -192,10 +237,15 @@ def same_model_as_deepspeed(args) -> None:
     dist.init_process_group("gloo")
     folder = tempfile.mkdtemp(prefix="lz-nvme-", dir=args.nvme_path)
     width = 1024
-    model = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(max(1, int(args.params) // width ** 2))])
+    model = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(max(1, int(args.params) // width**2))])
     numel = sum(p.numel() for p in model.parameters())
-    nvme = NvmeConfig(folder, sub_group_size=int(args.sub_group_size), buffer_count=4, max_in_cpu=int(args.max_in_cpu),
-                      aio=dict(thread_count=args.threads, queue_depth=args.queue_depth, block_size=args.block_size))
+    nvme = NvmeConfig(
+        folder,
+        sub_group_size=int(args.sub_group_size),
+        buffer_count=4,
+        max_in_cpu=int(args.max_in_cpu),
+        aio=dict(thread_count=args.threads, queue_depth=args.queue_depth, block_size=args.block_size),
+    )
     config = ZeroConfig(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme=nvme, unit_bytes=0)
     try:
         model = apply_zero(model, init_device_mesh("cpu", (1,)), config)
@@ -212,14 +262,16 @@ def same_model_as_deepspeed(args) -> None:
         on_disk = sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(folder) for f in files)
         params, states = get_param_swapper(model), get_swapper(optimizer)
         step = sorted(times[1:])[len(times[1:]) // 2]
-        print(f"  lightning-zero stage 3 NVMe (optimizer + parameters), {numel / 1e6:.0f}M fp32 parameters: train "
-              f"step {step * 1e3:.0f} ms (median of {args.steps}; process CPU time "
-              f"{sorted(cpu[1:])[len(cpu[1:]) // 2] * 1e3:.0f} ms), swap files {on_disk >> 20} MiB; at least "
-              f"{2 * on_disk / step / GB:.2f} GB/s if every file is read and written once per step (its engine: "
-              f"optimizer states read {states.io.throughput('read') / GB:.2f}, written "
-              f"{states.io.throughput('write') / GB:.2f} GB/s; parameters read {params.bytes_read >> 20} MiB in "
-              f"{args.steps + 1} steps: the model's shards read {params.bytes_read / params.disk_bytes():.1f} times)",
-              flush=True)
+        print(
+            f"  lightning-zero stage 3 NVMe (optimizer + parameters), {numel / 1e6:.0f}M fp32 parameters: train "
+            f"step {step * 1e3:.0f} ms (median of {args.steps}; process CPU time "
+            f"{sorted(cpu[1:])[len(cpu[1:]) // 2] * 1e3:.0f} ms), swap files {on_disk >> 20} MiB; at least "
+            f"{2 * on_disk / step / GB:.2f} GB/s if every file is read and written once per step (its engine: "
+            f"optimizer states read {states.io.throughput('read') / GB:.2f}, written "
+            f"{states.io.throughput('write') / GB:.2f} GB/s; parameters read {params.bytes_read >> 20} MiB in "
+            f"{args.steps + 1} steps: the model's shards read {params.bytes_read / params.disk_bytes():.1f} times)",
+            flush=True,
+        )
         detach_swapper(optimizer, restore=False)
         detach_param_step(optimizer)
         detach_param_swapper(model, restore=False)

@@ -46,9 +46,16 @@ GIB = 1 << 30
 # parameter all-gather (default 5e8 each), stage 3's prefetch bucket (5e7), live-parameter budget and reuse distance
 # (1e9), its persistence threshold (1e5: parameters below it stay gathered) and the optimizer's sub-group (1e9), the
 # overlap of reduction with backward turned off (its extra buffers), and the NVMe staging buffers (1e8 x 5).
-TUNED = {"reduce_bucket_size": 2e6, "allgather_bucket_size": 2e6, "overlap_comm": False,
-         "stage3_prefetch_bucket_size": 1e6, "stage3_max_live_parameters": 1e6, "stage3_max_reuse_distance": 1e6,
-         "stage3_param_persistence_threshold": 1e4, "sub_group_size": 1e7}
+TUNED = {
+    "reduce_bucket_size": 2e6,
+    "allgather_bucket_size": 2e6,
+    "overlap_comm": False,
+    "stage3_prefetch_bucket_size": 1e6,
+    "stage3_max_live_parameters": 1e6,
+    "stage3_max_reuse_distance": 1e6,
+    "stage3_param_persistence_threshold": 1e4,
+    "sub_group_size": 1e7,
+}
 TUNED_AIO_BUFFER = {"buffer_count": 4, "buffer_size": 1e7}
 
 
@@ -62,15 +69,21 @@ def deepspeed_config(rung: str, side: str, batch: int, nvme_path: str) -> dict:
             where["nvme_path"] = nvme_path
         zero["offload_optimizer"] = dict(where)
         if stage == "3":
-            zero["offload_param"] = dict(where, **(TUNED_AIO_BUFFER if side.endswith("tuned") and extra == "nvme"
-                                                   else {}))
+            zero["offload_param"] = dict(
+                where, **(TUNED_AIO_BUFFER if side.endswith("tuned") and extra == "nvme" else {})
+            )
     if side.endswith("tuned"):
         zero.update({k: v for k, v in TUNED.items() if int(stage) == 3 or not k.startswith("stage3_")})
         if int(stage) != 3 or extra != "nvme":
             zero.pop("sub_group_size")
-    return {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
-            "zero_optimization": zero, "zero_force_ds_cpu_optimizer": False, "steps_per_print": 10 ** 9}
+    return {
+        "train_micro_batch_size_per_gpu": batch,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+        "zero_optimization": zero,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 10**9,
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -192,9 +205,17 @@ def launch(job: dict, args) -> dict:
         try:
             for rank in range(args.nproc):
                 cgroup = cap.make(rank)
-                spec = dict(job, cgroup=cgroup, rlimit=None if cgroup else cap.limit, out=os.path.join(tmp, "r"),
-                            nvme_path=tmp, rank=rank, world=args.nproc, port=port,
-                            log=os.path.join(tmp, f"log{rank}"))
+                spec = dict(
+                    job,
+                    cgroup=cgroup,
+                    rlimit=None if cgroup else cap.limit,
+                    out=os.path.join(tmp, "r"),
+                    nvme_path=tmp,
+                    rank=rank,
+                    world=args.nproc,
+                    port=port,
+                    log=os.path.join(tmp, f"log{rank}"),
+                )
                 sys.stdout.flush()
                 sys.stderr.flush()
                 pid = os.fork()
@@ -252,8 +273,14 @@ def _child(spec: dict) -> None:
         fd = os.open(spec["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
-        os.environ.update(RANK=str(spec["rank"]), LOCAL_RANK=str(spec["rank"]), WORLD_SIZE=str(spec["world"]),
-                          LOCAL_WORLD_SIZE=str(spec["world"]), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]))
+        os.environ.update(
+            RANK=str(spec["rank"]),
+            LOCAL_RANK=str(spec["rank"]),
+            WORLD_SIZE=str(spec["world"]),
+            LOCAL_WORLD_SIZE=str(spec["world"]),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(spec["port"]),
+        )
         rank_main(spec)
         code = 0
     except BaseException:  # noqa: BLE001 - the rank's failure goes to its log, the parent classifies it
@@ -266,8 +293,13 @@ def _child(spec: dict) -> None:
         os._exit(code)
 
 
-_OOM_WORDS = ("MemoryError", "can't allocate memory", "Cannot allocate memory", "std::bad_alloc",
-              "DefaultCPUAllocator: not enough memory")
+_OOM_WORDS = (
+    "MemoryError",
+    "can't allocate memory",
+    "Cannot allocate memory",
+    "std::bad_alloc",
+    "DefaultCPUAllocator: not enough memory",
+)
 
 
 def _classify(codes, stats, reports, tails, cap_kind) -> dict:
@@ -287,10 +319,14 @@ def _classify(codes, stats, reports, tails, cap_kind) -> dict:
         lines = [line for line in tails[failed[0]].splitlines() if line.strip()]
         detail = f"rank {failed[0]} exit {codes[failed[0]]}: " + (lines[-1][:200] if lines else "(no output)")
     peak = [r["peak_rss"] for r in reports]
-    return {"outcome": outcome, "cap": cap_kind, "detail": detail,
-            "peak_rss": max(peak) if peak else None,
-            "cgroup_peak": max((s["cgroup_peak"] for s in stats if "cgroup_peak" in s), default=None),
-            "step_time": max(r["step_time"] for r in reports) if ok else None}
+    return {
+        "outcome": outcome,
+        "cap": cap_kind,
+        "detail": detail,
+        "peak_rss": max(peak) if peak else None,
+        "cgroup_peak": max((s["cgroup_peak"] for s in stats if "cgroup_peak" in s), default=None),
+        "step_time": max(r["step_time"] for r in reports) if ok else None,
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -308,8 +344,13 @@ def _vm_bytes(field: str) -> int:
 def _model_args(job):
     from types import SimpleNamespace
 
-    gpt = {"n_layer": job["depth"], "n_embd": job["width"], "n_head": job["heads"], "block_size": job["seq"],
-           "vocab": job["vocab"]}
+    gpt = {
+        "n_layer": job["depth"],
+        "n_embd": job["width"],
+        "n_head": job["heads"],
+        "block_size": job["seq"],
+        "vocab": job["vocab"],
+    }
     return SimpleNamespace(quick=False, gpt=gpt, batch=job["batch"], warmup=0, steps=job["steps"])
 
 
@@ -350,9 +391,19 @@ def run_ours(job, rank, world) -> float:
     strategy = ZeroStrategy(stage=stage, offload=offload, activation_checkpointing=checkpointing or None, **options)
     data = models.batches("gpt", margs, rank)
     module = Module()
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, precision="32-true",
-                         max_steps=len(data), logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[Timer()], use_distributed_sampler=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        precision="32-true",
+        max_steps=len(data),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Timer()],
+        use_distributed_sampler=False,
+    )
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=None))
     return times[-1]
 

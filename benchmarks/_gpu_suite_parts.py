@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-GIB = 1024 ** 3
+GIB = 1024**3
 
 # Host bytes per parameter of ZeroStrategy stage 3 + CPU offload at the peak: the fp32 sharded parameters (they are
 # the masters), their fp32 gradients and AdamW's two states (estimate_memory's cpu_peak: 16 bytes) plus the fp32
@@ -56,9 +56,13 @@ class Phase:
 REPORT_RESERVE_S = 5.0
 
 
-def run_phases(phases: list[Phase], deadline: Deadline, reserve: float = REPORT_RESERVE_S,
-               sections: Optional[dict] = None,
-               after: Optional[Callable[[dict, list], None]] = None) -> tuple[dict, list[dict]]:
+def run_phases(
+    phases: list[Phase],
+    deadline: Deadline,
+    reserve: float = REPORT_RESERVE_S,
+    sections: Optional[dict] = None,
+    after: Optional[Callable[[dict, list], None]] = None,
+) -> tuple[dict, list[dict]]:
     """Run the phases in order within ``deadline``: each gets ``min(budget, what is left - reserve)`` seconds.
 
     Returns ``({name: section}, skipped)`` (``sections``, when given, is filled in place, so a later phase can read
@@ -74,8 +78,13 @@ def run_phases(phases: list[Phase], deadline: Deadline, reserve: float = REPORT_
             continue
         budget = deadline.sub(phase.budget, reserve)
         if budget.left() < phase.minimum:
-            skipped.append({"phase": phase.name, "reason": f"{deadline.left():.0f} s of the global deadline left, "
-                                                             f"the phase needs at least {phase.minimum:.0f} s"})
+            skipped.append(
+                {
+                    "phase": phase.name,
+                    "reason": f"{deadline.left():.0f} s of the global deadline left, "
+                    f"the phase needs at least {phase.minimum:.0f} s",
+                }
+            )
             continue
         start = deadline.clock()
         try:
@@ -91,6 +100,7 @@ def run_phases(phases: list[Phase], deadline: Deadline, reserve: float = REPORT_
 
 
 # --- the model and its arithmetic -------------------------------------------------------------------------------
+
 
 def gpt_params(shape: dict) -> dict:
     """Parameter counts of examples/gpt.py's GPT: ``total``, ``embedding`` (token and position tables, looked up,
@@ -110,8 +120,7 @@ def flops_per_token(shape: dict) -> int:
     return 6 * n + 12 * shape["n_layer"] * shape["n_embd"] * shape["block_size"]
 
 
-def throughput(step_s: Optional[float], tokens_per_step: int, flops_token: int,
-               peak_flops: Optional[float]) -> dict:
+def throughput(step_s: Optional[float], tokens_per_step: int, flops_token: int, peak_flops: Optional[float]) -> dict:
     """Tokens/s, achieved TFLOP/s and MFU of one step time; None where it cannot be computed (no step time, or no
     known peak for the device)."""
     if not step_s or step_s <= 0:
@@ -120,11 +129,11 @@ def throughput(step_s: Optional[float], tokens_per_step: int, flops_token: int,
 
     tokens = tokens_per_step / step_s
     achieved = tokens * flops_token
-    return {"tokens_per_s": tokens, "tflops": achieved / 1e12,
-            "mfu": mfu(achieved, peak_flops) if peak_flops else None}
+    return {"tokens_per_s": tokens, "tflops": achieved / 1e12, "mfu": mfu(achieved, peak_flops) if peak_flops else None}
 
 
 # --- the capacity search ----------------------------------------------------------------------------------------
+
 
 def host_bytes(shape: dict, precision: str) -> int:
     """Host bytes ZeroStrategy stage 3 + CPU offload needs at its peak for ``shape`` (the model states as
@@ -143,10 +152,17 @@ def device_bytes(shape: dict, precision: str, micro_batch: int) -> int:
     from lightning_zero.estimate.model_states import estimate_memory
 
     p = gpt_params(shape)
-    transformer = TransformerShape(hidden=shape["n_embd"], layers=shape["n_layer"], heads=shape["n_head"],
-                                   seq_len=shape["block_size"], micro_batch=micro_batch, vocab=shape["vocab"])
-    return estimate_memory(p["total"], 3, 1, "cpu", precision, shape=transformer,
-                           largest_unit_params=p["block"]).accelerator_peak
+    transformer = TransformerShape(
+        hidden=shape["n_embd"],
+        layers=shape["n_layer"],
+        heads=shape["n_head"],
+        seq_len=shape["block_size"],
+        micro_batch=micro_batch,
+        vocab=shape["vocab"],
+    )
+    return estimate_memory(
+        p["total"], 3, 1, "cpu", precision, shape=transformer, largest_unit_params=p["block"]
+    ).accelerator_peak
 
 
 def largest_depth(shape: dict, fits: Callable[[dict], bool], limit: int) -> int:
@@ -175,9 +191,17 @@ class Search:
     stopped: str = ""
 
 
-def find_largest(lo: int, hi: int, trains: Callable[[int, float], dict], deadline: Deadline, *,
-                 first: Optional[int] = None, known_good: bool = False, max_probes: int = 4,
-                 min_probe_s: float = 30.0) -> Search:
+def find_largest(
+    lo: int,
+    hi: int,
+    trains: Callable[[int, float], dict],
+    deadline: Deadline,
+    *,
+    first: Optional[int] = None,
+    known_good: bool = False,
+    max_probes: int = 4,
+    min_probe_s: float = 30.0,
+) -> Search:
     """Bisect the largest size in ``[lo, hi]`` that trains, sizes being monotone (bigger never fits better).
 
     ``trains(size, timeout_s)`` returns ``{"outcome": ..., ...}``: ``ok``; ``gpu-oom``, ``host-oom`` or ``too-slow``
@@ -216,8 +240,10 @@ def find_largest(lo: int, hi: int, trains: Callable[[int, float], dict], deadlin
 # --- outcomes of child processes --------------------------------------------------------------------------------
 
 _GPU_OOM = re.compile(r"CUDA out of memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED")
-_HOST_OOM = re.compile(r"DefaultCPUAllocator: can't allocate memory|std::bad_alloc|Cannot allocate memory|"
-                       r"MemoryError")
+_HOST_OOM = re.compile(
+    r"DefaultCPUAllocator: can't allocate memory|std::bad_alloc|Cannot allocate memory|"
+    r"MemoryError"
+)
 
 
 def classify(returncode: Optional[int], timed_out: bool, output: str) -> dict:
@@ -244,8 +270,15 @@ _PROGRESS_KEYS = {".": "passed", "s": "skipped", "F": "failed", "E": "errors", "
 def pytest_counts(output: str) -> dict:
     """The counts of pytest's last summary line (``3 passed, 1 skipped, 2 warnings in 4.2s``); without one (a run
     killed at its time limit), the counts of ``-q``'s progress characters so far, with ``"partial": 1``."""
-    lines = [line for line in output.splitlines() if re.search(r"\d+ (passed|failed|skipped|errors?|deselected|"
-                                                              r"xfailed|xpassed|no tests ran)", line)]
+    lines = [
+        line
+        for line in output.splitlines()
+        if re.search(
+            r"\d+ (passed|failed|skipped|errors?|deselected|"
+            r"xfailed|xpassed|no tests ran)",
+            line,
+        )
+    ]
     counts: dict = {}
     if not lines:
         for line in output.splitlines():
@@ -253,14 +286,16 @@ def pytest_counts(output: str) -> dict:
             for char in match.group(1) if match else "":
                 counts[_PROGRESS_KEYS[char]] = counts.get(_PROGRESS_KEYS[char], 0) + 1
         return {**counts, "partial": 1} if counts else {}
-    for number, word in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed|xpassed|warnings?)",
-                                   lines[-1]):
+    for number, word in re.findall(
+        r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed|xpassed|warnings?)", lines[-1]
+    ):
         key = {"error": "errors", "warning": "warnings"}.get(word, word)
         counts[key] = counts.get(key, 0) + int(number)
     return counts
 
 
 # --- the report -------------------------------------------------------------------------------------------------
+
 
 def _fmt(value, spec: str, missing: str = "–") -> str:
     return missing if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
@@ -272,14 +307,25 @@ def _gib(value) -> str:
 
 def render_header(result: dict) -> list[str]:
     device, versions = result.get("device", {}), result.get("versions", {})
-    lines = ["# GPU suite report", "",
-             f"Written by `benchmarks/gpu_suite.py` on {result.get('started', '?')}"
-             f"{' (dry run: nothing was measured)' if result.get('dry_run') else ''}; "
-             f"{_fmt(result.get('wall_s'), '.0f')} s of a {result.get('deadline_s', '?')} s deadline.", "",
-             "| | |", "|---|---|"]
-    for key, label in (("name", "device"), ("memory_gib", "device memory (GiB)"), ("capability", "compute capability"),
-                       ("peak_tflops_bf16", "bf16 dense peak used for MFU (TFLOP/s)"), ("cpus", "CPU cores"),
-                       ("ram_gib", "host memory (GiB)"), ("backend", "process group")):
+    lines = [
+        "# GPU suite report",
+        "",
+        f"Written by `benchmarks/gpu_suite.py` on {result.get('started', '?')}"
+        f"{' (dry run: nothing was measured)' if result.get('dry_run') else ''}; "
+        f"{_fmt(result.get('wall_s'), '.0f')} s of a {result.get('deadline_s', '?')} s deadline.",
+        "",
+        "| | |",
+        "|---|---|",
+    ]
+    for key, label in (
+        ("name", "device"),
+        ("memory_gib", "device memory (GiB)"),
+        ("capability", "compute capability"),
+        ("peak_tflops_bf16", "bf16 dense peak used for MFU (TFLOP/s)"),
+        ("cpus", "CPU cores"),
+        ("ram_gib", "host memory (GiB)"),
+        ("backend", "process group"),
+    ):
         if device.get(key) is not None:
             lines.append(f"| {label} | {device[key]} |")
     for key, value in versions.items():
@@ -292,8 +338,15 @@ def render_tests(section: dict) -> list[str]:
     if section.get("status") == "error":
         return lines + [f"Error: {section['error']}", ""]
     counts = ", ".join(f"{v} {k}" for k, v in section.get("counts", {}).items()) or "no summary line"
-    lines += [f"`{section.get('command', '')}`: **{section.get('status')}** ({counts}; "
-              f"{_fmt(section.get('duration_s'), '.0f')} s).", "", "```", section.get("tail", "").rstrip(), "```", ""]
+    lines += [
+        f"`{section.get('command', '')}`: **{section.get('status')}** ({counts}; "
+        f"{_fmt(section.get('duration_s'), '.0f')} s).",
+        "",
+        "```",
+        section.get("tail", "").rstrip(),
+        "```",
+        "",
+    ]
     return lines
 
 
@@ -301,22 +354,27 @@ def render_throughput(section: dict) -> list[str]:
     lines = [f"## {section.get('title', 'Throughput: ZeroStrategy against DeepSpeed')}", ""]
     if section.get("status") == "error":
         return lines + [f"Error: {section['error']}", ""]
-    lines += section.get("description", []) + ["",
-              "| side | ZeRO | status | step (s) | tokens/s | TFLOP/s | MFU | peak allocated (GiB) | "
-              "peak reserved (GiB) | estimated peak (GiB) | host peak RSS (GiB) |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += section.get("description", []) + [
+        "",
+        "| side | ZeRO | status | step (s) | tokens/s | TFLOP/s | MFU | peak allocated (GiB) | "
+        "peak reserved (GiB) | estimated peak (GiB) | host peak RSS (GiB) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for row in section.get("rows", []):
         status = row["status"] + (f": {row['reason']}" if row.get("reason") else "")
         mfu = _fmt(None if row.get("mfu") is None else 100 * row["mfu"], ".1f") + ("%" if row.get("mfu") else "")
-        lines.append(f"| {row['label']} | {row['config']} | {status} | {_fmt(row.get('step_s'), '.3f')} | "
-                     f"{_fmt(row.get('tokens_per_s'), ',.0f')} | {_fmt(row.get('tflops'), '.1f')} | {mfu} | "
-                     f"{_gib(row.get('peak_allocated'))} | {_gib(row.get('peak_reserved'))} | "
-                     f"{_gib(row.get('estimate'))} | {_gib(row.get('host_peak'))} |")
+        lines.append(
+            f"| {row['label']} | {row['config']} | {status} | {_fmt(row.get('step_s'), '.3f')} | "
+            f"{_fmt(row.get('tokens_per_s'), ',.0f')} | {_fmt(row.get('tflops'), '.1f')} | {mfu} | "
+            f"{_gib(row.get('peak_allocated'))} | {_gib(row.get('peak_reserved'))} | "
+            f"{_gib(row.get('estimate'))} | {_gib(row.get('host_peak'))} |"
+        )
     ratios = section.get("ratios", [])
     if ratios:
         lines += ["", "| ZeRO | ours / DeepSpeed tokens/s | ours / DeepSpeed peak allocated |", "|---|---|---|"]
-        lines += [f"| {r['config']} | {_fmt(r.get('tokens'), '.2f')} | {_fmt(r.get('memory'), '.2f')} |"
-                  for r in ratios]
+        lines += [
+            f"| {r['config']} | {_fmt(r.get('tokens'), '.2f')} | {_fmt(r.get('memory'), '.2f')} |" for r in ratios
+        ]
     return lines + [""] + [f"- {note}" for note in section.get("notes", [])] + [""]
 
 
@@ -324,13 +382,17 @@ def render_capacity(section: dict) -> list[str]:
     lines = ["## Capacity: the largest GPT that trains at stage 3 + CPU offload", ""]
     if section.get("status") == "error":
         return lines + [f"Error: {section['error']}", ""]
-    lines += section.get("description", []) + ["", "| layers | parameters (B) | outcome | wall (s) | "
-                                                    "peak allocated (GiB) | host peak RSS (GiB) | note |",
-                                                "|---|---|---|---|---|---|---|"]
+    lines += section.get("description", []) + [
+        "",
+        "| layers | parameters (B) | outcome | wall (s) | peak allocated (GiB) | host peak RSS (GiB) | note |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for probe in section.get("probes", []):
-        lines.append(f"| {probe['size']} | {_fmt(probe.get('params_b'), '.2f')} | {probe['outcome']} | "
-                     f"{_fmt(probe.get('wall_s'), '.0f')} | {_gib(probe.get('peak_allocated'))} | "
-                     f"{_gib(probe.get('host_peak'))} | {probe.get('reason', '')} |")
+        lines.append(
+            f"| {probe['size']} | {_fmt(probe.get('params_b'), '.2f')} | {probe['outcome']} | "
+            f"{_fmt(probe.get('wall_s'), '.0f')} | {_gib(probe.get('peak_allocated'))} | "
+            f"{_gib(probe.get('host_peak'))} | {probe.get('reason', '')} |"
+        )
     return lines + ["", f"**Result**: {section.get('result', 'no result')}", ""]
 
 
@@ -340,8 +402,12 @@ def render_report(result: dict) -> str:
     if result.get("plan"):
         lines += ["## Plan", ""] + [f"- {line}" for line in result["plan"]] + [""]
     phases = result.get("phases", {})
-    renderers = {"tests": render_tests, "throughput": render_throughput, "capacity": render_capacity,
-                 "ds_cpu_adam": render_throughput}
+    renderers = {
+        "tests": render_tests,
+        "throughput": render_throughput,
+        "capacity": render_capacity,
+        "ds_cpu_adam": render_throughput,
+    }
     for name, section in phases.items():
         lines += renderers[name](section)
     skipped = result.get("skipped", [])

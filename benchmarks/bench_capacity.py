@@ -39,8 +39,12 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 
 RUNGS = ("0", "1", "2", "3", "2+cpu", "3+cpu", "3+nvme", "3+ac")
 PEERS = ("ours", "ours-tuned", "deepspeed", "deepspeed-tuned")
-LABELS = {"ours": "ZeroStrategy", "ours-tuned": "ZeroStrategy (memory-tuned)", "deepspeed": "DeepSpeed (default)",
-          "deepspeed-tuned": "DeepSpeed (memory-tuned)"}
+LABELS = {
+    "ours": "ZeroStrategy",
+    "ours-tuned": "ZeroStrategy (memory-tuned)",
+    "deepspeed": "DeepSpeed (default)",
+    "deepspeed-tuned": "DeepSpeed (memory-tuned)",
+}
 JUDGED = ("ours", "deepspeed", "deepspeed-tuned")  # the targets compare ZeroStrategy's defaults with both DeepSpeeds'
 # ZeroStrategy's memory knob, the counterpart of TUNED's smaller buckets: one FSDP2 unit per block at stages 2-3
 # instead of blocks grouped up to 8 MiB, so the per-unit communication buffers are a block's size (no effect at
@@ -48,6 +52,7 @@ JUDGED = ("ours", "deepspeed", "deepspeed-tuned")  # the targets compare ZeroStr
 OURS_TUNED = {"unit_bytes": 0}
 DEFAULT_JSON = os.path.join(_HERE, os.pardir, "docs", "img", "bench_capacity.json")
 DEFAULT_PLOT = os.path.join(_HERE, os.pardir, "docs", "img", "bench_capacity.png")
+
 
 def unavailable(peer: str, rung: str) -> str | None:
     """Why ``peer`` cannot run ``rung`` on this machine (shown in the table), or None."""
@@ -139,15 +144,18 @@ def count_params(width: int, heads: int, seq: int, vocab: int, depth: int) -> in
 
     from benchmarks import _bench_models as models
 
-    args = SimpleNamespace(quick=False, gpt={"n_layer": depth, "n_embd": width, "n_head": heads, "block_size": seq,
-                                             "vocab": vocab})
+    args = SimpleNamespace(
+        quick=False, gpt={"n_layer": depth, "n_embd": width, "n_head": heads, "block_size": seq, "vocab": vocab}
+    )
     with torch.device("meta"):
         return sum(p.numel() for p in models.build("gpt", args).parameters())
 
 
 def try_key(job: dict, args) -> str:
-    return (f"v2|{job['side']}|{job['rung']}|d{job['depth']}|w{args.width}h{args.heads}s{args.seq}v{args.vocab}"
-            f"b{args.batch}|steps{args.steps}|cap{args.cap_gib}|{args.nproc}ranks")
+    return (
+        f"v2|{job['side']}|{job['rung']}|d{job['depth']}|w{args.width}h{args.heads}s{args.seq}v{args.vocab}"
+        f"b{args.batch}|steps{args.steps}|cap{args.cap_gib}|{args.nproc}ranks"
+    )
 
 
 def make_probe(peer: str, rung: str, args, cache: dict, save):
@@ -156,8 +164,17 @@ def make_probe(peer: str, rung: str, args, cache: dict, save):
     from benchmarks._capacity_rank import launch
 
     def probe(depth):
-        job = {"side": peer, "rung": rung, "depth": depth, "width": args.width, "heads": args.heads, "seq": args.seq,
-               "vocab": args.vocab, "batch": args.batch, "steps": args.steps}
+        job = {
+            "side": peer,
+            "rung": rung,
+            "depth": depth,
+            "width": args.width,
+            "heads": args.heads,
+            "seq": args.seq,
+            "vocab": args.vocab,
+            "batch": args.batch,
+            "steps": args.steps,
+        }
         if peer == "ours-tuned":
             job["options"] = dict(OURS_TUNED)
         key = try_key(job, args)
@@ -169,16 +186,19 @@ def make_probe(peer: str, rung: str, args, cache: dict, save):
             cache[key] = dict(result, depth=depth, peer=peer, rung=rung)
             save()
         result = cache[key]
-        print(f"  {rung:7} {peer:16} depth {depth:4}: {result['outcome']:7} "
-              f"peak {_mib(result.get('cgroup_peak') or result.get('peak_rss'))} MiB  {result.get('detail', '')}",
-              file=sys.stderr, flush=True)
+        print(
+            f"  {rung:7} {peer:16} depth {depth:4}: {result['outcome']:7} "
+            f"peak {_mib(result.get('cgroup_peak') or result.get('peak_rss'))} MiB  {result.get('detail', '')}",
+            file=sys.stderr,
+            flush=True,
+        )
         return {"outcome": result["outcome"], "peak": result.get("cgroup_peak") or result.get("peak_rss")}
 
     return probe
 
 
 def _mib(value) -> str:
-    return "-" if value is None else f"{value / 2 ** 20:.0f}"
+    return "-" if value is None else f"{value / 2**20:.0f}"
 
 
 def ladder(args, cache: dict, make) -> list[dict]:
@@ -198,8 +218,14 @@ def ladder(args, cache: dict, make) -> list[dict]:
                     rows.append({"rung": rung, "peer": peer, "depth": None, "reason": "not run (run cut short)"})
                     continue
             else:
-                found = search_depth(make(peer, rung, args, cache), start, args.max_depth, args.cap_gib * (1 << 30),
-                                     grow, args.resolution)
+                found = search_depth(
+                    make(peer, rung, args, cache),
+                    start,
+                    args.max_depth,
+                    args.cap_gib * (1 << 30),
+                    grow,
+                    args.resolution,
+                )
             rows.append(row_for(rung, peer, found, args, cache))
             if found["depth"]:
                 start, grow = found["depth"], 1.25
@@ -210,29 +236,50 @@ def bracket(peer: str, rung: str, cache: dict, args) -> dict:
     """What the cached tries of one (peer, rung) at ``args``' shape and cap show: the deepest success and the
     shallowest failure, ``incomplete`` where that bracket is wider than the search's stopping point."""
     prefix = try_key({"side": peer, "rung": rung, "depth": 0}, args).split("|d0|")
-    tries = [(v["depth"], v["outcome"]) for key, v in cache.items()
-             if key.startswith(prefix[0] + "|d") and key.endswith("|" + prefix[1])]
+    tries = [
+        (v["depth"], v["outcome"])
+        for key, v in cache.items()
+        if key.startswith(prefix[0] + "|d") and key.endswith("|" + prefix[1])
+    ]
     ok = [d for d, outcome in tries if outcome == "ok"]
     failed = [d for d, outcome in tries if outcome != "ok"]
     depth, fail = max(ok, default=0), min(failed, default=None)
     done = (fail is None and depth >= args.max_depth) or (
-        fail is not None and fail - depth <= max(1, int(depth * args.resolution)))
+        fail is not None and fail - depth <= max(1, int(depth * args.resolution))
+    )
     return {"depth": depth, "fail": fail, "tries": tries, "incomplete": not done}
 
 
 def row_for(rung, peer, found, args, cache) -> dict:
     """The table row of one search: the deepest success's figures, and why the next depth failed."""
     depth, fail = found["depth"], found["fail"]
-    job = {"side": peer, "rung": rung, "width": args.width, "heads": args.heads, "seq": args.seq,
-           "vocab": args.vocab, "batch": args.batch, "steps": args.steps}
+    job = {
+        "side": peer,
+        "rung": rung,
+        "width": args.width,
+        "heads": args.heads,
+        "seq": args.seq,
+        "vocab": args.vocab,
+        "batch": args.batch,
+        "steps": args.steps,
+    }
     best = cache.get(try_key(dict(job, depth=depth), args), {}) if depth else {}
     failed = cache.get(try_key(dict(job, depth=fail), args), {}) if fail else {}
-    return {"rung": rung, "peer": peer, "depth": depth, "fail": fail, "fail_outcome": failed.get("outcome"),
-            "fail_detail": failed.get("detail", ""),
-            "params": count_params(args.width, args.heads, args.seq, args.vocab, depth) if depth else 0,
-            "peak_rss": best.get("peak_rss"), "cgroup_peak": best.get("cgroup_peak"),
-            "step_time": best.get("step_time"), "tries": len(found["tries"]), "cap": best.get("cap"),
-            "incomplete": found.get("incomplete", False)}
+    return {
+        "rung": rung,
+        "peer": peer,
+        "depth": depth,
+        "fail": fail,
+        "fail_outcome": failed.get("outcome"),
+        "fail_detail": failed.get("detail", ""),
+        "params": count_params(args.width, args.heads, args.seq, args.vocab, depth) if depth else 0,
+        "peak_rss": best.get("peak_rss"),
+        "cgroup_peak": best.get("cgroup_peak"),
+        "step_time": best.get("step_time"),
+        "tries": len(found["tries"]),
+        "cap": best.get("cap"),
+        "incomplete": found.get("incomplete", False),
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -242,8 +289,13 @@ def row_for(rung, peer, found, args, cache) -> dict:
 def render(rows: list[dict], header: str, out=None) -> str:
     """The markdown of the ladder table and the targets table; printed to ``out`` (default: ``sys.stdout`` as it is
     at the call, so a redirection made after the import counts) and returned."""
-    lines = [header, "", "| rung | peer | largest depth | parameters | peak RSS growth/rank (MiB) | "
-             "cgroup peak/rank (MiB) | step time (s) | next depth | tries |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        header,
+        "",
+        "| rung | peer | largest depth | parameters | peak RSS growth/rank (MiB) | "
+        "cgroup peak/rank (MiB) | step time (s) | next depth | tries |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if r.get("depth") is None:
             lines.append(f"| {r['rung']} | {LABELS[r['peer']]} | n/a | | | | | {r['reason']} | 0 |")
@@ -252,10 +304,15 @@ def render(rows: list[dict], header: str, out=None) -> str:
         if r.get("incomplete"):
             fail = "search cut short" if r["fail"] is None else fail + " (search cut short)"
         step = "-" if r["step_time"] is None else f"{r['step_time']:.2f}"
-        lines.append(f"| {r['rung']} | {LABELS[r['peer']]} | {r['depth']} | {r['params'] / 1e6:.1f}M | "
-                     f"{_mib(r['peak_rss'])} | {_mib(r['cgroup_peak'])} | {step} | {fail} | {r['tries']} |")
-    lines += ["", "| rung | ours / DeepSpeed default (parameters) | ours / DeepSpeed tuned | target | met |",
-              "|---|---|---|---|---|"]
+        lines.append(
+            f"| {r['rung']} | {LABELS[r['peer']]} | {r['depth']} | {r['params'] / 1e6:.1f}M | "
+            f"{_mib(r['peak_rss'])} | {_mib(r['cgroup_peak'])} | {step} | {fail} | {r['tries']} |"
+        )
+    lines += [
+        "",
+        "| rung | ours / DeepSpeed default (parameters) | ours / DeepSpeed tuned | target | met |",
+        "|---|---|---|---|---|",
+    ]
     for rung, ratio, tuned, target, met in targets(rows):
         lines.append(f"| {rung} | {_fmt(ratio)} | {_fmt(tuned)} | {target} | {met} |")
     text = "\n".join(lines)
@@ -313,12 +370,20 @@ def plot(rows: list[dict], path: str, title: str) -> bool:
                 text = "not run" if "not run" in row.get("reason", "") else "n/a"
             else:  # a search cut short: its deepest success so far, a lower bound
                 text = ("≥" if row.get("incomplete") else "") + str(row["depth"])
-            ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
-                        fontsize=7, xytext=(0, 1), textcoords="offset points", rotation=90 if row.get("depth") is None
-                        else 0)
+            ax.annotate(
+                text,
+                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                ha="center",
+                va="bottom",
+                fontsize=7,
+                xytext=(0, 1),
+                textcoords="offset points",
+                rotation=90 if row.get("depth") is None else 0,
+            )
     ax.set_xticks(range(len(rungs)), rungs)
-    ax.set_xlabel("rung (ZeRO stage, +offload, +ac = activation checkpointing); on a bar: depth in blocks "
-                  "(≥: search cut short)")
+    ax.set_xlabel(
+        "rung (ZeRO stage, +offload, +ac = activation checkpointing); on a bar: depth in blocks (≥: search cut short)"
+    )
     ax.set_ylabel("largest model trained (M parameters)")
     ax.set_title(title, fontsize=9)
     top = max([(r.get("params") or 0) / 1e6 for r in rows] + [1.0])
@@ -341,8 +406,12 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--rungs", nargs="+", default=list(RUNGS), choices=RUNGS)
     parser.add_argument("--peers", nargs="+", default=list(PEERS), choices=PEERS)
     parser.add_argument("--cap-gib", type=float, default=1.0, help="memory cap per rank, GiB (default 1.0)")
-    parser.add_argument("--cap-method", choices=["cgroup", "rlimit"], default="cgroup",
-                        help="cgroup (default; RLIMIT_DATA where none can be made) or RLIMIT_DATA")
+    parser.add_argument(
+        "--cap-method",
+        choices=["cgroup", "rlimit"],
+        default="cgroup",
+        help="cgroup (default; RLIMIT_DATA where none can be made) or RLIMIT_DATA",
+    )
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--seq", type=int, default=64)
@@ -351,20 +420,33 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=2, help="training steps per try (the last one is timed)")
     parser.add_argument("--start", type=int, default=8, help="first depth tried")
     parser.add_argument("--max-depth", type=int, default=256, help="deepest model tried")
-    parser.add_argument("--resolution", type=float, default=0.0,
-                        help="stop a search when its bracket is this fraction of the depth (default 0: one block)")
+    parser.add_argument(
+        "--resolution",
+        type=float,
+        default=0.0,
+        help="stop a search when its bracket is this fraction of the depth (default 0: one block)",
+    )
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=900, help="seconds per try before it counts as failed")
     parser.add_argument("--json", default=DEFAULT_JSON, help="the cache of every try (read, then extended)")
     parser.add_argument("--load", action="store_true", help="only render what --json holds; launch nothing")
     parser.add_argument("--markdown", default=None, help="also write the tables here")
-    parser.add_argument("--results", default=None, metavar="DIR",
-                        help="where a run that launched tries writes its dated record, "
-                             "<DIR>/bench_capacity-<date>.md (the tables) and .json (the rows); default "
-                             "benchmarks/results")
+    parser.add_argument(
+        "--results",
+        default=None,
+        metavar="DIR",
+        help="where a run that launched tries writes its dated record, "
+        "<DIR>/bench_capacity-<date>.md (the tables) and .json (the rows); default "
+        "benchmarks/results",
+    )
     parser.add_argument("--no-results", action="store_true", help="write no dated record")
-    parser.add_argument("--plot", nargs="?", const=DEFAULT_PLOT, default=None,
-                        help="save the chart (default docs/img/bench_capacity.png)")
+    parser.add_argument(
+        "--plot",
+        nargs="?",
+        const=DEFAULT_PLOT,
+        default=None,
+        help="save the chart (default docs/img/bench_capacity.png)",
+    )
     args = parser.parse_args(argv)
     if args.no_results and args.results:
         parser.error("--results and --no-results contradict each other: pass one")
@@ -380,10 +462,12 @@ def parse(argv=None) -> argparse.Namespace:
 
 def header_line(args, caps=("a memory cgroup",)) -> str:
     """The table's first line; ``caps``: how the ranks were capped (``cgroup v1``, ``RLIMIT_DATA``...)."""
-    return (f"Capacity per rung: {args.nproc} CPU ranks, each capped at {args.cap_gib:g} GiB by {' / '.join(caps)} "
-            f"(what training adds to the imports both sides share); GPT width {args.width}, {args.heads} heads, "
-            f"sequence {args.seq}, vocabulary {args.vocab}, micro-batch {args.batch}/rank, fp32, AdamW, "
-            f"{args.steps} steps per try.")
+    return (
+        f"Capacity per rung: {args.nproc} CPU ranks, each capped at {args.cap_gib:g} GiB by {' / '.join(caps)} "
+        f"(what training adds to the imports both sides share); GPT width {args.width}, {args.heads} heads, "
+        f"sequence {args.seq}, vocabulary {args.vocab}, micro-batch {args.batch}/rank, fp32, AdamW, "
+        f"{args.steps} steps per try."
+    )
 
 
 def main(argv=None) -> list[dict]:
@@ -406,8 +490,12 @@ def main(argv=None) -> list[dict]:
             f.write(text + "\n")
     if not args.load and not args.no_results:
         argv = sys.argv[1:] if argv is None else argv
-        path = dated_results("bench_capacity", args.results, {"header": header_line(args, caps), "rows": rows},
-                             f"{text}\n\nCommand: `python -m benchmarks.bench_capacity {' '.join(argv)}`")
+        path = dated_results(
+            "bench_capacity",
+            args.results,
+            {"header": header_line(args, caps), "rows": rows},
+            f"{text}\n\nCommand: `python -m benchmarks.bench_capacity {' '.join(argv)}`",
+        )
         print(f"results written to {path} (and its .json)", file=sys.stderr)
     if args.plot:
         plot(rows, args.plot, header_line(args, caps).replace("; ", ";\n", 1))

@@ -57,8 +57,10 @@ def _sharded(args, rank):
 def _state(model, optimizer):
     from lightning_zero.checkpoint.states import optimizer_state_dict
 
-    tensors = {"state_dict": model.state_dict(),
-               "optimizer_states": {"0": {"state": optimizer_state_dict(model, optimizer)["state"]}}}
+    tensors = {
+        "state_dict": model.state_dict(),
+        "optimizer_states": {"0": {"state": optimizer_state_dict(model, optimizer)["state"]}},
+    }
     groups = optimizer_state_dict(model, optimizer)["param_groups"]
     return tensors, {"global_step": 1, "optimizer_param_groups": [groups]}
 
@@ -104,16 +106,19 @@ def _load_one_process(args, path):
     return time.perf_counter() - start
 
 
-_MEASURE = ("import resource, subprocess, sys, time; start = time.perf_counter(); "
-            "proc = subprocess.run(sys.argv[1:], capture_output=True, text=True); "
-            "print(time.perf_counter() - start, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, "
-            "proc.returncode); sys.stderr.write(proc.stderr[-2000:])")
+_MEASURE = (
+    "import resource, subprocess, sys, time; start = time.perf_counter(); "
+    "proc = subprocess.run(sys.argv[1:], capture_output=True, text=True); "
+    "print(time.perf_counter() - start, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, "
+    "proc.returncode); sys.stderr.write(proc.stderr[-2000:])"
+)
 
 
 _LIGHTNING_CONSOLIDATE = (
     "import sys, torch; from pathlib import Path; "
     "from lightning.fabric.utilities.load import _load_distributed_checkpoint; "
-    "torch.save(_load_distributed_checkpoint(Path(sys.argv[1])), sys.argv[2])")
+    "torch.save(_load_distributed_checkpoint(Path(sys.argv[1])), sys.argv[2])"
+)
 
 
 def _child(command):
@@ -146,8 +151,16 @@ def main(argv=None):
         results["load_resharded_1_process"] = _load_one_process(args, path)
         size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
         python = sys.executable
-        ours = _child([python, "-c", "import sys; from lightning_zero.cli import main; sys.exit(main())",
-                       "consolidate", path, os.path.join(root, "ours.safetensors")])
+        ours = _child(
+            [
+                python,
+                "-c",
+                "import sys; from lightning_zero.cli import main; sys.exit(main())",
+                "consolidate",
+                path,
+                os.path.join(root, "ours.safetensors"),
+            ]
+        )
         # Lightning's CLI (`python -m lightning.pytorch.utilities.consolidate_checkpoint`) is its DCP loader plus a
         # rename of the top-level "model" key its FSDPStrategy writes; our layout names it "state_dict", so the
         # same two steps run here without the rename: load every tensor of the directory, then one torch.save.
@@ -155,27 +168,33 @@ def main(argv=None):
     finally:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
-    print(f"\n{params / 1e6:.0f}M fp32 parameters ({params * 4 / 2**30:.2f} GiB of weights), AdamW states, "
-          f"{args.nproc} ranks at ZeRO-3, checkpoint {size / 2**30:.2f} GiB on disk")
+    print(
+        f"\n{params / 1e6:.0f}M fp32 parameters ({params * 4 / 2**30:.2f} GiB of weights), AdamW states, "
+        f"{args.nproc} ranks at ZeRO-3, checkpoint {size / 2**30:.2f} GiB on disk"
+    )
     print("| operation | seconds | GiB/s |")
     print("|---|---|---|")
     for key in ("save_sync", "save_async_blocking", "save_async_total", "load_same_layout"):
         print(f"| {key} | {results[key]:.2f} | {size / 2**30 / results[key]:.2f} |")
     weights = params * 4 / 2**30
-    print(f"| load_resharded_1_process (weights only) | {results['load_resharded_1_process']:.2f} | "
-          f"{weights / results['load_resharded_1_process']:.2f} |")
+    print(
+        f"| load_resharded_1_process (weights only) | {results['load_resharded_1_process']:.2f} | "
+        f"{weights / results['load_resharded_1_process']:.2f} |"
+    )
     print("\n| consolidation | seconds | peak RSS GiB | RSS / weights |")
     print("|---|---|---|---|")
-    for label, (seconds, peak, error) in (("lightning-zero consolidate (streaming, safetensors)", ours),
-                                          ("Lightning consolidate_checkpoint (its DCP loader + torch.save)",
-                                           lightning)):
+    for label, (seconds, peak, error) in (
+        ("lightning-zero consolidate (streaming, safetensors)", ours),
+        ("Lightning consolidate_checkpoint (its DCP loader + torch.save)", lightning),
+    ):
         if error:
             print(f"| {label} | failed: {error[:100]} | - | - |")
         else:
             print(f"| {label} | {seconds:.1f} | {peak / 2**30:.2f} | {peak / 2**30 / weights:.2f} |")
     if not ours[2] and not lightning[2]:
-        print(f"\nratios (Lightning / ours): time {lightning[0] / ours[0]:.2f}, "
-              f"peak memory {lightning[1] / ours[1]:.2f}")
+        print(
+            f"\nratios (Lightning / ours): time {lightning[0] / ours[0]:.2f}, peak memory {lightning[1] / ours[1]:.2f}"
+        )
 
 
 if __name__ == "__main__":

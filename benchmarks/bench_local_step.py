@@ -34,8 +34,14 @@ from benchmarks.common import free_port  # noqa: E402
 
 
 def _worker(rank, world, port, job, out) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+    )
     torch.set_num_threads(1)
     import lightning.pytorch as pl
 
@@ -58,13 +64,22 @@ def _worker(rank, world, port, job, out) -> None:
             cpu.append(time.process_time() - self.c)
 
     data = models.batches(name, args, rank)
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=ZeroStrategy(stage=job["stage"]),
-                         precision=job["precision"], max_steps=len(data), logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[Timer()],
-                         use_distributed_sampler=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=ZeroStrategy(stage=job["stage"]),
+        precision=job["precision"],
+        max_steps=len(data),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Timer()],
+        use_distributed_sampler=False,
+    )
     trainer.fit(Module(), torch.utils.data.DataLoader(data, batch_size=None))
     with open(f"{out}.{rank}", "w") as f:
-        json.dump([statistics.median(times[job["warmup"]:]), statistics.median(cpu[job["warmup"]:])], f)
+        json.dump([statistics.median(times[job["warmup"] :]), statistics.median(cpu[job["warmup"] :])], f)
 
 
 def run(job: dict) -> tuple[float, float]:
@@ -96,17 +111,21 @@ def main() -> None:
                 arms: dict[str, list[tuple[float, float]]] = {"dtensor": [], "local": []}
                 for _ in range(args.repeat):
                     for arm in arms:
-                        job = dict(model=name, precision=precision, stage=stage, arm=arm, steps=args.steps,
-                                   warmup=args.warmup)
+                        job = dict(
+                            model=name, precision=precision, stage=stage, arm=arm, steps=args.steps, warmup=args.warmup
+                        )
                         arms[arm].append(run(job))
                 for index, what in ((0, "wall"), (1, "CPU")):
                     local = [r[index] for r in arms["local"]]
                     base = [r[index] for r in arms["dtensor"]]
                     ratios = [a / b for a, b in zip(local, base)]
-                    print(f"{name} {precision} stage {stage} {what}: local {statistics.median(local):.4f} s, dtensor "
-                          f"{statistics.median(base):.4f} s, local/dtensor {statistics.median(ratios):.2f} "
-                          f"[{min(ratios):.2f}-{max(ratios):.2f}] over {args.repeat} alternated repeats; load "
-                          f"{os.getloadavg()[0]:.1f}", flush=True)
+                    print(
+                        f"{name} {precision} stage {stage} {what}: local {statistics.median(local):.4f} s, dtensor "
+                        f"{statistics.median(base):.4f} s, local/dtensor {statistics.median(ratios):.2f} "
+                        f"[{min(ratios):.2f}-{max(ratios):.2f}] over {args.repeat} alternated repeats; load "
+                        f"{os.getloadavg()[0]:.1f}",
+                        flush=True,
+                    )
 
 
 if __name__ == "__main__":

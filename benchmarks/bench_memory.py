@@ -38,7 +38,7 @@ if not __package__:  # run by path (python benchmarks/x.py): the repository root
 
 from benchmarks.common import ROOT  # noqa: E402
 
-MIB = 2 ** 20
+MIB = 2**20
 
 
 def main(argv=None) -> None:
@@ -62,8 +62,13 @@ def main(argv=None) -> None:
     from lightning_zero.cli.advise_model import ModelSpec, infer_shape, instantiate
     from lightning_zero.cli.ladder import Machine, available_cpu_memory, ladder, predict
 
-    init_args = {"vocab_size": args.vocab, "block_size": args.block_size, "n_layer": args.n_layer,
-                 "n_head": args.n_head, "n_embd": args.n_embd}
+    init_args = {
+        "vocab_size": args.vocab,
+        "block_size": args.block_size,
+        "n_layer": args.n_layer,
+        "n_head": args.n_head,
+        "n_embd": args.n_embd,
+    }
     spec = ModelSpec(os.path.join(ROOT, "examples", "gpt.py") + ":GPTModule", init_args)
     kwargs, params, unit = infer_shape(instantiate(spec), spec, {})
     shape = TransformerShape(micro_batch=args.micro_batch, **kwargs)
@@ -74,42 +79,82 @@ def main(argv=None) -> None:
     rows = []
     for pred in predictions:
         est = pred.estimate
-        at_rest = (est.states.accelerator.total + est.states.cpu.total + est.activations.accelerator
-                   + est.activations.cpu)
+        at_rest = (
+            est.states.accelerator.total + est.states.cpu.total + est.activations.accelerator + est.activations.cpu
+        )
         started = time.perf_counter()
-        result = measure_rung({"model_class": spec.model_class, "init_args": init_args, "strategy":
-                               pred.rung.strategy_kwargs(), "precision": args.precision,
-                               "accelerator": args.accelerator, "devices": args.devices,
-                               "micro_batch": args.micro_batch, "seq_len": args.block_size, "vocab": args.vocab,
-                               "steps": args.steps, "warmup": args.warmup})
+        result = measure_rung(
+            {
+                "model_class": spec.model_class,
+                "init_args": init_args,
+                "strategy": pred.rung.strategy_kwargs(),
+                "precision": args.precision,
+                "accelerator": args.accelerator,
+                "devices": args.devices,
+                "micro_batch": args.micro_batch,
+                "seq_len": args.block_size,
+                "vocab": args.vocab,
+                "steps": args.steps,
+                "warmup": args.warmup,
+            }
+        )
         print(f"{pred.rung.label}: {result} ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
         rows.append((pred.rung, at_rest, est.accelerator_peak + est.cpu_peak, result))
-    print(f"\nGPT {params / 1e6:.1f}M parameters ({args.n_layer} layers x {args.n_embd}, {args.n_head} heads, "
-          f"seq {args.block_size}, vocab {args.vocab}), micro-batch {args.micro_batch}, {args.devices} x "
-          f"{args.accelerator}, {args.precision}, AdamW; median of {args.steps} steps after {args.warmup} warm-up")
-    print("| rung | predicted states+activations MiB | measured tensors MiB | error | predicted peak MiB | "
-          "measured peak MiB | step time (s) |")
+    print(
+        f"\nGPT {params / 1e6:.1f}M parameters ({args.n_layer} layers x {args.n_embd}, {args.n_head} heads, "
+        f"seq {args.block_size}, vocab {args.vocab}), micro-batch {args.micro_batch}, {args.devices} x "
+        f"{args.accelerator}, {args.precision}, AdamW; median of {args.steps} steps after {args.warmup} warm-up"
+    )
+    print(
+        "| rung | predicted states+activations MiB | measured tensors MiB | error | predicted peak MiB | "
+        "measured peak MiB | step time (s) |"
+    )
     print("|---|---|---|---|---|---|---|")
     for rung, at_rest, peak, result in rows:
         if result["status"] != "ok":
-            print(f"| {rung.label} | {at_rest / MIB:.0f} | {result['status']}: {result.get('message', '')} | | "
-                  f"{peak / MIB:.0f} | | |")
+            print(
+                f"| {rung.label} | {at_rest / MIB:.0f} | {result['status']}: {result.get('message', '')} | | "
+                f"{peak / MIB:.0f} | | |"
+            )
             continue
         error = (at_rest - result["tensors"]) / result["tensors"]
-        print(f"| {rung.label} | {at_rest / MIB:.0f} | {result['tensors'] / MIB:.0f} | {error:+.1%} | "
-              f"{peak / MIB:.0f} | {result['peak'] / MIB:.0f} | {result['time']:.2f} |")
+        print(
+            f"| {rung.label} | {at_rest / MIB:.0f} | {result['tensors'] / MIB:.0f} | {error:+.1%} | "
+            f"{peak / MIB:.0f} | {result['peak'] / MIB:.0f} | {result['time']:.2f} |"
+        )
     if args.no_advise:
         return
-    command = [sys.executable, "-m", "lightning_zero", "advise", "--model", spec.model_class, "--init-args",
-               *[f"{k}={v}" for k, v in init_args.items()], "--devices", str(args.devices), "--accelerator",
-               args.accelerator, "--micro-batch", str(args.micro_batch), "--precision", args.precision, "--measure",
-               "--steps", str(args.steps), "--output-dir", tempfile.mkdtemp(prefix="advise-")]
+    command = [
+        sys.executable,
+        "-m",
+        "lightning_zero",
+        "advise",
+        "--model",
+        spec.model_class,
+        "--init-args",
+        *[f"{k}={v}" for k, v in init_args.items()],
+        "--devices",
+        str(args.devices),
+        "--accelerator",
+        args.accelerator,
+        "--micro-batch",
+        str(args.micro_batch),
+        "--precision",
+        args.precision,
+        "--measure",
+        "--steps",
+        str(args.steps),
+        "--output-dir",
+        tempfile.mkdtemp(prefix="advise-"),
+    ]
     started = time.perf_counter()
     proc = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT))
     winner = [line for line in proc.stdout.splitlines() if line.startswith("winner")]
     print(proc.stdout)
-    print(f"\n`lightning-zero advise --measure`: {winner[0] if winner else proc.stderr[-500:]} "
-          f"(wall time of the whole command: {time.perf_counter() - started:.0f} s; written to {command[-1]})")
+    print(
+        f"\n`lightning-zero advise --measure`: {winner[0] if winner else proc.stderr[-500:]} "
+        f"(wall time of the whole command: {time.perf_counter() - started:.0f} s; written to {command[-1]})"
+    )
 
 
 if __name__ == "__main__":

@@ -205,14 +205,20 @@ def capped_rank(args) -> None:
         torch.manual_seed(0)
         model = nn.Sequential(*[nn.Linear(width, width, bias=False, dtype=torch.bfloat16) for _ in range(layers)])
         numel = sum(p.numel() for p in model.parameters())
-        print(f"  model: {layers} x Linear({width}, {width}) bf16 = {numel / 1e6:.0f}M parameters; model states "
-              f"(2+2+12 bytes/param) {16 * numel / GIB:.2f} GiB = {16 * numel / cap:.1f}x the cap; fp32 part "
-              f"(masters + Adam, 12 bytes/param) {12 * numel / GIB:.2f} GiB", flush=True)
+        print(
+            f"  model: {layers} x Linear({width}, {width}) bf16 = {numel / 1e6:.0f}M parameters; model states "
+            f"(2+2+12 bytes/param) {16 * numel / GIB:.2f} GiB = {16 * numel / cap:.1f}x the cap; fp32 part "
+            f"(masters + Adam, 12 bytes/param) {12 * numel / GIB:.2f} GiB",
+            flush=True,
+        )
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         if args.mode == "nvme":
-            nvme = NvmeConfig(args.nvme_path, sub_group_size=int(args.sub_group_size), buffer_count=3,
-                              aio=dict(thread_count=args.threads, queue_depth=args.queue_depth,
-                                       block_size=args.block_size))
+            nvme = NvmeConfig(
+                args.nvme_path,
+                sub_group_size=int(args.sub_group_size),
+                buffer_count=3,
+                aio=dict(thread_count=args.threads, queue_depth=args.queue_depth, block_size=args.block_size),
+            )
             sharding = shard_optimizer(opt, ZeroConfig(stage=1, offload_optimizer="nvme", nvme=nvme))
         else:
             sharding = shard_optimizer(opt, ZeroConfig(stage=1, offload="cpu"))
@@ -226,25 +232,48 @@ def capped_rank(args) -> None:
             print(f"  step {steps_done}: loss {loss.item():.4f} ({time.perf_counter() - begin:.0f} s)", flush=True)
         if sharding.swapper is not None:
             sw = sharding.swapper
-            print(f"  swap: peak {sw.peak_buffers} buffers of {sw.peak_buffer_bytes / 2 ** 20:.0f} MiB, "
-                  f"read {sw.io.throughput('read') / GB:.2f} GB/s, write {sw.io.throughput('write') / GB:.2f} GB/s")
+            print(
+                f"  swap: peak {sw.peak_buffers} buffers of {sw.peak_buffer_bytes / 2**20:.0f} MiB, "
+                f"read {sw.io.throughput('read') / GB:.2f} GB/s, write {sw.io.throughput('write') / GB:.2f} GB/s"
+            )
         sharding.remove() if args.mode == "cpu" else sharding.swapper.close(restore=False)
         outcome = "ok"
     except (MemoryError, RuntimeError) as error:  # the allocator's refusal under the cap
         outcome = f"FAILED: {type(error).__name__}: {str(error).splitlines()[0][:160]}"
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB -> GiB
-    print(f"  RESULT mode={args.mode} cap={args.cap_gib:.2f}GiB peak_rss={peak:.2f}GiB steps={steps_done} "
-          f"{outcome}", flush=True)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
+    print(
+        f"  RESULT mode={args.mode} cap={args.cap_gib:.2f}GiB peak_rss={peak:.2f}GiB steps={steps_done} {outcome}",
+        flush=True,
+    )
 
 
 def run_capped(args) -> None:
     for mode in ("nvme", "cpu"):
         print(f"capped rank process, offload={mode!r}, RLIMIT_DATA {args.cap_gib:.2f} GiB:", flush=True)
-        command = [sys.executable, os.path.abspath(__file__), "--rank-child", mode, "--nvme-path", args.nvme_path,
-                   "--capped-params", str(args.capped_params), "--cap-gib", str(args.cap_gib), "--width",
-                   str(args.width), "--capped-steps", str(args.capped_steps), "--sub-group-size",
-                   str(args.sub_group_size), "--threads", str(args.threads), "--queue-depth",
-                   str(args.queue_depth), "--block-size", str(args.block_size)]
+        command = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--rank-child",
+            mode,
+            "--nvme-path",
+            args.nvme_path,
+            "--capped-params",
+            str(args.capped_params),
+            "--cap-gib",
+            str(args.cap_gib),
+            "--width",
+            str(args.width),
+            "--capped-steps",
+            str(args.capped_steps),
+            "--sub-group-size",
+            str(args.sub_group_size),
+            "--threads",
+            str(args.threads),
+            "--queue-depth",
+            str(args.queue_depth),
+            "--block-size",
+            str(args.block_size),
+        ]
         # glibc's dynamic mmap threshold would keep freed multi-MiB tensors (a sub-group's fp32 gradients, the
         # optimizer's temporaries) in the heap: a fixed threshold returns them (see docs/offload.md)
         env = {"MALLOC_MMAP_THRESHOLD_": "65536", **os.environ, "PYTHONWARNINGS": "ignore"}
@@ -283,8 +312,10 @@ def deepspeed_aio(folder: str, mib: int, args) -> None:
     finally:
         if os.path.exists(path):
             os.remove(path)
-    print(f"DeepSpeed aio_handle (block {args.block_size >> 10} KiB, queue_depth {args.queue_depth}, "
-          f"intra_op_parallelism {args.threads}), {mib} MiB: write {write:.2f} GB/s, read {read:.2f} GB/s")
+    print(
+        f"DeepSpeed aio_handle (block {args.block_size >> 10} KiB, queue_depth {args.queue_depth}, "
+        f"intra_op_parallelism {args.threads}), {mib} MiB: write {write:.2f} GB/s, read {read:.2f} GB/s"
+    )
     return True
 
 
@@ -300,21 +331,34 @@ def deepspeed_zero3_child(args) -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     folder = tempfile.mkdtemp(prefix="ds-nvme-", dir=args.nvme_path)
     width = 1024
-    model = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(max(1, int(args.params) // width ** 2))])
+    model = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(max(1, int(args.params) // width**2))])
     numel = sum(p.numel() for p in model.parameters())  # before ZeRO-3 partitions them away
-    aio = {"block_size": args.block_size, "queue_depth": args.queue_depth, "intra_op_parallelism": args.threads,
-           "single_submit": False, "overlap_events": True}
-    config = {"train_micro_batch_size_per_gpu": 4, "zero_force_ds_cpu_optimizer": False, "aio": aio,
-              "zero_optimization": {
-                  "stage": 3, "sub_group_size": int(args.sub_group_size),
-                  "offload_optimizer": {"device": "nvme", "nvme_path": folder, "pin_memory": False,
-                                        "buffer_count": 4},
-                  "offload_param": {"device": "nvme", "nvme_path": folder, "pin_memory": False,
-                                    "max_in_cpu": int(args.max_in_cpu)}}}
+    aio = {
+        "block_size": args.block_size,
+        "queue_depth": args.queue_depth,
+        "intra_op_parallelism": args.threads,
+        "single_submit": False,
+        "overlap_events": True,
+    }
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "zero_force_ds_cpu_optimizer": False,
+        "aio": aio,
+        "zero_optimization": {
+            "stage": 3,
+            "sub_group_size": int(args.sub_group_size),
+            "offload_optimizer": {"device": "nvme", "nvme_path": folder, "pin_memory": False, "buffer_count": 4},
+            "offload_param": {
+                "device": "nvme",
+                "nvme_path": folder,
+                "pin_memory": False,
+                "max_in_cpu": int(args.max_in_cpu),
+            },
+        },
+    }
     try:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=args.optimizer_fused)
-        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                          config=config)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
         times, cpu = [], []
         for _ in range(args.steps + 1):
             start, start_cpu = time.perf_counter(), time.process_time()
@@ -325,11 +369,13 @@ def deepspeed_zero3_child(args) -> None:
             cpu.append(time.process_time() - start_cpu)
         on_disk = sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(folder) for f in files)
         step = _median(times[1:])
-        print(f"  DeepSpeed ZeRO-3 NVMe (optimizer + parameters), {numel / 1e6:.0f}M "
-              f"fp32 parameters: train step {step * 1e3:.0f} ms (median of {args.steps}; process CPU time "
-              f"{_median(cpu[1:]) * 1e3:.0f} ms), swap files {on_disk >> 20} "
-              f"MiB; at least {2 * on_disk / step / GB:.2f} GB/s if every file is read and written once per step",
-              flush=True)
+        print(
+            f"  DeepSpeed ZeRO-3 NVMe (optimizer + parameters), {numel / 1e6:.0f}M "
+            f"fp32 parameters: train step {step * 1e3:.0f} ms (median of {args.steps}; process CPU time "
+            f"{_median(cpu[1:]) * 1e3:.0f} ms), swap files {on_disk >> 20} "
+            f"MiB; at least {2 * on_disk / step / GB:.2f} GB/s if every file is read and written once per step",
+            flush=True,
+        )
     except Exception as error:
         print(f"  DeepSpeed ZeRO-3 NVMe does not run here: {type(error).__name__}: {str(error)[:300]}", flush=True)
     finally:
@@ -345,25 +391,33 @@ def report_step(args, aio, raw: tuple, concurrent: float) -> None:
     nvme = NvmeConfig(args.nvme_path, sub_group_size=int(args.sub_group_size), buffer_count=4, aio=aio)
     swapped = step_bandwidth(params, args.steps, nvme, fused=fused)
     read, write = _median(swapped["read"]), _median(swapped["write"])
-    print(f"swapped AdamW{'(fused=True)' if fused else ''} step: {int(args.params) * 8 >> 20} MiB of states, "
-          "sub-groups of "
-          f"{int(args.sub_group_size):.3g} elements, peak {swapped['peak_buffers']} buffers of "
-          f"{swapped['peak_buffer_bytes'] >> 20} MiB, {swapped['bytes'] >> 20} MiB moved per step")
+    print(
+        f"swapped AdamW{'(fused=True)' if fused else ''} step: {int(args.params) * 8 >> 20} MiB of states, "
+        "sub-groups of "
+        f"{int(args.sub_group_size):.3g} elements, peak {swapped['peak_buffers']} buffers of "
+        f"{swapped['peak_buffer_bytes'] >> 20} MiB, {swapped['bytes'] >> 20} MiB moved per step"
+    )
     io_only = step_bandwidth(params, args.steps, nvme, io_only=True)
     both = _median(swapped["any"])
     # equal bytes read and written: one after the other (their harmonic mean), or at once, whichever is faster
     mixed = max(2 / (1 / raw[0] + 1 / raw[1]), concurrent)
-    print(f"| | raw (best) GB/s | swap during the step GB/s | ratio |\n|---|---|---|---|\n"
-          f"| read | {raw[1]:.2f} | {read:.2f} | {read / raw[1]:.0%} |\n"
-          f"| write | {raw[0]:.2f} | {write:.2f} | {write / raw[0]:.0%} |\n"
-          "| read+write (they overlap: one disk; raw: best of one after the other and at once) "
-          f"| {mixed:.2f} | {both:.2f} | {both / mixed:.0%} |")
+    print(
+        f"| | raw (best) GB/s | swap during the step GB/s | ratio |\n|---|---|---|---|\n"
+        f"| read | {raw[1]:.2f} | {read:.2f} | {read / raw[1]:.0%} |\n"
+        f"| write | {raw[0]:.2f} | {write:.2f} | {write / raw[0]:.0%} |\n"
+        "| read+write (they overlap: one disk; raw: best of one after the other and at once) "
+        f"| {mixed:.2f} | {both:.2f} | {both / mixed:.0%} |"
+    )
     io_read, io_write, io_both = (_median(io_only[k]) for k in ("read", "write", "any"))
-    print(f"same swapped step, I/O only (the pipeline's reads and writes, no Adam compute): read {io_read:.2f} "
-          f"({io_read / raw[1]:.0%} of raw), write {io_write:.2f} ({io_write / raw[0]:.0%}), read+write "
-          f"{io_both:.2f} GB/s ({io_both / mixed:.0%}); step {_median(io_only['step_s']) * 1e3:.0f} ms")
-    print(f"step wall time: in memory {_median(plain['step_s']) * 1e3:.0f} ms, swapped "
-          f"{_median(swapped['step_s']) * 1e3:.0f} ms (median of {args.steps})")
+    print(
+        f"same swapped step, I/O only (the pipeline's reads and writes, no Adam compute): read {io_read:.2f} "
+        f"({io_read / raw[1]:.0%} of raw), write {io_write:.2f} ({io_write / raw[0]:.0%}), read+write "
+        f"{io_both:.2f} GB/s ({io_both / mixed:.0%}); step {_median(io_only['step_s']) * 1e3:.0f} ms"
+    )
+    print(
+        f"step wall time: in memory {_median(plain['step_s']) * 1e3:.0f} ms, swapped "
+        f"{_median(swapped['step_s']) * 1e3:.0f} ms (median of {args.steps})"
+    )
 
 
 def parse() -> argparse.Namespace:
@@ -382,8 +436,11 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--capped-steps", type=int, default=3)
     parser.add_argument("--max-in-cpu", type=float, default=1e9, help="deepspeed section: offload_param max_in_cpu")
-    parser.add_argument("--optimizer-fused", action="store_true",
-                        help="step and deepspeed sections: torch.optim.AdamW(fused=True) instead of the default")
+    parser.add_argument(
+        "--optimizer-fused",
+        action="store_true",
+        help="step and deepspeed sections: torch.optim.AdamW(fused=True) instead of the default",
+    )
     parser.add_argument("--rank-child", choices=("nvme", "cpu"), help=argparse.SUPPRESS)
     parser.add_argument("--stage3-child", choices=("nvme", "cpu"), help=argparse.SUPPRESS)
     parser.add_argument("--ours-child", action="store_true", help=argparse.SUPPRESS)
@@ -412,13 +469,19 @@ def main() -> None:
     if sections & {"raw", "step"}:
         raw = raw_bandwidth(args.nvme_path, state_mib)
         depth = raw_at_depth(args.nvme_path, state_mib, aio)
-        print(f"raw O_DIRECT dd (1 MiB, one request at a time), {state_mib} MiB: write {raw[0]:.2f} GB/s, "
-              f"read {raw[1]:.2f} GB/s")
-        print(f"raw O_DIRECT at depth ({aio.in_flight} requests of {args.block_size >> 10} KiB in flight, one "
-              f"transfer): write {depth[0]:.2f} GB/s, read {depth[1]:.2f} GB/s")
+        print(
+            f"raw O_DIRECT dd (1 MiB, one request at a time), {state_mib} MiB: write {raw[0]:.2f} GB/s, "
+            f"read {raw[1]:.2f} GB/s"
+        )
+        print(
+            f"raw O_DIRECT at depth ({aio.in_flight} requests of {args.block_size >> 10} KiB in flight, one "
+            f"transfer): write {depth[0]:.2f} GB/s, read {depth[1]:.2f} GB/s"
+        )
         concurrent = raw_concurrent(args.nvme_path, state_mib, aio)
-        print(f"raw O_DIRECT read and write at the same time (two files, {aio.in_flight} requests in flight each): "
-              f"{concurrent:.2f} GB/s")
+        print(
+            f"raw O_DIRECT read and write at the same time (two files, {aio.in_flight} requests in flight each): "
+            f"{concurrent:.2f} GB/s"
+        )
         raw = (max(raw[0], depth[0]), max(raw[1], depth[1]))  # the disk's best of the two
     if "step" in sections:
         report_step(args, aio, raw, concurrent)
@@ -427,11 +490,28 @@ def main() -> None:
     if "capped3" in sections:
         _bench_nvme_stage3.run(args, os.path.abspath(__file__))
     if "deepspeed" in sections and deepspeed_aio(args.nvme_path, state_mib, args):
-        command = [sys.executable, os.path.abspath(__file__), "--ds-child", "--nvme-path", args.nvme_path,
-                   "--params", str(args.params), "--sub-group-size", str(args.sub_group_size), "--steps",
-                   str(args.steps), "--threads", str(args.threads), "--queue-depth", str(args.queue_depth),
-                   "--block-size", str(args.block_size), "--max-in-cpu", str(args.max_in_cpu),
-                   *(["--optimizer-fused"] if args.optimizer_fused else [])]
+        command = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--ds-child",
+            "--nvme-path",
+            args.nvme_path,
+            "--params",
+            str(args.params),
+            "--sub-group-size",
+            str(args.sub_group_size),
+            "--steps",
+            str(args.steps),
+            "--threads",
+            str(args.threads),
+            "--queue-depth",
+            str(args.queue_depth),
+            "--block-size",
+            str(args.block_size),
+            "--max-in-cpu",
+            str(args.max_in_cpu),
+            *(["--optimizer-fused"] if args.optimizer_fused else []),
+        ]
         for label, flag in (("DeepSpeed", "--ds-child"), ("lightning-zero", "--ours-child")):  # the same model
             child = subprocess.run([*command[:2], flag, *command[3:]], capture_output=True, text=True)
             lines = [line for line in child.stdout.splitlines() if line.startswith("  ")]

@@ -101,8 +101,9 @@ def main() -> None:
             ("FusedLamb (triton)", 40, lambda ps: FusedLamb(ps, weight_decay=0.01, implementation="triton")),
             ("FusedLamb (torch)", 40, lambda ps: FusedLamb(ps, weight_decay=0.01, implementation="torch")),
         ]
-        rows = [(name, nbytes, timed(make_optimizer_step(f, gpu_n, "cuda"), r, sync), hbm)
-                for name, nbytes, f in gpu_cases]
+        rows = [
+            (name, nbytes, timed(make_optimizer_step(f, gpu_n, "cuda"), r, sync), hbm) for name, nbytes, f in gpu_cases
+        ]
         report("GPU optimizer step", rows, gpu_n)
     else:
         print("\nGPU: no CUDA device, GPU rows skipped")

@@ -94,8 +94,11 @@ def _worker(rank: int, world: int, port: int, micro_batches: list, ms: float, st
         for schedule, v in SCHEDULES:
             if m < world:
                 continue  # torch's schedules (1F1B and the multi-stage ones) need m >= pipeline ranks
-            model = PipelineModule([LayerSpec(SleepLayer, t_fwd, t_bwd) for _ in range(2 * world)],
-                                   loss_fn=lambda out, y: ((out - y) ** 2).mean(), partition_method="uniform")
+            model = PipelineModule(
+                [LayerSpec(SleepLayer, t_fwd, t_bwd) for _ in range(2 * world)],
+                loss_fn=lambda out, y: ((out - y) ** 2).mean(),
+                partition_method="uniform",
+            )
             build_pipeline(model, mesh["pp"], schedule=schedule, micro_batches=m, virtual_stages=v)
             x, y = torch.randn(4 * m, 8), torch.randn(4 * m, 8)
             times = []
@@ -123,12 +126,19 @@ def main() -> None:
     print("|---|---|----------|---|----------------|-------------|-----------------|--------|")
     for world in args.ranks:
         queue = ctx.Queue()
-        mp.start_processes(_worker, args=(world, free_port(), args.micro_batches, args.ms, args.steps, queue),
-                           nprocs=world, join=True, start_method="spawn")
+        mp.start_processes(
+            _worker,
+            args=(world, free_port(), args.micro_batches, args.ms, args.steps, queue),
+            nprocs=world,
+            join=True,
+            start_method="spawn",
+        )
         while not queue.empty():
             p, m, schedule, v, work, step = queue.get()
-            print(f"| {p} | {m} | {schedule} | {v} | {work * 1e3:.0f} | {step * 1e3:.0f} | "
-                  f"{1 - work / step:.3f} | {theory(schedule, p, m, v)} |")
+            print(
+                f"| {p} | {m} | {schedule} | {v} | {work * 1e3:.0f} | {step * 1e3:.0f} | "
+                f"{1 - work / step:.3f} | {theory(schedule, p, m, v)} |"
+            )
 
 
 if __name__ == "__main__":

@@ -68,11 +68,17 @@ STAGES = ("0", "1", "2", "3", "1+cpu", "2+cpu", "3+cpu")
 PEERS = ("deepspeed", "ddp", "modelparallel", "fsdp", "floor", "sync", "minimal", "engine", "before")
 LIGHTNING_PEERS = ("ddp", "modelparallel", "fsdp")  # what --no-lightning drops
 BF16_MIXED_ONLY = ("minimal", "engine")  # bare loops computing bf16 as autocast over fp32 weights: no bf16t
-LABELS = {"deepspeed": "DeepSpeed", "ddp": "Lightning DDP", "modelparallel": "Lightning ModelParallel (FSDP2)",
-          "fsdp": "Lightning FSDP (FSDP1)", "floor": "compute floor (no collectives)",
-          "sync": "compute floor + one sync per step", "minimal": "minimal loop (no framework, flat collectives)",
-          "engine": "torch's engine, bare loop (DDP, ZeroRedundancyOptimizer, FSDP2)",
-          "before": "ZeroStrategy of --before-src (before a change)"}
+LABELS = {
+    "deepspeed": "DeepSpeed",
+    "ddp": "Lightning DDP",
+    "modelparallel": "Lightning ModelParallel (FSDP2)",
+    "fsdp": "Lightning FSDP (FSDP1)",
+    "floor": "compute floor (no collectives)",
+    "sync": "compute floor + one sync per step",
+    "minimal": "minimal loop (no framework, flat collectives)",
+    "engine": "torch's engine, bare loop (DDP, ZeroRedundancyOptimizer, FSDP2)",
+    "before": "ZeroStrategy of --before-src (before a change)",
+}
 DEFAULT_PLOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "docs", "img", "bench_stages.png")
 
 
@@ -116,12 +122,16 @@ def run_cell(model: str, precision: str, stage: str, args, measure) -> dict:
                     result = measure(job, args)
                     break
                 except Exception as err:
-                    print(f"{model} {precision} {kind} repeat {repeat + 1} attempt {attempt + 1}: failed "
-                          f"({type(err).__name__}: {(str(err).strip().splitlines() or [''])[-1][:160]})",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"{model} {precision} {kind} repeat {repeat + 1} attempt {attempt + 1}: failed "
+                        f"({type(err).__name__}: {(str(err).strip().splitlines() or [''])[-1][:160]})",
+                        file=sys.stderr,
+                        flush=True,
+                    )
             runs[side].append(result)
-            print(f"{model} {precision} {kind} repeat {repeat + 1}/{args.repeat}: {result}", file=sys.stderr,
-                  flush=True)
+            print(
+                f"{model} {precision} {kind} repeat {repeat + 1}/{args.repeat}: {result}", file=sys.stderr, flush=True
+            )
     return {"model": model, "precision": precision, "stage": stage, "runs": runs}
 
 
@@ -136,13 +146,22 @@ def summarize(cell: dict) -> list[dict]:
         if peer == "ours":
             continue
         pairs = [(a, b) for a, b in zip(ours, theirs) if a and b and b[0] > 0 and b[1] > 0]
-        rows.append({"model": cell["model"], "precision": cell["precision"], "stage": cell["stage"], "peer": peer,
-                     "time_ratio": _stats([a[0] / b[0] for a, b in pairs]),
-                     "mem_ratio": _stats([a[1] / b[1] for a, b in pairs]),
-                     "ours": _stats([a[0] for a in ours if a]), "theirs": _stats([b[0] for b in theirs if b]),
-                     "ours_mib": _stats([a[1] / 2 ** 20 for a in ours if a]),
-                     "theirs_mib": _stats([b[1] / 2 ** 20 for b in theirs if b]),
-                     "pairs": len(pairs), "repeats": len(ours)})
+        rows.append(
+            {
+                "model": cell["model"],
+                "precision": cell["precision"],
+                "stage": cell["stage"],
+                "peer": peer,
+                "time_ratio": _stats([a[0] / b[0] for a, b in pairs]),
+                "mem_ratio": _stats([a[1] / b[1] for a, b in pairs]),
+                "ours": _stats([a[0] for a in ours if a]),
+                "theirs": _stats([b[0] for b in theirs if b]),
+                "ours_mib": _stats([a[1] / 2**20 for a in ours if a]),
+                "theirs_mib": _stats([b[1] / 2**20 for b in theirs if b]),
+                "pairs": len(pairs),
+                "repeats": len(ours),
+            }
+        )
     return rows
 
 
@@ -162,13 +181,19 @@ def render(cells: list[dict], out=None) -> list[dict]:
     rows."""
     out = out or sys.stdout
     rows = [row for cell in cells for row in summarize(cell)]
-    print("| model | precision | ZeRO | peer | step time ratio | peak RSS/rank ratio | ours step (s) | "
-          "peer step (s) | ours MiB/rank | peer MiB/rank |", file=out)
+    print(
+        "| model | precision | ZeRO | peer | step time ratio | peak RSS/rank ratio | ours step (s) | "
+        "peer step (s) | ours MiB/rank | peer MiB/rank |",
+        file=out,
+    )
     print("|---|---|---|---|---|---|---|---|---|---|", file=out)
     for r in rows:
-        print(f"| {r['model']} | {r['precision']} | {r['stage']} | {LABELS[r['peer']]} | {_ratio(r['time_ratio'])} | "
-              f"{_ratio(r['mem_ratio'])} | {_value(r['ours'], '.3f')} | {_value(r['theirs'], '.3f')} | "
-              f"{_value(r['ours_mib'], '.0f')} | {_value(r['theirs_mib'], '.0f')} |", file=out)
+        print(
+            f"| {r['model']} | {r['precision']} | {r['stage']} | {LABELS[r['peer']]} | {_ratio(r['time_ratio'])} | "
+            f"{_ratio(r['mem_ratio'])} | {_value(r['ours'], '.3f')} | {_value(r['theirs'], '.3f')} | "
+            f"{_value(r['ours_mib'], '.0f')} | {_value(r['theirs_mib'], '.0f')} |",
+            file=out,
+        )
     _render_engine_split(cells, rows, out)
     # bf16 against fp32 for ZeroStrategy itself: medians of separate cells (not paired runs), so read it loosely.
     ours = {(c["model"], c["precision"], c["stage"]): _stats([a[0] for a in c["runs"]["ours"] if a]) for c in cells}
@@ -190,8 +215,11 @@ def _render_engine_split(cells: list[dict], rows: list[dict], out) -> None:
     if not split:
         return
     time_ratio = {(r["model"], r["precision"], r["stage"], r["peer"]): r["time_ratio"] for r in rows}
-    print("\n| model | precision | ZeRO | ours / minimal | ours / engine (the adapter over torch's engine) | "
-          "engine / minimal (torch's engine against flat buffers) |\n|---|---|---|---|---|---|", file=out)
+    print(
+        "\n| model | precision | ZeRO | ours / minimal | ours / engine (the adapter over torch's engine) | "
+        "engine / minimal (torch's engine against flat buffers) |\n|---|---|---|---|---|---|",
+        file=out,
+    )
     for cell in split:
         key = (cell["model"], cell["precision"], cell["stage"])
         engine = summarize(dict(cell, runs={"ours": cell["runs"]["engine"], "minimal": cell["runs"]["minimal"]}))
@@ -203,8 +231,7 @@ def plot(rows: list[dict], path: str) -> bool:
     """Bar chart of the median ratios (time and memory) with range whiskers; False with a message without
     matplotlib, which stays optional (``pip install matplotlib`` or the ``bench`` extra)."""
     if importlib.util.find_spec("matplotlib") is None:
-        print("--plot needs matplotlib (pip install matplotlib); the table above has the same figures",
-              file=sys.stderr)
+        print("--plot needs matplotlib (pip install matplotlib); the table above has the same figures", file=sys.stderr)
         return False
     import matplotlib
 
@@ -215,14 +242,26 @@ def plot(rows: list[dict], path: str) -> bool:
     if not rows:
         print("--plot: no cell has a ratio to draw", file=sys.stderr)
         return False
-    labels = [f"{r['model']} {r['precision']} stage {r['stage']}\nvs {LABELS[r['peer']].replace('Lightning ', 'L. ')}"
-              for r in rows]
-    colors = {"deepspeed": "tab:blue", "ddp": "tab:orange", "modelparallel": "tab:green", "fsdp": "tab:gray",
-              "floor": "tab:purple", "sync": "tab:pink", "minimal": "tab:brown", "engine": "tab:cyan",
-              "before": "tab:olive"}
+    labels = [
+        f"{r['model']} {r['precision']} stage {r['stage']}\nvs {LABELS[r['peer']].replace('Lightning ', 'L. ')}"
+        for r in rows
+    ]
+    colors = {
+        "deepspeed": "tab:blue",
+        "ddp": "tab:orange",
+        "modelparallel": "tab:green",
+        "fsdp": "tab:gray",
+        "floor": "tab:purple",
+        "sync": "tab:pink",
+        "minimal": "tab:brown",
+        "engine": "tab:cyan",
+        "before": "tab:olive",
+    }
     fig, axes = plt.subplots(2, 1, figsize=(max(8.0, 0.55 * len(rows)), 8), sharex=True)
-    for ax, key, title in ((axes[0], "time_ratio", "step time, ours / peer"),
-                           (axes[1], "mem_ratio", "peak RSS per rank, ours / peer")):
+    for ax, key, title in (
+        (axes[0], "time_ratio", "step time, ours / peer"),
+        (axes[1], "mem_ratio", "peak RSS per rank, ours / peer"),
+    ):
         values = [r[key] or (float("nan"),) * 3 for r in rows]
         heights = [v[0] for v in values]
         errors = [[v[0] - v[1] for v in values], [v[2] - v[0] for v in values]]
@@ -230,8 +269,11 @@ def plot(rows: list[dict], path: str) -> bool:
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_ylabel(title)
     axes[0].axhline(0.8, color="red", linewidth=0.8, linestyle="--")  # the step-time target against DeepSpeed
-    axes[0].set_title("ZeroStrategy / peer: median over repeats, whiskers the range\n"
-                      "(below 1: ours is faster or smaller; dashed: the 0.8 step-time target)", fontsize=10)
+    axes[0].set_title(
+        "ZeroStrategy / peer: median over repeats, whiskers the range\n"
+        "(below 1: ours is faster or smaller; dashed: the 0.8 step-time target)",
+        fontsize=10,
+    )
     axes[1].set_xticks(range(len(rows)), labels, rotation=90, fontsize=7)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -243,24 +285,45 @@ def plot(rows: list[dict], path: str) -> bool:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", nargs="+", default=["all"], choices=[*models.MODELS, *models.LARGE, "all"],
-                        help="models to run (default: all, the small matrix gpt mlp llama; gpt2, GPT-2 small's "
-                             "124M parameters, is opt-in: run it with --batch 1 and few steps on CPU)")
-    parser.add_argument("--precision", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16", "bf16t"],
-                        help="fp32: 32-true; bf16: bf16-mixed; bf16t: bf16-true (opt-in), at stages 2-3 the "
-                             "numerics of DeepSpeed's bf16 engine (every op in bf16, fp32 masters)")
-    parser.add_argument("--stages", nargs="+", default=["0", "1", "2", "3", "2+cpu", "3+cpu"], choices=STAGES,
-                        help="ZeRO configurations (default: 0 1 2 3 2+cpu 3+cpu)")
-    parser.add_argument("--peers", nargs="+", default=["deepspeed", "ddp", "modelparallel"], choices=PEERS,
-                        help="peers to compare with (default: deepspeed ddp modelparallel; fsdp, floor, sync, "
-                             "minimal and engine are opt-in; floor: the computation alone, no collectives; sync: the "
-                             "floor plus one synchronisation per step, a lower bound for any data-parallel step; "
-                             "minimal: a framework-free loop with the stage's least communication, stages 0-2; "
-                             "engine: torch's DDP, ZeroRedundancyOptimizer or FSDP2 in a bare loop, stages 0-2; see "
-                             "_bench_workers.run_floor, run_minimal and run_engine)")
+    parser.add_argument(
+        "--model",
+        nargs="+",
+        default=["all"],
+        choices=[*models.MODELS, *models.LARGE, "all"],
+        help="models to run (default: all, the small matrix gpt mlp llama; gpt2, GPT-2 small's "
+        "124M parameters, is opt-in: run it with --batch 1 and few steps on CPU)",
+    )
+    parser.add_argument(
+        "--precision",
+        nargs="+",
+        default=["fp32", "bf16"],
+        choices=["fp32", "bf16", "bf16t"],
+        help="fp32: 32-true; bf16: bf16-mixed; bf16t: bf16-true (opt-in), at stages 2-3 the "
+        "numerics of DeepSpeed's bf16 engine (every op in bf16, fp32 masters)",
+    )
+    parser.add_argument(
+        "--stages",
+        nargs="+",
+        default=["0", "1", "2", "3", "2+cpu", "3+cpu"],
+        choices=STAGES,
+        help="ZeRO configurations (default: 0 1 2 3 2+cpu 3+cpu)",
+    )
+    parser.add_argument(
+        "--peers",
+        nargs="+",
+        default=["deepspeed", "ddp", "modelparallel"],
+        choices=PEERS,
+        help="peers to compare with (default: deepspeed ddp modelparallel; fsdp, floor, sync, "
+        "minimal and engine are opt-in; floor: the computation alone, no collectives; sync: the "
+        "floor plus one synchronisation per step, a lower bound for any data-parallel step; "
+        "minimal: a framework-free loop with the stage's least communication, stages 0-2; "
+        "engine: torch's DDP, ZeroRedundancyOptimizer or FSDP2 in a bare loop, stages 0-2; see "
+        "_bench_workers.run_floor, run_minimal and run_engine)",
+    )
     parser.add_argument("--no-deepspeed", action="store_true", help="drop the DeepSpeed peer")
-    parser.add_argument("--no-lightning", action="store_true",
-                        help="drop Lightning's strategies (ddp, modelparallel, fsdp) as peers")
+    parser.add_argument(
+        "--no-lightning", action="store_true", help="drop Lightning's strategies (ddp, modelparallel, fsdp) as peers"
+    )
     parser.add_argument("--repeat", type=int, default=None, help="alternated runs per cell (default 3; quick: 1)")
     parser.add_argument("--steps", type=int, default=None, help="measured steps (default 8; quick: 2)")
     parser.add_argument("--warmup", type=int, default=None, help="unmeasured first steps (default 3; quick: 1)")
@@ -271,41 +334,76 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--json", default=None, help="also write every run's raw figures here")
-    parser.add_argument("--results", default=None, metavar="DIR",
-                        help="where a measured run's dated record goes, <DIR>/bench_stages-<date>.md (the tables) "
-                             "and .json (the raw figures, for --load); default benchmarks/results, except --quick "
-                             "runs, which write one only when given --results")
+    parser.add_argument(
+        "--results",
+        default=None,
+        metavar="DIR",
+        help="where a measured run's dated record goes, <DIR>/bench_stages-<date>.md (the tables) "
+        "and .json (the raw figures, for --load); default benchmarks/results, except --quick "
+        "runs, which write one only when given --results",
+    )
     parser.add_argument("--no-results", action="store_true", help="write no dated record")
     parser.add_argument("--load", default=None, help="render a saved --json file instead of measuring")
-    parser.add_argument("--plot", nargs="?", const=DEFAULT_PLOT, default=None,
-                        help="save a bar chart of the ratios (default path docs/img/bench_stages.png)")
-    parser.add_argument("--profile", default=None, metavar="DIR",
-                        help="write the torch profiler's top ops (rank 0, measured steps) of every run into DIR")
+    parser.add_argument(
+        "--plot",
+        nargs="?",
+        const=DEFAULT_PLOT,
+        default=None,
+        help="save a bar chart of the ratios (default path docs/img/bench_stages.png)",
+    )
+    parser.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="write the torch profiler's top ops (rank 0, measured steps) of every run into DIR",
+    )
     parser.add_argument("--profile-top", type=int, default=10)
-    parser.add_argument("--before-src", default=None, metavar="DIR",
-                        help="with --peers before: a directory holding another version's lightning_zero package "
-                             "(e.g. `git archive <commit> lightning_zero | tar -x -C DIR`), run as a peer alternated "
-                             "with this one: a change's before and after in one run")
-    parser.add_argument("--steady-heap", action="store_true",
-                        help="start every side's ranks with glibc's mmap threshold at 32 MiB and its trim threshold "
-                             "at 128 MiB (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_), so that no rank hands its "
-                             "per-step buffers back to the OS and faults them in again the next step, which otherwise "
-                             "happens to one rank or another by its heap's layout (docs/performance.md)")
-    parser.add_argument("--empty-model", action="store_true",
-                        help="instead of the matrix: Lightning's own per-step cost, a Trainer (and ZeroStrategy at "
-                             "stages 0-2) around a one-element model without optimizer work, against a bare loop "
-                             "(_bench_empty.py); --repeat alternated repeats")
-    parser.add_argument("--empty-kinds", nargs="+", default=None, metavar="KIND",
-                        help="--empty-model: only these loops (bare trainer bare-dp ddp zero0-2 deepspeed0-2; "
-                             "default all)")
+    parser.add_argument(
+        "--before-src",
+        default=None,
+        metavar="DIR",
+        help="with --peers before: a directory holding another version's lightning_zero package "
+        "(e.g. `git archive <commit> lightning_zero | tar -x -C DIR`), run as a peer alternated "
+        "with this one: a change's before and after in one run",
+    )
+    parser.add_argument(
+        "--steady-heap",
+        action="store_true",
+        help="start every side's ranks with glibc's mmap threshold at 32 MiB and its trim threshold "
+        "at 128 MiB (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_), so that no rank hands its "
+        "per-step buffers back to the OS and faults them in again the next step, which otherwise "
+        "happens to one rank or another by its heap's layout (docs/performance.md)",
+    )
+    parser.add_argument(
+        "--empty-model",
+        action="store_true",
+        help="instead of the matrix: Lightning's own per-step cost, a Trainer (and ZeroStrategy at "
+        "stages 0-2) around a one-element model without optimizer work, against a bare loop "
+        "(_bench_empty.py); --repeat alternated repeats",
+    )
+    parser.add_argument(
+        "--empty-kinds",
+        nargs="+",
+        default=None,
+        metavar="KIND",
+        help="--empty-model: only these loops (bare trainer bare-dp ddp zero0-2 deepspeed0-2; default all)",
+    )
     parser.add_argument("--empty-steps", type=int, default=200, help="timed steps of --empty-model (default 200)")
-    parser.add_argument("--empty-counted", type=int, default=20,
-                        help="steps of --empty-model whose Python calls are counted, after the timed ones")
-    parser.add_argument("--count", default=None, metavar="DIR",
-                        help="write per-step counts (Python calls by area, DTensor dispatches, aten ops, tensor "
-                             "allocations; rank 0, full loop cycles after warm-up) of every run into DIR as JSON and "
-                             "print them as a table (_bench_counts.py; counted runs are slower: do not read their "
-                             "timings)")
+    parser.add_argument(
+        "--empty-counted",
+        type=int,
+        default=20,
+        help="steps of --empty-model whose Python calls are counted, after the timed ones",
+    )
+    parser.add_argument(
+        "--count",
+        default=None,
+        metavar="DIR",
+        help="write per-step counts (Python calls by area, DTensor dispatches, aten ops, tensor "
+        "allocations; rank 0, full loop cycles after warm-up) of every run into DIR as JSON and "
+        "print them as a table (_bench_counts.py; counted runs are slower: do not read their "
+        "timings)",
+    )
     return parser
 
 
@@ -323,19 +421,29 @@ def parse(argv=None) -> argparse.Namespace:
         if getattr(args, key) < (0 if key == "warmup" else 1):
             parser.error(f"--{key} must be {'>= 0' if key == 'warmup' else '>= 1'}, got {getattr(args, key)}")
     args.model = list(models.MODELS) if "all" in args.model else list(dict.fromkeys(args.model))
-    args.peers = [p for p in dict.fromkeys(args.peers) if not (args.no_deepspeed and p == "deepspeed")
-                  and not (args.no_lightning and p in LIGHTNING_PEERS)]
+    args.peers = [
+        p
+        for p in dict.fromkeys(args.peers)
+        if not (args.no_deepspeed and p == "deepspeed") and not (args.no_lightning and p in LIGHTNING_PEERS)
+    ]
     unlike = [p for p in args.peers if p in BF16_MIXED_ONLY]
     if "bf16t" in args.precision and unlike and not args.load:
-        parser.error(f"--peers {' '.join(unlike)} compute bf16 as bf16-mixed (autocast over fp32 weights), not "
-                     "bf16-true: run them with --precision fp32 bf16, and bf16t in a separate run without them")
+        parser.error(
+            f"--peers {' '.join(unlike)} compute bf16 as bf16-mixed (autocast over fp32 weights), not "
+            "bf16-true: run them with --precision fp32 bf16, and bf16t in a separate run without them"
+        )
     for peer in args.peers if not args.load else []:
         if not any(peer_kinds(stage, [peer]) for stage in args.stages):  # said, never dropped silently
-            print(f"--peers {peer}: no cell at --stages {' '.join(args.stages)} compares with it "
-                  f"(ddp: stage 0; modelparallel and fsdp: 2-3; minimal and engine: 0-2), so it does not run",
-                  file=sys.stderr)
-    if "before" in args.peers and not args.load and not (
-            args.before_src and os.path.isdir(os.path.join(args.before_src, "lightning_zero"))):
+            print(
+                f"--peers {peer}: no cell at --stages {' '.join(args.stages)} compares with it "
+                f"(ddp: stage 0; modelparallel and fsdp: 2-3; minimal and engine: 0-2), so it does not run",
+                file=sys.stderr,
+            )
+    if (
+        "before" in args.peers
+        and not args.load
+        and not (args.before_src and os.path.isdir(os.path.join(args.before_src, "lightning_zero")))
+    ):
         parser.error("--peers before needs --before-src DIR with a lightning_zero package in DIR")
     if "deepspeed" in args.peers and not args.load and importlib.util.find_spec("deepspeed") is None:
         parser.error("the DeepSpeed peer needs deepspeed (pip install -e '.[bench]'), or pass --no-deepspeed")
@@ -370,8 +478,10 @@ def empty_model(args) -> dict:
                 result = None
             results[kind].append(result)
             print(f"{kind} repeat {repeat + 1}/{args.repeat}: {result}", file=sys.stderr, flush=True)
-    print(f"\nEmpty model: {args.steps} timed steps after {args.warmup} warm-up, Python calls over "
-          f"{args.empty_counted} more; {args.repeat} alternated repeat(s)")
+    print(
+        f"\nEmpty model: {args.steps} timed steps after {args.warmup} warm-up, Python calls over "
+        f"{args.empty_counted} more; {args.repeat} alternated repeat(s)"
+    )
     _bench_empty.table(results, sys.stdout)
     _save(args.json, "empty model", [{"empty": results}])
     return results
@@ -384,9 +494,12 @@ def record(args, header: str, cells: list[dict]) -> str | None:
         return None
     out = io.StringIO()
     render(cells, out)
-    path = dated_results("bench_stages", args.results, {"header": header, "cells": cells},
-                         f"{header}\n\nCommand: `python -m benchmarks.bench_stages {' '.join(args.argv)}`\n\n"
-                         + out.getvalue())
+    path = dated_results(
+        "bench_stages",
+        args.results,
+        {"header": header, "cells": cells},
+        f"{header}\n\nCommand: `python -m benchmarks.bench_stages {' '.join(args.argv)}`\n\n" + out.getvalue(),
+    )
     print(f"results written to {path} (and its .json)", file=sys.stderr)
     return path
 
@@ -416,10 +529,11 @@ def main(argv=None) -> list[dict]:
                 for stage in args.stages:
                     cells.append(run_cell(model, precision, stage, args, measure))
                     _save(args.json, "partial run: " + "; ".join(header), cells)  # a cut-off run keeps its cells
-        header = (f"{args.nproc} ranks, {args.device}, AdamW, batch {args.batch}/rank, median of {args.steps} steps "
-                  f"after {args.warmup} warm-up, {args.repeat} alternated repeat(s) per cell"
-                  f"{', steady heap (--steady-heap)' if args.steady_heap else ''}; models: "
-                  + "; ".join(header))
+        header = (
+            f"{args.nproc} ranks, {args.device}, AdamW, batch {args.batch}/rank, median of {args.steps} steps "
+            f"after {args.warmup} warm-up, {args.repeat} alternated repeat(s) per cell"
+            f"{', steady heap (--steady-heap)' if args.steady_heap else ''}; models: " + "; ".join(header)
+        )
         print("\n" + header)
         _save(args.json, header, cells)
     rows = render(cells)

@@ -35,7 +35,7 @@ if not __package__:  # run by path (python benchmarks/x.py): the repository root
 
 from benchmarks.common import free_port  # noqa: E402
 
-SIZES = [2 ** k for k in range(12, 26)]  # 4 KiB .. 32 MiB
+SIZES = [2**k for k in range(12, 26)]  # 4 KiB .. 32 MiB
 
 
 def _collective(rank: int, world: int, repeat: int, out: dict) -> None:
@@ -95,8 +95,7 @@ def _mlp(width: int = 1024, depth: int = 24) -> nn.Module:
     return nn.Sequential(*layers)
 
 
-def _model(rank: int, world: int, stage: int, targets: list, repeat: int, width: int, batch: int,
-           out: dict) -> None:
+def _model(rank: int, world: int, stage: int, targets: list, repeat: int, width: int, batch: int, out: dict) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule
 
@@ -135,8 +134,12 @@ def _model(rank: int, world: int, stage: int, targets: list, repeat: int, width:
                 run["times"].append(elapsed)
                 run["gathers"] = counter["n"]
     if rank == 0:
-        out.update({t: (r["units"], r["gathers"], statistics.median(r["times"]), min(r["times"]), max(r["times"]))
-                    for t, r in runs.items()})
+        out.update(
+            {
+                t: (r["units"], r["gathers"], statistics.median(r["times"]), min(r["times"]), max(r["times"]))
+                for t, r in runs.items()
+            }
+        )
 
 
 def _entry(rank, world, port, fn, args, queue):
@@ -177,35 +180,45 @@ def main() -> None:
         # The minimum of the repeats is the least disturbed by other load on a shared machine. A least-squares
         # line is dominated by the largest messages and by load spikes, so: the fixed cost is the median time of
         # the messages up to 64 KiB (all latency), the per-byte cost the median of t/s from 1 MiB up.
-        a = statistics.median(low for size, low, _ in rows if size <= 2 ** 16)
-        b = statistics.median(low / size for size, low, _ in rows if size >= 2 ** 20)
+        a = statistics.median(low for size, low, _ in rows if size <= 2**16)
+        b = statistics.median(low / size for size, low, _ in rows if size >= 2**20)
         print(f"{'bytes':>10} {'min ms':>10} {'median ms':>10}")
         for size, low, median in rows:
             print(f"{size:>10} {low * 1e3:>10.3f} {median * 1e3:>10.3f}")
-        print(f"fit: fixed cost a = {a * 1e6:.0f} us, b = {b * 1e9:.3f} ns/byte ({1 / b / 2 ** 30:.2f} GiB/s); "
-              f"10 % fixed-cost unit size 10 a / b = {10 * a / b / 2 ** 20:.1f} MiB")
+        print(
+            f"fit: fixed cost a = {a * 1e6:.0f} us, b = {b * 1e9:.3f} ns/byte ({1 / b / 2**30:.2f} GiB/s); "
+            f"10 % fixed-cost unit size 10 a / b = {10 * a / b / 2**20:.1f} MiB"
+        )
         return
     if args.part == "reduce-scatter":
         print(f"{'input bytes':>12} {'pairwise ms':>12} {'all-to-all ms':>14} {'ratio':>6}")
         for nbytes, median in launch(_reduce_scatter, args.repeat)["rows"]:
-            print(f"{nbytes:>12} {median['pairwise'] * 1e3:>12.3f} {median['all-to-all'] * 1e3:>14.3f} "
-                  f"{median['pairwise'] / median['all-to-all']:>6.2f}")
+            print(
+                f"{nbytes:>12} {median['pairwise'] * 1e3:>12.3f} {median['all-to-all'] * 1e3:>14.3f} "
+                f"{median['pairwise'] / median['all-to-all']:>6.2f}"
+            )
         return
-    targets = [int(float(t[:-3]) * 2 ** 20) if t.endswith("MiB") else int(t) for t in args.targets.split(",")]
+    targets = [int(float(t[:-3]) * 2**20) if t.endswith("MiB") else int(t) for t in args.targets.split(",")]
     result = launch(_model, args.stage, targets, args.repeat, args.width, args.batch)
     base = result[targets[0]][2]
-    print(f"stage {args.stage}, 24 x Linear({args.width},{args.width})+GELU, batch {args.batch}, 2 gloo ranks, "
-          f"{args.repeat} steps each, round-robin")
+    print(
+        f"stage {args.stage}, 24 x Linear({args.width},{args.width})+GELU, batch {args.batch}, 2 gloo ranks, "
+        f"{args.repeat} steps each, round-robin"
+    )
     print(f"{'unit_bytes':>12} {'units':>6} {'all-gathers/step':>17} {'median s':>9} {'ratio':>6} {'range':>14}")
     for target in targets:
         units, gathers, median, low, high = result[target]
-        print(f"{target:>12} {units:>6} {gathers:>17} {median:>9.4f} {median / base:>6.2f} "
-              f"{low / base:>6.2f}-{high / base:<6.2f}  min {low * 1e3:.2f} ms")
+        print(
+            f"{target:>12} {units:>6} {gathers:>17} {median:>9.4f} {median / base:>6.2f} "
+            f"{low / base:>6.2f}-{high / base:<6.2f}  min {low * 1e3:.2f} ms"
+        )
     if len(targets) > 1:  # the fixed cost of one unit per step: the difference of the fastest steps per unit
         first, last = result[targets[0]], result[targets[-1]]
         if first[0] != last[0]:
-            print(f"per-unit fixed cost per step (min step times): "
-                  f"{(first[3] - last[3]) / (first[0] - last[0]) * 1e3:.3f} ms")
+            print(
+                f"per-unit fixed cost per step (min step times): "
+                f"{(first[3] - last[3]) / (first[0] - last[0]) * 1e3:.3f} ms"
+            )
 
 
 if __name__ == "__main__":

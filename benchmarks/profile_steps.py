@@ -53,9 +53,16 @@ def build_model(name: str) -> nn.Module:
         return nn.Sequential(*layers)
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=640, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         tie_word_embeddings=True)
+    config = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=256,
+        intermediate_size=640,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
     return LlamaForCausalLM(config)
 
 
@@ -130,8 +137,14 @@ def _trace_collectives() -> None:
     """Record which caller (outside torch.distributed) issues each all-reduce/broadcast/all-gather."""
     import traceback
 
-    for name in ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
-                 "all_to_all_single"):
+    for name in (
+        "all_reduce",
+        "broadcast",
+        "all_gather",
+        "all_gather_into_tensor",
+        "reduce_scatter_tensor",
+        "all_to_all_single",
+    ):
         original = getattr(dist, name)
 
         def traced(*a, _original=original, _name=name, **k):
@@ -144,8 +157,14 @@ def _trace_collectives() -> None:
 
 
 def _worker(rank: int, world: int, port: int, args) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+    )
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from lightning.pytorch import Callback, Trainer
@@ -161,8 +180,9 @@ def _worker(rank: int, world: int, port: int, args) -> None:
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if batch_idx == warm * args.accumulate:
-                self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                                   record_shapes=args.casts)
+                self.prof = torch.profiler.profile(
+                    activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=args.casts
+                )
                 if args.stacks:
                     _trace_collectives()
                 self.prof.__enter__()
@@ -173,20 +193,33 @@ def _worker(rank: int, world: int, port: int, args) -> None:
 
     torch.manual_seed(0)
     callback = Profile()
-    trainer = Trainer(strategy=ZeroStrategy(stage=args.stage, offload=args.offload), accelerator="cpu",
-                      devices=world, precision=args.precision, max_steps=warm + args.steps, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      accumulate_grad_batches=args.accumulate, callbacks=[callback],
-                      gradient_clip_val=args.clip)
+    trainer = Trainer(
+        strategy=ZeroStrategy(stage=args.stage, offload=args.offload),
+        accelerator="cpu",
+        devices=world,
+        precision=args.precision,
+        max_steps=warm + args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accumulate_grad_batches=args.accumulate,
+        callbacks=[callback],
+        gradient_clip_val=args.clip,
+    )
     trainer.fit(lightning_module(args.model, args.nested), data(args.model, total * world))
     callback.prof.__exit__(None, None, None)
     if rank == 0:
         events = callback.prof.events()
         counts = count_events(events)
-        label = (f"{args.model} {args.precision} stage {args.stage} offload={args.offload} "
-                 f"accumulate={args.accumulate} nested={args.nested}")
-        print(f"== {label}: per optimizer step ({args.steps} profiled; wall {callback.seconds / args.steps:.3f} s "
-              "under the profiler)")
+        label = (
+            f"{args.model} {args.precision} stage {args.stage} offload={args.offload} "
+            f"accumulate={args.accumulate} nested={args.nested}"
+        )
+        print(
+            f"== {label}: per optimizer step ({args.steps} profiled; wall {callback.seconds / args.steps:.3f} s "
+            "under the profiler)"
+        )
         for key in ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "aten::_to_copy", "aten::copy_"):
             print(f"   {key:16s} {counts.get(key, 0) / args.steps:8.1f}")
         names = Counter(e.name for e in events if classify(e.name) not in (None, "aten::_to_copy", "aten::copy_"))

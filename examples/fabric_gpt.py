@@ -32,8 +32,9 @@ def make_fabric(args) -> Fabric:
         if args.stage is not None or args.offload is not None:
             raise SystemExit("under `fabric run` the strategy comes from --strategy; drop --stage/--offload")
         # --strategy (or LT_STRATEGY) names the strategy; without one this example still uses ZeRO stage 3
-        return Fabric(strategy="auto" if os.environ.get("LT_STRATEGY") else ZeroStrategy(stage=3),
-                      precision=args.precision)
+        return Fabric(
+            strategy="auto" if os.environ.get("LT_STRATEGY") else ZeroStrategy(stage=3), precision=args.precision
+        )
     strategy = ZeroStrategy(stage=3 if args.stage is None else args.stage, offload=args.offload)
     fabric = Fabric(accelerator=args.accelerator, devices=args.devices, strategy=strategy, precision=args.precision)
     fabric.launch()
@@ -66,11 +67,16 @@ def main(argv=None) -> float:
         model = GPT(len(data.chars), args.block_size, args.n_layer, args.n_head, args.n_embd)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=args.lr)
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=args.lr
+    )
     warmup = max(1, args.max_steps // 10)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup) * 0.5 * (
-        1 + math.cos(math.pi * min(step, args.max_steps) / args.max_steps)))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda step: (
+            min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(step, args.max_steps) / args.max_steps))
+        ),
+    )
     model, optimizer = fabric.setup(model, optimizer)  # the optimizer follows the sharded parameters
     loader = fabric.setup_dataloaders(DataLoader(data, batch_size=args.batch_size, shuffle=True, num_workers=0))
 

@@ -49,7 +49,7 @@ class CharDataset(Dataset):
         return len(self.data) - self.block_size - 1
 
     def __getitem__(self, i):
-        chunk = self.data[i:i + self.block_size + 1]
+        chunk = self.data[i : i + self.block_size + 1]
         return chunk[:-1], chunk[1:]
 
 
@@ -98,8 +98,16 @@ class GPT(nn.Module):
 
 
 class GPTModule(LightningModule):
-    def __init__(self, vocab_size: int, block_size: int = 64, n_layer: int = 4, n_head: int = 4, n_embd: int = 128,
-                 lr: float = 3e-3, batch_size: int = 16):
+    def __init__(
+        self,
+        vocab_size: int,
+        block_size: int = 64,
+        n_layer: int = 4,
+        n_head: int = 4,
+        n_embd: int = 128,
+        lr: float = 3e-3,
+        batch_size: int = 16,
+    ):
         super().__init__()
         self.save_hyperparameters()
         self.model = None
@@ -119,17 +127,19 @@ class GPTModule(LightningModule):
     def configure_optimizers(self):
         decay = [p for p in self.parameters() if p.ndim >= 2]
         no_decay = [p for p in self.parameters() if p.ndim < 2]
-        optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                                       {"params": no_decay, "weight_decay": 0.0}], lr=self.hparams.lr)
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=self.hparams.lr
+        )
         total = self.trainer.estimated_stepping_batches
         warmup = max(1, total // 10)
 
         def schedule(step):  # linear warm-up, then cosine decay to 0
             return min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(step, total) / total))
 
-        return {"optimizer": optimizer,
-                "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
-                                 "interval": "step"}}
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, schedule), "interval": "step"},
+        }
 
 
 def main(argv=None):
@@ -151,8 +161,9 @@ def main(argv=None):
 
     seed_everything(0)
     data = CharDataset(corpus(), args.block_size)
-    module = GPTModule(len(data.chars), args.block_size, args.n_layer, args.n_head, args.n_embd,
-                       batch_size=args.batch_size)
+    module = GPTModule(
+        len(data.chars), args.block_size, args.n_layer, args.n_head, args.n_embd, batch_size=args.batch_size
+    )
     # Training ends at max_steps. Telling the Trainer how many epochs (and, within one epoch, how many batches) those
     # steps span gives the progress bar a real "Epoch 0/0 60/60" instead of "Epoch 0/-2 60/1869" (max_epochs=-1).
     batches_needed = args.max_steps * args.accumulate
@@ -160,18 +171,26 @@ def main(argv=None):
     max_epochs = math.ceil(batches_needed / batches_per_epoch)
     limit_train_batches = batches_needed if max_epochs == 1 else None
     trainer = Trainer(
-        accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
+        accelerator=args.accelerator,
+        devices=args.devices,
+        num_nodes=args.num_nodes,
         strategy=ZeroStrategy(stage=args.stage, offload=args.offload),
-        max_steps=args.max_steps, max_epochs=max_epochs, limit_train_batches=limit_train_batches,
+        max_steps=args.max_steps,
+        max_epochs=max_epochs,
+        limit_train_batches=limit_train_batches,
         accumulate_grad_batches=args.accumulate,
         gradient_clip_val=args.clip,
-        log_every_n_steps=10, enable_checkpointing=False, logger=False,
+        log_every_n_steps=10,
+        enable_checkpointing=False,
+        logger=False,
     )
     trainer.fit(module, DataLoader(data, batch_size=args.batch_size, shuffle=True, num_workers=0))
     loss = trainer.callback_metrics["train_loss"].item()
     if trainer.is_global_zero:
-        print(f"final train_loss {loss:.3f} after {trainer.global_step} steps "
-              f"(stage {args.stage}, offload {args.offload}, {trainer.world_size} processes)")
+        print(
+            f"final train_loss {loss:.3f} after {trainer.global_step} steps "
+            f"(stage {args.stage}, offload {args.offload}, {trainer.world_size} processes)"
+        )
     return loss
 
 

@@ -48,8 +48,9 @@ class GPTCLI(LightningCLI):
 
 
 def main(args=None):
-    return GPTCLI(GPTModule, CharDataModule, seed_everything_default=0, args=args,
-                  save_config_kwargs={"overwrite": True})
+    return GPTCLI(
+        GPTModule, CharDataModule, seed_everything_default=0, args=args, save_config_kwargs={"overwrite": True}
+    )
 
 
 if __name__ == "__main__":

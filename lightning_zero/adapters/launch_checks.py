@@ -37,8 +37,11 @@ log = logging.getLogger(__name__)
 # Which device type each built-in backend needs (``None``: any device).
 _BACKEND_DEVICE = {"gloo": None, "mpi": None, "ucc": None, "nccl": "cuda", "xccl": "xpu"}
 _BACKEND_AVAILABLE = {
-    "gloo": dist.is_gloo_available, "nccl": dist.is_nccl_available, "mpi": dist.is_mpi_available,
-    "ucc": dist.is_ucc_available, "xccl": getattr(dist, "is_xccl_available", lambda: False),
+    "gloo": dist.is_gloo_available,
+    "nccl": dist.is_nccl_available,
+    "mpi": dist.is_mpi_available,
+    "ucc": dist.is_ucc_available,
+    "xccl": getattr(dist, "is_xccl_available", lambda: False),
 }
 
 
@@ -75,9 +78,11 @@ def check_backend_name(backend: Any) -> None:
             raise ValueError(f"process_group_backend={backend!r}: unknown backend {name!r}; known: {registered}")
         available = _BACKEND_AVAILABLE.get(name)
         if available is not None and not available():
-            raise ValueError(f"process_group_backend={backend!r}: this torch build has no {name!r} backend "
-                             f"(torch.distributed.is_{name}_available() is False)"
-                             + ("; on CPU use 'gloo'" if name == "nccl" else ""))
+            raise ValueError(
+                f"process_group_backend={backend!r}: this torch build has no {name!r} backend "
+                f"(torch.distributed.is_{name}_available() is False)"
+                + ("; on CPU use 'gloo'" if name == "nccl" else "")
+            )
 
 
 def offloads(zero_config: Any) -> bool:
@@ -90,13 +95,17 @@ def check_backend_serves_offload(backend: Optional[str], zero_config: Any) -> No
     collectives (see ``adapters/process_group.py``, the note on the default group): refuse it before it starts."""
     if backend is None or not offloads(zero_config):
         return
-    serves_cpu = any(device == "cpu" if device is not None else "cpu" in dist.Backend.backend_capability.get(name, ())
-                     for device, name in _backend_names(backend))
+    serves_cpu = any(
+        device == "cpu" if device is not None else "cpu" in dist.Backend.backend_capability.get(name, ())
+        for device, name in _backend_names(backend)
+    )
     if not serves_cpu:
-        raise ValueError(f"process_group_backend={backend!r} serves no CPU tensors, but offload_optimizer="
-                         f"{zero_config.offload_optimizer!r}, offload_params={zero_config.offload_params!r} "
-                         "communicates CPU tensors (gradient norms, overflow flags, offloaded shards): use "
-                         "'cpu:gloo,cuda:nccl' or leave process_group_backend unset (the strategy then starts that)")
+        raise ValueError(
+            f"process_group_backend={backend!r} serves no CPU tensors, but offload_optimizer="
+            f"{zero_config.offload_optimizer!r}, offload_params={zero_config.offload_params!r} "
+            "communicates CPU tensors (gradient norms, overflow flags, offloaded shards): use "
+            "'cpu:gloo,cuda:nccl' or leave process_group_backend unset (the strategy then starts that)"
+        )
 
 
 def check_backend_for_device(backend: Optional[str], device: torch.device) -> None:
@@ -108,8 +117,10 @@ def check_backend_for_device(backend: Optional[str], device: torch.device) -> No
         if device_type is not None and device_type != device.type:
             continue  # a per-device backend for another device type ("cpu:gloo,cuda:nccl" on CPU uses gloo)
         if needed is not None and needed != device.type:
-            raise ValueError(f"process_group_backend={backend!r} needs a {needed.upper()} device, but this run "
-                             f"computes on {device.type!r}; use 'gloo' or leave process_group_backend unset")
+            raise ValueError(
+                f"process_group_backend={backend!r} needs a {needed.upper()} device, but this run "
+                f"computes on {device.type!r}; use 'gloo' or leave process_group_backend unset"
+            )
 
 
 def _launcher(environment: Any) -> tuple[str, Optional[int], Optional[int]]:
@@ -128,8 +139,14 @@ def _launcher(environment: Any) -> tuple[str, Optional[int], Optional[int]]:
         # LightningEnvironment.world_size() only echoes what Lightning itself sets.
         world = _int_env("WORLD_SIZE")
         local = _int_env("LOCAL_WORLD_SIZE") or _int_env("LOCAL_SIZE")  # LOCAL_SIZE: the deepspeed launcher's
-        return ("an external launcher (LOCAL_RANK and WORLD_SIZE are set: fabric run, deepspeed, a manual launch, or "
-                "an earlier Trainer in this process)"), world, local
+        return (
+            (
+                "an external launcher (LOCAL_RANK and WORLD_SIZE are set: fabric run, deepspeed, a manual launch, or "
+                "an earlier Trainer in this process)"
+            ),
+            world,
+            local,
+        )
     try:
         world = int(environment.world_size())
     except Exception:  # an environment without a world size of its own: nothing to compare
@@ -168,11 +185,13 @@ def check_launcher_world_size(environment: Any, num_nodes: int, num_processes: i
             f"{launcher} started a world of {world} processes. The DistributedSampler would split the data "
             f"{expected} ways over {world} ranks and silently skip part of it. Make Trainer(devices=..., "
             f"num_nodes=...) match the launch (e.g. devices={world // num_nodes if world % num_nodes == 0 else world}"
-            f", num_nodes={num_nodes if world % num_nodes == 0 else 1}), or launch {expected} processes.")
+            f", num_nodes={num_nodes if world % num_nodes == 0 else 1}), or launch {expected} processes."
+        )
     if local is not None and local != num_processes:
         raise ValueError(
             f"The Trainer is set up for devices={num_processes} processes per node, but {launcher} started "
-            f"{local} processes on this node: set Trainer(devices={local}) or launch {num_processes} per node.")
+            f"{local} processes on this node: set Trainer(devices={local}) or launch {num_processes} per node."
+        )
 
 
 def adopt_deepspeed_launcher_node_rank() -> None:
@@ -189,8 +208,10 @@ def adopt_deepspeed_launcher_node_rank() -> None:
         value = os.environ.get(name, "").strip()
         if value:
             if value != cross:
-                raise ValueError(f"{name}={value} and CROSS_RANK={cross} (the deepspeed launcher's node rank) "
-                                 "disagree: unset the stale one")
+                raise ValueError(
+                    f"{name}={value} and CROSS_RANK={cross} (the deepspeed launcher's node rank) "
+                    "disagree: unset the stale one"
+                )
             return
     os.environ["NODE_RANK"] = cross  # what LightningEnvironment.node_rank() and Lightning's launchers read
 
@@ -199,8 +220,10 @@ def check_deepspeed_launcher_nodes(num_nodes: int) -> None:
     """``Trainer(num_nodes=...)`` must match the deepspeed launcher's ``CROSS_SIZE`` (its node count)."""
     nodes = _int_env("CROSS_SIZE")
     if nodes is not None and nodes != num_nodes:
-        raise ValueError(f"The deepspeed launcher started {nodes} node(s) (CROSS_SIZE={nodes}) but the Trainer has "
-                         f"num_nodes={num_nodes}: set Trainer(num_nodes={nodes})")
+        raise ValueError(
+            f"The deepspeed launcher started {nodes} node(s) (CROSS_SIZE={nodes}) but the Trainer has "
+            f"num_nodes={num_nodes}: set Trainer(num_nodes={nodes})"
+        )
 
 
 def check_external_launch(cluster_environment: Any, num_nodes: int, num_processes: int, start_method: str) -> None:
@@ -214,8 +237,16 @@ def check_external_launch(cluster_environment: Any, num_nodes: int, num_processe
         check_deepspeed_launcher_nodes(num_nodes)
 
 
-def check_before_process_group(*, num_nodes: int, num_processes: int, node_rank: int, device: torch.device,
-                               backend: Optional[str], zero_config: Any, pipeline: Any) -> int:
+def check_before_process_group(
+    *,
+    num_nodes: int,
+    num_processes: int,
+    node_rank: int,
+    device: torch.device,
+    backend: Optional[str],
+    zero_config: Any,
+    pipeline: Any,
+) -> int:
     """The checks both adapters run on each rank before ``init_process_group``, after :func:`check_external_launch`
     (one code path, so a multi-node environment means the same under Fabric and the Trainer); returns the
     data-parallel size.
@@ -226,14 +257,21 @@ def check_before_process_group(*, num_nodes: int, num_processes: int, node_rank:
     world_size = num_nodes * num_processes
     check_backend_for_device(backend, device)
     if zero_config.pin_memory and device.type != "cuda":
-        raise ValueError(f"pin_memory=True pins the offloaded CPU copies for fast copies to CUDA, but this run "
-                         f"computes on {device.type!r}: use pin_memory=None (pin only on CUDA) or False")
+        raise ValueError(
+            f"pin_memory=True pins the offloaded CPU copies for fast copies to CUDA, but this run "
+            f"computes on {device.type!r}: use pin_memory=None (pin only on CUDA) or False"
+        )
     data_parallel = world_size
     if pipeline.enabled:
         check_pipeline_world(pipeline, num_processes, num_nodes)
         data_parallel = world_size // pipeline.pipeline_parallel_size
-    check_hybrid_world(zero_config.hybrid_shard_size, world_size, pipeline=pipeline.enabled, num_nodes=num_nodes,
-                       num_processes=num_processes)
+    check_hybrid_world(
+        zero_config.hybrid_shard_size,
+        world_size,
+        pipeline=pipeline.enabled,
+        num_nodes=num_nodes,
+        num_processes=num_processes,
+    )
     check_network_before_process_group(num_nodes, node_rank)
     return data_parallel
 

@@ -32,8 +32,13 @@ class ConsolidateCheckpoint(Callback):
     never holds the whole model.
     """
 
-    def __init__(self, output: Union[str, os.PathLike], dtype: Optional[Union[str, torch.dtype]] = None,
-                 every_save: bool = False, with_optimizer: bool = False) -> None:
+    def __init__(
+        self,
+        output: Union[str, os.PathLike],
+        dtype: Optional[Union[str, torch.dtype]] = None,
+        every_save: bool = False,
+        with_optimizer: bool = False,
+    ) -> None:
         if not isinstance(output, (str, os.PathLike)) or not os.fspath(output):
             raise ValueError(f"output must be a file path, got {output!r}")
         if not isinstance(every_save, bool):

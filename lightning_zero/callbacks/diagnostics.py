@@ -63,8 +63,9 @@ class DiagnosticsSettings:
         if not self.probe_sizes or any(int(s) <= 0 for s in self.probe_sizes):
             raise ValueError(f"probe_sizes must be positive byte counts, got {self.probe_sizes}")
         if self.probe_iters < 1 or self.probe_warmup < 0:
-            raise ValueError(f"probe_iters must be >= 1 and probe_warmup >= 0, got {self.probe_iters}, "
-                             f"{self.probe_warmup}")
+            raise ValueError(
+                f"probe_iters must be >= 1 and probe_warmup >= 0, got {self.probe_iters}, {self.probe_warmup}"
+            )
         if self.hang_timeout is not None and self.hang_timeout <= 0:
             raise ValueError(f"hang_timeout must be positive seconds or None (watchdog off), got {self.hang_timeout}")
         if self.watchdog_grace < 0 or self.flight_recorder_buffer < 1 or self.slow_rank_tolerance < 0:
@@ -93,14 +94,35 @@ class NCCLDiagnostics(Callback):
     ``probe_results`` (every rank).
     """
 
-    def __init__(self, audit: bool = True, probe: bool = True, probe_collectives: Sequence[str] = COLLECTIVES,
-                 probe_sizes: Sequence[int] = (1 << 10, 1 << 20), probe_iters: int = 5, probe_warmup: int = 1,
-                 hang_timeout: Optional[float] = 600.0, watchdog_poll_interval: Optional[float] = None,
-                 watchdog_grace: float = 5.0, dump_dir: Optional[str] = None, flight_recorder: bool = True,
-                 flight_recorder_buffer: int = 2000, slow_rank_tolerance: float = 0.5) -> None:
+    def __init__(
+        self,
+        audit: bool = True,
+        probe: bool = True,
+        probe_collectives: Sequence[str] = COLLECTIVES,
+        probe_sizes: Sequence[int] = (1 << 10, 1 << 20),
+        probe_iters: int = 5,
+        probe_warmup: int = 1,
+        hang_timeout: Optional[float] = 600.0,
+        watchdog_poll_interval: Optional[float] = None,
+        watchdog_grace: float = 5.0,
+        dump_dir: Optional[str] = None,
+        flight_recorder: bool = True,
+        flight_recorder_buffer: int = 2000,
+        slow_rank_tolerance: float = 0.5,
+    ) -> None:
         self.settings = DiagnosticsSettings(
-            audit, probe, tuple(probe_collectives), tuple(int(s) for s in probe_sizes), probe_iters, probe_warmup,
-            hang_timeout, watchdog_poll_interval, watchdog_grace, dump_dir, flight_recorder, flight_recorder_buffer,
+            audit,
+            probe,
+            tuple(probe_collectives),
+            tuple(int(s) for s in probe_sizes),
+            probe_iters,
+            probe_warmup,
+            hang_timeout,
+            watchdog_poll_interval,
+            watchdog_grace,
+            dump_dir,
+            flight_recorder,
+            flight_recorder_buffer,
             slow_rank_tolerance,
         )
         self.audit: Optional[EnvAudit] = None
@@ -110,9 +132,11 @@ class NCCLDiagnostics(Callback):
         if flight_recorder:
             enable_flight_recorder(flight_recorder_buffer, dump_dir)
             if dist.is_available() and dist.is_initialized() and backend_serving("cuda") == "nccl":
-                warnings.warn("NCCLDiagnostics: the NCCL process group already exists, so the flight recorder "
-                              "variables set now do not apply to it; create the callback before "
-                              "init_process_group (or export TORCH_NCCL_TRACE_BUFFER_SIZE yourself)")
+                warnings.warn(
+                    "NCCLDiagnostics: the NCCL process group already exists, so the flight recorder "
+                    "variables set now do not apply to it; create the callback before "
+                    "init_process_group (or export TORCH_NCCL_TRACE_BUFFER_SIZE yourself)"
+                )
 
     # ----- audit and probe -----
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -126,8 +150,11 @@ class NCCLDiagnostics(Callback):
                     warnings.warn("NCCLDiagnostics: no torch.distributed process group, collective probe skipped")
                 return
             self.probe_results = probe_collectives(
-                self.settings.probe_collectives, self.settings.probe_sizes, self.settings.probe_iters,
-                self.settings.probe_warmup, device=trainer.strategy.root_device,
+                self.settings.probe_collectives,
+                self.settings.probe_sizes,
+                self.settings.probe_iters,
+                self.settings.probe_warmup,
+                device=trainer.strategy.root_device,
             )
             if trainer.is_global_zero:
                 self._report_probe(trainer)
@@ -137,8 +164,9 @@ class NCCLDiagnostics(Callback):
         prints them all and warns naming the host, so a misconfigured node other than node 0 is seen too."""
         mine = None
         if trainer.local_rank == 0:
-            audit = audit_environment(backend=backend, world_size=trainer.world_size,
-                                      local_world_size=trainer.num_devices)
+            audit = audit_environment(
+                backend=backend, world_size=trainer.world_size, local_world_size=trainer.num_devices
+            )
             audit.network = startup_check(os.environ, trainer.num_nodes, trainer.node_rank).identity
             mine = audit.to_dict()
         found = all_gather_json(mine, device=trainer.strategy.root_device) if distributed else [mine]
@@ -158,7 +186,8 @@ class NCCLDiagnostics(Callback):
             warnings.warn(f"NCCLDiagnostics: slow rank in probe: {flag}")
         metrics = {
             f"diagnostics/{r.collective}_{r.size_bytes}_busbw_gbps": r.busbw / 1e9
-            for r in self.probe_results if r.busbw is not None
+            for r in self.probe_results
+            if r.busbw is not None
         }
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=0)
@@ -181,8 +210,12 @@ class NCCLDiagnostics(Callback):
             if self.settings.dump_dir:
                 running.dump_dir = Path(self.settings.dump_dir)
             return
-        self._guard = HangGuard(self.settings.hang_timeout, self.settings.watchdog_poll_interval,
-                                self.settings.watchdog_grace, self.settings.dump_dir)
+        self._guard = HangGuard(
+            self.settings.hang_timeout,
+            self.settings.watchdog_poll_interval,
+            self.settings.watchdog_grace,
+            self.settings.dump_dir,
+        )
         self._guard.start(trainer.global_rank, trainer.world_size)  # single process: a HashStore
         self.watchdog = self._guard.watchdog
 

@@ -72,8 +72,10 @@ class ThroughputSettings:
         if self.peak_flops is not None and self.peak_flops <= 0:
             raise ValueError(f"peak_flops must be positive FLOP/s (e.g. 989e12), got {self.peak_flops}")
         if self.straggler_tolerance < 0 or self.straggler_min_gap_s < 0:
-            raise ValueError("straggler_tolerance and straggler_min_gap_s must be >= 0, got "
-                             f"{self.straggler_tolerance} and {self.straggler_min_gap_s}")
+            raise ValueError(
+                "straggler_tolerance and straggler_min_gap_s must be >= 0, got "
+                f"{self.straggler_tolerance} and {self.straggler_min_gap_s}"
+            )
 
 
 @dataclass
@@ -142,8 +144,13 @@ class ThroughputReport:
         return {prefix + key: float(value) for key, value in out.items()}
 
 
-def summarize(ranks: Sequence[RankInterval], peak_flops: Optional[float], tolerance: float = 0.25,
-              min_gap_s: float = 0.005, collective_measured: bool = True) -> ThroughputReport:
+def summarize(
+    ranks: Sequence[RankInterval],
+    peak_flops: Optional[float],
+    tolerance: float = 0.25,
+    min_gap_s: float = 0.005,
+    collective_measured: bool = True,
+) -> ThroughputReport:
     """Combine per-rank intervals: rates are summed over ranks, times summarised as min/median/max or mean;
     ``collective_measured=False`` leaves the collective wait out (see the note on FSDP2)."""
     ranks = list(ranks)
@@ -153,7 +160,8 @@ def summarize(ranks: Sequence[RankInterval], peak_flops: Optional[float], tolera
     step_times = [r.step_time for r in ranks]
     phase_time = {
         phase: statistics.fmean(getattr(r, phase) / max(r.steps, 1.0) for r in ranks)
-        for phase in (*PHASES, "collective") if phase != "collective" or collective_measured
+        for phase in (*PHASES, "collective")
+        if phase != "collective" or collective_measured
     }
     flops = None
     if any(r.flops > 0 for r in ranks):
@@ -169,13 +177,22 @@ def summarize(ranks: Sequence[RankInterval], peak_flops: Optional[float], tolera
         described = ", ".join(
             f"rank {rank} ({compute[[x.rank for x in ranks].index(rank)] * 1e3:.1f} ms)" for rank in stragglers
         )
-        message = (f"straggler: {described} of compute per step vs median {median * 1e3:.1f} ms "
-                   "(data + forward + optimizer, without collective waits); the other ranks wait for it")
+        message = (
+            f"straggler: {described} of compute per step vs median {median * 1e3:.1f} ms "
+            "(data + forward + optimizer, without collective waits); the other ranks wait for it"
+        )
     return ThroughputReport(
-        ranks=ranks, samples_per_sec=sum(rates), tokens_per_sec=tokens, step_time_min=min(step_times),
-        step_time_median=statistics.median(step_times), step_time_max=max(step_times), phase_time=phase_time,
-        flops_per_sec_per_device=flops, mfu=mfu(flops, peak_flops) if flops is not None and peak_flops else None,
-        peak_memory_bytes_max=max(r.peak_memory_bytes for r in ranks), stragglers=stragglers,
+        ranks=ranks,
+        samples_per_sec=sum(rates),
+        tokens_per_sec=tokens,
+        step_time_min=min(step_times),
+        step_time_median=statistics.median(step_times),
+        step_time_max=max(step_times),
+        phase_time=phase_time,
+        flops_per_sec_per_device=flops,
+        mfu=mfu(flops, peak_flops) if flops is not None and peak_flops else None,
+        peak_memory_bytes_max=max(r.peak_memory_bytes for r in ranks),
+        stragglers=stragglers,
         straggler_message=message,
     )
 
@@ -197,8 +214,10 @@ def first_tensor(batch: Any) -> Optional[torch.Tensor]:
 def default_batch_size(batch: Any) -> int:
     tensor = first_tensor(batch)
     if tensor is None or tensor.dim() == 0:
-        raise ValueError("cannot infer the batch size: no tensor with a batch dimension in the batch; pass "
-                         "batch_size_fn=lambda batch: ...")
+        raise ValueError(
+            "cannot infer the batch size: no tensor with a batch dimension in the batch; pass "
+            "batch_size_fn=lambda batch: ..."
+        )
     return int(tensor.shape[0])
 
 
@@ -261,13 +280,28 @@ class ThroughputLogger(Callback):
     The last combined report is kept in ``last_report`` on every rank.
     """
 
-    def __init__(self, log_every_n_steps: int = 10, table_every_n_steps: Optional[int] = 100,
-                 peak_flops: Optional[float] = None, flops_per_batch: Optional[FlopsSpec] = None,
-                 measure_flops: bool = True, batch_size_fn: Optional[Callable[[Any], int]] = None,
-                 length_fn: Optional[Callable[[Any], int]] = None, straggler_tolerance: float = 0.25,
-                 straggler_min_gap_s: float = 0.005, prefix: str = "throughput/") -> None:
-        self.settings = ThroughputSettings(log_every_n_steps, table_every_n_steps, peak_flops, measure_flops,
-                                           straggler_tolerance, straggler_min_gap_s, prefix)
+    def __init__(
+        self,
+        log_every_n_steps: int = 10,
+        table_every_n_steps: Optional[int] = 100,
+        peak_flops: Optional[float] = None,
+        flops_per_batch: Optional[FlopsSpec] = None,
+        measure_flops: bool = True,
+        batch_size_fn: Optional[Callable[[Any], int]] = None,
+        length_fn: Optional[Callable[[Any], int]] = None,
+        straggler_tolerance: float = 0.25,
+        straggler_min_gap_s: float = 0.005,
+        prefix: str = "throughput/",
+    ) -> None:
+        self.settings = ThroughputSettings(
+            log_every_n_steps,
+            table_every_n_steps,
+            peak_flops,
+            measure_flops,
+            straggler_tolerance,
+            straggler_min_gap_s,
+            prefix,
+        )
         if flops_per_batch is not None and not callable(flops_per_batch) and flops_per_batch <= 0:
             raise ValueError(f"flops_per_batch must be a positive number or a callable(batch), got {flops_per_batch}")
         self._flops_arg = flops_per_batch
@@ -286,8 +320,10 @@ class ThroughputLogger(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         module_flops = getattr(pl_module, "flops_per_batch", None)
         if self._flops_arg is not None and module_flops is not None:
-            raise ValueError("flops_per_batch is given both to ThroughputLogger and as the LightningModule "
-                             "attribute `flops_per_batch`; keep one")
+            raise ValueError(
+                "flops_per_batch is given both to ThroughputLogger and as the LightningModule "
+                "attribute `flops_per_batch`; keep one"
+            )
         self._flops_spec = self._flops_arg if self._flops_arg is not None else module_flops
         self._peak = self.settings.peak_flops
         self._device = trainer.strategy.root_device
@@ -296,8 +332,10 @@ class ThroughputLogger(Callback):
             name = torch.cuda.get_device_name(self._device)
             self._peak = peak_flops_for(name, dtype) if dtype else None
             if self._peak is None and trainer.is_global_zero:
-                warnings.warn(f"ThroughputLogger: no peak FLOP/s known for {name!r} at precision "
-                              f"{trainer.precision!r}; pass peak_flops=... to get MFU")
+                warnings.warn(
+                    f"ThroughputLogger: no peak FLOP/s known for {name!r} at precision "
+                    f"{trainer.precision!r}; pass peak_flops=... to get MFU"
+                )
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         from torch.distributed.fsdp import FSDPModule
@@ -370,8 +408,9 @@ class ThroughputLogger(Callback):
     def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._switch("optimizer")
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self._last_end = self._switch(None)
         self._batches += 1
         counted = self._stop_counter()
@@ -416,9 +455,16 @@ class ThroughputLogger(Callback):
             collective += waited
             local_collective += waited if phase in _LOCAL_PHASES else 0.0
         return RankInterval(
-            rank=rank, samples=self._samples, tokens=self._tokens, has_tokens=self._has_tokens,
-            steps=self._steps, seconds=sum(phases.values()), collective=collective,
-            local_collective=local_collective, peak_memory_bytes=peak_memory_bytes(self._device), flops=self._flops,
+            rank=rank,
+            samples=self._samples,
+            tokens=self._tokens,
+            has_tokens=self._has_tokens,
+            steps=self._steps,
+            seconds=sum(phases.values()),
+            collective=collective,
+            local_collective=local_collective,
+            peak_memory_bytes=peak_memory_bytes(self._device),
+            flops=self._flops,
             **phases,
         )
 
@@ -436,8 +482,13 @@ class ThroughputLogger(Callback):
         else:
             rows = [dict(zip(names, vector.cpu().tolist()))]
         intervals = [RankInterval(**{**row, "rank": int(row["rank"])}) for row in rows]
-        report = summarize(intervals, self._peak, self.settings.straggler_tolerance, self.settings.straggler_min_gap_s,
-                           getattr(self, "_collective_measured", True))
+        report = summarize(
+            intervals,
+            self._peak,
+            self.settings.straggler_tolerance,
+            self.settings.straggler_min_gap_s,
+            getattr(self, "_collective_measured", True),
+        )
         self.last_report = report
         self.reports.append(report)
         self._reset_interval()
@@ -472,8 +523,11 @@ def report_table(report: ThroughputReport, step: int, peak_flops: Optional[float
         per_step = [f"{getattr(r, phase) / max(r.steps, 1.0) * 1e3:.1f}" for phase in PHASES]
         per_step.append(f"{r.collective / max(r.steps, 1.0) * 1e3:.1f}" if "collective" in report.phase_time else "n/m")
         table.add_row(
-            str(r.rank), f"{r.step_time * 1e3:.1f}", *per_step,
-            f"{r.compute_time_per_step * 1e3:.1f}", f"{r.peak_memory_bytes / 1e9:.2f}",
+            str(r.rank),
+            f"{r.step_time * 1e3:.1f}",
+            *per_step,
+            f"{r.compute_time_per_step * 1e3:.1f}",
+            f"{r.peak_memory_bytes / 1e9:.2f}",
             "straggler" if r.rank in report.stragglers else "",
         )
     return table

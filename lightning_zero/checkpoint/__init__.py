@@ -17,9 +17,20 @@ from lightning_zero.checkpoint.io import (
 from lightning_zero.checkpoint.safe_load import UnsafeCheckpointError, load_meta
 
 __all__ = [
-    "CheckpointError", "CheckpointSaveError", "PendingSave", "UnsafeCheckpointError", "consolidate_checkpoint",
-    "export_hf", "is_deepspeed_checkpoint",
-    "is_sharded_checkpoint", "iter_consolidated", "load_meta", "load_sharded_checkpoint", "read_checkpoint_info",
-    "remove_sharded_checkpoint", "save_sharded_checkpoint", "verify_checkpoint",
+    "CheckpointError",
+    "CheckpointSaveError",
+    "PendingSave",
+    "UnsafeCheckpointError",
+    "consolidate_checkpoint",
+    "export_hf",
+    "is_deepspeed_checkpoint",
+    "is_sharded_checkpoint",
+    "iter_consolidated",
+    "load_meta",
+    "load_sharded_checkpoint",
+    "read_checkpoint_info",
+    "remove_sharded_checkpoint",
+    "save_sharded_checkpoint",
+    "verify_checkpoint",
     "wait_for_pending_saves",
 ]

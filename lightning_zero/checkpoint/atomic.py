@@ -70,7 +70,7 @@ def local_path(path: PathLike) -> str:
                 "POSIX filesystem (atomic directory renames). Save to a local or network-mounted directory and copy "
                 "the finished checkpoint directory to remote storage afterwards"
             )
-        text = text[len(match.group(0)):]
+        text = text[len(match.group(0)) :]
     return os.path.abspath(text).rstrip(os.sep) or os.sep
 
 
@@ -94,8 +94,9 @@ def is_complete(path: str) -> bool:
 def _made_by_us(path: str) -> bool:
     if os.path.islink(path):
         return is_complete(path)  # the previous X.ckpt was a link to a checkpoint (save_last="link")
-    return os.path.isdir(path) and (os.path.isfile(os.path.join(path, PARTIAL_MARKER)) or is_complete(path)
-                                    or not os.listdir(path))
+    return os.path.isdir(path) and (
+        os.path.isfile(os.path.join(path, PARTIAL_MARKER)) or is_complete(path) or not os.listdir(path)
+    )
 
 
 def _delete(path: str) -> None:
@@ -152,16 +153,22 @@ def why_not_replaceable(path: str) -> Optional[str]:
     if os.path.islink(path):
         if is_complete(path):
             return None
-        return (f"{path} is a symlink to {os.readlink(path)!r}, which is not a complete lightning-zero checkpoint; "
-                "refusing to replace it. Remove the link or choose another path")
+        return (
+            f"{path} is a symlink to {os.readlink(path)!r}, which is not a complete lightning-zero checkpoint; "
+            "refusing to replace it. Remove the link or choose another path"
+        )
     if os.path.isdir(path):
         if is_complete(path) or not os.listdir(path) or os.path.isfile(os.path.join(path, PARTIAL_MARKER)):
             return None  # ours: complete, empty, or a marked leftover (a kill mid-write or mid-delete)
-        return (f"{path} is an existing directory that is not a lightning-zero checkpoint (no {INFO_FILE} and "
-                ".metadata); saving would replace it and delete its contents. Refusing: choose another path or move "
-                "the directory away")
-    return (f"{path} is an existing file, not a lightning-zero checkpoint directory (e.g. a single-file torch.save "
-            "checkpoint); refusing to replace it. Choose another path or move the file away")
+        return (
+            f"{path} is an existing directory that is not a lightning-zero checkpoint (no {INFO_FILE} and "
+            ".metadata); saving would replace it and delete its contents. Refusing: choose another path or move "
+            "the directory away"
+        )
+    return (
+        f"{path} is an existing file, not a lightning-zero checkpoint directory (e.g. a single-file torch.save "
+        "checkpoint); refusing to replace it. Choose another path or move the file away"
+    )
 
 
 def recover_interrupted_swap(path: str) -> bool:
@@ -291,6 +298,6 @@ def sweep_leftovers(directory: str, keep: str) -> None:
             if _made_by_us(path):
                 delete_checkpoint_directory(path)
         elif name.endswith(".old"):
-            target = os.path.join(directory, name[1:-len(".old")])
+            target = os.path.join(directory, name[1 : -len(".old")])
             if not recover_interrupted_swap(target) and is_complete(target) and _made_by_us(path):
                 delete_checkpoint_directory(path)

@@ -32,8 +32,9 @@ from lightning_zero.checkpoint.tensor_sources import (
 )
 
 
-def iter_consolidated(path: PathLike, dtype: Union[None, str, torch.dtype] = None
-                      ) -> Iterator[Tuple[str, torch.Tensor]]:
+def iter_consolidated(
+    path: PathLike, dtype: Union[None, str, torch.dtype] = None
+) -> Iterator[Tuple[str, torch.Tensor]]:
     """Yield ``(key, full tensor)`` of the model state of the checkpoint at ``path`` one at a time."""
     dtype = parse_dtype(dtype)
     source = open_source(path)
@@ -66,39 +67,66 @@ def _strip(path: PathLike, entries: List[TensorEntry], prefix: str, extras: Dict
         raise ValueError(f"{path}: {inside} under {cut!r} are not tensors; safetensors cannot store them")
     left_out += sorted(extras)
     if left_out:
-        warnings.warn(f"strip_prefix={prefix!r}: {len(left_out)} key(s) outside the prefix are left out: "
-                      f"{left_out[:8]}{' ...' if len(left_out) > 8 else ''}", stacklevel=3)
+        warnings.warn(
+            f"strip_prefix={prefix!r}: {len(left_out)} key(s) outside the prefix are left out: "
+            f"{left_out[:8]}{' ...' if len(left_out) > 8 else ''}",
+            stacklevel=3,
+        )
     return entries, renamed, left_out
 
 
 #: How :func:`options_problem` spells the options: as Python arguments (the function, the callback), or as the CLI's.
-PYTHON_NAMES = {"output": "output", "with_optimizer": "with_optimizer=True", "dtype": "dtype",
-                "strip_prefix": "strip_prefix", "other_export": "the returned dict (output=None)"}
-CLI_NAMES = {"output": "OUTPUT", "with_optimizer": "--with-optimizer", "dtype": "--dtype",
-             "strip_prefix": "--strip-prefix", "other_export": "--hf"}
+PYTHON_NAMES = {
+    "output": "output",
+    "with_optimizer": "with_optimizer=True",
+    "dtype": "dtype",
+    "strip_prefix": "strip_prefix",
+    "other_export": "the returned dict (output=None)",
+}
+CLI_NAMES = {
+    "output": "OUTPUT",
+    "with_optimizer": "--with-optimizer",
+    "dtype": "--dtype",
+    "strip_prefix": "--strip-prefix",
+    "other_export": "--hf",
+}
 
 
-def options_problem(output: Optional[PathLike], dtype: Any, with_optimizer: bool, strip_prefix: Optional[str] = None,
-                    names: Dict[str, str] = PYTHON_NAMES) -> Optional[str]:
+def options_problem(
+    output: Optional[PathLike],
+    dtype: Any,
+    with_optimizer: bool,
+    strip_prefix: Optional[str] = None,
+    names: Dict[str, str] = PYTHON_NAMES,
+) -> Optional[str]:
     """The first rule the combination of consolidation options breaks, as a message, or ``None``: the one rule set
     of :func:`consolidate_checkpoint`, ``lightning-zero consolidate`` and ``ConsolidateCheckpoint`` (``names``:
     how the caller spells the options, :data:`PYTHON_NAMES` or :data:`CLI_NAMES`)."""
     safetensors = output is not None and os.fspath(output).endswith(".safetensors")
     if with_optimizer and (output is None or safetensors):
-        return (f"{names['with_optimizer']} writes a Lightning checkpoint file: give an {names['output']} that does "
-                "not end in .safetensors")
+        return (
+            f"{names['with_optimizer']} writes a Lightning checkpoint file: give an {names['output']} that does "
+            "not end in .safetensors"
+        )
     if with_optimizer and dtype is not None:
-        return (f"{names['with_optimizer']} keeps the trained dtypes (a resumed run must continue from the exact "
-                f"weights); leave {names['dtype']} unset")
+        return (
+            f"{names['with_optimizer']} keeps the trained dtypes (a resumed run must continue from the exact "
+            f"weights); leave {names['dtype']} unset"
+        )
     if strip_prefix is not None and (with_optimizer or output is not None and not safetensors):
-        return (f"{names['strip_prefix']} applies to a .safetensors {names['output']} or {names['other_export']}: "
-                "a Lightning checkpoint keeps the LightningModule's keys")
+        return (
+            f"{names['strip_prefix']} applies to a .safetensors {names['output']} or {names['other_export']}: "
+            "a Lightning checkpoint keeps the LightningModule's keys"
+        )
     return None
 
 
 def consolidate_checkpoint(
-    path: PathLike, output: Optional[PathLike] = None, dtype: Union[None, str, torch.dtype] = None,
-    with_optimizer: bool = False, strip_prefix: Optional[str] = None,
+    path: PathLike,
+    output: Optional[PathLike] = None,
+    dtype: Union[None, str, torch.dtype] = None,
+    with_optimizer: bool = False,
+    strip_prefix: Optional[str] = None,
     layout: Optional[Callable[[Dict[str, Any]], Dict[str, Any]]] = None,
 ) -> Optional[Dict[str, Any]]:
     """Consolidate the checkpoint at ``path`` (lightning-zero sharded or DeepSpeed ZeRO directory; a regular
@@ -163,8 +191,13 @@ def consolidate_checkpoint(
         source.close()
 
 
-def _checked_source(path: PathLike, output: Optional[PathLike], dtype: Optional[torch.dtype],
-                    with_optimizer: bool, strip_prefix: Optional[str]):
+def _checked_source(
+    path: PathLike,
+    output: Optional[PathLike],
+    dtype: Optional[torch.dtype],
+    with_optimizer: bool,
+    strip_prefix: Optional[str],
+):
     """The source :func:`consolidate_checkpoint` reads, opened once its options pass their checks (before the
     expensive work: an unusable ``output`` is refused before anything is read)."""
     if not isinstance(with_optimizer, bool):
@@ -177,14 +210,22 @@ def _checked_source(path: PathLike, output: Optional[PathLike], dtype: Optional[
     source = open_source(path)
     if with_optimizer and not isinstance(source, (DCPTensorSource, TorchFileSource)):
         source.close()
-        raise ValueError(f"{path}: with_optimizer=True reads lightning-zero sharded checkpoints and Lightning "
-                         "checkpoint files, not DeepSpeed checkpoints")
+        raise ValueError(
+            f"{path}: with_optimizer=True reads lightning-zero sharded checkpoints and Lightning "
+            "checkpoint files, not DeepSpeed checkpoints"
+        )
     return source
 
 
-def _write_lightning_checkpoint(source, output: str, entries: List[TensorEntry], extras: Dict[str, Any],
-                                load: Callable[[TensorEntry], torch.Tensor], with_optimizer: bool,
-                                layout: Callable[[Dict[str, Any]], Dict[str, Any]]) -> None:
+def _write_lightning_checkpoint(
+    source,
+    output: str,
+    entries: List[TensorEntry],
+    extras: Dict[str, Any],
+    load: Callable[[TensorEntry], torch.Tensor],
+    with_optimizer: bool,
+    layout: Callable[[Dict[str, Any]], Dict[str, Any]],
+) -> None:
     """Write ``output`` as a Lightning checkpoint file for :func:`consolidate_checkpoint`: the model's ``entries``
     (streamed through ``load``) and non-tensor ``extras`` as its ``state_dict``, next to the source's other keys;
     ``with_optimizer`` adds the optimizer states so that another strategy resumes from it; ``layout`` rearranges
@@ -210,8 +251,12 @@ def _write_lightning_checkpoint(source, output: str, entries: List[TensorEntry],
 #: The file :func:`write_16bit_weights` adds to a checkpoint: DeepSpeed's ``save_16bit_model`` default file name, so
 #: scripts written for DeepSpeed find it under the name they know.
 WEIGHTS_16BIT_FILE = "pytorch_model.bin"
-_DTYPE_OF_PRECISION = {"16-mixed": torch.float16, "16-true": torch.float16, "bf16-mixed": torch.bfloat16,
-                       "bf16-true": torch.bfloat16}
+_DTYPE_OF_PRECISION = {
+    "16-mixed": torch.float16,
+    "16-true": torch.float16,
+    "bf16-mixed": torch.bfloat16,
+    "bf16-true": torch.bfloat16,
+}
 
 
 def weights_16bit_dtype(precision: str) -> torch.dtype:

@@ -83,10 +83,28 @@ _STANDINS = [(type(name.rsplit(".", 1)[1], (DeepSpeedObject,), {}), name) for na
 
 # Keys DeepSpeed itself writes into the model states file; everything else there is client state.
 _DEEPSPEED_MODEL_KEYS = {
-    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "frozen_param_fragments",
-    "shared_params", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names", "skipped_steps",
-    "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
-    "ds_autotp_universal_checkpoint_meta", "universal_checkpoint_info", "ds_autoep_layers", "autoep_layers",
+    "module",
+    "buffer_names",
+    "optimizer",
+    "param_shapes",
+    "frozen_param_shapes",
+    "frozen_param_fragments",
+    "shared_params",
+    "lr_scheduler",
+    "data_sampler",
+    "random_ltd",
+    "sparse_tensor_module_names",
+    "skipped_steps",
+    "global_steps",
+    "global_samples",
+    "dp_world_size",
+    "mp_world_size",
+    "ds_config",
+    "ds_version",
+    "ds_autotp_universal_checkpoint_meta",
+    "universal_checkpoint_info",
+    "ds_autoep_layers",
+    "autoep_layers",
     "checkpoint_parallel_dimensions",
 }
 # Lightning's DeepSpeedStrategy wraps the LightningModule; its keys carry this prefix in the engine's module.
@@ -130,7 +148,7 @@ def _slice_of(pieces: List[torch.Tensor], start: int, length: int) -> torch.Tens
         if end > start and base < start + length:
             lo = max(start, base) - base
             hi = min(start + length, end) - base
-            out[written:written + hi - lo].copy_(piece[lo:hi])
+            out[written : written + hi - lo].copy_(piece[lo:hi])
             written += hi - lo
         base = end
     if written != length:
@@ -161,8 +179,9 @@ class Slot:
         while position < end:
             rank, within = divmod(position, self.part)
             take = min(self.part - within, end - position)
-            out[position - start:position - start + take].copy_(
-                pieces[rank][self.offset + within:self.offset + within + take])
+            out[position - start : position - start + take].copy_(
+                pieces[rank][self.offset + within : self.offset + within + take]
+            )
             position += take
         return out
 
@@ -190,11 +209,14 @@ class DeepSpeedFiles:
         world = first["partition_count"]
         self.world_size = max(world) if isinstance(world, (list, tuple)) else int(world)
         if self.world_size != len(optim_files):
-            raise ValueError(f"{directory}: partition_count is {self.world_size} but {len(optim_files)} optimizer "
-                             "state files exist (an incomplete or overwritten checkpoint)")
+            raise ValueError(
+                f"{directory}: partition_count is {self.world_size} but {len(optim_files)} optimizer "
+                "state files exist (an incomplete or overwritten checkpoint)"
+            )
         if self.stage == 3:
-            model_files = [os.path.join(directory, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt")
-                           for r in range(self.world_size)]
+            model_files = [
+                os.path.join(directory, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt") for r in range(self.world_size)
+            ]
             groups_key = "fp32_flat_groups"
         elif self.stage in (1, 2):
             model_files = [os.path.join(directory, "mp_rank_00_model_states.pt")]
@@ -216,15 +238,21 @@ class DeepSpeedFiles:
         partitioned over other process groups (expert parallelism), would be silently misread."""
         model = self.model_states[0]
         if int(model.get("mp_world_size") or 1) != 1:
-            raise ValueError(f"{self.path}: written with model (tensor) parallelism, mp_world_size="
-                             f"{model['mp_world_size']}; only data-parallel ZeRO checkpoints are read")
+            raise ValueError(
+                f"{self.path}: written with model (tensor) parallelism, mp_world_size="
+                f"{model['mp_world_size']}; only data-parallel ZeRO checkpoints are read"
+            )
         pipeline = (model.get("checkpoint_parallel_dimensions") or {}).get("pp_degree", 1)
         if int(pipeline or 1) != 1:
-            raise ValueError(f"{self.path}: written with pipeline parallelism (pp_degree={pipeline}); only "
-                             "data-parallel ZeRO checkpoints are read")
+            raise ValueError(
+                f"{self.path}: written with pipeline parallelism (pp_degree={pipeline}); only "
+                "data-parallel ZeRO checkpoints are read"
+            )
         if self.optimizer[0].get("ds_zero_partition_groups") is not None:
-            raise ValueError(f"{self.path}: ZeRO-3 sub-groups partitioned over other process groups (expert "
-                             "parallelism); only data-parallel ZeRO checkpoints are read")
+            raise ValueError(
+                f"{self.path}: ZeRO-3 sub-groups partitioned over other process groups (expert "
+                "parallelism); only data-parallel ZeRO checkpoints are read"
+            )
 
     def _lay_out_stages12(self) -> None:
         paddings = self.optimizer[0].get("param_alignment_paddings")
@@ -250,13 +278,17 @@ class DeepSpeedFiles:
                     group, offset = group + 1, 0
                 part = math.ceil(math.prod(shape) / self.world_size)
                 if group == len(sizes) or offset + part > sizes[group]:
-                    raise ValueError(f"{self.path}: parameter {name} does not fit the fp32 partitions: "
-                                     "param_shapes and optimizer files disagree")
+                    raise ValueError(
+                        f"{self.path}: parameter {name} does not fit the fp32 partitions: "
+                        "param_shapes and optimizer files disagree"
+                    )
                 self.slots[name], self.shapes[name] = Slot(group, offset, part), tuple(shape)
                 offset += part
         if group != len(sizes) - 1 or offset != sizes[group]:
-            raise ValueError(f"{self.path}: the parameters use {sum(sizes[:group]) + offset} elements per rank, the "
-                             f"files hold {sum(sizes)}: param_shapes and optimizer files disagree")
+            raise ValueError(
+                f"{self.path}: the parameters use {sum(sizes[:group]) + offset} elements per rank, the "
+                f"files hold {sum(sizes)}: param_shapes and optimizer files disagree"
+            )
 
     def pieces(self, per_rank: List[List[torch.Tensor]], group: int) -> List[torch.Tensor]:
         """The ranks' pieces of flat group ``group`` of ``per_rank`` (``[rank][group]``, such as :attr:`fp32`)."""
@@ -269,7 +301,7 @@ class DeepSpeedFiles:
 
 def public_name(key: str) -> str:
     """``key`` of the engine's module as the user's module names it (without Lightning's Fabric wrapper prefix)."""
-    return key[len(_LIGHTNING_WRAPPER_PREFIX):] if key.startswith(_LIGHTNING_WRAPPER_PREFIX) else key
+    return key[len(_LIGHTNING_WRAPPER_PREFIX) :] if key.startswith(_LIGHTNING_WRAPPER_PREFIX) else key
 
 
 class DeepSpeedTensorSource:
@@ -316,7 +348,7 @@ class DeepSpeedTensorSource:
         while kind == "alias":
             kind, data = self._sources[data]
         if kind == "tensor":
-            return data.reshape(-1)[start:start + length].clone()
+            return data.reshape(-1)[start : start + length].clone()
         slot, pieces = data
         return slot.read(pieces, start, length)
 

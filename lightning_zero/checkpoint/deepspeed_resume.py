@@ -52,16 +52,20 @@ class DeepSpeedCheckpoint:
         self._flat_states = [_flat_group_states(self.files, rank) for rank in range(self.files.world_size)]
         self._engine_name = {public_name(name): name for name in self.files.slots}  # trainable parameters
         self._groups = _param_groups(self.files)
-        self.optimizer_states: Optional[List[dict]] = [self._optimizer_state(
-            [names for _, names in self._groups], [dict(hyper or {}) for hyper, _ in self._groups])]
+        self.optimizer_states: Optional[List[dict]] = [
+            self._optimizer_state(
+                [names for _, names in self._groups], [dict(hyper or {}) for hyper, _ in self._groups]
+            )
+        ]
 
     def shape(self, key: str) -> Tuple[int, ...]:
         return self._entries[key].shape
 
     def read(self, key: str, offsets: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
         entry = self._entries[key]
-        return RangeTensor(entry.shape, entry.dtype,
-                           lambda start, length: self._source.read_range(key, start, length)).rect(offsets, sizes)
+        return RangeTensor(
+            entry.shape, entry.dtype, lambda start, length: self._source.read_range(key, start, length)
+        ).rect(offsets, sizes)
 
     def extras(self) -> Dict[str, Any]:
         return self._source.extras()
@@ -85,27 +89,43 @@ class DeepSpeedCheckpoint:
         state = getattr(scaler, "state", None) or {}
         skipped = int(model.get("skipped_steps") or 0)
         if type(scaler).__name__ == "DynamicLossScaler":
-            return {"kind": "dynamic", "cur_scale": float(state["cur_scale"]), "cur_iter": int(state["cur_iter"]),
-                    "last_overflow_iter": int(state["last_overflow_iter"]),
-                    "cur_hysteresis": int(state["cur_hysteresis"]), "skipped_steps": skipped}
-        return {"kind": "static", "cur_scale": float(state.get("cur_scale", 1.0)),
-                "cur_iter": int(model.get("global_steps") or 0), "skipped_steps": skipped}
+            return {
+                "kind": "dynamic",
+                "cur_scale": float(state["cur_scale"]),
+                "cur_iter": int(state["cur_iter"]),
+                "last_overflow_iter": int(state["last_overflow_iter"]),
+                "cur_hysteresis": int(state["cur_hysteresis"]),
+                "skipped_steps": skipped,
+            }
+        return {
+            "kind": "static",
+            "cur_scale": float(state.get("cur_scale", 1.0)),
+            "cur_iter": int(model.get("global_steps") or 0),
+            "skipped_steps": skipped,
+        }
 
     def align_to(self, targets: List[OptimizerTarget]) -> None:
         """Check the optimizers being resumed against DeepSpeed's (see the refusal note) and list the states in
         their groups' order, so that :func:`~lightning_zero.checkpoint.full_file.check_full_optimizer_states` and
         :func:`~lightning_zero.checkpoint.full_file.apply_full_optimizer_states` load them."""
         if len(targets) != 1:
-            raise CheckpointError(f"{self.path}: a DeepSpeed checkpoint holds the states of one optimizer, the model "
-                                  f"being resumed has {len(targets)}", self.path)
+            raise CheckpointError(
+                f"{self.path}: a DeepSpeed checkpoint holds the states of one optimizer, the model "
+                f"being resumed has {len(targets)}",
+                self.path,
+            )
         target = targets[0]
         if len(target.names) != len(self._groups):
-            raise CheckpointError(f"{self.path}: DeepSpeed's optimizer has {len(self._groups)} param group(s), the "
-                                  f"optimizer being resumed has {len(target.names)}: configure_optimizers must build "
-                                  "the same groups", self.path)
+            raise CheckpointError(
+                f"{self.path}: DeepSpeed's optimizer has {len(self._groups)} param group(s), the "
+                f"optimizer being resumed has {len(target.names)}: configure_optimizers must build "
+                "the same groups",
+                self.path,
+            )
         hypers = []
         for number, ((hyper, names), ours, params, group) in enumerate(
-                zip(self._groups, target.names, target.params, target.optimizer.param_groups)):
+            zip(self._groups, target.names, target.params, target.optimizer.param_groups)
+        ):
             self._check_group(number, names, ours, params)
             hypers.append(self._hyperparameters(number, hyper, group, target.optimizer))
         self.optimizer_states = [self._optimizer_state(target.names, hypers)]
@@ -116,29 +136,39 @@ class DeepSpeedCheckpoint:
         trainable = {name for name, param in zip(ours, params) if param.requires_grad}
         missing, extra = [n for n in names if n not in mine], sorted(trainable - theirs)
         if missing or extra:
-            parts = ([f"only in the checkpoint: {missing}"] if missing else []) + \
-                ([f"only in the optimizer being resumed: {extra}"] if extra else [])
-            raise CheckpointError(f"{self.path}: param group {number} differs from DeepSpeed's: {'; '.join(parts)}. "
-                                  "configure_optimizers must put the same parameters in each group", self.path)
+            parts = ([f"only in the checkpoint: {missing}"] if missing else []) + (
+                [f"only in the optimizer being resumed: {extra}"] if extra else []
+            )
+            raise CheckpointError(
+                f"{self.path}: param group {number} differs from DeepSpeed's: {'; '.join(parts)}. "
+                "configure_optimizers must put the same parameters in each group",
+                self.path,
+            )
 
     def _hyperparameters(self, number: int, hyper: Optional[dict], group: dict, optimizer: Any) -> dict:
         """The group's saved hyper-parameters this optimizer has (the others warned about by name)."""
         kind = type(optimizer).__name__
         if hyper is None:
-            warnings.warn(f"{self.path} is an elastic DeepSpeed checkpoint (elastic_checkpoint=true), which holds no "
-                          f"param-group hyper-parameters: group {number} keeps those configure_optimizers gave it "
-                          "(lr, betas, ...), as under DeepSpeed's own load; the LR schedulers' states are restored")
+            warnings.warn(
+                f"{self.path} is an elastic DeepSpeed checkpoint (elastic_checkpoint=true), which holds no "
+                f"param-group hyper-parameters: group {number} keeps those configure_optimizers gave it "
+                "(lr, betas, ...), as under DeepSpeed's own load; the LR schedulers' states are restored"
+            )
             return {}
         saved, own = hyper.get("decoupled_weight_decay"), group.get("decoupled_weight_decay")
         if saved is not None and own is not None and bool(saved) != bool(own):
             raise CheckpointError(
                 f"{self.path}: param group {number} was stepped with decoupled_weight_decay={saved} (torch's "
                 f"{'AdamW' if saved else 'Adam'}), the optimizer being resumed ({kind}) uses {own}: "
-                "configure_optimizers must build the same optimizer type", self.path)
+                "configure_optimizers must build the same optimizer type",
+                self.path,
+            )
         unknown = sorted(set(hyper) - set(group) - _SCHEDULER_KEYS)
         if unknown:
-            warnings.warn(f"{self.path}: param group {number} of DeepSpeed's optimizer has the hyper-parameters "
-                          f"{unknown}, which {kind} does not have: not restored")
+            warnings.warn(
+                f"{self.path}: param group {number} of DeepSpeed's optimizer has the hyper-parameters "
+                f"{unknown}, which {kind} does not have: not restored"
+            )
         return {key: value for key, value in hyper.items() if key in group or key in _SCHEDULER_KEYS}
 
     def _optimizer_state(self, groups: List[List[str]], hypers: List[dict]) -> dict:
@@ -147,8 +177,10 @@ class DeepSpeedCheckpoint:
             for name in names:
                 if name in self._engine_name and (values := self._parameter_state(name)) is not None:
                     state[name] = values
-        return {"state": state, "param_groups": [{**hyper, "params": list(names)}
-                                                 for hyper, names in zip(hypers, groups)]}
+        return {
+            "state": state,
+            "param_groups": [{**hyper, "params": list(names)} for hyper, names in zip(hypers, groups)],
+        }
 
     def _parameter_state(self, name: str) -> Optional[dict]:
         """``name``'s optimizer state: its range of every flat state, the flat group's scalars (``step``)."""
@@ -192,8 +224,7 @@ def _base_optimizer(files: Any, rank: int) -> Tuple[List[Optional[dict]], List[O
     base = saved["base_optimizer_state"]
     if isinstance(base, list):  # an elastic checkpoint: per group states without padding, the step beside them
         step = saved.get("base_optimizer_state_step")
-        states = [dict(group, **({"step": step} if step is not None and "step" not in group else {}))
-                  for group in base]
+        states = [dict(group, **({"step": step} if step is not None and "step" not in group else {})) for group in base]
         return states, [None] * len(states), list(range(len(states)))
     states = [base["state"].get(group["params"][0]) for group in base["param_groups"]]
     hypers = [{k: v for k, v in group.items() if k != "params"} for group in base["param_groups"]]
@@ -205,8 +236,11 @@ def _flat_group_states(files: Any, rank: int) -> List[Optional[dict]]:
     the group's end padding, which rigid stage 1-2 checkpoints keep)."""
     states, hypers, owner = _base_optimizer(files, rank)
     if len(states) != len(files.fp32[rank]):
-        raise CheckpointError(f"{files.path}: rank {rank} holds optimizer states for {len(states)} flat group(s) and "
-                              f"fp32 masters for {len(files.fp32[rank])}", files.path)
+        raise CheckpointError(
+            f"{files.path}: rank {rank} holds optimizer states for {len(states)} flat group(s) and "
+            f"fp32 masters for {len(files.fp32[rank])}",
+            files.path,
+        )
     paddings = files.optimizer[rank].get("group_paddings") or [0] * len(states)
     checked = []
     for group, state in enumerate(states):
@@ -218,9 +252,11 @@ def _flat_group_states(files: Any, rank: int) -> List[Optional[dict]]:
             allowed = {masters, masters + (paddings[group] if files.stage != 3 else 0)}
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() not in allowed:
-                    raise CheckpointError(f"{files.path}: rank {rank}'s optimizer state {key!r} of flat group "
-                                          f"{group} has {value.numel()} elements, its fp32 masters {masters}",
-                                          files.path)
+                    raise CheckpointError(
+                        f"{files.path}: rank {rank}'s optimizer state {key!r} of flat group "
+                        f"{group} has {value.numel()} elements, its fp32 masters {masters}",
+                        files.path,
+                    )
         checked.append(state)
     return checked
 
@@ -232,6 +268,7 @@ def _param_groups(files: Any) -> List[Tuple[Optional[dict], List[str]]]:
     names: List[List[str]] = [[] for _ in hypers]
     for name, slot in files.slots.items():
         names[owner[slot.group]].append(public_name(name))
-    return [(None if hyper is None else {k: v for k, v in hyper.items() if k != "step"}, group_names)
-            for hyper, group_names in zip(hypers, names)]
-
+    return [
+        (None if hyper is None else {k: v for k, v in hyper.items() if k != "step"}, group_names)
+        for hyper, group_names in zip(hypers, names)
+    ]

@@ -56,11 +56,17 @@ def checkpoint_directory(path: PathLike) -> str:
         path = atomic.local_path(path)
         if os.path.isdir(path):
             lacking = [name for name in (INFO_FILE, ".metadata") if not os.path.isfile(os.path.join(path, name))]
-            raise CheckpointError(f"{os.path.join(path, lacking[0])}: file missing ({path} is a directory but not a "
-                                  f"complete lightning-zero checkpoint)", os.path.join(path, lacking[0])) from None
+            raise CheckpointError(
+                f"{os.path.join(path, lacking[0])}: file missing ({path} is a directory but not a "
+                f"complete lightning-zero checkpoint)",
+                os.path.join(path, lacking[0]),
+            ) from None
         if os.path.exists(path):
-            raise CheckpointError(f"{path}: a file, not a lightning-zero sharded checkpoint (a directory holding "
-                                  f"{INFO_FILE} and .metadata)", path) from None
+            raise CheckpointError(
+                f"{path}: a file, not a lightning-zero sharded checkpoint (a directory holding "
+                f"{INFO_FILE} and .metadata)",
+                path,
+            ) from None
         raise
 
 
@@ -77,8 +83,11 @@ def read_checkpoint_info(path: PathLike) -> dict:
         found = info.get("format") if isinstance(info, dict) else type(info).__name__
         raise CheckpointError(f"{where}: not a lightning-zero checkpoint record (format {found!r})", where)
     if not isinstance(info.get("version"), int) or info["version"] > FORMAT_VERSION:
-        raise CheckpointError(f"{where}: checkpoint format version {info.get('version')!r} is not supported by this "
-                              f"lightning-zero (which reads up to {FORMAT_VERSION}); upgrade lightning-zero", where)
+        raise CheckpointError(
+            f"{where}: checkpoint format version {info.get('version')!r} is not supported by this "
+            f"lightning-zero (which reads up to {FORMAT_VERSION}); upgrade lightning-zero",
+            where,
+        )
     check_seal(info, where)
     return info
 

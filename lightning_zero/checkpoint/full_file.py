@@ -76,8 +76,10 @@ def describe_full_checkpoint_file(path: PathLike) -> Optional[str]:
         return f"{path}: cannot be read ({err})"
     if head[:4] == _ZIP_MAGIC or head[:2] == _LEGACY_MAGIC or is_safetensors_file(path):
         return None
-    return (f"{path}: not a checkpoint file (neither a torch.save file nor safetensors); pass a Lightning .ckpt, "
-            "a consolidated file, a .safetensors file or a lightning-zero sharded checkpoint directory")
+    return (
+        f"{path}: not a checkpoint file (neither a torch.save file nor safetensors); pass a Lightning .ckpt, "
+        "a consolidated file, a .safetensors file or a lightning-zero sharded checkpoint directory"
+    )
 
 
 class RangeTensor:
@@ -135,9 +137,11 @@ class FullCheckpoint:
         self.optimizer_states: Optional[List[Any]] = None
         if layout is not None:
             if is_safetensors_file(self.path):
-                raise CheckpointError(f"{self.path}: a .safetensors file holds one state dict of tensors, not a "
-                                      "checkpoint of named objects; load it with fabric.load_raw(path, model)",
-                                      self.path)
+                raise CheckpointError(
+                    f"{self.path}: a .safetensors file holds one state dict of tensors, not a "
+                    "checkpoint of named objects; load it with fabric.load_raw(path, model)",
+                    self.path,
+                )
             self._state, self.optimizer_states, self._rest = layout(self._load_torch())
             self.state_keys = [key for key, value in self._state.items() if isinstance(value, Tensor)]
             return
@@ -155,14 +159,18 @@ class FullCheckpoint:
             self._checkpoint, self._state = loaded, loaded["state_dict"]
             states = loaded.get("optimizer_states")
             if states is not None and not isinstance(states, (list, tuple)):
-                raise CheckpointError(f"{self.path}: 'optimizer_states' must be a list, got "
-                                      f"{type(states).__name__}", self.path)
+                raise CheckpointError(
+                    f"{self.path}: 'optimizer_states' must be a list, got {type(states).__name__}", self.path
+                )
             self.optimizer_states = list(states) if states is not None else None
         elif isinstance(loaded, dict) and loaded and all(isinstance(v, Tensor) for v in loaded.values()):
             self._state = loaded  # torch.save(model.state_dict()): the weights alone
         else:
-            raise CheckpointError(f"{self.path}: not a Lightning checkpoint (no 'state_dict' dict) nor a state dict "
-                                  f"of tensors (got {type(loaded).__name__})", self.path)
+            raise CheckpointError(
+                f"{self.path}: not a Lightning checkpoint (no 'state_dict' dict) nor a state dict "
+                f"of tensors (got {type(loaded).__name__})",
+                self.path,
+            )
         self.state_keys = [key for key, value in self._state.items() if isinstance(value, Tensor)]
 
     def _load_torch(self) -> Any:
@@ -172,8 +180,10 @@ class FullCheckpoint:
             if "_use_new_zipfile_serialization" not in str(err) and "mmap" not in str(err):
                 raise
         # A file in torch's legacy (pre-1.6) format cannot be memory-mapped: it is read whole, on every rank.
-        warnings.warn(f"{self.path} is in torch's legacy serialization format, which cannot be memory-mapped: every "
-                      "rank reads the whole file. Re-save it with a current torch to load it slice by slice.")
+        warnings.warn(
+            f"{self.path} is in torch's legacy serialization format, which cannot be memory-mapped: every "
+            "rank reads the whole file. Re-save it with a current torch to load it slice by slice."
+        )
         return safe_torch_load(self.path, what=self.path)
 
     def shape(self, key: str) -> Tuple[int, ...]:
@@ -213,8 +223,14 @@ def copy_into(target: Tensor, read: Callable[[Tuple[int, ...], Tuple[int, ...]],
         local.copy_(read(offsets, sizes).reshape(local.shape))
 
 
-def check_full_state_dict(target: Dict[str, Any], source: FullCheckpoint, *, strict: bool,
-                          optional: Iterable[str] = (), elsewhere: Iterable[str] = ()) -> None:
+def check_full_state_dict(
+    target: Dict[str, Any],
+    source: FullCheckpoint,
+    *,
+    strict: bool,
+    optional: Iterable[str] = (),
+    elsewhere: Iterable[str] = (),
+) -> None:
     """Refuse a ``source`` that does not fit ``target`` (a module's state dict: DTensors or plain tensors).
 
     ``optional`` names target keys that may be absent from the file (frozen parameters a save excluded);
@@ -229,8 +245,9 @@ def check_full_state_dict(target: Dict[str, Any], source: FullCheckpoint, *, str
     for key, value in target.items():
         if key in source.state_keys and isinstance(value, Tensor) and tuple(value.shape) != source.shape(key):
             mismatched.append(f"{key} (checkpoint: {list(source.shape(key))}, target: {list(value.shape)})")
-    raise_on_mismatch(str(source.path), missing, unexpected, mismatched, strict=strict, target="model",
-                      loaded_into="model")
+    raise_on_mismatch(
+        str(source.path), missing, unexpected, mismatched, strict=strict, target="model", loaded_into="model"
+    )
 
 
 def copy_full_state_dict(target: Dict[str, Any], source: FullCheckpoint) -> List[str]:
@@ -268,17 +285,24 @@ def _saved_positions(source: FullCheckpoint, index: int, saved: Any, target: Opt
     where = f"{source.path}: optimizer #{index}"
     groups = saved.get("param_groups") if isinstance(saved, dict) else None
     if not isinstance(groups, list) or not isinstance(saved.get("state"), dict):
-        raise CheckpointError(f"{where}: not an optimizer state dict ('state' and 'param_groups' expected)",
-                              source.path)
+        raise CheckpointError(
+            f"{where}: not an optimizer state dict ('state' and 'param_groups' expected)", source.path
+        )
     if len(groups) != len(target.params):
-        raise CheckpointError(f"{where} has {len(groups)} param group(s), the optimizer being resumed has "
-                              f"{len(target.params)}: configure_optimizers must build the same groups", source.path)
+        raise CheckpointError(
+            f"{where} has {len(groups)} param group(s), the optimizer being resumed has "
+            f"{len(target.params)}: configure_optimizers must build the same groups",
+            source.path,
+        )
     positions = []
     for number, (group, params) in enumerate(zip(groups, target.params)):
         ids = list(group.get("params", ())) if isinstance(group, dict) else []
         if len(ids) != len(params):
-            raise CheckpointError(f"{where}, param group {number}: the checkpoint has {len(ids)} parameter(s), the "
-                                  f"optimizer being resumed has {len(params)}", source.path)
+            raise CheckpointError(
+                f"{where}, param group {number}: the checkpoint has {len(ids)} parameter(s), the "
+                f"optimizer being resumed has {len(params)}",
+                source.path,
+            )
         positions.append(ids)
     return positions
 
@@ -293,9 +317,12 @@ def check_full_optimizer_states(targets: List[OptimizerTarget], source: FullChec
     """
     saved_states = source.optimizer_states or []
     if len(saved_states) != len(targets):
-        raise CheckpointError(f"{source.path}: the checkpoint holds the states of {len(saved_states)} optimizer(s), "
-                              f"the model being resumed has {len(targets)}; configure_optimizers must return as many "
-                              "optimizers as when it was saved", source.path)
+        raise CheckpointError(
+            f"{source.path}: the checkpoint holds the states of {len(saved_states)} optimizer(s), "
+            f"the model being resumed has {len(targets)}; configure_optimizers must return as many "
+            "optimizers as when it was saved",
+            source.path,
+        )
     plans = []
     for index, (saved, target) in enumerate(zip(saved_states, targets)):
         positions = _saved_positions(source, index, saved, target)
@@ -304,8 +331,10 @@ def check_full_optimizer_states(targets: List[OptimizerTarget], source: FullChec
         for ids, params, names in zip(positions, target.params, target.names):
             for position, param, name in zip(ids, params, names):
                 if isinstance(position, str) and position != name:
-                    raise CheckpointError(f"{where} holds parameter {position!r} where the optimizer being resumed "
-                                          f"has {name!r}", source.path)
+                    raise CheckpointError(
+                        f"{where} holds parameter {position!r} where the optimizer being resumed has {name!r}",
+                        source.path,
+                    )
                 values, held = saved["state"].get(position), target.held(param)
                 plan.append((held, values))
                 if values is None:
@@ -314,13 +343,19 @@ def check_full_optimizer_states(targets: List[OptimizerTarget], source: FullChec
                     raise CheckpointError(f"{where}: the state of {name!r} is not a dict", source.path)
                 for key, value in values.items():
                     if _is_array(value) and tuple(value.shape) != tuple(param.shape):
-                        raise CheckpointError(f"{where}: state {key!r} of {name!r} has shape {list(value.shape)}, "
-                                              f"the parameter {list(param.shape)}", source.path)
+                        raise CheckpointError(
+                            f"{where}: state {key!r} of {name!r} has shape {list(value.shape)}, "
+                            f"the parameter {list(param.shape)}",
+                            source.path,
+                        )
                 own = target.optimizer.state.get(held) if held is not None else None
                 if own is not None and set(own) != set(values):
-                    raise CheckpointError(f"{where}: the state of {name!r} holds {sorted(values)}, the optimizer "
-                                          f"being resumed keeps {sorted(own)}: the checkpoint is another optimizer "
-                                          "type's", source.path)
+                    raise CheckpointError(
+                        f"{where}: the state of {name!r} holds {sorted(values)}, the optimizer "
+                        f"being resumed keeps {sorted(own)}: the checkpoint is another optimizer "
+                        "type's",
+                        source.path,
+                    )
         plans.append([target.optimizer, plan, saved["param_groups"]])
     return plans
 

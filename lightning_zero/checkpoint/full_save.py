@@ -52,8 +52,10 @@ def check_state_dict_type(value: str, *, async_save: bool) -> str:
     if value not in STATE_DICT_TYPES:
         raise ValueError(f"state_dict_type must be 'sharded' or 'full' (as Lightning's FSDPStrategy), got {value!r}")
     if value == "full" and async_save:
-        raise ValueError("state_dict_type='full' writes one file through rank 0 after the shards are saved, so it is "
-                         "not asynchronous: drop async_save=True or use state_dict_type='sharded'")
+        raise ValueError(
+            "state_dict_type='full' writes one file through rank 0 after the shards are saved, so it is "
+            "not asynchronous: drop async_save=True or use state_dict_type='sharded'"
+        )
     return value
 
 
@@ -80,12 +82,21 @@ def why_not_replaceable_file(path: str) -> Optional[str]:
     if not os.path.lexists(path) or is_full_file(path):
         return None
     kind = "directory" if os.path.isdir(path) else "file"
-    return (f"{path} is an existing {kind} that is not a lightning-zero full checkpoint file; refusing to replace it. "
-            "Choose another path or move it away")
+    return (
+        f"{path} is an existing {kind} that is not a lightning-zero full checkpoint file; refusing to replace it. "
+        "Choose another path or move it away"
+    )
 
 
-def save_full_file(checkpoint: dict, path: str, save_sharded: Callable[[dict, str], None], *, rank: int,
-                   with_optimizer: bool, layout: Optional[Callable[[dict], dict]] = None) -> None:
+def save_full_file(
+    checkpoint: dict,
+    path: str,
+    save_sharded: Callable[[dict, str], None],
+    *,
+    rank: int,
+    with_optimizer: bool,
+    layout: Optional[Callable[[dict], dict]] = None,
+) -> None:
     """Save ``checkpoint`` as one file at ``path`` (collective: every rank calls it). ``save_sharded(checkpoint,
     directory)`` is the strategy's ordinary sharded save; ``with_optimizer`` puts the optimizer states in the file
     (the checkpoint holds them); ``layout`` rearranges the Lightning checkpoint dict before it is written (Fabric's
@@ -112,8 +123,13 @@ def save_full_file(checkpoint: dict, path: str, save_sharded: Callable[[dict, st
         try:
             consolidate_checkpoint(staging, output=path, with_optimizer=with_optimizer, layout=layout)
         except Exception as err:  # said on every rank below
-            error = describe_failure(path, err, file_bytes, left=what_is_left(path),
-                                     removed="The partial file and the staged shards are removed")
+            error = describe_failure(
+                path,
+                err,
+                file_bytes,
+                left=what_is_left(path),
+                removed="The partial file and the staged shards are removed",
+            )
         finally:
             remove_sharded_checkpoint(staging)
     error = broadcast_object(error)
@@ -138,8 +154,13 @@ def _check_space(checkpoint: dict, path: str, rank: int) -> int:
     if rank == 0:
         free = free_bytes(os.path.dirname(path))
         if free is not None and free < needed:
-            problem = not_enough_space(path, needed, free, "the shards are staged beside the file, then written into "
-                                       "it", left=what_is_left(path))
+            problem = not_enough_space(
+                path,
+                needed,
+                free,
+                "the shards are staged beside the file, then written into it",
+                left=what_is_left(path),
+            )
     problem = broadcast_object(problem)
     if problem:
         raise CheckpointSaveError(problem)

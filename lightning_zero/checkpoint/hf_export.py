@@ -115,8 +115,9 @@ def recorded_models(path: PathLike) -> List[Dict[str, Any]]:
     return models if isinstance(models, list) else []
 
 
-def select_keys(where: str, entries: List[TensorEntry], prefix: Optional[str], models: List[Dict[str, Any]]
-                ) -> Tuple[str, Optional[Dict[str, Any]], List[TensorEntry], List[str]]:
+def select_keys(
+    where: str, entries: List[TensorEntry], prefix: Optional[str], models: List[Dict[str, Any]]
+) -> Tuple[str, Optional[Dict[str, Any]], List[TensorEntry], List[str]]:
     """The prefix to strip, the recorded model it is (if any), the entries under it and the keys left out.
 
     ``prefix=None`` auto-detects: exactly one recorded model. Otherwise a :class:`ValueError` lists candidates.
@@ -124,11 +125,16 @@ def select_keys(where: str, entries: List[TensorEntry], prefix: Optional[str], m
     keys = [entry.key for entry in entries]
     if prefix is None:
         if len(models) != 1:
-            found = ("records no transformers.PreTrainedModel (saved by an older lightning-zero, or not a "
-                     "lightning-zero checkpoint, or the model is no PreTrainedModel)" if not models else
-                     f"records {len(models)} transformers models, at prefixes {[m['prefix'] for m in models]}")
-            raise ValueError(f"{where} {found}; say which keys to export with strip_prefix (--strip-prefix), e.g. "
-                             f"one of {_candidates(keys)}")
+            found = (
+                "records no transformers.PreTrainedModel (saved by an older lightning-zero, or not a "
+                "lightning-zero checkpoint, or the model is no PreTrainedModel)"
+                if not models
+                else f"records {len(models)} transformers models, at prefixes {[m['prefix'] for m in models]}"
+            )
+            raise ValueError(
+                f"{where} {found}; say which keys to export with strip_prefix (--strip-prefix), e.g. "
+                f"one of {_candidates(keys)}"
+            )
         prefix = models[0]["prefix"]
     prefix = _normalise_prefix(prefix)
     model = next((m for m in models if m.get("prefix") == prefix), None)
@@ -145,12 +151,17 @@ def _check_output_dir(output_dir: str, sharded: Optional[bool]) -> None:
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise ValueError(f"output {output_dir} is a file; --hf takes a directory")
     other = () if sharded is None else (WEIGHTS_NAME if sharded else INDEX_NAME,)  # the other layout's entry point
-    stale = [name for name in (*other, "pytorch_model.bin", "pytorch_model.bin.index.json")
-             if os.path.exists(os.path.join(output_dir, name))]
+    stale = [
+        name
+        for name in (*other, "pytorch_model.bin", "pytorch_model.bin.index.json")
+        if os.path.exists(os.path.join(output_dir, name))
+    ]
     if stale:
         # from_pretrained might read those instead of (or mixed with) what we write; they are not ours to delete
-        raise ValueError(f"{output_dir} already holds {stale}, which from_pretrained could load instead of the "
-                         "export; choose an empty directory")
+        raise ValueError(
+            f"{output_dir} already holds {stale}, which from_pretrained could load instead of the "
+            "export; choose an empty directory"
+        )
 
 
 def _plan_shards(entries: List[TensorEntry], max_bytes: Optional[int]) -> List[List[TensorEntry]]:
@@ -173,9 +184,27 @@ def _write_json(path: str, value: Any) -> None:
     os.replace(tmp, path)
 
 
-def export_hf(checkpoint: PathLike, output_dir: PathLike, strip_prefix: Optional[str] = None,
-              dtype: Union[None, str, torch.dtype] = None, max_shard_size: Union[None, int, str] = None
-              ) -> List[str]:
+def _check_exportable(where: str, prefix: str, meta: dict, extras: dict) -> None:
+    """Refuse an export that would silently miss part of the model: frozen weights the checkpoint left out, or
+    non-tensor entries under the model's prefix (safetensors stores tensors only)."""
+    excluded = [key for key in meta.get("frozen_parameters_excluded") or () if key.startswith(prefix)]
+    if excluded:
+        raise ValueError(
+            f"{where} left out {len(excluded)} frozen weight(s) of the model "
+            f"(exclude_frozen_parameters=True, e.g. {excluded[0]!r}); the export would miss them"
+        )
+    inside_extras = sorted(key for key in extras if key.startswith(prefix))
+    if inside_extras:
+        raise ValueError(f"{where}: {inside_extras} under {prefix!r} are not tensors; safetensors cannot store them")
+
+
+def export_hf(
+    checkpoint: PathLike,
+    output_dir: PathLike,
+    strip_prefix: Optional[str] = None,
+    dtype: Union[None, str, torch.dtype] = None,
+    max_shard_size: Union[None, int, str] = None,
+) -> List[str]:
     """Write the Hugging Face model of ``checkpoint`` to ``output_dir`` as ``model.safetensors`` (+ ``config.json``
     when the checkpoint records the model's config), streaming tensor by tensor.
 
@@ -197,21 +226,16 @@ def export_hf(checkpoint: PathLike, output_dir: PathLike, strip_prefix: Optional
     try:
         extras = source.extras()
         prefix, model, chosen, left_out = select_keys(where, source.entries, strip_prefix, models)
-        excluded = [key for key in source.meta().get("frozen_parameters_excluded") or () if key.startswith(prefix)]
-        if excluded:
-            raise ValueError(f"{where} left out {len(excluded)} frozen weight(s) of the model "
-                             f"(exclude_frozen_parameters=True, e.g. {excluded[0]!r}); the export would miss them")
-        inside_extras = sorted(key for key in extras if key.startswith(prefix))
-        if inside_extras:
-            raise ValueError(f"{where}: {inside_extras} under {prefix!r} are not tensors; safetensors cannot "
-                             "store them")
+        _check_exportable(where, prefix, source.meta(), extras)
         # a tied name is dropped only when the weight it is tied to is written
-        names = {entry.key[len(prefix):] for entry in chosen}
+        names = {entry.key[len(prefix) :] for entry in chosen}
         tied = {name: to for name, to in (model or {}).get("tied", {}).items() if to in names}
-        chosen = [entry for entry in chosen if entry.key[len(prefix):] not in tied]
+        chosen = [entry for entry in chosen if entry.key[len(prefix) :] not in tied]
         originals = {entry.key: entry for entry in chosen}
-        entries = [TensorEntry(entry.key[len(prefix):], entry.dtype, entry.shape)
-                   for entry in (converted(e, dtype) for e in chosen)]
+        entries = [
+            TensorEntry(entry.key[len(prefix) :], entry.dtype, entry.shape)
+            for entry in (converted(e, dtype) for e in chosen)
+        ]
         by_new = {new.key: originals[old.key] for new, old in zip(entries, chosen)}
 
         def load(entry: TensorEntry) -> torch.Tensor:
@@ -233,9 +257,11 @@ def export_hf(checkpoint: PathLike, output_dir: PathLike, strip_prefix: Optional
     finally:
         source.close()
     if model is None or model.get("config") is None:
-        warnings.warn(f"no {CONFIG_NAME} written: {where} records no transformers model config at prefix "
-                      f"{prefix!r}; copy the model's {CONFIG_NAME} into {output_dir} before from_pretrained",
-                      stacklevel=2)
+        warnings.warn(
+            f"no {CONFIG_NAME} written: {where} records no transformers model config at prefix "
+            f"{prefix!r}; copy the model's {CONFIG_NAME} into {output_dir} before from_pretrained",
+            stacklevel=2,
+        )
     else:
         config = dict(model["config"])
         config["architectures"] = [model["class"]]
@@ -246,8 +272,9 @@ def export_hf(checkpoint: PathLike, output_dir: PathLike, strip_prefix: Optional
     return left_out + sorted(key for key in extras if not key.startswith(prefix))
 
 
-def strip_prefix_entries(where: str, entries: List[TensorEntry], prefix: str
-                         ) -> Tuple[List[TensorEntry], Dict[str, str], List[str]]:
+def strip_prefix_entries(
+    where: str, entries: List[TensorEntry], prefix: str
+) -> Tuple[List[TensorEntry], Dict[str, str], List[str]]:
     """For plain safetensors output with ``strip_prefix``: the renamed entries, ``{new key: old key}`` and the keys
     left out."""
     _, _, chosen, left_out = select_keys(where, entries, prefix, [])

@@ -105,8 +105,15 @@ class PendingSave:
     any failure as :class:`CheckpointSaveError`.
     """
 
-    def __init__(self, future: Future, path: str, finalize, group: Optional[dist.ProcessGroup], cleanup,
-                 needed: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        future: Future,
+        path: str,
+        finalize,
+        group: Optional[dist.ProcessGroup],
+        cleanup,
+        needed: Optional[int] = None,
+    ) -> None:
         self.path = path
         self._future = future
         self._finalize = finalize
@@ -231,8 +238,14 @@ def _stageable(value: Any) -> Any:
     non-zero ``data_ptr()``. Those are rebuilt here around a copy of their local shard (offset 0), the real
     swapped-in data; the copy is made now, on the caller's thread, as the stager's own copies are."""
     if isinstance(value, DTensor) and value.data_ptr() != 0:
-        return DTensor.from_local(value.to_local().clone(), value.device_mesh, value.placements, run_check=False,
-                                  shape=value.shape, stride=value.stride())
+        return DTensor.from_local(
+            value.to_local().clone(),
+            value.device_mesh,
+            value.placements,
+            run_check=False,
+            shape=value.shape,
+            stride=value.stride(),
+        )
     if isinstance(value, dict):
         return {key: _stageable(item) for key, item in value.items()}
     if type(value) in (list, tuple):
@@ -293,8 +306,14 @@ def save_sharded_checkpoint(
     partial = _partial_dir(path)
     rank, world = _rank(process_group), _world(process_group)
     json.dumps(info or {})  # fail on every rank before writing anything if info is not JSON
-    needed = prepare_save(path, state, lambda directory: torch.save(metadata, os.path.join(directory, META_FILE)),
-                          process_group, earlier_failures, extra_bytes)
+    needed = prepare_save(
+        path,
+        state,
+        lambda directory: torch.save(metadata, os.path.join(directory, META_FILE)),
+        process_group,
+        earlier_failures,
+        extra_bytes,
+    )
     writer = FileSystemWriter(partial)
     # What zero.json records of the state (its keys, the count of model keys), without its tensors: finalize outlives
     # the call with async_save, and must not keep the state alive.
@@ -317,8 +336,7 @@ def save_sharded_checkpoint(
     atomic.fault_point("before_shards")
     if async_save:
         group = _async_group(process_group)
-        result = dcp.async_save(_stageable(state), storage_writer=writer, planner=save_planner(),
-                                process_group=group)
+        result = dcp.async_save(_stageable(state), storage_writer=writer, planner=save_planner(), process_group=group)
         future = getattr(result, "upload_completion", result)
         handle = PendingSave(future, path, finalize, group, cleanup, needed)
         with _PENDING_LOCK:
@@ -378,8 +396,9 @@ def load_sharded_states(
     problems: List[CheckpointError] = []
     try:
         info = read_checkpoint_info(directory) if info is None else info
-        problems = check_files(directory, info, checksums=checksums,
-                               share=(_rank(process_group), _world(process_group)))
+        problems = check_files(
+            directory, info, checksums=checksums, share=(_rank(process_group), _world(process_group))
+        )
         if not problems:
             if metadata is None:
                 metadata = read_dcp_metadata(directory)  # refuses a tampered .metadata without running its pickle
@@ -419,8 +438,9 @@ def _raise_on_every_rank(problems: List[CheckpointError], group: Optional[dist.P
     mine = {str(problem): problem for problem in problems}
     first = mine.get(found[0]) or CheckpointError(found[0])
     if len(found) > 1:
-        raise CheckpointError(f"{first} (and {len(found) - 1} more problems; `lightning-zero verify` lists them)",
-                              first.path) from first
+        raise CheckpointError(
+            f"{first} (and {len(found) - 1} more problems; `lightning-zero verify` lists them)", first.path
+        ) from first
     raise first
 
 
@@ -432,8 +452,10 @@ def _translate(wrapped: CheckpointException, directory: str) -> CheckpointError:
     for _rank_id, (failure, _trace) in failures:
         if isinstance(failure, CheckpointError):
             return failure
-    summary = "; ".join(f"rank {rank_id}: {type(failure).__name__}: {(str(failure).strip() or ' ').splitlines()[0]}"
-                        for rank_id, (failure, _trace) in failures[:3])
+    summary = "; ".join(
+        f"rank {rank_id}: {type(failure).__name__}: {(str(failure).strip() or ' ').splitlines()[0]}"
+        for rank_id, (failure, _trace) in failures[:3]
+    )
     return CheckpointError(f"{directory}: loading failed on {len(failures)} rank(s): {summary}", directory)
 
 

@@ -66,12 +66,18 @@ def is_full_checkpoint(path: str, load_full_weights: bool) -> bool:
     path = local_path(path)
     parent = sharded_parent(path)
     if parent is not None:
-        raise CheckpointError(f"ckpt_path={path!r} is a file inside the sharded checkpoint {parent}: pass the "
-                              f"directory, ckpt_path={parent!r}", path)
+        raise CheckpointError(
+            f"ckpt_path={path!r} is a file inside the sharded checkpoint {parent}: pass the "
+            f"directory, ckpt_path={parent!r}",
+            path,
+        )
     if load_full_weights and os.path.isdir(path):
-        raise CheckpointError(f"ckpt_path={path!r} is a directory, but ZeroStrategy(load_full_weights=True) loads a "
-                              "single checkpoint file: pass the file, or load_full_weights=False to load a sharded "
-                              "checkpoint directory", path)
+        raise CheckpointError(
+            f"ckpt_path={path!r} is a directory, but ZeroStrategy(load_full_weights=True) loads a "
+            "single checkpoint file: pass the file, or load_full_weights=False to load a sharded "
+            "checkpoint directory",
+            path,
+        )
     return os.path.isfile(path)
 
 
@@ -96,8 +102,9 @@ def optimizer_target(module: torch.nn.Module, optimizer: torch.optim.Optimizer) 
         for param, owner in zip(group, group_owners):
             if owner in (-1, rank):
                 held[id(param)] = held_tensor(sharding, param)
-    return OptimizerTarget(optimizer, params, [[names[id(p)] for p in group] for group in params],
-                           lambda param: held.get(id(param)))
+    return OptimizerTarget(
+        optimizer, params, [[names[id(p)] for p in group] for group in params], lambda param: held.get(id(param))
+    )
 
 
 def _all_ranks(value: Any) -> list:
@@ -111,8 +118,13 @@ def _all_ranks(value: Any) -> list:
 def _raise_load_error_on_every_rank(error: Optional[Exception]) -> None:
     """Raise the first problem any rank found, on every rank: at stage 1 or in a pipeline a rank checks only what it
     holds, and a rank raising alone would leave the others waiting in the next collective."""
-    mine = None if error is None else str(error) if isinstance(error, CheckpointError) else \
-        f"{type(error).__name__}: {error}"
+    mine = (
+        None
+        if error is None
+        else str(error)
+        if isinstance(error, CheckpointError)
+        else f"{type(error).__name__}: {error}"
+    )
     found = [message for message in _all_ranks(mine) if message]
     if error is not None:
         raise error
@@ -121,9 +133,16 @@ def _raise_load_error_on_every_rank(error: Optional[Exception]) -> None:
 
 
 @torch.inference_mode(False)  # as load_states: the loaded weights stay normal tensors
-def load_full_checkpoint(path: str, module: torch.nn.Module, optimizers: list, *, strict: bool,
-                         exclude_frozen_parameters: bool, load_full_weights: bool,
-                         layout: Optional[Layout] = None) -> tuple[dict[str, Any], bool]:
+def load_full_checkpoint(
+    path: str,
+    module: torch.nn.Module,
+    optimizers: list,
+    *,
+    strict: bool,
+    exclude_frozen_parameters: bool,
+    load_full_weights: bool,
+    layout: Optional[Layout] = None,
+) -> tuple[dict[str, Any], bool]:
     """Load the single-file checkpoint ``path`` into the (sharded) ``module`` and ``optimizers``; return the rest of
     the file and whether the optimizers start fresh (the file held no optimizer states).
 
@@ -150,7 +169,9 @@ def load_full_checkpoint(path: str, module: torch.nn.Module, optimizers: list, *
             raise CheckpointError(
                 f"{path}: the file holds no optimizer states (saved with save_weights_only=True, a consolidated or "
                 "safetensors file), so fit cannot resume from it. Pass ZeroStrategy(load_full_weights=True) to start "
-                "training from its weights with fresh optimizer and LR scheduler states", path)
+                "training from its weights with fresh optimizer and LR scheduler states",
+                path,
+            )
         if optimizers and source.optimizer_states is not None:  # checked before the weights change
             for optimizer in optimizers:
                 if not optimizer.state:
@@ -180,9 +201,12 @@ def load_full_checkpoint(path: str, module: torch.nn.Module, optimizers: list, *
 def _raw_file(path: PathLike, what: str) -> str:
     path = local_path(os.fspath(path))
     if os.path.isdir(path):
-        raise CheckpointError(f"fabric.load_raw({path!r}, {what}) reads one file (a torch.save state dict or a "
-                              ".safetensors file); this is a directory: load a sharded checkpoint with "
-                              "fabric.load(path, {'model': model, 'optimizer': optimizer})", path)
+        raise CheckpointError(
+            f"fabric.load_raw({path!r}, {what}) reads one file (a torch.save state dict or a "
+            ".safetensors file); this is a directory: load a sharded checkpoint with "
+            "fabric.load(path, {'model': model, 'optimizer': optimizer})",
+            path,
+        )
     return path
 
 
@@ -190,8 +214,9 @@ def load_raw_module(path: PathLike, module: torch.nn.Module, *, strict: bool) ->
     """``fabric.load_raw(path, module)``: the weights of one file (``torch.save(model.state_dict())``, a Lightning
     or consolidated checkpoint's ``state_dict``, ``.safetensors``) into the (sharded) ``module``, each rank reading
     its slices. Collective; ``strict`` as ``Module.load_state_dict`` (shape mismatches always refused)."""
-    load_full_checkpoint(_raw_file(path, "module"), module, [], strict=strict, exclude_frozen_parameters=False,
-                         load_full_weights=True)
+    load_full_checkpoint(
+        _raw_file(path, "module"), module, [], strict=strict, exclude_frozen_parameters=False, load_full_weights=True
+    )
 
 
 class _OptimizerFile:
@@ -203,7 +228,10 @@ class _OptimizerFile:
         self.path = path
         problem = describe_full_checkpoint_file(path) or (
             f"{path}: a .safetensors file holds no optimizer state; fabric.load_raw(path, optimizer) reads a "
-            "torch.save(optimizer.state_dict()) file" if is_safetensors_file(path) else None)
+            "torch.save(optimizer.state_dict()) file"
+            if is_safetensors_file(path)
+            else None
+        )
         if problem:
             raise CheckpointError(problem, path)
         loaded = safe_torch_load(path, what=path, mmap=True)
@@ -213,9 +241,12 @@ class _OptimizerFile:
     def _check(self, loaded: Any) -> None:
         if not isinstance(loaded, dict) or not {"state", "param_groups"} <= set(loaded):
             keys = sorted(map(str, loaded))[:8] if isinstance(loaded, dict) else type(loaded).__name__
-            raise CheckpointError(f"{self.path}: not an optimizer state dict ('state' and 'param_groups' expected, "
-                                  f"found {keys}); fabric.load_raw(path, optimizer) reads a "
-                                  "torch.save(optimizer.state_dict()) file", self.path)
+            raise CheckpointError(
+                f"{self.path}: not an optimizer state dict ('state' and 'param_groups' expected, "
+                f"found {keys}); fabric.load_raw(path, optimizer) reads a "
+                "torch.save(optimizer.state_dict()) file",
+                self.path,
+            )
 
 
 @torch.inference_mode(False)

@@ -32,8 +32,11 @@ def _stored_states(source) -> Dict[str, Dict[str, Dict[str, Any]]]:
     states: Dict[str, Dict[str, Dict[str, Any]]] = {}
     for path, value in source.items_under("optimizer_states"):
         if len(path) != 4 or path[1] != "state":
-            raise CheckpointError(f"{source.path}: unexpected optimizer entry {'.'.join(path)!r} (expected "
-                                  "<optimizer>.state.<parameter>.<state key>)", source.path)
+            raise CheckpointError(
+                f"{source.path}: unexpected optimizer entry {'.'.join(path)!r} (expected "
+                "<optimizer>.state.<parameter>.<state key>)",
+                source.path,
+            )
         index, _, name, key = path
         states.setdefault(index, {}).setdefault(name, {})[key] = value
     return states
@@ -49,25 +52,31 @@ def _renumbered(where: str, index: int, groups: List[dict], states: Dict[str, Di
         ids = []
         for name in group["params"]:
             if name in placed:
-                raise CheckpointError(f"{where}: parameter {name!r} is listed twice in optimizer {index}'s param "
-                                      "groups", where)
+                raise CheckpointError(
+                    f"{where}: parameter {name!r} is listed twice in optimizer {index}'s param groups", where
+                )
             placed.add(name)
             if name in states:
                 state[position] = OrderedDict(
                     (key, tensor_slot(value) if isinstance(value, TensorEntry) else value)
-                    for key, value in states[name].items())
+                    for key, value in states[name].items()
+                )
             ids.append(position)
             position += 1
         param_groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
     orphans = sorted(set(states) - placed)
     if orphans:
-        raise CheckpointError(f"{where}: optimizer {index} holds states for {orphans[:5]} which are in none of its "
-                              "recorded param groups; the checkpoint is inconsistent", where)
+        raise CheckpointError(
+            f"{where}: optimizer {index} holds states for {orphans[:5]} which are in none of its "
+            "recorded param groups; the checkpoint is inconsistent",
+            where,
+        )
     return {"state": state, "param_groups": param_groups}
 
 
-def resumable_checkpoint(source, state_dict: Dict[str, Any], load_weight: Callable[[TensorEntry], torch.Tensor]
-                         ) -> Tuple[Dict[str, Any], Callable[[TensorEntry], torch.Tensor]]:
+def resumable_checkpoint(
+    source, state_dict: Dict[str, Any], load_weight: Callable[[TensorEntry], torch.Tensor]
+) -> Tuple[Dict[str, Any], Callable[[TensorEntry], torch.Tensor]]:
     """Lightning's checkpoint dict for the sharded checkpoint read by ``source`` (a ``DCPTensorSource``), with
     ``state_dict`` (placeholders for the weights) and ``optimizer_states`` in ``Optimizer.state_dict()`` form.
 
@@ -80,25 +89,37 @@ def resumable_checkpoint(source, state_dict: Dict[str, Any], load_weight: Callab
     meta = dict(source.meta())
     groups = meta.get("optimizer_param_groups")
     if not isinstance(groups, list):
-        raise CheckpointError(f"{where}: the checkpoint does not record its optimizers' param groups (written by an "
-                              "older lightning-zero?), so its optimizer states cannot be put in Lightning's order; "
-                              "consolidate without --with-optimizer for the weights only", where)
+        raise CheckpointError(
+            f"{where}: the checkpoint does not record its optimizers' param groups (written by an "
+            "older lightning-zero?), so its optimizer states cannot be put in Lightning's order; "
+            "consolidate without --with-optimizer for the weights only",
+            where,
+        )
     if not groups:
-        raise CheckpointError(f"{where}: the checkpoint holds no optimizer states (saved with save_weights_only=True, "
-                              "or before configure_optimizers); consolidate without --with-optimizer", where)
+        raise CheckpointError(
+            f"{where}: the checkpoint holds no optimizer states (saved with save_weights_only=True, "
+            "or before configure_optimizers); consolidate without --with-optimizer",
+            where,
+        )
     excluded = meta.get("frozen_parameters_excluded") or []
     if excluded:
-        raise CheckpointError(f"{where}: the checkpoint left out {len(excluded)} frozen weight(s) "
-                              f"(exclude_frozen_parameters=True, e.g. {excluded[0]!r}); a resumable single file needs "
-                              "every weight", where)
-    scaler = (meta.get("ZeroPrecision") or {}).get("loss_scaler") if isinstance(meta.get("ZeroPrecision"), dict) \
-        else None
+        raise CheckpointError(
+            f"{where}: the checkpoint left out {len(excluded)} frozen weight(s) "
+            f"(exclude_frozen_parameters=True, e.g. {excluded[0]!r}); a resumable single file needs "
+            "every weight",
+            where,
+        )
+    scaler = (
+        (meta.get("ZeroPrecision") or {}).get("loss_scaler") if isinstance(meta.get("ZeroPrecision"), dict) else None
+    )
     if scaler:
         # Kept in the file (ZeroStrategy resumes from it too), but no other precision plugin reads it: say so.
-        warnings.warn(f"{where}: the fp16 loss-scaler state (lightning-zero's DeepSpeed-style scaler, scale "
-                      f"{scaler.get('cur_scale')}) is kept under 'ZeroPrecision'; Lightning's own precision plugins "
-                      "(e.g. MixedPrecision under DDPStrategy) do not read it and start their GradScaler afresh",
-                      stacklevel=3)
+        warnings.warn(
+            f"{where}: the fp16 loss-scaler state (lightning-zero's DeepSpeed-style scaler, scale "
+            f"{scaler.get('cur_scale')}) is kept under 'ZeroPrecision'; Lightning's own precision plugins "
+            "(e.g. MixedPrecision under DDPStrategy) do not read it and start their GradScaler afresh",
+            stacklevel=3,
+        )
     stored = _stored_states(source)
     unknown = sorted(set(stored) - {str(i) for i in range(len(groups))})
     if unknown:
@@ -108,8 +129,13 @@ def resumable_checkpoint(source, state_dict: Dict[str, Any], load_weight: Callab
     checkpoint["optimizer_states"] = [_renumbered(where, i, g, stored.get(str(i), {})) for i, g in enumerate(groups)]
     # The writer hands back the very entry object of each placeholder: identity tells the two kinds apart (a weight
     # key and a DCP name could be equal strings).
-    optimizer_entries = {id(value) for states in stored.values() for state in states.values()
-                         for value in state.values() if isinstance(value, TensorEntry)}
+    optimizer_entries = {
+        id(value)
+        for states in stored.values()
+        for state in states.values()
+        for value in state.values()
+        if isinstance(value, TensorEntry)
+    }
 
     def load(entry: TensorEntry) -> torch.Tensor:
         return source.load_fqn(entry.key) if id(entry) in optimizer_entries else load_weight(entry)

@@ -31,9 +31,15 @@ from lightning_zero.checkpoint.streaming import TensorEntry
 from lightning_zero.checkpoint.verify import check_metadata
 
 DTYPES = {
-    "fp32": torch.float32, "float32": torch.float32, "32": torch.float32,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16, "16": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "16": torch.float16,
 }
 
 
@@ -64,8 +70,11 @@ class DCPTensorSource:
             # hands out the uninitialised memory of `torch.empty` nor a corrupt byte. The files read are kept.
             problems, read = verify_and_read(self.path, checksums=True)
         if problems:
-            more = f" (and {len(problems) - 1} more problems; `lightning-zero verify` lists them)" \
-                if len(problems) > 1 else ""
+            more = (
+                f" (and {len(problems) - 1} more problems; `lightning-zero verify` lists them)"
+                if len(problems) > 1
+                else ""
+            )
             raise CheckpointError(f"{problems[0]}{more}", problems[0].path) from problems[0]
         metadata = read["metadata"]
         self._meta: Optional[Dict[str, Any]] = read["meta"]  # handed out once by meta(), then read again
@@ -87,7 +96,7 @@ class DCPTensorSource:
                     continue
                 key = ".".join(str(part) for part in path_parts[1:])
             elif fqn.startswith(top_key + "."):
-                key = fqn[len(top_key) + 1:]
+                key = fqn[len(top_key) + 1 :]
             else:
                 continue
             if isinstance(item, TensorStorageMetadata):
@@ -117,8 +126,10 @@ class DCPTensorSource:
         which every checkpoint written by ``save_sharded_checkpoint`` has."""
         for fqn, path in self._paths.items():
             if path is None:
-                raise CheckpointError(f"{self.path}: the DCP metadata has no key path for {fqn!r}; cannot split it "
-                                      "into nested keys", self.path)
+                raise CheckpointError(
+                    f"{self.path}: the DCP metadata has no key path for {fqn!r}; cannot split it into nested keys",
+                    self.path,
+                )
             if len(path) < 2 or path[0] != top_key:
                 continue
             item = self._metadata.state_dict_metadata.get(fqn)
@@ -127,8 +138,10 @@ class DCPTensorSource:
             if isinstance(item, TensorStorageMetadata):
                 yield path[1:], TensorEntry(fqn, item.properties.dtype, tuple(item.size))
             else:
-                yield path[1:], safe_torch_load(io.BytesIO(self._read_record(MetadataIndex(fqn))),
-                                                what=f"{self.path} {fqn!r}")
+                yield (
+                    path[1:],
+                    safe_torch_load(io.BytesIO(self._read_record(MetadataIndex(fqn))), what=f"{self.path} {fqn!r}"),
+                )
 
     def load(self, entry: TensorEntry) -> torch.Tensor:
         """The full tensor for ``entry`` (one of :attr:`entries`), assembled from its chunks."""
@@ -152,8 +165,10 @@ class DCPTensorSource:
 
     def extras(self) -> Dict[str, Any]:
         """Non-tensor entries under the top key (e.g. a module's ``_extra_state``), read with ``weights_only``."""
-        return {key: safe_torch_load(io.BytesIO(self._read_record(MetadataIndex(fqn))), what=f"{self.path} {fqn!r}")
-                for key, fqn in self._bytes_fqns.items()}
+        return {
+            key: safe_torch_load(io.BytesIO(self._read_record(MetadataIndex(fqn))), what=f"{self.path} {fqn!r}")
+            for key, fqn in self._bytes_fqns.items()
+        }
 
     def meta(self) -> Dict[str, Any]:
         meta, self._meta = self._meta, None  # the copy verification read, once (a caller may change it)

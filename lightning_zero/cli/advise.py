@@ -20,7 +20,7 @@ import time
 
 from lightning_zero.cli.estimate import positive_int as _positive_int
 
-GIB = 1024 ** 3
+GIB = 1024**3
 
 
 def _gib(text: str) -> int:
@@ -46,12 +46,21 @@ def add_parser(subparsers) -> None:
     from lightning_zero.estimate.precisions import PRECISIONS
 
     p = subparsers.add_parser("advise", help="predict (and optionally measure) which ZeRO configuration fits best")
-    p.add_argument("--config", help="a LightningCLI YAML (model, data and trainer sections), or a Hugging Face "
-                                    "model's config.json (a local file or its directory; read offline)")
+    p.add_argument(
+        "--config",
+        help="a LightningCLI YAML (model, data and trainer sections), or a Hugging Face "
+        "model's config.json (a local file or its directory; read offline)",
+    )
     p.add_argument("--model", help="the LightningModule: package.module:Class or path/to/file.py:Class")
     p.add_argument("--data", help="the LightningDataModule (its attributes fill the model's missing init args)")
-    p.add_argument("--init-args", nargs="*", type=_key_value, default=[], metavar="KEY=VALUE",
-                   help="model init args (override the config's)")
+    p.add_argument(
+        "--init-args",
+        nargs="*",
+        type=_key_value,
+        default=[],
+        metavar="KEY=VALUE",
+        help="model init args (override the config's)",
+    )
     p.add_argument("--devices", type=_positive_int, help="ranks per node (default: the config's, else this machine's)")
     p.add_argument("--num-nodes", type=_positive_int, default=1)
     p.add_argument("--device-memory", type=_gib, help="GiB per device (default: this machine's)")
@@ -89,8 +98,13 @@ def _resolve(args):
         raise _fail("pass --config FILE.yaml or --model module:Class")
     spec.init_args.update(dict(args.init_args))
     module = instantiate(spec)
-    overrides = {"hidden": args.hidden, "layers": args.layers, "heads": args.heads, "seq_len": args.seq_len,
-                 "vocab": args.vocab}
+    overrides = {
+        "hidden": args.hidden,
+        "layers": args.layers,
+        "heads": args.heads,
+        "seq_len": args.seq_len,
+        "vocab": args.vocab,
+    }
     shape_kwargs, num_params, unit = infer_shape(module, spec, overrides)
     precision = args.precision or str(spec.trainer.get("precision", "32-true"))
     from lightning_zero.estimate.precisions import PRECISIONS
@@ -157,11 +171,13 @@ def _measure(predictions, spec, shape, machine, precision, args, console):
     if machine.num_nodes > 1:
         raise _fail("--measure runs on this machine only: drop --num-nodes")
     if spec.hf_config is not None:
-        raise _fail("--measure trains a LightningModule: give one with --model module:Class (a Hugging Face "
-                    "config.json is predicted only)")
+        raise _fail(
+            "--measure trains a LightningModule: give one with --model module:Class (a Hugging Face "
+            "config.json is predicted only)"
+        )
     if not shape.vocab:
         raise _fail("--measure feeds random token ids and needs the vocabulary size: pass --vocab")
-    candidates = [p for p in predictions if p.fits and not p.rung.reason][:args.max_candidates]
+    candidates = [p for p in predictions if p.fits and not p.rung.reason][: args.max_candidates]
     for pred in predictions:
         if pred.rung.reason:
             pred.measured = "not run"
@@ -169,11 +185,23 @@ def _measure(predictions, spec, shape, machine, precision, args, console):
             pred.measured = "not measured" if pred.fits else "predicted not to fit"
     for pred in candidates:
         console.print(f"measuring {pred.rung.label} ...")
-        result = measure_rung({"model_class": spec.model_class, "init_args": spec.init_args, "data_class": None,
-                               "data_args": {}, "strategy": pred.rung.strategy_kwargs(), "precision": precision,
-                               "accelerator": machine.accelerator, "devices": machine.devices,
-                               "micro_batch": pred.rung.micro_batch, "seq_len": shape.seq_len,
-                               "vocab": shape.vocab, "steps": args.steps, "warmup": 1})
+        result = measure_rung(
+            {
+                "model_class": spec.model_class,
+                "init_args": spec.init_args,
+                "data_class": None,
+                "data_args": {},
+                "strategy": pred.rung.strategy_kwargs(),
+                "precision": precision,
+                "accelerator": machine.accelerator,
+                "devices": machine.devices,
+                "micro_batch": pred.rung.micro_batch,
+                "seq_len": shape.seq_len,
+                "vocab": shape.vocab,
+                "steps": args.steps,
+                "warmup": 1,
+            }
+        )
         if result["status"] == "ok":
             pred.measured, pred.measured_peak, pred.step_time = "fits", result["peak"], result["time"]
         elif result["status"] == "oom":
@@ -187,9 +215,11 @@ def _measure(predictions, spec, shape, machine, precision, args, console):
 def _table(predictions, shape, num_params, machine, precision, measured):
     from rich.table import Table
 
-    title = (f"{num_params / 1e6:.1f}M parameters, {machine.world_size} x {machine.accelerator} "
-             f"({machine.device_memory / GIB:.1f} GiB each, {machine.cpu_memory / GIB:.1f} GiB CPU), {precision}, "
-             f"seq {shape.seq_len}, hidden {shape.hidden}, {shape.layers} layers")
+    title = (
+        f"{num_params / 1e6:.1f}M parameters, {machine.world_size} x {machine.accelerator} "
+        f"({machine.device_memory / GIB:.1f} GiB each, {machine.cpu_memory / GIB:.1f} GiB CPU), {precision}, "
+        f"seq {shape.seq_len}, hidden {shape.hidden}, {shape.layers} layers"
+    )
     table = Table(title=title)
     columns = ["#", "rung", "configuration", "device peak", "cpu", "fits", "note"]
     if measured:
@@ -200,12 +230,22 @@ def _table(predictions, shape, num_params, machine, precision, measured):
         if p.estimate is None:
             row = [str(i), p.rung.step, p.rung.label, "-", "-", "-", p.rung.reason]
         else:
-            row = [str(i), p.rung.step, p.rung.label, f"{p.estimate.accelerator_peak / GIB:.3f} GiB",
-                   f"{p.estimate.cpu_peak / GIB:.3f} GiB", "yes" if p.fits else "no", p.rung.reason]
+            row = [
+                str(i),
+                p.rung.step,
+                p.rung.label,
+                f"{p.estimate.accelerator_peak / GIB:.3f} GiB",
+                f"{p.estimate.cpu_peak / GIB:.3f} GiB",
+                "yes" if p.fits else "no",
+                p.rung.reason,
+            ]
         if measured:
-            row += [f"{p.measured_peak / GIB:.3f} GiB" if p.measured_peak is not None else "-",
-                    f"{p.step_time:.3f} s" if p.step_time else "-",
-                    f"{p.throughput:.1f}" if p.throughput else "-", p.measured or "-"]
+            row += [
+                f"{p.measured_peak / GIB:.3f} GiB" if p.measured_peak is not None else "-",
+                f"{p.step_time:.3f} s" if p.step_time else "-",
+                f"{p.throughput:.1f}" if p.throughput else "-",
+                p.measured or "-",
+            ]
         table.add_row(*row)
     return table
 

@@ -34,8 +34,13 @@ def measure_rung(spec: dict, timeout: float = 600.0) -> dict:
         with open(path, "w") as f:
             json.dump(spec, f)
         try:
-            proc = subprocess.run([sys.executable, "-m", "lightning_zero.cli.advise_measure", path],
-                                  capture_output=True, text=True, timeout=timeout, env=_child_env())
+            proc = subprocess.run(
+                [sys.executable, "-m", "lightning_zero.cli.advise_measure", path],
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                env=_child_env(),
+            )
         except subprocess.TimeoutExpired:
             return {"status": "error", "message": f"timed out after {timeout:.0f} s"}
         results = []
@@ -55,8 +60,12 @@ def measure_rung(spec: dict, timeout: float = 600.0) -> dict:
         if any(marker in text for marker in OOM_MARKERS):
             return {"status": "oom", "message": _last_error(tail)}
         return {"status": "error", "message": _last_error(tail) or f"exit code {proc.returncode}"}
-    return {"status": "ok", "peak": max(r["peak"] for r in results), "time": max(r["time"] for r in results),
-            "tensors": max(r["tensors"] for r in results)}
+    return {
+        "status": "ok",
+        "peak": max(r["peak"] for r in results),
+        "time": max(r["time"] for r in results),
+        "tensors": max(r["tensors"] for r in results),
+    }
 
 
 def _last_error(lines: list) -> str:
@@ -101,8 +110,15 @@ def _peak(cuda: bool, baseline: int) -> int:
 
 
 def _run_rank(rank: int, world: int, port: int, spec: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), NODE_RANK="0")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        NODE_RANK="0",
+    )
     import torch
 
     cuda = spec["accelerator"] == "cuda"
@@ -159,8 +175,9 @@ def measuring_callback(cuda: bool = False):
                 torch.cuda.synchronize()
             self.times.append(time.perf_counter() - self.start)
             if len(self.times) == 1:  # after the first (warm-up) step: outside the timed ones, FSDP2 initialised
-                self.recomputed = recomputed_block_bytes(pl_module, self.activations,
-                                                         trainer.precision_plugin.forward_context)
+                self.recomputed = recomputed_block_bytes(
+                    pl_module, self.activations, trainer.precision_plugin.forward_context
+                )
 
     return Measure()
 
@@ -174,21 +191,37 @@ def _train(rank: int, world: int, spec: dict, cuda: bool) -> dict:
 
     baseline = _reset_peak(cuda)
     timer = measuring_callback(cuda)
-    model = instantiate(ModelSpec(spec["model_class"], spec["init_args"], spec.get("data_class"),
-                                       spec.get("data_args") or {}), device=None)
+    model = instantiate(
+        ModelSpec(spec["model_class"], spec["init_args"], spec.get("data_class"), spec.get("data_args") or {}),
+        device=None,
+    )
     gen = torch.Generator().manual_seed(rank)
     shape = (spec["micro_batch"], spec["seq_len"])
-    batches = [(torch.randint(0, spec["vocab"], shape, generator=gen), torch.randint(0, spec["vocab"], shape,
-                                                                                     generator=gen))
-               for _ in range(spec["warmup"] + spec["steps"])]
-    trainer = pl.Trainer(accelerator="gpu" if cuda else "cpu", devices=world, strategy=ZeroStrategy(**spec["strategy"]),
-                         precision=spec["precision"], max_steps=len(batches), logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[timer],
-                         use_distributed_sampler=False)
+    batches = [
+        (torch.randint(0, spec["vocab"], shape, generator=gen), torch.randint(0, spec["vocab"], shape, generator=gen))
+        for _ in range(spec["warmup"] + spec["steps"])
+    ]
+    trainer = pl.Trainer(
+        accelerator="gpu" if cuda else "cpu",
+        devices=world,
+        strategy=ZeroStrategy(**spec["strategy"]),
+        precision=spec["precision"],
+        max_steps=len(batches),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[timer],
+        use_distributed_sampler=False,
+    )
     trainer.fit(model, torch.utils.data.DataLoader(batches, batch_size=None))
-    measured = timer.times[spec["warmup"]:] or timer.times
-    return {"status": "ok", "time": statistics.median(measured), "peak": _peak(cuda, baseline),
-            "tensors": timer.tensors}
+    measured = timer.times[spec["warmup"] :] or timer.times
+    return {
+        "status": "ok",
+        "time": statistics.median(measured),
+        "peak": _peak(cuda, baseline),
+        "tensors": timer.tensors,
+    }
 
 
 def main(argv: Optional[list] = None) -> int:
@@ -202,8 +235,9 @@ def main(argv: Optional[list] = None) -> int:
     load_object(spec["model_class"])  # import the user's module once, before the ranks fork
     # Fork shares the imports (seconds per rank on a small CPU machine); CUDA cannot be forked.
     method = "spawn" if spec["accelerator"] == "cuda" else "fork"
-    mp.start_processes(_run_rank, args=(spec["devices"], free_port(), spec), nprocs=spec["devices"],
-                       start_method=method)
+    mp.start_processes(
+        _run_rank, args=(spec["devices"], free_port(), spec), nprocs=spec["devices"], start_method=method
+    )
     return 0
 
 

@@ -68,8 +68,16 @@ class ModelSpec:
 
 
 #: Top-level keys only a DeepSpeed ds_config has (a LightningCLI config has model/data/trainer sections instead).
-_DS_CONFIG_KEYS = ("zero_optimization", "train_batch_size", "train_micro_batch_size_per_gpu",
-                   "gradient_accumulation_steps", "fp16", "bf16", "optimizer", "scheduler")
+_DS_CONFIG_KEYS = (
+    "zero_optimization",
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "fp16",
+    "bf16",
+    "optimizer",
+    "scheduler",
+)
 
 
 def _config_kind(raw: dict) -> str:
@@ -99,14 +107,17 @@ def read_config(path: str, model: Optional[str], data: Optional[str]) -> ModelSp
         raise AdviseError(f"--config {path!r} is not a mapping")
     kind = _config_kind(raw)
     if kind == "ds_config":
-        raise AdviseError(f"--config {path!r} is a DeepSpeed ds_config, which holds no model: --config takes a "
-                          "LightningCLI YAML (model/data/trainer sections) or a Hugging Face config.json; give the "
-                          "model with --model module:Class (and --init-args), and advise writes the ds_config "
-                          "(advise_ds_config.json)")
+        raise AdviseError(
+            f"--config {path!r} is a DeepSpeed ds_config, which holds no model: --config takes a "
+            "LightningCLI YAML (model/data/trainer sections) or a Hugging Face config.json; give the "
+            "model with --model module:Class (and --init-args), and advise writes the ds_config "
+            "(advise_ds_config.json)"
+        )
     if kind == "hf":
         if model is not None or data is not None:
-            raise AdviseError(f"--config {path!r} is a Hugging Face config.json, which is the model: drop "
-                              "--model/--data")
+            raise AdviseError(
+                f"--config {path!r} is a Hugging Face config.json, which is the model: drop --model/--data"
+            )
         return ModelSpec(f"transformers config {path}", hf_config=path)
 
     def section(name: str, given: Optional[str]) -> tuple[Optional[str], dict]:
@@ -154,8 +165,10 @@ def instantiate(spec: ModelSpec, device: Optional[str] = "meta") -> Any:
                 if callable(configure):
                     configure()
     except TypeError as err:
-        raise AdviseError(f"cannot build {spec.model_class} with {sorted(init_args)}: {err} "
-                          "(pass the missing init args with --init-args key=value)") from err
+        raise AdviseError(
+            f"cannot build {spec.model_class} with {sorted(init_args)}: {err} "
+            "(pass the missing init args with --init-args key=value)"
+        ) from err
     spec.init_args = init_args
     return module
 
@@ -168,8 +181,9 @@ def _instantiate_hf(path: str, overrides: dict, device: Optional[str]) -> Any:
     try:
         from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
     except ImportError as err:
-        raise AdviseError(f"--config {path!r} is a Hugging Face config.json: reading it needs transformers "
-                          f"({err})") from err
+        raise AdviseError(
+            f"--config {path!r} is a Hugging Face config.json: reading it needs transformers ({err})"
+        ) from err
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True, **overrides)
     except (OSError, ValueError, KeyError) as err:
@@ -216,8 +230,10 @@ def infer_shape(module: Any, spec: ModelSpec, overrides: dict) -> tuple[dict, in
     found.update({k: v for k, v in overrides.items() if v is not None})
     missing = [k for k in _FLAGS if not found.get(k)]
     if missing:
-        raise AdviseError("cannot tell the model's " + ", ".join(missing) + " from its attributes, hyperparameters or "
-                          "init args: pass " + ", ".join(_FLAGS[k] for k in missing))
+        raise AdviseError(
+            "cannot tell the model's " + ", ".join(missing) + " from its attributes, hyperparameters or "
+            "init args: pass " + ", ".join(_FLAGS[k] for k in missing)
+        )
     found["layer_params"] = layer_params
     from lightning_zero.distributed.apply_zero import unit_groups
     from lightning_zero.distributed.config import ZeroConfig

@@ -30,32 +30,64 @@ def add_parser(subparsers) -> None:
             "--with-optimizer. An existing OUTPUT is refused unless --overwrite."
         ),
     )
-    parser.add_argument("checkpoint", help="lightning-zero sharded checkpoint, DeepSpeed checkpoint directory, or a "
-                                           "single-file Lightning checkpoint")
-    parser.add_argument("output", nargs="?", default=None,
-                        help="output file (.safetensors or a Lightning .ckpt/.pt); not with --hf")
-    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
-                        help="convert floating-point tensors (default: keep stored dtypes)")
+    parser.add_argument(
+        "checkpoint",
+        help="lightning-zero sharded checkpoint, DeepSpeed checkpoint directory, or a single-file Lightning checkpoint",
+    )
+    parser.add_argument(
+        "output", nargs="?", default=None, help="output file (.safetensors or a Lightning .ckpt/.pt); not with --hf"
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16", "fp16"),
+        default=None,
+        help="convert floating-point tensors (default: keep stored dtypes)",
+    )
     parser.add_argument("--overwrite", "--force", action="store_true", help="replace an existing OUTPUT")
-    parser.add_argument("-t", "--tag", default=None,
-                        help="DeepSpeed checkpoint: the tag directory to read (default, or 'latest': the tag the "
-                             "'latest' file names), as zero_to_fp32's --tag")
-    parser.add_argument("--safe_serialization", "--safe-serialization", action="store_true",
-                        help="zero_to_fp32's flag for safetensors: OUTPUT must end in .safetensors (the extension "
-                             "chooses the format)")
-    parser.add_argument("--with-optimizer", "--with_optimizer", action="store_true",
-                        help="also write optimizer states, in Lightning's format: the output resumes training under "
-                             "any strategy, e.g. Trainer(strategy='ddp').fit(model, ckpt_path=OUTPUT)")
-    parser.add_argument("--hf", metavar="DIR", default=None,
-                        help="write a Hugging Face model directory: the LightningModule attribute holding the "
-                             "transformers.PreTrainedModel (recorded at save) with its prefix stripped, tied weights "
-                             "once, config.json")
-    parser.add_argument("--strip-prefix", "--strip_prefix", metavar="P", default=None,
-                        help="keep only the keys under P (e.g. 'model'), without it: for --hf when the checkpoint "
-                             "records no transformers model, or for a .safetensors OUTPUT")
-    parser.add_argument("--max-shard-size", "--max_shard_size", metavar="SIZE", default=None,
-                        help="with --hf: split the weights into model-0000i-of-0000n.safetensors files of at most "
-                             "SIZE (e.g. 2GB, 500MB) plus model.safetensors.index.json")
+    parser.add_argument(
+        "-t",
+        "--tag",
+        default=None,
+        help="DeepSpeed checkpoint: the tag directory to read (default, or 'latest': the tag the "
+        "'latest' file names), as zero_to_fp32's --tag",
+    )
+    parser.add_argument(
+        "--safe_serialization",
+        "--safe-serialization",
+        action="store_true",
+        help="zero_to_fp32's flag for safetensors: OUTPUT must end in .safetensors (the extension chooses the format)",
+    )
+    parser.add_argument(
+        "--with-optimizer",
+        "--with_optimizer",
+        action="store_true",
+        help="also write optimizer states, in Lightning's format: the output resumes training under "
+        "any strategy, e.g. Trainer(strategy='ddp').fit(model, ckpt_path=OUTPUT)",
+    )
+    parser.add_argument(
+        "--hf",
+        metavar="DIR",
+        default=None,
+        help="write a Hugging Face model directory: the LightningModule attribute holding the "
+        "transformers.PreTrainedModel (recorded at save) with its prefix stripped, tied weights "
+        "once, config.json",
+    )
+    parser.add_argument(
+        "--strip-prefix",
+        "--strip_prefix",
+        metavar="P",
+        default=None,
+        help="keep only the keys under P (e.g. 'model'), without it: for --hf when the checkpoint "
+        "records no transformers model, or for a .safetensors OUTPUT",
+    )
+    parser.add_argument(
+        "--max-shard-size",
+        "--max_shard_size",
+        metavar="SIZE",
+        default=None,
+        help="with --hf: split the weights into model-0000i-of-0000n.safetensors files of at most "
+        "SIZE (e.g. 2GB, 500MB) plus model.safetensors.index.json",
+    )
     add_debug_flag(parser)
     parser.set_defaults(func=run, parser=parser)
 
@@ -88,8 +120,9 @@ def _source(args: argparse.Namespace) -> str:
     if args.tag is None:
         return args.checkpoint
     if not (os.path.isdir(args.checkpoint) and is_deepspeed_checkpoint(args.checkpoint)):
-        raise ValueError(f"--tag {args.tag}: {args.checkpoint} is not a DeepSpeed checkpoint directory, the only kind "
-                         "with tags")
+        raise ValueError(
+            f"--tag {args.tag}: {args.checkpoint} is not a DeepSpeed checkpoint directory, the only kind with tags"
+        )
     if args.tag == "latest":
         return args.checkpoint
     tagged = os.path.join(args.checkpoint, args.tag)
@@ -110,9 +143,11 @@ def _single_file_note(args: argparse.Namespace) -> None:
     import os
 
     if args.output is not None and os.path.isfile(args.checkpoint) and not args.with_optimizer:
-        print(f"lightning-zero consolidate: note: {args.checkpoint} is a single-file checkpoint: {args.output} "
-              "holds its weights (a .ckpt also its other entries: loops, hyperparameters), not its optimizer states; "
-              "--with-optimizer keeps them")
+        print(
+            f"lightning-zero consolidate: note: {args.checkpoint} is a single-file checkpoint: {args.output} "
+            "holds its weights (a .ckpt also its other entries: loops, hyperparameters), not its optimizer states; "
+            "--with-optimizer keeps them"
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -127,11 +162,21 @@ def run(args: argparse.Namespace) -> int:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             if args.hf is not None:
-                left_out = export_hf(args.checkpoint, args.hf, strip_prefix=args.strip_prefix, dtype=args.dtype,
-                                     max_shard_size=args.max_shard_size)
+                left_out = export_hf(
+                    args.checkpoint,
+                    args.hf,
+                    strip_prefix=args.strip_prefix,
+                    dtype=args.dtype,
+                    max_shard_size=args.max_shard_size,
+                )
             else:
-                consolidate_checkpoint(args.checkpoint, args.output, dtype=args.dtype,
-                                       with_optimizer=args.with_optimizer, strip_prefix=args.strip_prefix)
+                consolidate_checkpoint(
+                    args.checkpoint,
+                    args.output,
+                    dtype=args.dtype,
+                    with_optimizer=args.with_optimizer,
+                    strip_prefix=args.strip_prefix,
+                )
                 left_out = []
     except Exception as err:  # one line per error; the traceback only with --debug
         if args.debug:

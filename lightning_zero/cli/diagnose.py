@@ -31,30 +31,59 @@ DEFAULT_SIZES = ("1K", "64K", "1M", "16M")
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
-        "diagnose", help="audit the distributed environment and measure collective bandwidth",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        "diagnose",
+        help="audit the distributed environment and measure collective bandwidth",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--nproc-per-node", type=int, default=None,
-                        help="local processes to start (default: CUDA device count, or 2 without CUDA); not "
-                             "allowed under torchrun, which starts the processes itself")
-    parser.add_argument("--sizes", nargs="+", default=list(DEFAULT_SIZES),
-                        help="message sizes in the nccl-tests sense: bytes or with K/M/G (default: %(default)s)")
+    parser.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        help="local processes to start (default: CUDA device count, or 2 without CUDA); not "
+        "allowed under torchrun, which starts the processes itself",
+    )
+    parser.add_argument(
+        "--sizes",
+        nargs="+",
+        default=list(DEFAULT_SIZES),
+        help="message sizes in the nccl-tests sense: bytes or with K/M/G (default: %(default)s)",
+    )
     parser.add_argument("--collectives", nargs="+", default=list(COLLECTIVES), choices=COLLECTIVES)
     parser.add_argument("--iters", type=int, default=5, help="timed iterations per size (default: %(default)s)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed iterations per size (default: %(default)s)")
-    parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
-                        help="process-group backend; auto = nccl with CUDA, else gloo")
-    parser.add_argument("--slow-rank-tolerance", type=float, default=0.5,
-                        help="flag a rank slower than the median by this fraction (default: %(default)s)")
+    parser.add_argument(
+        "--backend",
+        choices=("auto", "gloo", "nccl"),
+        default="auto",
+        help="process-group backend; auto = nccl with CUDA, else gloo",
+    )
+    parser.add_argument(
+        "--slow-rank-tolerance",
+        type=float,
+        default=0.5,
+        help="flag a rank slower than the median by this fraction (default: %(default)s)",
+    )
     parser.add_argument("--json", metavar="PATH", default=None, help="write audit and probe results as JSON")
-    parser.add_argument("--network-only", action="store_true",
-                        help="only check this node's network (no process group): hostname, interfaces, "
-                             "GLOO/NCCL_SOCKET_IFNAME, MASTER_ADDR:PORT reachability; exit 1 on a problem")
-    parser.add_argument("--num-nodes", type=int, default=None,
-                        help="nodes of the job, for --network-only outside a launcher (default: from "
-                             "WORLD_SIZE/LOCAL_WORLD_SIZE, else 1)")
-    parser.add_argument("--connect-timeout", type=float, default=5.0,
-                        help="seconds --network-only tries to reach MASTER_ADDR:MASTER_PORT (default: %(default)s)")
+    parser.add_argument(
+        "--network-only",
+        action="store_true",
+        help="only check this node's network (no process group): hostname, interfaces, "
+        "GLOO/NCCL_SOCKET_IFNAME, MASTER_ADDR:PORT reachability; exit 1 on a problem",
+    )
+    parser.add_argument(
+        "--num-nodes",
+        type=int,
+        default=None,
+        help="nodes of the job, for --network-only outside a launcher (default: from "
+        "WORLD_SIZE/LOCAL_WORLD_SIZE, else 1)",
+    )
+    parser.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=5.0,
+        help="seconds --network-only tries to reach MASTER_ADDR:MASTER_PORT (default: %(default)s)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -73,8 +102,13 @@ def _options(args: argparse.Namespace) -> dict:
     except ValueError as err:
         raise SystemExit(f"diagnose: --sizes: {err}") from None
     return {
-        "backend": backend, "sizes": sizes, "collectives": list(args.collectives), "iters": args.iters,
-        "warmup": args.warmup, "json": args.json, "tolerance": args.slow_rank_tolerance,
+        "backend": backend,
+        "sizes": sizes,
+        "collectives": list(args.collectives),
+        "iters": args.iters,
+        "warmup": args.warmup,
+        "json": args.json,
+        "tolerance": args.slow_rank_tolerance,
     }
 
 
@@ -90,8 +124,9 @@ def _node_layout(num_nodes: Optional[int] = None) -> tuple[int, int]:
     return num_nodes, 0
 
 
-def network_check(num_nodes: Optional[int] = None, connect_timeout: Optional[float] = None,
-                  verbose: bool = True) -> dict:
+def network_check(
+    num_nodes: Optional[int] = None, connect_timeout: Optional[float] = None, verbose: bool = True
+) -> dict:
     """This node's network check (before any process group): prints identity, warnings; raises on errors."""
     from lightning_zero.diagnostics.network import check_network, identity_line, wait_for_master
 
@@ -122,8 +157,10 @@ def run(args: argparse.Namespace) -> int:
     under_launcher = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if under_launcher:
         if args.nproc_per_node is not None:
-            raise SystemExit("diagnose: RANK/WORLD_SIZE are set (torchrun or similar started this process), so "
-                             "--nproc-per-node is the launcher's job; drop it")
+            raise SystemExit(
+                "diagnose: RANK/WORLD_SIZE are set (torchrun or similar started this process), so "
+                "--nproc-per-node is the launcher's job; drop it"
+            )
         return _rank_main(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), options, init_from_env=True)
     import torch
     import torch.multiprocessing as mp
@@ -144,8 +181,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _spawned_entry(rank: int, world_size: int, port: int, options: dict) -> int:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
     return _rank_main(rank, world_size, options, init_from_env=False)
 
 
@@ -172,12 +215,14 @@ def _rank_main(rank: int, world_size: int, options: dict, init_from_env: bool) -
     else:
         dist.init_process_group(backend, rank=rank, world_size=world_size)
     try:
-        audit = audit_environment(backend=backend, world_size=world_size,
-                                  local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+        audit = audit_environment(
+            backend=backend, world_size=world_size, local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        )
         audit.network = identity
         audits = all_gather_json(audit.to_dict() if local_rank == 0 else None, device=device)
-        results = probe_collectives(options["collectives"], options["sizes"], options["iters"], options["warmup"],
-                                    device=device)
+        results = probe_collectives(
+            options["collectives"], options["sizes"], options["iters"], options["warmup"], device=device
+        )
         if rank == 0:
             _report(audits, results, options, world_size, audit_text, probe_table, slow_outliers)
         dist.barrier()
@@ -200,8 +245,11 @@ def _report(audits, results, options, world_size, audit_text, probe_table, slow_
         console.print(f"SLOW: {flag}", markup=False)
     if options["json"]:
         payload = {
-            "backend": options["backend"], "world_size": world_size, "audits": [a.to_dict() for a in host_audits],
-            "probe": [r.to_dict() for r in results], "slow_ranks": flags,
+            "backend": options["backend"],
+            "world_size": world_size,
+            "audits": [a.to_dict() for a in host_audits],
+            "probe": [r.to_dict() for r in results],
+            "slow_ranks": flags,
         }
         with open(options["json"], "w") as handle:
             json.dump(payload, handle, indent=2)

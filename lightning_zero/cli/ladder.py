@@ -22,10 +22,14 @@ from lightning_zero.estimate.precisions import PRECISIONS
 
 # Predicted (parameters and optimizer states on disk, docs/offload.md) but never picked or measured: it needs a
 # directory on a fast local disk, which advise does not know.
-NVME_REASON = ("not picked, it needs nvme_path: ZeroStrategy(stage=3, offload='nvme', nvme_path=<a directory on "
-               "a local NVMe disk>) swaps parameters and optimizer states there")
-PARAM_ONLY_REASON = ("not available separately: offload_params needs offload_optimizer (the sharded fp32 parameters "
-                     "are the optimizer's masters), so the next rungs offload the optimizer, then both")
+NVME_REASON = (
+    "not picked, it needs nvme_path: ZeroStrategy(stage=3, offload='nvme', nvme_path=<a directory on "
+    "a local NVMe disk>) swaps parameters and optimizer states there"
+)
+PARAM_ONLY_REASON = (
+    "not available separately: offload_params needs offload_optimizer (the sharded fp32 parameters "
+    "are the optimizer's masters), so the next rungs offload the optimizer, then both"
+)
 
 
 @dataclass(frozen=True)
@@ -166,13 +170,21 @@ def ladder(micro_batch: int) -> list[Rung]:
     rungs.append(Rung("NVMe offload", 3, "nvme", "full+cpu", 1, reason=NVME_REASON))
     # The rest of the grid, cheapest first by the same rule (offload costs most, then checkpointing, then stage):
     # where checkpointing is not available these are the runnable alternatives to the ladder's later rungs.
-    named = {(r.stage, r.offload, r.checkpointing, r.micro_batch) for r in rungs
-             if not r.reason and not r.optimizer_only}
-    grid = [(stage, offload, ckpt) for stage in (0, 1, 2, 3) for offload in ((None,) if stage == 0 else (None, "cpu"))
-            for ckpt in CHECKPOINTING]
+    named = {
+        (r.stage, r.offload, r.checkpointing, r.micro_batch) for r in rungs if not r.reason and not r.optimizer_only
+    }
+    grid = [
+        (stage, offload, ckpt)
+        for stage in (0, 1, 2, 3)
+        for offload in ((None,) if stage == 0 else (None, "cpu"))
+        for ckpt in CHECKPOINTING
+    ]
     grid.sort(key=lambda c: (c[1] is not None, CHECKPOINTING.index(c[2]), c[0]))
-    rungs += [Rung("grid", stage, offload, ckpt, mb) for stage, offload, ckpt in grid
-              if (stage, offload, ckpt, mb) not in named]
+    rungs += [
+        Rung("grid", stage, offload, ckpt, mb)
+        for stage, offload, ckpt in grid
+        if (stage, offload, ckpt, mb) not in named
+    ]
     return [_availability(r) for r in rungs]
 
 
@@ -196,8 +208,14 @@ class Prediction:
         return self.rung.micro_batch / self.step_time
 
 
-def predict(rungs: list[Rung], model_or_num_params, shape: TransformerShape, machine: Machine, precision: str,
-            largest_unit_params: Optional[int] = None) -> list[Prediction]:
+def predict(
+    rungs: list[Rung],
+    model_or_num_params,
+    shape: TransformerShape,
+    machine: Machine,
+    precision: str,
+    largest_unit_params: Optional[int] = None,
+) -> list[Prediction]:
     """Predict every rung's per-rank peaks and whether it fits ``machine`` (with its headroom)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
@@ -207,14 +225,23 @@ def predict(rungs: list[Rung], model_or_num_params, shape: TransformerShape, mac
         if rung.reason.startswith("not available"):
             out.append(Prediction(rung))
             continue
-        est = estimate_memory(model_or_num_params, rung.stage, machine.world_size, precision=precision,
-                              shape=replace(shape, micro_batch=rung.micro_batch), checkpointing=rung.checkpointing,
-                              largest_unit_params=largest_unit_params, **rung.offload_kwargs)
+        est = estimate_memory(
+            model_or_num_params,
+            rung.stage,
+            machine.world_size,
+            precision=precision,
+            shape=replace(shape, micro_batch=rung.micro_batch),
+            checkpointing=rung.checkpointing,
+            largest_unit_params=largest_unit_params,
+            **rung.offload_kwargs,
+        )
         if machine.accelerator == "cpu":  # device memory is CPU memory: every rank's whole footprint shares it
             fits = (est.accelerator_peak + est.cpu_peak) * machine.devices <= usable * machine.cpu_memory
         else:
-            fits = (est.accelerator_peak <= usable * machine.device_memory
-                    and est.cpu_peak * machine.devices <= usable * machine.cpu_memory)
+            fits = (
+                est.accelerator_peak <= usable * machine.device_memory
+                and est.cpu_peak * machine.devices <= usable * machine.cpu_memory
+            )
         out.append(Prediction(rung, est, fits))
     return out
 
@@ -226,16 +253,20 @@ def predicted_winner(predictions: list[Prediction]) -> Optional[Prediction]:
 
 def lightning_yaml(rung: Rung, precision: str, machine: Machine, batch_key: Optional[str] = None) -> str:
     """The winning configuration as a LightningCLI snippet (``trainer.strategy`` class_path/init_args)."""
-    lines = ["# lightning-zero advise: the winning configuration",
-             "trainer:",
-             f"  accelerator: {'gpu' if machine.accelerator == 'cuda' else 'cpu'}",
-             f"  devices: {machine.devices}"]
+    lines = [
+        "# lightning-zero advise: the winning configuration",
+        "trainer:",
+        f"  accelerator: {'gpu' if machine.accelerator == 'cuda' else 'cpu'}",
+        f"  devices: {machine.devices}",
+    ]
     if machine.num_nodes > 1:
         lines.append(f"  num_nodes: {machine.num_nodes}")
-    lines += [f"  precision: {precision}",
-              "  strategy:",
-              "    class_path: lightning_zero.ZeroStrategy",
-              "    init_args:"]
+    lines += [
+        f"  precision: {precision}",
+        "  strategy:",
+        "    class_path: lightning_zero.ZeroStrategy",
+        "    init_args:",
+    ]
     lines += [f"      {key}: {json.dumps(value)}" for key, value in rung.strategy_kwargs().items()]
     if batch_key:
         section, _, key = batch_key.partition(".")
@@ -252,15 +283,22 @@ def ds_config(rung: Rung, precision: str) -> dict:
         zero["offload_optimizer"] = {"device": rung.offload}
         if rung.stage == 3 and not rung.optimizer_only:
             zero["offload_param"] = {"device": rung.offload}
-    config: dict = {"train_micro_batch_size_per_gpu": rung.micro_batch, "gradient_accumulation_steps": 1,
-                    "zero_optimization": zero}
+    config: dict = {
+        "train_micro_batch_size_per_gpu": rung.micro_batch,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": zero,
+    }
     if precision in ("bf16-mixed", "16-mixed"):
         config["bf16" if precision.startswith("bf16") else "fp16"] = {"enabled": True}
     elif precision not in ("32-true", "32"):
         # DeepSpeed's bf16/fp16 sections keep fp32 masters: writing one would silently change the precision.
-        raise ValueError(f"precision {precision!r} has no ds_config equivalent (DeepSpeed's bf16/fp16 modes keep "
-                         "fp32 master weights, i.e. bf16-mixed/16-mixed)")
+        raise ValueError(
+            f"precision {precision!r} has no ds_config equivalent (DeepSpeed's bf16/fp16 modes keep "
+            "fp32 master weights, i.e. bf16-mixed/16-mixed)"
+        )
     if rung.checkpointing != "none":
-        config["activation_checkpointing"] = {"partition_activations": False,
-                                              "cpu_checkpointing": rung.checkpointing == "full+cpu"}
+        config["activation_checkpointing"] = {
+            "partition_activations": False,
+            "cpu_checkpointing": rung.checkpointing == "full+cpu",
+        }
     return config

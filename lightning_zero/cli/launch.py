@@ -40,8 +40,19 @@ from typing import Mapping, Optional, Sequence
 
 from lightning_zero.cli.errors import add_debug_flag, report
 
-FORWARDED_PREFIXES = ("NCCL_", "GLOO_", "TORCH_", "PYTHON", "CUDA_", "OMP_", "LIGHTNING_", "PL_", "UCX_", "HF_",
-                      "MASTER_PORT")
+FORWARDED_PREFIXES = (
+    "NCCL_",
+    "GLOO_",
+    "TORCH_",
+    "PYTHON",
+    "CUDA_",
+    "OMP_",
+    "LIGHTNING_",
+    "PL_",
+    "UCX_",
+    "HF_",
+    "MASTER_PORT",
+)
 DEFAULT_PORT = 29500
 _CHECKIN = "lightning_zero/launch/"
 
@@ -82,22 +93,27 @@ def _parse_filter(text: str, flag: str, hosts: Mapping[str, int]) -> dict[str, O
             raise ValueError(f"{flag}={text!r}: slots of {name!r} must be integers, got {slots!r}") from None
         bad = [s for s in numbers if not 0 <= s < hosts[name]]
         if bad or len(set(numbers)) != len(numbers):
-            raise ValueError(f"{flag}={text!r}: slots {bad or numbers} of {name!r} are repeated or outside its "
-                             f"slots=0..{hosts[name] - 1}")
+            raise ValueError(
+                f"{flag}={text!r}: slots {bad or numbers} of {name!r} are repeated or outside its "
+                f"slots=0..{hosts[name] - 1}"
+            )
         picked[name] = sorted(numbers)
     return picked
 
 
-def select_resources(hosts: Mapping[str, int], include: str = "", exclude: str = "", num_nodes: int = -1,
-                     num_gpus: int = -1) -> "OrderedDict[str, list[int]]":
+def select_resources(
+    hosts: Mapping[str, int], include: str = "", exclude: str = "", num_nodes: int = -1, num_gpus: int = -1
+) -> "OrderedDict[str, list[int]]":
     """The hosts and slots a launch uses, in hostfile order (DeepSpeed's semantics; errors instead of guesses)."""
     if include and exclude:
         raise ValueError("--include and --exclude are mutually exclusive")
     chosen: "OrderedDict[str, list[int]]" = OrderedDict((h, list(range(n))) for h, n in hosts.items())
     if include:
         picked = _parse_filter(include, "--include", hosts)
-        chosen = OrderedDict((h, s if s is not None else list(range(hosts[h])))
-                             for h, s in ((h, picked[h]) for h in hosts if h in picked))
+        chosen = OrderedDict(
+            (h, s if s is not None else list(range(hosts[h])))
+            for h, s in ((h, picked[h]) for h in hosts if h in picked)
+        )
     elif exclude:
         dropped = _parse_filter(exclude, "--exclude", hosts)
         for host, slots in dropped.items():
@@ -136,7 +152,8 @@ def check_even(chosen: Mapping[str, list[int]]) -> None:
     raise ValueError(
         f"the selection runs {counts} processes per node, but Lightning's Trainer and Fabric run the same number "
         f"(devices) on every node: select {fewest} on each, with --num_gpus {fewest} (the first {fewest} selected "
-        f"slots of each host) or --include {include!r}")
+        f"slots of each host) or --include {include!r}"
+    )
 
 
 def read_env_file(path: str) -> dict[str, str]:
@@ -172,31 +189,61 @@ def find_env_file(explicit: Optional[str], environ: Mapping[str, str]) -> Option
 
 
 def add_parser(subparsers) -> None:
-    parser = subparsers.add_parser("launch", help="start a training script with torchrun on one or many nodes",
-                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = subparsers.add_parser(
+        "launch",
+        help="start a training script with torchrun on one or many nodes",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("-H", "--hostfile", default=None, help="DeepSpeed hostfile: 'host slots=N' lines")
     parser.add_argument("-i", "--include", default="", help="hosts/slots to use: 'host1:0,1@host2'")
     parser.add_argument("-e", "--exclude", default="", help="hosts/slots to leave out: 'host1:0@host3'")
     parser.add_argument("--num_nodes", "--num-nodes", type=int, default=-1, help="use the first N hosts")
-    parser.add_argument("--num_gpus", "--num-gpus", "--nproc-per-node", "--nproc_per_node", dest="num_gpus",
-                        type=int, default=-1, help="processes (GPUs) per node")
+    parser.add_argument(
+        "--num_gpus",
+        "--num-gpus",
+        "--nproc-per-node",
+        "--nproc_per_node",
+        dest="num_gpus",
+        type=int,
+        default=-1,
+        help="processes (GPUs) per node",
+    )
     parser.add_argument("--node_rank", "--node-rank", type=int, default=None, help="this node's rank (--no_ssh)")
     parser.add_argument("--master_addr", "--master-addr", default=None, help="node rank 0's address")
-    parser.add_argument("--master_port", "--master-port", type=int, default=None,
-                        help=f"node rank 0's port (default: {DEFAULT_PORT}; a free port on a single node)")
+    parser.add_argument(
+        "--master_port",
+        "--master-port",
+        type=int,
+        default=None,
+        help=f"node rank 0's port (default: {DEFAULT_PORT}; a free port on a single node)",
+    )
     parser.add_argument("--no_ssh", "--no-ssh", action="store_true", help="run this node only (one command per node)")
-    parser.add_argument("--launcher", choices=("auto", "pdsh", "ssh"), default="auto",
-                        help="fan-out without --no_ssh (auto: pdsh when installed, else ssh)")
+    parser.add_argument(
+        "--launcher",
+        choices=("auto", "pdsh", "ssh"),
+        default="auto",
+        help="fan-out without --no_ssh (auto: pdsh when installed, else ssh)",
+    )
     parser.add_argument("--ssh_port", "--ssh-port", type=int, default=None)
     parser.add_argument("--env", action="append", default=[], metavar="NAME", help="also forward this variable")
     parser.add_argument("--env_file", "--env-file", default=None, help="KEY=VALUE file applied on every node")
-    parser.add_argument("--rendezvous_timeout", "--rendezvous-timeout", type=float, default=None,
-                        help="seconds a node waits for the others before failing with their names (default 300)")
+    parser.add_argument(
+        "--rendezvous_timeout",
+        "--rendezvous-timeout",
+        type=float,
+        default=None,
+        help="seconds a node waits for the others before failing with their names (default 300)",
+    )
     parser.add_argument("--max_restarts", "--max-restarts", type=int, default=0, help="torchrun --max-restarts")
     parser.add_argument("--module", "-m", action="store_true", help="the script is a Python module (python -m)")
     parser.add_argument("--no_python", "--no-python", action="store_true", help="run the script as an executable")
-    parser.add_argument("--skip_network_check", "--skip-network-check", action="store_true",
-                        help="do not refuse a network configuration the pre-flight check finds broken")
+    parser.add_argument(
+        "--skip_network_check",
+        "--skip-network-check",
+        action="store_true",
+        help="do not refuse a network configuration the pre-flight check finds broken",
+    )
     parser.add_argument("--dry_run", "--dry-run", action="store_true", help="print the commands, run nothing")
     parser.add_argument("--world_info", default=None, help=argparse.SUPPRESS)  # the fan-out's selection, to each node
     add_debug_flag(parser)
@@ -229,13 +276,32 @@ def _nproc(args, resources) -> int:
     raise ValueError("no CUDA device here: give the number of processes per node with --nproc-per-node/--num_gpus")
 
 
-def torchrun_command(script: str, script_args: Sequence[str], num_nodes: int, node_rank: int, nproc: int,
-                     master_addr: str, master_port: int, rendezvous_timeout: float, max_restarts: int = 0,
-                     module: bool = False, no_python: bool = False) -> list[str]:
+def torchrun_command(
+    script: str,
+    script_args: Sequence[str],
+    num_nodes: int,
+    node_rank: int,
+    nproc: int,
+    master_addr: str,
+    master_port: int,
+    rendezvous_timeout: float,
+    max_restarts: int = 0,
+    module: bool = False,
+    no_python: bool = False,
+) -> list[str]:
     """The ``torchrun`` command of one node: a static rendezvous at ``master_addr:master_port``."""
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={num_nodes}", f"--node-rank={node_rank}",
-               f"--nproc-per-node={nproc}", f"--master-addr={master_addr}", f"--master-port={master_port}",
-               f"--rdzv-conf=timeout={int(max(1, rendezvous_timeout))}", f"--max-restarts={max_restarts}"]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={num_nodes}",
+        f"--node-rank={node_rank}",
+        f"--nproc-per-node={nproc}",
+        f"--master-addr={master_addr}",
+        f"--master-port={master_port}",
+        f"--rdzv-conf=timeout={int(max(1, rendezvous_timeout))}",
+        f"--max-restarts={max_restarts}",
+    ]
     if module:
         command.append("-m")
     if no_python:
@@ -248,20 +314,37 @@ def fanout_commands(args, resources, environ: Mapping[str, str], launcher: str) 
     hosts = list(resources)
     master = args.master_addr or hosts[0]
     # a prefix match never forwards what looks like a credential (it would show on the remote command line)
-    forwarded = {k: v for k, v in environ.items() if k in args.env or k.startswith(FORWARDED_PREFIXES)
-                 and not any(word in k for word in ("TOKEN", "SECRET", "PASSWORD", "KEY"))}
+    forwarded = {
+        k: v
+        for k, v in environ.items()
+        if k in args.env
+        or k.startswith(FORWARDED_PREFIXES)
+        and not any(word in k for word in ("TOKEN", "SECRET", "PASSWORD", "KEY"))
+    }
     missing = [name for name in args.env if name not in environ]
     if missing:
         raise ValueError(f"--env {', '.join(missing)}: not set in this environment, nothing to forward")
     exports = " ".join(f"export {k}={shlex.quote(v)};" for k, v in sorted(forwarded.items()))
-    base = [sys.executable, "-m", "lightning_zero", "launch", "--no_ssh", f"--num_nodes={len(hosts)}",
-            f"--master_addr={master}", f"--master_port={args.master_port or DEFAULT_PORT}"]
+    base = [
+        sys.executable,
+        "-m",
+        "lightning_zero",
+        "launch",
+        "--no_ssh",
+        f"--num_nodes={len(hosts)}",
+        f"--master_addr={master}",
+        f"--master_port={args.master_port or DEFAULT_PORT}",
+    ]
     base.append("--world_info=" + base64.urlsafe_b64encode(json.dumps(list(resources.items())).encode()).decode())
     for flag, value in (("--rendezvous_timeout", args.rendezvous_timeout), ("--env_file", args.env_file)):
         if value is not None:
             base.append(f"{flag}={value}")
-    base += [f"--max_restarts={args.max_restarts}"] + (["--module"] if args.module else []) \
-        + (["--no_python"] if args.no_python else []) + (["--skip_network_check"] if args.skip_network_check else [])
+    base += (
+        [f"--max_restarts={args.max_restarts}"]
+        + (["--module"] if args.module else [])
+        + (["--no_python"] if args.no_python else [])
+        + (["--skip_network_check"] if args.skip_network_check else [])
+    )
     cd = f"cd {shlex.quote(os.getcwd())} &&"
     ssh = ["ssh", "-o", "BatchMode=yes"] + (["-p", str(args.ssh_port)] if args.ssh_port else [])
 
@@ -274,18 +357,33 @@ def fanout_commands(args, resources, environ: Mapping[str, str], launcher: str) 
         # and takes ssh options only from PDSH_SSH_ARGS_APPEND (kept, when the user set one): the port and
         # BatchMode go there, as on the ssh path.
         options = " ".join([environ.get("PDSH_SSH_ARGS_APPEND", "").strip(), *ssh[1:]]).strip()
-        return [["env", f"PDSH_SSH_ARGS_APPEND={options}", "pdsh", "-R", "ssh", "-S", "-f", "1024", "-w",
-                 ",".join(hosts), remote("%n")]]
+        return [
+            [
+                "env",
+                f"PDSH_SSH_ARGS_APPEND={options}",
+                "pdsh",
+                "-R",
+                "ssh",
+                "-S",
+                "-f",
+                "1024",
+                "-w",
+                ",".join(hosts),
+                remote("%n"),
+            ]
+        ]
     return [ssh + [host, remote(str(k))] for k, host in enumerate(hosts)]
 
 
-def _checkin(master_addr: str, port: int, node_rank: int, num_nodes: int, nproc: int, timeout: float,
-             identity: dict) -> None:
+def _checkin(
+    master_addr: str, port: int, node_rank: int, num_nodes: int, nproc: int, timeout: float, identity: dict
+) -> None:
     """Every node checks in on ``MASTER_ADDR:MASTER_PORT`` before torchrun (see the module docstring)."""
     from lightning_zero.diagnostics.network import NetworkError, identity_line, missing_after, rendezvous_store
 
-    who = f"node rank {node_rank} (host {identity['hostname']}, address {identity['address']} on " \
-          f"{identity['interface']})"
+    who = (
+        f"node rank {node_rank} (host {identity['hostname']}, address {identity['address']} on {identity['interface']})"
+    )
     limit = timedelta(seconds=timeout)
     store = rendezvous_store(master_addr, port, node_rank == 0, timeout, who, limit)
     store.set(f"{_CHECKIN}node/{node_rank}", json.dumps({**identity, "nproc": nproc, "num_nodes": num_nodes}))
@@ -293,17 +391,21 @@ def _checkin(master_addr: str, port: int, node_rank: int, num_nodes: int, nproc:
     if node_rank == 0:
         missing = missing_after(store, keys, timeout)
         if missing:
-            raise NetworkError(f"node rank 0 waited {timeout:g} s at {master_addr}:{port} for node rank(s) "
-                               f"{missing}, which never checked in: check that they were started and can reach "
-                               f"{master_addr}:{port} (their own launch names the problem)")
+            raise NetworkError(
+                f"node rank 0 waited {timeout:g} s at {master_addr}:{port} for node rank(s) "
+                f"{missing}, which never checked in: check that they were started and can reach "
+                f"{master_addr}:{port} (their own launch names the problem)"
+            )
         nodes = [json.loads(store.get(k)) for k in keys]
         for node in nodes:
             print(f"lightning-zero launch: {identity_line(node)}, {node['nproc']} processes", flush=True)
         odd = [n["node_rank"] for n in nodes if (n["nproc"], n["num_nodes"]) != (nproc, num_nodes)]
         if odd:
             store.set(f"{_CHECKIN}verdict", "mismatch")
-            raise ValueError(f"node rank(s) {odd} were started with other --num_nodes/--nproc-per-node than node rank "
-                             f"0 ({num_nodes} nodes x {nproc}): {[(n['num_nodes'], n['nproc']) for n in nodes]}")
+            raise ValueError(
+                f"node rank(s) {odd} were started with other --num_nodes/--nproc-per-node than node rank "
+                f"0 ({num_nodes} nodes x {nproc}): {[(n['num_nodes'], n['nproc']) for n in nodes]}"
+            )
         store.set(f"{_CHECKIN}verdict", "go")
         # torchrun's agent binds the same port next: wait until every node read the verdict, then free the port
         store.wait([f"{_CHECKIN}read/{k}" for k in range(1, num_nodes)], limit)
@@ -325,8 +427,9 @@ def run_node(args, resources, environ: dict) -> int:
         free_port,
     )
 
-    timeout = check_rendezvous_timeout(DEFAULT_RENDEZVOUS_TIMEOUT if args.rendezvous_timeout is None
-                                       else args.rendezvous_timeout)  # 0 is refused, not replaced
+    timeout = check_rendezvous_timeout(
+        DEFAULT_RENDEZVOUS_TIMEOUT if args.rendezvous_timeout is None else args.rendezvous_timeout
+    )  # 0 is refused, not replaced
     env_file = find_env_file(args.env_file, environ)
     if env_file:
         environ.update(read_env_file(env_file))
@@ -347,13 +450,26 @@ def run_node(args, resources, environ: dict) -> int:
         slots = resources[hosts[node_rank]]
         if slots != list(range(len(slots))) or args.include or args.exclude:
             if "CUDA_VISIBLE_DEVICES" in environ and environ["CUDA_VISIBLE_DEVICES"] != ",".join(map(str, slots)):
-                raise ValueError(f"CUDA_VISIBLE_DEVICES={environ['CUDA_VISIBLE_DEVICES']} is set, and "
-                                 f"--include/--exclude select slots {slots} on {hosts[node_rank]}: choose one")
+                raise ValueError(
+                    f"CUDA_VISIBLE_DEVICES={environ['CUDA_VISIBLE_DEVICES']} is set, and "
+                    f"--include/--exclude select slots {slots} on {hosts[node_rank]}: choose one"
+                )
             environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
     port = args.master_port or (DEFAULT_PORT if num_nodes > 1 else free_port())
     environ.update(MASTER_ADDR=master, MASTER_PORT=str(port))
-    command = torchrun_command(args.script, args.script_args, num_nodes, node_rank, nproc, master, port,
-                               timeout, args.max_restarts, args.module, args.no_python)
+    command = torchrun_command(
+        args.script,
+        args.script_args,
+        num_nodes,
+        node_rank,
+        nproc,
+        master,
+        port,
+        timeout,
+        args.max_restarts,
+        args.module,
+        args.no_python,
+    )
     if args.dry_run:
         print(shlex.join(command))
         return 0
@@ -373,8 +489,13 @@ def run(args: argparse.Namespace) -> int:
             args.script_args = args.script_args[1:]
         resources = _hosts(args)
         environ = dict(os.environ)
-        if args.no_ssh or resources is None or len(resources) == 1 and args.master_addr is None \
-                and _is_local(next(iter(resources))):
+        if (
+            args.no_ssh
+            or resources is None
+            or len(resources) == 1
+            and args.master_addr is None
+            and _is_local(next(iter(resources)))
+        ):
             return run_node(args, resources, environ)
         launcher = args.launcher if args.launcher != "auto" else ("pdsh" if shutil.which("pdsh") else "ssh")
         commands = fanout_commands(args, resources, environ, launcher)

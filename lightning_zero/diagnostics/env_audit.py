@@ -22,8 +22,14 @@ import torch
 
 # Variable prefixes worth showing in full: they change how collectives are carried.
 AUDITED_PREFIXES = ("NCCL_", "TORCH_NCCL_", "GLOO_", "TORCH_DISTRIBUTED_", "TORCHELASTIC_", "MALLOC_")
-AUDITED_NAMES = ("MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_MAX_CONNECTIONS", "OMP_NUM_THREADS",
-                 "LD_PRELOAD")
+AUDITED_NAMES = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "CUDA_VISIBLE_DEVICES",
+    "CUDA_DEVICE_MAX_CONNECTIONS",
+    "OMP_NUM_THREADS",
+    "LD_PRELOAD",
+)
 # glibc's variables that fix its heap thresholds (any one of them also stops its dynamic adjustment)
 GLIBC_HEAP_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
 # the fix the warning names: blocks under 32 MiB from the heap, its top returned only past 128 MiB free
@@ -190,17 +196,22 @@ def audit_environment(
         world_size = int(environ["WORLD_SIZE"])
     if local_world_size is None and "LOCAL_WORLD_SIZE" in environ:
         local_world_size = int(environ["LOCAL_WORLD_SIZE"])
-    variables = {
-        k: v for k, v in sorted(environ.items()) if k.startswith(AUDITED_PREFIXES) or k in AUDITED_NAMES
-    }
+    variables = {k: v for k, v in sorted(environ.items()) if k.startswith(AUDITED_PREFIXES) or k in AUDITED_NAMES}
     ib = infiniband_devices(infiniband_root)
     audit = EnvAudit(
-        versions=_versions(), hostname=socket.gethostname(), backend=backend, world_size=world_size,
-        local_world_size=local_world_size, variables=variables, topology=gpu_topology(), infiniband=ib,
+        versions=_versions(),
+        hostname=socket.gethostname(),
+        backend=backend,
+        world_size=world_size,
+        local_world_size=local_world_size,
+        variables=variables,
+        topology=gpu_topology(),
+        infiniband=ib,
     )
     audit.warnings = nccl_warnings(environ, has_infiniband=bool(ib))
-    audit.warnings += cpu_heap_warnings(environ, computes_on_cpu=backend != "nccl" and not torch.cuda.is_available(),
-                                        libc=platform.libc_ver()[0])
+    audit.warnings += cpu_heap_warnings(
+        environ, computes_on_cpu=backend != "nccl" and not torch.cuda.is_available(), libc=platform.libc_ver()[0]
+    )
     if backend == "gloo" and torch.cuda.is_available():
         audit.warnings.append("backend is gloo although CUDA is available: GPU collectives would use nccl.")
     return audit
@@ -209,10 +220,16 @@ def audit_environment(
 def audit_text(audit: EnvAudit) -> str:
     """Plain-text rendering (for logs and the CLI)."""
     net = audit.network
-    where = (f" (node rank {net.get('node_rank')}, address {net.get('address')} on {net.get('interface')}, hostname "
-             f"resolves to {net.get('resolves_to')})" if net else "")
-    lines = [f"host {audit.hostname}{where}: backend={audit.backend} world_size={audit.world_size} "
-             f"local_world_size={audit.local_world_size}"]
+    where = (
+        f" (node rank {net.get('node_rank')}, address {net.get('address')} on {net.get('interface')}, hostname "
+        f"resolves to {net.get('resolves_to')})"
+        if net
+        else ""
+    )
+    lines = [
+        f"host {audit.hostname}{where}: backend={audit.backend} world_size={audit.world_size} "
+        f"local_world_size={audit.local_world_size}"
+    ]
     lines.append("versions: " + ", ".join(f"{k}={v}" for k, v in audit.versions.items()))
     if audit.variables:
         lines.append("variables: " + ", ".join(f"{k}={v}" for k, v in audit.variables.items()))

@@ -64,9 +64,13 @@ class HangGuard:
         poll_interval / grace / dump_dir: see ``HangWatchdog``.
     """
 
-    def __init__(self, timeout: Union[None, int, float, timedelta] = DEFAULT_HANG_TIMEOUT,
-                 poll_interval: Optional[float] = None, grace: float = 5.0,
-                 dump_dir: Optional[Union[str, Path]] = None) -> None:
+    def __init__(
+        self,
+        timeout: Union[None, int, float, timedelta] = DEFAULT_HANG_TIMEOUT,
+        poll_interval: Optional[float] = None,
+        grace: float = 5.0,
+        dump_dir: Optional[Union[str, Path]] = None,
+    ) -> None:
         self.timeout = parse_hang_timeout(timeout)
         self.poll_interval, self.grace = poll_interval, grace
         self.dump_dir = Path(dump_dir) if dump_dir is not None else None
@@ -83,10 +87,17 @@ class HangGuard:
         if self.timeout is None or self.watchdog is not None or _active is not None:
             return
         # a store call waits at most about the timeout: a cut-off store host is named within hang_timeout + 30 s
-        store = store_for_watchdog(min(60.0, max(5.0, self.timeout / 2))) if dist.is_initialized() \
-            else dist.HashStore()
-        self.watchdog = HangWatchdog(store, rank, world_size, self.timeout, poll_interval=self.poll_interval,
-                                     grace=self.grace, dump_dir=self.dump_dir, identity=identity(node_rank))
+        store = store_for_watchdog(min(60.0, max(5.0, self.timeout / 2))) if dist.is_initialized() else dist.HashStore()
+        self.watchdog = HangWatchdog(
+            store,
+            rank,
+            world_size,
+            self.timeout,
+            poll_interval=self.poll_interval,
+            grace=self.grace,
+            dump_dir=self.dump_dir,
+            identity=identity(node_rank),
+        )
         self.watchdog.start()
         _active = self.watchdog
 

@@ -256,7 +256,11 @@ def probe_table(results: Sequence[ProbeResult], title: str = "collective bandwid
             table.add_row(r.collective, format_bytes(r.size_bytes), "-", "-", "-", r.error.split(":")[0])
             continue
         table.add_row(
-            r.collective, format_bytes(r.size_bytes), f"{r.time_s * 1e3:.3f}", f"{r.algbw / 1e9:.3f}",
-            f"{r.busbw / 1e9:.3f}", f"{r.slowest_rank} ({r.slowest_host})",
+            r.collective,
+            format_bytes(r.size_bytes),
+            f"{r.time_s * 1e3:.3f}",
+            f"{r.algbw / 1e9:.3f}",
+            f"{r.busbw / 1e9:.3f}",
+            f"{r.slowest_rank} ({r.slowest_host})",
         )
     return table

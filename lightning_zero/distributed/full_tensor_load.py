@@ -81,8 +81,10 @@ def _holders(root: nn.Module) -> list[tuple[nn.Module, Optional[nn.Module]]]:
             return
         seen.add(id(module))
         unit = module if isinstance(module, FSDPModule) else unit
-        if next(module.parameters(recurse=False), None) is not None or \
-                next(module.buffers(recurse=False), None) is not None:
+        if (
+            next(module.parameters(recurse=False), None) is not None
+            or next(module.buffers(recurse=False), None) is not None
+        ):
             found.append((module, unit))
         for child in module.children():
             visit(child, unit)
@@ -91,8 +93,9 @@ def _holders(root: nn.Module) -> list[tuple[nn.Module, Optional[nn.Module]]]:
     return found
 
 
-def _full_to_local_slices(unit: Optional[nn.Module], module: nn.Module, state_dict: dict, prefix: str,
-                          local_metadata: dict, *args: Any) -> None:
+def _full_to_local_slices(
+    unit: Optional[nn.Module], module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, *args: Any
+) -> None:
     """The pre-hook of ``module``: ``state_dict`` is torch's own copy of the caller's dict, so replacing entries
     leaves theirs."""
     from torch.distributed.tensor import DTensor
@@ -117,8 +120,11 @@ def _full_to_local_slices(unit: Optional[nn.Module], module: nn.Module, state_di
 
 
 def _is_safetensors_slice(value: object) -> bool:
-    return callable(getattr(value, "get_shape", None)) and hasattr(value, "__getitem__") \
+    return (
+        callable(getattr(value, "get_shape", None))
+        and hasattr(value, "__getitem__")
         and not torch.overrides.is_tensor_like(value)
+    )
 
 
 def _full_source(value: object) -> Optional[tuple[tuple[int, ...], Reader]]:
@@ -150,5 +156,6 @@ def _local_slice(read: Reader, target: Tensor) -> Tensor:
 
     _, offsets, sizes = local_part(target)
     part = read(tuple(slice(start, start + size) for start, size in zip(offsets, sizes)))
-    return DTensor.from_local(part, target.device_mesh, target.placements, run_check=False,
-                              shape=target.shape, stride=target.stride())
+    return DTensor.from_local(
+        part, target.device_mesh, target.placements, run_check=False, shape=target.shape, stride=target.stride()
+    )

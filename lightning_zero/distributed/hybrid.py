@@ -35,8 +35,14 @@ import torch.distributed as dist
 MESH_DIM_NAMES = ("replicate", "shard")
 
 
-def check_hybrid_world(hybrid_shard_size: Optional[int], world_size: int, *, pipeline: bool = False,
-                       num_nodes: int = 1, num_processes: Optional[int] = None) -> None:
+def check_hybrid_world(
+    hybrid_shard_size: Optional[int],
+    world_size: int,
+    *,
+    pipeline: bool = False,
+    num_nodes: int = 1,
+    num_processes: Optional[int] = None,
+) -> None:
     """Refuse a ``hybrid_shard_size`` the world cannot be split by; runs before ``init_process_group``.
 
     Raises:
@@ -45,12 +51,16 @@ def check_hybrid_world(hybrid_shard_size: Optional[int], world_size: int, *, pip
     if hybrid_shard_size is None:
         return
     if pipeline:
-        raise ValueError(f"hybrid_shard_size={hybrid_shard_size} with pipeline_parallel_size > 1 is not supported: "
-                         "the data-parallel dimension of a pipeline is a 1-D mesh. Use one of the two.")
+        raise ValueError(
+            f"hybrid_shard_size={hybrid_shard_size} with pipeline_parallel_size > 1 is not supported: "
+            "the data-parallel dimension of a pipeline is a 1-D mesh. Use one of the two."
+        )
     where = f"devices={num_processes} x num_nodes={num_nodes}" if num_processes is not None else "the launch"
     if hybrid_shard_size > world_size or world_size % hybrid_shard_size:
-        raise ValueError(f"hybrid_shard_size={hybrid_shard_size} must divide the world size {world_size} ({where}) "
-                         "into equal shard groups; processes per node is the usual choice")
+        raise ValueError(
+            f"hybrid_shard_size={hybrid_shard_size} must divide the world size {world_size} ({where}) "
+            "into equal shard groups; processes per node is the usual choice"
+        )
 
 
 def data_parallel_mesh(device_type: str, world_size: int, hybrid_shard_size: Optional[int] = None):
@@ -60,8 +70,9 @@ def data_parallel_mesh(device_type: str, world_size: int, hybrid_shard_size: Opt
     if hybrid_shard_size is None:
         return init_device_mesh(device_type, (world_size,), mesh_dim_names=("data_parallel",))
     check_hybrid_world(hybrid_shard_size, world_size)
-    return init_device_mesh(device_type, (world_size // hybrid_shard_size, hybrid_shard_size),
-                            mesh_dim_names=MESH_DIM_NAMES)
+    return init_device_mesh(
+        device_type, (world_size // hybrid_shard_size, hybrid_shard_size), mesh_dim_names=MESH_DIM_NAMES
+    )
 
 
 def is_hybrid(mesh) -> bool:
@@ -89,12 +100,16 @@ def check_mesh_matches(mesh, hybrid_shard_size: Optional[int]) -> None:
     a 1-D mesh with ``hybrid_shard_size`` set would shard over every rank, silently not hybrid."""
     if hybrid_shard_size is None:
         if is_hybrid(mesh):
-            raise ValueError("apply_zero got a 2-D mesh but the ZeroConfig has no hybrid_shard_size; set it to the "
-                             f"mesh's shard size {mesh.size(1)}")
+            raise ValueError(
+                "apply_zero got a 2-D mesh but the ZeroConfig has no hybrid_shard_size; set it to the "
+                f"mesh's shard size {mesh.size(1)}"
+            )
         if mesh.ndim != 1:
             raise ValueError(f"apply_zero needs a 1-D data-parallel mesh, got {mesh.ndim}-D")
         return
     if not is_hybrid(mesh) or mesh.size(1) != hybrid_shard_size:
-        raise ValueError(f"hybrid_shard_size={hybrid_shard_size} needs a 2-D ('replicate', 'shard') mesh with a shard "
-                         f"dimension of {hybrid_shard_size}, got shape {tuple(mesh.shape)}; build it with "
-                         "lightning_zero.distributed.hybrid.data_parallel_mesh")
+        raise ValueError(
+            f"hybrid_shard_size={hybrid_shard_size} needs a 2-D ('replicate', 'shard') mesh with a shard "
+            f"dimension of {hybrid_shard_size}, got shape {tuple(mesh.shape)}; build it with "
+            "lightning_zero.distributed.hybrid.data_parallel_mesh"
+        )

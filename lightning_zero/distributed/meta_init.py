@@ -55,8 +55,11 @@ def holds_meta_tensors(module: nn.Module) -> bool:
 
 
 def _meta_owners(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    return [(path, sub) for path, sub in module.named_modules()
-            if any(tensor.is_meta for _, _, tensor in direct_tensors(sub))]
+    return [
+        (path, sub)
+        for path, sub in module.named_modules()
+        if any(tensor.is_meta for _, _, tensor in direct_tensors(sub))
+    ]
 
 
 def _shown(path: str) -> str:
@@ -64,8 +67,11 @@ def _shown(path: str) -> str:
 
 
 def _refuse_without_reset(owners: list[tuple[str, nn.Module]]) -> None:
-    missing = [f"{_shown(path)} ({type(sub).__name__})" for path, sub in owners
-               if not callable(getattr(sub, "reset_parameters", None))]
+    missing = [
+        f"{_shown(path)} ({type(sub).__name__})"
+        for path, sub in owners
+        if not callable(getattr(sub, "reset_parameters", None))
+    ]
     if missing:
         shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
         raise ValueError(
@@ -73,7 +79,8 @@ def _refuse_without_reset(owners: list[tuple[str, nn.Module]]) -> None:
             "A meta-device model gets its values from each module's reset_parameters() when it is set up, so "
             "these would train on uninitialised memory. Give those modules a reset_parameters() that initialises "
             "their own parameters and buffers, or build the model on real memory (ZeroStrategy builds "
-            "configure_model and init_module with the model's own init; see lightning_zero.distributed.meta_init).")
+            "configure_model and init_module with the model's own init; see lightning_zero.distributed.meta_init)."
+        )
 
 
 def init_meta_tensors(module: nn.Module, budget: Optional[int] = None) -> bool:
@@ -96,19 +103,24 @@ def init_meta_tensors(module: nn.Module, budget: Optional[int] = None) -> bool:
                 if id(tensor) not in made:
                     kept.append(tensor)
                     empty = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype)
-                    made[id(tensor)] = (nn.Parameter(empty, requires_grad=tensor.requires_grad)
-                                        if kind == "_parameters" else empty)
+                    made[id(tensor)] = (
+                        nn.Parameter(empty, requires_grad=tensor.requires_grad) if kind == "_parameters" else empty
+                    )
                 getattr(sub, kind)[name] = made[id(tensor)]
         mark = recorder.mark()
         for _, sub in owners:
             sub.reset_parameters()
     replacements = {id(tensor) for tensor in made.values()}
-    unwritten = [f"{path + '.' if path else ''}{name} ({type(sub).__name__})" for path, sub in owners
-                 for _, name, tensor in direct_tensors(sub)
-                 if id(tensor) in replacements and not recorder.written_since(mark, tensor)]
+    unwritten = [
+        f"{path + '.' if path else ''}{name} ({type(sub).__name__})"
+        for path, sub in owners
+        for _, name, tensor in direct_tensors(sub)
+        if id(tensor) in replacements and not recorder.written_since(mark, tensor)
+    ]
     if unwritten:
         shown = ", ".join(unwritten[:6]) + (f" and {len(unwritten) - 6} more" if len(unwritten) > 6 else "")
         raise ValueError(
             f"reset_parameters() left these meta-device tensors unwritten: {shown}. They would train on "
-            "uninitialised memory: initialise them in their module's reset_parameters().")
+            "uninitialised memory: initialise them in their module's reset_parameters()."
+        )
     return True

@@ -69,8 +69,10 @@ def given(module: nn.Module, spec: Iterable, what: str, require_match: bool = Tr
         else:
             classes.add(cls)
     if unmatched and require_match:
-        raise ValueError(f"{what} names {sorted(unmatched)}, but the model has no module of that class. "
-                         f"Classes present: {sorted(present)}")
+        raise ValueError(
+            f"{what} names {sorted(unmatched)}, but the model has no module of that class. "
+            f"Classes present: {sorted(present)}"
+        )
     return ClassSelector(frozenset(classes))
 
 

@@ -40,8 +40,7 @@ def broadcast_from_owners(sharding: Any, bucket_bytes: int = BROADCAST_BUCKET_BY
         plan.run(sharding.group)
 
 
-def plan_broadcast(sharding: Any,
-                   bucket_bytes: int = BROADCAST_BUCKET_BYTES) -> Optional["BroadcastPlan"]:
+def plan_broadcast(sharding: Any, bucket_bytes: int = BROADCAST_BUCKET_BYTES) -> Optional["BroadcastPlan"]:
     """Stage 1's broadcast plan, made (the parameters linked into their buckets) when there is none yet, when it
     was made for another bucket size, or when a parameter moved out of its bucket; ``None`` without a second rank.
     No collective: every rank makes the same plan from owners, dtypes and sizes."""

@@ -58,8 +58,7 @@ def keep_fp32_values(module: nn.Module, dtype: torch.dtype) -> dict[int, Tensor]
     return values
 
 
-def clip_replica_grads(params, max_norm: float, norm_type: float = 2.0,
-                       error_if_nonfinite: bool = False) -> Tensor:
+def clip_replica_grads(params, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> Tensor:
     """``torch.nn.utils.clip_grad_norm_`` over the bf16 replicas' (already reduced) gradients, with the norm taken in
     fp32: torch's would round each tensor's norm and the total to bf16 (how far off: ``docs/precision.md``), where
     DeepSpeed's bf16 engine takes it from fp32 gradients. The gradients are then scaled by torch's own
@@ -70,7 +69,9 @@ def clip_replica_grads(params, max_norm: float, norm_type: float = 2.0,
     norms = [torch.linalg.vector_norm(p.grad, norm_type, dtype=torch.float32) for p in params]
     total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
-        raise RuntimeError(f"The total norm of order {norm_type} of the gradients is non-finite, so they cannot be "
-                           "clipped. Set error_if_nonfinite=False to clip anyway.")
+        raise RuntimeError(
+            f"The total norm of order {norm_type} of the gradients is non-finite, so they cannot be "
+            "clipped. Set error_if_nonfinite=False to clip anyway."
+        )
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total

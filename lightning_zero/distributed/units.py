@@ -54,7 +54,7 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-DEFAULT_UNIT_BYTES = 8 * 2 ** 20  # see [Note: the default unit size]
+DEFAULT_UNIT_BYTES = 8 * 2**20  # see [Note: the default unit size]
 DEFAULT_PARAM_PERSISTENCE_THRESHOLD = 0  # grouping already merges small blocks; see docs/units.md
 # DeepSpeed counts its bucket sizes in elements; parameters at rest are fp32 (masters) unless the run is bf16-true.
 DS_BUCKET_ELEMENT_BYTES = 4
@@ -62,15 +62,20 @@ DS_BUCKET_ELEMENT_BYTES = 4
 
 def check_unit_knobs(stage: int, unit_bytes, param_persistence_threshold, prefetch_bytes) -> None:
     """Refuse a unit knob that is not a non-negative int, or one given at a stage without FSDP2 units (0-1)."""
-    for name, value in (("unit_bytes", unit_bytes), ("param_persistence_threshold", param_persistence_threshold),
-                        ("prefetch_bytes", prefetch_bytes)):
+    for name, value in (
+        ("unit_bytes", unit_bytes),
+        ("param_persistence_threshold", param_persistence_threshold),
+        ("prefetch_bytes", prefetch_bytes),
+    ):
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be a non-negative int, got {value!r}")
         if stage < 2:
-            raise ValueError(f"{name}={value} sizes FSDP2 units, which only stages 2 and 3 have; stage {stage} runs "
-                             "DDP (its gradient bucket is bucket_cap_mb). Drop it or use stage=2/3.")
+            raise ValueError(
+                f"{name}={value} sizes FSDP2 units, which only stages 2 and 3 have; stage {stage} runs "
+                "DDP (its gradient bucket is bucket_cap_mb). Drop it or use stage=2/3."
+            )
 
 
 @dataclass
@@ -100,8 +105,9 @@ def param_bytes(module: nn.Module) -> int:
     return _param_stats([module])[0]
 
 
-def plan_units(root: nn.Module, blocks: list[nn.Module], unit_bytes: int,
-               param_persistence_threshold: int = 0) -> UnitPlan:
+def plan_units(
+    root: nn.Module, blocks: list[nn.Module], unit_bytes: int, param_persistence_threshold: int = 0
+) -> UnitPlan:
     """Group ``blocks`` (the modules that would each be an FSDP unit) into units of about ``unit_bytes``.
 
     Only blocks that are consecutive children of the same parent are grouped: consecutive in that parent's
@@ -170,7 +176,7 @@ def set_prefetch(groups: list[list[nn.Module]], prefetch_bytes: int) -> None:
         chosen: dict[int, list[nn.Module]] = {}
         for pos, index in enumerate(order):
             picked, total = [], 0
-            for nxt in order[pos + 1:]:
+            for nxt in order[pos + 1 :]:
                 if picked and total >= prefetch_bytes:
                     break
                 picked.append(units[nxt])

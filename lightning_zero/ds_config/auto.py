@@ -64,15 +64,17 @@ class AutoContext:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
-        if self.gradient_clip_val is not None and (not isinstance(self.gradient_clip_val, (int, float))
-                                                   or self.gradient_clip_val < 0):
+        if self.gradient_clip_val is not None and (
+            not isinstance(self.gradient_clip_val, (int, float)) or self.gradient_clip_val < 0
+        ):
             raise ValueError(f"gradient_clip_val must be a number >= 0 or None, got {self.gradient_clip_val!r}")
         object.__setattr__(self, "hyperparameters", dict(self.hyperparameters or {}))
 
 
 def _unresolvable(path: str, looked: str) -> DeepSpeedConfigError:
-    return DeepSpeedConfigError(f'cannot resolve "{path}": "auto" — looked at {looked}; set a value in the config or '
-                                "provide it there")
+    return DeepSpeedConfigError(
+        f'cannot resolve "{path}": "auto" — looked at {looked}; set a value in the config or provide it there'
+    )
 
 
 def _first_hparam(hparams: Mapping[str, Any], names: tuple[str, ...]) -> Any:
@@ -86,8 +88,12 @@ def _hparam_list(names: tuple[str, ...]) -> str:
     return "the LightningModule hyperparameters " + "/".join(repr(n) for n in names)
 
 
-def resolve_batch_sizes(train_batch_size: Optional[int], micro_batch_size: Optional[int],
-                        gradient_accumulation_steps: Optional[int], world_size: int) -> tuple[int, int, int]:
+def resolve_batch_sizes(
+    train_batch_size: Optional[int],
+    micro_batch_size: Optional[int],
+    gradient_accumulation_steps: Optional[int],
+    world_size: int,
+) -> tuple[int, int, int]:
     """DeepSpeed's rule ``train_batch_size = micro x accumulation x data-parallel size``: derive what is missing.
 
     Given all three, check them; given two, derive the third (integer division, as DeepSpeed does, then check);
@@ -101,8 +107,10 @@ def resolve_batch_sizes(train_batch_size: Optional[int], micro_batch_size: Optio
     """
     train, micro, accum = train_batch_size, micro_batch_size, gradient_accumulation_steps
     if train is None and micro is None:
-        raise DeepSpeedConfigError("either train_batch_size or train_micro_batch_size_per_gpu must be known "
-                                   "(from the config or the DataLoader)")
+        raise DeepSpeedConfigError(
+            "either train_batch_size or train_micro_batch_size_per_gpu must be known "
+            "(from the config or the DataLoader)"
+        )
     if train is not None and micro is not None and accum is None:
         accum = train // micro // world_size
     elif train is not None and accum is not None and micro is None:
@@ -117,15 +125,17 @@ def resolve_batch_sizes(train_batch_size: Optional[int], micro_batch_size: Optio
         raise DeepSpeedConfigError(
             f"batch sizes do not add up: train_batch_size ({train}) must equal train_micro_batch_size_per_gpu "
             f"({micro}) x gradient_accumulation_steps ({accum}) x data-parallel world size ({world_size}) = "
-            f"{micro * accum * world_size}")
+            f"{micro * accum * world_size}"
+        )
     return train, micro, accum
 
 
 def _resolve_batches(config: dict, context: AutoContext) -> None:
     values: dict[str, Optional[int]] = {}
-    sources = {"train_micro_batch_size_per_gpu": (context.micro_batch_size, "the DataLoader's batch_size"),
-               "gradient_accumulation_steps": (context.accumulate_grad_batches,
-                                               "the Trainer's accumulate_grad_batches")}
+    sources = {
+        "train_micro_batch_size_per_gpu": (context.micro_batch_size, "the DataLoader's batch_size"),
+        "gradient_accumulation_steps": (context.accumulate_grad_batches, "the Trainer's accumulate_grad_batches"),
+    }
     for key, (known, where) in sources.items():
         value = config.get(key)
         if value == AUTO:
@@ -136,15 +146,17 @@ def _resolve_batches(config: dict, context: AutoContext) -> None:
         elif value is not None and known is not None and value != known:
             raise DeepSpeedConfigError(
                 f"{key}={value} in the DeepSpeed config does not match {where} ({known}): make them equal, or set "
-                f'the config value to "auto"')
+                f'the config value to "auto"'
+            )
         elif value is None:
             value = known  # not in the config: what Lightning actually does is the truth
         values[key] = value
     train = config.get("train_batch_size")
     if train == AUTO:
         train = None
-    train, micro, accum = resolve_batch_sizes(train, values["train_micro_batch_size_per_gpu"],
-                                              values["gradient_accumulation_steps"], context.world_size)
+    train, micro, accum = resolve_batch_sizes(
+        train, values["train_micro_batch_size_per_gpu"], values["gradient_accumulation_steps"], context.world_size
+    )
     config["train_batch_size"], config["train_micro_batch_size_per_gpu"] = train, micro
     config["gradient_accumulation_steps"] = accum
 
@@ -156,8 +168,10 @@ def _resolve_precision(config: dict, context: AutoContext) -> None:
                 raise _unresolvable(f"{section}.enabled", "the Trainer's precision (AutoContext.precision)")
             known = _FP16_PRECISIONS | _BF16_PRECISIONS | _FP32_PRECISIONS
             if context.precision not in known:
-                raise DeepSpeedConfigError(f'cannot resolve "{section}.enabled": "auto" from Trainer precision '
-                                           f"{context.precision!r}; expected one of {sorted(map(str, known))}")
+                raise DeepSpeedConfigError(
+                    f'cannot resolve "{section}.enabled": "auto" from Trainer precision '
+                    f"{context.precision!r}; expected one of {sorted(map(str, known))}"
+                )
             config[section]["enabled"] = context.precision in family
 
 
@@ -178,19 +192,25 @@ def resolve_optimizer(config: dict, hparams: Mapping[str, Any]) -> None:
                         found = [hparams[first], hparams[second]]
                         break
             if found is None:
-                raise _unresolvable("optimizer.params.betas", _hparam_list(_BETAS_NAMES) + " and the pairs "
-                                    + ", ".join(f"{a!r}+{b!r}" for a, b in _BETA_PAIRS))
+                raise _unresolvable(
+                    "optimizer.params.betas",
+                    _hparam_list(_BETAS_NAMES) + " and the pairs " + ", ".join(f"{a!r}+{b!r}" for a, b in _BETA_PAIRS),
+                )
             params[key] = list(found)
         elif value == AUTO:
-            raise _unresolvable(f"optimizer.params.{key}", "nothing: only lr, weight_decay, betas and eps can be "
-                                '"auto"')
+            raise _unresolvable(
+                f"optimizer.params.{key}", 'nothing: only lr, weight_decay, betas and eps can be "auto"'
+            )
 
 
 def _total_steps(context: AutoContext, path: str) -> int:
     total = context.estimated_stepping_batches
     if total is None or not math.isfinite(total):
-        raise _unresolvable(path, "trainer.estimated_stepping_batches (AutoContext.estimated_stepping_batches), "
-                            f"which is {total!r}; set max_steps or max_epochs on the Trainer")
+        raise _unresolvable(
+            path,
+            "trainer.estimated_stepping_batches (AutoContext.estimated_stepping_batches), "
+            f"which is {total!r}; set max_steps or max_epochs on the Trainer",
+        )
     return int(total)
 
 
@@ -199,8 +219,7 @@ HF_DEFAULT_WARMUP_STEPS = 0
 HF_DEFAULT = "Hugging Face's default"  # the label the startup table shows next to such a value
 
 
-def _warmup_steps(hparams: Mapping[str, Any], context: AutoContext, path: str,
-                  defaults: dict[str, str]) -> int:
+def _warmup_steps(hparams: Mapping[str, Any], context: AutoContext, path: str, defaults: dict[str, str]) -> int:
     """Hugging Face's resolution of ``warmup_num_steps: "auto"``: ``max(1, TrainingArguments.get_warmup_steps(n))``,
     where ``warmup_steps >= 1`` is a step count, ``0 <= warmup_steps < 1`` a fraction of the total steps (rounded
     up), and the ``max(1, ...)`` keeps DeepSpeed's schedulers, which refuse 0 warm-up steps, working. ``warmup_ratio``
@@ -210,15 +229,18 @@ def _warmup_steps(hparams: Mapping[str, Any], context: AutoContext, path: str,
     ratio = _first_hparam(hparams, _WARMUP_RATIO_NAMES) if found is None else None
     if found is None and ratio is None:
         steps = max(1, HF_DEFAULT_WARMUP_STEPS)
-        defaults[path] = (f"TrainingArguments.warmup_steps={HF_DEFAULT_WARMUP_STEPS} -> max(1, "
-                          f"{HF_DEFAULT_WARMUP_STEPS}) = {steps} step: the LightningModule has no hyperparameter "
-                          + "/".join(repr(n) for n in _WARMUP_STEP_NAMES + _WARMUP_RATIO_NAMES))
+        defaults[path] = (
+            f"TrainingArguments.warmup_steps={HF_DEFAULT_WARMUP_STEPS} -> max(1, "
+            f"{HF_DEFAULT_WARMUP_STEPS}) = {steps} step: the LightningModule has no hyperparameter "
+            + "/".join(repr(n) for n in _WARMUP_STEP_NAMES + _WARMUP_RATIO_NAMES)
+        )
         return steps
     value = found if found is not None else ratio
     name = "warmup steps" if found is not None else "warmup_ratio"
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise DeepSpeedConfigError(f'cannot resolve "{path}": "auto" from the {name} hyperparameter {value!r}: '
-                                   "it must be a number >= 0")
+        raise DeepSpeedConfigError(
+            f'cannot resolve "{path}": "auto" from the {name} hyperparameter {value!r}: it must be a number >= 0'
+        )
     if found is not None and value >= 1:
         steps = int(value)
     else:
@@ -249,8 +271,11 @@ def _resolve_scheduler(config: dict, context: AutoContext, defaults: dict[str, s
         elif key == "warmup_num_steps":
             params[key] = _warmup_steps(hparams, context, path, defaults)
         else:
-            raise _unresolvable(path, "nothing: only warmup_min_lr, warmup_max_lr, cycle_max_lr, warmup_num_steps "
-                                'and total_num_steps can be "auto"')
+            raise _unresolvable(
+                path,
+                "nothing: only warmup_min_lr, warmup_max_lr, cycle_max_lr, warmup_num_steps "
+                'and total_num_steps can be "auto"',
+            )
 
 
 def _resolve_zero(config: dict, context: AutoContext) -> None:
@@ -259,8 +284,11 @@ def _resolve_zero(config: dict, context: AutoContext) -> None:
         return
     hidden = context.hidden_size
     # Hugging Face's rules: buckets sized to one hidden x hidden matrix, persistence for vectors of ~10 x hidden.
-    rules = {"reduce_bucket_size": lambda h: h * h, "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
-             "stage3_param_persistence_threshold": lambda h: 10 * h}
+    rules = {
+        "reduce_bucket_size": lambda h: h * h,
+        "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+        "stage3_param_persistence_threshold": lambda h: 10 * h,
+    }
     for key, value in list(zero.items()):
         if value != AUTO:
             continue
@@ -269,13 +297,20 @@ def _resolve_zero(config: dict, context: AutoContext) -> None:
             zero[key] = False
             continue
         if key not in rules:
-            raise _unresolvable(f"zero_optimization.{key}", "nothing: only reduce_bucket_size, "
-                                "stage3_prefetch_bucket_size, stage3_param_persistence_threshold and "
-                                'stage3_gather_16bit_weights_on_model_save can be "auto"')
+            raise _unresolvable(
+                f"zero_optimization.{key}",
+                "nothing: only reduce_bucket_size, "
+                "stage3_prefetch_bucket_size, stage3_param_persistence_threshold and "
+                'stage3_gather_16bit_weights_on_model_save can be "auto"',
+            )
         if hidden is None:
-            raise _unresolvable(f"zero_optimization.{key}", "the model's hidden size (AutoContext.hidden_size; "
-                                "infer_hidden_size checks model/model.config attributes "
-                                + "/".join(_HIDDEN_SIZE_NAMES) + " and the hyperparameters)")
+            raise _unresolvable(
+                f"zero_optimization.{key}",
+                "the model's hidden size (AutoContext.hidden_size; "
+                "infer_hidden_size checks model/model.config attributes "
+                + "/".join(_HIDDEN_SIZE_NAMES)
+                + " and the hyperparameters)",
+            )
         zero[key] = rules[key](hidden)
 
 
@@ -309,11 +344,15 @@ def resolve_auto_with_defaults(config: dict, context: AutoContext) -> tuple[dict
     _resolve_batches(config, context)
     if config.get("gradient_clipping") == AUTO:
         config["gradient_clipping"] = float(context.gradient_clip_val or 0.0)
-    elif config.get("gradient_clipping") is not None and context.gradient_clip_val is not None \
-            and float(config["gradient_clipping"]) != float(context.gradient_clip_val):
+    elif (
+        config.get("gradient_clipping") is not None
+        and context.gradient_clip_val is not None
+        and float(config["gradient_clipping"]) != float(context.gradient_clip_val)
+    ):
         raise DeepSpeedConfigError(
             f"gradient_clipping={config['gradient_clipping']} in the DeepSpeed config does not match the Trainer's "
-            f'gradient_clip_val={context.gradient_clip_val}: remove one of them or set the config value to "auto"')
+            f'gradient_clip_val={context.gradient_clip_val}: remove one of them or set the config value to "auto"'
+        )
     _resolve_precision(config, context)
     resolve_optimizer(config, context.hyperparameters)
     _resolve_scheduler(config, context, defaults)

@@ -51,18 +51,41 @@ from lightning_zero.ds_config.strategy_arguments import DeepSpeedArguments, merg
 from lightning_zero.offload.nvme_config import NVME_ARGUMENTS
 
 UNIT_KNOBS = ("unit_bytes", "param_persistence_threshold", "prefetch_bytes")  # lightning_zero.distributed.units
-LOSS_SCALE_KEYS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "consecutive_hysteresis",
-                   "min_loss_scale")
+LOSS_SCALE_KEYS = (
+    "loss_scale",
+    "initial_scale_power",
+    "loss_scale_window",
+    "hysteresis",
+    "consecutive_hysteresis",
+    "min_loss_scale",
+)
 # Strategy arguments a config may set; every key a translation produces must be one of these or refused.
-CONFIG_STRATEGY_KEYS = ("stage", "offload", "pin_memory", "reshard_after_forward", "communication_data_type",
-                        "pipeline_parallel_size", "micro_batches", "hybrid_shard_size", *LOSS_SCALE_KEYS,
-                        "offload_optimizer", "offload_params", *NVME_ARGUMENTS, *UNIT_KNOBS)
+CONFIG_STRATEGY_KEYS = (
+    "stage",
+    "offload",
+    "pin_memory",
+    "reshard_after_forward",
+    "communication_data_type",
+    "pipeline_parallel_size",
+    "micro_batches",
+    "hybrid_shard_size",
+    *LOSS_SCALE_KEYS,
+    "offload_optimizer",
+    "offload_params",
+    *NVME_ARGUMENTS,
+    *UNIT_KNOBS,
+)
 # Where Lightning's DeepSpeedStrategy looks for a config file when it is given none; ZeroStrategy does the same.
 DEEPSPEED_ENV_VAR = "PL_DEEPSPEED_CONFIG_PATH"
 
 
-def bind_ds_config(config: Any, strict: bool, arguments: Optional[DeepSpeedArguments] = None,
-                   stage: Optional[int] = None, nvme_path: Any = None) -> Optional["DeepSpeedConfigBinding"]:
+def bind_ds_config(
+    config: Any,
+    strict: bool,
+    arguments: Optional[DeepSpeedArguments] = None,
+    stage: Optional[int] = None,
+    nvme_path: Any = None,
+) -> Optional["DeepSpeedConfigBinding"]:
     """The binding for ``ZeroStrategy(config=...)``; without ``config``, the file ``PL_DEEPSPEED_CONFIG_PATH`` names
     (as ``DeepSpeedStrategy`` reads it), or ``None`` when that is unset too and ``arguments`` write no key. An
     explicit ``config`` wins over the variable (its ``origin`` then names it, for the caller to say where the config
@@ -74,8 +97,10 @@ def bind_ds_config(config: Any, strict: bool, arguments: Optional[DeepSpeedArgum
     if config is None:
         path = os.environ.get(DEEPSPEED_ENV_VAR)
         if path is not None and (not path or not os.path.isfile(path)):
-            raise DeepSpeedConfigError(f"{DEEPSPEED_ENV_VAR}={path!r} does not name a DeepSpeed config file: point it "
-                                       "at one, or unset it (ZeroStrategy reads it when no config= is given)")
+            raise DeepSpeedConfigError(
+                f"{DEEPSPEED_ENV_VAR}={path!r} does not name a DeepSpeed config file: point it "
+                "at one, or unset it (ZeroStrategy reads it when no config= is given)"
+            )
         config, origin = path, (f"{DEEPSPEED_ENV_VAR}={path}" if path is not None else None)
     base = None if config is None else load_ds_config(config)
     overrides, aliases = arguments.config_overrides(base, stage, nvme_path) if arguments is not None else ({}, {})
@@ -141,11 +166,15 @@ class DeepSpeedConfigBinding:
         for name in UNIT_KNOBS:  # "auto" bucket sizes were not mapped at construction, and are not now (see there)
             if name not in self.translation.strategy_kwargs:
                 translation.strategy_kwargs.pop(name, None)
-        changed = {k: (self.translation.strategy_kwargs.get(k), v) for k, v in translation.strategy_kwargs.items()
-                   if k in CONFIG_STRATEGY_KEYS and self.translation.strategy_kwargs.get(k) != v}
+        changed = {
+            k: (self.translation.strategy_kwargs.get(k), v)
+            for k, v in translation.strategy_kwargs.items()
+            if k in CONFIG_STRATEGY_KEYS and self.translation.strategy_kwargs.get(k) != v
+        }
         if changed:
-            raise DeepSpeedConfigError(f'strategy settings may not be "auto" (resolved at setup, after the engines '
-                                       f"were chosen): {changed}")
+            raise DeepSpeedConfigError(
+                f'strategy settings may not be "auto" (resolved at setup, after the engines were chosen): {changed}'
+            )
         self.translation, self.auto_defaults = translation, defaults
         return translation
 
@@ -159,11 +188,19 @@ class DeepSpeedConfigBinding:
 
         caption = f"read from {self.origin}" if self.origin else None
         if self.overridden:
-            said = ", ".join(f"{name}={value!r} (config: {config!r})" for name, (value, config) in
-                             self.overridden.items())
+            said = ", ".join(
+                f"{name}={value!r} (config: {config!r})" for name, (value, config) in self.overridden.items()
+            )
             caption = (caption + "; " if caption else "") + f"explicit arguments win: {said}"
-        Console().print(effective_config_table(self.translation, verbose=verbose, auto_paths=self.auto_paths,
-                                               caption=caption, auto_defaults=self.auto_defaults))
+        Console().print(
+            effective_config_table(
+                self.translation,
+                verbose=verbose,
+                auto_paths=self.auto_paths,
+                caption=caption,
+                auto_defaults=self.auto_defaults,
+            )
+        )
 
 
 def precision_from_config(config_precision: Optional[str], trainer_precision: str) -> Optional[str]:
@@ -182,7 +219,8 @@ def precision_from_config(config_precision: Optional[str], trainer_precision: st
     raise DeepSpeedConfigError(
         f"the DeepSpeed config asks for {config_precision!r} (its fp16/bf16 sections) but the Trainer runs "
         f"precision={trainer_precision!r}: make them agree (set Trainer(precision={config_precision!r}), or leave "
-        "the Trainer's precision at its default and let the config decide, or change the config)")
+        "the Trainer's precision at its default and let the config decide, or change the config)"
+    )
 
 
 class ReadOnlyConfig(dict):
@@ -191,8 +229,10 @@ class ReadOnlyConfig(dict):
     and ``config.copy()`` give ordinary, writable dicts."""
 
     def _refuse(self, *args: Any, **kwargs: Any) -> None:
-        raise TypeError("strategy.config is a read-only report of the DeepSpeed config in effect; changing it would "
-                        "change nothing. Pass the changed config as ZeroStrategy(config=...) instead")
+        raise TypeError(
+            "strategy.config is a read-only report of the DeepSpeed config in effect; changing it would "
+            "change nothing. Pass the changed config as ZeroStrategy(config=...) instead"
+        )
 
     __setitem__ = __delitem__ = __ior__ = update = pop = popitem = clear = setdefault = _refuse
 
@@ -210,8 +250,9 @@ class _ReadOnlyList(list):
     """A list inside :class:`ReadOnlyConfig` (``betas``...): equal to the plain list, but refuses changes."""
 
     _refuse = ReadOnlyConfig._refuse
-    __setitem__ = __delitem__ = __iadd__ = __imul__ = append = extend = insert = pop = remove = clear = sort = \
-        reverse = _refuse
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = append = extend = insert = pop = remove = clear = sort = (
+        reverse
+    ) = _refuse
 
     def copy(self) -> list:
         return copy.deepcopy(self)
@@ -231,10 +272,15 @@ def _read_only(value: Any) -> Any:
     return value
 
 
-def effective_ds_config(binding: Optional[DeepSpeedConfigBinding], zero_config: Any, *,
-                        communication_data_type: Optional[str], precision: str,
-                        accumulate_grad_batches: Optional[int] = None,
-                        gradient_clip_val: Optional[float] = None) -> dict:
+def effective_ds_config(
+    binding: Optional[DeepSpeedConfigBinding],
+    zero_config: Any,
+    *,
+    communication_data_type: Optional[str],
+    precision: str,
+    accumulate_grad_batches: Optional[int] = None,
+    gradient_clip_val: Optional[float] = None,
+) -> dict:
     """``strategy.config``: the DeepSpeed config in effect, as a (read-only) dict, like ``DeepSpeedStrategy.config``.
 
     With a ds_config (``binding``) it is the translated config (DeepSpeed's defaults filled in, ``"auto"`` values
@@ -282,23 +328,39 @@ def config_reduce_bucket_size(binding: Optional[DeepSpeedConfigBinding]) -> Opti
     return value if isinstance(value, int) else None
 
 
-def activation_checkpointing_over_config(binding, activation_checkpointing, cpu_checkpointing,
-                                        activation_checkpointing_policy):
+def activation_checkpointing_over_config(
+    binding, activation_checkpointing, cpu_checkpointing, activation_checkpointing_policy
+):
     """The :class:`~lightning_zero.distributed.activation_checkpointing.ActivationCheckpointConfig` (or ``None``)
     from ZeroStrategy's three arguments over the ds_config's ``activation_checkpointing`` section (explicit
     arguments win; the section's presence turns checkpointing on)."""
     section = binding.translation.activation_checkpointing if binding is not None else None
-    return activation_checkpoint_config(activation_checkpointing, cpu_checkpointing, activation_checkpointing_policy,
-                                        ds_section=section)
+    return activation_checkpoint_config(
+        activation_checkpointing, cpu_checkpointing, activation_checkpointing_policy, ds_section=section
+    )
 
 
-def arguments_over_config(binding, stage, offload, pin_memory, reshard_after_forward, communication_data_type,
-                          pipeline_parallel_size, micro_batches) -> tuple:
+def arguments_over_config(
+    binding,
+    stage,
+    offload,
+    pin_memory,
+    reshard_after_forward,
+    communication_data_type,
+    pipeline_parallel_size,
+    micro_batches,
+) -> tuple:
     """ZeroStrategy's arguments with the ds_config filling those left at ``None`` (explicit arguments win), in the
     order given. Stage defaults to 2; the config's pipeline (and its micro-batches) applies only with > 1 stages."""
     from_config = binding.strategy_kwargs() if binding is not None else {}
-    _note_overrides(binding, from_config, stage=stage, pin_memory=pin_memory,
-                    reshard_after_forward=reshard_after_forward, communication_data_type=communication_data_type)
+    _note_overrides(
+        binding,
+        from_config,
+        stage=stage,
+        pin_memory=pin_memory,
+        reshard_after_forward=reshard_after_forward,
+        communication_data_type=communication_data_type,
+    )
     stage = stage if stage is not None else from_config.get("stage", 2)
     offload = offload if offload is not None else from_config.get("offload")
     pin_memory = pin_memory if pin_memory is not None else from_config.get("pin_memory")
@@ -309,22 +371,36 @@ def arguments_over_config(binding, stage, offload, pin_memory, reshard_after_for
     if pipeline_parallel_size is None and from_config.get("pipeline_parallel_size", 1) > 1:
         pipeline_parallel_size = from_config["pipeline_parallel_size"]
         micro_batches = micro_batches if micro_batches is not None else from_config.get("micro_batches")
-    return (stage, offload, pin_memory, reshard_after_forward, communication_data_type, pipeline_parallel_size,
-            micro_batches)
+    return (
+        stage,
+        offload,
+        pin_memory,
+        reshard_after_forward,
+        communication_data_type,
+        pipeline_parallel_size,
+        micro_batches,
+    )
 
 
 def _note_overrides(binding, from_config: dict, **explicit) -> None:
     """Warn about each explicit argument that overrides a different value the config wrote (explicit arguments win;
     DeepSpeedStrategy would have read the config alone), and keep them for the startup table's caption."""
-    overridden = {name: (value, from_config[name]) for name, value in explicit.items()
-                  if value is not None and name in from_config and from_config[name] != value}
+    overridden = {
+        name: (value, from_config[name])
+        for name, value in explicit.items()
+        if value is not None and name in from_config and from_config[name] != value
+    }
     if binding is None or not overridden:
         return
     binding.overridden = overridden
     said = ", ".join(f"{name}={value!r} over the config's {config!r}" for name, (value, config) in overridden.items())
-    warnings.warn(f"explicit ZeroStrategy arguments (or a registered name such as 'zero_stage_2') win over the "
-                  f"DeepSpeed config: {said}. DeepSpeedStrategy would have used the config's values; drop the "
-                  "argument (or use the name 'zero') to follow the config", DeepSpeedConfigWarning, stacklevel=4)
+    warnings.warn(
+        f"explicit ZeroStrategy arguments (or a registered name such as 'zero_stage_2') win over the "
+        f"DeepSpeed config: {said}. DeepSpeedStrategy would have used the config's values; drop the "
+        "argument (or use the name 'zero') to follow the config",
+        DeepSpeedConfigWarning,
+        stacklevel=4,
+    )
 
 
 def hybrid_shard_size_over_config(binding, hybrid_shard_size):

@@ -18,8 +18,13 @@ from lightning_zero.ds_config.translate import AUTO, DeepSpeedTranslation
 
 # Stand-ins for "auto" values during the dry build: valid for every optimizer/scheduler we build, and never used.
 _OPTIMIZER_PLACEHOLDERS = {"lr": 1e-3, "weight_decay": 0.0, "eps": 1e-8, "betas": [0.9, 0.999]}
-_SCHEDULER_PLACEHOLDERS = {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "cycle_max_lr": 1e-3,
-                           "warmup_num_steps": 1, "total_num_steps": 10**9}
+_SCHEDULER_PLACEHOLDERS = {
+    "warmup_min_lr": 0.0,
+    "warmup_max_lr": 1e-3,
+    "cycle_max_lr": 1e-3,
+    "warmup_num_steps": 1,
+    "total_num_steps": 10**9,
+}
 
 
 def _without_auto(spec: dict, placeholders: dict) -> dict:
@@ -54,8 +59,9 @@ def dry_build(translation: DeepSpeedTranslation) -> None:
         if optimizer is None:
             # over the module's own optimizer, per-group lists are legal: give the stand-in that many groups
             groups = max([len(v) for v in spec["params"].values() if isinstance(v, (list, tuple))] + [1])
-            optimizer = torch.optim.SGD([{"params": [torch.nn.Parameter(torch.zeros(1))]} for _ in range(groups)],
-                                        lr=1e-3)
+            optimizer = torch.optim.SGD(
+                [{"params": [torch.nn.Parameter(torch.zeros(1))]} for _ in range(groups)], lr=1e-3
+            )
         target = optimizer
         _build("scheduler", spec, lambda: build_scheduler(spec, target, total_steps=10**9))
 
@@ -66,7 +72,8 @@ def _build(section: str, spec: dict, build) -> Any:
     except DeepSpeedConfigError:
         raise
     except (ValueError, TypeError) as error:  # the class's own argument checks (a negative lr, a bad warmup...)
-        raise DeepSpeedConfigError(f"{section} {spec['type']!r} rejects its params {spec['params']}: {error}") \
-            from error
+        raise DeepSpeedConfigError(
+            f"{section} {spec['type']!r} rejects its params {spec['params']}: {error}"
+        ) from error
     except ImportError:
         return None  # the op is missing on this machine: build_optimizer reports it where it is needed

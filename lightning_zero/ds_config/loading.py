@@ -72,17 +72,20 @@ def _read_text(path: Path) -> str:
         raise DeepSpeedConfigError(f"DeepSpeed config file {str(path)!r} does not exist")
     data = path.read_bytes()
     if data[:2] in (b"\xff\xfe", b"\xfe\xff"):
-        raise DeepSpeedConfigError(f"DeepSpeed config {str(path)!r} is UTF-16 text (it starts with a UTF-16 byte-order "
-                                   "mark): save it as UTF-8")
+        raise DeepSpeedConfigError(
+            f"DeepSpeed config {str(path)!r} is UTF-16 text (it starts with a UTF-16 byte-order mark): save it as UTF-8"
+        )
     if b"\x00" in data:
-        raise DeepSpeedConfigError(f"DeepSpeed config {str(path)!r} is a binary file (it contains NUL bytes), not "
-                                   "JSON or YAML text")
+        raise DeepSpeedConfigError(
+            f"DeepSpeed config {str(path)!r} is a binary file (it contains NUL bytes), not JSON or YAML text"
+        )
     try:
         text = data.decode("utf-8-sig")  # a UTF-8 byte-order mark, as some editors write, is fine
     except UnicodeDecodeError as error:
         raise DeepSpeedConfigError(
             f"DeepSpeed config {str(path)!r} is not UTF-8 text (byte 0x{data[error.start]:02x} at offset "
-            f"{error.start}): save it as UTF-8 JSON or YAML") from error
+            f"{error.start}): save it as UTF-8 JSON or YAML"
+        ) from error
     if not text.strip():
         # json.loads("") fails cryptically and yaml.safe_load("") returns None; an empty file is never meant as {}
         raise DeepSpeedConfigError(f"DeepSpeed config {str(path)!r} is empty; write {{}} for an empty config")
@@ -117,8 +120,9 @@ def load_ds_config(source: ConfigSource) -> dict:
     elif isinstance(source, (str, os.PathLike)):
         text_source = str(source)
         if not text_source.strip():
-            raise DeepSpeedConfigError("the DeepSpeed config is an empty string: pass a dict, a .json/.yaml path or "
-                                       "a JSON object string")
+            raise DeepSpeedConfigError(
+                "the DeepSpeed config is an empty string: pass a dict, a .json/.yaml path or a JSON object string"
+            )
         if isinstance(source, str) and text_source.lstrip().startswith("{"):
             config = _parse_json_text(text_source, "the DeepSpeed config string")
         else:

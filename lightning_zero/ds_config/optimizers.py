@@ -41,8 +41,9 @@ def _split_spec(spec: Mapping[str, Any], section: str) -> tuple[str, dict]:
     params = dict(spec.get("params") or {})
     for key, value in params.items():
         if value == "auto" or (isinstance(value, list) and "auto" in value):
-            raise DeepSpeedConfigError(f'{section}.params.{key} is still "auto": resolve it first with '
-                                       "lightning_zero.ds_config.resolve_auto")
+            raise DeepSpeedConfigError(
+                f'{section}.params.{key} is still "auto": resolve it first with lightning_zero.ds_config.resolve_auto'
+            )
     return spec["type"], params
 
 
@@ -51,15 +52,19 @@ def _lazy_op(module: str, name: str) -> type:
         imported = __import__(f"lightning_zero.ops.{module}", fromlist=[name])
         return getattr(imported, name)
     except (ImportError, AttributeError) as error:
-        raise ImportError(f"lightning_zero.ops.{module}.{name} is needed for this optimizer but could not be "
-                          f"imported ({error})") from error
+        raise ImportError(
+            f"lightning_zero.ops.{module}.{name} is needed for this optimizer but could not be imported ({error})"
+        ) from error
 
 
 def _torch_optimizer_class(name: str) -> Optional[type]:
     for attribute in dir(torch.optim):
         candidate = getattr(torch.optim, attribute)
-        if (attribute.lower() == name.lower() and inspect.isclass(candidate)
-                and issubclass(candidate, torch.optim.Optimizer)):
+        if (
+            attribute.lower() == name.lower()
+            and inspect.isclass(candidate)
+            and issubclass(candidate, torch.optim.Optimizer)
+        ):
             return candidate
     return None
 
@@ -86,15 +91,19 @@ def build_optimizer(spec: Mapping[str, Any], params: Iterable) -> torch.optim.Op
     name, kwargs = _split_spec(spec, "optimizer")
     key = name.lower()
     if "max_grad_norm" in kwargs:
-        raise DeepSpeedConfigError('optimizer.params.max_grad_norm is not an optimizer parameter: use the top-level '
-                                   '"gradient_clipping" (Trainer gradient_clip_val)')
+        raise DeepSpeedConfigError(
+            "optimizer.params.max_grad_norm is not an optimizer parameter: use the top-level "
+            '"gradient_clipping" (Trainer gradient_clip_val)'
+        )
     if key in ("adam", "adamw"):
         adam_w_mode = kwargs.pop("adam_w_mode", True)
         decoupled = key == "adamw" or bool(adam_w_mode)  # DeepSpeed: "AdamW" is decoupled whatever adam_w_mode says
         fp32_states = kwargs.pop("fp32_optimizer_states", None)
         if fp32_states is False:
-            raise DeepSpeedConfigError("optimizer.params.fp32_optimizer_states=false is not supported: optimizer "
-                                       "states are always kept in fp32")
+            raise DeepSpeedConfigError(
+                "optimizer.params.fp32_optimizer_states=false is not supported: optimizer "
+                "states are always kept in fp32"
+            )
         if kwargs.pop("torch_adam", False):
             cls = torch.optim.AdamW if decoupled else torch.optim.Adam
             return _instantiate(cls, params, kwargs, name)
@@ -103,17 +112,22 @@ def build_optimizer(spec: Mapping[str, Any], params: Iterable) -> torch.optim.Op
     if key == "lamb":
         return _instantiate(_lazy_op("fused_lamb", "FusedLamb"), params, kwargs, name)
     if key in _UNSUPPORTED_OPTIMIZERS:
-        raise DeepSpeedConfigError(f"optimizer {name!r} is not supported: {_UNSUPPORTED_OPTIMIZERS[key]}. Use Adam, "
-                                   "AdamW, Lamb or a torch.optim optimizer, or define configure_optimizers")
+        raise DeepSpeedConfigError(
+            f"optimizer {name!r} is not supported: {_UNSUPPORTED_OPTIMIZERS[key]}. Use Adam, "
+            "AdamW, Lamb or a torch.optim optimizer, or define configure_optimizers"
+        )
     cls = _torch_optimizer_class(name)
     if cls is None:
-        raise DeepSpeedConfigError(f"optimizer {name!r} is neither a DeepSpeed optimizer we support (Adam, AdamW, "
-                                   "Lamb) nor a torch.optim class")
+        raise DeepSpeedConfigError(
+            f"optimizer {name!r} is neither a DeepSpeed optimizer we support (Adam, AdamW, "
+            "Lamb) nor a torch.optim class"
+        )
     return _instantiate(cls, params, kwargs, name)
 
 
-def build_scheduler(spec: Mapping[str, Any], optimizer: torch.optim.Optimizer,
-                    total_steps: Optional[int] = None) -> torch.optim.lr_scheduler.LRScheduler:
+def build_scheduler(
+    spec: Mapping[str, Any], optimizer: torch.optim.Optimizer, total_steps: Optional[int] = None
+) -> torch.optim.lr_scheduler.LRScheduler:
     """Instantiate the LR scheduler of a ds_config ``"scheduler"`` section; step it after every optimizer step
     (Lightning: ``{"scheduler": s, "interval": "step"}``, see :func:`lightning_scheduler_config`).
 
@@ -129,14 +143,18 @@ def build_scheduler(spec: Mapping[str, Any], optimizer: torch.optim.Optimizer,
         cls = DEEPSPEED_SCHEDULERS[name]
         if name in _TOTAL_STEP_SCHEDULERS and "total_num_steps" not in kwargs:
             if total_steps is None:
-                raise DeepSpeedConfigError(f"scheduler {name} needs total_num_steps: set it in scheduler.params or "
-                                           "pass total_steps (trainer.estimated_stepping_batches)")
+                raise DeepSpeedConfigError(
+                    f"scheduler {name} needs total_num_steps: set it in scheduler.params or "
+                    "pass total_steps (trainer.estimated_stepping_batches)"
+                )
             kwargs["total_num_steps"] = int(total_steps)
     else:
         cls = getattr(torch.optim.lr_scheduler, name, None)
         if not (inspect.isclass(cls) and issubclass(cls, torch.optim.lr_scheduler.LRScheduler)):
-            raise DeepSpeedConfigError(f"scheduler {name!r} is neither a DeepSpeed scheduler "
-                                       f"({', '.join(DEEPSPEED_SCHEDULERS)}) nor a torch.optim.lr_scheduler class")
+            raise DeepSpeedConfigError(
+                f"scheduler {name!r} is neither a DeepSpeed scheduler "
+                f"({', '.join(DEEPSPEED_SCHEDULERS)}) nor a torch.optim.lr_scheduler class"
+            )
     try:
         return cls(optimizer, **kwargs)
     except TypeError as error:
@@ -147,4 +165,3 @@ def build_scheduler(spec: Mapping[str, Any], optimizer: torch.optim.Optimizer,
 def lightning_scheduler_config(scheduler: torch.optim.lr_scheduler.LRScheduler) -> dict:
     """The Lightning ``lr_scheduler`` dict that steps like DeepSpeed's engine: after every optimizer step."""
     return {"scheduler": scheduler, "interval": "step", "frequency": 1}
-

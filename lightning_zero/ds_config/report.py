@@ -29,9 +29,13 @@ def _note_for(key: str, notes: dict[str, str]) -> str:
     return _DEFAULT_NOTE
 
 
-def effective_config_rows(translation: DeepSpeedTranslation, *, only_set: bool = False,
-                          auto_paths: Sequence[str] = (),
-                          auto_defaults: Mapping[str, str] = {}) -> list[tuple[str, str, str]]:
+def effective_config_rows(
+    translation: DeepSpeedTranslation,
+    *,
+    only_set: bool = False,
+    auto_paths: Sequence[str] = (),
+    auto_defaults: Mapping[str, str] = {},
+) -> list[tuple[str, str, str]]:
     """``(key, value, what lightning-zero does with it)`` per effective key, then the strategy keyword arguments.
 
     Args:
@@ -62,9 +66,15 @@ def effective_config_rows(translation: DeepSpeedTranslation, *, only_set: bool =
     return rows
 
 
-def effective_config_table(translation: DeepSpeedTranslation, title: str = "DeepSpeed config (effective)", *,
-                           verbose: bool = True, auto_paths: Sequence[str] = (), caption: Optional[str] = None,
-                           auto_defaults: Mapping[str, str] = {}):
+def effective_config_table(
+    translation: DeepSpeedTranslation,
+    title: str = "DeepSpeed config (effective)",
+    *,
+    verbose: bool = True,
+    auto_paths: Sequence[str] = (),
+    caption: Optional[str] = None,
+    auto_defaults: Mapping[str, str] = {},
+):
     """A ``rich.table.Table`` of :func:`effective_config_rows`: every key (``verbose``) or only those the config set
     or that ``"auto"`` resolved, with a caption saying how many defaults were left out."""
     from rich import box
@@ -73,11 +83,14 @@ def effective_config_table(translation: DeepSpeedTranslation, title: str = "Deep
     rows = effective_config_rows(translation, only_set=not verbose, auto_paths=auto_paths, auto_defaults=auto_defaults)
     if not verbose:
         left_out = len(effective_config_rows(translation)) - len(rows)
-        hidden = (f"{left_out} DeepSpeed defaults not shown (ZeroStrategy(verbose=True) prints them; every "
-                  "checkpoint's zero.json holds them)")
+        hidden = (
+            f"{left_out} DeepSpeed defaults not shown (ZeroStrategy(verbose=True) prints them; every "
+            "checkpoint's zero.json holds them)"
+        )
         caption = f"{caption}; {hidden}" if caption else hidden
-    table = Table(title=title, caption=caption, box=box.HEAVY_HEAD if verbose else None, pad_edge=False,
-                  expand=not verbose)
+    table = Table(
+        title=title, caption=caption, box=box.HEAVY_HEAD if verbose else None, pad_edge=False, expand=not verbose
+    )
     # Keys and values are never cut (two keys sharing a prefix would look alike); in the compact view each note takes
     # the width left over, one line each (the full text is in the verbose table and zero.json).
     table.add_column("key", no_wrap=True)
@@ -91,8 +104,9 @@ def effective_config_table(translation: DeepSpeedTranslation, title: str = "Deep
     return table
 
 
-def effective_config_dict(translation: DeepSpeedTranslation, auto_paths: Sequence[str] = (),
-                          auto_defaults: Mapping[str, str] = {}) -> dict:
+def effective_config_dict(
+    translation: DeepSpeedTranslation, auto_paths: Sequence[str] = (), auto_defaults: Mapping[str, str] = {}
+) -> dict:
     """JSON-serialisable record: the effective config, the strategy kwargs, the Trainer settings, the notes and the
     full table (every row, defaults included) that the startup report shortens."""
     return {
@@ -100,8 +114,9 @@ def effective_config_dict(translation: DeepSpeedTranslation, auto_paths: Sequenc
         "strategy_kwargs": translation.strategy_kwargs,
         "trainer_settings": translation.trainer_settings(),
         "notes": [list(note) for note in translation.notes],
-        "table": [list(row) for row in effective_config_rows(translation, auto_paths=auto_paths,
-                                                             auto_defaults=auto_defaults)],
+        "table": [
+            list(row) for row in effective_config_rows(translation, auto_paths=auto_paths, auto_defaults=auto_defaults)
+        ],
     }
 
 
@@ -109,6 +124,7 @@ def save_effective_config(translation: DeepSpeedTranslation, directory: Union[st
     """Write :func:`effective_config_dict` as ``ds_config.effective.json`` into ``directory``; returns the path."""
     path = Path(directory) / EFFECTIVE_CONFIG_FILENAME
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(effective_config_dict(translation), indent=2, sort_keys=True, default=str) + "\n",
-                    encoding="utf-8")
+    path.write_text(
+        json.dumps(effective_config_dict(translation), indent=2, sort_keys=True, default=str) + "\n", encoding="utf-8"
+    )
     return path

@@ -28,23 +28,53 @@ from lightning_zero.ds_config.loading import DeepSpeedConfigError, DeepSpeedConf
 
 # DeepSpeedStrategy's arguments that each write the zero_optimization (activation_checkpointing, aio) key of their
 # own name (values as given).
-ZERO_ARGUMENTS = ("contiguous_gradients", "overlap_comm", "allgather_partitions", "reduce_scatter",
-                  "allgather_bucket_size", "reduce_bucket_size")
-ACTIVATION_ARGUMENTS = ("partition_activations", "contiguous_memory_optimization", "synchronize_checkpoint_boundary",
-                        "cpu_checkpointing")
+ZERO_ARGUMENTS = (
+    "contiguous_gradients",
+    "overlap_comm",
+    "allgather_partitions",
+    "reduce_scatter",
+    "allgather_bucket_size",
+    "reduce_bucket_size",
+)
+ACTIVATION_ARGUMENTS = (
+    "partition_activations",
+    "contiguous_memory_optimization",
+    "synchronize_checkpoint_boundary",
+    "cpu_checkpointing",
+)
 AIO_ARGUMENTS = ("block_size", "queue_depth", "single_submit", "overlap_events", "thread_count")
 # argument -> (offload section, key in it)
-OFFLOAD_KEYS = {"offload_optimizer_device": ("offload_optimizer", "device"),
-                "optimizer_buffer_count": ("offload_optimizer", "buffer_count"),
-                "offload_params_device": ("offload_param", "device"),
-                "params_buffer_count": ("offload_param", "buffer_count"),
-                "params_buffer_size": ("offload_param", "buffer_size")}
+OFFLOAD_KEYS = {
+    "offload_optimizer_device": ("offload_optimizer", "device"),
+    "optimizer_buffer_count": ("offload_optimizer", "buffer_count"),
+    "offload_params_device": ("offload_param", "device"),
+    "params_buffer_count": ("offload_param", "buffer_count"),
+    "params_buffer_size": ("offload_param", "buffer_size"),
+}
 _SWITCHES = {"offload_optimizer": "offload_optimizer", "offload_param": "offload_parameters"}
-_BOOLS = ("zero_optimization", "offload_optimizer", "offload_parameters", "zero_allow_untested_optimizer",
-          "contiguous_gradients", "overlap_comm", "allgather_partitions", "reduce_scatter", "single_submit",
-          "overlap_events", *ACTIVATION_ARGUMENTS)
-_COUNTS = ("optimizer_buffer_count", "params_buffer_count", "params_buffer_size", "allgather_bucket_size",
-           "reduce_bucket_size", "block_size", "queue_depth", "thread_count")
+_BOOLS = (
+    "zero_optimization",
+    "offload_optimizer",
+    "offload_parameters",
+    "zero_allow_untested_optimizer",
+    "contiguous_gradients",
+    "overlap_comm",
+    "allgather_partitions",
+    "reduce_scatter",
+    "single_submit",
+    "overlap_events",
+    *ACTIVATION_ARGUMENTS,
+)
+_COUNTS = (
+    "optimizer_buffer_count",
+    "params_buffer_count",
+    "params_buffer_size",
+    "allgather_bucket_size",
+    "reduce_bucket_size",
+    "block_size",
+    "queue_depth",
+    "thread_count",
+)
 
 
 @dataclass(frozen=True)
@@ -103,15 +133,20 @@ class DeepSpeedArguments:
             if value is not None and value not in OFFLOAD_DEVICES:
                 raise ValueError(f"{name} must be one of {OFFLOAD_DEVICES} (as in DeepSpeedStrategy), got {value!r}")
         batch = self.logging_batch_size_per_gpu
-        if batch is not None and batch != "auto" and (isinstance(batch, bool) or not isinstance(batch, int)
-                                                      or batch < 1):
+        if (
+            batch is not None
+            and batch != "auto"
+            and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1)
+        ):
             raise ValueError(f'logging_batch_size_per_gpu must be "auto" or a positive int, got {batch!r}')
         level = self.logging_level
         if level is not None and (isinstance(level, bool) or not isinstance(level, int) or level < 0):
             raise ValueError(f"logging_level must be a logging level such as logging.WARN (an int), got {level!r}")
         if self.zero_optimization is False and (self.offload_optimizer or self.offload_parameters):
-            raise ValueError("zero_optimization=False turns ZeRO off, so offload_optimizer/offload_parameters=True "
-                             "cannot apply: drop one")
+            raise ValueError(
+                "zero_optimization=False turns ZeRO off, so offload_optimizer/offload_parameters=True "
+                "cannot apply: drop one"
+            )
 
     def given(self) -> dict:
         """The arguments a user passed, by name."""
@@ -126,8 +161,9 @@ class DeepSpeedArguments:
             raise ValueError(f"zero_optimization=False turns ZeRO off, but stage={stage} asks for it: drop one")
         return 0
 
-    def config_overrides(self, base: Optional[dict], stage: Optional[int] = None,
-                         nvme_path: Optional[str] = None) -> tuple[dict, dict]:
+    def config_overrides(
+        self, base: Optional[dict], stage: Optional[int] = None, nvme_path: Optional[str] = None
+    ) -> tuple[dict, dict]:
         """``(overrides, aliases)``: the ds_config keys the given arguments write, to merge over ``base`` (the
         loaded config, ``None`` without one), and each written dotted key -> the argument that wrote it, for
         messages. The explicit ``stage`` goes with them, so the translator reads each key at the stage that runs
@@ -148,8 +184,11 @@ class DeepSpeedArguments:
         for name in ZERO_ARGUMENTS:
             if getattr(self, name) is not None:
                 if self.zero_optimization is False:
-                    _no_effect(name, "zero_optimization=False turns ZeRO off (DeepSpeedStrategy then writes no "
-                                     "zero_optimization section)")
+                    _no_effect(
+                        name,
+                        "zero_optimization=False turns ZeRO off (DeepSpeedStrategy then writes no "
+                        "zero_optimization section)",
+                    )
                 else:
                     put(f"zero_optimization.{name}", getattr(self, name), name)
         self._offload_overrides(base or {}, put, nvme_path)
@@ -166,9 +205,13 @@ class DeepSpeedArguments:
         if overrides and (stage is not None or base is None):
             written = ((base or {}).get("zero_optimization") or {}).get("stage")
             if stage is not None and written not in (None, stage) and isinstance(written, int):
-                warnings.warn(f"explicit ZeroStrategy arguments win over the DeepSpeed config: stage={stage} over the "
-                              f"config's {written}. DeepSpeedStrategy would have used the config's values; drop the "
-                              "argument to follow the config", DeepSpeedConfigWarning, stacklevel=4)
+                warnings.warn(
+                    f"explicit ZeroStrategy arguments win over the DeepSpeed config: stage={stage} over the "
+                    f"config's {written}. DeepSpeedStrategy would have used the config's values; drop the "
+                    "argument to follow the config",
+                    DeepSpeedConfigWarning,
+                    stacklevel=4,
+                )
             overrides.setdefault("zero_optimization", {})["stage"] = stage if stage is not None else 2
         return overrides, aliases
 
@@ -193,8 +236,11 @@ class DeepSpeedArguments:
                 if opened or in_base:
                     put(f"zero_optimization.{section}.{key}", value, argument)
                 else:
-                    _no_effect(argument, f"nothing is offloaded there: pass {switch}=True (or write "
-                                         f"zero_optimization.{section} in the config)")
+                    _no_effect(
+                        argument,
+                        f"nothing is offloaded there: pass {switch}=True (or write "
+                        f"zero_optimization.{section} in the config)",
+                    )
 
     def check_remote_device(self, stage: int, offload_params: Optional[str]) -> None:
         """``remote_device`` once the stage and the parameter offload are known, as DeepSpeed's ``zero.Init`` reads
@@ -207,16 +253,22 @@ class DeepSpeedArguments:
             _no_effect("remote_device", f"DeepSpeed's zero.Init, where it applies, is off at stage {stage}")
             return
         if offload_params in (None, "none"):
-            raise ValueError(f"remote_device={remote!r} without parameter offload keeps ZeRO-3's parameter "
-                             "partitions in that memory under DeepSpeed; ZeroStrategy does it with "
-                             f"offload_parameters=True, offload_params_device={remote!r} (and the optimizer "
-                             "offloaded too): pass those instead")
+            raise ValueError(
+                f"remote_device={remote!r} without parameter offload keeps ZeRO-3's parameter "
+                "partitions in that memory under DeepSpeed; ZeroStrategy does it with "
+                f"offload_parameters=True, offload_params_device={remote!r} (and the optimizer "
+                "offloaded too): pass those instead"
+            )
         if remote != offload_params:
             if offload_params == "nvme":  # DeepSpeed's zero.Init asserts on this pair
-                raise ValueError(f"remote_device={remote!r} contradicts the parameter offload to 'nvme' (DeepSpeed "
-                                 "refuses the pair too): drop remote_device or make it 'nvme'")
-            _no_effect("remote_device", f"the parameters are offloaded to {offload_params!r}, which wins, as in "
-                                        "DeepSpeed's zero.Init")
+                raise ValueError(
+                    f"remote_device={remote!r} contradicts the parameter offload to 'nvme' (DeepSpeed "
+                    "refuses the pair too): drop remote_device or make it 'nvme'"
+                )
+            _no_effect(
+                "remote_device",
+                f"the parameters are offloaded to {offload_params!r}, which wins, as in DeepSpeed's zero.Init",
+            )
 
     def apply_logging_level(self) -> None:
         """Set the ``lightning_zero`` loggers' level, as DeepSpeedStrategy sets the ``deepspeed`` logger's."""

@@ -35,8 +35,14 @@ from lightning_zero.ds_config.translate_checks import (
 )
 from lightning_zero.ds_config.translate_offload import translate_aio, translate_offload
 
-_LOSS_SCALE_KWARGS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
-                      "consecutive_hysteresis", "min_loss_scale")
+_LOSS_SCALE_KWARGS = (
+    "loss_scale",
+    "initial_scale_power",
+    "loss_scale_window",
+    "hysteresis",
+    "consecutive_hysteresis",
+    "min_loss_scale",
+)
 
 
 @dataclass(frozen=True)
@@ -104,8 +110,12 @@ def _normalise_deprecated(config: dict, out: Collector) -> dict:
     config = copy.deepcopy(config)
     zero = config.get("zero_optimization")
     if isinstance(zero, bool):
-        warnings.warn('"zero_optimization": true/false is deprecated in DeepSpeed; write "zero_optimization": '
-                      '{"stage": 1} (or 0) instead', FutureWarning, stacklevel=3)
+        warnings.warn(
+            '"zero_optimization": true/false is deprecated in DeepSpeed; write "zero_optimization": '
+            '{"stage": 1} (or 0) instead',
+            FutureWarning,
+            stacklevel=3,
+        )
         new_zero: dict = {"stage": 1 if zero else 0}
         if zero and "allgather_size" in config:
             new_zero["allgather_bucket_size"] = config.pop("allgather_size")
@@ -114,8 +124,9 @@ def _normalise_deprecated(config: dict, out: Collector) -> dict:
     if "bfloat16" in config:
         if "bf16" in config:
             raise DeepSpeedConfigError('both "bf16" and its deprecated spelling "bfloat16" are set: keep only "bf16"')
-        warnings.warn('"bfloat16" is deprecated in DeepSpeed; rename the section to "bf16"', FutureWarning,
-                      stacklevel=3)
+        warnings.warn(
+            '"bfloat16" is deprecated in DeepSpeed; rename the section to "bf16"', FutureWarning, stacklevel=3
+        )
         config["bf16"] = config.pop("bfloat16")
         out.note("bfloat16", 'deprecated spelling -> "bf16"')
         out.written_as["bf16"] = "bfloat16"
@@ -126,8 +137,11 @@ def _normalise_deprecated(config: dict, out: Collector) -> dict:
             if old not in zero:
                 continue
             value = zero.pop(old)
-            warnings.warn(f'"zero_optimization.{old}" is deprecated in DeepSpeed; use "{new}" instead', FutureWarning,
-                          stacklevel=3)
+            warnings.warn(
+                f'"zero_optimization.{old}" is deprecated in DeepSpeed; use "{new}" instead',
+                FutureWarning,
+                stacklevel=3,
+            )
             out.note(f"zero_optimization.{old}", f"deprecated -> {new}")
             if old == "cpu_offload" and value:
                 zero.setdefault("offload_optimizer", {"device": "cpu"})
@@ -149,8 +163,10 @@ def _rename_field_names(zero: dict, out: Collector) -> None:
         if field_name not in zero:
             continue
         if name in zero:
-            raise DeepSpeedConfigError(f"zero_optimization.{field_name} and zero_optimization.{name} are one setting "
-                                       "(DeepSpeed's field name and its alias): give only one")
+            raise DeepSpeedConfigError(
+                f"zero_optimization.{field_name} and zero_optimization.{name} are one setting "
+                "(DeepSpeed's field name and its alias): give only one"
+            )
         zero[name] = zero.pop(field_name)
         out.note(f"zero_optimization.{field_name}", f"DeepSpeed's field name of {name} -> {name}")
         out.written_as[f"zero_optimization.{name}"] = f"zero_optimization.{field_name}"
@@ -160,8 +176,9 @@ def _translate_zero(config: dict, out: Collector, kwargs: dict) -> tuple[dict, b
     zero = section_of(config, "zero_optimization") or {}
     stage = zero.get("stage", 0)
     if stage == AUTO or isinstance(stage, bool) or not isinstance(stage, int) or stage not in (0, 1, 2, 3):
-        raise DeepSpeedConfigError(f"zero_optimization.stage must be 0, 1, 2 or 3 (\"auto\" is not allowed), got "
-                                   f"{stage!r}")
+        raise DeepSpeedConfigError(
+            f'zero_optimization.stage must be 0, 1, 2 or 3 ("auto" is not allowed), got {stage!r}'
+        )
     kwargs["stage"] = stage
     scalar_user = {k: v for k, v in zero.items() if k not in ("offload_optimizer", "offload_param")}
     merged = merge_section(scalar_user, schema.ZERO_KEYS, "zero_optimization", out)
@@ -175,25 +192,38 @@ def _translate_zero(config: dict, out: Collector, kwargs: dict) -> tuple[dict, b
     merged["overlap_comm"] = zero.get("overlap_comm", stage == 3)  # DeepSpeed: on by default only at stage 3
     if zero.get("overlap_comm") is False:  # a written False asks for what the engines never do: said by name
         out.no_effect_non_default.append("zero_optimization.overlap_comm=False")
-    for key in ("reduce_bucket_size", "allgather_bucket_size", "sub_group_size", "stage3_prefetch_bucket_size",
-                "stage3_param_persistence_threshold", "stage3_model_persistence_threshold",
-                "stage3_max_live_parameters", "stage3_max_reuse_distance"):
+    for key in (
+        "reduce_bucket_size",
+        "allgather_bucket_size",
+        "sub_group_size",
+        "stage3_prefetch_bucket_size",
+        "stage3_param_persistence_threshold",
+        "stage3_model_persistence_threshold",
+        "stage3_max_live_parameters",
+        "stage3_max_reuse_distance",
+    ):
         merged[key] = check_number(f"zero_optimization.{key}", merged[key], integer=True)
     _translate_units(zero, merged, stage, out, kwargs)
-    hpz = check_number("zero_optimization.zero_hpz_partition_size", merged["zero_hpz_partition_size"], integer=True,
-                        allow_auto=False)
+    hpz = check_number(
+        "zero_optimization.zero_hpz_partition_size", merged["zero_hpz_partition_size"], integer=True, allow_auto=False
+    )
     if hpz > 1:
         if stage != 3:
-            raise DeepSpeedConfigError(f"zero_optimization.zero_hpz_partition_size={hpz} (ZeRO++ hpZ) needs stage 3, "
-                                       f"got stage {stage}")
+            raise DeepSpeedConfigError(
+                f"zero_optimization.zero_hpz_partition_size={hpz} (ZeRO++ hpZ) needs stage 3, got stage {stage}"
+            )
         kwargs["reshard_after_forward"] = hpz
-    mics = check_number("zero_optimization.mics_shard_size", merged["mics_shard_size"], integer=True,
-                         allow_auto=False, minimum=-1)
+    mics = check_number(
+        "zero_optimization.mics_shard_size", merged["mics_shard_size"], integer=True, allow_auto=False, minimum=-1
+    )
     if mics > 0:  # MiCS is HSDP; hpZ above is not (see docs/ds_config.md, "Hybrid sharding")
         kwargs["hybrid_shard_size"] = mics
     # "auto" as Hugging Face/accelerate configs write it; resolve_auto turns it into accelerate's default (false)
-    gather = check_flag("zero_optimization.stage3_gather_16bit_weights_on_model_save",
-                         merged["stage3_gather_16bit_weights_on_model_save"], allow_auto=True)
+    gather = check_flag(
+        "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+        merged["stage3_gather_16bit_weights_on_model_save"],
+        allow_auto=True,
+    )
     return merged, gather
 
 
@@ -208,20 +238,34 @@ def _translate_units(zero: dict, merged: dict, stage: int, out: Collector, kwarg
         return
     element = DS_BUCKET_ELEMENT_BYTES
     unit_keys = ("reduce_bucket_size", "allgather_bucket_size") if stage == 2 else ("reduce_bucket_size",)
-    targets = {"stage3_prefetch_bucket_size": ("prefetch_bytes", element),
-               "stage3_param_persistence_threshold": ("param_persistence_threshold", 1)} if stage == 3 else {}
+    targets = (
+        {
+            "stage3_prefetch_bucket_size": ("prefetch_bytes", element),
+            "stage3_param_persistence_threshold": ("param_persistence_threshold", 1),
+        }
+        if stage == 3
+        else {}
+    )
     for key in unit_keys + tuple(targets):
         path = f"zero_optimization.{key}"
         if key not in zero:
             continue
         if zero[key] == AUTO:
-            honoured(out, path, '"auto" -> not mapped: the FSDP2 units are planned before setup resolves "auto", '
-                      "so the strategy's default applies (docs/units.md)")
+            honoured(
+                out,
+                path,
+                '"auto" -> not mapped: the FSDP2 units are planned before setup resolves "auto", '
+                "so the strategy's default applies (docs/units.md)",
+            )
         elif key in unit_keys:
             written = [merged[k] for k in unit_keys if k in zero and zero[k] != AUTO]
             kwargs["unit_bytes"] = min(written) * element
-            honoured(out, path, f"-> unit_bytes={kwargs['unit_bytes']} (FSDP2 units grouped to this many bytes: "
-                      f"the smaller of {' and '.join(unit_keys)} as written, x {element} bytes)")
+            honoured(
+                out,
+                path,
+                f"-> unit_bytes={kwargs['unit_bytes']} (FSDP2 units grouped to this many bytes: "
+                f"the smaller of {' and '.join(unit_keys)} as written, x {element} bytes)",
+            )
         else:
             name, scale = targets[key]
             kwargs[name] = merged[key] * scale
@@ -231,8 +275,11 @@ def _translate_units(zero: dict, merged: dict, stage: int, out: Collector, kwarg
 def _translate_precision(config: dict, out: Collector, kwargs: dict) -> tuple[Optional[str], dict]:
     effective: dict = {}
     enabled: dict[str, Any] = {}
-    for name, keys in (("fp16", schema.FP16_KEYS), ("bf16", schema.BF16_KEYS), ("torch_autocast",
-                                                                                  schema.TORCH_AUTOCAST_KEYS)):
+    for name, keys in (
+        ("fp16", schema.FP16_KEYS),
+        ("bf16", schema.BF16_KEYS),
+        ("torch_autocast", schema.TORCH_AUTOCAST_KEYS),
+    ):
         user = section_of(config, name)
         if user is None:
             continue
@@ -246,33 +293,44 @@ def _translate_precision(config: dict, out: Collector, kwargs: dict) -> tuple[Op
         if target is None:
             raise DeepSpeedConfigError(f"torch_autocast.dtype must be bfloat16 or float16, got {dtype!r}")
         if enabled.get(target) is False or any(enabled.get(o) is True for o in ("fp16", "bf16") if o != target):
-            raise DeepSpeedConfigError(f"torch_autocast asks for {dtype} but the fp16/bf16 sections say otherwise: "
-                                       "enable only one precision")
+            raise DeepSpeedConfigError(
+                f"torch_autocast asks for {dtype} but the fp16/bf16 sections say otherwise: enable only one precision"
+            )
         enabled[target] = True
     if enabled.get("fp16") is True and enabled.get("bf16") is True:
-        raise DeepSpeedConfigError('both "fp16.enabled" and "bf16.enabled" are true: DeepSpeed trains in one '
-                                   "precision; set one of them to false")
+        raise DeepSpeedConfigError(
+            'both "fp16.enabled" and "bf16.enabled" are true: DeepSpeed trains in one '
+            "precision; set one of them to false"
+        )
     if "fp16" in effective and enabled.get("fp16") is True:
         fp16 = effective["fp16"]
         fp16["loss_scale"] = check_number("fp16.loss_scale", fp16["loss_scale"], allow_auto=False)
-        fp16["initial_scale_power"] = check_number("fp16.initial_scale_power", fp16["initial_scale_power"],
-                                                    integer=True, allow_auto=False)
-        fp16["loss_scale_window"] = check_number("fp16.loss_scale_window", fp16["loss_scale_window"], integer=True,
-                                                  allow_auto=False, strictly_positive=True)
-        fp16["hysteresis"] = check_number("fp16.hysteresis", fp16["hysteresis"], integer=True, minimum=1,
-                                           allow_auto=False)
-        fp16["min_loss_scale"] = check_number("fp16.min_loss_scale", fp16["min_loss_scale"], allow_auto=False,
-                                               strictly_positive=True)
+        fp16["initial_scale_power"] = check_number(
+            "fp16.initial_scale_power", fp16["initial_scale_power"], integer=True, allow_auto=False
+        )
+        fp16["loss_scale_window"] = check_number(
+            "fp16.loss_scale_window", fp16["loss_scale_window"], integer=True, allow_auto=False, strictly_positive=True
+        )
+        fp16["hysteresis"] = check_number(
+            "fp16.hysteresis", fp16["hysteresis"], integer=True, minimum=1, allow_auto=False
+        )
+        fp16["min_loss_scale"] = check_number(
+            "fp16.min_loss_scale", fp16["min_loss_scale"], allow_auto=False, strictly_positive=True
+        )
         check_flag("fp16.consecutive_hysteresis", fp16["consecutive_hysteresis"])
         kwargs.update({key: fp16[key] for key in _LOSS_SCALE_KWARGS})
     elif "fp16" in effective:  # DeepSpeed ignores them too; a value it would have used is said
         for key in _LOSS_SCALE_KWARGS:
             if key in config["fp16"]:
-                no_effect(out, f"fp16.{key}", config["fp16"][key], schema.FP16_KEYS[key].default,
-                          "fp16 is not enabled")
+                no_effect(out, f"fp16.{key}", config["fp16"][key], schema.FP16_KEYS[key].default, "fp16 is not enabled")
     if "torch_autocast" in effective and enabled["torch_autocast"] is False and "dtype" in config["torch_autocast"]:
-        no_effect(out, "torch_autocast.dtype", config["torch_autocast"]["dtype"], schema.TORCH_AUTOCAST_KEYS[
-            "dtype"].default, "torch_autocast is not enabled")
+        no_effect(
+            out,
+            "torch_autocast.dtype",
+            config["torch_autocast"]["dtype"],
+            schema.TORCH_AUTOCAST_KEYS["dtype"].default,
+            "torch_autocast is not enabled",
+        )
     if AUTO in (enabled.get("fp16"), enabled.get("bf16")):
         return None, effective
     if enabled.get("fp16"):
@@ -287,8 +345,9 @@ def _translate_named_spec(config: dict, name: str, out: Collector) -> Optional[d
     if spec is None:
         return None
     if not isinstance(spec, dict) or not isinstance(spec.get("type"), str):
-        raise DeepSpeedConfigError(f'{name!r} must be an object like {{"type": "...", "params": {{...}}}}, '
-                                   f"got {spec!r}")
+        raise DeepSpeedConfigError(
+            f'{name!r} must be an object like {{"type": "...", "params": {{...}}}}, got {spec!r}'
+        )
     params = spec.get("params", {}) or {}
     if not isinstance(params, dict):
         raise DeepSpeedConfigError(f"{name}.params must be a JSON object, got {params!r}")
@@ -297,11 +356,19 @@ def _translate_named_spec(config: dict, name: str, out: Collector) -> Optional[d
         if key not in allowed:
             out.problem(f"{name}.{key}", f"unknown key; {suggest(key, sorted(allowed), name)}")
     if "legacy_fusion" in spec:
-        no_effect(out, "optimizer.legacy_fusion", spec["legacy_fusion"], False, "a switch of DeepSpeed's fp16 "
-                  "optimizer wrapper (its fused unscale-and-clip); the loss scaler here has one implementation")
+        no_effect(
+            out,
+            "optimizer.legacy_fusion",
+            spec["legacy_fusion"],
+            False,
+            "a switch of DeepSpeed's fp16 "
+            "optimizer wrapper (its fused unscale-and-clip); the loss scaler here has one implementation",
+        )
     if name == "optimizer" and "max_grad_norm" in params:
-        raise DeepSpeedConfigError("optimizer.params.max_grad_norm is not an optimizer parameter (DeepSpeed rejects "
-                                   "it too): use the top-level \"gradient_clipping\" instead")
+        raise DeepSpeedConfigError(
+            "optimizer.params.max_grad_norm is not an optimizer parameter (DeepSpeed rejects "
+            'it too): use the top-level "gradient_clipping" instead'
+        )
     out.note(name, schema.TOP_LEVEL_KEYS[name].note)
     return {"type": spec["type"], "params": copy.deepcopy(params)}
 
@@ -317,8 +384,9 @@ def _check_top_level_keys(config: dict, out: Collector) -> None:
                 out.note(key, f"disabled, so accepted ({schema.UNSUPPORTED_SECTIONS[key]} is not supported)")
             else:
                 written = f" (refused with it: {shown(key, value)})" if isinstance(value, dict) and value else ""
-                out.problem(key, f"not supported: {schema.UNSUPPORTED_SECTIONS[key]} is not part of lightning-zero"
-                            f"{written}")
+                out.problem(
+                    key, f"not supported: {schema.UNSUPPORTED_SECTIONS[key]} is not part of lightning-zero{written}"
+                )
             continue
         candidates = list(schema.TOP_LEVEL_KEYS) + list(schema.UNSUPPORTED_SECTIONS)
         out.problem(key, f"unknown top-level key; {suggest(key, candidates, '')}")
@@ -333,8 +401,9 @@ def _translate_sections(config: dict, out: Collector, kwargs: dict, effective: d
             effective[name] = merge_section(user, schema.SECTION_KEYS[name], name, out)
     pipeline_stages = effective.get("pipeline", {}).get("stages", AUTO)
     if pipeline_stages != AUTO:
-        kwargs["pipeline_parallel_size"] = check_number("pipeline.stages", pipeline_stages, integer=True,
-                                                         allow_auto=False, strictly_positive=True)
+        kwargs["pipeline_parallel_size"] = check_number(
+            "pipeline.stages", pipeline_stages, integer=True, allow_auto=False, strictly_positive=True
+        )
 
 
 def _record_top_level_settings(config: dict, out: Collector, effective: dict) -> None:
@@ -342,8 +411,11 @@ def _record_top_level_settings(config: dict, out: Collector, effective: dict) ->
     logging, no-effect switches): each gets its note (or a problem, for an unsupported value) and is copied to
     ``effective`` as given."""
     for key, spec in schema.TOP_LEVEL_KEYS.items():
-        if key not in config or key in schema.SECTION_KEYS or key in ("zero_optimization", "optimizer", "scheduler",
-                                                                       "fp16", "bf16", "torch_autocast"):
+        if (
+            key not in config
+            or key in schema.SECTION_KEYS
+            or key in ("zero_optimization", "optimizer", "scheduler", "fp16", "bf16", "torch_autocast")
+        ):
             continue
         value = config[key]
         if spec.role == schema.NO_EFFECT:
@@ -393,21 +465,25 @@ def translate_ds_config(config: dict, *, strict: bool = True) -> DeepSpeedTransl
     effective.update(precision_effective)
     _translate_sections(config, out, kwargs, effective)
 
-    batch = {key: check_number(key, config.get(key), integer=True, strictly_positive=True)
-             for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")}
+    batch = {
+        key: check_number(key, config.get(key), integer=True, strictly_positive=True)
+        for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    }
     if isinstance(batch["gradient_accumulation_steps"], int) and "pipeline_parallel_size" in kwargs:
         # DeepSpeed's pipeline engine runs gradient_accumulation_steps micro-batches per optimizer step.
         kwargs["micro_batches"] = batch["gradient_accumulation_steps"]
     clipping = check_number("gradient_clipping", config.get("gradient_clipping"))
-    steps_per_print = check_number("steps_per_print", config.get("steps_per_print"), integer=True,
-                                    allow_auto=False, strictly_positive=True)
+    steps_per_print = check_number(
+        "steps_per_print", config.get("steps_per_print"), integer=True, allow_auto=False, strictly_positive=True
+    )
     wall_clock = check_flag("wall_clock_breakdown", config.get("wall_clock_breakdown", False))
 
     comm = config.get("communication_data_type")
     if comm is not None:
         if not isinstance(comm, str) or comm.lower() not in COMMUNICATION_DATA_TYPES:
-            raise DeepSpeedConfigError(f"communication_data_type must be one of {tuple(COMMUNICATION_DATA_TYPES)}, got "
-                                       f"{comm!r}")
+            raise DeepSpeedConfigError(
+                f"communication_data_type must be one of {tuple(COMMUNICATION_DATA_TYPES)}, got {comm!r}"
+            )
         kwargs["communication_data_type"] = comm.lower()
 
     optimizer = _translate_named_spec(config, "optimizer", out)

@@ -34,7 +34,7 @@ class Collector:
     def _as_written(self, path: str) -> str:
         for current, written in self.written_as.items():
             if path == current or path.startswith(current + "."):
-                return written + path[len(current):]
+                return written + path[len(current) :]
         return path
 
     def problem(self, path: str, text: str) -> None:
@@ -52,9 +52,13 @@ class Collector:
             warnings.warn(
                 "These DeepSpeed config keys are set to non-default values but have no effect with lightning-zero's "
                 "FSDP2/DDP engines (see the translation notes or docs/ds_config.md for why): "
-                + ", ".join(self._as_written(path) + "=" + value for path, value in
-                            (item.split("=", 1) for item in self.no_effect_non_default)), DeepSpeedConfigWarning,
-                stacklevel=3)
+                + ", ".join(
+                    self._as_written(path) + "=" + value
+                    for path, value in (item.split("=", 1) for item in self.no_effect_non_default)
+                ),
+                DeepSpeedConfigWarning,
+                stacklevel=3,
+            )
 
 
 def suggest(key: str, candidates: list[str], section: str) -> str:
@@ -95,10 +99,14 @@ def non_default_leaves(path: str, value: Any, default: Any) -> list[str]:
     key inside objects; ``"auto"`` counts as the default)."""
     if isinstance(value, dict) and value:
         defaults = default if isinstance(default, dict) else {}
-        return [item for key, sub in value.items() for item in non_default_leaves(f"{path}.{key}", sub,
-                                                                                   defaults.get(key))]
-    if value == AUTO or (value == default and type(value) is type(default)) or (
-            isinstance(value, str) and isinstance(default, str) and value.lower() == default.lower()):
+        return [
+            item for key, sub in value.items() for item in non_default_leaves(f"{path}.{key}", sub, defaults.get(key))
+        ]
+    if (
+        value == AUTO
+        or (value == default and type(value) is type(default))
+        or (isinstance(value, str) and isinstance(default, str) and value.lower() == default.lower())
+    ):
         return []  # DeepSpeed reads its string settings in any case ("Warn", "WARN")
     return [f"{path}={value!r}"]
 
@@ -156,8 +164,15 @@ def merge_section(user: dict, keys: dict[str, KeySpec], section: str, out: Colle
     return merged
 
 
-def check_number(path: str, value: Any, *, integer: bool = False, minimum: float = 0, allow_auto: bool = True,
-                  strictly_positive: bool = False) -> Any:
+def check_number(
+    path: str,
+    value: Any,
+    *,
+    integer: bool = False,
+    minimum: float = 0,
+    allow_auto: bool = True,
+    strictly_positive: bool = False,
+) -> Any:
     """Validate a numeric value; integral floats (DeepSpeed configs write ``1e9``) become ints for integer keys."""
     if value is None or (allow_auto and value == AUTO):
         return value

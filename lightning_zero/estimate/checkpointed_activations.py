@@ -61,8 +61,9 @@ def checkpointed_activation_bytes(module: nn.Module) -> Iterator[SavedBytes]:
                 handle.remove()
 
 
-def recomputed_block_bytes(module: nn.Module, counted: SavedBytes,
-                           forward_context: Optional[Callable[[], ContextManager]] = None) -> int:
+def recomputed_block_bytes(
+    module: nn.Module, counted: SavedBytes, forward_context: Optional[Callable[[], ContextManager]] = None
+) -> int:
     """The most bytes one checkpointed block saves in a forward without checkpointing: what backward rebuilds for
     that block and keeps until the block's gradient is computed (0 when no block is checkpointed).
 
@@ -82,8 +83,12 @@ def recomputed_block_bytes(module: nn.Module, counted: SavedBytes,
         if unit is not None:
             unit.unshard()
         try:
-            args = [torch.randn(shape, dtype=dtype, device=device, requires_grad=True) if dtype.is_floating_point
-                    else torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in specs]
+            args = [
+                torch.randn(shape, dtype=dtype, device=device, requires_grad=True)
+                if dtype.is_floating_point
+                else torch.zeros(shape, dtype=dtype, device=device)
+                for shape, dtype, device in specs
+            ]
             with torch.enable_grad(), (forward_context or contextlib.nullcontext)():
                 with saved_activation_bytes(exclude=args) as saved:
                     out = block.__dict__["forward"].forward(*args)  # the original forward: no checkpoint

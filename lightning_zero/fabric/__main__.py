@@ -23,8 +23,10 @@ def main() -> None:
     # The choices click holds, not the registry: they were frozen when lightning.fabric.cli was first imported.
     choices = next(param.type.choices for param in _main.commands["run"].params if param.name == "strategy")
     if "zero_stage_3" not in choices:
-        raise RuntimeError("lightning.fabric.cli was imported before lightning_zero, so its --strategy choices lack "
-                           "the ZeRO names; run `python -m lightning_zero.fabric run ...` in a fresh interpreter")
+        raise RuntimeError(
+            "lightning.fabric.cli was imported before lightning_zero, so its --strategy choices lack "
+            "the ZeRO names; run `python -m lightning_zero.fabric run ...` in a fresh interpreter"
+        )
     _main(prog_name="python -m lightning_zero.fabric")
 
 

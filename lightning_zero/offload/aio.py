@@ -45,7 +45,7 @@ def aligned_buffer(nbytes: int, *, pin_memory: bool = False, alignment: int = AL
     size = align_up(max(nbytes, 1), alignment)
     raw = torch.empty(size + alignment, dtype=torch.uint8, pin_memory=pin_memory)
     shift = (-raw.data_ptr()) % alignment
-    return raw[shift:shift + size]
+    return raw[shift : shift + size]
 
 
 class SwapIOError(OSError):
@@ -84,14 +84,15 @@ class AioSettings:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"aio {name} must be a positive int, got {value!r}")
         if self.in_flight > MAX_IN_FLIGHT:
-            raise ValueError(f"aio thread_count * queue_depth = {self.thread_count} * {self.queue_depth} requests in "
-                             f"flight needs as many I/O threads; at most {MAX_IN_FLIGHT} are allowed")
+            raise ValueError(
+                f"aio thread_count * queue_depth = {self.thread_count} * {self.queue_depth} requests in "
+                f"flight needs as many I/O threads; at most {MAX_IN_FLIGHT} are allowed"
+            )
         for name in ("single_submit", "overlap_events"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"aio {name} must be True or False, got {getattr(self, name)!r}")
         if self.use_direct is not None and not isinstance(self.use_direct, bool):
             raise TypeError(f"use_direct must be True, False or None, got {self.use_direct!r}")
-
 
     @property
     def in_flight(self) -> int:
@@ -148,8 +149,9 @@ class AsyncFileIO:
                 fd = os.open(path, flags | os.O_DIRECT, 0o600)
             except OSError as error:
                 if error.errno == errno.EINVAL and self.settings.use_direct:
-                    raise SwapIOError(errno.EINVAL, f"use_direct=True but the filesystem of {path!r} refuses "
-                                                    "O_DIRECT") from error
+                    raise SwapIOError(
+                        errno.EINVAL, f"use_direct=True but the filesystem of {path!r} refuses O_DIRECT"
+                    ) from error
                 if error.errno != errno.EINVAL:
                     raise _io_error(error, "open", path, 0) from error
                 direct = False
@@ -162,8 +164,11 @@ class AsyncFileIO:
                 raise _io_error(error, "open", path, 0) from error
             if self.settings.use_direct is None and not self.direct_fallback_warned:
                 self.direct_fallback_warned = True
-                warnings.warn(f"O_DIRECT is not supported for {os.path.dirname(path)!r}: NVMe offload falls back to "
-                              "buffered I/O (correct, but the page cache sits between memory and disk)", stacklevel=2)
+                warnings.warn(
+                    f"O_DIRECT is not supported for {os.path.dirname(path)!r}: NVMe offload falls back to "
+                    "buffered I/O (correct, but the page cache sits between memory and disk)",
+                    stacklevel=2,
+                )
         with self._lock:
             self._fds[path] = (fd, direct)
         return direct
@@ -187,8 +192,10 @@ class AsyncFileIO:
         fd, direct = self._fds[path]
         view = _memoryview(buffer)
         if direct and (buffer.data_ptr() % ALIGNMENT or offset % ALIGNMENT or len(view) % ALIGNMENT):
-            raise ValueError(f"O_DIRECT {kind} of {path} needs {ALIGNMENT}-aligned address, offset and length; "
-                             f"got address {buffer.data_ptr():#x}, offset {offset}, length {len(view)}")
+            raise ValueError(
+                f"O_DIRECT {kind} of {path} needs {ALIGNMENT}-aligned address, offset and length; "
+                f"got address {buffer.data_ptr():#x}, offset {offset}, length {len(view)}"
+            )
         block = align_up(self.settings.block_size)
         done: Future = Future()
         pieces = [(start, min(start + block, len(view))) for start in range(0, len(view), block)] or [(0, 0)]
@@ -269,8 +276,10 @@ def _io_all(kind: str, fd: int, view: memoryview, offset: int, path: str) -> Non
         except OSError as error:
             raise _io_error(error, kind, path, len(view)) from error
         if count == 0:
-            raise SwapIOError(errno.EIO, f"swap {kind} of {path} at offset {offset}: unexpected end of file "
-                                         f"({len(view)} bytes missing)")
+            raise SwapIOError(
+                errno.EIO,
+                f"swap {kind} of {path} at offset {offset}: unexpected end of file ({len(view)} bytes missing)",
+            )
         view = view[count:]
         offset += count
 

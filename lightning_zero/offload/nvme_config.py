@@ -53,11 +53,14 @@ class NvmeConfig:
             raise TypeError(f"nvme_path must be a directory path, got {self.nvme_path!r}")
         path = os.path.abspath(os.path.expanduser(path))
         if not os.path.isdir(path):
-            raise ValueError(f"nvme_path={path!r} is not an existing directory: create it on a local fast disk "
-                             "(NVMe offload writes its swap files there)")
+            raise ValueError(
+                f"nvme_path={path!r} is not an existing directory: create it on a local fast disk "
+                "(NVMe offload writes its swap files there)"
+            )
         if not os.access(path, os.W_OK | os.X_OK):
-            raise PermissionError(f"nvme_path={path!r} is not writable by this process: NVMe offload writes its "
-                                  "swap files there")
+            raise PermissionError(
+                f"nvme_path={path!r} is not writable by this process: NVMe offload writes its swap files there"
+            )
         object.__setattr__(self, "nvme_path", path)
         for name in ("buffer_count", "sub_group_size", "buffer_size", "max_in_cpu"):
             value = getattr(self, name)
@@ -84,16 +87,25 @@ def aio_settings(aio: Optional[dict]) -> AioSettings:
     return AioSettings(**aio)
 
 
-def nvme_config_from_arguments(nvme_path: Any = None, buffer_count: Optional[int] = None,
-                               sub_group_size: Optional[int] = None, buffer_size: Optional[int] = None,
-                               max_in_cpu: Optional[int] = None, aio: Optional[dict] = None) -> Optional[NvmeConfig]:
+def nvme_config_from_arguments(
+    nvme_path: Any = None,
+    buffer_count: Optional[int] = None,
+    sub_group_size: Optional[int] = None,
+    buffer_size: Optional[int] = None,
+    max_in_cpu: Optional[int] = None,
+    aio: Optional[dict] = None,
+) -> Optional[NvmeConfig]:
     """The strategy arguments as an :class:`NvmeConfig`; ``None`` when none of them is given.
 
     A knob given without ``nvme_path`` is refused (it would have no effect), so is ``nvme_path`` given while no
     offload goes to NVMe (checked by :class:`~lightning_zero.distributed.config.ZeroConfig`).
     """
-    knobs = {"buffer_count": buffer_count, "sub_group_size": sub_group_size, "buffer_size": buffer_size,
-             "max_in_cpu": max_in_cpu}
+    knobs = {
+        "buffer_count": buffer_count,
+        "sub_group_size": sub_group_size,
+        "buffer_size": buffer_size,
+        "max_in_cpu": max_in_cpu,
+    }
     given = {k: v for k, v in knobs.items() if v is not None}
     if nvme_path is None:
         if given or aio is not None:
@@ -106,10 +118,18 @@ def nvme_config_from_arguments(nvme_path: Any = None, buffer_count: Optional[int
 NVME_ARGUMENTS = ("nvme_path", "buffer_count", "sub_group_size", "buffer_size", "max_in_cpu", "aio")
 
 
-def offload_arguments(from_config: dict, offload: Any = None, offload_optimizer: Any = None,
-                      offload_params: Any = None, nvme_path: Any = None, buffer_count: Optional[int] = None,
-                      sub_group_size: Optional[int] = None, buffer_size: Optional[int] = None,
-                      max_in_cpu: Optional[int] = None, aio: Optional[dict] = None) -> dict:
+def offload_arguments(
+    from_config: dict,
+    offload: Any = None,
+    offload_optimizer: Any = None,
+    offload_params: Any = None,
+    nvme_path: Any = None,
+    buffer_count: Optional[int] = None,
+    sub_group_size: Optional[int] = None,
+    buffer_size: Optional[int] = None,
+    max_in_cpu: Optional[int] = None,
+    aio: Optional[dict] = None,
+) -> dict:
     """The strategy's offload arguments (``offload``, ``offload_optimizer``, ``offload_params`` and the
     :data:`NVME_ARGUMENTS`) over those a translated ds_config gives (``from_config``; explicit arguments win), as
     keyword arguments for :class:`~lightning_zero.distributed.config.ZeroConfig`: ``offload``, ``offload_optimizer``,
@@ -118,8 +138,14 @@ def offload_arguments(from_config: dict, offload: Any = None, offload_optimizer:
     An explicit shorthand ``offload`` replaces the config's precise pair and vice versa, so the two forms never
     meet silently.
     """
-    nvme = {"nvme_path": nvme_path, "buffer_count": buffer_count, "sub_group_size": sub_group_size,
-            "buffer_size": buffer_size, "max_in_cpu": max_in_cpu, "aio": aio}
+    nvme = {
+        "nvme_path": nvme_path,
+        "buffer_count": buffer_count,
+        "sub_group_size": sub_group_size,
+        "buffer_size": buffer_size,
+        "max_in_cpu": max_in_cpu,
+        "aio": aio,
+    }
     explicit_precise = offload_optimizer is not None or offload_params is not None
     if offload is None and not explicit_precise:
         offload_optimizer = from_config.get("offload_optimizer")
@@ -128,11 +154,18 @@ def offload_arguments(from_config: dict, offload: Any = None, offload_optimizer:
         offload = None if offload_optimizer is not None or offload_params is not None else from_config.get("offload")
     # The config's NVMe knobs follow its NVMe device: an explicit non-NVMe offload drops them with it.
     config_nvme = "nvme" in (from_config.get("offload_optimizer"), from_config.get("offload_params")) and (
-        "nvme" in (offload_optimizer, offload_params, offload) or (offload is None and not explicit_precise))
-    merged = {name: nvme[name] if nvme[name] is not None else (from_config.get(name) if config_nvme else None)
-              for name in NVME_ARGUMENTS}
-    return {"offload": offload, "offload_optimizer": offload_optimizer, "offload_params": offload_params,
-            "nvme": nvme_config_from_arguments(**merged)}
+        "nvme" in (offload_optimizer, offload_params, offload) or (offload is None and not explicit_precise)
+    )
+    merged = {
+        name: nvme[name] if nvme[name] is not None else (from_config.get(name) if config_nvme else None)
+        for name in NVME_ARGUMENTS
+    }
+    return {
+        "offload": offload,
+        "offload_optimizer": offload_optimizer,
+        "offload_params": offload_params,
+        "nvme": nvme_config_from_arguments(**merged),
+    }
 
 
 def config_params_offload_at_stage(offloads: dict, stage: int, explicit_offload_params: Any) -> dict:
@@ -140,9 +173,17 @@ def config_params_offload_at_stage(offloads: dict, stage: int, explicit_offload_
     effect when an explicit ``stage`` below 3 overrides the config's stage 3, as DeepSpeed ignores ``offload_param``
     below stage 3 (and the translator does when the config itself says so); it is dropped with a warning. An
     explicit ``offload_params`` is left to :class:`~lightning_zero.distributed.config.ZeroConfig`, which refuses it."""
-    if not isinstance(stage, int) or stage >= 3 or explicit_offload_params is not None \
-            or offloads.get("offload_params") in (None, "none"):  # a bad stage is ZeroConfig's to refuse, naming it
+    if (
+        not isinstance(stage, int)
+        or stage >= 3
+        or explicit_offload_params is not None
+        or offloads.get("offload_params") in (None, "none")
+    ):  # a bad stage is ZeroConfig's to refuse, naming it
         return offloads
-    warnings.warn(f"the ds_config's zero_optimization.offload_param has no effect at stage {stage} (only stage 3 "
-                  "offloads parameters); it is ignored, as DeepSpeed does", UserWarning, stacklevel=3)
+    warnings.warn(
+        f"the ds_config's zero_optimization.offload_param has no effect at stage {stage} (only stage 3 "
+        "offloads parameters); it is ignored, as DeepSpeed does",
+        UserWarning,
+        stacklevel=3,
+    )
     return {**offloads, "offload_params": "none"}

@@ -90,14 +90,11 @@ class _Entry:
     nbytes: int
 
 
-
-
 def _marker(value: Tensor) -> SwappedOut:
     local = local_tensor(value)
     if local is value:
         return SwappedOut(value.shape, value.dtype, value.shape)
-    return SwappedOut(value.shape, value.dtype, local.shape, value.device_mesh, tuple(value.placements),
-                      value.stride())
+    return SwappedOut(value.shape, value.dtype, local.shape, value.device_mesh, tuple(value.placements), value.stride())
 
 
 def _rebuild(marker: SwappedOut, local: Tensor) -> Tensor:
@@ -106,8 +103,9 @@ def _rebuild(marker: SwappedOut, local: Tensor) -> Tensor:
         return local
     from torch.distributed.tensor import DTensor
 
-    return DTensor.from_local(local, marker.mesh, marker.placements, run_check=False, shape=marker.shape,
-                              stride=marker.stride)
+    return DTensor.from_local(
+        local, marker.mesh, marker.placements, run_check=False, shape=marker.shape, stride=marker.stride
+    )
 
 
 def _master_marker(param: Tensor) -> SwappedOut:
@@ -127,8 +125,14 @@ def remove_folder(path: str) -> None:
 class OptimizerStateSwapper:
     """Swaps one optimizer's per-element states to files under ``nvme.nvme_path`` (see the module notes)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, nvme: NvmeConfig, rank: int = 0,
-                 pin_memory: bool = False, masters: Optional[dict[int, Tensor]] = None) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        nvme: NvmeConfig,
+        rank: int = 0,
+        pin_memory: bool = False,
+        masters: Optional[dict[int, Tensor]] = None,
+    ) -> None:
         self.optimizer = optimizer
         # id(master) -> the module parameter it stands for (see the note on swapped fp32 masters)
         self.companions: dict[int, Tensor] = dict(masters or {})
@@ -177,9 +181,12 @@ class OptimizerStateSwapper:
 
     def estimated_bytes(self) -> int:
         """Disk bytes for an Adam-like optimizer over this rank's parameters (checked against free space)."""
-        return sum(align_up(ESTIMATED_STATE_BYTES_PER_ELEMENT * self._numel(p))
-                   + (align_up(4 * self._numel(p)) if id(p) in self.companions else 0)
-                   for group in self.subgroups for p in group)
+        return sum(
+            align_up(ESTIMATED_STATE_BYTES_PER_ELEMENT * self._numel(p))
+            + (align_up(4 * self._numel(p)) if id(p) in self.companions else 0)
+            for group in self.subgroups
+            for p in group
+        )
 
     def check_free_space(self, needed: Optional[int] = None) -> None:
         """Refuse to start when ``nvme_path`` cannot hold this rank's states (times the ranks of this node, which
@@ -189,9 +196,12 @@ class OptimizerStateSwapper:
         free = shutil.disk_usage(self.folder).free
         if free < needed * sharing:
             who = "this rank's" if sharing == 1 else f"the {sharing} local ranks'"
-            raise SwapIOError(28, f"nvme_path={self.nvme.nvme_path!r} has {free} bytes free but {who} optimizer "
-                                  f"states need about {needed * sharing} bytes on disk; free space or choose another "
-                                  "nvme_path")
+            raise SwapIOError(
+                28,
+                f"nvme_path={self.nvme.nvme_path!r} has {free} bytes free but {who} optimizer "
+                f"states need about {needed * sharing} bytes on disk; free space or choose another "
+                "nvme_path",
+            )
 
     # ---------------------------------------------------------------- buffers
     def _acquire(self, nbytes: int, writes: deque) -> Tensor:
@@ -261,7 +271,7 @@ class OptimizerStateSwapper:
             self._masters_out.discard(id(entry.param))
 
     def _view(self, buf: Tensor, entry: _Entry) -> Tensor:
-        return buf[entry.offset:entry.offset + entry.nbytes].view(entry.marker.dtype)
+        return buf[entry.offset : entry.offset + entry.nbytes].view(entry.marker.dtype)
 
     def _start_read(self, index: int, writes: deque):
         entries = self.layouts.get(index)
@@ -321,8 +331,10 @@ class OptimizerStateSwapper:
     def step(self, base_step) -> None:
         """Step every sub-group through ``base_step(optimizer)`` with the read/step/write pipeline."""
         if self.closed:
-            raise RuntimeError("this optimizer's NVMe swapper was closed (teardown): its states are in memory again "
-                               "and it can no longer step with swapping")
+            raise RuntimeError(
+                "this optimizer's NVMe swapper was closed (teardown): its states are in memory again "
+                "and it can no longer step with swapping"
+            )
         if not self.layouts:
             self.check_free_space()
         optimizer = self.optimizer
@@ -366,8 +378,14 @@ class OptimizerStateSwapper:
             param = self.companions.get(id(master))
             if param is not None:
                 grad = param.grad
-                master.grad = None if grad is None else _rebuild(
-                    self._master_markers[id(master)], local_tensor(grad).detach().to("cpu", torch.float32, copy=True))
+                master.grad = (
+                    None
+                    if grad is None
+                    else _rebuild(
+                        self._master_markers[id(master)],
+                        local_tensor(grad).detach().to("cpu", torch.float32, copy=True),
+                    )
+                )
 
     def _masters_to_module(self, group: list[Tensor]) -> None:
         """Stepped masters back into the module's parameters (the stage-1 post-step copy); gradients dropped."""
@@ -385,8 +403,10 @@ class OptimizerStateSwapper:
             for master in group:
                 param = self.companions.get(id(master))
                 if param is not None:
-                    self._set(_Entry(master, MASTER, self._master_markers[id(master)], 0, 0),
-                              local_tensor(param.detach()).to("cpu", torch.float32, copy=True))
+                    self._set(
+                        _Entry(master, MASTER, self._master_markers[id(master)], 0, 0),
+                        local_tensor(param.detach()).to("cpu", torch.float32, copy=True),
+                    )
             self._start_write(index, None, writes)
         while writes:
             self._finish_write(writes.popleft())
@@ -397,7 +417,7 @@ class OptimizerStateSwapper:
         indices = sorted(self.layouts)
         pending = {}
         for position, index in enumerate(indices):
-            for ahead in indices[position:position + 2]:  # read the next sub-group while copying this one
+            for ahead in indices[position : position + 2]:  # read the next sub-group while copying this one
                 if ahead not in pending:
                     pending[ahead] = self._start_read(ahead, writes)
             current = pending.pop(index)
@@ -422,8 +442,12 @@ class OptimizerStateSwapper:
                 self.make_resident()
         except OSError as error:
             # Typically after a failed write (disk full): the original error already surfaced; say what is lost.
-            warnings.warn(f"the optimizer states swapped under {self.folder!r} could not be read back ({error}); "
-                          "the optimizer is left with SwappedOut markers for them", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"the optimizer states swapped under {self.folder!r} could not be read back ({error}); "
+                "the optimizer is left with SwappedOut markers for them",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         finally:
             self.closed = True
             self.io.close()
@@ -439,8 +463,14 @@ def closure_loss(closure):
         return closure()
 
 
-def attach_swapper(optimizer: torch.optim.Optimizer, nvme: NvmeConfig, *, rank: int = 0,
-                   pin_memory: bool = False, masters: Optional[dict[int, Tensor]] = None) -> OptimizerStateSwapper:
+def attach_swapper(
+    optimizer: torch.optim.Optimizer,
+    nvme: NvmeConfig,
+    *,
+    rank: int = 0,
+    pin_memory: bool = False,
+    masters: Optional[dict[int, Tensor]] = None,
+) -> OptimizerStateSwapper:
     """Make ``optimizer`` swap its states to ``nvme.nvme_path`` (see the module notes); undo with
     :func:`detach_swapper`. The optimizer keeps its identity, ``param_groups`` and hooks; its class becomes a
     subclass whose ``step`` and ``state_dict`` go through the swapper.

@@ -28,8 +28,21 @@ BLOCK = 1024
 
 
 @triton.jit
-def _lamb_moments_kernel(p_ptr, g_ptr, m_ptr, v_ptr, partial_ptr, n, grad_scale, beta1, beta2, eps, decay,
-                         EPS_INSIDE_SQRT: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+def _lamb_moments_kernel(
+    p_ptr,
+    g_ptr,
+    m_ptr,
+    v_ptr,
+    partial_ptr,
+    n,
+    grad_scale,
+    beta1,
+    beta2,
+    eps,
+    decay,
+    EPS_INSIDE_SQRT: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
     pid = tl.program_id(0).to(tl.int64)
     offsets = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = offsets < n
@@ -51,8 +64,9 @@ def _lamb_moments_kernel(p_ptr, g_ptr, m_ptr, v_ptr, partial_ptr, n, grad_scale,
 
 
 @triton.jit
-def _lamb_apply_kernel(p_ptr, m_ptr, v_ptr, coeff_ptr, n, step_size, eps, decay,
-                       EPS_INSIDE_SQRT: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+def _lamb_apply_kernel(
+    p_ptr, m_ptr, v_ptr, coeff_ptr, n, step_size, eps, decay, EPS_INSIDE_SQRT: tl.constexpr, BLOCK_SIZE: tl.constexpr
+):
     pid = tl.program_id(0).to(tl.int64)
     offsets = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = offsets < n
@@ -79,8 +93,21 @@ def lamb_moments(p, g, m, v, sums_out, *, grad_scale, beta1, beta2, eps, decay, 
     blocks = triton.cdiv(n, BLOCK)
     with launch_device(p.device):
         partials = torch.empty(blocks, 2, dtype=torch.float32, device=p.device)
-        _lamb_moments_kernel[(blocks,)](p, g, m, v, partials, n, float(grad_scale), beta1, beta2, eps, decay,
-                                        EPS_INSIDE_SQRT=eps_inside_sqrt, BLOCK_SIZE=BLOCK)
+        _lamb_moments_kernel[(blocks,)](
+            p,
+            g,
+            m,
+            v,
+            partials,
+            n,
+            float(grad_scale),
+            beta1,
+            beta2,
+            eps,
+            decay,
+            EPS_INSIDE_SQRT=eps_inside_sqrt,
+            BLOCK_SIZE=BLOCK,
+        )
         torch.sum(partials, dim=0, out=sums_out)
 
 
@@ -88,5 +115,6 @@ def lamb_apply(p, m, v, coeff, *, step_size, eps, decay, eps_inside_sqrt) -> Non
     """``p -= step_size * coeff * u`` for one contiguous tensor; ``coeff`` is a one-element fp32 device tensor."""
     n = p.numel()
     with launch_device(p.device):
-        _lamb_apply_kernel[(triton.cdiv(n, BLOCK),)](p, m, v, coeff, n, step_size, eps, decay,
-                                                     EPS_INSIDE_SQRT=eps_inside_sqrt, BLOCK_SIZE=BLOCK)
+        _lamb_apply_kernel[(triton.cdiv(n, BLOCK),)](
+            p, m, v, coeff, n, step_size, eps, decay, EPS_INSIDE_SQRT=eps_inside_sqrt, BLOCK_SIZE=BLOCK
+        )

@@ -61,8 +61,7 @@ def reduce_shard_sums(sums: torch.Tensor, params: list[torch.Tensor]) -> torch.T
             continue
         # a dimension of one rank has nothing to sum (and no collective to issue: a one-GPU run's NCCL group may
         # not even serve the CPU tensors an offloaded shard gives)
-        dims = tuple(d for d, placement in enumerate(p.placements)
-                     if not placement.is_replicate() and mesh.size(d) > 1)
+        dims = tuple(d for d, placement in enumerate(p.placements) if not placement.is_replicate() and mesh.size(d) > 1)
         if dims:
             buckets.setdefault((mesh, dims), []).append(row)
     for (mesh, dims), rows in buckets.items():
@@ -120,9 +119,17 @@ class FusedLamb(torch.optim.Optimizer):
         if implementation == "triton" and not triton_available():
             raise ImportError("implementation='triton' needs the `triton` package; install it or use 'torch'/'auto'")
         self.implementation = implementation
-        defaults = dict(lr=lr, bias_correction=bool(bias_correction), betas=tuple(betas), eps=eps,
-                        eps_inside_sqrt=bool(eps_inside_sqrt), weight_decay=weight_decay,
-                        max_grad_norm=max_grad_norm, max_coeff=max_coeff, min_coeff=min_coeff)
+        defaults = dict(
+            lr=lr,
+            bias_correction=bool(bias_correction),
+            betas=tuple(betas),
+            eps=eps,
+            eps_inside_sqrt=bool(eps_inside_sqrt),
+            weight_decay=weight_decay,
+            max_grad_norm=max_grad_norm,
+            max_coeff=max_coeff,
+            min_coeff=min_coeff,
+        )
         super().__init__(params, defaults)
         self.lamb_coeffs: list[torch.Tensor] = []
         self.last_implementation: Optional[str] = None
@@ -138,8 +145,10 @@ class FusedLamb(torch.optim.Optimizer):
         contiguous = all(t.is_contiguous() for t in tensors)
         if self.implementation == "triton":
             if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-                raise RuntimeError("implementation='triton' on CPU tensors needs TRITON_INTERPRET=1 (Triton's "
-                                   "interpreter); use implementation='torch' for CPU training")
+                raise RuntimeError(
+                    "implementation='triton' on CPU tensors needs TRITON_INTERPRET=1 (Triton's "
+                    "interpreter); use implementation='torch' for CPU training"
+                )
             if not contiguous:
                 raise RuntimeError("implementation='triton' needs contiguous parameters and states")
             return True
@@ -203,8 +212,19 @@ class FusedLamb(torch.optim.Optimizer):
 
             for row, (p, g, m, v) in enumerate(zip(locals_, grads, ms, vs)):
                 if p.numel():
-                    _lamb_triton.lamb_moments(p, g, m, v, sums[row], grad_scale=combined_scale, beta1=beta1,
-                                              beta2=beta2, eps=eps, decay=decay, eps_inside_sqrt=inside)
+                    _lamb_triton.lamb_moments(
+                        p,
+                        g,
+                        m,
+                        v,
+                        sums[row],
+                        grad_scale=combined_scale,
+                        beta1=beta1,
+                        beta2=beta2,
+                        eps=eps,
+                        decay=decay,
+                        eps_inside_sqrt=inside,
+                    )
         else:
             for row, (p, g, m, v) in enumerate(zip(locals_, grads, ms, vs)):
                 g = g.to(m.dtype) / combined_scale
@@ -222,8 +242,9 @@ class FusedLamb(torch.optim.Optimizer):
             if not p.numel():
                 continue
             if use_triton:
-                _lamb_triton.lamb_apply(p, m, v, coeffs[row:row + 1], step_size=step_size, eps=eps, decay=decay,
-                                        eps_inside_sqrt=inside)
+                _lamb_triton.lamb_apply(
+                    p, m, v, coeffs[row : row + 1], step_size=step_size, eps=eps, decay=decay, eps_inside_sqrt=inside
+                )
             else:
                 update = (m / _denominator(v, eps, inside)).add_(p, alpha=decay)
                 p.add_(update.mul_(coeffs[row].to(update.dtype)), alpha=-step_size)

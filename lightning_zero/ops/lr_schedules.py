@@ -32,8 +32,10 @@ def _per_group(optimizer: torch.optim.Optimizer, value: Any, name: str) -> list:
     """Broadcast a scalar to every parameter group, or check a per-group list has one entry per group."""
     if isinstance(value, (list, tuple)):
         if len(value) != len(optimizer.param_groups):
-            raise ValueError(f"{name} has {len(value)} values but the optimizer has {len(optimizer.param_groups)} "
-                             "parameter groups: give one value per group, or a single number")
+            raise ValueError(
+                f"{name} has {len(value)} values but the optimizer has {len(optimizer.param_groups)} "
+                "parameter groups: give one value per group, or a single number"
+            )
         return [float(v) for v in value]
     return [float(value)] * len(optimizer.param_groups)
 
@@ -56,8 +58,10 @@ class _DeepSpeedSchedule(LRScheduler):
 
     def __init__(self, optimizer: torch.optim.Optimizer, last_batch_iteration: int = -1) -> None:
         if last_batch_iteration != -1:
-            raise ValueError("last_batch_iteration other than -1 is not supported: to resume, build the scheduler "
-                             "and call load_state_dict() with the saved state")
+            raise ValueError(
+                "last_batch_iteration other than -1 is not supported: to resume, build the scheduler "
+                "and call load_state_dict() with the saved state"
+            )
         super().__init__(optimizer, last_epoch=-1)
 
     @property
@@ -89,9 +93,15 @@ class WarmupLR(_DeepSpeedSchedule):
         warmup_type: ``"log"`` (default) or ``"linear"``.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, warmup_min_lr: FloatOrList = 0.0,
-                 warmup_max_lr: FloatOrList | None = None, warmup_num_steps: int = 1000,
-                 warmup_type: str = WARMUP_LOG, last_batch_iteration: int = -1) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        warmup_min_lr: FloatOrList = 0.0,
+        warmup_max_lr: FloatOrList | None = None,
+        warmup_num_steps: int = 1000,
+        warmup_type: str = WARMUP_LOG,
+        last_batch_iteration: int = -1,
+    ) -> None:
         _positive_int(warmup_num_steps, "warmup_num_steps")
         if warmup_type not in WARMUP_TYPES:
             # DeepSpeed logs and falls back to "log"; a typo should not silently change the curve.
@@ -127,13 +137,24 @@ class WarmupDecayLR(WarmupLR):
         warmup_num_steps: default ``1000``. warmup_type: ``"log"`` (default) or ``"linear"``.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, total_num_steps: int, warmup_min_lr: FloatOrList = 0.0,
-                 warmup_max_lr: FloatOrList = 0.001, warmup_num_steps: int = 1000, warmup_type: str = WARMUP_LOG,
-                 last_batch_iteration: int = -1) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        total_num_steps: int,
+        warmup_min_lr: FloatOrList = 0.0,
+        warmup_max_lr: FloatOrList = 0.001,
+        warmup_num_steps: int = 1000,
+        warmup_type: str = WARMUP_LOG,
+        last_batch_iteration: int = -1,
+    ) -> None:
         self.total_num_steps = _positive_int(total_num_steps, "total_num_steps")
         if total_num_steps < warmup_num_steps:
-            warnings.warn(f"total_num_steps ({total_num_steps}) is less than warmup_num_steps ({warmup_num_steps}): "
-                          "the LR never reaches warmup_max_lr", UserWarning, stacklevel=2)
+            warnings.warn(
+                f"total_num_steps ({total_num_steps}) is less than warmup_num_steps ({warmup_num_steps}): "
+                "the LR never reaches warmup_max_lr",
+                UserWarning,
+                stacklevel=2,
+            )
         super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_batch_iteration)
 
     def _gamma(self, t: int) -> float:
@@ -157,16 +178,26 @@ class WarmupCosineLR(_DeepSpeedSchedule):
         cos_min_ratio: default ``0.0001``. warmup_type: ``"log"`` (default) or ``"linear"``.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, total_num_steps: int, warmup_min_ratio: float = 0.0,
-                 warmup_num_steps: int = 1000, cos_min_ratio: float = 0.0001, warmup_type: str = WARMUP_LOG,
-                 last_batch_iteration: int = -1) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        total_num_steps: int,
+        warmup_min_ratio: float = 0.0,
+        warmup_num_steps: int = 1000,
+        cos_min_ratio: float = 0.0001,
+        warmup_type: str = WARMUP_LOG,
+        last_batch_iteration: int = -1,
+    ) -> None:
         _positive_int(warmup_num_steps, "warmup_num_steps")
         self.total_num_steps = _positive_int(total_num_steps, "total_num_steps")
         if warmup_type not in WARMUP_TYPES:
             raise ValueError(f"warmup_type must be one of {WARMUP_TYPES}, got {warmup_type!r}")
         if total_num_steps < warmup_num_steps:
-            warnings.warn(f"total_num_steps ({total_num_steps}) is less than warmup_num_steps ({warmup_num_steps})",
-                          UserWarning, stacklevel=2)
+            warnings.warn(
+                f"total_num_steps ({total_num_steps}) is less than warmup_num_steps ({warmup_num_steps})",
+                UserWarning,
+                stacklevel=2,
+            )
         self.warmup_min_ratio = float(warmup_min_ratio)
         self.cos_min_ratio = float(cos_min_ratio)
         self.warmup_num_steps = max(2, warmup_num_steps)
@@ -210,15 +241,27 @@ class OneCycle(_DeepSpeedSchedule):
         cycle_momentum: ``True``. cycle_min_mom: ``0.8``. cycle_max_mom: ``0.9``. decay_mom_rate: ``0.0``.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, cycle_min_lr: FloatOrList, cycle_max_lr: FloatOrList,
-                 decay_lr_rate: float = 0.0, cycle_first_step_size: int = 2000,
-                 cycle_second_step_size: int | None = None, cycle_first_stair_count: int = 0,
-                 cycle_second_stair_count: int | None = None, decay_step_size: int = 0, cycle_momentum: bool = True,
-                 cycle_min_mom: FloatOrList = 0.8, cycle_max_mom: FloatOrList = 0.9, decay_mom_rate: float = 0.0,
-                 last_batch_iteration: int = -1) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        cycle_min_lr: FloatOrList,
+        cycle_max_lr: FloatOrList,
+        decay_lr_rate: float = 0.0,
+        cycle_first_step_size: int = 2000,
+        cycle_second_step_size: int | None = None,
+        cycle_first_stair_count: int = 0,
+        cycle_second_stair_count: int | None = None,
+        decay_step_size: int = 0,
+        cycle_momentum: bool = True,
+        cycle_min_mom: FloatOrList = 0.8,
+        cycle_max_mom: FloatOrList = 0.9,
+        decay_mom_rate: float = 0.0,
+        last_batch_iteration: int = -1,
+    ) -> None:
         self.first_step_size = float(cycle_first_step_size)
-        self.second_step_size = (float(cycle_second_step_size) if cycle_second_step_size is not None
-                                 else self.first_step_size)
+        self.second_step_size = (
+            float(cycle_second_step_size) if cycle_second_step_size is not None else self.first_step_size
+        )
         if self.first_step_size <= 0:
             raise ValueError(f"cycle_first_step_size must be positive, got {cycle_first_step_size!r}")
         if self.second_step_size < 0:
@@ -226,8 +269,9 @@ class OneCycle(_DeepSpeedSchedule):
         self.total_size = self.first_step_size + self.second_step_size
         self.step_ratio = self.first_step_size / self.total_size
         self.first_stair_count = cycle_first_stair_count
-        self.second_stair_count = (cycle_first_stair_count if cycle_second_stair_count is None
-                                   else cycle_second_stair_count)
+        self.second_stair_count = (
+            cycle_first_stair_count if cycle_second_stair_count is None else cycle_second_stair_count
+        )
         self.decay_step_size = decay_step_size
         self.decay_lr_rate = float(decay_lr_rate)
         self.decay_mom_rate = float(decay_mom_rate)
@@ -238,9 +282,12 @@ class OneCycle(_DeepSpeedSchedule):
         self.max_lrs = _per_group(optimizer, cycle_max_lr, "cycle_max_lr")
         self.cycle_momentum = bool(cycle_momentum)
         if self.cycle_momentum and "betas" not in optimizer.defaults:
-            warnings.warn(f"OneCycle: cycle_momentum is disabled because {type(optimizer).__name__} has no 'betas' "
-                          "(DeepSpeed does the same); pass cycle_momentum=false to silence this", UserWarning,
-                          stacklevel=2)
+            warnings.warn(
+                f"OneCycle: cycle_momentum is disabled because {type(optimizer).__name__} has no 'betas' "
+                "(DeepSpeed does the same); pass cycle_momentum=false to silence this",
+                UserWarning,
+                stacklevel=2,
+            )
             self.cycle_momentum = False
         self.min_moms = _per_group(optimizer, cycle_min_mom, "cycle_min_mom")
         self.max_moms = _per_group(optimizer, cycle_max_mom, "cycle_max_mom")
@@ -303,9 +350,15 @@ class LRRangeTest(_DeepSpeedSchedule):
         lr_range_test_step_rate: ``1.0``. lr_range_test_staircase: ``False``.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, lr_range_test_min_lr: FloatOrList = 1e-3,
-                 lr_range_test_step_size: int = 2000, lr_range_test_step_rate: float = 1.0,
-                 lr_range_test_staircase: bool = False, last_batch_iteration: int = -1) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        lr_range_test_min_lr: FloatOrList = 1e-3,
+        lr_range_test_step_size: int = 2000,
+        lr_range_test_step_rate: float = 1.0,
+        lr_range_test_staircase: bool = False,
+        last_batch_iteration: int = -1,
+    ) -> None:
         self.min_lrs = _per_group(optimizer, lr_range_test_min_lr, "lr_range_test_min_lr")
         self.step_size = _positive_int(lr_range_test_step_size, "lr_range_test_step_size")
         self.step_rate = float(lr_range_test_step_rate)

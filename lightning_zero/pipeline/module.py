@@ -33,7 +33,7 @@ def _run_layers(runners: Sequence[Callable[[Any], Any]], x: Any, interval: int) 
             x = run(x)
         return x
     for start in range(0, len(runners), interval):
-        chunk = runners[start:start + interval]
+        chunk = runners[start : start + interval]
 
         def run_chunk(inp: Any, chunk: Sequence[Callable] = chunk) -> Any:
             for run in chunk:
@@ -125,14 +125,21 @@ class PipelineModule(nn.Module):
                 raise TypeError(f"layer {i} must be an nn.Module, a callable or a LayerSpec, got {layer!r}")
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable or None, got {loss_fn!r}")
-        if num_stages is not None and (isinstance(num_stages, bool) or not isinstance(num_stages, int)
-                                       or not 1 <= num_stages <= len(self.specs)):
-            raise ValueError(f"num_stages must be None or an int in [1, {len(self.specs)}] (one layer per stage at "
-                             f"least), got {num_stages!r}")
-        if isinstance(activation_checkpoint_interval, bool) or not isinstance(activation_checkpoint_interval, int) \
-                or activation_checkpoint_interval < 0:
-            raise ValueError("activation_checkpoint_interval must be an int >= 0, got "
-                             f"{activation_checkpoint_interval!r}")
+        if num_stages is not None and (
+            isinstance(num_stages, bool) or not isinstance(num_stages, int) or not 1 <= num_stages <= len(self.specs)
+        ):
+            raise ValueError(
+                f"num_stages must be None or an int in [1, {len(self.specs)}] (one layer per stage at "
+                f"least), got {num_stages!r}"
+            )
+        if (
+            isinstance(activation_checkpoint_interval, bool)
+            or not isinstance(activation_checkpoint_interval, int)
+            or activation_checkpoint_interval < 0
+        ):
+            raise ValueError(
+                f"activation_checkpoint_interval must be an int >= 0, got {activation_checkpoint_interval!r}"
+            )
         self.loss_fn = loss_fn
         self.num_stages = num_stages
         self.partition_method = partition_method
@@ -142,8 +149,10 @@ class PipelineModule(nn.Module):
             if isinstance(layer, TiedLayerSpec):
                 first = self.tied_first_index.setdefault(layer.key, i)
                 if self.specs[first].cls is not layer.cls:
-                    raise TypeError(f"tied key {layer.key!r} is used with {self.specs[first].class_name} and "
-                                    f"{layer.class_name}; all occurrences of a key must build the same class")
+                    raise TypeError(
+                        f"tied key {layer.key!r} is used with {self.specs[first].class_name} and "
+                        f"{layer.class_name}; all occurrences of a key must build the same class"
+                    )
         if num_stages is not None:  # validate an explicit partition early, before any process group exists
             self.partition(num_stages)
         self.layers = nn.ModuleDict()
@@ -159,8 +168,10 @@ class PipelineModule(nn.Module):
     def partition(self, num_stages: int) -> list:
         """Stage boundaries for ``num_stages`` stages (see the boundary convention in ``partition.py``)."""
         if self.num_stages is not None and num_stages != self.num_stages:
-            raise ValueError(f"PipelineModule was created with num_stages={self.num_stages}, but the pipeline has "
-                             f"{num_stages} stages (pipeline ranks x virtual stages)")
+            raise ValueError(
+                f"PipelineModule was created with num_stages={self.num_stages}, but the pipeline has "
+                f"{num_stages} stages (pipeline ranks x virtual stages)"
+            )
         return partition_for_method(self.specs, self.partition_method, num_stages)
 
     def module_index(self, index: int) -> Optional[int]:
@@ -197,8 +208,10 @@ class PipelineModule(nn.Module):
         if owner is None:
             return layer
         if str(owner) not in self.layers or index not in self.built_indices:
-            raise RuntimeError(f"layer {index} is not built on this process (built: {list(self.built_indices)}); "
-                               "call materialize() or run it on the stage that owns it")
+            raise RuntimeError(
+                f"layer {index} is not built on this process (built: {list(self.built_indices)}); "
+                "call materialize() or run it on the stage that owns it"
+            )
         module = self.layers[str(owner)]
         if isinstance(layer, TiedLayerSpec) and layer.forward_fn is not None:
             return lambda x, fn=layer.forward_fn, m=module: _call_through_module(m, fn, x)
@@ -212,14 +225,18 @@ class PipelineModule(nn.Module):
     def forward(self, inputs: Any, targets: Any = None) -> Any:
         if self.runner is not None:
             if targets is None:
-                raise ValueError("a pipelined PipelineModule needs targets: the last stage computes the loss, "
-                                 "call module(inputs, targets)")
+                raise ValueError(
+                    "a pipelined PipelineModule needs targets: the last stage computes the loss, "
+                    "call module(inputs, targets)"
+                )
             if self.training and torch.is_grad_enabled():
                 return self.runner.step(inputs, targets, sync_grads=self.runner.sync_grads)
             return self.runner.eval_step(inputs, targets)
         if len(self.built_indices) != len(self.specs):
-            raise RuntimeError("this PipelineModule holds only some layers (it was built for a pipeline stage); "
-                               "use the pipeline runner, or call materialize() to build the whole model")
+            raise RuntimeError(
+                "this PipelineModule holds only some layers (it was built for a pipeline stage); "
+                "use the pipeline runner, or call materialize() to build the whole model"
+            )
         runners = [self.layer_runner(i) for i in range(len(self.specs))]
         outputs = _run_layers(runners, inputs, self.activation_checkpoint_interval)
         if targets is None:

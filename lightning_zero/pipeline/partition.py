@@ -81,11 +81,17 @@ def partition_layers(weights: Sequence[float], num_stages: int) -> list:
 def validate_boundaries(boundaries: Sequence[int], num_layers: int, num_stages: int) -> list:
     """Check an explicit partition against the boundary convention and return it as a list."""
     b = list(boundaries)
-    if (len(b) != num_stages + 1 or any(isinstance(x, bool) or not isinstance(x, int) for x in b) or b[0] != 0
-            or b[-1] != num_layers or any(b[i] >= b[i + 1] for i in range(num_stages))):
+    if (
+        len(b) != num_stages + 1
+        or any(isinstance(x, bool) or not isinstance(x, int) for x in b)
+        or b[0] != 0
+        or b[-1] != num_layers
+        or any(b[i] >= b[i + 1] for i in range(num_stages))
+    ):
         raise ValueError(
             f"an explicit partition must be {num_stages + 1} strictly increasing ints from 0 to {num_layers} "
-            f"(stage i owns layers b[i]..b[i+1]-1), got {b!r}")
+            f"(stage i owns layers b[i]..b[i+1]-1), got {b!r}"
+        )
     return b
 
 
@@ -116,7 +122,7 @@ def layer_weights(layers: Sequence[Any], method: str) -> list:
     if lowered == "parameters":
         return [layer_parameter_count(layer) for layer in layers]
     if lowered.startswith("type:"):
-        pattern = re.compile(method[len("type:"):], re.IGNORECASE)
+        pattern = re.compile(method[len("type:") :], re.IGNORECASE)
         weights = [1 if pattern.search(layer_class_name(layer)) else 0 for layer in layers]
         if not any(weights):
             names = sorted({layer_class_name(layer) for layer in layers})

@@ -92,5 +92,7 @@ def get_parameter(module: nn.Module, dotted_name: str) -> nn.Parameter:
         return module.get_parameter(dotted_name)
     except AttributeError as err:
         names = [n for n, _ in module.named_parameters()]
-        raise AttributeError(f"tied_weight_attr {dotted_name!r} is not a parameter of {type(module).__name__}; "
-                             f"its parameters are {names}") from err
+        raise AttributeError(
+            f"tied_weight_attr {dotted_name!r} is not a parameter of {type(module).__name__}; "
+            f"its parameters are {names}"
+        ) from err

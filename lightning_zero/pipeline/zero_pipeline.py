@@ -75,29 +75,50 @@ class PipelineSettings:
         return self.pipeline_parallel_size > 1
 
     def runner_config(self, data_parallel: str, reshard_after_forward: bool) -> PipelineConfig:
-        return PipelineConfig(schedule=self.schedule, micro_batches=self.micro_batches,
-                              virtual_stages=self.virtual_stages, data_parallel=data_parallel,
-                              reshard_after_forward=reshard_after_forward)
+        return PipelineConfig(
+            schedule=self.schedule,
+            micro_batches=self.micro_batches,
+            virtual_stages=self.virtual_stages,
+            data_parallel=data_parallel,
+            reshard_after_forward=reshard_after_forward,
+        )
 
 
-def make_pipeline_settings(pipeline_parallel_size, micro_batches, schedule, virtual_stages, *, stage: int,
-                           offload_optimizer: str, offload_params: str) -> PipelineSettings:
+def make_pipeline_settings(
+    pipeline_parallel_size,
+    micro_batches,
+    schedule,
+    virtual_stages,
+    *,
+    stage: int,
+    offload_optimizer: str,
+    offload_params: str,
+) -> PipelineSettings:
     """Validate the strategy's pipeline arguments together with the ZeRO settings (constructor time)."""
     if pipeline_parallel_size is None or (pipeline_parallel_size == 1 and not isinstance(pipeline_parallel_size, bool)):
-        given = {k: v for k, v in dict(micro_batches=micro_batches, pipeline_schedule=schedule,
-                                        virtual_stages=virtual_stages).items() if v is not None}
+        given = {
+            k: v
+            for k, v in dict(
+                micro_batches=micro_batches, pipeline_schedule=schedule, virtual_stages=virtual_stages
+            ).items()
+            if v is not None
+        }
         if given:
             raise ValueError(f"{sorted(given)} only apply with pipeline_parallel_size > 1")
         return PipelineSettings()
     settings = PipelineSettings(pipeline_parallel_size, micro_batches, schedule or "1f1b", virtual_stages)
-    offloads = {name: value for name, value in (("offload_optimizer", offload_optimizer),
-                                                ("offload_params", offload_params)) if value != "none"}
+    offloads = {
+        name: value
+        for name, value in (("offload_optimizer", offload_optimizer), ("offload_params", offload_params))
+        if value != "none"
+    }
     if stage >= 2 and offloads:
         given = ", ".join(f"{name}={value!r}" for name, value in offloads.items())
         raise NotImplementedError(
             f"pipeline_parallel_size > 1 with {given} at stage {stage} is not supported: offload is not applied to "
             "the FSDP2-sharded pipeline stage modules. Use stage 1 with offload_optimizer='cpu' or 'nvme', or no "
-            "offload.")
+            "offload."
+        )
     return settings
 
 
@@ -105,27 +126,37 @@ def find_pipeline_module(lightning_module):
     """The one PipelineModule of the LightningModule; everything trainable must live in it."""
     found = [m for m in lightning_module.modules() if isinstance(m, PipelineModule)]
     if len(found) != 1:
-        raise ValueError(f"pipeline_parallel_size > 1 needs exactly one PipelineModule in the LightningModule, "
-                         f"found {len(found)}")
+        raise ValueError(
+            f"pipeline_parallel_size > 1 needs exactly one PipelineModule in the LightningModule, found {len(found)}"
+        )
     inside = {id(p) for p in found[0].parameters()}
     outside = [n for n, p in lightning_module.named_parameters() if id(p) not in inside]
     if outside:
-        raise ValueError(f"parameters outside the PipelineModule are not synchronised by the pipeline: {outside[:5]}"
-                         "; move them into the PipelineModule's layers")
+        raise ValueError(
+            f"parameters outside the PipelineModule are not synchronised by the pipeline: {outside[:5]}"
+            "; move them into the PipelineModule's layers"
+        )
     return found[0]
 
 
-def build_for_strategy(lightning_module, settings: PipelineSettings, pp_mesh, dp_mesh, stage: int, device,
-                       accumulate_grad_batches: int):
+def build_for_strategy(
+    lightning_module, settings: PipelineSettings, pp_mesh, dp_mesh, stage: int, device, accumulate_grad_batches: int
+):
     """Split the LightningModule's PipelineModule over ``pp_mesh`` with ZeRO ``stage`` on ``dp_mesh``."""
     module = find_pipeline_module(lightning_module)
     if module.runner is not None:
         return module.runner  # evaluation after fit reuses the split model
     dp = dp_mesh if dp_mesh is not None and dp_mesh.size() > 1 else None
     runner = build_pipeline(
-        module, pp_mesh, schedule=settings.schedule, micro_batches=settings.micro_batches,
-        virtual_stages=settings.virtual_stages, dp_mesh=dp,
-        data_parallel="fully_shard" if stage >= 2 else "allreduce", reshard_after_forward=stage == 3, device=device,
+        module,
+        pp_mesh,
+        schedule=settings.schedule,
+        micro_batches=settings.micro_batches,
+        virtual_stages=settings.virtual_stages,
+        dp_mesh=dp,
+        data_parallel="fully_shard" if stage >= 2 else "allreduce",
+        reshard_after_forward=stage == 3,
+        device=device,
     )
     runner.grad_scale = 1.0 / accumulate_grad_batches
     return runner
@@ -143,18 +174,25 @@ def checkpoint_pipeline_layers(module, config) -> None:
     if config is None:
         return
     if module.activation_checkpoint_interval:
-        raise ValueError("the PipelineModule already checkpoints its layers (activation_checkpoint_interval="
-                         f"{module.activation_checkpoint_interval}); use that or the strategy's "
-                         "activation_checkpointing, not both")
+        raise ValueError(
+            "the PipelineModule already checkpoints its layers (activation_checkpoint_interval="
+            f"{module.activation_checkpoint_interval}); use that or the strategy's "
+            "activation_checkpointing, not both"
+        )
     if config.policy is True:
         # A tied layer is one module however often it is used: count it once.
-        distinct = {getattr(spec, "key", None) or id(spec): spec for spec in module.specs
-                    if isinstance(spec, (LayerSpec, torch.nn.Module))}
+        distinct = {
+            getattr(spec, "key", None) or id(spec): spec
+            for spec in module.specs
+            if isinstance(spec, (LayerSpec, torch.nn.Module))
+        }
         counts = Counter(spec.cls if isinstance(spec, LayerSpec) else type(spec) for spec in distinct.values())
         classes = frozenset(cls for cls, count in counts.items() if count >= 2)
         if not classes:
-            raise ValueError("activation_checkpointing=True checkpoints the layer classes a PipelineModule repeats, "
-                             "but this one repeats none: pass the classes or a callable(module) -> bool")
+            raise ValueError(
+                "activation_checkpointing=True checkpoints the layer classes a PipelineModule repeats, "
+                "but this one repeats none: pass the classes or a callable(module) -> bool"
+            )
         config = dataclasses.replace(config, policy=classes)
     apply_activation_checkpointing(module, config, require_match=False)
 
@@ -197,18 +235,30 @@ def check_pipeline_world(pipeline: PipelineSettings, num_processes: int, num_nod
     """Before the process group: the pipeline size must divide the world (both adapters)."""
     world_size = num_processes * num_nodes
     if pipeline.enabled and world_size % pipeline.pipeline_parallel_size:
-        raise ValueError(f"pipeline_parallel_size={pipeline.pipeline_parallel_size} must divide the world size "
-                         f"{world_size} (devices={num_processes} x num_nodes={num_nodes})")
+        raise ValueError(
+            f"pipeline_parallel_size={pipeline.pipeline_parallel_size} must divide the world size "
+            f"{world_size} (devices={num_processes} x num_nodes={num_nodes})"
+        )
 
 
-def setup_pipeline(root, settings: PipelineSettings, pp_mesh, dp_mesh, stage: int, device, precision,
-                   activation_checkpointing, accumulate_grad_batches: int = 1):
+def setup_pipeline(
+    root,
+    settings: PipelineSettings,
+    pp_mesh,
+    dp_mesh,
+    stage: int,
+    device,
+    precision,
+    activation_checkpointing,
+    accumulate_grad_batches: int = 1,
+):
     """Split ``root``'s one ``PipelineModule`` over the pp x dp mesh, checkpoint its layers, and clip over every
     stage (both adapters: the Trainer's ``setup``, Fabric's ``setup_module``)."""
     if precision.low_dtype is not None:
         raise NotImplementedError(
             f"pipeline_parallel_size > 1 with precision={precision.precision!r} is not supported: the "
-            "pipeline schedule runs backward itself, outside the precision plugin. Use precision='32-true'.")
+            "pipeline schedule runs backward itself, outside the precision plugin. Use precision='32-true'."
+        )
     runner = build_for_strategy(root, settings, pp_mesh, dp_mesh, stage, device, accumulate_grad_batches)
     checkpoint_pipeline_layers(find_pipeline_module(root), activation_checkpointing)
     precision.grad_norm_clipper = lambda params, max_norm: clip_by_global_norm(runner, params, max_norm)

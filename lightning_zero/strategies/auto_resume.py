@@ -67,7 +67,7 @@ def complete_checkpoints(directories: list[str]) -> list[tuple[float, str]]:
         for entry in os.listdir(directory):
             path = os.path.join(directory, entry)
             if entry.startswith(".") and entry.endswith(".old"):
-                name = os.path.join(directory, entry[1:-len(".old")])
+                name = os.path.join(directory, entry[1 : -len(".old")])
                 if not os.path.exists(name) and is_sharded_checkpoint(path):
                     found.append((os.path.getmtime(os.path.join(path, INFO_FILE)), name))
             elif entry.startswith("."):
@@ -99,12 +99,16 @@ def _choose_resume_path(trainer, broadcast) -> Optional[str]:
     path = broadcast(path)
     if trainer.is_global_zero:
         if path is not None:
-            log.warning(f"lightning-zero auto_resume: {why}; resuming from the newest complete "
-                        f"checkpoint {path} (pass ckpt_path to choose, or ZeroStrategy(auto_resume=False))")
+            log.warning(
+                f"lightning-zero auto_resume: {why}; resuming from the newest complete "
+                f"checkpoint {path} (pass ckpt_path to choose, or ZeroStrategy(auto_resume=False))"
+            )
         else:
-            log.warning(f"lightning-zero auto_resume: {why} but no complete checkpoint is in "
-                        f"{_checkpoint_directories(trainer) or 'any ModelCheckpoint dirpath'}; training starts from "
-                        f"step 0")
+            log.warning(
+                f"lightning-zero auto_resume: {why} but no complete checkpoint is in "
+                f"{_checkpoint_directories(trainer) or 'any ModelCheckpoint dirpath'}; training starts from "
+                f"step 0"
+            )
     return path
 
 
@@ -134,12 +138,16 @@ def _resume_last(trainer, chosen: Optional[str], broadcast) -> Optional[str]:
     if trainer.is_global_zero:
         kind = "preemption checkpoint" if os.path.basename(newer) == preemption.PREEMPTED_CHECKPOINT else "checkpoint"
         if chosen:
-            log.warning(f'lightning-zero: ckpt_path="last" resumes from {newer}, the newest complete {kind}, '
-                        f"finished after Lightning's choice {chosen} (pass a path to choose)")
+            log.warning(
+                f'lightning-zero: ckpt_path="last" resumes from {newer}, the newest complete {kind}, '
+                f"finished after Lightning's choice {chosen} (pass a path to choose)"
+            )
         else:
-            log.warning(f'lightning-zero: ckpt_path="last" found no last*.ckpt (a kill while ModelCheckpoint('
-                        'save_last="link") re-pointed it leaves none, or save_last is off); resuming from the newest '
-                        f"complete {kind} {newer} instead of step 0 (pass a path to choose)")
+            log.warning(
+                f'lightning-zero: ckpt_path="last" found no last*.ckpt (a kill while ModelCheckpoint('
+                'save_last="link") re-pointed it leaves none, or save_last is off); resuming from the newest '
+                f"complete {kind} {newer} instead of step 0 (pass a path to choose)"
+            )
     return newer
 
 

@@ -40,8 +40,10 @@ def check_ckpt_path(function: Any, args: tuple, kwargs: dict, trainer: Any = Non
     local = local_path(text)  # refuses remote URLs, naming them
     parent = os.path.dirname(local.rstrip(os.sep))
     if os.path.isfile(local) and is_sharded_checkpoint(parent):
-        raise ValueError(f"ckpt_path={text!r} is a file inside the sharded checkpoint {parent}: pass the directory, "
-                         f"ckpt_path={parent!r}")
+        raise ValueError(
+            f"ckpt_path={text!r} is a file inside the sharded checkpoint {parent}: pass the directory, "
+            f"ckpt_path={parent!r}"
+        )
     if os.path.isfile(local):
         problem = describe_full_checkpoint_file(local)
         if problem:
@@ -63,11 +65,12 @@ def check_missing_path(text: str, local: str) -> None:
     newest = newest_complete_checkpoint([os.path.dirname(local)])
     if newest is None:
         return
-    what = (f"is a link to {os.readlink(local)!r}, which does not exist" if os.path.islink(local)
-            else "does not exist")
-    raise FileNotFoundError(f"ckpt_path={text!r} {what}; the newest complete checkpoint beside it is {newest}. Pass "
-                            f"ckpt_path={newest!r}, or ckpt_path=\"last\" to resume the newest complete checkpoint of "
-                            "the ModelCheckpoint directory")
+    what = f"is a link to {os.readlink(local)!r}, which does not exist" if os.path.islink(local) else "does not exist"
+    raise FileNotFoundError(
+        f"ckpt_path={text!r} {what}; the newest complete checkpoint beside it is {newest}. Pass "
+        f'ckpt_path={newest!r}, or ckpt_path="last" to resume the newest complete checkpoint of '
+        "the ModelCheckpoint directory"
+    )
 
 
 class ValidatingLauncher:

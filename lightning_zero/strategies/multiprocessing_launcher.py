@@ -50,8 +50,9 @@ class ZeroMultiProcessingLauncher(_MultiProcessingLauncher):
         if not any(isinstance(value, DTensor) for value in state.values()):
             return super()._collect_rank_zero_results(trainer, results)
         # collective, in state-dict order: _collect_rank_zero_results runs in every rank
-        full = {name: value.full_tensor().cpu() if isinstance(value, DTensor) else value
-                for name, value in state.items()}
+        full = {
+            name: value.full_tensor().cpu() if isinstance(value, DTensor) else value for name, value in state.items()
+        }
         module.state_dict = lambda *args, **kwargs: full  # what Lightning's collection reads, for this call only
         try:
             return super()._collect_rank_zero_results(trainer, results)

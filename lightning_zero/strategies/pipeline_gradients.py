@@ -26,8 +26,10 @@ class PipelineGradients:
         """Run ``run_step()`` (the schedule inside ``training_step``) and move its gradients aside."""
         params = list(module.parameters())
         trainer = module.trainer
-        if module.automatic_optimization and \
-                trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0:
+        if (
+            module.automatic_optimization
+            and trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0
+        ):
             for param in params:
                 param.grad = None
         output = run_step()
