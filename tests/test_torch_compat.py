@@ -261,6 +261,34 @@ def test_optimizer_step_hooks_suspended_skips_and_restores_them():
     assert calls == ["pre", "post"]
 
 
+def test_a_step_flagged_and_recording_like_torchs_scheduler_wrapper_satisfies_lr_schedulers(recwarn):
+    param = nn.Parameter(torch.ones(1))
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    plain_step = optimizer.step
+
+    def step(*args, **kwargs):
+        tc.record_optimizer_step(optimizer)
+        return plain_step(*args, **kwargs)
+
+    assert not tc.is_scheduler_step_wrapper(step)
+    tc.flag_scheduler_step_wrapper(step)
+    optimizer.step = step
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    assert optimizer.step is step and tc.is_scheduler_step_wrapper(optimizer.step)  # not wrapped a second time
+    param.grad = torch.ones(1)
+    optimizer.step()
+    scheduler.step()
+    assert [str(w.message) for w in recwarn if "lr_scheduler" in str(w.message)] == []
+
+
+def test_the_scheduler_contract_names_are_the_ones_torch_checks(recwarn):
+    optimizer = torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    assert tc.is_scheduler_step_wrapper(optimizer.step)  # torch's own wrapper carries the flag
+    scheduler.step()  # before any optimizer step: torch warns, by the record the wrapper keeps
+    assert any("lr_scheduler.step()` before `optimizer.step()" in str(w.message) for w in recwarn)
+
+
 def test_wrap_policy_module_classes():
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 

@@ -55,7 +55,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from lightning_zero.distributed.optimizer import get_sharding
 from lightning_zero.distributed.replicas import replica_dtype
 from lightning_zero.ops.loss_scaler import DynamicLossScaler, StaticLossScaler, has_overflow
-from lightning_zero.torch_compat import local_tensor
+from lightning_zero.torch_compat import foreach_mul_, local_tensor
 
 SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 COMMUNICATION_DATA_TYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -226,7 +226,7 @@ class ZeroPrecisionPolicy:
             inverse = 1.0 / scale
             local = [local_tensor(g) for g in grads]
             if local:
-                torch._foreach_mul_(local, inverse)
+                foreach_mul_(local, inverse)
         self._log_scaler(model)
         return overflow
 

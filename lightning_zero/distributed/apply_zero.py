@@ -51,7 +51,7 @@ from lightning_zero.distributed.hybrid import check_mesh_matches, data_parallel_
 from lightning_zero.distributed.meta_init import init_meta_tensors
 from lightning_zero.distributed.replicas import keep_fp32_values
 from lightning_zero.distributed.units import param_bytes, plan_units, set_prefetch
-from lightning_zero.torch_compat import ddp_buffer_sync_kwargs, fsdp_param_groups
+from lightning_zero.torch_compat import ddp_buffer_sync_kwargs, fsdp_param_groups, fsdp_state, tensor_has_gradient_hooks
 
 log = logging.getLogger(__name__)
 
@@ -392,7 +392,7 @@ def refuse_parameter_gradient_hooks(module: nn.Module, *, sharded_only: bool = F
     from torch.distributed.tensor import DTensor
 
     hooked = [name for name, param in module.named_parameters()
-              if (param._backward_hooks or getattr(param, "_post_accumulate_grad_hooks", None))
+              if tensor_has_gradient_hooks(param)
               and (not sharded_only or isinstance(param, DTensor))]
     if hooked:
         more = f" and {len(hooked) - 5} more" if len(hooked) > 5 else ""
@@ -444,7 +444,7 @@ def _keep_gathered_between_micro_steps(module: nn.Module, keep: bool) -> None:
     for sub in module.modules():
         if not isinstance(sub, FSDPModule):
             continue
-        state = sub._get_fsdp_state()
+        state = fsdp_state(sub)
         for group in fsdp_param_groups(state):
             # post_forward_mesh_info is None exactly when the group does not reshard after forward
             if getattr(group, "post_forward_mesh_info", ()) is None:

@@ -57,6 +57,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_zero.torch_compat import fsdp_comm_bases, storage_use_count
+
 log = logging.getLogger(__name__)
 
 # torch 2.13 renamed the flat-tensor collectives (the old names warn that they are deprecated); torch 2.11-2.12 only
@@ -103,12 +105,12 @@ class CommBufferPool:
 def _only_pool_holds(buffer: torch.Tensor) -> bool:
     # The pool's tensor holds one reference to the storage and the temporary Python storage object a second one;
     # any view, gradient or in-flight collective adds more.
-    return torch._C._storage_Use_Count(buffer.untyped_storage()._cdata) <= 2
+    return storage_use_count(buffer) <= 2
 
 
 @functools.cache
 def _comm_classes():
-    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+    AllGather, ReduceScatter = fsdp_comm_bases()
 
     class PooledAlloc:
         def __init__(self, pool: CommBufferPool):

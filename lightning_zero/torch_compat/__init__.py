@@ -41,8 +41,11 @@ from lightning_zero.torch_compat.fsdp import (
     unsharded_param,
 )
 from lightning_zero.torch_compat.modules import (
+    flag_scheduler_step_wrapper,
     forward_hook_tables,
+    is_scheduler_step_wrapper,
     optimizer_step_hooks_suspended,
+    record_optimizer_step,
     wrap_policy_module_classes,
 )
 from lightning_zero.torch_compat.ops import (
@@ -96,6 +99,7 @@ __all__ = [
     "foreach_maximum_",
     "foreach_mul_",
     "foreach_norm",
+    "flag_scheduler_step_wrapper",
     "forward_hook_tables",
     "fsdp_comm_bases",
     "fsdp_in_forward",
@@ -105,6 +109,7 @@ __all__ = [
     "fsdp_pre_forward",
     "fsdp_state",
     "fused_kernel_devices",
+    "is_scheduler_step_wrapper",
     "local_part",
     "local_tensor",
     "lower_forward_actions",
@@ -116,6 +121,7 @@ __all__ = [
     "prepare_ddp_backward",
     "privateuse1_backend_name",
     "rebuild_ddp_buckets",
+    "record_optimizer_step",
     "set_dtensor_local",
     "set_element",
     "set_sharded_param_data",

@@ -39,3 +39,25 @@ def wrap_policy_module_classes(policy) -> tuple:
     """The module classes a ``torch.distributed.fsdp.wrap.ModuleWrapPolicy`` wraps (``_module_classes``; the
     policy has no public reader)."""
     return tuple(policy._module_classes)
+
+
+# [Note: torch's LR-scheduler step contract] ``LRScheduler.__init__`` (``patch_track_step_called`` in
+# ``torch/optim/lr_scheduler.py``) wraps ``optimizer.step`` on the instance unless the step there already carries
+# ``_wrapped_by_lr_sched``; the wrapper sets ``optimizer._opt_called``, and ``LRScheduler.step`` warns on its first
+# call when either is missing. A step the package puts on an instance must speak the same two names, or every
+# scheduler warns (and a second one wraps it again). If torch renames them, the warning comes back (not a failure).
+
+
+def is_scheduler_step_wrapper(step) -> bool:
+    """Whether ``step`` (an instance's ``step``) is flagged as an LR scheduler's wrapper (``_wrapped_by_lr_sched``)."""
+    return bool(getattr(step, "_wrapped_by_lr_sched", False))
+
+
+def flag_scheduler_step_wrapper(step) -> None:
+    """Flag ``step`` as an LR scheduler's wrapper, so no scheduler wraps it again (see the note above)."""
+    step._wrapped_by_lr_sched = True
+
+
+def record_optimizer_step(optimizer) -> None:
+    """Record that ``optimizer.step()`` ran, as the scheduler's wrapper does (``optimizer._opt_called``)."""
+    optimizer._opt_called = True
