@@ -1,4 +1,4 @@
-"""The package's layout (``docs/architecture.md``), checked on the source with ``ast``; nothing is executed, and
+"""The package's layout (``docs/architecture.md``), checked on the source with ``ast``; nothing of it is executed, and
 imports inside functions and under ``TYPE_CHECKING`` count like any other:
 
 * no import circle between modules (a package's ``__init__.py`` is a module too);
