@@ -94,6 +94,10 @@ def _dtensor_worker(rank, world_size):
     assert offsets == ((0, 0) if rank == 0 else (2, 0)) and sizes == tuple(part.shape)
     assert tc.local_part(plain)[1:] == ((0,), (2,))
     assert tc.backend_serving("cpu") == "gloo" and tc.default_store() is not None
+    gathered, scattered = torch.empty(4), torch.empty(1)
+    tc.all_gather_flat(gathered, torch.full((2,), float(rank)))
+    tc.reduce_scatter_flat(scattered, torch.arange(2.0))
+    assert gathered.tolist() == [0.0, 0.0, 1.0, 1.0] and scattered.item() == 2.0 * rank
     tc.default_store().set(f"compat{rank}", "x")
     assert tc.default_store().get(f"compat{1 - rank}") == b"x"
 

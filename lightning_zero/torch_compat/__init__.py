@@ -9,7 +9,7 @@ supported versions and how they are checked are in ``docs/compatibility.md``. On
 * :mod:`.fsdp`: FSDP2's per-unit state, param groups, shards and forward state machine;
 * :mod:`.dtensor`: DTensor's local shard;
 * :mod:`.ddp`: DDP's keywords across versions and its reducer;
-* :mod:`.c10d`: the default store and the backend serving a device;
+* :mod:`.c10d`: the default store, the flat-tensor collectives and the backend serving a device;
 * :mod:`.tensors`: storage identity, version counters, wrapper subclasses, dispatch modes, pytrees;
 * :mod:`.ops`: the ``_foreach_*`` kernels and the fused-kernel devices;
 * :mod:`.serialization`: the ``torch.save`` zip format pieces of a streaming writer;
@@ -22,7 +22,7 @@ Imports nothing of the package, so every layer (``ops/``, ``offload/``, ``distri
 
 from __future__ import annotations
 
-from lightning_zero.torch_compat.c10d import backend_serving, default_store
+from lightning_zero.torch_compat.c10d import all_gather_flat, backend_serving, default_store, reduce_scatter_flat
 from lightning_zero.torch_compat.dcp import flatten_state_dict, set_element
 from lightning_zero.torch_compat.ddp import ddp_buffer_sync_kwargs, prepare_ddp_backward, rebuild_ddp_buckets
 from lightning_zero.torch_compat.dtensor import dtensor_local, local_part, local_tensor, set_dtensor_local
@@ -85,6 +85,7 @@ __all__ = [
     "REBUILD_TENSOR",
     "TENSOR_DATA",
     "TorchDispatchMode",
+    "all_gather_flat",
     "all_gather_in_flight",
     "backend_serving",
     "ddp_buffer_sync_kwargs",
@@ -121,6 +122,7 @@ __all__ = [
     "prepare_ddp_backward",
     "privateuse1_backend_name",
     "rebuild_ddp_buckets",
+    "reduce_scatter_flat",
     "record_optimizer_step",
     "set_dtensor_local",
     "set_element",
