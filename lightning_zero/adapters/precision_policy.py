@@ -56,7 +56,7 @@ from lightning_zero.distributed.config import COMMUNICATION_DATA_TYPES
 from lightning_zero.distributed.optimizer import get_sharding
 from lightning_zero.distributed.replicas import replica_dtype
 from lightning_zero.ops.loss_scaler import DynamicLossScaler, StaticLossScaler, has_overflow
-from lightning_zero.torch_compat import local_tensor
+from lightning_zero.torch_compat import foreach_mul_, local_tensor
 
 SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 _LOW_DTYPES = {"bf16": torch.bfloat16, "16": torch.float16}
@@ -235,7 +235,7 @@ class ZeroPrecisionPolicy:
             inverse = 1.0 / scale
             local = [local_tensor(g) for g in grads]
             if local:
-                torch._foreach_mul_(local, inverse)
+                foreach_mul_(local, inverse)
         self._log_scaler(model)
         return overflow
 

@@ -48,7 +48,7 @@ from lightning_zero.diagnostics.network import checked_store, startup_check
 from lightning_zero.diagnostics.peers import agree_attempt, publish_identity
 from lightning_zero.distributed.group_timeout import set_package_group_timeout
 from lightning_zero.distributed.process_group_exit import destroy_process_group_at_exit
-from lightning_zero.torch_compat import backend_serving
+from lightning_zero.torch_compat import backend_serving, default_store
 
 CPU_AND_CUDA_BACKEND = "cpu:gloo,cuda:nccl"
 
@@ -127,6 +127,6 @@ def start_process_group(cluster_environment: Any, backend: Optional[str], device
     check_group_serves_offload(offloads)
     destroy_process_group_at_exit()
     # where this rank runs, for a survivor to name it if it dies (diagnostics.peers)
-    publish_identity(dist.distributed_c10d._get_default_store(), global_rank, node_rank)
+    publish_identity(default_store(), global_rank, node_rank)
     set_package_group_timeout(timeout)  # the package's own groups (save control groups...) honour it too
     return backend

@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import Any, Dict, List
 
 import torch
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict  # private, but what DCP's planner uses
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from lightning_zero.checkpoint.errors import CheckpointError
+from lightning_zero.torch_compat import flatten_state_dict
 
 SHOWN = 5  # keys named per category; the count says how many more there are
 

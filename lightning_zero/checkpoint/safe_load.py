@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from lightning_zero.checkpoint.atomic import PathLike
 from lightning_zero.checkpoint.errors import CheckpointError
+from lightning_zero.torch_compat import set_element
 
 # The only classes a DCP `.metadata` pickle written by torch's FileSystemWriter references (checked on torch 2.13).
 _DCP_ALLOWED = {
@@ -117,8 +118,6 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         obj = safe_torch_load(value, what=f"checkpoint item {read_item.dest_index.fqn!r}")
         fqn = read_item.dest_index.fqn
         if self.flatten_state_dict:
-            from torch.distributed.checkpoint._nested_dict import set_element  # private, but what DCP itself uses
-
             set_element(self.original_state_dict, self.mappings[fqn], obj)
         else:
             self.state_dict[fqn] = obj

@@ -82,7 +82,7 @@ def forget_groups_of_an_old_world(cache: Dict[Any, Any]) -> None:
     Groups inherited through ``fork()`` are moved aside, not released: such a gloo group blocks forever in its
     destructor (its worker threads do not exist in the child), which would hang every forked rank whose parent had
     saved in-process. Keeping a few small objects alive is the price."""
-    world = dist.distributed_c10d._get_default_group()
+    world = dist.group.WORLD  # the default group itself (callers run only inside a process group)
     if cache.get("__world__") is not world:
         if cache.get("__pid__") not in (None, os.getpid()):
             _ABANDONED.append(dict(cache))  # inherited through fork()

@@ -27,6 +27,7 @@ from lightning_zero.checkpoint.io import load_sharded_states, save_sharded_check
 from lightning_zero.checkpoint.safe_load import read_dcp_metadata
 from lightning_zero.distributed.optimizer import get_sharding, master_holders
 from lightning_zero.offload.optimizer_swapper import resident_states
+from lightning_zero.torch_compat import optimizer_step_hooks_suspended
 
 
 def module_state_dict(module: torch.nn.Module, optimizers=(), *, for_load: bool = False) -> dict[str, Tensor]:
@@ -117,26 +118,24 @@ def initialise_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     sharding = get_sharding(optimizer)
     companions = sharding.swapper.companions if sharding is not None and sharding.swaps_masters() else {}
     given: list[Tensor] = []
-    pre, post = optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks
-    optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks = type(pre)(), type(post)()
     saved_lr = [g["lr"] for g in optimizer.param_groups]
-    try:
-        for group in optimizer.param_groups:
-            group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], Tensor) else 0.0
-            for p in group["params"]:
-                target = companions.get(id(p), p)  # a swapped master reads its module parameter's gradient
-                if p.requires_grad and target.grad is None:
-                    target.grad = torch.zeros_like(target)
-                    given.append(target)
-        optimizer.step()
-    finally:
-        for target in given:
-            target.grad = None
-        for group, lr in zip(optimizer.param_groups, saved_lr):
-            group["lr"] = lr
-            for p in group["params"]:
-                p.grad = None
-        optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks = pre, post
+    with optimizer_step_hooks_suspended(optimizer):
+        try:
+            for group in optimizer.param_groups:
+                group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], Tensor) else 0.0
+                for p in group["params"]:
+                    target = companions.get(id(p), p)  # a swapped master reads its module parameter's gradient
+                    if p.requires_grad and target.grad is None:
+                        target.grad = torch.zeros_like(target)
+                        given.append(target)
+            optimizer.step()
+        finally:
+            for target in given:
+                target.grad = None
+            for group, lr in zip(optimizer.param_groups, saved_lr):
+                group["lr"] = lr
+                for p in group["params"]:
+                    p.grad = None
 
 
 def save_states(checkpoint: dict[str, Any], filepath: str, *, module: torch.nn.Module, optimizers: list, stage: int,

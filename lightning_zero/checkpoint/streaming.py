@@ -6,8 +6,8 @@
 * :func:`write_torch_checkpoint` writes the zip format of ``torch.save`` (what ``torch.load(weights_only=True)``
   reads): the pickle ``data.pkl`` only refers to storages by key, so we pickle the whole object first with
   placeholders for the tensors, then stream each storage record. torch has no public incremental writer; this
-  uses ``torch.serialization._open_zipfile_writer`` (the writer torch.save itself uses) and mirrors the records
-  torch.save emits.
+  uses the writer torch.save itself uses (:func:`lightning_zero.torch_compat.open_zipfile_writer`) and mirrors the
+  records torch.save emits.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Tuple
 
 import torch
+
+from lightning_zero.torch_compat import REBUILD_TENSOR, open_zipfile_writer, storage_alignment, storage_type_names
 
 SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -128,7 +130,7 @@ class _StreamingPickler(pickle.Pickler):
     def __init__(self, file: io.BytesIO, slots: List[_TensorSlot]) -> None:
         super().__init__(file, protocol=2)
         self.slots = slots
-        self.storage_types = torch.storage._dtype_to_storage_type_map()
+        self.storage_types = storage_type_names()
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):  # a real tensor inside the metadata (e.g. a callback's best score)
@@ -140,7 +142,7 @@ class _StreamingPickler(pickle.Pickler):
             obj.key = str(len(self.slots))
             self.slots.append(obj)
             shape = obj.entry.shape
-            return (torch._utils._rebuild_tensor_v2,
+            return (REBUILD_TENSOR,
                     (_StorageRef(obj), 0, torch.Size(shape), _contiguous_stride(shape), False, OrderedDict()))
         return NotImplemented
 
@@ -164,10 +166,10 @@ def write_torch_checkpoint(
     data = buffer.getvalue()
     tmp = output + ".partial"
     try:
-        with torch.serialization._open_zipfile_writer(tmp) as writer:
+        with open_zipfile_writer(tmp) as writer:
             writer.write_record("data.pkl", data, len(data))
             writer.write_record(".format_version", "1", 1)
-            alignment = str(torch.serialization._get_storage_alignment())
+            alignment = str(storage_alignment())
             writer.write_record(".storage_alignment", alignment, len(alignment))
             writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
             for slot in slots:

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from lightning_zero.diagnostics.network import interfaces, resolve
 from lightning_zero.diagnostics.store_reads import all_values, present_values
+from lightning_zero.torch_compat import default_store
 
 log = logging.getLogger(__name__)
 _PREFIX = "lightning_zero/attempts/"
@@ -155,7 +156,7 @@ def _chain(error: BaseException):
 def name_lost_peer(error: BaseException, world_size: int) -> Optional[str]:
     """Put :func:`lost_peer_note` in front of ``error``'s message (its own text is kept); returns the note."""
     try:
-        store = dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
+        store = default_store() if dist.is_initialized() else None
     except Exception:  # noqa: BLE001 - a group without a store: the address alone is named
         store = None
     note = lost_peer_note(error, store, world_size)

@@ -27,7 +27,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from lightning_zero.torch_compat import backend_serving
+from lightning_zero.torch_compat import all_gather_flat, backend_serving, reduce_scatter_flat
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 
@@ -106,12 +106,10 @@ def _make_op(collective: str, size_bytes: int, world_size: int, device: torch.de
         return (lambda: dist.broadcast(buf, src=src, group=group)), total * elem
     if collective == "all_gather":
         inp, out = torch.ones(per_rank, device=device), torch.empty(total, device=device)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        return (lambda: gather(out, inp, group=group)), total * elem
+        return (lambda: all_gather_flat(out, inp, group=group)), total * elem
     if collective == "reduce_scatter":
         inp, out = torch.ones(total, device=device), torch.empty(per_rank, device=device)
-        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        return (lambda: scatter(out, inp, group=group)), total * elem
+        return (lambda: reduce_scatter_flat(out, inp, group=group)), total * elem
     if collective == "all_to_all":
         inp, out = torch.ones(total, device=device), torch.empty(total, device=device)
         return (lambda: dist.all_to_all_single(out, inp, group=group)), total * elem

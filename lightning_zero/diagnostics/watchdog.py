@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 from lightning_zero.diagnostics.peers import agreed_attempt
 from lightning_zero.diagnostics.store_reads import present_values
+from lightning_zero.torch_compat import default_store
 
 HANG_EXIT_CODE = 124
 _ABORT_KEY = "abort"
@@ -100,7 +101,7 @@ def store_for_watchdog(timeout: float = 60.0) -> dist.Store:
     """
     if not dist.is_initialized():
         raise RuntimeError("the hang watchdog needs an initialised torch.distributed process group (for its store)")
-    base = dist.distributed_c10d._get_default_store()
+    base = default_store()
     inner = base
     while isinstance(inner, dist.PrefixStore):
         inner = inner.underlying_store

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from lightning_zero.distributed import module_classes
+from lightning_zero.torch_compat import wrap_policy_module_classes
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ def _normalise_policy(policy: Any) -> Any:
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     if isinstance(policy, ModuleWrapPolicy):  # what Lightning's activation_checkpointing_policy also accepts
-        policy = tuple(policy._module_classes)
+        policy = wrap_policy_module_classes(policy)
     if isinstance(policy, (set, frozenset, list, tuple)):
         classes = frozenset(policy)
         if not classes:

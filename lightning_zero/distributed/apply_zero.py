@@ -52,7 +52,7 @@ from lightning_zero.distributed.hybrid import check_mesh_matches, data_parallel_
 from lightning_zero.distributed.meta_init import init_meta_tensors
 from lightning_zero.distributed.replicas import keep_fp32_values
 from lightning_zero.distributed.units import param_bytes, plan_units, set_prefetch
-from lightning_zero.torch_compat import ddp_buffer_sync_kwargs
+from lightning_zero.torch_compat import ddp_buffer_sync_kwargs, tensor_has_gradient_hooks
 
 log = logging.getLogger(__name__)
 
@@ -407,7 +407,7 @@ def refuse_parameter_gradient_hooks(module: nn.Module, *, sharded_only: bool = F
     from torch.distributed.tensor import DTensor
 
     hooked = [name for name, param in module.named_parameters()
-              if (param._backward_hooks or getattr(param, "_post_accumulate_grad_hooks", None))
+              if tensor_has_gradient_hooks(param)
               and (not sharded_only or isinstance(param, DTensor))]
     if hooked:
         more = f" and {len(hooked) - 5} more" if len(hooked) > 5 else ""

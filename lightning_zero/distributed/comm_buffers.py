@@ -59,12 +59,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_zero.torch_compat import all_gather_flat, fsdp_comm_bases, reduce_scatter_flat, storage_use_count
+
 log = logging.getLogger(__name__)
 
-# torch 2.13 renamed the flat-tensor collectives (the old names warn that they are deprecated); torch 2.11-2.12 only
-# have the old ones. Same signatures, same semantics.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# Module names of their own, so one test can count the calls the pooled all-gather makes.
+_all_gather_flat = all_gather_flat
+_reduce_scatter_flat = reduce_scatter_flat
 
 POOL_MAX_BYTES = 32 * 2 ** 20  # glibc's mmap-threshold ceiling: see [Note: buffers too large to pool]
 
@@ -105,12 +106,12 @@ class CommBufferPool:
 def _only_pool_holds(buffer: torch.Tensor) -> bool:
     # The pool's tensor holds one reference to the storage and the temporary Python storage object a second one;
     # any view, gradient or in-flight collective adds more.
-    return torch._C._storage_Use_Count(buffer.untyped_storage()._cdata) <= 2
+    return storage_use_count(buffer) <= 2
 
 
 @functools.cache
 def _comm_classes():
-    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+    AllGather, ReduceScatter = fsdp_comm_bases()
 
     class PooledAlloc:
         def __init__(self, pool: CommBufferPool):

@@ -28,6 +28,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_zero.torch_compat import prepare_ddp_backward, rebuild_ddp_buckets
+
 _MIB = 1024 * 1024
 
 
@@ -169,11 +171,10 @@ class EarlyBucketRebuild:
         if module is None or not module.require_backward_grad_sync:
             return loss
         self.tries += 1
-        rebuild = getattr(module.reducer, "_rebuild_buckets", None)
-        if rebuild is not None and rebuild():
-            module._has_rebuilt_buckets = True  # DDP's own record of it (logging)
+        rebuilt = rebuild_ddp_buckets(module)
+        if rebuilt:
             self.module = None
-        elif rebuild is None or self.tries >= self.TRIES:
+        elif rebuilt is None or self.tries >= self.TRIES:
             self.module = None
         return loss
 
@@ -182,9 +183,7 @@ def prepare_manual_backward(module, loss: Tensor) -> None:
     """Under manual optimization, tell a DDP ``module``'s reducer which tensors the backward of ``loss`` starts
     from, as Lightning's ``DDPStrategy.pre_backward`` does (DDP's forward does it only for its own output)."""
     if isinstance(module, DistributedDataParallel) and module.require_backward_grad_sync:
-        from torch.nn.parallel.distributed import _find_tensors
-
-        module.reducer.prepare_for_backward(list(_find_tensors(loss)))
+        prepare_ddp_backward(module, loss)
 
 
 def low_precision_allreduce_hook(dtype: torch.dtype):

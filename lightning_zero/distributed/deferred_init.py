@@ -57,10 +57,16 @@ from typing import Any, Generator, Optional
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_zero.distributed.undefined_memory import EMPTY_FACTORIES, fill_nan, follow, op_name
+from lightning_zero.torch_compat import TENSOR_DATA, TorchDispatchMode, disable_torch_dispatch, make_wrapper_subclass
+from lightning_zero.torch_compat.tensors import (
+    op_schema,
+    storage_identity,
+    tensor_version,
+    tree_flatten,
+    tree_unflatten,
+)
 
 log = logging.getLogger(__name__)
 
@@ -79,10 +85,7 @@ class DeferredInitError(RuntimeError):
 
 
 def _key(tensor: torch.Tensor) -> int:
-    return tensor._meta.untyped_storage()._cdata
-
-
-_TENSOR_DATA = torch._C.TensorBase.data
+    return storage_identity(tensor._meta)
 
 
 class _Deferred(torch.Tensor):
@@ -94,9 +97,7 @@ class _Deferred(torch.Tensor):
 
     @staticmethod
     def __new__(cls, meta: torch.Tensor, recorder: "_Recorder"):
-        wrapper = torch.Tensor._make_wrapper_subclass(
-            cls, meta.shape, strides=meta.stride(), storage_offset=meta.storage_offset(), dtype=meta.dtype,
-            device="cpu", requires_grad=meta.requires_grad)
+        wrapper = make_wrapper_subclass(cls, meta, device="cpu", requires_grad=meta.requires_grad)
         wrapper._meta = meta
         wrapper._recorder = recorder
         return wrapper
@@ -111,7 +112,7 @@ class _Deferred(torch.Tensor):
 
     @property
     def data(self):
-        return _TENSOR_DATA.__get__(self)
+        return TENSOR_DATA.__get__(self)
 
     @data.setter
     def data(self, value):  # module.to(dtype) swaps .data: the new layout and value come with it
@@ -120,7 +121,7 @@ class _Deferred(torch.Tensor):
                 "Assigning a tensor that was not built in the same deferred construction to the .data of a deferred "
                 "tensor cannot be replayed; copy_ into it instead, or build without deferral "
                 "(LIGHTNING_ZERO_DEFERRED_INIT=0).")
-        _TENSOR_DATA.__set__(self, value)
+        TENSOR_DATA.__set__(self, value)
         self._meta = value._meta
 
     def data_ptr(self):  # every deferred tensor would report 0, and "same address" means "shared memory"
@@ -196,7 +197,7 @@ def _innermost_module() -> str:
 def _written(func, args, kwargs) -> list:
     """The tensors ``func`` writes, by its schema: an in-place ``self``, ``out=``, ``Tensor(a!)[]`` lists."""
     written = []
-    for index, arg in enumerate(func._schema.arguments):
+    for index, arg in enumerate(op_schema(func).arguments):
         if arg.alias_info is not None and arg.alias_info.is_write:
             value = args[index] if index < len(args) else kwargs.get(arg.name)
             written.extend(t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
@@ -205,7 +206,7 @@ def _written(func, args, kwargs) -> list:
 
 def _recordable(func, written: list) -> bool:
     """Whether ``func``'s outputs are all tensors (none at all is fine for an op that writes its inputs)."""
-    returns = func._schema.returns
+    returns = op_schema(func).returns
     return all(str(ret.type) in ("Tensor", "Tensor[]", "Optional[Tensor]") for ret in returns) \
         and (len(returns) > 0 or bool(written))
 
@@ -298,7 +299,7 @@ class _Recorder(TorchDispatchMode):
         if torch.Tag.inplace_view in func.tags:  # t_, unsqueeze_ ...: only the layout changes, also the wrapper's
             for a in flat:
                 if self.deferred(a):
-                    with torch._C._DisableTorchDispatch():
+                    with disable_torch_dispatch():
                         torch.ops.aten.as_strided_.default(a, a._meta.shape, a._meta.stride(),
                                                            a._meta.storage_offset())
             return tree_unflatten([given_arg for given_arg in flat if self.deferred(given_arg)][:len(out_flat)],
@@ -309,9 +310,9 @@ class _Recorder(TorchDispatchMode):
         reads = frozenset(_key(a) for a in flat if self.deferred(a))
         new = set()
         for o in out_flat:
-            if isinstance(o, torch.Tensor) and o.untyped_storage()._cdata not in self.bases:
-                self.bases[o.untyped_storage()._cdata] = o
-                new.add(o.untyped_storage()._cdata)
+            if isinstance(o, torch.Tensor) and storage_identity(o) not in self.bases:
+                self.bases[storage_identity(o)] = o
+                new.add(storage_identity(o))
         written = {ref.key for ref, a in zip(refs, flat) if ref is not None and any(a is w for w in written_args)}
         # An in-place op returns the very tensor it was given; a new output gets a new wrapper.
         given = {id(a._meta): a for a in flat if self.deferred(a)}
@@ -345,7 +346,7 @@ class _Recorder(TorchDispatchMode):
         self._count(nbytes, "a real tensor read by the init code")
         if nbytes <= _COPY_BELOW:
             return value.detach().clone()
-        return _Held(value, value._version)  # the object itself: a detach() here would get its own version
+        return _Held(value, tensor_version(value))  # the object itself: a detach() here would get its own version
 
     def _count(self, nbytes: int, what: str) -> None:
         self.pinned += nbytes
@@ -457,7 +458,7 @@ class _Recorder(TorchDispatchMode):
             if isinstance(value, _Ref):
                 real.append(value.on(env[value.key]))
             elif isinstance(value, _Held):
-                if value.tensor._version != value.version:
+                if tensor_version(value.tensor) != value.version:
                     raise DeferredInitError(
                         f"A real tensor of shape {tuple(value.tensor.shape)} that the model's init code read (via "
                         f"{entry.func}) was modified in place afterwards, so its value then is lost. Keep it "

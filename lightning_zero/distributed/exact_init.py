@@ -247,8 +247,8 @@ def _remember_low(modules: list[nn.Module], dtype: torch.dtype) -> None:
     for key in [key for key, ref in _BUILT_LOW.items() if ref() is None]:
         del _BUILT_LOW[key]
     for module in modules:
-        for param in module._parameters.values():
-            if param is not None and param.dtype == dtype:
+        for param in module.parameters(recurse=False):
+            if param.dtype == dtype:
                 _BUILT_LOW[id(param)] = weakref.ref(param)
 
 

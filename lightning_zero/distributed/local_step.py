@@ -32,6 +32,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from lightning_zero.ops.step_override import is_overridden, override_step, restore_step_override
+from lightning_zero.torch_compat import dtensor_local
 
 # The per-element states of each switched class: wrapped back into DTensors after the step. Any other state (the
 # scalar ``step``) stays what torch made it (a plain tensor, as on the DTensor path).
@@ -111,8 +112,8 @@ def _swap_in(optimizer, per_element) -> Optional[_Swap]:
     """Put local tensors into ``param_groups`` and ``state``; None (nothing swapped) when a gradient is not laid
     out like its parameter, so the DTensor path decides.
 
-    This runs for every parameter of every step, so it reads DTensor's fields directly (``_spec.placements``, not
-    the ``placements`` property) and tests types inline: the same checks with fewer Python calls."""
+    This runs for every parameter of every step, so it reads the local shards without ``to_local()``'s autograd
+    node (:func:`~lightning_zero.torch_compat.dtensor_local`) and tests types inline."""
     params = [group["params"] for group in optimizer.param_groups]
     local_state: defaultdict = defaultdict(dict)
     states = optimizer.state
@@ -120,16 +121,16 @@ def _swap_in(optimizer, per_element) -> Optional[_Swap]:
     for group_params in params:
         group_locals = []
         for param in group_params:
-            local = param._local_tensor.detach()  # an alias of the shard: in-place updates reach the parameter
+            local = dtensor_local(param).detach()  # an alias of the shard: in-place updates reach the parameter
             grad = param.grad
             if grad is not None:
-                if (not isinstance(grad, DTensor) or grad._spec.placements != param._spec.placements
-                        or grad._local_tensor.shape != local.shape):
+                if (not isinstance(grad, DTensor) or grad.placements != param.placements
+                        or dtensor_local(grad).shape != local.shape):
                     return None
-                local.grad = grad._local_tensor
+                local.grad = dtensor_local(grad)
             state = states.get(param)
             if state:
-                local_state[local] = {key: (value._local_tensor if key in per_element and isinstance(value, DTensor)
+                local_state[local] = {key: (dtensor_local(value) if key in per_element and isinstance(value, DTensor)
                                             else value) for key, value in state.items()}
             group_locals.append(local)
         locals_.append(group_locals)
@@ -157,7 +158,7 @@ def _swap_out(optimizer, swap: _Swap, per_element) -> None:
             for key, value in new.items():
                 previous = old.get(key)
                 if key in per_element and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-                    kept = isinstance(previous, DTensor) and previous._local_tensor is value
+                    kept = isinstance(previous, DTensor) and dtensor_local(previous) is value
                     value = previous if kept else wrap_like(value, param)
                 merged[key] = value
             swap.state[param].update(merged)  # the same dict object: nothing holding it goes stale

@@ -44,7 +44,15 @@ import torch
 from torch import nn
 
 from lightning_zero.distributed.apply_zero import reshard_gathered
-from lightning_zero.torch_compat import fsdp_param_groups
+from lightning_zero.torch_compat import (
+    fsdp_in_forward,
+    fsdp_param_groups,
+    fsdp_param_module,
+    fsdp_post_forward,
+    fsdp_pre_forward,
+    fsdp_state,
+    unsharded_param,
+)
 
 
 class ManualBackward:
@@ -61,14 +69,14 @@ class ManualBackward:
         if not isinstance(root, FSDPModule):
             raise TypeError(f"ManualBackward needs an FSDP2 root module, got {type(root).__name__}")
         self.root = root
-        self._state = root._get_fsdp_state()
+        self._state = fsdp_state(root)
         root_params = {id(p) for group in fsdp_param_groups(self._state) for p in group.fsdp_params}
         owned: dict[nn.Module, list] = {}
         for unit in root.modules():
             if isinstance(unit, FSDPModule):
-                for group in fsdp_param_groups(unit._get_fsdp_state()):
+                for group in fsdp_param_groups(fsdp_state(unit)):
                     for fsdp_param in group.fsdp_params:
-                        owned.setdefault(fsdp_param._module_info.module, []).append(fsdp_param)
+                        owned.setdefault(fsdp_param_module(fsdp_param), []).append(fsdp_param)
         self._suspended = False
         self._backward_ran = False
         self._handles = [owner.register_forward_pre_hook(self._make_hook(params, any(id(p) in root_params
@@ -79,9 +87,9 @@ class ManualBackward:
         def before_forward(_module, _args):
             if owns_root_params and self._suspended:
                 self._suspended = False
-                self._state._pre_forward(self.root, (), {})  # gathers the root's parameters as they are now
+                fsdp_pre_forward(self._state, self.root)  # gathers the root's parameters as they are now
             for fsdp_param in fsdp_params:  # [Note: requires_grad follows the sharded parameter]
-                gathered = getattr(fsdp_param, "_unsharded_param", None)
+                gathered = unsharded_param(fsdp_param)
                 wanted = fsdp_param.sharded_param.requires_grad
                 if gathered is not None and gathered.requires_grad != wanted:
                     gathered.requires_grad_(wanted)
@@ -90,11 +98,9 @@ class ManualBackward:
     @contextmanager
     def backward(self, loss: torch.Tensor) -> Generator[None, None, None]:
         """Run the backward of ``loss`` in this context: inside the root's forward, that forward is closed first."""
-        from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
-
-        if self._state._training_state == TrainingState.FORWARD and loss.requires_grad:
+        if fsdp_in_forward(self._state) and loss.requires_grad:
             # registers the pre-backward hook on ``loss`` itself; the returned copy differs only by a dtype cast
-            self._state._post_forward(self.root, (), loss)
+            fsdp_post_forward(self._state, self.root, loss)
             self._suspended = True
         self._backward_ran = True
         yield

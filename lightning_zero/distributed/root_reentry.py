@@ -27,6 +27,8 @@ from typing import Generator
 
 from torch import nn
 
+from lightning_zero.torch_compat import forward_hook_tables, fsdp_state, post_forward_hook_id
+
 
 def _pass_through(module, args, output):
     return None  # a forward hook returning None leaves the output as it is
@@ -53,10 +55,8 @@ def _post_forward_entry(root: nn.Module):
 
     if not isinstance(root, FSDPModule):
         return None, None
-    handle = getattr(root._get_fsdp_state(), "_post_forward_hook_handle", None)
-    key = getattr(handle, "id", None)
-    hooks = root._forward_hooks
-    extra = (getattr(root, "_forward_hooks_with_kwargs", {}), getattr(root, "_forward_hooks_always_called", {}))
+    key = post_forward_hook_id(fsdp_state(root))
+    hooks, *extra = forward_hook_tables(root)
     if key is None or key not in hooks or any(key in table for table in extra):
         return None, None  # grouped units (one handle for many hooks) or a hook flavour this does not expect
     return hooks, key

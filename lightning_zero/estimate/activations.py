@@ -28,6 +28,7 @@ from torch import Tensor
 
 from lightning_zero.distributed.replicas import replica_dtype
 from lightning_zero.estimate.precisions import PRECISIONS
+from lightning_zero.torch_compat import view_base
 
 _HALF_TRUE = ("16-true", "bf16-true")
 # Lightning reads the bare "16" and "bf16" as "16-mixed" and "bf16-mixed" (its precision plugins' alias table).
@@ -181,7 +182,7 @@ def saved_activation_bytes(exclude: Iterable[Tensor] = ()) -> Iterator[SavedByte
     def pack(tensor: Tensor) -> Tensor:
         # Parameters and their views (a linear layer saves ``weight.t()``) are model states, including the
         # parameters FSDP2 gathers for a unit, which are parameters of their own.
-        is_param = isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter)
+        is_param = isinstance(tensor, torch.nn.Parameter) or isinstance(view_base(tensor), torch.nn.Parameter)
         if not tensor.is_meta and not is_param and storage_key(tensor) not in excluded:
             result.add(tensor, tensor.device.type)
         return tensor

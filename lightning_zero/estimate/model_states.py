@@ -51,7 +51,7 @@ from lightning_zero.estimate.activations import (
     precision_at_stage,
 )
 from lightning_zero.estimate.precisions import LOW_PRECISIONS, PRECISIONS
-from lightning_zero.torch_compat import fsdp_param_groups
+from lightning_zero.torch_compat import fsdp_param_groups, fsdp_state, unsharded_param
 
 
 @dataclass(frozen=True)
@@ -124,9 +124,9 @@ def _fsdp_params(module: nn.Module) -> Iterable[Tensor]:
     for sub in module.modules():
         if not isinstance(sub, FSDPModule):
             continue
-        for fsdp_param in (fp for group in fsdp_param_groups(sub._get_fsdp_state()) for fp in group.fsdp_params):
+        for fsdp_param in (fp for group in fsdp_param_groups(fsdp_state(sub)) for fp in group.fsdp_params):
             yield fsdp_param.sharded_param
-            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            unsharded = unsharded_param(fsdp_param)
             if unsharded is not None:
                 yield unsharded
 

@@ -61,6 +61,7 @@ from lightning_zero.offload.optimizer_swapper import closure_loss, remove_folder
 from lightning_zero.offload.param_units import SwapUnit, swap_units
 from lightning_zero.offload.shard_memory import shard_byte_view, shard_targets
 from lightning_zero.ops.step_override import is_overridden, override_step, restore_step_override
+from lightning_zero.torch_compat import all_gather_in_flight
 
 _ATTR = "_lightning_zero_param_swapper"
 _STEP_MARKER = "NVMe parameter step"  # the step override's marker (step_override)
@@ -331,7 +332,7 @@ class ParamSwapper:
 
     def _wrap_unshard(self, unit: SwapUnit, group, original):
         def unshard(*args, **kwargs):
-            if getattr(group, "_all_gather_result", None) is None and not getattr(group, "is_unsharded", False):
+            if not all_gather_in_flight(group) and not getattr(group, "is_unsharded", False):
                 self._before_gather(unit)
             return original(*args, **kwargs)
         return unshard

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from lightning_zero.offload.shard_memory import can_read_in_place
-from lightning_zero.torch_compat import fsdp_param_groups
+from lightning_zero.torch_compat import all_gather_in_flight, fsdp_param_groups, fsdp_state, sharded_param_data
 
 
 @dataclass(eq=False)
@@ -38,10 +38,10 @@ class SwapUnit:
         return [fp for group in self.groups for fp in group.fsdp_params]
 
     def storages(self) -> list:
-        return [fp._sharded_param_data.untyped_storage() for fp in self.fsdp_params()]
+        return [sharded_param_data(fp).untyped_storage() for fp in self.fsdp_params()]
 
     def gathering(self) -> bool:
-        return any(getattr(group, "_all_gather_result", None) is not None for group in self.groups)
+        return any(all_gather_in_flight(group) for group in self.groups)
 
 
 def unit_name(names: list[str]) -> str:
@@ -65,7 +65,7 @@ def swap_units(module: nn.Module) -> tuple[list[SwapUnit], dict[int, SwapUnit]]:
     for name, sub in module.named_modules():
         if not isinstance(sub, FSDPModule):
             continue
-        state = sub._get_fsdp_state()
+        state = fsdp_state(sub)
         if id(state) in members:
             members[id(state)].append(name or "<root>")
             continue
@@ -75,7 +75,7 @@ def swap_units(module: nn.Module) -> tuple[list[SwapUnit], dict[int, SwapUnit]]:
             continue
         unit = SwapUnit(len(units), "", groups, f"unit{len(units)}.bin", [], 0, state=state)
         for fp in unit.fsdp_params():
-            data = fp._sharded_param_data  # swapped as bytes: any dtype
+            data = sharded_param_data(fp)  # swapped as bytes: any dtype
             unit.sizes.append(data.untyped_storage().nbytes())
             unit.in_place.append(can_read_in_place(fp))
             unit.elements += data.numel()

@@ -21,15 +21,17 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from lightning_zero.offload.aio import align_up, aligned_buffer
+from lightning_zero.torch_compat import dtensor_local, set_dtensor_local, set_sharded_param_data, sharded_param_data
 
 
 def can_read_in_place(fsdp_param) -> bool:
     """Whether the shard of ``fsdp_param`` (an ``FSDPParam``) can be re-pointed to new memory (see the note)."""
-    data = getattr(fsdp_param, "_sharded_param_data", None)
+    data = sharded_param_data(fsdp_param)
     param = getattr(fsdp_param, "sharded_param", None)
-    local = getattr(param, "_local_tensor", None)
+    local = dtensor_local(param) if isinstance(param, DTensor) else None
     padded = getattr(fsdp_param, "padded_sharded_param_size", None)
     placement = getattr(fsdp_param, "fsdp_placement", None)
     if type(data) is not torch.Tensor or type(local) is not torch.Tensor or padded is None or placement is None:
@@ -43,7 +45,7 @@ def can_read_in_place(fsdp_param) -> bool:
 
 def shard_byte_view(fsdp_param, nbytes: int) -> Tensor:
     """The ``nbytes`` bytes of the padded shard of ``fsdp_param`` as a ``uint8`` tensor (memory, not a copy)."""
-    data = fsdp_param._sharded_param_data
+    data = sharded_param_data(fsdp_param)
     storage = data.untyped_storage()
     start = data.storage_offset() * data.element_size()
     return torch.empty(0, dtype=torch.uint8, device=data.device).set_(storage, start, (nbytes,))
@@ -52,13 +54,13 @@ def shard_byte_view(fsdp_param, nbytes: int) -> Tensor:
 def install_shard_memory(fsdp_param, memory: Tensor, nbytes: int) -> None:
     """Make ``memory`` (``uint8``, at least ``nbytes``, aligned) the memory of ``fsdp_param``'s shard (see the
     note); its current contents are not copied."""
-    data = fsdp_param._sharded_param_data
-    local = fsdp_param.sharded_param._local_tensor
+    data = sharded_param_data(fsdp_param)
+    local = dtensor_local(fsdp_param.sharded_param)
     flat = memory[:nbytes].view(data.dtype)
     dim = fsdp_param.fsdp_placement.dim
-    fsdp_param._sharded_param_data = flat
-    fsdp_param.sharded_param._local_tensor = flat.view(fsdp_param.padded_sharded_param_size).narrow(
-        dim, 0, local.size(dim))
+    set_sharded_param_data(fsdp_param, flat)
+    set_dtensor_local(fsdp_param.sharded_param, flat.view(fsdp_param.padded_sharded_param_size).narrow(
+        dim, 0, local.size(dim)))
 
 
 def shard_targets(fsdp_params, sizes, in_place, chunks, staged: dict, *, pin_memory: bool = False):
@@ -72,7 +74,7 @@ def shard_targets(fsdp_params, sizes, in_place, chunks, staged: dict, *, pin_mem
     views, adopted = [], []
     for index, (fsdp_param, size) in enumerate(zip(fsdp_params, sizes)):
         if not in_place[index]:
-            fsdp_param._sharded_param_data.untyped_storage().resize_(size)
+            sharded_param_data(fsdp_param).untyped_storage().resize_(size)
             views.append(shard_byte_view(fsdp_param, size))
             continue
         numbers = [number for number, chunk in enumerate(chunks) if chunk[0] == index]

@@ -23,7 +23,7 @@ import torch
 from torch.optim.adam import adam as torch_adam
 
 from lightning_zero.ops.fused_adam import adam_foreach, validate_adam_hyperparameters
-from lightning_zero.torch_compat import local_tensor
+from lightning_zero.torch_compat import foreach_add_, local_tensor
 
 __all__ = ["CPUAdam"]
 
@@ -133,7 +133,7 @@ class CPUAdam(torch.optim.Optimizer):
                            beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
                            maximize=False)
             else:
-                torch._foreach_add_(steps, 1)
+                foreach_add_(steps, 1)
                 adam_foreach(params, grads, ms, vs, vmaxes, steps, beta1=beta1, beta2=beta2, lr=group["lr"],
                              eps=group["eps"], weight_decay=group["weight_decay"], adam_w_mode=group["adamw_mode"],
                              bias_correction=False, amsgrad=group["amsgrad"])

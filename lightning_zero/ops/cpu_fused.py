@@ -37,6 +37,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from lightning_zero.ops.step_override import base_class
+from lightning_zero.torch_compat import dtensor_local
 
 __all__ = ["FusedOnCpu", "prefer_fused_on_cpu", "steps_fused_on_cpu"]
 
@@ -63,7 +64,7 @@ def _flat_fp32_on_cpu(tensor: Optional[torch.Tensor]) -> bool:
     tensor's properties directly (the cheapest checks first)."""
     if tensor is None:
         return True
-    local = tensor._local_tensor if type(tensor) is DTensor else tensor
+    local = dtensor_local(tensor) if type(tensor) is DTensor else tensor
     return (type(local) in _PLAIN and local.dtype is torch.float32 and local.is_cpu and local.layout is torch.strided
             and local.is_contiguous())
 

@@ -26,9 +26,17 @@ from typing import Callable, Iterable, Optional
 
 import torch
 from torch.optim.adam import adam as torch_adam
-from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
-from lightning_zero.torch_compat import local_tensor
+from lightning_zero.torch_compat import (
+    foreach_add,
+    foreach_add_,
+    foreach_addcmul_,
+    foreach_lerp_,
+    foreach_maximum_,
+    foreach_mul_,
+    fused_kernel_devices,
+    local_tensor,
+)
 
 __all__ = ["FusedAdam", "validate_adam_hyperparameters"]
 
@@ -67,16 +75,16 @@ def adam_foreach(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *
     if not params:
         return
     if weight_decay and not adam_w_mode:
-        grads = torch._foreach_add(grads, params, alpha=weight_decay)
-    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-    torch._foreach_mul_(exp_avg_sqs, beta2)
-    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+        grads = foreach_add(grads, params, alpha=weight_decay)
+    foreach_lerp_(exp_avgs, grads, 1 - beta1)
+    foreach_mul_(exp_avg_sqs, beta2)
+    foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
     second = exp_avg_sqs
     if amsgrad:
-        torch._foreach_maximum_(max_exp_avg_sqs, exp_avg_sqs)
+        foreach_maximum_(max_exp_avg_sqs, exp_avg_sqs)
         second = max_exp_avg_sqs
     if weight_decay and adam_w_mode:
-        torch._foreach_mul_(params, 1 - lr * weight_decay)
+        foreach_mul_(params, 1 - lr * weight_decay)
     if bias_correction:
         corrections = [(1 - beta1**t, 1 - beta2**t) for t in step_counts(steps)]
     else:
@@ -139,7 +147,7 @@ class FusedAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        fused_devices = set(_get_fused_kernels_supported_devices())
+        fused_devices = set(fused_kernel_devices())
         used = set()
         for group in self.param_groups:
             lists = {"params": [], "grads": [], "m": [], "v": [], "vmax": [], "steps": []}
@@ -175,7 +183,7 @@ class FusedAdam(torch.optim.Optimizer):
                 )
                 used.add("torch-fused")
             else:
-                torch._foreach_add_(lists["steps"], 1)
+                foreach_add_(lists["steps"], 1)
                 adam_foreach(
                     lists["params"], lists["grads"], lists["m"], lists["v"], lists["vmax"], lists["steps"],
                     beta1=beta1, beta2=beta2, lr=group["lr"], eps=group["eps"], weight_decay=group["weight_decay"],

@@ -42,7 +42,7 @@ from typing import Any, Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from lightning_zero.torch_compat import backend_serving, local_tensor
+from lightning_zero.torch_compat import backend_serving, foreach_norm, local_tensor
 
 __all__ = ["DynamicLossScaler", "LossScaleAtMinimumError", "StaticLossScaler", "has_overflow"]
 
@@ -257,7 +257,7 @@ def has_overflow(tensors: Iterable[Optional[torch.Tensor]], group: Optional[dist
     for t in local:
         buckets.setdefault((t.device, t.dtype), []).append(t)
     for bucket in buckets.values():
-        norms = torch.stack(torch._foreach_norm(bucket, float("inf"))).float()
+        norms = torch.stack(foreach_norm(bucket, float("inf"))).float()
         bad = (~torch.isfinite(norms)).any().float()
         flag = torch.maximum(flag, bad.to(device))
     if distributed:

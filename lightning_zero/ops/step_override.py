@@ -43,6 +43,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from lightning_zero.torch_compat import flag_scheduler_step_wrapper, is_scheduler_step_wrapper, record_optimizer_step
+
 _MARKER = "_lightning_zero_override"          # on a generated class: the override's marker
 _BASE = "_lightning_zero_override_base"       # the class it derives from
 _REPLACED = "_lightning_zero_override_saved"  # the scheduler wrapper found on the instance (or None)
@@ -64,7 +66,7 @@ def _scheduler_step(optimizer: torch.optim.Optimizer, func: Optional[Callable] =
 
     def step(*args, **kwargs):
         opt = ref()
-        opt._opt_called = True
+        record_optimizer_step(opt)
         target = type(opt).step if func is None else func
         return target(opt, *args, **kwargs)
 
@@ -72,7 +74,7 @@ def _scheduler_step(optimizer: torch.optim.Optimizer, func: Optional[Callable] =
         setattr(step, _TRACKS, ref)
     else:
         step = functools.wraps(func)(step)  # its __wrapped__ names the step it calls (see restore_step_override)
-    step._wrapped_by_lr_sched = True
+    flag_scheduler_step_wrapper(step)
     return step
 
 
@@ -109,7 +111,7 @@ def override_step(optimizer: torch.optim.Optimizer, step_fn: StepFn, *, marker: 
     instance_step = optimizer.__dict__.get("step")
     saved = None
     if instance_step is not None and not _is_tracking(instance_step, optimizer):
-        if not getattr(instance_step, "_wrapped_by_lr_sched", False):
+        if not is_scheduler_step_wrapper(instance_step):
             raise RuntimeError(f"this optimizer's step was replaced on the instance (optimizer.step = "
                                f"{instance_step!r}), not by an LR scheduler: the {marker!r} step override cannot run "
                                "through it. Remove the instance attribute (del optimizer.step) first.")
@@ -149,7 +151,7 @@ def restore_step_override(optimizer: torch.optim.Optimizer, marker: str) -> bool
     if _is_tracking(instance_step, optimizer):
         if saved is not None:  # this override installed it; else an override still below did, and it stays
             optimizer.step = saved
-    elif getattr(instance_step, "_wrapped_by_lr_sched", False) and \
+    elif is_scheduler_step_wrapper(instance_step) and \
             getattr(instance_step, "__wrapped__", None) is cls.__dict__["step"]:
         optimizer.step = _scheduler_step(optimizer, base_cls.step)  # a scheduler built while overridden
     return True

@@ -37,6 +37,7 @@ from lightning_zero.distributed.cpu_tuning import tune_stage_modules
 from lightning_zero.distributed.group_timeout import package_group_timeout
 from lightning_zero.pipeline.module import PipelineModule
 from lightning_zero.pipeline.specs import TiedLayerSpec, get_parameter
+from lightning_zero.torch_compat import lower_forward_actions, set_stage_warmup_ops, stage_warmup_ops
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
@@ -287,10 +288,10 @@ def _no_self_warmup(stage: PipelineStage) -> PipelineStage:
     one rank pass activations in memory): dropping them in matched pairs (each self-send has its self-receive on the
     neighbour stage) leaves every other message as it was. A stage without the method (a later torch) is left alone.
     """
-    original = getattr(stage, "_get_init_p2p_neighbors_ops", None)
+    original = stage_warmup_ops(stage)
     if original is not None:
         me = dist.get_rank()
-        stage._get_init_p2p_neighbors_ops = lambda: [op for op in original() if op.peer != me]
+        set_stage_warmup_ops(stage, lambda: [op for op in original() if op.peer != me])
     return stage
 
 
@@ -304,15 +305,10 @@ def _forward_only_zbv(stage_modules, local_stages, num_stages, device, group, m,
     micro-batch has a backward). Dropping backward actions only removes dependencies, so the forward order stays
     deadlock-free. Private API: ``tests/pipeline/test_pipeline_parity.py`` runs ZBV eval to catch a torch change.
     """
-    from torch.distributed.pipelining.schedules import _add_send_recv, _ComputationType
-
     stages = [_no_self_warmup(PipelineStage(sm, s, num_stages, device, group=group))
               for sm, s in zip(stage_modules, local_stages)]
     schedule = ScheduleZBVZeroBubble(stages, n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
-    forward_only = {rank: [a for a in actions if a is not None and a.computation_type == _ComputationType.FORWARD]
-                    for rank, actions in schedule.pipeline_order.items()}
-    schedule.pipeline_order_with_comms = _add_send_recv(
-        forward_only, stage_to_rank=lambda s: schedule.stage_index_to_group_rank[s], num_stages=num_stages)
+    schedule.pipeline_order_with_comms = lower_forward_actions(schedule, num_stages)
     return schedule
 
 

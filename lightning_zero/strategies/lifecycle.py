@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import torch
+from lightning_zero.torch_compat import privateuse1_backend_name
 
 
 def holds_sharded_parameters(module) -> bool:
@@ -96,7 +96,7 @@ def check_trainer_before_process_group(trainer, device, stage: int, layer_sync) 
     if trainer is None or trainer.state.fn != TrainerFn.FITTING:  # both only act while fitting
         return
     if isinstance(layer_sync, TorchSyncBatchNorm) and \
-            device.type not in (*_SYNC_BATCHNORM_DEVICES, torch._C._get_privateuse1_backend_name()):
+            device.type not in (*_SYNC_BATCHNORM_DEVICES, privateuse1_backend_name()):
         raise ValueError(
             f"Trainer(sync_batchnorm=True) turns BatchNorm layers into torch.nn.SyncBatchNorm, which torch runs only "
             f"on {'/'.join(_SYNC_BATCHNORM_DEVICES)} devices, but this run computes on {device.type!r}. Train on a "

@@ -1,4 +1,4 @@
-"""The package's layout (``docs/architecture.md``), checked on the source with ``ast``; nothing is executed, and
+"""The package's layout (``docs/architecture.md``), checked on the source with ``ast``; nothing of it is executed, and
 imports inside functions and under ``TYPE_CHECKING`` count like any other:
 
 * no import circle between modules (a package's ``__init__.py`` is a module too);
@@ -10,6 +10,12 @@ imports inside functions and under ``TYPE_CHECKING`` count like any other:
   a convention asks several modules to define), and imported wherever else it is used;
 * a ``[Note: ...]`` states an invariant and its reason: the figures measured for it live in ``docs/``, where the
   Note points (``NOTE_FIGURES``: the few figures that are invariants themselves).
+* no module outside ``torch_compat/`` names a private torch module or attribute (``_``-prefixed, dunders aside):
+  not in an import (``from torch.x import _y``, ``import torch.x._y``), not in an attribute chain rooted at a name
+  bound by a torch import (``torch._foreach_mul_``, ``dist.distributed_c10d._get_default_store``), not as a
+  ``getattr``-family string on such a chain, and not as one of the private attributes of the torch objects the
+  package handles (``TORCH_PRIVATE_ATTRIBUTES``: a DTensor's ``_local_tensor``, an ``FSDPParam``'s
+  ``_sharded_param_data``, a module's ``_forward_hooks``, ...) on any object but ``self``/``cls``/``super()``.
 """
 
 from __future__ import annotations
@@ -23,8 +29,9 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "lightning_zero"
 
-# What each part of the package may import of the others: the layers of docs/architecture.md, lowest first. A
-# top-level module is its own part ("torch_compat"); "TOP" is the package's face (``__init__.py``, ``__main__.py``).
+# What each part of the package may import of the others: the layers of docs/architecture.md, lowest first. Each
+# folder is a part ("torch_compat" is the folder of torch internals); "TOP" is the package's face (``__init__.py``,
+# ``__main__.py``).
 CORE = {
     "torch_compat": set(),
     "diagnostics": {"torch_compat"},
@@ -407,3 +414,145 @@ def test_a_cycle_is_found_even_through_an_import_inside_a_function(tmp_path):
     (root / "distributed" / "b.py").write_text("def g():\n    from lightning_zero.distributed import a\n")
     (root / "distributed" / "c.py").write_text("import lightning_zero.distributed.a\n")
     assert import_cycles(import_graph(root)) == [["lightning_zero.distributed.a", "lightning_zero.distributed.b"]]
+
+
+# Private attributes of the torch objects the package handles that live on instances (set in ``__init__`` or by
+# C++), so no ``dir()`` of a class lists them; the private names on a tensor, a storage, a module and an optimizer
+# are added from live objects below. ``reducer`` is DDP's C++ reducer: unprefixed, but internal all the same.
+TORCH_INSTANCE_ATTRIBUTES = frozenset({
+    "_local_tensor", "_spec",  # DTensor
+    "_get_fsdp_state", "_fsdp_param_group", "_fsdp_param_groups", "_training_state", "_pre_forward", "_post_forward",
+    "_post_forward_hook_handle", "_sharded_param_data", "_unsharded_param", "_all_gather_result",
+    "_module_info",  # FSDP2's FSDPModule, FSDPState, FSDPParamGroup, FSDPParam
+    "reducer", "_rebuild_buckets", "_has_rebuilt_buckets",  # DDP
+    "_module_classes",  # ModuleWrapPolicy
+    "_schema",  # OpOverload
+    "_get_init_p2p_neighbors_ops",  # PipelineStage
+    "_wrapped_by_lr_sched", "_opt_called",  # LRScheduler's step wrapper and its record on the optimizer
+})
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _torch_private_attributes() -> frozenset:
+    import torch
+    from torch import nn
+
+    parameter = nn.Parameter(torch.zeros(1))
+    live = (parameter, parameter.untyped_storage(), nn.Linear(1, 1), torch.optim.SGD([parameter], lr=0.1))
+    return TORCH_INSTANCE_ATTRIBUTES | {name for obj in live for name in dir(obj) if _private(name)}
+
+
+TORCH_PRIVATE_ATTRIBUTES = _torch_private_attributes()
+GETATTR_FAMILY = ("getattr", "hasattr", "setattr", "delattr")
+
+
+def _torch_names(tree: ast.AST) -> tuple[set[str], list[tuple[int, str]]]:
+    """The names a torch import binds in ``tree`` (``import torch.x as y``: ``y``; ``from torch.x import z``:
+    ``z``), and ``(line, text)`` for each of those imports that names a private module or object."""
+    names, found = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if _within(alias.name, ("torch",)):
+                    names.add(alias.asname or "torch")
+                    if any(_private(part) for part in alias.name.split(".")):
+                        found.append((node.lineno, f"import {alias.name}"))
+        elif isinstance(node, ast.ImportFrom) and not node.level and _within(node.module or "", ("torch",)):
+            for alias in node.names:
+                names.add(alias.asname or alias.name)
+                if any(_private(part) for part in [*node.module.split("."), alias.name]):
+                    found.append((node.lineno, f"from {node.module} import {alias.name}"))
+    return names, found
+
+
+def _root(node: ast.AST) -> ast.AST:
+    while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node
+
+
+def _own(node: ast.AST) -> bool:
+    """Whether ``node`` (an attribute's receiver) is the object's own class speaking: ``self``, ``cls``, ``super()``."""
+    if isinstance(node, ast.Call):
+        return isinstance(node.func, ast.Name) and node.func.id == "super"
+    return isinstance(node, ast.Name) and node.id in ("self", "cls")
+
+
+def private_torch_uses(source: str) -> list[tuple[int, str]]:
+    """``(line, text)`` for each place ``source`` names a private torch module or attribute (the last rule of the
+    module docstring)."""
+    tree = ast.parse(source)
+    roots, found = _torch_names(tree)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            rooted = isinstance(_root(node), ast.Name) and _root(node).id in roots
+            if rooted or (node.attr in TORCH_PRIVATE_ATTRIBUTES and not _own(node.value)):
+                found.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.Attribute) and node.attr in TORCH_INSTANCE_ATTRIBUTES and not _own(node.value):
+            found.append((node.lineno, ast.unparse(node)))  # unprefixed internals (DDP's reducer)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in GETATTR_FAMILY
+              and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
+              and isinstance(node.args[1].value, str) and _private(node.args[1].value)):
+            rooted = isinstance(_root(node.args[0]), ast.Name) and _root(node.args[0]).id in roots
+            if rooted or (node.args[1].value in TORCH_PRIVATE_ATTRIBUTES and not _own(node.args[0])):
+                found.append((node.lineno, ast.unparse(node)))
+    return sorted(set(found))
+
+
+def private_torch_violations(root: Path = PACKAGE) -> list[str]:
+    """``"file:line: text"`` for every private torch name used under ``root`` outside ``torch_compat``."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        relative = path.relative_to(root).as_posix()
+        if relative.split("/")[0] in ("torch_compat", "torch_compat.py"):
+            continue
+        found.extend(f"{relative}:{line}: {text}" for line, text in private_torch_uses(path.read_text()))
+    return found
+
+
+def test_private_torch_names_live_in_torch_compat():
+    found = private_torch_violations()
+    assert found == [], "name each through lightning_zero.torch_compat (with why and a test): " + "; ".join(found)
+
+
+@pytest.mark.parametrize("source", [
+    "from torch.utils._pytree import tree_flatten",
+    "from torch.distributed.fsdp import _fully_shard",
+    "import torch.distributed.checkpoint._nested_dict",
+    "import torch\ntorch._foreach_mul_([], 2.0)",
+    "import torch\nf = torch._utils._rebuild_tensor_v2",
+    "import torch.distributed as dist\ndist.distributed_c10d._get_default_store()",
+    "from torch import serialization\nserialization._open_zipfile_writer('x')",
+    "import torch\ngetattr(torch.storage, '_dtype_to_storage_type_map')",
+    "def f(param):\n    return param._local_tensor",
+    "def f(module):\n    return module._get_fsdp_state()",
+    "def f(fsdp_param):\n    return getattr(fsdp_param, '_sharded_param_data', None)",
+    "def f(module):\n    return module._forward_hooks",
+    "def f(tensor):\n    return tensor._version",
+    "def f(ddp):\n    ddp.reducer.prepare_for_backward([])",
+])
+def test_each_private_torch_spelling_is_caught(source):
+    assert len(private_torch_uses(source)) >= 1, source
+
+
+@pytest.mark.parametrize("source", [
+    "import torch\ntorch.distributed.checkpoint.save",
+    "import torch\nx = torch.zeros(1).__class__",
+    "class A:\n    def f(self):\n        return self._local_tensor, super()._apply(None)",
+    "def f(trainer):\n    return trainer._checkpoint_connector",  # Lightning's, not torch's
+    "import os\nos._exit(0)",
+])
+def test_public_and_non_torch_names_pass(source):
+    assert private_torch_uses(source) == []
+
+
+def test_private_torch_names_are_allowed_inside_torch_compat(tmp_path):
+    root = tmp_path / "lightning_zero"
+    (root / "torch_compat").mkdir(parents=True)
+    (root / "ops").mkdir()
+    (root / "torch_compat" / "ops.py").write_text("import torch\nforeach_mul_ = torch._foreach_mul_\n")
+    (root / "ops" / "adam.py").write_text("import torch\ntorch._foreach_mul_([], 2.0)\n")
+    assert private_torch_violations(root) == ["ops/adam.py:2: torch._foreach_mul_"]

@@ -44,7 +44,7 @@ def _params(count=6):
 @pytest.mark.parametrize("bias_correction", [True, False])
 def test_fused_adam_foreach_step_reads_the_step_counts_once(monkeypatch, host_reads, bias_correction):
     # no fused kernel for any device: the hand-written foreach path runs, bias correction on or off
-    monkeypatch.setattr(fused_adam, "_get_fused_kernels_supported_devices", lambda: [])
+    monkeypatch.setattr(fused_adam, "fused_kernel_devices", lambda: [])
     params = _params()
     opt = FusedAdam(params, lr=1e-2, bias_correction=bias_correction)
     opt.step()
@@ -56,7 +56,7 @@ def test_fused_adam_foreach_step_reads_the_step_counts_once(monkeypatch, host_re
 
 def test_fused_adam_foreach_step_counts_stay_per_parameter(monkeypatch):
     """One read for all step counts still gives each parameter its own count (one skipped a step)."""
-    monkeypatch.setattr(fused_adam, "_get_fused_kernels_supported_devices", lambda: [])
+    monkeypatch.setattr(fused_adam, "fused_kernel_devices", lambda: [])
     params = _params(2)
     reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
     opt = FusedAdam(params, lr=1e-2)
