@@ -73,13 +73,16 @@ def _block(
     control.add(CONTROL + "ready", 1)
     start = float(control.get(CONTROL + "start"))  # waits until the coordinator publishes it
     hang_at = start + steady
-    step = 0
-    while (now := time.monotonic()) < hang_at:  # every rank steps; its progress changes between polls
-        step += 1
+    steps = max(1, int(steady / step_s))
+    for step in range(1, steps + 1):  # every rank steps; its progress changes between polls
+        # A fixed number of steps, each at its time: a block starved of CPU steps late, never fewer times, so
+        # every rank reaches the hang with the same progress count.
+        time.sleep(max(0.0, start + (step - 1) * step_s - time.monotonic()))
         for dog in dogs:
             dog.arm(f"training_step {step}")
             dog.beat(f"training_step {step}: backward")
-        time.sleep(max(0.0, min(step_s, hang_at - now)))
+    time.sleep(max(0.0, hang_at - time.monotonic()))
+    step = steps
     victim = world - 1
     watchdog.faulthandler = types.SimpleNamespace(dump_traceback=lambda **kwargs: None)  # (README: many ranks)
     real_stderr, sys.stderr = sys.stderr, io.StringIO()

@@ -5,7 +5,8 @@ are an integer increment and a string assignment, no I/O); the thread publishes 
 c10d store and checks two things every ``poll_interval``:
 
 * has *this* rank been inside an armed region (a training step, a validation batch, a checkpoint save or load,
-  teardown) longer than ``timeout``? Then it reads every rank's published progress, names the ranks that are
+  teardown) longer than ``timeout``? Then the first rank to get there (``[Note: one rank diagnoses for the world]``)
+  reads every rank's published progress, names the ranks that are
   behind the furthest rank (they never reached the point the others wait at) or, when every rank reached the same
   point, the ranks whose training thread is *not* waiting inside a collective (the others wait for them), and
   raises the job-wide abort flag with that message;
@@ -278,14 +279,14 @@ class HangWatchdog:
 
         [Note: one rank diagnoses for the world]
         A diagnosis reads every rank's keys (about 60 bytes a rank) and, in a hang, every rank times out within a
-        poll of the others: if each diagnosed, the store's host would serve N reads of N ranks' keys at once, N²
-        in all (120 MB at 1,024 ranks), while the ranks' own polls queue behind them. Measured with 1,024 ranks on
-        8 processes (``docs/scale.md``), that left the host answering no poll for longer than the watchdog's "store
-        unreachable" limit, and every rank blamed the store. Only the first rank past its timeout (the first
-        ``add`` of a shared counter) diagnoses; its verdict is the one every rank prints anyway (the first detector
-        writes it). The others keep polling, and read the verdict from the abort flag. A diagnoser that dies before
-        writing it (frozen, cut off) must not leave the job hanging: a rank still without a verdict ``timeout`` +
-        the heartbeat probe after it deferred diagnoses itself, as every rank did before."""
+        poll of the others: if each diagnosed, the store's host would serve N reads of N ranks' keys at once, N² in
+        all (120 MB at 1,024 ranks), while the ranks' own polls queue behind them. At 1,024 ranks the polls went
+        unanswered past the "store unreachable" limit and every rank blamed the store (``docs/scale.md``). Only the
+        first rank past its timeout (the first ``add`` of a shared counter) diagnoses; its verdict is the one every
+        rank prints anyway (the first detector writes it). The others keep polling, and read the verdict from the
+        abort flag. A diagnoser that dies before writing it (frozen, cut off) must not leave the job hanging: a rank
+        still without a verdict ``timeout`` + the heartbeat probe after it deferred diagnoses itself, as if it had
+        been first."""
         now = time.monotonic()
         if self._deferred_since is None:
             if self.store.add(_DIAGNOSING_KEY, 1) == 1:
