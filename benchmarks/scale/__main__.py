@@ -6,9 +6,9 @@ import argparse
 import json
 import time
 
-from . import agreements, sockets, watchdog_sim
+from . import agreements, save_verdicts, sockets, watchdog_sim
 
-PARTS = ("watchdog", "agreements", "sockets")
+PARTS = ("watchdog", "agreements", "sockets", "save_verdicts")
 
 
 def _table(title: str, rows: list[dict]) -> None:
@@ -41,6 +41,13 @@ def main(argv=None) -> None:
         default=[2, 4, 8],
         help="local processes for the gloo socket count (real process groups)",
     )
+    parser.add_argument(
+        "--verdict-ranks",
+        type=int,
+        nargs="+",
+        default=[2, 4, 8],
+        help="local processes for a save's verdicts (real gloo default group)",
+    )
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
     results: dict[str, list] = {}
@@ -57,6 +64,12 @@ def main(argv=None) -> None:
     if "sockets" in args.parts:
         results["sockets"] = [sockets.run(n) for n in args.socket_ranks]
         _table("gloo sockets and threads per rank", results["sockets"])
+    if "save_verdicts" in args.parts:
+        results["save_verdicts"] = [save_verdicts.run(n) for n in args.verdict_ranks]
+        title = "a save's verdicts: separate gloo group (before) and the default group's gloo (now)"
+        _table(title, results["save_verdicts"])
+        results["verdict_bytes"] = [{"ranks": n, **save_verdicts.payload_bytes(n)} for n in args.ranks]
+        _table("bytes one rank receives in a save's verdicts", results["verdict_bytes"])
     print(f"\n(total {time.monotonic() - begin:.0f} s)")
     if args.json:
         with open(args.json, "w") as handle:

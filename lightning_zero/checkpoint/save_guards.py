@@ -12,8 +12,8 @@ Before writing, every rank of the save:
 3. rank 0 checks that the path may be replaced (see ``[Note: atomic saves]`` in
    :mod:`lightning_zero.checkpoint.atomic`), prepares the partial directory and writes ``meta.pt``.
 
-Every verdict is all-gathered on a side gloo group, so all ranks raise the same :class:`CheckpointSaveError` (no
-rank is left waiting in a collective) before any shard is written.
+Every verdict is all-gathered over gloo (:func:`control_group`), so all ranks raise the same
+:class:`CheckpointSaveError` (no rank is left waiting in a collective) before any shard is written.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from lightning_zero.checkpoint.atomic import (
     why_not_replaceable,
 )
 from lightning_zero.distributed.group_timeout import package_group_timeout
+from lightning_zero.torch_compat import backend_serving
 
 _CONTROL_GROUPS: Dict[Any, dist.ProcessGroup] = {}
 SLACK_PER_RANK = 64 << 10  # DCP's per-file headers, .metadata, zero.json, meta.pt: small next to any model
@@ -49,11 +50,30 @@ def _distributed() -> bool:
 
 
 def control_group(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
-    """A gloo group over the ranks of ``group`` for the save's small CPU-side agreements.
+    """The group that carries the save's small CPU-side agreements over the ranks of ``group`` (the world when
+    ``None``): ``group`` itself (the default group for ``None``) when gloo serves its CPU tensors, else a gloo group
+    over its ranks, made once.
 
-    Why a separate gloo group: the verdicts are Python objects, which gloo exchanges on CPU whatever backend training
-    uses, and keeping them off the training communicator avoids interleaving with DCP's own collectives.
+    [Note: the control plane rides the training group's gloo]
+    The verdicts, broadcasts and the preemption flag are Python objects or CPU tensors. On the package's default
+    group (``"cpu:gloo,cuda:nccl"`` on CUDA, ``"gloo"`` on CPU: ``adapters/process_group.py``) torch already carries
+    them over gloo: ``all_gather_object``/``broadcast_object_list`` take the CPU device whenever a group serves
+    ``cpu`` (``torch/distributed/distributed_c10d.py``, ``_get_object_coll_device``), so nothing is pickled through
+    a CUDA tensor. A separate world-sized gloo group would connect a second full mesh (gloo's
+    ``ProcessGroupGloo::ProcessGroupGloo`` calls ``connectFullMesh`` per context,
+    ``torch/csrc/distributed/c10d/ProcessGroupGloo.cpp``): N sockets and 3 threads more per rank
+    (``docs/scale.md``). Sharing is safe because every user issues its collectives from the training thread in the
+    same order on every rank; preemption's flag, an ``async_op`` all-reduce still in flight while the step issues
+    its own CPU collectives, is matched with its peers by the tag gloo draws per collective in issue order
+    (``ProcessGroupGloo::nextTag``), not by arrival. DCP's asynchronous save, whose collectives run on another
+    thread, keeps a group of its own (``checkpoint/io.py``). Only a group without a gloo CPU backend (``"nccl"``
+    alone) still gets a separate gloo group.
     """
+    if not _distributed():
+        return None
+    served = group if group is not None else dist.group.WORLD
+    if backend_serving("cpu", served) == "gloo":
+        return served
     return cached_gloo_group(_CONTROL_GROUPS, group)
 
 
@@ -106,9 +126,9 @@ def all_gather(value: Any, group: Optional[dist.ProcessGroup]) -> List[Any]:
 
 
 def broadcast_object(value: Any, src: int = 0) -> Any:
-    """Rank ``src``'s ``value`` on every rank (``value`` itself without a process group), over the world's gloo
-    control group: on NCCL, ``broadcast_object_list`` on the training group pickles through a CUDA tensor and
-    synchronises the device. Both adapters' ``broadcast`` (checkpoint paths, resume decisions) go through here."""
+    """Rank ``src``'s ``value`` on every rank (``value`` itself without a process group), over gloo
+    (:func:`control_group`): on an NCCL-only group, ``broadcast_object_list`` would pickle through a CUDA tensor and
+    synchronise the device. Both adapters' ``broadcast`` (checkpoint paths, resume decisions) go through here."""
     group = control_group(None)
     if group is None:
         return value

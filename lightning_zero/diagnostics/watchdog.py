@@ -5,7 +5,8 @@ are an integer increment and a string assignment, no I/O); the thread publishes 
 c10d store and checks two things every ``poll_interval``:
 
 * has *this* rank been inside an armed region (a training step, a validation batch, a checkpoint save or load,
-  teardown) longer than ``timeout``? Then it reads every rank's published progress, names the ranks that are
+  teardown) longer than ``timeout``? Then the first rank to get there (``[Note: one rank diagnoses for the world]``)
+  reads every rank's published progress, names the ranks that are
   behind the furthest rank (they never reached the point the others wait at) or, when every rank reached the same
   point, the ranks whose training thread is *not* waiting inside a collective (the others wait for them), and
   raises the job-wide abort flag with that message;
@@ -53,6 +54,7 @@ from lightning_zero.torch_compat import default_store
 HANG_EXIT_CODE = 124
 _ABORT_KEY = "abort"
 _DETECTED_KEY = "detected"
+_DIAGNOSING_KEY = "diagnosing"
 _ACK_KEY = "acks"
 _LEFT = 1 << 62  # the progress a rank publishes when its watchdog stops
 _COLLECTIVE_DIR = os.sep.join(("torch", "distributed", ""))
@@ -191,6 +193,7 @@ class HangWatchdog:
         self._probe = max(3 * self.poll_interval, 2.0)  # how long a stopped heartbeat is watched before it is named
         self._store_answered = time.monotonic()  # when a store call last returned (see _watch_the_store)
         self._aborted = threading.Event()
+        self._deferred_since: Optional[float] = None  # when another rank was found diagnosing (_may_diagnose)
 
     # ----- training-thread side: no I/O -----
     def arm(self, label: str) -> None:
@@ -263,7 +266,7 @@ class HangWatchdog:
                     self._abort(self.store.get(_ABORT_KEY).decode())
                     return
                 armed_since = self._armed_since
-                if armed_since is not None and time.monotonic() - armed_since > self.timeout:
+                if armed_since is not None and time.monotonic() - armed_since > self.timeout and self._may_diagnose():
                     message = self._diagnose()
                     if self.store.add(_DETECTED_KEY, 1) == 1:  # the first detector writes the verdict
                         self.store.set(_ABORT_KEY, message)
@@ -271,6 +274,26 @@ class HangWatchdog:
                 if self._armed_since is not None and time.monotonic() - self._armed_since > self.timeout:
                     self._abort(self._store_lost(f"{type(err).__name__}: {err}"), wait_for_others=False)
                     return
+
+    def _may_diagnose(self) -> bool:
+        """Whether this rank, past its timeout, diagnoses now.
+
+        [Note: one rank diagnoses for the world]
+        A diagnosis reads every rank's keys (about 60 bytes a rank) and, in a hang, every rank times out within a
+        poll of the others: if each diagnosed, the store's host would serve N reads of N ranks' keys at once, N² in
+        all (120 MB at 1,024 ranks), while the ranks' own polls queue behind them. At 1,024 ranks the polls went
+        unanswered past the "store unreachable" limit and every rank blamed the store (``docs/scale.md``). Only the
+        first rank past its timeout (the first ``add`` of a shared counter) diagnoses; its verdict is the one every
+        rank prints anyway (the first detector writes it). The others keep polling, and read the verdict from the
+        abort flag. A diagnoser that dies before writing it (frozen, cut off) must not leave the job hanging: a rank
+        still without a verdict ``timeout`` + the heartbeat probe after it deferred diagnoses itself, as if it had
+        been first."""
+        now = time.monotonic()
+        if self._deferred_since is None:
+            if self.store.add(_DIAGNOSING_KEY, 1) == 1:
+                return True
+            self._deferred_since = now
+        return now - self._deferred_since > self.timeout + self._probe
 
     def _publish(self, published: Optional[tuple[int, str]]) -> tuple[int, str]:
         """One poll's writes: what changed of this rank's keys (its identity once, its progress, where its training

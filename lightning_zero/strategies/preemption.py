@@ -33,14 +33,14 @@ Lightning's method back.
 [Note: agreeing without a per-step sync]
 The agreement runs on every training batch, so it must cost nothing a step notices. A blocking ``all_reduce`` plus
 ``.item()`` on the training device stalls the host on every step (on NCCL, ``.item()`` waits for all queued GPU work).
-Instead the flag is a CPU tensor all-reduced on the gloo control group of :mod:`lightning_zero.checkpoint.save_guards`
-(never the training communicator) with ``async_op=True``, started in ``on_train_batch_start`` and waited in
-``on_train_batch_end``: gloo runs it on its own thread while the step computes, so the wait finds it done. Every rank
-starts and waits the same operations in the same batches, so every rank reads the same value and saves at the same
-step. A signal that arrives after a batch started is in the reduce started by the next batch, so it is acted on one
-step later than a blocking check would: at most one step. (A c10d store key was the other candidate: reading it is a
-round trip to the store on every step, and a rank can read it just before another rank sets it, so ranks would not
-agree on the step.)
+Instead the flag is a CPU tensor all-reduced over gloo (``control_group`` of
+:mod:`lightning_zero.checkpoint.save_guards`: the default group's gloo backend, never NCCL) with ``async_op=True``,
+started in ``on_train_batch_start`` and waited in ``on_train_batch_end``: gloo runs it on its own thread while the step
+computes, so the wait finds it done. Every rank starts and waits the same operations in the same batches, so every rank
+reads the same value and saves at the same step. A signal that arrives after a batch started is in the reduce started by
+the next batch, so it is acted on one step later than a blocking check would: at most one step. (A c10d store key was
+the other candidate: reading it is a round trip to the store on every step, and a rank can read it just before another
+rank sets it, so ranks would not agree on the step.)
 
 [Note: a notice after the last step]
 A signal that arrives during the last batch (or after it, before the fit ends) is in no batch's agreement. Left

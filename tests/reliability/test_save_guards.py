@@ -204,10 +204,15 @@ def test_a_failed_async_save_raises_on_every_rank_without_hanging(tmp_path):
 def _control_group_timeout_worker(rank, world_size):
     from datetime import timedelta
 
+    from lightning_zero.checkpoint import save_guards
     from lightning_zero.checkpoint.save_guards import control_group
     from lightning_zero.distributed.group_timeout import set_package_group_timeout
 
     set_package_group_timeout(timedelta(seconds=2))  # what start_process_group records from ZeroStrategy(timeout=)
+    # The default group serves CPU tensors here, so the control group would be that group (whose timeout is the
+    # user's by construction); a world without a gloo CPU backend (NCCL alone) is where a group of the package's own
+    # is made, and that one must take the user's timeout.
+    save_guards.backend_serving = lambda device_type, group=None: None
     try:
         group = control_group(None)
         if rank == 0:  # rank 1 never joins: the agreement must fail after the user's timeout, not torch's 30 minutes
@@ -227,6 +232,46 @@ def test_the_packages_own_groups_take_the_users_timeout():
     # With ZeroStrategy(timeout=30 s) and a rank hung in training_step, teardown waited for pending saves
     # on the save control group, created with torch's 30-minute default, until the hang watchdog ended the job.
     run_distributed(_control_group_timeout_worker, 2)
+
+
+def _sockets() -> int:
+    names = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            names.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # (the directory's own descriptor, closed by now)
+            pass
+    return sum(name.startswith("socket:") for name in names)
+
+
+def _no_extra_group_worker(rank, world_size, root):
+    from lightning_zero.checkpoint.save_guards import broadcast_object, control_group
+
+    made = []
+    original = dist.new_group
+
+    def counting(*args, **kwargs):
+        made.append(kwargs.get("backend"))
+        return original(*args, **kwargs)
+
+    dist.new_group = counting
+    before = _sockets()
+    try:
+        path = os.path.join(root, "run.ckpt")
+        save_sharded_checkpoint(path, tiny(1.0), META)
+        assert broadcast_object(f"from rank {rank}", src=1) == "from rank 1"
+        assert value_at(path) == 1.0
+        group = control_group(None)
+    finally:
+        dist.new_group = original
+    # A save's verdicts, a broadcast and a load ride the default group's gloo: a second world-sized gloo group would
+    # connect another full mesh, N sockets and 3 threads more on every rank.
+    assert made == [] and group is dist.group.WORLD, made
+    assert _sockets() == before, (before, _sockets())
+
+
+def test_a_save_connects_no_second_gloo_mesh(tmp_path):
+    run_distributed(_no_extra_group_worker, 2, str(tmp_path))
 
 
 def test_probes_of_killed_saves_are_removed_by_later_saves(tmp_path):

@@ -162,3 +162,50 @@ def test_the_verdict_names_ranks_in_the_same_state_together():
         assert f"rank {world_size - 1}: training_step 1: forward at" in progress, progress
         lengths.append(len(progress))
     assert lengths[0] == lengths[1] - 2 * (len("62") - len("2")), lengths  # only the numbers got longer
+
+
+def _hang_in_one_process(world_size: int, store: dist.Store) -> tuple[dict, list[CountingStore], list[HangWatchdog]]:
+    """``world_size`` watchdogs on one store; the last rank stops before the collective the others wait in."""
+    exits: dict[int, int] = {}
+    clients = [CountingStore(store) for _ in range(world_size)]
+    dogs = [
+        HangWatchdog(client, rank, world_size, timeout=0.5, poll_interval=0.05, grace=5.0,
+                     on_exit=lambda code, r=rank: exits.setdefault(r, code))
+        for rank, client in enumerate(clients)
+    ]
+    for dog in dogs:
+        dog.arm("training_step 1")
+        dog.start()
+    for dog in dogs[:-1]:
+        dog.beat("training_step 1: all_reduce")
+    deadline = time.monotonic() + 30
+    while len(exits) < world_size and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for dog in dogs:
+        dog.stop()
+    return exits, clients, dogs
+
+
+def _read_every_rank(client: CountingStore, world_size: int) -> bool:
+    return any(name == "multi_get" and len(keys) >= world_size for name, keys in client.calls)
+
+
+def test_one_rank_diagnoses_a_hang_for_the_world():
+    # Every rank times out within a poll of the others; when each diagnosed, the store's host served every rank's
+    # read of every rank's keys at once (N² at 1,024 ranks), and the polls queued behind them went unanswered.
+    world_size = 8
+    exits, clients, dogs = _hang_in_one_process(world_size, dist.HashStore())
+    assert len(exits) == world_size, exits
+    assert all(f"never arrived: [{world_size - 1}]" in (dog.hang_message or "") for dog in dogs)
+    readers = [rank for rank, client in enumerate(clients) if _read_every_rank(client, world_size)]
+    assert len(readers) == 1, readers
+
+
+def test_a_rank_diagnoses_itself_when_the_diagnosing_rank_never_answers():
+    # the rank that took the diagnosis died before writing its verdict: the others must not wait forever
+    store = dist.HashStore()
+    store.add("diagnosing", 1)
+    world_size = 4
+    exits, clients, dogs = _hang_in_one_process(world_size, store)
+    assert len(exits) == world_size, exits
+    assert all(f"never arrived: [{world_size - 1}]" in (dog.hang_message or "") for dog in dogs)
