@@ -279,10 +279,10 @@ class HangWatchdog:
         """Whether this rank, past its timeout, diagnoses now.
 
         [Note: one rank diagnoses for the world]
-        A diagnosis reads every rank's keys (about 60 bytes a rank) and, in a hang, every rank times out within a
-        poll of the others: if each diagnosed, the store's host would serve N reads of N ranks' keys at once, N² in
-        all (120 MB at 1,024 ranks), while the ranks' own polls queue behind them. At 1,024 ranks the polls went
-        unanswered past the "store unreachable" limit and every rank blamed the store (``docs/scale.md``). Only the
+        A diagnosis reads every rank's keys and, in a hang, every rank times out within a poll of the others: if each
+        diagnosed, the store's host would serve N reads of N ranks' keys at once, N² in all, while the ranks' own
+        polls queue behind them past the "store unreachable" limit, and every rank would blame the store instead of
+        the stopped rank (the figures at 1,024 ranks: ``docs/scale.md``, "The hang watchdog"). Only the
         first rank past its timeout (the first ``add`` of a shared counter) diagnoses; its verdict is the one every
         rank prints anyway (the first detector writes it). The others keep polling, and read the verdict from the
         abort flag. A diagnoser that dies before writing it (frozen, cut off) must not leave the job hanging: a rank
