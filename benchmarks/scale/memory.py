@@ -78,6 +78,7 @@ class Held:
     optimizer_states: int
     how: str
     block_params: int = 0  # one decoder layer, the unit stage 3 gathers (and prefetches the next of)
+    parameter_sizes: tuple = ()  # the trainable parameters' element counts: stage 1 partitions them whole
 
     @property
     def total(self) -> int:
@@ -129,6 +130,7 @@ def measure(config, world_size: int, stage: int) -> Held:
         module = build(config)
         num_params = sum(p.numel() for p in module.parameters())
         block = sum(p.numel() for p in module.model.layers[0].parameters())
+        sizes = tuple(p.numel() for p in module.parameters() if p.requires_grad)
         zero = ZeroConfig(stage=stage)
         if stage >= 2:
             module = apply_zero(module, mesh, zero)
@@ -150,6 +152,7 @@ def measure(config, world_size: int, stage: int) -> Held:
             _bytes(states),
             how,
             block,
+            sizes,
         )
 
 
@@ -166,7 +169,12 @@ def row(name: str, world_size: int, stage: int) -> dict:
     begin = time.monotonic()
     held = measure(LlamaConfig(**SHAPES[name]), world_size, stage)
     estimate = estimate_memory(
-        held.num_params, stage, world_size, precision="bf16-mixed", largest_unit_params=held.block_params
+        held.num_params,
+        stage,
+        world_size,
+        precision="bf16-mixed",
+        largest_unit_params=held.block_params,
+        parameter_sizes=held.parameter_sizes,
     ).states
     formula = deepspeed_formula(held.num_params, stage, world_size)
     return {

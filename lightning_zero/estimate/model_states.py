@@ -37,7 +37,7 @@ group and replicated across the ``N / S`` groups: every ``/ N`` above becomes ``
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
@@ -189,9 +189,11 @@ def shard_ranks(world_size: int, hybrid_shard_size: Optional[int] = None) -> int
 
 def zero_formula(num_params: int, stage: int, world_size: int, *, precision: str = "32-true",
                  optimizer_bytes_fp32: int = 8, hybrid_shard_size: Optional[int] = None,
-                 swapped_masters: bool = False) -> StateBytes:
+                 swapped_masters: bool = False, stage1_heaviest: Optional[int] = None) -> StateBytes:
     """Bytes per rank at rest (between backward and step) for ``stage``; see the module table. ``swapped_masters``:
-    the optimizer's masters are swapped to NVMe (no bf16 replicas then: ``distributed/replicas.py``)."""
+    the optimizer's masters are swapped to NVMe (no bf16 replicas then: ``distributed/replicas.py``).
+    ``stage1_heaviest``: at stage 1, the parameters (elements) the most loaded rank steps, in place of the even
+    share ``P / N`` (:func:`stage1_heaviest_share`)."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
     _check_precision(precision)
@@ -204,7 +206,7 @@ def zero_formula(num_params: int, stage: int, world_size: int, *, precision: str
     if stage == 0:
         return StateBytes(p * bp, p * bg, p * k)
     if stage == 1:
-        return StateBytes(p * bp, p * bg, p * k // n)
+        return StateBytes(p * bp, p * bg, k * stage1_heaviest if stage1_heaviest is not None else p * k // n)
     return StateBytes(p * bp // n, p * bg // n, p * k // n)
 
 
@@ -235,7 +237,8 @@ def estimate_model_states_memory(model_or_num_params: Union[nn.Module, int], sta
                                  buffer_size: int = 100_000_000,
                                  hybrid_shard_size: Optional[int] = None,
                                  offload_optimizer: Optional[str] = None,
-                                 offload_params: Optional[str] = None) -> MemoryEstimate:
+                                 offload_params: Optional[str] = None,
+                                 parameter_sizes: Optional[Sequence[int]] = None) -> MemoryEstimate:
     """Estimate per-rank model-state memory, like DeepSpeed's ``estimate_zero{2,3}_model_states_mem_needs``.
 
     Args:
@@ -259,6 +262,8 @@ def estimate_model_states_memory(model_or_num_params: Union[nn.Module, int], sta
         largest_unit_params: parameters of the largest FSDP unit (stage-3 peak); inferred from a module.
         optimizer_bytes_fp32: fp32 optimizer-state bytes per parameter (Adam: 8, SGD with momentum: 4).
         hybrid_shard_size: HSDP shard-group size: states are partitioned over it instead of ``world_size``.
+        parameter_sizes: the element counts of the trainable parameters (one optimizer param group); read from a
+            module. At stage 1 the most loaded rank's share of these whole parameters replaces the even share.
     """
     from lightning_zero.distributed.config import ZeroConfig
 
@@ -271,9 +276,13 @@ def estimate_model_states_memory(model_or_num_params: Union[nn.Module, int], sta
     swaps_optimizer = _swaps_optimizer_states(offload, offload_optimizer)
     swaps_params = stage == 3 and (_is_nvme(offload) or _is_nvme(offload_params))
     num_params, largest_unit_params = _parameter_counts(model_or_num_params, largest_unit_params)
-    rest = zero_formula(num_params, stage, world_size, precision=precision, optimizer_bytes_fp32=optimizer_bytes_fp32,
-                        hybrid_shard_size=hybrid_shard_size, swapped_masters=swaps_optimizer)
     n, p = shard_ranks(world_size, hybrid_shard_size), num_params
+    if parameter_sizes is None and isinstance(model_or_num_params, nn.Module):
+        parameter_sizes = [q.numel() for q in model_or_num_params.parameters() if q.requires_grad]
+    heaviest = stage1_heaviest_share(parameter_sizes, n) if stage == 1 and parameter_sizes else None
+    rest = zero_formula(num_params, stage, world_size, precision=precision, optimizer_bytes_fp32=optimizer_bytes_fp32,
+                        hybrid_shard_size=hybrid_shard_size, swapped_masters=swaps_optimizer,
+                        stage1_heaviest=heaviest)
     accel, cpu = _offload_placement(rest, p, n, optimizer_bytes_fp32, offloads=config.offloads,
                                     offloads_params=config.offloads_params)
     # Stage 3 gathers one unit and prefetches the next; never more than the whole model.
@@ -311,6 +320,19 @@ def _swaps_optimizer_states(offload, offload_optimizer) -> bool:
     """The optimizer's states (and, with the parameters not offloaded, its masters) are swapped to NVMe. At stages
     0-1, where ``bf16-true`` would keep bf16 replicas, that is what ``replica_dtype``'s ``swapped_masters`` asks."""
     return _is_nvme(offload) or _is_nvme(offload_optimizer)
+
+
+def stage1_heaviest_share(parameter_sizes: Sequence[int], shard_ranks: int) -> int:
+    """The parameters (elements) the most loaded rank steps at stage 1, which partitions whole parameters, largest
+    first, each to the lightest rank (``distributed/optimizer.py``, :func:`partition_by_size`, the same assignment):
+    the even share ``P / N`` plus at most the largest parameter."""
+    from lightning_zero.distributed.optimizer import partition_by_size
+
+    sizes = list(parameter_sizes)
+    loads = [0] * shard_ranks
+    for size, owner in zip(sizes, partition_by_size(sizes, shard_ranks)):
+        loads[owner] += size
+    return max(loads)
 
 
 def _parameter_counts(model_or_num_params: Union[nn.Module, int], largest_unit_params: Optional[int]

@@ -94,3 +94,15 @@ def test_estimate_memory_takes_every_model_state_setting():
         offload = "nvme" if "buffer_count" in kwargs else None
         assert estimate_memory(10**6, 3, 4, offload, **kwargs).states == \
             estimate_model_states_memory(10**6, 3, 4, offload, **kwargs), kwargs
+
+
+def test_stage_1_estimate_of_a_module_is_the_heaviest_ranks_whole_parameters():
+    """Stage 1 steps whole parameters: with a 100-row embedding beside small layers, the rank holding the
+    embedding carries more than the even share, and a module's estimate says so (a bare count cannot)."""
+    model = nn.Sequential(nn.Embedding(100, 8), nn.Linear(8, 8), nn.Linear(8, 4))
+    p = sum(q.numel() for q in model.parameters())
+    by_module = estimate_model_states_memory(model, 1, 4)
+    by_count = estimate_model_states_memory(p, 1, 4)
+    assert by_count.accelerator.optimizer_states == 8 * p // 4
+    assert by_module.accelerator.optimizer_states == 8 * 800  # the embedding's rank steps it alone
+    assert by_module.accelerator.params == by_count.accelerator.params == 4 * p
