@@ -277,9 +277,7 @@ def estimate_model_states_memory(model_or_num_params: Union[nn.Module, int], sta
     swaps_params = stage == 3 and (_is_nvme(offload) or _is_nvme(offload_params))
     num_params, largest_unit_params = _parameter_counts(model_or_num_params, largest_unit_params)
     n, p = shard_ranks(world_size, hybrid_shard_size), num_params
-    if parameter_sizes is None and isinstance(model_or_num_params, nn.Module):
-        parameter_sizes = [q.numel() for q in model_or_num_params.parameters() if q.requires_grad]
-    heaviest = stage1_heaviest_share(parameter_sizes, n) if stage == 1 and parameter_sizes else None
+    heaviest = _stage1_heaviest(model_or_num_params, parameter_sizes, n) if stage == 1 else None
     rest = zero_formula(num_params, stage, world_size, precision=precision, optimizer_bytes_fp32=optimizer_bytes_fp32,
                         hybrid_shard_size=hybrid_shard_size, swapped_masters=swaps_optimizer,
                         stage1_heaviest=heaviest)
@@ -333,6 +331,14 @@ def stage1_heaviest_share(parameter_sizes: Sequence[int], shard_ranks: int) -> i
     for size, owner in zip(sizes, partition_by_size(sizes, shard_ranks)):
         loads[owner] += size
     return max(loads)
+
+
+def _stage1_heaviest(model_or_num_params, parameter_sizes: Optional[Sequence[int]], n: int) -> Optional[int]:
+    """:func:`stage1_heaviest_share` of the given sizes, else of a module's trainable parameters; ``None`` for a bare
+    count (the even share)."""
+    if parameter_sizes is None and isinstance(model_or_num_params, nn.Module):
+        parameter_sizes = [q.numel() for q in model_or_num_params.parameters() if q.requires_grad]
+    return stage1_heaviest_share(parameter_sizes, n) if parameter_sizes else None
 
 
 def _parameter_counts(model_or_num_params: Union[nn.Module, int], largest_unit_params: Optional[int]
