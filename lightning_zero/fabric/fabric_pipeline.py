@@ -39,17 +39,17 @@ from torch import Tensor, nn
 from lightning_zero.pipeline.zero_pipeline import clip_by_global_norm, find_pipeline_module, setup_pipeline
 
 
-def setup(module: nn.Module, settings, meshes, stage: int, device: torch.device, precision, activation_checkpointing,
-          runner: Any = None):
+def setup(module: nn.Module, settings, meshes, device: torch.device, precision, runner: Any = None):
     """``fabric.setup_module`` under a pipeline: build this rank's stages of ``module``'s ``PipelineModule`` over the
-    ``("pp", "dp")`` ``meshes`` (:func:`~lightning_zero.pipeline.zero_pipeline.setup_pipeline`); ``runner``: the one
-    built by an earlier call (refused: one pipelined module per strategy)."""
+    ``("pp", "dp")`` ``meshes`` (:func:`~lightning_zero.pipeline.zero_pipeline.setup_pipeline`) with the strategy's
+    ``settings`` (``ZeroSettings``); ``runner``: the one built by an earlier call (refused: one pipelined module per
+    strategy)."""
     if runner is not None:
         raise ValueError("with pipeline_parallel_size > 1 a ZeroStrategy runs one pipelined module; it already has "
                          "one (put every trainable layer in that PipelineModule)")
     find_pipeline_module(module)  # exactly one PipelineModule, holding every parameter (clear error otherwise)
-    return setup_pipeline(module, settings, meshes.pipeline, meshes.data_parallel, stage, device, precision,
-                          activation_checkpointing)
+    return setup_pipeline(module, settings.pipeline, meshes.pipeline, meshes.data_parallel, settings.zero_config.stage,
+                          device, precision, settings.activation_checkpoint_config)
 
 
 def step(runner, model: nn.Module, inputs: Any, targets: Any, grad_scale: float) -> Tensor:
