@@ -40,7 +40,7 @@ from lightning_zero.distributed.exact_init import InitConfig, broadcast_module_s
 from lightning_zero.distributed.full_tensor_load import accept_full_tensors
 from lightning_zero.distributed.hybrid import data_parallel_group, data_parallel_mesh, shard_group
 from lightning_zero.distributed.meta_init import holds_meta_tensors, init_meta_tensors
-from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
+from lightning_zero.distributed.optimizer import get_sharding, only_constructor_states, shard_optimizer
 from lightning_zero.offload.param_swapper import detach_param_swapper
 
 PIPELINE_MESH_DIM_NAMES = ("pp", "dp")
@@ -186,10 +186,10 @@ def point_at_shards(optimizer: torch.optim.Optimizer, module: nn.Module,
     sharded = dict(module.named_parameters(remove_duplicate=False))
     replaced = [(group, i) for group in optimizer.param_groups for i, param in enumerate(group["params"])
                 if id(param) in names and names[id(param)] in sharded and sharded[names[id(param)]] is not param]
-    if replaced and optimizer.state:
+    if replaced and optimizer.state and not only_constructor_states(optimizer):  # Adagrad's: dropped by step 4
         raise RuntimeError(f"{type(optimizer).__name__} holds parameters that sharding the model replaced (it was "
                            "built before the model was sharded, or from parameters a forward left gathered) and has "
-                           "state already: its states belong to tensors that are not the model's. Build it again, "
+                           "stepped already: its states belong to tensors that are not the model's. Build it again, "
                            "before any step, and load optimizer states after setup")
     for group, i in replaced:
         group["params"][i] = sharded[names[id(group["params"][i])]]
