@@ -5,7 +5,8 @@ Lightning's ``DeepSpeedStrategy`` (:class:`~lightning_zero.ds_config.strategy_ar
 few every Lightning strategy takes (accelerator, devices, cluster environment, precision plugin), whose names and
 types differ between the Trainer and Fabric. :class:`StrategyArguments` puts them together into one
 ``inspect.Signature`` with annotations and defaults and sets it on the adapter's ``__init__``, so ``inspect``,
-LightningCLI (jsonargparse reads ``inspect.signature`` and the annotations) and the documentation see each argument
+LightningCLI (jsonargparse's ``_parameter_resolvers.get_signature_parameters_and_indexes`` reads
+``inspect.signature``, whose annotations then need no evaluating) and the documentation see each argument
 with its type, while the adapter's ``__init__(*args, **kwargs)`` binds what it was given against that signature: an
 unknown argument is a ``TypeError`` naming it, exactly as with a written-out signature.
 """
@@ -55,7 +56,7 @@ class StrategyArguments:
         at = [p.name for p in own].index("checkpoint_io")
         own = [*own[:at], *environment, own[at], precision, *own[at + 1 :]]
         deepspeed = _declared(DeepSpeedArguments, skip=frozenset(p.name for p in own))
-        defaults = defaults or {}
+        defaults = dict(defaults or {})
         parameters = [p.replace(default=defaults.pop(p.name)) if p.name in defaults else p for p in own + deepspeed]
         if defaults:
             raise TypeError(f"no such argument to give a default: {sorted(defaults)}")

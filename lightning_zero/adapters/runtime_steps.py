@@ -53,7 +53,8 @@ def check_launch(
 
 def set_world_ranks(environment: Any, num_nodes: int, num_processes: int) -> None:
     """This process's global rank and the world size on the cluster ``environment``, and the rank ``rank_zero_only``
-    (Lightning's and lightning_utilities', one object) decides by, as Lightning's DDP strategies set them."""
+    (Lightning's and lightning_utilities', one object) decides by, as ``DDPStrategy._set_world_ranks`` in
+    ``lightning/fabric/strategies/ddp.py`` sets them."""
     if environment is not None:
         environment.set_global_rank(environment.node_rank() * num_processes + environment.local_rank())
         environment.set_world_size(num_nodes * num_processes)

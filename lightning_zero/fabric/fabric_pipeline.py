@@ -91,3 +91,9 @@ def refuse_backward() -> None:
     raise RuntimeError("with pipeline_parallel_size > 1 the schedule runs backward itself: use "
                        "loss = fabric.strategy.pipeline_step(model, inputs, targets, grad_scale=1/k) instead of "
                        "fabric.backward (see lightning_zero.fabric.fabric_pipeline)")
+
+
+def refuse_optimizers_before_setup() -> None:
+    raise ValueError("with pipeline_parallel_size > 1 create the optimizer after fabric.setup_module(model): setup "
+                     "builds and keeps only this rank's pipeline stages, so an optimizer made before holds parameters "
+                     "the model no longer has (docs/fabric.md, Pipeline parallelism)")

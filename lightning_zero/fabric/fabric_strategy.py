@@ -201,11 +201,7 @@ class ZeroStrategy(ParallelStrategy):
         (:func:`~lightning_zero.distributed.runtime.point_at_shards`, by the names they had) and partition them
         (:meth:`setup_optimizer`). LR schedulers keep working: the optimizers are changed in place."""
         if self.settings.pipeline.enabled and optimizers:
-            raise ValueError(
-                "with pipeline_parallel_size > 1 create the optimizer after fabric.setup_module(model): "
-                "setup builds and keeps only this rank's pipeline stages, so an optimizer made before "
-                "holds parameters the model no longer has (docs/fabric.md, Pipeline parallelism)"
-            )
+            fabric_pipeline.refuse_optimizers_before_setup()
         names = {id(param): name for name, param in module.named_parameters(remove_duplicate=False)}
         wrapped = self.setup_module(module)
         for optimizer in optimizers:
