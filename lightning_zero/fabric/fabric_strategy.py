@@ -95,7 +95,7 @@ class ZeroStrategy(ParallelStrategy):
         self.async_save = settings.async_save
         super().__init__(**lightning)
         self._process_group_backend = settings.process_group_backend
-        self.num_nodes = 1  # set by Fabric
+        self._num_nodes = 1
         self.meshes: Optional[runtime.Meshes] = None  # once the process group exists
         self._runner = None  # the pipelined module's runner (see lightning_zero.fabric.fabric_pipeline)
         # a bound method, not a lambda: start_method="spawn" pickles the strategy into every rank
@@ -119,6 +119,10 @@ class ZeroStrategy(ParallelStrategy):
     @property
     def root_device(self) -> torch.device:
         return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes  # Fabric's connector sets _num_nodes of a strategy that has num_nodes
 
     @property
     def num_processes(self) -> int:
