@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 from datetime import timedelta
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 
 from lightning_zero.adapters.launch_checks import check_backend_name, check_backend_serves_offload, check_timeout
@@ -62,7 +63,7 @@ STRATEGY_NAMES = {
 
 @dataclass(frozen=True)
 class ZeroSettings:
-    """Everything a ZeroStrategy was asked for, validated; see the strategies' docstrings for each argument."""
+    """Everything a ZeroStrategy was asked for, validated; each argument is documented in :class:`ZeroArguments`."""
 
     zero_config: ZeroConfig
     ds_config: Optional[DeepSpeedConfigBinding]
@@ -87,12 +88,84 @@ class ZeroSettings:
 
 @dataclass(frozen=True)
 class ZeroArguments:
-    """A ZeroStrategy's constructor arguments as given (both adapters take these); :func:`resolve_settings`
-    validates them into :class:`ZeroSettings`. See the strategies' docstrings for each."""
+    """A ZeroStrategy's own constructor arguments, declared once: both adapters' signatures are generated from these
+    fields (:mod:`lightning_zero.adapters.arguments`, with ``DeepSpeedStrategy``'s in
+    :class:`~lightning_zero.ds_config.strategy_arguments.DeepSpeedArguments`); :func:`resolve_settings` validates
+    them into :class:`ZeroSettings`. ``docs/reference.md`` lists the page of each.
 
-    stage: Optional[int] = None
-    offload: Optional[str] = None
-    offload_optimizer: Optional[Union[str, bool]] = None
+    Args:
+        stage: ZeRO stage, 0-3 (default 2, or the config's). Stage 0 is DDP; 1 is DDP with the optimizer
+            partitioned in place; 2 and 3 are FSDP2 ``fully_shard`` with ``reshard_after_forward`` False and True.
+        offload: ``None``, ``"cpu"`` (optimizer states and fp32 masters live and step in CPU memory; at stage 3
+            the sharded parameters and gradients too, as DeepSpeed's ``zero_stage_3_offload``) or ``"nvme"``.
+        offload_optimizer: ``"cpu"``/``"nvme"`` for the optimizer alone (``True``: DeepSpeedStrategy's switch).
+        offload_params: ``"cpu"``/``"nvme"`` for the stage-3 parameters alone (``docs/offload.md``).
+        nvme_path: the directory NVMe offload swaps to.
+        buffer_count: NVMe swap buffers (``docs/offload.md``, as the rest of the NVMe knobs).
+        sub_group_size: elements per NVMe optimizer-state swap group.
+        buffer_size: bytes per NVMe parameter swap buffer.
+        max_in_cpu: parameter elements NVMe offload may keep in CPU memory.
+        aio: DeepSpeed's ``aio`` section (block size, queue depth, ...) for the NVMe reads and writes.
+        pin_memory: pin offloaded CPU tensors (default: when computing on CUDA).
+        sharded_module_classes: classes or class names that become FSDP units at stages 2-3 (default: repeated blocks).
+        reshard_after_forward: stage-3 override of FSDP2's ``reshard_after_forward``, for every unit: ``True``
+            also reshards the root and the last unit, which the default keeps (see ``ZeroConfig``).
+        checkpoint_io: refused (the strategy writes its checkpoints with ``torch.distributed.checkpoint`` itself).
+        process_group_backend: ``"gloo"``, ``"nccl"``, ... (default: from the accelerator).
+        timeout: the process-group timeout, a positive ``timedelta`` or number of seconds.
+        start_method: ``"popen"`` (re-run the script per rank, like ``DDPStrategy``), ``"spawn"``, ``"fork"``,
+            ``"forkserver"``.
+        async_save: write checkpoints in the background (staged to CPU first; the next save, a load and the end
+            of training wait for it). Every save is atomic: a crash mid-save leaves the previous one loadable.
+        communication_data_type: ``"fp32"`` (default), ``"bf16"`` or ``"fp16"``: the gradients' reduce dtype.
+        loss_scale: DeepSpeed's fp16 loss scale (``0``: dynamic); with the five below, DeepSpeed's names, meanings
+            and defaults, valid only with an fp16 precision (``docs/precision.md``).
+        initial_scale_power: the dynamic scale starts at ``2**initial_scale_power``.
+        loss_scale_window: steps without overflow before the dynamic scale grows.
+        hysteresis: overflows tolerated before the dynamic scale shrinks.
+        consecutive_hysteresis: refill the hysteresis on every step without overflow.
+        min_loss_scale: the dynamic scale's floor.
+        config: a DeepSpeed ``ds_config`` (dict, ``.json``/``.yaml`` path or JSON string). Its settings fill every
+            argument left at ``None``; explicit arguments win; ``"auto"`` values are resolved at setup from the
+            Trainer, DataLoader and LightningModule (``docs/ds_config.md``). Without it the file
+            ``PL_DEEPSPEED_CONFIG_PATH`` names is read, as ``DeepSpeedStrategy`` does.
+        strict: with ``config``, unknown keys and unsupported features are errors (``False``: warnings).
+        pipeline_parallel_size: pipeline stages over a ``PipelineModule``, ZeRO on the data-parallel dimension
+            (``docs/pipeline.md``, as the next three).
+        micro_batches: micro-batches per pipelined batch.
+        pipeline_schedule: the pipeline schedule's name.
+        virtual_stages: pipeline stages per rank (interleaved schedules).
+        find_unused_parameters: ``DDPStrategy``'s option, for the DDP of stages 0-1 (as the next three).
+        static_graph: ``DDPStrategy``'s option.
+        gradient_as_bucket_view: ``DDPStrategy``'s option; unlike ``DDPStrategy`` it defaults to True (one gradient
+            buffer per rank).
+        bucket_cap_mb: ``DDPStrategy``'s option.
+        exclude_frozen_parameters: frozen parameters stay out of checkpoints.
+        verbose: print the whole ds_config.
+        hang_timeout: seconds (or ``timedelta``) a step, validation batch, checkpoint save/load or teardown may last
+            before the job exits naming the stuck rank(s) with every rank's stacks (default 600; ``None``: off).
+        auto_resume: on a restarted job (``"always"``: every fit) without ``ckpt_path``, resume from the newest
+            complete checkpoint, and checkpoint on preemption signals (Trainer only; Fabric refuses ``True``).
+        hybrid_shard_size: HSDP: shard within groups of this many ranks, replicate across (opt-in).
+        activation_checkpointing: recompute blocks' activations in backward (``docs/activation_checkpointing.md``).
+        cpu_checkpointing: keep the checkpointed blocks' inputs on CPU.
+        activation_checkpointing_policy: which blocks are checkpointed.
+        load_full_weights: ``ckpt_path`` must be one file, which may lack optimizer states (Trainer only).
+        rendezvous_timeout: seconds a multi-node start waits for every node before naming the missing ones (300).
+        unit_bytes: stages 2-3: consecutive blocks share one FSDP2 unit up to this many parameter bytes (``0``: a
+            unit per block; ``docs/units.md``, as the next two).
+        param_persistence_threshold: units under this many elements stay in the root.
+        prefetch_bytes: prefetch of the next units' all-gathers up to this many bytes.
+        state_dict_type: ``"sharded"`` (a checkpoint directory) or ``"full"`` (one torch file, streamed out of the
+            shards), as Lightning's ``FSDPStrategy``.
+        broadcast_buffers: every rank takes rank 0's buffers before a forward, on DDP's schedule, at every stage (the
+            default, except under a pipeline); ``False``: each rank keeps its own (``docs/stages.md``, "Buffers").
+    """
+
+    # Literal: LightningCLI (jsonargparse) refuses stage=4 or offload="gpu" while it parses the config
+    stage: Optional[Literal[0, 1, 2, 3]] = None
+    offload: Optional[Literal["none", "cpu", "nvme"]] = None
+    offload_optimizer: Union[str, bool, None] = None
     offload_params: Optional[str] = None
     nvme_path: Optional[str] = None
     buffer_count: Optional[int] = None
@@ -105,8 +178,8 @@ class ZeroArguments:
     reshard_after_forward: Optional[Union[bool, int]] = None
     checkpoint_io: Optional[Any] = None
     process_group_backend: Optional[str] = None
-    timeout: Any = None
-    start_method: str = "popen"
+    timeout: Optional[timedelta] = default_pg_timeout
+    start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen"
     async_save: bool = False
     communication_data_type: Optional[str] = None
     loss_scale: Optional[float] = None
@@ -129,16 +202,16 @@ class ZeroArguments:
     verbose: bool = False
     hang_timeout: Optional[Union[float, timedelta]] = DEFAULT_HANG_TIMEOUT
     auto_resume: Union[bool, str] = True
+    hybrid_shard_size: Optional[int] = None
     activation_checkpointing: Any = None
     cpu_checkpointing: Optional[bool] = None
     activation_checkpointing_policy: Any = None
     load_full_weights: bool = False
-    hybrid_shard_size: Optional[int] = None
     rendezvous_timeout: Union[float, timedelta] = DEFAULT_RENDEZVOUS_TIMEOUT
     unit_bytes: Optional[int] = None
     param_persistence_threshold: Optional[int] = None
     prefetch_bytes: Optional[int] = None
-    state_dict_type: str = "sharded"
+    state_dict_type: Literal["sharded", "full"] = "sharded"
     broadcast_buffers: Optional[bool] = None
 
 

@@ -259,7 +259,7 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, config: ZeroConfig, *, gro
     if get_sharding(optimizer) is not None:
         raise RuntimeError("shard_optimizer was already applied to this optimizer")
     if len(optimizer.state) > 0:
-        if not _only_constructor_states(optimizer):
+        if not only_constructor_states(optimizer):
             raise RuntimeError("shard_optimizer needs a fresh optimizer: this one already has state. Create the "
                                "optimizer after the model is wrapped, and load its state after sharding.")
         optimizer.state.clear()
@@ -327,7 +327,7 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, config: ZeroConfig, *, gro
     return sharding
 
 
-def _only_constructor_states(optimizer: torch.optim.Optimizer) -> bool:
+def only_constructor_states(optimizer: torch.optim.Optimizer) -> bool:
     """Whether every state is one an optimizer's constructor made before any step (each with a ``step`` of 0).
 
     torch's Adagrad creates its states in ``Adagrad.__init__`` (``torch/optim/adagrad.py``) and re-creates the same

@@ -40,7 +40,7 @@ from lightning_zero.distributed.exact_init import InitConfig, broadcast_module_s
 from lightning_zero.distributed.full_tensor_load import accept_full_tensors
 from lightning_zero.distributed.hybrid import data_parallel_group, data_parallel_mesh, shard_group
 from lightning_zero.distributed.meta_init import holds_meta_tensors, init_meta_tensors
-from lightning_zero.distributed.optimizer import get_sharding, shard_optimizer
+from lightning_zero.distributed.optimizer import get_sharding, only_constructor_states, shard_optimizer
 from lightning_zero.offload.param_swapper import detach_param_swapper
 
 PIPELINE_MESH_DIM_NAMES = ("pp", "dp")
@@ -163,8 +163,14 @@ def check_optimizer_params(optimizer: torch.optim.Optimizer, module: nn.Module, 
             "(in __init__ or configure_model), and do not pass tensors that are not module parameters.")
 
 
-def point_at_shards(optimizer: torch.optim.Optimizer, module: nn.Module) -> None:
-    """Reshard ``module``'s units and put its sharded parameters in ``optimizer`` in place of gathered ones.
+def point_at_shards(optimizer: torch.optim.Optimizer, module: nn.Module,
+                    names: Optional[dict[int, str]] = None) -> None:
+    """Reshard ``module``'s units and put its sharded parameters in ``optimizer`` in place of the tensors they
+    replaced, by name. ``names``: the name of each tensor (by ``id``) the optimizer may hold in place of a sharded
+    parameter; by default the module's parameters now, which a forward may have left gathered (see the note). An
+    optimizer built before step 3 (``fabric.setup(model, optimizer)``) passes the names of the parameters it was
+    built from, which ``fully_shard`` replaced; tensors that were never the module's are left for
+    :func:`check_optimizer_params` to refuse.
 
     [Note: an optimizer built from gathered parameters]
     A unit that does not reshard after forward (every unit at stage 2; the root and the last unit at stage 3) keeps
@@ -174,16 +180,18 @@ def point_at_shards(optimizer: torch.optim.Optimizer, module: nn.Module) -> None
     it stepped nothing and the model silently never trained. The units are resharded first, and each such tensor is
     replaced by the shard of the parameter of the same name (what an optimizer built before ``fabric.setup`` gets).
     """
-    names = {id(param): name for name, param in module.named_parameters(remove_duplicate=False)}
+    if names is None:
+        names = {id(param): name for name, param in module.named_parameters(remove_duplicate=False)}
     reshard_gathered(module)
     sharded = dict(module.named_parameters(remove_duplicate=False))
-    gathered = [(group, i) for group in optimizer.param_groups for i, param in enumerate(group["params"])
-                if id(param) in names and sharded[names[id(param)]] is not param]
-    if gathered and optimizer.state:
-        raise RuntimeError(f"{type(optimizer).__name__} was built from the model's gathered parameters (a forward ran "
-                           "between sharding the model and building the optimizer) and has stepped already: its "
-                           "states belong to tensors that are not the model's. Build it again, before any step")
-    for group, i in gathered:
+    replaced = [(group, i) for group in optimizer.param_groups for i, param in enumerate(group["params"])
+                if id(param) in names and names[id(param)] in sharded and sharded[names[id(param)]] is not param]
+    if replaced and optimizer.state and not only_constructor_states(optimizer):  # Adagrad's: dropped by step 4
+        raise RuntimeError(f"{type(optimizer).__name__} holds parameters that sharding the model replaced (it was "
+                           "built before the model was sharded, or from parameters a forward left gathered) and has "
+                           "stepped already: its states belong to tensors that are not the model's. Build it again, "
+                           "before any step, and load optimizer states after setup")
+    for group, i in replaced:
         group["params"][i] = sharded[names[id(group["params"][i])]]
 
 

@@ -46,6 +46,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_zero.adapters.settings import checkpoint_save_options
 from lightning_zero.checkpoint import states as checkpointing
 from lightning_zero.checkpoint.atomic import local_path
 from lightning_zero.checkpoint.deepspeed_reader import is_deepspeed_checkpoint
@@ -156,6 +157,16 @@ def save(path: str, state: dict[str, Any], filter: Optional[dict[str, Callable[[
     save_sharded(checkpoint, path)
     if async_save:
         _await_at_exit()
+
+
+def save_with_settings(path: str, state: dict[str, Any], filter: Optional[dict], settings: Any, precision,
+                       rank: int) -> None:
+    """:func:`save` with what the strategy's ``settings`` (``ZeroSettings``) say of a save: stage and offload, frozen
+    parameters, async, ``state_dict_type`` and the ds_config's save options at the ``precision`` plugin's flag."""
+    save(path, state, filter, precision=precision, zero_config=settings.zero_config,
+         exclude_frozen_parameters=settings.exclude_frozen_parameters, async_save=settings.async_save,
+         state_dict_type=settings.state_dict_type, rank=rank,
+         **checkpoint_save_options(settings.ds_config, precision.precision))
 
 
 def as_fabric_file(checkpoint: dict[str, Any]) -> dict[str, Any]:

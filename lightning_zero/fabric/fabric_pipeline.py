@@ -39,17 +39,17 @@ from torch import Tensor, nn
 from lightning_zero.pipeline.zero_pipeline import clip_by_global_norm, find_pipeline_module, setup_pipeline
 
 
-def setup(module: nn.Module, settings, meshes, stage: int, device: torch.device, precision, activation_checkpointing,
-          runner: Any = None):
+def setup(module: nn.Module, settings, meshes, device: torch.device, precision, runner: Any = None):
     """``fabric.setup_module`` under a pipeline: build this rank's stages of ``module``'s ``PipelineModule`` over the
-    ``("pp", "dp")`` ``meshes`` (:func:`~lightning_zero.pipeline.zero_pipeline.setup_pipeline`); ``runner``: the one
-    built by an earlier call (refused: one pipelined module per strategy)."""
+    ``("pp", "dp")`` ``meshes`` (:func:`~lightning_zero.pipeline.zero_pipeline.setup_pipeline`) with the strategy's
+    ``settings`` (``ZeroSettings``); ``runner``: the one built by an earlier call (refused: one pipelined module per
+    strategy)."""
     if runner is not None:
         raise ValueError("with pipeline_parallel_size > 1 a ZeroStrategy runs one pipelined module; it already has "
                          "one (put every trainable layer in that PipelineModule)")
     find_pipeline_module(module)  # exactly one PipelineModule, holding every parameter (clear error otherwise)
-    return setup_pipeline(module, settings, meshes.pipeline, meshes.data_parallel, stage, device, precision,
-                          activation_checkpointing)
+    return setup_pipeline(module, settings.pipeline, meshes.pipeline, meshes.data_parallel, settings.zero_config.stage,
+                          device, precision, settings.activation_checkpoint_config)
 
 
 def step(runner, model: nn.Module, inputs: Any, targets: Any, grad_scale: float) -> Tensor:
@@ -91,3 +91,9 @@ def refuse_backward() -> None:
     raise RuntimeError("with pipeline_parallel_size > 1 the schedule runs backward itself: use "
                        "loss = fabric.strategy.pipeline_step(model, inputs, targets, grad_scale=1/k) instead of "
                        "fabric.backward (see lightning_zero.fabric.fabric_pipeline)")
+
+
+def refuse_optimizers_before_setup() -> None:
+    raise ValueError("with pipeline_parallel_size > 1 create the optimizer after fabric.setup_module(model): setup "
+                     "builds and keeps only this rank's pipeline stages, so an optimizer made before holds parameters "
+                     "the model no longer has (docs/fabric.md, Pipeline parallelism)")

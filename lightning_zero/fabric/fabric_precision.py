@@ -13,7 +13,7 @@ true gradients) or dropped, and ``optimizer_step`` skips the step after an overf
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Generator, Optional
+from typing import Any, Generator
 
 import torch
 from lightning.fabric.plugins.precision import Precision
@@ -22,11 +22,12 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 
 from lightning_zero.adapters.precision_policy import (
     SUPPORTED_PRECISIONS,
-    LossScaleConfig,
     PrecisionFlag,
     ZeroPrecisionPolicy,
     check_no_second_setting,
 )
+from lightning_zero.distributed.replicas import clip_replica_grads
+from lightning_zero.fabric import fabric_pipeline
 
 
 class FabricZeroPrecision(ZeroPrecisionPolicy, Precision):
@@ -67,17 +68,38 @@ class FabricZeroPrecision(ZeroPrecisionPolicy, Precision):
         # As Fabric's MixedPrecision: the loss is computed outside the model in the default dtype.
         if self.low_dtype is None:
             return data
-        return apply_to_collection(data, function=_convert_fp_tensor, dtype=torch.Tensor,
-                                   dst_type=torch.get_default_dtype())
+        return apply_to_collection(
+            data, function=_convert_fp_tensor, dtype=torch.Tensor, dst_type=torch.get_default_dtype()
+        )
 
     def unscale_gradients(self, optimizer) -> None:
         if self.scaler is not None and id(optimizer) not in self._unscaled:
             self._unscaled[id(optimizer)] = self._skip_on_overflow(None, optimizer)
 
+    def clip_norm(
+        self, optimizer, runner: Any, max_norm: float, norm_type: float, error_if_nonfinite: bool
+    ) -> torch.Tensor:
+        """``fabric.clip_gradients(max_norm=...)``: the global norm over every rank, after unscaling fp16 gradients
+        (as DeepSpeed before clipping). Stage-1 optimizers clip the whole module's (all-reduced) gradients, sharded
+        stages their DTensor shards (``clip_grad_norm_`` reduces the norm across the mesh), a pipeline ``runner``
+        every stage's (:func:`lightning_zero.fabric.fabric_pipeline.clip`), bf16 replicas in fp32."""
+        self.unscale_gradients(optimizer)
+        params = list(self.main_params(optimizer))
+        if runner is not None:
+            return fabric_pipeline.clip(runner, params, max_norm, norm_type, error_if_nonfinite)
+        if self.replicas_cast:
+            return clip_replica_grads(params, max_norm, norm_type, error_if_nonfinite)
+        norm = torch.nn.utils.clip_grad_norm_(
+            params, max_norm=max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite
+        )
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
     def optimizer_step(self, optimizer, **kwargs: Any) -> Any:
         if isinstance(optimizer, torch.optim.LBFGS):
-            raise TypeError("ZeroStrategy does not support LBFGS (its closure re-evaluation bypasses the partitioned "
-                            "step and the fp16 overflow check)")
+            raise TypeError(
+                "ZeroStrategy does not support LBFGS (its closure re-evaluation bypasses the partitioned "
+                "step and the fp16 overflow check)"
+            )
         self.last_step_skipped = False
         if self.scaler is not None:
             self.unscale_gradients(optimizer)
@@ -87,14 +109,16 @@ class FabricZeroPrecision(ZeroPrecisionPolicy, Precision):
         return optimizer.step(**kwargs)
 
 
-def adapt_fabric_precision(plugin, *, stage: int, loss_scale_config: Optional[LossScaleConfig],
-                           fp16_loss_scale_config: Optional[LossScaleConfig],
-                           communication_data_type: Optional[str]) -> FabricZeroPrecision:
+def adapt_fabric_precision(plugin, settings: Any, lost_peer: Any = None) -> FabricZeroPrecision:
     """Turn the plugin Fabric chose for ``precision=`` (``Precision``, ``MixedPrecision``, ``HalfPrecision``) into a
-    :class:`FabricZeroPrecision`; any other plugin (fp64, bitsandbytes, Transformer Engine, FSDP's, ...) is refused."""
+    :class:`FabricZeroPrecision` with the strategy's ``settings`` (``ZeroSettings``: stage, reduce dtype, loss
+    scaling) and ``LostPeer`` (the calls that may meet a dead peer name it); any other plugin (fp64, bitsandbytes,
+    Transformer Engine, FSDP's, ...) is refused."""
+    stage, communication_data_type = settings.zero_config.stage, settings.communication_data_type
+    loss_scale_config, fp16_loss_scale_config = settings.loss_scale_config, settings.fp16_loss_scale_config
     if isinstance(plugin, FabricZeroPrecision):
         check_no_second_setting(plugin, loss_scale_config, communication_data_type)
-        plugin.stage = stage
+        plugin.stage, plugin.lost_peer = stage, lost_peer
         return plugin
     from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision
 
@@ -104,9 +128,13 @@ def adapt_fabric_precision(plugin, *, stage: int, loss_scale_config: Optional[Lo
         raise NotImplementedError(
             f"the Fabric ZeroStrategy supports precision in {SUPPORTED_PRECISIONS}; {type(plugin).__name__} "
             f"(precision={flag!r}) is not implemented (fp64, bitsandbytes and Transformer Engine have no ZeRO path "
-            "here)")
+            "here)"
+        )
     if isinstance(plugin, MixedPrecision) and plugin.scaler is not None and flag != "16-mixed":
         raise ValueError("a MixedPrecision plugin with a GradScaler is only meaningful for 16-mixed")
     scaling = fp16_loss_scale_config if flag.startswith("16-") else loss_scale_config
-    return FabricZeroPrecision(flag, loss_scale_config=scaling, communication_data_type=communication_data_type,
-                               stage=stage)
+    adapted = FabricZeroPrecision(
+        flag, loss_scale_config=scaling, communication_data_type=communication_data_type, stage=stage
+    )
+    adapted.lost_peer = lost_peer  # the module's forward runs in its forward_context, and names a dead peer
+    return adapted

@@ -35,19 +35,13 @@ from lightning_zero.ds_config.translate import AUTO
 _TRAINER_DEFAULTS = {"accumulate_grad_batches": 1, "gradient_clip_val": None, "log_every_n_steps": 50}
 
 
-def bind_at_setup(binding: DeepSpeedConfigBinding, trainer, precision: str, data_parallel_size: int) -> Optional[str]:
-    """At the strategy's ``setup``: when fitting, resolve the config against the Trainer (:func:`resolve_for_fit`);
-    return the precision flag to adopt from the config (``None``: keep the Trainer's ``precision``)."""
-    if trainer.training:
-        resolve_for_fit(binding, trainer, data_parallel_size)
-    return precision_from_config(binding.precision, precision)
-
-
-def effective_config_of_fit(binding: Optional[DeepSpeedConfigBinding], zero_config, communication_data_type,
-                            precision_plugin, trainer) -> dict:
-    """``ZeroStrategy.config``: :func:`~lightning_zero.ds_config.binding.effective_ds_config` with what the Trainer
-    knows of the run: the precision plugin's flag, and once attached, accumulation and norm clipping (DeepSpeed's
-    ``gradient_clipping`` is a norm clip: none is reported for value clipping)."""
+def effective_config_of_fit(settings: Any, precision_plugin, trainer) -> dict:
+    """``ZeroStrategy.config``: :func:`~lightning_zero.ds_config.binding.effective_ds_config` of the strategy's
+    ``settings`` (``ZeroSettings``) with what the Trainer knows of the run: the precision plugin's flag, and once
+    attached, accumulation and norm clipping (DeepSpeed's ``gradient_clipping`` is a norm clip: none is reported
+    for value clipping)."""
+    binding, zero_config, communication_data_type = (settings.ds_config, settings.zero_config,
+                                                     settings.communication_data_type)
     clip = None
     if trainer is not None and trainer.gradient_clip_algorithm in (None, "norm"):
         clip = float(trainer.gradient_clip_val or 0.0)
@@ -228,7 +222,7 @@ def _scheduler_for(translation: DeepSpeedTranslation, trainer, optimizer) -> dic
     return lightning_scheduler_config(scheduler)
 
 
-def install_config_optimizers(module, binding: DeepSpeedConfigBinding) -> None:
+def install_config_optimizers(module, binding: Optional[DeepSpeedConfigBinding]) -> None:
     """Give ``module`` a ``configure_optimizers`` that builds the config's optimizer (and scheduler).
 
     [Note: why an instance attribute] Lightning refuses to fit a module whose class does not override
@@ -236,8 +230,10 @@ def install_config_optimizers(module, binding: DeepSpeedConfigBinding) -> None:
     that hook. It is bound on the instance (the class stays untouched) and removed again at teardown
     (:func:`uninstall_config_optimizers`). The optimizer is built when Lightning calls the hook, after setup
     resolved the config's ``"auto"`` values, over every trainable parameter as DeepSpeed does, and stepped with
-    its scheduler after every optimizer step.
+    its scheduler after every optimizer step. Nothing without a ``binding`` or a config optimizer.
     """
+    if binding is None or binding.translation.optimizer is None:
+        return
     if defines_configure_optimizers(module):
         spec = binding.translation.optimizer
         scheduler = binding.translation.scheduler
@@ -266,10 +262,14 @@ def uninstall_config_optimizers(module) -> None:
         del module.__dict__["configure_optimizers"]
 
 
-def scheduler_from_config(translation: DeepSpeedTranslation, trainer, optimizers: list, configs: list) -> list:
-    """A config ``scheduler`` over the LightningModule's own optimizer (DeepSpeed accepts this pairing too)."""
+def scheduler_from_config(binding: Optional[DeepSpeedConfigBinding], trainer, optimizers: list, configs: list) -> list:
+    """The fit's LR scheduler configs: ``configs`` (``configure_optimizers``'), or a config ``scheduler`` over the
+    LightningModule's own optimizer when the config has no ``optimizer`` (DeepSpeed accepts this pairing too)."""
     from lightning.pytorch.core.optimizer import _configure_schedulers_automatic_opt
 
+    if binding is None or binding.translation.optimizer is not None or not binding.translation.scheduler:
+        return configs
+    translation = binding.translation
     if len(optimizers) != 1 or configs:
         raise DeepSpeedConfigError(
             'the DeepSpeed config has a "scheduler" section, but configure_optimizers returned '

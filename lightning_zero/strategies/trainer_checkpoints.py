@@ -14,6 +14,7 @@ import torch
 from lightning.fabric import __version__ as lightning_version
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
+from lightning_zero.adapters.settings import checkpoint_save_options
 from lightning_zero.checkpoint.deepspeed_reader import is_deepspeed_checkpoint
 from lightning_zero.checkpoint.deepspeed_resume import LOSS_SCALER_KEY
 from lightning_zero.checkpoint.directory import checkpoint_directory
@@ -121,15 +122,20 @@ def load_deepspeed(path: str, module: torch.nn.Module, optimizers: list, *, excl
     return rest
 
 
-def save(checkpoint: dict[str, Any], path: str, module: torch.nn.Module, optimizers: list, *, rank: int, stage: int,
-         offload: str, exclude_frozen_parameters: bool, async_save: bool, full: bool, options: dict) -> str:
-    """Save Lightning's ``checkpoint`` at ``path`` (collective): a sharded directory, or with ``full`` one file
-    streamed out of the shards. ``options``: the ds_config's save options. Returns ``path``."""
-    def save_sharded(state: dict, directory: str) -> None:
-        save_states(state, directory, module=module, optimizers=optimizers, stage=stage, offload=offload,
-                    exclude_frozen_parameters=exclude_frozen_parameters, async_save=async_save, **options)
+def save(checkpoint: dict[str, Any], path: str, module: torch.nn.Module, optimizers: list, settings: Any, rank: int,
+         precision: str) -> str:
+    """Save Lightning's ``checkpoint`` at ``path`` (collective): a sharded directory, or with the ``settings``'
+    ``state_dict_type="full"`` one file streamed out of the shards. ``settings``: the strategy's ``ZeroSettings``,
+    whose ds_config adds its save options at this ``precision`` flag (:func:`checkpoint_save_options`). Returns
+    ``path``."""
+    options = checkpoint_save_options(settings.ds_config, precision)
 
-    if full:
+    def save_sharded(state: dict, directory: str) -> None:
+        save_states(state, directory, module=module, optimizers=optimizers, stage=settings.zero_config.stage,
+                    offload=settings.zero_config.offload, exclude_frozen_parameters=settings.exclude_frozen_parameters,
+                    async_save=settings.async_save, **options)
+
+    if settings.state_dict_type == "full":
         save_full_file(checkpoint, path, save_sharded, rank=rank,
                        with_optimizer=bool(checkpoint.get("optimizer_states")))
     else:

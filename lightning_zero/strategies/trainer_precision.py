@@ -11,7 +11,7 @@ closure run before ``optimizer.step()``, and LR schedulers that skip with a skip
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 from lightning.pytorch.plugins.precision import Precision
@@ -99,13 +99,18 @@ def guard_schedulers(scheduler_configs, precision: ZeroPrecision) -> None:
                                                             "__module__": base.__module__})
 
 
-def adapt_precision_plugin(plugin: Precision, *, stage: int, loss_scale_config: Optional[LossScaleConfig],
-                           communication_data_type: Optional[str]) -> Precision:
-    """Turn the plugin Lightning chose for the Trainer's ``precision`` into a :class:`ZeroPrecision`."""
+def adapt_precision_plugin(plugin: Precision, settings: Any) -> Precision:
+    """Turn the plugin Lightning chose for the Trainer's ``precision`` into a :class:`ZeroPrecision`, with the
+    strategy's ``settings`` (``ZeroSettings``): its stage, reduce dtype and loss scaling (an fp16 flag's takes the
+    ds_config's ``fp16`` section under the explicit knobs; a ``ZeroPrecision`` given by the user, the knobs only)."""
+    stage, communication_data_type = settings.zero_config.stage, settings.communication_data_type
+    loss_scale_config = settings.loss_scale_config
     if isinstance(plugin, ZeroPrecision):
         check_no_second_setting(plugin, loss_scale_config, communication_data_type)
         plugin.stage = stage
         return plugin
+    if str(getattr(plugin, "precision", "")).startswith("16-"):
+        loss_scale_config = settings.fp16_loss_scale_config
     flag = str(getattr(plugin, "precision", ""))
     if flag not in SUPPORTED_PRECISIONS:
         raise NotImplementedError(

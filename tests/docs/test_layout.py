@@ -363,6 +363,17 @@ def test_a_measurement_in_a_note_is_found(tmp_path):
     ]
 
 
+ADAPTERS = ("strategies/trainer_strategy.py", "fabric/fabric_strategy.py")
+MAX_ADAPTER_LINES = 350
+
+
+def test_the_adapters_stay_thin():
+    # An adapter is a list of calls into the runtime and the adapter helpers (docs/architecture.md): logic that grows
+    # in one belongs in adapters/runtime_steps.py, strategies/trainer_steps.py or a fabric/ module.
+    lengths = {name: len((PACKAGE / name).read_text().splitlines()) for name in ADAPTERS}
+    assert all(length <= MAX_ADAPTER_LINES for length in lengths.values()), lengths
+
+
 @pytest.mark.parametrize(("relative", "source", "rule"), [
     ("fabric/x.py", "from lightning_zero.strategies.trainer_precision import ZeroPrecision", "fabric may not import"),
     ("fabric/x.py", "def f():\n    from ..strategies import trainer_strategy\n", "fabric may not import"),

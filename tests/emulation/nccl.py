@@ -57,12 +57,9 @@ def _as_on_cuda(start):
 
 @contextlib.contextmanager
 def started_as_on_cuda() -> Iterator[None]:
-    """Both adapters start the default group as on a GPU (device ``cuda:0``), with NCCL emulated."""
-    from lightning_zero.fabric import fabric_strategy
-    from lightning_zero.strategies import trainer_strategy
+    """Both adapters start the default group as on a GPU (device ``cuda:0``), with NCCL emulated (they start it
+    through :func:`lightning_zero.adapters.runtime_steps.start`)."""
+    from lightning_zero.adapters import runtime_steps
 
-    with (
-        mock.patch.object(trainer_strategy, "start_process_group", _as_on_cuda(trainer_strategy.start_process_group)),
-        mock.patch.object(fabric_strategy, "start_process_group", _as_on_cuda(fabric_strategy.start_process_group)),
-    ):
+    with mock.patch.object(runtime_steps, "start_process_group", _as_on_cuda(runtime_steps.start_process_group)):
         yield

@@ -6,6 +6,7 @@ Fabric's:
 ``fabric.no_backward_sync``, ``fabric.backward``, ``fabric.clip_gradients``.
 """
 
+import pytest
 import torch
 from lightning.fabric import Fabric
 from torch import nn
@@ -88,6 +89,50 @@ def _parity_worker(rank, world_size):
 
 def test_every_stage_and_offload_match_the_single_process_reference():
     run_distributed(_parity_worker, 2)
+
+
+def _adagrad(module):
+    return torch.optim.Adagrad(module.parameters(), lr=0.05, initial_accumulator_value=0.1)
+
+
+def _constructor_states_worker(rank, world_size):
+    torch.manual_seed(0)
+    reference = TinyNet()
+    optimizer = _adagrad(reference)
+    x, y = data(world_size, 1)
+    per_step = world_size * LOCAL_BATCH
+    for step in range(STEPS):
+        batch = slice(step * per_step, (step + 1) * per_step)
+        nn.functional.mse_loss(reference(x[batch]), y[batch]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    expected = reference.state_dict()
+    failures = []
+    for stage in (0, 1, 2, 3):
+        fabric = make_fabric(ZeroStrategy(stage=stage))
+        torch.manual_seed(0)
+        module = TinyNet()
+        try:  # Adagrad's constructor made its states: the optimizer is built before fabric.setup, as Fabric's docs do
+            model, optimizer = fabric.setup(module, _adagrad(module))
+        except RuntimeError as error:
+            failures.append(f"stage={stage}: {error}")
+            continue
+        fabric_train(fabric, rank, world_size, model=model, optimizer=optimizer)
+        got = full_weights(model._forward_module.module if stage <= 1 else model._forward_module)
+        worst = max((got[k] - expected[k]).abs().max().item() for k in expected)
+        if not worst <= 1e-5:
+            failures.append(f"stage={stage}: max abs diff {worst:.2e}")
+        stepped = TinyNet()  # an optimizer that has stepped is still refused: its states are the old tensors'
+        used = _adagrad(stepped)
+        stepped(x[:2]).sum().backward()
+        used.step()
+        with pytest.raises(RuntimeError, match="stepped already|needs a fresh optimizer"):
+            make_fabric(ZeroStrategy(stage=stage)).setup(stepped, used)
+    assert not failures, "\n".join(failures)
+
+
+def test_an_optimizer_whose_constructor_made_states_is_set_up_with_the_model():
+    run_distributed(_constructor_states_worker, 2)
 
 
 def _by_name_worker(rank, world_size):

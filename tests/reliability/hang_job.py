@@ -87,7 +87,7 @@ def _worker(rank, world_size, case, root):
         _hang_in_dcp_io_on_rank_1(case)
         _trainer(root, max_steps=2).fit(HangingModule(case), ckpt_path=f"{root}/resume.ckpt")
     elif case == "teardown":  # rank 1 stops while teardown waits for pending saves (a barrier on rank 0)
-        from lightning_zero.strategies import trainer_strategy as zero_module
+        from lightning_zero.adapters import runtime_steps as zero_module  # the adapters' teardown waits there
 
         wait = zero_module.wait_for_pending_saves
 

@@ -143,11 +143,11 @@ def test_fabric_names_the_lost_peer_where_its_collectives_fail(monkeypatch):
 
 
 def test_fabric_teardown_skips_the_pending_save_agreement_after_a_lost_peer(monkeypatch):
-    import lightning_zero.fabric.fabric_strategy as fabric_strategy
+    import lightning_zero.adapters.runtime_steps as runtime_steps  # both adapters' teardown waits there
 
     barriers = []
-    monkeypatch.setattr(fabric_strategy, "_distributed_is_initialized", lambda: True)
-    monkeypatch.setattr(fabric_strategy, "wait_for_pending_saves", lambda barrier: barriers.append(barrier))
+    monkeypatch.setattr(runtime_steps, "_distributed_is_initialized", lambda: True)
+    monkeypatch.setattr(runtime_steps, "wait_for_pending_saves", lambda barrier: barriers.append(barrier))
     healthy = _fabric_strategy(monkeypatch)
     healthy.teardown()
     strategy = _fabric_strategy(monkeypatch)
