@@ -100,8 +100,10 @@ class LossScaleConfig:
         if self.loss_scale > 0:
             return StaticLossScaler(self.loss_scale)
         return DynamicLossScaler(
-            initial_scale_power=self.initial_scale_power, loss_scale_window=self.loss_scale_window,
-            hysteresis=self.hysteresis, consecutive_hysteresis=self.consecutive_hysteresis,
+            initial_scale_power=self.initial_scale_power,
+            loss_scale_window=self.loss_scale_window,
+            hysteresis=self.hysteresis,
+            consecutive_hysteresis=self.consecutive_hysteresis,
             min_loss_scale=self.min_loss_scale,
         )
 
@@ -111,8 +113,9 @@ def parse_communication_data_type(value: Optional[str]) -> Optional[torch.dtype]
     if value is None:
         return None
     if not isinstance(value, str) or value.lower() not in COMMUNICATION_DATA_TYPES:
-        raise ValueError(f"communication_data_type must be one of {sorted(COMMUNICATION_DATA_TYPES)} or None, "
-                         f"got {value!r}")
+        raise ValueError(
+            f"communication_data_type must be one of {sorted(COMMUNICATION_DATA_TYPES)} or None, got {value!r}"
+        )
     return COMMUNICATION_DATA_TYPES[value.lower()]
 
 
@@ -132,16 +135,23 @@ class ZeroPrecisionPolicy:
         stage: the ZeRO stage (set by the strategy).
     """
 
-    def __init__(self, precision: str = "32-true", loss_scale_config: Optional[LossScaleConfig] = None,
-                 communication_data_type: Optional[str] = None, stage: int = 2) -> None:
+    def __init__(
+        self,
+        precision: str = "32-true",
+        loss_scale_config: Optional[LossScaleConfig] = None,
+        communication_data_type: Optional[str] = None,
+        stage: int = 2,
+    ) -> None:
         if precision not in SUPPORTED_PRECISIONS:
             raise ValueError(f"ZeroStrategy supports precision in {SUPPORTED_PRECISIONS}, got {precision!r}")
         self.precision = precision
         self.low_dtype = _low_dtype(precision)
         self.fp16 = self.low_dtype is torch.float16
         if loss_scale_config is not None and not self.fp16:
-            raise ValueError(f"loss scaling applies to fp16 training only; precision={precision!r} does not use it. "
-                             "Drop the loss-scale arguments or use precision='16-mixed'/'16-true'.")
+            raise ValueError(
+                f"loss scaling applies to fp16 training only; precision={precision!r} does not use it. "
+                "Drop the loss-scale arguments or use precision='16-mixed'/'16-true'."
+            )
         self.loss_scale_config = loss_scale_config or (LossScaleConfig() if self.fp16 else None)
         self.scaler = self.loss_scale_config.make_scaler() if self.fp16 else None
         self.communication_data_type = communication_data_type
@@ -179,11 +189,16 @@ class ZeroPrecisionPolicy:
         ``config`` (its ``ZeroConfig``): FSDP2's policy, DDP's reduction dtype, and under ``bf16-true`` at stages 0-1
         the replicas' dtype with the dict their fp32 values go to, kept for step 4 (:meth:`replica_fp32_values`;
         :mod:`lightning_zero.distributed.replicas`)."""
-        dtype = replica_dtype(self.precision, self.stage, config.offloads_optimizer_only and
-                              config.swaps_optimizer_states)
+        dtype = replica_dtype(
+            self.precision, self.stage, config.offloads_optimizer_only and config.swaps_optimizer_states
+        )
         self.replicas_cast = dtype is not None
-        return dict(mp_policy=self.fsdp_mp_policy(), reduce_dtype=self.ddp_reduce_dtype(self.replicas_cast),
-                    replica_dtype=dtype, fp32_values=self.fp32_values)
+        return dict(
+            mp_policy=self.fsdp_mp_policy(),
+            reduce_dtype=self.ddp_reduce_dtype(self.replicas_cast),
+            replica_dtype=dtype,
+            fp32_values=self.fp32_values,
+        )
 
     def replica_fp32_values(self) -> Optional[dict]:
         """What step 4 (:func:`~lightning_zero.distributed.runtime.shard_optimizer_of`) makes masters of: the fp32
@@ -201,7 +216,8 @@ class ZeroPrecisionPolicy:
     @contextmanager
     def forward_context(self) -> Generator[None, None, None]:
         autocast = self.low_dtype is not None and (
-            self.precision.endswith("-mixed") or (self.stage <= 1 and not self.replicas_cast))
+            self.precision.endswith("-mixed") or (self.stage <= 1 and not self.replicas_cast)
+        )
         if not autocast:
             with nullcontext():
                 yield
@@ -270,7 +286,10 @@ def check_no_second_setting(plugin, loss_scale_config, communication_data_type) 
     """A ZeRO precision plugin passed by the user and the strategy's own loss-scale/``communication_data_type``
     arguments must not both set them: which one would win is not obvious, so neither is chosen silently."""
     clash = (loss_scale_config is not None and loss_scale_config != plugin.loss_scale_config) or (
-        communication_data_type is not None and communication_data_type != plugin.communication_data_type)
+        communication_data_type is not None and communication_data_type != plugin.communication_data_type
+    )
     if clash:
-        raise ValueError(f"both the {type(plugin).__name__} plugin and ZeroStrategy set loss scaling or "
-                         "communication_data_type: set them in one place")
+        raise ValueError(
+            f"both the {type(plugin).__name__} plugin and ZeroStrategy set loss scaling or "
+            "communication_data_type: set them in one place"
+        )

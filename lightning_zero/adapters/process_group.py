@@ -68,7 +68,8 @@ def check_group_serves_offload(offloads: bool) -> None:
         raise RuntimeError(
             f"the process group was started with backend {dist.get_backend_config()!r}, which serves no CPU tensors, "
             "but this run offloads to CPU and communicates CPU tensors (gradient norms, overflow flags, offloaded "
-            f"shards); start it with init_process_group({CPU_AND_CUDA_BACKEND!r}) or leave it to the strategy")
+            f"shards); start it with init_process_group({CPU_AND_CUDA_BACKEND!r}) or leave it to the strategy"
+        )
 
 
 def barrier() -> None:
@@ -90,14 +91,21 @@ def attempt_store(timeout: Optional[timedelta]) -> dict[str, Any]:
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or dist.is_initialized():
         return {}
     timeout = timeout or timedelta(minutes=30)
-    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                           timeout=timeout)
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
     attempt = agree_attempt(client, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), timeout)
     return {"store": dist.PrefixStore(f"lightning_zero/attempt_{attempt}/", client)}
 
 
-def process_group_store(cluster_environment: Any, *, timeout: Optional[timedelta], rendezvous_timeout: float,
-                        num_nodes: int, node_rank: int, global_rank: int, world_size: int) -> dict[str, Any]:
+def process_group_store(
+    cluster_environment: Any,
+    *,
+    timeout: Optional[timedelta],
+    rendezvous_timeout: float,
+    num_nodes: int,
+    node_rank: int,
+    global_rank: int,
+    world_size: int,
+) -> dict[str, Any]:
     """``init_process_group`` keyword arguments: torchrun's agent store for this attempt (:func:`attempt_store`),
     else on more than one node a store every rank checks in to first, so that rank 0 names the node ranks that never
     arrive within ``rendezvous_timeout`` seconds (``network.checked_store``); one node keeps torch's ``env://``."""
@@ -105,25 +113,51 @@ def process_group_store(cluster_environment: Any, *, timeout: Optional[timedelta
     if kwargs or num_nodes == 1 or dist.is_initialized():
         return kwargs
     identity = startup_check(os.environ, num_nodes, node_rank).identity
-    store = checked_store(cluster_environment.main_address, cluster_environment.main_port, global_rank, world_size,
-                          node_rank, num_nodes, timeout or timedelta(minutes=30), rendezvous_timeout, identity)
+    store = checked_store(
+        cluster_environment.main_address,
+        cluster_environment.main_port,
+        global_rank,
+        world_size,
+        node_rank,
+        num_nodes,
+        timeout or timedelta(minutes=30),
+        rendezvous_timeout,
+        identity,
+    )
     return {"store": store}
 
 
-def start_process_group(cluster_environment: Any, backend: Optional[str], device: torch.device, *,
-                        timeout: Optional[timedelta], rendezvous_timeout: float, num_nodes: int, node_rank: int,
-                        global_rank: int, world_size: int, offloads: bool = False) -> str:
+def start_process_group(
+    cluster_environment: Any,
+    backend: Optional[str],
+    device: torch.device,
+    *,
+    timeout: Optional[timedelta],
+    rendezvous_timeout: float,
+    num_nodes: int,
+    node_rank: int,
+    global_rank: int,
+    world_size: int,
+    offloads: bool = False,
+) -> str:
     """Initialise the default process group (``backend``, or :func:`default_backend`) through Lightning's
     ``_init_dist_connection`` with :func:`process_group_store`'s store, and register its destruction at a clean exit
     (:mod:`lightning_zero.distributed.process_group_exit`); the groups the package creates later get the same
     ``timeout`` (:mod:`lightning_zero.distributed.group_timeout`). ``offloads``: the run communicates CPU tensors,
     which a group started earlier must then serve (:func:`check_group_serves_offload`). Returns the backend used."""
     backend = backend or default_backend(device)
-    store = process_group_store(cluster_environment, timeout=timeout, rendezvous_timeout=rendezvous_timeout,
-                                num_nodes=num_nodes, node_rank=node_rank, global_rank=global_rank,
-                                world_size=world_size)
-    _init_dist_connection(cluster_environment, backend, timeout=timeout,
-                          device_id=device if device.type == "cuda" else None, **store)
+    store = process_group_store(
+        cluster_environment,
+        timeout=timeout,
+        rendezvous_timeout=rendezvous_timeout,
+        num_nodes=num_nodes,
+        node_rank=node_rank,
+        global_rank=global_rank,
+        world_size=world_size,
+    )
+    _init_dist_connection(
+        cluster_environment, backend, timeout=timeout, device_id=device if device.type == "cuda" else None, **store
+    )
     check_group_serves_offload(offloads)
     destroy_process_group_at_exit()
     # where this rank runs, for a survivor to name it if it dies (diagnostics.peers)

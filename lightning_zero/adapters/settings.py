@@ -46,18 +46,25 @@ START_METHODS = ("popen", "spawn", "fork", "forkserver")
 STRATEGY_NAMES = {
     # "zero" names no stage: the strategy's default (2) or a ds_config's (config=, PL_DEEPSPEED_CONFIG_PATH), as
     # DeepSpeedStrategy's "deepspeed"; the numbered names are explicit arguments and win over a config.
-    "zero": dict(description="ZeRO, stage 2 unless a DeepSpeed config sets another (FSDP2, gradients and optimizer "
-                             "states sharded)"),
+    "zero": dict(
+        description="ZeRO, stage 2 unless a DeepSpeed config sets another (FSDP2, gradients and optimizer "
+        "states sharded)"
+    ),
     "zero_stage_1": dict(description="ZeRO stage 1: optimizer states sharded", stage=1),
     "zero_stage_2": dict(description="ZeRO stage 2: gradients and optimizer states sharded", stage=2),
-    "zero_stage_2_offload": dict(description="ZeRO stage 2 with the optimizer offloaded to CPU", stage=2,
-                                 offload="cpu"),
+    "zero_stage_2_offload": dict(
+        description="ZeRO stage 2 with the optimizer offloaded to CPU", stage=2, offload="cpu"
+    ),
     "zero_stage_3": dict(description="ZeRO stage 3: parameters, gradients, optimizer states sharded", stage=3),
-    "zero_stage_3_offload": dict(description="ZeRO stage 3 with the optimizer and parameters offloaded to CPU",
-                                 stage=3, offload="cpu"),
-    "zero_stage_3_offload_nvme": dict(description="ZeRO stage 3, parameters and optimizer states on NVMe (ZeRO-"
-                                      "Infinity; needs nvme_path)", stage=3, offload_optimizer="nvme",
-                                      offload_params="nvme"),
+    "zero_stage_3_offload": dict(
+        description="ZeRO stage 3 with the optimizer and parameters offloaded to CPU", stage=3, offload="cpu"
+    ),
+    "zero_stage_3_offload_nvme": dict(
+        description="ZeRO stage 3, parameters and optimizer states on NVMe (ZeRO-Infinity; needs nvme_path)",
+        stage=3,
+        offload_optimizer="nvme",
+        offload_params="nvme",
+    ),
 }
 
 
@@ -230,35 +237,60 @@ def resolve_settings(**arguments: Any) -> ZeroSettings:
     deepspeed_arguments.check_remote_device(zero_config.stage, zero_config.offload_params)
     check_backend_serves_offload(args.process_group_backend, zero_config)
     activation_checkpoint = activation_checkpointing_over_config(
-        ds_config, args.activation_checkpointing, args.cpu_checkpointing, args.activation_checkpointing_policy)
+        ds_config, args.activation_checkpointing, args.cpu_checkpointing, args.activation_checkpointing_policy
+    )
     if args.start_method not in START_METHODS:
         raise ValueError(f"start_method must be 'popen', 'spawn', 'fork' or 'forkserver', got {args.start_method!r}")
     loss_scale_config, fp16_loss_scale_config = loss_scale_configs(
         ds_config.loss_scale_kwargs() if ds_config is not None else {},
-        loss_scale=args.loss_scale, initial_scale_power=args.initial_scale_power,
-        loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
-        consecutive_hysteresis=args.consecutive_hysteresis, min_loss_scale=args.min_loss_scale)
+        loss_scale=args.loss_scale,
+        initial_scale_power=args.initial_scale_power,
+        loss_scale_window=args.loss_scale_window,
+        hysteresis=args.hysteresis,
+        consecutive_hysteresis=args.consecutive_hysteresis,
+        min_loss_scale=args.min_loss_scale,
+    )
     parse_communication_data_type(communication_data_type)
-    pipeline = make_pipeline_settings(pipeline_parallel_size, micro_batches, args.pipeline_schedule,
-                                      args.virtual_stages,
-                                      stage=zero_config.stage, offload_optimizer=zero_config.offload_optimizer,
-                                      offload_params=zero_config.offload_params)
-    ddp_options = DDPOptions(args.find_unused_parameters, args.static_graph, args.gradient_as_bucket_view,
-                             args.bucket_cap_mb)
+    pipeline = make_pipeline_settings(
+        pipeline_parallel_size,
+        micro_batches,
+        args.pipeline_schedule,
+        args.virtual_stages,
+        stage=zero_config.stage,
+        offload_optimizer=zero_config.offload_optimizer,
+        offload_params=zero_config.offload_params,
+    )
+    ddp_options = DDPOptions(
+        args.find_unused_parameters, args.static_graph, args.gradient_as_bucket_view, args.bucket_cap_mb
+    )
     ddp_options.check_stage(zero_config.stage, pipeline=pipeline.enabled)
     exclude_frozen_parameters, verbose, async_save = require_flags(
-        exclude_frozen_parameters=args.exclude_frozen_parameters, verbose=args.verbose, async_save=args.async_save)
+        exclude_frozen_parameters=args.exclude_frozen_parameters, verbose=args.verbose, async_save=args.async_save
+    )
     if args.checkpoint_io is not None:
-        raise ValueError("ZeroStrategy writes sharded checkpoints with torch.distributed.checkpoint itself, so a "
-                         "custom checkpoint_io would be ignored; remove it")
+        raise ValueError(
+            "ZeroStrategy writes sharded checkpoints with torch.distributed.checkpoint itself, so a "
+            "custom checkpoint_io would be ignored; remove it"
+        )
     return ZeroSettings(
-        zero_config=zero_config, ds_config=ds_config, loss_scale_config=loss_scale_config,
-        fp16_loss_scale_config=fp16_loss_scale_config, communication_data_type=communication_data_type,
-        pipeline=pipeline, ddp_options=ddp_options, process_group_backend=args.process_group_backend, timeout=timeout,
-        start_method=args.start_method, async_save=async_save, exclude_frozen_parameters=exclude_frozen_parameters,
-        verbose=verbose, auto_resume=check_auto_resume(args.auto_resume), hang_timeout=hang_seconds,
+        zero_config=zero_config,
+        ds_config=ds_config,
+        loss_scale_config=loss_scale_config,
+        fp16_loss_scale_config=fp16_loss_scale_config,
+        communication_data_type=communication_data_type,
+        pipeline=pipeline,
+        ddp_options=ddp_options,
+        process_group_backend=args.process_group_backend,
+        timeout=timeout,
+        start_method=args.start_method,
+        async_save=async_save,
+        exclude_frozen_parameters=exclude_frozen_parameters,
+        verbose=verbose,
+        auto_resume=check_auto_resume(args.auto_resume),
+        hang_timeout=hang_seconds,
         activation_checkpoint_config=activation_checkpoint,
-        load_full_weights=check_load_full_weights(args.load_full_weights), rendezvous_timeout=rendezvous_timeout,
+        load_full_weights=check_load_full_weights(args.load_full_weights),
+        rendezvous_timeout=rendezvous_timeout,
         state_dict_type=check_state_dict_type(args.state_dict_type, async_save=async_save),
     )
 
@@ -267,20 +299,27 @@ def _split_arguments(arguments: dict) -> tuple[ZeroArguments, DeepSpeedArguments
     """ZeroStrategy's own arguments and DeepSpeedStrategy's (:mod:`lightning_zero.ds_config.strategy_arguments`).
     ``offload_optimizer`` is both: a bool is DeepSpeedStrategy's switch, a device name ZeroStrategy's;
     ``cpu_checkpointing=True`` alone is DeepSpeedStrategy's config key; ``zero_optimization=False`` is ``stage=0``."""
-    deepspeed = {name: arguments.pop(name) for name in DEEPSPEED_ARGUMENT_NAMES
-                 if name not in ("offload_optimizer", "cpu_checkpointing") and name in arguments}
+    deepspeed = {
+        name: arguments.pop(name)
+        for name in DEEPSPEED_ARGUMENT_NAMES
+        if name not in ("offload_optimizer", "cpu_checkpointing") and name in arguments
+    }
     if isinstance(arguments.get("offload_optimizer"), bool):
         deepspeed["offload_optimizer"] = arguments.pop("offload_optimizer")
-    if arguments.get("cpu_checkpointing") is True and arguments.get("activation_checkpointing") is None \
-            and arguments.get("activation_checkpointing_policy") is None:
+    if (
+        arguments.get("cpu_checkpointing") is True
+        and arguments.get("activation_checkpointing") is None
+        and arguments.get("activation_checkpointing_policy") is None
+    ):
         deepspeed["cpu_checkpointing"] = arguments.pop("cpu_checkpointing")
     deepspeed_arguments = DeepSpeedArguments(**deepspeed)
     args = ZeroArguments(**arguments)
     return replace(args, stage=deepspeed_arguments.stage_over(args.stage)), deepspeed_arguments
 
 
-def _bind(config: Any, strict: bool, deepspeed_arguments: DeepSpeedArguments,
-          stage: Optional[int], nvme_path: Any) -> Optional[DeepSpeedConfigBinding]:
+def _bind(
+    config: Any, strict: bool, deepspeed_arguments: DeepSpeedArguments, stage: Optional[int], nvme_path: Any
+) -> Optional[DeepSpeedConfigBinding]:
     """The ds_config binding, saying on rank 0 when the config came from ``PL_DEEPSPEED_CONFIG_PATH``."""
     binding = bind_ds_config(config, strict, deepspeed_arguments, stage, nvme_path)
     if binding is not None and binding.origin is not None:
@@ -292,22 +331,52 @@ def _zero_config(args: ZeroArguments, ds_config: Optional[DeepSpeedConfigBinding
     """The :class:`ZeroConfig` from the explicit arguments over the ds_config's, and the three arguments the config
     may also fill that live elsewhere: ``(zero_config, communication_data_type, pipeline_parallel_size,
     micro_batches)``."""
-    offloads = offload_arguments(ds_config.strategy_kwargs() if ds_config else {}, args.offload,
-                                 args.offload_optimizer, args.offload_params, args.nvme_path, args.buffer_count,
-                                 args.sub_group_size, args.buffer_size, args.max_in_cpu, args.aio)
+    offloads = offload_arguments(
+        ds_config.strategy_kwargs() if ds_config else {},
+        args.offload,
+        args.offload_optimizer,
+        args.offload_params,
+        args.nvme_path,
+        args.buffer_count,
+        args.sub_group_size,
+        args.buffer_size,
+        args.max_in_cpu,
+        args.aio,
+    )
     offload = offloads.pop("offload") or "none"  # "none": the config's shorthand was already considered
-    (stage, offload, pin_memory, reshard_after_forward, communication_data_type, pipeline_parallel_size,
-     micro_batches) = arguments_over_config(ds_config, args.stage, offload, args.pin_memory,
-                                            args.reshard_after_forward, args.communication_data_type,
-                                            args.pipeline_parallel_size, args.micro_batches)
+    (
+        stage,
+        offload,
+        pin_memory,
+        reshard_after_forward,
+        communication_data_type,
+        pipeline_parallel_size,
+        micro_batches,
+    ) = arguments_over_config(
+        ds_config,
+        args.stage,
+        offload,
+        args.pin_memory,
+        args.reshard_after_forward,
+        args.communication_data_type,
+        args.pipeline_parallel_size,
+        args.micro_batches,
+    )
     offloads = config_params_offload_at_stage(offloads, stage, args.offload_params)
     zero_config = ZeroConfig(
-        stage=stage, offload=offload, pin_memory=pin_memory, **offloads,
+        stage=stage,
+        offload=offload,
+        pin_memory=pin_memory,
+        **offloads,
         sharded_module_classes=frozenset(args.sharded_module_classes) if args.sharded_module_classes else None,
         reshard_after_forward=reshard_after_forward,
         hybrid_shard_size=hybrid_shard_size_over_config(ds_config, args.hybrid_shard_size),
-        **unit_knobs_over_config(ds_config, unit_bytes=args.unit_bytes, prefetch_bytes=args.prefetch_bytes,
-                                 param_persistence_threshold=args.param_persistence_threshold),
+        **unit_knobs_over_config(
+            ds_config,
+            unit_bytes=args.unit_bytes,
+            prefetch_bytes=args.prefetch_bytes,
+            param_persistence_threshold=args.param_persistence_threshold,
+        ),
         broadcast_buffers=_broadcast_buffers(args.broadcast_buffers, pipeline_parallel_size),
     )
     return zero_config, communication_data_type, pipeline_parallel_size, micro_batches
@@ -320,8 +389,10 @@ def _broadcast_buffers(value: Optional[bool], pipeline_parallel_size: Optional[i
     if value is None:
         return not pipelined
     if value is True and pipelined:
-        raise ValueError("broadcast_buffers=True: a pipeline (pipeline_parallel_size > 1) broadcasts buffers only at "
-                         "setup, not before every forward; leave broadcast_buffers unset or set it to False")
+        raise ValueError(
+            "broadcast_buffers=True: a pipeline (pipeline_parallel_size > 1) broadcasts buffers only at "
+            "setup, not before every forward; leave broadcast_buffers unset or set it to False"
+        )
     return value  # a non-bool is refused by ZeroConfig
 
 
@@ -331,8 +402,10 @@ def checkpoint_save_options(binding: Optional[DeepSpeedConfigBinding], precision
     weights file it adds (what DeepSpeed's ``save_16bit_model`` writes at this ``precision``); ``"auto"`` left
     unresolved is accelerate's default, false."""
     gather = binding is not None and binding.translation.gather_16bit_weights_on_model_save is True
-    return {"ds_config_report": binding.report() if binding is not None else None,
-            "weights_16bit": weights_16bit_dtype(precision) if gather else None}
+    return {
+        "ds_config_report": binding.report() if binding is not None else None,
+        "weights_16bit": weights_16bit_dtype(precision) if gather else None,
+    }
 
 
 def require_flags(**flags) -> tuple:
@@ -351,5 +424,7 @@ def check_auto_resume(value) -> Union[bool, str]:
     """``auto_resume``: ``True`` (on a restart), ``"always"`` (every fit without ``ckpt_path``) or ``False``."""
     if isinstance(value, bool) or value == "always":
         return value
-    raise TypeError(f"auto_resume must be True (resume on a restarted job), 'always' (resume every fit that has no "
-                    f"ckpt_path) or False, got {value!r}")
+    raise TypeError(
+        f"auto_resume must be True (resume on a restarted job), 'always' (resume every fit that has no "
+        f"ckpt_path) or False, got {value!r}"
+    )

@@ -41,20 +41,28 @@ def describe_state(state: Dict[str, Any], metadata: Metadata) -> Dict[str, List[
             continue
         is_tensor = isinstance(value, torch.Tensor)
         if is_tensor != isinstance(item, TensorStorageMetadata):
-            mismatched.append(f"{fqn} (checkpoint: {'tensor' if not is_tensor else 'object'}, "
-                              f"target: {'tensor' if is_tensor else type(value).__name__})")
+            mismatched.append(
+                f"{fqn} (checkpoint: {'tensor' if not is_tensor else 'object'}, "
+                f"target: {'tensor' if is_tensor else type(value).__name__})"
+            )
         elif is_tensor and tuple(value.shape) != tuple(item.size):
             mismatched.append(f"{fqn} (checkpoint: {list(item.size)}, target: {list(value.shape)})")
-    return {"keys": list(flat), "tops": [str(key) for key in state],
-            "missing": [fqn for fqn in flat if fqn not in stored], "mismatched": mismatched}
+    return {
+        "keys": list(flat),
+        "tops": [str(key) for key in state],
+        "missing": [fqn for fqn in flat if fqn not in stored],
+        "mismatched": mismatched,
+    }
 
 
 def merge_descriptions(descriptions: List[Dict[str, List[str]]]) -> Dict[str, List[str]]:
     """The union of every rank's description, in order. [Note: a rank may hold part of the state] At ZeRO stage 1
     a rank's target holds only the optimizer states of the parameters it owns, so a key is unexpected only when no
     rank asks for it, and every rank must reach the same verdict (a rank raising alone would hang the others)."""
-    return {field: list(dict.fromkeys(item for d in descriptions for item in d[field]))
-            for field in ("keys", "tops", "missing", "mismatched")}
+    return {
+        field: list(dict.fromkeys(item for d in descriptions for item in d[field]))
+        for field in ("keys", "tops", "missing", "mismatched")
+    }
 
 
 def check_state_matches(description: Dict[str, List[str]], metadata: Metadata, *, strict: bool, where: str) -> None:
@@ -74,8 +82,16 @@ def check_state_matches(description: Dict[str, List[str]], metadata: Metadata, *
     raise_on_mismatch(where, missing, unexpected, mismatched, strict=strict, target="target", loaded_into="state")
 
 
-def raise_on_mismatch(where: str, missing: List[str], unexpected: List[str], mismatched: List[str], *, strict: bool,
-                      target: str, loaded_into: str) -> None:
+def raise_on_mismatch(
+    where: str,
+    missing: List[str],
+    unexpected: List[str],
+    mismatched: List[str],
+    *,
+    strict: bool,
+    target: str,
+    loaded_into: str,
+) -> None:
     """The one error for a checkpoint that does not fit what it is loaded into (a sharded state or, for full-file
     loading, the model): shape mismatches always; missing and unexpected keys only when ``strict``."""
     if not mismatched and (not strict or not (missing or unexpected)):
@@ -87,7 +103,13 @@ def raise_on_mismatch(where: str, missing: List[str], unexpected: List[str], mis
         parts.append(_listing(f"unexpected keys (in the checkpoint, not in the {target})", unexpected))
     if mismatched:
         parts.append(_listing("shape mismatches", mismatched))
-    hint = " strict=False (LightningModule.strict_loading = False) ignores missing and unexpected keys, never " \
-           "shape mismatches." if strict else ""
-    raise CheckpointError(f"{where}: the checkpoint does not match the {loaded_into} it is loaded into: "
-                          + "; ".join(parts) + "." + hint, where)
+    hint = (
+        " strict=False (LightningModule.strict_loading = False) ignores missing and unexpected keys, never "
+        "shape mismatches."
+        if strict
+        else ""
+    )
+    raise CheckpointError(
+        f"{where}: the checkpoint does not match the {loaded_into} it is loaded into: " + "; ".join(parts) + "." + hint,
+        where,
+    )

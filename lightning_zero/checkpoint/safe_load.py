@@ -32,8 +32,14 @@ from lightning_zero.torch_compat import set_element
 # The only classes a DCP `.metadata` pickle written by torch's FileSystemWriter references (checked on torch 2.13).
 _DCP_ALLOWED = {
     "torch.distributed.checkpoint.metadata": {
-        "Metadata", "TensorStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING", "ChunkStorageMetadata",
-        "BytesStorageMetadata", "MetadataIndex", "StorageMeta",
+        "Metadata",
+        "TensorStorageMetadata",
+        "TensorProperties",
+        "_MEM_FORMAT_ENCODING",
+        "ChunkStorageMetadata",
+        "BytesStorageMetadata",
+        "MetadataIndex",
+        "StorageMeta",
     },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.serialization": {"_get_layout"},
@@ -74,8 +80,9 @@ def _read_metadata_file(path: str) -> Metadata:
     except FileNotFoundError:
         raise CheckpointError(f"{path}: file missing", path) from None
     except Exception as err:  # truncated or garbage bytes fail in many ways inside pickle
-        raise CheckpointError(f"{path}: not a readable DCP metadata file (truncated or corrupt: "
-                              f"{type(err).__name__}: {err})", path) from err
+        raise CheckpointError(
+            f"{path}: not a readable DCP metadata file (truncated or corrupt: {type(err).__name__}: {err})", path
+        ) from err
     if not isinstance(metadata, Metadata) or not isinstance(getattr(metadata, "state_dict_metadata", None), dict):
         raise CheckpointError(f"{path}: does not hold DCP Metadata (got {type(metadata).__name__})", path)
     return metadata
@@ -147,8 +154,9 @@ def safe_torch_load(source: Any, *, what: str, **kwargs: Any) -> Any:
         raise CheckpointError(f"{what}: file missing", path) from None
     except (RuntimeError, EOFError, OSError, ValueError, KeyError, AttributeError, TypeError) as err:
         # torch reports a damaged zip or storage with assorted internal errors; none names the file
-        raise CheckpointError(f"{what}: not a readable torch file (truncated, corrupt or another file type: "
-                              f"{_first_line(err)})", path) from err
+        raise CheckpointError(
+            f"{what}: not a readable torch file (truncated, corrupt or another file type: {_first_line(err)})", path
+        ) from err
 
 
 def _first_line(err: BaseException) -> str:

@@ -198,8 +198,13 @@ def _short(err: BaseException) -> str:
     return f"{type(err).__name__}: {lines[0] if lines else ''}"
 
 
-def describe_failure(path: str, err: BaseException, needed: Optional[int], left: Optional[str] = None,
-                     removed: str = "The partial directory is removed") -> str:
+def describe_failure(
+    path: str,
+    err: BaseException,
+    needed: Optional[int],
+    left: Optional[str] = None,
+    removed: str = "The partial directory is removed",
+) -> str:
     """One message for a save that failed while writing: what failed, where, bytes needed and free; ``left``: what
     the failure left at ``path`` (:func:`what_a_failed_save_left` by default), ``removed``: what was cleaned up.
 
@@ -219,8 +224,10 @@ def describe_failure(path: str, err: BaseException, needed: Optional[int], left:
     else:
         return f"saving the checkpoint {path} failed: {_short(err)}. {removed}; {left}"
     sizes = f"needs about {needed} bytes, " if needed is not None else ""
-    return (f"saving the checkpoint {path} failed: {reason}; {sizes}{free} bytes free on {os.path.dirname(path)}. "
-            f"{removed}; {left}")
+    return (
+        f"saving the checkpoint {path} failed: {reason}; {sizes}{free} bytes free on {os.path.dirname(path)}. "
+        f"{removed}; {left}"
+    )
 
 
 def what_a_failed_save_left(path: str, is_checkpoint: Callable[[str], bool] = is_complete) -> str:
@@ -263,8 +270,9 @@ def _probe_failure(path: str, rank: int, err: OSError, needed: int) -> str:
     check's, since the user's question is the same (which path, how much space)."""
     parent = os.path.dirname(path)
     if err.errno in (errno.ENOSPC, errno.EDQUOT):
-        return not_enough_space(path, needed, free_bytes(parent),
-                                f"rank {rank} could not write even a probe file there: {err.strerror}")
+        return not_enough_space(
+            path, needed, free_bytes(parent), f"rank {rank} could not write even a probe file there: {err.strerror}"
+        )
     return f"rank {rank} cannot write to {parent}: {err}. Nothing was written; {what_a_failed_save_left(path)}"
 
 
@@ -274,9 +282,11 @@ def not_enough_space(path: str, needed: int, free: Optional[int], detail: str = 
     parent = os.path.dirname(path)
     missing = f"free at least {needed - free} more bytes" if free is not None and free < needed else "free space"
     detail = f"; {detail}" if detail else ""
-    return (f"not enough space to save the checkpoint {path}: it needs about {needed} bytes and {parent} has {free} "
-            f"bytes free ({missing} or choose another directory{detail}). Nothing was written; "
-            f"{left or what_a_failed_save_left(path)}")
+    return (
+        f"not enough space to save the checkpoint {path}: it needs about {needed} bytes and {parent} has {free} "
+        f"bytes free ({missing} or choose another directory{detail}). Nothing was written; "
+        f"{left or what_a_failed_save_left(path)}"
+    )
 
 
 def _remove_stale_probes(parent: str, keep: set) -> None:
@@ -296,9 +306,14 @@ def _remove_stale_probes(parent: str, keep: set) -> None:
                 pass
 
 
-def prepare_save(path: str, state: dict, write_meta: Callable[[str], None],
-                 process_group: Optional[dist.ProcessGroup], earlier_failures: Sequence[str] = (),
-                 extra_bytes: int = 0) -> int:
+def prepare_save(
+    path: str,
+    state: dict,
+    write_meta: Callable[[str], None],
+    process_group: Optional[dist.ProcessGroup],
+    earlier_failures: Sequence[str] = (),
+    extra_bytes: int = 0,
+) -> int:
     """Run the checks of the module docstring (collective) and leave an empty ``partial`` directory with
     ``meta.pt`` written by ``write_meta``. Returns the bytes the save needs (``extra_bytes``: what it writes besides
     the shards, e.g. the 16-bit weights file). Raises :class:`CheckpointSaveError` on every rank, having written
@@ -358,9 +373,14 @@ def prepare_save(path: str, state: dict, write_meta: Callable[[str], None],
     return needed
 
 
-def fail_collectively(path: str, local_error: Optional[BaseException], needed: Optional[int],
-                      process_group: Optional[dist.ProcessGroup], cleanup: Callable[[], None],
-                      gather_group: bool = False) -> None:
+def fail_collectively(
+    path: str,
+    local_error: Optional[BaseException],
+    needed: Optional[int],
+    process_group: Optional[dist.ProcessGroup],
+    cleanup: Callable[[], None],
+    gather_group: bool = False,
+) -> None:
     """Share each rank's failure of a save step; if any rank failed, ``cleanup`` on rank 0 and raise everywhere.
 
     Collective over the control group of ``process_group``, or over ``process_group`` itself (a gloo group) when
@@ -368,8 +388,11 @@ def fail_collectively(path: str, local_error: Optional[BaseException], needed: O
     group = process_group if gather_group else control_group(process_group)
     message = None
     if local_error is not None:
-        message = (str(local_error) if isinstance(local_error, CheckpointSaveError)
-                   else describe_failure(path, local_error, needed))
+        message = (
+            str(local_error)
+            if isinstance(local_error, CheckpointSaveError)
+            else describe_failure(path, local_error, needed)
+        )
     messages = [m for m in all_gather(message, group) if m]
     if messages:
         if (dist.get_rank(group) if group is not None else 0) == 0:

@@ -138,9 +138,19 @@ def initialise_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
                     p.grad = None
 
 
-def save_states(checkpoint: dict[str, Any], filepath: str, *, module: torch.nn.Module, optimizers: list, stage: int,
-                offload: Any, exclude_frozen_parameters: bool, ds_config_report: Optional[dict],
-                async_save: bool, weights_16bit: Optional[torch.dtype] = None) -> None:
+def save_states(
+    checkpoint: dict[str, Any],
+    filepath: str,
+    *,
+    module: torch.nn.Module,
+    optimizers: list,
+    stage: int,
+    offload: Any,
+    exclude_frozen_parameters: bool,
+    ds_config_report: Optional[dict],
+    async_save: bool,
+    weights_16bit: Optional[torch.dtype] = None,
+) -> None:
     """Write ``checkpoint`` (a dict holding ``state_dict`` and ``optimizer_states`` as :func:`module_state_dict` and
     :func:`optimizer_state_dict` return them, and plain values) as a sharded directory; the twin of
     :func:`load_states`, called by both adapters. ``module`` and ``optimizers`` are those the states come from
@@ -172,10 +182,20 @@ def save_states(checkpoint: dict[str, Any], filepath: str, *, module: torch.nn.M
     if weights_16bit is not None:
         info["weights_16bit"] = {"file": WEIGHTS_16BIT_FILE, "dtype": str(weights_16bit).replace("torch.", "")}
         extra_files = functools.partial(write_16bit_weights, dtype=weights_16bit)
-        extra_bytes = sum(value.numel() * weights_16bit.itemsize for value in tensors["state_dict"].values()
-                          if isinstance(value, Tensor))  # DTensor.numel(): the full tensor's
-    save_sharded_checkpoint(filepath, tensors, checkpoint, async_save=async_save, info=info, extra_files=extra_files,
-                            extra_bytes=extra_bytes)
+        extra_bytes = sum(
+            value.numel() * weights_16bit.itemsize
+            for value in tensors["state_dict"].values()
+            if isinstance(value, Tensor)
+        )  # DTensor.numel(): the full tensor's
+    save_sharded_checkpoint(
+        filepath,
+        tensors,
+        checkpoint,
+        async_save=async_save,
+        info=info,
+        extra_files=extra_files,
+        extra_bytes=extra_bytes,
+    )
 
 
 def optimizer_type(optimizer) -> str:
@@ -188,15 +208,24 @@ def _check_optimizers(directory: str, optimizers: list, saved_groups: list, save
     """Refuse a resume whose optimizers differ in number or type from the checkpoint's: loading states of
     another count would silently drop some, and another type's states are not what the optimizer steps with."""
     if len(optimizers) != len(saved_groups):
-        hint = (" (it holds none: was it saved with save_weights_only=True?)" if not saved_groups else
-                "; configure_optimizers must return as many optimizers as when it was saved")
-        raise CheckpointError(f"{directory}: the checkpoint holds the states of {len(saved_groups)} optimizer(s), "
-                              f"the model being resumed has {len(optimizers)}{hint}", directory)
+        hint = (
+            " (it holds none: was it saved with save_weights_only=True?)"
+            if not saved_groups
+            else "; configure_optimizers must return as many optimizers as when it was saved"
+        )
+        raise CheckpointError(
+            f"{directory}: the checkpoint holds the states of {len(saved_groups)} optimizer(s), "
+            f"the model being resumed has {len(optimizers)}{hint}",
+            directory,
+        )
     current = [optimizer_type(o) for o in optimizers]
     if isinstance(saved_types, list) and saved_types != current:
         pairs = [f"#{i}: checkpoint {a}, now {b}" for i, (a, b) in enumerate(zip(saved_types, current)) if a != b]
-        raise CheckpointError(f"{directory}: optimizer type mismatch ({'; '.join(pairs)}): the stored states are "
-                              "those of another optimizer", directory)
+        raise CheckpointError(
+            f"{directory}: optimizer type mismatch ({'; '.join(pairs)}): the stored states are "
+            "those of another optimizer",
+            directory,
+        )
 
 
 def _params_with_stored_state(metadata: Any, count: int) -> list[set[str]]:
@@ -209,7 +238,7 @@ def _params_with_stored_state(metadata: Any, count: int) -> list[set[str]]:
     for i in range(count):
         prefix = f"optimizer_states.{i}.state."
         # "<prefix><parameter name>.<state key>"; state keys (exp_avg, step, ...) hold no dots, parameter names do
-        found.append({key[len(prefix):].rsplit(".", 1)[0] for key in stored if key.startswith(prefix)})
+        found.append({key[len(prefix) :].rsplit(".", 1)[0] for key in stored if key.startswith(prefix)})
     return found
 
 
@@ -227,8 +256,9 @@ def _forget_states_not_in_checkpoint(module: torch.nn.Module, optimizers: list, 
 
 
 @torch.inference_mode(False)
-def load_states(directory: str, meta: dict[str, Any], module: torch.nn.Module, optimizers: list,
-                strict: bool) -> dict[str, Any]:
+def load_states(
+    directory: str, meta: dict[str, Any], module: torch.nn.Module, optimizers: list, strict: bool
+) -> dict[str, Any]:
     """Load the weights and optimizer states of a sharded checkpoint into ``module`` and ``optimizers`` in place
     (both adapters' loads); pops the entries it consumes from ``meta`` and returns the loaded state dict.
 
@@ -252,8 +282,9 @@ def load_states(directory: str, meta: dict[str, Any], module: torch.nn.Module, o
                 initialise_optimizer_state(optimizer)
             states = optimizer_state_dict(module, optimizer)["state"]
             # Only the states the checkpoint holds are read; the others start fresh (see _forget_states_...).
-            target["optimizer_states"][str(i)] = {"state": {name: state for name, state in states.items()
-                                                            if name in stored_states[i]}}
+            target["optimizer_states"][str(i)] = {
+                "state": {name: state for name, state in states.items() if name in stored_states[i]}
+            }
     load_sharded_states(directory, target, strict=strict, info=info, metadata=metadata)
     kept = {k: v for k, v in own.items() if k in excluded}
     module.load_state_dict({**target["state_dict"], **kept}, strict=strict)
@@ -265,5 +296,3 @@ def load_states(directory: str, meta: dict[str, Any], module: torch.nn.Module, o
         if (sharding := get_sharding(optimizer)) is not None:
             sharding.sync_masters()  # the module's parameters were loaded; offloaded masters follow them
     return target["state_dict"]
-
-

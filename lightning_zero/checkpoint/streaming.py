@@ -27,9 +27,18 @@ import torch
 from lightning_zero.torch_compat import REBUILD_TENSOR, open_zipfile_writer, storage_alignment, storage_type_names
 
 SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
 }
 
 
@@ -64,7 +73,9 @@ def _discard(tmp: str) -> None:
 
 
 def write_safetensors(
-    output: str, entries: List[TensorEntry], load: Callable[[TensorEntry], torch.Tensor],
+    output: str,
+    entries: List[TensorEntry],
+    load: Callable[[TensorEntry], torch.Tensor],
     metadata: Dict[str, str] | None = None,
 ) -> None:
     """Write ``entries`` to ``output`` in safetensors format, calling ``load(entry)`` for one tensor at a time."""
@@ -76,7 +87,8 @@ def write_safetensors(
         if entry.dtype not in SAFETENSORS_DTYPES:
             raise TypeError(f"{entry.key}: dtype {entry.dtype} cannot be stored in safetensors")
         header[entry.key] = {
-            "dtype": SAFETENSORS_DTYPES[entry.dtype], "shape": list(entry.shape),
+            "dtype": SAFETENSORS_DTYPES[entry.dtype],
+            "shape": list(entry.shape),
             "data_offsets": [offset, offset + entry.nbytes],
         }
         offset += entry.nbytes
@@ -90,8 +102,10 @@ def write_safetensors(
             for entry in entries:
                 tensor = load(entry)
                 if tensor.dtype != entry.dtype or tuple(tensor.shape) != entry.shape:
-                    raise RuntimeError(f"{entry.key}: expected {entry.dtype}{list(entry.shape)}, "
-                                       f"read {tensor.dtype}{list(tensor.shape)}")
+                    raise RuntimeError(
+                        f"{entry.key}: expected {entry.dtype}{list(entry.shape)}, "
+                        f"read {tensor.dtype}{list(tensor.shape)}"
+                    )
                 file.write(_raw_bytes(tensor))
                 del tensor
     except BaseException:
@@ -142,8 +156,10 @@ class _StreamingPickler(pickle.Pickler):
             obj.key = str(len(self.slots))
             self.slots.append(obj)
             shape = obj.entry.shape
-            return (REBUILD_TENSOR,
-                    (_StorageRef(obj), 0, torch.Size(shape), _contiguous_stride(shape), False, OrderedDict()))
+            return (
+                REBUILD_TENSOR,
+                (_StorageRef(obj), 0, torch.Size(shape), _contiguous_stride(shape), False, OrderedDict()),
+            )
         return NotImplemented
 
     def persistent_id(self, obj: Any) -> Any:
@@ -157,7 +173,9 @@ class _StreamingPickler(pickle.Pickler):
 
 
 def write_torch_checkpoint(
-    output: str, obj: Any, load: Callable[[TensorEntry], torch.Tensor],
+    output: str,
+    obj: Any,
+    load: Callable[[TensorEntry], torch.Tensor],
 ) -> None:
     """``torch.save(obj, output)`` where ``obj`` may hold :func:`tensor_slot` placeholders loaded one at a time."""
     slots: List[_TensorSlot] = []
@@ -176,8 +194,10 @@ def write_torch_checkpoint(
                 tensor = slot.tensor if slot.tensor is not None else load(slot.entry)
                 slot.tensor = None
                 if tensor.dtype != slot.entry.dtype or tuple(tensor.shape) != slot.entry.shape:
-                    raise RuntimeError(f"{slot.entry.key}: expected {slot.entry.dtype}{list(slot.entry.shape)}, "
-                                       f"read {tensor.dtype}{list(tensor.shape)}")
+                    raise RuntimeError(
+                        f"{slot.entry.key}: expected {slot.entry.dtype}{list(slot.entry.shape)}, "
+                        f"read {tensor.dtype}{list(tensor.shape)}"
+                    )
                 tensor = tensor.detach().cpu().contiguous()
                 storage = tensor.untyped_storage()
                 if storage.nbytes() != tensor.numel() * tensor.element_size() or tensor.storage_offset():

@@ -42,8 +42,10 @@ _PREFIX = "lightning_zero/attempts/"
 _NOTE_HEAD = "lightning-zero: lost peer: "
 _PEERS = "lightning_zero/peers/"
 _agreed: Optional[int] = None
-_GLOO_PEER = re.compile(r"(?:Connection closed by peer|Read error|Write error|Connection reset by peer|"
-                        r"Broken pipe|Socket closed)[^\[]*\[([^\]]+)\]:(\d+)")
+_GLOO_PEER = re.compile(
+    r"(?:Connection closed by peer|Read error|Write error|Connection reset by peer|"
+    r"Broken pipe|Socket closed)[^\[]*\[([^\]]+)\]:(\d+)"
+)
 
 
 def agreed_attempt() -> Optional[int]:
@@ -79,8 +81,10 @@ def agree_attempt(store: dist.Store, rank: int, world_size: int, timeout: timede
             if acks is not None:
                 pending = [peer for peer, ack in zip(pending, acks) if int(ack) != attempt]
         if pending and time.monotonic() > deadline:
-            raise TimeoutError(f"lightning-zero: ranks {_not_answered(store, pending, attempt)} did not start within "
-                               f"{timeout.total_seconds():g} s of rank 0 (attempt {attempt} of this job)")
+            raise TimeoutError(
+                f"lightning-zero: ranks {_not_answered(store, pending, attempt)} did not start within "
+                f"{timeout.total_seconds():g} s of rank 0 (attempt {attempt} of this job)"
+            )
         if pending:
             time.sleep(poll)
     _agreed = attempt
@@ -92,8 +96,9 @@ def _not_answered(store: dist.Store, pending: list[int], attempt: int) -> list[i
     starts = present_values(store, [f"{_PREFIX}starts/{peer}" for peer in pending])
     numbers = {peer: int(starts[f"{_PREFIX}starts/{peer}"]) for peer in pending if f"{_PREFIX}starts/{peer}" in starts}
     acks = present_values(store, [f"{_PREFIX}ack/{peer}/{n}" for peer, n in numbers.items()])
-    return [peer for peer in pending
-            if int(acks.get(f"{_PREFIX}ack/{peer}/{numbers.get(peer)}", -1)) != attempt] or pending
+    return [
+        peer for peer in pending if int(acks.get(f"{_PREFIX}ack/{peer}/{numbers.get(peer)}", -1)) != attempt
+    ] or pending
 
 
 def gloo_address() -> Optional[str]:
@@ -125,11 +130,16 @@ def lost_peer_note(error: BaseException, store: Optional[dist.Store], world_size
     try:
         if store is not None:  # every rank's key in a few round trips, not two per rank
             published = present_values(store, [f"{_PEERS}{rank}" for rank in range(world_size)])
-            peers = {rank: json.loads(published[f"{_PEERS}{rank}"]) for rank in range(world_size)
-                     if f"{_PEERS}{rank}" in published}
+            peers = {
+                rank: json.loads(published[f"{_PEERS}{rank}"])
+                for rank in range(world_size)
+                if f"{_PEERS}{rank}" in published
+            }
     except Exception as err:  # noqa: BLE001 - the store's host may be the peer that died
-        return (f"{_NOTE_HEAD}a peer at {', '.join(sorted(found))} is gone (its process died or its host is "
-                f"unreachable); the job's store is unreachable too ({type(err).__name__}), so its rank is unknown")
+        return (
+            f"{_NOTE_HEAD}a peer at {', '.join(sorted(found))} is gone (its process died or its host is "
+            f"unreachable); the job's store is unreachable too ({type(err).__name__}), so its rank is unknown"
+        )
     named, several = [], False
     for address in sorted(found):
         ranks = sorted(r for r, p in peers.items() if p.get("address") == address)
@@ -137,12 +147,20 @@ def lost_peer_note(error: BaseException, store: Optional[dist.Store], world_size
         nodes = sorted({peers[r]["node_rank"] for r in ranks})
         several = several or len(ranks) > 1
         named.append(f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}")
-        named[-1] += f" (node rank {', '.join(map(str, nodes))}, host {', '.join(hosts)}, address {address})" \
-            if ranks else f" at address {address} (no published rank has that address)"
-    gone = "are gone (their processes died or their host is unreachable)" if several or len(named) > 1 else \
-        "is gone (its process died or its host is unreachable)"
-    return (f"{_NOTE_HEAD}{'; '.join(named)} {gone} and the collective this rank was in cannot complete. Check that "
-            f"node's logs (OOM-killer, signals).")
+        named[-1] += (
+            f" (node rank {', '.join(map(str, nodes))}, host {', '.join(hosts)}, address {address})"
+            if ranks
+            else f" at address {address} (no published rank has that address)"
+        )
+    gone = (
+        "are gone (their processes died or their host is unreachable)"
+        if several or len(named) > 1
+        else "is gone (its process died or its host is unreachable)"
+    )
+    return (
+        f"{_NOTE_HEAD}{'; '.join(named)} {gone} and the collective this rank was in cannot complete. Check that "
+        f"node's logs (OOM-killer, signals)."
+    )
 
 
 def _chain(error: BaseException):

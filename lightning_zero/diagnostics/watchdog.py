@@ -108,8 +108,9 @@ def store_for_watchdog(timeout: float = 60.0) -> dist.Store:
     while isinstance(inner, dist.PrefixStore):
         inner = inner.underlying_store
     if isinstance(inner, dist.TCPStore):
-        client = dist.TCPStore(inner.host, inner.port, is_master=False, wait_for_workers=False,
-                               timeout=timedelta(seconds=timeout))
+        client = dist.TCPStore(
+            inner.host, inner.port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout)
+        )
     else:  # FileStore / HashStore: already safe to share
         client = base
     # A restarted torchrun attempt reuses the agent's store: its keys (an old abort flag) must not be seen again.
@@ -170,9 +171,18 @@ class HangWatchdog:
             its heartbeat stops (see [Note: a heartbeat that stops]).
     """
 
-    def __init__(self, store: dist.Store, rank: int, world_size: int, timeout: float,
-                 poll_interval: Optional[float] = None, grace: float = 5.0, dump_dir: Optional[Path] = None,
-                 on_exit: Callable[[int], None] = _exit_process, identity: Optional[dict] = None) -> None:
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        world_size: int,
+        timeout: float,
+        poll_interval: Optional[float] = None,
+        grace: float = 5.0,
+        dump_dir: Optional[Path] = None,
+        on_exit: Callable[[int], None] = _exit_process,
+        identity: Optional[dict] = None,
+    ) -> None:
         if timeout <= 0:
             raise ValueError(f"timeout must be positive seconds, got {timeout}")
         if poll_interval is not None and poll_interval <= 0:
@@ -233,8 +243,9 @@ class HangWatchdog:
         self._store_answered = time.monotonic()
         self._thread = threading.Thread(target=self._run, name=f"lightning-zero-watchdog-{self.rank}", daemon=True)
         self._thread.start()
-        self._store_watcher = threading.Thread(target=self._watch_the_store, daemon=True,
-                                               name=f"lightning-zero-watchdog-store-{self.rank}")
+        self._store_watcher = threading.Thread(
+            target=self._watch_the_store, daemon=True, name=f"lightning-zero-watchdog-store-{self.rank}"
+        )
         self._store_watcher.start()
 
     def stop(self) -> None:
@@ -333,10 +344,16 @@ class HangWatchdog:
 
     def _store_lost(self, why: str) -> str:
         host = self._store_host
-        named = (f"rank 0 (node rank {host.get('node_rank')}, host {host.get('host')}, address "
-                 f"{host.get('address')}), whose node hosts the store," if host else "rank 0 (the store host)")
-        return (f"rank {self.rank} timed out after {self.timeout:g}s in '{self._label}' and the job's store is "
-                f"unreachable ({why}): {named} died or is cut off from this rank")
+        named = (
+            f"rank 0 (node rank {host.get('node_rank')}, host {host.get('host')}, address "
+            f"{host.get('address')}), whose node hosts the store,"
+            if host
+            else "rank 0 (the store host)"
+        )
+        return (
+            f"rank {self.rank} timed out after {self.timeout:g}s in '{self._label}' and the job's store is "
+            f"unreachable ({why}): {named} died or is cut off from this rank"
+        )
 
     def _publish_liveness(self) -> None:
         """[Note: a heartbeat that stops] Every poll adds one to ``alive/<rank>``, whatever the training thread
@@ -373,16 +390,19 @@ class HangWatchdog:
         stopped = {}
         for rank in still:
             where = json.loads(identities[f"id/{rank}"]) if f"id/{rank}" in identities else {}
-            stopped[rank] = (f"rank {rank} (node rank {where.get('node_rank')}, host {where.get('host')}, address "
-                             f"{where.get('address')})" if where else f"rank {rank}")
+            stopped[rank] = (
+                f"rank {rank} (node rank {where.get('node_rank')}, host {where.get('host')}, address "
+                f"{where.get('address')})"
+                if where
+                else f"rank {rank}"
+            )
         return stopped
 
     def _peer_states(self) -> tuple[dict[int, tuple[int, str]], dict[int, tuple[bool, str]]]:
         """Every rank's published progress and, for the others, where their training thread is: one read of all
         ranks' keys (a constant number of round trips, see ``_stopped_heartbeats``)."""
         ranks = range(self.world_size)
-        found = present_values(self.store, [f"hb/{r}" for r in ranks] +
-                               [f"at/{r}" for r in ranks if r != self.rank])
+        found = present_values(self.store, [f"hb/{r}" for r in ranks] + [f"at/{r}" for r in ranks if r != self.rank])
         progress, locations = {}, {}
         for rank in ranks:
             if f"hb/{rank}" in found:
@@ -402,30 +422,44 @@ class HangWatchdog:
         behind = sorted(r for r, (count, _) in progress.items() if count < furthest)
         # Equal counters: the ranks at the furthest point that are not waiting in a collective hold the others.
         stopped = [] if behind else sorted(r for r in progress if r in locations and not locations[r][0])
-        where = _grouped({r: label + (f" at {locations[r][1]}" if r in locations and count < _LEFT else "")
-                          for r, (count, label) in progress.items()})
-        head = (f"lightning-zero hang watchdog: rank {self.rank} spent more than {self.timeout:g}s (hang_timeout) in "
-                f"'{self._label}' (raise hang_timeout if a rank may legitimately work that long while others wait).")
+        where = _grouped(
+            {
+                r: label + (f" at {locations[r][1]}" if r in locations and count < _LEFT else "")
+                for r, (count, label) in progress.items()
+            }
+        )
+        head = (
+            f"lightning-zero hang watchdog: rank {self.rank} spent more than {self.timeout:g}s (hang_timeout) in "
+            f"'{self._label}' (raise hang_timeout if a rank may legitimately work that long while others wait)."
+        )
         cut_off = self._stopped_heartbeats(progress)
         if cut_off:
-            return (f"{head} Unreachable: {'; '.join(cut_off.values())}: "
-                    f"{'its heartbeat' if len(cut_off) == 1 else 'their heartbeats'} stopped (the process is frozen "
-                    f"or dead, or its host is cut off from the network) while this rank waits. Progress: {where}")
+            return (
+                f"{head} Unreachable: {'; '.join(cut_off.values())}: "
+                f"{'its heartbeat' if len(cut_off) == 1 else 'their heartbeats'} stopped (the process is frozen "
+                f"or dead, or its host is cut off from the network) while this rank waits. Progress: {where}"
+            )
         if silent or behind or (stopped and len(stopped) < len(progress)):
             named = sorted(set(silent) | set(behind) | set(stopped))
-            return (f"{head} Ranks that never arrived: {named} (never reported: {silent}; behind the others: "
-                    f"{behind}; stopped outside a collective while the others wait in one: {stopped}). "
-                    f"Progress: {where}")
-        return (f"{head} All ranks are at the same point, so they are stuck together (a collective that never "
-                f"completes: network, mismatched collective order or a dead peer). Progress: {where}")
+            return (
+                f"{head} Ranks that never arrived: {named} (never reported: {silent}; behind the others: "
+                f"{behind}; stopped outside a collective while the others wait in one: {stopped}). "
+                f"Progress: {where}"
+            )
+        return (
+            f"{head} All ranks are at the same point, so they are stuck together (a collective that never "
+            f"completes: network, mismatched collective order or a dead peer). Progress: {where}"
+        )
 
     def _abort(self, message: str, wait_for_others: bool = True) -> None:
         if self._aborted.is_set():  # (both threads may get here)
             return
         self._aborted.set()
         self.hang_message = message
-        header = f"\n[lightning-zero watchdog] rank {self.rank} aborting: {message}\n" \
-                 f"[lightning-zero watchdog] rank {self.rank} Python stacks:\n"
+        header = (
+            f"\n[lightning-zero watchdog] rank {self.rank} aborting: {message}\n"
+            f"[lightning-zero watchdog] rank {self.rank} Python stacks:\n"
+        )
         sys.stderr.write(header)
         sys.stderr.flush()
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)

@@ -75,16 +75,20 @@ class ActivationCheckpointConfig:
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
             raise ValueError(f"number_checkpoints must be None or an int >= 1, got {n!r}")
         if n is not None and self.every_k != 1:
-            raise ValueError("give either every_k or number_checkpoints, not both: each selects which blocks are "
-                             f"checkpointed (got every_k={self.every_k}, number_checkpoints={n})")
+            raise ValueError(
+                "give either every_k or number_checkpoints, not both: each selects which blocks are "
+                f"checkpointed (got every_k={self.every_k}, number_checkpoints={n})"
+            )
 
 
 def _normalise_policy(policy: Any) -> Any:
     if policy is True:
         return True
     if policy is False or policy is None:
-        raise ValueError("an ActivationCheckpointConfig is only built when checkpointing is on; use "
-                         "activation_checkpointing=False (no config) to turn it off")
+        raise ValueError(
+            "an ActivationCheckpointConfig is only built when checkpointing is on; use "
+            "activation_checkpointing=False (no config) to turn it off"
+        )
     if isinstance(policy, (str, type)):
         policy = (policy,)
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -94,22 +98,30 @@ def _normalise_policy(policy: Any) -> Any:
     if isinstance(policy, (set, frozenset, list, tuple)):
         classes = frozenset(policy)
         if not classes:
-            raise ValueError("activation_checkpointing got an empty set of module classes: nothing would be "
-                             "checkpointed. Pass True (the detected blocks), classes, or False")
+            raise ValueError(
+                "activation_checkpointing got an empty set of module classes: nothing would be "
+                "checkpointed. Pass True (the detected blocks), classes, or False"
+            )
         for item in classes:
             if not (isinstance(item, str) or (isinstance(item, type) and issubclass(item, nn.Module))):
-                raise TypeError(f"activation_checkpointing entries must be nn.Module subclasses or class names, "
-                                f"got {item!r}")
+                raise TypeError(
+                    f"activation_checkpointing entries must be nn.Module subclasses or class names, got {item!r}"
+                )
         return classes
     if callable(policy):
         return policy
-    raise TypeError("activation_checkpointing must be False, True, a set of module classes (or class names) or a "
-                    f"callable(module) -> bool, got {policy!r}")
+    raise TypeError(
+        "activation_checkpointing must be False, True, a set of module classes (or class names) or a "
+        f"callable(module) -> bool, got {policy!r}"
+    )
 
 
-def activation_checkpoint_config(activation_checkpointing: Any = None, cpu_checkpointing: Optional[bool] = None,
-                                 activation_checkpointing_policy: Any = None,
-                                 ds_section: Optional[dict] = None) -> Optional[ActivationCheckpointConfig]:
+def activation_checkpoint_config(
+    activation_checkpointing: Any = None,
+    cpu_checkpointing: Optional[bool] = None,
+    activation_checkpointing_policy: Any = None,
+    ds_section: Optional[dict] = None,
+) -> Optional[ActivationCheckpointConfig]:
     """The config from a strategy's arguments, over a ds_config ``activation_checkpointing`` section (or ``None``:
     off). Shared by the Trainer and Fabric strategies.
 
@@ -128,23 +140,28 @@ def activation_checkpoint_config(activation_checkpointing: Any = None, cpu_check
     """
     if activation_checkpointing_policy is not None:
         if activation_checkpointing is not None:
-            raise ValueError("give activation_checkpointing or its Lightning alias activation_checkpointing_policy, "
-                             "not both")
+            raise ValueError(
+                "give activation_checkpointing or its Lightning alias activation_checkpointing_policy, not both"
+            )
         activation_checkpointing = activation_checkpointing_policy
     if cpu_checkpointing is not None and not isinstance(cpu_checkpointing, bool):
         raise TypeError(f"cpu_checkpointing must be True, False or None, got {cpu_checkpointing!r}")
     if isinstance(activation_checkpointing, ActivationCheckpointConfig):
         if cpu_checkpointing is not None and cpu_checkpointing != activation_checkpointing.cpu_checkpointing:
-            raise ValueError("cpu_checkpointing disagrees with the ActivationCheckpointConfig given as "
-                             "activation_checkpointing; set it in the config only")
+            raise ValueError(
+                "cpu_checkpointing disagrees with the ActivationCheckpointConfig given as "
+                "activation_checkpointing; set it in the config only"
+            )
         return activation_checkpointing
     section = dict(ds_section) if ds_section else None
     if activation_checkpointing is None:
         activation_checkpointing = section is not None
     if activation_checkpointing is False:
         if cpu_checkpointing:
-            raise ValueError("cpu_checkpointing=True keeps the inputs of checkpointed blocks in CPU memory, so it "
-                             "needs activation_checkpointing (True, classes or a callable)")
+            raise ValueError(
+                "cpu_checkpointing=True keeps the inputs of checkpointed blocks in CPU memory, so it "
+                "needs activation_checkpointing (True, classes or a callable)"
+            )
         return None
     if cpu_checkpointing is None:
         cpu_checkpointing = bool(section.get("cpu_checkpointing", False)) if section else False
@@ -154,8 +171,9 @@ def activation_checkpoint_config(activation_checkpointing: Any = None, cpu_check
     return ActivationCheckpointConfig(policy=activation_checkpointing, cpu_checkpointing=cpu_checkpointing)
 
 
-def select_blocks(module: nn.Module, config: ActivationCheckpointConfig, *, require_match: bool = True
-                  ) -> list[nn.Module]:
+def select_blocks(
+    module: nn.Module, config: ActivationCheckpointConfig, *, require_match: bool = True
+) -> list[nn.Module]:
     """The modules ``config`` checkpoints, in registration (usually execution) order. Errors when none match (a
     policy that selects nothing would silently save no memory), unless ``require_match=False`` (a pipeline stage
     holding only some of the model's layers)."""
@@ -163,9 +181,11 @@ def select_blocks(module: nn.Module, config: ActivationCheckpointConfig, *, requ
     if policy is True:
         classes = module_classes.find_repeated_blocks(module)
         if not classes:
-            raise ValueError("activation_checkpointing=True checkpoints the repeated blocks (classes occurring at "
-                             "least twice in a ModuleList/Sequential), but this model has none: pass the classes to "
-                             "checkpoint or a callable(module) -> bool")
+            raise ValueError(
+                "activation_checkpointing=True checkpoints the repeated blocks (classes occurring at "
+                "least twice in a ModuleList/Sequential), but this model has none: pass the classes to "
+                "checkpoint or a callable(module) -> bool"
+            )
         chosen = module_classes.detected(classes)  # [Note: which modules a class selects]
     elif isinstance(policy, frozenset):
         chosen = module_classes.given(module, policy, "activation_checkpointing", require_match)
@@ -179,12 +199,14 @@ def select_blocks(module: nn.Module, config: ActivationCheckpointConfig, *, requ
         selected.append(sub)
         inside.update(id(m) for m in sub.modules())
     if not selected and require_match:
-        raise ValueError(f"the activation_checkpointing policy {policy!r} selects no submodule of "
-                         f"{type(module).__name__}: nothing would be checkpointed")
+        raise ValueError(
+            f"the activation_checkpointing policy {policy!r} selects no submodule of "
+            f"{type(module).__name__}: nothing would be checkpointed"
+        )
     if config.number_checkpoints is not None and config.number_checkpoints < len(selected):
         count = len(selected)
         return [selected[i * count // config.number_checkpoints] for i in range(config.number_checkpoints)]
-    return selected[::config.every_k]
+    return selected[:: config.every_k]
 
 
 class _CheckpointedForward:
@@ -233,8 +255,9 @@ def is_checkpointed(module: nn.Module) -> bool:
     return isinstance(module.__dict__.get("forward"), _CheckpointedForward)
 
 
-def apply_activation_checkpointing(module: nn.Module, config: ActivationCheckpointConfig, *,
-                                   require_match: bool = True) -> ActivationCheckpointHandle:
+def apply_activation_checkpointing(
+    module: nn.Module, config: ActivationCheckpointConfig, *, require_match: bool = True
+) -> ActivationCheckpointHandle:
     """Checkpoint the blocks of ``module`` that ``config`` selects, in place; call before DDP/``fully_shard``.
 
     Idempotent: blocks already checkpointed are left as they are (evaluation after fit reuses the module). Returns a
@@ -248,6 +271,10 @@ def apply_activation_checkpointing(module: nn.Module, config: ActivationCheckpoi
         had_instance_forward = "forward" in block.__dict__
         block.forward = _CheckpointedForward(block.forward, had_instance_forward, config.cpu_checkpointing)
         done.append(block)
-    log.info("activation checkpointing: %d blocks (%s)%s", len(blocks),
-             sorted({type(b).__name__ for b in blocks}), ", inputs kept on CPU" if config.cpu_checkpointing else "")
+    log.info(
+        "activation checkpointing: %d blocks (%s)%s",
+        len(blocks),
+        sorted({type(b).__name__ for b in blocks}),
+        ", inputs kept on CPU" if config.cpu_checkpointing else "",
+    )
     return ActivationCheckpointHandle(done)

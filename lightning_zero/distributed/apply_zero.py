@@ -75,8 +75,7 @@ def sharded_units(module: nn.Module, config: ZeroConfig) -> list[nn.Module]:
     classes = _resolve_classes(module, config.sharded_module_classes)
     units = [sub for sub in module.modules() if type(sub) in classes and sub is not module]
     units = _keep_shared_parameters_together(module, units, named=config.sharded_module_classes is not None)
-    log.info("ZeRO-%d: %d sharded units of classes %s", config.stage, len(units),
-             sorted(c.__name__ for c in classes))
+    log.info("ZeRO-%d: %d sharded units of classes %s", config.stage, len(units), sorted(c.__name__ for c in classes))
     return units
 
 
@@ -93,10 +92,12 @@ def refuse_sharded_modules(module: nn.Module) -> None:
     distributed = [name for name, param in module.named_parameters() if isinstance(param, DTensor)]
     if not units and not distributed:
         return
-    what = (f"FSDP2 units {units[:6]}" if units else f"DTensor parameters {distributed[:6]}")
-    raise ValueError(f"the model is already sharded ({what}), by fully_shard/parallelize calls or an earlier "
-                     "setup: ZeroStrategy applies the ZeRO stage itself. Pass the model unsharded; to choose the FSDP2 "
-                     "units use ZeroStrategy(sharded_module_classes={...})")
+    what = f"FSDP2 units {units[:6]}" if units else f"DTensor parameters {distributed[:6]}"
+    raise ValueError(
+        f"the model is already sharded ({what}), by fully_shard/parallelize calls or an earlier "
+        "setup: ZeroStrategy applies the ZeRO stage itself. Pass the model unsharded; to choose the FSDP2 "
+        "units use ZeroStrategy(sharded_module_classes={...})"
+    )
 
 
 def _keep_shared_parameters_together(root: nn.Module, units: list[nn.Module], *, named: bool) -> list[nn.Module]:
@@ -119,15 +120,21 @@ def _keep_shared_parameters_together(root: nn.Module, units: list[nn.Module], *,
     kept = []
     for unit in units:
         inside = {id(sub) for sub in unit.modules()}
-        shared = [(param_name, outside) for param_name, param in unit.named_parameters()
-                  for outside, holder in holders[id(param)] if id(holder) not in inside]
+        shared = [
+            (param_name, outside)
+            for param_name, param in unit.named_parameters()
+            for outside, holder in holders[id(param)]
+            if id(holder) not in inside
+        ]
         if not shared:
             kept.append(unit)
             continue
         name = names[id(unit)]
-        message = (f"{name} ({type(unit).__name__}) shares its parameter {name}.{shared[0][0]} with {shared[0][1]} "
-                   "outside it, so it is not made an FSDP unit of its own: it stays in the enclosing unit, which holds "
-                   "both (a tie cannot span two units)")
+        message = (
+            f"{name} ({type(unit).__name__}) shares its parameter {name}.{shared[0][0]} with {shared[0][1]} "
+            "outside it, so it is not made an FSDP unit of its own: it stays in the enclosing unit, which holds "
+            "both (a tie cannot span two units)"
+        )
         if named:
             warnings.warn(f"sharded_module_classes: {message}", UserWarning, stacklevel=2)
         else:
@@ -141,14 +148,22 @@ def unit_groups(module: nn.Module, config: ZeroConfig) -> tuple[list[list[nn.Mod
     ``param_persistence_threshold`` (:mod:`.units`), or every block of a stage-2 model smaller than one unit."""
     blocks = sharded_units(module, config)
     if whole_model_is_one_unit(module, config):
-        log.info("ZeRO-2: the whole model (%d blocks) fits in one unit of %d bytes: one FSDP2 unit, the root",
-                 len(blocks), config.effective_unit_bytes)
+        log.info(
+            "ZeRO-2: the whole model (%d blocks) fits in one unit of %d bytes: one FSDP2 unit, the root",
+            len(blocks),
+            config.effective_unit_bytes,
+        )
         return [], bool(blocks)
     plan = plan_units(module, blocks, config.effective_unit_bytes, config.effective_param_persistence_threshold)
     order = {id(m): i for i, m in enumerate(module.modules())}
     groups = sorted(plan.groups, key=lambda group: order[id(group[0])], reverse=True)
-    log.info("ZeRO-%d: %d FSDP2 units below the root (unit_bytes=%d), %d blocks left to the root", config.stage,
-             len(groups), config.effective_unit_bytes, len(plan.persistent))
+    log.info(
+        "ZeRO-%d: %d FSDP2 units below the root (unit_bytes=%d), %d blocks left to the root",
+        config.stage,
+        len(groups),
+        config.effective_unit_bytes,
+        len(plan.persistent),
+    )
     return groups, bool(plan.persistent)
 
 
@@ -156,8 +171,13 @@ def whole_model_is_one_unit(module: nn.Module, config: ZeroConfig) -> bool:
     """Stage 2 with detected blocks: the whole model's parameters fit in one unit (``unit_bytes``), so it is one
     FSDP2 unit, the root (``[Note: one unit for a model smaller than a unit]`` in :mod:`.units`). Not for a deferred
     build, which was asked to become real one unit at a time."""
-    return (config.stage == 2 and config.sharded_module_classes is None and config.effective_unit_bytes > 0
-            and not has_deferred(module) and param_bytes(module) <= config.effective_unit_bytes)
+    return (
+        config.stage == 2
+        and config.sharded_module_classes is None
+        and config.effective_unit_bytes > 0
+        and not has_deferred(module)
+        and param_bytes(module) <= config.effective_unit_bytes
+    )
 
 
 def _fsdp_kwargs(mesh, config: ZeroConfig, device: torch.device, mp_policy=None) -> dict:
@@ -168,16 +188,25 @@ def _fsdp_kwargs(mesh, config: ZeroConfig, device: torch.device, mp_policy=None)
     if config.offloads_params:  # optimizer-only offload keeps the shards on the device (see ZeroConfig's note)
         pin = config.pin_memory if config.pin_memory is not None else device.type == "cuda"
         if pin and device.type != "cuda":
-            raise ValueError("pin_memory=True needs a CUDA device; this run computes on "
-                             f"{device.type!r}. Use pin_memory=None or False.")
+            raise ValueError(
+                "pin_memory=True needs a CUDA device; this run computes on "
+                f"{device.type!r}. Use pin_memory=None or False."
+            )
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=pin)
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
     return kwargs
 
 
-def _replicate(module: nn.Module, mesh, device: torch.device, ddp_kwargs: Optional[dict],
-               replica_dtype: Optional[torch.dtype], fp32_values: Optional[dict], sync_buffers: bool) -> nn.Module:
+def _replicate(
+    module: nn.Module,
+    mesh,
+    device: torch.device,
+    ddp_kwargs: Optional[dict],
+    replica_dtype: Optional[torch.dtype],
+    fp32_values: Optional[dict],
+    sync_buffers: bool,
+) -> nn.Module:
     """Stages 0-1: the module on ``device`` under ``DistributedDataParallel``; with ``replica_dtype`` its parameters
     cast first, their fp32 values put in ``fp32_values`` (:mod:`.replicas`). ``sync_buffers``: DDP's buffer
     broadcast before each forward (``ZeroConfig.broadcast_buffers``); without it every rank still starts from rank
@@ -197,15 +226,25 @@ def _replicate(module: nn.Module, mesh, device: torch.device, ddp_kwargs: Option
     record_frozen_parameters(module, data_parallel_group(mesh))
     kwargs = {**ddp_buffer_sync_kwargs(sync_buffers), **ddp_defaults(ddp_kwargs)}
     if any(kwargs.get(name, sync_buffers) != sync_buffers for name in ("broadcast_buffers", "forward_sync_buffers")):
-        raise ValueError(f"ddp_kwargs {ddp_kwargs} contradict ZeroConfig(broadcast_buffers={sync_buffers}); set it "
-                         "in the ZeroConfig only")
+        raise ValueError(
+            f"ddp_kwargs {ddp_kwargs} contradict ZeroConfig(broadcast_buffers={sync_buffers}); set it "
+            "in the ZeroConfig only"
+        )
     return DistributedDataParallel(module, device_ids=device_ids, process_group=data_parallel_group(mesh), **kwargs)
 
 
-def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[torch.device] = None,
-               mp_policy=None, ddp_kwargs: Optional[dict] = None,
-               activation_checkpointing: Optional[ActivationCheckpointConfig] = None,
-               replica_dtype: Optional[torch.dtype] = None, fp32_values: Optional[dict] = None) -> nn.Module:
+def apply_zero(
+    module: nn.Module,
+    mesh,
+    config: ZeroConfig,
+    *,
+    device: Optional[torch.device] = None,
+    mp_policy=None,
+    ddp_kwargs: Optional[dict] = None,
+    activation_checkpointing: Optional[ActivationCheckpointConfig] = None,
+    replica_dtype: Optional[torch.dtype] = None,
+    fp32_values: Optional[dict] = None,
+) -> nn.Module:
     """Apply ZeRO ``config.stage`` to ``module`` over the 1-D data-parallel ``mesh`` and return the module to run.
 
     Stages 0-1 return a ``DistributedDataParallel`` wrapper (stage 1's partitioning lives in the optimizer: see
@@ -268,8 +307,9 @@ def apply_zero(module: nn.Module, mesh, config: ZeroConfig, *, device: Optional[
     return module
 
 
-def _shard_units(module: nn.Module, mesh, config: ZeroConfig, device: torch.device,
-                 kwargs: dict) -> list[list[nn.Module]]:
+def _shard_units(
+    module: nn.Module, mesh, config: ZeroConfig, device: torch.device, kwargs: dict
+) -> list[list[nn.Module]]:
     """``fully_shard`` each unit group below ``module`` (returned, in the order sharded), then ``module`` itself.
 
     Children before parents: fully_shard on a parent excludes parameters already owned by a child unit. A deferred
@@ -299,8 +339,9 @@ def _checkpoint_activations(module: nn.Module, settings: ActivationCheckpointCon
     apply_activation_checkpointing(module, settings)
 
 
-def _kept_from_forward_to_backward(group: list[nn.Module], root: nn.Module, groups: list[list[nn.Module]],
-                                   persistent: bool, config: ZeroConfig) -> bool:
+def _kept_from_forward_to_backward(
+    group: list[nn.Module], root: nn.Module, groups: list[list[nn.Module]], persistent: bool, config: ZeroConfig
+) -> bool:
     """Whether this unit keeps its gathered parameters from its forward to its backward although the stage
     reshards after forward.
 
@@ -385,12 +426,17 @@ def refuse_fsdp1_modules(module: nn.Module) -> None:
     too; ZeroStrategy shards the plain model itself."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    wrapped = [f"'{name}'" if name else "the model itself" for name, sub in module.named_modules()
-               if isinstance(sub, FullyShardedDataParallel)]
+    wrapped = [
+        f"'{name}'" if name else "the model itself"
+        for name, sub in module.named_modules()
+        if isinstance(sub, FullyShardedDataParallel)
+    ]
     if wrapped:
-        raise TypeError(f"The model holds torch's legacy FullyShardedDataParallel (FSDP1) wrapper at "
-                        f"{', '.join(wrapped)}. ZeroStrategy shards the model itself (FSDP2 at stages 2-3, DDP at "
-                        "0-1) and would shard or reduce an FSDP1 module a second time: pass the unwrapped model.")
+        raise TypeError(
+            f"The model holds torch's legacy FullyShardedDataParallel (FSDP1) wrapper at "
+            f"{', '.join(wrapped)}. ZeroStrategy shards the model itself (FSDP2 at stages 2-3, DDP at "
+            "0-1) and would shard or reduce an FSDP1 module a second time: pass the unwrapped model."
+        )
 
 
 def refuse_parameter_gradient_hooks(module: nn.Module, *, sharded_only: bool = False) -> None:
@@ -406,9 +452,11 @@ def refuse_parameter_gradient_hooks(module: nn.Module, *, sharded_only: bool = F
     stores them in ``_backward_hooks`` on the tensor itself)."""
     from torch.distributed.tensor import DTensor
 
-    hooked = [name for name, param in module.named_parameters()
-              if tensor_has_gradient_hooks(param)
-              and (not sharded_only or isinstance(param, DTensor))]
+    hooked = [
+        name
+        for name, param in module.named_parameters()
+        if tensor_has_gradient_hooks(param) and (not sharded_only or isinstance(param, DTensor))
+    ]
     if hooked:
         more = f" and {len(hooked) - 5} more" if len(hooked) > 5 else ""
         shown = ", ".join(f"'{name}'" for name in hooked[:5]) + more
@@ -416,7 +464,8 @@ def refuse_parameter_gradient_hooks(module: nn.Module, *, sharded_only: bool = F
             f"The parameters {shown} have gradient hooks (Tensor.register_hook or register_post_accumulate_grad_hook). "
             "At stages 2-3 the parameters are replaced by shards whose gradients autograd does not compute, so the "
             "hooks would never run. Use stage 0 or 1, or change the gradients in on_before_optimizer_step (there "
-            "param.grad is the reduced, sharded gradient).")
+            "param.grad is the reduced, sharded gradient)."
+        )
 
 
 def _mesh_device(mesh) -> torch.device:

@@ -67,7 +67,7 @@ log = logging.getLogger(__name__)
 _all_gather_flat = all_gather_flat
 _reduce_scatter_flat = reduce_scatter_flat
 
-POOL_MAX_BYTES = 32 * 2 ** 20  # glibc's mmap-threshold ceiling: see [Note: buffers too large to pool]
+POOL_MAX_BYTES = 32 * 2**20  # glibc's mmap-threshold ceiling: see [Note: buffers too large to pool]
 
 
 class CommBufferPool:

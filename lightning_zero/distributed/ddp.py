@@ -71,12 +71,15 @@ class DDPOptions:
         """Refuse DDP options where no DDP runs (stages 2-3, pipelines): they would be silently ignored."""
         given = ", ".join(f"{k}={v!r}" for k, v in self.given().items())
         if given and pipeline:
-            raise ValueError(f"{given}: DDP options do not apply with pipeline_parallel_size > 1, whose schedule "
-                             "reduces the data-parallel gradients itself. Remove them.")
+            raise ValueError(
+                f"{given}: DDP options do not apply with pipeline_parallel_size > 1, whose schedule "
+                "reduces the data-parallel gradients itself. Remove them."
+            )
         if given and stage >= 2:
             raise ValueError(
                 f"{given}: DDP options apply at stages 0-1 only; stage {stage} runs FSDP2, which reduce-scatters per "
-                "sharded unit and handles parameters a step does not use by itself. Remove them, or use stage=0/1.")
+                "sharded unit and handles parameters a step does not use by itself. Remove them, or use stage=0/1."
+            )
 
     def ddp_kwargs(self, reduce_bucket_size: Optional[int] = None, grad_element_size: int = 4) -> dict:
         """Keyword arguments for ``DistributedDataParallel``.
@@ -121,12 +124,18 @@ _UNUSED_PARAMETERS_ERROR = "Expected to have finished reduction in the prior ite
 def explain_unused_parameters(exception: BaseException, stage: int) -> None:
     """Put ZeroStrategy's remedy in front of DDP's unused-parameter error (its own text, which names the
     parameters, is kept), as ``DDPStrategy`` points at ``ddp_find_unused_parameters_true``."""
-    if stage > 1 or not exception.args or not isinstance(exception.args[0], str) \
-            or _UNUSED_PARAMETERS_ERROR not in exception.args[0]:
+    if (
+        stage > 1
+        or not exception.args
+        or not isinstance(exception.args[0], str)
+        or _UNUSED_PARAMETERS_ERROR not in exception.args[0]
+    ):
         return
-    hint = (f"Your LightningModule has parameters that were not used in producing the loss returned by "
-            f"training_step. If this is intentional, let DDP (ZeRO stage {stage}) look for them: "
-            f"ZeroStrategy(stage={stage}, find_unused_parameters=True). DDP's message follows.\n\n")
+    hint = (
+        f"Your LightningModule has parameters that were not used in producing the loss returned by "
+        f"training_step. If this is intentional, let DDP (ZeRO stage {stage}) look for them: "
+        f"ZeroStrategy(stage={stage}, find_unused_parameters=True). DDP's message follows.\n\n"
+    )
     exception.args = (hint + exception.args[0], *exception.args[1:])
 
 

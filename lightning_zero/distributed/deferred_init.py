@@ -120,7 +120,8 @@ class _Deferred(torch.Tensor):
             raise DeferredInitError(
                 "Assigning a tensor that was not built in the same deferred construction to the .data of a deferred "
                 "tensor cannot be replayed; copy_ into it instead, or build without deferral "
-                "(LIGHTNING_ZERO_DEFERRED_INIT=0).")
+                "(LIGHTNING_ZERO_DEFERRED_INIT=0)."
+            )
         TENSOR_DATA.__set__(self, value)
         self._meta = value._meta
 
@@ -128,7 +129,8 @@ class _Deferred(torch.Tensor):
         raise DeferredInitError(
             "data_ptr() of a deferred tensor: it has no memory until apply_zero replays it (see "
             "lightning_zero.distributed.deferred_init); build without deferral (LIGHTNING_ZERO_DEFERRED_INIT=0) "
-            "if this code must run during construction.")
+            "if this code must run during construction."
+        )
 
     def __deepcopy__(self, memo):  # a recorded clone, owned by the same log (never a copy of the log)
         if id(self) not in memo:
@@ -153,11 +155,16 @@ class _Ref:
     @staticmethod
     def of(tensor: torch.Tensor) -> "_Ref":
         meta = tensor._meta
-        if (meta.dtype, meta.shape, meta.stride(), meta.storage_offset()) != \
-                (tensor.dtype, tensor.shape, tensor.stride(), tensor.storage_offset()):
+        if (meta.dtype, meta.shape, meta.stride(), meta.storage_offset()) != (
+            tensor.dtype,
+            tensor.shape,
+            tensor.stride(),
+            tensor.storage_offset(),
+        ):
             raise DeferredInitError(
                 "a deferred tensor's layout changed outside its log (a metadata change this recorder does not "
-                "follow); build without deferral (LIGHTNING_ZERO_DEFERRED_INIT=0)")
+                "follow); build without deferral (LIGHTNING_ZERO_DEFERRED_INIT=0)"
+            )
         return _Ref(_key(tensor), meta.dtype, tuple(meta.shape), tuple(meta.stride()), meta.storage_offset())
 
     def on(self, storage: torch.UntypedStorage) -> torch.Tensor:
@@ -165,6 +172,8 @@ class _Ref:
 
 
 _COPY_BELOW = 1 << 20  # bytes: real inputs up to this size are copied into the log, larger ones held
+
+
 @dataclass(frozen=True)
 class _Held:
     """A large real input of a logged op, with its version counter when it was read."""
@@ -207,8 +216,9 @@ def _written(func, args, kwargs) -> list:
 def _recordable(func, written: list) -> bool:
     """Whether ``func``'s outputs are all tensors (none at all is fine for an op that writes its inputs)."""
     returns = op_schema(func).returns
-    return all(str(ret.type) in ("Tensor", "Tensor[]", "Optional[Tensor]") for ret in returns) \
-        and (len(returns) > 0 or bool(written))
+    return all(str(ret.type) in ("Tensor", "Tensor[]", "Optional[Tensor]") for ret in returns) and (
+        len(returns) > 0 or bool(written)
+    )
 
 
 class _Recorder(TorchDispatchMode):
@@ -249,7 +259,8 @@ class _Recorder(TorchDispatchMode):
             if len(owners) > 1:
                 raise DeferredInitError(
                     f"{func} in {_innermost_module()} writes tensors of two deferred constructions at once: build "
-                    "them in one place, or without deferral (LIGHTNING_ZERO_DEFERRED_INIT=0).")
+                    "them in one place, or without deferral (LIGHTNING_ZERO_DEFERRED_INIT=0)."
+                )
             owners.pop(id(self), None)
             if owners:  # the build that owns what is written records it; it reads this build's tensors' values
                 return next(iter(owners.values())).dispatch(func, args, kwargs)
@@ -275,15 +286,17 @@ class _Recorder(TorchDispatchMode):
 
     def _record(self, func, args, kwargs, factory: bool):
         flat, spec = tree_flatten((args, kwargs))
-        meta_flat = [a._meta if self.deferred(a) else self._meta_like(a) if isinstance(a, torch.Tensor) else a
-                     for a in flat]
+        meta_flat = [
+            a._meta if self.deferred(a) else self._meta_like(a) if isinstance(a, torch.Tensor) else a for a in flat
+        ]
         meta_args, meta_kwargs = tree_unflatten(meta_flat, spec)
         refs = [_Ref.of(a) if self.deferred(a) else None for a in flat]  # layouts before the op
         written_args = _written(func, args, kwargs)  # in-place, out= and list-writing ops (checked deferred)
         if op_name(func) in ("set_", "resize_", "resize_as_"):
             raise DeferredInitError(
                 f"Deferred initialisation cannot follow {func} in {_innermost_module()}: it changes which memory a "
-                "tensor uses. Build without deferral (LIGHTNING_ZERO_DEFERRED_INIT=0) if the model fits on one rank.")
+                "tensor uses. Build without deferral (LIGHTNING_ZERO_DEFERRED_INIT=0) if the model fits on one rank."
+            )
         if factory:
             meta_kwargs = {**meta_kwargs, "device": torch.device("meta")}
         try:
@@ -300,10 +313,10 @@ class _Recorder(TorchDispatchMode):
             for a in flat:
                 if self.deferred(a):
                     with disable_torch_dispatch():
-                        torch.ops.aten.as_strided_.default(a, a._meta.shape, a._meta.stride(),
-                                                           a._meta.storage_offset())
-            return tree_unflatten([given_arg for given_arg in flat if self.deferred(given_arg)][:len(out_flat)],
-                                  out_spec)
+                        torch.ops.aten.as_strided_.default(a, a._meta.shape, a._meta.stride(), a._meta.storage_offset())
+            return tree_unflatten(
+                [given_arg for given_arg in flat if self.deferred(given_arg)][: len(out_flat)], out_spec
+            )
         rng = self._rng_states(func, flat)
         if rng:
             self._advance_rng(func, flat, spec, refs, written_args)
@@ -316,21 +329,36 @@ class _Recorder(TorchDispatchMode):
         written = {ref.key for ref, a in zip(refs, flat) if ref is not None and any(a is w for w in written_args)}
         # An in-place op returns the very tensor it was given; a new output gets a new wrapper.
         given = {id(a._meta): a for a in flat if self.deferred(a)}
-        wrapped = [(given[id(o)] if id(o) in given else _Deferred(o, self)) if isinstance(o, torch.Tensor) else o
-                   for o in out_flat]
+        wrapped = [
+            (given[id(o)] if id(o) in given else _Deferred(o, self)) if isinstance(o, torch.Tensor) else o
+            for o in out_flat
+        ]
         writes = frozenset(new | written)
         if self.track_undefined:
             self._track(func, reads - written, new, [ref for ref in refs if ref is not None and ref.key in written])
         if writes:  # otherwise a view: its storage, size, stride and offset say all there is to replay
-            self.entries.append(_RecordedOp(
-                func, spec, [ref if ref is not None else self._snapshot(a) for ref, a in zip(refs, flat)],
-                [_Ref.of(w) if isinstance(w, _Deferred) else None for w in wrapped],
-                reads, writes, frozenset(new), rng))
+            self.entries.append(
+                _RecordedOp(
+                    func,
+                    spec,
+                    [ref if ref is not None else self._snapshot(a) for ref, a in zip(refs, flat)],
+                    [_Ref.of(w) if isinstance(w, _Deferred) else None for w in wrapped],
+                    reads,
+                    writes,
+                    frozenset(new),
+                    rng,
+                )
+            )
         return tree_unflatten(wrapped, out_spec)
 
     def _track(self, func, reads: set, new: set, written: list) -> None:  # see undefined_memory
-        follow(self.undefined, op_name(func), reads, new,
-               [(r.key, r.size, r.dtype, self.bases[r.key].untyped_storage().nbytes()) for r in written])
+        follow(
+            self.undefined,
+            op_name(func),
+            reads,
+            new,
+            [(r.key, r.size, r.dtype, self.bases[r.key].untyped_storage().nbytes()) for r in written],
+        )
 
     @staticmethod
     def _meta_like(tensor: torch.Tensor) -> torch.Tensor:
@@ -352,9 +380,10 @@ class _Recorder(TorchDispatchMode):
         self.pinned += nbytes
         if self.budget is not None and self.pinned > self.budget:
             raise InitMemoryError(
-                f"Deferred initialisation keeps {self.pinned / 1024 ** 3:.2f} GiB of real values in its log, over "
-                f"the budget of {self.budget / 1024 ** 3:.2f} GiB, at {_innermost_module()} ({what}). Raise the "
-                f"budget (${BUDGET_ENV}, bytes; 0: no guard) or see lightning_zero.distributed.deferred_init.")
+                f"Deferred initialisation keeps {self.pinned / 1024**3:.2f} GiB of real values in its log, over "
+                f"the budget of {self.budget / 1024**3:.2f} GiB, at {_innermost_module()} ({what}). Raise the "
+                f"budget (${BUDGET_ENV}, bytes; 0: no guard) or see lightning_zero.distributed.deferred_init."
+            )
 
     def _advance_rng(self, func, flat, spec, refs, written_args) -> None:
         """Run a random op once on real scratch memory: the generators move exactly as in a plain build."""
@@ -392,31 +421,53 @@ class _Recorder(TorchDispatchMode):
         # What the op wrote, by its schema (an op may return nothing, or something else than what it wrote).
         written = {_key(a) for a in _written(func, args, kwargs) if self.deferred(a)}
         if self.track_undefined:
-            self._track(func, keys - written, set(), [_Ref.of(a) for a in _written(func, args, kwargs)
-                                                      if self.deferred(a)])
+            self._track(
+                func, keys - written, set(), [_Ref.of(a) for a in _written(func, args, kwargs) if self.deferred(a)]
+            )
         replayed = {s.data_ptr(): key for key, s in storages.items()}
         for o in out_flat:
             if isinstance(o, torch.Tensor) and replayed.get(o.untyped_storage().data_ptr()) not in (None, *written):
                 raise DeferredInitError(
                     f"Deferred initialisation cannot follow {func} in {_innermost_module()}: it returns a view "
                     "of a tensor whose value only exists during this call. Build without deferral "
-                    "(LIGHTNING_ZERO_DEFERRED_INIT=0).")
+                    "(LIGHTNING_ZERO_DEFERRED_INIT=0)."
+                )
         for key in written:  # keep the written bytes: exact, counted against the budget
             storage = storages[key]
             data = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,)).clone()
             self._count(data.nbytes, f"{func} wrote a deferred tensor and has no meta kernel")
-            log.warning("deferred init: %s in %s runs on real memory; its %d bytes are kept until sharding",
-                        func, _innermost_module(), data.nbytes)
+            log.warning(
+                "deferred init: %s in %s runs on real memory; its %d bytes are kept until sharding",
+                func,
+                _innermost_module(),
+                data.nbytes,
+            )
             target = _Ref(key, torch.uint8, (storage.nbytes(),), (1,), 0)
-            self.entries.append(_RecordedOp(torch.ops.aten.copy_.default, tree_flatten(((None, None), {}))[1],
-                                       [target, data], [target], frozenset(), frozenset({key}), frozenset(), rng))
+            self.entries.append(
+                _RecordedOp(
+                    torch.ops.aten.copy_.default,
+                    tree_flatten(((None, None), {}))[1],
+                    [target, data],
+                    [target],
+                    frozenset(),
+                    frozenset({key}),
+                    frozenset(),
+                    rng,
+                )
+            )
         if not written:
             return out
         # An in-place op returns the tensor it wrote: hand back the deferred tensor, not the replayed copy.
         by_key = {_key(a): a for a in flat if self.deferred(a)}
-        return tree_unflatten([by_key[replayed[o.untyped_storage().data_ptr()]]
-                               if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() in replayed
-                               else o for o in out_flat], out_spec)
+        return tree_unflatten(
+            [
+                by_key[replayed[o.untyped_storage().data_ptr()]]
+                if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() in replayed
+                else o
+                for o in out_flat
+            ],
+            out_spec,
+        )
 
     # ------------------------------------------------------------------ replay
     def replay(self, targets: set[int]) -> dict[int, torch.UntypedStorage]:
@@ -462,7 +513,8 @@ class _Recorder(TorchDispatchMode):
                     raise DeferredInitError(
                         f"A real tensor of shape {tuple(value.tensor.shape)} that the model's init code read (via "
                         f"{entry.func}) was modified in place afterwards, so its value then is lost. Keep it "
-                        "unchanged until setup, or build without deferral (LIGHTNING_ZERO_DEFERRED_INIT=0).")
+                        "unchanged until setup, or build without deferral (LIGHTNING_ZERO_DEFERRED_INIT=0)."
+                    )
                 real.append(value.tensor)
             else:
                 real.append(value)
@@ -476,8 +528,12 @@ class _Recorder(TorchDispatchMode):
             if ref is None or ref.key not in entry.new:
                 continue
             nbytes = self.bases[ref.key].untyped_storage().nbytes()
-            if (o.untyped_storage().nbytes() == nbytes and tuple(o.stride()) == ref.stride
-                    and o.storage_offset() == ref.offset and o.dtype == ref.dtype):
+            if (
+                o.untyped_storage().nbytes() == nbytes
+                and tuple(o.stride()) == ref.stride
+                and o.storage_offset() == ref.offset
+                and o.dtype == ref.dtype
+            ):
                 env[ref.key] = o.untyped_storage()
             else:  # the CPU kernel chose another layout than the meta one: copy into the recorded layout
                 storage = torch.UntypedStorage(nbytes)
@@ -549,7 +605,7 @@ def undefined_state(tensor: Any) -> tuple[bool, bool]:
     if recorder.sealed_at is None:
         return key in recorder.undefined, False
     if recorder.written_after[0] != len(recorder.entries):  # what the log wrote after construction, once per change
-        written = frozenset().union(*(entry.writes for entry in recorder.entries[recorder.sealed_at:]))
+        written = frozenset().union(*(entry.writes for entry in recorder.entries[recorder.sealed_at :]))
         recorder.written_after = (len(recorder.entries), written)
     return key in recorder.undefined, key in recorder.written_after[1]
 

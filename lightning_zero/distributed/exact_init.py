@@ -103,7 +103,7 @@ from lightning_zero.torch_compat import backend_serving
 
 log = logging.getLogger(__name__)
 
-_GIB = 1024 ** 3
+_GIB = 1024**3
 DEFERRED_ENV = "LIGHTNING_ZERO_DEFERRED_INIT"
 
 
@@ -127,13 +127,17 @@ class InitConfig:
     deferred: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.local_world_size, bool) or not isinstance(self.local_world_size, int) \
-                or self.local_world_size < 1:
+        if (
+            isinstance(self.local_world_size, bool)
+            or not isinstance(self.local_world_size, int)
+            or self.local_world_size < 1
+        ):
             raise ValueError(f"local_world_size must be a positive int, got {self.local_world_size!r}")
         budget = self.host_memory_budget
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
-            raise ValueError(f"host_memory_budget must be None, 0 (no guard) or a positive number of bytes, "
-                             f"got {budget!r}")
+            raise ValueError(
+                f"host_memory_budget must be None, 0 (no guard) or a positive number of bytes, got {budget!r}"
+            )
         if not isinstance(self.deferred, bool):
             raise ValueError(f"deferred must be a bool, got {self.deferred!r}")
 
@@ -167,9 +171,10 @@ def available_host_memory() -> Optional[int]:
                     candidates.append(int(line.split()[1]) * 1024)
     except OSError:
         pass
-    for limit_path, usage_path in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+    for limit_path, usage_path in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):
         try:
             with open(limit_path) as limit_file, open(usage_path) as usage_file:
                 limit = limit_file.read().strip()
@@ -211,8 +216,10 @@ class _BuildGuard:
         self.counted += storage.nbytes()
         if self.budget is not None and self.counted > self.budget:
             if self.available is not None:
-                where = (f"{self.available / _GIB:.2f} GiB available on this host / {self.local_world_size} local "
-                         "ranks building at once")
+                where = (
+                    f"{self.available / _GIB:.2f} GiB available on this host / {self.local_world_size} local "
+                    "ranks building at once"
+                )
             else:
                 where = "host_memory_budget"
             raise InitMemoryError(
@@ -223,7 +230,8 @@ class _BuildGuard:
                 "lightning_zero.distributed.exact_init). "
                 "Use fewer processes per host (Trainer devices=) or a host with more memory; if you know the "
                 f"memory is there, raise the budget (InitConfig.host_memory_budget, or ${BUDGET_ENV} in bytes for "
-                "ZeroStrategy; 0 turns the guard off).")
+                "ZeroStrategy; 0 turns the guard off)."
+            )
 
 
 @contextmanager
@@ -264,8 +272,9 @@ def to_fp32_masters(module: nn.Module) -> None:
 
 
 @contextmanager
-def exact_init(config: InitConfig = InitConfig(), empty_init: Optional[bool] = None,
-               init_dtype: Optional[torch.dtype] = None) -> Generator[None, None, None]:
+def exact_init(
+    config: InitConfig = InitConfig(), empty_init: Optional[bool] = None, init_dtype: Optional[torch.dtype] = None
+) -> Generator[None, None, None]:
     """Build modules running their own init code exactly, on CPU, with a host-memory guard.
 
     Everything created inside lands on CPU whatever the default device is, so the RNG stream is consumed exactly as
@@ -289,14 +298,14 @@ def exact_init(config: InitConfig = InitConfig(), empty_init: Optional[bool] = N
     def collect(module: nn.Module, name: str, tensor: Optional[torch.Tensor]) -> None:
         built.setdefault(id(module), module)
 
-    hooks = [register_module_parameter_registration_hook(collect),
-             register_module_buffer_registration_hook(collect)]
+    hooks = [register_module_parameter_registration_hook(collect), register_module_buffer_registration_hook(collect)]
     if not config.deferred:
-        hooks += [register_module_parameter_registration_hook(guard),
-                  register_module_buffer_registration_hook(guard)]
+        hooks += [register_module_parameter_registration_hook(guard), register_module_buffer_registration_hook(guard)]
     try:
-        with torch.device("cpu"), \
-                deferred_build(guard.budget, track_undefined=bool(empty_init)) if config.deferred else nullcontext():
+        with (
+            torch.device("cpu"),
+            deferred_build(guard.budget, track_undefined=bool(empty_init)) if config.deferred else nullcontext(),
+        ):
             with skip or nullcontext(), _default_dtype(init_dtype):
                 yield
             mark_skipped(skip, iter(built.values()))
@@ -326,7 +335,8 @@ def refuse_meta_tensors(module: nn.Module, stage: int) -> None:
         f"ZeRO stage {stage} got tensors on the meta device after their modules' reset_parameters() ran: {shown} "
         f"(in modules {', '.join(owners)}). They hold no values: make reset_parameters() give them real ones, or "
         "build the model on real CPU memory inside lightning_zero.distributed.exact_init.exact_init() (ZeroStrategy "
-        "does so for configure_model and Trainer.init_module), and apply_zero shards it.")
+        "does so for configure_model and Trainer.init_module), and apply_zero shards it."
+    )
 
 
 def broadcast_module_states(module: nn.Module, group, device: torch.device) -> None:

@@ -55,16 +55,21 @@ def wrap_like(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     uneven last shard included); ``local`` itself when ``like`` is a plain tensor."""
     if not _is_dtensor(like):
         return local
-    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape,
-                              stride=like.stride())
+    return DTensor.from_local(
+        local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+    )
 
 
 def can_step_locally(optimizer: torch.optim.Optimizer) -> bool:
     """Whether :func:`use_local_step` applies: an exact Adam/AdamW/SGD whose parameters are all DTensors and whose
     groups are not ``differentiable``."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    return (type(optimizer) in ELEMENTWISE_STATES and bool(params) and all(_is_dtensor(p) for p in params)
-            and not any(group.get("differentiable", False) for group in optimizer.param_groups))
+    return (
+        type(optimizer) in ELEMENTWISE_STATES
+        and bool(params)
+        and all(_is_dtensor(p) for p in params)
+        and not any(group.get("differentiable", False) for group in optimizer.param_groups)
+    )
 
 
 def is_local_step(optimizer: torch.optim.Optimizer) -> bool:
@@ -124,14 +129,19 @@ def _swap_in(optimizer, per_element) -> Optional[_Swap]:
             local = dtensor_local(param).detach()  # an alias of the shard: in-place updates reach the parameter
             grad = param.grad
             if grad is not None:
-                if (not isinstance(grad, DTensor) or grad.placements != param.placements
-                        or dtensor_local(grad).shape != local.shape):
+                if (
+                    not isinstance(grad, DTensor)
+                    or grad.placements != param.placements
+                    or dtensor_local(grad).shape != local.shape
+                ):
                     return None
                 local.grad = dtensor_local(grad)
             state = states.get(param)
             if state:
-                local_state[local] = {key: (dtensor_local(value) if key in per_element and isinstance(value, DTensor)
-                                            else value) for key, value in state.items()}
+                local_state[local] = {
+                    key: (dtensor_local(value) if key in per_element and isinstance(value, DTensor) else value)
+                    for key, value in state.items()
+                }
             group_locals.append(local)
         locals_.append(group_locals)
     for group, group_locals in zip(optimizer.param_groups, locals_):

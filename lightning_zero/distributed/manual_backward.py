@@ -79,9 +79,10 @@ class ManualBackward:
                         owned.setdefault(fsdp_param_module(fsdp_param), []).append(fsdp_param)
         self._suspended = False
         self._backward_ran = False
-        self._handles = [owner.register_forward_pre_hook(self._make_hook(params, any(id(p) in root_params
-                                                                                     for p in params)))
-                         for owner, params in owned.items()]
+        self._handles = [
+            owner.register_forward_pre_hook(self._make_hook(params, any(id(p) in root_params for p in params)))
+            for owner, params in owned.items()
+        ]
 
     def _make_hook(self, fsdp_params: list, owns_root_params: bool):
         def before_forward(_module, _args):
@@ -93,6 +94,7 @@ class ManualBackward:
                 wanted = fsdp_param.sharded_param.requires_grad
                 if gathered is not None and gathered.requires_grad != wanted:
                     gathered.requires_grad_(wanted)
+
         return before_forward
 
     @contextmanager

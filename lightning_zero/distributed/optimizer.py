@@ -99,8 +99,8 @@ class OptimizerSharding:
     """What :func:`shard_optimizer` did to an optimizer; reachable as :func:`get_sharding` (optimizer)."""
 
     config: ZeroConfig
-    model_params: list[list[Tensor]]            # per group, every module parameter, in the user's order
-    owners: list[list[int]]                     # per group, the rank that steps each parameter (-1: every rank)
+    model_params: list[list[Tensor]]  # per group, every module parameter, in the user's order
+    owners: list[list[int]]  # per group, the rank that steps each parameter (-1: every rank)
     masters: dict[int, Tensor] = field(default_factory=dict)  # id(model param) -> CPU master (optimizer offload)
     master_grads: dict[int, Tensor] = field(default_factory=dict)  # id(model param) -> the master's grad buffer
     rank: int = 0
@@ -120,8 +120,12 @@ class OptimizerSharding:
         return [p for params in self.model_params for p in params]
 
     def owned_model_params(self) -> list[Tensor]:
-        return [p for params, owners in zip(self.model_params, self.owners)
-                for p, owner in zip(params, owners) if owner in (-1, self.rank)]
+        return [
+            p
+            for params, owners in zip(self.model_params, self.owners)
+            for p, owner in zip(params, owners)
+            if owner in (-1, self.rank)
+        ]
 
     def sync_masters(self, params: Optional[list[Tensor]] = None, sources: Optional[dict[int, Tensor]] = None) -> None:
         """After the module's parameters were loaded, the masters take their values: the optimizer steps the
@@ -143,8 +147,12 @@ class OptimizerSharding:
             for param in chosen:
                 master, value = local_tensor(self.masters[id(param)]), local_tensor(param.detach())
                 source = (sources or {}).get(id(param))
-                if (isinstance(source, Tensor) and not hasattr(source, "to_local") and source.shape == master.shape
-                        and source.dtype == master.dtype):
+                if (
+                    isinstance(source, Tensor)
+                    and not hasattr(source, "to_local")
+                    and source.shape == master.shape
+                    and source.dtype == master.dtype
+                ):
                     master.copy_(source.detach())
                     continue
                 if master.dtype != value.dtype:
@@ -175,8 +183,9 @@ class OptimizerSharding:
 
         def note(_module, state_dict, prefix, *args) -> None:
             loaded[:] = [param for name, param in own.items() if prefix + name in state_dict]
-            sources.update({id(param): state_dict[prefix + name] for name, param in own.items()
-                            if prefix + name in state_dict})
+            sources.update(
+                {id(param): state_dict[prefix + name] for name, param in own.items() if prefix + name in state_dict}
+            )
 
         def sync(_module, _incompatible_keys) -> None:
             self.sync_masters(loaded, sources)
@@ -245,9 +254,14 @@ def master_holders(module: torch.nn.Module) -> list[OptimizerSharding]:
     return found
 
 
-def shard_optimizer(optimizer: torch.optim.Optimizer, config: ZeroConfig, *, group=None,
-                    device: Optional[torch.device] = None,
-                    fp32_values: Optional[dict[int, Tensor]] = None) -> OptimizerSharding:
+def shard_optimizer(
+    optimizer: torch.optim.Optimizer,
+    config: ZeroConfig,
+    *,
+    group=None,
+    device: Optional[torch.device] = None,
+    fp32_values: Optional[dict[int, Tensor]] = None,
+) -> OptimizerSharding:
     """Partition (stage 1) and/or offload (``config.offloads_optimizer_only``: CPU masters) ``optimizer`` in place;
     see the module note. ``fp32_values``: the fp32 values of bf16 replicas
     (:func:`~lightning_zero.distributed.replicas.keep_fp32_values`); those of the parameters this rank steps become
@@ -260,8 +274,10 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, config: ZeroConfig, *, gro
         raise RuntimeError("shard_optimizer was already applied to this optimizer")
     if len(optimizer.state) > 0:
         if not only_constructor_states(optimizer):
-            raise RuntimeError("shard_optimizer needs a fresh optimizer: this one already has state. Create the "
-                               "optimizer after the model is wrapped, and load its state after sharding.")
+            raise RuntimeError(
+                "shard_optimizer needs a fresh optimizer: this one already has state. Create the "
+                "optimizer after the model is wrapped, and load its state after sharding."
+            )
         optimizer.state.clear()
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     world = dist.get_world_size(group) if dist.is_initialized() else 1
@@ -309,14 +325,19 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, config: ZeroConfig, *, gro
         # Before the state swapper: it steps each of its sub-groups through this unit-by-unit step.
         param_swapper = find_param_swapper(sharding.all_model_params())
         if param_swapper is None:
-            raise RuntimeError("offload_params='nvme' needs the module sharded by apply_zero (stage 3) before its "
-                               "optimizer is sharded: no parameter swapper holds this optimizer's parameters")
+            raise RuntimeError(
+                "offload_params='nvme' needs the module sharded by apply_zero (stage 3) before its "
+                "optimizer is sharded: no parameter swapper holds this optimizer's parameters"
+            )
         attach_param_step(optimizer, param_swapper)
         sharding.param_step_of = optimizer
     if config.swaps_optimizer_states:
         # After the hooks: the swapped step runs inside torch's hook wrapper, so they still run once per step.
-        companions = {id(master): p for p in sharding.owned_model_params()
-                      if swap_masters and (master := sharding.masters.get(id(p))) is not None}
+        companions = {
+            id(master): p
+            for p in sharding.owned_model_params()
+            if swap_masters and (master := sharding.masters.get(id(p))) is not None
+        }
         sharding.swapper = attach_swapper(optimizer, config.nvme, rank=rank, pin_memory=pin, masters=companions)
     setattr(optimizer, _ATTR, sharding)
     if sharding.narrowed_groups():  # last: see [Note: zero_grad reaches the module's gradients]
@@ -347,8 +368,10 @@ def _pre_step(optimizer, args, kwargs) -> None:
         return
     # torch passes the optimizer itself as args[0]; anything after it is a positional closure.
     if len(args) > 1 or kwargs.get("closure") is not None:
-        raise RuntimeError("With offload the optimizer steps CPU masters, so gradients must exist before step(): "
-                           "run the closure first and call step() without one.")
+        raise RuntimeError(
+            "With offload the optimizer steps CPU masters, so gradients must exist before step(): "
+            "run the closure first and call step() without one."
+        )
     if sharding.swaps_masters():
         return  # the swapper copies each sub-group's gradients into its masters
     if sharding.beside_replicas:
@@ -484,15 +507,15 @@ def _zero_grad_of(optimizer) -> Callable:
     return zero_grad
 
 
-
-
 def _cpu_like(tensor: Tensor, pin: bool) -> Tensor:
     """An uninitialised CPU tensor for ``tensor``'s local part, at least fp32 (the master precision), wrapped as a
     DTensor with the same mesh, placements and global shape when ``tensor`` is one (FSDP2's uneven last shard
     included)."""
     local = local_tensor(tensor)
-    return wrap_like(torch.empty(local.shape, dtype=torch.promote_types(local.dtype, torch.float32), device="cpu",
-                                 pin_memory=pin), tensor)
+    return wrap_like(
+        torch.empty(local.shape, dtype=torch.promote_types(local.dtype, torch.float32), device="cpu", pin_memory=pin),
+        tensor,
+    )
 
 
 def _empty_master(param: Tensor) -> Tensor:

@@ -63,8 +63,9 @@ class Meshes:
     pipeline: Optional[Any] = None
 
 
-def build_meshes(device_type: str, world_size: int, *, pipeline_parallel_size: int = 1,
-                 hybrid_shard_size: Optional[int] = None) -> Meshes:
+def build_meshes(
+    device_type: str, world_size: int, *, pipeline_parallel_size: int = 1, hybrid_shard_size: Optional[int] = None
+) -> Meshes:
     """Step 1, right after the process group exists: a ``(pp, world / pp)`` mesh under a pipeline (the ZeRO stage
     applies on ``"dp"``), else the data-parallel mesh
     (:func:`~lightning_zero.distributed.hybrid.data_parallel_mesh`)."""
@@ -86,8 +87,14 @@ def sampler_kwargs(meshes: Optional[Meshes], world_size: int, global_rank: int) 
     return {"num_replicas": world_size, "rank": global_rank}
 
 
-def init_context(config: ZeroConfig, *, pipelined: bool, local_world_size: int,
-                 empty_init: Optional[bool] = None, init_dtype: Optional[torch.dtype] = None) -> AbstractContextManager:
+def init_context(
+    config: ZeroConfig,
+    *,
+    pipelined: bool,
+    local_world_size: int,
+    empty_init: Optional[bool] = None,
+    init_dtype: Optional[torch.dtype] = None,
+) -> AbstractContextManager:
     """Step 2, around the user's model construction: the model's own init runs exactly as on CPU; ``empty_init=True``
     skips the init of torch's layers, as Lightning's strategies do: the script initialises (or loads) the weights at
     stages 0-1, as under DDP, and :func:`wrap_module` calls the untouched modules' ``reset_parameters()`` at stages
@@ -96,14 +103,25 @@ def init_context(config: ZeroConfig, *, pipelined: bool, local_world_size: int,
     (:mod:`.exact_init`, :mod:`.deferred_init`). A pipeline builds only its own stages at setup, so it is never
     deferred. ``init_dtype``: the precision's build dtype (``[Note: the build under bf16-true]``)."""
     deferred = config.stage >= 2 and not pipelined
-    return exact_init(InitConfig.from_env(max(1, local_world_size), deferred=deferred), empty_init,
-                      None if pipelined else init_dtype)
+    return exact_init(
+        InitConfig.from_env(max(1, local_world_size), deferred=deferred), empty_init, None if pipelined else init_dtype
+    )
 
 
-def wrap_module(module: nn.Module, mesh, config: ZeroConfig, *, device: torch.device, mp_policy=None,
-                reduce_dtype: Optional[torch.dtype] = None, ddp_options: Optional[DDPOptions] = None,
-                reduce_bucket_size: Optional[int] = None, activation_checkpointing=None,
-                replica_dtype: Optional[torch.dtype] = None, fp32_values: Optional[dict] = None) -> nn.Module:
+def wrap_module(
+    module: nn.Module,
+    mesh,
+    config: ZeroConfig,
+    *,
+    device: torch.device,
+    mp_policy=None,
+    reduce_dtype: Optional[torch.dtype] = None,
+    ddp_options: Optional[DDPOptions] = None,
+    reduce_bucket_size: Optional[int] = None,
+    activation_checkpointing=None,
+    replica_dtype: Optional[torch.dtype] = None,
+    fp32_values: Optional[dict] = None,
+) -> nn.Module:
     """Step 3: :func:`~lightning_zero.distributed.apply_zero.apply_zero` over the data-parallel ``mesh``. Stages 0-1
     return a ``DistributedDataParallel`` wrapper built with ``ddp_options`` (and a ds_config's
     ``reduce_bucket_size``, see :func:`~lightning_zero.distributed.ddp.ddp_kwargs_for`) that all-reduces in
@@ -112,12 +130,20 @@ def wrap_module(module: nn.Module, mesh, config: ZeroConfig, *, device: torch.de
     autocast instead: the precision plugin's forward context; or, with ``replica_dtype``, hold the parameters in
     that dtype and fill ``fp32_values`` for step 4's masters: :mod:`.replicas`)."""
     if config.stage >= 2:
-        return apply_zero(module, mesh, config, device=device, mp_policy=mp_policy,
-                          activation_checkpointing=activation_checkpointing)
+        return apply_zero(
+            module, mesh, config, device=device, mp_policy=mp_policy, activation_checkpointing=activation_checkpointing
+        )
     ddp_kwargs = ddp_kwargs_for(ddp_options or DDPOptions(), module, reduce_bucket_size)
-    wrapped = apply_zero(module, mesh, config, device=device, ddp_kwargs=ddp_kwargs,
-                         activation_checkpointing=activation_checkpointing, replica_dtype=replica_dtype,
-                         fp32_values=fp32_values)
+    wrapped = apply_zero(
+        module,
+        mesh,
+        config,
+        device=device,
+        ddp_kwargs=ddp_kwargs,
+        activation_checkpointing=activation_checkpointing,
+        replica_dtype=replica_dtype,
+        fp32_values=fp32_values,
+    )
     if reduce_dtype is not None:
         wrapped.register_comm_hook(wrapped.process_group, low_precision_allreduce_hook(reduce_dtype))
     return wrapped
@@ -160,11 +186,13 @@ def check_optimizer_params(optimizer: torch.optim.Optimizer, module: nn.Module, 
             f"optimizer {index} ({type(optimizer).__name__}) holds {stale} tensor(s) that are not parameters of the "
             "sharded model, so they would never be trained. At ZeRO stages 2-3 the parameters are replaced when the "
             "model is sharded: create the optimizer inside configure_optimizers from self.parameters(), not earlier "
-            "(in __init__ or configure_model), and do not pass tensors that are not module parameters.")
+            "(in __init__ or configure_model), and do not pass tensors that are not module parameters."
+        )
 
 
-def point_at_shards(optimizer: torch.optim.Optimizer, module: nn.Module,
-                    names: Optional[dict[int, str]] = None) -> None:
+def point_at_shards(
+    optimizer: torch.optim.Optimizer, module: nn.Module, names: Optional[dict[int, str]] = None
+) -> None:
     """Reshard ``module``'s units and put its sharded parameters in ``optimizer`` in place of the tensors they
     replaced, by name. ``names``: the name of each tensor (by ``id``) the optimizer may hold in place of a sharded
     parameter; by default the module's parameters now, which a forward may have left gathered (see the note). An
@@ -184,20 +212,34 @@ def point_at_shards(optimizer: torch.optim.Optimizer, module: nn.Module,
         names = {id(param): name for name, param in module.named_parameters(remove_duplicate=False)}
     reshard_gathered(module)
     sharded = dict(module.named_parameters(remove_duplicate=False))
-    replaced = [(group, i) for group in optimizer.param_groups for i, param in enumerate(group["params"])
-                if id(param) in names and names[id(param)] in sharded and sharded[names[id(param)]] is not param]
+    replaced = [
+        (group, i)
+        for group in optimizer.param_groups
+        for i, param in enumerate(group["params"])
+        if id(param) in names and names[id(param)] in sharded and sharded[names[id(param)]] is not param
+    ]
     if replaced and optimizer.state and not only_constructor_states(optimizer):  # Adagrad's: dropped by step 4
-        raise RuntimeError(f"{type(optimizer).__name__} holds parameters that sharding the model replaced (it was "
-                           "built before the model was sharded, or from parameters a forward left gathered) and has "
-                           "stepped already: its states belong to tensors that are not the model's. Build it again, "
-                           "before any step, and load optimizer states after setup")
+        raise RuntimeError(
+            f"{type(optimizer).__name__} holds parameters that sharding the model replaced (it was "
+            "built before the model was sharded, or from parameters a forward left gathered) and has "
+            "stepped already: its states belong to tensors that are not the model's. Build it again, "
+            "before any step, and load optimizer states after setup"
+        )
     for group, i in replaced:
         group["params"][i] = sharded[names[id(group["params"][i])]]
 
 
-def shard_optimizer_of(optimizer: torch.optim.Optimizer, module: nn.Module, mesh, config: ZeroConfig, *,
-                       device: torch.device, pipelined: bool = False, index: int = 0,
-                       fp32_values: Optional[dict] = None) -> bool:
+def shard_optimizer_of(
+    optimizer: torch.optim.Optimizer,
+    module: nn.Module,
+    mesh,
+    config: ZeroConfig,
+    *,
+    device: torch.device,
+    pipelined: bool = False,
+    index: int = 0,
+    fp32_values: Optional[dict] = None,
+) -> bool:
     """Step 4, for one optimizer of ``module`` (wrapped by step 3): at stages 2-3 it must hold the sharded
     parameters (:func:`check_optimizer_params`; a pipeline's stage modules hold FSDP2 units of their own, so it is
     skipped there); then :func:`~lightning_zero.distributed.optimizer.shard_optimizer` partitions it over the shard
@@ -212,13 +254,15 @@ def shard_optimizer_of(optimizer: torch.optim.Optimizer, module: nn.Module, mesh
                 f"Optimizer {index} ({type(optimizer).__name__}) was sharded by an earlier fit, whose end removed the "
                 "hooks it steps with: its param_groups hold this rank's partition (or CPU masters), so stepping it "
                 "again would update part of the model and tell no other rank. Create the optimizer inside "
-                "configure_optimizers (a new one for each fit), and restore its state from a checkpoint.")
+                "configure_optimizers (a new one for each fit), and restore its state from a checkpoint."
+            )
         return False
     if config.stage >= 2 and not pipelined:
         point_at_shards(optimizer, module)
         check_optimizer_params(optimizer, module, index)
-    shard_optimizer(optimizer, config, group=shard_group(mesh) if mesh is not None else None, device=device,
-                    fp32_values=fp32_values)
+    shard_optimizer(
+        optimizer, config, group=shard_group(mesh) if mesh is not None else None, device=device, fp32_values=fp32_values
+    )
     if module is not None:
         get_sharding(optimizer).follow_module_loads(module)  # offloaded masters take loaded weights
     return True

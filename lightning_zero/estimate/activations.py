@@ -118,8 +118,9 @@ def precision_at_stage(precision: str, stage: int, swapped_masters: bool = False
     return precision
 
 
-def activation_bytes(shape: TransformerShape, precision: str = "32-true",
-                     checkpointing: str = "none") -> ActivationBytes:
+def activation_bytes(
+    shape: TransformerShape, precision: str = "32-true", checkpointing: str = "none"
+) -> ActivationBytes:
     """Per-rank activation bytes of one micro-batch.
 
     Args:

@@ -67,8 +67,9 @@ class StateBytes:
         return self.params + self.grads + self.optimizer_states
 
     def __add__(self, other: "StateBytes") -> "StateBytes":
-        return StateBytes(self.params + other.params, self.grads + other.grads,
-                          self.optimizer_states + other.optimizer_states)
+        return StateBytes(
+            self.params + other.params, self.grads + other.grads, self.optimizer_states + other.optimizer_states
+        )
 
 
 @dataclass(frozen=True)
@@ -154,7 +155,7 @@ def model_state_memory(module: nn.Module, optimizers: Iterable[torch.optim.Optim
         for master in masters:
             counter.add(master, "optimizer_states")
             counter.add(master.grad, "grads")
-        for buffer in (sharding.master_grads.values() if sharding is not None else ()):
+        for buffer in sharding.master_grads.values() if sharding is not None else ():
             counter.add(buffer, "grads")  # kept for the run even while zero_grad has set .grad to None
         for state in optimizer.state.values():
             for value in state.values():
@@ -187,9 +188,17 @@ def shard_ranks(world_size: int, hybrid_shard_size: Optional[int] = None) -> int
     return hybrid_shard_size
 
 
-def zero_formula(num_params: int, stage: int, world_size: int, *, precision: str = "32-true",
-                 optimizer_bytes_fp32: int = 8, hybrid_shard_size: Optional[int] = None,
-                 swapped_masters: bool = False, stage1_heaviest: Optional[int] = None) -> StateBytes:
+def zero_formula(
+    num_params: int,
+    stage: int,
+    world_size: int,
+    *,
+    precision: str = "32-true",
+    optimizer_bytes_fp32: int = 8,
+    hybrid_shard_size: Optional[int] = None,
+    swapped_masters: bool = False,
+    stage1_heaviest: Optional[int] = None,
+) -> StateBytes:
     """Bytes per rank at rest (between backward and step) for ``stage``; see the module table. ``swapped_masters``:
     the optimizer's masters are swapped to NVMe (no bf16 replicas then: ``distributed/replicas.py``).
     ``stage1_heaviest``: at stage 1, the parameters (elements) the most loaded rank steps, in place of the even
@@ -221,38 +230,44 @@ class MemoryEstimate:
     nvme: int = 0  # swapped to disk (offload="nvme"), per rank: optimizer states; at stage 3 the fp32 shards too
 
     def as_table(self) -> list[tuple[str, str]]:
-        gib = 1024 ** 3
-        return [("accelerator at rest (GiB)", f"{self.accelerator.total / gib:.2f}"),
-                ("accelerator peak (GiB)", f"{self.accelerator_peak / gib:.2f}"),
-                ("cpu at rest (GiB)", f"{self.cpu.total / gib:.2f}"),
-                ("cpu peak (GiB)", f"{self.cpu_peak / gib:.2f}"),
-                ("nvme (GiB)", f"{self.nvme / gib:.2f}")]
+        gib = 1024**3
+        return [
+            ("accelerator at rest (GiB)", f"{self.accelerator.total / gib:.2f}"),
+            ("accelerator peak (GiB)", f"{self.accelerator_peak / gib:.2f}"),
+            ("cpu at rest (GiB)", f"{self.cpu.total / gib:.2f}"),
+            ("cpu peak (GiB)", f"{self.cpu_peak / gib:.2f}"),
+            ("nvme (GiB)", f"{self.nvme / gib:.2f}"),
+        ]
 
 
-def estimate_model_states_memory(model_or_num_params: Union[nn.Module, int], stage: int, world_size: int,
-                                 offload: Optional[str] = None, precision: str = "32-true", *,
-                                 largest_unit_params: Optional[int] = None,
-                                 optimizer_bytes_fp32: int = 8, sub_group_size: int = 1_000_000_000,
-                                 buffer_count: int = 4, max_in_cpu: int = 1_000_000_000,
-                                 buffer_size: int = 100_000_000,
-                                 hybrid_shard_size: Optional[int] = None,
-                                 offload_optimizer: Optional[str] = None,
-                                 offload_params: Optional[str] = None,
-                                 parameter_sizes: Optional[Sequence[int]] = None) -> MemoryEstimate:
+def estimate_model_states_memory(
+    model_or_num_params: Union[nn.Module, int],
+    stage: int,
+    world_size: int,
+    offload: Optional[str] = None,
+    precision: str = "32-true",
+    *,
+    largest_unit_params: Optional[int] = None,
+    optimizer_bytes_fp32: int = 8,
+    sub_group_size: int = 1_000_000_000,
+    buffer_count: int = 4,
+    max_in_cpu: int = 1_000_000_000,
+    buffer_size: int = 100_000_000,
+    hybrid_shard_size: Optional[int] = None,
+    offload_optimizer: Optional[str] = None,
+    offload_params: Optional[str] = None,
+    parameter_sizes: Optional[Sequence[int]] = None,
+) -> MemoryEstimate:
     """Estimate per-rank model-state memory, like DeepSpeed's ``estimate_zero{2,3}_model_states_mem_needs``.
 
     Args:
         model_or_num_params: a module (its parameters are counted; its largest default FSDP2 unit, repeated blocks
             grouped up to the default ``unit_bytes``, sizes the stage-3 peak) or a parameter count.
-        stage: 0-3. world_size: data-parallel ranks. offload: ``None``, ``"cpu"`` or ``"nvme"`` (as ``"cpu"``,
-            with the ``optimizer_bytes_fp32`` states per parameter on disk instead of in CPU memory, and with the
-            optimizer alone offloaded (stages 1-3) the fp32 masters too (their gradients exist for one sub-group at
-            a time); the swapped step holds ``buffer_count`` sub-groups of ``sub_group_size`` elements'
-            states in CPU memory at its peak). At stage 3 ``"nvme"`` swaps the fp32 parameter shards too
-            (ZeRO-Infinity): none rest in CPU memory; at the peak at most ``max_in_cpu`` elements of them are kept
-            resident, plus the units in use (two of the largest: one gathered, one prefetched; read whatever
-            ``max_in_cpu``), plus ``buffer_count`` staging buffers of ``buffer_size`` elements.
-            ``offload`` is the strategy's shorthand: at stage 3 it offloads the parameters too.
+        stage: 0-3. world_size: data-parallel ranks. offload: ``None``, ``"cpu"`` or ``"nvme"``, the strategy's
+            shorthand (at stage 3 it offloads the parameters too). ``"nvme"`` is laid out as ``"cpu"`` with the
+            optimizer states on disk (with the optimizer alone offloaded, the fp32 masters too; at stage 3 the fp32
+            parameter shards too, ZeRO-Infinity); ``buffer_count``, ``sub_group_size``, ``max_in_cpu`` and
+            ``buffer_size``, DeepSpeed's knobs of those names, size the CPU buffers at the swapped step's peak.
         offload_optimizer, offload_params: the precise form instead of ``offload``, as the strategy takes them
             (``offload_optimizer`` alone keeps parameters and gradients on the accelerator; ``offload_params`` at
             stage 3 also moves them: ``"nvme"`` swaps them as above). Validated by the same rules as the strategy.
@@ -271,28 +286,56 @@ def estimate_model_states_memory(model_or_num_params: Union[nn.Module, int], sta
         return "cpu" if isinstance(device, str) and device.lower() == "nvme" else device
 
     # same validation and messages as the strategy
-    config = ZeroConfig(stage=stage, offload=no_nvme(offload), offload_optimizer=no_nvme(offload_optimizer),
-                        offload_params=no_nvme(offload_params), hybrid_shard_size=hybrid_shard_size)
+    config = ZeroConfig(
+        stage=stage,
+        offload=no_nvme(offload),
+        offload_optimizer=no_nvme(offload_optimizer),
+        offload_params=no_nvme(offload_params),
+        hybrid_shard_size=hybrid_shard_size,
+    )
     swaps_optimizer = _swaps_optimizer_states(offload, offload_optimizer)
     swaps_params = stage == 3 and (_is_nvme(offload) or _is_nvme(offload_params))
     num_params, largest_unit_params = _parameter_counts(model_or_num_params, largest_unit_params)
     n, p = shard_ranks(world_size, hybrid_shard_size), num_params
     heaviest = _stage1_heaviest(model_or_num_params, parameter_sizes, n) if stage == 1 else None
-    rest = zero_formula(num_params, stage, world_size, precision=precision, optimizer_bytes_fp32=optimizer_bytes_fp32,
-                        hybrid_shard_size=hybrid_shard_size, swapped_masters=swaps_optimizer,
-                        stage1_heaviest=heaviest)
-    accel, cpu = _offload_placement(rest, p, n, optimizer_bytes_fp32, offloads=config.offloads,
-                                    offloads_params=config.offloads_params)
+    rest = zero_formula(
+        num_params,
+        stage,
+        world_size,
+        precision=precision,
+        optimizer_bytes_fp32=optimizer_bytes_fp32,
+        hybrid_shard_size=hybrid_shard_size,
+        swapped_masters=swaps_optimizer,
+        stage1_heaviest=heaviest,
+    )
+    accel, cpu = _offload_placement(
+        rest, p, n, optimizer_bytes_fp32, offloads=config.offloads, offloads_params=config.offloads_params
+    )
     # Stage 3 gathers one unit and prefetches the next; never more than the whole model.
     bc = compute_bytes(precision)
     gathered = {2: p * bc, 3: min(2 * largest_unit_params, p) * bc}.get(stage, 0)
     if not (swaps_optimizer or swaps_params):
         return MemoryEstimate(accel, cpu, accel.total + gathered, cpu.total)
+    swapping = (swaps_optimizer, swaps_params, config.offloads_params)
+    knobs = (optimizer_bytes_fp32, sub_group_size, buffer_count, max_in_cpu, buffer_size)
+    cpu, on_disk, buffers = _nvme_placement(cpu, p, n, largest_unit_params, swapping, knobs)
+    return MemoryEstimate(accel, cpu, accel.total + gathered, cpu.total + buffers, nvme=on_disk)
+
+
+def _nvme_placement(
+    cpu: StateBytes, p: int, n: int, largest_unit_params: int, swapping: tuple, knobs: tuple
+) -> tuple[StateBytes, int, int]:
+    """What NVMe swapping moves from CPU memory to disk, per rank: ``(cpu at rest, bytes on disk, CPU buffers at the
+    step's peak)`` (see :func:`estimate_model_states_memory`'s ``offload``). ``swapping``: whether the optimizer
+    states and the parameters are swapped, and whether the parameters are offloaded; ``knobs``: the fp32 optimizer
+    bytes per element and the NVMe sizes."""
+    swaps_optimizer, swaps_params, offloads_params = swapping
+    optimizer_bytes_fp32, sub_group_size, buffer_count, max_in_cpu, buffer_size = knobs
     on_disk = buffers = 0
     if swaps_optimizer:  # lightning_zero.offload.optimizer_swapper: the optimizer states live on disk
         # Optimizer-only offload (any stage) swaps the fp32 masters with the states; their gradients exist for the
         # stepping sub-group only. With the parameters offloaded (stage 3) the FSDP2 shards are the masters.
-        masters_swapped = not config.offloads_params
+        masters_swapped = not offloads_params
         per_element = optimizer_bytes_fp32 + (4 if masters_swapped else 0)
         on_disk = p * per_element // n
         cpu = StateBytes(cpu.params, 0 if masters_swapped else cpu.grads, cpu.optimizer_states - on_disk)
@@ -307,7 +350,7 @@ def estimate_model_states_memory(model_or_num_params: Union[nn.Module, int], sta
         # streams them through its swap buffers, outside max_in_cpu)
         in_use = min(2 * largest_unit_params, p) * 4 // n
         buffers += min(shard, max_in_cpu * 4 + in_use) + min(shard, buffer_count * buffer_size * 4)
-    return MemoryEstimate(accel, cpu, accel.total + gathered, cpu.total + buffers, nvme=on_disk)
+    return cpu, on_disk, buffers
 
 
 def _is_nvme(device) -> bool:
@@ -341,8 +384,9 @@ def _stage1_heaviest(model_or_num_params, parameter_sizes: Optional[Sequence[int
     return stage1_heaviest_share(parameter_sizes, n) if parameter_sizes else None
 
 
-def _parameter_counts(model_or_num_params: Union[nn.Module, int], largest_unit_params: Optional[int]
-                      ) -> tuple[int, int]:
+def _parameter_counts(
+    model_or_num_params: Union[nn.Module, int], largest_unit_params: Optional[int]
+) -> tuple[int, int]:
     """``(parameters, parameters of the largest FSDP unit)`` for :func:`estimate_model_states_memory`: a module's
     are counted, its largest unit among those ``apply_zero`` makes by default unless given; for a bare count the
     largest unit is the whole model unless given."""
@@ -361,8 +405,9 @@ def _parameter_counts(model_or_num_params: Union[nn.Module, int], largest_unit_p
     return num_params, largest_unit_params or num_params
 
 
-def _offload_placement(rest: StateBytes, p: int, n: int, optimizer_bytes_fp32: int, *,
-                       offloads: bool, offloads_params: bool) -> tuple[StateBytes, StateBytes]:
+def _offload_placement(
+    rest: StateBytes, p: int, n: int, optimizer_bytes_fp32: int, *, offloads: bool, offloads_params: bool
+) -> tuple[StateBytes, StateBytes]:
     """``(accelerator, cpu)`` bytes at rest of the stage's states ``rest`` (:func:`zero_formula`) once the offload
     (``ZeroConfig.offloads``, ``.offloads_params``) has moved them: ``p`` parameters over ``n`` ranks."""
     if not offloads:
@@ -401,18 +446,26 @@ class FullEstimate:
         return self.states.nvme
 
     def as_table(self) -> list[tuple[str, str]]:
-        gib = 1024 ** 3
+        gib = 1024**3
         return self.states.as_table() + [
             ("activations on the accelerator (GiB)", f"{self.activations.accelerator / gib:.2f}"),
             ("activations in cpu memory (GiB)", f"{self.activations.cpu / gib:.2f}"),
             ("accelerator peak with activations (GiB)", f"{self.accelerator_peak / gib:.2f}"),
-            ("cpu peak with activations (GiB)", f"{self.cpu_peak / gib:.2f}")]
+            ("cpu peak with activations (GiB)", f"{self.cpu_peak / gib:.2f}"),
+        ]
 
 
-def estimate_memory(model_or_num_params: Union[nn.Module, int], stage: int, world_size: int,
-                    offload: Optional[str] = None, precision: str = "32-true", *,
-                    shape: Optional[TransformerShape] = None, checkpointing: str = "none",
-                    **state_kwargs: Any) -> FullEstimate:
+def estimate_memory(
+    model_or_num_params: Union[nn.Module, int],
+    stage: int,
+    world_size: int,
+    offload: Optional[str] = None,
+    precision: str = "32-true",
+    *,
+    shape: Optional[TransformerShape] = None,
+    checkpointing: str = "none",
+    **state_kwargs: Any,
+) -> FullEstimate:
     """Estimate per-rank memory of model states plus activations (``docs/memory.md``).
 
     The model-state part is ``estimate_model_states_memory`` (same arguments: ``state_kwargs`` are its keywords,
@@ -426,6 +479,9 @@ def estimate_memory(model_or_num_params: Union[nn.Module, int], stage: int, worl
         raise ValueError(f"checkpointing must be one of {CHECKPOINTING}, got {checkpointing!r}")
     states = estimate_model_states_memory(model_or_num_params, stage, world_size, offload, precision, **state_kwargs)
     swapped = _swaps_optimizer_states(offload, state_kwargs.get("offload_optimizer"))
-    acts = (activation_bytes(shape, precision_at_stage(precision, stage, swapped), checkpointing) if shape is not None
-            else ActivationBytes(0))
+    acts = (
+        activation_bytes(shape, precision_at_stage(precision, stage, swapped), checkpointing)
+        if shape is not None
+        else ActivationBytes(0)
+    )
     return FullEstimate(states, acts, checkpointing)

@@ -70,11 +70,15 @@ SCALER = "fabric_loss_scaler"  # the fp16 loss scaler's state (plain numbers)
 # Every top-level key the checkpoint holds besides the user's plain values, and what it holds: a plain value under
 # one of these names would be written over (or crash the save), so it is refused by name, on save and on load.
 # (states.save_states writes the last two; tests/fabric/test_fabric_raw_loads.py checks that this list is complete.)
-RESERVED = {"state_dict": "the modules' weights", "optimizer_states": "the optimizers' states",
-            KEYS: "which keys held modules and optimizers", SCALER: "the fp16 loss scaler",
-            "optimizer_param_groups": "the optimizers' param groups",
-            "frozen_parameters_excluded": "the frozen weights left out (exclude_frozen_parameters)",
-            FULL_FILE_MARKER: "the mark of a state_dict_type='full' file"}
+RESERVED = {
+    "state_dict": "the modules' weights",
+    "optimizer_states": "the optimizers' states",
+    KEYS: "which keys held modules and optimizers",
+    SCALER: "the fp16 loss scaler",
+    "optimizer_param_groups": "the optimizers' param groups",
+    "frozen_parameters_excluded": "the frozen weights left out (exclude_frozen_parameters)",
+    FULL_FILE_MARKER: "the mark of a state_dict_type='full' file",
+}
 
 
 def _unwrap(module: nn.Module) -> nn.Module:
@@ -87,11 +91,15 @@ def _split(state: dict[str, Any]) -> tuple[list[str], list[str]]:
     modules = [key for key, value in state.items() if isinstance(value, nn.Module)]
     optimizers = [key for key, value in state.items() if isinstance(value, Optimizer)]
     if optimizers and not modules:
-        raise ValueError(f"the state holds optimizers {optimizers} but no module: their states are keyed by the "
-                         "module's parameter names, so put the module in the same state")
+        raise ValueError(
+            f"the state holds optimizers {optimizers} but no module: their states are keyed by the "
+            "module's parameter names, so put the module in the same state"
+        )
     if len(modules) > 1 and any("." in key or not key for key in modules):
-        raise ValueError(f"with several modules each one's weights are stored under '<key>.', so the keys "
-                         f"{modules} must be non-empty and hold no '.'")
+        raise ValueError(
+            f"with several modules each one's weights are stored under '<key>.', so the keys "
+            f"{modules} must be non-empty and hold no '.'"
+        )
     return modules, optimizers
 
 
@@ -101,8 +109,10 @@ def _refuse_reserved_keys(state: dict[str, Any], modules: list[str], optimizers:
     taken = [key for key in state if key in RESERVED and key not in modules and key not in optimizers]
     if taken:
         held = "; ".join(f"{key!r} holds {RESERVED[key]}" for key in taken)
-        raise ValueError(f"{call} with a ZeroStrategy: the state key(s) {taken} are names the checkpoint uses "
-                         f"itself ({held}), so the value would be lost or break the checkpoint; rename the key(s)")
+        raise ValueError(
+            f"{call} with a ZeroStrategy: the state key(s) {taken} are names the checkpoint uses "
+            f"itself ({held}), so the value would be lost or break the checkpoint; rename the key(s)"
+        )
 
 
 def _module_view(state: dict[str, Any], keys: list[str]) -> nn.Module:
@@ -113,9 +123,20 @@ def _module_view(state: dict[str, Any], keys: list[str]) -> nn.Module:
     return nn.ModuleDict({key: _unwrap(state[key]) for key in keys}) if keys else nn.Module()
 
 
-def save(path: str, state: dict[str, Any], filter: Optional[dict[str, Callable[[str, Any], bool]]], *, precision,
-         zero_config, exclude_frozen_parameters: bool, ds_config_report: Optional[dict], async_save: bool,
-         weights_16bit: Optional[torch.dtype] = None, state_dict_type: str = "sharded", rank: int = 0) -> None:
+def save(
+    path: str,
+    state: dict[str, Any],
+    filter: Optional[dict[str, Callable[[str, Any], bool]]],
+    *,
+    precision,
+    zero_config,
+    exclude_frozen_parameters: bool,
+    ds_config_report: Optional[dict],
+    async_save: bool,
+    weights_16bit: Optional[torch.dtype] = None,
+    state_dict_type: str = "sharded",
+    rank: int = 0,
+) -> None:
     """Write ``state`` as a sharded checkpoint directory at ``path`` (collective: every rank calls it), with the fp16
     loss scaler of the strategy's ``precision`` plugin and the run's settings recorded (``zero.json``).
     ``weights_16bit``: also write the saved (filtered) weights unsharded in that dtype, as ``pytorch_model.bin``
@@ -124,16 +145,21 @@ def save(path: str, state: dict[str, Any], filter: Optional[dict[str, Callable[[
     module_keys, optimizer_keys = _split(state)
     _refuse_reserved_keys(state, module_keys, optimizer_keys, "fabric.save")
     if filter and set(filter) - set(module_keys):
-        raise NotImplementedError(f"fabric.save(filter=...) applies to modules' weights here; the filter keys "
-                                  f"{sorted(set(filter) - set(module_keys))} are not modules")
+        raise NotImplementedError(
+            f"fabric.save(filter=...) applies to modules' weights here; the filter keys "
+            f"{sorted(set(filter) - set(module_keys))} are not modules"
+        )
     module = _module_view(state, module_keys)
     checkpoint: dict[str, Any] = {}
     optimizers = [state[key] for key in optimizer_keys]
     weights = checkpointing.module_state_dict(module, optimizers)
     for key, keep in (filter or {}).items():
         prefix = "" if len(module_keys) == 1 else f"{key}."
-        weights = {name: tensor for name, tensor in weights.items()
-                   if not name.startswith(prefix) or keep(name[len(prefix):], tensor)}
+        weights = {
+            name: tensor
+            for name, tensor in weights.items()
+            if not name.startswith(prefix) or keep(name[len(prefix) :], tensor)
+        }
     checkpoint["state_dict"] = weights
     checkpoint["optimizer_states"] = [checkpointing.optimizer_state_dict(module, o) for o in optimizers]
     for key, value in state.items():
@@ -145,28 +171,46 @@ def save(path: str, state: dict[str, Any], filter: Optional[dict[str, Callable[[
         checkpoint[SCALER] = precision.state_dict()
 
     def save_sharded(states: dict[str, Any], directory: str) -> None:
-        checkpointing.save_states(states, directory, module=module, optimizers=optimizers, stage=zero_config.stage,
-                                  offload=zero_config.offload, exclude_frozen_parameters=exclude_frozen_parameters,
-                                  ds_config_report=ds_config_report, async_save=async_save,
-                                  weights_16bit=weights_16bit)
+        checkpointing.save_states(
+            states,
+            directory,
+            module=module,
+            optimizers=optimizers,
+            stage=zero_config.stage,
+            offload=zero_config.offload,
+            exclude_frozen_parameters=exclude_frozen_parameters,
+            ds_config_report=ds_config_report,
+            async_save=async_save,
+            weights_16bit=weights_16bit,
+        )
 
     if state_dict_type == "full":  # one file in Fabric's layout, streamed out of the shards (full_save.py)
-        save_full_file(checkpoint, path, save_sharded, rank=rank, with_optimizer=bool(optimizers),
-                       layout=as_fabric_file)
+        save_full_file(
+            checkpoint, path, save_sharded, rank=rank, with_optimizer=bool(optimizers), layout=as_fabric_file
+        )
         return
     save_sharded(checkpoint, path)
     if async_save:
         _await_at_exit()
 
 
-def save_with_settings(path: str, state: dict[str, Any], filter: Optional[dict], settings: Any, precision,
-                       rank: int) -> None:
+def save_with_settings(
+    path: str, state: dict[str, Any], filter: Optional[dict], settings: Any, precision, rank: int
+) -> None:
     """:func:`save` with what the strategy's ``settings`` (``ZeroSettings``) say of a save: stage and offload, frozen
     parameters, async, ``state_dict_type`` and the ds_config's save options at the ``precision`` plugin's flag."""
-    save(path, state, filter, precision=precision, zero_config=settings.zero_config,
-         exclude_frozen_parameters=settings.exclude_frozen_parameters, async_save=settings.async_save,
-         state_dict_type=settings.state_dict_type, rank=rank,
-         **checkpoint_save_options(settings.ds_config, precision.precision))
+    save(
+        path,
+        state,
+        filter,
+        precision=precision,
+        zero_config=settings.zero_config,
+        exclude_frozen_parameters=settings.exclude_frozen_parameters,
+        async_save=settings.async_save,
+        state_dict_type=settings.state_dict_type,
+        rank=rank,
+        **checkpoint_save_options(settings.ds_config, precision.precision),
+    )
 
 
 def as_fabric_file(checkpoint: dict[str, Any]) -> dict[str, Any]:
@@ -186,8 +230,9 @@ def as_fabric_file(checkpoint: dict[str, Any]) -> dict[str, Any]:
         laid_out[modules[0]] = weights
     else:  # several modules are stored under <key>.<name>
         for key in modules:
-            laid_out[key] = {name[len(key) + 1:]: value for name, value in weights.items()
-                             if name.startswith(key + ".")}
+            laid_out[key] = {
+                name[len(key) + 1 :]: value for name, value in weights.items() if name.startswith(key + ".")
+            }
     laid_out.update(zip(keys["optimizers"], states))
     laid_out.update(checkpoint)
     return laid_out
@@ -206,50 +251,71 @@ def settle_saves_at_exit() -> None:
     pending = pending_save_paths()
     if not pending:
         return
-    print(f"lightning-zero: the process is exiting with async checkpoint save(s) still pending ({pending}); waiting "
-          "for them here. Call fabric.strategy.wait_for_checkpoints() or strategy.teardown() before the end of the "
-          "script to wait collectively and get a failure as an exception", file=sys.stderr, flush=True)
+    print(
+        f"lightning-zero: the process is exiting with async checkpoint save(s) still pending ({pending}); waiting "
+        "for them here. Call fabric.strategy.wait_for_checkpoints() or strategy.teardown() before the end of the "
+        "script to wait collectively and get a failure as an exception",
+        file=sys.stderr,
+        flush=True,
+    )
     for message in settle_pending_saves():
         print(f"lightning-zero: an async checkpoint save FAILED: {message}", file=sys.stderr, flush=True)
 
 
-def load(path: str, state: Optional[dict[str, Any]], strict: bool, *, precision, async_save: bool,
-         exclude_frozen_parameters: bool) -> dict[str, Any]:
+def load(
+    path: str,
+    state: Optional[dict[str, Any]],
+    strict: bool,
+    *,
+    precision,
+    async_save: bool,
+    exclude_frozen_parameters: bool,
+) -> dict[str, Any]:
     """Load the checkpoint at ``path`` (a sharded directory, one file: see [Note: Fabric checkpoint files], or a
     DeepSpeed directory) into the objects of ``state`` in place (and the fp16 loss scaler into the strategy's
     ``precision`` plugin); return what was not loaded. ``async_save``: saves may still be pending.
 
     Plain values in ``state`` are replaced by the saved ones (Fabric copies them back into the caller's dict)."""
     if not state:
-        raise ValueError("fabric.load with a ZeroStrategy loads sharded states into existing objects: pass them, "
-                         "e.g. fabric.load(path, {'model': model, 'optimizer': optimizer}); to read the whole "
-                         "checkpoint in one process use `lightning-zero consolidate` and torch.load")
+        raise ValueError(
+            "fabric.load with a ZeroStrategy loads sharded states into existing objects: pass them, "
+            "e.g. fabric.load(path, {'model': model, 'optimizer': optimizer}); to read the whole "
+            "checkpoint in one process use `lightning-zero consolidate` and torch.load"
+        )
     _refuse_reserved_keys(state, *_split(state), "fabric.load")
     # Collective with async_save (fabric.load runs on every rank): rank 0 commits an async save in the background,
     # so another rank must not read the path before that commit, or it would load the checkpoint the save replaces.
     wait_for_pending_saves(barrier=bool(async_save))
     _refuse_a_file_inside_a_checkpoint(path)
     if is_deepspeed_checkpoint(path):
-        return _load_deepspeed(path, state, strict, precision=precision,
-                               exclude_frozen_parameters=exclude_frozen_parameters)
+        return _load_deepspeed(
+            path, state, strict, precision=precision, exclude_frozen_parameters=exclude_frozen_parameters
+        )
     if is_full_checkpoint(path, load_full_weights=False):
-        return _load_file(local_path(path), state, strict, precision=precision,
-                          exclude_frozen_parameters=exclude_frozen_parameters)
+        return _load_file(
+            local_path(path), state, strict, precision=precision, exclude_frozen_parameters=exclude_frozen_parameters
+        )
     directory = checkpoint_directory(path)
     meta = load_meta(directory)
     saved = meta.pop(KEYS, None)
     if saved is None:
-        raise CheckpointError(f"{directory} was not written by fabric.save (no {KEYS!r}); a Trainer checkpoint "
-                              "loads with Trainer.fit(ckpt_path=...) or LightningModule.load_from_checkpoint",
-                              directory)
+        raise CheckpointError(
+            f"{directory} was not written by fabric.save (no {KEYS!r}); a Trainer checkpoint "
+            "loads with Trainer.fit(ckpt_path=...) or LightningModule.load_from_checkpoint",
+            directory,
+        )
     scaler_state = meta.pop(SCALER, None)
     module_keys, optimizer_keys = _split(state)
     if module_keys and module_keys != saved["modules"]:
-        raise KeyError(f"the state's modules are {module_keys}, the checkpoint holds {saved['modules']} (pass all "
-                       "of them, under the same keys)")
+        raise KeyError(
+            f"the state's modules are {module_keys}, the checkpoint holds {saved['modules']} (pass all "
+            "of them, under the same keys)"
+        )
     if optimizer_keys and optimizer_keys != saved["optimizers"]:
-        raise KeyError(f"the state's optimizers are {optimizer_keys}, the checkpoint holds {saved['optimizers']} "
-                       "(pass all of them, under the same keys, or none)")
+        raise KeyError(
+            f"the state's optimizers are {optimizer_keys}, the checkpoint holds {saved['optimizers']} "
+            "(pass all of them, under the same keys, or none)"
+        )
     if not optimizer_keys:
         meta.pop("optimizer_param_groups", None)  # weights only
     if module_keys:
@@ -269,12 +335,17 @@ def _refuse_a_file_inside_a_checkpoint(path: str) -> None:
         return
     parent = os.path.dirname(local)
     grandparent = os.path.dirname(parent)
-    for directory in (parent if is_sharded_checkpoint(parent) else None,
-                      grandparent if is_deepspeed_checkpoint(grandparent) else None,
-                      parent if is_deepspeed_checkpoint(parent) else None):
+    for directory in (
+        parent if is_sharded_checkpoint(parent) else None,
+        grandparent if is_deepspeed_checkpoint(grandparent) else None,
+        parent if is_deepspeed_checkpoint(parent) else None,
+    ):
         if directory is not None:
-            raise CheckpointError(f"fabric.load({path!r}): a file inside the checkpoint {directory}; pass the "
-                                  f"directory: fabric.load({directory!r}, state)", local)
+            raise CheckpointError(
+                f"fabric.load({path!r}): a file inside the checkpoint {directory}; pass the "
+                f"directory: fabric.load({directory!r}, state)",
+                local,
+            )
 
 
 def _file_layout(path: str, module_keys: list[str], optimizer_keys: list[str]) -> Layout:
@@ -282,15 +353,19 @@ def _file_layout(path: str, module_keys: list[str], optimizer_keys: list[str]) -
 
     def layout(loaded: Any) -> tuple[dict[str, Any], Optional[list], dict[str, Any]]:
         if not isinstance(loaded, dict):
-            raise CheckpointError(f"{path}: not a Fabric checkpoint (a dict of the saved objects), got "
-                                  f"{type(loaded).__name__}", path)
+            raise CheckpointError(
+                f"{path}: not a Fabric checkpoint (a dict of the saved objects), got {type(loaded).__name__}", path
+            )
         if isinstance(loaded.get(KEYS), dict) and isinstance(loaded.get("state_dict"), dict):
             return _consolidated_layout(path, loaded, module_keys, optimizer_keys)
         absent = [key for key in module_keys + optimizer_keys if not isinstance(loaded.get(key), dict)]
         if absent:
-            raise CheckpointError(f"{path} holds no state dict under {absent} (its keys: {sorted(map(str, loaded))[:8]}"
-                                  "); fabric.load(path, state) needs each module and optimizer under the key it was "
-                                  "saved with, and fabric.load_raw(path, model) reads a bare state dict file", path)
+            raise CheckpointError(
+                f"{path} holds no state dict under {absent} (its keys: {sorted(map(str, loaded))[:8]}"
+                "); fabric.load(path, state) needs each module and optimizer under the key it was "
+                "saved with, and fabric.load_raw(path, model) reads a bare state dict file",
+                path,
+            )
         if len(module_keys) == 1:
             weights = loaded[module_keys[0]]
         else:  # several modules: as the sharded layout's ModuleDict view, <key>.<name>
@@ -305,29 +380,41 @@ def _file_layout(path: str, module_keys: list[str], optimizer_keys: list[str]) -
 def _consolidated_layout(path: str, loaded: dict, module_keys: list[str], optimizer_keys: list[str]):
     """A ZeroStrategy checkpoint consolidated into one file: Lightning's keys, and which state keys held what."""
     saved = loaded[KEYS]
-    if (module_keys and module_keys != saved.get("modules")) or \
-            (optimizer_keys and optimizer_keys != saved.get("optimizers")):
-        raise CheckpointError(f"{path} holds the modules {saved.get('modules')} and optimizers "
-                              f"{saved.get('optimizers')}; the state passes {module_keys} and {optimizer_keys} (pass "
-                              "all the modules or none, and all the optimizers or none, under the same keys)", path)
+    if (module_keys and module_keys != saved.get("modules")) or (
+        optimizer_keys and optimizer_keys != saved.get("optimizers")
+    ):
+        raise CheckpointError(
+            f"{path} holds the modules {saved.get('modules')} and optimizers "
+            f"{saved.get('optimizers')}; the state passes {module_keys} and {optimizer_keys} (pass "
+            "all the modules or none, and all the optimizers or none, under the same keys)",
+            path,
+        )
     states = loaded.get("optimizer_states")
     if optimizer_keys and not isinstance(states, list):
-        raise CheckpointError(f"{path} holds no optimizer states (consolidated without with_optimizer=True): load "
-                              "the modules alone", path)
+        raise CheckpointError(
+            f"{path} holds no optimizer states (consolidated without with_optimizer=True): load the modules alone", path
+        )
     rest = {key: value for key, value in loaded.items() if key not in ("state_dict", "optimizer_states", KEYS)}
     return loaded["state_dict"], (states if optimizer_keys else None), rest
 
 
-def _load_file(path: str, state: dict[str, Any], strict: bool, *, precision,
-               exclude_frozen_parameters: bool) -> dict[str, Any]:
+def _load_file(
+    path: str, state: dict[str, Any], strict: bool, *, precision, exclude_frozen_parameters: bool
+) -> dict[str, Any]:
     """``fabric.load`` of one file into the state's (sharded) objects, each rank reading its slices; returns the
     file's other entries."""
     module_keys, optimizer_keys = _split(state)
     layout = _file_layout(path, module_keys, optimizer_keys)
     if module_keys:
-        rest, _ = load_full_checkpoint(path, _module_view(state, module_keys), [state[key] for key in optimizer_keys],
-                                       strict=strict, exclude_frozen_parameters=exclude_frozen_parameters,
-                                       load_full_weights=False, layout=layout)
+        rest, _ = load_full_checkpoint(
+            path,
+            _module_view(state, module_keys),
+            [state[key] for key in optimizer_keys],
+            strict=strict,
+            exclude_frozen_parameters=exclude_frozen_parameters,
+            load_full_weights=False,
+            layout=layout,
+        )
         rest.pop("state_dict")
     else:
         source = FullCheckpoint(path, layout)
@@ -358,17 +445,25 @@ def _restore_values(where: str, state: dict[str, Any], saved: dict[str, Any], lo
             state[key] = value
 
 
-def _load_deepspeed(path: str, state: dict[str, Any], strict: bool, *, precision,
-                    exclude_frozen_parameters: bool) -> dict[str, Any]:
+def _load_deepspeed(
+    path: str, state: dict[str, Any], strict: bool, *, precision, exclude_frozen_parameters: bool
+) -> dict[str, Any]:
     """A directory that Fabric's ``DeepSpeedStrategy`` saved: its one engine's weights and optimizer states into the
     state's one module and optimizer, its client state into the other entries."""
     module_keys, optimizer_keys = _split(state)
     if len(module_keys) != 1 or len(optimizer_keys) > 1:
-        raise ValueError(f"{path} is a DeepSpeed checkpoint, which holds one module and at most one optimizer: pass "
-                         f"exactly those (the state holds the modules {module_keys} and optimizers {optimizer_keys})")
-    rest, _ = load_full_checkpoint(path, _unwrap(state[module_keys[0]]), [state[key] for key in optimizer_keys],
-                                   strict=strict, exclude_frozen_parameters=exclude_frozen_parameters,
-                                   load_full_weights=False)
+        raise ValueError(
+            f"{path} is a DeepSpeed checkpoint, which holds one module and at most one optimizer: pass "
+            f"exactly those (the state holds the modules {module_keys} and optimizers {optimizer_keys})"
+        )
+    rest, _ = load_full_checkpoint(
+        path,
+        _unwrap(state[module_keys[0]]),
+        [state[key] for key in optimizer_keys],
+        strict=strict,
+        exclude_frozen_parameters=exclude_frozen_parameters,
+        load_full_weights=False,
+    )
     rest.pop("state_dict")
     scaler_state = rest.pop(LOSS_SCALER_KEY, None)
     if scaler_state is not None and precision.scaler is not None:
@@ -388,6 +483,8 @@ def load_raw(path: str, obj: Union[nn.Module, Optimizer], strict: bool, modules:
     held = {id(param) for group in model_params_per_group(obj) for param in group}
     owners = [module for module in modules if any(id(param) in held for param in module.parameters())]
     if not owners:
-        raise ValueError("fabric.load_raw(path, optimizer): the optimizer holds no parameter of a module set up with "
-                         "fabric.setup; set up the model (and the optimizer with it) first")
+        raise ValueError(
+            "fabric.load_raw(path, optimizer): the optimizer holds no parameter of a module set up with "
+            "fabric.setup; set up the model (and the optimizer with it) first"
+        )
     load_raw_optimizer(path, owners[0], obj)

@@ -45,28 +45,47 @@ def setup(module: nn.Module, settings, meshes, device: torch.device, precision, 
     ``settings`` (``ZeroSettings``); ``runner``: the one built by an earlier call (refused: one pipelined module per
     strategy)."""
     if runner is not None:
-        raise ValueError("with pipeline_parallel_size > 1 a ZeroStrategy runs one pipelined module; it already has "
-                         "one (put every trainable layer in that PipelineModule)")
+        raise ValueError(
+            "with pipeline_parallel_size > 1 a ZeroStrategy runs one pipelined module; it already has "
+            "one (put every trainable layer in that PipelineModule)"
+        )
     find_pipeline_module(module)  # exactly one PipelineModule, holding every parameter (clear error otherwise)
-    return setup_pipeline(module, settings.pipeline, meshes.pipeline, meshes.data_parallel, settings.zero_config.stage,
-                          device, precision, settings.activation_checkpoint_config)
+    return setup_pipeline(
+        module,
+        settings.pipeline,
+        meshes.pipeline,
+        meshes.data_parallel,
+        settings.zero_config.stage,
+        device,
+        precision,
+        settings.activation_checkpoint_config,
+    )
 
 
 def step(runner, model: nn.Module, inputs: Any, targets: Any, grad_scale: float) -> Tensor:
     """See ``ZeroStrategy.pipeline_step`` and the accumulation note above."""
     if runner is None:
-        raise RuntimeError("pipeline_step needs ZeroStrategy(pipeline_parallel_size > 1) and a model set up with "
-                           "fabric.setup_module(...)")
-    if isinstance(grad_scale, bool) or not isinstance(grad_scale, (int, float)) or not math.isfinite(grad_scale) \
-            or grad_scale <= 0:
-        raise ValueError(f"grad_scale must be a positive finite number (1/k to accumulate k batches), got "
-                         f"{grad_scale!r}")
+        raise RuntimeError(
+            "pipeline_step needs ZeroStrategy(pipeline_parallel_size > 1) and a model set up with "
+            "fabric.setup_module(...)"
+        )
+    if (
+        isinstance(grad_scale, bool)
+        or not isinstance(grad_scale, (int, float))
+        or not math.isfinite(grad_scale)
+        or grad_scale <= 0
+    ):
+        raise ValueError(
+            f"grad_scale must be a positive finite number (1/k to accumulate k batches), got {grad_scale!r}"
+        )
     module = getattr(model, "_forward_module", model)  # Fabric's wrapper
     if find_pipeline_module(module).runner is not runner:
         raise ValueError("pipeline_step got a module other than the one fabric.setup_module split for the pipeline")
     if not module.training or not torch.is_grad_enabled():
-        raise RuntimeError("pipeline_step trains (forward and backward), but the model is in eval mode or gradients "
-                           "are disabled: call model.train(), or model(inputs, targets) for an evaluation loss")
+        raise RuntimeError(
+            "pipeline_step trains (forward and backward), but the model is in eval mode or gradients "
+            "are disabled: call model.train(), or model(inputs, targets) for an evaluation loss"
+        )
     runner.grad_scale = float(grad_scale)
     try:
         loss = model(inputs, targets)
@@ -78,22 +97,29 @@ def step(runner, model: nn.Module, inputs: Any, targets: Any, grad_scale: float)
 def clip(runner, params, max_norm, norm_type, error_if_nonfinite: bool) -> Tensor:
     """``fabric.clip_gradients`` under a pipeline: the L2 norm over every stage and shard (tied weights once)."""
     if float(norm_type) != 2.0:
-        raise NotImplementedError(f"clipping a pipeline computes the global L2 norm; norm_type={norm_type} is not "
-                                  "supported (use norm_type=2)")
+        raise NotImplementedError(
+            f"clipping a pipeline computes the global L2 norm; norm_type={norm_type} is not supported (use norm_type=2)"
+        )
     norm = clip_by_global_norm(runner, params, max_norm)
     if error_if_nonfinite and not math.isfinite(norm):
-        raise RuntimeError(f"the total norm of the pipeline's gradients is {norm}: not clipping (pass "
-                           "error_if_nonfinite=False to clip anyway)")
+        raise RuntimeError(
+            f"the total norm of the pipeline's gradients is {norm}: not clipping (pass "
+            "error_if_nonfinite=False to clip anyway)"
+        )
     return torch.tensor(norm)
 
 
 def refuse_backward() -> None:
-    raise RuntimeError("with pipeline_parallel_size > 1 the schedule runs backward itself: use "
-                       "loss = fabric.strategy.pipeline_step(model, inputs, targets, grad_scale=1/k) instead of "
-                       "fabric.backward (see lightning_zero.fabric.fabric_pipeline)")
+    raise RuntimeError(
+        "with pipeline_parallel_size > 1 the schedule runs backward itself: use "
+        "loss = fabric.strategy.pipeline_step(model, inputs, targets, grad_scale=1/k) instead of "
+        "fabric.backward (see lightning_zero.fabric.fabric_pipeline)"
+    )
 
 
 def refuse_optimizers_before_setup() -> None:
-    raise ValueError("with pipeline_parallel_size > 1 create the optimizer after fabric.setup_module(model): setup "
-                     "builds and keeps only this rank's pipeline stages, so an optimizer made before holds parameters "
-                     "the model no longer has (docs/fabric.md, Pipeline parallelism)")
+    raise ValueError(
+        "with pipeline_parallel_size > 1 create the optimizer after fabric.setup_module(model): setup "
+        "builds and keeps only this rank's pipeline stages, so an optimizer made before holds parameters "
+        "the model no longer has (docs/fabric.md, Pipeline parallelism)"
+    )

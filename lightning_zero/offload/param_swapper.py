@@ -91,8 +91,9 @@ class ParamSwapper:
         for unit in self.units:
             unit.path = os.path.join(self.folder, unit.path)
         self.io = AsyncFileIO(nvme.aio)
-        self.buffer_bytes = min(self.chunk_bytes, max((align_up(c[2]) for u in self.units for c in u.chunks),
-                                                      default=align_up(1)))
+        self.buffer_bytes = min(
+            self.chunk_bytes, max((align_up(c[2]) for u in self.units for c in u.chunks), default=align_up(1))
+        )
         self.resident_elements = sum(u.elements for u in self.units)
         self.peak_resident_elements = 0  # outside checkpoint holds, units in use included
         self.bytes_read = 0
@@ -142,9 +143,12 @@ class ParamSwapper:
         needed, free = self.disk_bytes() * sharing, shutil.disk_usage(self.folder).free
         if free < needed:
             self.close(restore=False)
-            raise SwapIOError(28, f"nvme_path={self.nvme.nvme_path!r} has {free} bytes free but the swapped "
-                                  f"parameters of {sharing} local rank(s) need about {needed} bytes on disk; free "
-                                  "space or choose another nvme_path")
+            raise SwapIOError(
+                28,
+                f"nvme_path={self.nvme.nvme_path!r} has {free} bytes free but the swapped "
+                f"parameters of {sharing} local rank(s) need about {needed} bytes on disk; free "
+                "space or choose another nvme_path",
+            )
 
     # ---------------------------------------------------------------- staging buffers
     def _acquire(self, prefetch: bool = False) -> Optional[Tensor]:
@@ -197,7 +201,7 @@ class ParamSwapper:
         views = [shard_byte_view(fp, size) for fp, size in zip(unit.fsdp_params(), unit.sizes)]
         for index, start, length, offset in unit.chunks:
             buf = self._acquire()
-            buf[:length].copy_(views[index][start:start + length])
+            buf[:length].copy_(views[index][start : start + length])
             nbytes = align_up(length)
             self._writes.append((unit, buf, self.io.write(unit.path, buf[:nbytes], offset)))
             unit.pending_writes += 1
@@ -208,16 +212,20 @@ class ParamSwapper:
     def _read(self, unit: SwapUnit) -> None:
         self._drain_writes(unit)
         if unit.lost:  # never read the stale file in its place
-            raise SwapIOError(5, f"the parameters of unit {unit.name!r} were lost: writing them to {unit.path!r} "
-                                 "failed after their memory was released")
+            raise SwapIOError(
+                5,
+                f"the parameters of unit {unit.name!r} were lost: writing them to {unit.path!r} "
+                "failed after their memory was released",
+            )
         unit.reads += 1
         pending, unit.prefetched = unit.prefetched, deque()
         self._prefetch_buffers -= len(pending)
         self.chunks_read_ahead += len(pending)
         staged = {number: (buf, future) for number, buf, future in pending}
         try:
-            views, adopted = shard_targets(unit.fsdp_params(), unit.sizes, unit.in_place, unit.chunks, staged,
-                                           pin_memory=self.pin_memory)
+            views, adopted = shard_targets(
+                unit.fsdp_params(), unit.sizes, unit.in_place, unit.chunks, staged, pin_memory=self.pin_memory
+            )
             self._alive -= len(adopted)  # those staging buffers left the pool: they are shard memory now
             self.bytes_adopted += sum(adopted)
             reads = []
@@ -228,12 +236,13 @@ class ParamSwapper:
                 if number not in staged and unit.in_place[index]:
                     nbytes = align_up(length)  # inside the aligned memory install_shard_memory() gave the shard
                     self.bytes_read += nbytes
-                    reads.append(self.io.read(unit.path, view[start:start + nbytes], offset))
+                    reads.append(self.io.read(unit.path, view[start : start + nbytes], offset))
                     continue
-                buf, future = staged.pop(number) if number in staged else self._issue_read(unit, number,
-                                                                                           self._acquire())[1:]
+                buf, future = (
+                    staged.pop(number) if number in staged else self._issue_read(unit, number, self._acquire())[1:]
+                )
                 future.result()
-                view[start:start + length].copy_(buf[:length])
+                view[start : start + length].copy_(buf[:length])
                 self.bytes_staged += length
                 self._release(buf)
             for future in reads:
@@ -286,6 +295,7 @@ class ParamSwapper:
                 if cycle[(self._pos + step) % len(cycle)] == u.index:
                     return step
             return len(cycle)  # not used again in a step: the best victim
+
         return max(candidates, key=lambda u: (distance(u), -self._last_use.get(u.index, 0)))
 
     def _load(self, unit: SwapUnit) -> None:
@@ -316,8 +326,10 @@ class ParamSwapper:
 
     def _check_open(self) -> None:
         if self.closed:
-            raise RuntimeError("this module's NVMe parameter swapper was closed (teardown): its parameters are in "
-                               "memory again and it no longer swaps")
+            raise RuntimeError(
+                "this module's NVMe parameter swapper was closed (teardown): its parameters are in "
+                "memory again and it no longer swaps"
+            )
 
     # ---------------------------------------------------------------- FSDP2 hooks
     def _install(self) -> None:
@@ -327,14 +339,17 @@ class ParamSwapper:
                 group.unshard = self._wrap_unshard(unit, group, originals["unshard"])
                 group.lazy_init = self._wrap_lazy_init(unit, originals["lazy_init"])
                 self._restore.append(group)
-        self._hooks = [self.module.register_state_dict_pre_hook(lambda *args: self.make_resident()),
-                       self.module.register_load_state_dict_pre_hook(lambda *args: self.make_resident())]
+        self._hooks = [
+            self.module.register_state_dict_pre_hook(lambda *args: self.make_resident()),
+            self.module.register_load_state_dict_pre_hook(lambda *args: self.make_resident()),
+        ]
 
     def _wrap_unshard(self, unit: SwapUnit, group, original):
         def unshard(*args, **kwargs):
             if not all_gather_in_flight(group) and not getattr(group, "is_unsharded", False):
                 self._before_gather(unit)
             return original(*args, **kwargs)
+
         return unshard
 
     def _wrap_lazy_init(self, unit: SwapUnit, original):
@@ -342,6 +357,7 @@ class ParamSwapper:
             if not self.closed:
                 self._load(unit)  # FSDP2 re-pads shards here once
             return original(*args, **kwargs)
+
         return lazy_init
 
     def _before_gather(self, unit: SwapUnit) -> None:
@@ -443,9 +459,12 @@ class ParamSwapper:
                 self._drain_writes()
                 self.make_resident()
         except OSError as error:
-            warnings.warn(f"the parameter shards swapped under {self.folder!r} could not be read back ({error}); "
-                          "the module's swapped-out parameters have no memory and must not be used",
-                          RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"the parameter shards swapped under {self.folder!r} could not be read back ({error}); "
+                "the module's swapped-out parameters have no memory and must not be used",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         finally:
             self.closed = True
             for group in self._restore:
@@ -468,8 +487,9 @@ class ParamSwapper:
                 delattr(self.module, _ATTR)
 
 
-def attach_param_swapper(module: nn.Module, nvme: NvmeConfig, *, rank: int = 0,
-                         pin_memory: bool = False) -> ParamSwapper:
+def attach_param_swapper(
+    module: nn.Module, nvme: NvmeConfig, *, rank: int = 0, pin_memory: bool = False
+) -> ParamSwapper:
     """Swap the FSDP2 local shards of ``module`` (sharded at stage 3 with CPU offload) to ``nvme.nvme_path``."""
     if get_param_swapper(module) is not None:
         raise RuntimeError("this module already swaps its parameters")

@@ -20,19 +20,19 @@ class SwapUnit:
     name: str
     groups: list
     path: str
-    sizes: list[int]        # bytes of each shard storage when resident
-    elements: int           # padded shard elements
+    sizes: list[int]  # bytes of each shard storage when resident
+    elements: int  # padded shard elements
     in_place: list = field(default_factory=list)  # per shard: read into new aligned memory (shard_memory's note)
     chunks: list = field(default_factory=list)  # (storage index, start, length, file offset)
     resident: bool = True
-    dirty: bool = True      # memory is newer than the file (or there is no file yet)
+    dirty: bool = True  # memory is newer than the file (or there is no file yet)
     held: int = 0
-    reads: int = 0          # times the unit was read from its file (tests and benchmarks count them per step)
-    writes: int = 0         # times it was written back
-    lost: bool = False      # a write-back failed after its memory was released: the file is stale
+    reads: int = 0  # times the unit was read from its file (tests and benchmarks count them per step)
+    writes: int = 0  # times it was written back
+    lost: bool = False  # a write-back failed after its memory was released: the file is stale
     pending_writes: int = 0
     prefetched: deque = field(default_factory=deque)  # (chunk number, buffer, future), chunks 0..k-1
-    state: object = None    # the FSDP2 state of the unit's fully_shard call (shared by a grouped call's modules)
+    state: object = None  # the FSDP2 state of the unit's fully_shard call (shared by a grouped call's modules)
 
     def fsdp_params(self) -> list:
         return [fp for group in self.groups for fp in group.fsdp_params]

@@ -37,10 +37,18 @@ def can_read_in_place(fsdp_param) -> bool:
     if type(data) is not torch.Tensor or type(local) is not torch.Tensor or padded is None or placement is None:
         return False
     storage = data.untyped_storage()
-    return (data.device.type == "cpu" and data.dim() == 1 and data.is_contiguous() and data.storage_offset() == 0
-            and storage.nbytes() == data.numel() * data.element_size() and torch.Size(padded).numel() == data.numel()
-            and local.is_contiguous() and local.untyped_storage().data_ptr() == storage.data_ptr()
-            and local.storage_offset() == 0 and local.dtype == data.dtype)
+    return (
+        data.device.type == "cpu"
+        and data.dim() == 1
+        and data.is_contiguous()
+        and data.storage_offset() == 0
+        and storage.nbytes() == data.numel() * data.element_size()
+        and torch.Size(padded).numel() == data.numel()
+        and local.is_contiguous()
+        and local.untyped_storage().data_ptr() == storage.data_ptr()
+        and local.storage_offset() == 0
+        and local.dtype == data.dtype
+    )
 
 
 def shard_byte_view(fsdp_param, nbytes: int) -> Tensor:
@@ -59,8 +67,9 @@ def install_shard_memory(fsdp_param, memory: Tensor, nbytes: int) -> None:
     flat = memory[:nbytes].view(data.dtype)
     dim = fsdp_param.fsdp_placement.dim
     set_sharded_param_data(fsdp_param, flat)
-    set_dtensor_local(fsdp_param.sharded_param, flat.view(fsdp_param.padded_sharded_param_size).narrow(
-        dim, 0, local.size(dim)))
+    set_dtensor_local(
+        fsdp_param.sharded_param, flat.view(fsdp_param.padded_sharded_param_size).narrow(dim, 0, local.size(dim))
+    )
 
 
 def shard_targets(fsdp_params, sizes, in_place, chunks, staged: dict, *, pin_memory: bool = False):

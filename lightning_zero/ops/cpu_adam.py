@@ -56,8 +56,15 @@ class CPUAdam(torch.optim.Optimizer):
         adamw_mode: bool = True,
     ) -> None:
         validate_adam_hyperparameters(lr, betas, eps, weight_decay)
-        defaults = dict(lr=lr, bias_correction=bool(bias_correction), betas=tuple(betas), eps=eps,
-                        weight_decay=weight_decay, amsgrad=bool(amsgrad), adamw_mode=bool(adamw_mode))
+        defaults = dict(
+            lr=lr,
+            bias_correction=bool(bias_correction),
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=bool(amsgrad),
+            adamw_mode=bool(adamw_mode),
+        )
         super().__init__(params, defaults)
         # The device is checked at step(), not here: with offload_optimizer the optimizer is built over the module's
         # device parameters (configure_optimizers) and ZeroStrategy then swaps in CPU fp32 masters.
@@ -79,13 +86,14 @@ class CPUAdam(torch.optim.Optimizer):
         if len(groups) != len(self.param_groups) or any(
             len(lp) != len(g["params"]) for lp, g in zip(groups, self.param_groups)
         ):
-            raise ValueError("low_precision_params must mirror param_groups: one list per group, one tensor (or "
-                             "None) per parameter; a flat list is accepted when there is a single group")
+            raise ValueError(
+                "low_precision_params must mirror param_groups: one list per group, one tensor (or "
+                "None) per parameter; a flat list is accepted when there is a single group"
+            )
         return groups
 
     @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], float]] = None,
-             low_precision_params: Optional[Sequence] = None):
+    def step(self, closure: Optional[Callable[[], float]] = None, low_precision_params: Optional[Sequence] = None):
         """One Adam step; then, for every given ``low_precision_params`` entry, ``copy = p.to(copy.dtype)``."""
         loss = None
         if closure is not None:
@@ -100,7 +108,8 @@ class CPUAdam(torch.optim.Optimizer):
                 if local.device.type != "cpu":
                     raise ValueError(
                         f"CPUAdam steps in CPU memory, but a parameter is on {local.device}: offload the optimizer "
-                        "(ZeroStrategy(offload_optimizer='cpu'), which gives it CPU fp32 masters) or use FusedAdam")
+                        "(ZeroStrategy(offload_optimizer='cpu'), which gives it CPU fp32 masters) or use FusedAdam"
+                    )
                 state = self.state[p]
                 if not state:
                     state["step"] = torch.zeros((), dtype=torch.float32)
@@ -128,15 +137,42 @@ class CPUAdam(torch.optim.Optimizer):
                 continue
             beta1, beta2 = group["betas"]
             if group["bias_correction"]:
-                torch_adam(params, grads, ms, vs, vmaxes, steps, fused=True, foreach=False,
-                           decoupled_weight_decay=group["adamw_mode"], amsgrad=group["amsgrad"], beta1=beta1,
-                           beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
-                           maximize=False)
+                torch_adam(
+                    params,
+                    grads,
+                    ms,
+                    vs,
+                    vmaxes,
+                    steps,
+                    fused=True,
+                    foreach=False,
+                    decoupled_weight_decay=group["adamw_mode"],
+                    amsgrad=group["amsgrad"],
+                    beta1=beta1,
+                    beta2=beta2,
+                    lr=group["lr"],
+                    weight_decay=group["weight_decay"],
+                    eps=group["eps"],
+                    maximize=False,
+                )
             else:
                 foreach_add_(steps, 1)
-                adam_foreach(params, grads, ms, vs, vmaxes, steps, beta1=beta1, beta2=beta2, lr=group["lr"],
-                             eps=group["eps"], weight_decay=group["weight_decay"], adam_w_mode=group["adamw_mode"],
-                             bias_correction=False, amsgrad=group["amsgrad"])
+                adam_foreach(
+                    params,
+                    grads,
+                    ms,
+                    vs,
+                    vmaxes,
+                    steps,
+                    beta1=beta1,
+                    beta2=beta2,
+                    lr=group["lr"],
+                    eps=group["eps"],
+                    weight_decay=group["weight_decay"],
+                    adam_w_mode=group["adamw_mode"],
+                    bias_correction=False,
+                    amsgrad=group["amsgrad"],
+                )
             for low, local in copies:
                 low.copy_(local)
         return loss

@@ -47,8 +47,12 @@ FUSED_CPU_CLASSES = (torch.optim.Adam, torch.optim.AdamW)
 
 
 def _left_to_torch(group: dict) -> bool:
-    return (group.get("foreach") is None and group.get("fused") is None and not group.get("differentiable", False)
-            and not group.get("capturable", False))
+    return (
+        group.get("foreach") is None
+        and group.get("fused") is None
+        and not group.get("differentiable", False)
+        and not group.get("capturable", False)
+    )
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -65,8 +69,13 @@ def _flat_fp32_on_cpu(tensor: Optional[torch.Tensor]) -> bool:
     if tensor is None:
         return True
     local = dtensor_local(tensor) if type(tensor) is DTensor else tensor
-    return (type(local) in _PLAIN and local.dtype is torch.float32 and local.is_cpu and local.layout is torch.strided
-            and local.is_contiguous())
+    return (
+        type(local) in _PLAIN
+        and local.dtype is torch.float32
+        and local.is_cpu
+        and local.layout is torch.strided
+        and local.is_contiguous()
+    )
 
 
 def _eligible(group: dict, state: Optional[dict]) -> bool:
@@ -80,8 +89,9 @@ def _eligible(group: dict, state: Optional[dict]) -> bool:
         if not (flat(param) and flat(param.grad)):
             return False
         held = state.get(param) if state is not None else None
-        if held and not (flat(held.get("exp_avg")) and flat(held.get("exp_avg_sq"))
-                         and flat(held.get("max_exp_avg_sq"))):
+        if held and not (
+            flat(held.get("exp_avg")) and flat(held.get("exp_avg_sq")) and flat(held.get("max_exp_avg_sq"))
+        ):
             return False
     return True
 
@@ -109,10 +119,12 @@ class FusedOnCpu:
     def __init__(self, optimizer: torch.optim.Optimizer):
         self.flipped: list[tuple[int, dict]] = []  # (index in param_groups, group) of the groups set fused
         self.states_seen = -1  # how many parameters had states when those were last checked (-1: check them)
-        self.handles = [optimizer.register_step_pre_hook(self._flip),
-                        optimizer.register_step_post_hook(self._put_back),
-                        optimizer.register_state_dict_post_hook(self._clean_state_dict),
-                        optimizer.register_load_state_dict_post_hook(self._states_loaded)]
+        self.handles = [
+            optimizer.register_step_pre_hook(self._flip),
+            optimizer.register_step_post_hook(self._put_back),
+            optimizer.register_state_dict_post_hook(self._clean_state_dict),
+            optimizer.register_load_state_dict_post_hook(self._states_loaded),
+        ]
 
     def _flip(self, optimizer, args, kwargs) -> None:
         self._put_back()  # a step that raised left its flags set
@@ -153,6 +165,10 @@ def prefer_fused_on_cpu(optimizer: torch.optim.Optimizer) -> Optional[FusedOnCpu
         return None
     groups = steps_fused_on_cpu(optimizer)
     if groups:
-        log.info("%s: groups %s leave foreach/fused to torch and hold fp32 CPU tensors: they step with torch's fused "
-                 "kernel (pass foreach=False to keep torch's for-loop)", type(optimizer).__name__, groups)
+        log.info(
+            "%s: groups %s leave foreach/fused to torch and hold fp32 CPU tensors: they step with torch's fused "
+            "kernel (pass foreach=False to keep torch's for-loop)",
+            type(optimizer).__name__,
+            groups,
+        )
     return FusedOnCpu(optimizer)

@@ -68,8 +68,23 @@ def step_counts(steps: list[torch.Tensor]) -> list[float]:
     return counts
 
 
-def adam_foreach(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, beta1, beta2, lr,
-                                eps, weight_decay, adam_w_mode, bias_correction, amsgrad) -> None:
+def adam_foreach(
+    params,
+    grads,
+    exp_avgs,
+    exp_avg_sqs,
+    max_exp_avg_sqs,
+    steps,
+    *,
+    beta1,
+    beta2,
+    lr,
+    eps,
+    weight_decay,
+    adam_w_mode,
+    bias_correction,
+    amsgrad,
+) -> None:
     """Adam on lists of plain tensors with ``torch._foreach_*`` ops; used where torch's kernels cannot be
     (``bias_correction=False``, or devices/dtypes without a fused kernel). ``steps`` are already incremented."""
     if not params:
@@ -122,8 +137,15 @@ class FusedAdam(torch.optim.Optimizer):
         amsgrad: bool = False,
     ) -> None:
         validate_adam_hyperparameters(lr, betas, eps, weight_decay)
-        defaults = dict(lr=lr, bias_correction=bool(bias_correction), betas=tuple(betas), eps=eps,
-                        adam_w_mode=bool(adam_w_mode), weight_decay=weight_decay, amsgrad=bool(amsgrad))
+        defaults = dict(
+            lr=lr,
+            bias_correction=bool(bias_correction),
+            betas=tuple(betas),
+            eps=eps,
+            adam_w_mode=bool(adam_w_mode),
+            weight_decay=weight_decay,
+            amsgrad=bool(amsgrad),
+        )
         super().__init__(params, defaults)
         self.last_implementation: Optional[str] = None
 
@@ -176,18 +198,40 @@ class FusedAdam(torch.optim.Optimizer):
             )
             if fusable:
                 torch_adam(
-                    lists["params"], lists["grads"], lists["m"], lists["v"], lists["vmax"], lists["steps"],
-                    fused=True, foreach=False, decoupled_weight_decay=group["adam_w_mode"],
-                    amsgrad=group["amsgrad"], beta1=beta1, beta2=beta2, lr=group["lr"],
-                    weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+                    lists["params"],
+                    lists["grads"],
+                    lists["m"],
+                    lists["v"],
+                    lists["vmax"],
+                    lists["steps"],
+                    fused=True,
+                    foreach=False,
+                    decoupled_weight_decay=group["adam_w_mode"],
+                    amsgrad=group["amsgrad"],
+                    beta1=beta1,
+                    beta2=beta2,
+                    lr=group["lr"],
+                    weight_decay=group["weight_decay"],
+                    eps=group["eps"],
+                    maximize=False,
                 )
                 used.add("torch-fused")
             else:
                 foreach_add_(lists["steps"], 1)
                 adam_foreach(
-                    lists["params"], lists["grads"], lists["m"], lists["v"], lists["vmax"], lists["steps"],
-                    beta1=beta1, beta2=beta2, lr=group["lr"], eps=group["eps"], weight_decay=group["weight_decay"],
-                    adam_w_mode=group["adam_w_mode"], bias_correction=group["bias_correction"],
+                    lists["params"],
+                    lists["grads"],
+                    lists["m"],
+                    lists["v"],
+                    lists["vmax"],
+                    lists["steps"],
+                    beta1=beta1,
+                    beta2=beta2,
+                    lr=group["lr"],
+                    eps=group["eps"],
+                    weight_decay=group["weight_decay"],
+                    adam_w_mode=group["adam_w_mode"],
+                    bias_correction=group["bias_correction"],
                     amsgrad=group["amsgrad"],
                 )
                 used.add("foreach")

@@ -96,8 +96,12 @@ class StaticLossScaler:
 
     def state_dict(self) -> dict:
         """JSON-serialisable state: the scale and the counters."""
-        return {"kind": "static", "cur_scale": self._scale, "cur_iter": self.cur_iter,
-                "skipped_steps": self.skipped_steps}
+        return {
+            "kind": "static",
+            "cur_scale": self._scale,
+            "cur_iter": self.cur_iter,
+            "skipped_steps": self.skipped_steps,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Restore the counters. The scale given to the constructor wins; a different saved scale is an error."""
@@ -232,8 +236,6 @@ class DynamicLossScaler:
         self.last_overflow_iter = int(state["last_overflow_iter"])
         self.cur_hysteresis = min(int(state["cur_hysteresis"]), self.hysteresis)
         self.skipped_steps = int(state["skipped_steps"])
-
-
 
 
 def has_overflow(tensors: Iterable[Optional[torch.Tensor]], group: Optional[dist.ProcessGroup] = None) -> bool:

@@ -45,10 +45,10 @@ import torch
 
 from lightning_zero.torch_compat import flag_scheduler_step_wrapper, is_scheduler_step_wrapper, record_optimizer_step
 
-_MARKER = "_lightning_zero_override"          # on a generated class: the override's marker
-_BASE = "_lightning_zero_override_base"       # the class it derives from
+_MARKER = "_lightning_zero_override"  # on a generated class: the override's marker
+_BASE = "_lightning_zero_override_base"  # the class it derives from
 _REPLACED = "_lightning_zero_override_saved"  # the scheduler wrapper found on the instance (or None)
-_TRACKS = "_lightning_zero_tracks"            # on a tracking wrapper: a weak reference to its optimizer
+_TRACKS = "_lightning_zero_tracks"  # on a tracking wrapper: a weak reference to its optimizer
 
 StepFn = Callable[[torch.optim.Optimizer, Callable, Optional[Callable]], Any]
 
@@ -96,8 +96,9 @@ def is_overridden(optimizer: torch.optim.Optimizer, marker: str) -> bool:
     return any(c.__dict__.get(_MARKER) == marker for c in type(optimizer).__mro__)
 
 
-def override_step(optimizer: torch.optim.Optimizer, step_fn: StepFn, *, marker: str,
-                  extra: Optional[dict[str, Callable]] = None) -> type:
+def override_step(
+    optimizer: torch.optim.Optimizer, step_fn: StepFn, *, marker: str, extra: Optional[dict[str, Callable]] = None
+) -> type:
     """Make ``optimizer.step(closure)`` call ``step_fn(optimizer, base_step, closure)``, where ``base_step`` is the
     current class's step without torch's hook wrapper (call ``base_step(optimizer)``); ``extra`` adds or replaces
     other methods (e.g. ``state_dict``). Returns the generated class; undo with :func:`restore_step_override`.
@@ -112,9 +113,11 @@ def override_step(optimizer: torch.optim.Optimizer, step_fn: StepFn, *, marker: 
     saved = None
     if instance_step is not None and not _is_tracking(instance_step, optimizer):
         if not is_scheduler_step_wrapper(instance_step):
-            raise RuntimeError(f"this optimizer's step was replaced on the instance (optimizer.step = "
-                               f"{instance_step!r}), not by an LR scheduler: the {marker!r} step override cannot run "
-                               "through it. Remove the instance attribute (del optimizer.step) first.")
+            raise RuntimeError(
+                f"this optimizer's step was replaced on the instance (optimizer.step = "
+                f"{instance_step!r}), not by an LR scheduler: the {marker!r} step override cannot run "
+                "through it. Remove the instance attribute (del optimizer.step) first."
+            )
         saved = instance_step
     base_cls = type(optimizer)
     base_step = _unhooked(base_cls.step)
@@ -124,8 +127,9 @@ def override_step(optimizer: torch.optim.Optimizer, step_fn: StepFn, *, marker: 
 
     hooked = torch.optim.Optimizer.profile_hook_step(step)
     hooked.hooked = True  # torch's marker: Optimizer.__init__/__setstate__ must not wrap it again
-    cls = type(base_cls.__name__, (base_cls,), {**extra, "step": hooked, _MARKER: marker, _BASE: base_cls,
-                                                 _REPLACED: saved})
+    cls = type(
+        base_cls.__name__, (base_cls,), {**extra, "step": hooked, _MARKER: marker, _BASE: base_cls, _REPLACED: saved}
+    )
     cls.__module__, cls.__qualname__ = base_cls.__module__, base_cls.__qualname__
     optimizer.__class__ = cls
     if saved is not None:
@@ -141,8 +145,10 @@ def restore_step_override(optimizer: torch.optim.Optimizer, marker: str) -> bool
         if not is_overridden(optimizer, marker):
             return False
         later = cls.__dict__.get(_MARKER, f"class {cls.__qualname__}")
-        raise RuntimeError(f"cannot undo the {marker!r} step override of this optimizer: the {later!r} override was "
-                           "applied after it and is still active; undo overrides in reverse order")
+        raise RuntimeError(
+            f"cannot undo the {marker!r} step override of this optimizer: the {later!r} override was "
+            "applied after it and is still active; undo overrides in reverse order"
+        )
     base_cls, saved = cls.__dict__[_BASE], cls.__dict__[_REPLACED]
     optimizer.__class__ = base_cls
     instance_step = optimizer.__dict__.get("step")
@@ -151,7 +157,8 @@ def restore_step_override(optimizer: torch.optim.Optimizer, marker: str) -> bool
     if _is_tracking(instance_step, optimizer):
         if saved is not None:  # this override installed it; else an override still below did, and it stays
             optimizer.step = saved
-    elif is_scheduler_step_wrapper(instance_step) and \
-            getattr(instance_step, "__wrapped__", None) is cls.__dict__["step"]:
+    elif (
+        is_scheduler_step_wrapper(instance_step) and getattr(instance_step, "__wrapped__", None) is cls.__dict__["step"]
+    ):
         optimizer.step = _scheduler_step(optimizer, base_cls.step)  # a scheduler built while overridden
     return True

@@ -40,8 +40,11 @@ from lightning_zero.pipeline.specs import TiedLayerSpec, get_parameter
 from lightning_zero.torch_compat import lower_forward_actions, set_stage_warmup_ops, stage_warmup_ops
 
 SCHEDULES = {
-    "gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
-    "zero_bubble": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble,
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "zero_bubble": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
 }
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 DATA_PARALLEL_MODES = ("allreduce", "fully_shard")
@@ -76,8 +79,10 @@ class PipelineConfig:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         v = self.virtual_stages
         if self.schedule in SINGLE_STAGE_SCHEDULES and v != 1:
-            raise ValueError(f"schedule {self.schedule!r} runs one stage per rank: virtual_stages must be 1, got {v}"
-                             "; use 'interleaved_1f1b', 'zero_bubble' or 'zbv' for several stages per rank")
+            raise ValueError(
+                f"schedule {self.schedule!r} runs one stage per rank: virtual_stages must be 1, got {v}"
+                "; use 'interleaved_1f1b', 'zero_bubble' or 'zbv' for several stages per rank"
+            )
         if self.schedule == "interleaved_1f1b" and v < 2:
             raise ValueError("'interleaved_1f1b' needs virtual_stages >= 2 (use '1f1b' for one stage per rank)")
         if self.schedule == "zbv" and v != 2:
@@ -100,8 +105,14 @@ def stage_to_rank(num_stages: int, pp_size: int, schedule: str) -> list:
 class PipelineRunner:
     """Runs one :class:`PipelineModule` pipeline step per call; built by :func:`build_pipeline`."""
 
-    def __init__(self, module: PipelineModule, pp_mesh: DeviceMesh, dp_mesh: Optional[DeviceMesh],
-                 config: PipelineConfig, device: torch.device) -> None:
+    def __init__(
+        self,
+        module: PipelineModule,
+        pp_mesh: DeviceMesh,
+        dp_mesh: Optional[DeviceMesh],
+        config: PipelineConfig,
+        device: torch.device,
+    ) -> None:
         if module.loss_fn is None:
             raise ValueError("a pipelined PipelineModule needs loss_fn: the last stage computes the loss")
         self.module, self.config, self.device = module, config, device
@@ -111,8 +122,10 @@ class PipelineRunner:
         self.dp_size = dp_mesh.size() if dp_mesh is not None else 1
         self.num_stages = self.pp_size * config.virtual_stages
         if self.num_stages > len(module):
-            raise ValueError(f"{self.num_stages} stages (pipeline size {self.pp_size} x virtual_stages "
-                             f"{config.virtual_stages}) need at least as many layers; the model has {len(module)}")
+            raise ValueError(
+                f"{self.num_stages} stages (pipeline size {self.pp_size} x virtual_stages "
+                f"{config.virtual_stages}) need at least as many layers; the model has {len(module)}"
+            )
         self.boundaries = module.partition(self.num_stages)
         self.stage_ranks = stage_to_rank(self.num_stages, self.pp_size, config.schedule)
         self.local_stages = [s for s in range(self.num_stages) if self.stage_ranks[s] == self.pp_rank]
@@ -123,15 +136,18 @@ class PipelineRunner:
             module.drop_layers_except(owned)
         module.materialize(owned)
         module.to(device)
-        self.stage_modules = [module.stage_module(self.boundaries[s], self.boundaries[s + 1])
-                              for s in self.local_stages]
+        self.stage_modules = [
+            module.stage_module(self.boundaries[s], self.boundaries[s + 1]) for s in self.local_stages
+        ]
         self.tied_groups = self._make_tied_groups()
         self._broadcast_initial_weights()
         if config.data_parallel == "fully_shard" and dp_mesh is not None:
             self._apply_fully_shard(dp_mesh)
         self.fully_sharded = config.data_parallel == "fully_shard" and dp_mesh is not None
-        stages = [_no_self_warmup(PipelineStage(sm, s, self.num_stages, device, group=self.pp_group))
-                  for sm, s in zip(self.stage_modules, self.local_stages)]
+        stages = [
+            _no_self_warmup(PipelineStage(sm, s, self.num_stages, device, group=self.pp_group))
+            for sm, s in zip(self.stage_modules, self.local_stages)
+        ]
         m, loss_fn = config.micro_batches, module.loss_fn
         # grad_scale: a strategy's extra factor (Lightning's 1 / accumulate_grad_batches); sync_grads: whether the
         # next step() reduces gradients (False on the micro-steps of gradient accumulation).
@@ -142,8 +158,9 @@ class PipelineRunner:
         self.schedule = cls(arg, n_microbatches=m, loss_fn=scaled_loss, scale_grads=False)
         self.eval_schedule = self.schedule
         if config.schedule == "zbv":
-            self.eval_schedule = _forward_only_zbv(self.stage_modules, self.local_stages, self.num_stages, device,
-                                                   self.pp_group, m, scaled_loss)
+            self.eval_schedule = _forward_only_zbv(
+                self.stage_modules, self.local_stages, self.num_stages, device, self.pp_group, m, scaled_loss
+            )
         self.has_first = 0 in self.local_stages
         self.has_last = self.num_stages - 1 in self.local_stages
         self.last_rank = self.stage_ranks[-1]
@@ -167,9 +184,13 @@ class PipelineRunner:
             ranks = [pp_ranks[r] for r in holders]
             # Only the members create the group: other pipeline replicas build their own with their ranks.
             group = dist.new_group(ranks, use_local_synchronization=True, timeout=package_group_timeout())
-            first_stage_rank = self.stage_ranks[next(s for s in range(self.num_stages)
-                                                     if self.boundaries[s] <= self.module.tied_first_index[key]
-                                                     < self.boundaries[s + 1])]
+            first_stage_rank = self.stage_ranks[
+                next(
+                    s
+                    for s in range(self.num_stages)
+                    if self.boundaries[s] <= self.module.tied_first_index[key] < self.boundaries[s + 1]
+                )
+            ]
             owner = self.module.layers[str(self.module.tied_first_index[key])]
             spec = self.module.specs[self.module.tied_first_index[key]]
             groups.append((key, owner, spec.tied_weight_attrs, group, pp_ranks[first_stage_rank]))
@@ -200,7 +221,8 @@ class PipelineRunner:
                         f"data_parallel='fully_shard' with a tied module used by two stages of the same rank (key "
                         f"{key!r} in stages {sorted(stages)} on pipeline rank {rank}, e.g. embedding and head under "
                         "'zbv') is not supported: FSDP2 cannot shard one module under two stage roots. Use "
-                        "data_parallel='allreduce', another schedule, or a partition that keeps them apart.")
+                        "data_parallel='allreduce', another schedule, or a partition that keeps them apart."
+                    )
 
     def _apply_fully_shard(self, dp_mesh: DeviceMesh) -> None:
         from torch.distributed.fsdp import fully_shard
@@ -228,8 +250,11 @@ class PipelineRunner:
         else:
             with torch.no_grad():
                 self.eval_schedule.eval(*args, **kwargs)
-        loss = torch.stack([part.detach().float() for part in losses]).sum() if self.has_last else \
-            torch.zeros((), device=self.device)
+        loss = (
+            torch.stack([part.detach().float() for part in losses]).sum()
+            if self.has_last
+            else torch.zeros((), device=self.device)
+        )
         dist.broadcast(loss, group=self.pp_group, group_src=self.last_rank)
         return loss
 
@@ -265,14 +290,16 @@ class PipelineRunner:
                 flat.div_(self.dp_size)
                 offset = 0
                 for g in grads:
-                    g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                    g.copy_(flat[offset : offset + g.numel()].view_as(g))
                     offset += g.numel()
         for _, owner, attrs, group, _ in self.tied_groups:
             for attr in attrs:
                 grad = get_parameter(owner, attr).grad
                 if grad is None:
-                    raise RuntimeError(f"tied parameter {attr!r} has no gradient on this stage; a tied weight must "
-                                       "be used in the loss on every stage that holds it")
+                    raise RuntimeError(
+                        f"tied parameter {attr!r} has no gradient on this stage; a tied weight must "
+                        "be used in the loss on every stage that holds it"
+                    )
                 local = grad.to_local() if hasattr(grad, "to_local") else grad
                 dist.all_reduce(local, group=group)
 
@@ -305,8 +332,10 @@ def _forward_only_zbv(stage_modules, local_stages, num_stages, device, group, m,
     micro-batch has a backward). Dropping backward actions only removes dependencies, so the forward order stays
     deadlock-free. Private API: ``tests/pipeline/test_pipeline_parity.py`` runs ZBV eval to catch a torch change.
     """
-    stages = [_no_self_warmup(PipelineStage(sm, s, num_stages, device, group=group))
-              for sm, s in zip(stage_modules, local_stages)]
+    stages = [
+        _no_self_warmup(PipelineStage(sm, s, num_stages, device, group=group))
+        for sm, s in zip(stage_modules, local_stages)
+    ]
     schedule = ScheduleZBVZeroBubble(stages, n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
     schedule.pipeline_order_with_comms = lower_forward_actions(schedule, num_stages)
     return schedule
@@ -335,8 +364,13 @@ def build_pipeline(
 
     Call it on every rank, before creating the optimizer (it replaces parameters when ``fully_shard`` is used).
     """
-    config = PipelineConfig(schedule=schedule, micro_batches=micro_batches, virtual_stages=virtual_stages,
-                            data_parallel=data_parallel, reshard_after_forward=reshard_after_forward)
+    config = PipelineConfig(
+        schedule=schedule,
+        micro_batches=micro_batches,
+        virtual_stages=virtual_stages,
+        data_parallel=data_parallel,
+        reshard_after_forward=reshard_after_forward,
+    )
     if pp_mesh.ndim != 1:
         raise ValueError(f"pp_mesh must be 1-D (the pipeline dimension), got a {pp_mesh.ndim}-D mesh")
     if dp_mesh is not None and dp_mesh.ndim != 1:

@@ -40,16 +40,22 @@ def effective_config_of_fit(settings: Any, precision_plugin, trainer) -> dict:
     ``settings`` (``ZeroSettings``) with what the Trainer knows of the run: the precision plugin's flag, and once
     attached, accumulation and norm clipping (DeepSpeed's ``gradient_clipping`` is a norm clip: none is reported
     for value clipping)."""
-    binding, zero_config, communication_data_type = (settings.ds_config, settings.zero_config,
-                                                     settings.communication_data_type)
+    binding, zero_config, communication_data_type = (
+        settings.ds_config,
+        settings.zero_config,
+        settings.communication_data_type,
+    )
     clip = None
     if trainer is not None and trainer.gradient_clip_algorithm in (None, "norm"):
         clip = float(trainer.gradient_clip_val or 0.0)
     return effective_ds_config(
-        binding, zero_config, communication_data_type=communication_data_type,
+        binding,
+        zero_config,
+        communication_data_type=communication_data_type,
         precision=str(getattr(precision_plugin, "precision", "")) if precision_plugin is not None else "",
         accumulate_grad_batches=trainer.accumulate_grad_batches if trainer is not None else None,
-        gradient_clip_val=clip)
+        gradient_clip_val=clip,
+    )
 
 
 def resolve_for_fit(binding: DeepSpeedConfigBinding, trainer, data_parallel_size: int) -> DeepSpeedTranslation:
@@ -68,7 +74,8 @@ def resolve_for_fit(binding: DeepSpeedConfigBinding, trainer, data_parallel_size
         world_size=data_parallel_size,
         micro_batch_size=_train_batch_size(trainer),
         # "auto" takes the Trainer's value even at its default; a number in the config was applied above
-        accumulate_grad_batches=trainer.accumulate_grad_batches if accumulation == "auto"
+        accumulate_grad_batches=trainer.accumulate_grad_batches
+        if accumulation == "auto"
         else explicit.get("accumulate_grad_batches"),
         gradient_clip_val=explicit.get("gradient_clip_val"),
         precision=trainer.precision,
@@ -84,11 +91,13 @@ def resolve_for_fit(binding: DeepSpeedConfigBinding, trainer, data_parallel_size
 
 def _point_at_replacements(trainer, translation: DeepSpeedTranslation) -> None:
     """Keys that ask for something the Trainer's own tools do: say which tool, rather than drop them."""
-    if translation.wall_clock_breakdown and not any(type(c).__name__ == "ThroughputLogger"
-                                                    for c in trainer.callbacks):
-        warnings.warn("wall_clock_breakdown: true asks for per-phase step timings; add "
-                      "lightning_zero.callbacks.ThroughputLogger() to the Trainer's callbacks for the forward/"
-                      "backward/optimizer/collective breakdown", DeepSpeedConfigWarning)
+    if translation.wall_clock_breakdown and not any(type(c).__name__ == "ThroughputLogger" for c in trainer.callbacks):
+        warnings.warn(
+            "wall_clock_breakdown: true asks for per-phase step timings; add "
+            "lightning_zero.callbacks.ThroughputLogger() to the Trainer's callbacks for the forward/"
+            "backward/optimizer/collective breakdown",
+            DeepSpeedConfigWarning,
+        )
 
 
 def _apply_trainer_settings(trainer, translation: DeepSpeedTranslation, explicit: dict) -> None:
@@ -104,7 +113,8 @@ def _apply_trainer_settings(trainer, translation: DeepSpeedTranslation, explicit
         if "log_every_n_steps" in explicit and explicit["log_every_n_steps"] != every:
             raise DeepSpeedConfigError(
                 f"steps_per_print={every} in the DeepSpeed config does not match the Trainer's "
-                f"log_every_n_steps={explicit['log_every_n_steps']}: make them equal or drop one")
+                f"log_every_n_steps={explicit['log_every_n_steps']}: make them equal or drop one"
+            )
         trainer.log_every_n_steps = every
 
 
@@ -121,8 +131,9 @@ def estimated_steps(trainer) -> Optional[float]:
 
 def explicit_trainer_values(trainer) -> dict:
     """The Trainer settings a ds_config also sets that the user changed from Lightning's defaults."""
-    return {name: getattr(trainer, name) for name in _TRAINER_DEFAULTS
-            if getattr(trainer, name) != _TRAINER_DEFAULTS[name]}
+    return {
+        name: getattr(trainer, name) for name in _TRAINER_DEFAULTS if getattr(trainer, name) != _TRAINER_DEFAULTS[name]
+    }
 
 
 def check_config_against_trainer(binding, trainer, precision: str, data_parallel_size: int) -> None:
@@ -152,18 +163,20 @@ def _check_config_against_trainer(binding, trainer, precision: str, data_paralle
     if isinstance(clip, (int, float)) and trainer_clip is not None and float(clip) != float(trainer_clip):
         raise DeepSpeedConfigError(
             f"gradient_clipping={clip} in the DeepSpeed config does not match the Trainer's "
-            f'gradient_clip_val={trainer_clip}: remove one of them or set the config value to "auto"')
-    accumulation, trainer_accumulation = raw.get("gradient_accumulation_steps"), explicit.get(
-        "accumulate_grad_batches")
+            f'gradient_clip_val={trainer_clip}: remove one of them or set the config value to "auto"'
+        )
+    accumulation, trainer_accumulation = raw.get("gradient_accumulation_steps"), explicit.get("accumulate_grad_batches")
     if isinstance(accumulation, int) and trainer_accumulation is not None and accumulation != trainer_accumulation:
         raise DeepSpeedConfigError(
             f"gradient_accumulation_steps={accumulation} in the DeepSpeed config does not match the Trainer's "
-            f'accumulate_grad_batches ({trainer_accumulation}): make them equal, or set the config value to "auto"')
+            f'accumulate_grad_batches ({trainer_accumulation}): make them equal, or set the config value to "auto"'
+        )
     every = binding.translation.steps_per_print
     if every is not None and "log_every_n_steps" in explicit and explicit["log_every_n_steps"] != every:
         raise DeepSpeedConfigError(
             f"steps_per_print={every} in the DeepSpeed config does not match the Trainer's "
-            f"log_every_n_steps={explicit['log_every_n_steps']}: make them equal or drop one")
+            f"log_every_n_steps={explicit['log_every_n_steps']}: make them equal or drop one"
+        )
     if accumulation == AUTO:
         accumulation = trainer.accumulate_grad_batches
     elif not isinstance(accumulation, int):
@@ -176,7 +189,8 @@ def _check_config_against_trainer(binding, trainer, precision: str, data_paralle
         if micro is not None and micro != loader_batch:
             raise DeepSpeedConfigError(
                 f"train_micro_batch_size_per_gpu={micro} in the DeepSpeed config does not match the DataLoader's "
-                f'batch_size ({loader_batch}): make them equal, or set the config value to "auto"')
+                f'batch_size ({loader_batch}): make them equal, or set the config value to "auto"'
+            )
         micro = loader_batch
     if train is not None:
         # A failure with only these numbers means no DataLoader batch size can make them add up at setup either.
@@ -237,12 +251,16 @@ def install_config_optimizers(module, binding: Optional[DeepSpeedConfigBinding])
     if defines_configure_optimizers(module):
         spec = binding.translation.optimizer
         scheduler = binding.translation.scheduler
-        what = f'"optimizer" ({spec.get("type")!r})' + (f' and "scheduler" ({scheduler.get("type")!r})'
-                                                        if scheduler else "")
-        rank_zero_warn(f"both the DeepSpeed config and {type(module).__name__}.configure_optimizers define an "
-                       f"optimizer: the config's {what} is used and configure_optimizers is not called (its "
-                       "optimizers and schedulers are ignored), as DeepSpeedStrategy does. Remove one of the two to "
-                       "silence this warning", category=DeepSpeedConfigWarning)
+        what = f'"optimizer" ({spec.get("type")!r})' + (
+            f' and "scheduler" ({scheduler.get("type")!r})' if scheduler else ""
+        )
+        rank_zero_warn(
+            f"both the DeepSpeed config and {type(module).__name__}.configure_optimizers define an "
+            f"optimizer: the config's {what} is used and configure_optimizers is not called (its "
+            "optimizers and schedulers are ignored), as DeepSpeedStrategy does. Remove one of the two to "
+            "silence this warning",
+            category=DeepSpeedConfigWarning,
+        )
 
     def configure_optimizers(self):
         translation = binding.translation
@@ -274,5 +292,6 @@ def scheduler_from_config(binding: Optional[DeepSpeedConfigBinding], trainer, op
         raise DeepSpeedConfigError(
             'the DeepSpeed config has a "scheduler" section, but configure_optimizers returned '
             f"{len(optimizers)} optimizer(s) and {len(configs)} scheduler(s): a config scheduler needs exactly one "
-            "optimizer and no scheduler from configure_optimizers; remove one of the two")
+            "optimizer and no scheduler from configure_optimizers; remove one of the two"
+        )
     return _configure_schedulers_automatic_opt([_scheduler_for(translation, trainer, optimizers[0])], None)

@@ -18,8 +18,10 @@ def holds_sharded_parameters(module) -> bool:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-    return module is not None and (any(isinstance(sub, FSDPModule) for sub in module.modules())
-                                   or any(isinstance(param, DTensor) for param in module.parameters()))
+    return module is not None and (
+        any(isinstance(sub, FSDPModule) for sub in module.modules())
+        or any(isinstance(param, DTensor) for param in module.parameters())
+    )
 
 
 def stays_in_place(module) -> bool:
@@ -95,12 +97,15 @@ def check_trainer_before_process_group(trainer, device, stage: int, layer_sync) 
 
     if trainer is None or trainer.state.fn != TrainerFn.FITTING:  # both only act while fitting
         return
-    if isinstance(layer_sync, TorchSyncBatchNorm) and \
-            device.type not in (*_SYNC_BATCHNORM_DEVICES, privateuse1_backend_name()):
+    if isinstance(layer_sync, TorchSyncBatchNorm) and device.type not in (
+        *_SYNC_BATCHNORM_DEVICES,
+        privateuse1_backend_name(),
+    ):
         raise ValueError(
             f"Trainer(sync_batchnorm=True) turns BatchNorm layers into torch.nn.SyncBatchNorm, which torch runs only "
             f"on {'/'.join(_SYNC_BATCHNORM_DEVICES)} devices, but this run computes on {device.type!r}. Train on a "
-            "GPU, or remove sync_batchnorm=True (each rank then normalises with its own batch statistics).")
+            "GPU, or remove sync_batchnorm=True (each rank then normalises with its own batch statistics)."
+        )
     if stage >= 2:
         for callback in trainer.callbacks:
             if isinstance(callback, (StochasticWeightAveraging, WeightAveraging)):
@@ -111,7 +116,8 @@ def check_trainer_before_process_group(trainer, device, stage: int, layer_sync) 
                 continue
             raise ValueError(
                 f"The {type(callback).__name__} callback is not supported with ZeroStrategy(stage={stage}): "
-                f"{what}, which stages 2-3 shard across ranks. Remove the callback, or use stage 0 or 1.")
+                f"{what}, which stages 2-3 shard across ranks. Remove the callback, or use stage 0 or 1."
+            )
 
 
 def apply_layer_sync(layer_sync, model, fitting: bool):

@@ -165,14 +165,21 @@ class PreemptionCheckpoint(Callback):
         else:
             path = preemption_checkpoint_path(trainer)
             if path is None:
-                log.warning("lightning-zero: preempted (signal %d) at step %d but the Trainer has no ModelCheckpoint "
-                            "with a directory: no checkpoint is saved, a restart will start from step 0",
-                            signum, trainer.global_step)
+                log.warning(
+                    "lightning-zero: preempted (signal %d) at step %d but the Trainer has no ModelCheckpoint "
+                    "with a directory: no checkpoint is saved, a restart will start from step 0",
+                    signum,
+                    trainer.global_step,
+                )
             else:
                 trainer.save_checkpoint(path)
                 if trainer.is_global_zero:
-                    log.warning("lightning-zero: preempted (signal %d): saved %s at step %d; exiting so the job is "
-                                "restarted", signum, path, trainer.global_step)
+                    log.warning(
+                        "lightning-zero: preempted (signal %d): saved %s at step %d; exiting so the job is restarted",
+                        signum,
+                        path,
+                        trainer.global_step,
+                    )
         raise SystemExit(128 + signum)
 
 
@@ -202,8 +209,9 @@ def _slurm_requeues(trainer, signum: int) -> bool:
     from lightning.fabric.plugins.environments import SLURMEnvironment
 
     environment = trainer._accelerator_connector.cluster_environment
-    return (isinstance(environment, SLURMEnvironment) and environment.auto_requeue
-            and signum == environment.requeue_signal)
+    return (
+        isinstance(environment, SLURMEnvironment) and environment.auto_requeue and signum == environment.requeue_signal
+    )
 
 
 def preemption_checkpoint_path(trainer) -> Optional[str]:

@@ -61,8 +61,15 @@ def optimizers_to_restore(trainer: Any, optimizers: list) -> list:
     return [getattr(o, "_optimizer", o) for o in optimizers]
 
 
-def load(filepath: str, module: torch.nn.Module, optimizers: list, *, load_full_weights: bool,
-         exclude_frozen_parameters: bool, precision_key: str) -> dict[str, Any]:
+def load(
+    filepath: str,
+    module: torch.nn.Module,
+    optimizers: list,
+    *,
+    load_full_weights: bool,
+    exclude_frozen_parameters: bool,
+    precision_key: str,
+) -> dict[str, Any]:
     """Load a checkpoint into the LightningModule ``module`` and ``optimizers`` (:func:`optimizers_to_restore`);
     return the rest of it for Lightning, with ``state_dict`` holding the loaded (sharded) weights: Lightning hands
     this dict to every ``on_load_checkpoint`` hook (callbacks such as ``WeightAveraging`` read the weights from it),
@@ -79,51 +86,80 @@ def load(filepath: str, module: torch.nn.Module, optimizers: list, *, load_full_
     """
     wait_for_pending_saves(barrier=False)
     if is_full_checkpoint(filepath, load_full_weights):
-        return load_full(filepath, module, optimizers, load_full_weights=load_full_weights,
-                         exclude_frozen_parameters=exclude_frozen_parameters)
+        return load_full(
+            filepath,
+            module,
+            optimizers,
+            load_full_weights=load_full_weights,
+            exclude_frozen_parameters=exclude_frozen_parameters,
+        )
     if is_deepspeed_checkpoint(filepath):
-        return load_deepspeed(filepath, module, optimizers, exclude_frozen_parameters=exclude_frozen_parameters,
-                              precision_key=precision_key)
+        return load_deepspeed(
+            filepath,
+            module,
+            optimizers,
+            exclude_frozen_parameters=exclude_frozen_parameters,
+            precision_key=precision_key,
+        )
     directory = checkpoint_directory(filepath)
     meta = load_meta(directory)  # weights_only; raises a clear error if not a checkpoint
     meta["state_dict"] = load_states(directory, meta, module, optimizers, strict=module.strict_loading)
     return meta
 
 
-def load_full(path: str, module: torch.nn.Module, optimizers: list, *, load_full_weights: bool,
-               exclude_frozen_parameters: bool) -> dict[str, Any]:
+def load_full(
+    path: str, module: torch.nn.Module, optimizers: list, *, load_full_weights: bool, exclude_frozen_parameters: bool
+) -> dict[str, Any]:
     """A single file, as ``DDPStrategy`` would hand it to Lightning; with ``load_full_weights=True`` and no optimizer
     states in it, the optimizers and LR schedulers start fresh from its weights (DeepSpeed's flag)."""
-    rest, fresh = load_full_checkpoint(path, module, optimizers, strict=module.strict_loading,
-                                       exclude_frozen_parameters=exclude_frozen_parameters,
-                                       load_full_weights=load_full_weights)
+    rest, fresh = load_full_checkpoint(
+        path,
+        module,
+        optimizers,
+        strict=module.strict_loading,
+        exclude_frozen_parameters=exclude_frozen_parameters,
+        load_full_weights=load_full_weights,
+    )
     if fresh:
-        rank_zero_warn(f"{path} holds no optimizer states: with load_full_weights=True the optimizers and LR "
-                       "schedulers start fresh from its weights (as DeepSpeed's load_full_weights)")
+        rank_zero_warn(
+            f"{path} holds no optimizer states: with load_full_weights=True the optimizers and LR "
+            "schedulers start fresh from its weights (as DeepSpeed's load_full_weights)"
+        )
         rest["lr_schedulers"] = []  # none to restore: Lightning would otherwise refuse the missing key
     rest.setdefault("pytorch-lightning_version", lightning_version)  # a weights-only file has none to migrate
     return rest
 
 
-def load_deepspeed(path: str, module: torch.nn.Module, optimizers: list, *, exclude_frozen_parameters: bool,
-                   precision_key: str) -> dict[str, Any]:
+def load_deepspeed(
+    path: str, module: torch.nn.Module, optimizers: list, *, exclude_frozen_parameters: bool, precision_key: str
+) -> dict[str, Any]:
     """A DeepSpeed ZeRO checkpoint directory: as a full file, its client state for Lightning. One that
     ``DeepSpeedEngine.save_checkpoint`` wrote outside Lightning holds no loops or LR schedulers: those start fresh
     (Lightning would otherwise refuse it as a weights-only checkpoint), with a warning."""
-    rest = load_full(path, module, optimizers, load_full_weights=False,
-                     exclude_frozen_parameters=exclude_frozen_parameters)
+    rest = load_full(
+        path, module, optimizers, load_full_weights=False, exclude_frozen_parameters=exclude_frozen_parameters
+    )
     if (scaler := rest.pop(LOSS_SCALER_KEY, None)) is not None:
         rest.setdefault(precision_key, {})["loss_scaler"] = scaler
     if optimizers and "lr_schedulers" not in rest:
-        rank_zero_warn(f"{path} holds no Lightning training state (saved by DeepSpeedEngine.save_checkpoint, not by "
-                       "DeepSpeedStrategy): the weights and optimizer states are restored; loops, epoch, global step "
-                       "and LR schedulers start fresh")
+        rank_zero_warn(
+            f"{path} holds no Lightning training state (saved by DeepSpeedEngine.save_checkpoint, not by "
+            "DeepSpeedStrategy): the weights and optimizer states are restored; loops, epoch, global step "
+            "and LR schedulers start fresh"
+        )
         rest["lr_schedulers"] = []
     return rest
 
 
-def save(checkpoint: dict[str, Any], path: str, module: torch.nn.Module, optimizers: list, settings: Any, rank: int,
-         precision: str) -> str:
+def save(
+    checkpoint: dict[str, Any],
+    path: str,
+    module: torch.nn.Module,
+    optimizers: list,
+    settings: Any,
+    rank: int,
+    precision: str,
+) -> str:
     """Save Lightning's ``checkpoint`` at ``path`` (collective): a sharded directory, or with the ``settings``'
     ``state_dict_type="full"`` one file streamed out of the shards. ``settings``: the strategy's ``ZeroSettings``,
     whose ds_config adds its save options at this ``precision`` flag (:func:`checkpoint_save_options`). Returns
@@ -131,13 +167,22 @@ def save(checkpoint: dict[str, Any], path: str, module: torch.nn.Module, optimiz
     options = checkpoint_save_options(settings.ds_config, precision)
 
     def save_sharded(state: dict, directory: str) -> None:
-        save_states(state, directory, module=module, optimizers=optimizers, stage=settings.zero_config.stage,
-                    offload=settings.zero_config.offload, exclude_frozen_parameters=settings.exclude_frozen_parameters,
-                    async_save=settings.async_save, **options)
+        save_states(
+            state,
+            directory,
+            module=module,
+            optimizers=optimizers,
+            stage=settings.zero_config.stage,
+            offload=settings.zero_config.offload,
+            exclude_frozen_parameters=settings.exclude_frozen_parameters,
+            async_save=settings.async_save,
+            **options,
+        )
 
     if settings.state_dict_type == "full":
-        save_full_file(checkpoint, path, save_sharded, rank=rank,
-                       with_optimizer=bool(checkpoint.get("optimizer_states")))
+        save_full_file(
+            checkpoint, path, save_sharded, rank=rank, with_optimizer=bool(checkpoint.get("optimizer_states"))
+        )
     else:
         save_sharded(checkpoint, path)
     return path

@@ -57,8 +57,10 @@ class ZeroPrecision(ZeroPrecisionPolicy, Precision):
 
     def optimizer_step(self, optimizer, model, closure: Callable[[], Any], **kwargs: Any) -> Any:
         if isinstance(optimizer, torch.optim.LBFGS):
-            raise TypeError("ZeroStrategy runs the closure once before the optimizer step, which LBFGS (which "
-                            "re-evaluates the closure) cannot use")
+            raise TypeError(
+                "ZeroStrategy runs the closure once before the optimizer step, which LBFGS (which "
+                "re-evaluates the closure) cannot use"
+            )
         self.last_step_skipped = False
         closure_result = closure()
         automatic = getattr(model, "automatic_optimization", True)
@@ -95,8 +97,9 @@ def guard_schedulers(scheduler_configs, precision: ZeroPrecision) -> None:
                 return None
             return _base.step(self, *args, **kwargs)
 
-        scheduler.__class__ = type(base.__name__, (base,), {"step": step, "_lightning_zero_guarded": True,
-                                                            "__module__": base.__module__})
+        scheduler.__class__ = type(
+            base.__name__, (base,), {"step": step, "_lightning_zero_guarded": True, "__module__": base.__module__}
+        )
 
 
 def adapt_precision_plugin(plugin: Precision, settings: Any) -> Precision:
@@ -117,5 +120,6 @@ def adapt_precision_plugin(plugin: Precision, settings: Any) -> Precision:
             f"ZeroStrategy supports precision in {SUPPORTED_PRECISIONS}; {flag or type(plugin).__name__!r} is not "
             "implemented (fp64 and Transformer Engine have no ZeRO path here)."
         )
-    return ZeroPrecision(flag, loss_scale_config=loss_scale_config, communication_data_type=communication_data_type,
-                         stage=stage)
+    return ZeroPrecision(
+        flag, loss_scale_config=loss_scale_config, communication_data_type=communication_data_type, stage=stage
+    )
