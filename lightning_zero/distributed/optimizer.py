@@ -321,6 +321,27 @@ def shard_optimizer(
         sharding.hooks.append(fused)  # its remove() also puts the flags back
     if local_step:
         sharding.local_step_of = optimizer
+    _attach_nvme_swapping(optimizer, sharding, config, rank=rank, pin=pin, swap_masters=swap_masters)
+    setattr(optimizer, _ATTR, sharding)
+    if sharding.narrowed_groups():  # last: see [Note: zero_grad reaches the module's gradients]
+        override_step(optimizer, _same_step, marker=_ZERO_GRAD_MARK, extra={"zero_grad": _zero_grad_of(optimizer)})
+        sharding.zero_grad_of = optimizer
+    if config.stage == 1:
+        plan_broadcast(sharding)  # before the gradients and states exist: see the note in broadcast_from_owners
+    return sharding
+
+
+def _attach_nvme_swapping(
+    optimizer: torch.optim.Optimizer,
+    sharding: OptimizerSharding,
+    config: ZeroConfig,
+    *,
+    rank: int,
+    pin: bool,
+    swap_masters: bool,
+) -> None:
+    """NVMe swapping around ``optimizer``'s step: the parameter swapper's unit-by-unit step (``offload_params``),
+    then the optimizer-state swapper (``offload_optimizer``), with the masters it swaps beside the states."""
     if config.swaps_parameters:
         # Before the state swapper: it steps each of its sub-groups through this unit-by-unit step.
         param_swapper = find_param_swapper(sharding.all_model_params())
@@ -339,13 +360,6 @@ def shard_optimizer(
             if swap_masters and (master := sharding.masters.get(id(p))) is not None
         }
         sharding.swapper = attach_swapper(optimizer, config.nvme, rank=rank, pin_memory=pin, masters=companions)
-    setattr(optimizer, _ATTR, sharding)
-    if sharding.narrowed_groups():  # last: see [Note: zero_grad reaches the module's gradients]
-        override_step(optimizer, _same_step, marker=_ZERO_GRAD_MARK, extra={"zero_grad": _zero_grad_of(optimizer)})
-        sharding.zero_grad_of = optimizer
-    if config.stage == 1:
-        plan_broadcast(sharding)  # before the gradients and states exist: see the note in broadcast_from_owners
-    return sharding
 
 
 def only_constructor_states(optimizer: torch.optim.Optimizer) -> bool:

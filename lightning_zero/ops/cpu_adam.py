@@ -110,13 +110,7 @@ class CPUAdam(torch.optim.Optimizer):
                         f"CPUAdam steps in CPU memory, but a parameter is on {local.device}: offload the optimizer "
                         "(ZeroStrategy(offload_optimizer='cpu'), which gives it CPU fp32 masters) or use FusedAdam"
                     )
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p)
-                    state["exp_avg_sq"] = torch.zeros_like(p)
-                    if group["amsgrad"]:
-                        state["max_exp_avg_sq"] = torch.zeros_like(p)
+                state = self.state[p] or _initial_state(self.state[p], p, group["amsgrad"])
                 grad = local_tensor(p.grad)
                 params.append(local)
                 grads.append(grad if grad.dtype == torch.float32 else grad.float())
@@ -126,13 +120,7 @@ class CPUAdam(torch.optim.Optimizer):
                     vmaxes.append(local_tensor(state["max_exp_avg_sq"]))
                 steps.append(state["step"])
                 if low is not None:
-                    low = local_tensor(low)
-                    if low.shape != local.shape or low.device.type != "cpu" or low.dtype not in LOW_PRECISION_DTYPES:
-                        raise ValueError(
-                            f"a low-precision copy must be a bf16/fp16 CPU tensor shaped like its parameter "
-                            f"{tuple(local.shape)}, got {low.dtype} {tuple(low.shape)} on {low.device}"
-                        )
-                    copies.append((low, local))
+                    copies.append((_checked_low_precision_copy(low, local), local))
             if not params:
                 continue
             beta1, beta2 = group["betas"]
@@ -176,3 +164,24 @@ class CPUAdam(torch.optim.Optimizer):
             for low, local in copies:
                 low.copy_(local)
         return loss
+
+
+def _initial_state(state: dict, param: torch.Tensor, amsgrad: bool) -> dict:
+    """Adam's zero states for ``param``, written into (and returned as) its empty ``state``."""
+    state["step"] = torch.zeros((), dtype=torch.float32)
+    state["exp_avg"] = torch.zeros_like(param)
+    state["exp_avg_sq"] = torch.zeros_like(param)
+    if amsgrad:
+        state["max_exp_avg_sq"] = torch.zeros_like(param)
+    return state
+
+
+def _checked_low_precision_copy(low: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """The local tensor of a low-precision copy the step refreshes: a bf16/fp16 CPU tensor shaped like ``local``."""
+    low = local_tensor(low)
+    if low.shape != local.shape or low.device.type != "cpu" or low.dtype not in LOW_PRECISION_DTYPES:
+        raise ValueError(
+            f"a low-precision copy must be a bf16/fp16 CPU tensor shaped like its parameter "
+            f"{tuple(local.shape)}, got {low.dtype} {tuple(low.shape)} on {low.device}"
+        )
+    return low
