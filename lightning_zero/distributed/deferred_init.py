@@ -43,7 +43,8 @@ Why hand-written: torch has no maintained deferred init (torchdistx's ``deferred
 unmaintained C++ extension for old torch releases; FSDP2 documents meta-device init plus ``reset_parameters``,
 which is not exact).
 
-This module is framework-free: it never imports Lightning.
+This module records; the log's entries and their replay are :mod:`.deferred_replay`. It is framework-free: it never
+imports Lightning.
 """
 
 from __future__ import annotations
@@ -52,13 +53,20 @@ import gc
 import inspect
 import logging
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any, Generator, Optional
 
 import torch
 from torch import nn
 
-from lightning_zero.distributed.undefined_memory import EMPTY_FACTORIES, fill_nan, follow, op_name
+from lightning_zero.distributed.deferred_replay import (
+    DeferredInitError,
+    DeferredRef,
+    HeldInput,
+    LogReplay,
+    RecordedOp,
+    deferred_key,
+)
+from lightning_zero.distributed.undefined_memory import follow, op_name
 from lightning_zero.torch_compat import TENSOR_DATA, TorchDispatchMode, disable_torch_dispatch, make_wrapper_subclass
 from lightning_zero.torch_compat.tensors import (
     op_schema,
@@ -78,14 +86,6 @@ BUDGET_ENV = "LIGHTNING_ZERO_INIT_MEMORY_BUDGET"
 
 class InitMemoryError(MemoryError):
     """Building the model on this rank would exceed its share of the host memory."""
-
-
-class DeferredInitError(RuntimeError):
-    """The recorder met a pattern it cannot reproduce exactly; the message names the module and the op."""
-
-
-def _key(tensor: torch.Tensor) -> int:
-    return storage_identity(tensor._meta)
 
 
 class _Deferred(torch.Tensor):
@@ -142,56 +142,7 @@ class _Deferred(torch.Tensor):
         return f"deferred({self._recorder.value(self)!r})"
 
 
-@dataclass(frozen=True)
-class _Ref:
-    """A deferred tensor in the log: its storage and its layout on it."""
-
-    key: int
-    dtype: torch.dtype
-    size: tuple
-    stride: tuple
-    offset: int
-
-    @staticmethod
-    def of(tensor: torch.Tensor) -> "_Ref":
-        meta = tensor._meta
-        if (meta.dtype, meta.shape, meta.stride(), meta.storage_offset()) != (
-            tensor.dtype,
-            tensor.shape,
-            tensor.stride(),
-            tensor.storage_offset(),
-        ):
-            raise DeferredInitError(
-                "a deferred tensor's layout changed outside its log (a metadata change this recorder does not "
-                "follow); build without deferral (LIGHTNING_ZERO_DEFERRED_INIT=0)"
-            )
-        return _Ref(_key(tensor), meta.dtype, tuple(meta.shape), tuple(meta.stride()), meta.storage_offset())
-
-    def on(self, storage: torch.UntypedStorage) -> torch.Tensor:
-        return torch.empty(0, dtype=self.dtype).set_(storage, self.offset, self.size, self.stride)
-
-
 _COPY_BELOW = 1 << 20  # bytes: real inputs up to this size are copied into the log, larger ones held
-
-
-@dataclass(frozen=True)
-class _Held:
-    """A large real input of a logged op, with its version counter when it was read."""
-
-    tensor: torch.Tensor
-    version: int
-
-
-@dataclass
-class _RecordedOp:
-    func: Any
-    spec: Any
-    flat: list  # _Ref, real snapshots, or plain values
-    out_refs: list  # _Ref of each tensor output (None for others)
-    reads: frozenset
-    writes: frozenset
-    new: frozenset
-    rng: list = field(default_factory=list)  # (generator, state) to restore before the op
 
 
 def _innermost_module() -> str:
@@ -221,7 +172,7 @@ def _recordable(func, written: list) -> bool:
     )
 
 
-class _Recorder(TorchDispatchMode):
+class _Recorder(LogReplay, TorchDispatchMode):
     def __init__(self, budget: Optional[int], track_undefined: bool = False) -> None:
         super().__init__()
         self.budget = budget
@@ -231,7 +182,7 @@ class _Recorder(TorchDispatchMode):
         self.written_after: tuple[int, frozenset] = (-1, frozenset())  # undefined_state's cache
         self.pinned = 0
         self.bases: dict[int, torch.Tensor] = {}  # key -> a meta tensor keeping the storage (and its key) alive
-        self.entries: list[_RecordedOp] = []
+        self.entries: list[RecordedOp] = []
         self.peak_bytes = 0  # most real bytes a replay or an RNG scratch held at once (tests bound it)
 
     # ------------------------------------------------------------------ recording
@@ -290,7 +241,7 @@ class _Recorder(TorchDispatchMode):
             a._meta if self.deferred(a) else self._meta_like(a) if isinstance(a, torch.Tensor) else a for a in flat
         ]
         meta_args, meta_kwargs = tree_unflatten(meta_flat, spec)
-        refs = [_Ref.of(a) if self.deferred(a) else None for a in flat]  # layouts before the op
+        refs = [DeferredRef.of(a) if self.deferred(a) else None for a in flat]  # layouts before the op
         written_args = _written(func, args, kwargs)  # in-place, out= and list-writing ops (checked deferred)
         if op_name(func) in ("set_", "resize_", "resize_as_"):
             raise DeferredInitError(
@@ -320,7 +271,7 @@ class _Recorder(TorchDispatchMode):
         rng = self._rng_states(func, flat)
         if rng:
             self._advance_rng(func, flat, spec, refs, written_args)
-        reads = frozenset(_key(a) for a in flat if self.deferred(a))
+        reads = frozenset(deferred_key(a) for a in flat if self.deferred(a))
         new = set()
         for o in out_flat:
             if isinstance(o, torch.Tensor) and storage_identity(o) not in self.bases:
@@ -338,11 +289,11 @@ class _Recorder(TorchDispatchMode):
             self._track(func, reads - written, new, [ref for ref in refs if ref is not None and ref.key in written])
         if writes:  # otherwise a view: its storage, size, stride and offset say all there is to replay
             self.entries.append(
-                _RecordedOp(
+                RecordedOp(
                     func,
                     spec,
                     [ref if ref is not None else self._snapshot(a) for ref, a in zip(refs, flat)],
-                    [_Ref.of(w) if isinstance(w, _Deferred) else None for w in wrapped],
+                    [DeferredRef.of(w) if isinstance(w, _Deferred) else None for w in wrapped],
                     reads,
                     writes,
                     frozenset(new),
@@ -374,7 +325,7 @@ class _Recorder(TorchDispatchMode):
         self._count(nbytes, "a real tensor read by the init code")
         if nbytes <= _COPY_BELOW:
             return value.detach().clone()
-        return _Held(value, tensor_version(value))  # the object itself: a detach() here would get its own version
+        return HeldInput(value, tensor_version(value))  # the object itself: a detach() here would get its own version
 
     def _count(self, nbytes: int, what: str) -> None:
         self.pinned += nbytes
@@ -389,7 +340,7 @@ class _Recorder(TorchDispatchMode):
         """Run a random op once on real scratch memory: the generators move exactly as in a plain build."""
         keys = {ref.key for ref in refs if ref is not None}
         # Written deferred tensors only need their layout; others (a bernoulli_ p tensor) need their values.
-        scratch = {_key(a) for a in written_args}
+        scratch = {deferred_key(a) for a in written_args}
         storages = self.replay(keys - scratch) if keys - scratch else {}
         real = []
         for ref, a in zip(refs, flat):
@@ -406,23 +357,26 @@ class _Recorder(TorchDispatchMode):
 
     def value(self, tensor: "_Deferred") -> torch.Tensor:
         """The exact current value of a deferred tensor, on real memory."""
-        return _Ref.of(tensor).on(self.replay({_key(tensor)})[_key(tensor)])
+        return DeferredRef.of(tensor).on(self.replay({deferred_key(tensor)})[deferred_key(tensor)])
 
     def _eager(self, func, args, kwargs):
         """Run ``func`` for real on replayed inputs; pin any deferred memory it writes."""
         flat, spec = tree_flatten((args, kwargs))
-        keys = {_key(a) for a in flat if self.deferred(a)}
+        keys = {deferred_key(a) for a in flat if self.deferred(a)}
         storages = self.replay(keys)
-        real = [_Ref.of(a).on(storages[_key(a)]) if self.deferred(a) else a for a in flat]
+        real = [DeferredRef.of(a).on(storages[deferred_key(a)]) if self.deferred(a) else a for a in flat]
         real_args, real_kwargs = tree_unflatten(real, spec)
         rng = self._rng_states(func, flat)
         out = func(*real_args, **real_kwargs)
         out_flat, out_spec = tree_flatten(out)
         # What the op wrote, by its schema (an op may return nothing, or something else than what it wrote).
-        written = {_key(a) for a in _written(func, args, kwargs) if self.deferred(a)}
+        written = {deferred_key(a) for a in _written(func, args, kwargs) if self.deferred(a)}
         if self.track_undefined:
             self._track(
-                func, keys - written, set(), [_Ref.of(a) for a in _written(func, args, kwargs) if self.deferred(a)]
+                func,
+                keys - written,
+                set(),
+                [DeferredRef.of(a) for a in _written(func, args, kwargs) if self.deferred(a)],
             )
         replayed = {s.data_ptr(): key for key, s in storages.items()}
         for o in out_flat:
@@ -442,9 +396,9 @@ class _Recorder(TorchDispatchMode):
                 _innermost_module(),
                 data.nbytes,
             )
-            target = _Ref(key, torch.uint8, (storage.nbytes(),), (1,), 0)
+            target = DeferredRef(key, torch.uint8, (storage.nbytes(),), (1,), 0)
             self.entries.append(
-                _RecordedOp(
+                RecordedOp(
                     torch.ops.aten.copy_.default,
                     tree_flatten(((None, None), {}))[1],
                     [target, data],
@@ -458,7 +412,7 @@ class _Recorder(TorchDispatchMode):
         if not written:
             return out
         # An in-place op returns the tensor it wrote: hand back the deferred tensor, not the replayed copy.
-        by_key = {_key(a): a for a in flat if self.deferred(a)}
+        by_key = {deferred_key(a): a for a in flat if self.deferred(a)}
         return tree_unflatten(
             [
                 by_key[replayed[o.untyped_storage().data_ptr()]]
@@ -469,87 +423,7 @@ class _Recorder(TorchDispatchMode):
             out_spec,
         )
 
-    # ------------------------------------------------------------------ replay
-    def replay(self, targets: set[int]) -> dict[int, torch.UntypedStorage]:
-        """Real storages holding the final recorded values of the deferred storages ``targets``."""
-        needed = set(targets)
-        subset = []
-        for index in range(len(self.entries) - 1, -1, -1):
-            entry = self.entries[index]
-            if entry.writes & needed:
-                subset.append(entry)
-                needed |= entry.reads
-        subset.reverse()
-        last_use: dict[int, int] = {}
-        for position, entry in enumerate(subset):
-            for key in entry.reads | entry.writes:
-                last_use[key] = position
-        gens = {id(g): g for entry in subset for g, _ in entry.rng}
-        saved = [(g, g.get_state()) for g in gens.values()]
-        env: dict[int, torch.UntypedStorage] = {}
-        try:
-            with torch.no_grad():
-                for position, entry in enumerate(subset):
-                    self._replay_entry(entry, env)
-                    self.peak_bytes = max(self.peak_bytes, sum(storage.nbytes() for storage in env.values()))
-                    for key in entry.reads | entry.writes:
-                        if last_use[key] == position and key not in targets:
-                            env.pop(key, None)
-        finally:
-            for generator, state in saved:
-                generator.set_state(state)
-        missing = targets - env.keys()
-        if missing:  # a deferred storage nothing ever wrote: it was created by a view of nothing recorded
-            raise DeferredInitError(f"deferred init: {len(missing)} storages have no recorded origin")
-        return {key: env[key] for key in targets}
-
-    def _replay_entry(self, entry: _RecordedOp, env: dict) -> None:
-        real = []
-        for value in entry.flat:
-            if isinstance(value, _Ref):
-                real.append(value.on(env[value.key]))
-            elif isinstance(value, _Held):
-                if tensor_version(value.tensor) != value.version:
-                    raise DeferredInitError(
-                        f"A real tensor of shape {tuple(value.tensor.shape)} that the model's init code read (via "
-                        f"{entry.func}) was modified in place afterwards, so its value then is lost. Keep it "
-                        "unchanged until setup, or build without deferral (LIGHTNING_ZERO_DEFERRED_INIT=0)."
-                    )
-                real.append(value.tensor)
-            else:
-                real.append(value)
-        args, kwargs = tree_unflatten(real, entry.spec)
-        for generator, state in entry.rng:
-            generator.set_state(state)
-        out = entry.func(*args, **kwargs)
-        if self.track_undefined and op_name(entry.func) in EMPTY_FACTORIES:
-            fill_nan(tree_flatten(out)[0])
-        for o, ref in zip(tree_flatten(out)[0], entry.out_refs):
-            if ref is None or ref.key not in entry.new:
-                continue
-            nbytes = self.bases[ref.key].untyped_storage().nbytes()
-            if (
-                o.untyped_storage().nbytes() == nbytes
-                and tuple(o.stride()) == ref.stride
-                and o.storage_offset() == ref.offset
-                and o.dtype == ref.dtype
-            ):
-                env[ref.key] = o.untyped_storage()
-            else:  # the CPU kernel chose another layout than the meta one: copy into the recorded layout
-                storage = torch.UntypedStorage(nbytes)
-                ref.on(storage).copy_(o)
-                env[ref.key] = storage
-
     # ------------------------------------------------------------------ sessions
-    def mark(self) -> int:
-        """A position in the log, for :meth:`written_since`."""
-        return len(self.entries)
-
-    def written_since(self, mark: int, tensor: "_Deferred") -> bool:
-        """Whether an op logged after ``mark`` wrote the memory of ``tensor`` (its storage, any part of it)."""
-        key = _key(tensor)
-        return any(key in entry.writes for entry in self.entries[mark:])
-
     def seal(self) -> None:
         """End of construction: tensors that are plain module attributes (torchmetrics states and defaults) get
         real values now; only parameters and buffers stay deferred until ``apply_zero`` shards them.
@@ -601,7 +475,7 @@ def undefined_state(tensor: Any) -> tuple[bool, bool]:
     it after its construction ended); ``(False, False)`` for any other tensor."""
     if not isinstance(tensor, _Deferred) or not tensor._recorder.track_undefined:
         return False, False
-    recorder, key = tensor._recorder, _key(tensor)
+    recorder, key = tensor._recorder, deferred_key(tensor)
     if recorder.sealed_at is None:
         return key in recorder.undefined, False
     if recorder.written_after[0] != len(recorder.entries):  # what the log wrote after construction, once per change
@@ -644,10 +518,10 @@ def materialize_module(module: nn.Module) -> None:
     made: dict[int, torch.Tensor] = {}
     for recorder in recorders.values():
         mine = [t for *_, t in slots if t._recorder is recorder]
-        storages = recorder.replay({_key(t) for t in mine})
+        storages = recorder.replay({deferred_key(t) for t in mine})
         for tensor in mine:
             if id(tensor) not in made:
-                made[id(tensor)] = _Ref.of(tensor).on(storages[_key(tensor)])
+                made[id(tensor)] = DeferredRef.of(tensor).on(storages[deferred_key(tensor)])
     for sub, kind, name, tensor in slots:
         real = made[id(tensor)]
         if kind == "_parameters" and not isinstance(real, nn.Parameter):
