@@ -74,6 +74,7 @@ def test_compute_floor_runs_without_collectives_and_steps_a_share():
     assert step > 0 and peak >= 0
 
 
+@pytest.mark.slow  # two jobs in freshly spawned ranks of a benchmark peer: ~1 min on 2 busy cores
 def test_minimal_loop_trains_the_same_model_at_stages_0_to_2():
     """The minimal-loop peer does the training it stands for: its flat all-reduce (stage 0) and its flat slices with
     reduce-scatter and all-gather (stages 1-2) end with the same weights on every rank and at every stage, and not
@@ -95,6 +96,7 @@ def test_minimal_loop_trains_the_same_model_at_stages_0_to_2():
     assert step > 0 and peak >= 0
 
 
+@pytest.mark.slow  # four jobs in freshly spawned ranks of a benchmark peer: ~1 min on 2 busy cores
 def test_engine_loop_trains_the_same_model_as_the_minimal_loop():
     """The engine peer (torch's DDP, ZeroRedundancyOptimizer and FSDP2 at the root, in a bare loop) does the training
     it stands for: at stages 0, 1 and 2 every rank ends with the weights of the minimal loop's flat all-reduce on
