@@ -59,6 +59,7 @@ def test_steady_heap_is_what_the_environment_audit_advises():
     assert workers.STEADY_HEAP == STEADY_HEAP
 
 
+@pytest.mark.slow  # one job in freshly spawned ranks of a benchmark peer: ~20 s on 2 cores
 def test_compute_floor_runs_without_collectives_and_steps_a_share():
     """The floor peer: each rank steps about 1/world of the elements at stages 1-3 (all of them at stage 0), in a
     plain loop that never initializes a process group (a collective would raise)."""
