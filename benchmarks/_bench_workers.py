@@ -414,6 +414,12 @@ def run_engine(rank, world, args, job, out):
 def run_deepspeed(rank, world, args, job, out):
     import deepspeed
 
+    if args.device != "cuda":
+        # DeepSpeed's CPU accelerator JIT-builds its shared-memory collectives (minutes of compiling on a small
+        # machine) in init_distributed; they serve only its inference all-reduce, never ZeRO's collectives.
+        import deepspeed.comm.torch
+
+        deepspeed.comm.torch.build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="nccl" if args.device == "cuda" else "gloo")
     baseline = _reset_peak()
     name = job["model"]

@@ -1,4 +1,6 @@
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -9,6 +11,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Every process a test starts (torchrun ranks, CLI runs) prints its threads' Python stacks if it dies of a fatal
 # signal (SIGABRT, SIGSEGV): a rank that dies that way in CI, where it cannot be watched, then says where it was.
 os.environ.setdefault("PYTHONFAULTHANDLER", "1")
+# torch's C++ extensions (DeepSpeed's JIT-built ops) of every process the tests start go to a directory of this
+# session, never the user's cache, where a build a timeout killed would leave a lock every later build waits on; the
+# session fails if anything was built there (tests/deepspeed_cpu.py).
+_EXTENSIONS = tempfile.mkdtemp(prefix="lightning-zero-tests-extensions-")
+os.environ["TORCH_EXTENSIONS_DIR"] = _EXTENSIONS
 
 
 def pytest_collection_modifyitems(config, items):
@@ -30,3 +37,13 @@ def _no_process_group_left_behind():
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
         pytest.fail("this test left a process group in the pytest process (now destroyed)", pytrace=False)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    built = sorted(os.listdir(_EXTENSIONS))
+    shutil.rmtree(_EXTENSIONS, ignore_errors=True)
+    if built:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(f"a test JIT-built torch extensions {built}: see tests/deepspeed_cpu.py", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -33,7 +33,9 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, env
     # the child's garbage collector, and its destructor waits on a condition variable whose waiters (the parent's
     # worker threads) do not exist in the child: the rank hangs mid-test (seen in CI, inside DCP's gather_object).
     # Freezing moves everything inherited out of the collector's reach; what the rank creates itself is collected.
+    # The parent forked with the collector off, so nothing inherited was collected before this line.
     gc.freeze()
+    gc.enable()
     os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
@@ -66,11 +68,20 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, env: di
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; raise if any rank fails. With
     ``start_group=False`` the ranks get the rendezvous variables but no process group: ``fn`` starts its own."""
     method = os.environ.get("LZ_TEST_START_METHOD", "fork")
-    gc.collect()  # release the parent's garbage here, where its threads exist (see _entry)
-    mp.start_processes(
-        _entry, args=(world_size, free_port(), fn, args, dict(env or {}), start_group), nprocs=world_size, join=True,
-        start_method=method,
-    )
+    # The collector is off from the first fork until every rank is started, so no rank can collect what it inherits
+    # before freezing it (see _entry); a full collection here instead costs a second a launch with Lightning loaded.
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        context = mp.start_processes(
+            _entry, args=(world_size, free_port(), fn, args, dict(env or {}), start_group), nprocs=world_size,
+            join=False, start_method=method,
+        )
+    finally:
+        if enabled:
+            gc.enable()
+    while not context.join():
+        pass
 
 
 def kill_rank_in_the_middle_of_the_next_save(rank_to_die: int = 1) -> None:

@@ -59,6 +59,7 @@ def test_steady_heap_is_what_the_environment_audit_advises():
     assert workers.STEADY_HEAP == STEADY_HEAP
 
 
+@pytest.mark.slow  # one job in freshly spawned ranks of a benchmark peer: ~20 s on 2 cores
 def test_compute_floor_runs_without_collectives_and_steps_a_share():
     """The floor peer: each rank steps about 1/world of the elements at stages 1-3 (all of them at stage 0), in a
     plain loop that never initializes a process group (a collective would raise)."""
@@ -74,6 +75,7 @@ def test_compute_floor_runs_without_collectives_and_steps_a_share():
     assert step > 0 and peak >= 0
 
 
+@pytest.mark.slow  # two jobs in freshly spawned ranks of a benchmark peer: ~1 min on 2 busy cores
 def test_minimal_loop_trains_the_same_model_at_stages_0_to_2():
     """The minimal-loop peer does the training it stands for: its flat all-reduce (stage 0) and its flat slices with
     reduce-scatter and all-gather (stages 1-2) end with the same weights on every rank and at every stage, and not
@@ -95,6 +97,7 @@ def test_minimal_loop_trains_the_same_model_at_stages_0_to_2():
     assert step > 0 and peak >= 0
 
 
+@pytest.mark.slow  # four jobs in freshly spawned ranks of a benchmark peer: ~1 min on 2 busy cores
 def test_engine_loop_trains_the_same_model_as_the_minimal_loop():
     """The engine peer (torch's DDP, ZeroRedundancyOptimizer and FSDP2 at the root, in a bare loop) does the training
     it stands for: at stages 0, 1 and 2 every rank ends with the weights of the minimal loop's flat all-reduce on

@@ -6,6 +6,7 @@ import os
 import pytest
 import torch
 
+from tests.deepspeed_cpu import deepspeed_on_cpu
 from tests.ranks import run_distributed
 
 deepspeed = pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install -e '.[bench]')")
@@ -20,8 +21,7 @@ def _model():
 
 
 def _write_worker(rank, world_size, root, stage):
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import deepspeed as ds
+    ds = deepspeed_on_cpu()
 
     model = _model()
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 9,

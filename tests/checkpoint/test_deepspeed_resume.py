@@ -18,6 +18,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.checkpoint.errors import CheckpointError
+from tests.deepspeed_cpu import deepspeed_on_cpu
 from tests.lightning_models import RegressionModule, dataset, full_state, make_optimizer_and_scheduler
 from tests.ranks import run_distributed
 
@@ -81,7 +82,7 @@ def _trainer(strategy, world_size, root, **kwargs):
 
 def _deepspeed_worker(rank, world_size, root, run):
     """Two epochs under DeepSpeed, saved after each: epoch0.ckpt is resumed from, epoch1.ckpt is the reference."""
-    os.environ["DS_ACCELERATOR"] = "cpu"
+    deepspeed_on_cpu()
     torch.manual_seed(0)
     every_epoch = ModelCheckpoint(dirpath=root, filename="epoch{epoch}", auto_insert_metric_name=False,
                                   save_top_k=-1, every_n_epochs=1)
@@ -236,7 +237,7 @@ def _engine_worker(rank, world_size, root):
     epoch starts with; then those two again, as a resumed run with fresh loops sees them: the reference."""
     from torch.utils.data import DataLoader, DistributedSampler
 
-    os.environ["DS_ACCELERATOR"] = "cpu"
+    deepspeed_on_cpu()
     torch.manual_seed(0)
     module = NoSchedulerModule()
     config = {"train_micro_batch_size_per_gpu": BATCH, "zero_optimization": {"stage": 2},
@@ -364,7 +365,7 @@ def _cpu_fabric_deepspeed_strategy(stage):
 def _fabric_deepspeed_worker(rank, world_size, path, stage):
     from tests.fabric.test_fabric_parity import fabric_train, make_fabric
 
-    os.environ["DS_ACCELERATOR"] = "cpu"
+    deepspeed_on_cpu()
     fabric = make_fabric(_cpu_fabric_deepspeed_strategy(stage))
     model, optimizer = fabric_train(fabric, rank, world_size, steps=range(1))
     fabric.save(path, {"model": model, "optimizer": optimizer, "step": 1})
