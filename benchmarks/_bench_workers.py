@@ -40,9 +40,19 @@ PRECISIONS = {"fp32": ("32-true", None), "bf16": ("bf16-mixed", torch.bfloat16),
 # (with sympy and triton) lazily, ~150 MB of modules and shared libraries: counted as growth they charged DeepSpeed a
 # fixed import cost that has nothing to do with its model states (its tiny-model runs showed ~160 MB more than ours).
 # Loading the same set on every side first keeps the figure about training memory.
-_PRELOAD = ("torch._dynamo", "torch._inductor.compile_fx", "torch.distributed.fsdp", "torch.distributed.checkpoint",
-            "lightning.pytorch", "lightning_zero", "deepspeed", "deepspeed.runtime.engine",
-            "deepspeed.runtime.zero.stage_1_and_2", "deepspeed.runtime.zero.stage3", "deepspeed.runtime.bf16_optimizer")
+_PRELOAD = (
+    "torch._dynamo",
+    "torch._inductor.compile_fx",
+    "torch.distributed.fsdp",
+    "torch.distributed.checkpoint",
+    "lightning.pytorch",
+    "lightning_zero",
+    "deepspeed",
+    "deepspeed.runtime.engine",
+    "deepspeed.runtime.zero.stage_1_and_2",
+    "deepspeed.runtime.zero.stage3",
+    "deepspeed.runtime.bf16_optimizer",
+)
 
 
 def _preload() -> None:
@@ -138,14 +148,23 @@ def run_lightning(rank, world, args, job, out):
     else:
         raise ValueError(kind)
     data = models.batches(name, args, rank)
-    trainer = pl.Trainer(accelerator="gpu" if args.device == "cuda" else "cpu", devices=world, strategy=strategy,
-                         precision=flag, max_steps=len(data), logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[Timer()],
-                         use_distributed_sampler=False)
+    trainer = pl.Trainer(
+        accelerator="gpu" if args.device == "cuda" else "cpu",
+        devices=world,
+        strategy=strategy,
+        precision=flag,
+        max_steps=len(data),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Timer()],
+        use_distributed_sampler=False,
+    )
     trainer.fit(Module(), torch.utils.data.DataLoader(data, batch_size=None))
     profiler.finish()
     counter.finish()
-    _write(out, rank, times[args.warmup:], _peak(baseline))
+    _write(out, rank, times[args.warmup :], _peak(baseline))
 
 
 def deepspeed_config(args, job) -> dict:
@@ -156,9 +175,14 @@ def deepspeed_config(args, job) -> dict:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": args.device == "cuda"}
         if int(stage) == 3:
             zero["offload_param"] = {"device": "cpu", "pin_memory": args.device == "cuda"}
-    config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
-              "zero_optimization": zero, "zero_force_ds_cpu_optimizer": False, "steps_per_print": 10 ** 9}
+    config = {
+        "train_micro_batch_size_per_gpu": args.batch,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+        "zero_optimization": zero,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 10**9,
+    }
     if job["precision"] in ("bf16", "bf16t"):
         config["bf16"] = {"enabled": True}  # bf16 weights and compute, fp32 masters in the optimizer
     if job.get("ds_cpu_adam"):
@@ -239,7 +263,7 @@ def run_floor(rank, world, args, job, out):
         model.zero_grad(set_to_none=True)
         compute.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
-    _write(out, rank, times[args.warmup:], _peak(baseline))
+    _write(out, rank, times[args.warmup :], _peak(baseline))
 
 
 def _adamw(params) -> torch.optim.AdamW:
@@ -322,7 +346,7 @@ def run_minimal(rank, world, args, job, out):
     else:
         with torch.no_grad():
             whole = torch.cat([p.reshape(-1) for p in params] + [grads[-1]])
-        master = torch.nn.Parameter(whole[rank * chunk:(rank + 1) * chunk].clone())
+        master = torch.nn.Parameter(whole[rank * chunk : (rank + 1) * chunk].clone())
         optimizer = _adamw([master])
         received = torch.empty_like(flat)
     times = []
@@ -353,7 +377,7 @@ def run_minimal(rank, world, args, job, out):
                     p.copy_(g.view_as(p))
         model.zero_grad(set_to_none=True)
     checksum = float(sum(p.detach().double().sum() for p in params))
-    _write(out, rank, times[args.warmup:], _peak(baseline), param_sum=checksum)
+    _write(out, rank, times[args.warmup :], _peak(baseline), param_sum=checksum)
     dist.destroy_process_group()
 
 
@@ -380,13 +404,15 @@ def run_engine(rank, world, args, job, out):
         policy = MixedPrecisionPolicy(param_dtype=low_dtype, reduce_dtype=torch.float32 if low_dtype else None)
         trained = fully_shard(model, reshard_after_forward=False, mp_policy=policy)
     else:
-        trained = DistributedDataParallel(model, device_ids=[rank] if device.type == "cuda" else None,
-                                          gradient_as_bucket_view=True)
+        trained = DistributedDataParallel(
+            model, device_ids=[rank] if device.type == "cuda" else None, gradient_as_bucket_view=True
+        )
     params = list(model.parameters())
     if stage == 1:
         fused = bool(_adamw(params).param_groups[0]["fused"]) or None  # the kernel the other loops pick
-        optimizer = ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, lr=1e-4, fused=fused,
-                                            parameters_as_bucket_view=True)
+        optimizer = ZeroRedundancyOptimizer(
+            params, optimizer_class=torch.optim.AdamW, lr=1e-4, fused=fused, parameters_as_bucket_view=True
+        )
     elif stage == 2:  # AdamW over the shards' local tensors (same storage): DTensor dispatch per op is not FSDP2's
         shards = [p.to_local().detach() for p in params]
         optimizer = _adamw(shards)
@@ -404,9 +430,13 @@ def run_engine(rank, world, args, job, out):
         trained.zero_grad(set_to_none=True)
         if stage == 2:  # the optimizer holds the shards' local tensors, whose gradients the module does not reach
             optimizer.zero_grad(set_to_none=True)
-    checksum = float(sum(p.detach().full_tensor().double().sum() if hasattr(p, "full_tensor")
-                         else p.detach().double().sum() for p in model.parameters()))
-    _write(out, rank, times[args.warmup:], _peak(baseline), param_sum=checksum)
+    checksum = float(
+        sum(
+            p.detach().full_tensor().double().sum() if hasattr(p, "full_tensor") else p.detach().double().sum()
+            for p in model.parameters()
+        )
+    )
+    _write(out, rank, times[args.warmup :], _peak(baseline), param_sum=checksum)
     # The process group outlives DDP (destroyed with this frame): _end_process_group ends it afterwards. Destroying
     # it here first hung one rank now and then in DDP's teardown.
 
@@ -424,8 +454,9 @@ def run_deepspeed(rank, world, args, job, out):
     baseline = _reset_peak()
     name = job["model"]
     model = models.build(name, args)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                      config=deepspeed_config(args, job))
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=deepspeed_config(args, job)
+    )
     device, low_dtype = engine.device, PRECISIONS[job["precision"]][1]
     times, profiler, counter = [], _StepProfiler(args, rank, job), StepCounter(args, rank, job)
     for x, y in models.batches(name, args, rank):
@@ -441,7 +472,7 @@ def run_deepspeed(rank, world, args, job, out):
         times.append(time.perf_counter() - start)
     profiler.finish()
     counter.finish()
-    _write(out, rank, times[args.warmup:], _peak(baseline))
+    _write(out, rank, times[args.warmup :], _peak(baseline))
 
 
 class _StepProfiler:
@@ -472,7 +503,7 @@ class _StepProfiler:
                 group[0] += event.self_cpu_time_total
                 group[1] += event.count
         total = sum(t for t, _ in groups.values())
-        top = sorted(groups.items(), key=lambda item: item[1][0], reverse=True)[:self.args.profile_top]
+        top = sorted(groups.items(), key=lambda item: item[1][0], reverse=True)[: self.args.profile_top]
         rows = [{"op": key, "self_share": t / total, "calls": calls} for key, (t, calls) in top]
         job = self.job
         os.makedirs(self.args.profile, exist_ok=True)
@@ -488,8 +519,15 @@ def _write(out, rank, times, peak, **extra):
 
 
 def _entry(rank, world, port, args, job, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), BENCH_DEVICE=args.device)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        BENCH_DEVICE=args.device,
+    )
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if args.device == "cuda" else "cpu")
     if job.get("src"):  # bench_stages --peers before: another checkout's lightning_zero, imported first
         import sys
@@ -499,8 +537,13 @@ def _entry(rank, world, port, args, job, out):
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     if args.device == "cuda":
         torch.cuda.set_device(rank)
-    runners = {"deepspeed": run_deepspeed, "floor": run_floor, "sync": run_floor, "minimal": run_minimal,
-               "engine": run_engine}
+    runners = {
+        "deepspeed": run_deepspeed,
+        "floor": run_floor,
+        "sync": run_floor,
+        "minimal": run_minimal,
+        "engine": run_engine,
+    }
     if job["kind"].startswith("empty:"):
         from benchmarks._bench_empty import run_empty
 

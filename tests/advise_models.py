@@ -14,8 +14,16 @@ from gpt import GPTModule  # noqa: E402
 class TinyGPT(GPTModule):
     """The example's GPT at a size that measures in seconds."""
 
-    def __init__(self, vocab_size: int = 17, block_size: int = 16, n_layer: int = 2, n_head: int = 2,
-                 n_embd: int = 16, lr: float = 1e-3, batch_size: int = 2):
+    def __init__(
+        self,
+        vocab_size: int = 17,
+        block_size: int = 16,
+        n_layer: int = 2,
+        n_head: int = 2,
+        n_embd: int = 16,
+        lr: float = 1e-3,
+        batch_size: int = 2,
+    ):
         super().__init__(vocab_size, block_size, n_layer, n_head, n_embd, lr, batch_size)
 
 

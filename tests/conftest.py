@@ -39,6 +39,32 @@ def _no_process_group_left_behind():
         pytest.fail("this test left a process group in the pytest process (now destroyed)", pytrace=False)
 
 
+# What torch.distributed and Lightning read to find a rendezvous. Lightning's launchers write them into the process
+# that launches (its own ranks inherit them); left in the pytest process, a later test's subprocess would rendezvous
+# on a port an earlier test's store may still hold (EADDRINUSE).
+RENDEZVOUS_VARIABLES = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "NODE_RANK",
+    "LOCAL_WORLD_SIZE",
+)
+
+
+@pytest.fixture(autouse=True)
+def _rendezvous_environment_restored():
+    """Each test starts from the session's rendezvous variables, whatever the previous test's launcher set."""
+    saved = {name: os.environ.get(name) for name in RENDEZVOUS_VARIABLES}
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 def pytest_sessionfinish(session, exitstatus):
     built = sorted(os.listdir(_EXTENSIONS))
     shutil.rmtree(_EXTENSIONS, ignore_errors=True)

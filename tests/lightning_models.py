@@ -10,9 +10,17 @@ WIDTH = 16
 
 def quiet_trainer(strategy, world_size, *, max_steps, **kwargs):
     """A CPU Trainer for parity tests: no logger, checkpoints, progress bar, summary or validation (``kwargs`` win)."""
-    defaults = dict(accelerator="cpu", devices=world_size, max_steps=max_steps, logger=False,
-                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                    num_sanity_val_steps=0, limit_val_batches=0)
+    defaults = dict(
+        accelerator="cpu",
+        devices=world_size,
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
     defaults.update(kwargs)
     return Trainer(strategy=strategy, **defaults)
 
@@ -49,8 +57,9 @@ def make_optimizer_and_scheduler(params_with_names, lr=1e-2):
     params = list(params_with_names)
     decay = [p for n, p in params if p.ndim == 2]
     no_decay = [p for n, p in params if p.ndim != 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                             {"params": no_decay, "weight_decay": 0.0, "lr": lr / 2}], lr=lr)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": lr / 2}], lr=lr
+    )
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     return opt, sched
 
@@ -135,7 +144,7 @@ def reference_weights(steps, global_batch, accumulate=1, clip=None, seed=0):
     for step in range(steps):
         for i in range(accumulate):
             start = (step * accumulate + i) * micro
-            x, y = x_all[start:start + micro], y_all[start:start + micro]
+            x, y = x_all[start : start + micro], y_all[start : start + micro]
             (nn.functional.mse_loss(module(x), y) / accumulate).backward()
         if clip:
             torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
@@ -150,8 +159,10 @@ def trained_weights(trainer):
     masters where the module holds bf16 replicas, each rank those it steps at stage 1), gathered and unsharded."""
     import torch.distributed as dist
 
-    mine = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone()
-            for k, v in trainer.strategy.lightning_module_state_dict().items()}
+    mine = {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone()
+        for k, v in trainer.strategy.lightning_module_state_dict().items()
+    }
     if not dist.is_initialized():
         return mine
     every = [None] * dist.get_world_size()
@@ -160,5 +171,7 @@ def trained_weights(trainer):
 
 
 def full_state(module):
-    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
-            for k, v in module.state_dict().items()}
+    return {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+        for k, v in module.state_dict().items()
+    }

@@ -38,8 +38,12 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, env
     gc.enable()
     os.environ.update(env)
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
     )
     torch.set_num_threads(1)
     if start_group:
@@ -63,8 +67,9 @@ def job_output(result, head: int = 6000, tail: int = 3000) -> str:
     return f"exit code {result.returncode}\n--- stdout (end) ---\n{stdout}\n--- stderr ---\n{shown}"
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, env: dict | None = None,
-                    start_group: bool = True) -> None:
+def run_distributed(
+    fn: Callable[..., Any], world_size: int, *args: Any, env: dict | None = None, start_group: bool = True
+) -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; raise if any rank fails. With
     ``start_group=False`` the ranks get the rendezvous variables but no process group: ``fn`` starts its own."""
     method = os.environ.get("LZ_TEST_START_METHOD", "fork")
@@ -74,8 +79,11 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, env: di
     gc.disable()
     try:
         context = mp.start_processes(
-            _entry, args=(world_size, free_port(), fn, args, dict(env or {}), start_group), nprocs=world_size,
-            join=False, start_method=method,
+            _entry,
+            args=(world_size, free_port(), fn, args, dict(env or {}), start_group),
+            nprocs=world_size,
+            join=False,
+            start_method=method,
         )
     finally:
         if enabled:

@@ -24,8 +24,12 @@ def test_fsdp_param_groups_reads_the_list_and_the_single_group_layouts():
 
 
 def _check_fsdp_state_and_params(model):
-    held = {id(fp.sharded_param) for m in (model, model[0])
-            for g in tc.fsdp_param_groups(tc.fsdp_state(m)) for fp in g.fsdp_params}
+    held = {
+        id(fp.sharded_param)
+        for m in (model, model[0])
+        for g in tc.fsdp_param_groups(tc.fsdp_state(m))
+        for fp in g.fsdp_params
+    }
     assert held == {id(p) for p in model.parameters()}, torch.__version__
     fsdp_param = tc.fsdp_param_groups(tc.fsdp_state(model[0]))[0].fsdp_params[0]
     assert tc.fsdp_param_module(fsdp_param) is model[0]
@@ -177,8 +181,11 @@ def test_wrapper_subclass_pytree_schema_and_dispatch_entries():
     with tc.disable_torch_dispatch():
         torch.ops.aten.as_strided_.default(wrapper, (3, 2), (2, 1), 0)  # the wrapper's own layout, no dispatch
     assert wrapper.shape == (3, 2)
-    written = [a.name for a in tc.op_schema(torch.ops.aten.add_.Tensor).arguments
-               if a.alias_info is not None and a.alias_info.is_write]
+    written = [
+        a.name
+        for a in tc.op_schema(torch.ops.aten.add_.Tensor).arguments
+        if a.alias_info is not None and a.alias_info.is_write
+    ]
     assert written == ["self"] and str(tc.op_schema(torch.ops.aten.add.Tensor).returns[0].type) == "Tensor"
     assert tc.TENSOR_DATA.__get__(torch.ones(1)).item() == 1.0
     ops = []

@@ -50,8 +50,11 @@ def test_search_at_the_limit_and_below_one():
 
 def test_deepspeed_configs_default_and_tuned():
     default = bench.deepspeed_config("3+cpu", "deepspeed", 2, "/x")["zero_optimization"]
-    assert default == {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": False},
-                       "offload_param": {"device": "cpu", "pin_memory": False}}
+    assert default == {
+        "stage": 3,
+        "offload_optimizer": {"device": "cpu", "pin_memory": False},
+        "offload_param": {"device": "cpu", "pin_memory": False},
+    }
     tuned = bench.deepspeed_config("2", "deepspeed-tuned", 2, "/x")["zero_optimization"]
     assert tuned["reduce_bucket_size"] < 5e8 and tuned["allgather_bucket_size"] < 5e8
     assert not any(key.startswith("stage3_") for key in tuned) and "sub_group_size" not in tuned
@@ -62,15 +65,32 @@ def test_deepspeed_configs_default_and_tuned():
 
 def _rows():
     def row(rung, peer, depth, params):
-        return {"rung": rung, "peer": peer, "depth": depth, "fail": depth + 1, "fail_outcome": "oom",
-                "fail_detail": "", "params": params, "peak_rss": 600 << 20, "cgroup_peak": 500 << 20,
-                "step_time": 1.5, "tries": 5, "cap": "cgroup v1"}
+        return {
+            "rung": rung,
+            "peer": peer,
+            "depth": depth,
+            "fail": depth + 1,
+            "fail_outcome": "oom",
+            "fail_detail": "",
+            "params": params,
+            "peak_rss": 600 << 20,
+            "cgroup_peak": 500 << 20,
+            "step_time": 1.5,
+            "tries": 5,
+            "cap": "cgroup v1",
+        }
 
-    return [row("0", "ours", 20, 20e6), row("0", "deepspeed", 18, 18e6), row("0", "deepspeed-tuned", 21, 21e6),
-            row("3+nvme", "ours", 90, 90e6),
-            {"rung": "3+nvme", "peer": "deepspeed", "depth": None, "reason": "no async_io"},
-            {"rung": "3+nvme", "peer": "deepspeed-tuned", "depth": None, "reason": "no async_io"},
-            row("3+cpu", "ours", 30, 30e6), row("3+cpu", "deepspeed", 28, 28e6), row("3+cpu", "deepspeed-tuned", 0, 0)]
+    return [
+        row("0", "ours", 20, 20e6),
+        row("0", "deepspeed", 18, 18e6),
+        row("0", "deepspeed-tuned", 21, 21e6),
+        row("3+nvme", "ours", 90, 90e6),
+        {"rung": "3+nvme", "peer": "deepspeed", "depth": None, "reason": "no async_io"},
+        {"rung": "3+nvme", "peer": "deepspeed-tuned", "depth": None, "reason": "no async_io"},
+        row("3+cpu", "ours", 30, 30e6),
+        row("3+cpu", "deepspeed", 28, 28e6),
+        row("3+cpu", "deepspeed-tuned", 0, 0),
+    ]
 
 
 def test_tables_and_targets(capsys):
@@ -113,9 +133,18 @@ def test_chart(tmp_path):
 
 
 def _cached(bench, args, rung, results):
-    return {bench.try_key({"side": "ours", "rung": rung, "depth": depth}, args): {
-        "outcome": outcome, "depth": depth, "peer": "ours", "rung": rung, "cgroup_peak": 1 << 20,
-        "peak_rss": 1 << 20, "step_time": 0.5 if outcome == "ok" else None} for depth, outcome in results}
+    return {
+        bench.try_key({"side": "ours", "rung": rung, "depth": depth}, args): {
+            "outcome": outcome,
+            "depth": depth,
+            "peer": "ours",
+            "rung": rung,
+            "cgroup_peak": 1 << 20,
+            "peak_rss": 1 << 20,
+            "step_time": 0.5 if outcome == "ok" else None,
+        }
+        for depth, outcome in results
+    }
 
 
 def test_load_reads_the_bracket_from_the_cache(tmp_path):
@@ -129,8 +158,9 @@ def test_load_reads_the_bracket_from_the_cache(tmp_path):
 
 
 def test_ladder_starts_each_search_from_the_previous_answer(monkeypatch, tmp_path):
-    monkeypatch.setattr(bench, "unavailable", lambda peer, rung: "no aio" if rung == "3+nvme"
-                        and not peer.startswith("ours") else None)
+    monkeypatch.setattr(
+        bench, "unavailable", lambda peer, rung: "no aio" if rung == "3+nvme" and not peer.startswith("ours") else None
+    )
     monkeypatch.setattr(bench, "count_params", lambda width, heads, seq, vocab, depth: depth * 1000)
     largest = {"0": 20, "3": 45, "3+nvme": 90}
     asked = {}
@@ -143,10 +173,19 @@ def test_ladder_starts_each_search_from_the_previous_answer(monkeypatch, tmp_pat
     args = bench.parse(["--rungs", "0", "3", "3+nvme", "--cap-gib", "1e-6", "--json", str(tmp_path / "c.json")])
     rows = bench.ladder(args, {}, make)
     assert [(r["rung"], r["peer"], r["depth"]) for r in rows] == [
-        ("0", "ours", 20), ("0", "ours-tuned", 19), ("0", "deepspeed", 19), ("0", "deepspeed-tuned", 19),
-        ("3", "ours", 45), ("3", "ours-tuned", 44), ("3", "deepspeed", 44), ("3", "deepspeed-tuned", 44),
-        ("3+nvme", "ours", 90), ("3+nvme", "ours-tuned", 89), ("3+nvme", "deepspeed", None),
-        ("3+nvme", "deepspeed-tuned", None)]
+        ("0", "ours", 20),
+        ("0", "ours-tuned", 19),
+        ("0", "deepspeed", 19),
+        ("0", "deepspeed-tuned", 19),
+        ("3", "ours", 45),
+        ("3", "ours-tuned", 44),
+        ("3", "deepspeed", 44),
+        ("3", "deepspeed-tuned", 44),
+        ("3+nvme", "ours", 90),
+        ("3+nvme", "ours-tuned", 89),
+        ("3+nvme", "deepspeed", None),
+        ("3+nvme", "deepspeed-tuned", None),
+    ]
     assert asked[("0", "ours-tuned")][0] == 20 and asked[("0", "deepspeed")][0] == 19
     assert asked[("3", "ours")][0] == 19
     assert rows[0]["params"] == 20000 and rows[-1]["reason"] == "no aio"
@@ -188,7 +227,7 @@ def test_a_run_that_launched_tries_leaves_a_dated_record(tmp_path, monkeypatch, 
     monkeypatch.setattr(bench, "ladder", lambda args, cache, make: _rows())
     cache = str(tmp_path / "c.json")
     bench.main(["--json", cache, "--results", str(tmp_path / "r")])
-    md, = (tmp_path / "r").glob("bench_capacity-*.md")
+    (md,) = (tmp_path / "r").glob("bench_capacity-*.md")
     text = md.read_text()
     assert "| 0 | ZeroStrategy | 20 | 20.0M |" in text and f"--json {cache} --results {tmp_path / 'r'}`" in text
     assert json.loads(md.with_suffix(".json").read_text())["rows"] == _rows()

@@ -20,8 +20,11 @@ def deepspeed_listed(monkeypatch):
     """``parse`` refuses the DeepSpeed peer (the default) where deepspeed is not installed; the tests using this
     only parse arguments and fake the runs, so they stand in a spec for it and pass with or without deepspeed."""
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: real(name, *a) or (ModuleSpec(name, None) if name == "deepspeed" else None))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: real(name, *a) or (ModuleSpec(name, None) if name == "deepspeed" else None),
+    )
 
 
 def test_peers_per_stage(deepspeed_listed):
@@ -120,9 +123,22 @@ def test_engine_loop_trains_the_same_model_as_the_minimal_loop():
 def test_runs_alternate_and_ratios_are_paired(capsys, deepspeed_listed):
     """A B C A B C: each repeat pairs ours with the peer runs next to it; the table shows median and range."""
     args = bench.parse(["--model", "mlp", "--stages", "0", "--repeat", "3", "--peers", "deepspeed", "ddp"])
-    order, figures = [], iter([(1.0, 100), (2.0, 200), (0.5, 50),   # repeat 1: ours, DeepSpeed, DDP
-                               (3.0, 100), (4.0, 400), (1.0, 50),   # repeat 2: a slower machine, same ratios-ish
-                               (1.0, 100), (1.0, 100), (1.0, 100)])
+    order, figures = (
+        [],
+        iter(
+            [
+                (1.0, 100),
+                (2.0, 200),
+                (0.5, 50),  # repeat 1: ours, DeepSpeed, DDP
+                (3.0, 100),
+                (4.0, 400),
+                (1.0, 50),  # repeat 2: a slower machine, same ratios-ish
+                (1.0, 100),
+                (1.0, 100),
+                (1.0, 100),
+            ]
+        ),
+    )
 
     def fake_measure(job, _args):
         order.append(job["kind"])
@@ -168,8 +184,9 @@ def test_arguments_are_validated(deepspeed_listed):
     full = bench.parse(["--model", "mlp", "mlp", "--no-lightning", "--width", "256"])
     assert (full.repeat, full.model, full.peers, full.width) == (3, ["mlp"], ["deepspeed"], 256)
     # --no-lightning drops Lightning's strategies only, not the yardsticks that run without Lightning
-    kept = bench.parse(["--stages", "2", "--no-lightning", "--peers", "modelparallel", "fsdp", "floor", "minimal",
-                        "engine"])
+    kept = bench.parse(
+        ["--stages", "2", "--no-lightning", "--peers", "modelparallel", "fsdp", "floor", "minimal", "engine"]
+    )
     assert kept.peers == ["floor", "minimal", "engine"], kept.peers
     # the bare loops compute bf16-mixed numerics only: with bf16t they are refused, not run as something else
     for peer in ("minimal", "engine"):
@@ -195,8 +212,9 @@ def test_llama_is_skipped_with_a_message_without_transformers(monkeypatch):
     from benchmarks import _bench_models as models
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "transformers" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name, *a)
+    )
     assert "transformers is not installed" in models.unavailable("llama")
     assert models.unavailable("mlp") is None
 
@@ -204,8 +222,14 @@ def test_llama_is_skipped_with_a_message_without_transformers(monkeypatch):
 def test_plot_without_matplotlib_says_so(monkeypatch, tmp_path, capsys):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
-    row = {"model": "mlp", "precision": "fp32", "stage": "0", "peer": "deepspeed", "time_ratio": (1.0, 1.0, 1.0),
-           "mem_ratio": (1.0, 1.0, 1.0)}
+    row = {
+        "model": "mlp",
+        "precision": "fp32",
+        "stage": "0",
+        "peer": "deepspeed",
+        "time_ratio": (1.0, 1.0, 1.0),
+        "mem_ratio": (1.0, 1.0, 1.0),
+    }
     assert bench.plot([row], str(tmp_path / "chart.png")) is False
     assert "needs matplotlib" in capsys.readouterr().err
     assert not (tmp_path / "chart.png").exists()
@@ -213,8 +237,14 @@ def test_plot_without_matplotlib_says_so(monkeypatch, tmp_path, capsys):
 
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib is not installed")
 def test_plot_saves_the_chart(tmp_path):
-    row = {"model": "mlp", "precision": "fp32", "stage": "0", "peer": "deepspeed", "time_ratio": (0.9, 0.8, 1.1),
-           "mem_ratio": (1.0, 1.0, 1.0)}
+    row = {
+        "model": "mlp",
+        "precision": "fp32",
+        "stage": "0",
+        "peer": "deepspeed",
+        "time_ratio": (0.9, 0.8, 1.1),
+        "mem_ratio": (1.0, 1.0, 1.0),
+    }
     assert bench.plot([row], str(tmp_path / "img" / "chart.png"))
     assert (tmp_path / "img" / "chart.png").stat().st_size > 0
 
@@ -225,19 +255,37 @@ def test_quick_run_against_deepspeed_and_lightning_ddp(tmp_path):
     """The real thing, tiny: stage 0 on the MLP, ours vs DeepSpeed vs Lightning's DDP, fresh ranks per run."""
     raw = tmp_path / "raw.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, BENCH, "--quick", "--model", "mlp", "--precision", "fp32", "--stages", "0",
-                           "--json", str(raw)], env=env, capture_output=True, text=True, timeout=540)
+    done = subprocess.run(
+        [
+            sys.executable,
+            BENCH,
+            "--quick",
+            "--model",
+            "mlp",
+            "--precision",
+            "fp32",
+            "--stages",
+            "0",
+            "--json",
+            str(raw),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
-    cell, = json.loads(raw.read_text())["cells"]
+    (cell,) = json.loads(raw.read_text())["cells"]
     assert set(cell["runs"]) == {"ours", "deepspeed", "ddp"}
     for side, runs in cell["runs"].items():
-        (step, peak), = runs
+        ((step, peak),) = runs
         assert step > 0 and peak >= 0, side
     assert "| mlp | fp32 | 0 | DeepSpeed | " in done.stdout and "| mlp | fp32 | 0 | Lightning DDP | " in done.stdout
     assert "failed" not in done.stdout
     # --load renders the same table from the saved figures without measuring again
-    again = subprocess.run([sys.executable, BENCH, "--load", str(raw)], env=env, capture_output=True, text=True,
-                           timeout=120)
+    again = subprocess.run(
+        [sys.executable, BENCH, "--load", str(raw)], env=env, capture_output=True, text=True, timeout=120
+    )
     assert again.returncode == 0 and done.stdout.split("\n| model")[1] == again.stdout.split("\n| model")[1]
 
 
@@ -250,7 +298,7 @@ def test_deepspeed_memory_is_not_charged_for_its_lazy_imports():
 
     args = bench.parse(["--quick", "--nproc", "1", "--peers", "deepspeed"])
     step, peak = workers.measure({"model": "mlp", "precision": "fp32", "kind": "deepspeed:0"}, args)
-    assert step > 0 and peak < 64 * 2 ** 20, f"{peak / 2 ** 20:.0f} MiB"
+    assert step > 0 and peak < 64 * 2**20, f"{peak / 2**20:.0f} MiB"
 
 
 def test_profile_sums_fsdp_per_unit_ranges(tmp_path, deepspeed_listed):
@@ -266,24 +314,32 @@ def test_profile_sums_fsdp_per_unit_ranges(tmp_path, deepspeed_listed):
             pass
 
         def key_averages(self):
-            return [Event("aten::mm", 40.0, 10), Event("FSDP::all_gather (net.0)", 20.0, 1),
-                    Event("FSDP::all_gather (net.2)", 30.0, 1), Event("aten::copy_", 10.0, 5), Event("idle", 0.0, 3)]
+            return [
+                Event("aten::mm", 40.0, 10),
+                Event("FSDP::all_gather (net.0)", 20.0, 1),
+                Event("FSDP::all_gather (net.2)", 30.0, 1),
+                Event("aten::copy_", 10.0, 5),
+                Event("idle", 0.0, 3),
+            ]
 
     args = bench.parse(["--profile", str(tmp_path), "--profile-top", "2", "--steps", "1"])
     profiler = workers._StepProfiler(args, 0, {"model": "mlp", "precision": "fp32", "kind": "zero:3"})
     profiler.prof = Prof()
     profiler.finish()
     written = json.loads((tmp_path / "mlp_fp32_zero_3.json").read_text())
-    assert written["top"] == [{"op": "FSDP::all_gather", "self_share": 0.5, "calls": 2},
-                              {"op": "aten::mm", "self_share": 0.4, "calls": 10}]
+    assert written["top"] == [
+        {"op": "FSDP::all_gather", "self_share": 0.5, "calls": 2},
+        {"op": "aten::mm", "self_share": 0.4, "calls": 10},
+    ]
 
 
 def test_before_peer_needs_a_checkout_and_runs_ours_kind(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench.parse(["--model", "gpt", "--stages", "1", "--peers", "before", "--no-deepspeed"])
     (tmp_path / "lightning_zero").mkdir()
-    args = bench.parse(["--model", "gpt", "--stages", "1", "--peers", "before", "minimal",
-                        "--before-src", str(tmp_path)])
+    args = bench.parse(
+        ["--model", "gpt", "--stages", "1", "--peers", "before", "minimal", "--before-src", str(tmp_path)]
+    )
     assert bench.peer_kinds("1", args.peers) == [("before", "zero:1"), ("minimal", "minimal:1")]
 
 
@@ -292,25 +348,40 @@ def test_count_table_and_empty_table_render(tmp_path):
 
     from benchmarks import _bench_counts, _bench_empty
 
-    record = {"job": {"model": "gpt", "precision": "fp32", "kind": "zero:1", "src": "/before"}, "cycles": 3,
-              "py_calls": 10.0, "areas": {"lightning": 4.0}, "dtensor_dispatch": 0.0, "aten_ops": 7.0,
-              "allocations": 2.0}
+    record = {
+        "job": {"model": "gpt", "precision": "fp32", "kind": "zero:1", "src": "/before"},
+        "cycles": 3,
+        "py_calls": 10.0,
+        "areas": {"lightning": 4.0},
+        "dtensor_dispatch": 0.0,
+        "aten_ops": 7.0,
+        "allocations": 2.0,
+    }
     (tmp_path / "a.json").write_text(json.dumps(record))
     table = _bench_counts.table(str(tmp_path))
     assert "| gpt | fp32 | zero:1 (before) | 10 | 4 |" in table and table.rstrip().endswith("| 0 | 7 | 2 |")
     assert _bench_counts.area("/x/site-packages/lightning_zero/distributed/optimizer.py") == "lightning_zero"
     assert _bench_counts.area("/x/site-packages/lightning/pytorch/trainer/trainer.py") == "lightning"
     out = io.StringIO()
-    _bench_empty.table({"empty:bare": [(1e-5, 30)], "empty:trainer": [(1e-3, 1700)],
-                        "empty:bare-dp": [(1e-4, 50), (2e-4, 50)], "empty:ddp": [(2e-3, 1900), (3e-3, 1900)],
-                        "empty:zero1": [(4e-3, 2200), (4e-3, 2200)],
-                        "empty:deepspeed1": [(3.5e-3, 1200), (2.5e-3, 1200)]}, out)
+    _bench_empty.table(
+        {
+            "empty:bare": [(1e-5, 30)],
+            "empty:trainer": [(1e-3, 1700)],
+            "empty:bare-dp": [(1e-4, 50), (2e-4, 50)],
+            "empty:ddp": [(2e-3, 1900), (3e-3, 1900)],
+            "empty:zero1": [(4e-3, 2200), (4e-3, 2200)],
+            "empty:deepspeed1": [(3.5e-3, 1200), (2.5e-3, 1200)],
+        },
+        out,
+    )
     text = out.getvalue()
     assert "| Trainer, 1 process | 1000 [1000–1000] | 1700 | 990 [990–990] |  |  |" in text
     # ZeroStrategy's own cost: paired with Lightning's DDP (2000 and 1000 µs over it) and with DeepSpeed's engine at
     # the same stage (500 and 1500 µs over it), repeat by repeat
-    assert ("| Trainer + ZeroStrategy(1), 2 ranks | 4000 [4000–4000] | 2200 | 3850 [3800–3900] "
-            "| 1500 [1000–2000] | 1000 [500–1500] |") in text
+    assert (
+        "| Trainer + ZeroStrategy(1), 2 ranks | 4000 [4000–4000] | 2200 | 3850 [3800–3900] "
+        "| 1500 [1000–2000] | 1000 [500–1500] |"
+    ) in text
     assert "| Trainer + Lightning's DDPStrategy, 2 ranks | 2500 [2000–3000] | 1900 | 2350 [1900–2800] |  |  |" in text
     assert "| DeepSpeed engine, ZeRO 1, 2 ranks | 3000 [2500–3500] | 1200 | 2850 [2300–3400] |  |  |" in text
 
@@ -324,15 +395,14 @@ def test_gpt2_is_gpt2_small_and_opt_in(deepspeed_listed):
 
     args = bench.parse(["--model", "gpt2", "--batch", "1"])
     assert args.model == ["gpt2"] and "gpt2" not in bench.parse(["--model", "all"]).model
-    assert models.shape("gpt2", args) == {"n_layer": 12, "n_embd": 768, "n_head": 12, "block_size": 256,
-                                          "vocab": 50257}
+    assert models.shape("gpt2", args) == {"n_layer": 12, "n_embd": 768, "n_head": 12, "block_size": 256, "vocab": 50257}
     with torch.device("meta"):
         gpt2 = models.build("gpt2", args)
     assert gpt2.head.weight is gpt2.tok.weight
     assert sum(p.numel() for p in gpt2.parameters()) == 123_849_984  # GPT-2 small (124.4M) with 256 positions
     assert "123.85M params" in models.describe("gpt2", args)
     assert len(models.units("gpt2", gpt2)) == 12
-    (x, y), = models.batches("gpt2", bench.parse(["--model", "gpt2", "--quick", "--warmup", "0", "--steps", "1"]), 0)
+    ((x, y),) = models.batches("gpt2", bench.parse(["--model", "gpt2", "--quick", "--warmup", "0", "--steps", "1"]), 0)
     assert x.shape == y.shape == (2, 16)  # the quick shape: what the CLI's --quick runs
 
 
@@ -361,8 +431,12 @@ def test_steady_heap_reaches_every_spawned_rank_and_only_with_the_flag(monkeypat
 
 
 def test_engine_split_pairs_each_repeat(capsys, deepspeed_listed):
-    cell = {"model": "gpt", "precision": "fp32", "stage": "2",
-            "runs": {"ours": [(1.2, 1), (2.4, 1)], "minimal": [(1.0, 1), (2.0, 1)], "engine": [(1.1, 1), (1.6, 1)]}}
+    cell = {
+        "model": "gpt",
+        "precision": "fp32",
+        "stage": "2",
+        "runs": {"ours": [(1.2, 1), (2.4, 1)], "minimal": [(1.0, 1), (2.0, 1)], "engine": [(1.1, 1), (1.6, 1)]},
+    }
     bench.render([cell])
     out = capsys.readouterr().out
     # ours / engine paired per repeat: 1.2/1.1 and 2.4/1.6; engine / minimal: 1.1 and 0.8
@@ -384,7 +458,7 @@ def test_a_measured_run_leaves_a_dated_record_that_load_renders(tmp_path, capsys
     monkeypatch.setattr(common, "RESULTS_DIR", str(tmp_path / "default"))
     argv = ["--quick", "--model", "mlp", "--precision", "fp32", "--stages", "0", "--peers", "deepspeed"]
     bench.main([*argv, "--results", str(tmp_path)])
-    md, = tmp_path.glob("bench_stages-*.md")
+    (md,) = tmp_path.glob("bench_stages-*.md")
     assert re.fullmatch(r"bench_stages-\d{4}-\d{2}-\d{2}\.md", md.name)
     text = md.read_text()
     assert f"`python -m benchmarks.bench_stages {' '.join(argv)} --results {tmp_path}`" in text
@@ -394,7 +468,8 @@ def test_a_measured_run_leaves_a_dated_record_that_load_renders(tmp_path, capsys
     assert "| mlp | fp32 | 0 | DeepSpeed | 1.00 " in capsys.readouterr().out
     bench.main([*argv, "--results", str(tmp_path)])
     assert sorted(p.name for p in tmp_path.glob("bench_stages-*")) == sorted(
-        [md.name, md.with_suffix(".json").name, md.stem + "-2.md", md.stem + "-2.json"])
+        [md.name, md.with_suffix(".json").name, md.stem + "-2.md", md.stem + "-2.json"]
+    )
     bench.main(argv)
     bench.main([*argv[1:], "--no-results"])
     assert not (tmp_path / "default").exists()

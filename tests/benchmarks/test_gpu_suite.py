@@ -99,8 +99,9 @@ def _fake_trainer(limit, calls, fail=None):
 @pytest.mark.parametrize("limit", [20, 21, 37, 92, 93])
 def test_bisection_finds_the_largest_size(parts, limit):
     calls = []
-    search = parts.find_largest(20, 93, _fake_trainer(limit, calls), parts.Deadline(1e6), known_good=True,
-                                max_probes=10)
+    search = parts.find_largest(
+        20, 93, _fake_trainer(limit, calls), parts.Deadline(1e6), known_good=True, max_probes=10
+    )
     assert search.good == limit and calls[0][0] == 93
     assert search.bad == (None if limit == 93 else limit + 1)
     assert len(calls) <= 1 + math.ceil(math.log2(93 - 20 + 1))  # the ceiling, then halving
@@ -109,8 +110,9 @@ def test_bisection_finds_the_largest_size(parts, limit):
 
 def test_bisection_starts_at_the_estimate_and_stops_at_its_limits(parts):
     calls = []
-    search = parts.find_largest(20, 93, _fake_trainer(60, calls), parts.Deadline(1e6), first=58, known_good=True,
-                                max_probes=2)
+    search = parts.find_largest(
+        20, 93, _fake_trainer(60, calls), parts.Deadline(1e6), first=58, known_good=True, max_probes=2
+    )
     assert [c[0] for c in calls] == [58, 76] and search.good == 58 and search.bad == 76
     assert search.stopped == "probe limit (2) reached"
     calls = []
@@ -124,13 +126,15 @@ def test_bisection_starts_at_the_estimate_and_stops_at_its_limits(parts):
 
 def test_bisection_stops_on_timeouts_errors_and_the_deadline(parts):
     calls = []
-    search = parts.find_largest(20, 93, _fake_trainer(50, calls, fail={56: "timeout"}), parts.Deadline(1e6),
-                                known_good=True, max_probes=10)
+    search = parts.find_largest(
+        20, 93, _fake_trainer(50, calls, fail={56: "timeout"}), parts.Deadline(1e6), known_good=True, max_probes=10
+    )
     assert [c[0] for c in calls] == [93, 56] and search.good == 20 and search.bad == 93
     assert search.stopped == "probe at 56 ended in timeout: search stopped"  # cut by the deadline: not "too big"
     calls = []  # a probe that outlasts its own time limit is too big to train in time: the search goes on below it
-    search = parts.find_largest(20, 93, _fake_trainer(50, calls, fail={56: "too-slow"}), parts.Deadline(1e6),
-                                known_good=True, max_probes=10)
+    search = parts.find_largest(
+        20, 93, _fake_trainer(50, calls, fail={56: "too-slow"}), parts.Deadline(1e6), known_good=True, max_probes=10
+    )
     assert search.good == 50 and search.bad == 51 and [c[0] for c in calls][:3] == [93, 56, 38]
     clock = Clock()
     deadline = parts.Deadline(100, clock)
@@ -153,13 +157,19 @@ def test_phases_share_one_deadline_and_skip_what_it_cannot_hold(parts):
             if fail:
                 raise RuntimeError("boom")
             return {"status": "ok"}
+
         return run
 
-    phases = [parts.Phase("a", 100, 10, phase("a", 50)), parts.Phase("b", 500, 10, phase("b", 10, fail=True)),
-              parts.Phase("off", 10, 1, phase("off", 0), enabled=False, disabled_reason="opt-in"),
-              parts.Phase("c", 500, 10, phase("c", 1000)), parts.Phase("d", 10, 10, phase("d", 0))]
-    sections, skipped = parts.run_phases(phases, parts.Deadline(300, clock), reserve=5,
-                                         after=lambda s, k: saved.append(sorted(s)))
+    phases = [
+        parts.Phase("a", 100, 10, phase("a", 50)),
+        parts.Phase("b", 500, 10, phase("b", 10, fail=True)),
+        parts.Phase("off", 10, 1, phase("off", 0), enabled=False, disabled_reason="opt-in"),
+        parts.Phase("c", 500, 10, phase("c", 1000)),
+        parts.Phase("d", 10, 10, phase("d", 0)),
+    ]
+    sections, skipped = parts.run_phases(
+        phases, parts.Deadline(300, clock), reserve=5, after=lambda s, k: saved.append(sorted(s))
+    )
     # a gets its own budget; b and c what is left of the deadline, less the report's reserve
     assert ran == [("a", 100), ("b", 245), ("c", 235)]
     assert sections["b"]["status"] == "error" and "RuntimeError: boom" in sections["b"]["error"]
@@ -181,14 +191,22 @@ def test_outcomes_of_child_runs(parts):
 
 
 def test_pytest_summary_counts(parts):
-    assert parts.pytest_counts("..F\n2 passed, 1 failed, 3 warnings in 4.2s") == {"passed": 2, "failed": 1,
-                                                                                  "warnings": 3}
+    assert parts.pytest_counts("..F\n2 passed, 1 failed, 3 warnings in 4.2s") == {
+        "passed": 2,
+        "failed": 1,
+        "warnings": 3,
+    }
     assert parts.pytest_counts("== 15 skipped in 1.0s ==") == {"skipped": 15}
     assert parts.pytest_counts("1 error in 0.3s") == {"errors": 1}
     assert parts.pytest_counts("collected nothing") == {}
     # killed before the summary: -q's progress characters so far
-    assert parts.pytest_counts("..s.F   [ 40%]\n..E\n") == {"passed": 5, "skipped": 1, "failed": 1, "errors": 1,
-                                                          "partial": 1}
+    assert parts.pytest_counts("..s.F   [ 40%]\n..E\n") == {
+        "passed": 5,
+        "skipped": 1,
+        "failed": 1,
+        "errors": 1,
+        "partial": 1,
+    }
 
 
 def test_arguments(suite):
@@ -198,9 +216,14 @@ def test_arguments(suite):
     tiny = suite.parse(["--device", "cpu", "--tiny", "--out", "/tmp/x", "--batch", "3"])
     assert suite.model_shape(tiny) == suite.TINY and tiny.batch == 3 and tiny.capacity_max_layers == 4
     planned = suite.parse(["--dry-run", "--assume", H100, "--out", "/tmp/x"])
-    assert planned.device == "cuda" and planned.assume["memory_bytes"] == int(79.2 * 2 ** 30)
-    for bad in (["--n-embd", "100", "--n-head", "16"], ["--assume", H100], ["--assume", "H100"],
-                ["--ram-fraction", "1.5"], ["--steps", "0"]):
+    assert planned.device == "cuda" and planned.assume["memory_bytes"] == int(79.2 * 2**30)
+    for bad in (
+        ["--n-embd", "100", "--n-head", "16"],
+        ["--assume", H100],
+        ["--assume", "H100"],
+        ["--ram-fraction", "1.5"],
+        ["--steps", "0"],
+    ):
         with pytest.raises(SystemExit):
             suite.parse(["--device", "cpu", "--out", "/tmp/x", *bad])
 
@@ -281,24 +304,67 @@ def test_the_report_is_written_before_the_first_phase_and_after_each(suite, monk
 
 
 def _result():
-    row = {"side": "ours", "label": "ZeroStrategy", "config": "3", "status": "ok", "reason": "", "step_s": 0.25,
-           "tokens_per_s": 32768.0, "tflops": 234.5, "mfu": 0.237, "peak_allocated": 30 * 2 ** 30,
-           "peak_reserved": 32 * 2 ** 30, "host_peak": 6 * 2 ** 30, "estimate": 31 * 2 ** 30}
-    ds = {**row, "side": "deepspeed", "label": "DeepSpeed", "tokens_per_s": 30000.0, "peak_allocated": 25 * 2 ** 30,
-          "estimate": None}
-    missing = {"side": "deepspeed", "label": "DeepSpeed", "config": "3+cpu", "status": "not run",
-               "reason": "phase budget spent (3 s left)"}
-    return {"started": "2026-11-28 00:00 UTC", "deadline_s": 420, "wall_s": 400.2, "device": {"name": "NVIDIA H100"},
-            "versions": {"torch": "2.11.0"}, "plan": ["a plan line"],
-            "phases": {"tests": {"status": "passed", "counts": {"passed": 15}, "command": "python -m pytest tests/gpu",
-                                 "tail": "15 passed", "duration_s": 80},
-                       "throughput": {"rows": [row, ds, missing], "ratios": [{"config": "3", "tokens": 1.09,
-                                                                             "memory": 1.2}],
-                                      "description": ["Model: x"], "notes": ["a note"]},
-                       "capacity": {"probes": [{"size": 93, "params_b": 4.79, "outcome": "gpu-oom", "wall_s": 70,
-                                                "reason": "CUDA out of memory"}], "result": "60 layers train",
-                                    "description": ["Width 2048"]}},
-            "skipped": [{"phase": "ds_cpu_adam", "reason": "opt-in"}]}
+    row = {
+        "side": "ours",
+        "label": "ZeroStrategy",
+        "config": "3",
+        "status": "ok",
+        "reason": "",
+        "step_s": 0.25,
+        "tokens_per_s": 32768.0,
+        "tflops": 234.5,
+        "mfu": 0.237,
+        "peak_allocated": 30 * 2**30,
+        "peak_reserved": 32 * 2**30,
+        "host_peak": 6 * 2**30,
+        "estimate": 31 * 2**30,
+    }
+    ds = {
+        **row,
+        "side": "deepspeed",
+        "label": "DeepSpeed",
+        "tokens_per_s": 30000.0,
+        "peak_allocated": 25 * 2**30,
+        "estimate": None,
+    }
+    missing = {
+        "side": "deepspeed",
+        "label": "DeepSpeed",
+        "config": "3+cpu",
+        "status": "not run",
+        "reason": "phase budget spent (3 s left)",
+    }
+    return {
+        "started": "2026-11-28 00:00 UTC",
+        "deadline_s": 420,
+        "wall_s": 400.2,
+        "device": {"name": "NVIDIA H100"},
+        "versions": {"torch": "2.11.0"},
+        "plan": ["a plan line"],
+        "phases": {
+            "tests": {
+                "status": "passed",
+                "counts": {"passed": 15},
+                "command": "python -m pytest tests/gpu",
+                "tail": "15 passed",
+                "duration_s": 80,
+            },
+            "throughput": {
+                "rows": [row, ds, missing],
+                "ratios": [{"config": "3", "tokens": 1.09, "memory": 1.2}],
+                "description": ["Model: x"],
+                "notes": ["a note"],
+            },
+            "capacity": {
+                "probes": [
+                    {"size": 93, "params_b": 4.79, "outcome": "gpu-oom", "wall_s": 70, "reason": "CUDA out of memory"}
+                ],
+                "result": "60 layers train",
+                "description": ["Width 2048"],
+            },
+        },
+        "skipped": [{"phase": "ds_cpu_adam", "reason": "opt-in"}],
+    }
 
 
 def test_report_writer(parts, tmp_path):
@@ -318,8 +384,12 @@ def test_report_writer(parts, tmp_path):
 
 def test_dry_run_plans_without_running(suite, tmp_path):
     result = suite.main(["--dry-run", "--assume", H100, "--out", str(tmp_path)])
-    assert result["phases"] == {} and {s["phase"] for s in result["skipped"]} == {"tests", "throughput", "capacity",
-                                                                                    "ds_cpu_adam"}
+    assert result["phases"] == {} and {s["phase"] for s in result["skipped"]} == {
+        "tests",
+        "throughput",
+        "capacity",
+        "ds_cpu_adam",
+    }
     md = open(tmp_path / "gpu_report.md").read()
     assert "dry run: nothing was measured" in md and "1.215B parameters" in md and "MFU against 989.4" in md
     assert re.search(r"ZeRO 3\+cpu: estimated accelerator peak \d+\.\d GiB", md)
@@ -342,12 +412,28 @@ def test_tiny_pipeline_on_cpu(suite, tmp_path, monkeypatch):
     sides' throughput at stage 3 + CPU offload, one capacity probe above the throughput run's depth. The suite runs
     in this process (its own start-up is the dry run's), every run in a fresh child as on the GPU."""
     tests = tmp_path / "test_probe.py"
-    tests.write_text("import pytest\n\ndef test_ok():\n    pass\n\n@pytest.mark.skip(reason='x')\ndef test_no():\n"
-                     "    pass\n")
+    tests.write_text(
+        "import pytest\n\ndef test_ok():\n    pass\n\n@pytest.mark.skip(reason='x')\ndef test_no():\n    pass\n"
+    )
     out = tmp_path / "out"
     monkeypatch.setenv("PYTHONPATH", ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    result = suite.main(["--device", "cpu", "--tiny", "--configs", "3+cpu", "--capacity-max-layers", "3",
-                         "--tests", str(tests), "--out", str(out), "--deadline", "170"])
+    result = suite.main(
+        [
+            "--device",
+            "cpu",
+            "--tiny",
+            "--configs",
+            "3+cpu",
+            "--capacity-max-layers",
+            "3",
+            "--tests",
+            str(tests),
+            "--out",
+            str(out),
+            "--deadline",
+            "170",
+        ]
+    )
     assert result["phases"]["tests"]["counts"] == {"passed": 1, "skipped": 1}, result["phases"]["tests"]
     rows = {r["side"]: r for r in result["phases"]["throughput"]["rows"]}
     assert rows["ours"]["status"] == "ok" and rows["ours"]["tokens_per_s"] > 0 and rows["ours"]["host_peak"] > 0

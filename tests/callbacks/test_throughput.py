@@ -92,15 +92,31 @@ def test_batch_helpers_and_memory():
 
 
 def _interval(rank, seconds, forward, samples=8.0, local_collective=0.0, backward=0.0):
-    return RankInterval(rank=rank, samples=samples, tokens=0, has_tokens=0, steps=2, seconds=seconds, data=0.0,
-                        forward=forward, backward=backward, optimizer=0.0, collective=local_collective,
-                        local_collective=local_collective, peak_memory_bytes=1e9, flops=4e9)
+    return RankInterval(
+        rank=rank,
+        samples=samples,
+        tokens=0,
+        has_tokens=0,
+        steps=2,
+        seconds=seconds,
+        data=0.0,
+        forward=forward,
+        backward=backward,
+        optimizer=0.0,
+        collective=local_collective,
+        local_collective=local_collective,
+        peak_memory_bytes=1e9,
+        flops=4e9,
+    )
 
 
 def test_summarize_sums_rates_and_names_straggler():
     # Equal step times (DDP syncs them) but rank 2 spends its time in forward while the others wait in backward.
-    ranks = [_interval(0, 1.0, 0.1, backward=0.9), _interval(1, 1.0, 0.12, backward=0.88),
-             _interval(2, 1.0, 0.9, backward=0.1)]
+    ranks = [
+        _interval(0, 1.0, 0.1, backward=0.9),
+        _interval(1, 1.0, 0.12, backward=0.88),
+        _interval(2, 1.0, 0.9, backward=0.1),
+    ]
     report = summarize(ranks, peak_flops=1e10)
     assert report.samples_per_sec == pytest.approx(24.0)
     assert report.step_time_median == pytest.approx(0.5)
@@ -155,12 +171,21 @@ class SleepyMLP(LightningModule):
 def _throughput_worker(rank, world_size, tmp_dir):
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(36, D_IN), torch.randn(36, D_OUT))  # 18 per rank: batches 4,4,4,4,2
-    callback = ThroughputLogger(log_every_n_steps=1, table_every_n_steps=2, peak_flops=1e9,
-                                length_fn=lambda batch: 3 * batch[0].shape[0])
+    callback = ThroughputLogger(
+        log_every_n_steps=1, table_every_n_steps=2, peak_flops=1e9, length_fn=lambda batch: 3 * batch[0].shape[0]
+    )
     trainer = Trainer(
-        accelerator="cpu", devices=world_size, strategy=DDPStrategy(process_group_backend="gloo"),
-        max_epochs=1, accumulate_grad_batches=2, logger=CSVLogger(tmp_dir, name="run"), callbacks=[callback],
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        accelerator="cpu",
+        devices=world_size,
+        strategy=DDPStrategy(process_group_backend="gloo"),
+        max_epochs=1,
+        accumulate_grad_batches=2,
+        logger=CSVLogger(tmp_dir, name="run"),
+        callbacks=[callback],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -197,8 +222,16 @@ def _throughput_worker(rank, world_size, tmp_dir):
             tflops = float(row["throughput/tflops_per_device"])
             assert float(row["throughput/mfu"]) == pytest.approx(tflops * 1e12 / 1e9)
             assert float(row["throughput/straggler_rank"]) == 1
-            for key in ("tokens_per_sec", "step_time_median", "forward_time", "backward_time", "optimizer_time",
-                        "collective_time", "peak_memory_gb_max", "step_time_max"):
+            for key in (
+                "tokens_per_sec",
+                "step_time_median",
+                "forward_time",
+                "backward_time",
+                "optimizer_time",
+                "collective_time",
+                "peak_memory_gb_max",
+                "step_time_max",
+            ):
                 assert float(row[f"throughput/{key}"]) > 0, key
 
 
@@ -211,9 +244,19 @@ def _zero_strategy_worker(rank, world_size, stage=1):
     from tests.lightning_models import RegressionModule
 
     callback = ThroughputLogger(log_every_n_steps=1, peak_flops=1e9)
-    trainer = Trainer(accelerator="cpu", devices=world_size, strategy=ZeroStrategy(stage=stage), max_steps=3,
-                      logger=False, callbacks=[callback], enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=ZeroStrategy(stage=stage),
+        max_steps=3,
+        logger=False,
+        callbacks=[callback],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
     trainer.fit(RegressionModule(batch_size=4))
     assert len(callback.reports) == 3
     for report in callback.reports:
@@ -301,8 +344,16 @@ class _OneBigStepMLP(LightningModule):
 def test_each_interval_reports_its_own_cpu_peak():
     data = TensorDataset(torch.randn(16, D_IN), torch.randn(16, D_OUT))
     callback = ThroughputLogger(log_every_n_steps=2, table_every_n_steps=None, peak_flops=1e9)
-    trainer = Trainer(accelerator="cpu", devices=1, max_steps=4, logger=False, callbacks=[callback],
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=4,
+        logger=False,
+        callbacks=[callback],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(_OneBigStepMLP(), DataLoader(data, batch_size=4))
     first, second = (report.peak_memory_bytes_max for report in callback.reports)
     assert first - second > _OneBigStepMLP.BIG_BYTES // 2, (first, second)

@@ -103,7 +103,6 @@ def async_worker(rank: int, world_size: int, directory: str) -> None:
     assert not all(torch.equal(first[k], second[k]) for k in first)
 
 
-
 def test_async_saves_release_the_saved_state_without_the_cyclic_collector(tmp_path):
     """A finished async save keeps no reference to the state it was given (nor to its pending handle): with the
     cyclic collector off, the tensors are freed as soon as the caller drops them."""
@@ -117,8 +116,9 @@ def test_async_saves_release_the_saved_state_without_the_cyclic_collector(tmp_pa
         for i in range(3):
             tensors = {"a": torch.randn(64), "b": torch.randn(8, 8)}
             alive += [weakref.ref(t) for t in tensors.values()]
-            handle = save_sharded_checkpoint(str(tmp_path / f"c{i}.ckpt"), {"state_dict": tensors}, {"step": i},
-                                             async_save=True)
+            handle = save_sharded_checkpoint(
+                str(tmp_path / f"c{i}.ckpt"), {"state_dict": tensors}, {"step": i}, async_save=True
+            )
             wait_for_pending_saves()
             alive.append(weakref.ref(handle))
             del tensors, handle

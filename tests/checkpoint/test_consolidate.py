@@ -36,8 +36,13 @@ class TinyModule(pl.LightningModule):
 
 
 def lightning_meta(module: pl.LightningModule) -> dict:
-    return {"epoch": 1, "global_step": 4, "pytorch-lightning_version": pl.__version__,
-            "hyper_parameters": dict(module.hparams), "hparams_name": "kwargs"}
+    return {
+        "epoch": 1,
+        "global_step": 4,
+        "pytorch-lightning_version": pl.__version__,
+        "hyper_parameters": dict(module.hparams),
+        "hparams_name": "kwargs",
+    }
 
 
 def sharded_save_worker(rank: int, world_size: int, path: str) -> None:
@@ -106,8 +111,10 @@ class Probe(pl.Callback):
 
     def on_train_end(self, trainer, pl_module):
         root = trainer.default_root_dir
-        Probe.seen = (torch.load(os.path.join(root, "every.ckpt"), weights_only=True),
-                      torch.load(os.path.join(root, "ckpts", "last.ckpt"), weights_only=True))
+        Probe.seen = (
+            torch.load(os.path.join(root, "every.ckpt"), weights_only=True),
+            torch.load(os.path.join(root, "ckpts", "last.ckpt"), weights_only=True),
+        )
 
 
 def test_callback_writes_after_fit_and_after_each_save(tmp_path):
@@ -115,10 +122,19 @@ def test_callback_writes_after_fit_and_after_each_save(tmp_path):
     module = TinyModule()
     final = tmp_path / "final.safetensors"
     trainer = pl.Trainer(
-        max_epochs=2, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=tmp_path,
-        callbacks=[ConsolidateCheckpoint(final), ConsolidateCheckpoint(tmp_path / "every.ckpt", every_save=True),
-                   Probe(), pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpts", save_last=True)],
+        max_epochs=2,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        callbacks=[
+            ConsolidateCheckpoint(final),
+            ConsolidateCheckpoint(tmp_path / "every.ckpt", every_save=True),
+            Probe(),
+            pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpts", save_last=True),
+        ],
     )
     trainer.fit(module)
     from safetensors.torch import load_file
@@ -163,12 +179,22 @@ def test_streaming_peak_memory_is_bounded_by_the_largest_tensor(tmp_path):
     bound = 4 * largest + 16 * 2**20
     for output, dtype in (("out.ckpt", "fp32"), ("out.safetensors", "bf16")):
         result = subprocess.run(
-            [sys.executable, "-c", MEMORY_SCRIPT, str(path), str(tmp_path / output), dtype,
-             str(tmp_path / "small.ckpt")],
-            capture_output=True, text=True, check=True,
+            [
+                sys.executable,
+                "-c",
+                MEMORY_SCRIPT,
+                str(path),
+                str(tmp_path / output),
+                dtype,
+                str(tmp_path / "small.ckpt"),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
             # Fixed mmap threshold: big buffers go back to the OS when freed, so the peak measures what we hold,
             # not what glibc's adaptive threshold decided to keep cached.
-            env={**os.environ, "MALLOC_MMAP_THRESHOLD_": str(2**20)})
+            env={**os.environ, "MALLOC_MMAP_THRESHOLD_": str(2**20)},
+        )
         peak = int(result.stdout.strip().splitlines()[-1])
         assert peak < bound < total / 2, (output, peak / 2**20, bound / 2**20, total / 2**20)
     loaded = torch.load(tmp_path / "out.ckpt", weights_only=True, mmap=True)

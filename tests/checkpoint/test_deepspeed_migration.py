@@ -24,9 +24,14 @@ def _write_worker(rank, world_size, root, stage):
     ds = deepspeed_on_cpu()
 
     model = _model()
-    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 9,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
-              "zero_optimization": {"stage": stage}, "zero_force_ds_cpu_optimizer": False}
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 10**9,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+        "zero_optimization": {"stage": stage},
+        "zero_force_ds_cpu_optimizer": False,
+    }
     engine, *_ = ds.initialize(model=model, model_parameters=model.parameters(), config=config)
     generator = torch.Generator().manual_seed(rank)
     for _ in range(3):
@@ -93,9 +98,11 @@ def test_reader_does_not_import_deepspeed(deepspeed_checkpoints):
     import subprocess
     import sys
 
-    code = ("import sys; from lightning_zero.checkpoint import consolidate_checkpoint; "
-            f"consolidate_checkpoint({deepspeed_checkpoints[3]!r}); "
-            "assert 'deepspeed' not in sys.modules, 'the reader imported deepspeed'")
+    code = (
+        "import sys; from lightning_zero.checkpoint import consolidate_checkpoint; "
+        f"consolidate_checkpoint({deepspeed_checkpoints[3]!r}); "
+        "assert 'deepspeed' not in sys.modules, 'the reader imported deepspeed'"
+    )
     root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
 

@@ -49,17 +49,27 @@ def _cpu_deepspeed_strategy(stage, **kwargs):
         def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
             # as Lightning's, with the local rank for device_rank (a CPU device has no index)
             engine, optimizer, _, _ = deepspeed.initialize(
-                args=argparse.Namespace(device_rank=self.local_rank), config=self.config, model=model,
-                model_parameters=[p for p in model.parameters() if p.requires_grad], optimizer=optimizer,
-                lr_scheduler=lr_scheduler, dist_init_required=False)
+                args=argparse.Namespace(device_rank=self.local_rank),
+                config=self.config,
+                model=model,
+                model_parameters=[p for p in model.parameters() if p.requires_grad],
+                optimizer=optimizer,
+                lr_scheduler=lr_scheduler,
+                dist_init_required=False,
+            )
             return engine, optimizer
 
     return CPUDeepSpeedStrategy(stage=stage, **kwargs)
 
 
 def _config(**zero):
-    return dict(config={"zero_optimization": zero, "zero_allow_untested_optimizer": True,
-                        "train_micro_batch_size_per_gpu": BATCH})
+    return dict(
+        config={
+            "zero_optimization": zero,
+            "zero_allow_untested_optimizer": True,
+            "train_micro_batch_size_per_gpu": BATCH,
+        }
+    )
 
 
 # The DeepSpeed runs: stage 1 reorders each group's parameters in its flat buffer (round_robin_gradients), stage 3
@@ -74,9 +84,17 @@ DS_RUNS = {
 
 
 def _trainer(strategy, world_size, root, **kwargs):
-    settings = dict(accelerator="cpu", devices=world_size, max_epochs=2, limit_train_batches=STEPS_PER_EPOCH,
-                    limit_val_batches=0, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                    default_root_dir=root)
+    settings = dict(
+        accelerator="cpu",
+        devices=world_size,
+        max_epochs=2,
+        limit_train_batches=STEPS_PER_EPOCH,
+        limit_val_batches=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+    )
     return Trainer(strategy=strategy, **{**settings, **kwargs})
 
 
@@ -84,8 +102,9 @@ def _deepspeed_worker(rank, world_size, root, run):
     """Two epochs under DeepSpeed, saved after each: epoch0.ckpt is resumed from, epoch1.ckpt is the reference."""
     deepspeed_on_cpu()
     torch.manual_seed(0)
-    every_epoch = ModelCheckpoint(dirpath=root, filename="epoch{epoch}", auto_insert_metric_name=False,
-                                  save_top_k=-1, every_n_epochs=1)
+    every_epoch = ModelCheckpoint(
+        dirpath=root, filename="epoch{epoch}", auto_insert_metric_name=False, save_top_k=-1, every_n_epochs=1
+    )
     stage, settings = DS_RUNS[run]
     trainer = _trainer(_cpu_deepspeed_strategy(stage, **settings), world_size, root, callbacks=[every_epoch])
     trainer.fit(RegressionModule(batch_size=BATCH))
@@ -196,8 +215,9 @@ def _refusal_and_validate_worker(rank, world_size, path, weights0):
     # validate loads the weights only (no optimizer to match)
     torch.manual_seed(123)
     module = AdamModule(batch_size=BATCH)
-    trainer = _trainer(ZeroStrategy(stage=3), world_size, os.path.dirname(path), enable_checkpointing=False,
-                       limit_val_batches=1)
+    trainer = _trainer(
+        ZeroStrategy(stage=3), world_size, os.path.dirname(path), enable_checkpointing=False, limit_val_batches=1
+    )
     trainer.validate(module, ckpt_path=path, verbose=False)
     assert _worst(module, weights0) == 0.0
 
@@ -210,8 +230,9 @@ def test_an_optimizer_unlike_deepspeeds_is_refused_by_name_and_validate_loads_th
 def _elastic_worker(rank, world_size, path, weights0):
     torch.manual_seed(123)
     module = RegressionModule(batch_size=BATCH * DS_WORLD)
-    trainer = _trainer(ZeroStrategy(stage=2), world_size, os.path.dirname(path), enable_checkpointing=False,
-                       max_epochs=1)  # the checkpoint ends epoch 0: restored, nothing trained
+    trainer = _trainer(
+        ZeroStrategy(stage=2), world_size, os.path.dirname(path), enable_checkpointing=False, max_epochs=1
+    )  # the checkpoint ends epoch 0: restored, nothing trained
     with pytest.warns(UserWarning, match="elastic DeepSpeed checkpoint .* holds no param-group hyper-parameters"):
         trainer.fit(module, ckpt_path=path)
     assert _worst(module, weights0) == 0.0
@@ -240,8 +261,12 @@ def _engine_worker(rank, world_size, root):
     deepspeed_on_cpu()
     torch.manual_seed(0)
     module = NoSchedulerModule()
-    config = {"train_micro_batch_size_per_gpu": BATCH, "zero_optimization": {"stage": 2},
-              "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0}  # unset, ZeRO clips at 1.0
+    config = {
+        "train_micro_batch_size_per_gpu": BATCH,
+        "zero_optimization": {"stage": 2},
+        "zero_allow_untested_optimizer": True,
+        "gradient_clipping": 0.0,
+    }  # unset, ZeRO clips at 1.0
     engine, *_ = deepspeed.initialize(model=module, optimizer=module.configure_optimizers(), config=config)
     sampler = DistributedSampler(dataset(), num_replicas=world_size, rank=rank, shuffle=True, seed=0)
     batches = list(DataLoader(dataset(), batch_size=BATCH, sampler=sampler))[:STEPS_PER_EPOCH]
@@ -275,10 +300,14 @@ def test_a_checkpoint_of_a_deepspeed_engine_outside_lightning_resumes_with_fresh
     run_distributed(_engine_resume_worker, DS_WORLD, root, expected)
 
 
-@pytest.mark.parametrize("edit,message", [
-    ({"mp_world_size": 2}, "model \\(tensor\\) parallelism, mp_world_size=2"),
-    ({"checkpoint_parallel_dimensions": {"pp_degree": 2}}, "pipeline parallelism \\(pp_degree=2\\)"),
-], ids=["tensor-parallel", "pipeline-parallel"])
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        ({"mp_world_size": 2}, "model \\(tensor\\) parallelism, mp_world_size=2"),
+        ({"checkpoint_parallel_dimensions": {"pp_degree": 2}}, "pipeline parallelism \\(pp_degree=2\\)"),
+    ],
+    ids=["tensor-parallel", "pipeline-parallel"],
+)
 def test_a_deepspeed_checkpoint_of_another_parallelism_is_refused_by_name(deepspeed_runs, monkeypatch, edit, message):
     from lightning_zero.checkpoint import deepspeed_reader
 
@@ -306,17 +335,34 @@ def test_the_fp16_loss_scaler_state_is_carried_over(deepspeed_runs, monkeypatch)
     stand_in = dict(deepspeed_reader._STANDINS)  # {stand-in class: DeepSpeed's name}
     scaler_class = next(cls for cls, name in stand_in.items() if name.endswith(".DynamicLossScaler"))
     scaler = scaler_class.__new__(scaler_class)
-    scaler.__setstate__({"cur_scale": 1024.0, "cur_iter": 7, "last_overflow_iter": 4, "scale_factor": 2.0,
-                         "scale_window": 1000, "min_scale": 1, "delayed_shift": 2, "cur_hysteresis": 1,
-                         "consecutive_hysteresis": False, "raise_error_at_min_scale": True, "dynamic": True,
-                         "dtype": torch.float16})
+    scaler.__setstate__(
+        {
+            "cur_scale": 1024.0,
+            "cur_iter": 7,
+            "last_overflow_iter": 4,
+            "scale_factor": 2.0,
+            "scale_window": 1000,
+            "min_scale": 1,
+            "delayed_shift": 2,
+            "cur_hysteresis": 1,
+            "consecutive_hysteresis": False,
+            "raise_error_at_min_scale": True,
+            "dynamic": True,
+            "dtype": torch.float16,
+        }
+    )
     checkpoint.files.optimizer[0]["loss_scaler"] = scaler
     checkpoint.files.model_states[0]["ds_config"] = {"fp16": {"enabled": True}}
     checkpoint.files.model_states[0]["skipped_steps"] = 3
     ours = DynamicLossScaler()
     ours.load_state_dict(checkpoint.rest()[LOSS_SCALER_KEY])
-    assert (ours.scale, ours.cur_iter, ours.last_overflow_iter, ours.cur_hysteresis, ours.skipped_steps) == \
-        (1024.0, 7, 4, 1, 3)
+    assert (ours.scale, ours.cur_iter, ours.last_overflow_iter, ours.cur_hysteresis, ours.skipped_steps) == (
+        1024.0,
+        7,
+        4,
+        1,
+        3,
+    )
     checkpoint.close()
 
 
@@ -325,11 +371,13 @@ def test_reading_a_deepspeed_checkpoint_to_resume_does_not_import_deepspeed(deep
     import sys
 
     path = deepspeed_runs(2)[0]
-    code = ("import sys; from lightning_zero.checkpoint.deepspeed_resume import DeepSpeedCheckpoint; "
-            f"c = DeepSpeedCheckpoint({path!r}); "
-            "s = c.optimizer_states[0]['state']['net.out.weight']; s['exp_avg'].rect((0, 0), (3, 16)); "
-            "c.read('net.out.weight', (1, 0), (2, 16)); "
-            "assert 'deepspeed' not in sys.modules, 'the reader imported deepspeed'")
+    code = (
+        "import sys; from lightning_zero.checkpoint.deepspeed_resume import DeepSpeedCheckpoint; "
+        f"c = DeepSpeedCheckpoint({path!r}); "
+        "s = c.optimizer_states[0]['state']['net.out.weight']; s['exp_avg'].rect((0, 0), (3, 16)); "
+        "c.read('net.out.weight', (1, 0), (2, 16)); "
+        "assert 'deepspeed' not in sys.modules, 'the reader imported deepspeed'"
+    )
     root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
 
@@ -354,9 +402,14 @@ def _cpu_fabric_deepspeed_strategy(stage):
 
         def _initialize_engine(self, model, optimizer=None, scheduler=None):
             engine, optimizer, _, scheduler = deepspeed.initialize(
-                args=argparse.Namespace(device_rank=self.local_rank), config=self.config, model=model,
-                model_parameters=[p for p in model.parameters() if p.requires_grad], optimizer=optimizer,
-                lr_scheduler=scheduler, dist_init_required=False)
+                args=argparse.Namespace(device_rank=self.local_rank),
+                config=self.config,
+                model=model,
+                model_parameters=[p for p in model.parameters() if p.requires_grad],
+                optimizer=optimizer,
+                lr_scheduler=scheduler,
+                dist_init_required=False,
+            )
             return engine, optimizer, scheduler
 
     return CPUDeepSpeedStrategy(stage=stage)

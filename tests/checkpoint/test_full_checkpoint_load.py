@@ -29,11 +29,16 @@ STAGE_IDS = ["s0", "s1", "s1-offload", "s2", "s2-offload", "s3", "s3-offload"]
 
 def load_full(strategy, path):
     """The Trainer strategy's load of a single file, for the stand-in ``strategy`` these tests build."""
-    optimizers = trainer_checkpoints.optimizers_to_restore(getattr(strategy.lightning_module, "_trainer", None),
-                                                           strategy.optimizers)
-    return trainer_checkpoints.load_full(path, strategy.lightning_module, optimizers,
-                                         load_full_weights=strategy.load_full_weights,
-                                         exclude_frozen_parameters=strategy.exclude_frozen_parameters)
+    optimizers = trainer_checkpoints.optimizers_to_restore(
+        getattr(strategy.lightning_module, "_trainer", None), strategy.optimizers
+    )
+    return trainer_checkpoints.load_full(
+        path,
+        strategy.lightning_module,
+        optimizers,
+        load_full_weights=strategy.load_full_weights,
+        exclude_frozen_parameters=strategy.exclude_frozen_parameters,
+    )
 
 
 class Model(nn.Module):
@@ -50,8 +55,13 @@ class Model(nn.Module):
 
 
 def _optimizer(model):
-    return torch.optim.AdamW([{"params": [model.a.weight, model.b.weight], "weight_decay": 0.1},
-                              {"params": [model.a.bias, model.b.bias], "lr": 0.05}], lr=0.1)
+    return torch.optim.AdamW(
+        [
+            {"params": [model.a.weight, model.b.weight], "weight_decay": 0.1},
+            {"params": [model.a.bias, model.b.bias], "lr": 0.05},
+        ],
+        lr=0.1,
+    )
 
 
 def _reference(path, steps=2, frozen=None):
@@ -67,8 +77,10 @@ def _reference(path, steps=2, frozen=None):
         opt.zero_grad()
     model.count += 3
     opt.param_groups[1]["lr"] = 0.025  # a hyper-parameter changed by a scheduler: restored with the states
-    torch.save({"state_dict": model.state_dict(), "optimizer_states": [opt.state_dict()], "epoch": 1,
-                "global_step": steps}, path)
+    torch.save(
+        {"state_dict": model.state_dict(), "optimizer_states": [opt.state_dict()], "epoch": 1, "global_step": steps},
+        path,
+    )
     return model, opt
 
 
@@ -86,8 +98,9 @@ def _sharded(stage, offload, rank):
     apply_zero(module, mesh, config)  # stages 0-1 return a DDP wrapper; the module is what loading sees
     opt = _optimizer(module)
     shard_optimizer(opt, config, group=mesh.get_group())
-    strategy = SimpleNamespace(lightning_module=module, optimizers=[opt], exclude_frozen_parameters=False,
-                               load_full_weights=False)
+    strategy = SimpleNamespace(
+        lightning_module=module, optimizers=[opt], exclude_frozen_parameters=False, load_full_weights=False
+    )
     module.strict_loading = True
     return module, opt, strategy
 
@@ -96,8 +109,10 @@ def _every_rank_state(module, opt):
     """Full optimizer state by parameter name, gathered from the owners (stage 1 keeps it on one rank)."""
     from lightning_zero.checkpoint.states import optimizer_state_dict
 
-    mine = {name: {k: _full(v) for k, v in state.items()}
-            for name, state in optimizer_state_dict(module, opt)["state"].items()}
+    mine = {
+        name: {k: _full(v) for k, v in state.items()}
+        for name, state in optimizer_state_dict(module, opt)["state"].items()
+    }
     gathered = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, mine)
     merged = {}
@@ -188,15 +203,18 @@ def _bounded_memory_worker(rank, world_size, root):
     width, layers = 2048, 4
     path = os.path.join(root, "big.ckpt")
     if rank == 0:
-        torch.save({"state_dict": nn.Sequential(*[nn.Linear(width, width, bias=False)
-                                                 for _ in range(layers)]).state_dict()}, path)
+        torch.save(
+            {"state_dict": nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(layers)]).state_dict()},
+            path,
+        )
     torch.distributed.barrier()
     module = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(layers)])
     mesh = init_device_mesh("cpu", (world_size,))
     apply_zero(module, mesh, ZeroConfig(stage=3))
     module.strict_loading = True
-    strategy = SimpleNamespace(lightning_module=module, optimizers=[], exclude_frozen_parameters=False,
-                               load_full_weights=False)
+    strategy = SimpleNamespace(
+        lightning_module=module, optimizers=[], exclude_frozen_parameters=False, load_full_weights=False
+    )
     file_size = os.path.getsize(path)
     with open("/proc/self/clear_refs", "w") as clear:
         clear.write("5")  # resets VmHWM (the peak) to the current RSS
@@ -206,8 +224,9 @@ def _bounded_memory_worker(rank, world_size, root):
     growth = peak - before
     # A rank holds half the weights: it maps that half of the file (plus large-folio overshoot at the slice edges:
     # 0.52-0.64 of the file measured); reading the file whole, or any tensor whole, is >= 1.0.
-    assert growth < 0.8 * file_size, f"rank {rank}: RSS grew {growth / 2**20:.1f} MiB loading a " \
-                                     f"{file_size / 2**20:.1f} MiB file"
+    assert growth < 0.8 * file_size, (
+        f"rank {rank}: RSS grew {growth / 2**20:.1f} MiB loading a {file_size / 2**20:.1f} MiB file"
+    )
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc peak-RSS reset")
@@ -224,8 +243,9 @@ def _plain(tmp_path, **strategy_kwargs):
     module = Model()
     module.strict_loading = True
     opt = _optimizer(module)
-    strategy = SimpleNamespace(lightning_module=module, optimizers=[opt], exclude_frozen_parameters=False,
-                               load_full_weights=False)
+    strategy = SimpleNamespace(
+        lightning_module=module, optimizers=[opt], exclude_frozen_parameters=False, load_full_weights=False
+    )
     strategy.__dict__.update(strategy_kwargs)
     return path, module, opt, strategy
 
@@ -271,17 +291,29 @@ def test_exclude_frozen_parameters(tmp_path):
     assert torch.equal(module.b.weight, torch.load(path, weights_only=True)["state_dict"]["b.weight"])
 
 
-@pytest.mark.parametrize("edit,message", [
-    (lambda c: c["optimizer_states"].append(c["optimizer_states"][0]), "states of 2 optimizer"),
-    (lambda c: c["optimizer_states"][0]["param_groups"].pop(), "has 1 param group.*has 2"),
-    (lambda c: c["optimizer_states"][0]["param_groups"][0]["params"].pop(), "group 0: the checkpoint has 1 param"),
-    (lambda c: c["optimizer_states"][0]["state"][0].update(exp_avg=torch.zeros(4, 5)),
-     r"state 'exp_avg' of 'a\.weight' has shape \[4, 5\], the parameter \[5, 4\]"),
-    (lambda c: c["optimizer_states"][0]["state"][0].update(momentum_buffer=c["optimizer_states"][0]["state"][0].pop(
-        "exp_avg")), "another optimizer type"),
-    (lambda c: c["optimizer_states"][0]["param_groups"][0].update(params=["b.weight", "a.weight"]),
-     "holds parameter 'b.weight' where the optimizer being resumed has 'a.weight'"),
-], ids=["optimizer-count", "group-count", "param-count", "state-shape", "optimizer-type", "names-out-of-order"])
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (lambda c: c["optimizer_states"].append(c["optimizer_states"][0]), "states of 2 optimizer"),
+        (lambda c: c["optimizer_states"][0]["param_groups"].pop(), "has 1 param group.*has 2"),
+        (lambda c: c["optimizer_states"][0]["param_groups"][0]["params"].pop(), "group 0: the checkpoint has 1 param"),
+        (
+            lambda c: c["optimizer_states"][0]["state"][0].update(exp_avg=torch.zeros(4, 5)),
+            r"state 'exp_avg' of 'a\.weight' has shape \[4, 5\], the parameter \[5, 4\]",
+        ),
+        (
+            lambda c: c["optimizer_states"][0]["state"][0].update(
+                momentum_buffer=c["optimizer_states"][0]["state"][0].pop("exp_avg")
+            ),
+            "another optimizer type",
+        ),
+        (
+            lambda c: c["optimizer_states"][0]["param_groups"][0].update(params=["b.weight", "a.weight"]),
+            "holds parameter 'b.weight' where the optimizer being resumed has 'a.weight'",
+        ),
+    ],
+    ids=["optimizer-count", "group-count", "param-count", "state-shape", "optimizer-type", "names-out-of-order"],
+)
 def test_optimizer_states_that_do_not_line_up_are_refused(tmp_path, edit, message):
     path, module, opt, strategy = _plain(tmp_path)
     _rewrite(path, edit)
@@ -377,8 +409,9 @@ def _stage_split_worker(rank, world_size, root):
         del module.a
         module.count = None  # a None buffer is left out of state_dict, as on a stage without it
     module.strict_loading = True
-    strategy = SimpleNamespace(lightning_module=module, optimizers=[], exclude_frozen_parameters=False,
-                               load_full_weights=False)
+    strategy = SimpleNamespace(
+        lightning_module=module, optimizers=[], exclude_frozen_parameters=False, load_full_weights=False
+    )
     load_full(strategy, path)
     for key, value in module.state_dict().items():
         assert torch.equal(value, reference[key]), key
@@ -447,15 +480,20 @@ def _validate_after_fit_worker(rank, world_size, root):
     if rank == 0:
         torch.save({"state_dict": expected, "pytorch-lightning_version": "2.6.0"}, single)
     torch.distributed.barrier()
-    before = {name: {k: v.full_tensor().clone() if hasattr(v, "full_tensor") else v.clone()
-                     for k, v in state.items()} for name, state in enumerate(t.optimizers[0].state.values())}
+    before = {
+        name: {k: v.full_tensor().clone() if hasattr(v, "full_tensor") else v.clone() for k, v in state.items()}
+        for name, state in enumerate(t.optimizers[0].state.values())
+    }
     t.validate(ckpt_path=sharded, verbose=False)
     t.validate(ckpt_path=single, verbose=False)
     assert all(torch.equal(full_state(t.lightning_module)[k], v) for k, v in expected.items())
-    after = {name: {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state.items()}
-             for name, state in enumerate(t.optimizers[0].state.values())}
-    assert after.keys() == before.keys() and all(torch.equal(after[n][k], before[n][k]) for n in before
-                                                 for k in before[n])
+    after = {
+        name: {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state.items()}
+        for name, state in enumerate(t.optimizers[0].state.values())
+    }
+    assert after.keys() == before.keys() and all(
+        torch.equal(after[n][k], before[n][k]) for n in before for k in before[n]
+    )
 
 
 def test_validate_after_fit_loads_weights_only(tmp_path):
@@ -476,16 +514,22 @@ def test_states_read_by_range_and_a_step_counted_in_a_plain_number_load():
 
     def read(start, length):
         reads.append((start, length))
-        return flat[4 + start:4 + start + length]  # the parameter lies 4 elements into a flat buffer
+        return flat[4 + start : 4 + start + length]  # the parameter lies 4 elements into a flat buffer
 
     lazy = RangeTensor((3, 2), torch.float32, read)
     assert torch.equal(lazy.rect((1, 1), (2, 1)), flat[4:10].reshape(3, 2)[1:3, 1:2]) and reads == [(2, 4)]
     param = nn.Parameter(torch.zeros(3, 2))
     optimizer = torch.optim.SGD([param], lr=0.1, momentum=0.9)
     optimizer.state[param] = {"momentum_buffer": torch.zeros(3, 2), "count": 0}
-    source = SimpleNamespace(path="ds", optimizer_states=[{
-        "state": {"w": {"momentum_buffer": lazy, "count": torch.tensor(5.0)}},
-        "param_groups": [{"lr": 0.5, "params": ["w"]}]}])
+    source = SimpleNamespace(
+        path="ds",
+        optimizer_states=[
+            {
+                "state": {"w": {"momentum_buffer": lazy, "count": torch.tensor(5.0)}},
+                "param_groups": [{"lr": 0.5, "params": ["w"]}],
+            }
+        ],
+    )
     with pytest.raises(CheckpointError, match="has shape \\[3, 2\\], the parameter \\[6\\]"):
         other = nn.Parameter(torch.zeros(6))
         check_full_optimizer_states([OptimizerTarget(optimizer, [[other]], [["w"]], lambda p: p)], source)

@@ -22,12 +22,18 @@ def _fit(strategy, world_size, steps, **kwargs):
 
 
 def _full_save_worker(rank, world_size, root):
-    every_step = ModelCheckpoint(dirpath=root, filename="{step}", every_n_train_steps=1, save_top_k=2,
-                                 monitor="step", mode="max")
+    every_step = ModelCheckpoint(
+        dirpath=root, filename="{step}", every_n_train_steps=1, save_top_k=2, monitor="step", mode="max"
+    )
     torch.manual_seed(0)
     model = RegressionModule()
-    trainer = quiet_trainer(ZeroStrategy(stage=3, state_dict_type="full"), world_size, max_steps=4,
-                            enable_checkpointing=True, callbacks=[every_step])
+    trainer = quiet_trainer(
+        ZeroStrategy(stage=3, state_dict_type="full"),
+        world_size,
+        max_steps=4,
+        enable_checkpointing=True,
+        callbacks=[every_step],
+    )
     trainer.fit(model)
     trained = full_state(model)
     if rank == 0:
@@ -46,8 +52,10 @@ def _full_save_worker(rank, world_size, root):
     keep = ModelCheckpoint(dirpath=sharded_root, filename="{step}", every_n_train_steps=4, save_top_k=-1)
     _fit(ZeroStrategy(stage=3), world_size, 4, enable_checkpointing=True, callbacks=[keep])
     continued = {}
-    for name, source in (("full", os.path.join(root, "step=4.ckpt")), ("sharded", os.path.join(sharded_root,
-                                                                                                "step=4.ckpt"))):
+    for name, source in (
+        ("full", os.path.join(root, "step=4.ckpt")),
+        ("sharded", os.path.join(sharded_root, "step=4.ckpt")),
+    ):
         torch.manual_seed(0)
         resumed = RegressionModule()
         quiet_trainer(ZeroStrategy(stage=1), world_size, max_steps=6).fit(resumed, ckpt_path=source)
@@ -67,7 +75,8 @@ def _validate_at_world_size_one(rank, world_size, path):
     torch.manual_seed(0)
     model = RegressionModule()
     quiet_trainer(ZeroStrategy(stage=2), world_size, max_steps=4, limit_val_batches=2).validate(
-        model, ckpt_path=path, verbose=False)
+        model, ckpt_path=path, verbose=False
+    )
     saved = torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
     for key, value in full_state(model).items():
         assert torch.equal(value, saved[key]), key

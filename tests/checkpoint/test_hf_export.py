@@ -26,8 +26,15 @@ def tiny_model(kind: str, tied: bool):
     import transformers
 
     if kind == "llama":
-        config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                          num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=tied)
+        config = transformers.LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            tie_word_embeddings=tied,
+        )
         return transformers.LlamaForCausalLM(config)
     config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=2, n_head=2, n_positions=32)
     return transformers.GPT2LMHeadModel(config)
@@ -129,15 +136,18 @@ def test_strip_prefix_for_plain_safetensors_and_hf_without_record(plain_checkpoi
         export_hf(path, tmp_path / "hf3", strip_prefix="model")
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["out.ckpt", "--hf", "D"], "exactly one of OUTPUT and --hf"),
-    ([], "exactly one of OUTPUT and --hf"),
-    (["--hf", "D", "--with-optimizer"], "cannot go with --hf"),
-    (["out.ckpt", "--strip-prefix", "model"], "--strip-prefix applies to a .safetensors OUTPUT or --hf"),
-    (["out.safetensors", "--with-optimizer"], "--with-optimizer writes a Lightning checkpoint file"),
-    (["out.ckpt", "--with-optimizer", "--dtype", "bf16"], "keeps the trained dtypes"),
-    (["out.safetensors", "--max-shard-size", "1GB"], "--max-shard-size applies to --hf"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["out.ckpt", "--hf", "D"], "exactly one of OUTPUT and --hf"),
+        ([], "exactly one of OUTPUT and --hf"),
+        (["--hf", "D", "--with-optimizer"], "cannot go with --hf"),
+        (["out.ckpt", "--strip-prefix", "model"], "--strip-prefix applies to a .safetensors OUTPUT or --hf"),
+        (["out.safetensors", "--with-optimizer"], "--with-optimizer writes a Lightning checkpoint file"),
+        (["out.ckpt", "--with-optimizer", "--dtype", "bf16"], "keeps the trained dtypes"),
+        (["out.safetensors", "--max-shard-size", "1GB"], "--max-shard-size applies to --hf"),
+    ],
+)
 def test_cli_refuses_contradicting_options(plain_checkpoint, argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli_main(["consolidate", str(plain_checkpoint[0]), *argv])
@@ -154,8 +164,7 @@ def test_bf16_checkpoint_keeps_its_dtype_and_dtype_option_converts(tmp_path):
     wrapper = torch.nn.Module()
     wrapper.model = tiny_model("llama", True).to(torch.bfloat16)
     path = tmp_path / "bf16.ckpt"
-    save_sharded_checkpoint(path, {"state_dict": wrapper.state_dict()}, {"epoch": 0},
-                            info=describe_hf_models(wrapper))
+    save_sharded_checkpoint(path, {"state_dict": wrapper.state_dict()}, {"epoch": 0}, info=describe_hf_models(wrapper))
     export_hf(path, tmp_path / "kept")
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "kept")
     assert loaded.dtype == torch.bfloat16

@@ -30,8 +30,9 @@ def _resume_worker(rank, world_size, root):
         # stage 3: the callback writes the resumable file after fit; the others: the CLI, from the trainer's save
         by_callback = stage == 3 and offload is None
         callbacks = [ConsolidateCheckpoint(single, with_optimizer=True)] if by_callback else []
-        trainer = make_trainer(ZeroStrategy(stage=stage, offload=offload), world_size, max_steps=FIRST,
-                               callbacks=callbacks)
+        trainer = make_trainer(
+            ZeroStrategy(stage=stage, offload=offload), world_size, max_steps=FIRST, callbacks=callbacks
+        )
         trainer.fit(module)
         trainer.save_checkpoint(sharded)
         if not by_callback and rank == 0:
@@ -50,16 +51,20 @@ def _resume_worker(rank, world_size, root):
         ddp.fit(ddp_module, ckpt_path=single)
         got = ddp_module.state_dict()
         for key, value in expected.items():
-            torch.testing.assert_close(got[key], value, atol=1e-6, rtol=1e-5,
-                                       msg=lambda m: f"stage {stage} {offload} {key}: {m}")
+            torch.testing.assert_close(
+                got[key], value, atol=1e-6, rtol=1e-5, msg=lambda m: f"stage {stage} {offload} {key}: {m}"
+            )
         assert ddp.global_step == zero.global_step == FIRST + MORE
         assert ddp.current_epoch == zero.current_epoch > 0
         assert [g["lr"] for g in ddp.optimizers[0].param_groups] == pytest.approx(
-            [g["lr"] for g in zero.optimizers[0].param_groups])
+            [g["lr"] for g in zero.optimizers[0].param_groups]
+        )
         if rank == 0:
             plain = torch.load(single, weights_only=True)
-            assert plain["global_step"] == FIRST and plain["hyper_parameters"] == {"batch_size": 4,
-                                                                                   "build_in_configure_model": False}
+            assert plain["global_step"] == FIRST and plain["hyper_parameters"] == {
+                "batch_size": 4,
+                "build_in_configure_model": False,
+            }
             assert "optimizer_param_groups" not in plain and len(plain["lr_schedulers"]) == 1
             # Lightning's layout: integer ids counting through the two param groups in order
             groups = plain["optimizer_states"][0]["param_groups"]
@@ -80,12 +85,16 @@ def test_with_optimizer_refuses_what_it_cannot_honour(tmp_path):
     with pytest.raises(CheckpointError, match="holds no optimizer states"):
         consolidate_checkpoint(path, tmp_path / "out.ckpt", with_optimizer=True)
     groups = [[{"lr": 0.1, "params": ["w"]}]]
-    save_sharded_checkpoint(path, {"state_dict": {"w": torch.ones(2)}},
-                            {"optimizer_param_groups": groups, "ZeroPrecision": {"loss_scaler": {"cur_scale": 8.0}}})
+    save_sharded_checkpoint(
+        path,
+        {"state_dict": {"w": torch.ones(2)}},
+        {"optimizer_param_groups": groups, "ZeroPrecision": {"loss_scaler": {"cur_scale": 8.0}}},
+    )
     with pytest.warns(UserWarning, match="loss-scaler state .* scale 8.0"):
         consolidate_checkpoint(path, tmp_path / "fp16.ckpt", with_optimizer=True)
     assert torch.load(tmp_path / "fp16.ckpt", weights_only=True)["optimizer_states"] == [
-        {"state": {}, "param_groups": [{"lr": 0.1, "params": [0]}]}]
+        {"state": {}, "param_groups": [{"lr": 0.1, "params": [0]}]}
+    ]
     with pytest.raises(ValueError, match="keeps the trained dtypes"):
         consolidate_checkpoint(path, tmp_path / "out.ckpt", dtype="bf16", with_optimizer=True)
     with pytest.raises(ValueError, match=r"\.safetensors"):
@@ -109,21 +118,34 @@ def test_with_optimizer_streams_with_peak_memory_bounded_by_the_largest_tensor(t
     largest, count = 2**20 * 2, 12  # 12 weights of 2 MiB and two Adam states each: 72 MiB
     names = [f"layer{i}.weight" for i in range(count)]
     weights = {name: torch.full((largest // 4,), float(i)) for i, name in enumerate(names)}
-    states = {name: {"step": torch.tensor(3.0), "exp_avg": weights[name] + 1, "exp_avg_sq": weights[name] + 2}
-              for name in names}
+    states = {
+        name: {"step": torch.tensor(3.0), "exp_avg": weights[name] + 1, "exp_avg_sq": weights[name] + 2}
+        for name in names
+    }
     groups = [[{"lr": 0.1, "params": names[:5]}, {"lr": 0.2, "params": names[5:]}]]
     path = tmp_path / "big.ckpt"
-    save_sharded_checkpoint(path, {"state_dict": weights, "optimizer_states": {"0": {"state": states}}},
-                            {"epoch": 0, "optimizer_param_groups": groups})
-    save_sharded_checkpoint(tmp_path / "small.ckpt", {"state_dict": {"w": torch.ones(4)}},
-                            {"optimizer_param_groups": [[{"lr": 0.1, "params": ["w"]}]]})
+    save_sharded_checkpoint(
+        path,
+        {"state_dict": weights, "optimizer_states": {"0": {"state": states}}},
+        {"epoch": 0, "optimizer_param_groups": groups},
+    )
+    save_sharded_checkpoint(
+        tmp_path / "small.ckpt",
+        {"state_dict": {"w": torch.ones(4)}},
+        {"optimizer_param_groups": [[{"lr": 0.1, "params": ["w"]}]]},
+    )
     del weights, states
     script = MEMORY_SCRIPT.replace("dtype=sys.argv[3])", "with_optimizer=True)").replace(
-        '".warmup" + os.path.splitext(sys.argv[2])[1])', '".warmup.ckpt", with_optimizer=True)')
+        '".warmup" + os.path.splitext(sys.argv[2])[1])', '".warmup.ckpt", with_optimizer=True)'
+    )
     assert script.count("with_optimizer=True") == 2
-    result = subprocess.run([sys.executable, "-c", script, str(path), str(tmp_path / "out.ckpt"), "-",
-                             str(tmp_path / "small.ckpt")], capture_output=True, text=True, check=True,
-                            env={**os.environ, "MALLOC_MMAP_THRESHOLD_": str(2**20)})
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(path), str(tmp_path / "out.ckpt"), "-", str(tmp_path / "small.ckpt")],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "MALLOC_MMAP_THRESHOLD_": str(2**20)},
+    )
     peak = int(result.stdout.strip().splitlines()[-1])
     assert peak < 4 * largest + 16 * 2**20 < 3 * largest * count / 2, peak / 2**20
     loaded = torch.load(tmp_path / "out.ckpt", weights_only=True, mmap=True)

@@ -40,13 +40,22 @@ def _config(stage: int, gather=True) -> dict:
 
 def _trainer_worker(rank, world_size, root, stage, precision, gather, async_save=False):
     torch.manual_seed(0)
-    checkpoints = ModelCheckpoint(dirpath=root, save_top_k=1, monitor="train_loss", every_n_train_steps=1,
-                                  filename="step{step}")
-    trainer = Trainer(strategy=ZeroStrategy(config=_config(stage, gather), async_save=async_save), accelerator="cpu",
-                      devices=world_size,
-                      max_steps=3, precision=precision, callbacks=[checkpoints], logger=False,
-                      enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                      default_root_dir=root)
+    checkpoints = ModelCheckpoint(
+        dirpath=root, save_top_k=1, monitor="train_loss", every_n_train_steps=1, filename="step{step}"
+    )
+    trainer = Trainer(
+        strategy=ZeroStrategy(config=_config(stage, gather), async_save=async_save),
+        accelerator="cpu",
+        devices=world_size,
+        max_steps=3,
+        precision=precision,
+        callbacks=[checkpoints],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        default_root_dir=root,
+    )
     module = RegressionModule(batch_size=BATCH)
     trainer.fit(module)
     path = os.path.join(root, "final.ckpt")
@@ -71,9 +80,14 @@ def _check_weights_file(path, trained, dtype):
     assert verify_checkpoint(path) == []
 
 
-@pytest.mark.parametrize("stage,precision,dtype,async_save", [(3, "bf16-mixed", torch.bfloat16, False),
-                                                               (1, "32-true", torch.float32, False),
-                                                               (2, "bf16-mixed", torch.bfloat16, True)])
+@pytest.mark.parametrize(
+    "stage,precision,dtype,async_save",
+    [
+        (3, "bf16-mixed", torch.bfloat16, False),
+        (1, "32-true", torch.float32, False),
+        (2, "bf16-mixed", torch.bfloat16, True),
+    ],
+)
 def test_trainer_checkpoints_hold_the_consolidated_16bit_weights(tmp_path, stage, precision, dtype, async_save):
     # bf16 at stage 3 (sharded DTensors); an fp32 run writes fp32, as DeepSpeed's save_16bit_model writes the module's
     # dtype; stage 1 (DDP, replicated tensors) writes it too: the flag asks for the file at every stage.
@@ -146,8 +160,9 @@ def test_weights_are_streamed_one_tensor_at_a_time(tmp_path, monkeypatch):
         return tensor
 
     monkeypatch.setattr(DCPTensorSource, "load", counting_load)
-    save_sharded_checkpoint(path, {"state_dict": state}, {},
-                            extra_files=lambda directory: write_16bit_weights(directory, torch.float16))
+    save_sharded_checkpoint(
+        path, {"state_dict": state}, {}, extra_files=lambda directory: write_16bit_weights(directory, torch.float16)
+    )
     assert len(alive) == len(state) and most_alive[0] == 0
     written = torch.load(os.path.join(path, WEIGHTS_16BIT_FILE), weights_only=True)
     assert list(written) == list(state)  # the module's own order
@@ -157,8 +172,9 @@ def test_weights_are_streamed_one_tensor_at_a_time(tmp_path, monkeypatch):
 
 def test_a_failed_weights_file_fails_the_save_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     path = str(tmp_path / "model.ckpt")
-    save_sharded_checkpoint(path, {"state_dict": _model_state()}, {"step": 1},
-                            extra_files=lambda d: write_16bit_weights(d, torch.bfloat16))
+    save_sharded_checkpoint(
+        path, {"state_dict": _model_state()}, {"step": 1}, extra_files=lambda d: write_16bit_weights(d, torch.bfloat16)
+    )
     before = read_checkpoint_info(path)
 
     def full_disk(output, obj, load):
@@ -167,8 +183,12 @@ def test_a_failed_weights_file_fails_the_save_and_keeps_the_previous_checkpoint(
 
     monkeypatch.setattr(consolidate_module, "write_torch_checkpoint", full_disk)
     with pytest.raises(CheckpointSaveError, match="no space left"):
-        save_sharded_checkpoint(path, {"state_dict": _model_state(blocks=2)}, {"step": 2},
-                                extra_files=lambda d: write_16bit_weights(d, torch.bfloat16))
+        save_sharded_checkpoint(
+            path,
+            {"state_dict": _model_state(blocks=2)},
+            {"step": 2},
+            extra_files=lambda d: write_16bit_weights(d, torch.bfloat16),
+        )
     assert read_checkpoint_info(path) == before and verify_checkpoint(path) == []  # the previous one, intact
     assert sorted(os.listdir(tmp_path)) == ["model.ckpt"]  # no partial directory left behind
 

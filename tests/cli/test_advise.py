@@ -13,11 +13,16 @@ from lightning_zero.cli.ladder import Machine, Rung, ds_config, ladder, predict,
 from lightning_zero.estimate.activations import TransformerShape
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-GPT_ARGS = ["--config", os.path.join(ROOT, "examples/configs/zero3.yaml"),
-            "--model", os.path.join(ROOT, "examples/gpt.py") + ":GPTModule",
-            "--data", os.path.join(ROOT, "examples/train_gpt.py") + ":CharDataModule"]
+GPT_ARGS = [
+    "--config",
+    os.path.join(ROOT, "examples/configs/zero3.yaml"),
+    "--model",
+    os.path.join(ROOT, "examples/gpt.py") + ":GPTModule",
+    "--data",
+    os.path.join(ROOT, "examples/train_gpt.py") + ":CharDataModule",
+]
 SHAPE = TransformerShape(hidden=128, layers=4, heads=4, seq_len=64, micro_batch=16, vocab=65)
-GIB = 1024 ** 3
+GIB = 1024**3
 
 
 @pytest.fixture
@@ -30,14 +35,28 @@ def test_ladder_follows_the_documented_order_and_names_what_is_missing(monkeypat
     monkeypatch.setattr(ladder_mod, "strategy_supports", lambda *names: "activation_checkpointing" not in names)
     rungs = ladder(4)
     steps = [r.step for r in rungs]
-    assert steps[:12] == ["data parallel", "+ activation checkpointing", "ZeRO-2", "ZeRO-2 + optimizer offload",
-                          "ZeRO-3", "+ parameter offload", "+ optimizer offload", "+ parameter and optimizer offload",
-                          "+ checkpoints in CPU memory", "smaller micro-batch", "smaller micro-batch", "NVMe offload"]
+    assert steps[:12] == [
+        "data parallel",
+        "+ activation checkpointing",
+        "ZeRO-2",
+        "ZeRO-2 + optimizer offload",
+        "ZeRO-3",
+        "+ parameter offload",
+        "+ optimizer offload",
+        "+ parameter and optimizer offload",
+        "+ checkpoints in CPU memory",
+        "smaller micro-batch",
+        "smaller micro-batch",
+        "NVMe offload",
+    ]
     assert [r.micro_batch for r in rungs[9:11]] == [2, 1]
     assert rungs[11].reason.startswith("not picked, it needs nvme_path") and rungs[11].offload == "nvme"
     assert rungs[1].reason == "needs activation checkpointing support" and rungs[0].reason == ""
-    grid = {(r.stage, r.offload, r.checkpointing) for r in rungs
-            if r.micro_batch == 4 and r.step != "+ parameter offload" and not r.optimizer_only}
+    grid = {
+        (r.stage, r.offload, r.checkpointing)
+        for r in rungs
+        if r.micro_batch == 4 and r.step != "+ parameter offload" and not r.optimizer_only
+    }
     assert len(grid) == 21  # stage 0-3 x offload (none, cpu; stage 0: none) x checkpointing (none, full, full+cpu)
 
 
@@ -74,8 +93,8 @@ def test_stage_3_with_the_optimizer_alone_offloaded_wins_where_it_is_enough(with
     # A device between the two rungs' predicted peaks: ZeRO-3 does not fit, optimizer offload does.
     machine = lambda memory: Machine(8, memory, 64 * GIB, "cuda")  # noqa: E731  (8 ranks: ZeRO-3 holds less than ZeRO-2 + offload)
     unit = 500_000  # 16 units: ZeRO-3 gathers one at a time
-    zero3, = predict([next(r for r in rungs if r.step == "ZeRO-3")], 8_000_000, SHAPE, machine(GIB), "32-true", unit)
-    offloaded, = predict([opt_only], 8_000_000, SHAPE, machine(GIB), "32-true", unit)
+    (zero3,) = predict([next(r for r in rungs if r.step == "ZeRO-3")], 8_000_000, SHAPE, machine(GIB), "32-true", unit)
+    (offloaded,) = predict([opt_only], 8_000_000, SHAPE, machine(GIB), "32-true", unit)
     assert offloaded.estimate.accelerator_peak < zero3.estimate.accelerator_peak
     between = int((offloaded.estimate.accelerator_peak + zero3.estimate.accelerator_peak) / 2 / 0.9)
     winner = predicted_winner(predict(rungs, 8_000_000, SHAPE, machine(between), "32-true", unit))
@@ -86,7 +105,10 @@ def test_ds_config_refuses_a_precision_it_cannot_express():
     with pytest.raises(ValueError, match="bf16-true"):
         ds_config(Rung("x", 2, None, "none", 4), "bf16-true")
     assert ds_config(Rung("x", 3, "cpu", "full", 4), "bf16-mixed")["zero_optimization"] == {
-        "stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
+        "stage": 3,
+        "offload_optimizer": {"device": "cpu"},
+        "offload_param": {"device": "cpu"},
+    }
 
 
 def _predicted(args, tmp_path):
@@ -104,7 +126,12 @@ def test_advise_on_the_gpt_config_writes_loadable_configurations(tmp_path, capsy
 
     kwargs, params, unit = _predicted(GPT_ARGS, tmp_path)
     assert (kwargs["hidden"], kwargs["layers"], kwargs["heads"], kwargs["seq_len"], kwargs["vocab"]) == (
-        128, 4, 4, 64, len(__import__("train_gpt").CharDataModule().dataset.chars))
+        128,
+        4,
+        4,
+        64,
+        len(__import__("train_gpt").CharDataModule().dataset.chars),
+    )
     shape = TransformerShape(micro_batch=16, **kwargs)
     rungs = ladder(16)
     stage0 = predict(rungs[:1], params, shape, Machine(2, GIB, GIB, "cpu"), "32-true", unit)[0].estimate
@@ -120,8 +147,9 @@ def test_advise_on_the_gpt_config_writes_loadable_configurations(tmp_path, capsy
     # The snippet loads through the example's LightningCLI, on top of the config it was derived from.
     from train_gpt import GPTCLI, CharDataModule, GPTModule
 
-    cli = GPTCLI(GPTModule, CharDataModule, run=False, args=["--config", GPT_ARGS[1], "--config",
-                                                               str(tmp_path / "advise.yaml")])
+    cli = GPTCLI(
+        GPTModule, CharDataModule, run=False, args=["--config", GPT_ARGS[1], "--config", str(tmp_path / "advise.yaml")]
+    )
     strategy = cli.trainer.strategy
     chosen = json.loads((tmp_path / "advise_ds_config.json").read_text())
     assert isinstance(strategy, ZeroStrategy)
@@ -137,25 +165,62 @@ def test_advise_on_the_gpt_config_writes_loadable_configurations(tmp_path, capsy
 
 def test_advise_names_the_size_it_cannot_infer(tmp_path):
     with pytest.raises(SystemExit, match="--heads"):
-        main(["advise", "--model", "torch.nn:Transformer", "--init-args", "d_model=16", "nhead=2",
-              "--output-dir", str(tmp_path)])
+        main(
+            [
+                "advise",
+                "--model",
+                "torch.nn:Transformer",
+                "--init-args",
+                "d_model=16",
+                "nhead=2",
+                "--output-dir",
+                str(tmp_path),
+            ]
+        )
 
 
 def test_measure_reports_out_of_memory_as_does_not_fit():
     from lightning_zero.cli.advise_measure import measure_rung
 
-    spec = {"model_class": "tests.advise_models:OutOfMemoryGPT", "init_args": {}, "strategy": {"stage": 0},
-            "precision": "32-true", "accelerator": "cpu", "devices": 1, "micro_batch": 2, "seq_len": 16,
-            "vocab": 17, "steps": 1, "warmup": 0}
+    spec = {
+        "model_class": "tests.advise_models:OutOfMemoryGPT",
+        "init_args": {},
+        "strategy": {"stage": 0},
+        "precision": "32-true",
+        "accelerator": "cpu",
+        "devices": 1,
+        "micro_batch": 2,
+        "seq_len": 16,
+        "vocab": 17,
+        "steps": 1,
+        "warmup": 0,
+    }
     result = measure_rung(spec)
     assert result["status"] == "oom" and "MemoryError" in result["message"], result
 
 
 @pytest.mark.slow  # two 2-rank training runs in fresh processes: ~40 s on 2 cores
 def test_measure_runs_candidates_and_ranks_them_by_throughput(tmp_path, capsys):
-    code = main(["advise", "--model", "tests.advise_models:TinyGPT", "--devices", "2", "--accelerator", "cpu",
-                 "--micro-batch", "2", "--measure", "--max-candidates", "2", "--steps", "2",
-                 "--output-dir", str(tmp_path)])
+    code = main(
+        [
+            "advise",
+            "--model",
+            "tests.advise_models:TinyGPT",
+            "--devices",
+            "2",
+            "--accelerator",
+            "cpu",
+            "--micro-batch",
+            "2",
+            "--measure",
+            "--max-candidates",
+            "2",
+            "--steps",
+            "2",
+            "--output-dir",
+            str(tmp_path),
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0 and "fastest measured" in out
     assert out.count(" fits ") + out.count("│ fits") >= 2, out  # both candidates ran
@@ -170,8 +235,12 @@ def test_the_installed_strategy_builds_every_checkpointing_rung():
     rungs = ladder(4)
     assert not [r.label for r in rungs if r.reason.startswith("needs")]
     runnable = {(r.stage, r.offload, r.checkpointing) for r in rungs if not r.reason and r.micro_batch == 4}
-    assert runnable == {(s, o, c) for s in (0, 1, 2, 3) for o in ((None,) if s == 0 else (None, "cpu"))
-                        for c in ("none", "full", "full+cpu")}
+    assert runnable == {
+        (s, o, c)
+        for s in (0, 1, 2, 3)
+        for o in ((None,) if s == 0 else (None, "cpu"))
+        for c in ("none", "full", "full+cpu")
+    }
     for rung in rungs:
         if rung.reason or rung.checkpointing == "none":
             continue
@@ -186,9 +255,13 @@ def test_available_cpu_memory_is_what_the_cgroup_leaves(monkeypatch):
     import io
 
     gib = 1 << 30
-    files = {"/proc/meminfo": f"MemTotal: {128 * gib // 1024} kB\nMemAvailable: {64 * gib // 1024} kB\n",
-             "/sys/fs/cgroup/memory.max": f"{16 * gib}\n", "/sys/fs/cgroup/memory.current": f"{10 * gib}\n"}
+    files = {
+        "/proc/meminfo": f"MemTotal: {128 * gib // 1024} kB\nMemAvailable: {64 * gib // 1024} kB\n",
+        "/sys/fs/cgroup/memory.max": f"{16 * gib}\n",
+        "/sys/fs/cgroup/memory.current": f"{10 * gib}\n",
+    }
     real_open = builtins.open
-    monkeypatch.setattr(builtins, "open", lambda path, *a, **k: io.StringIO(files[path]) if path in files
-                        else real_open(path, *a, **k))
+    monkeypatch.setattr(
+        builtins, "open", lambda path, *a, **k: io.StringIO(files[path]) if path in files else real_open(path, *a, **k)
+    )
     assert ladder_mod.available_cpu_memory() == 6 * gib

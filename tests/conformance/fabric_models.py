@@ -59,8 +59,11 @@ def fresh_run(fabric, seed=0, model_fn=lambda: nn.Linear(IN, OUT), lr=0.1):
 def compute_dtypes(model):
     """The weight dtypes the ``Linear`` layers compute with (FSDP2 casts the gathered parameters for forward)."""
     seen = set()
-    handles = [m.register_forward_pre_hook(lambda m, args: seen.add(m.weight.dtype))
-               for m in model.modules() if isinstance(m, nn.Linear)]
+    handles = [
+        m.register_forward_pre_hook(lambda m, args: seen.add(m.weight.dtype))
+        for m in model.modules()
+        if isinstance(m, nn.Linear)
+    ]
     with torch.no_grad():
         model(batch())
     for handle in handles:

@@ -24,9 +24,18 @@ STAGE_IDS = ["s0", "s1", "s2", "s3", "s3-offload"]
 
 def trainer(strategy, world_size=2, root=None, **kwargs) -> Trainer:
     """A quiet CPU Trainer: nothing written unless the test asks for it."""
-    defaults = dict(accelerator="cpu", devices=world_size, max_steps=2, logger=False, enable_checkpointing=False,
-                    enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                    limit_val_batches=0, default_root_dir=root)
+    defaults = dict(
+        accelerator="cpu",
+        devices=world_size,
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        default_root_dir=root,
+    )
     defaults.update(kwargs)
     return Trainer(strategy=strategy, **defaults)
 
@@ -45,9 +54,17 @@ VOCAB, SEQ = 64, 8
 
 
 def llama_config(tie: bool) -> LlamaConfig:
-    return LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                       num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=2 * SEQ,
-                       tie_word_embeddings=tie, attention_dropout=0.0)
+    return LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=2 * SEQ,
+        tie_word_embeddings=tie,
+        attention_dropout=0.0,
+    )
 
 
 def token_dataset(n=16, seed=3) -> TensorDataset:

@@ -26,8 +26,15 @@ def _saved(root):
 # ---------------------------------------------------------------------------------------------- ModelCheckpoint
 def _top_k_worker(rank, world_size, root, k):
     callback = ModelCheckpoint(dirpath=root, monitor="val_loss", save_top_k=k, filename="{epoch}")
-    t = trainer(zero(2), max_steps=-1, max_epochs=3, limit_train_batches=1, limit_val_batches=1,
-                callbacks=[callback], enable_checkpointing=True)
+    t = trainer(
+        zero(2),
+        max_steps=-1,
+        max_epochs=3,
+        limit_train_batches=1,
+        limit_val_batches=1,
+        callbacks=[callback],
+        enable_checkpointing=True,
+    )
     t.fit(RegressionModule())
     t.strategy.barrier()
     assert len(_saved(root)) == k, _saved(root)  # the checkpoints beyond top-k were removed, by one rank
@@ -41,8 +48,9 @@ def test_top_k(tmp_path, k):
 
 def _monitor_none_worker(rank, world_size, root):
     callback = ModelCheckpoint(dirpath=root, monitor=None, filename="{epoch}")
-    t = trainer(zero(3), max_steps=-1, max_epochs=2, limit_train_batches=1, callbacks=[callback],
-                enable_checkpointing=True)
+    t = trainer(
+        zero(3), max_steps=-1, max_epochs=2, limit_train_batches=1, callbacks=[callback], enable_checkpointing=True
+    )
     t.fit(RegressionModule())
     t.strategy.barrier()
     assert _saved(root) == ["epoch=1.ckpt"], "monitor=None keeps the latest checkpoint only"
@@ -54,9 +62,14 @@ def test_model_checkpoint_monitor_none(tmp_path):
 
 def _invocations_worker(rank, world_size, root):
     calls = []
-    t = trainer(zero(2), max_steps=-1, max_epochs=3, limit_train_batches=1,
-                callbacks=[ModelCheckpoint(dirpath=root, filename="{epoch}", save_top_k=-1)],
-                enable_checkpointing=True)
+    t = trainer(
+        zero(2),
+        max_steps=-1,
+        max_epochs=3,
+        limit_train_batches=1,
+        callbacks=[ModelCheckpoint(dirpath=root, filename="{epoch}", save_top_k=-1)],
+        enable_checkpointing=True,
+    )
     real = t.strategy.save_checkpoint
     t.strategy.save_checkpoint = lambda *a, **kw: (calls.append(1), real(*a, **kw))
     t.fit(RegressionModule())
@@ -76,9 +89,14 @@ class _PlateauModule(RegressionModule):
 
 
 def _early_stopping_worker(rank, world_size):
-    t = trainer(zero(3), max_steps=-1, max_epochs=10, limit_train_batches=1, limit_val_batches=1,
-                callbacks=[EarlyStopping(monitor="val_metric", patience=1),
-                           EarlyStopping(monitor="val_other", patience=2)])
+    t = trainer(
+        zero(3),
+        max_steps=-1,
+        max_epochs=10,
+        limit_train_batches=1,
+        limit_val_batches=1,
+        callbacks=[EarlyStopping(monitor="val_metric", patience=1), EarlyStopping(monitor="val_other", patience=2)],
+    )
     t.fit(_PlateauModule())
     epochs = torch.tensor(t.current_epoch)
     gathered = [torch.zeros_like(epochs) for _ in range(world_size)]
@@ -97,8 +115,10 @@ class _BackboneModule(RegressionModule):
         self.backbone = self.net.inp
 
     def configure_optimizers(self):
-        return torch.optim.SGD([p for n, p in self.named_parameters() if not n.startswith("backbone")
-                                and not n.startswith("net.inp")], lr=0.1)
+        return torch.optim.SGD(
+            [p for n, p in self.named_parameters() if not n.startswith("backbone") and not n.startswith("net.inp")],
+            lr=0.1,
+        )
 
 
 def _finetuning_worker(rank, world_size, stage):
@@ -134,9 +154,14 @@ def _swa_worker(rank, world_size, stage):
     assert callback._average_model is not None and callback.n_averaged is not None and callback.n_averaged > 0
 
 
-@pytest.mark.parametrize("stage", [
-    0, 1, 3,
-])
+@pytest.mark.parametrize(
+    "stage",
+    [
+        0,
+        1,
+        3,
+    ],
+)
 def test_swa_callback(stage):
     run_distributed(_swa_worker, 2, stage)
 
@@ -198,14 +223,14 @@ def _ema_worker(rank, world_size, stage, in_configure_model):
             trainer(zero(stage), max_steps=3, callbacks=[callback]).fit(module)
         return
     trainer(zero(stage), max_steps=3, callbacks=[callback]).fit(module)
-    averaged = {k.removeprefix("module."): v for k, v in callback._average_model.state_dict().items()
-                if k.startswith("module.")}
+    averaged = {
+        k.removeprefix("module."): v for k, v in callback._average_model.state_dict().items() if k.startswith("module.")
+    }
     # fit ends by copying the averaged weights into the module
     assert max_abs_diff(full_state(module), averaged) == 0.0
 
 
-@pytest.mark.parametrize("stage,in_configure_model", [
-    (1, False), (1, True), (3, False)])
+@pytest.mark.parametrize("stage,in_configure_model", [(1, False), (1, True), (3, False)])
 def test_ema_weight_averaging(stage, in_configure_model):
     run_distributed(_ema_worker, 2, stage, in_configure_model)
 
@@ -215,8 +240,13 @@ def _pruning_worker(rank, world_size, stage):
     from lightning.pytorch.callbacks import ModelPruning
 
     module = RegressionModule()
-    callback = ModelPruning("l1_unstructured", amount=0.5, parameters_to_prune=[(module.net.out, "weight")],
-                            make_pruning_permanent=True, verbose=0)
+    callback = ModelPruning(
+        "l1_unstructured",
+        amount=0.5,
+        parameters_to_prune=[(module.net.out, "weight")],
+        make_pruning_permanent=True,
+        verbose=0,
+    )
     try:
         trainer(zero(stage), max_steps=-1, max_epochs=1, limit_train_batches=2, callbacks=[callback]).fit(module)
     except ValueError as err:  # stages 2-3 refuse before training, naming the callback and the stage
@@ -242,8 +272,14 @@ def _ema_resume_worker(rank, world_size, root, strategy_factory=None):
         seed_everything(0)
         module = RegressionModule()
         callbacks = [EMAWeightAveraging(decay=0.5), ModelCheckpoint(dirpath=root, filename="{epoch}", save_top_k=-1)]
-        t = trainer(make_strategy(), max_steps=-1, max_epochs=2, limit_train_batches=2, callbacks=callbacks,
-                    enable_checkpointing=True)
+        t = trainer(
+            make_strategy(),
+            max_steps=-1,
+            max_epochs=2,
+            limit_train_batches=2,
+            callbacks=callbacks,
+            enable_checkpointing=True,
+        )
         t.fit(module, ckpt_path=ckpt_path)
         return module
 
@@ -269,8 +305,7 @@ def _spike_worker(rank, world_size, root, stage):
     from lightning.fabric.utilities.spike import TrainingSpikeException
     from lightning.pytorch.callbacks.spike import SpikeDetection
 
-    detection = SpikeDetection(finite_only=True, warmup=2,
-                               exclude_batches_path=os.path.join(root, "skip_batches.json"))
+    detection = SpikeDetection(finite_only=True, warmup=2, exclude_batches_path=os.path.join(root, "skip_batches.json"))
     t = trainer(zero(stage), root=root, max_steps=8, callbacks=[detection])
     with pytest.raises(TrainingSpikeException):  # on every rank, the spike seen on rank 1 stops the run
         t.fit(_SpikeModule())
@@ -289,10 +324,18 @@ def _swa_resume_worker(rank, world_size, root, strategy_factory=None):
     def run(ckpt_path=None):
         seed_everything(0)
         module = RegressionModule()
-        callbacks = [StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=1, annealing_epochs=1),
-                     ModelCheckpoint(dirpath=root, filename="{epoch}", save_top_k=-1)]
-        t = trainer(make_strategy(), max_steps=-1, max_epochs=3, limit_train_batches=2, callbacks=callbacks,
-                    enable_checkpointing=True)
+        callbacks = [
+            StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=1, annealing_epochs=1),
+            ModelCheckpoint(dirpath=root, filename="{epoch}", save_top_k=-1),
+        ]
+        t = trainer(
+            make_strategy(),
+            max_steps=-1,
+            max_epochs=3,
+            limit_train_batches=2,
+            callbacks=callbacks,
+            enable_checkpointing=True,
+        )
         t.fit(module, ckpt_path=ckpt_path)
         return module
 

@@ -23,8 +23,10 @@ from tests.ranks import run_distributed
 
 
 # ---------------------------------------------------------------------------------------------- no process group
-@pytest.mark.parametrize("name,stage,offload", [("zero_stage_1", 1, None), ("zero_stage_2", 2, None),
-                                                ("zero_stage_3_offload", 3, "cpu"), ("zero", 2, None)])
+@pytest.mark.parametrize(
+    "name,stage,offload",
+    [("zero_stage_1", 1, None), ("zero_stage_2", 2, None), ("zero_stage_3_offload", 3, "cpu"), ("zero", 2, None)],
+)
 def test_strategy_string(tmp_path, name, stage, offload):
     strategy = Trainer(strategy=name, accelerator="cpu", devices=1, logger=False, default_root_dir=tmp_path).strategy
     assert isinstance(strategy, ZeroStrategy)
@@ -38,8 +40,14 @@ def test_defaults():
 
 @pytest.mark.parametrize("precision", ["16-true", "bf16-mixed", "bf16-true", "32-true"])
 def test_precision_choice(tmp_path, precision):
-    t = Trainer(strategy=ZeroStrategy(), accelerator="cpu", devices=1, precision=precision, logger=False,
-                default_root_dir=tmp_path)
+    t = Trainer(
+        strategy=ZeroStrategy(),
+        accelerator="cpu",
+        devices=1,
+        precision=precision,
+        logger=False,
+        default_root_dir=tmp_path,
+    )
     assert isinstance(t.strategy.precision_plugin, ZeroPrecision)
     assert t.strategy.precision_plugin.precision == precision
 
@@ -52,8 +60,12 @@ def test_invalid_config_path():
 def test_config_without_offload_does_not_offload():
     strategy = ZeroStrategy(config={"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 1})
     assert strategy.stage == 2 and strategy.zero_config.offload == "none"
-    offloaded = ZeroStrategy(config={"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
-                                     "train_micro_batch_size_per_gpu": 1})
+    offloaded = ZeroStrategy(
+        config={
+            "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+            "train_micro_batch_size_per_gpu": 1,
+        }
+    )
     assert offloaded.stage == 3 and offloaded.zero_config.offload == "cpu"
 
 
@@ -84,8 +96,11 @@ def _fit_and_test_worker(rank, world_size, stage, precision):
         assert p.dtype == torch.float32, "master weights stay fp32 under mixed precision"
 
 
-@pytest.mark.parametrize("stage,precision", [(3, "32-true"), (2, "32-true"), (3, "bf16-mixed")],
-                         ids=["multigpu_stage_3", "fp32_works", "bfloat16_precision"])
+@pytest.mark.parametrize(
+    "stage,precision",
+    [(3, "32-true"), (2, "32-true"), (3, "bf16-mixed")],
+    ids=["multigpu_stage_3", "fp32_works", "bfloat16_precision"],
+)
 def test_multi_rank_fit_then_test(stage, precision):
     run_distributed(_fit_and_test_worker, 2, stage, precision)
 
@@ -95,10 +110,15 @@ class _ConfigOptimizerModule(RegressionModule):
 
 
 def _ds_config_worker(rank, world_size):
-    config = {"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": 3},
-              "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-              "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.1,
-                                                          "warmup_num_steps": 10, "warmup_type": "linear"}}}
+    config = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "zero_optimization": {"stage": 3},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.1, "warmup_num_steps": 10, "warmup_type": "linear"},
+        },
+    }
     strategy = ZeroStrategy(config=config)
     module = _ConfigOptimizerModule(batch_size=3)
     t = trainer(strategy, max_steps=2)
@@ -124,8 +144,10 @@ class _CountingSchedulerModule(RegressionModule):
 
     def configure_optimizers(self):
         opt = torch.optim.SGD(self.parameters(), lr=0.1)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 1),
-                                                   "interval": self.interval}}
+        return {
+            "optimizer": opt,
+            "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 1), "interval": self.interval},
+        }
 
 
 def _scheduler_worker(rank, world_size, interval, stage):
@@ -342,8 +364,16 @@ def _checkpoint_worker(rank, world_size, root, automatic, accumulate):
     seed_everything(0)
     module = RegressionModule() if automatic else ManualModule()
     checkpoint = ModelCheckpoint(dirpath=root, save_top_k=1, monitor="val_loss", save_last=True)
-    t = trainer(zero(3), max_steps=-1, max_epochs=2, limit_train_batches=2, limit_val_batches=2,
-                accumulate_grad_batches=accumulate, callbacks=[checkpoint], enable_checkpointing=True)
+    t = trainer(
+        zero(3),
+        max_steps=-1,
+        max_epochs=2,
+        limit_train_batches=2,
+        limit_val_batches=2,
+        accumulate_grad_batches=accumulate,
+        callbacks=[checkpoint],
+        enable_checkpointing=True,
+    )
     t.fit(module)
     best = t.strategy.broadcast(checkpoint.best_model_path)
     assert os.path.isdir(best), "a stage-3 checkpoint is a sharded directory"
@@ -380,8 +410,10 @@ class _CheckResumed(Callback):
 
 def _full_optimizer_state(module, optimizer):
     state = optimizer_state_dict(module, getattr(optimizer, "_optimizer", optimizer))["state"]
-    return {name: {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for k, v in s.items()}
-            for name, s in state.items()}
+    return {
+        name: {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for k, v in s.items()}
+        for name, s in state.items()
+    }
 
 
 def _resume_worker(rank, world_size, root):
@@ -438,8 +470,11 @@ def _resume_from_single_file_worker(rank, world_size, root):
     ddp.fit(RegressionModule())
     ddp.save_checkpoint(full)
     ddp.save_checkpoint(weights, weights_only=True)
-    saved = (_full_optimizer_state(ddp.lightning_module, ddp.optimizers[0]),
-             ddp.lr_scheduler_configs[0].scheduler.state_dict(), 2)
+    saved = (
+        _full_optimizer_state(ddp.lightning_module, ddp.optimizers[0]),
+        ddp.lr_scheduler_configs[0].scheduler.state_dict(),
+        2,
+    )
     seed_everything(5)
     resumed = trainer(zero(3, load_full_weights=True), max_steps=3, callbacks=[_CheckResumed(*saved)])
     resumed.fit(RegressionModule(), ckpt_path=full)
@@ -477,10 +512,15 @@ def _init_module_worker(rank, world_size, stage, empty_init):
         assert torch.isfinite(full).all() and full.abs().sum() > 0, name
 
 
-@pytest.mark.parametrize("stage,empty_init", [
-    pytest.param(1, None, id="stage1"), pytest.param(2, None, id="stage2"), pytest.param(3, None, id="stage3"),
-    pytest.param(3, True, id="stage3-empty_init"),
-])
+@pytest.mark.parametrize(
+    "stage,empty_init",
+    [
+        pytest.param(1, None, id="stage1"),
+        pytest.param(2, None, id="stage2"),
+        pytest.param(3, None, id="stage3"),
+        pytest.param(3, True, id="stage3-empty_init"),
+    ],
+)
 def test_init_module(stage, empty_init):
     run_distributed(_init_module_worker, 2, stage, empty_init)
 
@@ -521,8 +561,7 @@ def _manual_submodule_worker(rank, world_size, stage):
     assert max_abs_diff(full_state(module), expected) <= 1e-6, "manual optimization did not train the model"
 
 
-@pytest.mark.parametrize("stage", [
-    1, 3])
+@pytest.mark.parametrize("stage", [1, 3])
 def test_stage_3_manual_optimization_calling_a_submodule(stage):
     run_distributed(_manual_submodule_worker, 2, stage)
 
@@ -530,15 +569,26 @@ def test_stage_3_manual_optimization_calling_a_submodule(stage):
 # ---------------------------------------------------------------------------------------------- precision knobs
 def test_custom_precision_params_reach_the_scaler(tmp_path):
     strategy = ZeroStrategy(initial_scale_power=11, loss_scale_window=12, hysteresis=13, min_loss_scale=14)
-    Trainer(strategy=strategy, accelerator="cpu", devices=1, precision="16-true", logger=False,
-            default_root_dir=tmp_path)
+    Trainer(
+        strategy=strategy, accelerator="cpu", devices=1, precision="16-true", logger=False, default_root_dir=tmp_path
+    )
     config = strategy.settings.fp16_loss_scale_config
-    assert (config.initial_scale_power, config.loss_scale_window, config.hysteresis, config.min_loss_scale) == \
-        (11, 12, 13, 14)
-    assert strategy.precision_plugin.loss_scale == 2.0 ** 11
+    assert (config.initial_scale_power, config.loss_scale_window, config.hysteresis, config.min_loss_scale) == (
+        11,
+        12,
+        13,
+        14,
+    )
+    assert strategy.precision_plugin.loss_scale == 2.0**11
     with pytest.raises(Exception, match="fp16|16"):  # fp16 knobs with fp32 training are refused, not ignored
-        Trainer(strategy=ZeroStrategy(loss_scale=10), accelerator="cpu", devices=1, precision="32-true",
-                logger=False, default_root_dir=tmp_path)
+        Trainer(
+            strategy=ZeroStrategy(loss_scale=10),
+            accelerator="cpu",
+            devices=1,
+            precision="32-true",
+            logger=False,
+            default_root_dir=tmp_path,
+        )
 
 
 def _inference_precision_worker(rank, world_size):
@@ -548,9 +598,12 @@ def _inference_precision_worker(rank, world_size):
         def validation_step(self, batch, batch_idx):
             outputs.append(self(batch[0]).dtype)
 
-    trainer(ZeroStrategy(config={"bf16": {"enabled": True}, "zero_optimization": {"stage": 3},
-                                 "train_micro_batch_size_per_gpu": 4}),
-            limit_val_batches=1).validate(_Record(), verbose=False)
+    trainer(
+        ZeroStrategy(
+            config={"bf16": {"enabled": True}, "zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 4}
+        ),
+        limit_val_batches=1,
+    ).validate(_Record(), verbose=False)
     assert outputs == [torch.bfloat16], "the config's bf16 was not used for inference"
 
 

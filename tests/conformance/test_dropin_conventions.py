@@ -25,22 +25,31 @@ def deepspeed_config():
     """Lightning's ``deepspeed_config`` fixture: a config optimizer and scheduler."""
     return {
         "optimizer": {"type": "SGD", "params": {"lr": 3e-5}},
-        "scheduler": {"type": "WarmupLR", "params": {"last_batch_iteration": -1, "warmup_min_lr": 0,
-                                                     "warmup_max_lr": 3e-5, "warmup_num_steps": 100}},
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"last_batch_iteration": -1, "warmup_min_lr": 0, "warmup_max_lr": 3e-5, "warmup_num_steps": 100},
+        },
     }
 
 
 def _contains(effective, given):
     """Every key of ``given`` is in ``effective`` with the same value (the effective config adds defaults)."""
     if isinstance(given, dict):
-        return isinstance(effective, dict) and all(k in effective and _contains(effective[k], v)
-                                                   for k, v in given.items())
+        return isinstance(effective, dict) and all(
+            k in effective and _contains(effective[k], v) for k, v in given.items()
+        )
     return effective == given
 
 
 def _trainer(strategy, world_size=2, **kwargs):
-    defaults = dict(accelerator="cpu", devices=world_size, logger=False, enable_checkpointing=False,
-                    enable_progress_bar=False, enable_model_summary=False)
+    defaults = dict(
+        accelerator="cpu",
+        devices=world_size,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     defaults.update(kwargs)
     return Trainer(strategy=strategy, **defaults)
 
@@ -64,8 +73,9 @@ def test_deepspeed_strategy_env(tmp_path, monkeypatch, deepspeed_config):
     config_path = tmp_path / "temp.json"
     config_path.write_text(json.dumps({**deepspeed_config, "zero_optimization": {"stage": 3}}))
     monkeypatch.setenv("PL_DEEPSPEED_CONFIG_PATH", str(config_path))
-    trainer = Trainer(accelerator="cpu", devices=1, fast_dev_run=True, default_root_dir=tmp_path, strategy="zero",
-                      logger=False)
+    trainer = Trainer(
+        accelerator="cpu", devices=1, fast_dev_run=True, default_root_dir=tmp_path, strategy="zero", logger=False
+    )
     strategy = trainer.strategy
     assert isinstance(strategy, ZeroStrategy)
     assert strategy.parallel_devices == [torch.device("cpu")]
@@ -165,8 +175,9 @@ def _conventions_worker(rank, world_size, tmp_path, deepspeed_config):
     # test_deepspeed.py::test_deepspeed_strategy_exclude_frozen_parameters_integration, with the checkpoint's
     # contents checked (Lightning only checks that it exists)
     model = FrozenParamsModel()
-    trainer = _trainer(ZeroStrategy(stage=3, exclude_frozen_parameters=True), fast_dev_run=True,
-                       default_root_dir=tmp_path)
+    trainer = _trainer(
+        ZeroStrategy(stage=3, exclude_frozen_parameters=True), fast_dev_run=True, default_root_dir=tmp_path
+    )
     trainer.fit(model)
     checkpoint_path = os.path.join(tmp_path, "checkpoint_exclude_frozen.ckpt")
     trainer.save_checkpoint(checkpoint_path)

@@ -40,8 +40,10 @@ from tests.ranks import run_distributed
 # Lightning's ``deepspeed_config`` fixture: an optimizer and a scheduler for DeepSpeed to build
 LIGHTNING_CONFIG = {
     "optimizer": {"type": "SGD", "params": {"lr": 3e-5}},
-    "scheduler": {"type": "WarmupLR", "params": {"last_batch_iteration": -1, "warmup_min_lr": 0,
-                                                 "warmup_max_lr": 3e-5, "warmup_num_steps": 100}},
+    "scheduler": {
+        "type": "WarmupLR",
+        "params": {"last_batch_iteration": -1, "warmup_min_lr": 0, "warmup_max_lr": 3e-5, "warmup_num_steps": 100},
+    },
 }
 
 
@@ -89,11 +91,22 @@ def test_activation_checkpointing_arguments():
     buffers are warned about by name."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        strategy = ZeroStrategy(partition_activations=True, cpu_checkpointing=True,
-                                contiguous_memory_optimization=True, synchronize_checkpoint_boundary=True)
+        strategy = ZeroStrategy(
+            partition_activations=True,
+            cpu_checkpointing=True,
+            contiguous_memory_optimization=True,
+            synchronize_checkpoint_boundary=True,
+        )
     section = strategy.ds_config.translation.activation_checkpointing
-    assert all(section[key] for key in ("partition_activations", "cpu_checkpointing",
-                                        "contiguous_memory_optimization", "synchronize_checkpoint_boundary"))
+    assert all(
+        section[key]
+        for key in (
+            "partition_activations",
+            "cpu_checkpointing",
+            "contiguous_memory_optimization",
+            "synchronize_checkpoint_boundary",
+        )
+    )
     config = strategy.settings.activation_checkpoint_config
     assert config.policy is True and config.cpu_checkpointing is True
     warned = " ".join(str(w.message) for w in caught if issubclass(w.category, DeepSpeedConfigWarning))
@@ -118,17 +131,31 @@ def test_optimizer_offload_configuration():
 
 def test_custom_precision_params():
     """The fp16 arguments reach the loss scaler (on CPU fp16 is ``16-true``: Fabric turns ``16-mixed`` into bf16)."""
-    fabric = Fabric(accelerator="cpu", devices=1, precision="16-true", strategy=ZeroStrategy(
-        loss_scale=10, initial_scale_power=11, loss_scale_window=12, hysteresis=13, min_loss_scale=14))
+    fabric = Fabric(
+        accelerator="cpu",
+        devices=1,
+        precision="16-true",
+        strategy=ZeroStrategy(
+            loss_scale=10, initial_scale_power=11, loss_scale_window=12, hysteresis=13, min_loss_scale=14
+        ),
+    )
     assert isinstance(fabric.strategy.precision, FabricZeroPrecision)
     scaler = fabric.strategy.precision.scaler
     assert isinstance(scaler, StaticLossScaler) and scaler.loss_scale == 10  # loss_scale > 0: static, as DeepSpeed
-    fabric = Fabric(accelerator="cpu", devices=1, precision="16-true", strategy=ZeroStrategy(
-        initial_scale_power=11, loss_scale_window=12, hysteresis=13, min_loss_scale=14))
+    fabric = Fabric(
+        accelerator="cpu",
+        devices=1,
+        precision="16-true",
+        strategy=ZeroStrategy(initial_scale_power=11, loss_scale_window=12, hysteresis=13, min_loss_scale=14),
+    )
     scaler = fabric.strategy.precision.scaler
     assert isinstance(scaler, DynamicLossScaler)
-    assert (scaler.loss_scale, scaler.loss_scale_window, scaler.hysteresis, scaler.min_loss_scale) == (2.0 ** 11, 12,
-                                                                                                      13, 14)
+    assert (scaler.loss_scale, scaler.loss_scale_window, scaler.hysteresis, scaler.min_loss_scale) == (
+        2.0**11,
+        12,
+        13,
+        14,
+    )
     with pytest.raises(ValueError, match="loss scaling applies to fp16 training only"):
         Fabric(accelerator="cpu", devices=1, precision="bf16-mixed", strategy=ZeroStrategy(loss_scale=10))
 
@@ -191,8 +218,7 @@ def _step(fabric, model, optimizer, x):
 
 
 def _deep_net():
-    return nn.Sequential(*(nn.Sequential(nn.Linear(32, 32, bias=False), nn.ReLU()) for _ in range(5)),
-                         nn.Linear(32, 3))
+    return nn.Sequential(*(nn.Sequential(nn.Linear(32, 32, bias=False), nn.ReLU()) for _ in range(5)), nn.Linear(32, 3))
 
 
 def _models_worker(rank, world_size):
@@ -373,8 +399,11 @@ def _frozen_and_filter_worker(rank, world_size, root):
         fabric.load(path, {"model": model})
     fabric.load(path, {"model": model}, strict=False)
     got = full_state(model)
-    assert_equal(got, {key: full_state(fresh_model)[key] if "bias" in key else before[key] for key in before},
-                 "a filtered checkpoint loaded with strict=False")
+    assert_equal(
+        got,
+        {key: full_state(fresh_model)[key] if "bias" in key else before[key] for key in before},
+        "a filtered checkpoint loaded with strict=False",
+    )
 
 
 def test_exclude_frozen_parameters_and_save_filter(tmp_path):

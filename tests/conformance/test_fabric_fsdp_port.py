@@ -45,8 +45,12 @@ from tests.ranks import run_distributed
 def test_mixed_precision_policy():
     """``FSDPStrategy(mixed_precision=MixedPrecision(...))``: ZeroStrategy takes the compute dtype from Fabric's
     precision flag and the gradient-reduction dtype from ``communication_data_type``; both reach FSDP2's policy."""
-    fabric = Fabric(accelerator="cpu", devices=2, precision="bf16-mixed",
-                    strategy=ZeroStrategy(stage=3, communication_data_type="fp32"))
+    fabric = Fabric(
+        accelerator="cpu",
+        devices=2,
+        precision="bf16-mixed",
+        strategy=ZeroStrategy(stage=3, communication_data_type="fp32"),
+    )
     policy = fabric.strategy.precision.fsdp_mp_policy()
     assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
     fabric = Fabric(accelerator="cpu", devices=2, strategy=ZeroStrategy(stage=3, communication_data_type="bf16"))
@@ -62,8 +66,10 @@ def test_cpu_offload():
         ZeroStrategy(stage=3, offload_params="cpu")
 
 
-@pytest.mark.parametrize("name,stage,offload", [("zero", 2, "none"), ("zero_stage_2", 2, "none"),
-                                                ("zero_stage_3", 3, "none"), ("zero_stage_3_offload", 3, "cpu")])
+@pytest.mark.parametrize(
+    "name,stage,offload",
+    [("zero", 2, "none"), ("zero_stage_2", 2, "none"), ("zero_stage_3", 3, "none"), ("zero_stage_3_offload", 3, "cpu")],
+)
 def test_sharding_strategy(name, stage, offload):
     """FSDP's ``sharding_strategy`` names are ZeRO stages here: ``SHARD_GRAD_OP`` is stage 2, ``FULL_SHARD`` 3."""
     strategy = Fabric(accelerator="cpu", devices=2, strategy=name).strategy
@@ -190,8 +196,9 @@ def _check_param_groups(fabric, rank):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(10, 10, bias=False), nn.Linear(10, 2, bias=False))
     reference = [layer.weight.detach().clone() for layer in model]
-    optimizer = torch.optim.SGD([{"params": model[0].parameters(), "lr": 1e-2},
-                                 {"params": model[1].parameters(), "lr": 1e-6}])
+    optimizer = torch.optim.SGD(
+        [{"params": model[0].parameters(), "lr": 1e-2}, {"params": model[1].parameters(), "lr": 1e-6}]
+    )
     wrapped, wrapped_optimizer = fabric.setup(model, optimizer)
     assert isinstance(wrapped_optimizer, _FabricOptimizer) and len(wrapped_optimizer.param_groups) == 2
     for group, layer in zip(wrapped_optimizer.param_groups, wrapped._forward_module):
@@ -289,8 +296,13 @@ def _check_manual_activation_checkpointing(rank):
     assert len(calls) == 4, len(calls)
     plain(torch.ones(2, 4)).sum().backward()
     grads = {name.replace("._checkpoint_wrapped_module", ""): full(p.grad) for name, p in model.named_parameters()}
-    assert max_diff({k.removeprefix("_forward_module."): v for k, v in grads.items()},
-                    {k: p.grad for k, p in plain.named_parameters()}) <= 1e-6
+    assert (
+        max_diff(
+            {k.removeprefix("_forward_module."): v for k, v in grads.items()},
+            {k: p.grad for k, p in plain.named_parameters()},
+        )
+        <= 1e-6
+    )
 
 
 def _setup_worker(rank, world_size):

@@ -56,15 +56,19 @@ def inner(model: nn.Module) -> nn.Module:
 
 
 def full_state(model: nn.Module) -> dict:
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
-            for k, v in inner(model).state_dict().items()}
+    return {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+        for k, v in inner(model).state_dict().items()
+    }
 
 
 def optimizer_states(model: nn.Module, optimizer) -> dict:
     """The optimizer's states by parameter name, unsharded (at stage 1 a rank holds those of what it steps)."""
     state = optimizer_state_dict(inner(model), getattr(optimizer, "optimizer", optimizer))["state"]
-    return {name: {k: (v.full_tensor() if isinstance(v, DTensor) else v).clone() for k, v in values.items()}
-            for name, values in state.items()}
+    return {
+        name: {k: (v.full_tensor() if isinstance(v, DTensor) else v).clone() for k, v in values.items()}
+        for name, values in state.items()
+    }
 
 
 def assert_states_equal(got: dict, expected: dict, what: str) -> None:
@@ -170,8 +174,9 @@ def test_save_and_load_path_checks(tmp_path):
     for name in ("zero_pp_rank_0_mp_rank_00_model_states.pt", "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"):
         (deepspeed / "checkpoint" / name).touch()
     with pytest.raises(CheckpointError, match=f"inside the checkpoint {deepspeed}.*fabric.load\\('{deepspeed}'"):
-        strategy.load_checkpoint(deepspeed / "checkpoint" / "zero_pp_rank_0_mp_rank_00_model_states.pt",
-                                 {"model": fresh})
+        strategy.load_checkpoint(
+            deepspeed / "checkpoint" / "zero_pp_rank_0_mp_rank_00_model_states.pt", {"model": fresh}
+        )
     for state in ({"other": "data"}, {"model1": fresh, "model2": nn.Linear(2, 2)}):  # one engine's weights inside
         with pytest.raises(ValueError, match="is a DeepSpeed checkpoint, which holds one module"):
             strategy.load_checkpoint(deepspeed, state)
@@ -327,8 +332,9 @@ def _train_save_load_worker(rank, world_size, root):
         fabric = launch(ZeroStrategy(stage=stage), precision=precision)
         model, optimizer = train(fabric)
         saved, saved_optimizer = full_state(model), optimizer_states(model, optimizer)
-        fabric.save(path, {"model": model, "optimizer": optimizer, "steps": 1, "user_data": {"iteration": 5},
-                           "extra": "x"})
+        fabric.save(
+            path, {"model": model, "optimizer": optimizer, "steps": 1, "user_data": {"iteration": 5}, "extra": "x"}
+        )
         # the layout: DCP's files, the other values in meta.pt, the run's record (zero.json)
         assert {".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt", "zero.json"} <= set(os.listdir(path))
         meta = torch.load(os.path.join(path, "meta.pt"), weights_only=True)
@@ -410,13 +416,15 @@ def _full_state_worker(rank, world_size, root):
                 fabric.load_raw(raw_model, model)
                 fabric.load_raw(raw_optimizer, optimizer)
             assert_equal(full_state(model), weights, f"stage {stage}: weights from the single-device file ({load})")
-            assert_states_equal(optimizer_states(model, optimizer), moments,
-                                f"stage {stage}: single-device optimizer states ({load})")
+            assert_states_equal(
+                optimizer_states(model, optimizer), moments, f"stage {stage}: single-device optimizer states ({load})"
+            )
             assert optimizer.param_groups[0]["lr"] == 1e-3, "the file's hyper-parameters are restored"
             train(fabric, model, optimizer, seed=11)  # the next step is the single-device run's
             for key, value in full_state(model).items():
-                torch.testing.assert_close(value, next_weights[key], rtol=0, atol=1e-6,
-                                           msg=f"stage {stage} ({load}): {key}")
+                torch.testing.assert_close(
+                    value, next_weights[key], rtol=0, atol=1e-6, msg=f"stage {stage} ({load}): {key}"
+                )
 
         # a sharded save, consolidated into one file: plain tensors and Optimizer.state_dict() states
         path, full_file = os.path.join(root, f"sharded-{stage}"), os.path.join(root, f"full-{stage}.pt")
@@ -433,15 +441,21 @@ def _full_state_worker(rank, world_size, root):
         single_optimizer = torch.optim.AdamW(single_model.parameters())
         single_optimizer.load_state_dict(full["optimizer_states"][0])
         expected_states = optimizer_states(model, optimizer)
-        assert_states_equal(expected_states, optimizer_states(single_model, single_optimizer),
-                            f"stage {stage}: consolidated optimizer states")
+        assert_states_equal(
+            expected_states,
+            optimizer_states(single_model, single_optimizer),
+            f"stage {stage}: consolidated optimizer states",
+        )
         fresh = launch(ZeroStrategy(stage=stage))  # ... and into a sharded run
         again, again_optimizer = train(fresh, seed=5)
         fresh.load_raw(full_file, again)
         fresh.load_raw(raw_optimizer + ".full", again_optimizer)
         assert_equal(full_state(again), full_state(model), f"stage {stage}: consolidated file into a sharded model")
-        assert_states_equal(optimizer_states(again, again_optimizer), expected_states,
-                            f"stage {stage}: consolidated optimizer states into a sharded optimizer")
+        assert_states_equal(
+            optimizer_states(again, again_optimizer),
+            expected_states,
+            f"stage {stage}: consolidated optimizer states into a sharded optimizer",
+        )
     with pytest.raises(CheckpointError, match="this is a directory: load a sharded checkpoint with fabric.load"):
         fabric.load_raw(path, model)
 
@@ -466,8 +480,13 @@ def test_full_state_dicts(tmp_path):
 
 
 def _clip_worker(rank, world_size):
-    for stage, precision, offload in ((1, "32-true", None), (2, "bf16-mixed", None), (2, "32-true", "cpu"),
-                                      (3, "32-true", None), (3, "bf16-mixed", None)):
+    for stage, precision, offload in (
+        (1, "32-true", None),
+        (2, "bf16-mixed", None),
+        (2, "32-true", "cpu"),
+        (3, "32-true", None),
+        (3, "bf16-mixed", None),
+    ):
         for how in ("value", "norm"):
             fabric = launch(ZeroStrategy(stage=stage, offload=offload), precision=precision)
             module = nn.Linear(32, 2, bias=False)
@@ -475,8 +494,9 @@ def _clip_worker(rank, world_size):
             model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=1.0))
             fabric.backward(model(torch.full((1, 32), 0.1)).sum())  # every gradient is the same number
             main = list(fabric.strategy.precision.main_params(optimizer.optimizer))
-            grad = torch.cat([(p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).flatten()
-                              for p in main])
+            grad = torch.cat(
+                [(p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).flatten() for p in main]
+            )
             value, norm = grad[0].item(), grad.norm().item()
             assert torch.all(grad == value) and grad.numel() == 64
             if how == "value":
@@ -486,13 +506,19 @@ def _clip_worker(rank, world_size):
                 returned = fabric.clip_gradients(model, optimizer, max_norm=norm / 4)
                 assert returned.item() == pytest.approx(norm, rel=1e-6), "the norm before clipping"
                 expected = value * (norm / 4) / (norm + 1e-6)  # torch's clip coefficient (its eps included)
-            clipped = torch.cat([(p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).flatten()
-                                 for p in main])
+            clipped = torch.cat(
+                [(p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).flatten() for p in main]
+            )
             torch.testing.assert_close(clipped, torch.full_like(clipped, expected), rtol=1e-6, atol=0)
             optimizer.step()  # SGD with lr 1: the weights move by the clipped gradient
             weight = full_state(model)["weight"]
-            torch.testing.assert_close(weight, torch.full_like(weight, 0.01 - expected), rtol=1e-6, atol=0,
-                                       msg=f"stage {stage} {precision} offload={offload} clip by {how}")
+            torch.testing.assert_close(
+                weight,
+                torch.full_like(weight, 0.01 - expected),
+                rtol=1e-6,
+                atol=0,
+                msg=f"stage {stage} {precision} offload={offload} clip by {how}",
+            )
 
 
 def test_clip_gradients_by_value_and_norm():

@@ -22,8 +22,7 @@ from tests.ranks import run_distributed
 # ---------------------------------------------------------------------------------------------- no process group
 def test_forbidden_precision_raises(tmp_path):
     with pytest.raises(Exception, match="64"):
-        Trainer(strategy=ZeroStrategy(), accelerator="cpu", devices=1, precision="64-true",
-                default_root_dir=tmp_path)
+        Trainer(strategy=ZeroStrategy(), accelerator="cpu", devices=1, precision="64-true", default_root_dir=tmp_path)
 
 
 def test_cpu_offload_configuration():
@@ -119,8 +118,16 @@ def _checkpoint_roundtrip_worker(rank, world_size, root, stage, precision):
     seed_everything(0)
     module = RegressionModule()
     callback = ModelCheckpoint(dirpath=root, monitor="val_loss", save_top_k=1)
-    t = trainer(zero(stage), precision=precision, max_steps=-1, max_epochs=1, limit_train_batches=2,
-                limit_val_batches=1, callbacks=[callback], enable_checkpointing=True)
+    t = trainer(
+        zero(stage),
+        precision=precision,
+        max_steps=-1,
+        max_epochs=1,
+        limit_train_batches=2,
+        limit_val_batches=1,
+        callbacks=[callback],
+        enable_checkpointing=True,
+    )
     t.fit(module)
     trained = full_state(module)
     # "best" resolves to the sharded directory and restores the exact weights into a fresh model
@@ -235,10 +242,14 @@ def _path_exists_worker(rank, world_size, root, what):
     assert max_abs_diff(full_state(fresh), full_state(module)) == 0.0
 
 
-@pytest.mark.parametrize("what", [
-    "file", "checkpoint",
-    "directory",
-])
+@pytest.mark.parametrize(
+    "what",
+    [
+        "file",
+        "checkpoint",
+        "directory",
+    ],
+)
 def test_save_checkpoint_path_exists(tmp_path, what):
     run_distributed(_path_exists_worker, 2, str(tmp_path), what)
 

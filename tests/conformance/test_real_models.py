@@ -48,8 +48,7 @@ def _llama_worker(rank, world_size, stage, offload, in_configure_model):
 
 
 def _cases(in_configure_model):
-    return [pytest.param(stage, offload, id=name)
-            for (stage, offload), name in zip(ALL_STAGES, STAGE_IDS)]
+    return [pytest.param(stage, offload, id=name) for (stage, offload), name in zip(ALL_STAGES, STAGE_IDS)]
 
 
 @pytest.mark.slow
@@ -80,10 +79,14 @@ def _metrics_worker(rank, world_size, stage, offload):
     assert result["val_acc"] == pytest.approx(acc, rel=1e-5)
 
 
-@pytest.mark.parametrize("stage,offload", [
-    pytest.param(0, None, id="s0"), pytest.param(1, None, id="s1"),
-    pytest.param(2, None, id="s2"),
-    pytest.param(3, "cpu", id="s3-offload"),
-])
+@pytest.mark.parametrize(
+    "stage,offload",
+    [
+        pytest.param(0, None, id="s0"),
+        pytest.param(1, None, id="s1"),
+        pytest.param(2, None, id="s2"),
+        pytest.param(3, "cpu", id="s3-offload"),
+    ],
+)
 def test_torchmetrics_built_in_configure_model_sync_over_ranks(stage, offload):
     run_distributed(_metrics_worker, 2, stage, offload)

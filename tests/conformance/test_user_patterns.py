@@ -477,8 +477,10 @@ def _fabric_unfreezing_worker(rank, world_size):
                 fabric.clip_gradients(model, optimizer, max_norm=0.05)  # sees the averaged gradients
                 optimizer.step()
                 optimizer.zero_grad()
-        state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
-                 for k, v in model.state_dict().items()}
+        state = {
+            k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+            for k, v in model.state_dict().items()
+        }
         return state
 
     expected = fit(3)  # FSDP2 reduces every gradient it gets

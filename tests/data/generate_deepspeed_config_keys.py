@@ -49,8 +49,14 @@ READ_ELSEWHERE = (
     ("scheduler.params", None, "runtime/config.py get_scheduler_params (the scheduler's own arguments)"),
 )
 # The pipeline section is copied over these defaults without per-key reads (runtime/config.py get_pipeline_config).
-PIPELINE_DEFAULTS = ("stages", "partition", "seed_layers", "activation_checkpoint_interval", "pipe_partitioned",
-                     "grad_partitioned")
+PIPELINE_DEFAULTS = (
+    "stages",
+    "partition",
+    "seed_layers",
+    "activation_checkpoint_interval",
+    "pipe_partitioned",
+    "grad_partitioned",
+)
 
 READS: dict[str, object] = {}
 MODELS: dict[str, type] = {}
@@ -177,8 +183,11 @@ def _walk_model(cls: type, path: str, keys: dict) -> None:
         extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
         names = [field.alias] if field.alias and field.alias != name else []
         for key in names + [name]:
-            entry = {"path": f"{path}.{key}", "default": _jsonable(field.get_default(call_default_factory=True)),
-                     "source": f"pydantic {cls.__module__}.{cls.__qualname__}"}
+            entry = {
+                "path": f"{path}.{key}",
+                "default": _jsonable(field.get_default(call_default_factory=True)),
+                "source": f"pydantic {cls.__module__}.{cls.__qualname__}",
+            }
             if key == name and names:
                 entry["alias_of"] = f"{path}.{field.alias}"  # the field's own name, accepted as well (populate_by_name)
             if extra.get("deprecated"):
@@ -195,7 +204,7 @@ def _config(sections: set, top: str, enable: str) -> Recording:
         parent = root
         for depth, part in enumerate(path.split(".")):
             if not dict.__contains__(parent, part):
-                dict.__setitem__(parent, part, Recording({}, ".".join(path.split(".")[:depth + 1]), enable))
+                dict.__setitem__(parent, part, Recording({}, ".".join(path.split(".")[: depth + 1]), enable))
             parent = dict.__getitem__(parent, part)
     return root
 
@@ -213,9 +222,15 @@ def _explore() -> set:
             for enable in ["", *sorted(s for s in sections if s == top or s.startswith(top + "."))]:
                 _parse(_config(sections, top, enable))
         in_models = tuple(MODELS)
-        candidates = [path for path, default in READS.items() if path not in tried and path not in sections
-                      and "." in path and (default is None or isinstance(default, dict))
-                      and not any(path == m or path.startswith(m + ".") for m in in_models)]
+        candidates = [
+            path
+            for path, default in READS.items()
+            if path not in tried
+            and path not in sections
+            and "." in path
+            and (default is None or isinstance(default, dict))
+            and not any(path == m or path.startswith(m + ".") for m in in_models)
+        ]
         for path in candidates:
             tried.add(path)
             count = len(READS)
@@ -241,16 +256,22 @@ def collect() -> dict:
     for path, default, where in READ_ELSEWHERE:
         keys.setdefault(path, {"path": path, "default": default, "source": f"read in {where}"})
     for key in PIPELINE_DEFAULTS:
-        keys.setdefault(f"pipeline.{key}", {"path": f"pipeline.{key}", "default": None,
-                                            "source": "runtime/config.py get_pipeline_config defaults"})
-    removed = {**ds_runtime_config._REMOVED_TOP_LEVEL_CONFIG_KEYS,
-               **{f"zero_optimization.{k}": v for k, v in ds_runtime_config._REMOVED_ZERO_CONFIG_KEYS.items()}}
+        keys.setdefault(
+            f"pipeline.{key}",
+            {"path": f"pipeline.{key}", "default": None, "source": "runtime/config.py get_pipeline_config defaults"},
+        )
+    removed = {
+        **ds_runtime_config._REMOVED_TOP_LEVEL_CONFIG_KEYS,
+        **{f"zero_optimization.{k}": v for k, v in ds_runtime_config._REMOVED_ZERO_CONFIG_KEYS.items()},
+    }
     for path in removed:
         keys.setdefault(path, {"path": path, "default": None, "source": "runtime/config.py"})
         keys[path]["removed"] = True
-    return {"deepspeed_version": deepspeed.__version__,
-            "generated_by": "tests/data/generate_deepspeed_config_keys.py",
-            "keys": [keys[path] for path in sorted(keys)]}
+    return {
+        "deepspeed_version": deepspeed.__version__,
+        "generated_by": "tests/data/generate_deepspeed_config_keys.py",
+        "keys": [keys[path] for path in sorted(keys)],
+    }
 
 
 def main() -> int:

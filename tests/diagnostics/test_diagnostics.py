@@ -72,10 +72,12 @@ def test_parse_size():
 
 
 def test_slow_outliers_names_rank_and_host():
-    fast = ProbeResult("all_reduce", 1024, 3, time_s=1.0, rank_times_s=[1.0, 1.0, 1.0], slowest_rank=0,
-                       slowest_host="a")
-    slow = ProbeResult("all_gather", 1 << 20, 3, time_s=3.0, rank_times_s=[1.0, 3.0, 1.1], slowest_rank=1,
-                       slowest_host="node7")
+    fast = ProbeResult(
+        "all_reduce", 1024, 3, time_s=1.0, rank_times_s=[1.0, 1.0, 1.0], slowest_rank=0, slowest_host="a"
+    )
+    slow = ProbeResult(
+        "all_gather", 1 << 20, 3, time_s=3.0, rank_times_s=[1.0, 3.0, 1.1], slowest_rank=1, slowest_host="node7"
+    )
     skipped = ProbeResult("all_to_all", 1024, 3, error="unsupported on this backend")
     flags = slow_outliers([fast, slow, skipped], tolerance=0.5)
     assert len(flags) == 1 and "rank 1 on host node7" in flags[0] and "all_gather 1M" in flags[0]
@@ -128,13 +130,23 @@ def test_audit_environment_reports_variables_and_infiniband(tmp_path):
     (port / "state").write_text("4: ACTIVE\n")
     (port / "rate").write_text("400 Gb/sec (4X NDR)\n")
     (port / "link_layer").write_text("InfiniBand\n")
-    env = {"NCCL_P2P_DISABLE": "1", "NCCL_IB_DISABLE": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
-           "HOME": "/root", "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}
+    env = {
+        "NCCL_P2P_DISABLE": "1",
+        "NCCL_IB_DISABLE": "1",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+        "HOME": "/root",
+        "WORLD_SIZE": "16",
+        "LOCAL_WORLD_SIZE": "8",
+    }
     audit = audit_environment(environ=env, backend="nccl", infiniband_root=tmp_path)
     assert audit.world_size == 16 and audit.local_world_size == 8
     assert set(audit.variables) == {"NCCL_P2P_DISABLE", "NCCL_IB_DISABLE", "TORCH_NCCL_ASYNC_ERROR_HANDLING"}
-    assert audit.infiniband == [{"device": "mlx5_0", "ports": [
-        {"port": "1", "state": "4: ACTIVE", "rate": "400 Gb/sec (4X NDR)", "link_layer": "InfiniBand"}]}]
+    assert audit.infiniband == [
+        {
+            "device": "mlx5_0",
+            "ports": [{"port": "1", "state": "4: ACTIVE", "rate": "400 Gb/sec (4X NDR)", "link_layer": "InfiniBand"}],
+        }
+    ]
     assert any("NCCL_P2P_DISABLE=1" in w for w in audit.warnings)
     assert any("although InfiniBand devices are present" in w for w in audit.warnings)
     text = audit_text(audit)
@@ -144,8 +156,13 @@ def test_audit_environment_reports_variables_and_infiniband(tmp_path):
 
 
 def test_flight_recorder_variables_keep_user_values(monkeypatch, tmp_path):
-    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT",
-                 "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
+    for name in (
+        "TORCH_FR_BUFFER_SIZE",
+        "TORCH_NCCL_TRACE_BUFFER_SIZE",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT",
+        "TORCH_FR_DUMP_TEMP_FILE",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
+    ):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")
     set_now = enable_flight_recorder(1234, str(tmp_path / "fr"))
@@ -206,9 +223,18 @@ class TinyModule(LightningModule):
 
 
 def _trainer(world_size, callbacks, **kwargs):
-    return Trainer(accelerator="cpu", devices=world_size, strategy=DDPStrategy(process_group_backend="gloo"),
-                   logger=False, callbacks=callbacks, enable_checkpointing=False, enable_progress_bar=False,
-                   enable_model_summary=False, num_sanity_val_steps=0, **kwargs)
+    return Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=DDPStrategy(process_group_backend="gloo"),
+        logger=False,
+        callbacks=callbacks,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        **kwargs,
+    )
 
 
 def _data():
@@ -230,8 +256,9 @@ def _probe_and_callback_worker(rank, world_size):
 
     # The callback in a DDP fit: audit warns for NCCL_P2P_DISABLE, probe results on every rank, watchdog armed.
     os.environ["NCCL_P2P_DISABLE"] = "1"
-    callback = NCCLDiagnostics(probe_collectives=("all_reduce", "broadcast"), probe_sizes=(1024,), probe_iters=1,
-                               hang_timeout=60)
+    callback = NCCLDiagnostics(
+        probe_collectives=("all_reduce", "broadcast"), probe_sizes=(1024,), probe_iters=1, hang_timeout=60
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _trainer(world_size, [callback], max_steps=2).fit(TinyModule(), _data())
@@ -248,8 +275,9 @@ def test_probe_and_callback_two_ranks():
 
 
 def _hang_worker(rank, world_size, dump_dir):
-    callback = NCCLDiagnostics(audit=False, probe=False, hang_timeout=3, watchdog_poll_interval=0.25,
-                               watchdog_grace=5, dump_dir=dump_dir)
+    callback = NCCLDiagnostics(
+        audit=False, probe=False, hang_timeout=3, watchdog_poll_interval=0.25, watchdog_grace=5, dump_dir=dump_dir
+    )
     _trainer(world_size, [callback], max_steps=4).fit(TinyModule(hang_rank=1), _data())
 
 
@@ -262,9 +290,15 @@ def test_watchdog_turns_injected_hang_into_failure_naming_the_rank(tmp_path):
     dump_dir = tmp_path / "dumps"
     begin = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-c",
-         f"from tests.diagnostics.test_diagnostics import run_hang_job; run_hang_job({str(dump_dir)!r})"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-c",
+            f"from tests.diagnostics.test_diagnostics import run_hang_job; run_hang_job({str(dump_dir)!r})",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     elapsed = time.monotonic() - begin
     assert proc.returncode != 0
@@ -285,7 +319,8 @@ def test_cli_diagnose_spawns_two_ranks_and_writes_json(tmp_path, capsys):
     report = json.loads(out.read_text())
     assert report["world_size"] == 2 and report["backend"] == "gloo"
     assert [(p["collective"], p["size_bytes"]) for p in report["probe"]] == [
-        (c, s) for c in COLLECTIVES for s in (1024, 8192)]
+        (c, s) for c in COLLECTIVES for s in (1024, 8192)
+    ]
     assert all(p["busbw"] > 0 for p in report["probe"] if p["error"] is None)
     assert len(report["audits"]) == 1 and report["audits"][0]["versions"]["torch"] == torch.__version__
 
@@ -301,9 +336,28 @@ def test_cli_diagnose_refuses_nproc_under_launcher(monkeypatch):
 def test_cli_diagnose_under_torchrun_no_python(tmp_path):
     out = tmp_path / "diag.json"
     proc = subprocess.run(
-        ["torchrun", "--standalone", "--nproc-per-node", "2", "--no-python", "lightning-zero", "diagnose",
-         "--sizes", "1K", "--collectives", "all_reduce", "all_gather", "--iters", "1", "--json", str(out)],
-        capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        [
+            "torchrun",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--no-python",
+            "lightning-zero",
+            "diagnose",
+            "--sizes",
+            "1K",
+            "--collectives",
+            "all_reduce",
+            "all_gather",
+            "--iters",
+            "1",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "busbw" in proc.stdout
@@ -320,8 +374,9 @@ def test_adopted_watchdog_takes_every_watchdog_setting_of_the_callback():
     guard = HangGuard(600)
     guard.start(0, 1)
     try:
-        callback = NCCLDiagnostics(audit=False, probe=False, hang_timeout=40, watchdog_poll_interval=0.25,
-                                   watchdog_grace=2.0)
+        callback = NCCLDiagnostics(
+            audit=False, probe=False, hang_timeout=40, watchdog_poll_interval=0.25, watchdog_grace=2.0
+        )
         callback.on_train_start(None, None)
         assert callback.watchdog is guard.watchdog
         assert (guard.watchdog.timeout, guard.watchdog.poll_interval, guard.watchdog.grace) == (40, 0.25, 2.0)

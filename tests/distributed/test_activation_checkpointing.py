@@ -96,8 +96,9 @@ def test_recomputes_each_block_and_saves_at_least_half_less():
     assert MLPBlock.calls == 12, "every block's forward must run again in backward"
     # The peak with checkpointing is in backward: the kept inputs plus one block's recomputed activations at a time,
     # at most a sixth of the plain run's saved bytes (six identical blocks, plus what lies outside them).
-    assert ckpt_bytes + plain_bytes / 6 <= plain_bytes / 2, \
+    assert ckpt_bytes + plain_bytes / 6 <= plain_bytes / 2, (
         f"saved activations {ckpt_bytes} vs {plain_bytes} without checkpointing"
+    )
     for (name, p), q in zip(plain.named_parameters(), checkpointed.parameters()):
         assert torch.equal(p.grad, q.grad), name
     # The module tree and the parameter names are those of the plain model (checkpoints keep their keys).
@@ -167,10 +168,18 @@ def _named_units_worker(rank, world_size):
     from lightning_zero import ZeroConfig, apply_zero
 
     model = SixBlockNet()
-    apply_zero(model, init_device_mesh("cpu", (world_size,)), ZeroConfig(stage=2, sharded_module_classes={"Linear"}),
-               activation_checkpointing=ActivationCheckpointConfig())
-    assert [is_checkpointed(m) for m in (model.inp, model.blocks[0], model.blocks[0].up, model.out)] == \
-        [True, False, True, True], "True must mean the FSDP units the user named"
+    apply_zero(
+        model,
+        init_device_mesh("cpu", (world_size,)),
+        ZeroConfig(stage=2, sharded_module_classes={"Linear"}),
+        activation_checkpointing=ActivationCheckpointConfig(),
+    )
+    assert [is_checkpointed(m) for m in (model.inp, model.blocks[0], model.blocks[0].up, model.out)] == [
+        True,
+        False,
+        True,
+        True,
+    ], "True must mean the FSDP units the user named"
 
 
 def test_true_means_the_named_sharded_module_classes():
@@ -193,13 +202,16 @@ def test_selection_policies_and_selective_checkpointing():
     assert MLPBlock.calls == 8, "blocks 0 and 3 recompute, the other four do not"
 
 
-@pytest.mark.parametrize("kwargs,error,message", [
-    (dict(activation_checkpointing=True, activation_checkpointing_policy=True), ValueError, "not both"),
-    (dict(activation_checkpointing=set()), ValueError, "empty set"),
-    (dict(activation_checkpointing=[3]), TypeError, "nn.Module subclasses"),
-    (dict(activation_checkpointing="yes please", cpu_checkpointing="no"), TypeError, "cpu_checkpointing"),
-    (dict(activation_checkpointing=ActivationCheckpointConfig(), cpu_checkpointing=True), ValueError, "disagrees"),
-])
+@pytest.mark.parametrize(
+    "kwargs,error,message",
+    [
+        (dict(activation_checkpointing=True, activation_checkpointing_policy=True), ValueError, "not both"),
+        (dict(activation_checkpointing=set()), ValueError, "empty set"),
+        (dict(activation_checkpointing=[3]), TypeError, "nn.Module subclasses"),
+        (dict(activation_checkpointing="yes please", cpu_checkpointing="no"), TypeError, "cpu_checkpointing"),
+        (dict(activation_checkpointing=ActivationCheckpointConfig(), cpu_checkpointing=True), ValueError, "disagrees"),
+    ],
+)
 def test_invalid_arguments_fail_in_the_strategy_constructor(kwargs, error, message):
     with pytest.raises(error, match=message):
         ZeroStrategy(**kwargs)
@@ -210,8 +222,10 @@ def test_cpu_checkpointing_alone_is_deepspeed_strategys_config_key():
     # checkpointing of the repeated blocks on here, inputs kept on CPU (it used to be refused)
     config = ZeroStrategy(cpu_checkpointing=True).activation_checkpoint_config
     assert config is not None and config.cpu_checkpointing is True
-    assert config == ZeroStrategy(config={"activation_checkpointing": {"cpu_checkpointing": True}}
-                                  ).activation_checkpoint_config
+    assert (
+        config
+        == ZeroStrategy(config={"activation_checkpointing": {"cpu_checkpointing": True}}).activation_checkpoint_config
+    )
 
 
 def test_config_validation_and_unmatched_policies():
@@ -225,8 +239,9 @@ def test_config_validation_and_unmatched_policies():
         select_blocks(nn.Sequential(nn.Linear(2, 2)), ActivationCheckpointConfig())
     with pytest.raises(ValueError, match="selects no submodule"):
         select_blocks(SixBlockNet(), ActivationCheckpointConfig(lambda m: False))
-    assert ZeroStrategy(activation_checkpointing_policy={LightningBlock}).activation_checkpoint_config.policy == \
-        frozenset({LightningBlock})
+    assert ZeroStrategy(
+        activation_checkpointing_policy={LightningBlock}
+    ).activation_checkpoint_config.policy == frozenset({LightningBlock})
     assert ZeroStrategy().activation_checkpoint_config is None
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
@@ -237,8 +252,14 @@ def test_config_validation_and_unmatched_policies():
 def test_ds_config_section_enables_it_and_reports_the_keys_without_effect():
     from lightning_zero.ds_config.report import effective_config_rows
 
-    section = {"cpu_checkpointing": True, "number_checkpoints": 4, "partition_activations": True,
-               "contiguous_memory_optimization": True, "synchronize_checkpoint_boundary": True, "profile": True}
+    section = {
+        "cpu_checkpointing": True,
+        "number_checkpoints": 4,
+        "partition_activations": True,
+        "contiguous_memory_optimization": True,
+        "synchronize_checkpoint_boundary": True,
+        "profile": True,
+    }
     with pytest.warns(Warning, match="no effect") as warned:
         strategy = ZeroStrategy(config={"zero_optimization": {"stage": 3}, "activation_checkpointing": section})
     # number_checkpoints sizes a DeepSpeed buffer; it never limited which blocks DeepSpeed checkpoints (here it
@@ -246,17 +267,29 @@ def test_ds_config_section_enables_it_and_reports_the_keys_without_effect():
     assert strategy.activation_checkpoint_config == ActivationCheckpointConfig(policy=True, cpu_checkpointing=True)
     assert any("activation_checkpointing.number_checkpoints=4" in str(w.message) for w in warned)
     rows = {key: note for key, _, note in effective_config_rows(strategy.ds_config.translation)}
-    for key in ("partition_activations", "contiguous_memory_optimization", "synchronize_checkpoint_boundary",
-                "profile", "number_checkpoints"):
+    for key in (
+        "partition_activations",
+        "contiguous_memory_optimization",
+        "synchronize_checkpoint_boundary",
+        "profile",
+        "number_checkpoints",
+    ):
         assert rows[f"activation_checkpointing.{key}"].startswith("no effect: "), key
     assert "tensor parallelism" in rows["activation_checkpointing.partition_activations"]
     assert rows["activation_checkpointing.cpu_checkpointing"].startswith("-> cpu_checkpointing")
     # Explicit arguments win over the section.
-    overridden = ZeroStrategy(config={"activation_checkpointing": {"cpu_checkpointing": True}},
-                              activation_checkpointing={"Block"}, cpu_checkpointing=False)
+    overridden = ZeroStrategy(
+        config={"activation_checkpointing": {"cpu_checkpointing": True}},
+        activation_checkpointing={"Block"},
+        cpu_checkpointing=False,
+    )
     assert overridden.activation_checkpoint_config == ActivationCheckpointConfig({"Block"})
-    assert ZeroStrategy(config={"activation_checkpointing": {}}, activation_checkpointing=False) \
-        .activation_checkpoint_config is None
+    assert (
+        ZeroStrategy(
+            config={"activation_checkpointing": {}}, activation_checkpointing=False
+        ).activation_checkpoint_config
+        is None
+    )
     assert activation_checkpoint_config(ds_section=None) is None
 
 
@@ -275,6 +308,7 @@ def _counting_block_forward(counter):
     def forward(self, x):
         counter[0] += 1
         return original(self, x)
+
     return forward
 
 
@@ -305,8 +339,10 @@ def _stage_parity_worker(rank, world_size):
             got = _fit(world_size, counter, stage=stage, activation_checkpointing=True, cpu_checkpointing=cpu)
             assert counter[0] == 2 * plain_calls, f"stage {stage}: the block forwards must run twice per step"
             if _worst(got, plain) > 1e-6 or _worst(got, expected) > 1e-5:
-                failures.append(f"stage={stage} cpu={cpu}: {_worst(got, plain):.2e} from the run without "
-                                f"checkpointing, {_worst(got, expected):.2e} from the single-process reference")
+                failures.append(
+                    f"stage={stage} cpu={cpu}: {_worst(got, plain):.2e} from the run without "
+                    f"checkpointing, {_worst(got, expected):.2e} from the single-process reference"
+                )
     # A checkpointed region holding several FSDP units ("Net": the units' hooks run again in the recomputation), and
     # regions inside one unit ("Linear": the layers of the blocks).
     for policy in ({"Net"}, {"Linear"}):
@@ -336,8 +372,14 @@ def _precision_worker(rank, world_size):
     for stage, precision in ((2, "bf16-mixed"), (0, "16-mixed"), (3, "bf16-true"), (1, "bf16-mixed")):
         plain = _fit(world_size, counter, precision=precision, stage=stage)
         calls = counter[0]
-        got = _fit(world_size, counter, precision=precision, stage=stage, activation_checkpointing={"Block"},
-                   cpu_checkpointing=stage == 3)
+        got = _fit(
+            world_size,
+            counter,
+            precision=precision,
+            stage=stage,
+            activation_checkpointing={"Block"},
+            cpu_checkpointing=stage == 3,
+        )
         assert counter[0] == 2 * calls, precision
         assert _worst(got, plain) <= 1e-6, f"stage={stage} {precision}: {_worst(got, plain):.2e}"
 
@@ -351,9 +393,10 @@ def _save_load_worker(rank, world_size, root):
     from tests.strategies.test_strategy_checkpoint import STEPS_PER_EPOCH, _reference
 
     epoch = dict(max_steps=-1, limit_train_batches=STEPS_PER_EPOCH)
-    for save_kwargs, load_kwargs in ((dict(stage=3, activation_checkpointing=True), dict(stage=2)),
-                                     (dict(stage=2), dict(stage=3, activation_checkpointing=True,
-                                                          cpu_checkpointing=True))):
+    for save_kwargs, load_kwargs in (
+        (dict(stage=3, activation_checkpointing=True), dict(stage=2)),
+        (dict(stage=2), dict(stage=3, activation_checkpointing=True, cpu_checkpointing=True)),
+    ):
         path = os.path.join(root, f"ac-{len(save_kwargs)}.ckpt")
         torch.manual_seed(0)
         module = RegressionModule(batch_size=BATCH)
@@ -385,13 +428,15 @@ def _pipeline_worker(rank, world_size, schedule, recomputes):
     def counting(self, x):
         calls[0] += 1
         return original(self, x)
+
     SeededLinear.forward = counting  # this forked rank only
     counts = []
     for kwargs in (dict(), dict(activation_checkpointing=True, cpu_checkpointing=True)):
         torch.manual_seed(0)
         module = PipelinedLM()
-        strategy = ZeroStrategy(stage=0, pipeline_parallel_size=2, micro_batches=2, pipeline_schedule=schedule,
-                                **kwargs)
+        strategy = ZeroStrategy(
+            stage=0, pipeline_parallel_size=2, micro_batches=2, pipeline_schedule=schedule, **kwargs
+        )
         calls[0] = 0
         _trainer(strategy, world_size, max_steps=PIPE_STEPS).fit(module)
         counts.append(calls[0])

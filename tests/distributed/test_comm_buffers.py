@@ -38,7 +38,7 @@ def test_pool_hands_a_buffer_out_again_only_once_released():
 def test_buffers_above_glibcs_mmap_ceiling_are_never_kept():
     """A block above 32 MiB is mapped and unmapped by glibc itself, so it cannot fragment the heap: the pool hands
     it out fresh and keeps none (GPT-2 small's embedding unit used to keep ~0.4 GB per rank resident this way)."""
-    assert POOL_MAX_BYTES == 32 * 2 ** 20
+    assert POOL_MAX_BYTES == 32 * 2**20
     pool = CommBufferPool()
     big = pool.allocate((2, POOL_MAX_BYTES // 8 + 1), dtype=torch.float32, device="cpu")  # pages never touched
     assert big.shape == (2, POOL_MAX_BYTES // 8 + 1) and pool.nbytes == 0
@@ -135,10 +135,15 @@ def _accumulate_without_zero_grad_worker(rank, world_size):
         module = TinyNet()
         apply_zero(module, mesh, ZeroConfig(stage=stage))
         for x in batches:
-            (module(x[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]) ** 2).mean().backward()
+            (module(x[rank * LOCAL_BATCH : (rank + 1) * LOCAL_BATCH]) ** 2).mean().backward()
         for (name, expected), param in zip(reference.named_parameters(), module.parameters()):
-            torch.testing.assert_close(param.grad.full_tensor(), expected.grad, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m, n=name: f"stage {stage} {n}: {m}")
+            torch.testing.assert_close(
+                param.grad.full_tensor(),
+                expected.grad,
+                rtol=1e-5,
+                atol=1e-6,
+                msg=lambda m, n=name: f"stage {stage} {n}: {m}",
+            )
 
 
 def test_gradients_accumulated_across_synced_backwards_stay_exact():

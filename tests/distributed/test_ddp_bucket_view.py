@@ -110,7 +110,8 @@ def _trainer_worker(rank, world_size):
     for stage, kwargs, expected in ((0, {}, True), (1, {"gradient_as_bucket_view": False}, False)):
         record = _Record()
         quiet_trainer(ZeroStrategy(stage=stage, **kwargs), world_size, max_steps=1, callbacks=[record]).fit(
-            RegressionModule(batch_size=4))
+            RegressionModule(batch_size=4)
+        )
         assert record.seen is expected, (stage, kwargs, record.seen)
 
 
@@ -168,8 +169,9 @@ class _RebuildRecord(Callback):
 def _trainer_rebuild_worker(rank, world_size):
     for stage, accumulate in ((0, 1), (1, 1), (0, 2)):
         record = _RebuildRecord()
-        quiet_trainer(ZeroStrategy(stage=stage), world_size, max_steps=2, callbacks=[record],
-                      accumulate_grad_batches=accumulate).fit(RegressionModule(batch_size=4))
+        quiet_trainer(
+            ZeroStrategy(stage=stage), world_size, max_steps=2, callbacks=[record], accumulate_grad_batches=accumulate
+        ).fit(RegressionModule(batch_size=4))
         # Rebuilt before the first optimizer step (DDP by itself rebuilds at the next forward, after it). With
         # accumulation, the first micro-step's backward runs under no_sync and leaves DDP nothing to rebuild from:
         # the rebuild waits for the backward that all-reduces.
@@ -183,7 +185,8 @@ def test_trainer_rebuilds_ddps_buckets_before_the_first_optimizer_step():
 def _static_graph_worker(rank, world_size):
     record = _RebuildRecord()
     quiet_trainer(ZeroStrategy(stage=0, static_graph=True), world_size, max_steps=3, callbacks=[record]).fit(
-        RegressionModule(batch_size=4))
+        RegressionModule(batch_size=4)
+    )
     # A static graph's first backward marks every gradient ready at its end and records no order; DDP learns it in
     # the second and would rebuild at the third forward, optimizer states alive. The rebuild comes before step 2.
     assert record.before_step == [False, True, True], record.before_step

@@ -61,9 +61,19 @@ def llama(tied):
 
     def build():
         torch.manual_seed(12)
-        return LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                            num_attention_heads=2, num_key_value_heads=2, vocab_size=64,
-                                            max_position_embeddings=32, tie_word_embeddings=tied))
+        return LlamaForCausalLM(
+            LlamaConfig(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                vocab_size=64,
+                max_position_embeddings=32,
+                tie_word_embeddings=tied,
+            )
+        )
+
     return build
 
 
@@ -71,8 +81,9 @@ def gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(13)
-    return GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64, n_positions=32,
-                                      bos_token_id=0, eos_token_id=0))
+    return GPT2LMHeadModel(
+        GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0)
+    )
 
 
 class WithMetric(nn.Module):
@@ -90,8 +101,13 @@ def with_metric():
     return WithMetric()
 
 
-BUILDERS = {"custom": custom, "llama_tied": llama(True), "llama_untied": llama(False), "gpt2": gpt2,
-            "torchmetrics": with_metric}
+BUILDERS = {
+    "custom": custom,
+    "llama_tied": llama(True),
+    "llama_untied": llama(False),
+    "gpt2": gpt2,
+    "torchmetrics": with_metric,
+}
 
 
 @pytest.mark.parametrize("name", sorted(BUILDERS))
@@ -276,9 +292,19 @@ def test_trainer_stage_3_bf16_true_configure_model_matches_the_real_build(monkey
     for switch in ("0", "1"):
         monkeypatch.setenv("LIGHTNING_ZERO_DEFERRED_INIT", switch)
         module = BuiltInConfigureModel()
-        Trainer(strategy=ZeroStrategy(stage=3), accelerator="cpu", devices=1, precision="bf16-true", max_steps=1,
-                logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                num_sanity_val_steps=0, limit_val_batches=0).fit(module)
+        Trainer(
+            strategy=ZeroStrategy(stage=3),
+            accelerator="cpu",
+            devices=1,
+            precision="bf16-true",
+            max_steps=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            limit_val_batches=0,
+        ).fit(module)
         torch.distributed.destroy_process_group()  # the Trainer leaves it for a next fit; forked tests must not see it
         assert module.deferred == (switch == "1")
         initial[switch] = module.initial
@@ -288,6 +314,7 @@ def test_trainer_stage_3_bf16_true_configure_model_matches_the_real_build(monkey
 
 def test_two_deferred_builds_can_read_and_write_each_other():
     """A model built under Trainer.init_module and more built in configure_model: two logs, values still exact."""
+
     def build_first():
         torch.manual_seed(4)
         return nn.Linear(4, 4)
@@ -317,19 +344,31 @@ def _hf(name):
     small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
     return {
         "bert": lambda: T.BertModel(T.BertConfig(**small, vocab_size=100, max_position_embeddings=64)),
-        "t5": lambda: T.T5ForConditionalGeneration(T.T5Config(d_model=32, d_ff=64, num_layers=2, num_heads=2,
-                                                              vocab_size=100, d_kv=16)),
-        "mistral": lambda: T.MistralForCausalLM(T.MistralConfig(**small, num_key_value_heads=1, vocab_size=100,
-                                                                max_position_embeddings=64)),
-        "qwen2": lambda: T.Qwen2ForCausalLM(T.Qwen2Config(**small, num_key_value_heads=1, vocab_size=100,
-                                                          max_position_embeddings=64)),
-        "opt": lambda: T.OPTForCausalLM(T.OPTConfig(hidden_size=32, ffn_dim=64, num_hidden_layers=2,
-                                                    num_attention_heads=2, vocab_size=100, max_position_embeddings=64,
-                                                    word_embed_proj_dim=32)),
+        "t5": lambda: T.T5ForConditionalGeneration(
+            T.T5Config(d_model=32, d_ff=64, num_layers=2, num_heads=2, vocab_size=100, d_kv=16)
+        ),
+        "mistral": lambda: T.MistralForCausalLM(
+            T.MistralConfig(**small, num_key_value_heads=1, vocab_size=100, max_position_embeddings=64)
+        ),
+        "qwen2": lambda: T.Qwen2ForCausalLM(
+            T.Qwen2Config(**small, num_key_value_heads=1, vocab_size=100, max_position_embeddings=64)
+        ),
+        "opt": lambda: T.OPTForCausalLM(
+            T.OPTConfig(
+                hidden_size=32,
+                ffn_dim=64,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                vocab_size=100,
+                max_position_embeddings=64,
+                word_embed_proj_dim=32,
+            )
+        ),
         "vit": lambda: T.ViTModel(T.ViTConfig(**small, image_size=32, patch_size=8)),
         "gpt_neox": lambda: T.GPTNeoXForCausalLM(T.GPTNeoXConfig(**small, vocab_size=100, max_position_embeddings=64)),
-        "nn_transformer": lambda: nn.Transformer(d_model=32, nhead=2, num_encoder_layers=2, num_decoder_layers=2,
-                                                 dim_feedforward=64),
+        "nn_transformer": lambda: nn.Transformer(
+            d_model=32, nhead=2, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=64
+        ),
     }[name]
 
 

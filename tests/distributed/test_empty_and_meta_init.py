@@ -57,8 +57,10 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x, cos, sin):
         b, t, _ = x.shape
         q, k, v = (z.view(b, t, HEADS, -1).transpose(1, 2) for z in self.attn(x).split(EMBD, dim=2))
-        q, k = (z * cos[:t] + torch.cat((-z[..., z.size(-1) // 2:], z[..., :z.size(-1) // 2]), -1) * sin[:t]
-                for z in (q, k))
+        q, k = (
+            z * cos[:t] + torch.cat((-z[..., z.size(-1) // 2 :], z[..., : z.size(-1) // 2]), -1) * sin[:t]
+            for z in (q, k)
+        )
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(b, t, EMBD))
 
@@ -92,8 +94,9 @@ class GPT(nn.Module):
     def __init__(self):
         super().__init__()
         self.lm_head = nn.Linear(EMBD, VOCAB, bias=False)
-        self.transformer = nn.ModuleDict(dict(wte=nn.Embedding(VOCAB, EMBD),
-                                              h=nn.ModuleList(Block() for _ in range(LAYERS)), ln_f=RMSNorm(EMBD)))
+        self.transformer = nn.ModuleDict(
+            dict(wte=nn.Embedding(VOCAB, EMBD), h=nn.ModuleList(Block() for _ in range(LAYERS)), ln_f=RMSNorm(EMBD))
+        )
         cos, sin = self.rope_cache()
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
@@ -117,6 +120,7 @@ class GPT(nn.Module):
 def initialize_weights(model, call_reset=True):
     """LitGPT pretraining's ``initialize_weights``: per-module ``reset_parameters`` overrides, then (for every strategy
     but Lightning's FSDPStrategy, whose meta build calls them at setup) every module's ``reset_parameters()``."""
+
     def init_weights(module, std):
         nn.init.normal_(module.weight, mean=0.0, std=std)
         if getattr(module, "bias", None) is not None:
@@ -385,9 +389,18 @@ class GPTModule(LightningModule):
 
 
 def _trainer(strategy, world_size):
-    return Trainer(strategy=strategy, accelerator="cpu", devices=world_size, max_steps=STEPS, logger=False,
-                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                   num_sanity_val_steps=0, limit_val_batches=0)
+    return Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=world_size,
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
 
 
 def _trainer_empty_init_run(strategy, world_size):
@@ -460,16 +473,22 @@ class MetaWithoutReset(GPTModule):
 def _refused_worker(rank, world_size):
     for stage in (2, 3):
         module = MetaWithoutReset()
-        with pytest.raises(ValueError, match=r"without a reset_parameters\(\) method: gpt\.transformer\.h\.1\.gate "
-                                             r"\(NoReset\)\."):
+        with pytest.raises(
+            ValueError,
+            match=r"without a reset_parameters\(\) method: gpt\.transformer\.h\.1\.gate "
+            r"\(NoReset\)\.",
+        ):
             _trainer(ZeroStrategy(stage=stage), world_size).fit(module)
         assert module.steps == 0
         fabric = _fabric(FabricZeroStrategy(stage=stage))
         with torch.device("meta"):
             gpt = GPT()
             gpt.transformer.h[1].gate = NoReset()
-        with pytest.raises(ValueError, match=r"without a reset_parameters\(\) method: transformer\.h\.1\.gate "
-                                             r"\(NoReset\)\."):
+        with pytest.raises(
+            ValueError,
+            match=r"without a reset_parameters\(\) method: transformer\.h\.1\.gate "
+            r"\(NoReset\)\.",
+        ):
             fabric.setup(gpt)
 
 

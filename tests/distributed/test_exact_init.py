@@ -47,8 +47,15 @@ def build_parts():
     import torchmetrics
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=32)
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=32,
+    )
     torch.manual_seed(SEED)
     return LlamaForCausalLM(config), torchmetrics.MeanSquaredError(), CustomInit()
 
@@ -73,8 +80,11 @@ def snapshot(**modules):
 
 def assert_bitwise_equal(got, expected, label):
     assert got.keys() == expected.keys(), f"{label}: {sorted(got.keys() ^ expected.keys())}"
-    wrong = [name for name in expected
-             if got[name].dtype != expected[name].dtype or not torch.equal(got[name], expected[name])]
+    wrong = [
+        name
+        for name in expected
+        if got[name].dtype != expected[name].dtype or not torch.equal(got[name], expected[name])
+    ]
     assert not wrong, f"{label}: initial values differ from a plain CPU build for {wrong}"
 
 
@@ -113,9 +123,18 @@ class InitModule(LightningModule):
 
 
 def make_trainer(strategy, world_size):
-    return Trainer(strategy=strategy, accelerator="cpu", devices=world_size, max_steps=STEPS, logger=False,
-                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                   num_sanity_val_steps=0, limit_val_batches=0)
+    return Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=world_size,
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
 
 
 def expected_values():
@@ -133,8 +152,9 @@ def _configure_model_worker(rank, world_size):
         assert_bitwise_equal(module.initial, expected, label)
         # The build consumed the RNG stream exactly as the plain build did (dropout etc. then match stage 0's).
         assert torch.equal(module.rng_after_build, rng_after_build), label
-        assert len(module.losses) == STEPS and all(math.isfinite(loss) for loss in module.losses), \
+        assert len(module.losses) == STEPS and all(math.isfinite(loss) for loss in module.losses), (
             f"{label}: {module.losses}"
+        )
 
 
 def test_configure_model_initial_weights_are_exact_at_every_stage():
@@ -192,8 +212,11 @@ def _apply_zero_worker(rank, world_size):
         meta = build_stack()
     # a meta model gets its values from reset_parameters() (tests/distributed/test_empty_and_meta_init.py);
     # CustomInit has none
-    with pytest.raises(ValueError, match=r"without a reset_parameters\(\) method: blocks\.0 \(CustomInit\), "
-                                         r"blocks\.1 \(CustomInit\)\."):
+    with pytest.raises(
+        ValueError,
+        match=r"without a reset_parameters\(\) method: blocks\.0 \(CustomInit\), "
+        r"blocks\.1 \(CustomInit\)\.",
+    ):
         apply_zero(meta, mesh, ZeroConfig(stage=3))
 
 
@@ -212,18 +235,32 @@ def test_exact_init_guard_names_the_module_before_exceeding_the_budget():
         nn.Linear(64, 64)
 
 
-@pytest.mark.parametrize("kwargs", [dict(local_world_size=0), dict(local_world_size=True),
-                                    dict(host_memory_budget=-1), dict(host_memory_budget=1.5)])
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(local_world_size=0), dict(local_world_size=True), dict(host_memory_budget=-1), dict(host_memory_budget=1.5)],
+)
 def test_init_config_rejects_invalid_values(kwargs):
     with pytest.raises(ValueError):
         InitConfig(**kwargs)
 
 
 def test_strategy_builds_under_the_guard_with_the_budget_from_the_environment(monkeypatch):
-    trainer = Trainer(strategy=ZeroStrategy(stage=1), accelerator="cpu", devices=1, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False)
-    stage_3 = Trainer(strategy=ZeroStrategy(stage=3), accelerator="cpu", devices=1, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False)
+    trainer = Trainer(
+        strategy=ZeroStrategy(stage=1),
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
+    stage_3 = Trainer(
+        strategy=ZeroStrategy(stage=3),
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
     monkeypatch.setenv("LIGHTNING_ZERO_INIT_MEMORY_BUDGET", "10000")
     with pytest.raises(InitMemoryError, match=r"at Linear\.weight.*LIGHTNING_ZERO_INIT_MEMORY_BUDGET"):
         with trainer.init_module():

@@ -26,8 +26,8 @@ def _train_hybrid(rank, world_size, stage, offload=None, clip=None):
     x, y = data(world_size, 1)
     per_step = world_size * LOCAL_BATCH
     for step in range(STEPS):
-        xs, ys = x[step * per_step:(step + 1) * per_step], y[step * per_step:(step + 1) * per_step]
-        lx, ly = xs[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH], ys[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]
+        xs, ys = x[step * per_step : (step + 1) * per_step], y[step * per_step : (step + 1) * per_step]
+        lx, ly = xs[rank * LOCAL_BATCH : (rank + 1) * LOCAL_BATCH], ys[rank * LOCAL_BATCH : (rank + 1) * LOCAL_BATCH]
         nn.functional.mse_loss(model(lx), ly).backward()
         if clip:
             torch.nn.utils.clip_grad_norm_(sharding.all_model_params(), clip)
@@ -38,12 +38,19 @@ def _train_hybrid(rank, world_size, stage, offload=None, clip=None):
 
 def _parity_worker(rank, world_size):
     failures = []
-    for stage, offload, clip in [(1, None, None), (1, None, 0.05), (2, None, None), (2, "cpu", 0.05), (3, None, None),
-                                 (3, None, 0.05)]:
+    for stage, offload, clip in [
+        (1, None, None),
+        (1, None, 0.05),
+        (2, None, None),
+        (2, "cpu", 0.05),
+        (3, None, None),
+        (3, None, 0.05),
+    ]:
         expected = train_reference(world_size, clip=clip)
         module, opt, mesh = _train_hybrid(rank, world_size, stage, offload, clip)
-        got = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach()
-               for k, v in module.state_dict().items()}
+        got = {
+            k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach() for k, v in module.state_dict().items()
+        }
         worst = max((got[k] - expected[k]).abs().max().item() for k in expected)
         if not worst <= 1e-5:
             failures.append(f"stage={stage} offload={offload} clip={clip}: max abs diff {worst:.2e}")
@@ -106,10 +113,19 @@ def _trainer(strategy_kwargs, world_size, epochs, root):
     from lightning_zero import ZeroStrategy
     from tests.strategies.test_strategy_checkpoint import STEPS_PER_EPOCH
 
-    return Trainer(strategy=ZeroStrategy(**strategy_kwargs), accelerator="cpu", devices=world_size,
-                   max_epochs=epochs, limit_train_batches=STEPS_PER_EPOCH, limit_val_batches=0, logger=False,
-                   enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                   default_root_dir=root)
+    return Trainer(
+        strategy=ZeroStrategy(**strategy_kwargs),
+        accelerator="cpu",
+        devices=world_size,
+        max_epochs=epochs,
+        limit_train_batches=STEPS_PER_EPOCH,
+        limit_val_batches=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=root,
+    )
 
 
 def _save_worker(rank, world_size, path, strategy_kwargs):
@@ -151,8 +167,9 @@ HSDP_CHECKPOINT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("saved,resumed", HSDP_CHECKPOINT_CASES,
-                         ids=["hsdp-s3x4-to-s2x2", "s1x2-to-hsdp-s1x4", "hsdp-s1x4-to-s3x1"])
+@pytest.mark.parametrize(
+    "saved,resumed", HSDP_CHECKPOINT_CASES, ids=["hsdp-s3x4-to-s2x2", "s1x2-to-hsdp-s1x4", "hsdp-s1x4-to-s3x1"]
+)
 def test_hybrid_checkpoint_reshards_to_and_from_runs_without_it(tmp_path, saved, resumed):
     (save_kwargs, save_world), (resume_kwargs, resume_world) = saved, resumed
     path = str(tmp_path / "hsdp.ckpt")
@@ -168,10 +185,20 @@ def test_trainer_refuses_hybrid_shard_size_that_does_not_divide_the_world(monkey
 
     # Each forked rank fails in setup_environment's checks, before init_process_group (a hang otherwise: the
     # 2-D mesh cannot be built).
-    trainer = Trainer(strategy=ZeroStrategy(stage=2, hybrid_shard_size=3, start_method="fork"), accelerator="cpu",
-                      devices=4, max_steps=1, logger=False, enable_progress_bar=False, enable_checkpointing=False)
-    with pytest.raises(Exception, match=r"ValueError: hybrid_shard_size=3 must divide the world size 4 "
-                                        r"\(devices=4 x num_nodes=1\)"):
+    trainer = Trainer(
+        strategy=ZeroStrategy(stage=2, hybrid_shard_size=3, start_method="fork"),
+        accelerator="cpu",
+        devices=4,
+        max_steps=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+    )
+    with pytest.raises(
+        Exception,
+        match=r"ValueError: hybrid_shard_size=3 must divide the world size 4 "
+        r"\(devices=4 x num_nodes=1\)",
+    ):
         trainer.fit(RegressionModule())
 
 
@@ -180,8 +207,12 @@ def test_ds_config_mics_shard_size_maps_to_hybrid_shard_size_and_hpz_does_not():
 
     strategy = ZeroStrategy(config={"zero_optimization": {"stage": 3, "mics_shard_size": 2}})
     assert strategy.zero_config.hybrid_shard_size == 2
-    assert ZeroStrategy(hybrid_shard_size=4, config={"zero_optimization": {"stage": 3, "mics_shard_size": 2}}
-                        ).zero_config.hybrid_shard_size == 4  # the explicit argument wins
+    assert (
+        ZeroStrategy(
+            hybrid_shard_size=4, config={"zero_optimization": {"stage": 3, "mics_shard_size": 2}}
+        ).zero_config.hybrid_shard_size
+        == 4
+    )  # the explicit argument wins
     hpz = ZeroStrategy(config={"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}}).zero_config
     assert hpz.hybrid_shard_size is None and hpz.reshard_after_forward == 2  # hpZ is a secondary partition, not HSDP
     with pytest.raises(ValueError, match="stage 0 shards nothing"):
@@ -200,9 +231,25 @@ def test_estimator_and_cli_shard_over_the_hybrid_group(capsys):
         zero_formula(p, 2, 8, hybrid_shard_size=3)
     with pytest.raises(ValueError, match="stage 0 shards nothing"):
         estimate_model_states_memory(p, 0, 8, hybrid_shard_size=2)
-    assert main(["estimate", "--params", "1e9", "--world-size", "16", "--hybrid-shard-size", "8", "--stage", "3",
-                 "--precision", "32-true"]) == 0
+    assert (
+        main(
+            [
+                "estimate",
+                "--params",
+                "1e9",
+                "--world-size",
+                "16",
+                "--hybrid-shard-size",
+                "8",
+                "--stage",
+                "3",
+                "--precision",
+                "32-true",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
-    assert "hybrid shard" in out and f"{16e9 / 8 / 1024 ** 3:.2f} GiB" in out  # 16 bytes/param over 8
+    assert "hybrid shard" in out and f"{16e9 / 8 / 1024**3:.2f} GiB" in out  # 16 bytes/param over 8
     with pytest.raises(SystemExit, match="must divide --world-size"):
         main(["estimate", "--params", "1e9", "--world-size", "16", "--hybrid-shard-size", "3"])

@@ -74,8 +74,12 @@ def _same(a, b) -> bool:
     if hasattr(a, "placements") != hasattr(b, "placements"):
         return False
     if hasattr(a, "placements"):
-        return (a.placements == b.placements and a.shape == b.shape and a.stride() == b.stride()
-                and torch.equal(a.full_tensor(), b.full_tensor()))
+        return (
+            a.placements == b.placements
+            and a.shape == b.shape
+            and a.stride() == b.stride()
+            and torch.equal(a.full_tensor(), b.full_tensor())
+        )
     return torch.equal(a, b)
 
 
@@ -149,7 +153,7 @@ def _reference(epochs, world_size):
         order = torch.randperm(len(x_all), generator=torch.Generator().manual_seed(epoch))
         for step in range(STEPS_PER_EPOCH):
             for i in range(ACCUMULATE):
-                idx = order[(step * ACCUMULATE + i) * micro:(step * ACCUMULATE + i + 1) * micro]
+                idx = order[(step * ACCUMULATE + i) * micro : (step * ACCUMULATE + i + 1) * micro]
                 (nn.functional.mse_loss(module(x_all[idx]), y_all[idx]) / ACCUMULATE).backward()
             torch.nn.utils.clip_grad_norm_(module.parameters(), CLIP)
             opt.step()
@@ -168,9 +172,16 @@ def _trainer_worker(rank, world_size, stage, path, resume):
         def on_train_batch_end(self, trainer, *args):
             seen.append(is_local_step(trainer.optimizers[0]))
 
-    trainer = quiet_trainer(ZeroStrategy(stage=stage), world_size, max_steps=-1, max_epochs=epochs,
-                            limit_train_batches=STEPS_PER_EPOCH * ACCUMULATE, accumulate_grad_batches=ACCUMULATE,
-                            gradient_clip_val=CLIP, callbacks=[Witness()])
+    trainer = quiet_trainer(
+        ZeroStrategy(stage=stage),
+        world_size,
+        max_steps=-1,
+        max_epochs=epochs,
+        limit_train_batches=STEPS_PER_EPOCH * ACCUMULATE,
+        accumulate_grad_batches=ACCUMULATE,
+        gradient_clip_val=CLIP,
+        callbacks=[Witness()],
+    )
     trainer.fit(module, ckpt_path=path if resume else None)
     assert trainer.global_step == epochs * STEPS_PER_EPOCH
     assert seen and all(seen), "the Trainer's optimizer did not step the local shards"

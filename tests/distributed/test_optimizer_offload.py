@@ -39,17 +39,21 @@ def _train(rank, world_size, config, accumulate=1, clip=None, bf16=False, inspec
     model = apply_zero(module, mesh, config, mp_policy=mp_policy)
     opt = make_optimizer(module)
     if cpu_adam:  # our CPU Adam over the same groups and hyper-parameters, built on the module's parameters
-        opt = CPUAdam([{k: v for k, v in g.items() if k in ("params", "lr", "weight_decay")} for g in opt.param_groups],
-                      lr=1e-2, betas=opt.defaults["betas"], eps=opt.defaults["eps"])
+        opt = CPUAdam(
+            [{k: v for k, v in g.items() if k in ("params", "lr", "weight_decay")} for g in opt.param_groups],
+            lr=1e-2,
+            betas=opt.defaults["betas"],
+            eps=opt.defaults["eps"],
+        )
     sharding = shard_optimizer(opt, config, group=mesh.get_group())
     x, y = data(world_size, accumulate)
     per_step = accumulate * world_size * LOCAL_BATCH
     for step in range(STEPS):
-        xs, ys = x[step * per_step:(step + 1) * per_step], y[step * per_step:(step + 1) * per_step]
+        xs, ys = x[step * per_step : (step + 1) * per_step], y[step * per_step : (step + 1) * per_step]
         for i, (mx, my) in enumerate(zip(xs.chunk(accumulate), ys.chunk(accumulate))):
             set_gradient_sync(model, i == accumulate - 1)
-            lx = mx[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]
-            ly = my[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]
+            lx = mx[rank * LOCAL_BATCH : (rank + 1) * LOCAL_BATCH]
+            ly = my[rank * LOCAL_BATCH : (rank + 1) * LOCAL_BATCH]
             autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16 and config.stage < 2)
             with autocast:
                 loss = nn.functional.mse_loss(model(lx).float(), ly)
@@ -60,8 +64,10 @@ def _train(rank, world_size, config, accumulate=1, clip=None, bf16=False, inspec
         if inspect is not None:
             inspect(module, opt, sharding)
         opt.zero_grad()
-    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
-            for k, v in module.state_dict().items()}
+    return {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+        for k, v in module.state_dict().items()
+    }
 
 
 def _check_placement(module, opt, sharding):
@@ -87,9 +93,12 @@ def _check_placement(module, opt, sharding):
                 assert _local(value).untyped_storage().data_ptr() not in module_storages
     for param in module.parameters():  # the module's gradients are dropped once copied and stepped
         assert param.grad is None
-    fsdp_params = [fp for m in module.modules() if hasattr(m, "_get_fsdp_state")
-                   for fp in (m._get_fsdp_state()._fsdp_param_group.fsdp_params
-                              if m._get_fsdp_state()._fsdp_param_group else [])]
+    fsdp_params = [
+        fp
+        for m in module.modules()
+        if hasattr(m, "_get_fsdp_state")
+        for fp in (m._get_fsdp_state()._fsdp_param_group.fsdp_params if m._get_fsdp_state()._fsdp_param_group else [])
+    ]
     assert all(not fp.offload_to_cpu for fp in fsdp_params), "optimizer offload must not move the parameters"
 
 
@@ -165,32 +174,46 @@ def test_offload_params_without_the_optimizer_is_refused_naming_both():
         ZeroStrategy(stage=3, offload_params="cpu")
 
 
-@pytest.mark.parametrize("kwargs,expected", [
-    (dict(stage=1, offload="cpu"), ("cpu", "none")),
-    (dict(stage=2, offload="cpu"), ("cpu", "none")),   # DeepSpeed's zero_stage_2_offload: optimizer only
-    (dict(stage=3, offload="cpu"), ("cpu", "cpu")),    # zero_stage_3_offload: both
-    (dict(stage=3, offload_optimizer="cpu"), ("cpu", "none")),
-    (dict(stage=3, offload_optimizer="cpu", offload_params="cpu"), ("cpu", "cpu")),
-])
+@pytest.mark.parametrize(
+    "kwargs,expected",
+    [
+        (dict(stage=1, offload="cpu"), ("cpu", "none")),
+        (dict(stage=2, offload="cpu"), ("cpu", "none")),  # DeepSpeed's zero_stage_2_offload: optimizer only
+        (dict(stage=3, offload="cpu"), ("cpu", "cpu")),  # zero_stage_3_offload: both
+        (dict(stage=3, offload_optimizer="cpu"), ("cpu", "none")),
+        (dict(stage=3, offload_optimizer="cpu", offload_params="cpu"), ("cpu", "cpu")),
+    ],
+)
 def test_the_shorthand_and_the_precise_pair_mean_what_deepspeed_means(kwargs, expected):
     config = ZeroConfig(**kwargs)
     assert (config.offload_optimizer, config.offload_params) == expected
 
 
-@pytest.mark.parametrize("name,expected", [("zero_stage_2_offload", ("cpu", "none")),
-                                           ("zero_stage_3_offload", ("cpu", "cpu"))])
+@pytest.mark.parametrize(
+    "name,expected", [("zero_stage_2_offload", ("cpu", "none")), ("zero_stage_3_offload", ("cpu", "cpu"))]
+)
 def test_registry_names_mean_deepspeeds(name, expected):
-    trainer = Trainer(strategy=name, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                      enable_model_summary=False, enable_checkpointing=False)
+    trainer = Trainer(
+        strategy=name,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
     config = trainer.strategy.zero_config
     assert (config.offload_optimizer, config.offload_params) == expected
 
 
-@pytest.mark.parametrize("zero,expected", [
-    ({"stage": 2, "offload_optimizer": {"device": "cpu"}}, ("cpu", "none")),
-    ({"stage": 3, "offload_optimizer": {"device": "cpu"}}, ("cpu", "none")),
-    ({"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}, ("cpu", "cpu")),
-])
+@pytest.mark.parametrize(
+    "zero,expected",
+    [
+        ({"stage": 2, "offload_optimizer": {"device": "cpu"}}, ("cpu", "none")),
+        ({"stage": 3, "offload_optimizer": {"device": "cpu"}}, ("cpu", "none")),
+        ({"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}, ("cpu", "cpu")),
+    ],
+)
 def test_ds_config_offload_sections_translate_separately(zero, expected):
     strategy = ZeroStrategy(config={"zero_optimization": zero})
     assert (strategy.zero_config.offload_optimizer, strategy.zero_config.offload_params) == expected
@@ -219,10 +242,19 @@ def test_estimator_places_each_combination():
 def _ckpt_trainer(stage, offload, world_size, epochs, root):
     from tests.strategies.test_strategy_checkpoint import STEPS_PER_EPOCH
 
-    return Trainer(strategy=ZeroStrategy(stage=stage, offload_optimizer=offload), accelerator="cpu",
-                   devices=world_size, max_epochs=epochs, limit_train_batches=STEPS_PER_EPOCH, limit_val_batches=0,
-                   logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                   default_root_dir=root)
+    return Trainer(
+        strategy=ZeroStrategy(stage=stage, offload_optimizer=offload),
+        accelerator="cpu",
+        devices=world_size,
+        max_epochs=epochs,
+        limit_train_batches=STEPS_PER_EPOCH,
+        limit_val_batches=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=root,
+    )
 
 
 def _ckpt_save_worker(rank, world_size, path, stage, offload):
@@ -250,8 +282,11 @@ def _ckpt_resume_worker(rank, world_size, path, stage, offload):
     assert worst <= 1e-5, f"resumed at stage {stage} offload_optimizer={offload}: max abs diff {worst:.2e}"
 
 
-@pytest.mark.parametrize("saved,resumed", [((2, "cpu"), (3, None)), ((3, None), (3, "cpu"))],
-                         ids=["offload-s2-to-plain-s3", "plain-s3-to-offload-s3"])
+@pytest.mark.parametrize(
+    "saved,resumed",
+    [((2, "cpu"), (3, None)), ((3, None), (3, "cpu"))],
+    ids=["offload-s2-to-plain-s3", "plain-s3-to-offload-s3"],
+)
 def test_checkpoint_moves_between_optimizer_offload_and_none(tmp_path, saved, resumed):
     path = tmp_path / "run.ckpt"
     run_distributed(_ckpt_save_worker, 2, path, *saved)
@@ -265,9 +300,16 @@ def _gan_worker(rank, world_size, stage):
 
     torch.manual_seed(0)
     module = GAN(False)
-    Trainer(strategy=ZeroStrategy(stage=stage, offload_optimizer="cpu"), accelerator="cpu", devices=world_size,
-            max_steps=2 * 3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-            enable_model_summary=False).fit(module)
+    Trainer(
+        strategy=ZeroStrategy(stage=stage, offload_optimizer="cpu"),
+        accelerator="cpu",
+        devices=world_size,
+        max_steps=2 * 3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    ).fit(module)
     assert_same(full_state(module), reference_gan(3, False), f"GAN stage={stage} with optimizer offload")
 
 
@@ -291,8 +333,14 @@ def _nvme_worker(rank, world_size, root):
         seen.append(sharding)
 
     nvme = NvmeConfig(root, sub_group_size=64, buffer_count=3)
-    swapped = _train(rank, world_size, ZeroConfig(stage=3, offload_optimizer="nvme", nvme=nvme), accumulate=2,
-                     clip=0.05, inspect=inspect)
+    swapped = _train(
+        rank,
+        world_size,
+        ZeroConfig(stage=3, offload_optimizer="nvme", nvme=nvme),
+        accumulate=2,
+        clip=0.05,
+        inspect=inspect,
+    )
     in_memory = _train(rank, world_size, ZeroConfig(stage=3, offload_optimizer="cpu"), accumulate=2, clip=0.05)
     worst = max((swapped[k] - in_memory[k]).abs().max().item() for k in swapped)
     assert worst <= 1e-6, f"stage-3 NVMe optimizer offload differs from CPU optimizer offload by {worst:.2e}"
@@ -317,8 +365,14 @@ def _fp16_worker(rank, world_size):
         module = DtypeProbe()
         # 2**18 overflows in fp16 first: the skipped steps must leave masters and states untouched too
         start = full_state(module)
-        trainer = _trainer(ZeroStrategy(stage=stage, **kwargs), world_size, "16-mixed", gradient_clip_val=0.05,
-                           max_steps=6, loss_scale_config=LossScaleConfig(initial_scale_power=18, hysteresis=1))
+        trainer = _trainer(
+            ZeroStrategy(stage=stage, **kwargs),
+            world_size,
+            "16-mixed",
+            gradient_clip_val=0.05,
+            max_steps=6,
+            loss_scale_config=LossScaleConfig(initial_scale_power=18, hysteresis=1),
+        )
         trainer.fit(module)
         assert set(module.compute_dtypes) == {torch.float16}
         skipped = trainer.precision_plugin.scaler.skipped_steps

@@ -27,8 +27,9 @@ BATCH = 4  # per rank
 STEPS = 4
 
 
-def replica_reference(steps: int, world_size: int, batch: int = BATCH, clip=None,
-                      accumulate: int = 1) -> dict[str, torch.Tensor]:
+def replica_reference(
+    steps: int, world_size: int, batch: int = BATCH, clip=None, accumulate: int = 1
+) -> dict[str, torch.Tensor]:
     """What ``bf16-true`` at stages 0-1 computes, on one process: per step, each rank's micro-batch (Lightning's
     DistributedSampler: every ``world_size``-th index of the shuffled epoch) forward and backward through bf16
     parameters; the gradients divided by the world size and summed in fp32, rounded to bf16 once (the DDP hook);
@@ -48,7 +49,7 @@ def replica_reference(steps: int, world_size: int, batch: int = BATCH, clip=None
         for rank in range(world_size):
             model.zero_grad(set_to_none=True)
             for micro in range(step * accumulate, (step + 1) * accumulate):
-                index = order[rank::world_size][micro * batch:(micro + 1) * batch]
+                index = order[rank::world_size][micro * batch : (micro + 1) * batch]
                 x, y = x_all[index].to(torch.bfloat16), y_all[index].to(torch.bfloat16)
                 (nn.functional.mse_loss(model(x), y) / accumulate).backward()
             for acc, p in zip(total, model.parameters()):
@@ -57,8 +58,9 @@ def replica_reference(steps: int, world_size: int, batch: int = BATCH, clip=None
             p.grad = reduced.to(torch.bfloat16)
         if clip is not None:
             norms = [torch.linalg.vector_norm(p.grad, dtype=torch.float32) for p in model.parameters()]
-            torch.nn.utils.clip_grads_with_norm_(list(model.parameters()), clip, torch.linalg.vector_norm(
-                torch.stack(norms)))
+            torch.nn.utils.clip_grads_with_norm_(
+                list(model.parameters()), clip, torch.linalg.vector_norm(torch.stack(norms))
+            )
         for master, p in zip(master_list, model.parameters()):
             master.grad = p.grad.float()
         optimizer.step()
@@ -148,8 +150,12 @@ def _bytes_worker(rank, world_size):
     sharding = get_sharding(trainer.optimizers[0])
     replica_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
     master_bytes = sum(m.numel() * m.element_size() for m in sharding.masters.values())
-    state_bytes = sum(t.numel() * t.element_size() for s in trainer.optimizers[0].state.values()
-                      for t in s.values() if torch.is_tensor(t) and t.numel() > 1)
+    state_bytes = sum(
+        t.numel() * t.element_size()
+        for s in trainer.optimizers[0].state.values()
+        for t in s.values()
+        if torch.is_tensor(t) and t.numel() > 1
+    )
     every = [None] * world_size
     dist.all_gather_object(every, master_bytes)
     assert replica_bytes == 2 * total  # DeepSpeed's 2P of bf16 parameters, not 4P of fp32
@@ -179,7 +185,8 @@ def _resume_worker(rank, world_size, root):
         torch.manual_seed(1)
         module = SeesRestoredWeights(batch_size=BATCH)
         quiet_trainer(ZeroStrategy(stage=stage), world_size, max_steps=3, precision=precision).fit(
-            module, ckpt_path=path)
+            module, ckpt_path=path
+        )
         # the fp32 values, not the bf16 replicas, came back: into the masters of a bf16-true run, and into the
         # parameters of an fp32 run at another stage
         assert all(torch.equal(module.restored[k], saved[k]) for k in saved), f"stage {stage} {precision}"

@@ -46,9 +46,14 @@ def _fit_counting(stage, precision, world_size, accumulate=ACCUMULATE, module_cl
     module = module_class(batch_size=BATCH)
     counter = CountOps(accumulate)
     # unit_bytes=0: one FSDP unit per block, so the counts below are per block (distributed/units.py)
-    trainer = quiet_trainer(ZeroStrategy(stage=stage, unit_bytes=0, **knobs), world_size,
-                            max_steps=WARM_STEPS + COUNTED_STEPS, accumulate_grad_batches=accumulate,
-                            precision=precision, callbacks=[counter])
+    trainer = quiet_trainer(
+        ZeroStrategy(stage=stage, unit_bytes=0, **knobs),
+        world_size,
+        max_steps=WARM_STEPS + COUNTED_STEPS,
+        accumulate_grad_batches=accumulate,
+        precision=precision,
+        callbacks=[counter],
+    )
     trainer.fit(module)
     return module, counter.counts["c10d::_allgather_base_"] / COUNTED_STEPS
 
@@ -112,8 +117,9 @@ def _fabric_accumulation_worker(rank, world_size):
         fabric = make_fabric(FabricZeroStrategy(stage=2, unit_bytes=0), precision="bf16-mixed")
         model, optimizer = fabric_train(fabric, rank, world_size, accumulate=accumulate, steps=range(1))
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            fabric_train(fabric, rank, world_size, accumulate=accumulate, steps=range(1, 3), model=model,
-                         optimizer=optimizer)
+            fabric_train(
+                fabric, rank, world_size, accumulate=accumulate, steps=range(1, 3), model=model, optimizer=optimizer
+            )
         gathers[accumulate] = sum(event.name == "c10d::_allgather_base_" for event in prof.events()) / 2
     # Fabric's no_backward_sync goes through the same set_gradient_sync: the micro-steps add no all-gather.
     assert gathers[ACCUMULATE] == gathers[1] > 0, f"all-gathers per optimizer step by accumulation: {gathers}"

@@ -107,8 +107,9 @@ def _bucket_worker(rank, world_size):
         params[moved].fill_(-1.0 if rank == 1 else 5.0)
     broadcast_from_owners(sharding)
     assert torch.all(params[moved] == 5.0)
-    assert storage(params[moved]) == storage(next(p for p, o in zip(params, owners) if o == 0 and p is not params[moved]
-                                                  and p.dtype == params[moved].dtype))
+    assert storage(params[moved]) == storage(
+        next(p for p, o in zip(params, owners) if o == 0 and p is not params[moved] and p.dtype == params[moved].dtype)
+    )
     # a dtype change (module.double()) moves every parameter: new buckets of the new dtype, values kept
     for param in params:
         param.data = param.data.double()

@@ -56,6 +56,7 @@ class GPTLike(nn.Module):
 
 # ------------------------------------------------------------------ planning (no processes)
 
+
 def _indices(model, groups):
     position = {id(m): i for i, m in enumerate(model)}
     return sorted([position[id(m)] for m in group] for group in groups)
@@ -81,18 +82,23 @@ def test_the_default_unit_groups_two_4_mib_linears_of_the_issue_mlp():
         model = nn.Sequential(*[m for _ in range(24) for m in (nn.Linear(1024, 1024), nn.GELU())])
     config = ZeroConfig(stage=3)
     plan = plan_units(model, sharded_units(model, config), config.effective_unit_bytes)
-    assert config.effective_unit_bytes == DEFAULT_UNIT_BYTES == 8 * 2 ** 20
+    assert config.effective_unit_bytes == DEFAULT_UNIT_BYTES == 8 * 2**20
     assert _indices(model, plan.groups) == [[4 * i, 4 * i + 2] for i in range(12)]
 
 
 def test_a_block_with_parameters_between_breaks_the_run_and_nested_blocks_stay_alone():
-    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH), nn.LayerNorm(WIDTH),
-                          nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH))
+    model = nn.Sequential(
+        nn.Linear(WIDTH, WIDTH),
+        nn.Linear(WIDTH, WIDTH),
+        nn.LayerNorm(WIDTH),
+        nn.Linear(WIDTH, WIDTH),
+        nn.Linear(WIDTH, WIDTH),
+    )
     blocks = [model[0], model[1], model[3], model[4]]
     plan = plan_units(model, blocks, 10 * LINEAR_BYTES)
     assert _indices(model, plan.groups) == [[0, 1], [3, 4]]
     gpt = GPTLike()
-    config = ZeroConfig(stage=3, sharded_module_classes={"Block", "Sequential"}, unit_bytes=10 ** 9)
+    config = ZeroConfig(stage=3, sharded_module_classes={"Block", "Sequential"}, unit_bytes=10**9)
     groups, _ = unit_groups(gpt, config)
     # Blocks hold Sequentials (units themselves): not grouped; the inner Sequentials (one per parent) neither.
     assert sorted(len(g) for g in groups) == [1] * 8
@@ -129,12 +135,25 @@ def test_ds_config_bucket_keys_map_to_the_unit_knobs():
 
     # DeepSpeed itself ignores the stage-3 keys at stage 2 and allgather_bucket_size at stage 3: reported, not mapped
     with pytest.warns(DeepSpeedConfigWarning, match="stage3_param_persistence_threshold=10"):
-        stage2 = settings({"stage": 2, "reduce_bucket_size": 3_000_000, "allgather_bucket_size": 2e6,
-                           "stage3_param_persistence_threshold": 10})
+        stage2 = settings(
+            {
+                "stage": 2,
+                "reduce_bucket_size": 3_000_000,
+                "allgather_bucket_size": 2e6,
+                "stage3_param_persistence_threshold": 10,
+            }
+        )
     assert (stage2.unit_bytes, stage2.param_persistence_threshold, stage2.prefetch_bytes) == (8_000_000, None, None)
     with pytest.warns(DeepSpeedConfigWarning, match="allgather_bucket_size=10"):
-        stage3 = settings({"stage": 3, "reduce_bucket_size": 1000, "allgather_bucket_size": 10,
-                           "stage3_prefetch_bucket_size": 500, "stage3_param_persistence_threshold": 77})
+        stage3 = settings(
+            {
+                "stage": 3,
+                "reduce_bucket_size": 1000,
+                "allgather_bucket_size": 10,
+                "stage3_prefetch_bucket_size": 500,
+                "stage3_param_persistence_threshold": 77,
+            }
+        )
     assert (stage3.unit_bytes, stage3.prefetch_bytes, stage3.param_persistence_threshold) == (4000, 2000, 77)
     assert settings({"stage": 3, "reduce_bucket_size": 1000}, unit_bytes=64).unit_bytes == 64  # explicit wins
     auto = settings({"stage": 3, "reduce_bucket_size": "auto"})
@@ -246,7 +265,7 @@ def _train(rank, world_size, mesh, kind, stage, knobs, accumulate, steps=range(S
     x, y = _data(kind, world_size, accumulate)
     per_step = accumulate * world_size * LOCAL_BATCH
     for step in steps:
-        xs, ys = x[step * per_step:(step + 1) * per_step], y[step * per_step:(step + 1) * per_step]
+        xs, ys = x[step * per_step : (step + 1) * per_step], y[step * per_step : (step + 1) * per_step]
         for i, (mx, my) in enumerate(zip(xs.chunk(accumulate), ys.chunk(accumulate))):
             set_gradient_sync(model, i == accumulate - 1)
             local = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
@@ -257,8 +276,9 @@ def _train(rank, world_size, mesh, kind, stage, knobs, accumulate, steps=range(S
 
 
 def _full(model):
-    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
-            for k, v in model.state_dict().items()}
+    return {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in model.state_dict().items()
+    }
 
 
 def _units(model):
@@ -276,8 +296,12 @@ def _parity(rank, world_size, mesh):
         worst = max((got[k] - expected[k]).abs().max().item() for k in expected)
         if not worst <= 1e-5:
             failures.append(f"{kind} stage {stage} {knobs} accumulate={accumulate}: max abs diff {worst:.2e}")
-        expected_units = {("mlp", 3 * LINEAR_BYTES): 4, ("mlp", 2 * LINEAR_BYTES): 5, ("gpt", 2 * BLOCK_BYTES): 3,
-                          ("gpt", None): 2}  # the default size: the four blocks grouped, and the root
+        expected_units = {
+            ("mlp", 3 * LINEAR_BYTES): 4,
+            ("mlp", 2 * LINEAR_BYTES): 5,
+            ("gpt", 2 * BLOCK_BYTES): 3,
+            ("gpt", None): 2,
+        }  # the default size: the four blocks grouped, and the root
         if knobs.get("param_persistence_threshold"):
             assert _units(model) == 1, (kind, knobs, _units(model))  # every block left to the root
         elif stage == 2 and not {"unit_bytes", "sharded_module_classes", "deferred"} & set(knobs):
@@ -298,12 +322,13 @@ def _count_all_gathers(rank, world_size, mesh):
     counts = {}
     persistent = dict(unit_bytes=0, param_persistence_threshold=LINEAR_BYTES)
     for name, build, knobs in (
-            ("per block", mlp, dict(unit_bytes=0)),
-            ("per block, reshard all", mlp, dict(unit_bytes=0, reshard_after_forward=True)),
-            ("grouped", mlp, dict(unit_bytes=4 * LINEAR_BYTES)),
-            ("persistent", mlp, persistent),
-            ("root with parameters", with_root_params, dict(unit_bytes=0)),
-            ("root with parameters, reshard all", with_root_params, dict(unit_bytes=0, reshard_after_forward=True))):
+        ("per block", mlp, dict(unit_bytes=0)),
+        ("per block, reshard all", mlp, dict(unit_bytes=0, reshard_after_forward=True)),
+        ("grouped", mlp, dict(unit_bytes=4 * LINEAR_BYTES)),
+        ("persistent", mlp, persistent),
+        ("root with parameters", with_root_params, dict(unit_bytes=0)),
+        ("root with parameters, reshard all", with_root_params, dict(unit_bytes=0, reshard_after_forward=True)),
+    ):
         model = apply_zero(build(), mesh, ZeroConfig(stage=3, **knobs))
         x = torch.randn(LOCAL_BATCH, WIDTH)
         model(x).sum().backward()  # FSDP2's lazy init
@@ -318,9 +343,14 @@ def _count_all_gathers(rank, world_size, mesh):
     # Each unit gathers twice (forward, and again in backward) except the last one to run, which stays gathered
     # into its backward; the root gathers once (kept through backward). With reshard_after_forward=True every unit
     # and the root gather twice. With persistence the root holds every parameter and gathers once.
-    assert counts == {"per block": 2 * 8 - 1, "per block, reshard all": 2 * 8, "grouped": 2 * 2 - 1,
-                      "persistent": 1, "root with parameters": 1 + 2 * 8 - 1,
-                      "root with parameters, reshard all": 2 + 2 * 8}, counts
+    assert counts == {
+        "per block": 2 * 8 - 1,
+        "per block, reshard all": 2 * 8,
+        "grouped": 2 * 2 - 1,
+        "persistent": 1,
+        "root with parameters": 1 + 2 * 8 - 1,
+        "root with parameters, reshard all": 2 + 2 * 8,
+    }, counts
 
 
 def _checkpoint_across_groupings(rank, world_size, mesh, path):
@@ -329,7 +359,7 @@ def _checkpoint_across_groupings(rank, world_size, mesh, path):
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     expected = _full(_train(rank, world_size, mesh, "gpt", 3, dict(unit_bytes=0), 1)[0])
-    knobs = dict(unit_bytes=10 ** 9, param_persistence_threshold=BLOCK_NUMEL + 1)
+    knobs = dict(unit_bytes=10**9, param_persistence_threshold=BLOCK_NUMEL + 1)
     model, opt = _train(rank, world_size, mesh, "gpt", 3, knobs, 1, steps=range(2))
     model_sd, opt_sd = get_state_dict(model, opt)
     dcp.save({"model": model_sd, "optim": opt_sd}, checkpoint_id=path)
@@ -375,6 +405,7 @@ def test_grouped_units_parity_collectives_and_checkpoints_across_groupings(tmp_p
 # ------------------------------------------------------------------ Trainer: save with one grouping, resume with
 # another
 
+
 def _trainer_resume_worker(rank, world_size, root):
     import os
 
@@ -385,21 +416,30 @@ def _trainer_resume_worker(rank, world_size, root):
     from tests.strategies.test_strategy_checkpoint import BATCH, STEPS_PER_EPOCH, _reference
 
     def trainer(epochs, **knobs):
-        return Trainer(strategy=ZeroStrategy(stage=3, **knobs), accelerator="cpu", devices=world_size,
-                       max_epochs=epochs, limit_train_batches=STEPS_PER_EPOCH, limit_val_batches=0, logger=False,
-                       enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                       default_root_dir=root)
+        return Trainer(
+            strategy=ZeroStrategy(stage=3, **knobs),
+            accelerator="cpu",
+            devices=world_size,
+            max_epochs=epochs,
+            limit_train_batches=STEPS_PER_EPOCH,
+            limit_val_batches=0,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            default_root_dir=root,
+        )
 
     path = os.path.join(root, "units.ckpt")
     torch.manual_seed(0)
-    first = trainer(1, unit_bytes=0, param_persistence_threshold=10 ** 6)  # every block left to the root
+    first = trainer(1, unit_bytes=0, param_persistence_threshold=10**6)  # every block left to the root
     module = RegressionModule(batch_size=BATCH)
     first.fit(module)
     assert _units(module) == 1
     first.save_checkpoint(path)
     torch.manual_seed(123)  # another init: every weight must come from the checkpoint
     module = RegressionModule(batch_size=BATCH)
-    second = trainer(2, unit_bytes=10 ** 9, prefetch_bytes=1)  # the blocks share one unit
+    second = trainer(2, unit_bytes=10**9, prefetch_bytes=1)  # the blocks share one unit
     second.fit(module, ckpt_path=path)
     assert _units(module) == 2
     expected = _reference(2, BATCH * world_size)

@@ -51,8 +51,9 @@ def make_optimizer(model):
     # Two param groups with different hyper-parameters, as configure_optimizers often returns.
     decay = [p for n, p in model.named_parameters() if p.ndim == 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim != 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                              {"params": no_decay, "weight_decay": 0.0, "lr": 5e-3}], lr=1e-2)
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 5e-3}], lr=1e-2
+    )
 
 
 def data(world_size, accumulate):
@@ -68,7 +69,7 @@ def train_reference(world_size, accumulate=1, clip=None):
     x, y = data(world_size, accumulate)
     per_step = accumulate * world_size * LOCAL_BATCH
     for step in range(STEPS):
-        xs, ys = x[step * per_step:(step + 1) * per_step], y[step * per_step:(step + 1) * per_step]
+        xs, ys = x[step * per_step : (step + 1) * per_step], y[step * per_step : (step + 1) * per_step]
         nn.functional.mse_loss(model(xs), ys).backward()
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -90,19 +91,21 @@ def train_sharded(rank, world_size, stage, offload, accumulate=1, clip=None):
     x, y = data(world_size, accumulate)
     per_step = accumulate * world_size * LOCAL_BATCH
     for step in range(STEPS):
-        xs, ys = x[step * per_step:(step + 1) * per_step], y[step * per_step:(step + 1) * per_step]
+        xs, ys = x[step * per_step : (step + 1) * per_step], y[step * per_step : (step + 1) * per_step]
         micro = xs.chunk(accumulate), ys.chunk(accumulate)
         for i, (mx, my) in enumerate(zip(*micro)):
             set_gradient_sync(model, i == accumulate - 1)
-            lx = mx[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]
-            ly = my[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]
+            lx = mx[rank * LOCAL_BATCH : (rank + 1) * LOCAL_BATCH]
+            ly = my[rank * LOCAL_BATCH : (rank + 1) * LOCAL_BATCH]
             (nn.functional.mse_loss(model(lx), ly) / accumulate).backward()
         if clip:
             torch.nn.utils.clip_grad_norm_(sharding.all_model_params(), clip)
         opt.step()
         opt.zero_grad()
-    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
-            for k, v in module.state_dict().items()}
+    return {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+        for k, v in module.state_dict().items()
+    }
 
 
 def _sweep_worker(rank, world_size):
@@ -148,6 +151,7 @@ def _no_sync_worker(rank, world_size):
         def wrapper(*args, **kwargs):
             calls.append(name)
             return originals[name](*args, **kwargs)
+
         return wrapper
 
     mesh = init_device_mesh("cpu", (world_size,))
@@ -201,14 +205,20 @@ def _memory_worker(rank, world_size, precision):
         module = TinyNet(depth=4)
         num_params = sum(p.numel() for p in module.parameters())
         engines = policy.wrap_module_kwargs(ZeroConfig(stage=stage))  # as the strategies hand them to step 3
-        model = apply_zero(module, mesh, ZeroConfig(stage=stage),
-                           mp_policy=engines["mp_policy"] if stage >= 2 else None,
-                           replica_dtype=engines["replica_dtype"], fp32_values=engines["fp32_values"])
+        model = apply_zero(
+            module,
+            mesh,
+            ZeroConfig(stage=stage),
+            mp_policy=engines["mp_policy"] if stage >= 2 else None,
+            replica_dtype=engines["replica_dtype"],
+            fp32_values=engines["fp32_values"],
+        )
         opt = torch.optim.Adam(module.parameters(), lr=1e-3)
         shard_optimizer(opt, ZeroConfig(stage=stage), group=mesh.get_group(), fp32_values=policy.replica_fp32_values())
         x = policy.convert_input(torch.randn(LOCAL_BATCH, 8))
         peak = {}
         if stage == 2:
+
             def snapshot(*_):
                 peak.setdefault("report", model_state_memory(module, [opt]))  # returns None: output unchanged
 

@@ -56,53 +56,111 @@ def test_the_docs_table_lists_all_46_arguments():
 # --------------------------------------------------------------------------------- argument by argument
 # (arguments, what happens, check): "honoured" checks the setting it changes; "warned"/"refused" check the message
 # names the argument. Every DeepSpeedStrategy-only argument appears at least once.
-NVME_BOTH = dict(stage=3, offload_optimizer=True, offload_parameters=True, offload_optimizer_device="nvme",
-                 offload_params_device="nvme", nvme_path=NVME)
+NVME_BOTH = dict(
+    stage=3,
+    offload_optimizer=True,
+    offload_parameters=True,
+    offload_optimizer_device="nvme",
+    offload_params_device="nvme",
+    nvme_path=NVME,
+)
 ARGUMENT_CASES = [
     ("zero_optimization", dict(zero_optimization=False), "honoured", lambda s: s.zero_config.stage == 0),
     ("zero_optimization", dict(zero_optimization=False, stage=3), "refused", None),
     ("remote_device", dict(stage=3, remote_device="cpu"), "refused", None),
     ("remote_device", dict(stage=2, remote_device="cpu"), "warned", None),
-    ("remote_device", dict(NVME_BOTH, remote_device="nvme"), "honoured",
-     lambda s: s.zero_config.offload_params == "nvme"),
+    (
+        "remote_device",
+        dict(NVME_BOTH, remote_device="nvme"),
+        "honoured",
+        lambda s: s.zero_config.offload_params == "nvme",
+    ),
     ("offload_optimizer", dict(offload_optimizer=True), "honoured", lambda s: s.zero_config.offload_optimizer == "cpu"),
-    ("offload_parameters", dict(stage=3, offload_optimizer=True, offload_parameters=True), "honoured",
-     lambda s: s.zero_config.offload_params == "cpu"),
+    (
+        "offload_parameters",
+        dict(stage=3, offload_optimizer=True, offload_parameters=True),
+        "honoured",
+        lambda s: s.zero_config.offload_params == "cpu",
+    ),
     ("offload_params_device", NVME_BOTH, "honoured", lambda s: s.zero_config.offload_params == "nvme"),
     ("offload_params_device", dict(stage=3, offload_params_device="nvme"), "warned", None),
-    ("offload_optimizer_device", dict(offload_optimizer=True, offload_optimizer_device="nvme", nvme_path=NVME),
-     "honoured", lambda s: s.zero_config.offload_optimizer == "nvme"),
+    (
+        "offload_optimizer_device",
+        dict(offload_optimizer=True, offload_optimizer_device="nvme", nvme_path=NVME),
+        "honoured",
+        lambda s: s.zero_config.offload_optimizer == "nvme",
+    ),
     ("offload_optimizer_device", dict(offload_optimizer=True, offload_optimizer_device="nvme"), "refused", None),
-    ("params_buffer_size", dict(NVME_BOTH, params_buffer_size=12345), "honoured",
-     lambda s: s.zero_config.nvme.buffer_size == 12345),
+    (
+        "params_buffer_size",
+        dict(NVME_BOTH, params_buffer_size=12345),
+        "honoured",
+        lambda s: s.zero_config.nvme.buffer_size == 12345,
+    ),
     ("params_buffer_count", dict(NVME_BOTH, params_buffer_count=7), "warned", None),  # one buffer_count: optimizer's
-    ("optimizer_buffer_count", dict(NVME_BOTH, optimizer_buffer_count=6), "honoured",
-     lambda s: s.zero_config.nvme.buffer_count == 6),
+    (
+        "optimizer_buffer_count",
+        dict(NVME_BOTH, optimizer_buffer_count=6),
+        "honoured",
+        lambda s: s.zero_config.nvme.buffer_count == 6,
+    ),
     ("block_size", dict(NVME_BOTH, block_size=4096), "honoured", lambda s: s.zero_config.nvme.aio.block_size == 4096),
     ("block_size", dict(block_size=4096), "warned", None),  # no NVMe: no file I/O
     ("queue_depth", dict(NVME_BOTH, queue_depth=4), "honoured", lambda s: s.zero_config.nvme.aio.queue_depth == 4),
-    ("single_submit", dict(NVME_BOTH, single_submit=True), "honoured",
-     lambda s: s.zero_config.nvme.aio.single_submit is True),
-    ("overlap_events", dict(NVME_BOTH, overlap_events=False), "honoured",
-     lambda s: s.zero_config.nvme.aio.overlap_events is False),
+    (
+        "single_submit",
+        dict(NVME_BOTH, single_submit=True),
+        "honoured",
+        lambda s: s.zero_config.nvme.aio.single_submit is True,
+    ),
+    (
+        "overlap_events",
+        dict(NVME_BOTH, overlap_events=False),
+        "honoured",
+        lambda s: s.zero_config.nvme.aio.overlap_events is False,
+    ),
     ("thread_count", dict(NVME_BOTH, thread_count=2), "honoured", lambda s: s.zero_config.nvme.aio.thread_count == 2),
     ("contiguous_gradients", dict(contiguous_gradients=False), "warned", None),
     ("overlap_comm", dict(overlap_comm=False), "warned", None),
     ("allgather_partitions", dict(allgather_partitions=False), "warned", None),
     ("reduce_scatter", dict(reduce_scatter=False), "warned", None),
-    ("allgather_bucket_size", dict(stage=2, allgather_bucket_size=5e8), "honoured",
-     lambda s: s.zero_config.unit_bytes == 4 * 500_000_000),
-    ("reduce_bucket_size", dict(stage=2, reduce_bucket_size=1e6), "honoured",
-     lambda s: s.zero_config.unit_bytes == 4 * 1_000_000),
-    ("reduce_bucket_size", dict(stage=1, reduce_bucket_size=2**20), "honoured",
-     lambda s: s.ds_config.raw["zero_optimization"]["reduce_bucket_size"] == 2**20),  # the DDP bucket, at setup
+    (
+        "allgather_bucket_size",
+        dict(stage=2, allgather_bucket_size=5e8),
+        "honoured",
+        lambda s: s.zero_config.unit_bytes == 4 * 500_000_000,
+    ),
+    (
+        "reduce_bucket_size",
+        dict(stage=2, reduce_bucket_size=1e6),
+        "honoured",
+        lambda s: s.zero_config.unit_bytes == 4 * 1_000_000,
+    ),
+    (
+        "reduce_bucket_size",
+        dict(stage=1, reduce_bucket_size=2**20),
+        "honoured",
+        lambda s: s.ds_config.raw["zero_optimization"]["reduce_bucket_size"] == 2**20,
+    ),  # the DDP bucket, at setup
     ("overlap_comm", dict(overlap_comm=True, zero_optimization=False), "warned", None),
-    ("zero_allow_untested_optimizer", dict(zero_allow_untested_optimizer=True), "honoured",
-     lambda s: s.ds_config.raw["zero_allow_untested_optimizer"] is True),
-    ("logging_batch_size_per_gpu", dict(logging_batch_size_per_gpu=4), "honoured",
-     lambda s: s.ds_config.raw["train_micro_batch_size_per_gpu"] == 4),
-    ("logging_level", dict(logging_level=logging.INFO), "honoured",
-     lambda s: logging.getLogger("lightning_zero").level == logging.INFO),
+    (
+        "zero_allow_untested_optimizer",
+        dict(zero_allow_untested_optimizer=True),
+        "honoured",
+        lambda s: s.ds_config.raw["zero_allow_untested_optimizer"] is True,
+    ),
+    (
+        "logging_batch_size_per_gpu",
+        dict(logging_batch_size_per_gpu=4),
+        "honoured",
+        lambda s: s.ds_config.raw["train_micro_batch_size_per_gpu"] == 4,
+    ),
+    (
+        "logging_level",
+        dict(logging_level=logging.INFO),
+        "honoured",
+        lambda s: logging.getLogger("lightning_zero").level == logging.INFO,
+    ),
     ("partition_activations", dict(partition_activations=True), "warned", None),
     ("contiguous_memory_optimization", dict(contiguous_memory_optimization=True), "warned", None),
     ("synchronize_checkpoint_boundary", dict(synchronize_checkpoint_boundary=True), "warned", None),
@@ -118,8 +176,9 @@ def test_the_cases_cover_every_deepspeed_strategy_only_argument():
 
 
 @pytest.mark.parametrize("fabric", [False, True], ids=["trainer", "fabric"])
-@pytest.mark.parametrize("name,arguments,outcome,check", ARGUMENT_CASES,
-                         ids=[f"{case[0]}-{i}" for i, case in enumerate(ARGUMENT_CASES)])
+@pytest.mark.parametrize(
+    "name,arguments,outcome,check", ARGUMENT_CASES, ids=[f"{case[0]}-{i}" for i, case in enumerate(ARGUMENT_CASES)]
+)
 def test_each_argument_is_honoured_or_named(tmp_path, fabric, name, arguments, outcome, check):
     logger = logging.getLogger("lightning_zero")
     level = logger.level
@@ -146,12 +205,15 @@ def test_each_argument_is_honoured_or_named(tmp_path, fabric, name, arguments, o
 
 
 def test_bad_values_are_refused_by_name():
-    for arguments, name in [(dict(overlap_comm="yes"), "overlap_comm"), (dict(reduce_bucket_size=0),
-                            "reduce_bucket_size"), (dict(reduce_bucket_size=1.5), "reduce_bucket_size"),
-                            (dict(remote_device="gpu"), "remote_device"),
-                            (dict(logging_batch_size_per_gpu=0), "logging_batch_size_per_gpu"),
-                            (dict(offload_optimizer="yes"), "offload_optimizer"),
-                            (dict(zero_optimization=False, offload_optimizer=True), "zero_optimization")]:
+    for arguments, name in [
+        (dict(overlap_comm="yes"), "overlap_comm"),
+        (dict(reduce_bucket_size=0), "reduce_bucket_size"),
+        (dict(reduce_bucket_size=1.5), "reduce_bucket_size"),
+        (dict(remote_device="gpu"), "remote_device"),
+        (dict(logging_batch_size_per_gpu=0), "logging_batch_size_per_gpu"),
+        (dict(offload_optimizer="yes"), "offload_optimizer"),
+        (dict(zero_optimization=False, offload_optimizer=True), "zero_optimization"),
+    ]:
         with pytest.raises((ValueError, TypeError), match=name):
             ZeroStrategy(**arguments)
 
@@ -192,36 +254,103 @@ LIGHTNING_CALLS = [
     ("DeepSpeedStrategy()", {}, {"zero_optimization": {"stage": 2}}, {}),
     ("stage=2", dict(stage=2), {"zero_optimization": {"stage": 2}}, {}),
     ("stage=3", dict(stage=3), {"zero_optimization": {"stage": 3}}, {}),
-    ("stage=3, load_full_weights", dict(stage=3, load_full_weights=True), {"zero_optimization": {"stage": 3}},
-     {"load_full_weights": True}),
-    ("activation knobs", dict(partition_activations=True, cpu_checkpointing=True, contiguous_memory_optimization=True,
-                              synchronize_checkpoint_boundary=True),
-     {"zero_optimization": {"stage": 2},
-      "activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True,
-                                   "contiguous_memory_optimization": True, "synchronize_checkpoint_boundary": True}},
-     {}),
-    ("stage=3, logging_batch_size_per_gpu=1", dict(stage=3, logging_batch_size_per_gpu=1),
-     {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1}, {"batch_size": 1}),
-    ("stage=2, offload_optimizer=True", dict(stage=2, offload_optimizer=True),
-     {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, {}),
-    ("offload_optimizer=True, buckets 5e8", dict(offload_optimizer=True, allgather_bucket_size=5e8,
-                                                 reduce_bucket_size=5e8),
-     {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "allgather_bucket_size": 5e8,
-                            "reduce_bucket_size": 5e8}}, {}),
-    ("zero_optimization=False", dict(logging_batch_size_per_gpu=1, zero_optimization=False),
-     {"train_micro_batch_size_per_gpu": 1}, {"batch_size": 1}),
-    ("exclude_frozen_parameters", dict(exclude_frozen_parameters=True), {"zero_optimization": {"stage": 2}},
-     {"exclude_frozen_parameters": True}),
-    ("stage 3 offload", dict(stage=3, offload_optimizer=True, offload_parameters=True),
-     {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}},
-     {}),
-    ("stage 3 offload, cpu_checkpointing", dict(stage=3, offload_optimizer=True, cpu_checkpointing=True),
-     {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
-      "activation_checkpointing": {"cpu_checkpointing": True}}, {}),
-    ("ZeRO-Infinity", dict(stage=3, offload_optimizer=True, offload_parameters=True, remote_device="nvme",
-                           offload_params_device="nvme", offload_optimizer_device="nvme", nvme_path=NVME),
-     {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": NVME},
-                            "offload_param": {"device": "nvme", "nvme_path": NVME}}}, {}),
+    (
+        "stage=3, load_full_weights",
+        dict(stage=3, load_full_weights=True),
+        {"zero_optimization": {"stage": 3}},
+        {"load_full_weights": True},
+    ),
+    (
+        "activation knobs",
+        dict(
+            partition_activations=True,
+            cpu_checkpointing=True,
+            contiguous_memory_optimization=True,
+            synchronize_checkpoint_boundary=True,
+        ),
+        {
+            "zero_optimization": {"stage": 2},
+            "activation_checkpointing": {
+                "partition_activations": True,
+                "cpu_checkpointing": True,
+                "contiguous_memory_optimization": True,
+                "synchronize_checkpoint_boundary": True,
+            },
+        },
+        {},
+    ),
+    (
+        "stage=3, logging_batch_size_per_gpu=1",
+        dict(stage=3, logging_batch_size_per_gpu=1),
+        {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1},
+        {"batch_size": 1},
+    ),
+    (
+        "stage=2, offload_optimizer=True",
+        dict(stage=2, offload_optimizer=True),
+        {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+        {},
+    ),
+    (
+        "offload_optimizer=True, buckets 5e8",
+        dict(offload_optimizer=True, allgather_bucket_size=5e8, reduce_bucket_size=5e8),
+        {
+            "zero_optimization": {
+                "stage": 2,
+                "offload_optimizer": {"device": "cpu"},
+                "allgather_bucket_size": 5e8,
+                "reduce_bucket_size": 5e8,
+            }
+        },
+        {},
+    ),
+    (
+        "zero_optimization=False",
+        dict(logging_batch_size_per_gpu=1, zero_optimization=False),
+        {"train_micro_batch_size_per_gpu": 1},
+        {"batch_size": 1},
+    ),
+    (
+        "exclude_frozen_parameters",
+        dict(exclude_frozen_parameters=True),
+        {"zero_optimization": {"stage": 2}},
+        {"exclude_frozen_parameters": True},
+    ),
+    (
+        "stage 3 offload",
+        dict(stage=3, offload_optimizer=True, offload_parameters=True),
+        {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}},
+        {},
+    ),
+    (
+        "stage 3 offload, cpu_checkpointing",
+        dict(stage=3, offload_optimizer=True, cpu_checkpointing=True),
+        {
+            "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+            "activation_checkpointing": {"cpu_checkpointing": True},
+        },
+        {},
+    ),
+    (
+        "ZeRO-Infinity",
+        dict(
+            stage=3,
+            offload_optimizer=True,
+            offload_parameters=True,
+            remote_device="nvme",
+            offload_params_device="nvme",
+            offload_optimizer_device="nvme",
+            nvme_path=NVME,
+        ),
+        {
+            "zero_optimization": {
+                "stage": 3,
+                "offload_optimizer": {"device": "nvme", "nvme_path": NVME},
+                "offload_param": {"device": "nvme", "nvme_path": NVME},
+            }
+        },
+        {},
+    ),
 ]
 QUICK = ("stage=3", "stage 3 offload")  # the rest train in the slow sweep
 
@@ -262,10 +391,16 @@ def test_each_call_has_the_settings_of_its_config(tmp_path, fabric):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeepSpeedConfigWarning)
             by_call = cls(**_with_nvme(call, tmp_path))
-            by_config = cls(config=_nvme_config(config, tmp_path), **{k: v for k, v in extra.items()
-                                                                       if k != "batch_size"})
-        for field in ("zero_config", "activation_checkpoint_config", "exclude_frozen_parameters",
-                      "load_full_weights", "loss_scale_config"):
+            by_config = cls(
+                config=_nvme_config(config, tmp_path), **{k: v for k, v in extra.items() if k != "batch_size"}
+            )
+        for field in (
+            "zero_config",
+            "activation_checkpoint_config",
+            "exclude_frozen_parameters",
+            "load_full_weights",
+            "loss_scale_config",
+        ):
             assert getattr(by_call.settings, field) == getattr(by_config.settings, field), f"{label}: {field}"
 
 
@@ -293,8 +428,9 @@ def _calls_worker(rank, world_size, labels, nvme_root):
             results.append(full_state(model))
         for key, value in results[0].items():
             assert not torch.equal(value, before[key]), f"{label}: {key} did not train"
-            torch.testing.assert_close(value, results[1][key], atol=0, rtol=0,
-                                       msg=lambda m: f"{label}: {key}: call vs config: {m}")
+            torch.testing.assert_close(
+                value, results[1][key], atol=0, rtol=0, msg=lambda m: f"{label}: {key}: call vs config: {m}"
+            )
 
 
 def test_lightning_calls_train_as_their_configs_quick(tmp_path):

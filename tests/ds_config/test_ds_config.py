@@ -32,11 +32,16 @@ SEED_ZERO3_FP16_ADAMW = {  # seed 000: the basic ZeRO-3 example
     "optimizer": {"type": "AdamW", "params": {"lr": 0.001, "betas": [0.8, 0.999], "eps": 1e-8, "weight_decay": 3e-7}},
 }
 SEED_ZERO3_OFFLOAD_OPTIMIZER = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
-SEED_ZERO3_OFFLOAD_ALL = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
-                                                "offload_param": {"device": "cpu"}}}
-SEED_ZERO3_NVME = {"zero_optimization": {"stage": 3,
-                                         "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme_data"},
-                                         "offload_param": {"device": "nvme", "nvme_path": "/nvme_data"}}}
+SEED_ZERO3_OFFLOAD_ALL = {
+    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
+}
+SEED_ZERO3_NVME = {
+    "zero_optimization": {
+        "stage": 3,
+        "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme_data"},
+        "offload_param": {"device": "nvme", "nvme_path": "/nvme_data"},
+    }
+}
 SEED_DSCHAT_TRAIN = {  # seed 000: DeepSpeed-Chat's get_train_ds_config(offload=True, stage=2)
     "train_batch_size": 32,
     "train_micro_batch_size_per_gpu": 4,
@@ -65,39 +70,84 @@ SEED_GETTING_STARTED = {  # seed 001: DeepSpeed's getting-started ds_config.json
     "zero_optimization": True,
 }
 SEED_ZERO3_CPU_FULL = {  # seed 002: ZeRO-3 CPU offload with WarmupLR
-    "fp16": {"enabled": True, "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
-             "hysteresis": 2, "min_loss_scale": 1},
+    "fp16": {
+        "enabled": True,
+        "loss_scale": 0,
+        "loss_scale_window": 1000,
+        "initial_scale_power": 16,
+        "hysteresis": 2,
+        "min_loss_scale": 1,
+    },
     "optimizer": {"type": "AdamW", "params": {"lr": 3e-5, "betas": [0.8, 0.999], "eps": 1e-8, "weight_decay": 3e-7}},
     "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-5, "warmup_num_steps": 500}},
     "zero_optimization": {
         "stage": 3,
         "offload_optimizer": {"device": "cpu", "pin_memory": True},
         "offload_param": {"device": "cpu", "pin_memory": True},
-        "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 1e9, "reduce_bucket_size": 1e6,
-        "stage3_prefetch_bucket_size": 0.94e6, "stage3_param_persistence_threshold": 1e4,
-        "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "sub_group_size": 1e9,
+        "reduce_bucket_size": 1e6,
+        "stage3_prefetch_bucket_size": 0.94e6,
+        "stage3_param_persistence_threshold": 1e4,
+        "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9,
         "stage3_gather_16bit_weights_on_model_save": True,
     },
     "steps_per_print": 2000,
     "wall_clock_breakdown": False,
 }
-SEED_STAGE2_BUCKETS = {"zero_optimization": {  # seed 003: ZeRO-2 with bucket knobs
-    "stage": 2, "allgather_partitions": True, "allgather_bucket_size": 3e8, "overlap_comm": True,
-    "reduce_scatter": True, "reduce_bucket_size": 3e8, "contiguous_gradients": True}}
-SEED_NVME_KNOBS = {"zero_optimization": {  # seed 003: NVMe offload knobs
-    "stage": 3,
-    "offload_optimizer": {"device": "nvme", "nvme_path": "/dev/shm", "buffer_count": 4, "fast_init": False},
-    "offload_param": {"device": "nvme", "nvme_path": "/dev/shm", "buffer_count": 5, "buffer_size": 1e8,
-                      "max_in_cpu": 1e9}}}
-SEED_FP16_ALL_KEYS = {"fp16": {  # seed 003: every fp16 key
-    "enabled": True, "auto_cast": False, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
-    "hysteresis": 2, "consecutive_hysteresis": False, "min_loss_scale": 1}}
+SEED_STAGE2_BUCKETS = {
+    "zero_optimization": {  # seed 003: ZeRO-2 with bucket knobs
+        "stage": 2,
+        "allgather_partitions": True,
+        "allgather_bucket_size": 3e8,
+        "overlap_comm": True,
+        "reduce_scatter": True,
+        "reduce_bucket_size": 3e8,
+        "contiguous_gradients": True,
+    }
+}
+SEED_NVME_KNOBS = {
+    "zero_optimization": {  # seed 003: NVMe offload knobs
+        "stage": 3,
+        "offload_optimizer": {"device": "nvme", "nvme_path": "/dev/shm", "buffer_count": 4, "fast_init": False},
+        "offload_param": {
+            "device": "nvme",
+            "nvme_path": "/dev/shm",
+            "buffer_count": 5,
+            "buffer_size": 1e8,
+            "max_in_cpu": 1e9,
+        },
+    }
+}
+SEED_FP16_ALL_KEYS = {
+    "fp16": {  # seed 003: every fp16 key
+        "enabled": True,
+        "auto_cast": False,
+        "loss_scale": 0,
+        "initial_scale_power": 16,
+        "loss_scale_window": 1000,
+        "hysteresis": 2,
+        "consecutive_hysteresis": False,
+        "min_loss_scale": 1,
+    }
+}
 SEED_HF_AUTO = {  # seed 003: a Hugging Face style config full of "auto"
     "train_batch_size": "auto",
-    "optimizer": {"type": "Adam", "params": {"lr": "auto", "betas": [0.9, 0.95], "eps": "auto",
-                                             "weight_decay": "auto"}},
-    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 5e-6, "warmup_max_lr": "auto",
-                                                      "warmup_num_steps": "auto", "total_num_steps": "auto"}},
+    "optimizer": {
+        "type": "Adam",
+        "params": {"lr": "auto", "betas": [0.9, 0.95], "eps": "auto", "weight_decay": "auto"},
+    },
+    "scheduler": {
+        "type": "WarmupDecayLR",
+        "params": {
+            "warmup_min_lr": 5e-6,
+            "warmup_max_lr": "auto",
+            "warmup_num_steps": "auto",
+            "total_num_steps": "auto",
+        },
+    },
     "steps_per_print": 10,
     "bf16": {"enabled": True},
     "gradient_clipping": 1.0,
@@ -105,10 +155,15 @@ SEED_HF_AUTO = {  # seed 003: a Hugging Face style config full of "auto"
         "stage": 3,
         "offload_param": {"device": "cpu", "pin_memory": True},
         "offload_optimizer": {"device": "cpu", "pin_memory": True},
-        "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 1e9,
-        "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
-        "stage3_param_persistence_threshold": "auto", "stage3_max_live_parameters": 1e9,
-        "stage3_max_reuse_distance": 1e9, "stage3_gather_16bit_weights_on_model_save": True,
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "sub_group_size": 1e9,
+        "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto",
+        "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_16bit_weights_on_model_save": True,
     },
     "gradient_accumulation_steps": "auto",
     "train_micro_batch_size_per_gpu": "auto",
@@ -143,8 +198,11 @@ def test_seed_config_translates_and_builds_zero_config(name):
     translation = _translate_quietly(config)
     assert {k: translation.strategy_kwargs[k] for k in expected_kwargs} == expected_kwargs
     assert translation.precision == precision
-    zero_fields = {k: v for k, v in translation.strategy_kwargs.items()
-                   if k in ("stage", "offload", "pin_memory", "reshard_after_forward")}
+    zero_fields = {
+        k: v
+        for k, v in translation.strategy_kwargs.items()
+        if k in ("stage", "offload", "pin_memory", "reshard_after_forward")
+    }
     if translation.strategy_kwargs["offload"] == "nvme":  # the NVMe settings are built from nvme_path & co
         with pytest.raises(ValueError, match="needs nvme_path"):
             ZeroConfig(**zero_fields)
@@ -153,10 +211,14 @@ def test_seed_config_translates_and_builds_zero_config(name):
 
 
 def test_every_present_key_gets_a_note_never_silently_dropped():
-    config = {key: spec.default for key, spec in schema.TOP_LEVEL_KEYS.items()
-              if spec.default is not None and key not in ("gradient_allreduce_op",)}
-    config["zero_optimization"] = {key: spec.default for key, spec in schema.ZERO_KEYS.items()
-                                   if spec.default not in (None, schema.DERIVED)}
+    config = {
+        key: spec.default
+        for key, spec in schema.TOP_LEVEL_KEYS.items()
+        if spec.default is not None and key not in ("gradient_allreduce_op",)
+    }
+    config["zero_optimization"] = {
+        key: spec.default for key, spec in schema.ZERO_KEYS.items() if spec.default not in (None, schema.DERIVED)
+    }
     config["zero_optimization"]["stage"] = 3
     config["zero_optimization"]["offload_optimizer"] = {k: s.default for k, s in schema.OFFLOAD_OPTIMIZER_KEYS.items()}
     config["zero_optimization"]["offload_param"] = {k: s.default for k, s in schema.OFFLOAD_PARAM_KEYS.items()}
@@ -165,10 +227,18 @@ def test_every_present_key_gets_a_note_never_silently_dropped():
     config["fp16"]["enabled"] = True
     translation = _translate_quietly(config)
     noted = {key for key, _ in translation.notes}
-    present = [f"{section}.{key}" for section, value in config.items() if isinstance(value, dict)
-               for key in value if not isinstance(value[key], dict)]
-    present += [f"zero_optimization.{sub}.{key}" for sub in ("offload_optimizer", "offload_param")
-                for key in config["zero_optimization"][sub]]
+    present = [
+        f"{section}.{key}"
+        for section, value in config.items()
+        if isinstance(value, dict)
+        for key in value
+        if not isinstance(value[key], dict)
+    ]
+    present += [
+        f"zero_optimization.{sub}.{key}"
+        for sub in ("offload_optimizer", "offload_param")
+        for key in config["zero_optimization"][sub]
+    ]
     present += [key for key, value in config.items() if not isinstance(value, dict)]
     assert sorted(set(present) - noted) == []
 
@@ -182,15 +252,21 @@ def test_no_effect_key_with_non_default_value_warns_and_is_noted():
     assert "unit_bytes=1200000000" in notes["zero_optimization.reduce_bucket_size"]
     assert notes["zero_optimization.allgather_partitions"].startswith("no effect")
     stage3 = {"zero_optimization": {**SEED_STAGE2_BUCKETS["zero_optimization"], "stage": 3}}
-    with pytest.warns(DeepSpeedConfigWarning, match=r"zero_optimization.allgather_bucket_size=.*no effect|no effect.*"
-                                                    r"zero_optimization.allgather_bucket_size"):
+    with pytest.warns(
+        DeepSpeedConfigWarning,
+        match=r"zero_optimization.allgather_bucket_size=.*no effect|no effect.*"
+        r"zero_optimization.allgather_bucket_size",
+    ):
         translation = translate_ds_config(stage3)
     assert "FSDP2" in dict(translation.notes)["zero_optimization.allgather_bucket_size"]
 
 
 def test_unknown_keys_error_with_closest_suggestion_and_lenient_mode_warns():
-    config = {"zero_optimization": {"stage": 2, "reduce_bucket_sise": 5e8}, "gradient_clipign": 1.0,
-              "reduce_scatter": True}
+    config = {
+        "zero_optimization": {"stage": 2, "reduce_bucket_sise": 5e8},
+        "gradient_clipign": 1.0,
+        "reduce_scatter": True,
+    }
     with pytest.raises(DeepSpeedConfigError) as error:
         translate_ds_config(config)
     message = str(error.value)
@@ -205,15 +281,19 @@ def test_unknown_keys_error_with_closest_suggestion_and_lenient_mode_warns():
 
 def test_unknown_keys_in_optimizer_and_offload_sections():
     with pytest.raises(DeepSpeedConfigError, match="did you mean 'pin_memory'"):
-        translate_ds_config({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu",
-                                                                                     "pin_memroy": True}}})
+        translate_ds_config(
+            {"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu", "pin_memroy": True}}}
+        )
     with pytest.raises(DeepSpeedConfigError, match="did you mean 'params'"):
         translate_ds_config({"optimizer": {"type": "Adam", "parms": {"lr": 1e-3}}})
 
 
 def test_other_feature_sections_are_named_not_supported_unless_disabled():
-    config = {"sparse_attention": {"mode": "fixed"}, "flops_profiler": {"enabled": True},
-              "compression_training": {"weight_quantization": {}}}
+    config = {
+        "sparse_attention": {"mode": "fixed"},
+        "flops_profiler": {"enabled": True},
+        "compression_training": {"weight_quantization": {}},
+    }
     with pytest.raises(DeepSpeedConfigError) as error:
         translate_ds_config(config)
     for section in ("sparse_attention", "flops_profiler", "compression_training"):
@@ -236,41 +316,56 @@ def test_deprecated_keys_are_translated_with_a_deprecation_warning():
         translation = translate_ds_config({"bfloat16": {"enabled": True}})
     assert translation.precision == "bf16-mixed"
     with pytest.warns(FutureWarning):
-        translation = translate_ds_config({"zero_optimization": {"stage": 3, "cpu_offload_param": True,
-                                                                 "stage3_gather_fp16_weights_on_model_save": True}})
+        translation = translate_ds_config(
+            {
+                "zero_optimization": {
+                    "stage": 3,
+                    "cpu_offload_param": True,
+                    "stage3_gather_fp16_weights_on_model_save": True,
+                }
+            }
+        )
     assert translation.strategy_kwargs["offload"] == "cpu" and translation.gather_16bit_weights_on_model_save
 
 
-@pytest.mark.parametrize("config, match", [
-    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "both \"fp16.enabled\" and \"bf16.enabled\""),
-    ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, "stage is 0"),
-    ({"zero_optimization": {"stage": 2, "zero_hpz_partition_size": 8}}, "needs stage 3"),
-    ({"bf16": {"enabled": True}, "bfloat16": {"enabled": True}}, "keep only \"bf16\""),
-    ({"zero_optimization": {"stage": 4}}, "must be 0, 1, 2 or 3"),
-    ({"zero_optimization": {"stage": "auto"}}, "\"auto\" is not allowed"),
-    ({"communication_data_type": "int8"}, "communication_data_type must be one of"),
-    ({"optimizer": {"type": "Adam", "params": {"max_grad_norm": 1.0}}}, "gradient_clipping"),
-    ({"gradient_allreduce_op": "sum"}, "always averaged"),
-    ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "ZeRO\\+\\+ quantized weight"),
-    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "disk"}}}, "'none', 'cpu' or 'nvme'"),
-    ({"fp16": {"enabled": True, "loss_scale_window": 0}}, "loss_scale_window must be > 0"),
-    ({"train_batch_size": 0}, "train_batch_size must be > 0"),
-    ({"torch_autocast": {"enabled": True, "dtype": "bfloat16"}, "fp16": {"enabled": True}}, "enable only one"),
-])
+@pytest.mark.parametrize(
+    "config, match",
+    [
+        ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, 'both "fp16.enabled" and "bf16.enabled"'),
+        ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, "stage is 0"),
+        ({"zero_optimization": {"stage": 2, "zero_hpz_partition_size": 8}}, "needs stage 3"),
+        ({"bf16": {"enabled": True}, "bfloat16": {"enabled": True}}, 'keep only "bf16"'),
+        ({"zero_optimization": {"stage": 4}}, "must be 0, 1, 2 or 3"),
+        ({"zero_optimization": {"stage": "auto"}}, '"auto" is not allowed'),
+        ({"communication_data_type": "int8"}, "communication_data_type must be one of"),
+        ({"optimizer": {"type": "Adam", "params": {"max_grad_norm": 1.0}}}, "gradient_clipping"),
+        ({"gradient_allreduce_op": "sum"}, "always averaged"),
+        ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "ZeRO\\+\\+ quantized weight"),
+        ({"zero_optimization": {"stage": 3, "offload_param": {"device": "disk"}}}, "'none', 'cpu' or 'nvme'"),
+        ({"fp16": {"enabled": True, "loss_scale_window": 0}}, "loss_scale_window must be > 0"),
+        ({"train_batch_size": 0}, "train_batch_size must be > 0"),
+        ({"torch_autocast": {"enabled": True, "dtype": "bfloat16"}, "fp16": {"enabled": True}}, "enable only one"),
+    ],
+)
 def test_conflicts_and_bad_values_fail_clearly(config, match):
     with pytest.raises(DeepSpeedConfigError, match=match):
         _translate_quietly(config)
 
 
 def test_mapping_rules_onto_strategy_kwargs():
-    translation = _translate_quietly({
-        "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8,
-                              "offload_optimizer": {"device": "cpu", "pin_memory": False}},
-        "communication_data_type": "BF16",
-        "pipeline": {"stages": 2},
-        "gradient_accumulation_steps": 4,
-        "fp16": {"enabled": False, "loss_scale": 128},
-    })
+    translation = _translate_quietly(
+        {
+            "zero_optimization": {
+                "stage": 3,
+                "zero_hpz_partition_size": 8,
+                "offload_optimizer": {"device": "cpu", "pin_memory": False},
+            },
+            "communication_data_type": "BF16",
+            "pipeline": {"stages": 2},
+            "gradient_accumulation_steps": 4,
+            "fp16": {"enabled": False, "loss_scale": 128},
+        }
+    )
     kwargs = translation.strategy_kwargs
     assert kwargs["reshard_after_forward"] == 8
     assert kwargs["pin_memory"] is False and kwargs["offload"] == "cpu"
@@ -293,8 +388,11 @@ def test_precision_sources_and_trainer_settings():
     assert _translate_quietly({"torch_autocast": {"enabled": True, "dtype": "torch.float16"}}).precision == "16-mixed"
     assert _translate_quietly({}).precision is None
     translation = _translate_quietly(SEED_DSCHAT_TRAIN)
-    assert translation.trainer_settings() == {"precision": "16-mixed", "gradient_clip_val": 1.0,
-                                              "log_every_n_steps": 10}
+    assert translation.trainer_settings() == {
+        "precision": "16-mixed",
+        "gradient_clip_val": 1.0,
+        "log_every_n_steps": 10,
+    }
     assert translation.train_batch_size == 32 and translation.train_micro_batch_size_per_gpu == 4
     assert translation.gradient_accumulation_steps is None
     auto = _translate_quietly({"fp16": {"enabled": "auto"}, "gradient_clipping": "auto"})
@@ -303,8 +401,9 @@ def test_precision_sources_and_trainer_settings():
 
 
 def test_activation_checkpointing_is_returned_with_defaults():
-    translation = _translate_quietly({"activation_checkpointing": {"cpu_checkpointing": True,
-                                                                   "partition_activations": True}})
+    translation = _translate_quietly(
+        {"activation_checkpointing": {"cpu_checkpointing": True, "partition_activations": True}}
+    )
     assert translation.activation_checkpointing["cpu_checkpointing"] is True
     assert translation.activation_checkpointing["number_checkpoints"] is None
     assert dict(translation.notes)["activation_checkpointing.partition_activations"].startswith("no effect")
@@ -372,14 +471,17 @@ def test_load_relaxed_hjson_like_deepspeed(tmp_path):
 # --------------------------------------------------------------------------------- batch arithmetic and "auto"
 
 
-@pytest.mark.parametrize("given, world, expected", [
-    ((32, 4, 4), 2, (32, 4, 4)),
-    ((32, 4, None), 2, (32, 4, 4)),
-    ((32, None, 2), 2, (32, 8, 2)),
-    ((None, 4, 2), 2, (16, 4, 2)),
-    ((32, None, None), 4, (32, 8, 1)),
-    ((None, 4, None), 3, (12, 4, 1)),
-])
+@pytest.mark.parametrize(
+    "given, world, expected",
+    [
+        ((32, 4, 4), 2, (32, 4, 4)),
+        ((32, 4, None), 2, (32, 4, 4)),
+        ((32, None, 2), 2, (32, 8, 2)),
+        ((None, 4, 2), 2, (16, 4, 2)),
+        ((32, None, None), 4, (32, 8, 1)),
+        ((None, 4, None), 3, (12, 4, 1)),
+    ],
+)
 def test_deepspeed_batch_arithmetic(given, world, expected):
     assert resolve_batch_sizes(*given, world) == expected
 
@@ -393,27 +495,35 @@ def test_batch_arithmetic_mismatch_names_the_numbers():
 
 def test_auto_batch_sizes_from_dataloader_and_trainer():
     context = AutoContext(world_size=2, micro_batch_size=4, accumulate_grad_batches=2)
-    resolved = resolve_auto({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
-                             "gradient_accumulation_steps": "auto"}, context)
-    assert (resolved["train_batch_size"], resolved["train_micro_batch_size_per_gpu"],
-            resolved["gradient_accumulation_steps"]) == (16, 4, 2)
+    resolved = resolve_auto(
+        {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"},
+        context,
+    )
+    assert (
+        resolved["train_batch_size"],
+        resolved["train_micro_batch_size_per_gpu"],
+        resolved["gradient_accumulation_steps"],
+    ) == (16, 4, 2)
     # Seed 001: only the global batch and accumulation are given; the DataLoader must agree with 8 / 2 / 1 = 4.
     resolved = resolve_auto(SEED_GETTING_STARTED, AutoContext(world_size=2, micro_batch_size=4))
     assert resolved["train_micro_batch_size_per_gpu"] == 4
     with pytest.raises(DeepSpeedConfigError, match=r"train_batch_size \(8\).*\(8\) x .*\(1\) x .*\(2\) = 16"):
         resolve_auto(SEED_GETTING_STARTED, AutoContext(world_size=2, micro_batch_size=8))
-    with pytest.raises(DeepSpeedConfigError,
-                       match="train_micro_batch_size_per_gpu=4 .* DataLoader's batch_size \\(8\\)"):
+    with pytest.raises(
+        DeepSpeedConfigError, match="train_micro_batch_size_per_gpu=4 .* DataLoader's batch_size \\(8\\)"
+    ):
         resolve_auto(SEED_DSCHAT_TRAIN, AutoContext(world_size=4, micro_batch_size=8))
     with pytest.raises(DeepSpeedConfigError, match="gradient_accumulation_steps.*accumulate_grad_batches"):
-        resolve_auto({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": "auto"},
-                     AutoContext(world_size=1))
+        resolve_auto(
+            {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": "auto"}, AutoContext(world_size=1)
+        )
 
 
 def test_auto_clipping_precision_and_mismatch():
     context = AutoContext(micro_batch_size=1, gradient_clip_val=0.5, precision="bf16-mixed")
-    resolved = resolve_auto({"gradient_clipping": "auto", "fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"}},
-                            context)
+    resolved = resolve_auto(
+        {"gradient_clipping": "auto", "fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"}}, context
+    )
     assert resolved["gradient_clipping"] == 0.5
     assert resolved["fp16"]["enabled"] is False and resolved["bf16"]["enabled"] is True
     assert translate_ds_config(resolved).precision == "bf16-mixed"
@@ -425,41 +535,69 @@ def test_auto_clipping_precision_and_mismatch():
 
 
 def test_auto_optimizer_and_scheduler_from_hyperparameters_and_steps():
-    context = AutoContext(world_size=2, micro_batch_size=2, accumulate_grad_batches=4, precision="bf16-mixed",
-                          hyperparameters={"learning_rate": 3e-4, "weight_decay": 0.1, "adam_epsilon": 1e-6,
-                                           "warmup_ratio": 0.1},
-                          estimated_stepping_batches=1000, hidden_size=64)
+    context = AutoContext(
+        world_size=2,
+        micro_batch_size=2,
+        accumulate_grad_batches=4,
+        precision="bf16-mixed",
+        hyperparameters={"learning_rate": 3e-4, "weight_decay": 0.1, "adam_epsilon": 1e-6, "warmup_ratio": 0.1},
+        estimated_stepping_batches=1000,
+        hidden_size=64,
+    )
     resolved = resolve_auto(SEED_HF_AUTO, context)
     assert resolved["optimizer"]["params"] == {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-6, "weight_decay": 0.1}
-    assert resolved["scheduler"]["params"] == {"warmup_min_lr": 5e-6, "warmup_max_lr": 3e-4,
-                                               "warmup_num_steps": 100, "total_num_steps": 1000}
+    assert resolved["scheduler"]["params"] == {
+        "warmup_min_lr": 5e-6,
+        "warmup_max_lr": 3e-4,
+        "warmup_num_steps": 100,
+        "total_num_steps": 1000,
+    }
     zero = resolved["zero_optimization"]
-    assert (zero["reduce_bucket_size"], zero["stage3_prefetch_bucket_size"],
-            zero["stage3_param_persistence_threshold"]) == (64 * 64, int(0.9 * 64 * 64), 640)
+    assert (
+        zero["reduce_bucket_size"],
+        zero["stage3_prefetch_bucket_size"],
+        zero["stage3_param_persistence_threshold"],
+    ) == (64 * 64, int(0.9 * 64 * 64), 640)
     assert resolved["train_batch_size"] == 16
     translation = _translate_quietly(resolved)
     assert translation.unresolved_auto == ()
     assert SEED_HF_AUTO["optimizer"]["params"]["lr"] == "auto"  # input untouched
-    betas = resolve_auto({"train_micro_batch_size_per_gpu": 1,
-                          "optimizer": {"type": "AdamW", "params": {"betas": "auto"}}},
-                         AutoContext(hyperparameters={"adam_beta1": 0.8, "adam_beta2": 0.9}))
+    betas = resolve_auto(
+        {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"betas": "auto"}}},
+        AutoContext(hyperparameters={"adam_beta1": 0.8, "adam_beta2": 0.9}),
+    )
     assert betas["optimizer"]["params"]["betas"] == [0.8, 0.9]
-    steps = resolve_auto({"train_micro_batch_size_per_gpu": 1, "scheduler": {"type": "WarmupLR", "params": {
-        "warmup_num_steps": "auto", "warmup_max_lr": "auto", "warmup_min_lr": "auto"}}},
-        AutoContext(hyperparameters={"lr": 0.01, "warmup_steps": 7}))
+    steps = resolve_auto(
+        {
+            "train_micro_batch_size_per_gpu": 1,
+            "scheduler": {
+                "type": "WarmupLR",
+                "params": {"warmup_num_steps": "auto", "warmup_max_lr": "auto", "warmup_min_lr": "auto"},
+            },
+        },
+        AutoContext(hyperparameters={"lr": 0.01, "warmup_steps": 7}),
+    )
     assert steps["scheduler"]["params"] == {"warmup_num_steps": 7, "warmup_max_lr": 0.01, "warmup_min_lr": 0.0}
 
 
-@pytest.mark.parametrize("config, match", [
-    ({"optimizer": {"type": "Adam", "params": {"lr": "auto"}}}, r"optimizer.params.lr.*'lr'/'learning_rate'"),
-    ({"optimizer": {"type": "Adam", "params": {"betas": "auto"}}}, r"optimizer.params.betas.*'adam_beta1'"),
-    ({"optimizer": {"type": "Adam", "params": {"momentum": "auto"}}}, "only lr, weight_decay, betas and eps"),
-    ({"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto"}}},
-     "estimated_stepping_batches.*max_steps"),
-    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto"}}}, r"warmup_max_lr.*'lr'/'learning_rate'"),
-    ({"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}}, "hidden size.*hidden_size"),
-    ({"zero_optimization": {"stage": 3, "sub_group_size": "auto"}}, "only reduce_bucket_size"),
-])
+@pytest.mark.parametrize(
+    "config, match",
+    [
+        ({"optimizer": {"type": "Adam", "params": {"lr": "auto"}}}, r"optimizer.params.lr.*'lr'/'learning_rate'"),
+        ({"optimizer": {"type": "Adam", "params": {"betas": "auto"}}}, r"optimizer.params.betas.*'adam_beta1'"),
+        ({"optimizer": {"type": "Adam", "params": {"momentum": "auto"}}}, "only lr, weight_decay, betas and eps"),
+        (
+            {"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto"}}},
+            "estimated_stepping_batches.*max_steps",
+        ),
+        (
+            {"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto"}}},
+            r"warmup_max_lr.*'lr'/'learning_rate'",
+        ),
+        ({"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}}, "hidden size.*hidden_size"),
+        ({"zero_optimization": {"stage": 3, "sub_group_size": "auto"}}, "only reduce_bucket_size"),
+    ],
+)
 def test_unresolvable_auto_names_key_and_where_it_looked(config, match):
     with pytest.raises(DeepSpeedConfigError, match=match):
         resolve_auto({"train_micro_batch_size_per_gpu": 1, **config}, AutoContext())
@@ -494,8 +632,12 @@ def test_docs_mapping_table_covers_every_known_key():
     from pathlib import Path
 
     docs = (Path(__file__).resolve().parents[2] / "docs" / "ds_config.md").read_text()
-    tables = {"": schema.TOP_LEVEL_KEYS, "zero_optimization.": schema.ZERO_KEYS,
-              "offload_optimizer.": schema.OFFLOAD_OPTIMIZER_KEYS, "offload_param.": schema.OFFLOAD_PARAM_KEYS}
+    tables = {
+        "": schema.TOP_LEVEL_KEYS,
+        "zero_optimization.": schema.ZERO_KEYS,
+        "offload_optimizer.": schema.OFFLOAD_OPTIMIZER_KEYS,
+        "offload_param.": schema.OFFLOAD_PARAM_KEYS,
+    }
     tables.update({f"{section}.": keys for section, keys in schema.SECTION_KEYS.items() if "." not in section})
     missing = [prefix + key for prefix, keys in tables.items() for key in keys if f"`{prefix}{key}`" not in docs]
     missing += [section for section in schema.UNSUPPORTED_SECTIONS if f"`{section}`" not in docs]

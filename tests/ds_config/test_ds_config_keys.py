@@ -45,14 +45,18 @@ CONTEXTS = {
     "torch_autocast.dtype": {"torch_autocast": {"enabled": True}},
     "zero_optimization.offload_optimizer.": {"zero_optimization": {"stage": 3, "offload_optimizer": _NVME}},
     "zero_optimization.offload_optimizer.device": {"zero_optimization": {"stage": 2}},
-    "zero_optimization.offload_optimizer.pin_memory": {"zero_optimization": {"stage": 2, "offload_optimizer": {
-        "device": "cpu"}}},
-    "zero_optimization.offload_param.": {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
-                                                               "offload_param": _NVME}},
-    "zero_optimization.offload_param.device": {"zero_optimization": {"stage": 3, "offload_optimizer": {
-        "device": "cpu"}}},
-    "zero_optimization.offload_param.pin_memory": {"zero_optimization": {"stage": 3, "offload_optimizer": {
-        "device": "cpu"}, "offload_param": {"device": "cpu"}}},
+    "zero_optimization.offload_optimizer.pin_memory": {
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+    },
+    "zero_optimization.offload_param.": {
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": _NVME}
+    },
+    "zero_optimization.offload_param.device": {
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}
+    },
+    "zero_optimization.offload_param.pin_memory": {
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
+    },
     "aio.": {"zero_optimization": {"stage": 3, "offload_optimizer": _NVME}},
     "zero_optimization.sub_group_size": {"zero_optimization": {"stage": 3, "offload_optimizer": _NVME}},
     "zero_optimization.": {"zero_optimization": {"stage": 3}},
@@ -127,9 +131,24 @@ SAMPLES: dict[str, Any] = {
 
 # Sections refused as a whole (features lightning-zero does not have, or DeepSpeed removed): any value written in
 # them is refused, so their keys need no chosen value.
-REFUSED_SECTIONS = ("autotuning", "comet", "comms_logger", "compile", "csv_monitor", "data_efficiency", "data_types",
-                    "expert_parallel", "flops_profiler", "hybrid_engine", "tensor_parallel", "tensorboard", "timers",
-                    "wandb", "weight_quantization", "zero_optimization.zenflow")
+REFUSED_SECTIONS = (
+    "autotuning",
+    "comet",
+    "comms_logger",
+    "compile",
+    "csv_monitor",
+    "data_efficiency",
+    "data_types",
+    "expert_parallel",
+    "flops_profiler",
+    "hybrid_engine",
+    "tensor_parallel",
+    "tensorboard",
+    "timers",
+    "wandb",
+    "weight_quantization",
+    "zero_optimization.zenflow",
+)
 
 # What each honoured key changes (a strategy argument, a Trainer setting, or what the strategy builds from it).
 HONOURED = {
@@ -229,13 +248,18 @@ def settings(binding: DeepSpeedConfigBinding) -> dict:
     translation = binding.translation
     found = {f"strategy.{key}": value for key, value in translation.strategy_kwargs.items()}
     found.update({f"trainer.{key}": value for key, value in translation.trainer_settings().items()})
-    found.update({"trainer.train_batch_size": translation.train_batch_size,
-                  "trainer.train_micro_batch_size_per_gpu": translation.train_micro_batch_size_per_gpu,
-                  "trainer.wall_clock_breakdown": translation.wall_clock_breakdown,
-                  "optimizer": translation.optimizer, "scheduler": translation.scheduler,
-                  "activation_checkpointing": activation_checkpointing_over_config(binding, None, None, None),
-                  "weights_16bit": checkpoint_save_options(binding, "bf16-mixed")["weights_16bit"],
-                  "ddp.bucket_cap": config_reduce_bucket_size(binding)})
+    found.update(
+        {
+            "trainer.train_batch_size": translation.train_batch_size,
+            "trainer.train_micro_batch_size_per_gpu": translation.train_micro_batch_size_per_gpu,
+            "trainer.wall_clock_breakdown": translation.wall_clock_breakdown,
+            "optimizer": translation.optimizer,
+            "scheduler": translation.scheduler,
+            "activation_checkpointing": activation_checkpointing_over_config(binding, None, None, None),
+            "weights_16bit": checkpoint_save_options(binding, "bf16-mixed")["weights_16bit"],
+            "ddp.bucket_cap": config_reduce_bucket_size(binding),
+        }
+    )
     return found
 
 
@@ -304,15 +328,20 @@ def test_counts_per_class():
     assert counts["honoured"] == len(HONOURED)
 
 
-@pytest.mark.parametrize("config, named", [
-    ({"fp16": {"enabled": False, "loss_scale_window": 100}}, "fp16.loss_scale_window=100"),
-    ({"torch_autocast": {"dtype": "float16"}}, "torch_autocast.dtype='float16'"),
-    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none", "pin_memory": False}}},
-     "zero_optimization.offload_optimizer.pin_memory=False"),
-    ({"aio": {"queue_depth": 2}}, "aio.queue_depth=2"),
-    ({"optimizer": {"type": "AdamW", "legacy_fusion": True}}, "optimizer.legacy_fusion=True"),
-    ({"zero_optimization": {"stage": 3, "max_live_parameters": 10}}, "zero_optimization.max_live_parameters=10"),
-])
+@pytest.mark.parametrize(
+    "config, named",
+    [
+        ({"fp16": {"enabled": False, "loss_scale_window": 100}}, "fp16.loss_scale_window=100"),
+        ({"torch_autocast": {"dtype": "float16"}}, "torch_autocast.dtype='float16'"),
+        (
+            {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none", "pin_memory": False}}},
+            "zero_optimization.offload_optimizer.pin_memory=False",
+        ),
+        ({"aio": {"queue_depth": 2}}, "aio.queue_depth=2"),
+        ({"optimizer": {"type": "AdamW", "legacy_fusion": True}}, "optimizer.legacy_fusion=True"),
+        ({"zero_optimization": {"stage": 3, "max_live_parameters": 10}}, "zero_optimization.max_live_parameters=10"),
+    ],
+)
 def test_a_key_without_effect_where_it_is_written_is_named(config, named):
     # DeepSpeed ignores these too here (fp16 off, no NVMe, device 'none'...); a value it would act on is still said
     result, texts = _bind(config)
@@ -321,8 +350,9 @@ def test_a_key_without_effect_where_it_is_written_is_named(config, named):
 
 def test_deepspeed_spellings_of_one_key():
     # the pydantic field name is the alias's key; giving both is ambiguous
-    result, _ = _bind({"zero_optimization": {"stage": 3, "prefetch_bucket_size": 10,
-                                             "stage3_prefetch_bucket_size": 20}})
+    result, _ = _bind(
+        {"zero_optimization": {"stage": 3, "prefetch_bucket_size": 10, "stage3_prefetch_bucket_size": 20}}
+    )
     assert isinstance(result, DeepSpeedConfigError) and "prefetch_bucket_size" in str(result)
     # the section keeps DeepSpeed's deprecated spelling in what it says
     result, texts = _bind({"bfloat16": {"enabled": True, "bf16_optimizer_states": True}}, strict=False)
@@ -348,14 +378,21 @@ def test_our_defaults_are_deepspeeds():
     from lightning_zero.ds_config import schema
 
     ours = {key: spec.default for key, spec in schema.TOP_LEVEL_KEYS.items()}
-    ours.update({f"{section}.{key}": spec.default for section, keys in {**schema.SECTION_KEYS,
-                                                                        "zero_optimization": schema.ZERO_KEYS}.items()
-                 for key, spec in keys.items()})
+    ours.update(
+        {
+            f"{section}.{key}": spec.default
+            for section, keys in {**schema.SECTION_KEYS, "zero_optimization": schema.ZERO_KEYS}.items()
+            for key, spec in keys.items()
+        }
+    )
     differ = []
     for path, default in ours.items():
         theirs = KEYS.get(path, {}).get("default", default)
-        if path in LEAVES and default is not schema.DERIVED and not any(path == p or p.endswith(".") and
-                                                                        path.startswith(p) for p in DEFAULTS_DIFFER):
+        if (
+            path in LEAVES
+            and default is not schema.DERIVED
+            and not any(path == p or p.endswith(".") and path.startswith(p) for p in DEFAULTS_DIFFER)
+        ):
             same = default == theirs or isinstance(default, str) and str(theirs).lower() == default.lower()
             if not same:
                 differ.append(f"{path}: ours {default!r}, DeepSpeed {theirs!r}")

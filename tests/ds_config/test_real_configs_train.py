@@ -62,9 +62,18 @@ def _train_worker(rank, world_size, name, nvme_root):
     before = full_state(module)
     fp16 = SEEDS[name][2] == "16-mixed"
     steps = FP16_STEPS if fp16 else STEPS
-    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=world_size, max_steps=steps, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      num_sanity_val_steps=0, limit_val_batches=0)
+    trainer = Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=world_size,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
     trainer.fit(module)
     assert trainer.global_step == steps
     if fp16:

@@ -32,8 +32,15 @@ _DTYPE = {"32-true": torch.float32, "bf16-true": torch.bfloat16, "bf16-mixed": t
 
 def _shape(model=None, batch=BATCH):
     layer_params = sum(p.numel() for p in model.blocks[0].parameters()) if model is not None else 0
-    return TransformerShape(hidden=HIDDEN, layers=LAYERS, heads=HEADS, seq_len=SEQ, micro_batch=batch, vocab=VOCAB,
-                            layer_params=layer_params)
+    return TransformerShape(
+        hidden=HIDDEN,
+        layers=LAYERS,
+        heads=HEADS,
+        seq_len=SEQ,
+        micro_batch=batch,
+        vocab=VOCAB,
+        layer_params=layer_params,
+    )
 
 
 def _loss(model, idx, targets, precision, block_checkpoint=False):
@@ -83,8 +90,10 @@ def test_what_zero_strategy_computes_is_what_the_estimate_counts(stage, precisio
     predicted = estimate_memory(1000, stage, 2, precision=precision, shape=_shape(model)).activations.accelerator
     assert abs(saved.total - predicted) <= 0.05 * saved.total, (stage, precision, saved.total, predicted)
     # bf16-true keeps its own meaning (every op in bf16) at every stage: fewer bytes than the autocast run
-    all_bf16 = {estimate_memory(1000, s, 2, precision="bf16-true", shape=_shape(model)).activations.accelerator
-                for s in (0, 1, 2, 3)}
+    all_bf16 = {
+        estimate_memory(1000, s, 2, precision="bf16-true", shape=_shape(model)).activations.accelerator
+        for s in (0, 1, 2, 3)
+    }
     assert len(all_bf16) == 1 and all_bf16.pop() < predicted
     # ... except with the masters swapped to NVMe at stages 0-1, where the run keeps fp32 parameters under autocast
     swapped = estimate_memory(1000, 1, 2, "nvme", precision="bf16-true", shape=_shape(model)).activations.accelerator
@@ -167,32 +176,47 @@ def _checkpointing_worker(rank, world_size):
     from lightning_zero import ZeroStrategy
     from lightning_zero.cli.advise_measure import measuring_callback
 
-    shape = TransformerShape(hidden=HIDDEN, layers=LAYERS, heads=HEADS, seq_len=CKPT_SEQ, micro_batch=CKPT_BATCH,
-                             vocab=VOCAB)
+    shape = TransformerShape(
+        hidden=HIDDEN, layers=LAYERS, heads=HEADS, seq_len=CKPT_SEQ, micro_batch=CKPT_BATCH, vocab=VOCAB
+    )
     gen = torch.Generator().manual_seed(rank)
-    batches = [tuple(torch.randint(0, VOCAB, (CKPT_BATCH, CKPT_SEQ), generator=gen) for _ in range(2))
-               for _ in range(CKPT_STEPS)]
+    batches = [
+        tuple(torch.randint(0, VOCAB, (CKPT_BATCH, CKPT_SEQ), generator=gen) for _ in range(2))
+        for _ in range(CKPT_STEPS)
+    ]
     failures = []
     for stage in (0, 1, 2, 3):
         for cpu in (False, True):
             torch.manual_seed(0)
             module = GPTModule(VOCAB, CKPT_SEQ, LAYERS, HEADS, HIDDEN)
             measure = measuring_callback()
-            trainer = Trainer(accelerator="cpu", devices=world_size, max_steps=CKPT_STEPS, logger=False,
-                              strategy=ZeroStrategy(stage=stage, activation_checkpointing=True, cpu_checkpointing=cpu),
-                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                              callbacks=[measure], use_distributed_sampler=False)
+            trainer = Trainer(
+                accelerator="cpu",
+                devices=world_size,
+                max_steps=CKPT_STEPS,
+                logger=False,
+                strategy=ZeroStrategy(stage=stage, activation_checkpointing=True, cpu_checkpointing=cpu),
+                enable_checkpointing=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                callbacks=[measure],
+                use_distributed_sampler=False,
+            )
             trainer.fit(module, torch.utils.data.DataLoader(batches, batch_size=None))
-            est = estimate_memory(module, stage, world_size, None, shape=shape,
-                                  checkpointing="full+cpu" if cpu else "full")
-            predicted = (est.states.accelerator.total + est.states.cpu.total + est.activations.accelerator
-                         + est.activations.cpu)
+            est = estimate_memory(
+                module, stage, world_size, None, shape=shape, checkpointing="full+cpu" if cpu else "full"
+            )
+            predicted = (
+                est.states.accelerator.total + est.states.cpu.total + est.activations.accelerator + est.activations.cpu
+            )
             if cpu:
                 assert est.activations.cpu > 0, "the block inputs are predicted in CPU memory"
             assert measure.recomputed > 0, f"stage {stage}: no checkpointed block was measured"
             if abs(measure.tensors - predicted) > 0.15 * measure.tensors:
-                failures.append(f"stage {stage} cpu_checkpointing={cpu}: measured {measure.tensors}, predicted "
-                                f"{predicted} ({(predicted - measure.tensors) / measure.tensors:+.1%})")
+                failures.append(
+                    f"stage {stage} cpu_checkpointing={cpu}: measured {measure.tensors}, predicted "
+                    f"{predicted} ({(predicted - measure.tensors) / measure.tensors:+.1%})"
+                )
     assert not failures, "\n".join(failures)
 
 

@@ -8,8 +8,10 @@ from lightning_zero.cli import main
 P = 1_000_000
 
 
-@pytest.mark.parametrize("stage, params, grads, states", [
-    (0, 4 * P, 4 * P, 8 * P), (1, 4 * P, 4 * P, 2 * P), (2, P, P, 2 * P), (3, P, P, 2 * P)])
+@pytest.mark.parametrize(
+    "stage, params, grads, states",
+    [(0, 4 * P, 4 * P, 8 * P), (1, 4 * P, 4 * P, 2 * P), (2, P, P, 2 * P), (3, P, P, 2 * P)],
+)
 def test_fp32_adam_formulas_at_four_ranks(stage, params, grads, states):
     got = zero_formula(P, stage, 4)
     assert (got.params, got.grads, got.optimizer_states) == (params, grads, states)
@@ -35,8 +37,9 @@ def test_mixed_precision_keeps_fp32_masters_as_the_parameters():
     nvme = estimate_model_states_memory(P, 1, 8, offload="nvme", precision="bf16-true")
     assert nvme.accelerator == estimate_model_states_memory(P, 1, 8, offload="nvme").accelerator
     # low precision halves only what compute reads: the parameters gathered at stage 2
-    gathered = {precision: estimate_model_states_memory(P, 2, 8, precision=precision)
-                for precision in ("32-true", "bf16-mixed")}
+    gathered = {
+        precision: estimate_model_states_memory(P, 2, 8, precision=precision) for precision in ("32-true", "bf16-mixed")
+    }
     assert gathered["32-true"].accelerator.total == gathered["bf16-mixed"].accelerator.total == 16 * P // 8
     assert gathered["32-true"].accelerator_peak - gathered["bf16-mixed"].accelerator_peak == 2 * P
 
@@ -92,8 +95,9 @@ def test_estimate_memory_takes_every_model_state_setting():
 
     for kwargs in (dict(hybrid_shard_size=2), dict(sub_group_size=1000, buffer_count=2), dict(largest_unit_params=10)):
         offload = "nvme" if "buffer_count" in kwargs else None
-        assert estimate_memory(10**6, 3, 4, offload, **kwargs).states == \
-            estimate_model_states_memory(10**6, 3, 4, offload, **kwargs), kwargs
+        assert estimate_memory(10**6, 3, 4, offload, **kwargs).states == estimate_model_states_memory(
+            10**6, 3, 4, offload, **kwargs
+        ), kwargs
 
 
 def test_stage_1_estimate_of_a_module_is_the_heaviest_ranks_whole_parameters():

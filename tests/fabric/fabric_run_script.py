@@ -14,6 +14,12 @@ if __name__ == "__main__":
     model, _ = fabric_train(fabric, fabric.global_rank, fabric.world_size)
     weights = full_weights(model._forward_module)
     if fabric.global_rank == 0:
-        torch.save({"strategy": type(fabric.strategy).__module__, "stage": fabric.strategy.stage,
-                    "offload": fabric.strategy.zero_config.offload,
-                    "weights": weights}, sys.argv[1])
+        torch.save(
+            {
+                "strategy": type(fabric.strategy).__module__,
+                "stage": fabric.strategy.stage,
+                "offload": fabric.strategy.zero_config.offload,
+                "weights": weights,
+            },
+            sys.argv[1],
+        )

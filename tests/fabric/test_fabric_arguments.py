@@ -22,29 +22,49 @@ def test_same_arguments_as_the_trainer_strategy():
             assert fabric[name].default == trainer[name].default, name
 
 
-@pytest.mark.parametrize(("kwargs", "error", "match"), [
-    (dict(stage=5), ValueError, "stage must be one of"),  # the shared validation
-    (dict(stage=0, offload="cpu"), ValueError, "needs a ZeRO stage"),
-    (dict(stage=2, find_unused_parameters=True), ValueError, "DDP options apply at stages 0-1"),
-    (dict(stage=2, loss_scale=-1), ValueError, "loss_scale"),
-    (dict(checkpoint_io=object()), ValueError, "checkpoint_io"),
-    (dict(pipeline_parallel_size=2, stage=3, offload="cpu"), NotImplementedError,
-     "offload_optimizer='cpu', offload_params='cpu' at stage 3 is not supported"),
-    (dict(auto_resume=True), ValueError, "auto_resume=True"),
-    (dict(config={"zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}),
-     ValueError, "the ds_config sets optimizer="),
-    (dict(config={"zero_optimization": {"stage": 3}, "gradient_clipping": 1.0}), ValueError, "gradient_clipping=1.0"),
-    (dict(config={"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 4}), ValueError,
-     "train_micro_batch_size_per_gpu=4"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (dict(stage=5), ValueError, "stage must be one of"),  # the shared validation
+        (dict(stage=0, offload="cpu"), ValueError, "needs a ZeRO stage"),
+        (dict(stage=2, find_unused_parameters=True), ValueError, "DDP options apply at stages 0-1"),
+        (dict(stage=2, loss_scale=-1), ValueError, "loss_scale"),
+        (dict(checkpoint_io=object()), ValueError, "checkpoint_io"),
+        (
+            dict(pipeline_parallel_size=2, stage=3, offload="cpu"),
+            NotImplementedError,
+            "offload_optimizer='cpu', offload_params='cpu' at stage 3 is not supported",
+        ),
+        (dict(auto_resume=True), ValueError, "auto_resume=True"),
+        (
+            dict(config={"zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}),
+            ValueError,
+            "the ds_config sets optimizer=",
+        ),
+        (
+            dict(config={"zero_optimization": {"stage": 3}, "gradient_clipping": 1.0}),
+            ValueError,
+            "gradient_clipping=1.0",
+        ),
+        (
+            dict(config={"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 4}),
+            ValueError,
+            "train_micro_batch_size_per_gpu=4",
+        ),
+    ],
+)
 def test_invalid_or_trainer_only_arguments_fail_in_the_constructor(kwargs, error, match):
     with pytest.raises(error, match=match):
         ZeroStrategy(**kwargs)
 
 
 def test_ds_config_sets_the_zero_arguments():
-    strategy = ZeroStrategy(config={"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
-                                    "train_micro_batch_size_per_gpu": "auto"})
+    strategy = ZeroStrategy(
+        config={
+            "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+            "train_micro_batch_size_per_gpu": "auto",
+        }
+    )
     assert (strategy.stage, strategy.zero_config.offload) == (3, "cpu")
     assert ZeroStrategy(stage=1, config={"zero_optimization": {"stage": 3}}).stage == 1  # explicit wins
 
@@ -73,8 +93,10 @@ def test_both_adapters_block_gradient_sync_through_one_helper(monkeypatch):
     trainer_strategy.model, trainer_strategy._runner = module, runner
     fabric_strategy = ZeroStrategy(stage=2)
     fabric_strategy._runner = runner
-    blocks = {"trainer": trainer_strategy.block_backward_sync,
-              "fabric": lambda: fabric_strategy._backward_sync_control.no_backward_sync(module, enabled=True)}
+    blocks = {
+        "trainer": trainer_strategy.block_backward_sync,
+        "fabric": lambda: fabric_strategy._backward_sync_control.no_backward_sync(module, enabled=True),
+    }
     for name, block in blocks.items():
         calls.clear()
         with pytest.raises(RuntimeError, match="inside"):

@@ -111,8 +111,14 @@ def test_a_script_ending_with_a_failing_pending_save_reports_it_at_exit(tmp_path
     path = str(tmp_path / "exit.ckpt")
     script = os.path.join(os.path.dirname(__file__), "async_exit_script.py")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, script, path, "fail"], capture_output=True, text=True, timeout=300,
-                          env=env, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    done = subprocess.run(
+        [sys.executable, script, path, "fail"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+    )
     assert f"saved ['{path}']" in done.stdout, done.stderr  # the save was still pending when the script ended
     assert "still pending" in done.stderr and "FAILED" in done.stderr and "disk full" in done.stderr, done.stderr
     assert not os.path.exists(path)

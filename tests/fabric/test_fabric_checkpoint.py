@@ -53,8 +53,9 @@ def _roundtrip_worker(rank, world_size, path, save_stage, load_stage):
     filtered = path + ".blocks"
     fabric.save(filtered, {"model": model}, filter={"model": lambda name, value: name.startswith("blocks.")})
     stored = read_dcp_metadata(filtered).state_dict_metadata
-    assert {k for k in stored if k.startswith("state_dict.")} == {f"state_dict.{k}" for k in at_save
-                                                                    if k.startswith("blocks.")}
+    assert {k for k in stored if k.startswith("state_dict.")} == {
+        f"state_dict.{k}" for k in at_save if k.startswith("blocks.")
+    }
 
 
 @pytest.mark.parametrize(("save_stage", "load_stage"), [(3, 1), (1, 2)])
@@ -79,6 +80,7 @@ def test_save_load_resume_equals_uninterrupted_and_consolidates(tmp_path, save_s
 
 def _two_modules_worker(rank, world_size, path):
     """A GAN-like state: two modules and two optimizers in one checkpoint, at stage 2."""
+
     def build(fabric, seed):
         torch.manual_seed(seed)
         a, b = TinyNet(), TinyNet()
@@ -136,8 +138,11 @@ def _counting_checkpoint_reads():
         counts[".metadata"] += 1
         return unpickle(self)
 
-    patches = [(json, "load", counted_json_load), (torch, "load", counted_torch_load),
-               (safe_load.DCPMetadataUnpickler, "load", counted_unpickle)]
+    patches = [
+        (json, "load", counted_json_load),
+        (torch, "load", counted_torch_load),
+        (safe_load.DCPMetadataUnpickler, "load", counted_unpickle),
+    ]
     originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     for owner, name, value in patches:
         setattr(owner, name, value)
@@ -176,11 +181,23 @@ def test_save_states_and_load_states_take_explicit_arguments_no_strategy(tmp_pat
     module(torch.randn(4, 8)).pow(2).mean().backward()
     optimizer.step()
     saved = {k: v.clone() for k, v in module.state_dict().items()}
-    checkpoint = {"state_dict": checkpointing.module_state_dict(module),
-                  "optimizer_states": [checkpointing.optimizer_state_dict(module, optimizer)], "step": 1}
+    checkpoint = {
+        "state_dict": checkpointing.module_state_dict(module),
+        "optimizer_states": [checkpointing.optimizer_state_dict(module, optimizer)],
+        "step": 1,
+    }
     path = str(tmp_path / "states.ckpt")
-    checkpointing.save_states(checkpoint, path, module=module, optimizers=[optimizer], stage=0, offload=None,
-                              exclude_frozen_parameters=True, ds_config_report=None, async_save=False)
+    checkpointing.save_states(
+        checkpoint,
+        path,
+        module=module,
+        optimizers=[optimizer],
+        stage=0,
+        offload=None,
+        exclude_frozen_parameters=True,
+        ds_config_report=None,
+        async_save=False,
+    )
     info = read_checkpoint_info(path)
     assert info["stage"] == 0 and info["optimizers"] == [checkpointing.optimizer_type(optimizer)]
     stored = read_dcp_metadata(path).state_dict_metadata

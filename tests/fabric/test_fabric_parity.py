@@ -19,8 +19,10 @@ CONFIGS = [(0, None), (1, None), (1, "cpu"), (2, None), (2, "cpu"), (3, None), (
 
 
 def full_weights(module):
-    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
-            for k, v in module.state_dict().items()}
+    return {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+        for k, v in module.state_dict().items()
+    }
 
 
 def make_fabric(strategy, **kwargs):
@@ -38,11 +40,11 @@ def fabric_train(fabric, rank, world_size, accumulate=1, clip=None, steps=range(
     x, y = data(world_size, accumulate)
     per_step = accumulate * world_size * LOCAL_BATCH
     for step in steps:
-        xs, ys = x[step * per_step:(step + 1) * per_step], y[step * per_step:(step + 1) * per_step]
+        xs, ys = x[step * per_step : (step + 1) * per_step], y[step * per_step : (step + 1) * per_step]
         for i, (mx, my) in enumerate(zip(xs.chunk(accumulate), ys.chunk(accumulate))):
             with fabric.no_backward_sync(model, enabled=i < accumulate - 1):
-                lx = mx[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]
-                ly = my[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]
+                lx = mx[rank * LOCAL_BATCH : (rank + 1) * LOCAL_BATCH]
+                ly = my[rank * LOCAL_BATCH : (rank + 1) * LOCAL_BATCH]
                 fabric.backward(nn.functional.mse_loss(model(lx), ly) / accumulate)
         if clip:
             fabric.clip_gradients(model, optimizer, max_norm=clip)
@@ -171,6 +173,7 @@ def _no_sync_worker(rank, world_size):
         def wrapper(*args, **kwargs):
             calls.append(name)
             return originals[name](*args, **kwargs)
+
         return wrapper
 
     for stage in (0, 1, 2, 3):
@@ -178,6 +181,7 @@ def _no_sync_worker(rank, world_size):
         torch.manual_seed(0)
         model = fabric.setup(TinyNet())
         if stage <= 1:  # DDP reduces in C++: count its buckets with a comm hook
+
             def hook(state, bucket):
                 calls.append("ddp bucket")
                 return allreduce_hook(state, bucket)

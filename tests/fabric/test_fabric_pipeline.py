@@ -15,8 +15,11 @@ STEPS, BATCH, ACCUMULATE, CLIP = 3, 4, 2, 0.05  # BATCH: per data-parallel repli
 
 
 def _fabric(world_size, **kwargs):
-    fabric = Fabric(accelerator="cpu", devices=world_size,
-                    strategy=ZeroStrategy(pipeline_parallel_size=2, micro_batches=2, **kwargs))
+    fabric = Fabric(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=ZeroStrategy(pipeline_parallel_size=2, micro_batches=2, **kwargs),
+    )
     fabric.launch()
     return fabric
 
@@ -33,8 +36,9 @@ def _train(fabric, model, optimizer, x, y, steps, dp, dp_rank, reference_losses=
         for i in range(ACCUMULATE):
             start = (step * ACCUMULATE + i) * BATCH * dp + dp_rank * BATCH
             with fabric.no_backward_sync(model, enabled=i < ACCUMULATE - 1):
-                loss = fabric.strategy.pipeline_step(model, x[start:start + BATCH], y[start:start + BATCH],
-                                                     grad_scale=1 / ACCUMULATE)
+                loss = fabric.strategy.pipeline_step(
+                    model, x[start : start + BATCH], y[start : start + BATCH], grad_scale=1 / ACCUMULATE
+                )
             if reference_losses is not None:  # this replica's mean loss, on every rank of its pipeline
                 ref = reference_losses[step * ACCUMULATE + i][dp_rank]
                 torch.testing.assert_close(loss, ref, atol=1e-5, rtol=0)
@@ -53,10 +57,11 @@ def _reference(dp):
     for step in range(STEPS):
         for i in range(ACCUMULATE):
             start = (step * ACCUMULATE + i) * BATCH * dp
-            xs, ys = x[start:start + BATCH * dp], y[start:start + BATCH * dp]
+            xs, ys = x[start : start + BATCH * dp], y[start : start + BATCH * dp]
             with torch.no_grad():
-                losses.append([model(xs[r * BATCH:(r + 1) * BATCH], ys[r * BATCH:(r + 1) * BATCH])
-                               for r in range(dp)])
+                losses.append(
+                    [model(xs[r * BATCH : (r + 1) * BATCH], ys[r * BATCH : (r + 1) * BATCH]) for r in range(dp)]
+                )
             (model(xs, ys) / ACCUMULATE).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         optimizer.step()

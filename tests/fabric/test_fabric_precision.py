@@ -20,8 +20,10 @@ from tests.ranks import run_distributed
 
 def _saved_weights(fabric, module):
     """The whole weights ``fabric.save`` writes, on every rank."""
-    mine = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
-            for k, v in fabric.strategy.get_module_state_dict(module).items()}
+    mine = {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+        for k, v in fabric.strategy.get_module_state_dict(module).items()
+    }
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     return {k: v for part in every for k, v in part.items()}
@@ -61,14 +63,15 @@ def _reference_grad_norm(world_size):
 def _fp16_worker(rank, world_size, path, expected_norm):
     for stage in (1, 2):
         scaling = LossScaleConfig(initial_scale_power=12, hysteresis=1)
-        fabric = make_fabric(ZeroStrategy(stage=stage), plugins=FabricZeroPrecision("16-mixed",
-                                                                                    loss_scale_config=scaling))
+        fabric = make_fabric(
+            ZeroStrategy(stage=stage), plugins=FabricZeroPrecision("16-mixed", loss_scale_config=scaling)
+        )
         scaler = fabric.strategy.precision.scaler
         torch.manual_seed(0)
         module = TinyNet()
         model, optimizer = fabric.setup(module, make_optimizer(module))
         x, y = data(world_size, 1)
-        lx, ly = x[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH], y[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]
+        lx, ly = x[rank * LOCAL_BATCH : (rank + 1) * LOCAL_BATCH], y[rank * LOCAL_BATCH : (rank + 1) * LOCAL_BATCH]
         before = full_weights(module)
         # Step 1: an inf in one gradient of rank 1 only: every rank skips the step, the scale halves.
         fabric.backward(nn.functional.mse_loss(model(lx), ly))
@@ -79,7 +82,7 @@ def _fp16_worker(rank, world_size, path, expected_norm):
         optimizer.step()
         optimizer.zero_grad()
         assert all(torch.equal(before[k], v) for k, v in full_weights(module).items()), f"stage {stage}: stepped"
-        assert (scaler.scale, scaler.skipped_steps) == (2.0 ** 11, 1), f"stage {stage}"
+        assert (scaler.scale, scaler.skipped_steps) == (2.0**11, 1), f"stage {stage}"
         # Step 2: clean; clipping reads the unscaled global norm (a 2**11 factor would be obvious).
         fabric.backward(nn.functional.mse_loss(model(lx), ly))
         norm = fabric.clip_gradients(model, optimizer, max_norm=1e9)
@@ -88,9 +91,9 @@ def _fp16_worker(rank, world_size, path, expected_norm):
         assert any(not torch.equal(before[k], v) for k, v in full_weights(module).items()), f"stage {stage}"
         fabric.save(path, {"model": model, "optimizer": optimizer})
         scaler.update(True)  # another overflow after the save: the load must undo it
-        assert scaler.scale == 2.0 ** 10
+        assert scaler.scale == 2.0**10
         fabric.load(path, {"model": model, "optimizer": optimizer})
-        assert scaler.scale == 2.0 ** 11 and scaler.skipped_steps == 1, f"stage {stage}: scaler not restored"
+        assert scaler.scale == 2.0**11 and scaler.skipped_steps == 1, f"stage {stage}: scaler not restored"
         # An overflowing clip without a step, then a clean backward: the stale overflow must not skip that step.
         fabric.backward(nn.functional.mse_loss(model(lx), ly))
         if rank == 1:

@@ -27,9 +27,11 @@ from tests.ranks import run_distributed
 QUICK = [(1, "cpu"), (2, "cpu"), (3, None)]  # stale offloaded masters; DTensor parameters; both
 SWEEP = [(0, None), (1, None), (1, "cpu"), (2, None), (2, "cpu"), (3, None), (3, "cpu")]
 # offload_optimizer="nvme": the masters are swapped to disk between steps and must follow the load too
-NVME = [dict(stage=1, offload_optimizer="nvme", sub_group_size=64),
-        dict(stage=2, offload_optimizer="nvme", sub_group_size=64),
-        dict(stage=3, offload_optimizer="nvme", offload_params="nvme", sub_group_size=64)]
+NVME = [
+    dict(stage=1, offload_optimizer="nvme", sub_group_size=64),
+    dict(stage=2, offload_optimizer="nvme", sub_group_size=64),
+    dict(stage=3, offload_optimizer="nvme", offload_params="nvme", sub_group_size=64),
+]
 
 
 def _write_base(directory) -> dict:
@@ -92,8 +94,13 @@ def test_finetune_loading_base_weights_after_setup_equals_ddp(tmp_path):
 
 @pytest.mark.slow
 def test_finetune_loading_base_weights_after_setup_equals_ddp_at_every_stage(tmp_path):
-    run_distributed(_finetune_worker, 2, _write_base(tmp_path), SWEEP + NVME,
-                    ["load_state_dict", "load_raw .pth", "load_raw .safetensors"])
+    run_distributed(
+        _finetune_worker,
+        2,
+        _write_base(tmp_path),
+        SWEEP + NVME,
+        ["load_state_dict", "load_raw .pth", "load_raw .safetensors"],
+    )
 
 
 def _torch_report(call):
@@ -118,12 +125,14 @@ def _strict_worker(rank, world_size, paths):
         # strict=False: torch's own report of missing and unexpected keys, and the keys present are loaded
         assert model.load_state_dict(partial, strict=False) == plain.load_state_dict(partial, strict=False), stage
         got = full_weights(_unwrapped(model))
-        assert all(torch.equal(got[k], v) for k, v in partial.items() if k in got) and \
-            torch.equal(got["out.bias"], before), stage
+        assert all(torch.equal(got[k], v) for k, v in partial.items() if k in got) and torch.equal(
+            got["out.bias"], before
+        ), stage
         # strict=True, and a shape mismatch (refused either way): torch's own errors
         for state, strict in ((partial, True), (wrong_shape, False)):
-            assert _torch_report(lambda: model.load_state_dict(state, strict=strict)) == \
-                _torch_report(lambda: plain.load_state_dict(state, strict=strict)), (stage, strict)
+            assert _torch_report(lambda: model.load_state_dict(state, strict=strict)) == _torch_report(
+                lambda: plain.load_state_dict(state, strict=strict)
+            ), (stage, strict)
         # fabric.load_raw: the same keys decide, named in the error
         torch.save(partial, paths["partial"])
         with pytest.raises(CheckpointError, match="missing keys .*out.bias.*unexpected keys .*head.weight"):
@@ -185,7 +194,7 @@ def _reference_resume(world_size, directory):
         if step == 1:
             torch.save(model.state_dict(), os.path.join(directory, "model.pth"))
             torch.save(optimizer.state_dict(), os.path.join(directory, "optimizer.pth"))
-        xs, ys = x[step * per_step:(step + 1) * per_step], y[step * per_step:(step + 1) * per_step]
+        xs, ys = x[step * per_step : (step + 1) * per_step], y[step * per_step : (step + 1) * per_step]
         nn.functional.mse_loss(model(xs), ys).backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -250,10 +259,16 @@ def test_load_raw_refusals_name_the_file(tmp_path):
 
 
 def _save(path, state, precision=None, exclude_frozen_parameters=False):
-    fabric_checkpoints.save(str(path), state, None, precision=precision or SimpleNamespace(scaler=None),
-                            zero_config=SimpleNamespace(stage=0, offload=None),
-                            exclude_frozen_parameters=exclude_frozen_parameters, ds_config_report=None,
-                            async_save=False)
+    fabric_checkpoints.save(
+        str(path),
+        state,
+        None,
+        precision=precision or SimpleNamespace(scaler=None),
+        zero_config=SimpleNamespace(stage=0, offload=None),
+        exclude_frozen_parameters=exclude_frozen_parameters,
+        ds_config_report=None,
+        async_save=False,
+    )
 
 
 @pytest.mark.parametrize("key", sorted(fabric_checkpoints.RESERVED))
@@ -265,21 +280,30 @@ def test_a_state_key_the_checkpoint_uses_itself_is_refused_by_name(tmp_path, key
     assert not os.path.exists(tmp_path / "ckpt")
     _save(tmp_path / "ckpt", {"model": module})
     with pytest.raises(ValueError, match=f"fabric.load with a ZeroStrategy: the state key.s. \\['{key}'\\]"):
-        fabric_checkpoints.load(str(tmp_path / "ckpt"), {"model": module, key: None}, True,
-                                precision=SimpleNamespace(scaler=None), async_save=False,
-                                exclude_frozen_parameters=False)
+        fabric_checkpoints.load(
+            str(tmp_path / "ckpt"),
+            {"model": module, key: None},
+            True,
+            precision=SimpleNamespace(scaler=None),
+            async_save=False,
+            exclude_frozen_parameters=False,
+        )
     # a module or an optimizer may take the name: they are stored by kind, not under their key
-    _save(tmp_path / "other", {key: module} if key != "optimizer_states" else {"m": module,
-                                                                             key: make_optimizer(module)})
+    _save(
+        tmp_path / "other", {key: module} if key != "optimizer_states" else {"m": module, key: make_optimizer(module)}
+    )
 
 
 def test_the_reserved_keys_are_every_key_a_save_writes_itself(tmp_path):
     module = TinyNet()
     next(module.parameters()).requires_grad_(False)
     user = {"step": 3, "note": "x"}
-    _save(tmp_path / "ckpt", {"model": module, "optimizer": make_optimizer(module), **user},
-          precision=SimpleNamespace(scaler=object(), state_dict=lambda: {"scale": 1.0}),
-          exclude_frozen_parameters=True)
+    _save(
+        tmp_path / "ckpt",
+        {"model": module, "optimizer": make_optimizer(module), **user},
+        precision=SimpleNamespace(scaler=object(), state_dict=lambda: {"scale": 1.0}),
+        exclude_frozen_parameters=True,
+    )
     written = set(load_meta(str(tmp_path / "ckpt"))) | {"state_dict", "optimizer_states"}  # the last two: DCP
     written.add(FULL_FILE_MARKER)  # what a state_dict_type="full" save adds to these (test_fabric_checkpoint.py)
     assert written == set(fabric_checkpoints.RESERVED) | set(user)
@@ -293,5 +317,6 @@ class _MyCheckpointIO(TorchCheckpointIO):
 def test_a_checkpoint_io_plugin_is_refused_by_name(strategy):
     with pytest.raises(NotImplementedError, match="ZeroStrategy does not use a CheckpointIO plugin .*_MyCheckpointIO"):
         Fabric(accelerator="cpu", devices=1, strategy=strategy(), plugins=[_MyCheckpointIO()])
-    assert isinstance(Fabric(accelerator="cpu", devices=1, strategy=strategy()).strategy.checkpoint_io,
-                      TorchCheckpointIO)  # Lightning's default, for its teardown
+    assert isinstance(
+        Fabric(accelerator="cpu", devices=1, strategy=strategy()).strategy.checkpoint_io, TorchCheckpointIO
+    )  # Lightning's default, for its teardown

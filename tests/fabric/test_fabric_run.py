@@ -17,19 +17,34 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(*args, timeout=300, plain=False, **env_vars):
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1",
-           **env_vars}
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "OMP_NUM_THREADS": "1",
+        **env_vars,
+    }
     command = [shutil.which("fabric")] if plain else [sys.executable, "-m", "lightning_zero.fabric"]
     return subprocess.run([*command, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.slow  # two fresh interpreters under torchrun: about a minute on a busy 2-core machine
-@pytest.mark.parametrize("route", ["python -m lightning_zero.fabric run --strategy zero_stage_3",
-                                   "LT_STRATEGY=zero_stage_3_offload fabric run"])
+@pytest.mark.parametrize(
+    "route",
+    ["python -m lightning_zero.fabric run --strategy zero_stage_3", "LT_STRATEGY=zero_stage_3_offload fabric run"],
+)
 def test_fabric_run_with_zero_stage_3_trains_with_parity(tmp_path, route):
     out = tmp_path / "weights.pt"
-    args = ["run", "--accelerator", "cpu", "--devices", "2", "--main-port", str(free_port()),
-            "tests/fabric/fabric_run_script.py", str(out)]
+    args = [
+        "run",
+        "--accelerator",
+        "cpu",
+        "--devices",
+        "2",
+        "--main-port",
+        str(free_port()),
+        "tests/fabric/fabric_run_script.py",
+        str(out),
+    ]
     if route.startswith("LT_STRATEGY"):  # plain `fabric run`: the script's Fabric() reads the name from the env
         if shutil.which("fabric") is None:
             pytest.skip("the `fabric` command is not on PATH")

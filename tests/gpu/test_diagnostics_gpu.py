@@ -36,8 +36,16 @@ def test_throughput_logger_on_gpu_uses_events_allocator_and_peak_table(capsys):
     data = TensorDataset(torch.randn(512, 1024), torch.randn(512, 1024))
     throughput = ThroughputLogger(log_every_n_steps=4, table_every_n_steps=8)
     diagnostics = NCCLDiagnostics(probe=False, hang_timeout=120)
-    trainer = Trainer(accelerator="gpu", devices=1, precision="bf16-mixed", max_steps=8, logger=False,
-                      callbacks=[throughput, diagnostics], enable_checkpointing=False, enable_progress_bar=False)
+    trainer = Trainer(
+        accelerator="gpu",
+        devices=1,
+        precision="bf16-mixed",
+        max_steps=8,
+        logger=False,
+        callbacks=[throughput, diagnostics],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
     trainer.fit(GpuMLP(), DataLoader(data, batch_size=64))
     report = throughput.last_report
     name = torch.cuda.get_device_name()
@@ -62,8 +70,9 @@ def test_collective_timer_uses_cuda_events():
 
 def test_nccl_probe_single_process():
     store = dist.HashStore()
-    dist.init_process_group("nccl", store=store, rank=0, world_size=1, timeout=timedelta(seconds=60),
-                            device_id=torch.device("cuda", 0))
+    dist.init_process_group(
+        "nccl", store=store, rank=0, world_size=1, timeout=timedelta(seconds=60), device_id=torch.device("cuda", 0)
+    )
     try:
         results = probe_collectives(COLLECTIVES, [1 << 20, 64 << 20], iters=5)
         for r in results:
@@ -85,8 +94,23 @@ def test_cli_diagnose_nccl(tmp_path):
     out = tmp_path / "diag.json"
     begin = time.monotonic()
     nproc = torch.cuda.device_count()
-    assert cli_main(["diagnose", "--nproc-per-node", str(nproc), "--backend", "nccl", "--sizes", "1M", "64M",
-                     "--json", str(out)]) == 0
+    assert (
+        cli_main(
+            [
+                "diagnose",
+                "--nproc-per-node",
+                str(nproc),
+                "--backend",
+                "nccl",
+                "--sizes",
+                "1M",
+                "64M",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     report = json.loads(out.read_text())
     assert report["backend"] == "nccl" and report["world_size"] == nproc
     assert time.monotonic() - begin < 300

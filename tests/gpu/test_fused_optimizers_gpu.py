@@ -36,10 +36,12 @@ def test_fused_adam_cuda_matches_cpu(adam_w_mode):
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_lamb_triton_matches_torch_path(dtype):
-    triton_result, opt = _run(lambda ps: FusedLamb(ps, lr=1e-2, max_coeff=2.0, min_coeff=0.5,
-                                                   implementation="triton"), "cuda", dtype)
-    torch_result, ref = _run(lambda ps: FusedLamb(ps, lr=1e-2, max_coeff=2.0, min_coeff=0.5,
-                                                  implementation="torch"), "cuda", dtype)
+    triton_result, opt = _run(
+        lambda ps: FusedLamb(ps, lr=1e-2, max_coeff=2.0, min_coeff=0.5, implementation="triton"), "cuda", dtype
+    )
+    torch_result, ref = _run(
+        lambda ps: FusedLamb(ps, lr=1e-2, max_coeff=2.0, min_coeff=0.5, implementation="torch"), "cuda", dtype
+    )
     assert opt.last_implementation == "triton" and ref.last_implementation == "torch"
     tolerance = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-2)
     for a, b in zip(triton_result, torch_result):

@@ -14,8 +14,10 @@ from tests.ranks import free_port
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-@pytest.mark.parametrize("stage, offload", [(0, None), (1, None), (1, "cpu"), (2, None), (2, "cpu"), (3, None),
-                                            (3, "cpu"), (3, {"offload_optimizer": "cpu"})])
+@pytest.mark.parametrize(
+    "stage, offload",
+    [(0, None), (1, None), (1, "cpu"), (2, None), (2, "cpu"), (3, None), (3, "cpu"), (3, {"offload_optimizer": "cpu"})],
+)
 def test_single_gpu_fit_matches_reference(stage, offload, monkeypatch, tmp_path):
     from lightning.pytorch import Trainer
 
@@ -25,10 +27,21 @@ def test_single_gpu_fit_matches_reference(stage, offload, monkeypatch, tmp_path)
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     torch.manual_seed(0)
     module = RegressionModule(batch_size=8)
-    strategy = (ZeroStrategy(stage=stage, **offload) if isinstance(offload, dict) else
-                ZeroStrategy(stage=stage, offload=offload))
-    trainer = Trainer(accelerator="gpu", devices=1, strategy=strategy, max_steps=4, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path)
+    strategy = (
+        ZeroStrategy(stage=stage, **offload)
+        if isinstance(offload, dict)
+        else ZeroStrategy(stage=stage, offload=offload)
+    )
+    trainer = Trainer(
+        accelerator="gpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        default_root_dir=tmp_path,
+    )
     trainer.fit(module)
     assert strategy.process_group_backend == "cpu:gloo,cuda:nccl"  # CPU tensors (offloaded shards) go to gloo
     if offload == "cpu" and stage == 3:  # offload="cpu" at stage 3 is both sections: FSDP2's CPUOffloadPolicy
@@ -63,8 +76,10 @@ def test_offload_pins_cpu_masters_on_cuda():
     assert model.weight.device.type == "cuda"
 
 
-@pytest.mark.parametrize("stage, precision", [(0, "bf16-mixed"), (1, "16-mixed"), (2, "bf16-true"), (3, "16-mixed"),
-                                              (3, "bf16-mixed"), (1, "bf16-true")])
+@pytest.mark.parametrize(
+    "stage, precision",
+    [(0, "bf16-mixed"), (1, "16-mixed"), (2, "bf16-true"), (3, "16-mixed"), (3, "bf16-mixed"), (1, "bf16-true")],
+)
 def test_single_gpu_low_precision_stays_close_to_fp32(stage, precision, monkeypatch, tmp_path):
     """On CUDA, 16-mixed is fp16 (Lightning only rewrites it on CPU): DeepSpeed loss scaling on a real device. Stage 1
     under bf16-true: bf16 replicas on the device, fp32 masters beside the optimizer (distributed/replicas.py)."""
@@ -77,8 +92,17 @@ def test_single_gpu_low_precision_stays_close_to_fp32(stage, precision, monkeypa
     module = RegressionModule(batch_size=8)
     scaling = dict(initial_scale_power=8) if precision.startswith("16") else {}
     strategy = ZeroStrategy(stage=stage, **scaling)
-    trainer = Trainer(accelerator="gpu", devices=1, strategy=strategy, max_steps=4, logger=False, precision=precision,
-                      enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path)
+    trainer = Trainer(
+        accelerator="gpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=4,
+        logger=False,
+        precision=precision,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        default_root_dir=tmp_path,
+    )
     trainer.fit(module)
     assert trainer.precision == precision
     saved = strategy.lightning_module_state_dict()  # what a checkpoint holds (bf16-true at stage 1: the masters)
@@ -106,8 +130,16 @@ def test_single_gpu_nvme_offload_matches_reference(stage, offload, monkeypatch, 
     torch.manual_seed(0)
     module = RegressionModule(batch_size=8)
     strategy = ZeroStrategy(stage=stage, nvme_path=str(nvme_path), **offload)
-    trainer = Trainer(accelerator="gpu", devices=1, strategy=strategy, max_steps=4, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path)
+    trainer = Trainer(
+        accelerator="gpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        default_root_dir=tmp_path,
+    )
     trainer.fit(module)
     assert not any(files for _, _, files in os.walk(nvme_path)), "swap files left after fit"
     got = {k: v.cpu() for k, v in full_state(module).items()}

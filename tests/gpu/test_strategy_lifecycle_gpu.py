@@ -15,9 +15,18 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 
 def make_trainer(stage, tmp_path, **kwargs):
-    return Trainer(accelerator="gpu", devices=1, strategy=ZeroStrategy(stage=stage), max_steps=2, logger=False,
-                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                   default_root_dir=tmp_path, **kwargs)
+    return Trainer(
+        accelerator="gpu",
+        devices=1,
+        strategy=ZeroStrategy(stage=stage),
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        **kwargs,
+    )
 
 
 class RecordNorm(Callback):

@@ -21,17 +21,28 @@ def main(out: str, stage: int) -> None:
     else:  # torchrun
         nproc = int(os.environ["LOCAL_WORLD_SIZE"])
         nodes = int(os.environ["WORLD_SIZE"]) // nproc
-    trainer = Trainer(strategy=ZeroStrategy(stage=stage), accelerator="cpu", devices=nproc, num_nodes=nodes,
-                      max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, limit_val_batches=0)
+    trainer = Trainer(
+        strategy=ZeroStrategy(stage=stage),
+        accelerator="cpu",
+        devices=nproc,
+        num_nodes=nodes,
+        max_steps=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
     module = RegressionModule()
     start = time.perf_counter()
     trainer.fit(module)
     seconds = time.perf_counter() - start
     state = full_state(module)
     if trainer.global_rank == 0:
-        torch.save({"weights": state, "nodes": nodes, "nproc": nproc, "seconds": seconds,
-                    "global_step": trainer.global_step}, out)
+        torch.save(
+            {"weights": state, "nodes": nodes, "nproc": nproc, "seconds": seconds, "global_step": trainer.global_step},
+            out,
+        )
 
 
 if __name__ == "__main__":

@@ -26,13 +26,32 @@ def _fabric_run(hosts, node, num_nodes, devices, port, out, plain=False, strateg
     else:
         command, extra_env = [sys.executable, "-m", "lightning_zero.fabric"], {}
         strategy_args = ["--strategy", strategy]
-    command = hosts.prefix(node) + command + [
-        "run", "--accelerator", "cpu", "--devices", str(devices), "--num-nodes", str(num_nodes),
-        "--node-rank", str(node), "--main-address", hosts.addresses[0], "--main-port", str(port), *strategy_args,
-        SCRIPT, str(out)]
+    command = (
+        hosts.prefix(node)
+        + command
+        + [
+            "run",
+            "--accelerator",
+            "cpu",
+            "--devices",
+            str(devices),
+            "--num-nodes",
+            str(num_nodes),
+            "--node-rank",
+            str(node),
+            "--main-address",
+            hosts.addresses[0],
+            "--main-port",
+            str(port),
+            *strategy_args,
+            SCRIPT,
+            str(out),
+        ]
+    )
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **hosts.env(node), **extra_env}
-    return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    return subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
 
 
 def _finish(proc, timeout=300):

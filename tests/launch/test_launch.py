@@ -39,8 +39,12 @@ node3 slots=2
 
 def test_hostfile_parsing_and_errors():
     assert dict(parse_hostfile(HOSTFILE)) == {"node1": 4, "node2": 4, "node3": 2}
-    for bad, match in (("node1 4", "line 1"), ("node1 slots=0", "N >= 1"), ("a slots=1\na slots=2", "twice"),
-                       ("# only a comment", "no host")):
+    for bad, match in (
+        ("node1 4", "line 1"),
+        ("node1 slots=0", "N >= 1"),
+        ("a slots=1\na slots=2", "twice"),
+        ("# only a comment", "no host"),
+    ):
         with pytest.raises(ValueError, match=match):
             parse_hostfile(bad)
 
@@ -99,9 +103,21 @@ def test_dry_run_prints_the_torchrun_command_of_this_node(capsys, tmp_path, monk
 
 
 def _args(**kwargs):
-    defaults = dict(master_addr=None, master_port=29500, env=[], hostfile=None, rendezvous_timeout=None,
-                    env_file=None, max_restarts=0, module=False, no_python=False, skip_network_check=False,
-                    ssh_port=None, script="train.py", script_args=["--lr", "1e-3"])
+    defaults = dict(
+        master_addr=None,
+        master_port=29500,
+        env=[],
+        hostfile=None,
+        rendezvous_timeout=None,
+        env_file=None,
+        max_restarts=0,
+        module=False,
+        no_python=False,
+        skip_network_check=False,
+        ssh_port=None,
+        script="train.py",
+        script_args=["--lr", "1e-3"],
+    )
     return SimpleNamespace(**{**defaults, **kwargs})
 
 
@@ -120,8 +136,22 @@ def test_fanout_runs_this_command_on_every_node_with_its_node_rank():
         node_args = build_parser().parse_args(argv)
         assert dict(_hosts(node_args)) == {"node1": [0, 1], "node2": [0, 1]} and node_args.node_rank == rank
     (pdsh,) = fanout_commands(_args(), resources, environ, "pdsh")
-    assert pdsh[:10] == ["env", "PDSH_SSH_ARGS_APPEND=-o BatchMode=yes", "pdsh", "-R", "ssh", "-S", "-f", "1024", "-w",
-                         "node1,node2"] and "--node_rank=%n" in pdsh[10]
+    assert (
+        pdsh[:10]
+        == [
+            "env",
+            "PDSH_SSH_ARGS_APPEND=-o BatchMode=yes",
+            "pdsh",
+            "-R",
+            "ssh",
+            "-S",
+            "-f",
+            "1024",
+            "-w",
+            "node1,node2",
+        ]
+        and "--node_rank=%n" in pdsh[10]
+    )
     with pytest.raises(ValueError, match="--env NOT_SET"):
         fanout_commands(_args(env=["NOT_SET"]), resources, environ, "ssh")
 
@@ -139,8 +169,14 @@ def test_pdsh_fanout_uses_ssh_on_the_given_port():
 def test_torchrun_command_is_a_static_rendezvous_with_a_bounded_wait():
     command = torchrun_command("train.py", ["--x"], 2, 1, 8, "10.0.0.1", 29400, 45.0)
     assert command[1:3] == ["-m", "torch.distributed.run"]
-    for part in ("--nnodes=2", "--node-rank=1", "--nproc-per-node=8", "--master-addr=10.0.0.1",
-                 "--master-port=29400", "--rdzv-conf=timeout=45"):
+    for part in (
+        "--nnodes=2",
+        "--node-rank=1",
+        "--nproc-per-node=8",
+        "--master-addr=10.0.0.1",
+        "--master-port=29400",
+        "--rdzv-conf=timeout=45",
+    ):
         assert part in command
     assert command[-2:] == ["train.py", "--x"]
 
@@ -148,12 +184,30 @@ def test_torchrun_command_is_a_static_rendezvous_with_a_bounded_wait():
 # ----------------------------------------------------------------------------------- real launches, two "hosts"
 def _launch(hosts, node, num_nodes, nproc, port, out, *extra, env=None, wait=True):
     command = hosts.prefix(node) + [
-        sys.executable, "-m", "lightning_zero", "launch", "--no_ssh", f"--node_rank={node}", f"--num_nodes={num_nodes}",
-        f"--nproc-per-node={nproc}", f"--master_addr={hosts.addresses[0]}", f"--master_port={port}", *extra,
-        JOB, str(out)]
+        sys.executable,
+        "-m",
+        "lightning_zero",
+        "launch",
+        "--no_ssh",
+        f"--node_rank={node}",
+        f"--num_nodes={num_nodes}",
+        f"--nproc-per-node={nproc}",
+        f"--master_addr={hosts.addresses[0]}",
+        f"--master_port={port}",
+        *extra,
+        JOB,
+        str(out),
+    ]
     environment = {**os.environ, "PYTHONPATH": str(REPO), **hosts.env(node), **(env or {})}
-    proc = subprocess.Popen(command, cwd=REPO, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        command,
+        cwd=REPO,
+        env=environment,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     return proc
 
 
@@ -187,9 +241,11 @@ def test_two_node_launch_equals_one_node(hosts, tmp_path):
     assert one_node["global_step"] == two_nodes["global_step"] == 4
     for key, value in one_node["weights"].items():
         assert torch.equal(two_nodes["weights"][key], value), key
-    print(f"\n[{'netns' if hosts.namespaces else 'loopback'}] launch wall time: one node x 2 processes "
-          f"{one_node_s:.1f} s, two nodes x 1 process {two_node_s:.1f} s; fit alone {one_node['seconds']:.2f} s vs "
-          f"{two_nodes['seconds']:.2f} s")
+    print(
+        f"\n[{'netns' if hosts.namespaces else 'loopback'}] launch wall time: one node x 2 processes "
+        f"{one_node_s:.1f} s, two nodes x 1 process {two_node_s:.1f} s; fit alone {one_node['seconds']:.2f} s vs "
+        f"{two_nodes['seconds']:.2f} s"
+    )
 
 
 def test_loopback_interface_across_hosts_fails_fast_naming_it(tmp_path):
@@ -200,8 +256,9 @@ def test_loopback_interface_across_hosts_fails_fast_naming_it(tmp_path):
     made = make_netns_hosts(f"{os.getpid() % 10000}m", subnet=os.getpid() % 200 + 1)
     try:
         start = time.perf_counter()
-        proc = _launch(made, 1, 2, 1, free_port(), tmp_path / "x.pt", "--rendezvous_timeout=30",
-                       env={"GLOO_SOCKET_IFNAME": "lo"})
+        proc = _launch(
+            made, 1, 2, 1, free_port(), tmp_path / "x.pt", "--rendezvous_timeout=30", env={"GLOO_SOCKET_IFNAME": "lo"}
+        )
         code, log = _finish(proc, timeout=60)
         assert time.perf_counter() - start < 60
         assert code == 1
@@ -221,8 +278,11 @@ def test_missing_node_and_unreachable_master_fail_within_the_rendezvous_timeout(
     (code0, log0), (code1, log1) = _finish(alone, 60), _finish(lost, 60)
     assert time.perf_counter() - start < 60
     assert code0 == 1 and "waited 4 s" in log0 and "node rank(s) [1], which never checked in" in log0, log0
-    assert code1 == 1 and "node rank 1 (host" in log1 and f"cannot reach MASTER_ADDR:MASTER_PORT " \
-        f"{hosts.addresses[0]}:" in log1, log1
+    assert (
+        code1 == 1
+        and "node rank 1 (host" in log1
+        and f"cannot reach MASTER_ADDR:MASTER_PORT {hosts.addresses[0]}:" in log1
+    ), log1
 
 
 @pytest.mark.slow
@@ -233,15 +293,35 @@ def test_two_node_srun_style_launch_uses_the_checked_rendezvous(hosts, tmp_path)
 
     port, procs = free_port(), []
     for node in (0, 1):
-        env = {**os.environ, "PYTHONPATH": str(REPO), **hosts.env(node), "MASTER_ADDR": hosts.addresses[0],
-               "MASTER_PORT": str(port), "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "1", "SLURM_NNODES": "2",
-               "SLURM_PROCID": str(node), "SLURM_LOCALID": "0", "SLURM_NODEID": str(node), "SLURM_JOB_ID": "7",
-               "SLURM_JOB_NAME": "train", "SLURM_NODELIST": "node[1-2]"}
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(REPO),
+            **hosts.env(node),
+            "MASTER_ADDR": hosts.addresses[0],
+            "MASTER_PORT": str(port),
+            "SLURM_NTASKS": "2",
+            "SLURM_NTASKS_PER_NODE": "1",
+            "SLURM_NNODES": "2",
+            "SLURM_PROCID": str(node),
+            "SLURM_LOCALID": "0",
+            "SLURM_NODEID": str(node),
+            "SLURM_JOB_ID": "7",
+            "SLURM_JOB_NAME": "train",
+            "SLURM_NODELIST": "node[1-2]",
+        }
         for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK"):
             env.pop(name, None)
-        procs.append(subprocess.Popen(hosts.prefix(node) + [sys.executable, JOB, str(tmp_path / "srun.pt"), "2"],
-                                      cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                      start_new_session=True))
+        procs.append(
+            subprocess.Popen(
+                hosts.prefix(node) + [sys.executable, JOB, str(tmp_path / "srun.pt"), "2"],
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+        )
     for code, log in [_finish(p) for p in procs]:
         assert code == 0, log[-3000:]
     result = torch.load(tmp_path / "srun.pt", weights_only=True)
@@ -258,20 +338,43 @@ def test_ssh_fanout_from_a_hostfile_trains_on_both_hosts(hosts, tmp_path):
 
     names = hosts.addresses if hosts.namespaces else ["127.0.0.1", "localhost"]
     (tmp_path / "hostfile").write_text("".join(f"{name} slots=1\n" for name in names))
-    enter = {name: " ".join(hosts.prefix(node)) + "".join(f" env {k}={v}" for k, v in hosts.env(node).items())
-             for node, name in enumerate(names)}
+    enter = {
+        name: " ".join(hosts.prefix(node)) + "".join(f" env {k}={v}" for k, v in hosts.env(node).items())
+        for node, name in enumerate(names)
+    }
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     cases = "".join(f'  "{name}") exec {enter[name]} bash -c "$command";;\n' for name in names)
-    (bin_dir / "ssh").write_text(f'#!/bin/bash\nhost="${{@: -2:1}}"; command="${{@: -1}}"\necho "$host" >> '
-                                 f'{tmp_path}/ssh.log\ncase "$host" in\n{cases}esac\nexit 255\n')
+    (bin_dir / "ssh").write_text(
+        f'#!/bin/bash\nhost="${{@: -2:1}}"; command="${{@: -1}}"\necho "$host" >> '
+        f'{tmp_path}/ssh.log\ncase "$host" in\n{cases}esac\nexit 255\n'
+    )
     (bin_dir / "ssh").chmod(0o755)
     env = {**os.environ, "PYTHONPATH": str(REPO), "PATH": f"{bin_dir}:{os.environ['PATH']}"}
     env.pop("GLOO_SOCKET_IFNAME", None)
-    proc = subprocess.Popen([sys.executable, "-m", "lightning_zero", "launch", "--hostfile", str(tmp_path / "hostfile"),
-                             "--launcher", "ssh", f"--master_port={free_port()}", "--rendezvous_timeout=120", JOB,
-                             str(tmp_path / "ssh.pt"), "2"], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "lightning_zero",
+            "launch",
+            "--hostfile",
+            str(tmp_path / "hostfile"),
+            "--launcher",
+            "ssh",
+            f"--master_port={free_port()}",
+            "--rendezvous_timeout=120",
+            JOB,
+            str(tmp_path / "ssh.pt"),
+            "2",
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     code, log = _finish(proc)
     assert code == 0, log[-3000:]
     assert sorted((tmp_path / "ssh.log").read_text().split()) == sorted(names)  # one ssh per host

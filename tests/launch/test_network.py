@@ -22,8 +22,11 @@ from lightning_zero.diagnostics.network import (
 )
 from tests.lightning_models import RegressionModule
 
-TABLE = [Interface("lo", "127.0.0.1", True, True), Interface("eth0", "10.1.0.5", True, False),
-         Interface("ib0", None, False, False)]
+TABLE = [
+    Interface("lo", "127.0.0.1", True, True),
+    Interface("eth0", "10.1.0.5", True, False),
+    Interface("ib0", None, False, False),
+]
 
 
 def _route(address):
@@ -71,8 +74,10 @@ def test_hostname_resolving_to_loopback_is_flagged_across_hosts(monkeypatch):
     assert any("hostname 'localhost' resolves to 127.0.0.1, a loopback address" in e for e in report.errors)
     with pytest.raises(NetworkError, match=r"network check on node rank 1 \(host localhost"):
         report.raise_errors()
-    assert check_network({"MASTER_ADDR": "10.1.0.1", "GLOO_SOCKET_IFNAME": "eth0"}, 2, 1, table=TABLE,
-                         route=_route).errors == []
+    assert (
+        check_network({"MASTER_ADDR": "10.1.0.1", "GLOO_SOCKET_IFNAME": "eth0"}, 2, 1, table=TABLE, route=_route).errors
+        == []
+    )
 
 
 def test_rendezvous_timeout_is_validated():
@@ -88,29 +93,50 @@ def test_unreachable_master_and_missing_node_fail_within_the_bound():
     with pytest.raises(NetworkError, match=rf"node rank 1 .* cannot reach MASTER_ADDR:MASTER_PORT 127.0.0.1:{port}"):
         wait_for_master("127.0.0.1", port, 1.0, "node rank 1 (host h)")
     # 2 nodes x 2 ranks, only rank 0 arrived: node 0 (rank 1) and node 1 (ranks 2, 3) are named
-    with pytest.raises(NetworkError, match=r"node rank\(s\) \[0, 1\] \(global ranks \[1, 2, 3\]\) did not check in "
-                                           r"within rendezvous_timeout=1 s; arrived: node rank 0 on"):
-        checked_store("127.0.0.1", port, 0, 4, 0, 2, timedelta(seconds=30), 1.0,
-                      {"hostname": socket.gethostname()})
+    with pytest.raises(
+        NetworkError,
+        match=r"node rank\(s\) \[0, 1\] \(global ranks \[1, 2, 3\]\) did not check in "
+        r"within rendezvous_timeout=1 s; arrived: node rank 0 on",
+    ):
+        checked_store("127.0.0.1", port, 0, 4, 0, 2, timedelta(seconds=30), 1.0, {"hostname": socket.gethostname()})
     assert time.monotonic() - start < 15
 
 
 def _fit_as_node_zero_of_two(monkeypatch, tmp_path, **env):
     """ZeroStrategy on node rank 0 of a 2-node job (a manual launch: LightningEnvironment), whose node 1 never
     starts."""
-    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), NODE_RANK="0", LOCAL_RANK="0",
-                           WORLD_SIZE="2", LOCAL_WORLD_SIZE="1", **env).items():
+    for key, value in dict(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        NODE_RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="2",
+        LOCAL_WORLD_SIZE="1",
+        **env,
+    ).items():
         monkeypatch.setenv(key, value)
-    trainer = Trainer(strategy=ZeroStrategy(stage=2, rendezvous_timeout=2), accelerator="cpu", devices=1,
-                      num_nodes=2, max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, default_root_dir=tmp_path)
+    trainer = Trainer(
+        strategy=ZeroStrategy(stage=2, rendezvous_timeout=2),
+        accelerator="cpu",
+        devices=1,
+        num_nodes=2,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
     trainer.fit(RegressionModule())
 
 
 def test_strategy_names_the_node_that_never_arrives(monkeypatch, tmp_path):
     start = time.monotonic()
-    with pytest.raises(NetworkError, match=r"node rank\(s\) \[1\] \(global ranks \[1\]\) did not check in within "
-                                           r"rendezvous_timeout=2 s"):
+    with pytest.raises(
+        NetworkError,
+        match=r"node rank\(s\) \[1\] \(global ranks \[1\]\) did not check in within "
+        r"rendezvous_timeout=2 s",
+    ):
         _fit_as_node_zero_of_two(monkeypatch, tmp_path)
     assert time.monotonic() - start < 30
 
@@ -120,8 +146,9 @@ def test_strategy_refuses_a_missing_interface_before_the_process_group(monkeypat
         _fit_as_node_zero_of_two(monkeypatch, tmp_path, GLOO_SOCKET_IFNAME="nosuch0")
     # the explicit override lets it through to the rendezvous (which then names the missing node)
     with pytest.raises(NetworkError, match=r"node rank\(s\) \[1\]"):
-        _fit_as_node_zero_of_two(monkeypatch, tmp_path, GLOO_SOCKET_IFNAME="nosuch0",
-                                 LIGHTNING_ZERO_SKIP_NETWORK_CHECK="1")
+        _fit_as_node_zero_of_two(
+            monkeypatch, tmp_path, GLOO_SOCKET_IFNAME="nosuch0", LIGHTNING_ZERO_SKIP_NETWORK_CHECK="1"
+        )
 
 
 def test_cli_diagnose_network_only_names_the_problem(monkeypatch, capsys):
@@ -153,9 +180,19 @@ def _two_node_audit_worker(rank, world_size):
     if rank == 1:
         os.environ["NCCL_P2P_DISABLE"] = "1"  # a setting only node 1 has
     callback = NCCLDiagnostics(probe=False, hang_timeout=None)
-    trainer = Trainer(accelerator="cpu", devices=1, num_nodes=2, strategy=DDPStrategy(process_group_backend="gloo"),
-                      logger=False, callbacks=[callback], enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, max_steps=1, limit_val_batches=0)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        num_nodes=2,
+        strategy=DDPStrategy(process_group_backend="gloo"),
+        logger=False,
+        callbacks=[callback],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        max_steps=1,
+        limit_val_batches=0,
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(RegressionModule())
@@ -200,11 +237,18 @@ def test_fabric_start_up_checks_the_network_once(monkeypatch):
     from lightning_zero.fabric import ZeroStrategy as FabricZeroStrategy
 
     calls = _count_network_checks(monkeypatch)
-    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), NODE_RANK="0", LOCAL_RANK="0",
-                           WORLD_SIZE="2", LOCAL_WORLD_SIZE="1").items():
+    for key, value in dict(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        NODE_RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="2",
+        LOCAL_WORLD_SIZE="1",
+    ).items():
         monkeypatch.setenv(key, value)
-    fabric = Fabric(strategy=FabricZeroStrategy(stage=2, rendezvous_timeout=2), accelerator="cpu", devices=1,
-                    num_nodes=2)
+    fabric = Fabric(
+        strategy=FabricZeroStrategy(stage=2, rendezvous_timeout=2), accelerator="cpu", devices=1, num_nodes=2
+    )
     with pytest.raises(NetworkError, match=r"node rank\(s\) \[1\]"):
         fabric.launch()
     assert calls == [(2, 0)]

@@ -17,8 +17,10 @@ from tests.ranks import run_distributed
 
 # stage 2: optimizer states and fp32 masters swapped; stage 3: parameters and optimizer states swapped
 CASES = [(2, dict(offload_optimizer="nvme")), (3, dict(offload_optimizer="nvme", offload_params="nvme"))]
-OPTIMIZERS = [(torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
-              (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1, fused=True))]
+OPTIMIZERS = [
+    (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+    (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1, fused=True)),
+]
 
 
 def _train(rank, root, stage, offload, cls, kwargs, local, steps=3, accumulate=2, clip=0.05):
@@ -47,8 +49,12 @@ def _train(rank, root, stage, offload, cls, kwargs, local, steps=3, accumulate=2
     state = {key: value.full_tensor() for key, value in module.state_dict().items()}
     if swapper is not None:
         swapper.make_resident()
-    moments = [optimizer.state[p][key].full_tensor() for group in optimizer.param_groups for p in group["params"]
-               for key in ("exp_avg", "exp_avg_sq")]
+    moments = [
+        optimizer.state[p][key].full_tensor()
+        for group in optimizer.param_groups
+        for p in group["params"]
+        for key in ("exp_avg", "exp_avg_sq")
+    ]
     sharding.remove()
     assert not is_local_step(optimizer) and type(optimizer) is cls, "remove() must give the user's class back"
     return state, moments, dispatches

@@ -27,9 +27,14 @@ STEPS = 4
 
 
 # ------------------------------------------------------------------ the I/O engine alone
-@pytest.mark.parametrize("settings", [AioSettings(block_size=4096, queue_depth=3, thread_count=2),
-                                      AioSettings(single_submit=True, overlap_events=False),
-                                      AioSettings(use_direct=False)])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        AioSettings(block_size=4096, queue_depth=3, thread_count=2),
+        AioSettings(single_submit=True, overlap_events=False),
+        AioSettings(use_direct=False),
+    ],
+)
 def test_engine_round_trips_aligned_buffers_at_offsets(tmp_path, settings):
     io = AsyncFileIO(settings)
     path = str(tmp_path / "swap.bin")
@@ -43,13 +48,18 @@ def test_engine_round_trips_aligned_buffers_at_offsets(tmp_path, settings):
     back = aligned_buffer(first.numel() + second.numel())
     io.read(path, back).result()
     io.close()
-    assert torch.equal(back[:first.numel()], first) and torch.equal(back[first.numel():], second)
+    assert torch.equal(back[: first.numel()], first) and torch.equal(back[first.numel() :], second)
     assert os.path.getsize(path) == first.numel() + second.numel()
 
 
-@pytest.mark.parametrize("settings, depth", [(AioSettings(block_size=4096, queue_depth=4, thread_count=1), 4),
-                                             (AioSettings(block_size=4096, queue_depth=3, thread_count=2), 6),
-                                             (AioSettings(block_size=4096, queue_depth=4, single_submit=True), 1)])
+@pytest.mark.parametrize(
+    "settings, depth",
+    [
+        (AioSettings(block_size=4096, queue_depth=4, thread_count=1), 4),
+        (AioSettings(block_size=4096, queue_depth=3, thread_count=2), 6),
+        (AioSettings(block_size=4096, queue_depth=4, single_submit=True), 1),
+    ],
+)
 def test_engine_keeps_thread_count_times_queue_depth_requests_in_flight(tmp_path, monkeypatch, settings, depth):
     import threading
     import time
@@ -164,8 +174,14 @@ def test_nvme_arguments_are_validated_before_any_process_group(tmp_path):
         ZeroStrategy(stage=2, offload_params="cpu")
     with pytest.raises(ValueError, match="not both"):
         ZeroStrategy(stage=2, offload="cpu", offload_optimizer="cpu")
-    strategy = ZeroStrategy(stage=3, offload_optimizer="nvme", offload_params="cpu", nvme_path=str(tmp_path),
-                            sub_group_size=1000, aio={"queue_depth": 2, "block_size": 65536})
+    strategy = ZeroStrategy(
+        stage=3,
+        offload_optimizer="nvme",
+        offload_params="cpu",
+        nvme_path=str(tmp_path),
+        sub_group_size=1000,
+        aio={"queue_depth": 2, "block_size": 65536},
+    )
     config = strategy.zero_config
     assert (config.offload, config.offload_optimizer, config.offload_params) == ("nvme", "nvme", "cpu")
     assert config.nvme.sub_group_size == 1000 and config.nvme.aio.queue_depth == 2
@@ -216,8 +232,10 @@ def test_swapped_step_pipelines_sub_groups_and_matches_the_plain_optimizer(tmp_p
     folder = swapper.run_folder
     detach_swapper(opt)
     assert not os.path.exists(folder) and type(opt) is torch.optim.AdamW
-    assert torch.equal(opt.state[next(iter(model.parameters()))]["exp_avg_sq"],
-                       ref_opt.state[next(iter(reference.parameters()))]["exp_avg_sq"])
+    assert torch.equal(
+        opt.state[next(iter(model.parameters()))]["exp_avg_sq"],
+        ref_opt.state[next(iter(reference.parameters()))]["exp_avg_sq"],
+    )
 
 
 def test_refuses_to_start_when_the_disk_has_less_free_space_than_the_states(tmp_path, monkeypatch):
@@ -264,21 +282,31 @@ class _SwapWitness(Callback):
         self.checked += 1
 
 
-NVME_CASES = [(1, dict(offload_optimizer="nvme")), (2, dict(offload="nvme")),
-              (3, dict(offload_optimizer="nvme", offload_params="cpu")),
-              (3, dict(offload_optimizer="nvme"))]  # optimizer-only at stage 3: DTensor masters swapped
+NVME_CASES = [
+    (1, dict(offload_optimizer="nvme")),
+    (2, dict(offload="nvme")),
+    (3, dict(offload_optimizer="nvme", offload_params="cpu")),
+    (3, dict(offload_optimizer="nvme")),
+]  # optimizer-only at stage 3: DTensor masters swapped
 
 
 def _parity_worker(rank, world_size, root):
     for stage, nvme_kwargs in NVME_CASES:
         finals = {}
-        for label, kwargs in (("nvme", dict(nvme_kwargs, nvme_path=root, sub_group_size=64, buffer_count=3)),
-                              ("cpu", dict(offload="cpu"))):
+        for label, kwargs in (
+            ("nvme", dict(nvme_kwargs, nvme_path=root, sub_group_size=64, buffer_count=3)),
+            ("cpu", dict(offload="cpu")),
+        ):
             torch.manual_seed(0)
             module = RegressionModule(batch_size=BATCH)
             witness = _SwapWitness()
-            trainer = _trainer(ZeroStrategy(stage=stage, **kwargs), world_size, accumulate_grad_batches=2,
-                               gradient_clip_val=0.05, callbacks=[witness])
+            trainer = _trainer(
+                ZeroStrategy(stage=stage, **kwargs),
+                world_size,
+                accumulate_grad_batches=2,
+                gradient_clip_val=0.05,
+                callbacks=[witness],
+            )
             trainer.fit(module)
             finals[label] = full_state(module)
             if label == "nvme":
@@ -288,8 +316,9 @@ def _parity_worker(rank, world_size, root):
                 assert witness.checked == want, "the swap was not observed after every batch since the first step"
                 assert not os.path.exists(witness.folder), "teardown must remove the run's swap folder"
                 state = trainer.optimizers[0].state
-                assert state and all(torch.is_tensor(v) for s in state.values() for v in s.values()), \
+                assert state and all(torch.is_tensor(v) for s in state.values() for v in s.values()), (
                     "after teardown the optimizer holds its states in memory again"
+                )
         worst = max((finals["nvme"][k] - finals["cpu"][k]).abs().max().item() for k in finals["cpu"])
         assert worst <= 1e-6, f"stage {stage}: NVMe offload differs from CPU offload by {worst:.2e}"
         expected = reference_weights(STEPS, BATCH * world_size * 2, 2, 0.05)
@@ -337,10 +366,19 @@ def _ckpt_trainer(stage, kind, world_size, epochs, root):
         kwargs["offload_params"] = "cpu"
         kwargs.pop("offload", None)
         kwargs.setdefault("offload_optimizer", "cpu")
-    return Trainer(strategy=ZeroStrategy(stage=stage, **kwargs), accelerator="cpu", devices=world_size,
-                   max_epochs=epochs, limit_train_batches=STEPS_PER_EPOCH, limit_val_batches=0, logger=False,
-                   enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                   default_root_dir=root)
+    return Trainer(
+        strategy=ZeroStrategy(stage=stage, **kwargs),
+        accelerator="cpu",
+        devices=world_size,
+        max_epochs=epochs,
+        limit_train_batches=STEPS_PER_EPOCH,
+        limit_val_batches=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=root,
+    )
 
 
 class _SaveWhileSwapping(Callback):
@@ -377,13 +415,19 @@ def _ckpt_resume_worker(rank, world_size, path, stage, kind, root, saved_world_s
 # (saved stage, offload, world size) -> (resumed stage, offload, world size)
 # the last two resume into swapped masters (plain at stage 1, DTensors at stage 2): they start empty, so the state
 # initialisation before the load must give their module parameters the zero gradients
-CKPT_CASES = [((2, "nvme", 2), (3, "cpu", 1)), ((1, "cpu", 2), (3, "nvme", 2)),
-              ((2, "cpu", 2), (1, "nvme", 2)), ((1, "cpu", 2), (2, "nvme", 2))]
+CKPT_CASES = [
+    ((2, "nvme", 2), (3, "cpu", 1)),
+    ((1, "cpu", 2), (3, "nvme", 2)),
+    ((2, "cpu", 2), (1, "nvme", 2)),
+    ((1, "cpu", 2), (2, "nvme", 2)),
+]
 
 
-@pytest.mark.parametrize("saved,resumed", CKPT_CASES,
-                         ids=["nvme-s2x2-to-cpu-s3x1", "cpu-s1x2-to-nvme-s3x2", "cpu-s2x2-to-nvme-s1x2",
-                              "cpu-s1x2-to-nvme-s2x2"])
+@pytest.mark.parametrize(
+    "saved,resumed",
+    CKPT_CASES,
+    ids=["nvme-s2x2-to-cpu-s3x1", "cpu-s1x2-to-nvme-s3x2", "cpu-s2x2-to-nvme-s1x2", "cpu-s1x2-to-nvme-s2x2"],
+)
 def test_checkpoint_moves_between_nvme_and_cpu_offload(tmp_path, saved, resumed):
     root = str(tmp_path)
     path = str(tmp_path / "run.ckpt")
@@ -394,11 +438,22 @@ def test_checkpoint_moves_between_nvme_and_cpu_offload(tmp_path, saved, resumed)
 
 # ------------------------------------------------------------------ ds_config translation
 def _nvme_config(root, **zero):
-    return {"zero_optimization": {"stage": 3, "sub_group_size": 2048,
-                                  "offload_optimizer": {"device": "nvme", "nvme_path": root, "buffer_count": 6},
-                                  "offload_param": {"device": "cpu"}, **zero},
-            "aio": {"block_size": 262144, "queue_depth": 4, "intra_op_parallelism": 2, "single_submit": True,
-                    "overlap_events": False}}
+    return {
+        "zero_optimization": {
+            "stage": 3,
+            "sub_group_size": 2048,
+            "offload_optimizer": {"device": "nvme", "nvme_path": root, "buffer_count": 6},
+            "offload_param": {"device": "cpu"},
+            **zero,
+        },
+        "aio": {
+            "block_size": 262144,
+            "queue_depth": 4,
+            "intra_op_parallelism": 2,
+            "single_submit": True,
+            "overlap_events": False,
+        },
+    }
 
 
 def test_ds_config_nvme_sections_and_aio_translate_to_the_strategy_arguments(tmp_path):
@@ -407,16 +462,19 @@ def test_ds_config_nvme_sections_and_aio_translate_to_the_strategy_arguments(tmp
     config = ZeroStrategy(config=_nvme_config(str(tmp_path))).zero_config
     assert (config.offload_optimizer, config.offload_params) == ("nvme", "cpu")
     assert (config.nvme.nvme_path, config.nvme.buffer_count, config.nvme.sub_group_size) == (str(tmp_path), 6, 2048)
-    assert config.nvme.aio == AioSettings(block_size=262144, queue_depth=4, thread_count=2, single_submit=True,
-                                          overlap_events=False)
+    assert config.nvme.aio == AioSettings(
+        block_size=262144, queue_depth=4, thread_count=2, single_submit=True, overlap_events=False
+    )
     notes = dict(translate_ds_config(_nvme_config(str(tmp_path))).notes)
     assert notes["zero_optimization.sub_group_size"].startswith("-> sub_group_size")
     assert notes["zero_optimization.offload_optimizer.nvme_path"] == "-> nvme_path"
     # an explicit non-NVMe offload wins over the config, and the config's NVMe knobs go with its device
     assert ZeroStrategy(config=_nvme_config(str(tmp_path)), offload="cpu").zero_config.nvme is None
     # the parameter section on NVMe: parameter swapping with its own knobs, under the same nvme_path
-    both = _nvme_config(str(tmp_path), offload_param={"device": "nvme", "nvme_path": str(tmp_path),
-                                                      "buffer_size": 1e6, "max_in_cpu": 5e6})
+    both = _nvme_config(
+        str(tmp_path),
+        offload_param={"device": "nvme", "nvme_path": str(tmp_path), "buffer_size": 1e6, "max_in_cpu": 5e6},
+    )
     config = ZeroStrategy(config=both).zero_config
     assert (config.offload_optimizer, config.offload_params) == ("nvme", "nvme")
     assert (config.nvme.buffer_size, config.nvme.max_in_cpu, config.nvme.buffer_count) == (10**6, 5 * 10**6, 6)
@@ -447,8 +505,17 @@ def test_estimator_reports_nvme_bytes_and_the_bounded_cpu_peak(stage):
 
     params, ranks = 7_000_000, 2
     cpu = estimate_model_states_memory(params, stage, ranks, offload="cpu")
-    nvme = estimate_model_states_memory(params, stage, ranks, offload="nvme", sub_group_size=100_000, buffer_count=4,
-                                        max_in_cpu=500_000, buffer_size=10_000, largest_unit_params=100_000)
+    nvme = estimate_model_states_memory(
+        params,
+        stage,
+        ranks,
+        offload="nvme",
+        sub_group_size=100_000,
+        buffer_count=4,
+        max_in_cpu=500_000,
+        buffer_size=10_000,
+        largest_unit_params=100_000,
+    )
     if stage in (1, 2):  # the fp32 masters are swapped too; their gradients exist for one sub-group at a time
         assert nvme.nvme == params * (8 + 4) // ranks and cpu.nvme == 0
         assert nvme.cpu.total == cpu.cpu.total - nvme.nvme - params * 4 // ranks
@@ -462,7 +529,7 @@ def test_estimator_reports_nvme_bytes_and_the_bounded_cpu_peak(stage):
         swapped_params_peak = (500_000 + 2 * 100_000 // ranks + 4 * 10_000) * 4 if stage == 3 else 0
         assert nvme.cpu_peak == nvme.cpu.total + 4 * 100_000 * 8 + swapped_params_peak
     assert nvme.accelerator == cpu.accelerator
-    assert ("nvme (GiB)", f"{nvme.nvme / 1024 ** 3:.2f}") in nvme.as_table()
+    assert ("nvme (GiB)", f"{nvme.nvme / 1024**3:.2f}") in nvme.as_table()
 
 
 def test_a_parameter_that_starts_training_later_joins_its_swapped_sub_group_exactly(tmp_path):
@@ -508,9 +575,14 @@ def test_a_full_disk_mid_step_names_nvme_path_and_teardown_still_removes_the_fil
 
 
 def _ds_config_worker(rank, world_size, root):
-    config = {"zero_optimization": {"stage": 2, "sub_group_size": 100,
-                                    "offload_optimizer": {"device": "nvme", "nvme_path": root, "buffer_count": 3}},
-              "aio": {"queue_depth": 2, "thread_count": 2}}
+    config = {
+        "zero_optimization": {
+            "stage": 2,
+            "sub_group_size": 100,
+            "offload_optimizer": {"device": "nvme", "nvme_path": root, "buffer_count": 3},
+        },
+        "aio": {"queue_depth": 2, "thread_count": 2},
+    }
     torch.manual_seed(0)
     module = RegressionModule(batch_size=BATCH)
     witness = _SwapWitness()
@@ -585,7 +657,7 @@ def test_stage1_fp32_masters_live_in_the_swap_files_and_match_cpu_offload(tmp_pa
         assert len(masters) == len(swapper.subgroups[index])
         for entry in masters:
             assert entry.param.numel() == 0
-            stored = data[entry.offset:entry.offset + entry.nbytes].view(torch.float32)
+            stored = data[entry.offset : entry.offset + entry.nbytes].view(torch.float32)
             module_param = swapper.companions[id(entry.param)]
             assert torch.equal(stored, module_param.detach().reshape(-1)), "the master's bytes are not in its file"
         # masters + AdamW's two moments: 12 bytes per element of the sub-group

@@ -56,25 +56,47 @@ class _ParamSwapWitness(Callback):
 
 
 def _nvme_kwargs(root, **extra):
-    return dict(offload="nvme", nvme_path=root, max_in_cpu=MAX_IN_CPU, buffer_size=64, buffer_count=3,
-                sub_group_size=200, **extra)
+    return dict(
+        offload="nvme",
+        nvme_path=root,
+        max_in_cpu=MAX_IN_CPU,
+        buffer_size=64,
+        buffer_count=3,
+        sub_group_size=200,
+        **extra,
+    )
 
 
 def _parity_worker(rank, world_size, root, unit_bytes):
     finals = {}
-    for label, kwargs in (("nvme", _nvme_kwargs(root)),
-                          # activation checkpointing: the backward recomputes each block between its re-gather
-                          # and its reduce-scatter, with the unit already released
-                          ("params-only", dict(offload_optimizer="cpu", offload_params="nvme", nvme_path=root,
-                                               max_in_cpu=MAX_IN_CPU, activation_checkpointing=True)),
-                          ("cpu", dict(offload="cpu"))):
+    for label, kwargs in (
+        ("nvme", _nvme_kwargs(root)),
+        # activation checkpointing: the backward recomputes each block between its re-gather
+        # and its reduce-scatter, with the unit already released
+        (
+            "params-only",
+            dict(
+                offload_optimizer="cpu",
+                offload_params="nvme",
+                nvme_path=root,
+                max_in_cpu=MAX_IN_CPU,
+                activation_checkpointing=True,
+            ),
+        ),
+        ("cpu", dict(offload="cpu")),
+    ):
         torch.manual_seed(0)
         module = RegressionModule(batch_size=BATCH)
         witness = _ParamSwapWitness()
         strategy = ZeroStrategy(stage=3, unit_bytes=unit_bytes, **kwargs)
-        trainer = quiet_trainer(strategy, world_size, max_steps=STEPS,
-                                accumulate_grad_batches=2, gradient_clip_val=0.05,
-                                callbacks=[witness] if label != "cpu" else [])
+        trainer = quiet_trainer(
+            strategy,
+            world_size,
+            max_steps=STEPS,
+            accumulate_grad_batches=2,
+            gradient_clip_val=0.05,
+            callbacks=[witness] if label != "cpu" else [],
+        )
         trainer.fit(module)
         finals[label] = full_state(module)
         if label != "cpu":
@@ -123,10 +145,19 @@ def _ckpt_trainer(kind, world_size, epochs, root):
     from tests.strategies.test_strategy_checkpoint import STEPS_PER_EPOCH
 
     kwargs = _nvme_kwargs(root) if kind == "nvme" else dict(offload="cpu")
-    return Trainer(strategy=ZeroStrategy(stage=3, **kwargs), accelerator="cpu", devices=world_size,
-                   max_epochs=epochs, limit_train_batches=STEPS_PER_EPOCH, limit_val_batches=0, logger=False,
-                   enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                   default_root_dir=root)
+    return Trainer(
+        strategy=ZeroStrategy(stage=3, **kwargs),
+        accelerator="cpu",
+        devices=world_size,
+        max_epochs=epochs,
+        limit_train_batches=STEPS_PER_EPOCH,
+        limit_val_batches=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=root,
+    )
 
 
 def _ckpt_save_worker(rank, world_size, path, kind, root):
@@ -185,6 +216,7 @@ class _BoomInStep(Callback):
                     if len(calls) == 2:
                         raise RuntimeError("boom mid-step")
                     return base_step(o)
+
                 return base(opt, step_then_fail)
 
             swapper.step = failing_step
@@ -192,8 +224,9 @@ class _BoomInStep(Callback):
 
 def _exception_worker(rank, world_size, root):
     witness = _ParamSwapWitness()
-    trainer = quiet_trainer(ZeroStrategy(stage=3, **_nvme_kwargs(root)), world_size, max_steps=STEPS,
-                            callbacks=[witness, _BoomInStep()])
+    trainer = quiet_trainer(
+        ZeroStrategy(stage=3, **_nvme_kwargs(root)), world_size, max_steps=STEPS, callbacks=[witness, _BoomInStep()]
+    )
     module = RegressionModule(batch_size=BATCH)
     with pytest.raises(RuntimeError, match="boom mid-step"):
         trainer.fit(module)
@@ -221,8 +254,9 @@ def _reuse_worker(rank, world_size, root):
         def on_validation_batch_end(self, trainer, module, *args):
             swapped.append(get_param_swapper(module) is not None and get_param_swapper(module).bytes_read > 0)
 
-    quiet_trainer(ZeroStrategy(**strategy_kwargs), world_size, max_steps=2, limit_val_batches=2,
-                  callbacks=[_Seen()]).validate(module)
+    quiet_trainer(
+        ZeroStrategy(**strategy_kwargs), world_size, max_steps=2, limit_val_batches=2, callbacks=[_Seen()]
+    ).validate(module)
     assert swapped == [True, True], "validation on the reused module must swap again"
     assert all(torch.equal(after_first[k], v) for k, v in full_state(module).items()), "validation changed weights"
     witness = _ParamSwapWitness()
@@ -269,9 +303,10 @@ def cpu_and_nvme_models(mesh, nvme, unit_bytes=0):
     from lightning_zero.distributed.optimizer import shard_optimizer
 
     models, optimizers = {}, {}
-    for label, config in (("cpu", ZeroConfig(stage=3, offload="cpu", unit_bytes=unit_bytes)),
-                          ("nvme", ZeroConfig(stage=3, offload_optimizer="cpu", offload_params="nvme", nvme=nvme,
-                                              unit_bytes=unit_bytes))):
+    for label, config in (
+        ("cpu", ZeroConfig(stage=3, offload="cpu", unit_bytes=unit_bytes)),
+        ("nvme", ZeroConfig(stage=3, offload_optimizer="cpu", offload_params="nvme", nvme=nvme, unit_bytes=unit_bytes)),
+    ):
         torch.manual_seed(0)
         models[label] = apply_zero(_Wide(), mesh, config)
         optimizers[label] = torch.optim.AdamW(models[label].parameters(), lr=1e-2, weight_decay=0.1)
@@ -387,8 +422,9 @@ def _fabric_worker(rank, world_size, root):
     expected = train_reference(world_size, accumulate=2, clip=0.05)
     # TinyNet at 2 ranks: its three blocks are one unit under the default unit_bytes (1680 local elements), the
     # root's 210: max_in_cpu=2000 keeps the grouped unit resident between uses, not next to the root's
-    fabric = make_fabric(FabricZeroStrategy(stage=3, offload="nvme", nvme_path=root, max_in_cpu=2000,
-                                            sub_group_size=64))
+    fabric = make_fabric(
+        FabricZeroStrategy(stage=3, offload="nvme", nvme_path=root, max_in_cpu=2000, sub_group_size=64)
+    )
     model, optimizer = fabric_train(fabric, rank, world_size, accumulate=2, clip=0.05, steps=range(STEPS - 1))
     swapper = get_param_swapper(model._forward_module)
     assert swapper is not None and swapper.bytes_read > 0 and swapper.resident_elements <= 2000
@@ -399,8 +435,16 @@ def _fabric_worker(rank, world_size, root):
         for param in model.parameters():
             param.normal_()
     fabric.load(path, {"model": model, "optimizer": optimizer})
-    fabric_train(fabric, rank, world_size, accumulate=2, clip=0.05, steps=range(STEPS - 1, STEPS),
-                 model=model, optimizer=optimizer)
+    fabric_train(
+        fabric,
+        rank,
+        world_size,
+        accumulate=2,
+        clip=0.05,
+        steps=range(STEPS - 1, STEPS),
+        model=model,
+        optimizer=optimizer,
+    )
     got = full_weights(model._forward_module)
     worst = max((got[k] - expected[k]).abs().max().item() for k in expected)
     assert worst <= 1e-5, f"Fabric stage 3 offload='nvme' after save/load differs by {worst:.2e}"
@@ -425,15 +469,21 @@ def test_nvme_parameter_configuration_is_honoured_or_refused(tmp_path):
     config = ZeroStrategy(stage=3, offload="nvme", nvme_path=root, max_in_cpu=1000, buffer_size=10).zero_config
     assert config.swaps_parameters and (config.nvme.max_in_cpu, config.nvme.buffer_size) == (1000, 10)
     # DeepSpeed takes max_in_cpu >= 0: 0 keeps nothing resident between uses (the units in use are read anyway)
-    infinity = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": root},
-                                      "offload_param": {"device": "nvme", "nvme_path": root, "max_in_cpu": 0}}}
+    infinity = {
+        "zero_optimization": {
+            "stage": 3,
+            "offload_optimizer": {"device": "nvme", "nvme_path": root},
+            "offload_param": {"device": "nvme", "nvme_path": root, "max_in_cpu": 0},
+        }
+    }
     assert ZeroStrategy(config=infinity).zero_config.nvme.max_in_cpu == 0
     with pytest.raises(ValueError, match="max_in_cpu must be an int >= 0, got -1"):
         ZeroStrategy(stage=3, offload="nvme", nvme_path=root, max_in_cpu=-1)
     # a ds_config with only the parameter section on NVMe is refused like offload_params alone (DeepSpeed would keep
     # the optimizer on the accelerator; here the sharded parameters are its masters: see config._resolve_offload)
-    only_params = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": root,
-                                                                       "max_in_cpu": 4096}}}
+    only_params = {
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": root, "max_in_cpu": 4096}}
+    }
     with pytest.raises(ValueError, match="offload_params='nvme' without offload_optimizer is not supported"):
         ZeroStrategy(config=only_params)
     with pytest.raises(ValueError, match="offload_optimizer='nvme' and offload_params='nvme' .* needs nvme_path"):
@@ -458,8 +508,9 @@ def _disk_full_worker(rank, world_size, root):
     from lightning_zero.offload.param_swapper import detach_param_swapper
 
     # max_in_cpu holds two of the three blocks: the step evicts (writes back) a unit it stepped
-    config = ZeroConfig(stage=3, offload_optimizer="cpu", offload_params="nvme", nvme=NvmeConfig(root, max_in_cpu=2600),
-                        unit_bytes=0)
+    config = ZeroConfig(
+        stage=3, offload_optimizer="cpu", offload_params="nvme", nvme=NvmeConfig(root, max_in_cpu=2600), unit_bytes=0
+    )
     model = apply_zero(_Wide(), init_device_mesh("cpu", (world_size,)), config)
     optimizer = torch.optim.Adam(model.parameters())
     shard_optimizer(optimizer, config)
@@ -503,15 +554,17 @@ def _async_save_worker(rank, world_size, root):
     from lightning_zero.offload.nvme_config import NvmeConfig
 
     mesh = init_device_mesh("cpu", (world_size,))
-    models, optimizers = cpu_and_nvme_models(mesh, NvmeConfig(os.path.join(root, "swap"), max_in_cpu=2600,
-                                                               buffer_size=512, buffer_count=3))
+    models, optimizers = cpu_and_nvme_models(
+        mesh, NvmeConfig(os.path.join(root, "swap"), max_in_cpu=2600, buffer_size=512, buffer_count=3)
+    )
     step_both(models, optimizers, torch.randn(8, 48, generator=torch.Generator().manual_seed(rank)))
     state = models["nvme"].state_dict()
     # the condition DCP's async stager tripped over: swapped-in shards live in aligned slices of larger buffers
     assert any(v.data_ptr() != 0 for v in state.values()), "no shard at a storage offset: the test proves nothing"
     save_sharded_checkpoint(os.path.join(root, "sync.ckpt"), {"state_dict": state}, {"step": 1})
-    save_sharded_checkpoint(os.path.join(root, "async.ckpt"), {"state_dict": models["nvme"].state_dict()},
-                            {"step": 1}, async_save=True)
+    save_sharded_checkpoint(
+        os.path.join(root, "async.ckpt"), {"state_dict": models["nvme"].state_dict()}, {"step": 1}, async_save=True
+    )
     wait_for_pending_saves()
     loaded = {}
     for name in ("sync", "async"):

@@ -37,13 +37,23 @@ ZERO_INFINITY = {
         "stage3_param_persistence_threshold": 1e5,
         "reduce_bucket_size": 1e7,
         "sub_group_size": 1e9,
-        "offload_optimizer": {"device": "nvme", "nvme_path": NVME_PATH, "pin_memory": True, "buffer_count": 4,
-                              "fast_init": False},
-        "offload_param": {"device": "nvme", "nvme_path": NVME_PATH, "pin_memory": True, "buffer_count": 5,
-                          "buffer_size": 1e8, "max_in_cpu": 1},
+        "offload_optimizer": {
+            "device": "nvme",
+            "nvme_path": NVME_PATH,
+            "pin_memory": True,
+            "buffer_count": 4,
+            "fast_init": False,
+        },
+        "offload_param": {
+            "device": "nvme",
+            "nvme_path": NVME_PATH,
+            "pin_memory": True,
+            "buffer_count": 5,
+            "buffer_size": 1e8,
+            "max_in_cpu": 1,
+        },
     },
-    "aio": {"block_size": 1048576, "queue_depth": 8, "thread_count": 1, "single_submit": False,
-            "overlap_events": True},
+    "aio": {"block_size": 1048576, "queue_depth": 8, "thread_count": 1, "single_submit": False, "overlap_events": True},
 }
 
 

@@ -26,6 +26,7 @@ def counting_fused_kernels():
         def counted(*args, **kwargs):
             calls["n"] += 1
             return kernel(*args, **kwargs)
+
         return counted
 
     for name, kernel in kernels.items():
@@ -204,8 +205,10 @@ def _two_steps(rank, world_size, stage, offload, **adam_kwargs):
         module(torch.randn(4, 6)).sum().backward()
         optimizer.step()
         optimizer.zero_grad()
-    weights = {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-               for name, p in module.named_parameters()}
+    weights = {
+        name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for name, p in module.named_parameters()
+    }
     return optimizer, sharding, weights
 
 
@@ -225,8 +228,9 @@ def _stage_worker(rank, world_size, stage, offload):
         torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6, msg=f"{name} at stage {stage}")
 
 
-@pytest.mark.parametrize("stage,offload",
-                         [(0, None), (1, None), (2, None), (3, None), (1, "cpu"), (2, "cpu"), (3, "cpu")])
+@pytest.mark.parametrize(
+    "stage,offload", [(0, None), (1, None), (2, None), (3, None), (1, "cpu"), (2, "cpu"), (3, "cpu")]
+)
 def test_every_stage_steps_fused_on_cpu_until_released(stage, offload):
     run_distributed(_stage_worker, 2, stage, offload)
 

@@ -108,8 +108,13 @@ def test_matches_deepspeed_step_for_step(monkeypatch):
     compared = 0
     for index, (power, window, hyst, consecutive, min_scale) in enumerate(CONFIGS):
         for overflows in random_sequences(1000 + index, count=15):
-            ds = module.DynamicLossScaler(init_scale=2**power, scale_window=window, min_scale=min_scale,
-                                          delayed_shift=hyst, consecutive_hysteresis=consecutive)
+            ds = module.DynamicLossScaler(
+                init_scale=2**power,
+                scale_window=window,
+                min_scale=min_scale,
+                delayed_shift=hyst,
+                consecutive_hysteresis=consecutive,
+            )
             ours = DynamicLossScaler(power, window, hyst, consecutive, min_scale)
             for overflow in overflows:
                 try:
@@ -122,7 +127,10 @@ def test_matches_deepspeed_step_for_step(monkeypatch):
                 ours.update(overflow)
                 assert float(ds.cur_scale) == ours.scale
                 assert (ds.cur_iter, ds.last_overflow_iter, ds.cur_hysteresis) == (
-                    ours.cur_iter, ours.last_overflow_iter, ours.cur_hysteresis)
+                    ours.cur_iter,
+                    ours.last_overflow_iter,
+                    ours.cur_hysteresis,
+                )
                 compared += 1
     assert compared > 10_000
 

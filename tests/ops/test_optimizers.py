@@ -62,8 +62,10 @@ def make_case(seed, shapes=SHAPES, steps=STEPS, weight_scales=None):
 
 def run_optimizer(make_optimizer, params, grads, group_split, step_kwargs=None):
     live = [p.clone().requires_grad_() for p in params]
-    groups = [{"params": live[:group_split], **make_optimizer["group0"]},
-              {"params": live[group_split:], **make_optimizer["group1"]}]
+    groups = [
+        {"params": live[:group_split], **make_optimizer["group0"]},
+        {"params": live[group_split:], **make_optimizer["group1"]},
+    ]
     opt = make_optimizer["cls"](groups, **make_optimizer["defaults"])
     coeff_history = []
     for step_grads in grads:
@@ -85,14 +87,27 @@ def test_adam_family_matches_float64_reference(cls, adam_w_mode, bias_correction
     params, grads = make_case(seed=int(adam_w_mode) * 2 + int(bias_correction))
     mode_arg = {"adam_w_mode": adam_w_mode} if cls is FusedAdam else {"adamw_mode": adam_w_mode}
     # two groups: weight decay on in one, off in the other; amsgrad in the second
-    spec = {"cls": cls, "defaults": dict(lr=1e-2, bias_correction=bias_correction, **ADAM_HYPER, **mode_arg),
-            "group0": dict(weight_decay=0.1, amsgrad=False), "group1": dict(weight_decay=0.0, amsgrad=True, lr=3e-3)}
+    spec = {
+        "cls": cls,
+        "defaults": dict(lr=1e-2, bias_correction=bias_correction, **ADAM_HYPER, **mode_arg),
+        "group0": dict(weight_decay=0.1, amsgrad=False),
+        "group1": dict(weight_decay=0.0, amsgrad=True, lr=3e-3),
+    }
     live, opt, _ = run_optimizer(spec, params, grads, group_split=1)
     for i, (p, start) in enumerate(zip(live, params)):
         group = spec["group0"] if i < 1 else spec["group1"]
-        ref = adam_reference(start, [g[i] for g in grads], lr=group.get("lr", 1e-2), beta1=0.9, beta2=0.99,
-                             eps=1e-8, weight_decay=group["weight_decay"], adam_w_mode=adam_w_mode,
-                             bias_correction=bias_correction, amsgrad=group["amsgrad"])
+        ref = adam_reference(
+            start,
+            [g[i] for g in grads],
+            lr=group.get("lr", 1e-2),
+            beta1=0.9,
+            beta2=0.99,
+            eps=1e-8,
+            weight_decay=group["weight_decay"],
+            adam_w_mode=adam_w_mode,
+            bias_correction=bias_correction,
+            amsgrad=group["amsgrad"],
+        )
         assert not torch.allclose(ref, start.double(), atol=1e-2)  # the parameters really moved
         torch.testing.assert_close(p.detach().double(), ref, rtol=1e-5, atol=2e-6)
     if cls is FusedAdam:
@@ -102,8 +117,11 @@ def test_adam_family_matches_float64_reference(cls, adam_w_mode, bias_correction
 def test_cpu_adam_writes_low_precision_copies_and_rejects_bad_ones():
     params, grads = make_case(seed=11, steps=3)
     live = [p.clone().requires_grad_() for p in params]
-    copies = [torch.empty(params[0].shape, dtype=torch.bfloat16), None,
-              torch.empty(params[2].shape, dtype=torch.float16)]
+    copies = [
+        torch.empty(params[0].shape, dtype=torch.bfloat16),
+        None,
+        torch.empty(params[2].shape, dtype=torch.float16),
+    ]
     opt = CPUAdam(live, lr=1e-2)
     for step_grads in grads:
         for p, g in zip(live, step_grads):
@@ -121,10 +139,14 @@ def test_cpu_adam_writes_low_precision_copies_and_rejects_bad_ones():
 
 
 def lamb_spec(implementation):
-    return {"cls": FusedLamb,
-            "defaults": dict(lr=2e-2, betas=(0.9, 0.99), eps=1e-6, max_coeff=2.0, min_coeff=0.5,
-                             implementation=implementation),
-            "group0": dict(weight_decay=0.01), "group1": dict(weight_decay=0.0, bias_correction=False)}
+    return {
+        "cls": FusedLamb,
+        "defaults": dict(
+            lr=2e-2, betas=(0.9, 0.99), eps=1e-6, max_coeff=2.0, min_coeff=0.5, implementation=implementation
+        ),
+        "group0": dict(weight_decay=0.01),
+        "group1": dict(weight_decay=0.0, bias_correction=False),
+    }
 
 
 def check_lamb_against_reference(implementation, steps=STEPS):
@@ -135,13 +157,26 @@ def check_lamb_against_reference(implementation, steps=STEPS):
     live, opt, history = run_optimizer(spec, params, grads, group_split=2, step_kwargs={"scale": 4.0})
     for i, (p, start) in enumerate(zip(live, params)):
         group = spec["group0"] if i < 2 else spec["group1"]
-        ref, coeffs = lamb_reference(start, [g[i] for g in grads], lr=2e-2, beta1=0.9, beta2=0.99, eps=1e-6,
-                                     weight_decay=group["weight_decay"],
-                                     bias_correction=group.get("bias_correction", True), max_coeff=2.0,
-                                     min_coeff=0.5, scale=4.0)
+        ref, coeffs = lamb_reference(
+            start,
+            [g[i] for g in grads],
+            lr=2e-2,
+            beta1=0.9,
+            beta2=0.99,
+            eps=1e-6,
+            weight_decay=group["weight_decay"],
+            bias_correction=group.get("bias_correction", True),
+            max_coeff=2.0,
+            min_coeff=0.5,
+            scale=4.0,
+        )
         torch.testing.assert_close(p.detach().double(), ref, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(torch.tensor([h[i] for h in history], dtype=torch.float64),
-                                   torch.tensor(coeffs, dtype=torch.float64), rtol=1e-5, atol=0)
+        torch.testing.assert_close(
+            torch.tensor([h[i] for h in history], dtype=torch.float64),
+            torch.tensor(coeffs, dtype=torch.float64),
+            rtol=1e-5,
+            atol=0,
+        )
     first = history[0]
     assert first[0] == pytest.approx(0.5) and first[2] == pytest.approx(2.0) and first[3] == 1.0  # clamps hit
     assert 0.5 < first[1] < 2.0
@@ -202,14 +237,17 @@ def _triton_interpret_check():
     assert opt.last_implementation == "triton"
 
 
-@pytest.mark.skipif(not triton_available(), reason="triton is not installed: the LAMB Triton kernel cannot be "
-                    "interpreted on CPU (pip install triton)")
+@pytest.mark.skipif(
+    not triton_available(),
+    reason="triton is not installed: the LAMB Triton kernel cannot be interpreted on CPU (pip install triton)",
+)
 def test_lamb_triton_kernel_under_interpreter_matches_reference():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     script = "from tests.ops.test_optimizers import _triton_interpret_check as f; f()"
-    result = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True,
-                            timeout=240)
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True, timeout=240
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -224,8 +262,9 @@ def _dtensor_worker(rank, world_size):
     makers = {
         "adam": lambda ps: FusedAdam(ps, lr=1e-2, weight_decay=0.1),
         "cpu_adam": lambda ps: CPUAdam(ps, lr=1e-2, weight_decay=0.1, adamw_mode=False),
-        "lamb": lambda ps: FusedLamb(ps, lr=1e-2, weight_decay=0.01, max_grad_norm=1.0, max_coeff=2.0, min_coeff=0.5,
-                                     implementation="torch"),
+        "lamb": lambda ps: FusedLamb(
+            ps, lr=1e-2, weight_decay=0.01, max_grad_norm=1.0, max_coeff=2.0, min_coeff=0.5, implementation="torch"
+        ),
     }
     for name, make in makers.items():
         plain = [p.clone().requires_grad_() for p in params]

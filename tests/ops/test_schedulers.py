@@ -89,8 +89,9 @@ def test_warmup_decay_lr_curve(kind):
         return lo + (hi - lo) * gamma
 
     opt = _optimizer()
-    sched = WarmupDecayLR(opt, total_num_steps=T, warmup_min_lr=lo, warmup_max_lr=hi, warmup_num_steps=W,
-                          warmup_type=kind)
+    sched = WarmupDecayLR(
+        opt, total_num_steps=T, warmup_min_lr=lo, warmup_max_lr=hi, warmup_num_steps=W, warmup_type=kind
+    )
     _assert_curve(_observed(opt, sched), _reference_curve(ref))  # runs past T: stays at warmup_min_lr
 
 
@@ -107,8 +108,9 @@ def test_warmup_cosine_lr_curve(kind, min_ratio):
         return base * max(0.0, cos_min + (1 - cos_min) * 0.5 * (1 + math.cos(math.pi * progress)))
 
     opt = _optimizer(lr=base)
-    sched = WarmupCosineLR(opt, total_num_steps=T, warmup_min_ratio=min_ratio, warmup_num_steps=W,
-                           cos_min_ratio=cos_min, warmup_type=kind)
+    sched = WarmupCosineLR(
+        opt, total_num_steps=T, warmup_min_ratio=min_ratio, warmup_num_steps=W, cos_min_ratio=cos_min, warmup_type=kind
+    )
     _assert_curve(_observed(opt, sched), _reference_curve(ref))
 
 
@@ -153,9 +155,18 @@ def test_one_cycle_lr_and_momentum_curves():
         return mom_hi * (1 + mom_rate * (t - s1 - s2 + 1) / decay_steps)
 
     opt = _optimizer()
-    sched = OneCycle(opt, cycle_min_lr=lo, cycle_max_lr=hi, cycle_first_step_size=s1, cycle_second_step_size=s2,
-                     decay_step_size=decay_steps, decay_lr_rate=rate, cycle_min_mom=mom_lo, cycle_max_mom=mom_hi,
-                     decay_mom_rate=mom_rate)
+    sched = OneCycle(
+        opt,
+        cycle_min_lr=lo,
+        cycle_max_lr=hi,
+        cycle_first_step_size=s1,
+        cycle_second_step_size=s2,
+        decay_step_size=decay_steps,
+        decay_lr_rate=rate,
+        cycle_min_mom=mom_lo,
+        cycle_max_mom=mom_hi,
+        decay_mom_rate=mom_rate,
+    )
     lrs, moms = [], []
     for _ in range(STEPS):
         lrs.append(opt.param_groups[0]["lr"])
@@ -171,8 +182,14 @@ def test_one_cycle_stairs_and_sgd_disables_momentum():
     lr_ref, _ = _one_cycle_reference(1e-3, 1e-1, 40, 40, 0, 0.0, stairs1=4, stairs2=2)
     opt = _optimizer(cls=torch.optim.SGD)
     with pytest.warns(UserWarning, match="cycle_momentum is disabled"):
-        sched = OneCycle(opt, cycle_min_lr=1e-3, cycle_max_lr=1e-1, cycle_first_step_size=40,
-                         cycle_first_stair_count=4, cycle_second_stair_count=2)
+        sched = OneCycle(
+            opt,
+            cycle_min_lr=1e-3,
+            cycle_max_lr=1e-1,
+            cycle_first_step_size=40,
+            cycle_first_stair_count=4,
+            cycle_second_stair_count=2,
+        )
     _assert_curve(_observed(opt, sched, steps=200), _reference_curve(lr_ref, steps=200))
 
 
@@ -185,23 +202,44 @@ def test_lr_range_test_curve(staircase):
         return lo * (1 + rate * (math.floor(interval) if staircase else interval))
 
     opt = _optimizer()
-    sched = LRRangeTest(opt, lr_range_test_min_lr=lo, lr_range_test_step_size=size, lr_range_test_step_rate=rate,
-                        lr_range_test_staircase=staircase)
+    sched = LRRangeTest(
+        opt,
+        lr_range_test_min_lr=lo,
+        lr_range_test_step_size=size,
+        lr_range_test_step_rate=rate,
+        lr_range_test_staircase=staircase,
+    )
     _assert_curve(_observed(opt, sched), _reference_curve(ref))
 
 
 def test_deepspeed_defaults():
     expected = {
         WarmupLR: {"warmup_min_lr": 0.0, "warmup_max_lr": None, "warmup_num_steps": 1000, "warmup_type": "log"},
-        WarmupDecayLR: {"warmup_min_lr": 0.0, "warmup_max_lr": 0.001, "warmup_num_steps": 1000,
-                        "warmup_type": "log"},
-        WarmupCosineLR: {"warmup_min_ratio": 0.0, "warmup_num_steps": 1000, "cos_min_ratio": 0.0001,
-                         "warmup_type": "log"},
-        OneCycle: {"decay_lr_rate": 0.0, "cycle_first_step_size": 2000, "cycle_second_step_size": None,
-                   "cycle_first_stair_count": 0, "cycle_second_stair_count": None, "decay_step_size": 0,
-                   "cycle_momentum": True, "cycle_min_mom": 0.8, "cycle_max_mom": 0.9, "decay_mom_rate": 0.0},
-        LRRangeTest: {"lr_range_test_min_lr": 1e-3, "lr_range_test_step_size": 2000,
-                      "lr_range_test_step_rate": 1.0, "lr_range_test_staircase": False},
+        WarmupDecayLR: {"warmup_min_lr": 0.0, "warmup_max_lr": 0.001, "warmup_num_steps": 1000, "warmup_type": "log"},
+        WarmupCosineLR: {
+            "warmup_min_ratio": 0.0,
+            "warmup_num_steps": 1000,
+            "cos_min_ratio": 0.0001,
+            "warmup_type": "log",
+        },
+        OneCycle: {
+            "decay_lr_rate": 0.0,
+            "cycle_first_step_size": 2000,
+            "cycle_second_step_size": None,
+            "cycle_first_stair_count": 0,
+            "cycle_second_stair_count": None,
+            "decay_step_size": 0,
+            "cycle_momentum": True,
+            "cycle_min_mom": 0.8,
+            "cycle_max_mom": 0.9,
+            "decay_mom_rate": 0.0,
+        },
+        LRRangeTest: {
+            "lr_range_test_min_lr": 1e-3,
+            "lr_range_test_step_size": 2000,
+            "lr_range_test_step_rate": 1.0,
+            "lr_range_test_staircase": False,
+        },
     }
     for cls, defaults in expected.items():
         signature = inspect.signature(cls.__init__).parameters
@@ -241,8 +279,17 @@ def test_matches_deepspeed_when_installed():
         ("WarmupLR", dict(warmup_num_steps=30, warmup_type="log")),
         ("WarmupDecayLR", dict(total_num_steps=120, warmup_num_steps=20, warmup_type="linear")),
         ("WarmupCosineLR", dict(total_num_steps=120, warmup_num_steps=20, warmup_min_ratio=0.1)),
-        ("OneCycle", dict(cycle_min_lr=1e-4, cycle_max_lr=1e-2, cycle_first_step_size=30, decay_step_size=5,
-                          decay_lr_rate=0.2, cycle_first_stair_count=3)),
+        (
+            "OneCycle",
+            dict(
+                cycle_min_lr=1e-4,
+                cycle_max_lr=1e-2,
+                cycle_first_step_size=30,
+                decay_step_size=5,
+                decay_lr_rate=0.2,
+                cycle_first_stair_count=3,
+            ),
+        ),
         ("LRRangeTest", dict(lr_range_test_step_size=7, lr_range_test_staircase=True)),
     ]
     import lightning_zero.ops.lr_schedules as ours
@@ -269,23 +316,28 @@ def test_adam_means_decoupled_weight_decay_unless_adam_w_mode_false():
     assert isinstance(adam, FusedAdam) and adam.defaults["adam_w_mode"] is True
     assert adam.defaults["lr"] == 0.1 and tuple(adam.defaults["betas"]) == (0.8, 0.99)
     assert adam.defaults["eps"] == 1e-6 and adam.defaults["weight_decay"] == 0.5
-    assert build_optimizer({"type": "adam", "params": {"adam_w_mode": False}}, _params()).defaults[
-        "adam_w_mode"] is False
+    assert (
+        build_optimizer({"type": "adam", "params": {"adam_w_mode": False}}, _params()).defaults["adam_w_mode"] is False
+    )
     # "AdamW" is decoupled even when adam_w_mode says otherwise (DeepSpeed's rule).
     assert build_optimizer({"type": "AdamW", "params": {"adam_w_mode": False}}, _params()).defaults["adam_w_mode"]
 
     # Numerically: DeepSpeed's "Adam" == torch AdamW; with adam_w_mode=false == torch Adam (L2).
     def one_step(optimizer_spec=None, torch_cls=None):
         params = _params()
-        opt = build_optimizer(optimizer_spec, params) if optimizer_spec else torch_cls(params, **{
-            **hyper, "betas": tuple(hyper["betas"])})
+        opt = (
+            build_optimizer(optimizer_spec, params)
+            if optimizer_spec
+            else torch_cls(params, **{**hyper, "betas": tuple(hyper["betas"])})
+        )
         params[0].grad = torch.ones_like(params[0])
         opt.step()
         return params[0].detach().clone()
 
     torch.testing.assert_close(one_step({"type": "Adam", "params": hyper}), one_step(torch_cls=torch.optim.AdamW))
-    torch.testing.assert_close(one_step({"type": "Adam", "params": {**hyper, "adam_w_mode": False}}),
-                               one_step(torch_cls=torch.optim.Adam))
+    torch.testing.assert_close(
+        one_step({"type": "Adam", "params": {**hyper, "adam_w_mode": False}}), one_step(torch_cls=torch.optim.Adam)
+    )
 
 
 def test_torch_adam_lamb_sgd_and_any_torch_optim_name():
@@ -295,8 +347,7 @@ def test_torch_adam_lamb_sgd_and_any_torch_optim_name():
     assert type(opt) is torch.optim.Adam
     from lightning_zero.ops.fused_lamb import FusedLamb
 
-    lamb = build_optimizer({"type": "Lamb", "params": {"lr": 0.01, "max_coeff": 5.0, "weight_decay": 0.1}},
-                           _params())
+    lamb = build_optimizer({"type": "Lamb", "params": {"lr": 0.01, "max_coeff": 5.0, "weight_decay": 0.1}}, _params())
     assert isinstance(lamb, FusedLamb) and lamb.defaults["max_coeff"] == 5.0 and lamb.defaults["lr"] == 0.01
     sgd = build_optimizer({"type": "SGD", "params": {"lr": 0.3, "momentum": 0.9, "nesterov": True}}, _params())
     assert type(sgd) is torch.optim.SGD and sgd.defaults["momentum"] == 0.9 and sgd.defaults["nesterov"]
@@ -304,15 +355,18 @@ def test_torch_adam_lamb_sgd_and_any_torch_optim_name():
     assert type(build_optimizer({"type": "Adagrad"}, _params())) is torch.optim.Adagrad
 
 
-@pytest.mark.parametrize("spec, match", [
-    ({"type": "OneBitAdam", "params": {}}, "compressed communication"),
-    ({"type": "Lion"}, "no torch.optim counterpart"),
-    ({"type": "Sophia"}, "neither a DeepSpeed optimizer"),
-    ({"type": "Adam", "params": {"lr": "auto"}}, 'still "auto"'),
-    ({"type": "SGD", "params": {"lr": 0.1, "momentun": 0.9}}, "SGD accepts"),
-    ({"type": "AdamW", "params": {"max_grad_norm": 1.0}}, "gradient_clipping"),
-    ({"type": "Adam", "params": {"fp32_optimizer_states": False}}, "always kept in fp32"),
-])
+@pytest.mark.parametrize(
+    "spec, match",
+    [
+        ({"type": "OneBitAdam", "params": {}}, "compressed communication"),
+        ({"type": "Lion"}, "no torch.optim counterpart"),
+        ({"type": "Sophia"}, "neither a DeepSpeed optimizer"),
+        ({"type": "Adam", "params": {"lr": "auto"}}, 'still "auto"'),
+        ({"type": "SGD", "params": {"lr": 0.1, "momentun": 0.9}}, "SGD accepts"),
+        ({"type": "AdamW", "params": {"max_grad_norm": 1.0}}, "gradient_clipping"),
+        ({"type": "Adam", "params": {"fp32_optimizer_states": False}}, "always kept in fp32"),
+    ],
+)
 def test_optimizer_errors(spec, match):
     with pytest.raises(DeepSpeedConfigError, match=match):
         build_optimizer(spec, _params())
@@ -323,8 +377,9 @@ def test_build_scheduler_from_config_spec():
     sched = build_scheduler({"type": "WarmupCosineLR", "params": {"warmup_num_steps": 10}}, opt, total_steps=77)
     assert isinstance(sched, WarmupCosineLR) and sched.total_num_steps == 77
     assert lightning_scheduler_config(sched) == {"scheduler": sched, "interval": "step", "frequency": 1}
-    sched = build_scheduler({"type": "WarmupDecayLR", "params": {"total_num_steps": 50, "warmup_num_steps": 5}}, opt,
-                            total_steps=77)
+    sched = build_scheduler(
+        {"type": "WarmupDecayLR", "params": {"total_num_steps": 50, "warmup_num_steps": 5}}, opt, total_steps=77
+    )
     assert sched.total_num_steps == 50  # the config wins over the estimate
     step_lr = build_scheduler({"type": "StepLR", "params": {"step_size": 3, "gamma": 0.5}}, opt)
     assert isinstance(step_lr, torch.optim.lr_scheduler.StepLR) and step_lr.gamma == 0.5

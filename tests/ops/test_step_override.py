@@ -31,6 +31,7 @@ def _counting(calls: list, name: str):
     def step(optimizer, base_step, closure):
         calls.append(name)
         return base_step(optimizer, closure)
+
     return step
 
 
@@ -92,8 +93,9 @@ def test_the_class_keeps_its_name_hooks_run_once_and_extra_methods_come_and_go()
     optimizer.register_step_pre_hook(lambda *args: hooks.append("pre"))
     optimizer.register_step_post_hook(lambda *args: hooks.append("post"))
     calls = []
-    cls = override_step(optimizer, _counting(calls, "inner"), marker="inner",
-                        extra={"state_dict": lambda self: "overridden"})
+    cls = override_step(
+        optimizer, _counting(calls, "inner"), marker="inner", extra={"state_dict": lambda self: "overridden"}
+    )
     override_step(optimizer, _counting(calls, "outer"), marker="outer")
     for name in ("__name__", "__qualname__", "__module__"):
         assert getattr(type(optimizer), name) == getattr(torch.optim.AdamW, name)

@@ -24,7 +24,7 @@ class SeededLinear(nn.Linear):
         super().__init__(width, width)
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
-            self.weight.copy_(torch.randn(width, width, generator=gen) / width ** 0.5)
+            self.weight.copy_(torch.randn(width, width, generator=gen) / width**0.5)
             self.bias.copy_(torch.randn(width, generator=gen) * 0.1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -47,13 +47,16 @@ def make_model(checkpoint_interval: int = 0) -> PipelineModule:
     layers = [TiedLayerSpec("embed", SeededEmbedding, VOCAB, WIDTH, seed=100)]
     layers += [LayerSpec(SeededLinear, WIDTH, seed=i) for i in range(6)]
     layers += [TiedLayerSpec("embed", SeededEmbedding, VOCAB, WIDTH, seed=100, forward_fn=head)]
-    return PipelineModule(layers, loss_fn=F.cross_entropy, partition_method="uniform",
-                          activation_checkpoint_interval=checkpoint_interval)
+    return PipelineModule(
+        layers, loss_fn=F.cross_entropy, partition_method="uniform", activation_checkpoint_interval=checkpoint_interval
+    )
 
 
 def full_state(module: nn.Module) -> dict:
-    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
-            for k, v in module.state_dict().items()}
+    return {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+        for k, v in module.state_dict().items()
+    }
 
 
 # (schedule, virtual_stages, data_parallel, optimizer, activation_checkpoint_interval)
@@ -88,8 +91,16 @@ def _parity_worker(rank: int, world_size: int, cases: list) -> None:
         model = make_model(interval)
         assert len(model.layers) == 0, "specs must not be built before the stage assignment in a multi-rank run"
         mode, reshard = data_parallel.split("-")[0], data_parallel.endswith("-reshard")
-        runner = build_pipeline(model, mesh["pp"], schedule=schedule, micro_batches=4, virtual_stages=virtual,
-                                dp_mesh=mesh["dp"], data_parallel=mode, reshard_after_forward=reshard)
+        runner = build_pipeline(
+            model,
+            mesh["pp"],
+            schedule=schedule,
+            micro_batches=4,
+            virtual_stages=virtual,
+            dp_mesh=mesh["dp"],
+            data_parallel=mode,
+            reshard_after_forward=reshard,
+        )
         pools = {id(pool) for sm in runner.stage_modules if (pool := comm_buffer_pool(sm)) is not None}
         assert len(pools) == (1 if runner.fully_sharded else 0), f"{label}: one CPU buffer pool per sharded pipeline"
         owned = sorted(int(k) for k in model.layers)
@@ -137,8 +148,15 @@ def _fsdp_tied_same_rank_worker(rank: int, world_size: int) -> None:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     # ZBV puts stage 0 (embedding) and stage 3 (tied head) on pipeline rank 0: FSDP2 cannot shard it under two roots.
     with pytest.raises(NotImplementedError, match="tied module used by two stages"):
-        build_pipeline(make_model(), mesh["pp"], schedule="zbv", micro_batches=2, virtual_stages=2,
-                       dp_mesh=mesh["dp"], data_parallel="fully_shard")
+        build_pipeline(
+            make_model(),
+            mesh["pp"],
+            schedule="zbv",
+            micro_batches=2,
+            virtual_stages=2,
+            dp_mesh=mesh["dp"],
+            data_parallel="fully_shard",
+        )
 
 
 def test_fully_shard_rejects_tied_module_in_two_local_stages() -> None:

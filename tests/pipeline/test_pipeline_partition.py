@@ -13,16 +13,19 @@ from lightning_zero.pipeline.schedules import stage_to_rank
 
 
 # ------------------------------------------------------------------------------------------ partition_layers
-@pytest.mark.parametrize("weights, stages, expected", [
-    ([1] * 8, 2, [0, 4, 8]),
-    ([1] * 5, 2, [0, 3, 5]),           # heaviest stage minimised (3), earlier stages filled first
-    ([1] * 4, 3, [0, 2, 3, 4]),
-    ([5, 1, 1, 1, 1, 1], 2, [0, 1, 6]),  # a heavy first layer gets a stage of its own
-    ([1, 1, 1, 1, 1, 5], 2, [0, 5, 6]),
-    ([0, 1, 1, 1, 1, 0], 2, [0, 3, 6]),  # zero-weight layers stay with the stage before them
-    ([3, 3, 3], 3, [0, 1, 2, 3]),
-    ([7], 1, [0, 1]),
-])
+@pytest.mark.parametrize(
+    "weights, stages, expected",
+    [
+        ([1] * 8, 2, [0, 4, 8]),
+        ([1] * 5, 2, [0, 3, 5]),  # heaviest stage minimised (3), earlier stages filled first
+        ([1] * 4, 3, [0, 2, 3, 4]),
+        ([5, 1, 1, 1, 1, 1], 2, [0, 1, 6]),  # a heavy first layer gets a stage of its own
+        ([1, 1, 1, 1, 1, 5], 2, [0, 5, 6]),
+        ([0, 1, 1, 1, 1, 0], 2, [0, 3, 6]),  # zero-weight layers stay with the stage before them
+        ([3, 3, 3], 3, [0, 1, 2, 3]),
+        ([7], 1, [0, 1]),
+    ],
+)
 def test_partition_layers_documented_boundaries(weights, stages, expected):
     assert partition_layers(weights, stages) == expected
 
@@ -45,14 +48,13 @@ class Block(nn.Module):
 
 def _layers():
     # 0: Embedding 10x4 (40 params), 1-4: Block(4) (20 each), 5: flatten-free callable, 6: Linear 4->10 (50)
-    return [LayerSpec(nn.Embedding, 10, 4)] + [LayerSpec(Block, 4) for _ in range(4)] + [torch.tanh,
-                                                                                          nn.Linear(4, 10)]
+    return [LayerSpec(nn.Embedding, 10, 4)] + [LayerSpec(Block, 4) for _ in range(4)] + [torch.tanh, nn.Linear(4, 10)]
 
 
 def test_partition_methods_produce_documented_boundaries():
     layers = _layers()
     assert layer_weights(layers, "parameters") == [40, 20, 20, 20, 20, 0, 50]
-    assert PipelineModule(layers, partition_method="parameters").partition(2) == [0, 3, 7]   # 80 | 90
+    assert PipelineModule(layers, partition_method="parameters").partition(2) == [0, 3, 7]  # 80 | 90
     assert PipelineModule(layers, partition_method="uniform").partition(2) == [0, 4, 7]
     assert PipelineModule(layers, partition_method="type:block").partition(2) == [0, 3, 7]  # 2 blocks each
     assert PipelineModule(layers, partition_method="type:^Block$").partition(4) == [0, 2, 3, 4, 7]
@@ -86,15 +88,26 @@ def test_parameter_count_of_specs_does_not_build_them():
 def _tied_model(checkpoint_interval: int = 0) -> PipelineModule:
     torch.manual_seed(0)
     return PipelineModule(
-        [TiedLayerSpec("embed", nn.Embedding, 10, 4), LayerSpec(Block, 4), LayerSpec(Block, 4),
-         TiedLayerSpec("embed", nn.Embedding, 10, 4, forward_fn=lambda emb, h: h @ emb.weight.t())],
-        loss_fn=F.cross_entropy, activation_checkpoint_interval=checkpoint_interval)
+        [
+            TiedLayerSpec("embed", nn.Embedding, 10, 4),
+            LayerSpec(Block, 4),
+            LayerSpec(Block, 4),
+            TiedLayerSpec("embed", nn.Embedding, 10, 4, forward_fn=lambda emb, h: h @ emb.weight.t()),
+        ],
+        loss_fn=F.cross_entropy,
+        activation_checkpoint_interval=checkpoint_interval,
+    )
 
 
 def test_plain_module_is_the_sequential_model_with_unsplit_keys():
     model = _tied_model()
-    assert sorted(model.state_dict()) == ["layers.0.weight", "layers.1.proj.bias", "layers.1.proj.weight",
-                                          "layers.2.proj.bias", "layers.2.proj.weight"]
+    assert sorted(model.state_dict()) == [
+        "layers.0.weight",
+        "layers.1.proj.bias",
+        "layers.1.proj.weight",
+        "layers.2.proj.bias",
+        "layers.2.proj.weight",
+    ]
     x, y = torch.tensor([1, 2, 3]), torch.tensor([4, 5, 6])
     emb = model.layers["0"]
     hidden = model.layers["2"](model.layers["1"](emb(x)))

@@ -85,12 +85,20 @@ class Config:
             raise ValueError("Config.nvme offloads parameters, which needs stage 3")
 
 
-CONFIGS = {c.name: c for c in [
-    *(Config(f"s{stage}-{mode}", "steps", stage, async_save=mode == "async")
-      for stage in (0, 1, 2, 3) for mode in ("sync", "async")),
-    Config("s3-nvme-sync", "steps", 3, nvme=True), Config("s3-nvme-async", "steps", 3, nvme=True, async_save=True),
-    Config("fits-trainer", "fits"), Config("fits-fabric", "fabric", async_save=True),
-]}
+CONFIGS = {
+    c.name: c
+    for c in [
+        *(
+            Config(f"s{stage}-{mode}", "steps", stage, async_save=mode == "async")
+            for stage in (0, 1, 2, 3)
+            for mode in ("sync", "async")
+        ),
+        Config("s3-nvme-sync", "steps", 3, nvme=True),
+        Config("s3-nvme-async", "steps", 3, nvme=True, async_save=True),
+        Config("fits-trainer", "fits"),
+        Config("fits-fabric", "fabric", async_save=True),
+    ]
+}
 
 
 # ---------------------------------------------------------------------------------------------------- sampling
@@ -129,11 +137,19 @@ def sample(ckpt_dir: Optional[str], nvme_path: Optional[str], at: int) -> dict:
     # visible entries: checkpoints and last.ckpt; a hidden .X.partial is an async save still being written (steps
     # can outpace it), and what such saves leave behind shows in the file count
     entries = [e for e in os.listdir(ckpt_dir) if not e.startswith(".")] if ckpt_dir and os.path.isdir(ckpt_dir) else []
-    return {"at": at, **memory(), "fds": len(os.listdir("/proc/self/fd")),
-            "threads": threading.active_count(), "tasks": len(os.listdir("/proc/self/task")),
-            "groups": live_process_groups() if dist.is_initialized() else 0,
-            "ckpt_files": _files_under(ckpt_dir), "ckpt_entries": len(entries),
-            "nvme_files": _files_under(nvme_path), "pyobjs": len(gc.get_objects()), "time": time.monotonic()}
+    return {
+        "at": at,
+        **memory(),
+        "fds": len(os.listdir("/proc/self/fd")),
+        "threads": threading.active_count(),
+        "tasks": len(os.listdir("/proc/self/task")),
+        "groups": live_process_groups() if dist.is_initialized() else 0,
+        "ckpt_files": _files_under(ckpt_dir),
+        "ckpt_entries": len(entries),
+        "nvme_files": _files_under(nvme_path),
+        "pyobjs": len(gc.get_objects()),
+        "time": time.monotonic(),
+    }
 
 
 # ---------------------------------------------------------------------------------------------------- workloads
@@ -174,11 +190,28 @@ def _strategy(config: Config, stage: int, nvme_path: Optional[str], fabric: bool
 
 
 def _trainer(strategy, ckpt_dir: str, max_steps: int, save_every: int, callbacks: list) -> Trainer:
-    rotating = ModelCheckpoint(dirpath=ckpt_dir, filename="{step}", every_n_train_steps=save_every, save_top_k=TOP_K,
-                               monitor="step", mode="max", save_last=True, enable_version_counter=False)
-    return Trainer(strategy=strategy, accelerator="cpu", devices=WORLD, max_steps=max_steps, logger=False,
-                   enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                   limit_val_batches=0, callbacks=[*callbacks, rotating])
+    rotating = ModelCheckpoint(
+        dirpath=ckpt_dir,
+        filename="{step}",
+        every_n_train_steps=save_every,
+        save_top_k=TOP_K,
+        monitor="step",
+        mode="max",
+        save_last=True,
+        enable_version_counter=False,
+    )
+    return Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=WORLD,
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[*callbacks, rotating],
+    )
 
 
 def _paths(root: str, rank: int) -> tuple:
@@ -188,8 +221,9 @@ def _paths(root: str, rank: int) -> tuple:
     return ckpt_dir, nvme_path
 
 
-def _steps_worker(rank: int, world_size: int, config: dict, root: str, steps: int, save_every: int,
-                  minutes: Optional[float]) -> None:
+def _steps_worker(
+    rank: int, world_size: int, config: dict, root: str, steps: int, save_every: int, minutes: Optional[float]
+) -> None:
     config = Config(**config)
     torch.manual_seed(0)
     ckpt_dir, nvme_path = _paths(root, rank)
@@ -244,8 +278,9 @@ def _fabric_worker(rank: int, world_size: int, config: dict, root: str, fits: in
     Path(root, f"samples-r{rank}.json").write_text(json.dumps(samples))
 
 
-def run_config(config: Config, root: Path, steps: int, save_every: int, fits: int,
-               minutes: Optional[float] = None) -> dict:
+def run_config(
+    config: Config, root: Path, steps: int, save_every: int, fits: int, minutes: Optional[float] = None
+) -> dict:
     """Run one configuration in ``root`` (a long run stops after ``minutes`` if given); returns ``{"seconds": ...,
     "ranks": [samples of rank 0, of rank 1]}``."""
     root.mkdir(parents=True, exist_ok=True)
@@ -267,6 +302,7 @@ COUNTS = ("fds", "threads", "tasks", "groups", "ckpt_files", "nvme_files")
 def windows(samples: list, cycle: int = 1) -> tuple:
     """``(baseline, last)``: the samples right after the warm-up and the last ones, each 10 % of the samples (at
     least 2, rounded up to whole ``cycle``s: the fit loops go through the stages in turn)."""
+
     def whole(n: int) -> int:
         return max(cycle, -(-n // cycle) * cycle)
 
@@ -274,7 +310,7 @@ def windows(samples: list, cycle: int = 1) -> tuple:
     warm = whole(max(2, len(samples) // 10))
     if len(samples) < warm + 2 * width:
         raise ValueError(f"{len(samples)} samples are too few for a warm-up and two windows of {width}")
-    return samples[warm:warm + width], samples[-width:]
+    return samples[warm : warm + width], samples[-width:]
 
 
 def verdict(samples: list, rss_bound: float = 0.02, cycle: int = 1, max_entries: Optional[int] = None) -> dict:
@@ -282,8 +318,13 @@ def verdict(samples: list, rss_bound: float = 0.02, cycle: int = 1, max_entries:
     baseline, last = windows(samples, cycle)
     base_rss = statistics.median(s["rss"] for s in baseline)
     end_rss = statistics.median(s["rss"] for s in last)
-    figures = {"samples": len(samples), "rss_base": base_rss, "rss_end": end_rss,
-               "drift": (end_rss - base_rss) / base_rss, "failures": []}
+    figures = {
+        "samples": len(samples),
+        "rss_base": base_rss,
+        "rss_end": end_rss,
+        "drift": (end_rss - base_rss) / base_rss,
+        "failures": [],
+    }
     if figures["drift"] > rss_bound:
         figures["failures"].append(f"RSS drift {figures['drift']:+.2%} > {rss_bound:.0%}")
     if all("anon" in s for s in samples):  # (samples taken before RssAnon was sampled have none)
@@ -314,19 +355,24 @@ def judge(config: Config, result: dict, rss_bound: float) -> list:
     cycle = len(config.stages) if config.kind != "steps" else 1
     # top-k + last.ckpt; the Fabric loop saves onto TOP_K fixed names
     entries = TOP_K + (1 if config.kind != "fabric" else 0)
-    return [verdict(samples[:-1] if config.kind == "steps" else samples, rss_bound, cycle, entries)
-            for samples in result["ranks"]]
+    return [
+        verdict(samples[:-1] if config.kind == "steps" else samples, rss_bound, cycle, entries)
+        for samples in result["ranks"]
+    ]
 
 
 def table(rows: list) -> str:
     """``rows``: ``(config name, run length, seconds, [figures per rank])``."""
+
     def pair(values: tuple) -> str:
         return str(values[0]) if values[0] == values[1] else f"{values[0]} -> {values[1]}"
 
-    lines = ["| config | run | rank | samples | RSS base -> end (MiB) | drift | anon drift | fds | threads "
-             "| native threads | groups | ckpt files | ckpt entries (max) | nvme files | Python objects | time (s) "
-             "| verdict |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| config | run | rank | samples | RSS base -> end (MiB) | drift | anon drift | fds | threads "
+        "| native threads | groups | ckpt files | ckpt entries (max) | nvme files | Python objects | time (s) "
+        "| verdict |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, length, seconds, ranks in rows:
         for rank, f in enumerate(ranks):
             if "error" in f:
@@ -338,7 +384,8 @@ def table(rows: list) -> str:
                 f"{f['rss_end'] / 2**20:.1f} | {f['drift']:+.2%} | {anon} | {pair(f['fds'])} | {pair(f['threads'])} | "
                 f"{pair(f['tasks'])} | {pair(f['groups'])} | {pair(f['ckpt_files'])} | {f['ckpt_entries']} | "
                 f"{pair(f['nvme_files'])} | {f['pyobjs'][0]:.0f} -> {f['pyobjs'][1]:.0f} | {seconds:.0f} | "
-                f"{'; '.join(f['failures']) or 'ok'} |")
+                f"{'; '.join(f['failures']) or 'ok'} |"
+            )
     return "\n".join(lines)
 
 
@@ -347,8 +394,9 @@ def rows_of(raw: dict, rss_bound: float) -> list:
     rows = []
     for name, result in raw.items():
         config = CONFIGS[name]
-        length = result.get("length") or (f"{result['ranks'][0][-1]['at']} steps" if config.kind == "steps"
-                                          else f"{len(result['ranks'][0])} fits")
+        length = result.get("length") or (
+            f"{result['ranks'][0][-1]['at']} steps" if config.kind == "steps" else f"{len(result['ranks'][0])} fits"
+        )
         if "error" in result:
             rows.append((name, length, 0.0, [{"error": result["error"]}]))
             continue
@@ -366,8 +414,12 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--save-every", type=int, default=50)
     parser.add_argument("--fits", type=int, default=50)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-    parser.add_argument("--minutes", type=float, default=None,
-                        help="stop each long run after this many minutes (the table says how many steps ran)")
+    parser.add_argument(
+        "--minutes",
+        type=float,
+        default=None,
+        help="stop each long run after this many minutes (the table says how many steps ran)",
+    )
     parser.add_argument("--rss-bound", type=float, default=0.02, help="largest RSS drift after warm-up (0.02 = 2%%)")
     parser.add_argument("--root", type=Path, default=None, help="where to run (default: a new temporary directory)")
     parser.add_argument("--json", type=Path, default=None, help="also write every sample here")

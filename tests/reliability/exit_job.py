@@ -34,9 +34,18 @@ def _trainer(stage: int, root: Path) -> int:
 
     from lightning_zero import ZeroStrategy
 
-    trainer = Trainer(strategy=ZeroStrategy(stage=stage), accelerator="cpu", devices=2, max_steps=STEPS,
-                      logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                      limit_val_batches=0, default_root_dir=root)
+    trainer = Trainer(
+        strategy=ZeroStrategy(stage=stage),
+        accelerator="cpu",
+        devices=2,
+        max_steps=STEPS,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        limit_val_batches=0,
+        default_root_dir=root,
+    )
     trainer.fit(RegressionModule())
     trainer.save_checkpoint(root / "final.ckpt")
     return trainer.global_rank

@@ -18,9 +18,16 @@ def main(kind: str, how: str, report: str, devices: str = "1") -> None:
 
         from lightning_zero import ZeroStrategy
 
-        trainer = Trainer(strategy=ZeroStrategy(stage=2), accelerator="cpu", devices=int(devices), max_steps=1,
-                          logger=False, enable_progress_bar=False, enable_model_summary=False,
-                          enable_checkpointing=False)
+        trainer = Trainer(
+            strategy=ZeroStrategy(stage=2),
+            accelerator="cpu",
+            devices=int(devices),
+            max_steps=1,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+        )
         trainer.fit(BoringModel())
     else:
         from lightning.fabric import Fabric

@@ -48,9 +48,22 @@ _RANK_EXIT = re.compile(r"rank\s*:\s*(\d+).*?\n\s*exitcode\s*:\s*(-?\d+)", re.S)
 
 def _env() -> dict:
     # none of a caller's process-group variables (a test process may hold them): torchrun sets its own
-    env = {key: value for key, value in os.environ.items()
-           if key not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-                          "NODE_RANK", "GROUP_RANK", "TORCHELASTIC_RUN_ID")}
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key
+        not in (
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "RANK",
+            "LOCAL_RANK",
+            "WORLD_SIZE",
+            "LOCAL_WORLD_SIZE",
+            "NODE_RANK",
+            "GROUP_RANK",
+            "TORCHELASTIC_RUN_ID",
+        )
+    }
     env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     return env
 
@@ -58,11 +71,29 @@ def _env() -> dict:
 def run_job(root: Path, kind: str, stage: int, timeout: float = 300) -> dict:
     """One torchrun job; ``finished`` (both ranks completed), torchrun's exit code and the per-rank failures."""
     root.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "-m", "tests.reliability.exit_job", kind, str(stage), str(root)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "tests.reliability.exit_job",
+        kind,
+        str(stage),
+        str(root),
+    ]
     start = time.perf_counter()
-    proc = subprocess.Popen(command, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        command,
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
         code = proc.returncode
@@ -71,9 +102,15 @@ def run_job(root: Path, kind: str, stage: int, timeout: float = 300) -> dict:
         out, _ = proc.communicate()
         code = "timeout"
     completed, failures = parse_output(out)
-    return {"kind": kind, "stage": stage, "finished": completed == [0, 1], "exit": code, "ranks_failed": failures,
-            "seconds": round(time.perf_counter() - start, 1),
-            "tail": "" if code == 0 else out[-2500:]}
+    return {
+        "kind": kind,
+        "stage": stage,
+        "finished": completed == [0, 1],
+        "exit": code,
+        "ranks_failed": failures,
+        "seconds": round(time.perf_counter() - start, 1),
+        "tail": "" if code == 0 else out[-2500:],
+    }
 
 
 def parse_output(out: str) -> tuple:
@@ -96,10 +133,21 @@ def _fork_rank(kind: str, stage: int, root: Path, rank: int, port: int) -> int:
         log = os.open(root / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(log, 1)
         os.dup2(log, 2)
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                          GROUP_RANK="0", ROLE_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                          ROLE_WORLD_SIZE="2", TORCHELASTIC_RUN_ID=f"exit-trials-{port}",
-                          TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0", OMP_NUM_THREADS="1")
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            GROUP_RANK="0",
+            ROLE_RANK=str(rank),
+            WORLD_SIZE="2",
+            LOCAL_WORLD_SIZE="2",
+            ROLE_WORLD_SIZE="2",
+            TORCHELASTIC_RUN_ID=f"exit-trials-{port}",
+            TORCHELASTIC_RESTART_COUNT="0",
+            TORCHELASTIC_MAX_RESTARTS="0",
+            OMP_NUM_THREADS="1",
+        )
         exit_job.main(kind, str(stage), str(root))
     except BaseException:
         traceback.print_exc()
@@ -131,9 +179,15 @@ def run_job_forked(root: Path, kind: str, stage: int, timeout: float = 300) -> d
     completed = parse_output(out)[0]
     failures = {rank: code for rank, code in codes.items() if code != 0}
     code = next((c for c in codes.values() if c == "timeout"), None) or (1 if failures else 0)
-    return {"kind": kind, "stage": stage, "finished": completed == [0, 1], "exit": code,
-            "ranks_failed": {rank: (-9 if c == "timeout" else c) for rank, c in failures.items()},
-            "seconds": round(time.perf_counter() - start, 1), "tail": "" if code == 0 else out[-2500:]}
+    return {
+        "kind": kind,
+        "stage": stage,
+        "finished": completed == [0, 1],
+        "exit": code,
+        "ranks_failed": {rank: (-9 if c == "timeout" else c) for rank, c in failures.items()},
+        "seconds": round(time.perf_counter() - start, 1),
+        "tail": "" if code == 0 else out[-2500:],
+    }
 
 
 def describe_exit(code: int) -> str:
@@ -146,8 +200,15 @@ def describe_exit(code: int) -> str:
     return f"exit {code}"
 
 
-def run_trials(jobs: int, concurrency: int = 2, base: Optional[Path] = None, out: Optional[Path] = None,
-               kinds: tuple = KINDS, stages: tuple = STAGES, launcher: str = "torchrun") -> list:
+def run_trials(
+    jobs: int,
+    concurrency: int = 2,
+    base: Optional[Path] = None,
+    out: Optional[Path] = None,
+    kinds: tuple = KINDS,
+    stages: tuple = STAGES,
+    launcher: str = "torchrun",
+) -> list:
     base = Path(base or tempfile.mkdtemp(prefix="lz-exit-"))
     plan = [(i, kinds[i % len(kinds)], stages[(i // len(kinds)) % len(stages)]) for i in range(jobs)]
 
@@ -164,6 +225,7 @@ def run_trials(jobs: int, concurrency: int = 2, base: Optional[Path] = None, out
         import lightning.fabric  # noqa: F401  (imported once here rather than in every rank)
 
         import lightning_zero.fabric  # noqa: F401
+
         return [one(entry) for entry in plan]
     with ThreadPoolExecutor(concurrency) as pool:
         return list(pool.map(one, plan))
@@ -173,19 +235,24 @@ def table(results: list) -> str:
     rows = defaultdict(list)
     for result in results:
         rows[(result["kind"], result["stage"])].append(result)
-    lines = ["| kind | stage | jobs | finished | non-zero exit after finishing | exits (rank: signal/code) |"
-             " failed before finishing |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| kind | stage | jobs | finished | non-zero exit after finishing | exits (rank: signal/code) |"
+        " failed before finishing |",
+        "|---|---|---|---|---|---|---|",
+    ]
     totals = [0, 0, 0, 0]
     for (kind, stage), group in sorted(rows.items()):
         finished = [r for r in group if r["finished"]]
         bad = [r for r in finished if r["exit"] != 0]
         before = [r for r in group if not r["finished"]]
-        codes = sorted({f"{rank}: {describe_exit(code)}" for r in bad + before
-                        for rank, code in r["ranks_failed"].items()} | {str(r["exit"]) for r in bad + before
-                                                                        if r["exit"] == "timeout"})
-        lines.append(f"| {kind} | {stage} | {len(group)} | {len(finished)} | {len(bad)} | {', '.join(codes) or '-'} |"
-                     f" {len(before)} |")
+        codes = sorted(
+            {f"{rank}: {describe_exit(code)}" for r in bad + before for rank, code in r["ranks_failed"].items()}
+            | {str(r["exit"]) for r in bad + before if r["exit"] == "timeout"}
+        )
+        lines.append(
+            f"| {kind} | {stage} | {len(group)} | {len(finished)} | {len(bad)} | {', '.join(codes) or '-'} |"
+            f" {len(before)} |"
+        )
         for i, value in enumerate((len(group), len(finished), len(bad), len(before))):
             totals[i] += value
     lines.append(f"| **all** | | **{totals[0]}** | **{totals[1]}** | **{totals[2]}** | | **{totals[3]}** |")
@@ -196,18 +263,25 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=200)
     parser.add_argument("--launcher", choices=("torchrun", "fork"), default="torchrun")
-    parser.add_argument("--kinds", default=",".join(KINDS), help="comma-separated: trainer, fabric, bare (the "
-                        "control: a gloo group without this package and without destroy_process_group)")
+    parser.add_argument(
+        "--kinds",
+        default=",".join(KINDS),
+        help="comma-separated: trainer, fabric, bare (the "
+        "control: a gloo group without this package and without destroy_process_group)",
+    )
     parser.add_argument("--concurrency", type=int, default=2, help="jobs at once (torchrun only)")
     parser.add_argument("--root", type=Path, default=None, help="where the jobs write (default: a new temp dir)")
     parser.add_argument("--out", type=Path, default=None, help="append one JSON line per job here")
     args = parser.parse_args(argv)
-    results = run_trials(args.jobs, args.concurrency, args.root, args.out,
-                         kinds=tuple(args.kinds.split(",")), launcher=args.launcher)
+    results = run_trials(
+        args.jobs, args.concurrency, args.root, args.out, kinds=tuple(args.kinds.split(",")), launcher=args.launcher
+    )
     for result in results:
         if result["exit"] != 0:
-            print(f"--- job {result['job']} ({result['kind']}, stage {result['stage']}): exit {result['exit']}\n"
-                  f"{result['tail']}")
+            print(
+                f"--- job {result['job']} ({result['kind']}, stage {result['stage']}): exit {result['exit']}\n"
+                f"{result['tail']}"
+            )
     print(table(results))
     return 0 if all(r["finished"] and r["exit"] == 0 for r in results) else 1
 

@@ -21,9 +21,16 @@ def _trainer() -> None:
             gc.collect()  # what any allocation-heavy step can trigger
             return super().training_step(batch, batch_idx)
 
-    trainer = Trainer(accelerator="cpu", devices=2, strategy=ZeroStrategy(stage=2, start_method="fork"),
-                      max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=ZeroStrategy(stage=2, start_method="fork"),
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(Collecting())
 
 

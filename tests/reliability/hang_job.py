@@ -43,6 +43,7 @@ def _hang_in_dcp_io_on_rank_1(case: str) -> None:
     from lightning_zero.checkpoint import io as ckpt_io
 
     if case == "save":
+
         class HangingWriter(ckpt_io.FileSystemWriter):
             def write_data(self, plan, planner):
                 if dist.get_rank() == 1:
@@ -51,6 +52,7 @@ def _hang_in_dcp_io_on_rank_1(case: str) -> None:
 
         ckpt_io.FileSystemWriter = HangingWriter
     else:
+
         class HangingReader(ckpt_io.SafeFileSystemReader):
             def read_data(self, plan, planner):
                 if dist.get_rank() == 1:
@@ -61,9 +63,17 @@ def _hang_in_dcp_io_on_rank_1(case: str) -> None:
 
 
 def _trainer(root, stage=2, **kwargs):
-    defaults = dict(accelerator="cpu", devices=2, logger=False, enable_progress_bar=False,
-                    enable_model_summary=False, enable_checkpointing=False, default_root_dir=root,
-                    num_sanity_val_steps=0, limit_val_batches=0)
+    defaults = dict(
+        accelerator="cpu",
+        devices=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=root,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
     defaults.update(kwargs)
     return Trainer(strategy=ZeroStrategy(stage=stage, hang_timeout=HANG_TIMEOUT), **defaults)
 

@@ -33,13 +33,27 @@ def main(root: str, mode: str, ckpt_path=None) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     root_path = Path(root)
-    every_step = ModelCheckpoint(dirpath=root_path / "checkpoints", filename="{step}", every_n_train_steps=1,
-                                 save_top_k=2, monitor="step", mode="max",
-                                 save_last="link" if mode == "link" else True)
-    trainer = Trainer(strategy=ZeroStrategy(stage=2, async_save=mode == "async", auto_resume=False),
-                      accelerator="cpu", devices=2, max_steps=STEPS, logger=False, enable_progress_bar=False,
-                      enable_model_summary=False, limit_val_batches=0, callbacks=[every_step, _Report(root_path)],
-                      default_root_dir=root)
+    every_step = ModelCheckpoint(
+        dirpath=root_path / "checkpoints",
+        filename="{step}",
+        every_n_train_steps=1,
+        save_top_k=2,
+        monitor="step",
+        mode="max",
+        save_last="link" if mode == "link" else True,
+    )
+    trainer = Trainer(
+        strategy=ZeroStrategy(stage=2, async_save=mode == "async", auto_resume=False),
+        accelerator="cpu",
+        devices=2,
+        max_steps=STEPS,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[every_step, _Report(root_path)],
+        default_root_dir=root,
+    )
     trainer.fit(RegressionModule(), ckpt_path=ckpt_path)
     if trainer.global_rank == 0:
         (root_path / "final.json").write_text(json.dumps({"step": trainer.global_step}))

@@ -44,12 +44,25 @@ def start_job(module: str, arguments: list) -> subprocess.Popen:
     """``python -m module *arguments`` in its own session (so its whole process group can be killed)."""
     command = [sys.executable, "-m", module, *arguments]
     # a fresh rendezvous port per job, and none of a caller's process-group variables (a test process may hold them)
-    env = {key: value for key, value in os.environ.items()
-           if key not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-                          "NODE_RANK", "GROUP_RANK")}
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key
+        not in (
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "RANK",
+            "LOCAL_RANK",
+            "WORLD_SIZE",
+            "LOCAL_WORLD_SIZE",
+            "NODE_RANK",
+            "GROUP_RANK",
+        )
+    }
     env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    return subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
 
 
 def _run(root: Path, mode: str, ckpt: Optional[str] = None, timeout: float = 300) -> tuple:
@@ -84,8 +97,11 @@ def newest_complete(directory: Path) -> tuple:
 
 
 def leftovers(directory: Path) -> list:
-    return sorted(p.name for p in directory.iterdir() if any(mark in p.name for mark in LEFTOVER_MARKS)) \
-        if directory.is_dir() else []
+    return (
+        sorted(p.name for p in directory.iterdir() if any(mark in p.name for mark in LEFTOVER_MARKS))
+        if directory.is_dir()
+        else []
+    )
 
 
 def _resume(root: Path, mode: str, ckpt: str, expected_start: int) -> dict:
@@ -94,10 +110,21 @@ def _resume(root: Path, mode: str, ckpt: str, expected_start: int) -> dict:
     final = json.loads((root / "final.json").read_text())["step"] if (root / "final.json").exists() else None
     left = leftovers(root / "checkpoints")
     # a job killed after its last save has nothing left to train: Lightning then ends without starting the loop
-    ok = code == 0 and final == STEPS and not left and (
-        started == expected_start or (started is None and expected_start == STEPS))
-    return {"ok": ok, "exit": code, "started": started, "expected": expected_start, "final": final, "left": left,
-            "tail": "" if ok else out[-1500:]}
+    ok = (
+        code == 0
+        and final == STEPS
+        and not left
+        and (started == expected_start or (started is None and expected_start == STEPS))
+    )
+    return {
+        "ok": ok,
+        "exit": code,
+        "started": started,
+        "expected": expected_start,
+        "final": final,
+        "left": left,
+        "tail": "" if ok else out[-1500:],
+    }
 
 
 def trial(base: Path, index: int, mode: str, kill_after: float) -> dict:
@@ -117,12 +144,12 @@ def trial(base: Path, index: int, mode: str, kill_after: float) -> dict:
     for name in ("started.json", "final.json"):
         for where in (root, by_path):
             (where / name).unlink(missing_ok=True)
-    result = {"trial": index, "mode": mode, "kill_s": round(kill_after, 2), "newest": newest_step,
-              "last": last_step}
+    result = {"trial": index, "mode": mode, "kill_s": round(kill_after, 2), "newest": newest_step, "last": last_step}
     result["last_resume"] = _resume(root, mode, "last", last_step or 0)
     explicit = str(by_path / "checkpoints" / newest.name) if newest is not None else None
-    result["path_resume"] = _resume(by_path, mode, explicit, newest_step) if explicit else {"ok": True,
-                                                                                            "skipped": "none saved"}
+    result["path_resume"] = (
+        _resume(by_path, mode, explicit, newest_step) if explicit else {"ok": True, "skipped": "none saved"}
+    )
     return result
 
 
@@ -164,16 +191,26 @@ def run_trials(count: int, seed: int = 0, base: Optional[Path] = None, modes: tu
 
 
 def table(results: list) -> str:
-    lines = ["| trial | mode | kill (s into training) | newest step | last.ckpt step | resume 'last' | resume path |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| trial | mode | kill (s into training) | newest step | last.ckpt step | resume 'last' | resume path |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in results:
+
         def cell(res: dict) -> str:
             if res.get("skipped"):
                 return "n/a (" + res["skipped"] + ")"
-            return "ok" if res["ok"] else f"FAIL exit={res['exit']} start={res['started']}/{res['expected']} " \
-                                         f"end={res['final']} left={res['left']}"
-        lines.append(f"| {r['trial']} | {r['mode']} | {r['kill_s']} | {r['newest']} | {r['last']} | "
-                     f"{cell(r['last_resume'])} | {cell(r['path_resume'])} |")
+            return (
+                "ok"
+                if res["ok"]
+                else f"FAIL exit={res['exit']} start={res['started']}/{res['expected']} "
+                f"end={res['final']} left={res['left']}"
+            )
+
+        lines.append(
+            f"| {r['trial']} | {r['mode']} | {r['kill_s']} | {r['newest']} | {r['last']} | "
+            f"{cell(r['last_resume'])} | {cell(r['path_resume'])} |"
+        )
     resumes = [res for r in results for res in (r["last_resume"], r["path_resume"]) if not res.get("skipped")]
     lines.append(f"\n{sum(res['ok'] for res in resumes)}/{len(resumes)} resumes passed over {len(results)} kills")
     return "\n".join(lines)

@@ -93,16 +93,19 @@ def train(fabric: Fabric, root: Path) -> dict:
                 fabric.save(root / "checkpoints" / f"step={state['step']}", state)
             if killer.pending not in (None, "save") and not killer.fired:
                 raise RuntimeError(f"the kill at {killer.pending} never happened")
-    return {"weights": full_state(module), "global_step": state["step"], "attempt": _attempt(),
-            "resumed_from": resumed}
+    return {"weights": full_state(module), "global_step": state["step"], "attempt": _attempt(), "resumed_from": resumed}
 
 
 def main(root: str) -> None:
     torch.set_num_threads(1)
     root_path = Path(root)
     nproc = int(os.environ["LOCAL_WORLD_SIZE"])
-    fabric = Fabric(strategy=ZeroStrategy(stage=2, hang_timeout=HANG_TIMEOUT), accelerator="cpu", devices=nproc,
-                    num_nodes=int(os.environ["WORLD_SIZE"]) // nproc)
+    fabric = Fabric(
+        strategy=ZeroStrategy(stage=2, hang_timeout=HANG_TIMEOUT),
+        accelerator="cpu",
+        devices=nproc,
+        num_nodes=int(os.environ["WORLD_SIZE"]) // nproc,
+    )
     fabric.launch()
     error = None
     try:
@@ -115,9 +118,16 @@ def main(root: str) -> None:
         error = err
     if error is not None:
         (root_path / "errors").mkdir(exist_ok=True)
-        (root_path / "errors" / f"attempt{_attempt()}_rank{os.environ['RANK']}.json").write_text(json.dumps(
-            {"time": time.time(), "type": type(error).__name__, "message": str(error),
-             "traceback": "".join(traceback.format_exception(error))[-4000:]}))
+        (root_path / "errors" / f"attempt{_attempt()}_rank{os.environ['RANK']}.json").write_text(
+            json.dumps(
+                {
+                    "time": time.time(),
+                    "type": type(error).__name__,
+                    "message": str(error),
+                    "traceback": "".join(traceback.format_exception(error))[-4000:],
+                }
+            )
+        )
         raise error
     if fabric.global_rank == 0:
         torch.save(final, root_path / "final.pt")

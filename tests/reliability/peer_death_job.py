@@ -63,8 +63,13 @@ class KillNode(Callback):
         if self.fired:  # (a partitioned rank goes on; its later collectives must not fire again)
             return
         self.fired = True
-        record = {"time": time.time(), "point": where, "step": trainer.global_step, "rank": trainer.global_rank,
-                  "node": trainer.node_rank}
+        record = {
+            "time": time.time(),
+            "point": where,
+            "step": trainer.global_step,
+            "rank": trainer.global_rank,
+            "node": trainer.node_rank,
+        }
         if self.partition:
             (self.root / f"cut_request_rank{trainer.global_rank}.json").write_text(json.dumps(record))
             deadline = time.time() + 60
@@ -116,8 +121,13 @@ def _patch_collectives(killer: KillNode) -> None:
     # (lightning_zero.distributed.comm_buffers), its own reduce-scatter reference otherwise
     from lightning_zero.distributed import comm_buffers
 
-    for module, name in ((dist, "reduce_scatter_single"), (dist, "reduce_scatter_tensor"), (dist, "all_reduce"),
-                         (comm_buffers, "_pairwise_reduce_scatter"), (comm_buffers, "_reduce_scatter_flat")):
+    for module, name in (
+        (dist, "reduce_scatter_single"),
+        (dist, "reduce_scatter_tensor"),
+        (dist, "all_reduce"),
+        (comm_buffers, "_pairwise_reduce_scatter"),
+        (comm_buffers, "_reduce_scatter_flat"),
+    ):
         original = getattr(module, name, None)
         if original is None:
             continue
@@ -145,10 +155,20 @@ def _patch_save(killer: KillNode) -> None:
 def make_trainer(root: Path, devices: int, num_nodes: int, callbacks=()) -> Trainer:
     """The job's Trainer (also the in-process reference's, with ``devices=2, num_nodes=1``)."""
     checkpoints = ModelCheckpoint(dirpath=root / "checkpoints", save_top_k=-1)  # every epoch
-    return Trainer(strategy=ZeroStrategy(stage=2, hang_timeout=HANG_TIMEOUT), accelerator="cpu", devices=devices,
-                   num_nodes=num_nodes, max_epochs=EPOCHS, limit_train_batches=STEPS_PER_EPOCH, logger=False,
-                   enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                   callbacks=[checkpoints, *callbacks], default_root_dir=str(root))
+    return Trainer(
+        strategy=ZeroStrategy(stage=2, hang_timeout=HANG_TIMEOUT),
+        accelerator="cpu",
+        devices=devices,
+        num_nodes=num_nodes,
+        max_epochs=EPOCHS,
+        limit_train_batches=STEPS_PER_EPOCH,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[checkpoints, *callbacks],
+        default_root_dir=str(root),
+    )
 
 
 def reference_worker(rank: int, world_size: int, out: str) -> None:
@@ -173,14 +193,28 @@ def main(root: str) -> None:
         trainer.fit(module)
     except BaseException as err:
         (root_path / "errors").mkdir(exist_ok=True)
-        (root_path / "errors" / f"attempt{_attempt()}_rank{os.environ['RANK']}.json").write_text(json.dumps(
-            {"time": time.time(), "type": type(err).__name__, "message": str(err),
-             "traceback": traceback.format_exc()[-4000:]}))
+        (root_path / "errors" / f"attempt{_attempt()}_rank{os.environ['RANK']}.json").write_text(
+            json.dumps(
+                {
+                    "time": time.time(),
+                    "type": type(err).__name__,
+                    "message": str(err),
+                    "traceback": traceback.format_exc()[-4000:],
+                }
+            )
+        )
         raise
     state = full_state(module)
     if trainer.global_rank == 0:
-        torch.save({"weights": state, "global_step": trainer.global_step, "attempt": _attempt(),
-                    "resumed_from": trainer.ckpt_path}, root_path / "final.pt")
+        torch.save(
+            {
+                "weights": state,
+                "global_step": trainer.global_step,
+                "attempt": _attempt(),
+                "resumed_from": trainer.ckpt_path,
+            },
+            root_path / "final.pt",
+        )
 
 
 if __name__ == "__main__":

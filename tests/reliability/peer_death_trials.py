@@ -51,6 +51,7 @@ BOUND = HANG_TIMEOUT + 30
 @dataclass(frozen=True)
 class Mode:
     """What a campaign runs: ranks per node, the Fabric job instead of the Trainer's, a partition instead of a kill."""
+
     nproc_per_node: int = 1
     fabric: bool = False
     partition: bool = False
@@ -65,29 +66,60 @@ class Mode:
         return f"step={steps}" if self.fabric else f"epoch={epochs_done - 1}-step={steps}.ckpt"
 
 
-_CLEARED = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK",
-            "GROUP_RANK", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_USE_AGENT_STORE")
+_CLEARED = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "NODE_RANK",
+    "GROUP_RANK",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_USE_AGENT_STORE",
+)
 
 
-def _agent(hosts: Hosts, node: int, root: Path, port: int, run_id: str, env_extra: dict,
-           mode: Mode) -> subprocess.Popen:
+def _agent(
+    hosts: Hosts, node: int, root: Path, port: int, run_id: str, env_extra: dict, mode: Mode
+) -> subprocess.Popen:
     command = hosts.prefix(node) + [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(mode.nproc_per_node),
-        "--max-restarts", "3",
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts.addresses[0]}:{port}", "--rdzv-id", run_id,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        str(mode.nproc_per_node),
+        "--max-restarts",
+        "3",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"{hosts.addresses[0]}:{port}",
+        "--rdzv-id",
+        run_id,
         # the address the workers reach this node's agent store at (torch's default, the FQDN, resolves to an address
         # the other namespace cannot reach)
-        "--local-addr", hosts.addresses[node],
+        "--local-addr",
+        hosts.addresses[node],
         # node 0's agent hosts the rendezvous store: torch's own guess compares the endpoint with the hostname's
         # addresses, which inside a namespace never match
-        "--rdzv-conf", f"is_host={'true' if node == 0 else 'false'},join_timeout=120", "--monitor-interval", "0.2",
-        "-m", mode.job, str(root)]
+        "--rdzv-conf",
+        f"is_host={'true' if node == 0 else 'false'},join_timeout=120",
+        "--monitor-interval",
+        "0.2",
+        "-m",
+        mode.job,
+        str(root),
+    ]
     env = {key: value for key, value in os.environ.items() if key not in _CLEARED}
     env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **hosts.env(node), **env_extra)
     log = open(root / f"agent{node}.log", "w")
     try:
-        return subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        return subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
     finally:
         log.close()
 
@@ -100,14 +132,26 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def run_job(hosts: Hosts, root: Path, port: int, point: str = "none", step: int = -1, node: int = 1,
-            timeout: float = 420, mode: Mode = Mode()) -> dict:
+def run_job(
+    hosts: Hosts,
+    root: Path,
+    port: int,
+    point: str = "none",
+    step: int = -1,
+    node: int = 1,
+    timeout: float = 420,
+    mode: Mode = Mode(),
+) -> dict:
     """Run both agents; returns exit codes and, once the kill (or the cut) happened, when each surviving rank
     exited. A partition: node ``node``'s veth goes down when its rank asks (at the drawn point) and comes back up
     once every survivor exited (or ``BOUND`` + 10 s after the cut)."""
     root.mkdir(parents=True)
-    extra = {"PEER_DEATH_POINT": point, "PEER_DEATH_STEP": str(step), "PEER_DEATH_NODE": str(node),
-             "PEER_DEATH_MODE": "partition" if mode.partition else "kill"}
+    extra = {
+        "PEER_DEATH_POINT": point,
+        "PEER_DEATH_STEP": str(step),
+        "PEER_DEATH_NODE": str(node),
+        "PEER_DEATH_MODE": "partition" if mode.partition else "kill",
+    }
     agents = [_agent(hosts, n, root, port, root.name, extra, mode) for n in (0, 1)]
     deadline, exits, link = time.time() + timeout, {}, {}
     try:
@@ -124,8 +168,11 @@ def run_job(hosts: Hosts, root: Path, port: int, point: str = "none", step: int 
                     if pid_node != node and pid_file.name not in exits and not _alive(pid):
                         exits[pid_file.name] = time.time()
                 since = time.time() - link.get("down", time.time())
-                if "down" in link and "up" not in link and (
-                        (len(exits) == survivors and since > mode.hold) or since > max(BOUND + 10, mode.hold)):
+                if (
+                    "down" in link
+                    and "up" not in link
+                    and ((len(exits) == survivors and since > mode.hold) or since > max(BOUND + 10, mode.hold))
+                ):
                     _set_link(hosts, node, "up")
                     link["up"] = time.time()
             time.sleep(0.1)
@@ -145,8 +192,9 @@ def run_job(hosts: Hosts, root: Path, port: int, point: str = "none", step: int 
 
 def _set_link(hosts: Hosts, node: int, state: str) -> None:
     """Take node ``node``'s end of the veth pair down or up: its sockets stay open, its packets go nowhere."""
-    subprocess.run(hosts.prefix(node) + ["ip", "link", "set", hosts.ifnames[node], state], check=True,
-                   capture_output=True)
+    subprocess.run(
+        hosts.prefix(node) + ["ip", "link", "set", hosts.ifnames[node], state], check=True, capture_output=True
+    )
 
 
 def _kill_workers_of(root: Path) -> None:
@@ -171,8 +219,9 @@ def _expected_resume(point: str, step: int, mode: Mode) -> Optional[str]:
 
 def _named(message: str, ranks: list, addresses: list) -> bool:
     """``message`` names every rank in ``ranks`` (``rank R (...)`` each, or ``ranks [R, S]``) and each address."""
-    return (f"ranks {sorted(ranks)}" in message or all(f"rank {r} (" in message for r in ranks)) and \
-        all(a in message for a in addresses)
+    return (f"ranks {sorted(ranks)}" in message or all(f"rank {r} (" in message for r in ranks)) and all(
+        a in message for a in addresses
+    )
 
 
 def _messages(root: Path, survivors: dict) -> list:
@@ -184,21 +233,38 @@ def _messages(root: Path, survivors: dict) -> list:
         if error.exists():
             messages.append(json.loads(error.read_text())["message"])
             continue
-        marker = f"[lightning-zero watchdog] rank {name[len('rank'):]} aborting: "
+        marker = f"[lightning-zero watchdog] rank {name[len('rank') :]} aborting: "
         log = (root / f"agent{survivor_node}.log").read_text(errors="replace").splitlines()
         messages.append(next((line.split(marker, 1)[1] for line in log if marker in line), ""))
     return messages
 
 
-def trial(hosts: Hosts, base: Path, index: int, point: str, step: int, node: int, port: int, reference: dict,
-          mode: Mode = Mode()) -> dict:
+def trial(
+    hosts: Hosts,
+    base: Path,
+    index: int,
+    point: str,
+    step: int,
+    node: int,
+    port: int,
+    reference: dict,
+    mode: Mode = Mode(),
+) -> dict:
     root = base / f"trial{index:02d}-{point}"
     job = run_job(hosts, root, port, point, step, node, mode=mode)
     killed = [json.loads(p.read_text()) for p in sorted(root.glob("killed_rank*.json"))]
-    result = {"trial": index, "point": point, "step": step, "node": node, "codes": job["codes"], "killed": bool(killed),
-              "killed_ranks": [k["rank"] for k in killed], "link": job["link"]}
+    result = {
+        "trial": index,
+        "point": point,
+        "step": step,
+        "node": node,
+        "codes": job["codes"],
+        "killed": bool(killed),
+        "killed_ranks": [k["rank"] for k in killed],
+        "link": job["link"],
+    }
     ranks = {p.name: [int(v) for v in p.read_text().split()] for p in (root / "pids").glob("rank*")} if killed else {}
-    lost_ranks = sorted(int(name[len("rank"):]) for name, (_, n) in ranks.items() if n == node)
+    lost_ranks = sorted(int(name[len("rank") :]) for name, (_, n) in ranks.items() if n == node)
     lost_addresses = [hosts.addresses[0]] if node == 0 else [hosts.addresses[1]]
     if hosts.namespaces is None:  # both nodes on 127.0.0.1: the address names no node
         lost_addresses = []
@@ -215,10 +281,21 @@ def trial(hosts: Hosts, base: Path, index: int, point: str, step: int, node: int
     resumed = Path(final["resumed_from"]).name if final and final["resumed_from"] else None
     result["resumed_from"], result["expected"] = resumed, expected
     result["attempt"] = final["attempt"] if final else None
-    result["bit_exact"] = bool(final) and final["global_step"] == STEPS and all(
-        torch.equal(final["weights"][k], v) for k, v in reference["weights"].items())
-    result["ok"] = (killed != [] and result["named"] and result["in_bound"] and job["codes"] == [0, 0]
-                    and final is not None and final["attempt"] >= 1 and resumed == expected and result["bit_exact"])
+    result["bit_exact"] = (
+        bool(final)
+        and final["global_step"] == STEPS
+        and all(torch.equal(final["weights"][k], v) for k, v in reference["weights"].items())
+    )
+    result["ok"] = (
+        killed != []
+        and result["named"]
+        and result["in_bound"]
+        and job["codes"] == [0, 0]
+        and final is not None
+        and final["attempt"] >= 1
+        and resumed == expected
+        and result["bit_exact"]
+    )
     if not result["ok"]:
         result["tail"] = "\n".join((root / f"agent{n}.log").read_text(errors="replace")[-2500:] for n in (0, 1))
     return result
@@ -234,8 +311,14 @@ def draw(rng: random.Random, index: int) -> tuple:
     return point, step, rng.randrange(2)
 
 
-def run_trials(count: int, seed: int = 0, base: Optional[Path] = None, reference: Optional[dict] = None,
-               only: Optional[list] = None, mode: Mode = Mode()) -> tuple:
+def run_trials(
+    count: int,
+    seed: int = 0,
+    base: Optional[Path] = None,
+    reference: Optional[dict] = None,
+    only: Optional[list] = None,
+    mode: Mode = Mode(),
+) -> tuple:
     """``(results, where)``: ``where`` says whether the hosts were namespaces or loopback (and why). ``reference``:
     the uninterrupted run's ``final.pt`` (else one is run first on the same two hosts). ``only``: run just these
     trials of the ``count`` drawn (the same draws as the full campaign)."""
@@ -267,15 +350,20 @@ def run_trials(count: int, seed: int = 0, base: Optional[Path] = None, reference
 
 
 def row(r: dict) -> str:
-    return (f"| {r['trial']} | {r['point']} | {r['step']} | {r['node']} | {'yes' if r['named'] else 'no'} | "
-            f"{r['seconds']} | {r['resumed_from'] or 'step 0'} | {'yes' if r['bit_exact'] else 'no'} | "
-            f"{'ok' if r['ok'] else 'FAIL (exit codes ' + str(r['codes']) + ')'} |")
+    return (
+        f"| {r['trial']} | {r['point']} | {r['step']} | {r['node']} | {'yes' if r['named'] else 'no'} | "
+        f"{r['seconds']} | {r['resumed_from'] or 'step 0'} | {'yes' if r['bit_exact'] else 'no'} | "
+        f"{'ok' if r['ok'] else 'FAIL (exit codes ' + str(r['codes']) + ')'} |"
+    )
 
 
 def table(results: list, where: str) -> str:
-    lines = [f"hosts: {where}; bound: hang_timeout + 30 s = {BOUND:g} s",
-             "| trial | point | step | node killed | survivor's error names the lost rank and host | seconds to exit "
-             "| resumed from | bit-exact | verdict |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"hosts: {where}; bound: hang_timeout + 30 s = {BOUND:g} s",
+        "| trial | point | step | node killed | survivor's error names the lost rank and host | seconds to exit "
+        "| resumed from | bit-exact | verdict |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     lines += [row(r) for r in results]
     lines.append(f"\n{sum(r['ok'] for r in results)}/{len(results)} trials passed")
     return "\n".join(lines)
@@ -290,11 +378,17 @@ def main() -> None:
     parser.add_argument("--reference", type=Path, default=None, help="an uninterrupted run's final.pt to reuse")
     parser.add_argument("--nproc-per-node", type=int, default=1, help="ranks per node (all of a node's ranks die)")
     parser.add_argument("--fabric", action="store_true", help="the Fabric job (peer_death_fabric_job)")
-    parser.add_argument("--partition", action="store_true",
-                        help="cut the node's veth at the point instead of killing its ranks; restore it once the "
-                             "survivors exited")
-    parser.add_argument("--hold-seconds", type=float, default=0.0,
-                        help="with --partition: keep the link down at least this long after the cut")
+    parser.add_argument(
+        "--partition",
+        action="store_true",
+        help="cut the node's veth at the point instead of killing its ranks; restore it once the survivors exited",
+    )
+    parser.add_argument(
+        "--hold-seconds",
+        type=float,
+        default=0.0,
+        help="with --partition: keep the link down at least this long after the cut",
+    )
     args = parser.parse_args()
     reference = torch.load(args.reference, weights_only=True) if args.reference else None
     mode = Mode(args.nproc_per_node, args.fabric, args.partition, args.hold_seconds)
@@ -303,8 +397,10 @@ def main() -> None:
     print(table(results, where))
     for r in results:
         if not r["ok"]:
-            print(f"\ntrial {r['trial']} ({r['point']} at step {r['step']}, node {r['node']}): {r['messages']}\n"
-                  f"{r.get('tail', '')}")
+            print(
+                f"\ntrial {r['trial']} ({r['point']} at step {r['step']}, node {r['node']}): {r['messages']}\n"
+                f"{r.get('tail', '')}"
+            )
     sys.exit(0 if all(r["ok"] for r in results) else 1)
 
 

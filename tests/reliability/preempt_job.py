@@ -42,10 +42,19 @@ class SaveAt(Callback):
 
 def fit(root: Path, callbacks, ckpt_path=None):
     torch.manual_seed(0)
-    trainer = Trainer(strategy=ZeroStrategy(stage=3), accelerator="cpu", devices=2, max_epochs=EPOCHS,
-                      limit_train_batches=STEPS_PER_EPOCH, logger=False, enable_progress_bar=False,
-                      enable_model_summary=False, limit_val_batches=0, default_root_dir=str(root),
-                      callbacks=[ModelCheckpoint(dirpath=root / "checkpoints", save_top_k=-1), *callbacks])
+    trainer = Trainer(
+        strategy=ZeroStrategy(stage=3),
+        accelerator="cpu",
+        devices=2,
+        max_epochs=EPOCHS,
+        limit_train_batches=STEPS_PER_EPOCH,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        default_root_dir=str(root),
+        callbacks=[ModelCheckpoint(dirpath=root / "checkpoints", save_top_k=-1), *callbacks],
+    )
     module = RegressionModule()
     trainer.fit(module, ckpt_path=ckpt_path)
     return trainer, full_state(module)
@@ -61,8 +70,15 @@ def main(root: str, mode: str) -> None:
         fit(root_path / "first", [SaveAt(path)])
         trainer, state = fit(root_path / "second", [], ckpt_path=path)
     if trainer.global_rank == 0:
-        torch.save({"weights": state, "global_step": trainer.global_step, "ckpt_path": str(trainer.ckpt_path),
-                    "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))}, root_path / "final.pt")
+        torch.save(
+            {
+                "weights": state,
+                "global_step": trainer.global_step,
+                "ckpt_path": str(trainer.ckpt_path),
+                "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+            },
+            root_path / "final.pt",
+        )
 
 
 if __name__ == "__main__":

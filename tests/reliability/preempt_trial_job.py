@@ -113,10 +113,10 @@ class _Report(Callback):
     def on_train_start(self, trainer, pl_module):
         if trainer.global_rank == 0:
             (self.root / "started.json").write_text(json.dumps({"step": trainer.global_step}))
-        self.hooks = [register_optimizer_step_pre_hook(
-                          lambda *args: _stretch("main", "optimizer_step")),
-                      register_optimizer_step_post_hook(
-                          lambda *args: _mark("main", "after_step"))]
+        self.hooks = [
+            register_optimizer_step_pre_hook(lambda *args: _stretch("main", "optimizer_step")),
+            register_optimizer_step_post_hook(lambda *args: _mark("main", "after_step")),
+        ]
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         _mark("main", "batch_start")
@@ -136,16 +136,24 @@ class _Report(Callback):
                 value = value.full_tensor() if hasattr(value, "full_tensor") else value
                 final["weights"][f"optim/{name}/{key}"] = torch.as_tensor(value).detach().clone()
         final["lrs"] = [group["lr"] for group in state["param_groups"]]
-        final["scheduler"] = {k: v for k, v in trainer.lr_scheduler_configs[0].scheduler.state_dict().items()
-                              if isinstance(v, (int, float))}
+        final["scheduler"] = {
+            k: v
+            for k, v in trainer.lr_scheduler_configs[0].scheduler.state_dict().items()
+            if isinstance(v, (int, float))
+        }
         if trainer.global_rank == 0:
             torch.save(final, self.root / "final.pt")
 
 
 def _record_landing(signum, frame) -> None:
     """Called by the strategy's handler (it keeps a handler installed before the fit): where did the signal land?"""
-    record = {"signal": signum, "main": _state["main"], "bg": _state["bg"], "step": _state["step"],
-              "threads": threading.active_count()}
+    record = {
+        "signal": signum,
+        "main": _state["main"],
+        "bg": _state["bg"],
+        "step": _state["step"],
+        "threads": threading.active_count(),
+    }
     with open(_state["root"] / f"landed-r{_state['rank']}.json", "a") as out:
         out.write(json.dumps(record) + "\n")
 
@@ -155,11 +163,27 @@ def fit(root: str, ckpt_path=None) -> None:
     root_path = Path(root)
     _state.update(root=root_path, rank=int(os.environ.get("LOCAL_RANK", 0)), main="setup", bg="idle", step=0)
     (root_path / f"pid-r{_state['rank']}").write_text(str(os.getpid()))
-    checkpoints = ModelCheckpoint(dirpath=root_path / "checkpoints", filename="{step}", every_n_train_steps=SAVE_EVERY,
-                                  save_top_k=2, monitor="step", mode="max", save_last=True)
-    trainer = Trainer(strategy=ZeroStrategy(stage=2, async_save=True), accelerator="cpu", devices=2,
-                      max_steps=STEPS, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                      limit_val_batches=0, callbacks=[checkpoints, _Report(root_path)], default_root_dir=root)
+    checkpoints = ModelCheckpoint(
+        dirpath=root_path / "checkpoints",
+        filename="{step}",
+        every_n_train_steps=SAVE_EVERY,
+        save_top_k=2,
+        monitor="step",
+        mode="max",
+        save_last=True,
+    )
+    trainer = Trainer(
+        strategy=ZeroStrategy(stage=2, async_save=True),
+        accelerator="cpu",
+        devices=2,
+        max_steps=STEPS,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[checkpoints, _Report(root_path)],
+        default_root_dir=root,
+    )
     trainer.fit(StepDataModule(), ckpt_path=ckpt_path)
     _mark("main", "done")
 

@@ -126,9 +126,11 @@ def _copies(base: Path, index: int, root: Path, newest: Optional[Path]) -> list:
 def _resume_result(where: Path, reference: dict) -> dict:
     started = where / "started.json"
     error = where / "error.txt"
-    return {"started": json.loads(started.read_text())["step"] if started.exists() else None,
-            "equal": error.read_text()[:300] if error.exists() else compare(where / "final.pt", reference),
-            "left": leftovers(where / "checkpoints")}
+    return {
+        "started": json.loads(started.read_text())["step"] if started.exists() else None,
+        "equal": error.read_text()[:300] if error.exists() else compare(where / "final.pt", reference),
+        "left": leftovers(where / "checkpoints"),
+    }
 
 
 def preempt(base: Path, index: int, rng: random.Random) -> dict:
@@ -142,12 +144,21 @@ def preempt(base: Path, index: int, rng: random.Random) -> dict:
     checkpoints = root / "checkpoints"
     newest, newest_step = newest_complete(checkpoints)
     preempted = checkpoints / PREEMPTED_CHECKPOINT
-    return {"trial": index, "aimed": phase, "target": target, "sent_s": sent, "landed": _landed(root),
-            "exit": code, "newest": newest.name if newest is not None else None, "newest_step": newest_step,
-            "preempted_step": step_of(preempted) if preempted.exists() else None,
-            "last_step": step_of(checkpoints / "last.ckpt") if (checkpoints / "last.ckpt").exists() else None,
-            "left": leftovers(checkpoints), "tail": out[-2000:] if code != PREEMPTED_EXIT else "",
-            "resumes": _copies(base, index, root, newest)}
+    return {
+        "trial": index,
+        "aimed": phase,
+        "target": target,
+        "sent_s": sent,
+        "landed": _landed(root),
+        "exit": code,
+        "newest": newest.name if newest is not None else None,
+        "newest_step": newest_step,
+        "preempted_step": step_of(preempted) if preempted.exists() else None,
+        "last_step": step_of(checkpoints / "last.ckpt") if (checkpoints / "last.ckpt").exists() else None,
+        "left": leftovers(checkpoints),
+        "tail": out[-2000:] if code != PREEMPTED_EXIT else "",
+        "resumes": _copies(base, index, root, newest),
+    }
 
 
 def judge(result: dict, reference: dict, resume_exit: int, resume_tail: str) -> dict:
@@ -155,9 +166,13 @@ def judge(result: dict, reference: dict, resume_exit: int, resume_tail: str) -> 
     for how, (where, _) in zip(("last", "path"), result.pop("resumes")):
         res = result["resume"][how] = _resume_result(Path(where), reference)
         res["ok"] = res["equal"] == "bit-exact" and not res["left"] and res["started"] == result["newest_step"]
-    result["ok"] = (result["exit"] == PREEMPTED_EXIT and not result["left"] and result["sent_s"] is not None
-                    and result["preempted_step"] == result["newest_step"]
-                    and all(result["resume"][how]["ok"] for how in ("last", "path")))
+    result["ok"] = (
+        result["exit"] == PREEMPTED_EXIT
+        and not result["left"]
+        and result["sent_s"] is not None
+        and result["preempted_step"] == result["newest_step"]
+        and all(result["resume"][how]["ok"] for how in ("last", "path"))
+    )
     return result
 
 
@@ -170,7 +185,7 @@ def run_trials(count: int, seed: int = 0, base: Optional[Path] = None, first: in
     reference_root.mkdir(parents=True)
     results, reference = [], None
     indices = list(range(first, first + count))
-    for chunk in (indices[i:i + per_process] for i in range(0, len(indices), per_process)):
+    for chunk in (indices[i : i + per_process] for i in range(0, len(indices), per_process)):
         preempted = [preempt(base, index, rng) for index in chunk]
         fits = [(str(reference_root), "-")] if reference is None else []
         fits += [pair for result in preempted for pair in result["resumes"]]
@@ -184,17 +199,22 @@ def run_trials(count: int, seed: int = 0, base: Optional[Path] = None, first: in
 
 
 def table(results: list) -> str:
-    lines = ["| trial | SIGTERM to | aimed at | landed in (rank: phase + background @step) | exit | checkpoint left "
-             "(step) | resume `last`: start, result | resume by path: start, result |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| trial | SIGTERM to | aimed at | landed in (rank: phase + background @step) | exit | checkpoint left "
+        "(step) | resume `last`: start, result | resume by path: start, result |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
+
         def cell(how: str) -> str:
             res = r["resume"][how]
             return f"{res['started']}, {res['equal']}" + (f" left={res['left']}" if res["left"] else "")
 
         left = f" left={r['left']}" if r["left"] else ""
-        lines.append(f"| {r['trial']} | {r['target']} | {r['aimed']} | {r['landed']} | {r['exit']} | "
-                     f"{r['newest']} ({r['newest_step']}){left} | {cell('last')} | {cell('path')} |")
+        lines.append(
+            f"| {r['trial']} | {r['target']} | {r['aimed']} | {r['landed']} | {r['exit']} | "
+            f"{r['newest']} ({r['newest_step']}){left} | {cell('last')} | {cell('path')} |"
+        )
     lines.append(f"\n{sum(r['ok'] for r in results)}/{len(results)} trials passed")
     return "\n".join(lines)
 
@@ -210,8 +230,10 @@ def main() -> None:
     print(table(results))
     for r in results:
         if not r["ok"]:
-            print(f"\ntrial {r['trial']}: {json.dumps({k: v for k, v in r.items() if k != 'tail'}, default=str)}"
-                  f"\n{r['tail']}\n{r['resume']['tail']}")
+            print(
+                f"\ntrial {r['trial']}: {json.dumps({k: v for k, v in r.items() if k != 'tail'}, default=str)}"
+                f"\n{r['tail']}\n{r['resume']['tail']}"
+            )
     sys.exit(0 if all(r["ok"] for r in results) else 1)
 
 

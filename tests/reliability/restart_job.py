@@ -33,16 +33,31 @@ def main(root: str, die_at_step: int) -> None:
     torch.manual_seed(0)
     root_path = Path(root)
     checkpoints = ModelCheckpoint(dirpath=root_path / "checkpoints", save_top_k=-1)  # every epoch
-    trainer = Trainer(strategy=ZeroStrategy(stage=2), accelerator="cpu", devices=2, max_epochs=EPOCHS,
-                      limit_train_batches=STEPS_PER_EPOCH,
-                      logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                      callbacks=[checkpoints, DieOnce(root_path / "died", die_at_step)], default_root_dir=root)
+    trainer = Trainer(
+        strategy=ZeroStrategy(stage=2),
+        accelerator="cpu",
+        devices=2,
+        max_epochs=EPOCHS,
+        limit_train_batches=STEPS_PER_EPOCH,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[checkpoints, DieOnce(root_path / "died", die_at_step)],
+        default_root_dir=root,
+    )
     module = RegressionModule()
     trainer.fit(module)
     state = full_state(module)
     if trainer.global_rank == 0:
-        torch.save({"weights": state, "global_step": trainer.global_step,
-                    "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))}, root_path / "final.pt")
+        torch.save(
+            {
+                "weights": state,
+                "global_step": trainer.global_step,
+                "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+            },
+            root_path / "final.pt",
+        )
 
 
 if __name__ == "__main__":

@@ -12,9 +12,14 @@ def form_group_as_an_attempt(rank, world_size, port, attempt, delay, result_dir,
     """One rank of one torchrun "attempt" on an agent store that outlives attempts (as torchrun's does);
     ``restart_count``: this rank's agent's count when it differs from ``attempt`` (a node whose workers were only
     stopped counts no restart)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True",
-                      RANK=str(rank), WORLD_SIZE=str(world_size),
-                      TORCHELASTIC_RESTART_COUNT=str(attempt if restart_count is None else restart_count))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        TORCHELASTIC_USE_AGENT_STORE="True",
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        TORCHELASTIC_RESTART_COUNT=str(attempt if restart_count is None else restart_count),
+    )
     from lightning_zero.adapters.process_group import attempt_store
 
     time.sleep(delay)  # a rank slow to start, as on a loaded machine

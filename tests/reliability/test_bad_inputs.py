@@ -64,8 +64,7 @@ STRATEGY_ARGS = [
     ("pin-memory-str", dict(pin_memory="yes"), TypeError, "pin_memory"),
     ("pin-memory-no-offload", dict(pin_memory=True), ValueError, "pin_memory"),
     ("sharded-classes-int", dict(sharded_module_classes=[3]), TypeError, "sharded_module_classes"),
-    ("sharded-classes-stage-1", dict(stage=1, sharded_module_classes=["Block"]), ValueError,
-     "sharded_module_classes"),
+    ("sharded-classes-stage-1", dict(stage=1, sharded_module_classes=["Block"]), ValueError, "sharded_module_classes"),
     ("reshard-stage-2", dict(stage=2, reshard_after_forward=True), ValueError, "reshard_after_forward"),
     ("reshard-zero", dict(stage=3, reshard_after_forward=0), ValueError, "reshard_after_forward"),
     ("start-method", dict(start_method="thread"), ValueError, "start_method"),
@@ -85,8 +84,9 @@ if not dist.is_nccl_available():
     STRATEGY_ARGS.append(("backend-nccl-unavailable", dict(process_group_backend="nccl"), ValueError, "nccl"))
 
 
-@pytest.mark.parametrize("kwargs,error,message", [row[1:] for row in STRATEGY_ARGS],
-                         ids=[row[0] for row in STRATEGY_ARGS])
+@pytest.mark.parametrize(
+    "kwargs,error,message", [row[1:] for row in STRATEGY_ARGS], ids=[row[0] for row in STRATEGY_ARGS]
+)
 def test_bad_strategy_argument(kwargs, error, message):
     with pytest.raises(error, match=message):
         ZeroStrategy(**kwargs)
@@ -132,14 +132,16 @@ def test_missing_file_and_directory(tmp_path):
 CONFIG_CONTENTS = [
     ("optimizer-unknown", {"optimizer": {"type": "Adamm", "params": {"lr": 1e-3}}}, "'Adamm'"),
     ("optimizer-negative-lr", {"optimizer": {"type": "AdamW", "params": {"lr": -1, "torch_adam": True}}}, "lr"),
-    ("optimizer-unknown-param", {"optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentom": 0.9}}},
-     "momentom"),
+    ("optimizer-unknown-param", {"optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentom": 0.9}}}, "momentom"),
     ("optimizer-max-grad-norm", {"optimizer": {"type": "AdamW", "params": {"max_grad_norm": 1.0}}}, "max_grad_norm"),
     ("optimizer-unsupported", {"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3}}}, "OneBitAdam"),
     ("optimizer-not-object", {"optimizer": "AdamW"}, "optimizer"),
     ("scheduler-unknown", {"scheduler": {"type": "WarmupLinear", "params": {}}}, "'WarmupLinear'"),
-    ("scheduler-zero-warmup", {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 0}}},
-     "warmup_num_steps"),
+    (
+        "scheduler-zero-warmup",
+        {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 0}}},
+        "warmup_num_steps",
+    ),
     ("scheduler-unknown-param", {"scheduler": {"type": "WarmupLR", "params": {"warmup_steps": 10}}}, "warmup_steps"),
     ("scheduler-bad-type", {"scheduler": {"type": "WarmupLR", "params": {"warmup_type": "cubic"}}}, "warmup_type"),
     ("stage-7", {"zero_optimization": {"stage": 7}}, "zero_optimization.stage"),
@@ -151,8 +153,11 @@ CONFIG_CONTENTS = [
     ("offload-stage-0", {"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, "stage is 0"),
     ("offload-device", {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "gpu"}}}, "device"),
     ("clipping-string", {"gradient_clipping": "x"}, "gradient_clipping"),
-    ("gather-16bit-string", {"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": "yes"}},
-     "stage3_gather_16bit_weights_on_model_save"),
+    (
+        "gather-16bit-string",
+        {"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": "yes"}},
+        "stage3_gather_16bit_weights_on_model_save",
+    ),
     ("comm-dtype", {"communication_data_type": "int8"}, "communication_data_type"),
     ("steps-per-print-zero", {"steps_per_print": 0}, "steps_per_print"),
     ("hpz-stage-2", {"zero_optimization": {"stage": 2, "zero_hpz_partition_size": 2}}, "zero_hpz_partition_size"),
@@ -180,11 +185,18 @@ def test_good_inputs_next_to_the_bad_ones_are_honoured(tmp_path):
     relaxed = tmp_path / "relaxed.json"
     relaxed.write_text('{\n  // DeepSpeed reads hjson\n  "zero_optimization": {"stage": 1,},\n}')
     assert ZeroStrategy(config=str(relaxed)).stage == 1
-    ZeroStrategy(config={"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": [0, 0],
-                                                                      "warmup_max_lr": [0.1, 0.05]}}})
-    ZeroStrategy(config={"optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto"}},
-                         "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0.01, "cycle_max_lr": "auto",
-                                                                      "cycle_first_step_size": 10}}})
+    ZeroStrategy(
+        config={"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": [0, 0], "warmup_max_lr": [0.1, 0.05]}}}
+    )
+    ZeroStrategy(
+        config={
+            "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto"}},
+            "scheduler": {
+                "type": "OneCycle",
+                "params": {"cycle_min_lr": 0.01, "cycle_max_lr": "auto", "cycle_first_step_size": 10},
+            },
+        }
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- Trainer level
@@ -193,9 +205,17 @@ class ConfigOptimizedModule(RegressionModule):
 
 
 def _fit(strategy, loader=None, module_class=RegressionModule, **trainer_kwargs):
-    kwargs = dict(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
-                  enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                  limit_val_batches=0)
+    kwargs = dict(
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
     kwargs.update(trainer_kwargs)
     Trainer(strategy=strategy, **kwargs).fit(module_class(batch_size=4), train_dataloaders=loader)
 
@@ -205,34 +225,89 @@ def _loader(batch_size):
 
 
 TRAINER_LEVEL = [
-    ("precision-mismatch", lambda: ZeroStrategy(config={"fp16": {"enabled": True}}), dict(precision="bf16-mixed"),
-     DeepSpeedConfigError, "precision='bf16-mixed'"),
-    ("clipping-mismatch", lambda: ZeroStrategy(config={"gradient_clipping": 0.5}), dict(gradient_clip_val=1.0),
-     DeepSpeedConfigError, "gradient_clip_val=1.0"),
-    ("accumulation-mismatch", lambda: ZeroStrategy(config={"gradient_accumulation_steps": 4}),
-     dict(accumulate_grad_batches=2), DeepSpeedConfigError, "accumulate_grad_batches"),
-    ("steps-per-print-mismatch", lambda: ZeroStrategy(config={"steps_per_print": 7}), dict(log_every_n_steps=3),
-     DeepSpeedConfigError, "log_every_n_steps=3"),
-    ("batch-arithmetic", lambda: ZeroStrategy(config={"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4}),
-     {}, DeepSpeedConfigError, r"train_batch_size \(10\)"),
-    ("batch-vs-accumulation", lambda: ZeroStrategy(config={"train_batch_size": 6, "gradient_accumulation_steps": 4}),
-     {}, DeepSpeedConfigError, r"train_batch_size \(6\)"),
-    ("micro-batch-vs-direct-loader", lambda: ZeroStrategy(config={"train_micro_batch_size_per_gpu": 8}),
-     dict(loader=_loader(4)), DeepSpeedConfigError, r"train_micro_batch_size_per_gpu=8 .* batch_size \(4\)"),
-    ("train-batch-vs-direct-loader", lambda: ZeroStrategy(config={"train_batch_size": 10}), dict(loader=_loader(4)),
-     DeepSpeedConfigError, r"train_batch_size \(10\)"),
-    ("optimizer-auto-without-hparam",
-     lambda: ZeroStrategy(config={"optimizer": {"type": "SGD", "params": {"lr": "auto"}}}),
-     dict(module_class=ConfigOptimizedModule), DeepSpeedConfigError, r"optimizer\.params\.lr.*'learning_rate'"),
-    ("pin-memory-on-cpu", lambda: ZeroStrategy(stage=2, offload="cpu", pin_memory=True), {}, ValueError,
-     "pin_memory=True"),
-    ("pipeline-does-not-divide", lambda: ZeroStrategy(stage=1, pipeline_parallel_size=2), {}, ValueError,
-     "pipeline_parallel_size=2 must divide the world size 1"),
+    (
+        "precision-mismatch",
+        lambda: ZeroStrategy(config={"fp16": {"enabled": True}}),
+        dict(precision="bf16-mixed"),
+        DeepSpeedConfigError,
+        "precision='bf16-mixed'",
+    ),
+    (
+        "clipping-mismatch",
+        lambda: ZeroStrategy(config={"gradient_clipping": 0.5}),
+        dict(gradient_clip_val=1.0),
+        DeepSpeedConfigError,
+        "gradient_clip_val=1.0",
+    ),
+    (
+        "accumulation-mismatch",
+        lambda: ZeroStrategy(config={"gradient_accumulation_steps": 4}),
+        dict(accumulate_grad_batches=2),
+        DeepSpeedConfigError,
+        "accumulate_grad_batches",
+    ),
+    (
+        "steps-per-print-mismatch",
+        lambda: ZeroStrategy(config={"steps_per_print": 7}),
+        dict(log_every_n_steps=3),
+        DeepSpeedConfigError,
+        "log_every_n_steps=3",
+    ),
+    (
+        "batch-arithmetic",
+        lambda: ZeroStrategy(config={"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4}),
+        {},
+        DeepSpeedConfigError,
+        r"train_batch_size \(10\)",
+    ),
+    (
+        "batch-vs-accumulation",
+        lambda: ZeroStrategy(config={"train_batch_size": 6, "gradient_accumulation_steps": 4}),
+        {},
+        DeepSpeedConfigError,
+        r"train_batch_size \(6\)",
+    ),
+    (
+        "micro-batch-vs-direct-loader",
+        lambda: ZeroStrategy(config={"train_micro_batch_size_per_gpu": 8}),
+        dict(loader=_loader(4)),
+        DeepSpeedConfigError,
+        r"train_micro_batch_size_per_gpu=8 .* batch_size \(4\)",
+    ),
+    (
+        "train-batch-vs-direct-loader",
+        lambda: ZeroStrategy(config={"train_batch_size": 10}),
+        dict(loader=_loader(4)),
+        DeepSpeedConfigError,
+        r"train_batch_size \(10\)",
+    ),
+    (
+        "optimizer-auto-without-hparam",
+        lambda: ZeroStrategy(config={"optimizer": {"type": "SGD", "params": {"lr": "auto"}}}),
+        dict(module_class=ConfigOptimizedModule),
+        DeepSpeedConfigError,
+        r"optimizer\.params\.lr.*'learning_rate'",
+    ),
+    (
+        "pin-memory-on-cpu",
+        lambda: ZeroStrategy(stage=2, offload="cpu", pin_memory=True),
+        {},
+        ValueError,
+        "pin_memory=True",
+    ),
+    (
+        "pipeline-does-not-divide",
+        lambda: ZeroStrategy(stage=1, pipeline_parallel_size=2),
+        {},
+        ValueError,
+        "pipeline_parallel_size=2 must divide the world size 1",
+    ),
 ]
 
 
-@pytest.mark.parametrize("make,trainer_kwargs,error,message", [row[1:] for row in TRAINER_LEVEL],
-                         ids=[r[0] for r in TRAINER_LEVEL])
+@pytest.mark.parametrize(
+    "make,trainer_kwargs,error,message", [row[1:] for row in TRAINER_LEVEL], ids=[r[0] for r in TRAINER_LEVEL]
+)
 def test_bad_trainer_combination_fails_before_the_process_group(make, trainer_kwargs, error, message):
     with pytest.raises(error, match=message):
         _fit(make(), **trainer_kwargs)
@@ -246,26 +321,61 @@ def test_nccl_on_a_cpu_run_fails_before_the_process_group(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------------- launchers (17.3)
-_TORCHRUN = dict(RANK="0", GROUP_RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500",
-                 TORCHELASTIC_RUN_ID="test")
-_SLURM = dict(SLURM_JOB_NAME="train", SLURM_NODEID="0", SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_JOB_ID="1",
-              SLURM_NODELIST="localhost")
+_TORCHRUN = dict(
+    RANK="0", GROUP_RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", TORCHELASTIC_RUN_ID="test"
+)
+_SLURM = dict(
+    SLURM_JOB_NAME="train",
+    SLURM_NODEID="0",
+    SLURM_PROCID="0",
+    SLURM_LOCALID="0",
+    SLURM_JOB_ID="1",
+    SLURM_NODELIST="localhost",
+)
 LAUNCHERS = [
-    ("torchrun-devices", {**_TORCHRUN, "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}, dict(devices=2),
-     r"devices=2 x num_nodes=1 = 2 processes, but torchrun \(TorchElastic\) started a world of 1"),
-    ("torchrun-num-nodes", {**_TORCHRUN, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}, dict(devices=2, num_nodes=2),
-     r"= 4 processes, but torchrun \(TorchElastic\) started a world of 2"),
-    ("torchrun-local-size", {**_TORCHRUN, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}, dict(devices=1, num_nodes=2),
-     r"devices=1 processes per node, but torchrun \(TorchElastic\) started 2"),
-    ("slurm-devices", {**_SLURM, "SLURM_NTASKS": "1", "SLURM_NNODES": "1"}, dict(devices=2),
-     r"SLURM \(srun\) started a world of 1"),
+    (
+        "torchrun-devices",
+        {**_TORCHRUN, "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"},
+        dict(devices=2),
+        r"devices=2 x num_nodes=1 = 2 processes, but torchrun \(TorchElastic\) started a world of 1",
+    ),
+    (
+        "torchrun-num-nodes",
+        {**_TORCHRUN, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"},
+        dict(devices=2, num_nodes=2),
+        r"= 4 processes, but torchrun \(TorchElastic\) started a world of 2",
+    ),
+    (
+        "torchrun-local-size",
+        {**_TORCHRUN, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"},
+        dict(devices=1, num_nodes=2),
+        r"devices=1 processes per node, but torchrun \(TorchElastic\) started 2",
+    ),
+    (
+        "slurm-devices",
+        {**_SLURM, "SLURM_NTASKS": "1", "SLURM_NNODES": "1"},
+        dict(devices=2),
+        r"SLURM \(srun\) started a world of 1",
+    ),
     # SLURM_NNODES not exported: Lightning's DDP would not notice; the world size itself still disagrees
-    ("slurm-num-nodes-no-nnodes", {**_SLURM, "SLURM_NTASKS": "1"}, dict(devices=1, num_nodes=2),
-     r"num_nodes=2 = 2 processes, but SLURM \(srun\) started a world of 1"),
-    ("slurm-per-node", {**_SLURM, "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NNODES": "1"},
-     dict(devices=1, num_nodes=2), r"devices=1 processes per node, but SLURM \(srun\) started 2"),
-    ("fabric-run-or-deepspeed", {"LOCAL_RANK": "0", "NODE_RANK": "0", "WORLD_SIZE": "1"}, dict(devices=2),
-     r"external launcher .* started a world of 1"),
+    (
+        "slurm-num-nodes-no-nnodes",
+        {**_SLURM, "SLURM_NTASKS": "1"},
+        dict(devices=1, num_nodes=2),
+        r"num_nodes=2 = 2 processes, but SLURM \(srun\) started a world of 1",
+    ),
+    (
+        "slurm-per-node",
+        {**_SLURM, "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NNODES": "1"},
+        dict(devices=1, num_nodes=2),
+        r"devices=1 processes per node, but SLURM \(srun\) started 2",
+    ),
+    (
+        "fabric-run-or-deepspeed",
+        {"LOCAL_RANK": "0", "NODE_RANK": "0", "WORLD_SIZE": "1"},
+        dict(devices=2),
+        r"external launcher .* started a world of 1",
+    ),
 ]
 
 
@@ -287,16 +397,23 @@ def test_matching_launcher_world_size_is_accepted(monkeypatch):
 def test_real_torchrun_with_a_mismatched_trainer_refuses(tmp_path):
     """One real ``torchrun --nproc-per-node 1`` launch of ``Trainer(devices=2)``: refused with the message."""
     script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         from lightning.pytorch import Trainer
         from lightning_zero import ZeroStrategy
         Trainer(strategy=ZeroStrategy(), accelerator="cpu", devices=2, logger=False)
         print("NOT REFUSED")
-    """))
+    """)
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "RANK", "NODE_RANK")}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
-                             "--master-port", "0", str(script)], capture_output=True, text=True, env=env, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", "0", str(script)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     output = result.stdout + result.stderr
     assert result.returncode != 0, output
     assert "NOT REFUSED" not in output
@@ -313,10 +430,12 @@ CLI = [
     ("world-size-zero", ["--params", "1e6", "--world-size", "0"], "--world-size"),
     ("world-size-negative", ["--params", "1e6", "--world-size", "-2"], "--world-size"),
     ("precision-unknown", ["--params", "1e6", "--world-size", "2", "--precision", "fp8"], "--precision"),
-    ("unit-negative", ["--params", "1e6", "--world-size", "2", "--largest-unit-params", "-1"],
-     "--largest-unit-params"),
-    ("unit-too-large", ["--params", "1e6", "--world-size", "2", "--largest-unit-params", "1e7"],
-     "--largest-unit-params"),
+    ("unit-negative", ["--params", "1e6", "--world-size", "2", "--largest-unit-params", "-1"], "--largest-unit-params"),
+    (
+        "unit-too-large",
+        ["--params", "1e6", "--world-size", "2", "--largest-unit-params", "1e7"],
+        "--largest-unit-params",
+    ),
     ("offload-stage-0", ["--params", "1e6", "--world-size", "2", "--stage", "0", "--offload", "cpu"], "--offload"),
     ("stage-5", ["--params", "1e6", "--world-size", "2", "--stage", "5"], "--stage"),
 ]
@@ -335,8 +454,17 @@ def test_bad_cli_argument(capsys, argv, message):
 
 
 def test_the_table_has_at_least_sixty_rows():
-    rows = (len(STRATEGY_ARGS) + len(CONFIG_FILES) + 2 + len(CONFIG_CONTENTS) + len(TRAINER_LEVEL) + 1
-            + len(LAUNCHERS) + 1 + len(CLI))
+    rows = (
+        len(STRATEGY_ARGS)
+        + len(CONFIG_FILES)
+        + 2
+        + len(CONFIG_CONTENTS)
+        + len(TRAINER_LEVEL)
+        + 1
+        + len(LAUNCHERS)
+        + 1
+        + len(CLI)
+    )
     assert rows >= 60, rows
 
 
@@ -363,8 +491,11 @@ def _bad_ckpt_path(root, kind):
 
 
 CKPT_PATHS = [
-    ("not-a-checkpoint-file", CheckpointError, "notes.ckpt: not a checkpoint file .neither a torch.save file nor "
-                                               "safetensors"),
+    (
+        "not-a-checkpoint-file",
+        CheckpointError,
+        "notes.ckpt: not a checkpoint file .neither a torch.save file nor safetensors",
+    ),
     ("inside-sharded", ValueError, r"__0_0.distcp' is a file inside the sharded checkpoint .*sharded.ckpt: pass the"),
     ("zero-json", ValueError, r"zero.json' is a file inside the sharded checkpoint .*sharded.ckpt"),
     ("incomplete-directory", CheckpointError, "half.ckpt is a directory but not a complete lightning-zero checkpoint"),
@@ -375,15 +506,30 @@ CKPT_PATHS = [
 @pytest.mark.parametrize("kind,error,message", CKPT_PATHS, ids=[row[0] for row in CKPT_PATHS])
 @pytest.mark.parametrize("external", [False, True], ids=["lightning-launched", "torchrun"])
 @pytest.mark.parametrize("method", ["fit", "validate"])
-def test_unloadable_ckpt_path_is_refused_before_any_process_group(tmp_path, monkeypatch, kind, error, message,
-                                                                    external, method):
+def test_unloadable_ckpt_path_is_refused_before_any_process_group(
+    tmp_path, monkeypatch, kind, error, message, external, method
+):
     if external:  # processes started by torchrun: Lightning itself has no launcher there
         monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
-        for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", GROUP_RANK="0",
-                                MASTER_ADDR="127.0.0.1", MASTER_PORT="29999").items():
+        for name, value in dict(
+            RANK="0",
+            LOCAL_RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_WORLD_SIZE="1",
+            GROUP_RANK="0",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT="29999",
+        ).items():
             monkeypatch.setenv(name, value)
     path = _bad_ckpt_path(str(tmp_path), kind)
-    trainer = Trainer(strategy=ZeroStrategy(stage=2), accelerator="cpu", devices=1, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, max_steps=1)
+    trainer = Trainer(
+        strategy=ZeroStrategy(stage=2),
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        max_steps=1,
+    )
     with pytest.raises(error, match=message):
         getattr(trainer, method)(RegressionModule(batch_size=4), ckpt_path=path)

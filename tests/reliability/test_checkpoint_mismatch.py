@@ -31,8 +31,11 @@ def saved(tmp_path):
 def test_fewer_blocks_than_the_checkpoint_is_an_error_listing_the_unexpected_keys(saved):
     path, stored = saved
     model = stack(2, seed=1)
-    with pytest.raises(CheckpointError, match=r"2 unexpected keys \(in the checkpoint, not in the target\): "
-                                              r"state_dict\.2\.weight, state_dict\.2\.bias\.") as raised:
+    with pytest.raises(
+        CheckpointError,
+        match=r"2 unexpected keys \(in the checkpoint, not in the target\): "
+        r"state_dict\.2\.weight, state_dict\.2\.bias\.",
+    ) as raised:
         load_sharded_checkpoint(path, {"state_dict": model.state_dict()})
     assert "missing" not in str(raised.value).split("strict=False")[0]
     load_sharded_checkpoint(path, {"state_dict": model.state_dict()}, strict=False)  # the kept blocks load
@@ -43,8 +46,11 @@ def test_more_blocks_than_the_checkpoint_is_an_error_listing_the_missing_keys(sa
     path, stored = saved
     model = stack(4, seed=1)
     new_block = {k: v.clone() for k, v in model[3].state_dict().items()}
-    with pytest.raises(CheckpointError, match=r"2 missing keys \(in the target, not in the checkpoint\): "
-                                              r"state_dict\.3\.weight, state_dict\.3\.bias"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"2 missing keys \(in the target, not in the checkpoint\): "
+        r"state_dict\.3\.weight, state_dict\.3\.bias",
+    ):
         load_sharded_checkpoint(path, {"state_dict": model.state_dict()})
     load_sharded_checkpoint(path, {"state_dict": model.state_dict()}, strict=False)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in stored.items())
@@ -55,8 +61,11 @@ def test_shape_mismatch_is_an_error_even_when_not_strict(saved):
     path, _ = saved
     model = stack(3, width=5)
     for strict in (True, False):
-        with pytest.raises(CheckpointError, match=r"6 shape mismatches: state_dict\.0\.weight \(checkpoint: \[4, 4\], "
-                                                  r"target: \[5, 5\]\)"):
+        with pytest.raises(
+            CheckpointError,
+            match=r"6 shape mismatches: state_dict\.0\.weight \(checkpoint: \[4, 4\], "
+            r"target: \[5, 5\]\)",
+        ):
             load_sharded_checkpoint(path, {"state_dict": model.state_dict()}, strict=strict)
 
 
@@ -69,8 +78,9 @@ def test_long_listings_name_the_first_keys_and_count_the_rest(tmp_path):
 
 # ------------------------------------------------------------------ through the Trainer
 class Blocks(LightningModule):
-    def __init__(self, blocks: int = 2, optimizer: str = "adamw", optimizers: int = 1, width: int = 4,
-                 strict: bool = True) -> None:
+    def __init__(
+        self, blocks: int = 2, optimizer: str = "adamw", optimizers: int = 1, width: int = 4, strict: bool = True
+    ) -> None:
         super().__init__()
         self.blocks = nn.Sequential(*[nn.Linear(width, width) for _ in range(blocks)])
         self.kind, self.count, self.strict_loading = optimizer, optimizers, strict
@@ -106,9 +116,17 @@ def _no_process_group_left_behind():
 
 def _fit(module: LightningModule, root, ckpt_path=None) -> Trainer:
     # max_steps equals the saved step count: a resume restores and stops, so the weights are the loaded ones
-    trainer = Trainer(strategy=ZeroStrategy(stage=2), accelerator="cpu", devices=1, max_steps=2, logger=False,
-                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                      default_root_dir=root)
+    trainer = Trainer(
+        strategy=ZeroStrategy(stage=2),
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=root,
+    )
     trainer.fit(module, ckpt_path=ckpt_path)
     return trainer
 
@@ -145,13 +163,19 @@ def test_strict_loading_false_is_honoured_for_missing_and_unexpected_keys(traine
 
 def test_another_optimizer_type_is_refused(trained, tmp_path):
     path, _ = trained
-    with pytest.raises(CheckpointError, match=r"optimizer type mismatch \(#0: checkpoint torch\.optim\.adamw\.AdamW, "
-                                              r"now torch\.optim\.sgd\.SGD\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"optimizer type mismatch \(#0: checkpoint torch\.optim\.adamw\.AdamW, "
+        r"now torch\.optim\.sgd\.SGD\)",
+    ):
         _fit(Blocks(optimizer="sgd"), tmp_path, path)
 
 
 def test_another_number_of_optimizers_is_refused(trained, tmp_path):
     path, _ = trained
-    with pytest.raises(RuntimeError, match=r"the checkpoint holds the states of 1 optimizer\(s\), the model being "
-                                           r"resumed has 2"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"the checkpoint holds the states of 1 optimizer\(s\), the model being "
+        r"resumed has 2",
+    ):
         _fit(Blocks(optimizers=2), tmp_path, path)

@@ -15,16 +15,21 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(args, **env):
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env})
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env},
+    )
 
 
 @pytest.mark.parametrize("kind", ["trainer", "fabric"])
 def test_process_group_is_destroyed_at_a_clean_exit_and_left_alone_on_a_failure(tmp_path, kind):
     for how, exit_ok, expected in [("clean", True, "destroyed"), ("raise", False, "initialized")]:
         report = tmp_path / f"{kind}-{how}.txt"
-        result = _run(["-m", "tests.reliability.exit_script", kind, how, str(report)],
-                      MASTER_PORT=str(free_port()))
+        result = _run(["-m", "tests.reliability.exit_script", kind, how, str(report)], MASTER_PORT=str(free_port()))
         assert (result.returncode == 0) == exit_ok, result.stderr[-3000:]
         # A failing process keeps its group: a dead peer with a collective in flight must not delay its exit.
         assert report.read_text() == expected, (how, result.stderr[-3000:])
@@ -32,9 +37,14 @@ def test_process_group_is_destroyed_at_a_clean_exit_and_left_alone_on_a_failure(
 
 def test_forked_ranks_do_not_destroy_a_gloo_group_inherited_from_the_parent():
     # Without gc.freeze() in tests/ranks.py the ranks hang in the inherited group's destructor (CI did, once).
-    result = subprocess.run([sys.executable, "-m", "tests.reliability.inherited_group_script"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.reliability.inherited_group_script"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+    )
     assert result.returncode == 0 and "ranks finished" in result.stdout, result.stderr[-3000:]
 
 
@@ -42,9 +52,14 @@ def test_forked_ranks_do_not_destroy_a_gloo_group_inherited_from_the_parent():
 def test_fork_started_ranks_do_not_destroy_a_gloo_group_the_launching_process_left(adapter):
     # Without lightning_zero/adapters/fork_safety.py a rank's gc.collect() frees its copy of the launching process's
     # unreachable gloo group and hangs in the destructor (the note there).
-    result = subprocess.run([sys.executable, "-m", "tests.reliability.fork_inherited_group_script", adapter],
-                            cwd=ROOT, capture_output=True, text=True, timeout=180,
-                            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.reliability.fork_inherited_group_script", adapter],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+    )
     assert result.returncode == 0 and "ranks finished" in result.stdout, result.stderr[-3000:]
 
 

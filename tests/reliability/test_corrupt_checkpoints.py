@@ -55,6 +55,7 @@ def truncate(name: str) -> Callable:
     def damage(path):
         full = os.path.join(path, name)
         os.truncate(full, os.path.getsize(full) // 2)
+
     return damage
 
 
@@ -66,6 +67,7 @@ def flip_byte(name: str) -> Callable:
             byte = file.read(1)
             file.seek(-1, os.SEEK_CUR)
             file.write(bytes([byte[0] ^ 0x10]))
+
     return damage
 
 
@@ -79,11 +81,13 @@ def replace_with(name: str, content: bytes, resealed: bool = False) -> Callable:
             file.write(content)
         if resealed:
             reseal(path)
+
     return damage
 
 
 def edit_metadata(edit: Callable, resealed: bool = True) -> Callable:
     """Edit the unpickled DCP metadata; ``resealed``: recompute zero.json's records, as a careful forger would."""
+
     def damage(path):
         with open(os.path.join(path, ".metadata"), "rb") as file:
             metadata = DCPMetadataUnpickler(file).load()
@@ -92,6 +96,7 @@ def edit_metadata(edit: Callable, resealed: bool = True) -> Callable:
             pickle.dump(metadata, file)
         if resealed:
             reseal(path)
+
     return damage
 
 
@@ -122,6 +127,7 @@ def remove_all_but(keep: str) -> Callable:
         for name in os.listdir(path):
             if name != keep:
                 os.remove(os.path.join(path, name))
+
     return damage
 
 
@@ -136,14 +142,17 @@ CASES = {
     "flipped-byte-in-shard": Case(flip_byte("__1_0.distcp"), "__1_0.distcp", "CRC-32"),
     "missing-shard": Case(delete("__1_0.distcp"), "__1_0.distcp", "missing"),
     "empty-shard": Case(replace_with("__0_0.distcp", b""), "__0_0.distcp", "size is"),
-    "text-shard-resealed": Case(replace_with("__0_0.distcp", b"hello\n", resealed=True), "__0_0.distcp",
-                                "truncated file or edited metadata"),
+    "text-shard-resealed": Case(
+        replace_with("__0_0.distcp", b"hello\n", resealed=True), "__0_0.distcp", "truncated file or edited metadata"
+    ),
     "truncated-metadata": Case(truncate(".metadata"), ".metadata", "size is"),
     "garbage-metadata": Case(replace_with(".metadata", b"\x80\x04garbage"), ".metadata", "size is"),
-    "garbage-metadata-resealed": Case(replace_with(".metadata", b"\x80\x04garbage", True), ".metadata",
-                                      "not a readable DCP metadata"),
-    "json-as-metadata-resealed": Case(replace_with(".metadata", b'{"a": 1}', True), ".metadata",
-                                      "not a readable DCP metadata"),
+    "garbage-metadata-resealed": Case(
+        replace_with(".metadata", b"\x80\x04garbage", True), ".metadata", "not a readable DCP metadata"
+    ),
+    "json-as-metadata-resealed": Case(
+        replace_with(".metadata", b'{"a": 1}', True), ".metadata", "not a readable DCP metadata"
+    ),
     "missing-metadata": Case(delete(".metadata"), ".metadata", "missing"),
     "edited-metadata": Case(edit_metadata(grow_tensor, resealed=False), ".metadata", "CRC-32"),
     "grown-tensor-resealed": Case(edit_metadata(grow_tensor), ".metadata", "48 of its 54 elements"),
@@ -154,8 +163,9 @@ CASES = {
     "other-format-zero-json": Case(replace_with("zero.json", b'{"format": "x"}'), "zero.json", "format 'x'"),
     "missing-zero-json": Case(delete("zero.json"), "zero.json", "missing"),
     "truncated-meta-pt": Case(truncate("meta.pt"), "meta.pt", "size is"),
-    "text-meta-pt-resealed": Case(replace_with("meta.pt", b"not a torch file", True), "meta.pt",
-                                  "not a readable torch file"),
+    "text-meta-pt-resealed": Case(
+        replace_with("meta.pt", b"not a torch file", True), "meta.pt", "not a readable torch file"
+    ),
     "only-a-shard-left": Case(remove_all_but("__0_0.distcp"), "zero.json", "missing"),
 }
 
@@ -261,8 +271,12 @@ def test_cli_process_prints_no_traceback(pristine, tmp_path):
     shutil.copytree(pristine, path)
     truncate("__1_0.distcp")(path)
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    quiet = subprocess.run([sys.executable, "-m", "lightning_zero", "consolidate", path, str(tmp_path / "o.ckpt")],
-                           capture_output=True, text=True, env=env)
+    quiet = subprocess.run(
+        [sys.executable, "-m", "lightning_zero", "consolidate", path, str(tmp_path / "o.ckpt")],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert quiet.returncode == 1 and "Traceback" not in quiet.stderr, quiet.stderr
     assert quiet.stderr.count("\n") == 1 and "__1_0.distcp" in quiet.stderr, quiet.stderr
 

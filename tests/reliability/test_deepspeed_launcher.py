@@ -44,8 +44,16 @@ def _start_as_node_one_of_a_deepspeed_launch(monkeypatch, start):
 
     names = ("NODE_RANK", "GROUP_RANK", "CROSS_RANK", "CROSS_SIZE")
     monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k not in names})  # no leak
-    for key, value in dict(CROSS_RANK="1", CROSS_SIZE="2", RANK="1", LOCAL_RANK="0", WORLD_SIZE="2",
-                           LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())).items():
+    for key, value in dict(
+        CROSS_RANK="1",
+        CROSS_SIZE="2",
+        RANK="1",
+        LOCAL_RANK="0",
+        WORLD_SIZE="2",
+        LOCAL_WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+    ).items():
         monkeypatch.setenv(key, value)
     with pytest.raises(NetworkError) as failure:
         start()
@@ -63,13 +71,23 @@ def test_fabric_and_trainer_take_the_deepspeed_launchers_node_rank_alike(monkeyp
     from tests.lightning_models import RegressionModule
 
     def fabric():
-        Fabric(strategy=FabricZeroStrategy(stage=2, rendezvous_timeout=1), accelerator="cpu", devices=1,
-               num_nodes=2).launch()
+        Fabric(
+            strategy=FabricZeroStrategy(stage=2, rendezvous_timeout=1), accelerator="cpu", devices=1, num_nodes=2
+        ).launch()
 
     def trainer():
-        Trainer(strategy=ZeroStrategy(stage=2, rendezvous_timeout=1), accelerator="cpu", devices=1, num_nodes=2,
-                max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                enable_model_summary=False, default_root_dir=tmp_path).fit(RegressionModule())
+        Trainer(
+            strategy=ZeroStrategy(stage=2, rendezvous_timeout=1),
+            accelerator="cpu",
+            devices=1,
+            num_nodes=2,
+            max_steps=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path,
+        ).fit(RegressionModule())
 
     for start in (trainer, fabric):
         failure, node_rank = _start_as_node_one_of_a_deepspeed_launch(monkeypatch, start)
@@ -79,8 +97,10 @@ def test_fabric_and_trainer_take_the_deepspeed_launchers_node_rank_alike(monkeyp
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="runs DeepSpeed's launcher: deepspeed is "
-                    "not installed (pip install -e '.[test]')")
+@pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None,
+    reason="runs DeepSpeed's launcher: deepspeed is not installed (pip install -e '.[test]')",
+)
 def test_two_node_deepspeed_launch_with_no_local_rank_trains_hsdp_like_one_process(tmp_path):
     """Both "nodes" of a 2 x 2 launch run here, each through DeepSpeed's per-node launcher, as ``deepspeed`` runs
     it over pdsh. Before CROSS_RANK was read, node 1's ranks took node 0's global ranks and the job hung."""
@@ -90,12 +110,30 @@ def test_two_node_deepspeed_launch_with_no_local_rank_trains_hsdp_like_one_proce
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("NODE_RANK", None)
-    nodes = [subprocess.Popen(
-        [sys.executable, "-m", "deepspeed.launcher.launch", f"--world_info={world_info}", f"--node_rank={node}",
-         "--master_addr=127.0.0.1", f"--master_port={port}", "--no_local_rank", "--module",
-         "tests.reliability.deepspeed_launch_job", str(tmp_path)],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        for node in (0, 1)]
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "deepspeed.launcher.launch",
+                f"--world_info={world_info}",
+                f"--node_rank={node}",
+                "--master_addr=127.0.0.1",
+                f"--master_port={port}",
+                "--no_local_rank",
+                "--module",
+                "tests.reliability.deepspeed_launch_job",
+                str(tmp_path),
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for node in (0, 1)
+    ]
     try:
         outputs = [node.communicate(timeout=300)[0] for node in nodes]
     finally:

@@ -30,6 +30,7 @@ def _fill_while_writing(directory: str):
     def hook(step: str) -> None:  # after the space check passed, before the shards are written
         if step == "before_shards" and dist.get_rank() == 0:
             fill(directory, 0)
+
     return hook
 
 
@@ -39,8 +40,9 @@ def check_message(message: str, path: str, during_write: bool) -> None:
     if during_write:
         assert re.search(r"no space left .* needs about \d+ bytes, \d+ bytes free on ", message), message
     else:
-        assert re.search(r"needs about \d+ bytes and .* has \d+ bytes free \(free at least \d+ more bytes", message), \
+        assert re.search(r"needs about \d+ bytes and .* has \d+ bytes free \(free at least \d+ more bytes", message), (
             message
+        )
     assert f"the previous checkpoint at {path} is intact" in message, message
 
 
@@ -75,6 +77,7 @@ def _fill_after_shards(directory: str):
     def hook(step: str) -> None:  # the shards are staged; the one file has yet to be written
         if step == "after_info" and dist.get_rank() == 0:
             fill(directory, 0)
+
     return hook
 
 

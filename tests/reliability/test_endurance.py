@@ -9,8 +9,20 @@ from tests.reliability.endurance import CONFIGS, judge, run_config, table, verdi
 
 
 def _sample(at, rss=100 * 2**20, **counts):
-    base = {"at": at, "rss": rss, "anon": rss // 2, "fds": 30, "threads": 2, "tasks": 9, "groups": 2, "ckpt_files": 24,
-            "ckpt_entries": 4, "nvme_files": 0, "pyobjs": 1000, "time": float(at)}
+    base = {
+        "at": at,
+        "rss": rss,
+        "anon": rss // 2,
+        "fds": 30,
+        "threads": 2,
+        "tasks": 9,
+        "groups": 2,
+        "ckpt_files": 24,
+        "ckpt_entries": 4,
+        "nvme_files": 0,
+        "pyobjs": 1000,
+        "time": float(at),
+    }
     return {**base, **counts}
 
 

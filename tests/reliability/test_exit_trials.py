@@ -41,17 +41,34 @@ def test_torchrun_summary_gives_the_finished_ranks_and_each_failed_ranks_signal(
     completed, failures = parse_output(TORCHRUN_SUMMARY)
     assert completed == [0, 1] and failures == {1: -6}
     assert describe_exit(-6) == "SIGABRT" and describe_exit(1) == "exit 1"
-    results = [{"kind": "trainer", "stage": 2, "finished": True, "exit": 1, "ranks_failed": failures},
-               {"kind": "trainer", "stage": 2, "finished": True, "exit": 0, "ranks_failed": {}}]
+    results = [
+        {"kind": "trainer", "stage": 2, "finished": True, "exit": 1, "ranks_failed": failures},
+        {"kind": "trainer", "stage": 2, "finished": True, "exit": 0, "ranks_failed": {}},
+    ]
     assert "| trainer | 2 | 2 | 2 | 1 | 1: SIGABRT | 0 |" in table(results)
 
 
 @pytest.mark.slow  # one process importing Lightning, two tiny two-rank jobs: ~15 s
 def test_a_job_that_aborts_at_teardown_after_finishing_is_counted(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "LZ_EXIT_JOB_ABORT_KIND": "fabric"}
-    result = subprocess.run([sys.executable, "-m", "tests.reliability.exit_trials", "--jobs", "2", "--launcher",
-                             "fork", "--root", str(tmp_path / "jobs")], cwd=ROOT, env=env, capture_output=True,
-                            text=True, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tests.reliability.exit_trials",
+            "--jobs",
+            "2",
+            "--launcher",
+            "fork",
+            "--root",
+            str(tmp_path / "jobs"),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     report = result.stdout + result.stderr[-3000:]
     assert result.returncode == 1, report
     # the Trainer job exits 0; the Fabric job finished and then aborted on both ranks

@@ -36,8 +36,11 @@ def _run_hang_jobs(cases, tmp_path):
         logs[case] = tmp_path / case / "stderr.txt"
         with open(logs[case], "w") as log:  # a file, not a pipe: a full pipe would block the job
             procs[case] = subprocess.Popen(
-                [sys.executable, "-m", "tests.reliability.hang_job", case, str(tmp_path / case)], cwd=REPO,
-                stdout=subprocess.DEVNULL, stderr=log)
+                [sys.executable, "-m", "tests.reliability.hang_job", case, str(tmp_path / case)],
+                cwd=REPO,
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+            )
     deadline = time.time() + HANG_TIMEOUT + 150
     while len(finished) < len(procs) and time.time() < deadline:
         for case, proc in procs.items():
@@ -99,8 +102,14 @@ def test_hang_timeout_is_validated_in_the_constructor():
     assert ZeroStrategy().hang_guard.timeout == DEFAULT_HANG_TIMEOUT
     assert ZeroStrategy(hang_timeout=timedelta(minutes=2)).hang_guard.timeout == 120.0
     assert ZeroStrategy(hang_timeout=None).hang_guard.timeout is None
-    for bad, error in ((0, ValueError), (-1.0, ValueError), (float("inf"), ValueError), ("600", TypeError),
-                       (True, TypeError), (timedelta(0), ValueError)):
+    for bad, error in (
+        (0, ValueError),
+        (-1.0, ValueError),
+        (float("inf"), ValueError),
+        ("600", TypeError),
+        (True, TypeError),
+        (timedelta(0), ValueError),
+    ):
         with pytest.raises(error, match="hang_timeout"):
             ZeroStrategy(hang_timeout=bad)
     assert parse_hang_timeout(5) == 5.0
@@ -130,14 +139,31 @@ def _one_watchdog_worker(rank, world_size):
     class Check(Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             # one watchdog: its polling thread (the store-silence thread beside it is named "-store-")
-            threads = [t for t in threading.enumerate() if t.name.startswith("lightning-zero-watchdog")
-                       and "-store-" not in t.name]
-            seen.append((diagnostics.watchdog is trainer.strategy.hang_guard.watchdog, len(threads),
-                         diagnostics.watchdog.timeout))
+            threads = [
+                t
+                for t in threading.enumerate()
+                if t.name.startswith("lightning-zero-watchdog") and "-store-" not in t.name
+            ]
+            seen.append(
+                (
+                    diagnostics.watchdog is trainer.strategy.hang_guard.watchdog,
+                    len(threads),
+                    diagnostics.watchdog.timeout,
+                )
+            )
 
-    trainer = Trainer(strategy=ZeroStrategy(stage=2), accelerator="cpu", devices=2, max_steps=2, logger=False,
-                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                      limit_val_batches=0, callbacks=[diagnostics, Check()])
+    trainer = Trainer(
+        strategy=ZeroStrategy(stage=2),
+        accelerator="cpu",
+        devices=2,
+        max_steps=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        limit_val_batches=0,
+        callbacks=[diagnostics, Check()],
+    )
     trainer.fit(RegressionModule())
     assert seen == [(True, 1, 120.0)] * 2, seen  # the callback drives the strategy's watchdog, with its timeout
     assert diagnostics.watchdog is None and trainer.strategy.hang_guard.watchdog is None  # both stopped

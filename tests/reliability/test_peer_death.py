@@ -12,8 +12,10 @@ import torch.distributed as dist
 from lightning_zero.diagnostics.peers import lost_peer_note, name_lost_peer, publish_identity
 from lightning_zero.diagnostics.watchdog import HANG_EXIT_CODE, HangWatchdog
 
-GLOO_CLOSED = ("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
-               "[10.77.5.2]:4253. This is typically caused by a remote worker crashing.")
+GLOO_CLOSED = (
+    "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+    "[10.77.5.2]:4253. This is typically caused by a remote worker crashing."
+)
 GLOO_RESET = "[pair.cc:537] Read error [10.77.5.2]:25295: Connection reset by peer. This is typically caused by"
 
 
@@ -43,8 +45,9 @@ def test_a_gloo_error_from_a_dead_peer_names_its_rank_and_host(monkeypatch):
         assert "rank 1" in lost_peer_note(err, store, 2)
     assert lost_peer_note(RuntimeError("CUDA out of memory"), store, 2) is None
     # an address no rank published, and a store that is gone with the peer: the address is still named
-    assert "at address 10.9.9.9 (no published rank" in lost_peer_note(RuntimeError(GLOO_CLOSED.replace(
-        "10.77.5.2", "10.9.9.9")), store, 2)
+    assert "at address 10.9.9.9 (no published rank" in lost_peer_note(
+        RuntimeError(GLOO_CLOSED.replace("10.77.5.2", "10.9.9.9")), store, 2
+    )
 
     class GoneStore:
         def check(self, keys):
@@ -56,8 +59,10 @@ def test_a_gloo_error_from_a_dead_peer_names_its_rank_and_host(monkeypatch):
 def test_several_ranks_on_the_lost_host_are_named_in_the_plural(monkeypatch):
     store = _store_with_two_nodes(monkeypatch, ranks_per_node=2)
     note = lost_peer_note(RuntimeError(GLOO_CLOSED), store, 4)
-    assert "lost peer: ranks [2, 3] (node rank 1, host beta, address 10.77.5.2) are gone (their processes died or " \
-           "their host is unreachable)" in note, note
+    assert (
+        "lost peer: ranks [2, 3] (node rank 1, host beta, address 10.77.5.2) are gone (their processes died or "
+        "their host is unreachable)" in note
+    ), note
 
 
 def test_the_note_goes_in_front_of_the_error_message(monkeypatch):
@@ -95,8 +100,12 @@ def _fabric_strategy(monkeypatch):
     monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", lambda: store)
     monkeypatch.setattr(ZeroStrategy, "world_size", property(lambda self: 2))
     monkeypatch.setattr(dist, "get_world_size", lambda *a: 2)
-    return ZeroStrategy(stage=2, hang_timeout=None,  # (the watchdog would start on the patched dist)
-                        accelerator=CPUAccelerator(), cluster_environment=LightningEnvironment())
+    return ZeroStrategy(
+        stage=2,
+        hang_timeout=None,  # (the watchdog would start on the patched dist)
+        accelerator=CPUAccelerator(),
+        cluster_environment=LightningEnvironment(),
+    )
 
 
 def _gloo_failure(*args, **kwargs):
@@ -186,15 +195,15 @@ def test_the_watchdog_names_a_rank_whose_heartbeat_stopped():
     store.add("alive/1", 7)  # it beat until the cut, then never again
     store.set("id/1", json.dumps({"host": "beta", "address": "10.77.5.2", "node_rank": 1, "pid": 9}))
     exits = []
-    dog = HangWatchdog(store, rank=0, world_size=2, timeout=0.3, poll_interval=0.05, grace=0.2,
-                       on_exit=exits.append)
+    dog = HangWatchdog(store, rank=0, world_size=2, timeout=0.3, poll_interval=0.05, grace=0.2, on_exit=exits.append)
     dog.arm("training_step 3")
     dog.beat("training_step 3: backward")
     dog.start()
     _wait_for_abort(dog, exits)
     assert exits == [HANG_EXIT_CODE]
-    assert "Unreachable: rank 1 (node rank 1, host beta, address 10.77.5.2): its heartbeat stopped" in \
-        dog.hang_message, dog.hang_message
+    assert (
+        "Unreachable: rank 1 (node rank 1, host beta, address 10.77.5.2): its heartbeat stopped" in dog.hang_message
+    ), dog.hang_message
 
 
 def test_ranks_that_time_out_together_do_not_name_each_other_unreachable():
@@ -203,8 +212,10 @@ def test_ranks_that_time_out_together_do_not_name_each_other_unreachable():
     import threading
 
     store = dist.HashStore()
-    dogs = [HangWatchdog(store, rank=r, world_size=2, timeout=0.3, poll_interval=0.05, on_exit=lambda code: None)
-            for r in range(2)]
+    dogs = [
+        HangWatchdog(store, rank=r, world_size=2, timeout=0.3, poll_interval=0.05, on_exit=lambda code: None)
+        for r in range(2)
+    ]
     for rank in range(2):
         store.add(f"alive/{rank}", 1)
     found = {}
@@ -220,6 +231,7 @@ def test_ranks_that_time_out_together_do_not_name_each_other_unreachable():
 def test_the_watchdog_names_the_store_host_when_the_store_is_cut_off(cut):
     """A survivor on the far side of a partition from the store (rank 0's node) names that node, and exits without
     waiting for acknowledgements it cannot read; also when the store call never returns (a cut link: no RST)."""
+
     class CutStore:
         def __init__(self):
             self.inner, self.cut = dist.HashStore(), False
@@ -231,13 +243,22 @@ def test_the_watchdog_names_the_store_host_when_the_store_is_cut_off(cut):
                 if self.cut:
                     raise RuntimeError("Socket Timeout")
                 return getattr(self.inner, name)(*args)
+
             return call
 
     store = CutStore()
     store.inner.set("id/0", json.dumps({"host": "alpha", "address": "10.77.5.1", "node_rank": 0, "pid": 8}))
     exits = []
-    dog = HangWatchdog(store, rank=1, world_size=2, timeout=0.3, poll_interval=0.05, grace=30,
-                       on_exit=exits.append, identity={"host": "beta", "address": "10.77.5.2", "node_rank": 1})
+    dog = HangWatchdog(
+        store,
+        rank=1,
+        world_size=2,
+        timeout=0.3,
+        poll_interval=0.05,
+        grace=30,
+        on_exit=exits.append,
+        identity={"host": "beta", "address": "10.77.5.2", "node_rank": 1},
+    )
     dog.arm("training_step 3")
     dog.start()
     time.sleep(0.2)  # a few polls: rank 0's identity is read while the store still answers
@@ -245,8 +266,10 @@ def test_the_watchdog_names_the_store_host_when_the_store_is_cut_off(cut):
     started = time.monotonic()
     _wait_for_abort(dog, exits)
     assert exits == [HANG_EXIT_CODE] and time.monotonic() - started < 8  # not the 30 s grace
-    assert "rank 0 (node rank 0, host alpha, address 10.77.5.1), whose node hosts the store, died or is cut off" in \
-        dog.hang_message, dog.hang_message
+    assert (
+        "rank 0 (node rank 0, host alpha, address 10.77.5.1), whose node hosts the store, died or is cut off"
+        in dog.hang_message
+    ), dog.hang_message
 
 
 @pytest.mark.slow  # two torchrun agents, a kill and a restart

@@ -42,10 +42,19 @@ class SaveAt(Callback):
 
 def _fit(root, callbacks=(), ckpt_path=None, stage=2):
     checkpoints = ModelCheckpoint(dirpath=os.path.join(root, "checkpoints"), save_top_k=-1)
-    trainer = Trainer(strategy=ZeroStrategy(stage=stage), accelerator="cpu", devices=2, max_epochs=EPOCHS,
-                      limit_train_batches=STEPS_PER_EPOCH, limit_val_batches=0, logger=False,
-                      enable_progress_bar=False, enable_model_summary=False,
-                      callbacks=[checkpoints, *callbacks], default_root_dir=root)
+    trainer = Trainer(
+        strategy=ZeroStrategy(stage=stage),
+        accelerator="cpu",
+        devices=2,
+        max_epochs=EPOCHS,
+        limit_train_batches=STEPS_PER_EPOCH,
+        limit_val_batches=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[checkpoints, *callbacks],
+        default_root_dir=root,
+    )
     torch.manual_seed(0)
     module = RegressionModule()
     trainer.fit(module, ckpt_path=ckpt_path)
@@ -80,10 +89,10 @@ def _preemption_worker(rank, world_size, root, signalled_rank, signum):
     assert any(not torch.equal(resumed[k], uninterrupted[k]) for k in uninterrupted)
 
 
-@pytest.mark.parametrize("signalled_rank,signum", [(1, signal.SIGTERM), (0, signal.SIGUSR1)],
-                         ids=["sigterm-on-rank-1", "sigusr1-on-rank-0"])
-def test_preemption_signal_checkpoints_at_the_next_step_and_the_restart_resumes_there(tmp_path, signalled_rank,
-                                                                                        signum):
+@pytest.mark.parametrize(
+    "signalled_rank,signum", [(1, signal.SIGTERM), (0, signal.SIGUSR1)], ids=["sigterm-on-rank-1", "sigusr1-on-rank-0"]
+)
+def test_preemption_signal_checkpoints_at_the_next_step_and_the_restart_resumes_there(tmp_path, signalled_rank, signum):
     run_distributed(_preemption_worker, 2, str(tmp_path), signalled_rank, int(signum))
 
 
@@ -128,9 +137,26 @@ def _torchrun(root, mode):
     repo = Path(__file__).resolve().parents[2]
     root.mkdir()
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
-         "-m", "tests.reliability.preempt_job", str(root), mode],
-        cwd=repo, capture_output=True, text=True, timeout=400, env={**os.environ, "PYTHONPATH": str(repo)})
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "1",
+            "-m",
+            "tests.reliability.preempt_job",
+            str(root),
+            mode,
+        ],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env={**os.environ, "PYTHONPATH": str(repo)},
+    )
     assert proc.returncode == 0, job_output(proc)
     return proc, torch.load(root / "final.pt", weights_only=True)
 
@@ -214,10 +240,19 @@ def _last_worker(rank, world_size, root):
     def fit(callbacks, ckpt_path=None):
         every_two = ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=2, save_top_k=-1, save_last=True)
         start = _StartStep()
-        trainer = Trainer(strategy=ZeroStrategy(stage=2), accelerator="cpu", devices=2, max_epochs=EPOCHS,
-                          limit_train_batches=STEPS_PER_EPOCH, limit_val_batches=0, logger=False,
-                          enable_progress_bar=False, enable_model_summary=False,
-                          callbacks=[every_two, start, *callbacks], default_root_dir=root)
+        trainer = Trainer(
+            strategy=ZeroStrategy(stage=2),
+            accelerator="cpu",
+            devices=2,
+            max_epochs=EPOCHS,
+            limit_train_batches=STEPS_PER_EPOCH,
+            limit_val_batches=0,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[every_two, start, *callbacks],
+            default_root_dir=root,
+        )
         trainer.fit(RegressionModule(), ckpt_path=ckpt_path)
         return trainer, start.step
 
@@ -235,7 +270,6 @@ def test_ckpt_path_last_resumes_from_a_newer_preemption_checkpoint(tmp_path):
     """Lightning's "last" only knows last*.ckpt: without the strategy's help the resume silently started again from
     the save before the preemption (``[Note: "last" resumes the newest complete checkpoint]``)."""
     run_distributed(_last_worker, 2, str(tmp_path))
-
 
 
 def _lightning_broadcast_worker(rank, world_size, root):

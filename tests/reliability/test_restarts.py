@@ -28,24 +28,33 @@ def _attempt(port, attempt, result_dir, counts=(None, None)):
     """Run one two-rank attempt; rank 0 starts 2 s late (its old keys are still in the store). ``counts``: each
     rank's agent's restart count where it is not ``attempt``."""
     ctx = mp.get_context("fork")
-    procs = [ctx.Process(target=form_group_as_an_attempt,
-                         args=(rank, 2, port, attempt, 2.0 if rank == 0 else 0.0, str(result_dir), counts[rank]))
-             for rank in range(2)]
+    procs = [
+        ctx.Process(
+            target=form_group_as_an_attempt,
+            args=(rank, 2, port, attempt, 2.0 if rank == 0 else 0.0, str(result_dir), counts[rank]),
+        )
+        for rank in range(2)
+    ]
     for proc in procs:
         proc.start()
     for proc in procs:
         proc.join(90)
         if proc.is_alive():
             proc.kill()
-    return [(result_dir / f"attempt{attempt}_rank{rank}.txt").read_text()
-            if (result_dir / f"attempt{attempt}_rank{rank}.txt").exists() else "no result" for rank in range(2)]
+    return [
+        (result_dir / f"attempt{attempt}_rank{rank}.txt").read_text()
+        if (result_dir / f"attempt{attempt}_rank{rank}.txt").exists()
+        else "no result"
+        for rank in range(2)
+    ]
 
 
 def test_restarted_attempt_reforms_the_group_on_the_agents_store(tmp_path):
     """The agent's store keeps attempt 0's keys; attempt 1's rank 1 must not read rank 0's old gloo address."""
     port = free_port()
-    agent_store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                                timeout=timedelta(seconds=60))
+    agent_store = dist.TCPStore(
+        "127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+    )
     assert _attempt(port, 0, tmp_path) == ["ok 2", "ok 2"]
     assert _attempt(port, 1, tmp_path) == ["ok 2", "ok 2"]
     del agent_store
@@ -56,8 +65,9 @@ def test_attempt_is_agreed_when_the_agents_restart_counts_differ(tmp_path):
     survivor's agent (its workers only stopped for the re-rendezvous) does not. Named after the counts, the two ranks
     of one attempt waited in different namespaces until the store timeout; the agreed attempt forms the group."""
     port = free_port()
-    agent_store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                                timeout=timedelta(seconds=60))
+    agent_store = dist.TCPStore(
+        "127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+    )
     assert _attempt(port, 0, tmp_path) == ["ok 2", "ok 2"]
     assert _attempt(port, 1, tmp_path, counts=(0, 1)) == ["ok 2", "ok 2"]
     assert _attempt(port, 2, tmp_path, counts=(0, 2)) == ["ok 2", "ok 2"]
@@ -97,10 +107,19 @@ def test_restart_count_reads_torchrun_and_slurm(monkeypatch):
 
 def _fit(root, epochs, auto_resume=True):
     checkpoints = ModelCheckpoint(dirpath=os.path.join(root, "checkpoints"), save_top_k=-1)
-    trainer = Trainer(strategy=ZeroStrategy(stage=2, auto_resume=auto_resume), accelerator="cpu", devices=2,
-                      max_epochs=epochs, limit_train_batches=2, limit_val_batches=0, logger=False,
-                      enable_progress_bar=False, enable_model_summary=False, callbacks=[checkpoints],
-                      default_root_dir=root)
+    trainer = Trainer(
+        strategy=ZeroStrategy(stage=2, auto_resume=auto_resume),
+        accelerator="cpu",
+        devices=2,
+        max_epochs=epochs,
+        limit_train_batches=2,
+        limit_val_batches=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[checkpoints],
+        default_root_dir=root,
+    )
     torch.manual_seed(0)
     module = RegressionModule()
     trainer.fit(module)
@@ -129,9 +148,26 @@ def test_restart_resumes_from_the_newest_complete_checkpoint(tmp_path):
 def _torchrun(root, die_at_step):
     root.mkdir()
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
-         "-m", "tests.reliability.restart_job", str(root), str(die_at_step)],
-        cwd=REPO, capture_output=True, text=True, timeout=400, env={**os.environ, "PYTHONPATH": str(REPO)})
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "1",
+            "-m",
+            "tests.reliability.restart_job",
+            str(root),
+            str(die_at_step),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert proc.returncode == 0, job_output(proc)
     return proc, torch.load(root / "final.pt", weights_only=True)
 

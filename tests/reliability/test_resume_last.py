@@ -20,11 +20,25 @@ KILLED_AT_SAVE = 3  # the third checkpoint save (global step 3) is the one rank 
 
 
 def _trainer(root, save_last, async_save=False):
-    callback = ModelCheckpoint(dirpath=root, save_last=save_last, save_top_k=-1 if save_last == "link" else 0,
-                               every_n_train_steps=1, filename="step{step}")
-    return Trainer(strategy=ZeroStrategy(stage=2, async_save=async_save), accelerator="cpu", devices=2, max_steps=5,
-                   callbacks=[callback], logger=False, enable_progress_bar=False, enable_model_summary=False,
-                   limit_val_batches=0, default_root_dir=root)
+    callback = ModelCheckpoint(
+        dirpath=root,
+        save_last=save_last,
+        save_top_k=-1 if save_last == "link" else 0,
+        every_n_train_steps=1,
+        filename="step{step}",
+    )
+    return Trainer(
+        strategy=ZeroStrategy(stage=2, async_save=async_save),
+        accelerator="cpu",
+        devices=2,
+        max_steps=5,
+        callbacks=[callback],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        default_root_dir=root,
+    )
 
 
 def _killed_run(rank, world_size, root, save_last, async_save, kill_step, _):
@@ -63,10 +77,14 @@ def _resume(rank, world_size, root, save_last, async_save, kill_step, resumed_st
 CASES = [(True, False, "mid_swap", 3), (True, True, "mid_swap", 3), ("link", False, "after_info", 2)]
 
 
-@pytest.mark.parametrize("save_last,async_save,kill_step,resumed_step", CASES,
-                         ids=["last-sync-mid_swap", "last-async-mid_swap", "link-sync-after_info"])
-def test_ckpt_path_last_resumes_from_the_newest_complete_checkpoint_after_a_kill(tmp_path, save_last, async_save,
-                                                                                  kill_step, resumed_step):
+@pytest.mark.parametrize(
+    "save_last,async_save,kill_step,resumed_step",
+    CASES,
+    ids=["last-sync-mid_swap", "last-async-mid_swap", "link-sync-after_info"],
+)
+def test_ckpt_path_last_resumes_from_the_newest_complete_checkpoint_after_a_kill(
+    tmp_path, save_last, async_save, kill_step, resumed_step
+):
     root = str(tmp_path / "ckpts")
     args = (root, save_last, async_save, kill_step, resumed_step)
     with pytest.raises(Exception, match="exit code 17"):
@@ -76,9 +94,16 @@ def test_ckpt_path_last_resumes_from_the_newest_complete_checkpoint_after_a_kill
 
 def _refused_worker(rank, world_size, root):
     with pytest.raises(ValueError, match='save_last="link"'):
-        Trainer(strategy=ZeroStrategy(stage=0, async_save=True), accelerator="cpu", devices=1, max_steps=1,
-                callbacks=[ModelCheckpoint(dirpath=root, save_last="link")], logger=False,
-                enable_progress_bar=False, enable_model_summary=False).fit(RegressionModule())
+        Trainer(
+            strategy=ZeroStrategy(stage=0, async_save=True),
+            accelerator="cpu",
+            devices=1,
+            max_steps=1,
+            callbacks=[ModelCheckpoint(dirpath=root, save_last="link")],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        ).fit(RegressionModule())
 
 
 def test_async_save_with_a_last_link_is_refused(tmp_path):

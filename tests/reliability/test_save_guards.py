@@ -103,6 +103,7 @@ def test_file_urls_are_local_paths(tmp_path):
 
 # ------------------------------------------------------------------ node-local checkpoint directories
 
+
 def _private_mount(target: str, size: str) -> None:
     """In this process only (a new mount namespace), hide ``target`` under an empty tmpfs: another "node"."""
     libc = ctypes.CDLL(None, use_errno=True)
@@ -135,13 +136,13 @@ def test_ranks_that_do_not_share_the_checkpoint_directory_are_refused(tmp_path):
 # ------------------------------------------------------------------ disk full
 
 
-
 def _fill_disk_before_shards(directory: str):
     def hook(step: str) -> None:
         if step == "before_shards" and (not dist.is_initialized() or dist.get_rank() == 0):
             stats = os.statvfs(directory)
             with open(os.path.join(directory, "filler"), "wb") as file:  # another job fills the disk meanwhile
                 file.write(b"\0" * max(stats.f_bavail * stats.f_frsize - 8192, 0))
+
     return hook
 
 

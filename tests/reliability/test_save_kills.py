@@ -41,7 +41,7 @@ def state(version: int, world_size: int) -> dict:
     mesh = init_device_mesh("cpu", (world_size,))
     rank = mesh.get_local_rank()
     rows = ROWS // world_size
-    local = full_weight(version)[rank * rows:(rank + 1) * rows].clone()
+    local = full_weight(version)[rank * rows : (rank + 1) * rows].clone()
     weight = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
     return {"state_dict": {"w": weight}, "optimizer_states": {"step": torch.tensor(float(version))}}
 
@@ -85,7 +85,8 @@ SCENARIOS += [("mid_swap", mode, link, False) for mode in ("sync", "async") for 
 
 
 @pytest.mark.parametrize(
-    "step,mode,link,exchange", SCENARIOS,
+    "step,mode,link,exchange",
+    SCENARIOS,
     ids=[f"{s}-{m}-{'link' if k else 'plain'}{'' if x else '-fallback'}" for s, m, k, x in SCENARIOS],
 )
 def test_kill_at_every_save_step_leaves_a_complete_checkpoint(tmp_path, step, mode, link, exchange):
@@ -137,6 +138,7 @@ def _kill_at(step: str):
     def hook(at: str) -> None:
         if at == step:
             raise _Killed(at)
+
     return hook
 
 
@@ -186,10 +188,18 @@ def _link_kill_worker(rank, world_size, root):
     from lightning_zero import ZeroStrategy
     from tests.lightning_models import RegressionModule, quiet_trainer
 
-    every = ModelCheckpoint(dirpath=root, filename="{step}", every_n_train_steps=1, save_top_k=1, monitor="step",
-                            mode="max", save_last="link")
-    trainer = quiet_trainer(ZeroStrategy(stage=2), world_size, max_steps=3, enable_checkpointing=True,
-                            callbacks=[every])
+    every = ModelCheckpoint(
+        dirpath=root,
+        filename="{step}",
+        every_n_train_steps=1,
+        save_top_k=1,
+        monitor="step",
+        mode="max",
+        save_last="link",
+    )
+    trainer = quiet_trainer(
+        ZeroStrategy(stage=2), world_size, max_steps=3, enable_checkpointing=True, callbacks=[every]
+    )
     atomic.FAULT_HOOK = _kill_at("mid_delete")  # the first deletion: step=1, which last.ckpt points to
     try:
         with pytest.raises(_Killed):

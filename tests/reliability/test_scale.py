@@ -169,8 +169,15 @@ def _hang_in_one_process(world_size: int, store: dist.Store) -> tuple[dict, list
     exits: dict[int, int] = {}
     clients = [CountingStore(store) for _ in range(world_size)]
     dogs = [
-        HangWatchdog(client, rank, world_size, timeout=0.5, poll_interval=0.05, grace=5.0,
-                     on_exit=lambda code, r=rank: exits.setdefault(r, code))
+        HangWatchdog(
+            client,
+            rank,
+            world_size,
+            timeout=0.5,
+            poll_interval=0.05,
+            grace=5.0,
+            on_exit=lambda code, r=rank: exits.setdefault(r, code),
+        )
         for rank, client in enumerate(clients)
     ]
     for dog in dogs:

@@ -98,8 +98,10 @@ class TinyGAN(LightningModule):
         self.untoggle_optimizer(opt_d)
 
     def configure_optimizers(self):
-        return (torch.optim.Adam(self.generator.parameters(), lr=1e-2),
-                torch.optim.Adam(self.discriminator.parameters(), lr=2e-2))
+        return (
+            torch.optim.Adam(self.generator.parameters(), lr=1e-2),
+            torch.optim.Adam(self.discriminator.parameters(), lr=2e-2),
+        )
 
     def train_dataloader(self):
         return DataLoader(gan_data(), batch_size=BATCH)
@@ -112,8 +114,9 @@ def generator_loss(gan, noise):
 
 def discriminator_loss(gan, real, fake):
     real_score, fake_score = gan.discriminator(real), gan.discriminator(fake)
-    return (nn.functional.binary_cross_entropy_with_logits(real_score, torch.ones_like(real_score))
-            + nn.functional.binary_cross_entropy_with_logits(fake_score, torch.zeros_like(fake_score)))
+    return nn.functional.binary_cross_entropy_with_logits(
+        real_score, torch.ones_like(real_score)
+    ) + nn.functional.binary_cross_entropy_with_logits(fake_score, torch.zeros_like(fake_score))
 
 
 def gan_data(n=32):
@@ -143,8 +146,12 @@ def gan_reference(global_batch):
 class _RecordDDP(Callback):
     def on_train_start(self, trainer, pl_module):
         ddp = trainer.strategy.model
-        self.seen = dict(find_unused_parameters=ddp.find_unused_parameters, static_graph=ddp.static_graph,
-                         gradient_as_bucket_view=ddp.gradient_as_bucket_view, bucket_bytes_cap=ddp.bucket_bytes_cap)
+        self.seen = dict(
+            find_unused_parameters=ddp.find_unused_parameters,
+            static_graph=ddp.static_graph,
+            gradient_as_bucket_view=ddp.gradient_as_bucket_view,
+            bucket_bytes_cap=ddp.bucket_bytes_cap,
+        )
 
 
 def _ddp_options_worker(rank, world_size):
@@ -159,20 +166,32 @@ def _ddp_options_worker(rank, world_size):
         _trainer(ZeroStrategy(stage=stage, find_unused_parameters=True), world_size, max_steps=steps).fit(gan)
         got = full_state(gan)
         for key, value in expected.items():
-            torch.testing.assert_close(got[key], lightning_ddp.state_dict()[key], atol=1e-6, rtol=0,
-                                       msg=lambda m: f"stage {stage} vs DDPStrategy: {key}: {m}")
-            torch.testing.assert_close(got[key], value, atol=1e-5, rtol=0,
-                                       msg=lambda m: f"stage {stage} vs one process: {key}: {m}")
+            torch.testing.assert_close(
+                got[key],
+                lightning_ddp.state_dict()[key],
+                atol=1e-6,
+                rtol=0,
+                msg=lambda m: f"stage {stage} vs DDPStrategy: {key}: {m}",
+            )
+            torch.testing.assert_close(
+                got[key], value, atol=1e-5, rtol=0, msg=lambda m: f"stage {stage} vs one process: {key}: {m}"
+            )
 
     # every option reaches the DistributedDataParallel; a config's reduce_bucket_size becomes its bucket
     record = _RecordDDP()
-    _trainer(ZeroStrategy(stage=0, static_graph=True, gradient_as_bucket_view=True, bucket_cap_mb=1.5), world_size,
-             max_steps=1, callbacks=[record]).fit(RegressionModule(batch_size=BATCH))
-    assert record.seen == dict(find_unused_parameters=False, static_graph=True, gradient_as_bucket_view=True,
-                               bucket_bytes_cap=int(1.5 * MIB))
+    _trainer(
+        ZeroStrategy(stage=0, static_graph=True, gradient_as_bucket_view=True, bucket_cap_mb=1.5),
+        world_size,
+        max_steps=1,
+        callbacks=[record],
+    ).fit(RegressionModule(batch_size=BATCH))
+    assert record.seen == dict(
+        find_unused_parameters=False, static_graph=True, gradient_as_bucket_view=True, bucket_bytes_cap=int(1.5 * MIB)
+    )
     config = {"zero_optimization": {"stage": 1, "reduce_bucket_size": MIB}, "train_micro_batch_size_per_gpu": BATCH}
     _trainer(ZeroStrategy(config=config), world_size, max_steps=1, callbacks=[record]).fit(
-        RegressionModule(batch_size=BATCH))
+        RegressionModule(batch_size=BATCH)
+    )
     assert record.seen["bucket_bytes_cap"] == 4 * MIB  # 2**20 fp32 gradient elements
 
     # manual optimization defaults find_unused_parameters to True (a GAN step leaves the other network unused)
@@ -180,8 +199,11 @@ def _ddp_options_worker(rank, world_size):
     _trainer(ZeroStrategy(stage=1), world_size, max_steps=1, callbacks=[record]).fit(TinyGAN())
     assert record.seen["find_unused_parameters"] is True
     # an explicit False wins, and DDP's error comes with the remedy in ZeroStrategy's terms (last: the run is broken)
-    with pytest.raises(RuntimeError, match=r"(?s)ZeroStrategy\(stage=1, find_unused_parameters=True\).*"
-                                           "Expected to have finished reduction"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"(?s)ZeroStrategy\(stage=1, find_unused_parameters=True\).*"
+        "Expected to have finished reduction",
+    ):
         _trainer(ZeroStrategy(stage=1, find_unused_parameters=False), world_size, max_steps=steps).fit(TinyGAN())
 
 
@@ -194,8 +216,14 @@ def test_gan_trains_at_stages_0_and_1_with_find_unused_parameters_as_with_ddp():
 
 def test_config_is_read_from_pl_deepspeed_config_path(tmp_path, monkeypatch):
     path = tmp_path / "ds.json"
-    path.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
-                                "train_micro_batch_size_per_gpu": 2}))
+    path.write_text(
+        json.dumps(
+            {
+                "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+                "train_micro_batch_size_per_gpu": 2,
+            }
+        )
+    )
     monkeypatch.setenv("PL_DEEPSPEED_CONFIG_PATH", str(path))
     strategy = ZeroStrategy()
     assert (strategy.stage, strategy.zero_config.offload) == (3, "cpu")
@@ -231,19 +259,27 @@ def test_strategy_config_is_the_effective_config_and_refuses_writes():
     import copy
 
     strategy = ZeroStrategy(stage=2, offload="cpu", communication_data_type="bf16")
-    assert strategy.config == {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
-                               "communication_data_type": "bf16"}
-    strategy = ZeroStrategy(config={"zero_optimization": {"stage": 3},
-                                    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95]}}},
-                            stage=1)
+    assert strategy.config == {
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+        "communication_data_type": "bf16",
+    }
+    strategy = ZeroStrategy(
+        config={
+            "zero_optimization": {"stage": 3},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95]}},
+        },
+        stage=1,
+    )
     config = strategy.config
     assert config["zero_optimization"]["stage"] == 1  # the explicit argument is what runs
     assert config["zero_optimization"]["reduce_bucket_size"] == 500_000_000  # DeepSpeed's default, filled in
     assert config["optimizer"]["params"]["betas"] == [0.9, 0.95]
     assert json.loads(json.dumps(config)) == config
-    for write in (lambda: config.__setitem__("gradient_clipping", 1.0),
-                  lambda: config["zero_optimization"].update(stage=3),
-                  lambda: config["optimizer"]["params"]["betas"].append(0.1)):
+    for write in (
+        lambda: config.__setitem__("gradient_clipping", 1.0),
+        lambda: config["zero_optimization"].update(stage=3),
+        lambda: config["optimizer"]["params"]["betas"].append(0.1),
+    ):
         with pytest.raises(TypeError, match="read-only report.*ZeroStrategy\\(config=...\\)"):
             write()
     mine = copy.deepcopy(config)  # an ordinary dict to edit and pass back as config=
@@ -254,8 +290,10 @@ def test_strategy_config_is_the_effective_config_and_refuses_writes():
 def test_startup_table_is_compact_and_the_full_one_is_saved():
     from lightning_zero.ds_config.binding import DeepSpeedConfigBinding
 
-    binding = DeepSpeedConfigBinding({"zero_optimization": {"stage": 2}, "gradient_clipping": "auto",
-                                      "train_micro_batch_size_per_gpu": 4}, origin="PL_DEEPSPEED_CONFIG_PATH=/x.json")
+    binding = DeepSpeedConfigBinding(
+        {"zero_optimization": {"stage": 2}, "gradient_clipping": "auto", "train_micro_batch_size_per_gpu": 4},
+        origin="PL_DEEPSPEED_CONFIG_PATH=/x.json",
+    )
     binding.translation = translate_ds_config({**binding.raw, "gradient_clipping": 1.0})  # as resolve() would
     from rich.console import Console
 
@@ -276,8 +314,9 @@ def test_startup_table_is_compact_and_the_full_one_is_saved():
 def binding_table(binding, verbose):
     from lightning_zero.ds_config import effective_config_table
 
-    return effective_config_table(binding.translation, verbose=verbose, auto_paths=binding.auto_paths,
-                                  caption=f"read from {binding.origin}")
+    return effective_config_table(
+        binding.translation, verbose=verbose, auto_paths=binding.auto_paths, caption=f"read from {binding.origin}"
+    )
 
 
 class FrozenModule(RegressionModule):
@@ -354,8 +393,11 @@ def test_callbacks_are_exported_where_the_messages_say():
     from lightning_zero.callbacks import ConsolidateCheckpoint, NCCLDiagnostics, ThroughputLogger
     from lightning_zero.strategies import ds_config_fit
 
-    assert (lightning_zero.ThroughputLogger, lightning_zero.NCCLDiagnostics, lightning_zero.ConsolidateCheckpoint) \
-        == (ThroughputLogger, NCCLDiagnostics, ConsolidateCheckpoint)
+    assert (lightning_zero.ThroughputLogger, lightning_zero.NCCLDiagnostics, lightning_zero.ConsolidateCheckpoint) == (
+        ThroughputLogger,
+        NCCLDiagnostics,
+        ConsolidateCheckpoint,
+    )
     import inspect
 
     # the wall_clock_breakdown warning tells users to import from lightning_zero.callbacks: that path must exist

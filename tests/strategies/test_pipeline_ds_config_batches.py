@@ -12,8 +12,11 @@ def _pipeline_batch_worker(rank, world_size):
     trainer = _trainer(strategy, world_size, max_steps=1)
     trainer.fit(PipelinedLM())
     effective = strategy.ds_config.translation.effective
-    assert (effective["train_batch_size"], effective["train_micro_batch_size_per_gpu"],
-            effective["gradient_accumulation_steps"]) == (2 * BATCH, BATCH, 2)
+    assert (
+        effective["train_batch_size"],
+        effective["train_micro_batch_size_per_gpu"],
+        effective["gradient_accumulation_steps"],
+    ) == (2 * BATCH, BATCH, 2)
     assert trainer.accumulate_grad_batches == 2
 
 

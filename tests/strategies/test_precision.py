@@ -45,15 +45,22 @@ def _trainer(strategy, world_size, precision, **kwargs):
     plugins = []
     if precision == "16-mixed":  # Lightning turns 16-mixed into bf16-mixed on CPU; the plugin keeps fp16
         plugins, precision = [ZeroPrecision("16-mixed", loss_scale_config=kwargs.pop("loss_scale_config", None))], None
-    defaults = dict(accelerator="cpu", devices=world_size, max_steps=STEPS, logger=False, enable_checkpointing=False,
-                    enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                    limit_val_batches=0)
+    defaults = dict(
+        accelerator="cpu",
+        devices=world_size,
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
     defaults.update(kwargs)
     return Trainer(strategy=strategy, precision=precision, plugins=plugins, **defaults)
 
 
-LOW = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "16-true": torch.float16,
-       "16-mixed": torch.float16}
+LOW = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "16-true": torch.float16, "16-mixed": torch.float16}
 
 
 def _every_stage_worker(rank, world_size):
@@ -65,8 +72,9 @@ def _every_stage_worker(rank, world_size):
             scaling = dict(initial_scale_power=8) if dtype is torch.float16 else {}
             if precision == "16-mixed":
                 strategy = ZeroStrategy(stage=stage, offload=offload)
-                trainer = _trainer(strategy, world_size, precision,
-                                   loss_scale_config=LossScaleConfig(initial_scale_power=8))
+                trainer = _trainer(
+                    strategy, world_size, precision, loss_scale_config=LossScaleConfig(initial_scale_power=8)
+                )
             else:
                 strategy = ZeroStrategy(stage=stage, offload=offload, **scaling)
                 trainer = _trainer(strategy, world_size, precision)
@@ -94,8 +102,7 @@ class Snapshots(Callback):
 
     def _snap(self, trainer, module):
         optimizer = trainer.optimizers[0]
-        states = [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.items()}
-                  for s in optimizer.state.values()]
+        states = [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.items()} for s in optimizer.state.values()]
         return (full_state(module), states, [g["lr"] for g in optimizer.param_groups])
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
@@ -147,7 +154,7 @@ def _overflow_worker(rank, world_size):
         assert snaps.logged == expected, f"stage {stage}: {snaps.logged} != {expected}"
         assert trainer.global_step == 5
         # 4 optimizer steps happened, so StepLR halved the LR 4 times (not 5)
-        assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-2 * 0.5 ** 4)
+        assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-2 * 0.5**4)
 
 
 def test_injected_overflow_on_one_rank_skips_the_step_everywhere():
@@ -188,8 +195,9 @@ def test_scaler_state_survives_a_checkpoint_round_trip(tmp_path):
 class NormProbe(DtypeProbe):
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
         self.norms_before = getattr(self, "norms_before", []) + [_global_grad_norm(self)]
-        self.clip_gradients(optimizer, gradient_clip_val=gradient_clip_val,
-                            gradient_clip_algorithm=gradient_clip_algorithm)
+        self.clip_gradients(
+            optimizer, gradient_clip_val=gradient_clip_val, gradient_clip_algorithm=gradient_clip_algorithm
+        )
         self.norms_after = getattr(self, "norms_after", []) + [_global_grad_norm(self)]
 
 
@@ -270,14 +278,17 @@ def _hook_worker(rank, world_size):
     dist.barrier()
 
 
-@pytest.mark.parametrize("kwargs,error,message", [
-    (dict(loss_scale=-1), ValueError, "loss_scale must be 0"),
-    (dict(hysteresis=0), ValueError, "hysteresis"),
-    (dict(loss_scale_window=0), ValueError, "loss_scale_window"),
-    (dict(min_loss_scale=0), ValueError, "min_loss_scale"),
-    (dict(initial_scale_power=-1), ValueError, "initial_scale_power"),
-    (dict(communication_data_type="int8"), ValueError, "communication_data_type"),
-])
+@pytest.mark.parametrize(
+    "kwargs,error,message",
+    [
+        (dict(loss_scale=-1), ValueError, "loss_scale must be 0"),
+        (dict(hysteresis=0), ValueError, "hysteresis"),
+        (dict(loss_scale_window=0), ValueError, "loss_scale_window"),
+        (dict(min_loss_scale=0), ValueError, "min_loss_scale"),
+        (dict(initial_scale_power=-1), ValueError, "initial_scale_power"),
+        (dict(communication_data_type="int8"), ValueError, "communication_data_type"),
+    ],
+)
 def test_invalid_precision_arguments_fail_in_the_constructor(kwargs, error, message):
     with pytest.raises(error, match=message):
         ZeroStrategy(stage=2, **kwargs)

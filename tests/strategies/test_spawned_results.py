@@ -16,9 +16,16 @@ def _fit_in_started_ranks(monkeypatch, stage, start_method="fork"):
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     seed_everything(0)
     model = RegressionModule()
-    trainer = Trainer(accelerator="cpu", devices=2, strategy=ZeroStrategy(stage=stage, start_method=start_method),
-                      max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=ZeroStrategy(stage=stage, start_method=start_method),
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     before = {k: v.clone() for k, v in model.state_dict().items()}
     trainer.fit(model)
     return before, model.state_dict()

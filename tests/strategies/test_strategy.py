@@ -1,6 +1,5 @@
 """ZeroStrategy inside a real Trainer, on gloo ranks started by the test harness (as torchrun would start them)."""
 
-
 import pytest
 import torch
 from lightning.pytorch import Trainer
@@ -22,9 +21,18 @@ STEPS = 4
 
 
 def make_trainer(strategy, world_size, tmp_path=None, **kwargs):
-    defaults = dict(accelerator="cpu", devices=world_size, max_steps=STEPS, logger=False, enable_checkpointing=False,
-                    enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                    limit_val_batches=0, default_root_dir=tmp_path)
+    defaults = dict(
+        accelerator="cpu",
+        devices=world_size,
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        default_root_dir=tmp_path,
+    )
     defaults.update(kwargs)
     return Trainer(strategy=strategy, **defaults)
 
@@ -41,8 +49,12 @@ def _fit_parity_worker(rank, world_size):
         for accumulate, clip in ((1, None), (2, 0.05)):
             torch.manual_seed(0)
             module = RegressionModule(batch_size=BATCH)
-            trainer = make_trainer(ZeroStrategy(stage=stage, offload=offload), world_size,
-                                   accumulate_grad_batches=accumulate, gradient_clip_val=clip)
+            trainer = make_trainer(
+                ZeroStrategy(stage=stage, offload=offload),
+                world_size,
+                accumulate_grad_batches=accumulate,
+                gradient_clip_val=clip,
+            )
             trainer.fit(module)
             expected = reference_weights(STEPS, BATCH * world_size * accumulate, accumulate, clip)
             assert_close_to_reference(module, expected, f"stage={stage} offload={offload} acc={accumulate} clip={clip}")
@@ -51,7 +63,7 @@ def _fit_parity_worker(rank, world_size):
             assert pool is None or pool.nbytes == 0, "teardown must let the pooled buffers go"
             # The scheduler stepped the optimizer the strategy steps (StepLR halves every step).
             lrs = [g["lr"] for g in trainer.optimizers[0].param_groups]
-            assert lrs == pytest.approx([1e-2 * 0.5 ** STEPS, 5e-3 * 0.5 ** STEPS])
+            assert lrs == pytest.approx([1e-2 * 0.5**STEPS, 5e-3 * 0.5**STEPS])
 
 
 def test_fit_matches_reference_every_stage_and_offload():
@@ -142,26 +154,40 @@ def test_configure_model_builds_on_meta_and_materialises_sharded():
 
 
 def test_registered_names_resolve_to_configured_strategies():
-    expected = {"zero": (2, "none"), "zero_stage_1": (1, "none"), "zero_stage_2": (2, "none"),
-                "zero_stage_2_offload": (2, "cpu"), "zero_stage_3": (3, "none"),
-                "zero_stage_3_offload": (3, "cpu")}
+    expected = {
+        "zero": (2, "none"),
+        "zero_stage_1": (1, "none"),
+        "zero_stage_2": (2, "none"),
+        "zero_stage_2_offload": (2, "cpu"),
+        "zero_stage_3": (3, "none"),
+        "zero_stage_3_offload": (3, "cpu"),
+    }
     for name, (stage, offload) in expected.items():
-        trainer = Trainer(strategy=name, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                          enable_progress_bar=False)
+        trainer = Trainer(
+            strategy=name,
+            accelerator="cpu",
+            devices=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+        )
         assert isinstance(trainer.strategy, ZeroStrategy), name
         assert (trainer.strategy.stage, trainer.strategy.zero_config.offload) == (stage, offload), name
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(stage=4), "stage must be one of"),
-    (dict(stage=0, offload="cpu"), "needs a ZeRO stage of 1, 2 or 3"),
-    (dict(offload="tape"), "offload must be one of"),
-    (dict(offload="nvme"), "needs nvme_path"),
-    (dict(stage=3, offload="nvme"), "offload_optimizer='nvme' and offload_params='nvme' .*needs nvme_path"),
-    (dict(stage=1, sharded_module_classes={"Block"}), "only applies to stages 2 and 3"),
-    (dict(stage=2, reshard_after_forward=True), "only applies to stage 3"),
-    (dict(start_method="thread"), "start_method must be"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(stage=4), "stage must be one of"),
+        (dict(stage=0, offload="cpu"), "needs a ZeRO stage of 1, 2 or 3"),
+        (dict(offload="tape"), "offload must be one of"),
+        (dict(offload="nvme"), "needs nvme_path"),
+        (dict(stage=3, offload="nvme"), "offload_optimizer='nvme' and offload_params='nvme' .*needs nvme_path"),
+        (dict(stage=1, sharded_module_classes={"Block"}), "only applies to stages 2 and 3"),
+        (dict(stage=2, reshard_after_forward=True), "only applies to stage 3"),
+        (dict(start_method="thread"), "start_method must be"),
+    ],
+)
 def test_invalid_arguments_fail_in_the_constructor(kwargs, message):
     with pytest.raises((ValueError, NotImplementedError, TypeError), match=message):
         ZeroStrategy(**kwargs)

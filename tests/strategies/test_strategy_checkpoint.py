@@ -17,10 +17,19 @@ STEPS_PER_EPOCH = 2
 
 
 def _trainer(stage, world_size, epochs, root, async_save=False):
-    return Trainer(strategy=ZeroStrategy(stage=stage, async_save=async_save), accelerator="cpu", devices=world_size,
-                   max_epochs=epochs, limit_train_batches=STEPS_PER_EPOCH, limit_val_batches=0, logger=False,
-                   enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                   default_root_dir=root)
+    return Trainer(
+        strategy=ZeroStrategy(stage=stage, async_save=async_save),
+        accelerator="cpu",
+        devices=world_size,
+        max_epochs=epochs,
+        limit_train_batches=STEPS_PER_EPOCH,
+        limit_val_batches=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=root,
+    )
 
 
 def _reference(epochs, global_batch):
@@ -32,7 +41,7 @@ def _reference(epochs, global_batch):
     for epoch in range(epochs):
         order = torch.randperm(len(x_all), generator=torch.Generator().manual_seed(epoch))
         for step in range(STEPS_PER_EPOCH):
-            idx = order[step * global_batch:(step + 1) * global_batch]
+            idx = order[step * global_batch : (step + 1) * global_batch]
             nn.functional.mse_loss(module(x_all[idx]), y_all[idx]).backward()
             opt.step()
             opt.zero_grad()
@@ -86,13 +95,20 @@ def _resume_worker(rank, world_size, path, stage, saved_world_size):
 # (saved stage, saved world size) -> (resumed stage, resumed world size): every stage is saved at 2 and 4 ranks and
 # resumed at another stage and world size; the global batch (BATCH x saved world size) is kept.
 RESHARD_CASES = [
-    ((0, 2), (3, 1)), ((1, 2), (2, 4)), ((2, 2), (0, 1)), ((3, 2), (1, 2)),
-    ((0, 4), (2, 2)), ((1, 4), (3, 1)), ((2, 4), (1, 2)), ((3, 4), (0, 1)),
+    ((0, 2), (3, 1)),
+    ((1, 2), (2, 4)),
+    ((2, 2), (0, 1)),
+    ((3, 2), (1, 2)),
+    ((0, 4), (2, 2)),
+    ((1, 4), (3, 1)),
+    ((2, 4), (1, 2)),
+    ((3, 4), (0, 1)),
 ]
 
 
-@pytest.mark.parametrize("saved,resumed", RESHARD_CASES,
-                         ids=[f"s{a}x{b}-to-s{c}x{d}" for (a, b), (c, d) in RESHARD_CASES])
+@pytest.mark.parametrize(
+    "saved,resumed", RESHARD_CASES, ids=[f"s{a}x{b}-to-s{c}x{d}" for (a, b), (c, d) in RESHARD_CASES]
+)
 def test_save_and_resume_at_another_stage_and_world_size(tmp_path, saved, resumed):
     (save_stage, save_world), (resume_stage, resume_world) = saved, resumed
     path = str(tmp_path / f"stage{save_stage}.ckpt")
@@ -104,11 +120,27 @@ def _model_checkpoint_worker(rank, world_size, root):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     torch.manual_seed(0)
-    callback = ModelCheckpoint(dirpath=root, monitor="train_loss", mode="min", save_top_k=2, save_last=True,
-                               every_n_train_steps=1, filename="step{step}")
-    trainer = Trainer(strategy=ZeroStrategy(stage=3), accelerator="cpu", devices=world_size, max_steps=4,
-                      callbacks=[callback], logger=False, enable_progress_bar=False, enable_model_summary=False,
-                      limit_val_batches=0, default_root_dir=root)
+    callback = ModelCheckpoint(
+        dirpath=root,
+        monitor="train_loss",
+        mode="min",
+        save_top_k=2,
+        save_last=True,
+        every_n_train_steps=1,
+        filename="step{step}",
+    )
+    trainer = Trainer(
+        strategy=ZeroStrategy(stage=3),
+        accelerator="cpu",
+        devices=world_size,
+        max_steps=4,
+        callbacks=[callback],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        default_root_dir=root,
+    )
     trainer.fit(RegressionModule(batch_size=BATCH))
     trainer.strategy.barrier()
     saved = sorted(name for name in os.listdir(root) if name.endswith(".ckpt"))
@@ -123,13 +155,22 @@ def _model_checkpoint_worker(rank, world_size, root):
 def _resume_from_last_worker(rank, world_size, root):
     torch.manual_seed(123)
     module = RegressionModule(batch_size=BATCH)
-    trainer = Trainer(strategy=ZeroStrategy(stage=2), accelerator="cpu", devices=world_size, max_steps=6,
-                      logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                      enable_checkpointing=False, default_root_dir=root)
+    trainer = Trainer(
+        strategy=ZeroStrategy(stage=2),
+        accelerator="cpu",
+        devices=world_size,
+        max_steps=6,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        enable_checkpointing=False,
+        default_root_dir=root,
+    )
     trainer.fit(module, ckpt_path=os.path.join(root, "last.ckpt"))
     assert trainer.global_step == 6
     lrs = [g["lr"] for g in trainer.optimizers[0].param_groups]
-    assert abs(lrs[0] - 1e-2 * 0.5 ** 6) < 1e-12
+    assert abs(lrs[0] - 1e-2 * 0.5**6) < 1e-12
 
 
 def test_model_checkpoint_top_k_last_and_resume(tmp_path):
@@ -164,7 +205,7 @@ def test_consolidated_strategy_checkpoint_loads_into_the_plain_module(tmp_path):
     x_all, y_all = dataset().tensors
     order = torch.randperm(len(x_all), generator=torch.Generator().manual_seed(0))
     for step in range(STEPS_PER_EPOCH):
-        idx = order[step * BATCH * 2:(step + 1) * BATCH * 2]
+        idx = order[step * BATCH * 2 : (step + 1) * BATCH * 2]
         nn.functional.mse_loss(reference(x_all[idx]), y_all[idx]).backward()
         opt.step()
         opt.zero_grad()

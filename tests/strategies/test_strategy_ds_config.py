@@ -27,9 +27,17 @@ class ConfigOptimizedModule(RegressionModule):
 
 
 def _trainer(strategy, world_size, **kwargs):
-    defaults = dict(accelerator="cpu", devices=world_size, max_steps=4, logger=False, enable_checkpointing=False,
-                    enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                    limit_val_batches=0)
+    defaults = dict(
+        accelerator="cpu",
+        devices=world_size,
+        max_steps=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
     defaults.update(kwargs)
     return Trainer(strategy=strategy, **defaults)
 
@@ -49,7 +57,7 @@ def _reference(steps, global_batch, accumulate, clip, lr=1e-2):
             rows = []
             for r in range(world):
                 own = order[r::world]
-                rows.append(own[(step * accumulate + k) * BATCH:(step * accumulate + k + 1) * BATCH])
+                rows.append(own[(step * accumulate + k) * BATCH : (step * accumulate + k + 1) * BATCH])
             idx = torch.cat(rows)
             loss = nn.functional.mse_loss(module(x_all[idx]), y_all[idx]) / accumulate
             loss.backward()
@@ -67,8 +75,10 @@ CONFIG = {
     "gradient_clipping": 0.05,
     "steps_per_print": 7,
     "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
-    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": [0.9, 0.99], "eps": 1e-8, "weight_decay": 0.0,
-                                              "torch_adam": True}},
+    "optimizer": {
+        "type": "AdamW",
+        "params": {"lr": "auto", "betas": [0.9, 0.99], "eps": 1e-8, "weight_decay": 0.0, "torch_adam": True},
+    },
 }
 
 
@@ -105,10 +115,15 @@ def test_config_sets_strategy_trainer_optimizer_and_auto_values(tmp_path):
 def _scheduler_and_precision_worker(rank, world_size):
     # A config scheduler over the module's own optimizer; bf16 from the config replaces the Trainer's default fp32.
     torch.manual_seed(0)
-    config = {"train_micro_batch_size_per_gpu": BATCH, "bf16": {"enabled": True},
-              "zero_optimization": {"stage": 2},
-              "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.5,
-                                                           "warmup_num_steps": 4, "warmup_type": "linear"}}}
+    config = {
+        "train_micro_batch_size_per_gpu": BATCH,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 2},
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.5, "warmup_num_steps": 4, "warmup_type": "linear"},
+        },
+    }
 
     class OwnOptimizer(RegressionModule):
         def configure_optimizers(self):
@@ -122,8 +137,10 @@ def _scheduler_and_precision_worker(rank, world_size):
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.5 * 1 / 4)
 
     # fp16 in the config with loss-scale knobs: the scaler starts at 2**initial_scale_power
-    fp16 = {"train_micro_batch_size_per_gpu": BATCH, "fp16": {"enabled": True, "initial_scale_power": 9,
-                                                              "hysteresis": 3}}
+    fp16 = {
+        "train_micro_batch_size_per_gpu": BATCH,
+        "fp16": {"enabled": True, "initial_scale_power": 9, "hysteresis": 3},
+    }
     trainer = _trainer(ZeroStrategy(config=fp16, stage=1), world_size, max_steps=1, precision="16-true")
     trainer.fit(RegressionModule(batch_size=BATCH))
     scaler = trainer.strategy.precision_plugin.scaler
@@ -138,12 +155,13 @@ def _scheduler_and_precision_worker(rank, world_size):
 
     # fp16 in the config, bf16 in the Trainer: no silent choice
     with pytest.raises(DeepSpeedConfigError, match="make them agree"):
-        _trainer(ZeroStrategy(config={"fp16": {"enabled": True}}), world_size, max_steps=1,
-                 precision="bf16-mixed").fit(RegressionModule(batch_size=BATCH))
+        _trainer(ZeroStrategy(config={"fp16": {"enabled": True}}), world_size, max_steps=1, precision="bf16-mixed").fit(
+            RegressionModule(batch_size=BATCH)
+        )
 
     # an "auto" with no source names the key and where it looked
     no_lr = {"optimizer": {"type": "SGD", "params": {"lr": "auto"}}}
-    with pytest.raises(DeepSpeedConfigError, match=r'optimizer\.params\.lr.*looked at'):
+    with pytest.raises(DeepSpeedConfigError, match=r"optimizer\.params\.lr.*looked at"):
         _trainer(ZeroStrategy(config=no_lr), world_size, max_steps=1).fit(_NoHparams(batch_size=BATCH))
 
 
@@ -157,9 +175,18 @@ def test_config_scheduler_precision_adoption_and_setup_errors():
 
 def test_explicit_arguments_override_the_config(tmp_path):
     path = tmp_path / "ds.json"
-    path.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
-                                                      "offload_optimizer": {"device": "cpu"}},
-                                "communication_data_type": "bf16"}))
+    path.write_text(
+        json.dumps(
+            {
+                "zero_optimization": {
+                    "stage": 3,
+                    "offload_param": {"device": "cpu"},
+                    "offload_optimizer": {"device": "cpu"},
+                },
+                "communication_data_type": "bf16",
+            }
+        )
+    )
     strategy = ZeroStrategy(config=str(path))
     settings = strategy.settings
     assert (strategy.stage, strategy.zero_config.offload, settings.communication_data_type) == (3, "cpu", "bf16")
@@ -170,19 +197,23 @@ def test_explicit_arguments_override_the_config(tmp_path):
     assert strategy.zero_config.offload_params == "none"
 
 
-@pytest.mark.parametrize("config,message", [
-    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, "nvme_path is missing"),
-    ({"zero_optimizatoin": {"stage": 2}}, "zero_optimization"),
-    ({"sparse_attention": {"mode": "fixed"}}, "sparse_attention"),
-])
+@pytest.mark.parametrize(
+    "config,message",
+    [
+        ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, "nvme_path is missing"),
+        ({"zero_optimizatoin": {"stage": 2}}, "zero_optimization"),
+        ({"sparse_attention": {"mode": "fixed"}}, "sparse_attention"),
+    ],
+)
 def test_config_errors_happen_in_the_constructor(config, message):
     with pytest.raises((DeepSpeedConfigError, NotImplementedError), match=message):
         ZeroStrategy(config=config)
 
 
 def test_pipeline_section_sets_the_pipeline():
-    strategy = ZeroStrategy(config={"pipeline": {"stages": 2}, "gradient_accumulation_steps": 4,
-                                    "zero_optimization": {"stage": 1}})
+    strategy = ZeroStrategy(
+        config={"pipeline": {"stages": 2}, "gradient_accumulation_steps": 4, "zero_optimization": {"stage": 1}}
+    )
     settings = strategy.settings.pipeline
     assert (settings.pipeline_parallel_size, settings.micro_batches, strategy.stage) == (2, 4, 1)
     assert ZeroStrategy(config={"pipeline": {"stages": 1}}).settings.pipeline.enabled is False

@@ -18,8 +18,16 @@ WORLD = 2
 
 
 def make_trainer(stage, devices=WORLD, **kwargs):
-    defaults = dict(accelerator="cpu", devices=devices, max_steps=2, logger=False, enable_checkpointing=False,
-                    enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    defaults = dict(
+        accelerator="cpu",
+        devices=devices,
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
     return Trainer(strategy=ZeroStrategy(stage=stage), **{**defaults, **kwargs})
 
 
@@ -130,8 +138,9 @@ def test_uninstall_removes_only_the_config_optimizer_hook():
     from lightning_zero.ds_config.binding import DeepSpeedConfigBinding
     from lightning_zero.strategies.ds_config_fit import install_config_optimizers, uninstall_config_optimizers
 
-    binding = DeepSpeedConfigBinding({"train_micro_batch_size_per_gpu": 1,
-                                      "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}})
+    binding = DeepSpeedConfigBinding(
+        {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
+    )
     installed = LightningModule()
     install_config_optimizers(installed, binding)
     assert "configure_optimizers" in installed.__dict__
@@ -206,8 +215,11 @@ class _LeftOnMeta(RegressionModule):
 
 def _meta_refusal_worker(rank, world_size):
     for stage in (0, 2, 3):
-        with pytest.raises(ValueError, match=r"meta device in modules without a reset_parameters\(\) method: "
-                                             r"extra \(_NoReset\)"):
+        with pytest.raises(
+            ValueError,
+            match=r"meta device in modules without a reset_parameters\(\) method: "
+            r"extra \(_NoReset\)",
+        ):
             make_trainer(stage, devices=world_size).fit(_LeftOnMeta())
 
 

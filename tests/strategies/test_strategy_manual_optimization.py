@@ -69,8 +69,10 @@ class GAN(LightningModule):
         gan_step(self, *batch, opt_g, opt_d, self.manual_backward, self.toggle_optimizer, self.untoggle_optimizer)
 
     def configure_optimizers(self):
-        return (torch.optim.SGD(self.generator.parameters(), lr=0.1, momentum=0.9),
-                torch.optim.SGD(self.discriminator.parameters(), lr=0.1, momentum=0.9))
+        return (
+            torch.optim.SGD(self.generator.parameters(), lr=0.1, momentum=0.9),
+            torch.optim.SGD(self.discriminator.parameters(), lr=0.1, momentum=0.9),
+        )
 
     def train_dataloader(self):
         return DataLoader(dataset(), batch_size=BATCH)
@@ -104,7 +106,7 @@ def global_batches(count):
     x_all, y_all = dataset().tensors
     order = torch.randperm(len(x_all), generator=torch.Generator().manual_seed(0))
     for b in range(count):
-        index = torch.cat([order[rank::WORLD][b * BATCH:(b + 1) * BATCH] for rank in range(WORLD)])
+        index = torch.cat([order[rank::WORLD][b * BATCH : (b + 1) * BATCH] for rank in range(WORLD)])
         yield x_all[index], y_all[index]
 
 
@@ -141,8 +143,14 @@ def reference_accumulating(batches):
 
 
 def make_trainer(stage, **kwargs):
-    defaults = dict(accelerator="cpu", devices=WORLD, logger=False, enable_checkpointing=False,
-                    enable_progress_bar=False, enable_model_summary=False)
+    defaults = dict(
+        accelerator="cpu",
+        devices=WORLD,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     return Trainer(strategy=ZeroStrategy(stage=stage), **{**defaults, **kwargs})
 
 

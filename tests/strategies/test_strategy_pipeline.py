@@ -19,8 +19,9 @@ BATCH, STEPS, SEQ = 4, 3, 5
 
 def data(n=64):
     gen = torch.Generator().manual_seed(3)
-    return TensorDataset(torch.randint(0, VOCAB, (n, SEQ), generator=gen), torch.randint(0, VOCAB, (n, SEQ),
-                                                                                          generator=gen))
+    return TensorDataset(
+        torch.randint(0, VOCAB, (n, SEQ), generator=gen), torch.randint(0, VOCAB, (n, SEQ), generator=gen)
+    )
 
 
 def token_loss(logits, targets):
@@ -66,7 +67,7 @@ def reference(steps, global_batch, accumulate=1, clip=None):
     for step in range(steps):
         for i in range(accumulate):
             start = (step * accumulate + i) * micro
-            (module.model(x_all[start:start + micro], y_all[start:start + micro]) / accumulate).backward()
+            (module.model(x_all[start : start + micro], y_all[start : start + micro]) / accumulate).backward()
         if clip:
             torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
         optimizer.step()
@@ -115,8 +116,13 @@ def _parity_worker(rank, world_size, cases):
             assert torch.equal(copies[0], copies[1]), f"{label}: tied copies diverged"
 
 
-CASES_PP2_DP1 = [("gpipe", 0, 1, None), ("1f1b", 0, 2, 0.05), ("interleaved_1f1b", 1, 1, None),
-                 ("zero_bubble", 0, 1, 0.05), ("zbv", 0, 1, None)]
+CASES_PP2_DP1 = [
+    ("gpipe", 0, 1, None),
+    ("1f1b", 0, 2, 0.05),
+    ("interleaved_1f1b", 1, 1, None),
+    ("zero_bubble", 0, 1, 0.05),
+    ("zbv", 0, 1, None),
+]
 CASES_PP2_DP2 = [("gpipe", 0, 1, 0.05), ("1f1b", 1, 1, None), ("1f1b", 2, 2, None), ("gpipe", 3, 1, 0.05)]
 
 
@@ -131,8 +137,9 @@ def test_pipeline_2_x_data_2_with_zero_stages_matches_the_unsplit_model():
 def _checkpoint_worker(rank, world_size, path):
     torch.manual_seed(0)
     module = PipelinedLM()
-    trainer = _trainer(ZeroStrategy(stage=0, pipeline_parallel_size=2, micro_batches=2), world_size,
-                       limit_val_batches=1.0)
+    trainer = _trainer(
+        ZeroStrategy(stage=0, pipeline_parallel_size=2, micro_batches=2), world_size, limit_val_batches=1.0
+    )
     trainer.fit(module)
     trainer.save_checkpoint(path)
     # forward-only validation through the schedule; the loss equals the unsplit model's on the same data
@@ -142,7 +149,7 @@ def _checkpoint_worker(rank, world_size, path):
     plain.load_state_dict(reference(STEPS, BATCH))
     x, y = data(16).tensors
     with torch.no_grad():
-        expected = torch.stack([plain.model(x[i:i + BATCH], y[i:i + BATCH]) for i in range(0, 16, BATCH)]).mean()
+        expected = torch.stack([plain.model(x[i : i + BATCH], y[i : i + BATCH]) for i in range(0, 16, BATCH)]).mean()
     assert validated == pytest.approx(expected.item(), rel=1e-5)
 
 
@@ -169,13 +176,15 @@ def _offload_worker(rank, world_size, path):
 
     class SwapFiles(Callback):
         def on_train_batch_end(self, trainer, *args):
-            self.seen = getattr(self, "seen", []) + [get_swapper(trainer.optimizers[0]) is not None
-                                                     and any(files for _, _, files in os.walk(path))]
+            self.seen = getattr(self, "seen", []) + [
+                get_swapper(trainer.optimizers[0]) is not None and any(files for _, _, files in os.walk(path))
+            ]
 
     torch.manual_seed(0)
     module, files = PipelinedLM(), SwapFiles()
-    strategy = ZeroStrategy(stage=1, pipeline_parallel_size=2, micro_batches=2, offload_optimizer="nvme",
-                            nvme_path=path)
+    strategy = ZeroStrategy(
+        stage=1, pipeline_parallel_size=2, micro_batches=2, offload_optimizer="nvme", nvme_path=path
+    )
     _trainer(strategy, world_size, callbacks=[files]).fit(module)
     assert files.seen == [True] * STEPS  # the states were swapped to files at every step
     got, expected = _gather_full_state(module, strategy.meshes.pipeline.get_group()), reference(STEPS, BATCH)
@@ -189,18 +198,30 @@ def test_pipeline_with_stage_1_nvme_optimizer_offload_swaps_and_matches_the_unsp
     run_distributed(_offload_worker, 2, str(tmp_path))
 
 
-@pytest.mark.parametrize("kwargs,error,message", [
-    (dict(pipeline_parallel_size=0), ValueError, "pipeline_parallel_size"),
-    (dict(micro_batches=4), ValueError, "only apply with pipeline_parallel_size > 1"),
-    (dict(pipeline_parallel_size=2, pipeline_schedule="wavy"), ValueError, "pipeline_schedule must be one of"),
-    (dict(pipeline_parallel_size=2, pipeline_schedule="interleaved_1f1b", virtual_stages=1), ValueError,
-     "virtual_stages >= 2"),
-    (dict(pipeline_parallel_size=2, stage=3, offload="cpu"), NotImplementedError,
-     "offload_optimizer='cpu', offload_params='cpu' at stage 3"),
-    # the refusal names what was set (the precise form), not the shorthand
-    (dict(pipeline_parallel_size=2, stage=2, offload_optimizer="nvme", nvme_path="/tmp"), NotImplementedError,
-     r"with offload_optimizer='nvme' at stage 2 is not supported"),
-])
+@pytest.mark.parametrize(
+    "kwargs,error,message",
+    [
+        (dict(pipeline_parallel_size=0), ValueError, "pipeline_parallel_size"),
+        (dict(micro_batches=4), ValueError, "only apply with pipeline_parallel_size > 1"),
+        (dict(pipeline_parallel_size=2, pipeline_schedule="wavy"), ValueError, "pipeline_schedule must be one of"),
+        (
+            dict(pipeline_parallel_size=2, pipeline_schedule="interleaved_1f1b", virtual_stages=1),
+            ValueError,
+            "virtual_stages >= 2",
+        ),
+        (
+            dict(pipeline_parallel_size=2, stage=3, offload="cpu"),
+            NotImplementedError,
+            "offload_optimizer='cpu', offload_params='cpu' at stage 3",
+        ),
+        # the refusal names what was set (the precise form), not the shorthand
+        (
+            dict(pipeline_parallel_size=2, stage=2, offload_optimizer="nvme", nvme_path="/tmp"),
+            NotImplementedError,
+            r"with offload_optimizer='nvme' at stage 2 is not supported",
+        ),
+    ],
+)
 def test_invalid_pipeline_arguments_fail_in_the_constructor(kwargs, error, message):
     with pytest.raises(error, match=message):
         ZeroStrategy(**kwargs)
