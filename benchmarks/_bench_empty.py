@@ -32,6 +32,8 @@ import time
 
 import torch
 
+from benchmarks.common import deepspeed_init_distributed
+
 KINDS = (
     "empty:bare",
     "empty:trainer",
@@ -154,9 +156,7 @@ def _run_trainer(kind: str, world: int, data, clock: _Clock) -> None:
 
 
 def _run_deepspeed(stage: int, data, clock: _Clock) -> None:
-    import deepspeed
-
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed = deepspeed_init_distributed("cpu")
 
     class Empty(torch.nn.Module):
         def __init__(self):

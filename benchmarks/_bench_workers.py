@@ -30,6 +30,7 @@ import torch.multiprocessing as mp
 
 from benchmarks import _bench_models as models
 from benchmarks._bench_counts import StepCounter
+from benchmarks.common import deepspeed_init_distributed
 
 # bf16t: ZeroStrategy's "bf16-true", whose stages 2-3 compute every op in bf16 over fp32 sharded masters: the numerics
 # of DeepSpeed's bf16 engine (bf16.enabled), which both bf16 columns run on the DeepSpeed side.
@@ -442,15 +443,7 @@ def run_engine(rank, world, args, job, out):
 
 
 def run_deepspeed(rank, world, args, job, out):
-    import deepspeed
-
-    if args.device != "cuda":
-        # DeepSpeed's CPU accelerator JIT-builds its shared-memory collectives (minutes of compiling on a small
-        # machine) in init_distributed; they serve only its inference all-reduce, never ZeRO's collectives.
-        import deepspeed.comm.torch
-
-        deepspeed.comm.torch.build_shm_op = lambda: None
-    deepspeed.init_distributed(dist_backend="nccl" if args.device == "cuda" else "gloo")
+    deepspeed = deepspeed_init_distributed(args.device)
     baseline = _reset_peak()
     name = job["model"]
     model = models.build(name, args)

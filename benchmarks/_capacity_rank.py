@@ -38,7 +38,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks.common import free_port
+from benchmarks.common import deepspeed_init_distributed, free_port
 
 GIB = 1 << 30
 
@@ -411,11 +411,9 @@ def run_ours(job, rank, world) -> float:
 def run_deepspeed(job, rank, world) -> float:
     import contextlib
 
-    import deepspeed
-
     from benchmarks import _bench_models as models
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed = deepspeed_init_distributed("cpu")
     margs = _model_args(job)
     stage, _, checkpointing = _rung(job["rung"])
     config = deepspeed_config(job["rung"], job["side"], job["batch"], job["nvme_path"])

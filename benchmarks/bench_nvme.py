@@ -73,6 +73,7 @@ if not __package__:  # run by path (python benchmarks/x.py): the repository root
     import _path  # noqa: F401
 
 from benchmarks import _bench_nvme_stage3  # noqa: E402
+from benchmarks.common import deepspeed_init_distributed  # noqa: E402
 from lightning_zero.offload.aio import AioSettings, AsyncFileIO, aligned_buffer  # noqa: E402
 from lightning_zero.offload.nvme_config import NvmeConfig  # noqa: E402
 from lightning_zero.offload.optimizer_swapper import attach_swapper, detach_swapper  # noqa: E402
@@ -328,7 +329,7 @@ def deepspeed_zero3_child(args) -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29571")
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed_init_distributed("cpu")
     folder = tempfile.mkdtemp(prefix="ds-nvme-", dir=args.nvme_path)
     width = 1024
     model = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(max(1, int(args.params) // width**2))])

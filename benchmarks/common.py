@@ -36,3 +36,22 @@ def dated_results(name: str, directory: str | None, data: dict, text: str) -> st
     with open(stem + ".md", "w") as f:
         f.write(text.rstrip("\n") + "\n")
     return stem + ".md"
+
+
+def deepspeed_init_distributed(device: str = "cpu"):
+    """``deepspeed.init_distributed`` for a benchmark rank (gloo on CPU, NCCL on CUDA), and the ``deepspeed`` module.
+
+    On CPU DeepSpeed's accelerator JIT-builds its shared-memory collectives (``deepspeed/comm/torch.py``,
+    ``build_shm_op``: minutes of compiling on a small machine, and a build killed half-way leaves a lock every later
+    build waits on). They serve only its inference all-reduce, never ZeRO's collectives, so every DeepSpeed side of
+    the benchmarks starts without them; its numbers do not change."""
+    import importlib
+
+    import deepspeed
+
+    if device != "cuda":
+        # The submodule itself: the attribute ``deepspeed.comm.torch`` is the torch package (``deepspeed.comm``
+        # re-exports ``comm.py``'s names, its ``import torch`` included), so patching it would patch torch.
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo")
+    return deepspeed

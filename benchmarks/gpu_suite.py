@@ -325,13 +325,6 @@ def worker(spec: dict) -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if args.device == "cuda" else "cpu")
     if args.device == "cuda":
         torch.cuda.set_device(0)
-    elif job["kind"].startswith("deepspeed:"):
-        # DeepSpeed's CPU accelerator JIT-builds its shared-memory collectives (a C++ extension, a minute of
-        # compiling on a small machine) in init_distributed; one process has no peer to share memory with, and its
-        # training path never calls them. (The CUDA accelerator has no such op: nothing is built on the GPU.)
-        import deepspeed.comm.torch
-
-        deepspeed.comm.torch.build_shm_op = lambda: None
     runner = workers.run_deepspeed if job["kind"].startswith("deepspeed:") else workers.run_lightning
     runner(0, 1, args, job, out)
     workers._end_process_group()

@@ -30,7 +30,7 @@ from lightning_zero.diagnostics import watchdog
 from lightning_zero.diagnostics.watchdog import HangWatchdog
 
 from .store_world import CountingStore
-from .watchdog_sim import _count_phases, _identity, _OneTrainingThread
+from .watchdog_sim import OneTrainingThread, simulated_watchdog
 
 PREFIX = "lightning_zero/watchdog/bench/"
 CONTROL = "bench/"
@@ -44,7 +44,7 @@ def _block(
     port: int, first: int, count: int, world: int, timeout: float, poll: float, steady: float, step_s: float
 ) -> dict:
     """One process's ranks ``first`` .. ``first + count - 1``: warm up, report ready, step, hang, report."""
-    watchdog.sys = _OneTrainingThread()
+    watchdog.sys = OneTrainingThread()
     control = _connect(port)
     with ThreadPoolExecutor(count) as pool:  # (see store_world: the resolver's 5 s waits overlap)
         clients = list(pool.map(lambda _: _connect(port), range(count)))
@@ -53,17 +53,7 @@ def _block(
     diagnoses: list[tuple[float, float]] = []
     dogs = []
     for rank, store in zip(range(first, first + count), stores):
-        dog = HangWatchdog(
-            store,
-            rank,
-            world,
-            timeout=timeout,
-            poll_interval=poll,
-            grace=30.0,
-            on_exit=lambda code, r=rank: exits.setdefault(r, time.monotonic()),
-            identity=_identity(rank),
-        )
-        _count_phases(dog, store)
+        dog = simulated_watchdog(store, rank, world, timeout, poll, exits)
         _time_diagnosis(dog, diagnoses)
         dogs.append(dog)
     for dog in dogs:

@@ -50,7 +50,7 @@ def _identity(rank: int) -> dict:
     }
 
 
-class _OneTrainingThread:
+class OneTrainingThread:
     """``sys`` for the watchdog module, whose ``_current_frames`` holds the main thread's frame only.
 
     torch's ``sys._current_frames()`` walks every thread of the process: one process of a real job has a handful, the
@@ -69,7 +69,7 @@ class _OneTrainingThread:
 
 
 def run(world_size: int, timeout: float, poll: float, steady_s: float, step_s: float, hang: bool) -> dict:
-    real_sys, watchdog.sys = watchdog.sys, _OneTrainingThread()
+    real_sys, watchdog.sys = watchdog.sys, OneTrainingThread()
     try:
         return _run(world_size, timeout, poll, steady_s, step_s, hang)
     finally:
@@ -82,18 +82,7 @@ def _run(world_size: int, timeout: float, poll: float, steady_s: float, step_s: 
     exits: dict[int, float] = {}
     dogs = []
     for rank, store in enumerate(stores):
-        dog = HangWatchdog(
-            store,
-            rank,
-            world_size,
-            timeout=timeout,
-            poll_interval=poll,
-            grace=30.0,
-            on_exit=lambda code, r=rank: exits.setdefault(r, time.monotonic()),
-            identity=_identity(rank),
-        )
-        _count_phases(dog, store)
-        dogs.append(dog)
+        dogs.append(simulated_watchdog(store, rank, world_size, timeout, poll, exits))
     # Warm-up, disarmed (no clock runs): every rank's first polls publish its identity and read rank 0's. At 1,024
     # ranks in one process these first seconds stall (see README.md); the measurement starts after them.
     begin = time.monotonic()
@@ -168,3 +157,20 @@ def _hang(dogs, stores, exits, step: int, timeout: float) -> dict:
         "diagnosis_round_trips_per_rank_max": max(diagnosed, default=0),
         "abort_round_trips_per_rank_mean": statistics.mean(s.calls["abort"] for s in stores),
     }
+
+
+def simulated_watchdog(store, rank: int, world_size: int, timeout: float, poll: float, exits: dict) -> HangWatchdog:
+    """One simulated rank's watchdog over ``store``, its exit time recorded in ``exits`` and its store round trips
+    counted per phase."""
+    dog = HangWatchdog(
+        store,
+        rank,
+        world_size,
+        timeout=timeout,
+        poll_interval=poll,
+        grace=30.0,
+        on_exit=lambda code, r=rank: exits.setdefault(r, time.monotonic()),
+        identity=_identity(rank),
+    )
+    _count_phases(dog, store)
+    return dog
