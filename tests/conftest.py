@@ -18,7 +18,17 @@ _EXTENSIONS = tempfile.mkdtemp(prefix="lightning-zero-tests-extensions-")
 os.environ["TORCH_EXTENSIONS_DIR"] = _EXTENSIONS
 
 
+# The quick tier (`-m "not slow"`) is the package's own tests; these folders are whole-job checks that start many
+# processes each (fault injection, multi-node launches, Lightning's ported strategy tests, the benchmarks' own
+# tests), so all of their tests belong to the slow tier, which the full suite (CI) runs as well.
+SLOW_FOLDERS = ("reliability", "launch", "conformance", "benchmarks")
+
+
 def pytest_collection_modifyitems(config, items):
+    tests = os.path.dirname(os.path.abspath(__file__))
+    for item in items:
+        if os.path.relpath(str(item.path), tests).split(os.sep)[0] in SLOW_FOLDERS:
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device: tests/gpu runs only where torch.cuda.is_available()")
