@@ -10,7 +10,7 @@ recorded, and reads the result at the end of that batch, so all ranks see the sa
 signalled (see ``[Note: agreeing without a per-step sync]``); when it is set, every rank saves the same checkpoint
 through the strategy's normal atomic save, and then exits with ``128 + signal`` (a failure, so torchrun
 restarts the job; SLURM requeues it through Lightning's requeue below). The restarted job resumes from that
-checkpoint: it is the newest complete one in the ``ModelCheckpoint`` directory (:mod:`.restarts`).
+checkpoint: it is the newest complete one in the ``ModelCheckpoint`` directory (:mod:`.auto_resume`).
 
 [Note: composing with Lightning]
 Lightning registers its handlers at the start of each fit, after the strategy's setup;
@@ -215,7 +215,7 @@ def _slurm_requeues(trainer, signum: int) -> bool:
 
 
 def preemption_checkpoint_path(trainer) -> Optional[str]:
-    """``<dirpath of the first ModelCheckpoint>/preempted.ckpt``: where :mod:`.restarts` looks on a restart."""
+    """``<dirpath of the first ModelCheckpoint>/preempted.ckpt``: where :mod:`.auto_resume` looks on a restart."""
     for callback in trainer.callbacks:
         if isinstance(callback, ModelCheckpoint) and callback.dirpath:
             return os.path.join(str(callback.dirpath), PREEMPTED_CHECKPOINT)
