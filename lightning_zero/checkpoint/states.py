@@ -9,6 +9,22 @@ param-group hyper-parameters, LR schedulers) is ``meta.pt``, read back with ``we
 Optimizer states are keyed by the parameter's name, never by its position in a (possibly partitioned) param group,
 and hold DTensors at stages 2-3 and plain tensors at stages 0-1. DCP reshards on load, so a checkpoint written at
 any stage and world size loads at any other.
+
+[Note: whose optimizer state dict]
+The layout is the one torch's ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` returns with its
+default options (``{"state": {name: {key: tensor}}, "param_groups": [{..., "params": [name, ...]}]}``), and where
+an optimizer's groups hold exactly the module's parameters (stage 0, stages 2-3 over the FSDP2 shards, stage 3 with
+``offload_params``, whose shards are the masters) the states are read and loaded by torch's
+``get_optimizer_state_dict`` and ``set_optimizer_state_dict`` as shipped, around the DCP load, as Lightning's
+``fabric/strategies/model_parallel.py:_load_checkpoint`` does. Two kinds of optimizer need the name-keyed code
+here, because torch's API names only what the groups hold and maps it through ``model.named_parameters()``:
+  - fp32 *masters* (optimizer offload, ``bf16-true`` replicas) are no module parameter: its name lookup fails
+    (``KeyError``);
+  - a stage-1 group holds this rank's partition only, and a rank owning no parameter of a group has an empty
+    group, which ``set_optimizer_state_dict`` refuses (``ValueError``, "param groups that have zero parameters").
+One exception to "as shipped": a save before the optimizer's first step reads no state at all, where torch's API
+would first create the states with a zero step (``_init_optim_state``) that counts as a step in Adam's bias
+correction and changes the training that follows.
 """
 
 from __future__ import annotations
@@ -18,6 +34,7 @@ from typing import Any, Optional
 
 import torch
 from torch import Tensor
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 
 from lightning_zero.checkpoint.consolidate import WEIGHTS_16BIT_FILE, write_16bit_weights
 from lightning_zero.checkpoint.directory import read_checkpoint_info
@@ -92,20 +109,42 @@ def model_params_per_group(optimizer) -> list[list[Tensor]]:
     return [list(g["params"]) for g in optimizer.param_groups]
 
 
-def optimizer_state_dict(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Optimizer state keyed by parameter name; param groups list names instead of positions."""
-    names = param_names(module)
+def holds_module_parameters(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the groups of ``optimizer`` hold exactly the module's parameters, each where the module has it (no
+    stage-1 partition, no fp32 masters): torch's optimizer state-dict API serves it
+    (``[Note: whose optimizer state dict]``)."""
     sharding = get_sharding(optimizer)
+    if sharding is None:
+        return True
+    if sharding.masters or sharding.masters_elsewhere:
+        return False
+    held = [[id(p) for p in group["params"]] for group in optimizer.param_groups]
+    return held == [[id(p) for p in params] for params in sharding.model_params]
+
+
+def _named_groups(names: dict[int, str], optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """The param groups' hyper-parameters, each group's ``params`` as the names of every module parameter in it."""
+    return [
+        {**{k: v for k, v in group.items() if k != "params"}, "params": [names[id(p)] for p in params]}
+        for group, params in zip(optimizer.param_groups, model_params_per_group(optimizer))
+    ]
+
+
+def optimizer_state_dict(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Optimizer state keyed by parameter name; param groups list names instead of positions
+    (``[Note: whose optimizer state dict]``)."""
     resident_states(optimizer)  # NVMe-swapped states are read back (the next step writes them out again)
+    names = param_names(module)
+    if holds_module_parameters(optimizer) and optimizer.state:
+        return get_optimizer_state_dict(module, optimizer)
+    sharding = get_sharding(optimizer)
     state: dict[str, dict[str, Any]] = {}
-    groups = []
-    for group, params in zip(optimizer.param_groups, model_params_per_group(optimizer)):
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": [names[id(p)] for p in params]})
+    for params in model_params_per_group(optimizer):
         for param in params:
             held = held_tensor(sharding, param)
             if held in optimizer.state:
                 state[names[id(param)]] = dict(optimizer.state[held])
-    return {"state": state, "param_groups": groups}
+    return {"state": state, "param_groups": _named_groups(names, optimizer)}
 
 
 def initialise_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -242,17 +281,42 @@ def _params_with_stored_state(metadata: Any, count: int) -> list[set[str]]:
     return found
 
 
-def _forget_states_not_in_checkpoint(module: torch.nn.Module, optimizers: list, stored: list[set[str]]) -> None:
-    """Drop the placeholder states (from :func:`initialise_optimizer_state`) of parameters the checkpoint has no
-    state for, so the optimizer starts them fresh, as after ``Optimizer.load_state_dict`` without them: a kept
-    placeholder would step them as if one step had already been taken (Adam's bias correction)."""
+def _restore_optimizer(
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loaded: dict[str, Any],
+    saved_groups: list,
+    directory: str,
+) -> None:
+    """Give ``optimizer`` the states DCP loaded (``loaded``, by name: only those the checkpoint holds) and the saved
+    param groups' hyper-parameters, group by group in order. A parameter the checkpoint holds no state for (a save
+    before the first step, as ``Tuner.lr_find`` makes, or a parameter that never had a gradient) starts fresh, as
+    after ``Optimizer.load_state_dict`` without it: the placeholder from :func:`initialise_optimizer_state` would step
+    it as if one step had already been taken (Adam's bias correction)."""
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"{directory}: the checkpoint's {optimizer_type(optimizer)} has {len(saved_groups)} param group(s), "
+            f"this one {len(optimizer.param_groups)}: configure_optimizers must build the groups it was saved with",
+            directory,
+        )
     names = param_names(module)
-    for optimizer, have in zip(optimizers, stored):
-        sharding = get_sharding(optimizer)
-        for params in model_params_per_group(optimizer):
-            for param in params:
-                if names[id(param)] not in have:
-                    optimizer.state.pop(held_tensor(sharding, param), None)
+    if holds_module_parameters(optimizer):
+        groups = [
+            {**{k: v for k, v in saved.items() if k != "params"}, "params": [names[id(p)] for p in group["params"]]}
+            for group, saved in zip(optimizer.param_groups, saved_groups)
+        ]
+        # strict=False: the parameters without a stored state are those that start fresh
+        state_dict = {"state": loaded, "param_groups": groups}
+        set_optimizer_state_dict(module, optimizer, state_dict, options=StateDictOptions(strict=False))
+        return
+    sharding = get_sharding(optimizer)
+    for params in model_params_per_group(optimizer):
+        for param in params:
+            if names[id(param)] not in loaded:
+                optimizer.state.pop(held_tensor(sharding, param), None)
+    for group, saved in zip(optimizer.param_groups, saved_groups):
+        group.update({k: v for k, v in saved.items() if k != "params"})
+    sharding.sync_masters()  # the module's parameters were loaded; offloaded masters follow them
 
 
 @torch.inference_mode(False)
@@ -281,18 +345,13 @@ def load_states(
             if not optimizer.state:
                 initialise_optimizer_state(optimizer)
             states = optimizer_state_dict(module, optimizer)["state"]
-            # Only the states the checkpoint holds are read; the others start fresh (see _forget_states_...).
+            # Only the states the checkpoint holds are read; the others start fresh (_restore_optimizer).
             target["optimizer_states"][str(i)] = {
                 "state": {name: state for name, state in states.items() if name in stored_states[i]}
             }
     load_sharded_states(directory, target, strict=strict, info=info, metadata=metadata)
     kept = {k: v for k, v in own.items() if k in excluded}
     module.load_state_dict({**target["state_dict"], **kept}, strict=strict)
-    if optimizers:
-        _forget_states_not_in_checkpoint(module, optimizers, stored_states)
-    for optimizer, groups in zip(optimizers, saved_groups):
-        for group, saved in zip(optimizer.param_groups, groups):
-            group.update({k: v for k, v in saved.items() if k != "params"})
-        if (sharding := get_sharding(optimizer)) is not None:
-            sharding.sync_masters()  # the module's parameters were loaded; offloaded masters follow them
+    for i, (optimizer, groups) in enumerate(zip(optimizers, saved_groups)):
+        _restore_optimizer(module, optimizer, target["optimizer_states"][str(i)]["state"], groups, directory)
     return target["state_dict"]
