@@ -6,8 +6,8 @@ and optimizer states swapped to NVMe; needs ``nvme_path``) with Lightning's Trai
 (:class:`lightning_zero.fabric.ZeroStrategy`).
 """
 
-from lightning_zero.callbacks import ConsolidateCheckpoint, NCCLDiagnostics, ThroughputLogger
-from lightning_zero.checkpoint import export_hf
+from lightning_zero.callbacks import ConsolidateCheckpoint, HuggingFaceExport, NCCLDiagnostics, ThroughputLogger
+from lightning_zero.checkpoint import export_hf, save_hf_pretrained
 from lightning_zero.cli.toplevel import __version__
 from lightning_zero.distributed.activation_checkpointing import (
     ActivationCheckpointConfig,
@@ -38,6 +38,7 @@ __all__ = [
     "CommBufferPool",
     "ConsolidateCheckpoint",
     "FullEstimate",
+    "HuggingFaceExport",
     "LayerSpec",
     "LossScaleConfig",
     "MemoryEstimate",
@@ -62,6 +63,7 @@ __all__ = [
     "export_hf",
     "find_repeated_blocks",
     "model_state_memory",
+    "save_hf_pretrained",
     "saved_activation_bytes",
     "zero_formula",
 ]

@@ -7,6 +7,7 @@ from lightning_zero.checkpoint.deepspeed_reader import is_deepspeed_checkpoint
 from lightning_zero.checkpoint.directory import is_sharded_checkpoint, read_checkpoint_info, verify_checkpoint
 from lightning_zero.checkpoint.errors import CheckpointError
 from lightning_zero.checkpoint.hf_export import export_hf
+from lightning_zero.checkpoint.hf_save import save_hf_pretrained
 from lightning_zero.checkpoint.io import (
     PendingSave,
     load_sharded_checkpoint,
@@ -30,6 +31,7 @@ __all__ = [
     "load_sharded_checkpoint",
     "read_checkpoint_info",
     "remove_sharded_checkpoint",
+    "save_hf_pretrained",
     "save_sharded_checkpoint",
     "verify_checkpoint",
     "wait_for_pending_saves",

@@ -1,0 +1,104 @@
+"""Hugging Face weights written by the training ranks themselves, through DCP's ``HuggingFaceStorageWriter``.
+
+:func:`save_hf_pretrained` is collective: every rank hands ``torch.distributed.checkpoint.save`` what it holds of the
+model (its FSDP2 shards at stages 2-3; at stages 0-1 the replicated tensors, which DCP's planner gives to one rank
+each) and torch's writer, as shipped with ``save_distributed=True, enable_consolidation=True``, writes each rank's
+part as safetensors under ``DIR/sharded/`` and then joins them into ``DIR/model-0000i-of-0000n.safetensors`` with
+``model.safetensors.index.json``. Rank 0 adds ``config.json`` and removes ``DIR/sharded/``, so
+``AutoModelForCausalLM.from_pretrained(DIR)`` reads the directory with no missing or unexpected keys.
+
+The names, tied weights and config come from the ``transformers.PreTrainedModel`` inside the module, found as a
+checkpoint records it (:func:`~lightning_zero.checkpoint.hf_export.describe_hf_models`): keys under its prefix, the
+prefix stripped, a tied weight written once under the name ``save_pretrained`` keeps. Where an optimizer keeps fp32
+masters of lower-precision parameters, the masters are written (:func:`~lightning_zero.checkpoint.states.
+module_state_dict`), as in a checkpoint.
+
+The offline export (:func:`~lightning_zero.checkpoint.hf_export.export_hf`, ``lightning-zero consolidate --hf``)
+stays hand-written: it runs without a process group on a finished checkpoint and holds one tensor at a time, where
+DCP's writer takes the state dict whole.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+from lightning_zero.checkpoint.hf_export import CONFIG_NAME, INFO_KEY, describe_hf_models
+from lightning_zero.checkpoint.states import module_state_dict
+from lightning_zero.checkpoint.tensor_sources import parse_dtype
+from lightning_zero.diagnostics.byte_sizes import parse_size
+
+SHARDED_DIR = "sharded"  # where HuggingFaceStorageWriter puts each rank's files before it consolidates them
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _the_model(module: torch.nn.Module) -> dict[str, Any]:
+    models = describe_hf_models(module).get(INFO_KEY, [])
+    if len(models) != 1:
+        found = f"{len(models)} models, at prefixes {[m['prefix'] for m in models]}" if models else "none"
+        raise ValueError(
+            f"save_hf_pretrained writes one transformers.PreTrainedModel; {type(module).__name__} holds {found}"
+        )
+    return models[0]
+
+
+def _file_index(sizes: dict[str, int], max_bytes: Optional[int]) -> dict[str, int]:
+    """Each key's output file (1..n): consecutive keys, at most ``max_bytes`` a file (a larger tensor alone)."""
+    index, used, mapping = 1, 0, {}
+    for key, size in sizes.items():
+        if max_bytes is not None and used and used + size > max_bytes:
+            index, used = index + 1, 0
+        mapping[key] = index
+        used += size
+    return mapping
+
+
+def save_hf_pretrained(
+    module: torch.nn.Module,
+    output_dir: Union[str, os.PathLike],
+    dtype: Union[None, str, torch.dtype] = None,
+    max_shard_size: Union[None, int, str] = None,
+) -> None:
+    """Write the ``transformers`` model inside ``module`` to ``output_dir`` as ``from_pretrained`` reads it; called
+    on every rank (see the module docstring). ``dtype`` (``"fp32"``, ``"bf16"``, ``"fp16"``) converts floating-point
+    weights and is written into ``config.json``; ``max_shard_size`` (bytes, or ``"2GB"``) caps each output file."""
+    try:
+        import safetensors.torch  # noqa: F401  (DCP's writer serialises with it)
+    except ImportError as error:
+        raise ImportError("save_hf_pretrained writes safetensors: pip install safetensors") from error
+    dtype = parse_dtype(dtype)
+    max_bytes = None if max_shard_size is None else parse_size(max_shard_size, "max_shard_size")
+    output_dir = os.fspath(output_dir)
+    model = _the_model(module)
+    prefix, tied = model["prefix"], model["tied"]
+    state: dict[str, torch.Tensor] = {}
+    for key, value in module_state_dict(module).items():
+        name = key[len(prefix) :]
+        if key.startswith(prefix) and name not in tied and isinstance(value, torch.Tensor):
+            state[name] = value.detach().to(dtype) if dtype is not None and value.is_floating_point() else value
+    sizes = {name: value.numel() * value.element_size() for name, value in state.items()}  # DTensor: the full size
+    writer = HuggingFaceStorageWriter(
+        output_dir,
+        fqn_to_index_mapping=_file_index(sizes, max_bytes),
+        save_distributed=True,
+        enable_consolidation=True,
+    )
+    dcp.save(state, storage_writer=writer)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        shutil.rmtree(os.path.join(output_dir, SHARDED_DIR), ignore_errors=True)
+        if model.get("config") is not None:
+            config = {**model["config"], "architectures": [model["class"]]}
+            floating = {value.dtype for value in state.values() if value.is_floating_point()}
+            if len(floating) == 1 and next(iter(floating)) in _DTYPE_NAMES:
+                config["dtype"] = _DTYPE_NAMES[next(iter(floating))]
+            with open(os.path.join(output_dir, CONFIG_NAME), "w") as file:
+                json.dump(config, file, indent=2, sort_keys=True)
+    if dist.is_initialized():
+        dist.barrier()

@@ -1,0 +1,82 @@
+"""``save_hf_pretrained`` and the ``HuggingFaceExport`` callback: every rank writes its part through DCP's
+``HuggingFaceStorageWriter``, and ``from_pretrained`` reads the directory back equal to the trained weights (tiny
+Llama with tied embeddings, built from a config), at stages 0 to 3 with and without offload, on two gloo ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from lightning_zero import HuggingFaceExport, ZeroStrategy, save_hf_pretrained
+from tests.checkpoint.test_hf_export import HFModule
+from tests.lightning_models import full_state
+from tests.ranks import run_distributed
+from tests.strategies.test_strategy import make_trainer
+
+CASES = [(0, None), (1, "cpu"), (2, None), (3, "cpu")]
+
+
+def _from_pretrained(directory: str) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(directory).state_dict()
+
+
+def _fit_worker(rank: int, world_size: int, root: str) -> None:
+    for stage, offload in CASES:
+        out = os.path.join(root, f"stage{stage}")
+        torch.manual_seed(0)
+        module = HFModule("llama", tied=True)
+        before = module.model.lm_head.weight.detach().clone()
+        trainer = make_trainer(ZeroStrategy(stage=stage, offload=offload), world_size, max_steps=1)
+        trainer.callbacks.append(HuggingFaceExport(out))
+        trainer.fit(module)
+        trained = full_state(module)  # collective
+        if rank == 0:
+            assert not torch.equal(trained["model.lm_head.weight"], before), "the step must have changed the weights"
+            loaded = _from_pretrained(out)
+            assert loaded.keys() == {key[len("model.") :] for key in trained if key.startswith("model.")}
+            for key, value in loaded.items():
+                assert torch.equal(value, trained["model." + key]), (stage, key)
+            assert sorted(os.listdir(out)) == [
+                "config.json",
+                "model-00001-of-00001.safetensors",
+                "model.safetensors.index.json",
+            ]
+            index = json.load(open(os.path.join(out, "model.safetensors.index.json")))
+            assert "lm_head.weight" not in index["weight_map"], "a tied weight is written once"
+        torch.distributed.barrier()
+
+
+def test_the_callback_writes_what_from_pretrained_loads_at_every_stage(tmp_path):
+    run_distributed(_fit_worker, 2, str(tmp_path))
+
+
+def _dtype_and_files_worker(rank: int, world_size: int, root: str) -> None:
+    torch.manual_seed(0)
+    module = HFModule("llama", tied=False)
+    trainer = make_trainer(ZeroStrategy(stage=3), world_size, max_steps=1)
+    trainer.fit(module)
+    save_hf_pretrained(module, root, dtype="bf16", max_shard_size="2KB")
+    trained = full_state(module)
+    if rank == 0:
+        names = sorted(os.listdir(root))
+        files = [name for name in names if name.endswith(".safetensors")]
+        assert len(files) > 2 and "sharded" not in names, names
+        assert json.load(open(os.path.join(root, "config.json")))["dtype"] == "bfloat16"
+        for key, value in _from_pretrained(root).items():
+            assert value.dtype == torch.bfloat16 and torch.equal(value, trained["model." + key].bfloat16()), key
+
+
+def test_dtype_and_max_shard_size(tmp_path):
+    run_distributed(_dtype_and_files_worker, 2, str(tmp_path))
+
+
+def test_a_module_without_a_transformers_model_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="holds none"):
+        save_hf_pretrained(torch.nn.Linear(2, 2), tmp_path)
+    with pytest.raises(ValueError, match="max_shard_size"):
+        HuggingFaceExport(tmp_path, max_shard_size="lots")
