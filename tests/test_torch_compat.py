@@ -25,17 +25,20 @@ def test_fsdp_param_groups_reads_the_list_and_the_single_group_layouts():
 
 def _check_fsdp_state_and_params(model):
     held = {
-        id(fp.sharded_param)
+        id(tc.sharded_parameter(fp))
         for m in (model, model[0])
         for g in tc.fsdp_param_groups(tc.fsdp_state(m))
-        for fp in g.fsdp_params
+        for fp in tc.group_fsdp_params(g)
     }
     assert held == {id(p) for p in model.parameters()}, torch.__version__
-    fsdp_param = tc.fsdp_param_groups(tc.fsdp_state(model[0]))[0].fsdp_params[0]
+    fsdp_param = tc.group_fsdp_params(tc.fsdp_param_groups(tc.fsdp_state(model[0]))[0])[0]
     assert tc.fsdp_param_module(fsdp_param) is model[0]
     data = tc.sharded_param_data(fsdp_param)
-    local = tc.dtensor_local(fsdp_param.sharded_param)
+    local = tc.dtensor_local(tc.sharded_parameter(fsdp_param))
     assert data.dim() == 1 and local.untyped_storage().data_ptr() == data.untyped_storage().data_ptr()
+    padded = tc.padded_shard_size(fsdp_param)  # 4 rows over 2 ranks: 2 each, no padding
+    assert padded[0] == local.size(0) == 2 and data.numel() == padded.numel()
+    assert tc.shard_placement(fsdp_param).dim == 0
     tc.set_sharded_param_data(fsdp_param, data.clone())
     assert tc.sharded_param_data(fsdp_param) is not data and torch.equal(tc.sharded_param_data(fsdp_param), data)
     assert tc.sharded_param_data(object(), "absent") == "absent"
@@ -45,7 +48,17 @@ def _check_fsdp_state_and_params(model):
 def _check_fsdp_forward_machinery(model, fsdp_param):
     seen = []
     model[1].register_forward_pre_hook(lambda *_: seen.append(tc.fsdp_in_forward(tc.fsdp_state(model))))
+    group = tc.fsdp_param_groups(tc.fsdp_state(model))[0]
+    calls = []
+    tc.wrap_param_group_methods(
+        group, {"unshard": lambda original: lambda *a, **k: calls.append(1) or original(*a, **k)}
+    )
     out = model(torch.ones(2, 4))
+    assert calls and tc.group_is_unsharded(group)  # reshard_after_forward=False: gathered after the forward
+    tc.unwrap_param_group_methods(group)
+    assert "unshard" not in vars(group) and not tc.group_is_unsharded(object())
+    with pytest.raises(ValueError, match="not one of"):
+        tc.wrap_param_group_methods(group, {"reshard": lambda original: original})
     assert seen == [True] and not tc.fsdp_in_forward(tc.fsdp_state(model))
     assert tc.unsharded_param(fsdp_param) is not None  # gathered and kept (reshard_after_forward=False)
     assert not any(tc.all_gather_in_flight(g) for g in tc.fsdp_param_groups(tc.fsdp_state(model)))

@@ -51,6 +51,8 @@ from lightning_zero.torch_compat import (
     fsdp_post_forward,
     fsdp_pre_forward,
     fsdp_state,
+    group_fsdp_params,
+    sharded_parameter,
     unsharded_param,
 )
 
@@ -70,12 +72,12 @@ class ManualBackward:
             raise TypeError(f"ManualBackward needs an FSDP2 root module, got {type(root).__name__}")
         self.root = root
         self._state = fsdp_state(root)
-        root_params = {id(p) for group in fsdp_param_groups(self._state) for p in group.fsdp_params}
+        root_params = {id(p) for group in fsdp_param_groups(self._state) for p in group_fsdp_params(group)}
         owned: dict[nn.Module, list] = {}
         for unit in root.modules():
             if isinstance(unit, FSDPModule):
                 for group in fsdp_param_groups(fsdp_state(unit)):
-                    for fsdp_param in group.fsdp_params:
+                    for fsdp_param in group_fsdp_params(group):
                         owned.setdefault(fsdp_param_module(fsdp_param), []).append(fsdp_param)
         self._suspended = False
         self._backward_ran = False
@@ -91,7 +93,7 @@ class ManualBackward:
                 fsdp_pre_forward(self._state, self.root)  # gathers the root's parameters as they are now
             for fsdp_param in fsdp_params:  # [Note: requires_grad follows the sharded parameter]
                 gathered = unsharded_param(fsdp_param)
-                wanted = fsdp_param.sharded_param.requires_grad
+                wanted = sharded_parameter(fsdp_param).requires_grad
                 if gathered is not None and gathered.requires_grad != wanted:
                     gathered.requires_grad_(wanted)
 

@@ -51,7 +51,13 @@ from lightning_zero.estimate.activations import (
     precision_at_stage,
 )
 from lightning_zero.estimate.precisions import LOW_PRECISIONS, PRECISIONS
-from lightning_zero.torch_compat import fsdp_param_groups, fsdp_state, unsharded_param
+from lightning_zero.torch_compat import (
+    fsdp_param_groups,
+    fsdp_state,
+    group_fsdp_params,
+    sharded_parameter,
+    unsharded_param,
+)
 
 
 @dataclass(frozen=True)
@@ -125,8 +131,8 @@ def _fsdp_params(module: nn.Module) -> Iterable[Tensor]:
     for sub in module.modules():
         if not isinstance(sub, FSDPModule):
             continue
-        for fsdp_param in (fp for group in fsdp_param_groups(fsdp_state(sub)) for fp in group.fsdp_params):
-            yield fsdp_param.sharded_param
+        for fsdp_param in (fp for group in fsdp_param_groups(fsdp_state(sub)) for fp in group_fsdp_params(group)):
+            yield sharded_parameter(fsdp_param)
             unsharded = unsharded_param(fsdp_param)
             if unsharded is not None:
                 yield unsharded

@@ -45,6 +45,7 @@ torch.
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 import warnings
@@ -61,13 +62,18 @@ from lightning_zero.offload.optimizer_swapper import closure_loss, remove_folder
 from lightning_zero.offload.param_units import SwapUnit, swap_units
 from lightning_zero.offload.shard_memory import shard_byte_view, shard_targets
 from lightning_zero.ops.step_override import is_overridden, override_step, restore_step_override
-from lightning_zero.torch_compat import all_gather_in_flight
+from lightning_zero.torch_compat import (
+    all_gather_in_flight,
+    group_is_unsharded,
+    sharded_parameter,
+    unwrap_param_group_methods,
+    wrap_param_group_methods,
+)
 
 _ATTR = "_lightning_zero_param_swapper"
 _STEP_MARKER = "NVMe parameter step"  # the step override's marker (step_override)
 _END_HOOK = "_lightning_zero_param_end_step"  # on the optimizer: the handle of its end_step post-hook
 _LIVE: "weakref.WeakSet[ParamSwapper]" = weakref.WeakSet()
-_WRAPPED = ("unshard", "lazy_init")  # no release after wait_for_unshard: units stay resident within max_in_cpu
 
 
 class ParamSwapper:
@@ -198,7 +204,7 @@ class ParamSwapper:
     def _write(self, unit: SwapUnit) -> None:
         self._cancel_prefetch(unit)
         self.io.open(unit.path)  # idempotent
-        views = [shard_byte_view(fp, size) for fp, size in zip(unit.fsdp_params(), unit.sizes)]
+        views = [shard_byte_view(fp, size) for fp, size in zip(unit.members(), unit.sizes)]
         for index, start, length, offset in unit.chunks:
             buf = self._acquire()
             buf[:length].copy_(views[index][start : start + length])
@@ -224,7 +230,7 @@ class ParamSwapper:
         staged = {number: (buf, future) for number, buf, future in pending}
         try:
             views, adopted = shard_targets(
-                unit.fsdp_params(), unit.sizes, unit.in_place, unit.chunks, staged, pin_memory=self.pin_memory
+                unit.members(), unit.sizes, unit.in_place, unit.chunks, staged, pin_memory=self.pin_memory
             )
             self._alive -= len(adopted)  # those staging buffers left the pool: they are shard memory now
             self.bytes_adopted += sum(adopted)
@@ -335,9 +341,14 @@ class ParamSwapper:
     def _install(self) -> None:
         for unit in self.units:
             for group in unit.groups:
-                originals = {name: getattr(group, name) for name in _WRAPPED}
-                group.unshard = self._wrap_unshard(unit, group, originals["unshard"])
-                group.lazy_init = self._wrap_lazy_init(unit, originals["lazy_init"])
+                # unshard and lazy_init only: no release after wait_for_unshard, units stay resident within max_in_cpu
+                wrap_param_group_methods(
+                    group,
+                    {
+                        "unshard": functools.partial(self._wrap_unshard, unit, group),
+                        "lazy_init": functools.partial(self._wrap_lazy_init, unit),
+                    },
+                )
                 self._restore.append(group)
         self._hooks = [
             self.module.register_state_dict_pre_hook(lambda *args: self.make_resident()),
@@ -346,7 +357,7 @@ class ParamSwapper:
 
     def _wrap_unshard(self, unit: SwapUnit, group, original):
         def unshard(*args, **kwargs):
-            if not all_gather_in_flight(group) and not getattr(group, "is_unsharded", False):
+            if not all_gather_in_flight(group) and not group_is_unsharded(group):
                 self._before_gather(unit)
             return original(*args, **kwargs)
 
@@ -468,8 +479,7 @@ class ParamSwapper:
         finally:
             self.closed = True
             for group in self._restore:
-                for name in _WRAPPED:
-                    group.__dict__.pop(name, None)
+                unwrap_param_group_methods(group)
             self._restore.clear()
             for handle in getattr(self, "_hooks", ()):
                 handle.remove()
@@ -517,7 +527,7 @@ def find_param_swapper(params) -> Optional[ParamSwapper]:
             continue
         for param in params:
             unit = swapper._unit_of.get(id(param))
-            if unit is not None and any(fp.sharded_param is param for fp in unit.fsdp_params()):
+            if unit is not None and any(sharded_parameter(fp) is param for fp in unit.members()):
                 return swapper
     return None
 

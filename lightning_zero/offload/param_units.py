@@ -11,7 +11,14 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from lightning_zero.offload.shard_memory import can_read_in_place
-from lightning_zero.torch_compat import all_gather_in_flight, fsdp_param_groups, fsdp_state, sharded_param_data
+from lightning_zero.torch_compat import (
+    all_gather_in_flight,
+    fsdp_param_groups,
+    fsdp_state,
+    group_fsdp_params,
+    sharded_param_data,
+    sharded_parameter,
+)
 
 
 @dataclass(eq=False)
@@ -34,11 +41,12 @@ class SwapUnit:
     prefetched: deque = field(default_factory=deque)  # (chunk number, buffer, future), chunks 0..k-1
     state: object = None  # the FSDP2 state of the unit's fully_shard call (shared by a grouped call's modules)
 
-    def fsdp_params(self) -> list:
-        return [fp for group in self.groups for fp in group.fsdp_params]
+    def members(self) -> list:
+        """The unit's ``FSDPParam`` objects, group by group."""
+        return [fp for group in self.groups for fp in group_fsdp_params(group)]
 
     def storages(self) -> list:
-        return [sharded_param_data(fp).untyped_storage() for fp in self.fsdp_params()]
+        return [sharded_param_data(fp).untyped_storage() for fp in self.members()]
 
     def gathering(self) -> bool:
         return any(all_gather_in_flight(group) for group in self.groups)
@@ -74,12 +82,12 @@ def swap_units(module: nn.Module) -> tuple[list[SwapUnit], dict[int, SwapUnit]]:
         if not groups:
             continue
         unit = SwapUnit(len(units), "", groups, f"unit{len(units)}.bin", [], 0, state=state)
-        for fp in unit.fsdp_params():
+        for fp in unit.members():
             data = sharded_param_data(fp)  # swapped as bytes: any dtype
             unit.sizes.append(data.untyped_storage().nbytes())
             unit.in_place.append(can_read_in_place(fp))
             unit.elements += data.numel()
-            unit_of[id(fp.sharded_param)] = unit
+            unit_of[id(sharded_parameter(fp))] = unit
         units.append(unit)
     for unit in units:
         unit.name = unit_name(members[id(unit.state)])

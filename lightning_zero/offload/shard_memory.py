@@ -24,7 +24,15 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from lightning_zero.offload.aio import align_up, aligned_buffer
-from lightning_zero.torch_compat import dtensor_local, set_dtensor_local, set_sharded_param_data, sharded_param_data
+from lightning_zero.torch_compat import (
+    dtensor_local,
+    padded_shard_size,
+    set_dtensor_local,
+    set_sharded_param_data,
+    shard_placement,
+    sharded_param_data,
+    sharded_parameter,
+)
 
 
 def can_read_in_place(fsdp_param) -> bool:
@@ -63,12 +71,12 @@ def install_shard_memory(fsdp_param, memory: Tensor, nbytes: int) -> None:
     """Make ``memory`` (``uint8``, at least ``nbytes``, aligned) the memory of ``fsdp_param``'s shard (see the
     note); its current contents are not copied."""
     data = sharded_param_data(fsdp_param)
-    local = dtensor_local(fsdp_param.sharded_param)
+    local = dtensor_local(sharded_parameter(fsdp_param))
     flat = memory[:nbytes].view(data.dtype)
-    dim = fsdp_param.fsdp_placement.dim
+    dim = shard_placement(fsdp_param).dim
     set_sharded_param_data(fsdp_param, flat)
     set_dtensor_local(
-        fsdp_param.sharded_param, flat.view(fsdp_param.padded_sharded_param_size).narrow(dim, 0, local.size(dim))
+        sharded_parameter(fsdp_param), flat.view(padded_shard_size(fsdp_param)).narrow(dim, 0, local.size(dim))
     )
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import functools
 
+import torch
+
 
 def fsdp_state(module):
     """The ``FSDPState`` of an ``FSDPModule`` (``module._get_fsdp_state()``; shared by the modules of one grouped
@@ -102,3 +104,56 @@ def fsdp_comm_bases() -> tuple[type, type]:
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
     return AllGather, ReduceScatter
+
+
+# [Note: FSDP2's unprefixed internals]
+# ``FSDPParamGroup`` and ``FSDPParam`` are private classes whose fields carry no underscore; torch renames them as
+# freely as the prefixed ones, so they are read here too, and ``tests/docs/test_layout.py`` refuses the field names
+# anywhere else.
+
+
+def group_fsdp_params(group) -> list:
+    """The ``FSDPParam`` objects of an ``FSDPParamGroup`` (``group.fsdp_params``), in registration order."""
+    return list(group.fsdp_params)
+
+
+def sharded_parameter(fsdp_param):
+    """The sharded DTensor parameter an ``FSDPParam`` registers on its module (``FSDPParam.sharded_param``): what
+    the optimizer steps and the module's ``named_parameters`` yields."""
+    return fsdp_param.sharded_param
+
+
+def padded_shard_size(fsdp_param) -> torch.Size:
+    """The size of the padded shard the all-gather reads (``FSDPParam.padded_sharded_param_size``), of which the
+    local tensor is the first rows."""
+    return fsdp_param.padded_sharded_param_size
+
+
+def shard_placement(fsdp_param):
+    """The ``Shard(dim)`` placement ``fully_shard`` chose for the parameter (``FSDPParam.fsdp_placement``)."""
+    return fsdp_param.fsdp_placement
+
+
+def group_is_unsharded(group) -> bool:
+    """Whether the ``FSDPParamGroup``'s parameters are gathered (``is_unsharded``; a rename reads as "not
+    gathered", so the NVMe swapper makes the unit resident once more than needed, never once less)."""
+    return bool(getattr(group, "is_unsharded", False))
+
+
+PARAM_GROUP_METHODS = ("unshard", "lazy_init")  # the FSDPParamGroup methods the NVMe swapper wraps
+
+
+def wrap_param_group_methods(group, wrappers: dict) -> None:
+    """Replace ``FSDPParamGroup`` methods of one instance: ``wrappers`` maps each name of :data:`PARAM_GROUP_METHODS`
+    to a function taking the bound original and returning its replacement (the NVMe swapper reads a unit's shards
+    from disk before FSDP2's lazy init and all-gather touch them; FSDP2 has no hook at either point)."""
+    for name, wrap in wrappers.items():
+        if name not in PARAM_GROUP_METHODS:
+            raise ValueError(f"{name!r} is not one of {PARAM_GROUP_METHODS}")
+        setattr(group, name, wrap(getattr(group, name)))
+
+
+def unwrap_param_group_methods(group) -> None:
+    """Undo :func:`wrap_param_group_methods`: the class's own methods are seen again."""
+    for name in PARAM_GROUP_METHODS:
+        group.__dict__.pop(name, None)

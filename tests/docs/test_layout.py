@@ -463,7 +463,7 @@ def test_a_cycle_is_found_even_through_an_import_inside_a_function(tmp_path):
 
 # Private attributes of the torch objects the package handles that live on instances (set in ``__init__`` or by
 # C++), so no ``dir()`` of a class lists them; the private names on a tensor, a storage, a module and an optimizer
-# are added from live objects below. ``reducer`` is DDP's C++ reducer: unprefixed, but internal all the same.
+# are added from live objects below. ``reducer`` is DDP's C++ reducer and the FSDP2 fields below are unprefixed, but internal all the same.
 TORCH_INSTANCE_ATTRIBUTES = frozenset(
     {
         "_local_tensor",
@@ -479,6 +479,10 @@ TORCH_INSTANCE_ATTRIBUTES = frozenset(
         "_unsharded_param",
         "_all_gather_result",
         "_module_info",  # FSDP2's FSDPModule, FSDPState, FSDPParamGroup, FSDPParam
+        "fsdp_params",
+        "sharded_param",
+        "padded_sharded_param_size",
+        "fsdp_placement",  # their unprefixed fields ([Note: FSDP2's unprefixed internals])
         "reducer",
         "_rebuild_buckets",
         "_has_rebuilt_buckets",  # DDP

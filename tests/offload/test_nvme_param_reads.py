@@ -54,7 +54,7 @@ def _reads_worker(rank, world_size, root, budget):
     # [shard_memory's note] every shard is read into new aligned memory; only chunks read ahead into staging
     # buffers are copied, and a whole shard read ahead into a buffer of its size takes the buffer instead
     assert all(all(unit.in_place) for unit in swapper.units)
-    resident = [fp for unit in swapper.units if unit.resident for fp in unit.fsdp_params()]
+    resident = [fp for unit in swapper.units if unit.resident for fp in unit.members()]
     assert resident and all(fp._sharded_param_data.data_ptr() % ALIGNMENT == 0 for fp in resident)
     assert swapper.bytes_staged <= swapper.chunks_read_ahead * swapper.chunk_bytes
     assert swapper.bytes_staged < swapper.bytes_read
