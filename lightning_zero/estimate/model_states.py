@@ -36,7 +36,7 @@ group and replicated across the ``N / S`` groups: every ``/ N`` above becomes ``
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
@@ -288,15 +288,12 @@ def estimate_model_states_memory(
     """
     from lightning_zero.distributed.config import ZeroConfig
 
-    def no_nvme(device):  # NVMe is laid out as CPU offload plus swapped optimizer states
-        return "cpu" if isinstance(device, str) and device.lower() == "nvme" else device
-
-    # same validation and messages as the strategy
+    # same validation and messages as the strategy; NVMe is laid out as CPU offload plus swapped states
     config = ZeroConfig(
         stage=stage,
-        offload=no_nvme(offload),
-        offload_optimizer=no_nvme(offload_optimizer),
-        offload_params=no_nvme(offload_params),
+        offload=_as_cpu(offload),
+        offload_optimizer=_as_cpu(offload_optimizer),
+        offload_params=_as_cpu(offload_params),
         hybrid_shard_size=hybrid_shard_size,
     )
     swaps_optimizer = _swaps_optimizer_states(offload, offload_optimizer)
@@ -322,45 +319,60 @@ def estimate_model_states_memory(
     gathered = {2: p * bc, 3: min(2 * largest_unit_params, p) * bc}.get(stage, 0)
     if not (swaps_optimizer or swaps_params):
         return MemoryEstimate(accel, cpu, accel.total + gathered, cpu.total)
-    swapping = (swaps_optimizer, swaps_params, config.offloads_params)
-    knobs = (optimizer_bytes_fp32, sub_group_size, buffer_count, max_in_cpu, buffer_size)
-    cpu, on_disk, buffers = _nvme_placement(cpu, p, n, largest_unit_params, swapping, knobs)
+    swap = NvmeSwap(swaps_optimizer, swaps_params, config.offloads_params, optimizer_bytes_fp32)
+    swap = replace(swap, sub_group_size=sub_group_size, buffer_count=buffer_count)
+    swap = replace(swap, max_in_cpu=max_in_cpu, buffer_size=buffer_size)
+    cpu, on_disk, buffers = _nvme_placement(cpu, p, n, largest_unit_params, swap)
     return MemoryEstimate(accel, cpu, accel.total + gathered, cpu.total + buffers, nvme=on_disk)
 
 
+@dataclass(frozen=True)
+class NvmeSwap:
+    """What an estimate swaps to NVMe, and the DeepSpeed knobs that size its CPU buffers (elements)."""
+
+    optimizer_states: bool  # the optimizer's states (and, without offloaded parameters, the fp32 masters)
+    params: bool  # the FSDP2 parameter shards (stage 3)
+    params_offloaded: bool  # the parameters live on the CPU: the shards are the masters
+    optimizer_bytes_fp32: int
+    sub_group_size: int = 0
+    buffer_count: int = 0
+    max_in_cpu: int = 0
+    buffer_size: int = 0
+
+
 def _nvme_placement(
-    cpu: StateBytes, p: int, n: int, largest_unit_params: int, swapping: tuple, knobs: tuple
+    cpu: StateBytes, p: int, n: int, largest_unit_params: int, swap: NvmeSwap
 ) -> tuple[StateBytes, int, int]:
     """What NVMe swapping moves from CPU memory to disk, per rank: ``(cpu at rest, bytes on disk, CPU buffers at the
-    step's peak)`` (see :func:`estimate_model_states_memory`'s ``offload``). ``swapping``: whether the optimizer
-    states and the parameters are swapped, and whether the parameters are offloaded; ``knobs``: the fp32 optimizer
-    bytes per element and the NVMe sizes."""
-    swaps_optimizer, swaps_params, offloads_params = swapping
-    optimizer_bytes_fp32, sub_group_size, buffer_count, max_in_cpu, buffer_size = knobs
+    step's peak)`` (see :func:`estimate_model_states_memory`'s ``offload``)."""
     on_disk = buffers = 0
-    if swaps_optimizer:  # lightning_zero.offload.optimizer_swapper: the optimizer states live on disk
+    if swap.optimizer_states:  # lightning_zero.offload.optimizer_swapper: the optimizer states live on disk
         # Optimizer-only offload (any stage) swaps the fp32 masters with the states; their gradients exist for the
         # stepping sub-group only. With the parameters offloaded (stage 3) the FSDP2 shards are the masters.
-        masters_swapped = not offloads_params
-        per_element = optimizer_bytes_fp32 + (4 if masters_swapped else 0)
+        masters_swapped = not swap.params_offloaded
+        per_element = swap.optimizer_bytes_fp32 + (4 if masters_swapped else 0)
         on_disk = p * per_element // n
         cpu = StateBytes(cpu.params, 0 if masters_swapped else cpu.grads, cpu.optimizer_states - on_disk)
-        buffers = min(on_disk, buffer_count * sub_group_size * per_element)
+        buffers = min(on_disk, swap.buffer_count * swap.sub_group_size * per_element)
         if masters_swapped:
-            buffers += min(p // n, sub_group_size) * 4
-    if swaps_params:  # parameter swapping (lightning_zero.offload.param_swapper): the fp32 shards live on disk
+            buffers += min(p // n, swap.sub_group_size) * 4
+    if swap.params:  # parameter swapping (lightning_zero.offload.param_swapper): the fp32 shards live on disk
         shard = cpu.params
         on_disk += shard
         cpu = StateBytes(0, cpu.grads, cpu.optimizer_states)
         # max_in_cpu bounds the units kept between uses; the units in use are read on top of them (as DeepSpeed
         # streams them through its swap buffers, outside max_in_cpu)
         in_use = min(2 * largest_unit_params, p) * 4 // n
-        buffers += min(shard, max_in_cpu * 4 + in_use) + min(shard, buffer_count * buffer_size * 4)
+        buffers += min(shard, swap.max_in_cpu * 4 + in_use) + min(shard, swap.buffer_count * swap.buffer_size * 4)
     return cpu, on_disk, buffers
 
 
 def _is_nvme(device) -> bool:
     return isinstance(device, str) and device.lower() == "nvme"
+
+
+def _as_cpu(device):
+    return "cpu" if _is_nvme(device) else device
 
 
 def _swaps_optimizer_states(offload, offload_optimizer) -> bool:
