@@ -76,6 +76,24 @@ def _calls(counter: dict, name: str):
     return counted
 
 
+def _save(path: str, module, optimizer, stage: int) -> None:
+    checkpoint = {
+        "state_dict": checkpointing.module_state_dict(module, [optimizer]),
+        "optimizer_states": [checkpointing.optimizer_state_dict(module, optimizer)],
+    }
+    checkpointing.save_states(
+        checkpoint,
+        path,
+        module=module,
+        optimizers=[optimizer],
+        stage=stage,
+        offload=None,
+        exclude_frozen_parameters=False,
+        ds_config_report=None,
+        async_save=False,
+    )
+
+
 def _round_trip_worker(rank: int, world_size: int, directory: str, case: str) -> None:
     arguments, through_torch = CASES[case]
     config = ZeroConfig(**arguments)
@@ -90,21 +108,7 @@ def _round_trip_worker(rank: int, world_size: int, directory: str, case: str) ->
     counter: dict = {}
     checkpointing.get_optimizer_state_dict = _calls(counter, "get_optimizer_state_dict")
     checkpointing.set_optimizer_state_dict = _calls(counter, "set_optimizer_state_dict")
-    checkpoint = {
-        "state_dict": checkpointing.module_state_dict(module, [optimizer]),
-        "optimizer_states": [checkpointing.optimizer_state_dict(module, optimizer)],
-    }
-    checkpointing.save_states(
-        checkpoint,
-        path,
-        module=module,
-        optimizers=[optimizer],
-        stage=config.stage,
-        offload=None,
-        exclude_frozen_parameters=False,
-        ds_config_report=None,
-        async_save=False,
-    )
+    _save(path, module, optimizer, config.stage)
     resumed, _, resumed_optimizer = _setup(config, mesh, seed=1, lr_scale=9.0)
     checkpointing.load_states(path, load_meta(path), resumed, [resumed_optimizer], strict=True)
     calls = dict(counter)
@@ -163,21 +167,7 @@ def _other_groups_worker(rank: int, world_size: int, directory: str) -> None:
     model(torch.randn(4, 4)).sum().backward()
     optimizer.step()
     path = os.path.join(directory, "ckpt")
-    checkpoint = {
-        "state_dict": checkpointing.module_state_dict(module),
-        "optimizer_states": [checkpointing.optimizer_state_dict(module, optimizer)],
-    }
-    checkpointing.save_states(
-        checkpoint,
-        path,
-        module=module,
-        optimizers=[optimizer],
-        stage=2,
-        offload=None,
-        exclude_frozen_parameters=False,
-        ds_config_report=None,
-        async_save=False,
-    )
+    _save(path, module, optimizer, config.stage)
     resumed, _, _ = _setup(config, mesh, seed=1, lr_scale=1.0)
     one_group = torch.optim.AdamW(resumed.parameters())
     runtime.shard_optimizer_of(one_group, resumed, mesh, config, device=CPU)
