@@ -151,3 +151,24 @@ def test_fabric_trains_saves_and_loads(stage, tmp_path):
     assert all(torch.equal(loaded[k], v) for k, v in at_save.items()), "the reload is not what was saved"
     _fabric_steps(fabric, model, optimizer, range(1, STEPS))
     assert worst_difference(full_weights(module), uninterrupted) <= 1e-6  # the optimizer states came back too
+
+
+@pytest.mark.parametrize("offload", [None, "cpu"])
+def test_hugging_face_export_from_the_training_device(offload, tmp_path):
+    """``HuggingFaceExport`` after a stage-3 fit on the device: DCP's ``HuggingFaceStorageWriter`` writes what
+    ``from_pretrained`` reads back equal to the trained weights (tied embeddings written once)."""
+    from transformers import AutoModelForCausalLM
+
+    from lightning_zero import HuggingFaceExport
+    from tests.checkpoint.test_hf_export import HFModule
+
+    torch.manual_seed(0)
+    module = HFModule("llama", tied=True)
+    out = tmp_path / "hf"
+    trainer = _trainer(ZeroStrategy(stage=3, offload=offload), 1, tmp_path, [HuggingFaceExport(out)])
+    trainer.fit(module)
+    assert_device_backend()
+    trained = full_weights(module)
+    loaded = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    assert loaded.keys() == {key[len("model.") :] for key in trained if key.startswith("model.")}
+    assert all(torch.equal(value, trained["model." + key]) for key, value in loaded.items())
