@@ -463,7 +463,8 @@ def test_a_cycle_is_found_even_through_an_import_inside_a_function(tmp_path):
 
 # Private attributes of the torch objects the package handles that live on instances (set in ``__init__`` or by
 # C++), so no ``dir()`` of a class lists them; the private names on a tensor, a storage, a module and an optimizer
-# are added from live objects below. ``reducer`` is DDP's C++ reducer and the FSDP2 fields below are unprefixed, but internal all the same.
+# are added from live objects below. ``reducer`` (DDP's C++ reducer) and FSDP2's fields below are unprefixed, but
+# internal all the same.
 TORCH_INSTANCE_ATTRIBUTES = frozenset(
     {
         "_local_tensor",
