@@ -83,6 +83,11 @@ def save_hf_pretrained(
         name = key[len(prefix) :]
         if key.startswith(prefix) and name not in tied and isinstance(value, torch.Tensor):
             state[name] = value.detach().to(dtype) if dtype is not None and value.is_floating_point() else value
+    if not state:  # e.g. Fabric's wrapper: its modules are named under _forward_module, its state dict is not
+        raise ValueError(
+            f"save_hf_pretrained: no weight of {type(module).__name__}'s state dict is under {prefix!r}, where its "
+            f"{model['class']} sits; pass the module that holds it (under Fabric: model.module)"
+        )
     sizes = {name: value.numel() * value.element_size() for name, value in state.items()}  # DTensor: the full size
     writer = HuggingFaceStorageWriter(
         output_dir,

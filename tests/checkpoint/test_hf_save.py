@@ -75,8 +75,22 @@ def test_dtype_and_max_shard_size(tmp_path):
     run_distributed(_dtype_and_files_worker, 2, str(tmp_path))
 
 
-def test_a_module_without_a_transformers_model_is_refused(tmp_path):
+class StateOfTheInnerModule(torch.nn.Module):
+    """Names its submodules under ``inner.`` but returns the inner module's state dict, as Fabric's wrapper does."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def state_dict(self, *args, **kwargs):
+        return self.inner.state_dict(*args, **kwargs)
+
+
+def test_a_module_without_a_transformers_model_or_its_weights_is_refused(tmp_path):
     with pytest.raises(ValueError, match="holds none"):
         save_hf_pretrained(torch.nn.Linear(2, 2), tmp_path)
+    with pytest.raises(ValueError, match="under Fabric: model.module"):
+        save_hf_pretrained(StateOfTheInnerModule(HFModule("llama", tied=True)), tmp_path)
+    assert not os.listdir(tmp_path)
     with pytest.raises(ValueError, match="max_shard_size"):
         HuggingFaceExport(tmp_path, max_shard_size="lots")
