@@ -36,7 +36,7 @@ group and replicated across the ``N / S`` groups: every ``/ N`` above becomes ``
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
@@ -319,9 +319,10 @@ def estimate_model_states_memory(
     gathered = {2: p * bc, 3: min(2 * largest_unit_params, p) * bc}.get(stage, 0)
     if not (swaps_optimizer or swaps_params):
         return MemoryEstimate(accel, cpu, accel.total + gathered, cpu.total)
-    swap = NvmeSwap(swaps_optimizer, swaps_params, config.offloads_params, optimizer_bytes_fp32)
-    swap = replace(swap, sub_group_size=sub_group_size, buffer_count=buffer_count)
-    swap = replace(swap, max_in_cpu=max_in_cpu, buffer_size=buffer_size)
+    knobs = dict(
+        sub_group_size=sub_group_size, buffer_count=buffer_count, max_in_cpu=max_in_cpu, buffer_size=buffer_size
+    )
+    swap = NvmeSwap(swaps_optimizer, swaps_params, config.offloads_params, optimizer_bytes_fp32, **knobs)
     cpu, on_disk, buffers = _nvme_placement(cpu, p, n, largest_unit_params, swap)
     return MemoryEstimate(accel, cpu, accel.total + gathered, cpu.total + buffers, nvme=on_disk)
 
@@ -334,10 +335,10 @@ class NvmeSwap:
     params: bool  # the FSDP2 parameter shards (stage 3)
     params_offloaded: bool  # the parameters live on the CPU: the shards are the masters
     optimizer_bytes_fp32: int
-    sub_group_size: int = 0
-    buffer_count: int = 0
-    max_in_cpu: int = 0
-    buffer_size: int = 0
+    sub_group_size: int
+    buffer_count: int
+    max_in_cpu: int
+    buffer_size: int
 
 
 def _nvme_placement(
