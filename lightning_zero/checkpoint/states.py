@@ -22,6 +22,9 @@ here, because torch's API names only what the groups hold and maps it through ``
     (``KeyError``);
   - a stage-1 group holds this rank's partition only, and a rank owning no parameter of a group has an empty
     group, which ``set_optimizer_state_dict`` refuses (``ValueError``, "param groups that have zero parameters").
+The name-keyed code also serves where torch's names are not the module's: torch drops a wrapper's prefix
+(``_orig_mod.`` of a ``torch.compile``d submodule) that ``module.state_dict()`` keeps, and the optimizer's states
+must be keyed as the weights of the same checkpoint and of checkpoints written at any other stage.
 One exception to "as shipped": a save before the optimizer's first step reads no state at all, where torch's API
 would first create the states with a zero step (``_init_optim_state``) that counts as a step in Adam's bias
 correction and changes the training that follows.
@@ -130,13 +133,27 @@ def _named_groups(names: dict[int, str], optimizer: torch.optim.Optimizer) -> li
     ]
 
 
+def _torch_state_dict(
+    module: torch.nn.Module, optimizer: torch.optim.Optimizer, names: dict[int, str]
+) -> Optional[dict[str, Any]]:
+    """``get_optimizer_state_dict(module, optimizer)`` where torch's API serves ``optimizer`` and names its
+    parameters as the module does (``[Note: whose optimizer state dict]``); ``None`` where the name-keyed code must."""
+    if not holds_module_parameters(optimizer) or not optimizer.state:
+        return None
+    theirs = get_optimizer_state_dict(module, optimizer)
+    if [group["params"] for group in theirs["param_groups"]] != [g["params"] for g in _named_groups(names, optimizer)]:
+        return None  # torch's names drop a wrapper's prefix (_orig_mod., _checkpoint_wrapped_module.) the weights keep
+    return theirs
+
+
 def optimizer_state_dict(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Optimizer state keyed by parameter name; param groups list names instead of positions
     (``[Note: whose optimizer state dict]``)."""
     resident_states(optimizer)  # NVMe-swapped states are read back (the next step writes them out again)
     names = param_names(module)
-    if holds_module_parameters(optimizer) and optimizer.state:
-        return get_optimizer_state_dict(module, optimizer)
+    theirs = _torch_state_dict(module, optimizer, names)
+    if theirs is not None:
+        return theirs
     sharding = get_sharding(optimizer)
     state: dict[str, dict[str, Any]] = {}
     for params in model_params_per_group(optimizer):
@@ -287,12 +304,15 @@ def _restore_optimizer(
     loaded: dict[str, Any],
     saved_groups: list,
     directory: str,
+    through_torch: bool,
 ) -> None:
     """Give ``optimizer`` the states DCP loaded (``loaded``, by name: only those the checkpoint holds) and the saved
-    param groups' hyper-parameters, group by group in order. A parameter the checkpoint holds no state for (a save
-    before the first step, as ``Tuner.lr_find`` makes, or a parameter that never had a gradient) starts fresh, as
-    after ``Optimizer.load_state_dict`` without it: the placeholder from :func:`initialise_optimizer_state` would step
-    it as if one step had already been taken (Adam's bias correction)."""
+    param groups' hyper-parameters, group by group in order, with ``set_optimizer_state_dict`` where
+    ``through_torch`` (the states were read with torch's API), else by name. A parameter the checkpoint holds no
+    state for (a save before the first step, as ``Tuner.lr_find`` makes, or a parameter that never had a gradient)
+    starts fresh, as after ``Optimizer.load_state_dict`` without it: the placeholder from
+    :func:`initialise_optimizer_state` would step it as if one step had already been taken (Adam's bias
+    correction). A group's keys the saved group lacks (one a newer torch added) keep their current values."""
     if len(saved_groups) != len(optimizer.param_groups):
         raise CheckpointError(
             f"{directory}: the checkpoint's {optimizer_type(optimizer)} has {len(saved_groups)} param group(s), "
@@ -300,9 +320,9 @@ def _restore_optimizer(
             directory,
         )
     names = param_names(module)
-    if holds_module_parameters(optimizer):
+    if through_torch:
         groups = [
-            {**{k: v for k, v in saved.items() if k != "params"}, "params": [names[id(p)] for p in group["params"]]}
+            {**group, **saved, "params": [names[id(p)] for p in group["params"]]}
             for group, saved in zip(optimizer.param_groups, saved_groups)
         ]
         # strict=False: the parameters without a stored state are those that start fresh
@@ -316,7 +336,8 @@ def _restore_optimizer(
                 optimizer.state.pop(held_tensor(sharding, param), None)
     for group, saved in zip(optimizer.param_groups, saved_groups):
         group.update({k: v for k, v in saved.items() if k != "params"})
-    sharding.sync_masters()  # the module's parameters were loaded; offloaded masters follow them
+    if sharding is not None:
+        sharding.sync_masters()  # the module's parameters were loaded; offloaded masters follow them
 
 
 @torch.inference_mode(False)
@@ -341,10 +362,14 @@ def load_states(
         _check_optimizers(directory, wrapped, saved_groups, info.get("optimizers"))
         stored_states = _params_with_stored_state(metadata, len(optimizers))
         target["optimizer_states"] = {}
+        through_torch: list[bool] = []
         for i, optimizer in enumerate(optimizers):
             if not optimizer.state:
                 initialise_optimizer_state(optimizer)
-            states = optimizer_state_dict(module, optimizer)["state"]
+            resident_states(optimizer)
+            theirs = _torch_state_dict(module, optimizer, param_names(module))
+            through_torch.append(theirs is not None)
+            states = (theirs or optimizer_state_dict(module, optimizer))["state"]
             # Only the states the checkpoint holds are read; the others start fresh (_restore_optimizer).
             target["optimizer_states"][str(i)] = {
                 "state": {name: state for name, state in states.items() if name in stored_states[i]}
@@ -353,5 +378,6 @@ def load_states(
     kept = {k: v for k, v in own.items() if k in excluded}
     module.load_state_dict({**target["state_dict"], **kept}, strict=strict)
     for i, (optimizer, groups) in enumerate(zip(optimizers, saved_groups)):
-        _restore_optimizer(module, optimizer, target["optimizer_states"][str(i)]["state"], groups, directory)
+        loaded = target["optimizer_states"][str(i)]["state"]
+        _restore_optimizer(module, optimizer, loaded, groups, directory, through_torch=through_torch[i])
     return target["state_dict"]

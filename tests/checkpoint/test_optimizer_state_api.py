@@ -177,3 +177,52 @@ def _other_groups_worker(rank: int, world_size: int, directory: str) -> None:
 
 def test_a_resume_with_other_param_groups_is_refused(tmp_path):
     run_distributed(_other_groups_worker, 2, str(tmp_path))
+
+
+class CompiledBody(nn.Module):
+    """A ``torch.compile``d submodule: its weights are named ``body._orig_mod.*``, which torch's optimizer state-dict
+    API shortens to ``body.*``. Never called, so nothing is compiled."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.compile(nn.Linear(4, 6))
+        self.head = nn.Linear(6, 3)
+
+
+def _wrapper_prefix_worker(rank: int, world_size: int, directory: str) -> None:
+    config = ZeroConfig(stage=0)
+    mesh = init_device_mesh("cpu", (world_size,))
+
+    def build(seed: int, lr_scale: float):
+        torch.manual_seed(seed)
+        module = CompiledBody()
+        runtime.wrap_module(module, mesh, config, device=CPU)
+        groups = [
+            {"params": list(module.body.parameters()), "lr": 0.01 * lr_scale},
+            {"params": module.head.parameters()},
+        ]
+        optimizer = torch.optim.AdamW(groups, lr=0.02 * lr_scale)
+        runtime.shard_optimizer_of(optimizer, module, mesh, config, device=CPU)
+        return module, optimizer
+
+    module, optimizer = build(0, 1.0)
+    for param in module.parameters():
+        param.grad = torch.ones_like(param)
+    optimizer.step()
+    saved = _full_states(module, optimizer)
+    # the states are keyed like the weights of the same checkpoint
+    assert {key.rsplit(".", 1)[0] for key in saved} == set(module.state_dict())
+    path = os.path.join(directory, "ckpt")
+    _save(path, module, optimizer, 0)
+    resumed, resumed_optimizer = build(1, 9.0)
+    checkpointing.load_states(path, load_meta(path), resumed, [resumed_optimizer], strict=True)
+    loaded = _full_states(resumed, resumed_optimizer)
+    assert loaded.keys() == saved.keys() and all(torch.equal(loaded[key], saved[key]) for key in saved)
+    assert [group["lr"] for group in resumed_optimizer.param_groups] == [0.01, 0.02]
+    for param in resumed.parameters():
+        param.grad = torch.ones_like(param)
+    resumed_optimizer.step()  # every group kept its hyper-parameters (betas, eps, ...)
+
+
+def test_a_wrapped_submodule_keeps_the_names_of_its_weights(tmp_path):
+    run_distributed(_wrapper_prefix_worker, 2, str(tmp_path))
