@@ -145,7 +145,7 @@ def select_keys(
     return prefix, model, chosen, left_out
 
 
-def _check_output_dir(output_dir: str, sharded: Optional[bool]) -> None:
+def check_output_dir(output_dir: str, sharded: Optional[bool]) -> None:
     """Refuse an output that ``from_pretrained`` could read instead of the export. ``sharded=None`` (before the
     layout is known) checks only what no layout would replace."""
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
@@ -219,7 +219,7 @@ def export_hf(
     dtype = parse_dtype(dtype)
     max_bytes = None if max_shard_size is None else parse_size(max_shard_size, "max_shard_size")
     output_dir = os.fspath(output_dir)
-    _check_output_dir(output_dir, sharded=None)  # fail fast; the layout's own check follows once it is known
+    check_output_dir(output_dir, sharded=None)  # fail fast; the layout's own check follows once it is known
     where = os.fspath(checkpoint)
     models = recorded_models(checkpoint)
     source = open_source(checkpoint)
@@ -242,7 +242,7 @@ def export_hf(
             return cast(source.load(by_new[entry.key]), dtype)
 
         shards = _plan_shards(entries, max_bytes)
-        _check_output_dir(output_dir, sharded=len(shards) > 1)
+        check_output_dir(output_dir, sharded=len(shards) > 1)
         os.makedirs(output_dir, exist_ok=True)
         if len(shards) == 1:
             write_safetensors(os.path.join(output_dir, WEIGHTS_NAME), entries, load, metadata={"format": "pt"})

@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
-from lightning_zero.checkpoint.hf_export import CONFIG_NAME, INFO_KEY, describe_hf_models
+from lightning_zero.checkpoint.hf_export import CONFIG_NAME, INFO_KEY, check_output_dir, describe_hf_models
 from lightning_zero.checkpoint.states import module_state_dict
 from lightning_zero.checkpoint.tensor_sources import parse_dtype
 from lightning_zero.diagnostics.byte_sizes import parse_size
@@ -47,6 +47,23 @@ def _the_model(module: torch.nn.Module) -> dict[str, Any]:
             f"save_hf_pretrained writes one transformers.PreTrainedModel; {type(module).__name__} holds {found}"
         )
     return models[0]
+
+
+def _every_ranks_weights(
+    module: torch.nn.Module, prefix: str, state: dict[str, torch.Tensor]
+) -> dict[str, tuple[int, torch.dtype]]:
+    """``{name: (bytes, dtype)}`` of every weight some rank writes, in the module's order, the same on every rank:
+    at stage 1 a weight kept as an fp32 master is written by its owner alone, and DCP's coordinator hands every rank
+    its own ``fqn_to_index_mapping``, which must name them all."""
+    found = {
+        name: (value.numel() * value.element_size(), value.dtype) for name, value in state.items()
+    }  # DTensor: full
+    if dist.is_initialized():
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, found)
+        found = {name: entry for part in every for name, entry in part.items()}
+    order = [key[len(prefix) :] for key in module.state_dict() if key.startswith(prefix)]
+    return {name: found[name] for name in order if name in found}
 
 
 def _file_index(sizes: dict[str, int], max_bytes: Optional[int]) -> dict[str, int]:
@@ -76,6 +93,7 @@ def save_hf_pretrained(
     dtype = parse_dtype(dtype)
     max_bytes = None if max_shard_size is None else parse_size(max_shard_size, "max_shard_size")
     output_dir = os.fspath(output_dir)
+    check_output_dir(output_dir, sharded=True)  # every rank: on the shared filesystem each sees the same files
     model = _the_model(module)
     prefix, tied = model["prefix"], model["tied"]
     state: dict[str, torch.Tensor] = {}
@@ -83,15 +101,19 @@ def save_hf_pretrained(
         name = key[len(prefix) :]
         if key.startswith(prefix) and name not in tied and isinstance(value, torch.Tensor):
             state[name] = value.detach().to(dtype) if dtype is not None and value.is_floating_point() else value
-    if not state:  # e.g. Fabric's wrapper: its modules are named under _forward_module, its state dict is not
+    weights = _every_ranks_weights(module, prefix, state)
+    if not weights:  # e.g. Fabric's wrapper: its modules are named under _forward_module, its state dict is not
         raise ValueError(
             f"save_hf_pretrained: no weight of {type(module).__name__}'s state dict is under {prefix!r}, where its "
             f"{model['class']} sits; pass the module that holds it (under Fabric: model.module)"
         )
-    sizes = {name: value.numel() * value.element_size() for name, value in state.items()}  # DTensor: the full size
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        shutil.rmtree(os.path.join(output_dir, SHARDED_DIR), ignore_errors=True)  # an interrupted save's pieces
+    if dist.is_initialized():
+        dist.barrier()
     writer = HuggingFaceStorageWriter(
         output_dir,
-        fqn_to_index_mapping=_file_index(sizes, max_bytes),
+        fqn_to_index_mapping=_file_index({name: size for name, (size, _) in weights.items()}, max_bytes),
         save_distributed=True,
         enable_consolidation=True,
     )
@@ -100,7 +122,7 @@ def save_hf_pretrained(
         shutil.rmtree(os.path.join(output_dir, SHARDED_DIR), ignore_errors=True)
         if model.get("config") is not None:
             config = {**model["config"], "architectures": [model["class"]]}
-            floating = {value.dtype for value in state.values() if value.is_floating_point()}
+            floating = {dtype for _, dtype in weights.values() if dtype.is_floating_point}
             if len(floating) == 1 and next(iter(floating)) in _DTYPE_NAMES:
                 config["dtype"] = _DTYPE_NAMES[next(iter(floating))]
             with open(os.path.join(output_dir, CONFIG_NAME), "w") as file:

@@ -16,7 +16,14 @@ from tests.lightning_models import full_state
 from tests.ranks import run_distributed
 from tests.strategies.test_strategy import make_trainer
 
-CASES = [(0, None), (1, "cpu"), (2, None), (3, "cpu")]
+# (stage, offload, precision); at stage 1 under bf16-true each rank writes the fp32 masters it owns, and no other
+CASES = [
+    (0, None, "32-true"),
+    (1, "cpu", "32-true"),
+    (1, None, "bf16-true"),
+    (2, None, "32-true"),
+    (3, "cpu", "32-true"),
+]
 
 
 def _from_pretrained(directory: str) -> dict[str, torch.Tensor]:
@@ -26,12 +33,13 @@ def _from_pretrained(directory: str) -> dict[str, torch.Tensor]:
 
 
 def _fit_worker(rank: int, world_size: int, root: str) -> None:
-    for stage, offload in CASES:
-        out = os.path.join(root, f"stage{stage}")
+    for stage, offload, precision in CASES:
+        out = os.path.join(root, f"stage{stage}-{offload}-{precision}")
         torch.manual_seed(0)
         module = HFModule("llama", tied=True)
         before = module.model.lm_head.weight.detach().clone()
-        trainer = make_trainer(ZeroStrategy(stage=stage, offload=offload), world_size, max_steps=1)
+        strategy = ZeroStrategy(stage=stage, offload=offload)
+        trainer = make_trainer(strategy, world_size, max_steps=1, precision=precision)
         trainer.callbacks.append(HuggingFaceExport(out))
         trainer.fit(module)
         trained = full_state(module)  # collective
@@ -40,7 +48,8 @@ def _fit_worker(rank: int, world_size: int, root: str) -> None:
             loaded = _from_pretrained(out)
             assert loaded.keys() == {key[len("model.") :] for key in trained if key.startswith("model.")}
             for key, value in loaded.items():
-                assert torch.equal(value, trained["model." + key]), (stage, key)
+                expected = trained["model." + key]  # under bf16-true the bf16 replica of the fp32 master written
+                assert value.dtype == torch.float32 and torch.equal(value.to(expected.dtype), expected), (stage, key)
             assert sorted(os.listdir(out)) == [
                 "config.json",
                 "model-00001-of-00001.safetensors",
@@ -94,3 +103,29 @@ def test_a_module_without_a_transformers_model_or_its_weights_is_refused(tmp_pat
     assert not os.listdir(tmp_path)
     with pytest.raises(ValueError, match="max_shard_size"):
         HuggingFaceExport(tmp_path, max_shard_size="lots")
+
+
+def _stale_output_worker(rank: int, world_size: int, root: str) -> None:
+    torch.manual_seed(0)
+    module = HFModule("llama", tied=True)
+    make_trainer(ZeroStrategy(stage=3), world_size, max_steps=1).fit(module)
+    refused, stale = os.path.join(root, "refused"), os.path.join(root, "stale")
+    if rank == 0:
+        os.makedirs(refused)
+        open(os.path.join(refused, "model.safetensors"), "w").close()  # from_pretrained would read it first
+        os.makedirs(os.path.join(stale, "sharded"))  # an interrupted save with more ranks left a piece
+        with open(os.path.join(stale, "sharded", "shard-00003-model-00001-of-00001.safetensors"), "wb") as file:
+            file.write(b"not safetensors")
+    torch.distributed.barrier()
+    with pytest.raises(ValueError, match="from_pretrained could load"):
+        save_hf_pretrained(module, refused)
+    save_hf_pretrained(module, stale)
+    trained = full_state(module)
+    if rank == 0:
+        assert not os.path.exists(os.path.join(stale, "sharded"))
+        for key, value in _from_pretrained(stale).items():
+            assert torch.equal(value, trained["model." + key]), key
+
+
+def test_an_output_from_pretrained_would_misread_is_refused_and_stale_pieces_are_cleared(tmp_path):
+    run_distributed(_stale_output_worker, 2, str(tmp_path))
