@@ -164,8 +164,10 @@ def optimizer_state_dict(module: torch.nn.Module, optimizer: torch.optim.Optimiz
     return {"state": state, "param_groups": _named_groups(names, optimizer)}
 
 
-def initialise_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create state tensors (zeros) so DCP has something to load into: one step with lr 0 on zero gradients.
+def initialise_optimizer_state(optimizer: torch.optim.Optimizer, frozen_with_states: frozenset = frozenset()) -> None:
+    """Create state tensors (zeros) so DCP has something to load into: one step with lr 0 on zero gradients, for
+    the tensors that require a gradient and those of ``frozen_with_states`` (ids: frozen after they had states,
+    which the checkpoint holds).
 
     The partition/offload step hooks are bypassed: the step touches only what the optimizer holds. Masters swapped
     to NVMe (optimizer-only NVMe offload) are empty between steps and the swapped step takes their gradients from
@@ -181,7 +183,7 @@ def initialise_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
                 group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], Tensor) else 0.0
                 for p in group["params"]:
                     target = companions.get(id(p), p)  # a swapped master reads its module parameter's gradient
-                    if p.requires_grad and target.grad is None:
+                    if target.grad is None and (p.requires_grad or id(p) in frozen_with_states):
                         target.grad = torch.zeros_like(target)
                         given.append(target)
             optimizer.step()
@@ -328,6 +330,12 @@ def _restore_optimizer(
         # strict=False: the parameters without a stored state are those that start fresh
         state_dict = {"state": loaded, "param_groups": groups}
         set_optimizer_state_dict(module, optimizer, state_dict, options=StateDictOptions(strict=False))
+        # torch's load leaves out the states of parameters that no longer require a gradient; the optimizer's own
+        # load_state_dict (DDP's, Lightning's one-file checkpoints) keeps them, so a parameter unfrozen later
+        # resumes its moments
+        for param in (p for group in optimizer.param_groups for p in group["params"] if not p.requires_grad):
+            if names[id(param)] in loaded:
+                optimizer.state[param] = loaded[names[id(param)]]
         return
     sharding = get_sharding(optimizer)
     for params in model_params_per_group(optimizer):
@@ -338,6 +346,17 @@ def _restore_optimizer(
         group.update({k: v for k, v in saved.items() if k != "params"})
     if sharding is not None:
         sharding.sync_masters()  # the module's parameters were loaded; offloaded masters follow them
+
+
+def _frozen_with_states(module: torch.nn.Module, optimizer: torch.optim.Optimizer, stored: set[str]) -> frozenset:
+    """Ids of the tensors ``optimizer`` steps for the frozen parameters whose states the checkpoint holds."""
+    names, sharding = param_names(module), get_sharding(optimizer)
+    return frozenset(
+        id(held_tensor(sharding, param))
+        for params in model_params_per_group(optimizer)
+        for param in params
+        if not param.requires_grad and names[id(param)] in stored
+    )
 
 
 @torch.inference_mode(False)
@@ -365,7 +384,7 @@ def load_states(
         through_torch: list[bool] = []
         for i, optimizer in enumerate(optimizers):
             if not optimizer.state:
-                initialise_optimizer_state(optimizer)
+                initialise_optimizer_state(optimizer, _frozen_with_states(module, optimizer, stored_states[i]))
             resident_states(optimizer)
             theirs = _torch_state_dict(module, optimizer, param_names(module))
             through_torch.append(theirs is not None)

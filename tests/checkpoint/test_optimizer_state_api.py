@@ -226,3 +226,25 @@ def _wrapper_prefix_worker(rank: int, world_size: int, directory: str) -> None:
 
 def test_a_wrapped_submodule_keeps_the_names_of_its_weights(tmp_path):
     run_distributed(_wrapper_prefix_worker, 2, str(tmp_path))
+
+
+def _frozen_worker(rank: int, world_size: int, directory: str) -> None:
+    config = ZeroConfig(stage=2, unit_bytes=0)
+    mesh = init_device_mesh("cpu", (world_size,))
+    module, model, optimizer = _setup(config, mesh, seed=0, lr_scale=1.0)
+    model(torch.randn(4, 4)).sum().backward()
+    optimizer.step()
+    module[2].bias.requires_grad_(False)  # frozen after it has states, as a schedule that freezes layers does
+    saved = _gathered(_full_states(module, optimizer))
+    assert any(key.startswith("2.bias.") for key in saved)
+    path = os.path.join(directory, "ckpt")
+    _save(path, module, optimizer, config.stage)
+    resumed, _, resumed_optimizer = _setup(config, mesh, seed=1, lr_scale=9.0)
+    resumed[2].bias.requires_grad_(False)
+    checkpointing.load_states(path, load_meta(path), resumed, [resumed_optimizer], strict=True)
+    loaded = _gathered(_full_states(resumed, resumed_optimizer))
+    assert loaded.keys() == saved.keys() and all(torch.equal(loaded[key], saved[key]) for key in saved)
+
+
+def test_a_frozen_parameter_keeps_its_states_across_a_resume(tmp_path):
+    run_distributed(_frozen_worker, 2, str(tmp_path))
