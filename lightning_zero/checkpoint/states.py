@@ -25,6 +25,9 @@ here, because torch's API names only what the groups hold and maps it through ``
 The name-keyed code also serves where torch's names are not the module's: torch drops a wrapper's prefix
 (``_orig_mod.`` of a ``torch.compile``d submodule) that ``module.state_dict()`` keeps, and the optimizer's states
 must be keyed as the weights of the same checkpoint and of checkpoints written at any other stage.
+Torch's load goes through ``Optimizer.load_state_dict``, which replaces the param-group dicts and the state dict
+with new ones: nothing in the package keeps a reference to either (LR schedulers and Lightning's and Fabric's
+optimizer wrappers read them through the optimizer).
 One exception to "as shipped": a save before the optimizer's first step reads no state at all, where torch's API
 would first create the states with a zero step (``_init_optim_state``) that counts as a step in Adam's bias
 correction and changes the training that follows.
