@@ -272,7 +272,8 @@ def shard_optimizer(
     """
     if get_sharding(optimizer) is not None:
         raise RuntimeError("shard_optimizer was already applied to this optimizer")
-    if len(optimizer.state) > 0:
+    constructor_states = len(optimizer.state) > 0
+    if constructor_states:
         if not only_constructor_states(optimizer):
             raise RuntimeError(
                 "shard_optimizer needs a fresh optimizer: this one already has state. Create the "
@@ -308,6 +309,8 @@ def shard_optimizer(
                 sharding.masters[id(param)] = master
             kept.append(param if master is None else master)
         group_dict["params"] = kept
+    if constructor_states:
+        _make_constructor_states(optimizer)
     if config.stage == 1 or sharding.masters:
         sharding.hooks.append(optimizer.register_step_pre_hook(_pre_step))
         sharding.hooks.append(optimizer.register_step_post_hook(_post_step))
@@ -365,15 +368,29 @@ def _attach_nvme_swapping(
 def only_constructor_states(optimizer: torch.optim.Optimizer) -> bool:
     """Whether every state is one an optimizer's constructor made before any step (each with a ``step`` of 0).
 
-    torch's Adagrad creates its states in ``Adagrad.__init__`` (``torch/optim/adagrad.py``) and re-creates the same
-    ones in ``Adagrad._init_group`` when a parameter's state is empty, so dropping them loses nothing; kept, they
-    would be keyed by parameters this rank does not step (stage 1) or that offload replaces by CPU masters. A state
-    a step or a loaded state dict left is refused by the caller."""
+    torch's Adagrad creates its states in ``Adagrad.__init__`` (``torch/optim/adagrad.py``); kept, they would be keyed
+    by parameters this rank does not step (stage 1), that offload replaces by CPU masters or that sharding replaced,
+    so :func:`shard_optimizer` drops them and makes them again for what the groups hold
+    (:func:`_make_constructor_states`). A state a step or a loaded state dict left is refused by the caller."""
     for state in optimizer.state.values():
         step = state.get("step")
         if step is None or float(step) != 0:
             return False
     return True
+
+
+def _make_constructor_states(optimizer: torch.optim.Optimizer) -> None:
+    """Make the states the optimizer's constructor made (:func:`only_constructor_states`) again, for the tensors its
+    groups hold now, by building a throwaway optimizer of its class over them with its defaults. torch 2.11's
+    Adagrad needs them: its ``_init_group`` (``torch/optim/adagrad.py``) reads ``state["sum"]`` without making it,
+    where torch 2.12 and later make a missing one. A class whose constructor does not take its ``defaults`` back as
+    keywords is left to make its states in its step, as before."""
+    groups = [dict(group) for group in optimizer.param_groups]
+    try:
+        fresh = type(optimizer)(groups, **optimizer.defaults)
+    except TypeError:
+        return
+    optimizer.state.update(fresh.state)
 
 
 def _pre_step(optimizer, args, kwargs) -> None:
