@@ -309,7 +309,7 @@ def shard_optimizer(
                 sharding.masters[id(param)] = master
             kept.append(param if master is None else master)
         group_dict["params"] = kept
-    if constructor_states:
+    if constructor_states and not config.swaps_optimizer_states:  # swapped: made per sub-group, by the step
         _make_constructor_states(optimizer)
     if config.stage == 1 or sharding.masters:
         sharding.hooks.append(optimizer.register_step_pre_hook(_pre_step))
@@ -384,7 +384,8 @@ def _make_constructor_states(optimizer: torch.optim.Optimizer) -> None:
     groups hold now, by building a throwaway optimizer of its class over them with its defaults. torch 2.11's
     Adagrad needs them: its ``_init_group`` (``torch/optim/adagrad.py``) reads ``state["sum"]`` without making it,
     where torch 2.12 and later make a missing one. A class whose constructor does not take its ``defaults`` back as
-    keywords is left to make its states in its step, as before."""
+    keywords is left to make its states in its step, as before; so are states swapped to NVMe (the swapped masters
+    are empty placeholders here, and the swapper holds one sub-group's states at a time)."""
     groups = [dict(group) for group in optimizer.param_groups]
     try:
         fresh = type(optimizer)(groups, **optimizer.defaults)
