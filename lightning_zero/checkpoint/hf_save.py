@@ -50,18 +50,23 @@ def _the_model(module: torch.nn.Module) -> dict[str, Any]:
 
 
 def _every_ranks_weights(
-    module: torch.nn.Module, prefix: str, state: dict[str, torch.Tensor]
+    module: torch.nn.Module, prefix: str, state: dict[str, torch.Tensor], refusal: Optional[str]
 ) -> dict[str, tuple[int, torch.dtype]]:
     """``{name: (bytes, dtype)}`` of every weight some rank writes, in the module's order, the same on every rank:
     at stage 1 a weight kept as an fp32 master is written by its owner alone, and DCP's coordinator hands every rank
-    its own ``fqn_to_index_mapping``, which must name them all."""
+    its own ``fqn_to_index_mapping``, which must name them all. ``refusal``: why this rank refuses the output
+    directory, raised on every rank when any rank has one (a rank raising alone would leave the others waiting)."""
     found = {
         name: (value.numel() * value.element_size(), value.dtype) for name, value in state.items()
     }  # DTensor: full
+    refusals = [refusal] if refusal else []
     if dist.is_initialized():
         every: list = [None] * dist.get_world_size()
-        dist.all_gather_object(every, found)
-        found = {name: entry for part in every for name, entry in part.items()}
+        dist.all_gather_object(every, (refusal, found))
+        refusals = [part[0] for part in every if part[0]]
+        found = {name: entry for part in every for name, entry in part[1].items()}
+    if refusals:
+        raise ValueError(refusals[0])
     order = [key[len(prefix) :] for key in module.state_dict() if key.startswith(prefix)]
     return {name: found[name] for name in order if name in found}
 
@@ -93,7 +98,11 @@ def save_hf_pretrained(
     dtype = parse_dtype(dtype)
     max_bytes = None if max_shard_size is None else parse_size(max_shard_size, "max_shard_size")
     output_dir = os.fspath(output_dir)
-    check_output_dir(output_dir, sharded=True)  # every rank: on the shared filesystem each sees the same files
+    try:
+        check_output_dir(output_dir, sharded=True)
+        refusal = None
+    except ValueError as error:
+        refusal = str(error)
     model = _the_model(module)
     prefix, tied = model["prefix"], model["tied"]
     state: dict[str, torch.Tensor] = {}
@@ -101,7 +110,7 @@ def save_hf_pretrained(
         name = key[len(prefix) :]
         if key.startswith(prefix) and name not in tied and isinstance(value, torch.Tensor):
             state[name] = value.detach().to(dtype) if dtype is not None and value.is_floating_point() else value
-    weights = _every_ranks_weights(module, prefix, state)
+    weights = _every_ranks_weights(module, prefix, state, refusal)
     if not weights:  # e.g. Fabric's wrapper: its modules are named under _forward_module, its state dict is not
         raise ValueError(
             f"save_hf_pretrained: no weight of {type(module).__name__}'s state dict is under {prefix!r}, where its "

@@ -119,6 +119,13 @@ def _stale_output_worker(rank: int, world_size: int, root: str) -> None:
     torch.distributed.barrier()
     with pytest.raises(ValueError, match="from_pretrained could load"):
         save_hf_pretrained(module, refused)
+    # a directory only rank 0 sees as stale (per-node disks): every rank raises, none is left waiting
+    local = os.path.join(root, f"local{rank}")
+    os.makedirs(local)
+    if rank == 0:
+        open(os.path.join(local, "model.safetensors"), "w").close()
+    with pytest.raises(ValueError, match="from_pretrained could load"):
+        save_hf_pretrained(module, local)
     save_hf_pretrained(module, stale)
     trained = full_state(module)
     if rank == 0:
@@ -127,5 +134,5 @@ def _stale_output_worker(rank: int, world_size: int, root: str) -> None:
             assert torch.equal(value, trained["model." + key]), key
 
 
-def test_an_output_from_pretrained_would_misread_is_refused_and_stale_pieces_are_cleared(tmp_path):
+def test_an_output_from_pretrained_would_misread_is_refused_on_every_rank_and_stale_pieces_are_cleared(tmp_path):
     run_distributed(_stale_output_worker, 2, str(tmp_path))
