@@ -144,19 +144,20 @@ def _torch_state_dict(
     if not holds_module_parameters(optimizer) or not optimizer.state:
         return None
     theirs = get_optimizer_state_dict(module, optimizer)
-    if [group["params"] for group in theirs["param_groups"]] != [g["params"] for g in _named_groups(names, optimizer)]:
+    ours = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+    if [group["params"] for group in theirs["param_groups"]] != ours:
         return None  # torch's names drop a wrapper's prefix (_orig_mod., _checkpoint_wrapped_module.) the weights keep
     return theirs
 
 
-def optimizer_state_dict(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Optimizer state keyed by parameter name; param groups list names instead of positions
-    (``[Note: whose optimizer state dict]``)."""
+def _read_optimizer_state(
+    module: torch.nn.Module, optimizer: torch.optim.Optimizer, names: dict[int, str]
+) -> tuple[dict[str, Any], bool]:
+    """:func:`optimizer_state_dict`, and whether torch's API read it (its load must then be torch's too)."""
     resident_states(optimizer)  # NVMe-swapped states are read back (the next step writes them out again)
-    names = param_names(module)
     theirs = _torch_state_dict(module, optimizer, names)
     if theirs is not None:
-        return theirs
+        return theirs, True
     sharding = get_sharding(optimizer)
     state: dict[str, dict[str, Any]] = {}
     for params in model_params_per_group(optimizer):
@@ -164,7 +165,13 @@ def optimizer_state_dict(module: torch.nn.Module, optimizer: torch.optim.Optimiz
             held = held_tensor(sharding, param)
             if held in optimizer.state:
                 state[names[id(param)]] = dict(optimizer.state[held])
-    return {"state": state, "param_groups": _named_groups(names, optimizer)}
+    return {"state": state, "param_groups": _named_groups(names, optimizer)}, False
+
+
+def optimizer_state_dict(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Optimizer state keyed by parameter name; param groups list names instead of positions
+    (``[Note: whose optimizer state dict]``)."""
+    return _read_optimizer_state(module, optimizer, param_names(module))[0]
 
 
 def initialise_optimizer_state(optimizer: torch.optim.Optimizer, frozen_with_states: frozenset = frozenset()) -> None:
@@ -388,10 +395,9 @@ def load_states(
         for i, optimizer in enumerate(optimizers):
             if not optimizer.state:
                 initialise_optimizer_state(optimizer, _frozen_with_states(module, optimizer, stored_states[i]))
-            resident_states(optimizer)
-            theirs = _torch_state_dict(module, optimizer, param_names(module))
-            through_torch.append(theirs is not None)
-            states = (theirs or optimizer_state_dict(module, optimizer))["state"]
+            read, by_torch = _read_optimizer_state(module, optimizer, param_names(module))
+            through_torch.append(by_torch)
+            states = read["state"]
             # Only the states the checkpoint holds are read; the others start fresh (_restore_optimizer).
             target["optimizer_states"][str(i)] = {
                 "state": {name: state for name, state in states.items() if name in stored_states[i]}
