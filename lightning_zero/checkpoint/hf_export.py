@@ -164,16 +164,28 @@ def check_output_dir(output_dir: str, sharded: Optional[bool]) -> None:
         )
 
 
+def shard_numbers(sizes: List[int], max_bytes: Optional[int]) -> List[int]:
+    """The file (1..n) of each of consecutive tensors of ``sizes`` bytes: at most ``max_bytes`` a file, a larger
+    tensor in a file of its own; ``None``: one file."""
+    numbers: List[int] = []
+    used = 0
+    for size in sizes:
+        if max_bytes is not None and numbers and used + size > max_bytes:
+            numbers.append(numbers[-1] + 1)
+            used = 0
+        else:
+            numbers.append(numbers[-1] if numbers else 1)
+        used += size
+    return numbers
+
+
 def _plan_shards(entries: List[TensorEntry], max_bytes: Optional[int]) -> List[List[TensorEntry]]:
     """Consecutive groups of at most ``max_bytes`` (a larger tensor gets a shard of its own)."""
     shards: List[List[TensorEntry]] = [[]]
-    size = 0
-    for entry in entries:
-        if max_bytes is not None and shards[-1] and size + entry.nbytes > max_bytes:
+    for entry, number in zip(entries, shard_numbers([entry.nbytes for entry in entries], max_bytes)):
+        if number > len(shards):
             shards.append([])
-            size = 0
         shards[-1].append(entry)
-        size += entry.nbytes
     return shards
 
 

@@ -30,7 +30,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
-from lightning_zero.checkpoint.hf_export import CONFIG_NAME, INFO_KEY, check_output_dir, describe_hf_models
+from lightning_zero.checkpoint.hf_export import (
+    CONFIG_NAME,
+    INFO_KEY,
+    check_output_dir,
+    describe_hf_models,
+    shard_numbers,
+)
 from lightning_zero.checkpoint.states import module_state_dict
 from lightning_zero.checkpoint.tensor_sources import parse_dtype
 from lightning_zero.diagnostics.byte_sizes import parse_size
@@ -69,17 +75,6 @@ def _every_ranks_weights(
         raise ValueError(refusals[0])
     order = [key[len(prefix) :] for key in module.state_dict() if key.startswith(prefix)]
     return {name: found[name] for name in order if name in found}
-
-
-def _file_index(sizes: dict[str, int], max_bytes: Optional[int]) -> dict[str, int]:
-    """Each key's output file (1..n): consecutive keys, at most ``max_bytes`` a file (a larger tensor alone)."""
-    index, used, mapping = 1, 0, {}
-    for key, size in sizes.items():
-        if max_bytes is not None and used and used + size > max_bytes:
-            index, used = index + 1, 0
-        mapping[key] = index
-        used += size
-    return mapping
 
 
 def save_hf_pretrained(
@@ -122,7 +117,7 @@ def save_hf_pretrained(
         dist.barrier()
     writer = HuggingFaceStorageWriter(
         output_dir,
-        fqn_to_index_mapping=_file_index({name: size for name, (size, _) in weights.items()}, max_bytes),
+        fqn_to_index_mapping=dict(zip(weights, shard_numbers([size for size, _ in weights.values()], max_bytes))),
         save_distributed=True,
         enable_consolidation=True,
     )
