@@ -1,8 +1,7 @@
 """Lightning callbacks: checkpoint consolidation, throughput logging, collective diagnostics.
 
-``from lightning_zero.callbacks import ThroughputLogger, NCCLDiagnostics, ConsolidateCheckpoint,
-HuggingFaceExport`` (also importable
-from ``lightning_zero``).
+``from lightning_zero.callbacks import ThroughputLogger, NCCLDiagnostics, ConsolidateCheckpoint, HuggingFaceExport``
+(also importable from ``lightning_zero``).
 """
 
 from lightning_zero.callbacks.consolidate import ConsolidateCheckpoint
