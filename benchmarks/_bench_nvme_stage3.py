@@ -154,6 +154,24 @@ def rank_main(args) -> None:
     os._exit(0)  # a rank whose peer died must not wait in the process group's teardown
 
 
+def capped_child_command(script: str, child_flag: str, mode: str, args) -> list[str]:
+    """The command line of one capped child process of ``script`` (``child_flag``: which child it is) with the
+    memory cap, model and NVMe settings of ``args``; ``bench_nvme.py``'s one-rank and two-rank children share it."""
+    command = [sys.executable, script, child_flag, mode, "--nvme-path", args.nvme_path]
+    for flag, value in (
+        ("--capped-params", args.capped_params),
+        ("--cap-gib", args.cap_gib),
+        ("--width", args.width),
+        ("--capped-steps", args.capped_steps),
+        ("--sub-group-size", args.sub_group_size),
+        ("--threads", args.threads),
+        ("--queue-depth", args.queue_depth),
+        ("--block-size", args.block_size),
+    ):
+        command += [flag, str(value)]
+    return command
+
+
 def run(args, script: str, world_size: int = 2) -> None:
     """Launch ``world_size`` capped ranks per offload (NVMe, then CPU) and print their lines."""
     from benchmarks.common import free_port
@@ -164,30 +182,7 @@ def run(args, script: str, world_size: int = 2) -> None:
             flush=True,
         )
         port = free_port()
-        command = [
-            sys.executable,
-            script,
-            "--stage3-child",
-            mode,
-            "--nvme-path",
-            args.nvme_path,
-            "--capped-params",
-            str(args.capped_params),
-            "--cap-gib",
-            str(args.cap_gib),
-            "--width",
-            str(args.width),
-            "--capped-steps",
-            str(args.capped_steps),
-            "--sub-group-size",
-            str(args.sub_group_size),
-            "--threads",
-            str(args.threads),
-            "--queue-depth",
-            str(args.queue_depth),
-            "--block-size",
-            str(args.block_size),
-        ]
+        command = capped_child_command(script, "--stage3-child", mode, args)
         children = []
         for rank in range(world_size):
             env = {

@@ -251,30 +251,7 @@ def capped_rank(args) -> None:
 def run_capped(args) -> None:
     for mode in ("nvme", "cpu"):
         print(f"capped rank process, offload={mode!r}, RLIMIT_DATA {args.cap_gib:.2f} GiB:", flush=True)
-        command = [
-            sys.executable,
-            os.path.abspath(__file__),
-            "--rank-child",
-            mode,
-            "--nvme-path",
-            args.nvme_path,
-            "--capped-params",
-            str(args.capped_params),
-            "--cap-gib",
-            str(args.cap_gib),
-            "--width",
-            str(args.width),
-            "--capped-steps",
-            str(args.capped_steps),
-            "--sub-group-size",
-            str(args.sub_group_size),
-            "--threads",
-            str(args.threads),
-            "--queue-depth",
-            str(args.queue_depth),
-            "--block-size",
-            str(args.block_size),
-        ]
+        command = _bench_nvme_stage3.capped_child_command(os.path.abspath(__file__), "--rank-child", mode, args)
         # glibc's dynamic mmap threshold would keep freed multi-MiB tensors (a sub-group's fp32 gradients, the
         # optimizer's temporaries) in the heap: a fixed threshold returns them (see docs/offload.md)
         env = {"MALLOC_MMAP_THRESHOLD_": "65536", **os.environ, "PYTHONWARNINGS": "ignore"}
