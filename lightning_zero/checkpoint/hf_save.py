@@ -4,8 +4,9 @@
 model (its FSDP2 shards at stages 2-3; at stages 0-1 the replicated tensors, which DCP's planner gives to one rank
 each) and torch's writer, as shipped with ``save_distributed=True, enable_consolidation=True``, writes each rank's
 part as safetensors under ``DIR/sharded/`` and then joins them into ``DIR/model-0000i-of-0000n.safetensors`` with
-``model.safetensors.index.json``. Rank 0 adds ``config.json`` and removes ``DIR/sharded/``, so
-``AutoModelForCausalLM.from_pretrained(DIR)`` reads the directory with no missing or unexpected keys.
+``model.safetensors.index.json``. Rank 0 adds ``config.json`` and removes the pieces in ``DIR/sharded/`` (a folder
+holding anything else is refused), so ``AutoModelForCausalLM.from_pretrained(DIR)`` reads the directory with no
+missing or unexpected keys.
 
 The names, tied weights and config come from the ``transformers.PreTrainedModel`` inside the module, found as a
 checkpoint records it (:func:`~lightning_zero.checkpoint.hf_export.describe_hf_models`): keys under its prefix, the
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
+import re
 from typing import Any, Optional, Union
 
 import torch
@@ -42,6 +43,7 @@ from lightning_zero.checkpoint.tensor_sources import parse_dtype
 from lightning_zero.diagnostics.byte_sizes import parse_size
 
 SHARDED_DIR = "sharded"  # where HuggingFaceStorageWriter puts each rank's files before it consolidates them
+_PIECE = re.compile(r"shard-\d+-model-\d+-of-\d+\.safetensors")  # how it names them (torch's _hf_utils)
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -53,6 +55,30 @@ def _the_model(module: torch.nn.Module) -> dict[str, Any]:
             f"save_hf_pretrained writes one transformers.PreTrainedModel; {type(module).__name__} holds {found}"
         )
     return models[0]
+
+
+def _check_pieces_folder(output_dir: str) -> None:
+    """Refuse a ``DIR/sharded/`` holding anything but the writer's own pieces: its consolidation joins every
+    safetensors file there, and the save removes the folder afterwards, so another file would be merged or lost."""
+    folder = os.path.join(output_dir, SHARDED_DIR)
+    foreign = sorted(name for name in os.listdir(folder) if not _PIECE.fullmatch(name)) if os.path.isdir(folder) else []
+    if foreign:
+        raise ValueError(
+            f"{folder} holds {foreign[:5]}, which are not pieces of a save_hf_pretrained: the save would merge or "
+            "remove them; choose another directory"
+        )
+
+
+def _remove_pieces(output_dir: str) -> None:
+    """Remove the writer's pieces (an interrupted save's, or this one's once joined), and their folder if empty."""
+    folder = os.path.join(output_dir, SHARDED_DIR)
+    if not os.path.isdir(folder):
+        return
+    for name in os.listdir(folder):
+        if _PIECE.fullmatch(name):
+            os.remove(os.path.join(folder, name))
+    if not os.listdir(folder):
+        os.rmdir(folder)
 
 
 def _every_ranks_weights(
@@ -95,6 +121,7 @@ def save_hf_pretrained(
     output_dir = os.fspath(output_dir)
     try:
         check_output_dir(output_dir, sharded=True)
+        _check_pieces_folder(output_dir)
         refusal = None
     except ValueError as error:
         refusal = str(error)
@@ -112,7 +139,7 @@ def save_hf_pretrained(
             f"{model['class']} sits; pass the module that holds it (under Fabric: model.module)"
         )
     if not dist.is_initialized() or dist.get_rank() == 0:
-        shutil.rmtree(os.path.join(output_dir, SHARDED_DIR), ignore_errors=True)  # an interrupted save's pieces
+        _remove_pieces(output_dir)  # an interrupted save's
     if dist.is_initialized():
         dist.barrier()
     writer = HuggingFaceStorageWriter(
@@ -123,7 +150,7 @@ def save_hf_pretrained(
     )
     dcp.save(state, storage_writer=writer)
     if not dist.is_initialized() or dist.get_rank() == 0:
-        shutil.rmtree(os.path.join(output_dir, SHARDED_DIR), ignore_errors=True)
+        _remove_pieces(output_dir)
         if model.get("config") is not None:
             config = {**model["config"], "architectures": [model["class"]]}
             floating = {dtype for _, dtype in weights.values() if dtype.is_floating_point}

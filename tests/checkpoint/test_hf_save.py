@@ -119,6 +119,14 @@ def _stale_output_worker(rank: int, world_size: int, root: str) -> None:
     torch.distributed.barrier()
     with pytest.raises(ValueError, match="from_pretrained could load"):
         save_hf_pretrained(module, refused)
+    foreign = os.path.join(root, "foreign")
+    if rank == 0:
+        os.makedirs(os.path.join(foreign, "sharded"))  # a folder of the user's own: never merged, never removed
+        open(os.path.join(foreign, "sharded", "notes.txt"), "w").close()
+    torch.distributed.barrier()
+    with pytest.raises(ValueError, match="not pieces of a save_hf_pretrained"):
+        save_hf_pretrained(module, foreign)
+    assert os.listdir(os.path.join(foreign, "sharded")) == ["notes.txt"]
     # a directory only rank 0 sees as stale (per-node disks): every rank raises, none is left waiting
     local = os.path.join(root, f"local{rank}")
     os.makedirs(local)
