@@ -383,9 +383,10 @@ def _make_constructor_states(optimizer: torch.optim.Optimizer) -> None:
     """Make the states the optimizer's constructor made (:func:`only_constructor_states`) again, for the tensors its
     groups hold now, by building a throwaway optimizer of its class over them with its defaults. torch 2.11's
     Adagrad needs them: its ``_init_group`` (``torch/optim/adagrad.py``) reads ``state["sum"]`` without making it,
-    where torch 2.12 and later make a missing one. A class whose constructor does not take its ``defaults`` back as
-    keywords is left to make its states in its step, as before; so are states swapped to NVMe (the swapped masters
-    are empty placeholders here, and the swapper holds one sub-group's states at a time)."""
+    where torch 2.13 and 2.14 (read there; 2.12 was not) make a missing one. A class whose constructor does not
+    take its ``defaults`` back as keywords is left to make its states in its step, as before; so are states swapped
+    to NVMe (the swapped masters are empty placeholders here, and the swapper holds one sub-group's states at a
+    time)."""
     groups = [dict(group) for group in optimizer.param_groups]
     try:
         fresh = type(optimizer)(groups, **optimizer.defaults)
